@@ -1,0 +1,174 @@
+"""The error tree of reach, and its mapping to and from the NATS Services error headers.
+
+One root, :class:`ReachError`; subclasses grouped by cause, each with a wire ``code`` and the
+HTTP-like status that goes in ``Nats-Service-Error-Code``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import msgspec
+
+
+class ReachError(Exception):
+    """Root of every error reach raises; ``code`` is the wire code."""
+
+    code = "INTERNAL"
+    status = 500
+    retryable = False
+
+    def __init__(self, message: str = "", *, code: str | None = None) -> None:
+        super().__init__(message or self.code)
+        self.message = message or self.code
+        if code is not None:
+            self.code = code
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(code={self.code!r}, message={self.message!r})"
+
+
+# --- the request was wrong (caller's fault, never retried) -------------------------------
+
+
+class RequestError(ReachError):
+    """The request itself is at fault; retrying it unchanged fails again."""
+
+    status = 400
+
+
+class InvalidRequest(RequestError):
+    code = "INVALID_REQUEST"
+
+
+class InvalidCapability(RequestError):
+    code = "INVALID_CAPABILITY"
+
+
+class Forbidden(RequestError):
+    code = "FORBIDDEN"
+    status = 403
+
+
+class LoopDetected(RequestError):
+    code = "LOOP_DETECTED"
+    status = 409
+
+
+class BizReject(RequestError):
+    """The handler refused the task on business grounds: never retried."""
+
+    code = "BIZ_REJECT"
+    status = 422
+
+
+# --- nobody could take the task now (retryable elsewhere or later) -----------------------
+
+
+class Unavailable(ReachError):
+    status = 503
+    retryable = True
+
+
+class NoReachableAgent(Unavailable):
+    code = "NO_REACHABLE_AGENT"
+    retryable = False
+
+
+class Overloaded(Unavailable):
+    code = "OVERLOADED"
+    status = 429
+
+
+class TargetBusy(Unavailable):
+    code = "TARGET_BUSY"
+    status = 429
+
+
+class Draining(Unavailable):
+    code = "DRAINING"
+
+
+class Timeout(Unavailable):
+    code = "TIMEOUT"
+    status = 504
+
+
+class CompensationFull(Unavailable):
+    code = "COMPENSATION_FULL"
+    retryable = False
+
+
+# --- our own fault ----------------------------------------------------------------------
+
+
+class InternalError(ReachError):
+    code = "INTERNAL"
+    status = 500
+
+
+_BY_CODE: dict[str, type[ReachError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidRequest,
+        InvalidCapability,
+        Forbidden,
+        LoopDetected,
+        BizReject,
+        NoReachableAgent,
+        Overloaded,
+        TargetBusy,
+        Draining,
+        Timeout,
+        CompensationFull,
+        InternalError,
+    )
+}
+ERROR_CODES = frozenset(_BY_CODE)
+
+H_SERVICE_ERROR = "Nats-Service-Error"
+H_SERVICE_ERROR_CODE = "Nats-Service-Error-Code"
+
+
+class _ErrorBody(msgspec.Struct):
+    code: str = "INTERNAL"
+    message: str = ""
+
+
+class _ErrorReply(msgspec.Struct):
+    error: _ErrorBody
+
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(_ErrorReply)
+
+
+def error_for(code: str, message: str) -> ReachError:
+    """The exception of a wire ``code`` (unknown codes become :class:`ReachError`)."""
+    cls = _BY_CODE.get(code)
+    if cls is None:
+        return ReachError(message, code=code)
+    return cls(message)
+
+
+def to_reply(err: ReachError) -> tuple[dict[str, str], bytes]:
+    """Headers and body of an error reply (the NATS Services API convention)."""
+    headers = {
+        H_SERVICE_ERROR: err.message[:1024],
+        H_SERVICE_ERROR_CODE: str(err.status),
+    }
+    body = _encoder.encode(_ErrorReply(error=_ErrorBody(code=err.code, message=err.message)))
+    return headers, body
+
+
+def from_reply(headers: Mapping[str, str] | None, data: bytes) -> ReachError | None:
+    """The error carried by a reply, or ``None`` when the reply is a success."""
+    if not headers or H_SERVICE_ERROR_CODE not in headers:
+        return None
+    message = headers.get(H_SERVICE_ERROR, "")
+    try:
+        body = _decoder.decode(data)
+    except msgspec.MsgspecError:
+        status = headers.get(H_SERVICE_ERROR_CODE, "500")
+        return ReachError(message or f"service error {status}", code="INTERNAL")
+    return error_for(body.error.code, body.error.message or message)

@@ -1,0 +1,323 @@
+"""Wire contract v1: every message that crosses NATS, as msgspec Structs.
+
+Evolution rules (msgspec's): new fields get defaults, a field's type never changes, unknown
+fields are ignored (an older broker accepts a newer agent). Structural checks (types, ranges,
+patterns) are declared on the types with ``Meta`` so msgspec reports them with a path
+(``Expected `int` >= 1 - at `$.max_concurrency```); checks that span fields, or that msgspec
+cannot express, live in ``validate_*`` functions that raise :class:`InvalidRequest`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from .errors import H_SERVICE_ERROR, H_SERVICE_ERROR_CODE, InvalidCapability, InvalidRequest  # noqa: F401
+
+PROTOCOL_VERSION = 1
+
+AGENT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$"
+CAPABILITY_TOKEN = r"[a-z0-9][a-z0-9_-]*"
+CAPABILITY_PATTERN = rf"^{CAPABILITY_TOKEN}(\.{CAPABILITY_TOKEN})*$"
+CAPABILITY_MAX_LEN = 128
+TAG_KEY_PATTERN = r"^[a-z0-9_]+$"
+
+_AGENT_ID_RE = re.compile(AGENT_ID_PATTERN)
+_CAPABILITY_RE = re.compile(CAPABILITY_PATTERN)
+_TAG_KEY_RE = re.compile(TAG_KEY_PATTERN)
+
+MAX_BODY_BYTES = 64 * 1024
+"""Largest control-plane body (announce, heartbeat, route) the broker decodes."""
+
+AgentId = Annotated[str, Meta(pattern=AGENT_ID_PATTERN)]
+Capability = Annotated[str, Meta(max_length=CAPABILITY_MAX_LEN)]
+ShortText = Annotated[str, Meta(max_length=256)]
+Count = Annotated[int, Meta(ge=0, le=2**53)]
+Millis = Annotated[int, Meta(ge=0, le=7 * 24 * 3600 * 1000)]
+IntervalMs = Annotated[int, Meta(ge=50, le=3600 * 1000)]
+Concurrency = Annotated[int, Meta(ge=1, le=100_000)]
+Percent = Annotated[float, Meta(ge=0, le=100)]
+
+AgentState = Literal["healthy", "suspect", "offline", "recovering", "draining"]
+AGENT_STATES: tuple[AgentState, ...] = ("healthy", "suspect", "offline", "recovering", "draining")
+AgentStatus = Literal["idle", "busy", "draining"]
+EventKind = Literal["registered", "state", "left", "evicted"]
+AckState = Literal["received", "completed", "failed"]
+
+
+class Base(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Shared options of every wire type."""
+
+
+# --- agent → broker ---------------------------------------------------------------------
+
+
+class Announce(Base):
+    """``reach.announce.<agent_id>``: idempotent upsert of an agent's registration."""
+
+    agent_id: AgentId
+    capabilities: Annotated[list[Capability], Meta(min_length=1, max_length=256)]
+    max_concurrency: Concurrency
+    heartbeat_interval_ms: IntervalMs
+    agent_type: ShortText | None = None
+    version: ShortText | None = None
+    region: ShortText | None = None
+    tags: Annotated[dict[str, ShortText], Meta(max_length=64)] = {}
+    timeout_hint_ms: Annotated[int, Meta(ge=1, le=24 * 3600 * 1000)] | None = None
+    context_window: Annotated[int, Meta(ge=0, le=2**40)] | None = None
+    permissions: Annotated[list[ShortText], Meta(max_length=256)] = []
+    metadata: Annotated[dict[str, Any], Meta(max_length=64)] = {}
+
+
+class AnnounceAck(Base):
+    """Reply to an announce: the token every later heartbeat must carry."""
+
+    agent_id: str
+    token: str
+    heartbeat_interval_ms: int
+    broker_id: str
+
+
+class Heartbeat(Base):
+    """``reach.hb.<agent_id>``: liveness and load, judged on the broker's clock."""
+
+    agent_id: AgentId
+    token: Annotated[str, Meta(max_length=256)]
+    seq: Count
+    status: AgentStatus = "idle"
+    active: Count = 0
+    queue_depth: Count = 0
+    ok_total: Count = 0
+    fail_total: Count = 0
+    task_ms_p50: Millis | None = None
+    oldest_task_ms: Millis | None = None
+    context_usage_pct: Percent | None = None
+    initial: bool = False
+
+
+class Leave(Base):
+    """``reach.leave.<agent_id>``: the agent stops taking work; body may be ``{}``."""
+
+    agent_id: AgentId | None = None
+    token: Annotated[str, Meta(max_length=256)] | None = None
+    reason: ShortText | None = None
+
+
+class Ok(msgspec.Struct, frozen=True, kw_only=True):
+    """``{"ok": true}``: the reply to a leave (not omitted although it is the default)."""
+
+    ok: bool = True
+
+
+class ProbeReply(Base):
+    """Reply to ``reach.probe.<agent_id>``."""
+
+    agent_id: str
+    status: AgentStatus = "idle"
+    active: int = 0
+    queue_depth: int = 0
+    seq: int = 0
+
+
+# --- caller → broker ----------------------------------------------------------------------
+
+
+class RouteRequest(Base):
+    """``reach.route.<capability>``; an empty body means all defaults."""
+
+    limit: Annotated[int, Meta(ge=1, le=100)] = 3
+    region: ShortText | None = None
+    tags: Annotated[dict[str, ShortText], Meta(max_length=64)] = {}
+    sticky_key: Annotated[str, Meta(max_length=1024)] | None = None
+    exclude: Annotated[list[AgentId], Meta(max_length=1000)] = []
+    allow_suspect: bool = False
+
+
+class Candidate(Base):
+    agent_id: str
+    subject: str
+    score: float
+    state: AgentState
+    load: float
+    region: str | None = None
+    version: str | None = None
+
+
+class RouteReply(Base):
+    capability: str
+    candidates: list[Candidate]
+    generated_at_ms: int
+
+
+class AgentView(Base):
+    """One row of ``reach.agents``."""
+
+    agent_id: str
+    state: AgentState
+    score: float
+    load: float
+    last_seen_ms: int
+    capabilities: list[str]
+    success_rate: float
+    region: str | None = None
+    version: str | None = None
+    active: int = 0
+    max_concurrency: int = 0
+
+
+class AgentsRequest(Base):
+    """``reach.agents``: optional filters; ``{}`` or empty lists everything."""
+
+    capability: Capability | None = None
+    state: AgentState | None = None
+
+
+# --- tasks, acks, events ------------------------------------------------------------------
+
+
+class Receipt(Base):
+    """Interim reply sent before the result when a task asks ``Reach-Receipt: 1``."""
+
+    request_id: str
+    status: Literal["received"] = "received"
+
+
+class AckRecord(Base):
+    """``reach.ack.<request_id>`` in ``REACH_ACKS``; ``Nats-Msg-Id: <request_id>.<state>``."""
+
+    request_id: str
+    agent_id: str
+    capability: str
+    state: AckState
+    at_ms: int
+    result: msgspec.Raw | None = None
+    error: dict[str, str] | None = None
+
+
+class Event(Base):
+    """``reach.event.<kind>.<agent_id>``: one state transition, with why."""
+
+    kind: EventKind
+    agent_id: str
+    reason: str
+    at_ms: int
+    broker_id: str
+    to: AgentState | None = None
+    from_: AgentState | None = msgspec.field(default=None, name="from")
+
+
+# --- headers ------------------------------------------------------------------------------
+
+H_MSG_ID = "Nats-Msg-Id"
+H_REQUEST_ID = "Reach-Request-Id"
+H_ACK_MODE = "Reach-Ack-Mode"
+H_TIMEOUT_MS = "Reach-Timeout-Ms"
+H_RECEIPT = "Reach-Receipt"
+H_TRACE_ID = "Reach-Trace-Id"
+H_HOPS = "Reach-Hops"
+H_STATUS = "Reach-Status"
+H_TRACEPARENT = "traceparent"
+
+
+# --- codecs (module level, reused: no per-message construction) ---------------------------
+
+encoder = msgspec.json.Encoder()
+announce_decoder = msgspec.json.Decoder(Announce)
+heartbeat_decoder = msgspec.json.Decoder(Heartbeat)
+leave_decoder = msgspec.json.Decoder(Leave)
+route_request_decoder = msgspec.json.Decoder(RouteRequest)
+route_reply_decoder = msgspec.json.Decoder(RouteReply)
+announce_ack_decoder = msgspec.json.Decoder(AnnounceAck)
+agents_request_decoder = msgspec.json.Decoder(AgentsRequest)
+agent_views_decoder = msgspec.json.Decoder(list[AgentView])
+probe_reply_decoder = msgspec.json.Decoder(ProbeReply)
+event_decoder = msgspec.json.Decoder(Event)
+ack_record_decoder = msgspec.json.Decoder(AckRecord)
+
+
+def decode(decoder: msgspec.json.Decoder[Any], data: bytes, what: str) -> Any:
+    """Decode ``data`` or raise :class:`InvalidRequest` whose message names the field.
+
+    An empty body decodes as ``{}`` so every field takes its default.
+    """
+    if len(data) > MAX_BODY_BYTES:
+        raise InvalidRequest(
+            f"{what}: body is {len(data)} bytes, larger than the limit of {MAX_BODY_BYTES}"
+        )
+    try:
+        return decoder.decode(data or b"{}")
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"{what}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"{what}: malformed JSON ({exc})") from None
+
+
+# --- validation that msgspec cannot express ------------------------------------------------
+
+
+def is_agent_id(value: str) -> bool:
+    return _AGENT_ID_RE.match(value) is not None
+
+
+def check_agent_id(value: str, field: str = "agent_id") -> str:
+    if not is_agent_id(value):
+        raise InvalidRequest(
+            f"{field} {value[:160]!r} is not a valid agent id "
+            "(one subject token: [A-Za-z0-9][A-Za-z0-9_-]{0,127})"
+        )
+    return value
+
+
+def is_capability(value: str) -> bool:
+    return len(value) <= CAPABILITY_MAX_LEN and _CAPABILITY_RE.match(value) is not None
+
+
+def check_capability(value: str, field: str = "capability") -> str:
+    if len(value) > CAPABILITY_MAX_LEN:
+        raise InvalidCapability(
+            f"{field} {value[:40]!r}... is {len(value)} chars, longer than {CAPABILITY_MAX_LEN}"
+        )
+    if _CAPABILITY_RE.match(value) is None:
+        raise InvalidCapability(
+            f"{field} {value!r} is not a valid capability "
+            "(dot-separated lowercase tokens [a-z0-9][a-z0-9_-]*)"
+        )
+    return value
+
+
+def check_tags(tags: dict[str, str], field: str = "tags") -> None:
+    for key in tags:
+        if _TAG_KEY_RE.match(key) is None:
+            raise InvalidRequest(f"{field} key {key[:80]!r} is not lowercase [a-z0-9_]+")
+
+
+def validate_announce(msg: Announce, subject_agent_id: str) -> Announce:
+    """Cross-field checks of an announce; the subject's agent id is authoritative."""
+    if msg.agent_id != subject_agent_id:
+        raise InvalidRequest(
+            f"agent_id {msg.agent_id!r} in the body disagrees with the subject's "
+            f"{subject_agent_id!r}"
+        )
+    for i, cap in enumerate(msg.capabilities):
+        check_capability(cap, f"capabilities[{i}]")
+    if len(set(msg.capabilities)) != len(msg.capabilities):
+        raise InvalidRequest(f"capabilities {msg.capabilities!r} lists a capability twice")
+    check_tags(msg.tags)
+    return msg
+
+
+def validate_heartbeat(msg: Heartbeat, subject_agent_id: str) -> Heartbeat:
+    if msg.agent_id != subject_agent_id:
+        raise InvalidRequest(
+            f"agent_id {msg.agent_id!r} in the body disagrees with the subject's "
+            f"{subject_agent_id!r}"
+        )
+    return msg
+
+
+def validate_route_request(msg: RouteRequest) -> RouteRequest:
+    check_tags(msg.tags)
+    return msg

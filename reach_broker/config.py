@@ -1,0 +1,198 @@
+"""Broker configuration: one Struct per section of ``configs/broker.toml``.
+
+Every field has a default (DESIGN §8) and a one-line docstring; unknown keys are refused, so
+a typo in ``broker.toml`` is a clear error rather than a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+Positive = Annotated[float, Meta(gt=0)]
+Share = Annotated[float, Meta(ge=0, le=1)]
+
+
+class Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Shared options of config sections."""
+
+
+class NatsSection(Section):
+    url: str | None = None
+    """NATS server URL(s), comma-separated; unset starts an embedded nats-server."""
+    creds: str | None = None
+    """Path of a NATS credentials file."""
+    ping_interval_s: Annotated[int, Meta(ge=1)] = 2
+    """Client PING interval: a dead server is noticed in about ping × outstanding seconds."""
+    max_outstanding_pings: Annotated[int, Meta(ge=1)] = 2
+    """Unanswered PINGs before the client treats the connection as stale."""
+    embedded_port: Annotated[int, Meta(ge=0, le=65535)] = 4222
+    """Port of the embedded server (0: any free port)."""
+    embedded_store_dir: str | None = None
+    """JetStream store dir of the embedded server (unset: a temp dir removed at exit)."""
+
+
+class BrokerSection(Section):
+    prefix: str = "reach"
+    """Subject prefix of every reach subject."""
+    broker_id: str | None = None
+    """This replica's id (unset: host-pid-random)."""
+    token_secret: str | None = None
+    """HMAC secret for agent tokens, shared by replicas (unset: kept in KV reach_registry)."""
+    token_max_age_s: Positive = 7 * 24 * 3600.0
+    """Tokens older than this are refused; agents rotate them by re-announcing."""
+    metrics_port: Annotated[int, Meta(ge=0, le=65535)] = 9464
+    """Port of the Prometheus /metrics endpoint (0 turns it off)."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics endpoint listens on."""
+    min_heartbeat_interval_ms: Annotated[int, Meta(ge=50)] = 100
+    """Shortest heartbeat interval the broker accepts from an agent (it is raised to this)."""
+    max_heartbeat_interval_ms: Annotated[int, Meta(ge=50)] = 300_000
+    """Longest heartbeat interval the broker accepts (lowered to this)."""
+    shutdown_grace_s: Positive = 5.0
+    """How long shutdown waits for in-flight work before closing."""
+
+
+class DetectionSection(Section):
+    suspect_after: Positive = 3.0
+    """Missed heartbeat intervals before `suspect` (the ceiling when phi decides earlier)."""
+    offline_after: Positive = 6.0
+    """Missed heartbeat intervals before `offline`."""
+    probe_timeout_s: Positive = 3.0
+    """How long a probe waits for the agent's answer."""
+    forget_after_s: Positive = 24 * 3600.0
+    """Offline records are kept this long, then `evicted`."""
+    tick_s: Positive = 0.05
+    """How often the broker checks deadlines (resolution of missed-heartbeat detection)."""
+    phi_enabled: bool = True
+    """Adaptive (phi accrual) detection over each agent's own heartbeat history."""
+    phi_suspect: Positive = 8.0
+    """Phi at which an agent becomes `suspect` (earlier than the fixed threshold)."""
+    phi_offline: Positive = 16.0
+    """Phi at which a suspect agent becomes `offline`."""
+    phi_min_std_ratio: Share = 0.25
+    """Minimum standard deviation as a share of the interval: one late packet is not death."""
+    phi_window: Annotated[int, Meta(ge=4, le=1000)] = 100
+    """Inter-arrival samples kept per agent."""
+    phi_min_samples: Annotated[int, Meta(ge=2)] = 5
+    """Samples needed before phi is trusted; before that only fixed thresholds apply."""
+    probe_concurrency: Annotated[int, Meta(ge=1)] = 64
+    """At most this many probes in flight."""
+    probe_backoff_max_s: Positive = 60.0
+    """Ceiling of the jittered exponential backoff between probes of a failing agent."""
+    rtt_sample_interval_s: Annotated[float, Meta(ge=0)] = 10.0
+    """How often every healthy agent is probed for an RTT sample (0: never)."""
+    advisories: bool = True
+    """Use the server's $SYS connect/disconnect advisories when the account exports them."""
+
+
+class ScoringSection(Section):
+    weight_liveness: Annotated[float, Meta(ge=0)] = 0.3
+    """Weight of the liveness ratio over the last heartbeat/probe outcomes."""
+    weight_latency: Annotated[float, Meta(ge=0)] = 0.2
+    """Weight of the latency term (probe RTT and task duration EWMAs)."""
+    weight_load: Annotated[float, Meta(ge=0)] = 0.2
+    """Weight of the free-capacity term (1 - load, queue penalised)."""
+    weight_success: Annotated[float, Meta(ge=0)] = 0.3
+    """Weight of the task success rate over the last 100 results."""
+    liveness_window: Annotated[int, Meta(ge=1, le=1000)] = 20
+    """Heartbeat/probe outcomes the liveness ratio is computed over."""
+    success_window: Annotated[int, Meta(ge=1)] = 100
+    """Task results the success rate is computed over."""
+    rtt_tolerance_ms: Positive = 50.0
+    """Probe RTT at which the RTT half of the latency term is 0.5."""
+    task_tolerance_ratio: Positive = 2.0
+    """Task p50 at this multiple of the capability's median halves the task half of latency."""
+    task_tolerance_floor_ms: Positive = 250.0
+    """Task durations below this are never penalised, whatever the peers do."""
+    ewma_alpha: Share = 0.3
+    """Smoothing of the RTT and task-duration EWMAs."""
+    stuck_factor: Positive = 3.0
+    """A task running longer than this × timeout_hint_ms counts as stuck."""
+    stuck_penalty: Share = 0.5
+    """Score multiplier while the agent has a stuck task."""
+
+
+class RoutingSection(Section):
+    default_limit: Annotated[int, Meta(ge=1, le=100)] = 3
+    """Candidates returned when the request does not say."""
+    min_reach_score: Annotated[float, Meta(ge=0, le=100)] = 60.0
+    """Candidates scoring below this are not routed."""
+    load_watermark: Share = 0.85
+    """Candidates with active / max_concurrency at or above this are not routed."""
+    choice: Literal["weighted", "p2c", "ranked"] = "weighted"
+    """How the order of a reply is chosen: weighted-random sample, power of two choices on
+    expected completion time, or plain ranking."""
+    pool_factor: Annotated[int, Meta(ge=1, le=100)] = 4
+    """The weighted sample is drawn from the best limit × pool_factor candidates."""
+    vnodes: Annotated[int, Meta(ge=1, le=10_000)] = 150
+    """Virtual nodes per agent on the sticky_key consistent-hash ring."""
+    rank_refresh_ms: Annotated[float, Meta(ge=0)] = 50.0
+    """A capability's ranking is rebuilt at most this often (state changes apply at once)."""
+    slow_start_share: Share = 0.2
+    """Share of traffic a just-recovered agent gets at first."""
+    slow_start_s: Annotated[float, Meta(ge=0)] = 30.0
+    """Length of the slow-start ramp after recovery (0 turns slow start off)."""
+    max_eject_share: Share = 0.5
+    """At most this share of a capability's agents is kept out for a low score at once."""
+    panic_threshold: Share = 0.5
+    """Below this healthy share a capability is in panic mode (logged, counted)."""
+    inflight_ceiling: Annotated[int, Meta(ge=1)] = 5000
+    """Fleet-wide in-flight tasks (reported active) above which routes answer OVERLOADED."""
+
+
+class CompensationSection(Section):
+    max_entries: Annotated[int, Meta(ge=1)] = 2000
+    """Bound of the compensation queue (REACH_COMPENSATION max_msgs, discard new)."""
+    default_ttl_s: Positive = 3600.0
+    """Expiry of a queued entry when the caller does not give one."""
+    replay_concurrency: Annotated[int, Meta(ge=1)] = 8
+    """Replayed tasks in flight at once, per capability."""
+    receipt_timeout_s: Positive = 2.0
+    """How long a replay waits for the agent's receipt before trying another agent."""
+
+
+class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The whole broker configuration."""
+
+    nats: NatsSection = msgspec.field(default_factory=NatsSection)
+    broker: BrokerSection = msgspec.field(default_factory=BrokerSection)
+    detection: DetectionSection = msgspec.field(default_factory=DetectionSection)
+    scoring: ScoringSection = msgspec.field(default_factory=ScoringSection)
+    routing: RoutingSection = msgspec.field(default_factory=RoutingSection)
+    compensation: CompensationSection = msgspec.field(default_factory=CompensationSection)
+
+
+class ConfigError(ValueError):
+    """The configuration file is unreadable or invalid; the message names the key."""
+
+
+def load(path: str | os.PathLike[str] | None = None) -> Config:
+    """Read ``broker.toml`` (or defaults when ``path`` is None); then apply env overrides."""
+    if path is None:
+        cfg = Config()
+    else:
+        try:
+            data = Path(path).read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {str(path)!r}: {exc.strerror}") from None
+        try:
+            cfg = msgspec.toml.decode(data, type=Config)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+        except msgspec.DecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+    if os.environ.get("NATS_URL"):
+        cfg.nats.url = os.environ["NATS_URL"]
+    if os.environ.get("REACH_TOKEN_SECRET"):
+        cfg.broker.token_secret = os.environ["REACH_TOKEN_SECRET"]
+    if cfg.detection.offline_after < cfg.detection.suspect_after:
+        raise ConfigError(
+            f"detection.offline_after ({cfg.detection.offline_after}) is below "
+            f"detection.suspect_after ({cfg.detection.suspect_after})"
+        )
+    return cfg

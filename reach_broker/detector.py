@@ -1,0 +1,98 @@
+"""Failure detection on the broker's clock: fixed missed-interval thresholds, with phi accrual
+(Hayashibara et al.) deciding earlier for agents whose heartbeats are regular.
+
+Phi at silence ``t`` is ``-log10(1 - F(t))`` with ``F`` the normal CDF fitted to the agent's
+own inter-arrival history. Instead of evaluating phi on a timer for every agent, we solve for
+the moment phi crosses a threshold once per heartbeat: ``t = mean + z(phi) * std`` with
+``z(phi)`` the normal quantile of ``1 - 10**-phi``. The deadline is the earlier of that and the
+fixed ceiling (``suspect_after`` / ``offline_after`` intervals), so a perfectly regular agent
+is bounded by ``phi_min_std_ratio`` and an irregular one never past the ceiling.
+"""
+
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+
+from .config import DetectionSection
+
+
+def z_for_phi(phi: float) -> float:
+    """Normal quantile at which phi reaches ``phi`` (upper tail ``10**-phi``)."""
+    return -NormalDist().inv_cdf(10.0**-phi)
+
+
+def phi(silence_s: float, mean_s: float, std_s: float) -> float:
+    """Phi of a silence of ``silence_s`` for the given inter-arrival distribution."""
+    z = (silence_s - mean_s) / std_s
+    tail = 0.5 * math.erfc(z / math.sqrt(2.0))
+    return math.inf if tail <= 0.0 else -math.log10(tail)
+
+
+class ArrivalWindow:
+    """Running mean/variance over the last ``size`` inter-arrival times (O(1) per sample)."""
+
+    __slots__ = ("_i", "_samples", "_sum", "_sumsq", "size")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._samples: list[float] = []
+        self._i = 0
+        self._sum = 0.0
+        self._sumsq = 0.0
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def add(self, gap_s: float) -> None:
+        if len(self._samples) < self.size:
+            self._samples.append(gap_s)
+        else:
+            old = self._samples[self._i]
+            self._sum -= old
+            self._sumsq -= old * old
+            self._samples[self._i] = gap_s
+            self._i = (self._i + 1) % self.size
+        self._sum += gap_s
+        self._sumsq += gap_s * gap_s
+
+    def clear(self) -> None:
+        self._samples.clear()
+        self._i = 0
+        self._sum = self._sumsq = 0.0
+
+    @property
+    def mean(self) -> float:
+        return self._sum / len(self._samples) if self._samples else 0.0
+
+    @property
+    def std(self) -> float:
+        n = len(self._samples)
+        if n < 2:
+            return 0.0
+        var = (self._sumsq - self._sum * self._sum / n) / (n - 1)
+        return math.sqrt(var) if var > 0 else 0.0
+
+
+class Detector:
+    """Computes, per heartbeat, when an agent becomes suspect and when offline."""
+
+    def __init__(self, cfg: DetectionSection) -> None:
+        self.cfg = cfg
+        self._z_suspect = z_for_phi(cfg.phi_suspect)
+        self._z_offline = z_for_phi(cfg.phi_offline)
+
+    def new_window(self) -> ArrivalWindow:
+        return ArrivalWindow(self.cfg.phi_window)
+
+    def deadlines(self, window: ArrivalWindow, interval_s: float) -> tuple[float, float]:
+        """Silences (seconds since the last heartbeat) to suspect and to offline."""
+        cfg = self.cfg
+        suspect = cfg.suspect_after * interval_s
+        offline = cfg.offline_after * interval_s
+        if cfg.phi_enabled and len(window) >= cfg.phi_min_samples:
+            mean = window.mean
+            std = max(window.std, cfg.phi_min_std_ratio * max(mean, interval_s))
+            suspect = min(suspect, mean + self._z_suspect * std)
+            offline = min(offline, mean + self._z_offline * std)
+        return suspect, max(offline, suspect)

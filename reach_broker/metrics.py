@@ -1,0 +1,96 @@
+"""Prometheus metrics of the broker: one :class:`Metrics` object over a ``CollectorRegistry``.
+
+Children of labelled metrics that sit on hot paths are bound once here, so a heartbeat or a
+route request costs an ``inc()``/``observe()`` and no label lookup. Gauges that mirror the
+registry (agents by state) are read at scrape time by a collector, not updated per message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from reach_agent.schema import AGENT_STATES
+
+HEARTBEAT_RESULTS = ("accepted", "stale", "forged", "invalid", "unknown")
+ROUTE_RESULTS = ("ok", "no_agent", "invalid", "overloaded", "error")
+ANNOUNCE_RESULTS = ("ok", "invalid", "error")
+
+ROUTE_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+
+
+class _StateCollector(Collector):
+    def __init__(self, counts: Callable[[], dict[str, int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        counts = self._counts()
+        agents = GaugeMetricFamily("reach_agents", "Registered agents by reach state", labels=["state"])
+        for state in AGENT_STATES:
+            agents.add_metric([state], counts.get(state, 0))
+        yield agents
+        unhealthy = sum(n for s, n in counts.items() if s in ("suspect", "offline", "recovering"))
+        yield GaugeMetricFamily(
+            "reach_agent_unhealthy", "Agents that are suspect, offline or recovering", value=unhealthy
+        )
+
+    def describe(self) -> Iterable[GaugeMetricFamily]:
+        return []
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.route_requests = Counter(
+            "reach_route_requests_total", "Route requests by result", ["result"], registry=r
+        )
+        self.route_result = {k: self.route_requests.labels(k) for k in ROUTE_RESULTS}
+        self.route_duration = Histogram(
+            "reach_route_duration_seconds",
+            "Time to answer a route request inside the broker",
+            buckets=ROUTE_BUCKETS,
+            registry=r,
+        )
+        self.heartbeats = Counter(
+            "reach_heartbeats_total", "Heartbeats received by result", ["result"], registry=r
+        )
+        self.heartbeat_result = {k: self.heartbeats.labels(k) for k in HEARTBEAT_RESULTS}
+        self.announces = Counter(
+            "reach_announces_total", "Announce requests by result", ["result"], registry=r
+        )
+        self.announce_result = {k: self.announces.labels(k) for k in ANNOUNCE_RESULTS}
+        self.leaves = Counter("reach_leaves_total", "Leave requests by result", ["result"], registry=r)
+        self.registry_changes = Counter(
+            "reach_registry_change_total", "Registry transitions by event kind", ["kind"], registry=r
+        )
+        self.state_changes = Counter(
+            "reach_state_transitions_total", "State transitions by target state", ["to"], registry=r
+        )
+        self.probes = Counter("reach_probes_total", "Probes sent by result", ["result"], registry=r)
+        self.probe_rtt = Histogram(
+            "reach_probe_rtt_seconds", "Round trip of answered probes", buckets=ROUTE_BUCKETS, registry=r
+        )
+        self.dropped = Counter(
+            "reach_dropped_messages_total",
+            "Messages dropped without a reply, by subject kind and reason",
+            ["kind", "reason"],
+            registry=r,
+        )
+        self.nats_errors = Counter(
+            "reach_nats_errors_total", "NATS client errors by kind", ["kind"], registry=r
+        )
+        self.panic = Gauge(
+            "reach_capability_panic", "1 while a capability has too few healthy agents",
+            ["capability"], registry=r,
+        )  # fmt: skip
+        self.advisories = Gauge(
+            "reach_disconnect_advisories", "1 when the server's disconnect advisories are seen",
+            registry=r,
+        )  # fmt: skip
+
+    def watch_states(self, counts: Callable[[], dict[str, int]]) -> None:
+        self.registry.register(_StateCollector(counts))

@@ -1,0 +1,451 @@
+"""The registry: every known agent and its reach state, as a pure state machine.
+
+Inputs (announce, heartbeat, leave, probe results, disconnects, the passing of time) take the
+broker's monotonic clock ``now`` as an argument and return :class:`Transition`s; the service
+publishes them as events afterwards. Nothing here does I/O.
+
+States (DESIGN §3)::
+
+    new ──announce──▶ healthy ◀──heartbeat── suspect ──silence/probe fails──▶ offline
+                        │  ▲                    ▲                                │
+                        │  └──probe ok / 2 hb── recovering ◀──heartbeat/probe───┘
+                        └──silence/disconnect───┘
+    any ──leave / status=draining──▶ draining ──silence/disconnect──▶ evicted
+    offline ──forget_after──▶ evicted
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator
+from typing import Literal, NamedTuple
+
+from reach_agent.schema import AgentState, AgentView, Announce, Heartbeat
+
+from .config import Config
+from .detector import ArrivalWindow, Detector
+from .routing import CapabilityIndex
+from .scoring import Stats, score
+from .tokens import TokenSigner
+
+HeartbeatResult = Literal["accepted", "stale", "forged", "unknown"]
+TransitionKind = Literal["registered", "state", "left", "evicted"]
+
+RECOVER_HEARTBEATS = 2
+"""On-time heartbeats that also complete a recovery (agents that do not answer probes)."""
+
+
+class Transition(NamedTuple):
+    kind: TransitionKind
+    agent_id: str
+    from_: AgentState | None
+    to: AgentState | None
+    reason: str
+
+
+class AgentRecord:
+    """What the broker knows of one agent. Mutated only by :class:`Registry`."""
+
+    __slots__ = (
+        "active",
+        "agent_id",
+        "announce",
+        "capabilities",
+        "deadline_gen",
+        "disconnected",
+        "fail_total",
+        "forget_at",
+        "interval_s",
+        "last_seen",
+        "last_seen_wall_ms",
+        "load",
+        "max_concurrency",
+        "offline_at",
+        "ok_total",
+        "oldest_task_ms",
+        "probe_failures",
+        "queue_depth",
+        "recover_hbs",
+        "recovered_at",
+        "region",
+        "score",
+        "seq",
+        "state",
+        "state_since",
+        "stats",
+        "status",
+        "stuck",
+        "suspect_at",
+        "tags",
+        "timeout_hint_ms",
+        "token",
+        "version",
+        "window",
+    )
+
+    def __init__(self, msg: Announce, interval_s: float, window: ArrivalWindow) -> None:
+        self.agent_id = msg.agent_id
+        self.state: AgentState = "healthy"
+        self.state_since = 0.0
+        self.stats = Stats()
+        self.window = window
+        self.seq = -1
+        self.token = ""
+        self.last_seen = 0.0
+        self.last_seen_wall_ms = 0
+        self.active = 0
+        self.queue_depth = 0
+        self.ok_total = 0
+        self.fail_total = 0
+        self.oldest_task_ms: int | None = None
+        self.status = "idle"
+        self.load = 0.0
+        self.score = 100.0
+        self.stuck = False
+        self.suspect_at = 0.0
+        self.offline_at = 0.0
+        self.forget_at = 0.0
+        self.deadline_gen = 0
+        self.recovered_at: float | None = None
+        self.recover_hbs = 0
+        self.probe_failures = 0
+        self.disconnected = False
+        self.apply_announce(msg, interval_s)
+
+    def apply_announce(self, msg: Announce, interval_s: float) -> None:
+        self.announce = msg
+        self.capabilities = tuple(msg.capabilities)
+        self.max_concurrency = msg.max_concurrency
+        self.interval_s = interval_s
+        self.region = msg.region
+        self.version = msg.version
+        self.tags = msg.tags
+        self.timeout_hint_ms = msg.timeout_hint_ms
+
+    def view(self, wall_ms_now: int, now: float) -> AgentView:
+        return AgentView(
+            agent_id=self.agent_id,
+            state=self.state,
+            score=self.score,
+            load=round(self.load, 3),
+            last_seen_ms=self.last_seen_wall_ms,
+            capabilities=list(self.capabilities),
+            region=self.region,
+            version=self.version,
+            success_rate=round(self.stats.success_rate, 4),
+            active=self.active,
+            max_concurrency=self.max_concurrency,
+        )
+
+
+class Registry:
+    """All agents, their capability indexes, and the deadlines that move their states."""
+
+    def __init__(self, cfg: Config, signer: TokenSigner) -> None:
+        self.cfg = cfg
+        self.signer = signer
+        self.detector = Detector(cfg.detection)
+        self.agents: dict[str, AgentRecord] = {}
+        self.indexes: dict[str, CapabilityIndex] = {}
+        self._deadlines: list[tuple[float, int, str]] = []
+        self.inflight = 0  # Σ active over the fleet, kept incrementally
+        self.counts: dict[str, int] = dict.fromkeys(
+            ("healthy", "suspect", "offline", "recovering", "draining"), 0
+        )
+
+    # --- inputs ---------------------------------------------------------------------------
+
+    def interval_for(self, msg: Announce) -> float:
+        b = self.cfg.broker
+        ms = min(max(msg.heartbeat_interval_ms, b.min_heartbeat_interval_ms),
+                 b.max_heartbeat_interval_ms)  # fmt: skip
+        return ms / 1000.0
+
+    def announce(
+        self, msg: Announce, now: float, wall_ms: int
+    ) -> tuple[AgentRecord, list[Transition]]:
+        """Idempotent upsert; issues a fresh token (rotation) on every announce."""
+        interval = self.interval_for(msg)
+        rec = self.agents.get(msg.agent_id)
+        out: list[Transition] = []
+        if rec is None:
+            rec = AgentRecord(msg, interval, self.detector.new_window())
+            rec.state_since = now
+            self.agents[rec.agent_id] = rec
+            self.counts["healthy"] += 1
+            for cap in rec.capabilities:
+                self._index(cap).add(rec)
+            out.append(Transition("registered", rec.agent_id, None, "healthy", "announced"))
+        else:
+            old_caps = set(rec.capabilities)
+            rec.apply_announce(msg, interval)
+            for cap in old_caps - set(rec.capabilities):
+                self._unindex(cap, rec.agent_id)
+            for cap in set(rec.capabilities) - old_caps:
+                self._index(cap).add(rec)
+            rec.window.clear()  # a new process: its rhythm starts afresh
+            if rec.state == "offline":
+                out.append(self._move(rec, "recovering", "re-announced", now))
+            elif rec.state in ("suspect", "draining"):
+                out.append(self._move(rec, "healthy", "re-announced", now))
+            self._touch(rec)
+        rec.seq = -1  # seq is per process; a (re-)announce starts a new sequence
+        rec.token = self.signer.issue(rec.agent_id)
+        self._seen(rec, now, wall_ms)
+        self.rescore(rec, now)
+        return rec, out
+
+    def heartbeat(
+        self, hb: Heartbeat, now: float, wall_ms: int
+    ) -> tuple[HeartbeatResult, list[Transition]]:
+        rec = self.agents.get(hb.agent_id)
+        if rec is None:
+            return "unknown", []
+        if hb.token != rec.token:
+            if not self.signer.verify(hb.agent_id, hb.token):
+                return "forged", []
+            rec.token = hb.token  # genuine, issued by another replica or before a restart
+        if hb.seq <= rec.seq:
+            return "stale", []
+        rec.seq = hb.seq
+        cfg = self.cfg.scoring
+        gap = now - rec.last_seen
+        on_time = gap <= 1.5 * rec.interval_s
+        rec.stats.outcome(on_time, cfg.liveness_window)
+        if rec.state in ("healthy", "recovering", "suspect") and not hb.initial:
+            rec.window.add(gap)
+        d_ok = hb.ok_total - rec.ok_total
+        d_fail = hb.fail_total - rec.fail_total
+        if d_ok >= 0 and d_fail >= 0 and (d_ok or d_fail):
+            rec.stats.results(d_ok, d_fail, cfg.success_window)
+        rec.ok_total, rec.fail_total = hb.ok_total, hb.fail_total
+        if hb.task_ms_p50 is not None and (d_ok or d_fail):
+            rec.stats.task(hb.task_ms_p50, cfg.ewma_alpha)
+        self._set_load(rec, hb.active, hb.queue_depth)
+        rec.oldest_task_ms = hb.oldest_task_ms
+        rec.status = hb.status
+        out: list[Transition] = []
+        if hb.status == "draining":
+            if rec.state != "draining":
+                out.append(self._move(rec, "draining", "agent reports draining", now))
+        elif rec.state == "suspect":
+            out.append(self._move(rec, "healthy", "heartbeat resumed", now))
+        elif rec.state == "offline":
+            out.append(self._move(rec, "recovering", "heartbeat resumed", now))
+        elif rec.state == "recovering":
+            rec.recover_hbs += 1 if on_time else 0
+            if rec.recover_hbs >= RECOVER_HEARTBEATS:
+                out.append(self._recovered(rec, "heartbeats on time", now))
+        self._seen(rec, now, wall_ms)
+        self.rescore(rec, now)
+        return "accepted", out
+
+    def leave(self, agent_id: str, now: float, reason: str = "leave") -> list[Transition]:
+        rec = self.agents.get(agent_id)
+        if rec is None or rec.state == "draining":
+            return []
+        t = self._move(rec, "draining", reason, now)
+        return [t._replace(kind="left")]
+
+    def disconnected(self, agent_id: str, now: float) -> list[Transition]:
+        """The server saw the agent's connection close: suspect at once (probe follows)."""
+        rec = self.agents.get(agent_id)
+        if rec is None:
+            return []
+        if rec.state == "draining":
+            return [self._evict(rec, "left and disconnected")]
+        if rec.state in ("healthy", "recovering"):
+            rec.stats.outcome(False, self.cfg.scoring.liveness_window)
+            t = self._move(rec, "suspect", "connection closed", now)
+            rec.disconnected = True
+            # Probe timeout bounds the wait: no answer by then and the agent is offline.
+            self._schedule(rec, rec.suspect_at, now + self.cfg.detection.probe_timeout_s)
+            return [t]
+        return []
+
+    def probe_result(
+        self, agent_id: str, ok: bool, rtt_ms: float | None, now: float
+    ) -> list[Transition]:
+        rec = self.agents.get(agent_id)
+        if rec is None:
+            return []
+        window = self.cfg.scoring.liveness_window
+        rec.stats.outcome(ok, window)
+        out: list[Transition] = []
+        if ok:
+            rec.probe_failures = 0
+            rec.disconnected = False
+            if rtt_ms is not None:
+                rec.stats.rtt(rtt_ms, self.cfg.scoring.ewma_alpha)
+            if rec.state == "suspect":
+                out.append(self._move(rec, "healthy", "probe answered", now))
+            elif rec.state == "offline":
+                out.append(self._move(rec, "recovering", "probe answered", now))
+            elif rec.state == "recovering":
+                out.append(self._recovered(rec, "probe answered", now))
+            self._rearm(rec, now)  # an answer is a sign of life
+        else:
+            rec.probe_failures += 1
+            # After a disconnect an unanswered probe settles it; after mere silence the
+            # offline deadline decides (a raw agent may not answer probes at all).
+            if rec.state == "suspect" and rec.disconnected:
+                out.append(self._move(rec, "offline", "disconnected and probe unanswered", now))
+        self.rescore(rec, now)
+        return out
+
+    def expire(self, now: float) -> list[Transition]:
+        """Apply every deadline that has passed: suspect, offline, eviction."""
+        out: list[Transition] = []
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            _, gen, agent_id = heapq.heappop(heap)
+            rec = self.agents.get(agent_id)
+            if rec is None or gen != rec.deadline_gen:
+                continue
+            silence = now - rec.last_seen
+            if rec.state in ("healthy", "recovering") and now >= rec.suspect_at:
+                rec.stats.outcome(False, self.cfg.scoring.liveness_window)
+                reason = f"no heartbeat for {silence:.2f}s (interval {rec.interval_s:g}s)"
+                out.append(self._move(rec, "suspect", reason, now))
+                self._push(rec, rec.offline_at)
+            elif rec.state == "suspect" and now >= rec.offline_at:
+                reason = f"no heartbeat for {silence:.2f}s (interval {rec.interval_s:g}s)"
+                out.append(self._move(rec, "offline", reason, now))
+                rec.forget_at = now + self.cfg.detection.forget_after_s
+                self._push(rec, rec.forget_at)
+            elif rec.state == "draining" and now >= rec.suspect_at:
+                out.append(self._evict(rec, "left and went silent"))
+            elif rec.state == "offline" and now >= rec.forget_at:
+                out.append(self._evict(rec, f"offline for {self.cfg.detection.forget_after_s:g}s"))
+            else:
+                self._push(rec, self._next_deadline(rec))
+        return out
+
+    def evict(self, agent_id: str, reason: str) -> list[Transition]:
+        rec = self.agents.get(agent_id)
+        return [] if rec is None else [self._evict(rec, reason)]
+
+    # --- queries --------------------------------------------------------------------------
+
+    def views(
+        self, wall_ms: int, now: float, capability: str | None = None, state: str | None = None
+    ) -> list[AgentView]:
+        if capability is not None:
+            idx = self.indexes.get(capability)
+            recs: Iterator[AgentRecord] | list[AgentRecord] = (
+                list(idx.members.values()) if idx else []
+            )
+        else:
+            recs = list(self.agents.values())
+        return [
+            r.view(wall_ms, now)
+            for r in sorted(recs, key=lambda r: r.agent_id)
+            if state is None or r.state == state
+        ]
+
+    def next_deadline(self) -> float | None:
+        return self._deadlines[0][0] if self._deadlines else None
+
+    # --- internals ------------------------------------------------------------------------
+
+    def rescore(self, rec: AgentRecord, now: float) -> None:
+        hint = rec.timeout_hint_ms
+        rec.stuck = bool(
+            hint and rec.oldest_task_ms and rec.oldest_task_ms > self.cfg.scoring.stuck_factor * hint
+        )
+        peer = None
+        if rec.capabilities:
+            idx = self.indexes.get(rec.capabilities[0])
+            peer = idx.median_task_ms if idx else None
+        new = score(
+            rec.stats,
+            self.cfg.scoring,
+            active=rec.active,
+            queue_depth=rec.queue_depth,
+            max_concurrency=rec.max_concurrency,
+            stuck=rec.stuck,
+            peer_task_ms=peer,
+        )
+        if new != rec.score:
+            rec.score = new
+            self._touch(rec)
+
+    def _set_load(self, rec: AgentRecord, active: int, queue_depth: int) -> None:
+        self.inflight += active - rec.active
+        rec.active = active
+        rec.queue_depth = queue_depth
+        rec.load = min(active / rec.max_concurrency, 1.0)
+
+    def _seen(self, rec: AgentRecord, now: float, wall_ms: int) -> None:
+        rec.last_seen = now
+        rec.last_seen_wall_ms = wall_ms
+        rec.disconnected = False
+        self._rearm(rec, now)
+
+    def _rearm(self, rec: AgentRecord, base: float) -> None:
+        """Deadlines counted from ``base``, the last sign of life."""
+        suspect_s, offline_s = self.detector.deadlines(rec.window, rec.interval_s)
+        if rec.state != "offline":
+            self._schedule(rec, base + suspect_s, base + offline_s)
+
+    def _schedule(self, rec: AgentRecord, suspect_at: float, offline_at: float) -> None:
+        rec.suspect_at = suspect_at
+        rec.offline_at = offline_at
+        self._push(rec, self._next_deadline(rec))
+
+    def _next_deadline(self, rec: AgentRecord) -> float:
+        if rec.state == "suspect":
+            return rec.offline_at
+        if rec.state == "offline":
+            return rec.forget_at
+        return rec.suspect_at
+
+    def _push(self, rec: AgentRecord, at: float) -> None:
+        rec.deadline_gen += 1
+        heapq.heappush(self._deadlines, (at, rec.deadline_gen, rec.agent_id))
+
+    def _move(self, rec: AgentRecord, to: AgentState, reason: str, now: float) -> Transition:
+        frm = rec.state
+        self.counts[frm] -= 1
+        self.counts[to] += 1
+        rec.state = to
+        rec.state_since = now
+        if to == "recovering":
+            rec.recover_hbs = 0
+        if to == "offline":
+            self._set_load(rec, 0, 0)
+        self._touch(rec)
+        return Transition("state", rec.agent_id, frm, to, reason)
+
+    def _recovered(self, rec: AgentRecord, reason: str, now: float) -> Transition:
+        rec.recovered_at = now  # slow start begins
+        return self._move(rec, "healthy", reason, now)
+
+    def _evict(self, rec: AgentRecord, reason: str) -> Transition:
+        frm = rec.state
+        self.counts[frm] -= 1
+        self._set_load(rec, 0, 0)
+        del self.agents[rec.agent_id]
+        for cap in rec.capabilities:
+            self._unindex(cap, rec.agent_id)
+        rec.deadline_gen += 1
+        return Transition("evicted", rec.agent_id, frm, None, reason)
+
+    def _touch(self, rec: AgentRecord) -> None:
+        for cap in rec.capabilities:
+            idx = self.indexes.get(cap)
+            if idx is not None:
+                idx.dirty = True
+
+    def _index(self, cap: str) -> CapabilityIndex:
+        idx = self.indexes.get(cap)
+        if idx is None:
+            idx = self.indexes[cap] = CapabilityIndex(cap)
+        return idx
+
+    def _unindex(self, cap: str, agent_id: str) -> None:
+        idx = self.indexes.get(cap)
+        if idx is not None:
+            idx.remove(agent_id)
+            if not idx.members:
+                del self.indexes[cap]

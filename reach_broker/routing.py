@@ -1,0 +1,301 @@
+"""Route = filter → score → choose, over per-capability candidate structures.
+
+Each capability keeps its members and a ranking (healthy members by score) that is rebuilt
+only when something changed and at most every ``rank_refresh_ms``; a route request walks the
+ranking from the top and stops once it has enough candidates, so its cost does not grow with
+the fleet. State is re-checked during the walk, so an agent that just went `suspect` is
+skipped at once even before the next rebuild. Sticky keys use a consistent-hash ring over all
+members (rebuilt only when membership changes) and walk past members that are not routable.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import random
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from reach_agent.errors import NoReachableAgent, Overloaded
+from reach_agent.schema import Candidate, RouteRequest
+
+from .config import RoutingSection
+
+if TYPE_CHECKING:
+    from .registry import AgentRecord
+
+
+def _hash64(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+class CapabilityIndex:
+    """The agents of one capability, with a cached ranking and hash ring."""
+
+    __slots__ = (
+        "built_at",
+        "dirty",
+        "ejected",
+        "healthy",
+        "median_task_ms",
+        "members",
+        "name",
+        "panic",
+        "ranked",
+        "ring_keys",
+        "ring_owners",
+        "ring_stale",
+        "suspects",
+    )
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.members: dict[str, AgentRecord] = {}
+        self.ranked: list[AgentRecord] = []  # eligible healthy, best first
+        self.suspects: list[AgentRecord] = []
+        self.healthy = 0
+        self.ejected = 0
+        self.panic = False
+        self.median_task_ms: float | None = None
+        self.dirty = True
+        self.built_at = float("-inf")
+        self.ring_keys: list[int] = []
+        self.ring_owners: list[AgentRecord] = []
+        self.ring_stale = True
+
+    def add(self, rec: AgentRecord) -> None:
+        self.members[rec.agent_id] = rec
+        self.dirty = True
+        self.ring_stale = True
+
+    def remove(self, agent_id: str) -> None:
+        if self.members.pop(agent_id, None) is not None:
+            self.dirty = True
+            self.ring_stale = True
+
+    def rebuild(self, cfg: RoutingSection, now: float) -> None:
+        """Re-rank members; keep at most ``max_eject_share`` of healthy ones out for score."""
+        healthy = [r for r in self.members.values() if r.state == "healthy"]
+        healthy.sort(key=_by_score)
+        min_score = cfg.min_reach_score
+        eligible = [r for r in healthy if r.score >= min_score]
+        low = len(healthy) - len(eligible)
+        cap = int(cfg.max_eject_share * len(healthy))
+        if low > cap:
+            # Too many would be ejected at once: keep the best of the low scorers in.
+            eligible = healthy[: len(healthy) - cap]
+        self.ranked = eligible
+        self.ejected = len(healthy) - len(eligible)
+        self.suspects = sorted(
+            (r for r in self.members.values() if r.state == "suspect"), key=_by_score
+        )
+        self.healthy = len(healthy)
+        self.panic = bool(self.members) and self.healthy < cfg.panic_threshold * len(
+            self.members
+        )
+        durations = sorted(
+            r.stats.task_ewma_ms for r in healthy if r.stats.task_ewma_ms is not None
+        )
+        self.median_task_ms = durations[len(durations) // 2] if durations else None
+        self.dirty = False
+        self.built_at = now
+
+    def ring(self, vnodes: int) -> tuple[list[int], list[AgentRecord]]:
+        if self.ring_stale:
+            points = sorted(
+                (_hash64(f"{agent_id}#{i}"), rec)
+                for agent_id, rec in self.members.items()
+                for i in range(vnodes)
+            )
+            self.ring_keys = [p[0] for p in points]
+            self.ring_owners = [p[1] for p in points]
+            self.ring_stale = False
+        return self.ring_keys, self.ring_owners
+
+
+def _by_score(rec: AgentRecord) -> tuple[float, str]:
+    return (-rec.score, rec.agent_id)
+
+
+class Router:
+    """Answers route requests from the capability indexes a :class:`Registry` maintains."""
+
+    def __init__(
+        self,
+        cfg: RoutingSection,
+        indexes: dict[str, CapabilityIndex],
+        subject_of: Callable[[str, str], str],
+        rng: random.Random | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.indexes = indexes
+        self.subject_of = subject_of
+        self.rng = rng or random.Random()
+        self.inflight = 0  # fleet-wide reported `active`, kept by the registry
+
+    def route(self, capability: str, req: RouteRequest, now: float) -> list[Candidate]:
+        """Candidates for ``capability``, best first; raises NoReachableAgent with why."""
+        cfg = self.cfg
+        if self.inflight > cfg.inflight_ceiling:
+            raise Overloaded(
+                f"fleet in-flight tasks {self.inflight} exceed the ceiling "
+                f"{cfg.inflight_ceiling}"
+            )
+        idx = self.indexes.get(capability)
+        if idx is None or not idx.members:
+            raise NoReachableAgent(f"no agent has the capability {capability!r}")
+        if idx.dirty and now - idx.built_at >= cfg.rank_refresh_ms / 1000.0:
+            idx.rebuild(cfg, now)
+        limit = req.limit
+        want = limit if cfg.choice == "ranked" and not req.sticky_key else limit * cfg.pool_factor
+        why: dict[str, int] = {}
+        pool = self._walk(idx.ranked, "healthy", req, want, why)
+        if not pool and req.allow_suspect:
+            pool = self._walk(idx.suspects, "suspect", req, want, why)
+        if not pool:
+            raise NoReachableAgent(self._explain(capability, idx, why))
+        if req.sticky_key:
+            first = self._sticky(idx, req, pool)
+            rest = [r for r in pool if r is not first]
+            chosen = [first, *rest[: limit - 1]]
+        elif cfg.choice == "weighted":
+            chosen = self._weighted(pool, limit, now)
+        elif cfg.choice == "p2c":
+            chosen = self._p2c(pool, limit)
+        else:
+            chosen = pool[:limit]
+        subject_of = self.subject_of
+        return [
+            Candidate(
+                agent_id=r.agent_id,
+                subject=subject_of(r.agent_id, capability),
+                score=r.score,
+                state=r.state,
+                load=r.load,
+                region=r.region,
+                version=r.version,
+            )
+            for r in chosen
+        ]
+
+    def _walk(
+        self,
+        ranked: Iterable[AgentRecord],
+        state: str,
+        req: RouteRequest,
+        want: int,
+        why: dict[str, int],
+    ) -> list[AgentRecord]:
+        watermark = self.cfg.load_watermark
+        exclude = req.exclude
+        out: list[AgentRecord] = []
+        for rec in ranked:
+            if rec.state != state:
+                why["state"] = why.get("state", 0) + 1
+                continue
+            if rec.load >= watermark:
+                why["load"] = why.get("load", 0) + 1
+                continue
+            if req.region is not None and rec.region != req.region:
+                why["region"] = why.get("region", 0) + 1
+                continue
+            if req.tags and any(rec.tags.get(k) != v for k, v in req.tags.items()):
+                why["tags"] = why.get("tags", 0) + 1
+                continue
+            if exclude and rec.agent_id in exclude:
+                why["exclude"] = why.get("exclude", 0) + 1
+                continue
+            out.append(rec)
+            if len(out) >= want:
+                break
+        return out
+
+    def _explain(self, capability: str, idx: CapabilityIndex, why: dict[str, int]) -> str:
+        total = len(idx.members)
+        if idx.healthy == 0:
+            states: dict[str, int] = {}
+            for rec in idx.members.values():
+                states[rec.state] = states.get(rec.state, 0) + 1
+            detail = ", ".join(f"{n} {s}" for s, n in sorted(states.items()))
+            return f"none of the {total} agents with {capability!r} is healthy ({detail})"
+        if not idx.ranked:
+            return (
+                f"all {idx.healthy} healthy agents with {capability!r} score below the "
+                f"minimum {self.cfg.min_reach_score}"
+            )
+        parts = []
+        if why.get("load"):
+            parts.append(f"{why['load']} at or above the load watermark {self.cfg.load_watermark}")
+        for key in ("region", "tags", "exclude", "state"):
+            if why.get(key):
+                parts.append(f"{why[key]} filtered by {key}")
+        detail = "; ".join(parts) or "none passed the filter"
+        return f"no reachable agent for {capability!r} among {total}: {detail}"
+
+    def _weighted(self, pool: list[AgentRecord], limit: int, now: float) -> list[AgentRecord]:
+        """Weighted draw without replacement: weight = score × free capacity × slow start."""
+        rng = self.rng
+        items = [(r, self.weight(r, now)) for r in pool]
+        chosen: list[AgentRecord] = []
+        while items and len(chosen) < limit:
+            total = sum(w for _, w in items)
+            x = rng.random() * total
+            for i, (rec, w) in enumerate(items):
+                x -= w
+                if x <= 0 or i == len(items) - 1:
+                    chosen.append(rec)
+                    items.pop(i)
+                    break
+        return chosen
+
+    def weight(self, rec: AgentRecord, now: float) -> float:
+        w = max(rec.score, 1.0) * max(1.0 - rec.load, 0.05)
+        return w * self.slow_start_factor(rec, now)
+
+    def slow_start_factor(self, rec: AgentRecord, now: float) -> float:
+        """``slow_start_share`` for ``slow_start_s`` after recovery, then a linear ramp."""
+        span = self.cfg.slow_start_s
+        if rec.recovered_at is None or span <= 0:
+            return 1.0
+        age = now - rec.recovered_at
+        if age >= 2 * span:
+            return 1.0
+        share = self.cfg.slow_start_share
+        if age <= span:
+            return share
+        return share + (1.0 - share) * (age - span) / span
+
+    def _p2c(self, pool: list[AgentRecord], limit: int) -> list[AgentRecord]:
+        """Power of two choices on expected completion time, then the rest by score."""
+        if len(pool) >= 2:
+            a, b = self.rng.sample(pool, 2)
+            first = a if _expected_ms(a) <= _expected_ms(b) else b
+        else:
+            first = pool[0]
+        return [first, *[r for r in pool if r is not first][: limit - 1]]
+
+    def _sticky(
+        self, idx: CapabilityIndex, req: RouteRequest, pool: list[AgentRecord]
+    ) -> AgentRecord:
+        keys, owners = idx.ring(self.cfg.vnodes)
+        assert req.sticky_key is not None
+        start = bisect.bisect(keys, _hash64(req.sticky_key))
+        eligible = {r.agent_id for r in pool}
+        n = len(keys)
+        for step in range(n):
+            owner = owners[(start + step) % n]
+            if owner.agent_id in eligible:
+                return owner
+            # A routable owner beyond the pool's size still wins: walk it through filters.
+            if (
+                owner.state == "healthy"
+                and owner.score >= self.cfg.min_reach_score
+                and self._walk([owner], "healthy", req, 1, {})
+            ):
+                return owner
+        return pool[0]
+
+
+def _expected_ms(rec: AgentRecord) -> float:
+    per_task = rec.stats.task_ewma_ms or 1.0
+    return (rec.active + rec.queue_depth + 1) * per_task / rec.max_concurrency

@@ -1,0 +1,92 @@
+"""Shared fixtures: a real nats-server per test, in-process brokers, raw NATS clients."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import nats
+import pytest
+from nats.aio.client import Client as NATS
+
+from reach_broker.config import Config
+from reach_broker.metrics import Metrics
+from reach_broker.natsserver import NatsServer
+from reach_broker.service import Broker
+
+
+@pytest.fixture
+def nats_server(tmp_path: Any) -> Iterator[NatsServer]:
+    """A real nats-server (JetStream, advisories config) on a free port, temp store dir."""
+    server = NatsServer(port=0, store_dir=tmp_path / "nats")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+async def nc(nats_server: NatsServer) -> AsyncIterator[NATS]:
+    conn = await nats.connect(nats_server.url, name="test-client")
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+def fast_config(url: str, **overrides: Any) -> Config:
+    """Broker config with short timings for tests; ``section__field=value`` overrides."""
+    cfg = Config()
+    cfg.nats.url = url
+    cfg.broker.metrics_port = 0
+    cfg.broker.min_heartbeat_interval_ms = 50
+    cfg.detection.tick_s = 0.01
+    cfg.detection.probe_timeout_s = 0.5
+    cfg.routing.rank_refresh_ms = 0
+    for key, value in overrides.items():
+        section, field = key.split("__")
+        setattr(getattr(cfg, section), field, value)
+    return cfg
+
+
+BrokerFactory = Callable[..., Awaitable[Broker]]
+
+
+@pytest.fixture
+async def broker_factory(nats_server: NatsServer) -> AsyncIterator[BrokerFactory]:
+    """Start in-process brokers against the test server; all are stopped at teardown."""
+    started: list[Broker] = []
+
+    async def make(**overrides: Any) -> Broker:
+        broker = Broker(fast_config(nats_server.url, **overrides), metrics=Metrics())
+        await broker.start()
+        started.append(broker)
+        return broker
+
+    try:
+        yield make
+    finally:
+        for broker in reversed(started):
+            await broker.stop()
+
+
+@pytest.fixture
+async def broker(broker_factory: BrokerFactory) -> Broker:
+    return await broker_factory()
+
+
+async def wait_for(
+    predicate: Callable[[], Any], timeout: float = 5.0, interval: float = 0.01, what: str = ""
+) -> Any:
+    """Poll ``predicate`` until truthy; fail with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
+        await asyncio.sleep(interval)

@@ -1,0 +1,263 @@
+"""The wire contract, spoken by a raw NATS client (no SDK) to a real broker and server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from nats.aio.client import Client as NATS
+
+from reach_broker.service import Broker
+
+from .conftest import BrokerFactory, wait_for
+
+
+def announce_body(agent_id: str, **extra: Any) -> bytes:
+    body = {
+        "agent_id": agent_id,
+        "capabilities": ["text_processing", "intent.recognition"],
+        "max_concurrency": 4,
+        "heartbeat_interval_ms": 100,
+        "region": "eu",
+        "version": "1.2.0",
+        "tags": {"tier": "gold"},
+    }
+    body.update(extra)
+    return json.dumps(body).encode()
+
+
+async def announce(nc: NATS, agent_id: str, **extra: Any) -> dict[str, Any]:
+    reply = await nc.request(f"reach.announce.{agent_id}", announce_body(agent_id, **extra), 2)
+    assert reply.headers is None or "Nats-Service-Error" not in reply.headers, reply.headers
+    return json.loads(reply.data)
+
+
+async def heartbeat(nc: NATS, agent_id: str, token: str, seq: int, **extra: Any) -> None:
+    body = {"agent_id": agent_id, "token": token, "seq": seq, "status": "idle", "active": 0,
+            "queue_depth": 0, "ok_total": 0, "fail_total": 0}  # fmt: skip
+    body.update(extra)
+    if "body_agent_id" in body:
+        body["agent_id"] = body.pop("body_agent_id")
+    await nc.publish(f"reach.hb.{agent_id}", json.dumps(body).encode())
+
+
+class EventLog:
+    """Collects ``reach.event.>`` as decoded dicts."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+
+    async def start(self, nc: NATS) -> EventLog:
+        async def cb(msg: Any) -> None:
+            event = json.loads(msg.data)
+            event["_subject"] = msg.subject
+            self.events.append(event)
+
+        await nc.subscribe("reach.event.>", cb=cb)
+        await nc.flush()
+        return self
+
+    def transitions(self, agent_id: str) -> list[tuple[str, str | None, str | None]]:
+        return [(e["kind"], e.get("from"), e.get("to")) for e in self.events
+                if e["agent_id"] == agent_id]  # fmt: skip
+
+
+async def test_raw_client_announces_heartbeats_and_routes_itself(nc: NATS, broker: Broker) -> None:
+    ack = await announce(nc, "alpha")
+    assert ack["agent_id"] == "alpha"
+    assert ack["heartbeat_interval_ms"] == 100
+    assert ack["broker_id"] == broker.broker_id
+    assert ack["token"].startswith("v1.")
+    await heartbeat(nc, "alpha", ack["token"], 1)
+    await wait_for(lambda: broker.metrics.heartbeat_result["accepted"]._value.get() == 1)
+
+    reply = await nc.request("reach.route.text_processing", b"", timeout=2)
+    assert reply.headers is None
+    body = json.loads(reply.data)
+    assert body["capability"] == "text_processing"
+    assert isinstance(body["generated_at_ms"], int)
+    assert body["candidates"] == [
+        {
+            "agent_id": "alpha",
+            "subject": "reach.task.alpha.text_processing",
+            "score": 100.0,
+            "state": "healthy",
+            "load": 0.0,
+            "region": "eu",
+            "version": "1.2.0",
+        }
+    ]
+    # A dotted capability routes the same way.
+    reply = await nc.request("reach.route.intent.recognition", b"{}", timeout=2)
+    assert [c["subject"] for c in json.loads(reply.data)["candidates"]] == [
+        "reach.task.alpha.intent.recognition"
+    ]
+    # reach.agents lists it.
+    reply = await nc.request("reach.agents", b"{}", timeout=2)
+    [view] = json.loads(reply.data)
+    assert view["agent_id"] == "alpha"
+    assert view["state"] == "healthy"
+    assert view["capabilities"] == ["text_processing", "intent.recognition"]
+    assert view["success_rate"] == 1.0
+
+
+async def test_missed_heartbeats_suspect_offline_then_recovering_healthy(
+    nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    broker = await broker_factory(detection__phi_enabled=False)
+    events = await EventLog().start(nc)
+    ack = await announce(nc, "beta", heartbeat_interval_ms=100)
+    token = ack["token"]
+    seq = 0
+    for _ in range(3):
+        seq += 1
+        await heartbeat(nc, "beta", token, seq)
+        await asyncio.sleep(0.1)
+    rec = broker.registry.agents["beta"]  # type: ignore[union-attr]
+    # Silence: suspect after 3 intervals, offline after 6, measured on the broker's clock.
+    await wait_for(lambda: rec.state == "suspect", 2, what="suspect")
+    suspect_silence = broker.clock() - rec.last_seen
+    await wait_for(lambda: rec.state == "offline", 2, what="offline")
+    offline_silence = broker.clock() - rec.last_seen
+    assert 0.3 <= suspect_silence < 0.3 + 0.15
+    assert 0.6 <= offline_silence < 0.6 + 0.15
+    # Resume: offline → recovering → healthy (on-time heartbeats; no probe responder here).
+    for _ in range(4):
+        seq += 1
+        await heartbeat(nc, "beta", token, seq)
+        await asyncio.sleep(0.1)
+    await wait_for(lambda: rec.state == "healthy", 2, what="healthy again")
+    await wait_for(lambda: len(events.transitions("beta")) >= 5, 2, what="five events")
+    assert events.transitions("beta")[:5] == [
+        ("registered", None, "healthy"),
+        ("state", "healthy", "suspect"),
+        ("state", "suspect", "offline"),
+        ("state", "offline", "recovering"),
+        ("state", "recovering", "healthy"),
+    ]
+    subjects = [e["_subject"] for e in events.events if e["agent_id"] == "beta"][:3]
+    assert subjects == ["reach.event.registered.beta", "reach.event.state.beta",
+                        "reach.event.state.beta"]  # fmt: skip
+    reasons = [e["reason"] for e in events.events if e["agent_id"] == "beta"]
+    assert reasons[1].startswith("no heartbeat for ")
+    assert reasons[3] == "heartbeat resumed"
+    assert reasons[4] == "heartbeats on time"
+
+
+async def test_leave_drains_and_stops_routes(nc: NATS, broker: Broker) -> None:
+    events = await EventLog().start(nc)
+    ack = await announce(nc, "gamma")
+    reply = await nc.request("reach.leave.gamma", json.dumps({"token": ack["token"]}).encode(), 2)
+    assert json.loads(reply.data) == {"ok": True}
+    assert broker.registry.agents["gamma"].state == "draining"  # type: ignore[union-attr]
+    reply = await nc.request("reach.route.text_processing", b"", timeout=2)
+    assert reply.headers["Nats-Service-Error-Code"] == "503"
+    assert json.loads(reply.data)["error"]["code"] == "NO_REACHABLE_AGENT"
+    await wait_for(lambda: len(events.transitions("gamma")) == 2, 2, what="left event")
+    assert events.transitions("gamma")[1] == ("left", "healthy", "draining")
+
+
+async def test_two_replicas_same_state_route_answered_once(
+    nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    b1 = await broker_factory()
+    b2 = await broker_factory()
+    ack = await announce(nc, "delta")
+    for seq in range(1, 4):
+        await heartbeat(nc, "delta", ack["token"], seq, active=1)
+    for b in (b1, b2):
+        await wait_for(lambda b=b: b.metrics.heartbeat_result["accepted"]._value.get() == 3)
+    r1 = b1.registry.agents["delta"]  # type: ignore[union-attr]
+    r2 = b2.registry.agents["delta"]  # type: ignore[union-attr]
+    assert (r1.state, r1.seq, r1.active, r1.score) == (r2.state, r2.seq, r2.active, r2.score)
+    assert (r1.state, r1.seq, r1.active) == ("healthy", 3, 1)
+
+    # Route requests go to one replica each: count replies on a raw inbox.
+    inbox = nc.new_inbox()
+    replies: list[Any] = []
+
+    async def collect(msg: Any) -> None:
+        replies.append(msg)
+
+    await nc.subscribe(inbox, cb=collect)
+    for _ in range(20):
+        await nc.publish("reach.route.text_processing", b"", reply=inbox)
+    await wait_for(lambda: len(replies) >= 20, 3, what="20 replies")
+    await asyncio.sleep(0.2)  # give a duplicate reply time to arrive, then count exactly
+    assert len(replies) == 20
+    served = (b1.metrics.route_result["ok"]._value.get(), b2.metrics.route_result["ok"]._value.get())
+    assert sum(served) == 20
+
+
+async def test_service_is_registered_with_micro_api(nc: NATS, broker: Broker) -> None:
+    reply = await nc.request("$SRV.INFO.reach-broker", b"", timeout=2)
+    info = json.loads(reply.data)
+    assert info["name"] == "reach-broker"
+    assert info["description"]
+    assert sorted(e["subject"] for e in info["endpoints"]) == ["reach.agents", "reach.route.>"]
+    assert {e["queue_group"] for e in info["endpoints"]} == {"reach-broker"}
+
+
+@pytest.mark.parametrize(
+    ("subject", "body", "code", "needle"),
+    [
+        ("reach.announce.a1", b"{not json", "INVALID_REQUEST", "malformed JSON"),
+        ("reach.announce.a1", b'{"agent_id": "a1", "capabilities": "x", "max_concurrency": 1,'
+         b' "heartbeat_interval_ms": 1000}', "INVALID_REQUEST", "$.capabilities"),
+        ("reach.announce.a1", announce_body("a1", capabilities=["UPPER"]),
+         "INVALID_CAPABILITY", "'UPPER'"),
+        ("reach.announce.a1", announce_body("a1", capabilities=["a..b"]),
+         "INVALID_CAPABILITY", "'a..b'"),
+        ("reach.announce.a1", announce_body("a1", capabilities=["x" * 200]),
+         "INVALID_REQUEST", "$.capabilities[0]"),
+        ("reach.announce.a1", announce_body("other"), "INVALID_REQUEST", "disagrees"),
+        ("reach.announce.a1", announce_body("a1", max_concurrency=-3),
+         "INVALID_REQUEST", "$.max_concurrency"),
+        ("reach.announce.a1", announce_body("a1", heartbeat_interval_ms=10**12),
+         "INVALID_REQUEST", "$.heartbeat_interval_ms"),
+        ("reach.announce.a1", announce_body("a1", tags={"Bad Key": "x"}),
+         "INVALID_REQUEST", "'Bad Key'"),
+        ("reach.announce.a1", b"{" + b" " * 70_000 + b"}", "INVALID_REQUEST", "larger than"),
+        ("reach.route.UPPER", b"", "INVALID_CAPABILITY", "'UPPER'"),
+        ("reach.route.a.-b", b"", "INVALID_CAPABILITY", "'a.-b'"),
+        ("reach.route." + "x" * 200, b"", "INVALID_CAPABILITY", "200 chars"),
+        ("reach.route.unknown_cap", b"", "NO_REACHABLE_AGENT", "no agent has the capability"),
+        ("reach.route.text_processing", b'{"limit": -1}', "INVALID_REQUEST", "$.limit"),
+        ("reach.route.text_processing", b'{"limit": "3"}', "INVALID_REQUEST", "$.limit"),
+        ("reach.route.text_processing", b'{"limit": ', "INVALID_REQUEST", "malformed JSON"),
+        ("reach.leave.a1", b'{"token": "v1.1.forged"}', "FORBIDDEN", "token"),
+        ("reach.agents", b'{"capability": "a..b"}', "INVALID_CAPABILITY", "'a..b'"),
+    ],
+)  # fmt: skip
+async def test_bad_input_gets_documented_error(
+    nc: NATS, broker: Broker, subject: str, body: bytes, code: str, needle: str
+) -> None:
+    reply = await nc.request(subject, body, timeout=2)
+    assert reply.headers is not None
+    error = json.loads(reply.data)["error"]
+    assert error["code"] == code
+    assert needle in error["message"]
+    assert reply.headers["Nats-Service-Error"] == error["message"]
+    expected_status = {"FORBIDDEN": "403", "NO_REACHABLE_AGENT": "503"}.get(code, "400")
+    assert reply.headers["Nats-Service-Error-Code"] == expected_status
+
+
+async def test_bad_heartbeats_are_dropped_and_counted(nc: NATS, broker: Broker) -> None:
+    ack = await announce(nc, "epsilon")
+    hb = broker.metrics.heartbeat_result
+    await heartbeat(nc, "nobody", ack["token"], 1)  # before any announce
+    await heartbeat(nc, "epsilon", "v1.1.forged", 1)  # forged token
+    await nc.publish("reach.hb.epsilon", b"{broken")  # malformed
+    await heartbeat(nc, "epsilon", ack["token"], 1, active=-1)  # negative number
+    await heartbeat(nc, "epsilon", ack["token"], 1, body_agent_id="zeta")  # body vs subject
+    await heartbeat(nc, "epsilon", ack["token"], 5)
+    await heartbeat(nc, "epsilon", ack["token"], 5)  # stale: same seq
+    await heartbeat(nc, "epsilon", ack["token"], 4)  # stale: lower seq
+    await wait_for(lambda: sum(c._value.get() for c in hb.values()) == 8, 3, what="8 heartbeats")
+    counts = {k: c._value.get() for k, c in hb.items()}
+    assert counts == {"accepted": 1, "stale": 2, "forged": 1, "invalid": 3, "unknown": 1}
+    # The broker keeps serving.
+    reply = await nc.request("reach.route.text_processing", b"", timeout=2)
+    assert [c["agent_id"] for c in json.loads(reply.data)["candidates"]] == ["epsilon"]
