@@ -59,7 +59,6 @@ class BizReject(RequestError):
     """The handler refused the task on business grounds: never retried."""
 
     code = "BIZ_REJECT"
-    status = 422
 
 
 # --- nobody could take the task now (retryable elsewhere or later) -----------------------
@@ -91,7 +90,6 @@ class Draining(Unavailable):
 
 class Timeout(Unavailable):
     code = "TIMEOUT"
-    status = 504
 
 
 class CompensationFull(Unavailable):
