@@ -88,6 +88,8 @@ class DetectionSection(Section):
     """How often every healthy agent is probed for an RTT sample (0: never)."""
     advisories: bool = True
     """Use the server's $SYS connect/disconnect advisories when the account exports them."""
+    advisory_account: str | None = None
+    """Account whose advisories to follow (unset: this connection's, via $SYS.REQ.USER.INFO)."""
 
 
 class ScoringSection(Section):

@@ -247,7 +247,9 @@ class Registry:
         t = self._move(rec, "draining", reason, now)
         return [t._replace(kind="left")]
 
-    def disconnected(self, agent_id: str, now: float) -> list[Transition]:
+    def disconnected(
+        self, agent_id: str, now: float, reason: str = "connection closed"
+    ) -> list[Transition]:
         """The server saw the agent's connection close: suspect at once (probe follows)."""
         rec = self.agents.get(agent_id)
         if rec is None:
@@ -256,12 +258,22 @@ class Registry:
             return [self._evict(rec, "left and disconnected")]
         if rec.state in ("healthy", "recovering"):
             rec.stats.outcome(False, self.cfg.scoring.liveness_window)
-            t = self._move(rec, "suspect", "connection closed", now)
+            t = self._move(rec, "suspect", reason, now)
             rec.disconnected = True
             # Probe timeout bounds the wait: no answer by then and the agent is offline.
             self._schedule(rec, rec.suspect_at, now + self.cfg.detection.probe_timeout_s)
             return [t]
         return []
+
+    def reconcile(self, connected: set[str], now: float) -> list[Transition]:
+        """Known agents with no live connection (per the server) are treated as disconnected.
+
+        O(fleet): run at start and after the broker reconnects, never per message.
+        """
+        out: list[Transition] = []
+        for agent_id in [a for a in self.agents if a not in connected]:
+            out += self.disconnected(agent_id, now, "no connection at reconcile")
+        return out
 
     def probe_result(
         self, agent_id: str, ok: bool, rtt_ms: float | None, now: float

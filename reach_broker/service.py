@@ -21,8 +21,7 @@ from typing import Any, Protocol
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.errors import NoRespondersError, SlowConsumerError
-from nats.errors import TimeoutError as NatsTimeoutError
+from nats.errors import SlowConsumerError
 from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import EndpointConfig, Service, ServiceConfig
@@ -40,8 +39,10 @@ from reach_agent.schema import (
 )
 
 from . import __version__
+from .advisories import Advisories
 from .config import Config
 from .metrics import Metrics
+from .probes import Prober
 from .registry import AgentRecord, Registry, Transition
 from .routing import Router
 from .tokens import TokenSigner
@@ -92,12 +93,15 @@ class Broker:
         self.router: Router | None = None
         self.listeners: list[TransitionListener] = []
         self.components: list[Component] = []
+        # Failure detection (issue 5): probes first, then advisories (which reconcile with
+        # the server's connection list at start, so registry restores must come before).
+        self.probes = Prober(self)
+        self.advisories = Advisories(self)
+        self.components += [self.probes, self.advisories]
         self._service: Service | None = None
         self._subs: list[Any] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop_task: asyncio.Task[None] | None = None
-        self._probing: set[str] = set()
-        self._probe_sem = asyncio.Semaphore(cfg.detection.probe_concurrency)
         self._started = False
         p = self.prefix
         self._announce_cut = len(f"{p}.announce.")
@@ -220,6 +224,7 @@ class Broker:
 
     async def _on_reconnected(self) -> None:
         log.info("broker.nats_reconnected url=%s", self.nc.connected_url)
+        self.advisories.on_reconnected()  # disconnects may have been missed meanwhile
 
     async def _token_secret(self) -> bytes:
         """The configured secret, else one shared through JetStream KV by all replicas."""
@@ -268,7 +273,7 @@ class Broker:
         await self.nc.publish(msg.reply, body, headers=headers)
 
     def emit(self, transitions: list[Transition]) -> None:
-        """Publish events for transitions and notify listeners; probe where DESIGN says."""
+        """Publish events for transitions and notify listeners (the prober is one)."""
         assert self.registry is not None
         at_ms = self.wall_ms()
         for t in transitions:
@@ -284,8 +289,6 @@ class Broker:
             log.info("agent.%s agent=%s from=%s to=%s reason=%s", t.kind, t.agent_id,
                      t.from_, t.to, t.reason)  # fmt: skip
             rec = self.registry.agents.get(t.agent_id)
-            if t.to in ("suspect", "recovering") and rec is not None:
-                self.request_probe(t.agent_id)
             for listener in self.listeners:
                 try:
                     listener(t, rec)
@@ -295,35 +298,9 @@ class Broker:
     # --- probes -------------------------------------------------------------------------
 
     def request_probe(self, agent_id: str) -> None:
-        if agent_id in self._probing or not self._started:
-            return
-        self._probing.add(agent_id)
-        self.spawn(self._probe(agent_id), f"probe-{agent_id}")
-
-    async def _probe(self, agent_id: str) -> None:
-        try:
-            async with self._probe_sem:
-                t0 = self.clock()
-                try:
-                    await self.nc.request(
-                        f"{self.prefix}.probe.{agent_id}", b"{}",
-                        timeout=self.cfg.detection.probe_timeout_s,
-                    )  # fmt: skip
-                    ok, result = True, "ok"
-                except NatsTimeoutError:
-                    ok, result = False, "timeout"
-                except NoRespondersError:
-                    ok, result = False, "no_responders"
-                rtt_ms = (self.clock() - t0) * 1000.0 if ok else None
-                self.metrics.probes.labels(result).inc()
-                if rtt_ms is not None:
-                    self.metrics.probe_rtt.observe(rtt_ms / 1000.0)
-                assert self.registry is not None
-                self.emit(self.registry.probe_result(agent_id, ok, rtt_ms, self.clock()))
-        except Exception:  # noqa: BLE001 - a failed probe never breaks the broker
-            log.exception("probe.failed agent=%s", agent_id)
-        finally:
-            self._probing.discard(agent_id)
+        """Probe ``agent_id`` soon (scheduling, backoff and limits live in probes.py)."""
+        if self._started:
+            self.probes.request(agent_id)
 
     # --- loops --------------------------------------------------------------------------
 

@@ -1,0 +1,235 @@
+"""The server's connect/disconnect advisories: a ``kill -9`` noticed in milliseconds.
+
+nats-server publishes ``$SYS.ACCOUNT.<acc>.DISCONNECT`` the moment a client connection closes
+(socket closed, or ``ping_max`` pings unanswered), with ``client.name`` = the agent's
+connection name = ``agent_id``. ``configs/nats-server.conf`` exports these (and the account's
+``CONNZ`` request) from the system account to the application account, so the broker sees
+them as an ordinary user. The account name is discovered with ``$SYS.REQ.USER.INFO`` (every
+user may ask), or taken from ``detection.advisory_account``.
+
+- DISCONNECT of a known agent → ``Registry.disconnected``: ``suspect`` at once; the prober
+  then settles it (``no responders`` → ``offline`` at once; no answer → ``offline`` after
+  ``probe_timeout_s``; an answer → back to ``healthy``, e.g. a second connection lives).
+- CONNECT of a known ``offline``/``suspect`` agent → probe now (its heartbeat may be seconds
+  away).
+- At start and after the broker reconnects: reconcile with ``CONNZ``: known agents with no
+  connection become ``suspect`` (and are probed), e.g. agents restored from a snapshot. A
+  partial list (a cluster answers per server) only costs probes, never a wrong ``offline``.
+
+A server without the import answers ``CONNZ`` with no responders: the broker then says once
+in its log that it runs on heartbeats alone, and sets ``reach_disconnect_advisories`` to 0.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+
+if TYPE_CHECKING:
+    from .service import Broker
+
+log = logging.getLogger(__name__)
+
+CONNZ_PAGE = 1024
+"""Connections per CONNZ page (the server's default limit)."""
+
+CONNZ_MAX_PAGES = 1000
+"""Bound of the reconcile loop (a million connections)."""
+
+REQUEST_TIMEOUT_S = 2.0
+
+
+class _Client(msgspec.Struct):
+    name: str = ""
+    acc: str = ""
+
+
+class _Advisory(msgspec.Struct):
+    client: _Client = msgspec.field(default_factory=_Client)
+    reason: str = ""
+
+
+class _Conn(msgspec.Struct):
+    name: str = ""
+
+
+class _Connz(msgspec.Struct):
+    total: int = 0
+    offset: int = 0
+    num_connections: int = 0
+    connections: list[_Conn] = []
+
+
+class _ConnzReply(msgspec.Struct):
+    data: _Connz | None = None
+
+
+class _UserInfo(msgspec.Struct):
+    account: str = ""
+
+
+class _UserInfoReply(msgspec.Struct):
+    data: _UserInfo | None = None
+
+
+_advisory_decoder = msgspec.json.Decoder(_Advisory)
+_connz_decoder = msgspec.json.Decoder(_ConnzReply)
+_userinfo_decoder = msgspec.json.Decoder(_UserInfoReply)
+_encoder = msgspec.json.Encoder()
+
+
+class Advisories:
+    """Subscribes to the advisories and reconciles; a :class:`~reach_broker.service.Component`."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self.account: str | None = None
+        self.available = False
+        """True once the server answered CONNZ for our account (or an advisory arrived)."""
+        self.disconnects = 0
+        self._subs: list[Any] = []
+        self._started = False
+        self._said_unavailable = False
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        cfg = self.broker.cfg.detection
+        self.broker.metrics.advisories.set(0)
+        if not cfg.advisories:
+            log.info("advisories.disabled detection.advisories=false: heartbeats alone")
+            return
+        nc = self.broker.nc
+        self.account = cfg.advisory_account or await self._discover_account()
+        acc = self.account or "*"
+        self._subs = [
+            await nc.subscribe(f"$SYS.ACCOUNT.{acc}.DISCONNECT", cb=self._on_disconnect),
+            await nc.subscribe(f"$SYS.ACCOUNT.{acc}.CONNECT", cb=self._on_connect),
+        ]
+        await nc.flush()
+        await self.reconcile()
+
+    async def stop(self) -> None:
+        if not self._started:
+            return
+        self._started = False
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # a closed connection must not block shutdown
+                log.debug("advisories.stop unsubscribe failed", exc_info=True)
+        self._subs = []
+
+    async def _discover_account(self) -> str | None:
+        try:
+            msg = await self.broker.nc.request("$SYS.REQ.USER.INFO", b"", REQUEST_TIMEOUT_S)
+            info = _userinfo_decoder.decode(msg.data).data
+            return info.account if info and info.account else None
+        except Exception as exc:  # old servers: fall back to a wildcard
+            log.debug("advisories.user_info unavailable: %r", exc)
+            return None
+
+    # --- reconcile -----------------------------------------------------------------------
+
+    async def reconcile(self) -> int:
+        """Known agents without a connection become suspect; returns how many. Idempotent."""
+        broker = self.broker
+        if not self._started or broker.registry is None or not self._subs:
+            return 0
+        names = await self._connection_names()
+        if names is None:
+            return 0
+        transitions = broker.registry.reconcile(names, broker.clock())
+        if transitions:
+            log.info("advisories.reconciled connected=%d suspect=%d", len(names), len(transitions))
+            broker.emit(transitions)
+        return len(transitions)
+
+    async def _connection_names(self) -> set[str] | None:
+        """Names of the account's live connections, or None when the server won't say."""
+        if self.account is None:
+            self._unavailable("account unknown ($SYS.REQ.USER.INFO did not answer)")
+            return None
+        subject = f"$SYS.REQ.ACCOUNT.{self.account}.CONNZ"
+        names: set[str] = set()
+        offset = 0
+        for _ in range(CONNZ_MAX_PAGES):
+            body = _encoder.encode({"offset": offset, "limit": CONNZ_PAGE})
+            try:
+                msg = await self.broker.nc.request(subject, body, REQUEST_TIMEOUT_S)
+                data = _connz_decoder.decode(msg.data).data
+            except (NoRespondersError, NatsTimeoutError) as exc:
+                self._unavailable(f"{subject} not answered ({type(exc).__name__})")
+                return None
+            except msgspec.DecodeError as exc:
+                self._unavailable(f"{subject} answered something else ({exc})")
+                return None
+            if data is None:
+                self._unavailable(f"{subject} answered without data")
+                return None
+            names.update(c.name for c in data.connections if c.name)
+            offset += len(data.connections)
+            if not data.connections or offset >= data.total:
+                break
+        self._available()
+        return names
+
+    def _available(self) -> None:
+        if not self.available:
+            self.available = True
+            self.broker.metrics.advisories.set(1)
+            log.info("advisories.enabled account=%s: disconnects detected at once", self.account)
+
+    def _unavailable(self, why: str) -> None:
+        if not self._said_unavailable:
+            self._said_unavailable = True
+            log.warning(
+                "advisories.unavailable %s: the server does not export connect/disconnect "
+                "advisories to this account; failure detection runs on heartbeats alone "
+                "(see configs/nats-server.conf)",
+                why,
+            )
+
+    # --- advisories ----------------------------------------------------------------------
+
+    async def _on_disconnect(self, msg: Msg) -> None:
+        broker = self.broker
+        try:
+            name = _advisory_decoder.decode(msg.data).client.name
+        except msgspec.DecodeError:
+            broker.metrics.dropped.labels("advisory", "invalid").inc()
+            return
+        self._available()
+        if not name or broker.registry is None:
+            return
+        transitions = broker.registry.disconnected(name, broker.clock())
+        if transitions:
+            self.disconnects += 1
+            broker.emit(transitions)
+
+    async def _on_connect(self, msg: Msg) -> None:
+        broker = self.broker
+        try:
+            name = _advisory_decoder.decode(msg.data).client.name
+        except msgspec.DecodeError:
+            broker.metrics.dropped.labels("advisory", "invalid").inc()
+            return
+        self._available()
+        registry = broker.registry
+        if not name or registry is None:
+            return
+        rec = registry.agents.get(name)
+        if rec is not None and rec.state in ("offline", "suspect"):
+            broker.request_probe(name)
+
+    def on_reconnected(self) -> None:
+        """The broker's own connection came back: advisories may have been missed."""
+        if self._started and self._subs:
+            self.broker.spawn(self.reconcile(), "advisories-reconcile")
+
