@@ -93,22 +93,26 @@ class DetectionSection(Section):
 
 
 class ScoringSection(Section):
-    weight_liveness: Annotated[float, Meta(ge=0)] = 0.3
-    """Weight of the liveness ratio over the last heartbeat/probe outcomes."""
-    weight_latency: Annotated[float, Meta(ge=0)] = 0.2
-    """Weight of the latency term (probe RTT and task duration EWMAs)."""
-    weight_load: Annotated[float, Meta(ge=0)] = 0.2
-    """Weight of the free-capacity term (1 - load, queue penalised)."""
-    weight_success: Annotated[float, Meta(ge=0)] = 0.3
-    """Weight of the task success rate over the last 100 results."""
+    """score = 100 * L^w_live * T^w_lat * F^w_load * S^w_succ (see reach_broker/scoring.py)."""
+
+    weight_liveness: Annotated[float, Meta(ge=0)] = 1.0
+    """Exponent of the liveness ratio over the last heartbeat/probe outcomes."""
+    weight_latency: Annotated[float, Meta(ge=0)] = 1.0
+    """Exponent of the latency term (probe RTT and task duration EWMAs vs tolerances)."""
+    weight_load: Annotated[float, Meta(ge=0)] = 0.4
+    """Exponent of the load term 1 / (1 + (active + queue) / max_concurrency)."""
+    weight_success: Annotated[float, Meta(ge=0)] = 2.0
+    """Exponent of the task success rate over the last results."""
+    success_prior: Annotated[float, Meta(ge=0)] = 5.0
+    """Virtual successes added to the success rate, so one early failure is not a verdict."""
     liveness_window: Annotated[int, Meta(ge=1, le=1000)] = 20
     """Heartbeat/probe outcomes the liveness ratio is computed over."""
     success_window: Annotated[int, Meta(ge=1)] = 100
     """Task results the success rate is computed over."""
-    rtt_tolerance_ms: Positive = 50.0
-    """Probe RTT at which the RTT half of the latency term is 0.5."""
+    rtt_tolerance_ms: Positive = 100.0
+    """Probe RTT EWMA above this scales the latency term by tolerance / RTT."""
     task_tolerance_ratio: Positive = 2.0
-    """Task p50 at this multiple of the capability's median halves the task half of latency."""
+    """Task EWMA above this multiple of the capability's median task time is penalised."""
     task_tolerance_floor_ms: Positive = 250.0
     """Task durations below this are never penalised, whatever the peers do."""
     ewma_alpha: Share = 0.3

@@ -322,6 +322,8 @@ class Registry:
                 self._push(rec, rec.offline_at)
             elif rec.state == "suspect" and now >= rec.offline_at:
                 reason = f"no heartbeat for {silence:.2f}s (interval {rec.interval_s:g}s)"
+                if rec.disconnected:
+                    reason = f"disconnected and no probe answer for {silence:.2f}s"
                 out.append(self._move(rec, "offline", reason, now))
                 rec.forget_at = now + self.cfg.detection.forget_after_s
                 self._push(rec, rec.forget_at)

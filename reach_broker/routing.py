@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import logging
 import random
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
@@ -23,6 +24,8 @@ from .config import RoutingSection
 
 if TYPE_CHECKING:
     from .registry import AgentRecord
+
+log = logging.getLogger(__name__)
 
 
 def _hash64(text: str) -> int:
@@ -77,11 +80,15 @@ class CapabilityIndex:
         """Re-rank members; keep at most ``max_eject_share`` of healthy ones out for score."""
         healthy = [r for r in self.members.values() if r.state == "healthy"]
         healthy.sort(key=_by_score)
+        active = sum(1 for r in self.members.values() if r.state != "draining")
+        self.healthy = len(healthy)
+        # Panic: too few healthy among the agents that are meant to serve (draining ones
+        # have said goodbye). Then nothing is ejected for its score: route to what is left.
+        self.panic = active > 0 and self.healthy < cfg.panic_threshold * active
         min_score = cfg.min_reach_score
         eligible = [r for r in healthy if r.score >= min_score]
-        low = len(healthy) - len(eligible)
-        cap = int(cfg.max_eject_share * len(healthy))
-        if low > cap:
+        cap = 0 if self.panic else int(cfg.max_eject_share * len(healthy))
+        if len(healthy) - len(eligible) > cap:
             # Too many would be ejected at once: keep the best of the low scorers in.
             eligible = healthy[: len(healthy) - cap]
         self.ranked = eligible
@@ -89,14 +96,11 @@ class CapabilityIndex:
         self.suspects = sorted(
             (r for r in self.members.values() if r.state == "suspect"), key=_by_score
         )
-        self.healthy = len(healthy)
-        self.panic = bool(self.members) and self.healthy < cfg.panic_threshold * len(
-            self.members
-        )
         durations = sorted(
             r.stats.task_ewma_ms for r in healthy if r.stats.task_ewma_ms is not None
         )
-        self.median_task_ms = durations[len(durations) // 2] if durations else None
+        # Lower median: with two agents the fast one sets the bar for the slow one.
+        self.median_task_ms = durations[(len(durations) - 1) // 2] if durations else None
         self.dirty = False
         self.built_at = now
 
@@ -132,6 +136,8 @@ class Router:
         self.subject_of = subject_of
         self.rng = rng or random.Random()
         self.inflight = 0  # fleet-wide reported `active`, kept by the registry
+        self.on_panic: Callable[[str, bool], None] | None = None
+        """Called with (capability, in_panic) when a capability enters or leaves panic."""
 
     def route(self, capability: str, req: RouteRequest, now: float) -> list[Candidate]:
         """Candidates for ``capability``, best first; raises NoReachableAgent with why."""
@@ -145,7 +151,10 @@ class Router:
         if idx is None or not idx.members:
             raise NoReachableAgent(f"no agent has the capability {capability!r}")
         if idx.dirty and now - idx.built_at >= cfg.rank_refresh_ms / 1000.0:
+            was_panic = idx.panic
             idx.rebuild(cfg, now)
+            if idx.panic != was_panic:
+                self._panic_changed(idx)
         limit = req.limit
         want = limit if cfg.choice == "ranked" and not req.sticky_key else limit * cfg.pool_factor
         why: dict[str, int] = {}
@@ -161,7 +170,7 @@ class Router:
         elif cfg.choice == "weighted":
             chosen = self._weighted(pool, limit, now)
         elif cfg.choice == "p2c":
-            chosen = self._p2c(pool, limit)
+            chosen = self._p2c(pool, limit, now)
         else:
             chosen = pool[:limit]
         subject_of = self.subject_of
@@ -177,6 +186,19 @@ class Router:
             )
             for r in chosen
         ]
+
+    def _panic_changed(self, idx: CapabilityIndex) -> None:
+        if idx.panic:
+            log.warning(
+                "route.panic capability=%s healthy=%d of %d (threshold %.0f%%): "
+                "score ejection suspended, routing to every healthy agent left",
+                idx.name, idx.healthy, len(idx.members), 100 * self.cfg.panic_threshold,
+            )  # fmt: skip
+        else:
+            log.info("route.panic_over capability=%s healthy=%d of %d", idx.name,
+                     idx.healthy, len(idx.members))  # fmt: skip
+        if self.on_panic is not None:
+            self.on_panic(idx.name, idx.panic)
 
     def _walk(
         self,
@@ -233,7 +255,7 @@ class Router:
         return f"no reachable agent for {capability!r} among {total}: {detail}"
 
     def _weighted(self, pool: list[AgentRecord], limit: int, now: float) -> list[AgentRecord]:
-        """Weighted draw without replacement: weight = score × free capacity × slow start."""
+        """Weighted draw without replacement: weight = score * free capacity * slow start."""
         rng = self.rng
         items = [(r, self.weight(r, now)) for r in pool]
         chosen: list[AgentRecord] = []
@@ -265,11 +287,17 @@ class Router:
             return share
         return share + (1.0 - share) * (age - span) / span
 
-    def _p2c(self, pool: list[AgentRecord], limit: int) -> list[AgentRecord]:
-        """Power of two choices on expected completion time, then the rest by score."""
+    def _p2c(self, pool: list[AgentRecord], limit: int, now: float) -> list[AgentRecord]:
+        """Power of two choices on expected completion time, then the rest by score.
+
+        A slow-started agent's expected time is divided by its slow-start factor, so it
+        wins its pairings about that much less often.
+        """
         if len(pool) >= 2:
             a, b = self.rng.sample(pool, 2)
-            first = a if _expected_ms(a) <= _expected_ms(b) else b
+            ea = _expected_ms(a) / self.slow_start_factor(a, now)
+            eb = _expected_ms(b) / self.slow_start_factor(b, now)
+            first = a if ea <= eb else b
         else:
             first = pool[0]
         return [first, *[r for r in pool if r is not first][: limit - 1]]

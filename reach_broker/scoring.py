@@ -1,17 +1,34 @@
 """The reach score of an agent, in [0, 100]: will a task handed to it now come back in time?
 
-    score = 100 × (w_live·liveness + w_lat·latency + w_load·free + w_succ·success) / Σw
-            × (stuck_penalty if a task is stuck else 1)
+    score = 100 * L^w_live * T^w_lat * F^w_load * S^w_succ * (stuck_penalty if stuck else 1)
 
-- liveness: share of on-time outcomes among the last ``liveness_window`` heartbeats/probes;
-- latency: mean of an RTT term ``1 / (1 + rtt_ewma / rtt_tolerance)`` rescaled so 0 ms → 1,
-  and a task term that halves each time the agent's task-duration EWMA doubles past
-  ``task_tolerance_ratio`` × the capability's median (never below ``task_tolerance_floor``);
-- free: ``1 - active / max_concurrency``, further reduced by a queue;
-- success: ok / (ok + fail) over roughly the last ``success_window`` results;
-- stuck: the oldest running task is older than ``stuck_factor`` × ``timeout_hint_ms``.
+a weighted geometric product, so one bad term pulls the whole score down (a weighted mean
+let an agent 1.5 s slower than its peers keep ~85). The ``weight_*`` settings are exponents.
 
-The README walks through a worked example.
+- L, liveness: share of on-time outcomes among the last ``liveness_window`` heartbeats and
+  probes (outcomes not yet seen count as on time);
+- T, latency: ``min(1, tol_task / task_ewma) * min(1, rtt_tolerance / rtt_ewma)``, with
+  ``tol_task = max(task_tolerance_floor, task_tolerance_ratio * capability median)``: no
+  penalty up to the tolerance, then in proportion (an agent 4x slower than the tolerance
+  keeps 1/4);
+- F, load: ``1 / (1 + (active + queue_depth) / max_concurrency)``: 1 idle, 0.5 at full
+  concurrency, 1/3 with a queue as deep again (the load watermark filters full agents
+  anyway; F only orders them);
+- S, success: ``(ok + success_prior) / (ok + fail + success_prior)`` over about the last
+  ``success_window`` results (the prior keeps one early failure from sinking a new agent);
+- stuck: the oldest running task is older than ``stuck_factor * timeout_hint_ms``.
+
+Defaults w_live = 1, w_lat = 1, w_load = 0.4, w_succ = 2. Worked example (agent ``beta``,
+capability median task 200 ms): 19 of its last 20 heartbeats on time (L = 0.95); task EWMA
+500 ms against tol_task = max(250, 2 * 200) = 400 ms (T = 400/500 = 0.8; probe RTT 3 ms
+is under the 100 ms tolerance); 2 of 8 slots busy, no queue (F = 1/1.25 = 0.8); 96 ok and
+4 failed of the last 100 (S = 101/105 = 0.962)::
+
+    score = 100 * 0.95 * 0.8 * 0.8^0.4 * 0.962^2 = 100 * 0.95 * 0.8 * 0.915 * 0.925 = 64.3
+
+routable (>= min_reach_score 60). Slower still, at 1600 ms (+1500 ms on every task): T = 0.25
+and the score is 20.1: out of the routes. The same agent healthy but at full load, no queue
+and nothing failed: 100 * 0.5^0.4 = 75.8, still in. Failing: with S = 0.7, 100 * 0.49 = 49.
 """
 
 from __future__ import annotations
@@ -27,6 +44,7 @@ class Stats:
         "live_bits",
         "live_n",
         "live_ok",
+        "live_window",
         "ok_w",
         "rtt_ewma_ms",
         "task_ewma_ms",
@@ -36,6 +54,7 @@ class Stats:
         self.live_bits = 0  # ring of outcomes, newest in bit 0
         self.live_n = 0
         self.live_ok = 0
+        self.live_window = 0
         self.ok_w = 0.0
         self.fail_w = 0.0
         self.rtt_ewma_ms: float | None = None
@@ -43,6 +62,7 @@ class Stats:
 
     def outcome(self, ok: bool, window: int) -> None:
         """Record one heartbeat/probe outcome (on time or not) in the liveness ring."""
+        self.live_window = window
         if self.live_n == window:
             oldest = (self.live_bits >> (window - 1)) & 1
             self.live_ok -= oldest
@@ -71,7 +91,10 @@ class Stats:
 
     @property
     def liveness(self) -> float:
-        return self.live_ok / self.live_n if self.live_n else 1.0
+        """On-time share of the last ``window`` outcomes; a new agent starts with a clean
+        record, so its first late heartbeat costs 1/window, not half its score."""
+        n = self.live_window
+        return (self.live_ok + n - self.live_n) / n if n else 1.0
 
     @property
     def success_rate(self) -> float:
@@ -79,30 +102,32 @@ class Stats:
         return self.ok_w / total if total > 0 else 1.0
 
 
-def latency_term(
-    stats: Stats, cfg: ScoringSection, peer_task_ms: float | None
-) -> float:
-    """1.0 for a fast agent, towards 0 for one much slower than its tolerance."""
-    terms = 0.0
-    n = 0
-    if stats.rtt_ewma_ms is not None:
-        terms += 1.0 / (1.0 + stats.rtt_ewma_ms / cfg.rtt_tolerance_ms)
-        n += 1
-    if stats.task_ewma_ms is not None:
+def latency_term(stats: Stats, cfg: ScoringSection, peer_task_ms: float | None) -> float:
+    """T: 1.0 within the tolerances, then tolerance / measured (task and probe RTT)."""
+    term = 1.0
+    rtt = stats.rtt_ewma_ms
+    if rtt is not None and rtt > cfg.rtt_tolerance_ms:
+        term *= cfg.rtt_tolerance_ms / rtt
+    task = stats.task_ewma_ms
+    if task is not None:
         tolerance = cfg.task_tolerance_floor_ms
         if peer_task_ms is not None:
             tolerance = max(tolerance, cfg.task_tolerance_ratio * peer_task_ms)
-        ratio = stats.task_ewma_ms / tolerance
-        terms += 1.0 if ratio <= 1.0 else 1.0 / (ratio * ratio)
-        n += 1
-    return terms / n if n else 1.0
+        if task > tolerance:
+            term *= tolerance / task
+    return term
 
 
 def load_term(active: int, queue_depth: int, max_concurrency: int) -> float:
-    free = 1.0 - min(active, max_concurrency) / max_concurrency
-    if queue_depth:
-        free /= 1.0 + queue_depth / max_concurrency
-    return free
+    """F: 1 idle, 0.5 at full concurrency, lower with a queue."""
+    return 1.0 / (1.0 + (active + queue_depth) / max(max_concurrency, 1))
+
+
+def success_term(stats: Stats, prior: float) -> float:
+    """S: success rate over the recent window, smoothed by ``prior`` virtual successes."""
+    return (stats.ok_w + prior) / (stats.ok_w + stats.fail_w + prior) if prior > 0 else (
+        stats.success_rate
+    )
 
 
 def score(
@@ -115,16 +140,13 @@ def score(
     stuck: bool,
     peer_task_ms: float | None = None,
 ) -> float:
-    """The score in [0, 100], rounded to 0.1."""
-    w_total = cfg.weight_liveness + cfg.weight_latency + cfg.weight_load + cfg.weight_success
-    if w_total <= 0:
-        return 100.0
+    """The score in [0, 100], rounded to 0.1 (formula in the module docstring)."""
     value = (
-        cfg.weight_liveness * stats.liveness
-        + cfg.weight_latency * latency_term(stats, cfg, peer_task_ms)
-        + cfg.weight_load * load_term(active, queue_depth, max_concurrency)
-        + cfg.weight_success * stats.success_rate
-    ) / w_total
+        stats.liveness**cfg.weight_liveness
+        * latency_term(stats, cfg, peer_task_ms) ** cfg.weight_latency
+        * load_term(active, queue_depth, max_concurrency) ** cfg.weight_load
+        * success_term(stats, cfg.success_prior) ** cfg.weight_success
+    )
     if stuck:
         value *= cfg.stuck_penalty
     return round(100.0 * value, 1)

@@ -120,6 +120,7 @@ class Broker:
         secret = await self._token_secret()
         self.registry = Registry(self.cfg, TokenSigner(secret, self.cfg.broker.token_max_age_s))
         self.router = Router(self.cfg.routing, self.registry.indexes, self.task_subject)
+        self.router.on_panic = lambda cap, on: self.metrics.panic.labels(cap).set(int(on))
         self.metrics.watch_states(lambda: self.registry.counts if self.registry else {})
         for component in self.components:
             await component.start()

@@ -1,0 +1,199 @@
+"""Routing: eject cap, panic mode, slow start after recovery, p2c — pure, fake clock."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+
+from reach_agent.errors import NoReachableAgent
+from reach_agent.schema import Announce, Heartbeat, RouteRequest
+from reach_broker.config import Config
+from reach_broker.registry import Registry
+from reach_broker.routing import Router
+from reach_broker.tokens import TokenSigner
+
+CAP = "summarize"
+
+
+class World:
+    def __init__(self, agents: str = "abcd", seed: int = 1, **routing: object) -> None:
+        cfg = Config()
+        cfg.routing.rank_refresh_ms = 0
+        for key, value in routing.items():
+            setattr(cfg.routing, key, value)
+        self.cfg = cfg
+        self.reg = Registry(cfg, TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
+        self.router = Router(cfg.routing, self.reg.indexes, lambda a, c: f"reach.task.{a}.{c}",
+                             rng=random.Random(seed))  # fmt: skip
+        self.panics: list[tuple[str, bool]] = []
+        self.router.on_panic = lambda cap, on: self.panics.append((cap, on))
+        self.seq = 0
+        self.tokens: dict[str, str] = {}
+        for agent_id in agents:
+            ann = Announce(agent_id=agent_id, capabilities=[CAP], max_concurrency=10,
+                           heartbeat_interval_ms=1000)  # fmt: skip
+            rec, _ = self.reg.announce(ann, 0.0, 0)
+            self.tokens[agent_id] = rec.token
+
+    def beat(self, agent_id: str, now: float, **fields: int) -> None:
+        self.seq += 1
+        hb = Heartbeat(agent_id=agent_id, token=self.tokens[agent_id], seq=self.seq, **fields)
+        assert self.reg.heartbeat(hb, now, 0)[0] == "accepted"
+
+    def set_score(self, agent_id: str, value: float) -> None:
+        rec = self.reg.agents[agent_id]
+        rec.score = value
+        self.reg._touch(rec)
+
+    def route(self, now: float, **req: object) -> list[str]:
+        got = self.router.route(CAP, RouteRequest(**req), now)  # type: ignore[arg-type]
+        return [c.agent_id for c in got]
+
+    def picks(self, now: float, n: int) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for _ in range(n):
+            first = self.route(now, limit=1)[0]
+            counts[first] = counts.get(first, 0) + 1
+        return counts
+
+
+# --- eject cap ---------------------------------------------------------------------------
+
+
+def test_low_scorers_are_ejected_up_to_the_cap() -> None:
+    w = World("abcd")
+    w.set_score("d", 40.0)
+    assert sorted(w.route(1.0, limit=4)) == ["a", "b", "c"]
+    assert w.reg.indexes[CAP].ejected == 1
+
+
+def test_never_more_than_max_eject_share_ejected_at_once() -> None:
+    w = World("abcd")  # max_eject_share 0.5 → at most 2 of 4 out for score
+    for agent_id, value in (("b", 50.0), ("c", 30.0), ("d", 10.0)):
+        w.set_score(agent_id, value)
+    got = w.route(1.0, limit=4, )
+    assert sorted(got) == ["a", "b"]  # the best of the low scorers stays in
+    idx = w.reg.indexes[CAP]
+    assert (idx.ejected, [r.agent_id for r in idx.ranked]) == (2, ["a", "b"])
+
+
+def test_eject_share_zero_keeps_everyone() -> None:
+    w = World("ab", max_eject_share=0.0)
+    w.set_score("b", 5.0)
+    assert sorted(w.route(1.0, limit=2)) == ["a", "b"]
+
+
+def test_all_below_min_score_is_explained() -> None:
+    w = World("a", max_eject_share=1.0)
+    w.set_score("a", 10.0)
+    with pytest.raises(NoReachableAgent) as exc:
+        w.route(1.0)
+    assert "score below the minimum 60.0" in exc.value.message
+
+
+# --- panic ---------------------------------------------------------------------------------
+
+
+def test_panic_is_said_once_and_suspends_ejection(caplog: pytest.LogCaptureFixture) -> None:
+    w = World("abcd")
+    for agent_id in "bcd":
+        w.reg.disconnected(agent_id, 1.0)
+    w.set_score("a", 30.0)  # alone and poor: still routed rather than nothing
+    with caplog.at_level(logging.WARNING, logger="reach_broker.routing"):
+        for i in range(5):
+            w.set_score("a", 30.0 + i)  # keep the index dirty: rebuilt every time
+            assert w.route(1.0 + i) == ["a"]
+    assert w.panics == [(CAP, True)]
+    said = [r.getMessage() for r in caplog.records if "route.panic " in r.getMessage()]
+    assert said == ["route.panic capability=summarize healthy=1 of 4 (threshold 50%): "
+                    "score ejection suspended, routing to every healthy agent left"]  # fmt: skip
+    assert w.reg.indexes[CAP].panic is True
+    # Two come back: 3 of 4 healthy, panic over (said once), ejection applies again.
+    w.beat("b", 2.0)
+    w.beat("c", 2.0)
+    assert sorted(w.route(10.0, limit=4)) == ["b", "c"]
+    assert w.panics == [(CAP, True), (CAP, False)]
+
+
+def test_draining_agents_do_not_count_towards_panic() -> None:
+    w = World("abcd")
+    for agent_id in "bcd":
+        w.reg.leave(agent_id, 1.0)
+    assert w.route(1.0) == ["a"]
+    assert w.reg.indexes[CAP].panic is False
+    assert w.panics == []
+
+
+# --- slow start ----------------------------------------------------------------------------
+
+
+def recover(w: World, agent_id: str, at: float) -> None:
+    """offline → heartbeat → recovering → probe answered → healthy (slow start from ``at``)."""
+    rec = w.reg.agents[agent_id]
+    w.reg.disconnected(agent_id, at - 2.0)
+    w.reg.probe_result(agent_id, False, None, at - 2.0)
+    assert rec.state == "offline"
+    w.beat(agent_id, at - 0.5)
+    assert rec.state == "recovering"
+    w.reg.probe_result(agent_id, True, 1.0, at)
+    assert (rec.state, rec.recovered_at) == ("healthy", at)
+
+
+def test_slow_start_factor_is_20_percent_for_30s_then_ramps() -> None:
+    w = World("ab")
+    recover(w, "b", 100.0)
+    rec = w.reg.agents["b"]
+    factor = w.router.slow_start_factor
+    assert [factor(rec, 100.0 + s) for s in (0, 15, 30, 45, 60, 90)] == pytest.approx(
+        [0.2, 0.2, 0.2, 0.6, 1.0, 1.0]
+    )
+    assert factor(w.reg.agents["a"], 100.0) == 1.0  # never recovered: no slow start
+
+
+def test_recovered_agent_gets_a_capped_share_then_its_full_share() -> None:
+    w = World("ab", seed=7)
+    recover(w, "b", 100.0)
+    for agent_id in "ab":
+        w.set_score(agent_id, 90.0)
+    # Weighted draw: b's weight is 0.2 of a's → about 1/6 of the picks at first.
+    early = w.picks(110.0, 3000)
+    assert 0.13 < early["b"] / 3000 < 0.20
+    late = w.picks(170.0, 3000)
+    assert 0.45 < late["b"] / 3000 < 0.55
+
+
+def test_slow_start_off_with_zero_span() -> None:
+    w = World("ab", slow_start_s=0.0)
+    recover(w, "b", 100.0)
+    assert w.router.slow_start_factor(w.reg.agents["b"], 100.0) == 1.0
+
+
+# --- p2c -------------------------------------------------------------------------------------
+
+
+def test_p2c_picks_the_lower_expected_completion_time() -> None:
+    w = World("ab", choice="p2c")
+    # a: 5 in flight + 2 queued, 200 ms each over 10 slots; b: 1 in flight, 300 ms.
+    w.beat("a", 1.0, active=5, queue_depth=2, ok_total=1, task_ms_p50=200)
+    w.beat("b", 1.0, active=1, ok_total=1, task_ms_p50=300)
+    assert {w.route(1.0, limit=2)[0] for _ in range(50)} == {"b"}
+    assert w.route(1.0, limit=2) == ["b", "a"]
+
+
+def test_p2c_discounts_a_slow_started_agent() -> None:
+    w = World("ab", choice="p2c")
+    recover(w, "b", 100.0)
+    w.beat("a", 101.0, active=2, ok_total=1, task_ms_p50=100)  # (2+1)x100/10 = 30 ms
+    w.beat("b", 101.0, active=0, ok_total=1, task_ms_p50=100)  # 10 ms / 0.2 = 50 ms
+    assert {w.route(101.0)[0] for _ in range(50)} == {"a"}
+    assert {w.route(170.0)[0] for _ in range(50)} == {"b"}  # ramp done: b is faster
+
+
+def test_peer_median_is_the_lower_median() -> None:
+    w = World("ab")
+    w.beat("a", 1.0, ok_total=1, task_ms_p50=100)
+    w.beat("b", 1.0, ok_total=1, task_ms_p50=1600)
+    w.route(1.0)
+    assert w.reg.indexes[CAP].median_task_ms == 100.0
