@@ -10,8 +10,8 @@ user may ask), or taken from ``detection.advisory_account``.
 - DISCONNECT of a known agent → ``Registry.disconnected``: ``suspect`` at once; the prober
   then settles it (``no responders`` → ``offline`` at once; no answer → ``offline`` after
   ``probe_timeout_s``; an answer → back to ``healthy``, e.g. a second connection lives).
-- CONNECT of a known ``offline``/``suspect`` agent → probe now (its heartbeat may be seconds
-  away).
+- CONNECT of a known ``offline``/``suspect`` agent → probe it 250 ms later (its heartbeat
+  may be seconds away).
 - At start and after the broker reconnects: reconcile with ``CONNZ``: known agents with no
   connection become ``suspect`` (and are probed), e.g. agents restored from a snapshot. A
   partial list (a cluster answers per server) only costs probes, never a wrong ``offline``.
@@ -42,6 +42,9 @@ CONNZ_MAX_PAGES = 1000
 """Bound of the reconcile loop (a million connections)."""
 
 REQUEST_TIMEOUT_S = 2.0
+
+CONNECT_PROBE_DELAY_S = 0.25
+"""A known offline agent that connects is probed this long after its CONNECT advisory."""
 
 
 class _Client(msgspec.Struct):
@@ -226,7 +229,8 @@ class Advisories:
             return
         rec = registry.agents.get(name)
         if rec is not None and rec.state in ("offline", "suspect"):
-            broker.request_probe(name)
+            # A moment's grace: the agent subscribes to its probe subject after connecting.
+            broker.probes.schedule(name, broker.clock() + CONNECT_PROBE_DELAY_S)
 
     def on_reconnected(self) -> None:
         """The broker's own connection came back: advisories may have been missed."""

@@ -428,6 +428,9 @@ class Registry:
             rec.recover_hbs = 0
         if to == "offline":
             self._set_load(rec, 0, 0)
+            # Every way into offline (silence, probe, disconnect) starts the forget clock.
+            rec.forget_at = now + self.cfg.detection.forget_after_s
+            self._push(rec, rec.forget_at)
         self._touch(rec)
         return Transition("state", rec.agent_id, frm, to, reason)
 

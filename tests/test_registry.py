@@ -131,3 +131,13 @@ def test_probe_backoff_doubles_with_jitter_up_to_the_cap() -> None:
     assert bottom == [0.5, 4.0, 30.0]
     rng = random.Random(3)
     assert all(15.0 <= backoff_delay(100, 30.0, rng) <= 30.0 for _ in range(100))
+
+
+def test_offline_by_probe_is_kept_until_forget_after() -> None:
+    reg, _ = make("alpha")
+    reg.disconnected("alpha", 1.0)
+    reg.probe_result("alpha", False, None, 1.0)
+    assert reg.expire(1.0 + 24 * 3600 - 0.01) == []
+    assert [(t.kind, t.reason) for t in reg.expire(1.0 + 24 * 3600)] == [
+        ("evicted", "offline for 86400s")
+    ]
