@@ -160,6 +160,13 @@ class CompensationSection(Section):
     """Replayed tasks in flight at once, per capability."""
     receipt_timeout_s: Positive = 2.0
     """How long a replay waits for the agent's receipt before trying another agent."""
+    ack_wait_s: Positive = 30.0
+    """A fetched entry not acked within this is redelivered (e.g. its broker died mid-replay)."""
+    sweep_interval_s: Positive = 5.0
+    """How often expired entries are recorded `failed`/`expired` and removed, the depth gauge
+    refreshed, and capabilities with waiting entries and a reachable agent replayed again."""
+    busy_retry_max_s: Positive = 1.0
+    """Ceiling of the backoff while every agent of a capability answers TARGET_BUSY."""
 
 
 class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

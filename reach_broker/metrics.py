@@ -91,6 +91,34 @@ class Metrics:
             "reach_disconnect_advisories", "1 when the server's disconnect advisories are seen",
             registry=r,
         )  # fmt: skip
+        # JetStream (issue 4): compensation queue and durable acks.
+        self.compensation_depth = Gauge(
+            "reach_compensation_depth", "Entries in REACH_COMPENSATION (read periodically)",
+            registry=r,
+        )  # fmt: skip
+        self.compensation = Counter(
+            "reach_compensation_total",
+            "Compensation entries by result (replayed/expired by brokers; enqueued/refused by "
+            "clients)",
+            ["result"],
+            registry=r,
+        )
+        self.compensation_result = {
+            k: self.compensation.labels(k) for k in ("enqueued", "replayed", "expired", "refused")
+        }
+        self.ack_records = Counter(
+            "reach_ack_records_total", "Ack records published on reach.ack.> by state",
+            ["state"], registry=r,
+        )  # fmt: skip
+        self.ack_record_state = {
+            k: self.ack_records.labels(k) for k in ("received", "completed", "failed")
+        }
+        self.ack_latency = Histogram(
+            "reach_ack_latency_seconds",
+            "Task sent (replay) or received (agent ack) to its completed/failed ack",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+            registry=r,
+        )
 
     def watch_states(self, counts: Callable[[], dict[str, int]]) -> None:
         self.registry.register(_StateCollector(counts))

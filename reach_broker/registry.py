@@ -339,6 +339,37 @@ class Registry:
         rec = self.agents.get(agent_id)
         return [] if rec is None else [self._evict(rec, reason)]
 
+    def restore(
+        self, msg: Announce, state: AgentState, now: float, wall_ms: int
+    ) -> AgentRecord | None:
+        """An agent from the registry snapshot (KV reach_registry) this broker has not heard.
+
+        It starts `suspect` (`offline` and `draining` stay so) and becomes routable only
+        when a heartbeat or probe answer confirms it; deadlines run from ``now`` as after a
+        missed heartbeat. No transition is returned: nothing changed in the fleet. An agent
+        already known (it announced first) is left alone and None is returned.
+        """
+        if msg.agent_id in self.agents:
+            return None
+        rec = AgentRecord(msg, self.interval_for(msg), self.detector.new_window())
+        to: AgentState = state if state in ("offline", "draining") else "suspect"
+        rec.state = to
+        rec.state_since = now
+        rec.last_seen = now
+        rec.last_seen_wall_ms = wall_ms
+        self.agents[rec.agent_id] = rec
+        self.counts[to] += 1
+        for cap in rec.capabilities:
+            self._index(cap).add(rec)
+        if to == "offline":
+            rec.forget_at = now + self.cfg.detection.forget_after_s
+            self._push(rec, rec.forget_at)
+        else:
+            suspect_s, offline_s = self.detector.deadlines(rec.window, rec.interval_s)
+            self._schedule(rec, now + suspect_s, now + offline_s)
+        self.rescore(rec, now)
+        return rec
+
     # --- queries --------------------------------------------------------------------------
 
     def views(

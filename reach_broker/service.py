@@ -44,7 +44,9 @@ from .config import Config
 from .metrics import Metrics
 from .probes import Prober
 from .registry import AgentRecord, Registry, Transition
+from .replay import Replayer
 from .routing import Router
+from .snapshot import Snapshot
 from .tokens import TokenSigner
 
 log = logging.getLogger(__name__)
@@ -98,6 +100,13 @@ class Broker:
         self.probes = Prober(self)
         self.advisories = Advisories(self)
         self.components += [self.probes, self.advisories]
+        # JetStream (issue 4): the snapshot restores the registry before probes and
+        # advisories start; replay comes last. Both are no-ops without JetStream.
+        self.jetstream_ok = False
+        self.snapshot = Snapshot(self)
+        self.replayer = Replayer(self)
+        self.components.insert(0, self.snapshot)
+        self.components.append(self.replayer)
         self._service: Service | None = None
         self._subs: list[Any] = []
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -117,6 +126,7 @@ class Broker:
         self._started = True
         if self._own_nc:
             await self._connect()
+        self.jetstream_ok = await self._provision()
         secret = await self._token_secret()
         self.registry = Registry(self.cfg, TokenSigner(secret, self.cfg.broker.token_max_age_s))
         self.router = Router(self.cfg.routing, self.registry.indexes, self.task_subject)
@@ -226,6 +236,28 @@ class Broker:
     async def _on_reconnected(self) -> None:
         log.info("broker.nats_reconnected url=%s", self.nc.connected_url)
         self.advisories.on_reconnected()  # disconnects may have been missed meanwhile
+
+    async def _provision(self) -> bool:
+        """Create or update the JetStream assets (jetstream/definitions) before any use.
+
+        No JetStream on the server: warn and run without snapshot and replay. A definition
+        that would lose data if applied: raise (the broker refuses to start).
+        """
+        from jetstream.provision import JetStreamUnavailable, load_definitions, provision
+
+        defs = load_definitions(
+            self.prefix, {"REACH_COMPENSATION": {"max_msgs": self.cfg.compensation.max_entries}}
+        )
+        try:
+            outcomes = await provision(self.nc, defs)
+        except JetStreamUnavailable as exc:
+            log.warning("broker.no_jetstream %s: running without registry snapshot, "
+                        "compensation replay and durable acks", exc)  # fmt: skip
+            return False
+        for o in outcomes:
+            if o.action != "unchanged":
+                log.info("jetstream.%s stream=%s %s", o.action, o.name, "; ".join(o.changes))
+        return True
 
     async def _token_secret(self) -> bytes:
         """The configured secret, else one shared through JetStream KV by all replicas."""

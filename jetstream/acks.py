@@ -1,0 +1,424 @@
+"""Durable acknowledgements on ``REACH_ACKS``: the agent's write-ahead sender and the readers.
+
+An agent records ``received`` and ``completed``/``failed`` for every task. :class:`AckWriter`
+appends each record to a local write-ahead file *first*, then publishes it on
+``reach.ack.<request_id>`` with ``Nats-Msg-Id: <request_id>.<state>`` over a NATS connection
+of its own, re-sending until JetStream's PubAck confirms; a ``done`` line then marks it
+stored. At start the write-ahead files of dead processes of the same agent (and its own
+earlier life) are replayed, so a crash between "handler done" and "ack stored" loses nothing.
+Re-sends are harmless: the stream's duplicate window drops a second copy of the same id.
+
+The readers find the last record of a request id, or wait for a final one. This module works
+on bytes and headers: it knows the stream, not the message type (the state is read from the
+``Nats-Msg-Id`` suffix).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import random
+import re
+import secrets
+import signal
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import msgspec
+import nats
+from nats.aio.client import Client as NATS
+from nats.js.errors import NotFoundError
+
+log = logging.getLogger(__name__)
+
+ACK_STREAM = "REACH_ACKS"
+H_MSG_ID = "Nats-Msg-Id"
+FINAL_STATES = ("completed", "failed")
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
+_REQUEST_ID_RE = re.compile(REQUEST_ID_PATTERN)
+
+CRASH_ENV = "REACH_ACK_CRASH_AFTER_WAL"
+"""Test hook: ``completed`` (or another state) makes the process SIGKILL itself right after
+that record reached the write-ahead file and before it is published."""
+
+
+class InvalidRequestId(ValueError):
+    """A request id that cannot be one subject token of ``reach.ack.<request_id>``."""
+
+
+def check_request_id(request_id: str) -> str:
+    if _REQUEST_ID_RE.match(request_id) is None:
+        raise InvalidRequestId(
+            f"request_id {request_id[:160]!r} is not valid for reach.ack.<request_id> "
+            "(1-128 chars of [A-Za-z0-9_-], e.g. a UUID4)"
+        )
+    return request_id
+
+
+def ack_subject(request_id: str, prefix: str = "reach") -> str:
+    return f"{prefix}.ack.{request_id}"
+
+
+def ack_msg_id(request_id: str, state: str) -> str:
+    return f"{request_id}.{state}"
+
+
+def state_of(headers: Mapping[str, str] | None) -> str | None:
+    """The ack state carried by a stored record's ``Nats-Msg-Id`` (``<rid>.<state>``)."""
+    msg_id = (headers or {}).get(H_MSG_ID)
+    return msg_id.rpartition(".")[2] if msg_id else None
+
+
+# --- the write-ahead sender -----------------------------------------------------------------
+
+
+class _Pending(NamedTuple):
+    subject: str
+    data: bytes
+
+
+class AckWriter:
+    """Write-ahead, at-least-once sender of ack records (an agent's ``ack_sink``).
+
+    ``record(rec)`` takes any msgspec-encodable object with ``request_id`` and ``state``
+    (the SDK's ``AckRecord``), appends it to the write-ahead file and returns; a background
+    task publishes it and re-sends with jittered backoff until JetStream confirms.
+    """
+
+    def __init__(
+        self,
+        wal_dir: str | os.PathLike[str],
+        *,
+        servers: str | list[str] | None = None,
+        name: str = "reach-acks",
+        prefix: str = "reach",
+        creds: str | None = None,
+        fsync: bool = False,
+        batch: int = 256,
+        publish_timeout_s: float = 2.0,
+        retry_max_s: float = 5.0,
+        compact_bytes: int = 1 << 20,
+    ) -> None:
+        self.wal_dir = Path(wal_dir)
+        if servers is None:
+            servers = os.environ.get("NATS_URL") or "nats://127.0.0.1:4222"
+        self.servers = servers.split(",") if isinstance(servers, str) else list(servers)
+        self.name = name
+        self.prefix = prefix
+        self.creds = creds
+        self.fsync = fsync
+        self.batch = batch
+        self.publish_timeout_s = publish_timeout_s
+        self.retry_max_s = retry_max_s
+        self.compact_bytes = compact_bytes
+        self.stored = 0
+        """Records confirmed by JetStream (duplicates included) since start."""
+        self.duplicates = 0
+        self.dropped = 0
+        """Records refused before the WAL (invalid request id), logged with the reason."""
+        self.retries = 0
+        self._pending: dict[str, _Pending] = {}
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._fd: int | None = None
+        self._path: Path | None = None
+        self._size = 0
+        self._task: asyncio.Task[None] | None = None
+        self._nc: NATS | None = None
+        self._crash_after = os.environ.get(CRASH_ENV) or None
+        self._encoder = msgspec.json.Encoder()
+
+    # --- lifecycle --------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open this process's WAL, adopt the pending records of dead ones, connect."""
+        if self._task is not None:
+            return
+        self.wal_dir.mkdir(parents=True, exist_ok=True)
+        self._open_own()
+        self._adopt_orphans()
+        self._nc = await nats.connect(
+            servers=self.servers,
+            name=self.name,
+            user_credentials=self.creds,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            connect_timeout=2,
+            allow_reconnect=True,
+            error_cb=self._on_error,
+        )
+        self._task = asyncio.create_task(self._sender(), name=f"{self.name}-sender")
+        if self._pending:
+            log.info("acks.replaying count=%d dir=%s", len(self._pending), self.wal_dir)
+            self._idle.clear()
+            self._wake.set()
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        """Send what is pending (up to ``timeout``), then close; the rest stays in the WAL."""
+        if self._task is None:
+            return
+        await self.flush(timeout_s)
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        self._task = None
+        if self._nc is not None and not self._nc.is_closed:
+            with contextlib.suppress(Exception):
+                await self._nc.close()
+        if self._fd is not None:
+            os.close(self._fd)  # releases the lock; pending lines stay for the next start
+            self._fd = None
+            if not self._pending and self._path is not None:
+                with contextlib.suppress(OSError):
+                    self._path.unlink()
+
+    async def __aenter__(self) -> AckWriter:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    async def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until every record written so far is stored; False on timeout."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
+    async def _on_error(self, exc: Exception) -> None:
+        log.debug("acks.nats_error error=%s", exc)
+
+    # --- writing ----------------------------------------------------------------------
+
+    async def record(self, rec: Any) -> None:
+        """The ``ack_sink`` hook: durable in the WAL on return, stored in JetStream soon."""
+        self.write(rec.request_id, rec.state, self._encoder.encode(rec))
+
+    def write(self, request_id: str, state: str, data: bytes) -> None:
+        """Append one record to the WAL and queue it for sending."""
+        if self._fd is None:
+            raise RuntimeError("AckWriter.write before start()")
+        try:
+            check_request_id(request_id)
+        except InvalidRequestId as exc:
+            self.dropped += 1
+            log.warning("acks.dropped state=%s reason=%s", state, exc)
+            return
+        msg_id = ack_msg_id(request_id, state)
+        subject = ack_subject(request_id, self.prefix)
+        # A newline in valid JSON is only ever whitespace, so this keeps one record per line.
+        data = data.replace(b"\n", b" ")
+        self._append(b"A %s %s %s\n" % (msg_id.encode(), subject.encode(), data))
+        if self._crash_after is not None and state == self._crash_after:
+            log.warning("acks.test_crash state=%s request_id=%s (%s)", state, request_id, CRASH_ENV)
+            os.kill(os.getpid(), signal.SIGKILL)
+        self._pending[msg_id] = _Pending(subject, data)
+        self._idle.clear()
+        self._wake.set()
+
+    def _append(self, line: bytes) -> None:
+        assert self._fd is not None
+        os.write(self._fd, line)
+        self._size += len(line)
+        if self.fsync:
+            os.fsync(self._fd)
+
+    # --- the WAL files ----------------------------------------------------------------
+
+    def _open_own(self) -> None:
+        path = self.wal_dir / f"acks-{os.getpid()}-{secrets.token_hex(3)}.wal"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self._fd, self._path, self._size = fd, path, 0
+
+    def _adopt_orphans(self) -> None:
+        """Take over WAL files no live process holds: copy their pending lines into ours."""
+        for path in sorted(self.wal_dir.glob("acks-*.wal")):
+            if path == self._path:
+                continue
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    continue  # a live writer (another process of this agent) owns it
+                with os.fdopen(os.dup(fd), "rb") as f:
+                    pending = parse_wal(f.read())
+                for msg_id, p in pending.items():
+                    if msg_id not in self._pending:
+                        self._append(
+                            b"A %s %s %s\n" % (msg_id.encode(), p.subject.encode(), p.data)
+                        )
+                        self._pending[msg_id] = p
+                if self._fd is not None and not self.fsync:
+                    os.fsync(self._fd)  # the copy is durable before the original goes
+                path.unlink()
+            finally:
+                os.close(fd)
+
+    def _compact(self) -> None:
+        """Rewrite the WAL with only the pending lines once it has grown large."""
+        assert self._path is not None and self._fd is not None
+        tmp = self._path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        size = 0
+        for msg_id, p in self._pending.items():
+            line = b"A %s %s %s\n" % (msg_id.encode(), p.subject.encode(), p.data)
+            os.write(fd, line)
+            size += len(line)
+        os.fsync(fd)
+        os.replace(tmp, self._path)
+        os.close(self._fd)
+        self._fd, self._size = fd, size
+
+    # --- sending ----------------------------------------------------------------------
+
+    async def _sender(self) -> None:
+        backoff = 0.05
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._pending:
+                batch = list(self._pending.items())[: self.batch]
+                results = await asyncio.gather(
+                    *(self._publish(msg_id, p) for msg_id, p in batch), return_exceptions=True
+                )
+                done = [
+                    msg_id for (msg_id, _), ok in zip(batch, results, strict=True) if ok is True
+                ]
+                if done:
+                    self._append(b"".join(b"D %s\n" % m.encode() for m in done))
+                    for m in done:
+                        self._pending.pop(m, None)
+                    self.stored += len(done)
+                if len(done) < len(batch):
+                    self.retries += len(batch) - len(done)
+                    failure = next(r for r in results if r is not True)
+                    delay = min(backoff, self.retry_max_s) * (0.5 + random.random())
+                    log.warning("acks.retry pending=%d in=%.2fs error=%r",
+                                len(self._pending), delay, failure)  # fmt: skip
+                    await asyncio.sleep(delay)
+                    backoff = min(backoff * 2, self.retry_max_s)
+                else:
+                    backoff = 0.05
+            if self._size > self.compact_bytes:
+                try:
+                    self._compact()
+                except OSError:
+                    log.exception("acks.compact_failed path=%s", self._path)
+            if not self._pending:
+                self._idle.set()
+
+    async def _publish(self, msg_id: str, p: _Pending) -> bool:
+        assert self._nc is not None
+        js = self._nc.jetstream(timeout=self.publish_timeout_s)
+        ack = await js.publish(p.subject, p.data, headers={H_MSG_ID: msg_id})
+        if ack.duplicate:
+            self.duplicates += 1
+        return True
+
+
+def parse_wal(content: bytes) -> dict[str, _Pending]:
+    """Records written but not marked done, in order; a torn last line is ignored."""
+    pending: dict[str, _Pending] = {}
+    for line in content.split(b"\n"):
+        if line.startswith(b"A "):
+            parts = line.split(b" ", 3)
+            if len(parts) == 4 and parts[3]:
+                pending[parts[1].decode()] = _Pending(parts[2].decode(), parts[3])
+        elif line.startswith(b"D "):
+            pending.pop(line[2:].decode(), None)
+    return pending
+
+
+# --- readers ----------------------------------------------------------------------------
+
+
+class StoredAck(NamedTuple):
+    subject: str
+    data: bytes
+    state: str | None
+    seq: int | None
+
+
+async def last_record(
+    nc: NATS, request_id: str, *, prefix: str = "reach", timeout_s: float = 2.0
+) -> StoredAck | None:
+    """The latest record stored for ``request_id`` (None when there is none)."""
+    check_request_id(request_id)
+    js = nc.jetstream(timeout=timeout_s)
+    subject = ack_subject(request_id, prefix)
+    try:
+        raw = await js.get_last_msg(ACK_STREAM, subject, direct=True)
+    except NotFoundError:
+        return None
+    return StoredAck(subject, raw.data or b"", state_of(raw.headers), raw.seq)
+
+
+async def all_records(
+    nc: NATS, request_id: str, *, prefix: str = "reach", timeout_s: float = 2.0
+) -> list[StoredAck]:
+    """Every record stored for ``request_id``, oldest first (for ``reach ack``)."""
+    check_request_id(request_id)
+    js = nc.jetstream(timeout=timeout_s)
+    subject = ack_subject(request_id, prefix)
+    out: list[StoredAck] = []
+    seq = 0
+    while True:
+        try:
+            raw = await js.get_msg(ACK_STREAM, seq=seq + 1, subject=subject, next=True)
+        except NotFoundError:
+            return out
+        out.append(StoredAck(subject, raw.data or b"", state_of(raw.headers), raw.seq))
+        assert raw.seq is not None
+        seq = raw.seq
+        if len(out) >= 100:  # a request id has at most a handful: stop a runaway loop
+            return out
+
+
+async def wait_final(
+    nc: NATS, request_id: str, timeout_s: float, *, prefix: str = "reach"
+) -> StoredAck:
+    """The first ``completed``/``failed`` record of ``request_id``, stored or yet to come.
+
+    Subscribes before looking at the stream, so a record stored in between is not missed.
+    Raises ``asyncio.TimeoutError`` after ``timeout`` seconds.
+    """
+    check_request_id(request_id)
+    subject = ack_subject(request_id, prefix)
+    found: asyncio.Future[StoredAck] = asyncio.get_running_loop().create_future()
+
+    async def on_msg(msg: Any) -> None:
+        state = state_of(msg.headers)
+        if state in FINAL_STATES and not found.done():
+            found.set_result(StoredAck(subject, msg.data, state, None))
+
+    sub = await nc.subscribe(subject, cb=on_msg)
+    try:
+        await nc.flush(timeout=min(timeout_s, 2.0))
+        last = await last_record(nc, request_id, prefix=prefix, timeout_s=min(timeout_s, 2.0))
+        if last is not None and last.state in FINAL_STATES:
+            return last
+        if last is not None and last.state not in FINAL_STATES:
+            # A final record may precede a late duplicate `received`: look at all of them.
+            for rec in await all_records(nc, request_id, prefix=prefix):
+                if rec.state in FINAL_STATES:
+                    return rec
+        return await asyncio.wait_for(asyncio.shield(found), timeout_s)
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()

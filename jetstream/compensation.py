@@ -1,0 +1,230 @@
+"""The bounded compensation queue ``REACH_COMPENSATION``: enqueue, and the broker's reading side.
+
+One subject per capability, ``reach.comp.<capability>``; an entry is the task payload with
+the task headers plus ``Nats-Msg-Id`` = request id (a second enqueue of the same id within
+the stream's duplicate window is recognised, not stored twice), ``Reach-Priority`` and
+``Reach-Expires-Ms``. The stream is a work queue with ``max_msgs`` and discard *new*: at the
+bound the server refuses the publish (err_code 10077) and :func:`enqueue` raises
+:class:`QueueFull`, so nothing is dropped silently and nothing is half-stored.
+
+Expiry is a header checked by the broker (at replay, and by a periodic sweep for
+capabilities nobody serves), not a JetStream per-message TTL: a TTL-expired message
+disappears without trace, but an expired entry must be recorded as ``failed``/``expired``
+on ``REACH_ACKS`` so the caller's ``wait()`` learns what happened.
+
+Replay reads a capability through one durable pull consumer shared by every broker replica
+(explicit acks): a fetched entry is held by one replica only; if that replica dies before
+acking, the entry is redelivered after ``ack_wait``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.js import api
+from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
+
+COMP_STREAM = "REACH_COMPENSATION"
+H_MSG_ID = "Nats-Msg-Id"
+H_REQUEST_ID = "Reach-Request-Id"
+H_PRIORITY = "Reach-Priority"
+H_EXPIRES_MS = "Reach-Expires-Ms"
+H_ENQUEUED_MS = "Reach-Enqueued-Ms"
+MAX_MSGS_EXCEEDED = 10077
+QUEUE_HEADERS = (H_MSG_ID, H_PRIORITY, H_EXPIRES_MS, H_ENQUEUED_MS)
+"""Headers that belong to the queue, not to the task (stripped before a replay)."""
+
+
+class QueueError(RuntimeError):
+    """The queue could not take an entry (no JetStream, no answer)."""
+
+
+class QueueFull(QueueError):
+    """The queue is at its bound (discard new): the entry was refused, not stored."""
+
+
+class EnqueueResult(NamedTuple):
+    seq: int
+    duplicate: bool
+
+
+def comp_subject(capability: str, prefix: str = "reach") -> str:
+    return f"{prefix}.comp.{capability}"
+
+
+async def enqueue(
+    nc: NATS,
+    capability: str,
+    payload: bytes,
+    *,
+    request_id: str,
+    priority: int = 0,
+    expires_at_ms: int,
+    headers: Mapping[str, str] | None = None,
+    prefix: str = "reach",
+    timeout_s: float = 2.0,
+) -> EnqueueResult:
+    """Store one entry; raise QueueFull at the bound. ``duplicate`` when already queued."""
+    hdrs = dict(headers or {})
+    hdrs[H_MSG_ID] = request_id
+    hdrs[H_REQUEST_ID] = request_id
+    hdrs[H_PRIORITY] = str(int(priority))
+    hdrs[H_EXPIRES_MS] = str(int(expires_at_ms))
+    hdrs[H_ENQUEUED_MS] = str(int(time.time() * 1000))
+    js = nc.jetstream(timeout=timeout_s)
+    try:
+        ack = await js.publish(comp_subject(capability, prefix), payload, headers=hdrs)
+    except APIError as exc:
+        if exc.err_code == MAX_MSGS_EXCEEDED:
+            raise QueueFull(
+                f"compensation queue {COMP_STREAM} is full: {exc.description}"
+            ) from None
+        raise QueueError(f"enqueue on {COMP_STREAM} failed: {exc.description}") from None
+    except (NoStreamResponseError, NoRespondersError):
+        raise QueueError(
+            f"no JetStream stream {COMP_STREAM} answers on {comp_subject(capability, prefix)} "
+            "(is a broker with JetStream provisioned?)"
+        ) from None
+    except TimeoutError:
+        raise QueueError(f"enqueue on {COMP_STREAM}: no PubAck within {timeout_s}s") from None
+    return EnqueueResult(ack.seq, bool(ack.duplicate))
+
+
+# --- reading side (the broker) ----------------------------------------------------------
+
+
+class Entry(NamedTuple):
+    """One queued task as the replayer sees it."""
+
+    capability: str
+    request_id: str
+    priority: int
+    expires_at_ms: int
+    enqueued_ms: int
+    seq: int
+    headers: dict[str, str]
+    data: bytes
+    msg: Msg | None
+
+    def task_headers(self) -> dict[str, str]:
+        """The caller's task headers, without the queue's own."""
+        return {k: v for k, v in self.headers.items() if k not in QUEUE_HEADERS}
+
+    def expired(self, now_ms: int) -> bool:
+        return 0 < self.expires_at_ms <= now_ms
+
+
+def _int(headers: Mapping[str, str], key: str, default: int = 0) -> int:
+    try:
+        return int(headers.get(key, default))
+    except (TypeError, ValueError):
+        return default
+
+
+def parse_entry(subject: str, headers: Mapping[str, str] | None, data: bytes, seq: int,
+                msg: Msg | None, prefix: str = "reach") -> Entry:  # fmt: skip
+    h = {k: v for k, v in (headers or {}).items() if not k.startswith("Nats-") or k == H_MSG_ID}
+    rid = h.get(H_REQUEST_ID) or h.get(H_MSG_ID) or ""
+    return Entry(
+        capability=subject[len(prefix) + len(".comp.") :],
+        request_id=rid,
+        priority=_int(h, H_PRIORITY),
+        expires_at_ms=_int(h, H_EXPIRES_MS),
+        enqueued_ms=_int(h, H_ENQUEUED_MS),
+        seq=seq,
+        headers=h,
+        data=data,
+        msg=msg,
+    )
+
+
+def entry_of(msg: Msg, prefix: str = "reach") -> Entry:
+    return parse_entry(
+        msg.subject, msg.headers, msg.data, msg.metadata.sequence.stream, msg, prefix
+    )
+
+
+def consumer_name(capability: str) -> str:
+    """Durable consumer of one capability (consumer names cannot hold dots)."""
+    digest = hashlib.blake2b(capability.encode(), digest_size=8).hexdigest()
+    return f"reach_replay_{digest}"
+
+
+async def ensure_consumer(
+    nc: NATS, capability: str, *, ack_wait_s: float, max_ack_pending: int,
+    prefix: str = "reach", timeout_s: float = 2.0,
+) -> Any:  # fmt: skip
+    """The shared durable pull consumer of ``capability`` (created or updated), bound."""
+    js = nc.jetstream(timeout=timeout_s)
+    name = consumer_name(capability)
+    cfg = api.ConsumerConfig(
+        durable_name=name,
+        description=f"reach replay of {comp_subject(capability, prefix)}",
+        filter_subject=comp_subject(capability, prefix),
+        ack_policy=api.AckPolicy.EXPLICIT,
+        deliver_policy=api.DeliverPolicy.ALL,
+        ack_wait=ack_wait_s,
+        max_deliver=-1,
+        max_ack_pending=max_ack_pending,
+        inactive_threshold=7 * 24 * 3600.0,
+    )
+    await js.add_consumer(COMP_STREAM, cfg)
+    return await js.pull_subscribe_bind(durable=name, stream=COMP_STREAM)
+
+
+async def depths(
+    nc: NATS, prefix: str = "reach", timeout_s: float = 2.0
+) -> tuple[int, dict[str, int]]:
+    """Total entries and entries per capability, from the stream's state."""
+    reply = await nc.request(
+        f"$JS.API.STREAM.INFO.{COMP_STREAM}",
+        json.dumps({"subjects_filter": f"{prefix}.comp.>"}).encode(),
+        timeout=timeout_s,
+    )
+    info = json.loads(reply.data)
+    if "error" in info:
+        raise QueueError(f"stream info {COMP_STREAM}: {info['error'].get('description')}")
+    state = info.get("state", {})
+    cut = len(prefix) + len(".comp.")
+    per = {subj[cut:]: n for subj, n in (state.get("subjects") or {}).items()}
+    return int(state.get("messages", 0)), per
+
+
+async def scan(nc: NATS, capability: str | None = None, *, prefix: str = "reach",
+               limit: int = 100_000, timeout_s: float = 2.0) -> list[Entry]:  # fmt: skip
+    """Every entry (of ``capability`` or all), read without taking them (direct get)."""
+    js = nc.jetstream(timeout=timeout_s)
+    subject = comp_subject(capability, prefix) if capability else f"{prefix}.comp.>"
+    out: list[Entry] = []
+    seq = 0
+    while len(out) < limit:
+        try:
+            raw = await js.get_msg(
+                COMP_STREAM, seq=seq + 1, subject=subject, next=True, direct=True
+            )
+        except NotFoundError:
+            break
+        assert raw.seq is not None and raw.subject is not None
+        out.append(parse_entry(raw.subject, raw.headers, raw.data or b"", raw.seq, None, prefix))
+        seq = raw.seq
+    return out
+
+
+async def remove(nc: NATS, seq: int, timeout_s: float = 2.0) -> bool:
+    """Delete one entry by sequence; False when it was already gone."""
+    js = nc.jetstream(timeout=timeout_s)
+    try:
+        return bool(await js.delete_msg(COMP_STREAM, seq))
+    except NotFoundError:
+        return False
+    except APIError as exc:
+        if exc.err_code == 10057 or "no message found" in (exc.description or ""):
+            return False
+        raise

@@ -1,0 +1,135 @@
+"""Durable delivery for callers: ``submit`` to the compensation queue, ``wait`` for the ack.
+
+``Client.submit`` and ``Client.wait`` delegate here. ``submit`` enqueues a task on
+``reach.comp.<capability>`` (``REACH_COMPENSATION``) with ``Nats-Msg-Id`` = request id, a
+priority and an expiry; the broker replays it, with the same request id, as soon as an
+agent for the capability is reachable (at once when one already is). ``wait`` returns the
+final ``AckRecord`` (``completed`` or ``failed``) from ``REACH_ACKS``, whether it was stored
+long ago (also after the caller itself restarted) or arrives while waiting.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from nats.aio.client import Client as NATS
+
+from jetstream import acks, compensation
+
+from .errors import CompensationFull, InternalError, InvalidRequest, Timeout
+from .schema import H_REQUEST_ID, AckRecord, ack_record_decoder, check_capability, encoder
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TTL_S = 3600.0
+"""Expiry of a queued entry when ``ttl`` is not given (the broker's default_ttl_s)."""
+MAX_PRIORITY = 1_000_000
+
+
+class Submitted(str):
+    """The request id of a submitted task; ``duplicate`` is True when it was already queued
+    (the same request id within the queue's duplicate window): nothing new was stored."""
+
+    duplicate: bool
+    seq: int
+
+    def __new__(cls, request_id: str, *, duplicate: bool, seq: int) -> Submitted:
+        obj = super().__new__(cls, request_id)
+        obj.duplicate = duplicate
+        obj.seq = seq
+        return obj
+
+
+def connection_of(client: Any) -> NATS:
+    """The NATS connection of a ``reach_agent.Client`` (or a raw connection)."""
+    if isinstance(client, NATS):
+        return client
+    nc = getattr(client, "nc", None)
+    if nc is None:
+        raise InvalidRequest(f"{type(client).__name__} has no NATS connection (not connected?)")
+    return nc  # type: ignore[no-any-return]
+
+
+async def submit(
+    client: Any,
+    capability: str,
+    payload: Any,
+    *,
+    deliver: str = "eventually",
+    priority: int = 0,
+    ttl: float | None = None,
+    request_id: str | None = None,
+    headers: Mapping[str, str] | None = None,
+    prefix: str = "reach",
+) -> Submitted:
+    """Queue a task for eventual delivery; returns its request id.
+
+    Raises ``CompensationFull`` when the queue is at its bound (nothing was stored),
+    ``InvalidRequest``/``InvalidCapability`` for bad arguments. Higher ``priority`` replays
+    first; ``ttl`` (seconds) is how long the entry may wait before it is recorded as
+    ``failed`` with reason ``expired``.
+    """
+    if deliver != "eventually":
+        raise InvalidRequest(f"deliver {deliver!r} is not supported by submit (use 'eventually')")
+    check_capability(capability)
+    if not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+        raise InvalidRequest(f"priority {priority!r} is outside ±{MAX_PRIORITY}")
+    ttl_s = DEFAULT_TTL_S if ttl is None else ttl
+    if not ttl_s > 0:
+        raise InvalidRequest(f"ttl {ttl!r} must be a positive number of seconds")
+    rid = request_id or str(uuid.uuid4())
+    try:
+        acks.check_request_id(rid)
+    except acks.InvalidRequestId as exc:
+        raise InvalidRequest(str(exc)) from None
+    data = bytes(payload) if isinstance(payload, bytes | bytearray) else encoder.encode(payload)
+    hdrs = dict(headers or {})
+    hdrs[H_REQUEST_ID] = rid
+    try:
+        res = await compensation.enqueue(
+            connection_of(client),
+            capability,
+            data,
+            request_id=rid,
+            priority=priority,
+            expires_at_ms=int((time.time() + ttl_s) * 1000),
+            headers=hdrs,
+            prefix=prefix,
+        )
+    except compensation.QueueFull as exc:
+        raise CompensationFull(f"{exc}; request_id {rid!r} was not queued") from None
+    except compensation.QueueError as exc:
+        raise InternalError(str(exc)) from None
+    if res.duplicate:
+        log.info("submit.duplicate request_id=%s capability=%s seq=%d", rid, capability, res.seq)
+    return Submitted(rid, duplicate=res.duplicate, seq=res.seq)
+
+
+async def wait(client: Any, request_id: str, timeout: float, *, prefix: str = "reach") -> AckRecord:  # noqa: ASYNC109 - the SDK's public signature
+    """The final ack record (``completed``/``failed``) of ``request_id``.
+
+    Raises ``Timeout`` when none is stored within ``timeout`` seconds.
+    """
+    try:
+        stored = await acks.wait_final(connection_of(client), request_id, timeout, prefix=prefix)
+    except acks.InvalidRequestId as exc:
+        raise InvalidRequest(str(exc)) from None
+    except TimeoutError:
+        raise Timeout(
+            f"no completed or failed record for request_id {request_id!r} within {timeout}s"
+        ) from None
+    rec: AckRecord = ack_record_decoder.decode(stored.data)
+    return rec
+
+
+async def last(client: Any, request_id: str, *, prefix: str = "reach") -> AckRecord | None:
+    """The latest ack record of ``request_id`` (any state), or None."""
+    try:
+        stored = await acks.last_record(connection_of(client), request_id, prefix=prefix)
+    except acks.InvalidRequestId as exc:
+        raise InvalidRequest(str(exc)) from None
+    return None if stored is None else ack_record_decoder.decode(stored.data)

@@ -1,0 +1,399 @@
+"""Compensation replay: queued tasks go to an agent as soon as one is reachable.
+
+A capability is replayed when an agent with it becomes ``healthy`` (a registry transition),
+when an entry is enqueued while one already is, and on every sweep while entries wait. A
+replay round takes every available entry of the capability through its shared durable
+consumer (so two replicas never hold the same entry), orders them by priority then age, and
+sends each as a task with its original ``Reach-Request-Id`` and ``Reach-Receipt: 1`` to an
+agent the broker's Router picks, at most ``replay_concurrency`` at once (scaled down by the
+slow-start share of a just-recovered agent). An entry is acked (removed) only after the
+agent's receipt; if the broker dies first, JetStream redelivers it after ``ack_wait_s`` and
+the agent's de-duplication by request id keeps the handler from running twice.
+
+Expired entries (``Reach-Expires-Ms`` passed) are recorded on ``REACH_ACKS`` as ``failed``
+with ``error.reason = "expired"`` and removed: at replay, and by the periodic sweep for
+capabilities no agent serves. The broker also watches ``reach.ack.>`` for the ack metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from typing import TYPE_CHECKING, Any, Literal
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+
+from jetstream import acks, compensation
+from jetstream.compensation import Entry
+from reach_agent import schema
+from reach_agent.errors import ReachError, from_reply
+from reach_agent.schema import AckRecord, RouteRequest
+
+from .registry import AgentRecord, Transition
+
+if TYPE_CHECKING:
+    from .service import Broker
+
+log = logging.getLogger(__name__)
+
+Outcome = Literal["replayed", "expired", "failed", "stalled"]
+RETRY_CODES = frozenset({"TARGET_BUSY", "DRAINING", "OVERLOADED", "TIMEOUT", "NO_REACHABLE_AGENT"})
+"""Replies meaning "not taken here, now": try another agent or later. Any other error is the
+agent refusing the task itself (BIZ_REJECT, LOOP_DETECTED, INVALID_REQUEST): final."""
+TRACK_MAX = 50_000
+"""Request ids remembered for the ack latency histogram (oldest forgotten first)."""
+FETCH_BATCH = 256
+
+
+class _AckTimes(msgspec.Struct):
+    at_ms: int = 0
+
+
+_ack_times = msgspec.json.Decoder(_AckTimes)
+
+
+class Replayer:
+    """Broker component replaying ``REACH_COMPENSATION`` entries to reachable agents."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self.cfg = broker.cfg.compensation
+        self.replayed = 0
+        self.expired = 0
+        self.failed = 0
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._again: set[str] = set()
+        self._known: dict[str, int] = {}
+        self._consumers: dict[str, Any] = {}
+        self._next_expiry_ms = 0
+        self._sent_ms: dict[str, int] = {}
+        self._received_ms: dict[str, int] = {}
+        self._subs: list[Any] = []
+        self._sweeper: asyncio.Task[None] | None = None
+        self._route_req = RouteRequest(limit=3)
+        p = broker.prefix
+        self._comp_cut = len(f"{p}.comp.")
+        self._ack_cut = len(f"{p}.ack.")
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        b = self.broker
+        if self._sweeper is not None or not getattr(b, "jetstream_ok", False):
+            return
+        b.listeners.append(self._on_transition)
+        big = {"pending_msgs_limit": 1_000_000, "pending_bytes_limit": 256 * 1024 * 1024}
+        self._subs = [
+            await b.nc.subscribe(f"{b.prefix}.comp.>", cb=self._on_enqueued, **big),
+            await b.nc.subscribe(f"{b.prefix}.ack.>", cb=self._on_ack, **big),
+        ]
+        self._sweeper = asyncio.create_task(self._sweep_loop(), name="reach-replay-sweep")
+
+    async def stop(self) -> None:
+        if self._sweeper is None:
+            return
+        with contextlib.suppress(ValueError):
+            self.broker.listeners.remove(self._on_transition)
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._sweeper.cancel()
+        tasks = [self._sweeper, *self._running.values()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._sweeper = None
+        for psub in self._consumers.values():
+            with contextlib.suppress(Exception):
+                await psub.unsubscribe()
+        self._consumers.clear()
+
+    # --- triggers -----------------------------------------------------------------------
+
+    def _on_transition(self, t: Transition, rec: AgentRecord | None) -> None:
+        if t.to == "healthy" and rec is not None:
+            for cap in rec.capabilities:
+                if self._known.get(cap):
+                    self.kick(cap)
+
+    async def _on_enqueued(self, msg: Msg) -> None:
+        cap = msg.subject[self._comp_cut :]
+        self._known[cap] = self._known.get(cap, 0) + 1
+        expires = compensation._int(msg.headers or {}, compensation.H_EXPIRES_MS)
+        if expires and (not self._next_expiry_ms or expires < self._next_expiry_ms):
+            self._next_expiry_ms = expires
+        # The stream stores the entry about when this copy arrives: look a moment later.
+        asyncio.get_running_loop().call_later(0.05, self.kick, cap)
+
+    def kick(self, capability: str) -> None:
+        """Replay ``capability`` now (or once more after the running round)."""
+        if self._sweeper is None:
+            return
+        if capability in self._running:
+            self._again.add(capability)
+            return
+        if not self._routable(capability):
+            return
+        task = asyncio.create_task(self._replay(capability), name=f"replay-{capability}")
+        self._running[capability] = task
+
+    def _routable(self, capability: str) -> bool:
+        b = self.broker
+        if b.router is None:
+            return False
+        try:
+            b.router.route(capability, self._route_req, b.clock())
+        except ReachError:
+            return False
+        return True
+
+    def _limit(self, capability: str) -> int:
+        """Replay concurrency, scaled by the best slow-start share among healthy agents."""
+        b = self.broker
+        idx = b.registry.indexes.get(capability) if b.registry else None
+        if idx is None or b.router is None:
+            return 1
+        now = b.clock()
+        factor = max(
+            (b.router.slow_start_factor(r, now) for r in idx.members.values()
+             if r.state == "healthy"),
+            default=1.0,
+        )  # fmt: skip
+        return max(1, round(self.cfg.replay_concurrency * factor))
+
+    # --- a replay round -----------------------------------------------------------------
+
+    async def _replay(self, capability: str) -> None:
+        try:
+            while True:
+                self._again.discard(capability)
+                if not self._routable(capability):
+                    return
+                entries = await self._fetch(capability)
+                if not entries:
+                    if capability in self._again:
+                        continue
+                    return
+                if await self._dispatch(capability, entries) == "stalled":
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - a failed round is retried by the next sweep
+            log.exception("replay.failed capability=%s", capability)
+        finally:
+            self._running.pop(capability, None)
+
+    async def _consumer(self, capability: str) -> Any:
+        psub = self._consumers.get(capability)
+        if psub is None:
+            psub = await compensation.ensure_consumer(
+                self.broker.nc, capability, ack_wait_s=self.cfg.ack_wait_s,
+                max_ack_pending=self.cfg.max_entries, prefix=self.broker.prefix,
+            )  # fmt: skip
+            self._consumers[capability] = psub
+        return psub
+
+    async def _fetch(self, capability: str) -> list[Entry]:
+        """Every entry of ``capability`` this replica can take now, by priority then age."""
+        psub = await self._consumer(capability)
+        info = await psub.consumer_info()
+        waiting = int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+        if waiting == 0:
+            self._known[capability] = 0
+            return []
+        msgs: list[Msg] = []
+        while len(msgs) < waiting:
+            try:
+                got = await psub.fetch(batch=min(waiting - len(msgs), FETCH_BATCH), timeout=0.3)
+            except TimeoutError:
+                break
+            msgs += got
+            if len(got) < FETCH_BATCH:
+                break
+        prefix = self.broker.prefix
+        entries = [compensation.entry_of(m, prefix) for m in msgs]
+        entries.sort(key=lambda e: (-e.priority, e.enqueued_ms, e.seq))
+        return entries
+
+    async def _dispatch(self, capability: str, entries: list[Entry]) -> Outcome | None:
+        """Deliver ``entries`` in order, bounded; give back (nak) what was not started."""
+        held = {e.seq: e for e in entries}
+        keepalive = asyncio.create_task(self._keepalive(held))
+        inflight: set[asyncio.Task[Outcome]] = set()
+        stalled = False
+        try:
+            for e in entries:
+                while len(inflight) >= self._limit(capability):
+                    done, inflight = await asyncio.wait(
+                        inflight, return_when=asyncio.FIRST_COMPLETED
+                    )
+                    stalled = stalled or any(t.result() == "stalled" for t in done)
+                if stalled:
+                    break
+                held.pop(e.seq, None)
+                inflight.add(asyncio.create_task(self._deliver(e)))
+            if inflight:
+                results = await asyncio.gather(*inflight)
+                stalled = stalled or "stalled" in results
+        finally:
+            keepalive.cancel()
+            for e in held.values():  # not started: free for the next round or replica
+                with contextlib.suppress(Exception):
+                    assert e.msg is not None
+                    await e.msg.nak()
+        return "stalled" if stalled else None
+
+    async def _keepalive(self, held: dict[int, Entry]) -> None:
+        """Tell JetStream the entries still waiting for a slot are being worked on."""
+        while True:
+            await asyncio.sleep(self.cfg.ack_wait_s / 3)
+            for e in list(held.values()):
+                with contextlib.suppress(Exception):
+                    assert e.msg is not None
+                    await e.msg.in_progress()
+
+    async def _deliver(self, e: Entry) -> Outcome:
+        b = self.broker
+        assert e.msg is not None and b.router is not None
+        if e.expired(b.wall_ms()):
+            await self.record_expired(e)
+            await e.msg.ack_sync()
+            return "expired"
+        headers = e.task_headers()
+        headers[schema.H_REQUEST_ID] = e.request_id
+        headers[schema.H_RECEIPT] = "1"
+        give_up = b.clock() + self.cfg.ack_wait_s / 2
+        backoff = 0.05
+        while True:
+            try:
+                candidates = b.router.route(e.capability, self._route_req, b.clock())
+            except ReachError:
+                await e.msg.nak()
+                return "stalled"
+            for c in candidates:
+                sent_ms = b.wall_ms()
+                try:
+                    reply = await b.nc.request(
+                        c.subject, e.data, timeout=self.cfg.receipt_timeout_s, headers=headers
+                    )
+                except (TimeoutError, NoRespondersError):
+                    log.info("replay.no_receipt request_id=%s agent=%s", e.request_id, c.agent_id)
+                    continue
+                err = from_reply(reply.headers, reply.data)
+                if err is None:
+                    self._remember(self._sent_ms, e.request_id, sent_ms)
+                    await e.msg.ack_sync()
+                    self.replayed += 1
+                    b.metrics.compensation_result["replayed"].inc()
+                    log.info("replay.delivered request_id=%s capability=%s agent=%s priority=%d",
+                             e.request_id, e.capability, c.agent_id, e.priority)  # fmt: skip
+                    return "replayed"
+                if err.code in RETRY_CODES:
+                    continue
+                await self._record_failed(e, c.agent_id, err.code, err.code.lower(), err.message)
+                await e.msg.ack_sync()
+                self.failed += 1
+                return "failed"
+            if b.clock() > give_up:
+                await e.msg.nak()
+                return "stalled"
+            await asyncio.sleep(backoff * (0.5 + random.random()))
+            backoff = min(backoff * 2, self.cfg.busy_retry_max_s)
+
+    # --- failed / expired records -------------------------------------------------------
+
+    async def record_expired(self, e: Entry) -> None:
+        b = self.broker
+        waited_s = (b.wall_ms() - e.enqueued_ms) / 1000.0 if e.enqueued_ms else 0.0
+        await self._record_failed(
+            e, b.broker_id, "TIMEOUT", "expired",
+            f"queued for {waited_s:.1f}s on {b.prefix}.comp.{e.capability}; expired before "
+            "an agent was reachable",
+        )  # fmt: skip
+        self.expired += 1
+        b.metrics.compensation_result["expired"].inc()
+        log.info("replay.expired request_id=%s capability=%s", e.request_id, e.capability)
+
+    async def _record_failed(
+        self, e: Entry, agent_id: str, code: str, reason: str, message: str
+    ) -> None:
+        b = self.broker
+        rec = AckRecord(
+            request_id=e.request_id, agent_id=agent_id, capability=e.capability,
+            state="failed", at_ms=b.wall_ms(),
+            error={"code": code, "reason": reason, "message": message},
+        )  # fmt: skip
+        js = b.nc.jetstream(timeout=2.0)
+        await js.publish(
+            acks.ack_subject(e.request_id, b.prefix),
+            schema.encoder.encode(rec),
+            headers={acks.H_MSG_ID: acks.ack_msg_id(e.request_id, "failed")},
+        )
+
+    # --- the sweep ----------------------------------------------------------------------
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            try:
+                await self.sweep()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the loop never dies
+                log.exception("replay.sweep_failed")
+            await asyncio.sleep(self.cfg.sweep_interval_s)
+
+    async def sweep(self) -> None:
+        """Depth gauge; expired entries recorded and removed; waiting capabilities kicked."""
+        b = self.broker
+        total, per = await compensation.depths(b.nc, b.prefix)
+        b.metrics.compensation_depth.set(total)
+        self._known = per
+        if total and self._next_expiry_ms <= b.wall_ms():
+            await self._expire_all()
+        for cap, n in per.items():
+            if n:
+                self.kick(cap)
+
+    async def _expire_all(self) -> None:
+        b = self.broker
+        now_ms = b.wall_ms()
+        soonest = 0
+        for e in await compensation.scan(b.nc, prefix=b.prefix, limit=self.cfg.max_entries * 2):
+            if e.expired(now_ms):
+                await self.record_expired(e)
+                await compensation.remove(b.nc, e.seq)
+            elif e.expires_at_ms and (not soonest or e.expires_at_ms < soonest):
+                soonest = e.expires_at_ms
+        self._next_expiry_ms = soonest or now_ms + int(self.cfg.default_ttl_s * 1000)
+
+    # --- ack metrics --------------------------------------------------------------------
+
+    async def _on_ack(self, msg: Msg) -> None:
+        state = acks.state_of(msg.headers)
+        counter = self.broker.metrics.ack_record_state.get(state or "")
+        if counter is None:
+            return
+        counter.inc()
+        rid = msg.subject[self._ack_cut :]
+        try:
+            at_ms = _ack_times.decode(msg.data).at_ms
+        except msgspec.MsgspecError:
+            return
+        if state == "received":
+            self._remember(self._received_ms, rid, at_ms)
+            return
+        start = self._sent_ms.pop(rid, None)
+        received = self._received_ms.pop(rid, None)
+        t0 = start if start is not None else received
+        if t0 is not None and at_ms >= t0:
+            self.broker.metrics.ack_latency.observe((at_ms - t0) / 1000.0)
+
+    @staticmethod
+    def _remember(d: dict[str, int], key: str, value: int) -> None:
+        if key not in d and len(d) >= TRACK_MAX:
+            d.pop(next(iter(d)))
+        d[key] = value

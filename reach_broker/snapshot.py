@@ -1,0 +1,189 @@
+"""The registry snapshot in KV ``reach_registry``: written as agents change, read at start.
+
+One key per agent (the agent id; broker-private keys start with ``_``, which no agent id
+does) holding the agent's last announce and state. Announces and transitions mark an agent
+dirty; a flush loop writes dirty agents at most every ``FLUSH_S`` and only when the stored
+value would change, so a steady fleet costs no writes. An evicted agent's key is deleted.
+
+At start, before probes and advisories run, every stored agent the broker has not heard
+from is restored as ``suspect`` (``offline``/``draining`` stay so): known to ``reach
+agents`` at once, routable as soon as its next heartbeat (or a probe answer) confirms it.
+A second replica therefore starts with the same registry without any agent re-announcing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from nats.aio.msg import Msg
+
+from reach_agent import schema
+from reach_agent.schema import AgentState, Announce
+
+from .registry import AgentRecord, Transition
+
+if TYPE_CHECKING:
+    from .service import Broker
+
+log = logging.getLogger(__name__)
+
+BUCKET = "reach_registry"
+FLUSH_S = 0.2
+
+
+class SnapshotEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """The value of one agent's key."""
+
+    announce: Announce
+    state: AgentState
+    last_seen_ms: int = 0
+    broker_id: str = ""
+
+
+_entry_decoder = msgspec.json.Decoder(SnapshotEntry)
+
+
+class Snapshot:
+    """Broker component keeping KV ``reach_registry`` in step with the registry."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self.kv: Any = None
+        self.restored = 0
+        self.writes = 0
+        self._dirty: set[str] = set()
+        self._written: dict[str, bytes] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._sub: Any = None
+
+    async def start(self) -> None:
+        b = self.broker
+        if self._task is not None or not getattr(b, "jetstream_ok", False):
+            return
+        self.kv = await b.nc.jetstream(timeout=5.0).key_value(BUCKET)
+        await self.restore()
+        b.listeners.append(self._on_transition)
+        self._sub = await b.nc.subscribe(f"{b.prefix}.announce.*", cb=self._on_announce,
+                                         pending_msgs_limit=1_000_000)  # fmt: skip
+        self._task = asyncio.create_task(self._flusher(), name="reach-snapshot")
+
+    async def stop(self) -> None:
+        if self._task is None:
+            return
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+        with contextlib.suppress(ValueError):
+            self.broker.listeners.remove(self._on_transition)
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        self._task = None
+        with contextlib.suppress(Exception):
+            await self._flush()
+
+    # --- restore ------------------------------------------------------------------------
+
+    async def restore(self) -> int:
+        """Load every stored agent into the registry as not-yet-heard-from."""
+        b = self.broker
+        assert b.registry is not None
+        watcher = await self.kv.watchall(ignore_deletes=True)
+        now, wall_ms = b.clock(), b.wall_ms()
+        count = 0
+        try:
+            while True:
+                entry = await watcher.updates(timeout=5.0)
+                if entry is None:  # initial values done
+                    break
+                if entry.key.startswith("_") or not entry.value:
+                    continue
+                try:
+                    snap = _entry_decoder.decode(entry.value)
+                    ann = schema.validate_announce(snap.announce, entry.key)
+                except (msgspec.MsgspecError, schema.InvalidRequest) as exc:
+                    log.warning("snapshot.bad_entry key=%s error=%s", entry.key, exc)
+                    continue
+                self._written[entry.key] = entry.value
+                if b.registry.restore(ann, snap.state, now, wall_ms) is not None:
+                    count += 1
+        finally:
+            with contextlib.suppress(Exception):
+                await watcher.stop()
+        self.restored = count
+        log.info("snapshot.restored agents=%d bucket=%s", count, BUCKET)
+        return count
+
+    # --- writing ------------------------------------------------------------------------
+
+    def _on_transition(self, t: Transition, rec: AgentRecord | None) -> None:
+        self._dirty.add(t.agent_id)
+        self._wake.set()
+
+    async def _on_announce(self, msg: Msg) -> None:
+        agent_id = msg.subject.rpartition(".")[2]
+        if schema.is_agent_id(agent_id):
+            self._dirty.add(agent_id)
+            self._wake.set()
+
+    async def _flusher(self) -> None:
+        while True:
+            await self._wake.wait()
+            await asyncio.sleep(FLUSH_S)  # coalesce a burst (and let the broker apply it)
+            self._wake.clear()
+            try:
+                await self._flush()
+            except Exception:  # noqa: BLE001 - the loop never dies; dirty keys are retried
+                log.exception("snapshot.flush_failed")
+                self._wake.set()
+                await asyncio.sleep(1.0)
+
+    async def _flush(self) -> None:
+        b = self.broker
+        if not self._dirty or b.registry is None:
+            return
+        dirty, self._dirty = self._dirty, set()
+        ops = []
+        for agent_id in dirty:
+            rec = b.registry.agents.get(agent_id)
+            if rec is None:
+                if agent_id in self._written:
+                    ops.append(self._delete(agent_id))
+                continue
+            value = schema.encoder.encode(
+                SnapshotEntry(announce=rec.announce, state=rec.state,
+                              last_seen_ms=rec.last_seen_wall_ms, broker_id=b.broker_id)
+            )  # fmt: skip
+            if _same(self._written.get(agent_id), value):
+                continue
+            ops.append(self._put(agent_id, value))
+        results = await asyncio.gather(*ops, return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            self._dirty |= dirty  # write them again on the next round
+            raise failed[0]
+
+    async def _put(self, agent_id: str, value: bytes) -> None:
+        await self.kv.put(agent_id, value)
+        self._written[agent_id] = value
+        self.writes += 1
+
+    async def _delete(self, agent_id: str) -> None:
+        await self.kv.delete(agent_id)
+        self._written.pop(agent_id, None)
+        self.writes += 1
+
+
+def _same(old: bytes | None, new: bytes) -> bool:
+    """Equal apart from bookkeeping (last_seen_ms, broker_id) that alone is not worth a write."""
+    if old is None:
+        return False
+    try:
+        a, b = _entry_decoder.decode(old), _entry_decoder.decode(new)
+    except msgspec.MsgspecError:
+        return False
+    return a.announce == b.announce and a.state == b.state

@@ -1,0 +1,242 @@
+"""JetStream assets on a real server: provisioning, the bounded queue, the ack WAL, the audit."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+from nats.aio.client import Client as NATS
+from nats.js.errors import APIError
+
+from jetstream import acks, audit, compensation
+from jetstream.provision import UnsafeChange, load_definitions, provision
+from reach_agent import durable, schema
+from reach_agent.errors import CompensationFull, Timeout
+from reach_broker.config import CompensationSection
+from reach_broker.service import Broker
+
+from .conftest import BrokerFactory, wait_for
+
+
+async def stream_info(nc: NATS, name: str) -> dict:
+    reply = await nc.request(f"$JS.API.STREAM.INFO.{name}", b"", timeout=2)
+    return json.loads(reply.data)
+
+
+# --- provisioning ---------------------------------------------------------------------------
+
+
+async def test_provisioning_is_idempotent_and_matches_the_definitions(nc: NATS) -> None:
+    first = await provision(nc)
+    assert [(o.name, o.action) for o in first] == [
+        ("REACH_ACKS", "created"), ("REACH_COMPENSATION", "created"),
+        ("REACH_AUDIT", "created"), ("KV_reach_registry", "created"),
+    ]  # fmt: skip
+    second = await provision(nc)
+    assert [o.action for o in second] == ["unchanged"] * 4
+    acks_cfg = (await stream_info(nc, "REACH_ACKS"))["config"]
+    assert acks_cfg["subjects"] == ["reach.ack.>"]
+    assert acks_cfg["storage"] == "file"
+    assert acks_cfg["max_age"] == 24 * 3600 * 10**9
+    assert acks_cfg["duplicate_window"] == 120 * 10**9
+    comp = (await stream_info(nc, "REACH_COMPENSATION"))["config"]
+    assert (comp["retention"], comp["discard"], comp["max_msgs"]) == ("workqueue", "new", 2000)
+    aud = (await stream_info(nc, "REACH_AUDIT"))["config"]
+    assert (aud["subjects"], aud["deny_delete"], aud["deny_purge"]) == (["reach.event.>"], True, True)
+    # The KV bucket is usable by nats-py as a bucket.
+    kv = await nc.jetstream().key_value("reach_registry")
+    await kv.put("alpha", b"{}")
+    assert (await kv.get("alpha")).value == b"{}"
+
+
+async def test_default_bound_is_2000() -> None:
+    comp = next(d for d in load_definitions() if d["name"] == "REACH_COMPENSATION")
+    assert comp["max_msgs"] == 2000
+    assert CompensationSection().max_entries == 2000
+
+
+async def test_safe_change_is_applied_unsafe_change_refused_and_data_kept(nc: NATS) -> None:
+    await provision(nc)
+    for i in range(5):
+        await compensation.enqueue(nc, "cap", b"{}", request_id=f"r{i}", expires_at_ms=0)
+    defs = load_definitions(overrides={"REACH_COMPENSATION": {"duplicate_window": 60 * 10**9}})
+    outcomes = {o.name: o for o in await provision(nc, defs)}
+    assert outcomes["REACH_COMPENSATION"].action == "updated"
+    assert outcomes["REACH_COMPENSATION"].changes == ("duplicate_window: 3600s -> 60s",)
+
+    bad = load_definitions(overrides={"REACH_COMPENSATION": {"retention": "limits"}})
+    with pytest.raises(UnsafeChange) as exc:
+        await provision(nc, bad)
+    assert "stream REACH_COMPENSATION" in str(exc.value)
+    assert 'retention: "workqueue" -> "limits"' in str(exc.value)
+    assert "left as it is" in str(exc.value)
+
+    shrink = load_definitions(overrides={"REACH_COMPENSATION": {"max_msgs": 3}})
+    with pytest.raises(UnsafeChange, match=r"max_msgs: 2000 -> 3 \(the stream holds 5 messages"):
+        await provision(nc, shrink)
+
+    lift = load_definitions(overrides={"REACH_AUDIT": {"deny_purge": False}})
+    with pytest.raises(UnsafeChange, match="deny_purge: true -> false"):
+        await provision(nc, lift)
+
+    info = await stream_info(nc, "REACH_COMPENSATION")
+    assert info["config"]["retention"] == "workqueue"
+    assert info["config"]["max_msgs"] == 2000
+    assert info["state"]["messages"] == 5
+
+
+async def test_audit_trail_cannot_be_purged_or_deleted_and_reads_back(
+    nc: NATS, broker: Broker
+) -> None:
+    js = nc.jetstream()
+    await nc.request("reach.announce.aud1", json.dumps({
+        "agent_id": "aud1", "capabilities": ["audit_cap"], "max_concurrency": 1,
+        "heartbeat_interval_ms": 100}).encode(), timeout=2)  # fmt: skip
+    await nc.request("reach.leave.aud1", b"{}", timeout=2)
+    events = await wait_for_events(nc, 2)
+    assert [(e.subject, json.loads(e.data)["kind"]) for e in events] == [
+        ("reach.event.registered.aud1", "registered"),
+        ("reach.event.left.aud1", "left"),
+    ]
+    assert json.loads(events[1].data)["to"] == "draining"
+    with pytest.raises(APIError) as purge:
+        await js.purge_stream("REACH_AUDIT")
+    assert purge.value.err_code == 10110  # stream purge not permitted
+    with pytest.raises(APIError) as delete:
+        await js.delete_msg("REACH_AUDIT", events[0].seq)
+    assert delete.value.err_code == 10057  # message delete not permitted
+    assert len(await audit.read_events(nc, since_s=3600)) == 2
+    assert len(await audit.read_events(nc, subject="reach.event.left.>")) == 1
+
+
+async def wait_for_events(nc: NATS, n: int) -> list[audit.StoredEvent]:
+    deadline = asyncio.get_running_loop().time() + 5
+    while True:
+        events = await audit.read_events(nc)
+        if len(events) >= n or asyncio.get_running_loop().time() > deadline:
+            return events
+        await asyncio.sleep(0.05)
+
+
+# --- the bounded compensation queue ----------------------------------------------------------
+
+
+async def test_full_queue_refuses_with_compensation_full_and_holds_exactly_the_bound(
+    nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    await broker_factory(compensation__max_entries=20)
+    ids = [
+        await durable.submit(nc, "nobody.serves", {"n": i}, priority=i % 3)
+        for i in range(20)
+    ]
+    assert len(set(ids)) == 20
+    assert not any(i.duplicate for i in ids)
+    with pytest.raises(CompensationFull) as exc:
+        await durable.submit(nc, "nobody.serves", {"n": 20})
+    assert exc.value.code == "COMPENSATION_FULL"
+    assert "maximum messages exceeded" in exc.value.message
+    total, per = await compensation.depths(nc)
+    assert (total, per) == (20, {"nobody.serves": 20})
+    # A duplicate enqueue is recognised even at the bound, and stores nothing.
+    again = await durable.submit(nc, "nobody.serves", {"n": 0}, request_id=ids[0])
+    assert again == ids[0]
+    assert again.duplicate is True
+    assert (await compensation.depths(nc))[0] == 20
+    entries = await compensation.scan(nc, "nobody.serves")
+    assert [e.request_id for e in entries] == list(ids)
+    assert entries[4].priority == 1
+    assert entries[4].headers[schema.H_REQUEST_ID] == ids[4]
+
+
+async def test_expired_entries_are_recorded_failed_and_removed(
+    nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    broker = await broker_factory(compensation__sweep_interval_s=0.1)
+    rid = await durable.submit(nc, "nobody.serves", {"n": 1}, ttl=0.2)
+    keep = await durable.submit(nc, "nobody.serves", {"n": 2}, ttl=600)
+    record = await durable.wait(nc, rid, timeout=10)
+    assert (record.state, record.request_id, record.capability) == ("failed", rid, "nobody.serves")
+    assert record.agent_id == broker.broker_id
+    assert record.error is not None
+    assert (record.error["code"], record.error["reason"]) == ("TIMEOUT", "expired")
+    await wait_for(lambda: broker.replayer.expired == 1, what="expired count")
+    assert [e.request_id for e in await compensation.scan(nc)] == [keep]
+    assert broker.metrics.compensation_result["expired"]._value.get() == 1
+    await wait_for(lambda: broker.metrics.compensation_depth._value.get() == 1, what="depth")
+
+
+# --- acks -------------------------------------------------------------------------------------
+
+
+def ack(rid: str, state: str) -> schema.AckRecord:
+    return schema.AckRecord(request_id=rid, agent_id="a1", capability="cap", state=state,
+                            at_ms=1, result=None)  # fmt: skip
+
+
+async def test_ack_writer_stores_records_and_wait_returns_the_final_one(
+    nc: NATS, broker: Broker, tmp_path: Path, nats_server
+) -> None:
+    rid = str(uuid.uuid4())
+    waiter = asyncio.create_task(durable.wait(nc, rid, timeout=10))
+    async with acks.AckWriter(tmp_path / "wal", servers=nats_server.url) as writer:
+        await writer.record(ack(rid, "received"))
+        await writer.record(ack(rid, "completed"))
+        assert await writer.flush(5)
+        assert writer.stored == 2
+    record = await waiter
+    assert (record.request_id, record.state) == (rid, "completed")
+    # Later (e.g. after the caller restarted) the stored record answers at once.
+    again = await durable.wait(nc, rid, timeout=2)
+    assert again.state == "completed"
+    states = [r.state for r in await acks.all_records(nc, rid)]
+    assert states == ["received", "completed"]
+    assert not list((tmp_path / "wal").glob("*.wal"))  # all stored: the WAL is gone
+    with pytest.raises(Timeout):
+        await durable.wait(nc, str(uuid.uuid4()), timeout=0.3)
+
+
+async def test_ack_writer_replays_an_orphaned_wal_and_resends_are_deduplicated(
+    nc: NATS, broker: Broker, tmp_path: Path, nats_server
+) -> None:
+    wal = tmp_path / "wal"
+    wal.mkdir()
+    stored_rid, lost_rid = str(uuid.uuid4()), str(uuid.uuid4())
+    lines = []
+    for rid in (stored_rid, lost_rid):
+        data = schema.encoder.encode(ack(rid, "completed"))
+        lines.append(b"A %s.completed reach.ack.%s %s\n" % (rid.encode(), rid.encode(), data))
+    lines.append(b"D %s.completed\n" % stored_rid.encode())
+    lines.append(b"A torn-line-without-data")  # a crash mid-write
+    (wal / "acks-999999-dead.wal").write_bytes(b"".join(lines))
+    # stored_rid was confirmed before the crash: publish it once for real.
+    await nc.jetstream().publish(f"reach.ack.{stored_rid}", b"{}",
+                                 headers={"Nats-Msg-Id": f"{stored_rid}.completed"})  # fmt: skip
+    async with acks.AckWriter(wal, servers=nats_server.url) as writer:
+        assert await writer.flush(5)
+        assert writer.stored == 1
+    rec = await durable.wait(nc, lost_rid, timeout=2)
+    assert (rec.request_id, rec.state) == (lost_rid, "completed")
+    assert not (wal / "acks-999999-dead.wal").exists()
+    # A second copy of the same record (a re-send) is dropped by the duplicate window.
+    async with acks.AckWriter(wal, servers=nats_server.url) as writer:
+        await writer.record(ack(lost_rid, "completed"))
+        assert await writer.flush(5)
+        assert writer.duplicates == 1
+    assert len(await acks.all_records(nc, lost_rid)) == 1
+
+
+async def test_ack_writer_keeps_retrying_until_jetstream_has_the_stream(
+    nc: NATS, tmp_path: Path, nats_server
+) -> None:
+    rid = str(uuid.uuid4())
+    async with acks.AckWriter(tmp_path / "wal", servers=nats_server.url,
+                              publish_timeout_s=0.2, retry_max_s=0.2) as writer:  # fmt: skip
+        await writer.record(ack(rid, "completed"))
+        await wait_for(lambda: writer.retries >= 2, what="retries while REACH_ACKS is absent")
+        assert writer.pending == 1
+        await provision(nc)
+        assert await writer.flush(10)
+    assert (await durable.wait(nc, rid, timeout=2)).state == "completed"
