@@ -17,6 +17,7 @@ States (DESIGN §3)::
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Iterator
 from typing import Literal, NamedTuple
 
@@ -55,6 +56,7 @@ class AgentRecord:
         "disconnected",
         "fail_total",
         "forget_at",
+        "heap_at",
         "interval_s",
         "last_seen",
         "last_seen_wall_ms",
@@ -106,6 +108,7 @@ class AgentRecord:
         self.offline_at = 0.0
         self.forget_at = 0.0
         self.deadline_gen = 0
+        self.heap_at = math.inf  # due time of the live deadline entry (inf: none)
         self.recovered_at: float | None = None
         self.recover_hbs = 0
         self.probe_failures = 0
@@ -314,6 +317,7 @@ class Registry:
             rec = self.agents.get(agent_id)
             if rec is None or gen != rec.deadline_gen:
                 continue
+            rec.heap_at = math.inf  # the live entry is consumed; branches below re-arm
             silence = now - rec.last_seen
             if rec.state in ("healthy", "recovering") and now >= rec.suspect_at:
                 rec.stats.outcome(False, self.cfg.scoring.liveness_window)
@@ -413,7 +417,7 @@ class Registry:
         )
         if new != rec.score:
             rec.score = new
-            self._touch(rec)
+            self._touch_score(rec)
 
     def _set_load(self, rec: AgentRecord, active: int, queue_depth: int) -> None:
         self.inflight += active - rec.active
@@ -436,7 +440,12 @@ class Registry:
     def _schedule(self, rec: AgentRecord, suspect_at: float, offline_at: float) -> None:
         rec.suspect_at = suspect_at
         rec.offline_at = offline_at
-        self._push(rec, self._next_deadline(rec))
+        at = self._next_deadline(rec)
+        if at >= rec.heap_at:
+            # Every heartbeat moves the deadline later: keep the earlier live entry (expire()
+            # re-arms from it when it fires) rather than push one heap entry per heartbeat.
+            return
+        self._push(rec, at)
 
     def _next_deadline(self, rec: AgentRecord) -> float:
         if rec.state == "suspect":
@@ -447,6 +456,7 @@ class Registry:
 
     def _push(self, rec: AgentRecord, at: float) -> None:
         rec.deadline_gen += 1
+        rec.heap_at = at
         heapq.heappush(self._deadlines, (at, rec.deadline_gen, rec.agent_id))
 
     def _move(self, rec: AgentRecord, to: AgentState, reason: str, now: float) -> Transition:
@@ -484,6 +494,13 @@ class Registry:
             idx = self.indexes.get(cap)
             if idx is not None:
                 idx.dirty = True
+
+    def _touch_score(self, rec: AgentRecord) -> None:
+        """Only the score moved: the ranking is refreshed on a slower cadence (routing.py)."""
+        for cap in rec.capabilities:
+            idx = self.indexes.get(cap)
+            if idx is not None:
+                idx.reorder = True
 
     def _index(self, cap: str) -> CapabilityIndex:
         idx = self.indexes.get(cap)

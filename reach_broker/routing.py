@@ -45,6 +45,7 @@ class CapabilityIndex:
         "name",
         "panic",
         "ranked",
+        "reorder",
         "ring_keys",
         "ring_owners",
         "ring_stale",
@@ -60,7 +61,8 @@ class CapabilityIndex:
         self.ejected = 0
         self.panic = False
         self.median_task_ms: float | None = None
-        self.dirty = True
+        self.dirty = True  # membership or a state changed: rebuild within rank_refresh_ms
+        self.reorder = False  # only scores changed: re-rank within REORDER_FACTOR × that
         self.built_at = float("-inf")
         self.ring_keys: list[int] = []
         self.ring_owners: list[AgentRecord] = []
@@ -102,6 +104,7 @@ class CapabilityIndex:
         # Lower median: with two agents the fast one sets the bar for the slow one.
         self.median_task_ms = durations[(len(durations) - 1) // 2] if durations else None
         self.dirty = False
+        self.reorder = False
         self.built_at = now
 
     def ring(self, vnodes: int) -> tuple[list[int], list[AgentRecord]]:
@@ -115,6 +118,12 @@ class CapabilityIndex:
             self.ring_owners = [p[1] for p in points]
             self.ring_stale = False
         return self.ring_keys, self.ring_owners
+
+
+REORDER_FACTOR = 20
+"""Score-only changes (every heartbeat moves load) re-rank at most every 20 × rank_refresh_ms:
+a sort per capability per heartbeat burst costs O(n log n) and the walk re-checks state and
+load anyway, so a ranking a second old routes the same agents."""
 
 
 def _by_score(rec: AgentRecord) -> tuple[float, str]:
@@ -150,7 +159,9 @@ class Router:
         idx = self.indexes.get(capability)
         if idx is None or not idx.members:
             raise NoReachableAgent(f"no agent has the capability {capability!r}")
-        if idx.dirty and now - idx.built_at >= cfg.rank_refresh_ms / 1000.0:
+        age = now - idx.built_at
+        refresh = cfg.rank_refresh_ms / 1000.0
+        if (idx.dirty and age >= refresh) or (idx.reorder and age >= REORDER_FACTOR * refresh):
             was_panic = idx.panic
             idx.rebuild(cfg, now)
             if idx.panic != was_panic:
@@ -256,17 +267,24 @@ class Router:
 
     def _weighted(self, pool: list[AgentRecord], limit: int, now: float) -> list[AgentRecord]:
         """Weighted draw without replacement: weight = score * free capacity * slow start."""
-        rng = self.rng
-        items = [(r, self.weight(r, now)) for r in pool]
+        # Hot path (every route): weights inline, slow start only for recovered agents.
+        random = self.rng.random
+        pool = list(pool)
+        weights = [
+            max(r.score, 1.0) * max(1.0 - r.load, 0.05)
+            * (1.0 if r.recovered_at is None else self.slow_start_factor(r, now))
+            for r in pool
+        ]  # fmt: skip
+        total = sum(weights)
         chosen: list[AgentRecord] = []
-        while items and len(chosen) < limit:
-            total = sum(w for _, w in items)
-            x = rng.random() * total
-            for i, (rec, w) in enumerate(items):
+        while pool and len(chosen) < limit:
+            x = random() * total
+            last = len(pool) - 1
+            for i, w in enumerate(weights):
                 x -= w
-                if x <= 0 or i == len(items) - 1:
-                    chosen.append(rec)
-                    items.pop(i)
+                if x <= 0 or i == last:
+                    chosen.append(pool.pop(i))
+                    total -= weights.pop(i)
                     break
         return chosen
 
