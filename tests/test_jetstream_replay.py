@@ -1,0 +1,278 @@
+"""Compensation replay, durable acks and the registry snapshot with real processes.
+
+Agents (and, where a broker is killed, the broker) run as child processes; each test kills
+only the processes it started, by PID.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from nats.aio.client import Client as NATS
+
+from jetstream import acks, compensation
+from reach_agent import durable
+from reach_agent.agent import Agent
+from reach_broker.natsserver import NatsServer
+from reach_broker.service import Broker
+
+from .conftest import BrokerFactory, wait_for
+from .test_broker_wire import announce, heartbeat
+
+ROOT = Path(__file__).resolve().parent.parent
+
+AGENT_SCRIPT = """
+import asyncio, os, sys
+from reach_agent.agent import Agent
+from jetstream.acks import AckWriter
+
+url, agent_id, cap, log_path, wal_dir = sys.argv[1:6]
+delay = float(os.environ.get("TEST_DELAY", "0"))
+writer = AckWriter(wal_dir, servers=url, name=f"{agent_id}-acks")
+agent = Agent(agent_id, [cap], max_concurrency=int(os.environ.get("TEST_MAXC", "4")),
+              heartbeat_interval=0.1, ack_sink=writer)
+
+@agent.handler(cap)
+async def handle(task):
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.write(fd, (task.request_id + "\\n").encode())
+    os.close(fd)
+    await asyncio.sleep(delay)
+    return {"n": task.payload["n"], "by": os.getpid()}
+
+async def main():
+    async with agent.serve(url):
+        print("ready", flush=True)
+        await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+class Procs:
+    """Child processes of one test; stopped (by PID) at teardown."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def spawn(self, args: list[str], env: dict[str, str] | None = None,
+              name: str = "proc") -> subprocess.Popen[bytes]:  # fmt: skip
+        full_env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        full_env.pop(acks.CRASH_ENV, None)
+        full_env.update(env or {})
+        with open(self.tmp / f"{name}-{len(self.procs)}.log", "wb") as out:
+            proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=full_env,
+                                    cwd=ROOT)  # fmt: skip
+        self.procs.append(proc)
+        return proc
+
+    def kill(self, proc: subprocess.Popen[bytes]) -> None:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            self.kill(proc)
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    p = Procs(tmp_path)
+    try:
+        yield p
+    finally:
+        p.stop_all()
+
+
+def spawn_agent(procs: Procs, url: str, agent_id: str, cap: str, tmp: Path,
+                **env: str) -> subprocess.Popen[bytes]:  # fmt: skip
+    script = tmp / "agent_proc.py"
+    script.write_text(AGENT_SCRIPT)
+    return procs.spawn(
+        [sys.executable, str(script), url, agent_id, cap, str(tmp / "runs.log"), str(tmp / "wal")],
+        env=env, name=f"agent-{agent_id}",
+    )  # fmt: skip
+
+
+def runs(tmp: Path) -> list[str]:
+    path = tmp / "runs.log"
+    return path.read_text().split() if path.exists() else []
+
+
+def spawn_broker(procs: Procs, url: str, tmp: Path, broker_id: str) -> subprocess.Popen[bytes]:
+    cfg = tmp / "broker.toml"
+    cfg.write_text(
+        "[compensation]\nack_wait_s = 2.0\nsweep_interval_s = 0.3\nreplay_concurrency = 2\n"
+        "receipt_timeout_s = 1.0\n[detection]\nprobe_timeout_s = 0.5\n"
+    )
+    return procs.spawn(
+        [sys.executable, "-m", "reach_broker.cli", "broker", "--server", url, "--metrics-port",
+         "0", "--config", str(cfg), "--broker-id", broker_id, "--log-level", "info"],
+        name=f"broker-{broker_id}",
+    )  # fmt: skip
+
+
+async def wait_log(procs: Procs, proc: subprocess.Popen[bytes], needle: str,
+                   timeout_s: float = 20) -> None:  # fmt: skip
+    idx = procs.procs.index(proc)
+    path = next(procs.tmp.glob(f"*-{idx}.log"))
+    await wait_for(lambda: needle in path.read_text(errors="replace") or proc.poll() is not None,
+                   timeout=timeout_s, what=f"{needle!r} in {path.name}")  # fmt: skip
+    assert proc.poll() is None, path.read_text(errors="replace")[-3000:]
+
+
+# --- 2: queued while nobody serves, run exactly once when an agent comes ---------------------
+
+
+async def test_tasks_queued_without_agent_run_exactly_once_when_one_starts(
+    nc: NATS, broker_factory: BrokerFactory, nats_server: NatsServer, tmp_path: Path
+) -> None:
+    broker = await broker_factory(compensation__sweep_interval_s=0.2)
+    ids = [await durable.submit(nc, "late.cap", {"n": i}, priority=(i % 2)) for i in range(10)]
+    assert (await compensation.depths(nc))[0] == 10
+    ran: list[tuple[str, int]] = []
+    agent = Agent("late1", ["late.cap"], max_concurrency=4, heartbeat_interval=0.1,
+                  ack_sink=acks.AckWriter(tmp_path / "wal", servers=nats_server.url,
+                                          name="late1-acks"))  # fmt: skip
+
+    @agent.handler("late.cap")
+    async def handle(task: Any) -> dict[str, int]:
+        ran.append((task.request_id, task.payload["n"]))
+        return {"double": 2 * task.payload["n"]}
+
+    async with agent.serve(nats_server.url):
+        records = await asyncio.gather(*(durable.wait(nc, rid, timeout=20) for rid in ids))
+    assert [r.state for r in records] == ["completed"] * 10
+    assert [r.request_id for r in records] == list(ids)
+    assert [json.loads(bytes(r.result))["double"] for r in records] == [2 * i for i in range(10)]
+    assert {r.agent_id for r in records} == {"late1"}
+    assert collections.Counter(rid for rid, _ in ran) == dict.fromkeys(ids, 1)
+    # Priority first: the five priority-1 entries (odd n) were replayed before the rest.
+    assert {n % 2 for _, n in ran[:4]} == {1}
+    assert (await compensation.depths(nc))[0] == 0
+    assert broker.replayer.replayed == 10
+    assert broker.metrics.compensation_result["replayed"]._value.get() == 10
+    await wait_for(lambda: broker.metrics.ack_record_state["completed"]._value.get() >= 10)
+    assert broker.metrics.ack_latency._sum.get() > 0
+
+
+# --- 3: broker SIGKILLed mid-replay --------------------------------------------------------
+
+
+async def test_broker_killed_mid_replay_loses_nothing_and_runs_nothing_twice(
+    nc: NATS, nats_server: NatsServer, procs: Procs, tmp_path: Path
+) -> None:
+    url = nats_server.url
+    b1 = spawn_broker(procs, url, tmp_path, "b1")
+    await wait_log(procs, b1, "serving on")
+    ids = [await durable.submit(nc, "slow.cap", {"n": i}) for i in range(12)]
+    # Two slots, 0.3 s per task: the replay of twelve takes about two seconds.
+    spawn_agent(procs, url, "slow1", "slow.cap", tmp_path, TEST_DELAY="0.3", TEST_MAXC="2")
+    await wait_for(lambda: len(runs(tmp_path)) >= 3, timeout=20, what="replay under way")
+    procs.kill(b1)
+    done_before_kill = len(runs(tmp_path))
+    assert done_before_kill < 12, "the replay was over before the kill"
+    b2 = spawn_broker(procs, url, tmp_path, "b2")
+    await wait_log(procs, b2, "serving on")
+    records = await asyncio.gather(*(durable.wait(nc, rid, timeout=40) for rid in ids))
+    assert [r.state for r in records] == ["completed"] * 12
+    assert [json.loads(bytes(r.result))["n"] for r in records] == list(range(12))
+    counts = collections.Counter(runs(tmp_path))
+    assert counts == dict.fromkeys(ids, 1), f"runs per request id: {counts}"
+    assert (await compensation.depths(nc))[0] == 0
+
+
+# --- 4: agent SIGKILLed between "handler done" and "ack stored" -----------------------------
+
+
+async def test_agent_killed_before_its_ack_was_stored_publishes_it_after_restart(
+    nc: NATS, broker: Broker, nats_server: NatsServer, procs: Procs, tmp_path: Path
+) -> None:
+    url = nats_server.url
+    a1 = spawn_agent(procs, url, "crash1", "crash.cap", tmp_path,
+                     REACH_ACK_CRASH_AFTER_WAL="completed")  # fmt: skip
+    await wait_log(procs, a1, "ready")
+    rid = str(uuid.uuid4())
+    with pytest.raises(Exception):  # noqa: B017 - the agent dies before replying
+        await nc.request("reach.task.crash1.crash.cap", b'{"n": 7}', timeout=3,
+                         headers={"Reach-Request-Id": rid})  # fmt: skip
+    await wait_for(lambda: a1.poll() is not None, timeout=10, what="agent crash")
+    assert a1.returncode == -signal.SIGKILL
+    assert runs(tmp_path) == [rid]
+    last = await acks.last_record(nc, rid)
+    assert last is None or last.state == "received"  # the completed ack was not stored
+    wal_files = list((tmp_path / "wal").glob("acks-*.wal"))
+    assert len(wal_files) == 1 and b"%s.completed" % rid.encode() in wal_files[0].read_bytes()
+
+    waiter = asyncio.create_task(durable.wait(nc, rid, timeout=30))
+    a2 = spawn_agent(procs, url, "crash1", "crash.cap", tmp_path)
+    await wait_log(procs, a2, "ready")
+    record = await waiter
+    assert (record.request_id, record.state, record.agent_id) == (rid, "completed", "crash1")
+    assert json.loads(bytes(record.result))["n"] == 7
+    assert runs(tmp_path) == [rid]  # the handler did not run again
+
+
+# --- 5: a second broker starts from the snapshot ----------------------------------------------
+
+
+async def test_second_broker_has_the_same_registry_without_re_announces(
+    nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    b1 = await broker_factory()
+    tokens = {}
+    for i in range(5):
+        tokens[f"snap{i}"] = (await announce(nc, f"snap{i}", region=f"r{i}"))["token"]
+    seq = 0
+    stop = asyncio.Event()
+
+    async def beat() -> None:
+        nonlocal seq
+        while not stop.is_set():
+            seq += 1
+            for agent_id, token in tokens.items():
+                if agent_id != "snap4":  # snap4 falls silent
+                    await heartbeat(nc, agent_id, token, seq)
+            await asyncio.sleep(0.05)
+
+    beater = asyncio.create_task(beat())
+    try:
+        await wait_for(lambda: b1.registry.agents["snap4"].state == "offline", timeout=10)
+        await asyncio.sleep(0.5)  # the snapshot flushes every 0.2 s: let the last one land
+        b2 = await broker_factory()
+        assert b2.snapshot.restored == 5
+        assert b2.metrics.announce_result["ok"]._value.get() == 0
+        assert sorted(b2.registry.agents) == sorted(b1.registry.agents)
+        for agent_id, rec in b1.registry.agents.items():
+            other = b2.registry.agents[agent_id]
+            assert other.capabilities == rec.capabilities
+            assert other.region == rec.region
+        assert b2.registry.agents["snap4"].state == "offline"
+        # Heard from again (heartbeats only, no announce): the same states as the first.
+        await wait_for(
+            lambda: {a: r.state for a, r in b2.registry.agents.items()}
+            == {a: r.state for a, r in b1.registry.agents.items()},
+            timeout=10, what="same states",
+        )  # fmt: skip
+        assert b2.metrics.announce_result["ok"]._value.get() == 0
+        reply = await nc.request("reach.route.text_processing", b'{"limit": 10}', timeout=2)
+        assert len(json.loads(reply.data)["candidates"]) == 4
+    finally:
+        stop.set()
+        await beater
+    # The token secret key lives in the same bucket and is not an agent.
+    assert b2.registry.signer is not None
+    assert "_broker.token_secret" not in b2.registry.agents
