@@ -142,29 +142,33 @@ class Child:
         )
         return cls(name, proc)
 
-    async def read_event(self, timeout: float) -> dict[str, Any]:
+    async def read_event(self, within: float) -> dict[str, Any]:
         assert self.proc.stdout is not None
         while True:
-            line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+            line = await asyncio.wait_for(self.proc.stdout.readline(), within)
             if not line:
-                raise RuntimeError(f"{self.name} (pid {self.pid}) exited: rc={self.proc.returncode}")
+                raise RuntimeError(
+                    f"{self.name} (pid {self.pid}) exited: rc={self.proc.returncode}"
+                )
             with contextlib.suppress(ValueError):
                 event = json.loads(line)
                 if isinstance(event, dict):
                     return event
 
-    async def wait_event(self, name: str, timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
+    async def wait_event(self, name: str, within: float) -> dict[str, Any]:
+        deadline = time.monotonic() + within
         while True:
             event = await self.read_event(max(deadline - time.monotonic(), 0.01))
             if event.get("event") == name:
                 return event
 
-    async def command(self, cmd: str, reply: str | None = None, timeout: float = 10.0) -> dict[str, Any]:
+    async def command(
+        self, cmd: str, reply: str | None = None, within: float = 10.0
+    ) -> dict[str, Any]:
         assert self.proc.stdin is not None
         self.proc.stdin.write((cmd + "\n").encode())
         await self.proc.stdin.drain()
-        return await self.wait_event(reply or cmd.split()[0], timeout)
+        return await self.wait_event(reply or cmd.split()[0], within)
 
     def alive(self) -> bool:
         return self.proc.returncode is None
@@ -190,12 +194,12 @@ class Child:
 
 # --- broker metrics ----------------------------------------------------------------------
 
-_SAMPLE_RE = re.compile(r'^(\w+)(?:\{([^}]*)\})? ([0-9.eE+-]+|NaN)$')
+_SAMPLE_RE = re.compile(r"^(\w+)(?:\{([^}]*)\})? ([0-9.eE+-]+|NaN)$")
 
 
 def scrape(url: str) -> dict[str, float]:
     """``name{labels}`` → value for every sample on the broker's /metrics."""
-    with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 - loopback, ours
+    with urllib.request.urlopen(url, timeout=5) as resp:
         text = resp.read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
@@ -207,8 +211,8 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def heartbeat_counts(sample: dict[str, float]) -> dict[str, int]:
-    prefix = "reach_heartbeats_total{result=\""
-    return {k[len(prefix):-2]: int(v) for k, v in sample.items() if k.startswith(prefix)}
+    prefix = 'reach_heartbeats_total{result="'
+    return {k[len(prefix) : -2]: int(v) for k, v in sample.items() if k.startswith(prefix)}
 
 
 class Run:
@@ -239,9 +243,9 @@ class Run:
             return None
         return sum(heartbeat_counts(await self.metrics()).values())
 
-    async def settle_heartbeats(self, expect: int, timeout: float) -> int | None:
+    async def settle_heartbeats(self, expect: int, within: float) -> int | None:
         """Wait until the broker counted ``expect`` heartbeats or its count stops moving."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + within
         last, still = -1, 0
         while True:
             total = await self.hb_total()
@@ -255,19 +259,33 @@ class Run:
 
     async def routable(self, capability: str) -> int:
         """Candidates the broker returns for ``capability`` (0 when none is reachable)."""
-        msg = await self.nc.request(f"{self.args.prefix}.route.{capability}", b'{"limit":100}', timeout=2)
+        msg = await self.nc.request(
+            f"{self.args.prefix}.route.{capability}", b'{"limit":100}', timeout=2
+        )
         if msg.headers and H_SERVICE_ERROR_CODE in msg.headers:
             return 0
         return len(json.loads(msg.data)["candidates"])
 
-    async def until_unroutable(self, capability: str, t_kill: float, timeout: float) -> float | None:
+    async def wait_routable(self, capability: str, want: int, within: float) -> int:
+        """Wait until at least ``want`` candidates for ``capability`` come back."""
+        deadline = time.monotonic() + within
+        n = 0
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                n = await self.routable(capability)
+                if n >= want:
+                    break
+            await asyncio.sleep(0.05)
+        return n
+
+    async def until_unroutable(self, capability: str, t_kill: float, within: float) -> float | None:
         """ms from ``t_kill`` until no candidate for ``capability`` (and none for 1 s after)."""
-        deadline = time.perf_counter() + timeout
+        deadline = time.perf_counter() + within
         first_none: float | None = None
         while time.perf_counter() < deadline:
             try:
                 n = await self.routable(capability)
-            except Exception:  # noqa: BLE001 - a slow reply is not a detection
+            except Exception:
                 n = -1
             now = time.perf_counter()
             if n == 0:
@@ -285,7 +303,7 @@ class Run:
         argv = [PY, "-m", "loadtest.driver", mode, "--server", self.url, "--prefix", a.prefix,
                 "--concurrency", str(a.concurrency), "--duration", str(seconds),
                 "--warmup", str(a.warmup)]  # fmt: skip
-        for cap in CAPABILITIES:
+        for cap in CAPABILITIES[: a.capabilities]:
             argv += ["--capability", cap]
         child = await self.spawn(f"driver-{mode}", *argv)
         try:
@@ -322,7 +340,7 @@ class Run:
                 if self.metrics_url:
                     await self.metrics()
                 break
-            except Exception:  # noqa: BLE001
+            except Exception:
                 if time.monotonic() > deadline or (self.broker and not self.broker.alive()):
                     raise RuntimeError("the broker did not come up within 30 s") from None
                 await asyncio.sleep(0.2)
@@ -338,7 +356,8 @@ class Run:
         rss0 = rss_bytes(pid) if pid else None
         self.r["broker_rss_empty_bytes"] = rss0
         common = ["--server", self.url, "--prefix", a.prefix, "--interval", str(a.interval),
-                  "--max-runtime", str(a.budget)]  # fmt: skip
+                  "--max-runtime", str(a.budget),
+                  "--capabilities", str(a.capabilities)]  # fmt: skip
         sims: list[Child] = []
         self.sim_counts: list[int] = []
         per_proc = -(-main_n // a.sim_procs)
@@ -376,7 +395,10 @@ class Run:
         deadline = time.monotonic() + 30
         while self.metrics_url:
             m = await self.metrics()
-            if m.get('reach_agents{state="healthy"}', 0) >= n - errors or time.monotonic() > deadline:
+            if (
+                m.get('reach_agents{state="healthy"}', 0) >= n - errors
+                or time.monotonic() > deadline
+            ):
                 break
             await asyncio.sleep(0.2)
         await asyncio.sleep(max(2.0, 2 * a.interval))  # a few heartbeats: records settle
@@ -426,11 +448,19 @@ class Run:
             log(f"round {i + 1}/{a.rounds}: echo {slice_s:g} s")
             echoes.append(await self.drive("echo", slice_s))
             log(f"round {i + 1}/{a.rounds}: route {slice_s:g} s")
-            c0, s0, m0 = cpu_seconds(pid) if pid else None, cpu_seconds(spid) if spid else None, machine_busy()
+            c0, s0, m0 = (
+                cpu_seconds(pid) if pid else None,
+                cpu_seconds(spid) if spid else None,
+                machine_busy(),
+            )
             t0 = time.perf_counter()
             routes.append(await self.drive("route", slice_s))
             dt = time.perf_counter() - t0
-            c1, s1, m1 = cpu_seconds(pid) if pid else None, cpu_seconds(spid) if spid else None, machine_busy()
+            c1, s1, m1 = (
+                cpu_seconds(pid) if pid else None,
+                cpu_seconds(spid) if spid else None,
+                machine_busy(),
+            )
             if c0 is not None and c1 is not None:
                 route_cpu.append((c1 - c0, dt))
             if s0 is not None and s1 is not None:
@@ -444,8 +474,12 @@ class Run:
             secs = sum(x["seconds"] for x in results)
             self.r[f"{prefix}_per_s"] = round(ok / secs, 1) if secs else 0.0
             # Percentiles of the slices: the worst slice's, so a bad slice is not hidden.
-            self.r[f"{prefix}_p50_ms"] = max((x["p50_ms"] for x in results if x["p50_ms"] is not None), default=None)
-            self.r[f"{prefix}_p99_ms"] = max((x["p99_ms"] for x in results if x["p99_ms"] is not None), default=None)
+            self.r[f"{prefix}_p50_ms"] = max(
+                (x["p50_ms"] for x in results if x["p50_ms"] is not None), default=None
+            )
+            self.r[f"{prefix}_p99_ms"] = max(
+                (x["p99_ms"] for x in results if x["p99_ms"] is not None), default=None
+            )
             errs: dict[str, int] = {}
             for x in results:
                 for key, v in x["errors"].items():
@@ -457,25 +491,37 @@ class Run:
         combine(echoes, "echo")
         self.r["routes_per_s"] = self.r.pop("route_per_s")
         self.r["route_vs_echo_ratio"] = (
-            round(self.r["routes_per_s"] / self.r["echo_per_s"], 3) if self.r["echo_per_s"] else None
+            round(self.r["routes_per_s"] / self.r["echo_per_s"], 3)
+            if self.r["echo_per_s"]
+            else None
         )
         self.r["broker_cpu_share"] = (
-            round(sum(c for c, _ in route_cpu) / sum(t for _, t in route_cpu), 3) if route_cpu else None
+            round(sum(c for c, _ in route_cpu) / sum(t for _, t in route_cpu), 3)
+            if route_cpu
+            else None
         )
         self.r["nats_server_cpu_share"] = (
-            round(sum(c for c, _ in server_cpu) / sum(t for _, t in server_cpu), 3) if server_cpu else None
+            round(sum(c for c, _ in server_cpu) / sum(t for _, t in server_cpu), 3)
+            if server_cpu
+            else None
         )
-        self.r["machine_cpu_busy_share"] = round(sum(b for b, _ in busy) / sum(t for _, t in busy), 3)
+        self.r["machine_cpu_busy_share"] = round(
+            sum(b for b, _ in busy) / sum(t for _, t in busy), 3
+        )
         if h0 is not None and h1 is not None:
-            self.r["heartbeats_per_s_under_load"] = round((h1 - h0) / (time.perf_counter() - ht0), 1)
+            self.r["heartbeats_per_s_under_load"] = round(
+                (h1 - h0) / (time.perf_counter() - ht0), 1
+            )
 
     async def storm(self) -> None:
         a = self.args
         if not self.metrics_url or a.storm_seconds <= 0:
             return
         sim = self.sims[0]
-        h0 = await self.hb_total() or 0
-        c0 = await sim.command("count")
+        for other in self.sims[1:]:
+            await other.command("pause")  # the broker's count moves with the storm alone
+        c0 = await sim.command("pause")
+        h0 = await self.settle_heartbeats(10**12, 5) or 0
         log(f"heartbeat storm: {a.storm_rate:g}/s for {a.storm_seconds:g} s")
         t0 = time.perf_counter()
         await sim.command(f"storm {a.storm_rate} {a.storm_seconds}", reply="storm")
@@ -497,13 +543,19 @@ class Run:
         finally:
             if not reader.done():
                 reader.cancel()
+        c1 = await sim.command("pause")
+        sent = c1["sent"] - c0["sent"]
+        h1 = await self.settle_heartbeats(h0 + sent, 15) or 0
+        self.r["storm_dropped"] = sent - (h1 - h0)
         offered = (done["storm_sent"] / done["seconds"]) if done and done["seconds"] else None
         # Peak ingest: the best 1 s window of the broker's own counter.
         best = 0.0
         for i in range(len(samples)):
             for j in range(i + 1, len(samples)):
                 if samples[j][0] - samples[i][0] >= 1.0:
-                    best = max(best, (samples[j][1] - samples[i][1]) / (samples[j][0] - samples[i][0]))
+                    best = max(
+                        best, (samples[j][1] - samples[i][1]) / (samples[j][0] - samples[i][0])
+                    )
                     break
         self.r["storm_offered_per_s"] = round(offered, 1) if offered else None
         self.r["heartbeat_ingest_peak_per_s"] = round(best, 1)
@@ -512,7 +564,7 @@ class Run:
 
     async def reannounce(self) -> None:
         sim = self.sims[0]
-        ev = await sim.command("reannounce", timeout=60 + self.args.agents / 100)
+        ev = await sim.command("reannounce", within=60 + self.args.agents / 100)
         self.r["reannounce_s"] = ev["seconds"]
         self.r["reannounce_errors"] = ev["errors"]
         self.r["reannounce_agents"] = self.sim_counts[0]
@@ -524,19 +576,22 @@ class Run:
         m = await self.metrics()
         self.r["advisories_active"] = bool(m.get("reach_disconnect_advisories", 0.0))
         self.hb_sent_final: dict[str, int] = {}
+        k = max(1, round(a.agents * a.kill_share))
         if "silent" in self.victims:
             v = self.victims["silent"]
-            before = await self.routable(VICTIM_SILENT)
+            before = await self.wait_routable(VICTIM_SILENT, k // 2, timeout)
             t_kill = time.perf_counter()
             ev = await v.command("silence")
             self.hb_sent_final["silent"] = ev["sent"]
             ms = await self.until_unroutable(VICTIM_SILENT, t_kill, timeout)
             self.r["kill_detection_silent_ms"] = ms
             self.r["kill_silent_routable_before"] = before
-            log(f"silenced {a.kill_share:.0%}: none routed after {ms} ms ({before} routable before)")
+            log(
+                f"silenced {a.kill_share:.0%}: none routed after {ms} ms ({before} routable before)"
+            )
         if "adv" in self.victims:
             v = self.victims["adv"]
-            before = await self.routable(VICTIM_ADV)
+            before = await self.wait_routable(VICTIM_ADV, k // 2, timeout)
             ev = await v.command("count")  # its tally, then SIGKILL: none are in flight
             t_kill = time.perf_counter()
             await v.kill()
@@ -544,7 +599,10 @@ class Run:
             ms = await self.until_unroutable(VICTIM_ADV, t_kill, timeout)
             self.r["kill_detection_ms"] = ms
             self.r["kill_adv_routable_before"] = before
-            log(f"SIGKILLed {a.kill_share:.0%}: none routed after {ms} ms ({before} routable before)")
+            log(
+                f"SIGKILLed {a.kill_share:.0%}: none routed after {ms} ms "
+                f"({before} routable before)"
+            )
         self.r["kill_count"] = max(1, round(a.agents * a.kill_share))
 
     async def accounting(self) -> None:
@@ -566,8 +624,12 @@ class Run:
             self.r["heartbeat_results"] = by_result
             self.r["heartbeats_dropped"] = total_sent - counted
             self.r["heartbeats_rejected"] = counted - by_result.get("accepted", 0)
+        for sim in self.sims:
+            await sim.command("resume")
         m = await self.metrics()
-        self.r["broker_nats_errors"] = {k: v for k, v in m.items() if k.startswith("reach_nats_errors_total")}
+        self.r["broker_nats_errors"] = {
+            k: v for k, v in m.items() if k.startswith("reach_nats_errors_total")
+        }
 
     async def run(self) -> dict[str, Any]:
         a = self.args
@@ -576,7 +638,8 @@ class Run:
             "date_utc": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "host_cores": os.cpu_count(), "loadavg_start": loadavg(), "agents": a.agents,
             "interval_s": a.interval, "duration_s": a.duration, "concurrency": a.concurrency,
-            "rounds": a.rounds, "kill_share": a.kill_share,
+            "rounds": a.rounds, "kill_share": a.kill_share, "capabilities": a.capabilities,
+            "connections_per_sim": a.connections, "conn_per_agent": a.conn_per_agent,
         })  # fmt: skip
         for key in rpt.REQUIRED_KEYS:
             r.setdefault(key, None)
@@ -585,15 +648,23 @@ class Run:
         log("heartbeats only")
         await self.heartbeats_only()
         await self.load()
-        await self.storm()
         if a.reannounce:
             log("re-announce storm")
             await self.reannounce()
         if self.victims:
             await self.kill()
         await self.accounting()
+        # Last: a storm may leave the broker behind for a while, which would blur the rest.
+        await self.storm()
         r["loadavg_end"] = loadavg()
         return r
+
+    def pids(self) -> dict[str, int]:
+        """Every process this run started (the report lists them; none outlives the run)."""
+        out = {f"{c.name}-{i}": c.pid for i, c in enumerate(self.children)}
+        if self.server is not None and self.server.pid is not None:
+            out["nats-server"] = self.server.pid
+        return out
 
     async def cleanup(self) -> None:
         if self.nc is not None:
@@ -617,11 +688,13 @@ async def amain(args: argparse.Namespace) -> int:
     except TimeoutError:
         log(f"watchdog: the run exceeded --budget {args.budget:g} s; partial report")
         report, status = run.r, 1
-    except Exception as exc:  # noqa: BLE001 - the partial report still gets written
+    except Exception as exc:
         log(f"failed: {exc!r}")
         report, status = run.r, 1
     finally:
+        pids = run.pids()
         await run.cleanup()
+    report["pids"] = pids
     report.setdefault("loadavg_end", loadavg())
     report["targets"] = rpt.targets(report)
     report["summary"] = rpt.summary(report)
@@ -647,12 +720,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics-url", help="/metrics of that broker (for heartbeat counts)")
     p.add_argument("--broker-config", help="broker.toml for the broker we start")
     p.add_argument("--connections", type=int, default=8, help="NATS connections per sim process")
+    p.add_argument("--capabilities", type=int, default=len(CAPABILITIES), choices=range(1, 11),
+                   metavar="1..10",
+                   help="shared capabilities the route load is spread over")  # fmt: skip
     p.add_argument("--conn-per-agent", action="store_true", help="one connection per agent")
     p.add_argument("--sim-procs", type=int, default=1, help="sim processes for the fleet")
     p.add_argument("--rounds", type=int, default=2, help="alternating echo/route slices")
     p.add_argument("--warmup", type=float, default=1.0, help="driver warm-up per slice (s)")
     p.add_argument("--kill-share", type=float, default=0.1,
-                   help="share of agents silenced, and another share SIGKILLed (0: skip)")  # fmt: skip
+                   help="share of agents silenced, another share SIGKILLed (0: skip)")  # fmt: skip
     p.add_argument("--storm-rate", type=float, default=60_000, help="heartbeats/s offered")
     p.add_argument("--storm-seconds", type=float, default=3.0, help="0 skips the storm")
     p.add_argument("--no-reannounce", dest="reannounce", action="store_false")
@@ -662,8 +738,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--verbose", action="store_true", help="show the broker's log")
     args = p.parse_args(argv)
     if args.budget <= 0:
-        args.budget = 120 + 2.5 * (args.duration + 2 * args.rounds * args.warmup) + 20 * args.interval \
-            + args.storm_seconds + args.agents / 50
+        args.budget = (
+            120
+            + 2.5 * (args.duration + 2 * args.rounds * args.warmup)
+            + 20 * args.interval
+            + args.storm_seconds
+            + args.agents / 50
+        )
     return args
 
 

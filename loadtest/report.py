@@ -86,7 +86,8 @@ def summary(r: dict[str, Any]) -> str:
         f"  routes/s {_fmt(r.get('routes_per_s'))}  p50 {_fmt(r.get('route_p50_ms'), ' ms', 2)}  "
         f"p99 {_fmt(r.get('route_p99_ms'), ' ms', 2)}  errors {r.get('route_errors')}",
         f"  echo/s   {_fmt(r.get('echo_per_s'))}  p50 {_fmt(r.get('echo_p50_ms'), ' ms', 2)}  "
-        f"p99 {_fmt(r.get('echo_p99_ms'), ' ms', 2)}  route/echo {_fmt(r.get('route_vs_echo_ratio'), '', 3)}",
+        f"p99 {_fmt(r.get('echo_p99_ms'), ' ms', 2)}  "
+        f"route/echo {_fmt(r.get('route_vs_echo_ratio'), '', 3)}",
         f"  heartbeats/s {_fmt(r.get('heartbeats_per_s'))} steady, ingest peak "
         f"{_fmt(r.get('heartbeat_ingest_peak_per_s'))}/s (storm offered "
         f"{_fmt(r.get('storm_offered_per_s'))}/s); dropped {_fmt(r.get('heartbeats_dropped'))} "
@@ -104,7 +105,9 @@ def summary(r: dict[str, Any]) -> str:
     for name, t in (r.get("targets") or {}).items():
         mark = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
         note = f" ({t['note']})" if t.get("note") else ""
-        lines.append(f"    {name:26s} {_fmt(t['value'], '', 2):>12s}  {t['bound']:34s} {mark}{note}")
+        lines.append(
+            f"    {name:26s} {_fmt(t['value'], '', 2):>12s}  {t['bound']:34s} {mark}{note}"
+        )
     return "\n".join(lines)
 
 

@@ -137,7 +137,8 @@ class Sim:
         extra = [c for c in (args.extra_capability or []) if c]
         for i in range(args.agents):
             agent_id = f"{args.id_prefix}-{i:05d}"
-            caps = rng.sample(CAPABILITIES, rng.randint(1, 3)) + extra
+            shared = CAPABILITIES[: args.capabilities]
+            caps = rng.sample(shared, rng.randint(1, min(3, len(shared)))) + extra
             agent = SimAgent(agent_id, caps, i % n_conns, random.Random(rng.random()))
             agent.subject = f"{self.prefix}.hb.{agent_id}"
             self.agents.append(agent)
@@ -168,7 +169,11 @@ class Sim:
         sem = asyncio.Semaphore(64)
 
         async def one(i: int) -> NATS:
-            name = self.agents[i].agent_id if self.args.conn_per_agent else f"{self.args.id_prefix}-conn{i}"
+            name = (
+                self.agents[i].agent_id
+                if self.args.conn_per_agent
+                else f"{self.args.id_prefix}-conn{i}"
+            )
             async with sem:
                 return await nats.connect(name=name, **opts)
 
@@ -217,9 +222,9 @@ class Sim:
                             raise RuntimeError(msg.headers.get(H_SERVICE_ERROR))
                         ack = schema.announce_ack_decoder.decode(msg.data)
                         agent.token = ack.token
-                        agent.seq = 0
+                        # seq is per process and keeps rising across re-announces (DESIGN)
                         return
-                    except Exception:  # noqa: BLE001 - retried, then counted
+                    except Exception:
                         await asyncio.sleep(0.1 * (attempt + 1))
                 self.announce_errors += 1
 
@@ -340,6 +345,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--id-prefix", default="sim")
     p.add_argument("--extra-capability", action="append",
                    help="a capability every agent of this process also has")  # fmt: skip
+    p.add_argument("--capabilities", type=int, default=len(CAPABILITIES),
+                   help="shared capabilities in use (each agent has 1-3 of them)")  # fmt: skip
     p.add_argument("--announce-concurrency", type=int, default=200)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--max-runtime", type=float, default=600.0)
