@@ -310,6 +310,56 @@ async def _route(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- reach ack -----------------------------------------------------------------------------
+
+
+def cmd_ack(args: argparse.Namespace) -> int:
+    return asyncio.run(_ack(args))
+
+
+async def _ack(args: argparse.Namespace) -> int:
+    """Every record stored on REACH_ACKS for one request id (received, completed/failed)."""
+    from jetstream import acks
+    from reach_agent.durable import decode_ack
+
+    try:
+        acks.check_request_id(args.request_id)
+    except acks.InvalidRequestId as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    nc = await connect(args)
+    try:
+        stored = await acks.all_records(nc, args.request_id, prefix=args.prefix,
+                                        timeout_s=args.timeout)  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - no stream, no JetStream: one clear line
+        raise CliError(f"cannot read REACH_ACKS: {exc or type(exc).__name__}",
+                       EXIT_UNAVAILABLE) from None  # fmt: skip
+    finally:
+        await nc.close()
+    if not stored:
+        raise CliError(f"no ack record for request_id {args.request_id!r} (acks are kept 24 h)")
+    records = [decode_ack(s.data) for s in stored]
+    if args.json:
+        print_json(records if args.all else records[-1])
+        return 0
+    shown = records if args.all else [records[-1]]
+    rows = [
+        (r.state, r.agent_id, r.capability, _when(r.at_ms),
+         (r.error or {}).get("code", "") or "",
+         (bytes(r.result).decode(errors="replace")[:60] if r.result else
+          (r.error or {}).get("message", "")[:60]))
+        for r in shown
+    ]  # fmt: skip
+    print(f"request {args.request_id}")
+    print_table(rows, ["STATE", "AGENT", "CAPABILITY", "AT", "ERROR", "RESULT / MESSAGE"])
+    return 0
+
+
+def _when(ms: int) -> str:
+    import datetime as dt
+
+    return dt.datetime.fromtimestamp(ms / 1000, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+
+
 # --- entry point --------------------------------------------------------------------------
 
 Command = Callable[[argparse.Namespace], int]
@@ -351,6 +401,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exclude", action="append", metavar="AGENT_ID")
     p.add_argument("--allow-suspect", action="store_true")
     p.set_defaults(func=cmd_route)
+    p = sub.add_parser("ack", help="the durable ack record of a request id (REACH_ACKS)")
+    add_common(p)
+    p.add_argument("request_id")
+    p.add_argument("--all", action="store_true", help="every record, not only the latest")
+    p.set_defaults(func=cmd_ack)
     return parser
 
 

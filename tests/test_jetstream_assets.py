@@ -7,6 +7,7 @@ import json
 import uuid
 from pathlib import Path
 
+import msgspec
 import pytest
 from nats.aio.client import Client as NATS
 from nats.js.errors import APIError
@@ -241,3 +242,38 @@ async def test_ack_writer_keeps_retrying_until_jetstream_has_the_stream(
         await provision(nc)
         assert await writer.flush(10)
     assert (await durable.wait(nc, rid, timeout=2)).state == "completed"
+
+
+async def test_reach_ack_cli_shows_the_stored_record(
+    nc: NATS, broker: Broker, tmp_path: Path, nats_server
+) -> None:
+    import subprocess
+    import sys
+
+    rid = str(uuid.uuid4())
+    async with acks.AckWriter(tmp_path / "wal", servers=nats_server.url) as writer:
+        await writer.record(ack(rid, "received"))
+        await writer.record(schema.AckRecord(
+            request_id=rid, agent_id="a1", capability="cap", state="completed", at_ms=5,
+            result=msgspec.Raw(b'{"chars": 2}')))  # fmt: skip
+        assert await writer.flush(5)
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "reach_broker.cli", "ack", "--server", nats_server.url, *args],
+            capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+
+    out = await asyncio.to_thread(cli, rid, "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"request_id": rid, "agent_id": "a1", "capability": "cap",
+                                      "state": "completed", "at_ms": 5,
+                                      "result": {"chars": 2}}  # fmt: skip
+    out = await asyncio.to_thread(cli, rid, "--all", "--json")
+    assert [r["state"] for r in json.loads(out.stdout)] == ["received", "completed"]
+    out = await asyncio.to_thread(cli, rid)
+    assert out.returncode == 0
+    assert "completed" in out.stdout and '{"chars": 2}' in out.stdout
+    missing = await asyncio.to_thread(cli, str(uuid.uuid4()))
+    assert missing.returncode == 1
+    assert "no ack record for request_id" in missing.stderr
