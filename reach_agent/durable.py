@@ -157,3 +157,28 @@ async def last(client: Any, request_id: str, *, prefix: str = "reach") -> AckRec
     except acks.InvalidRequestId as exc:
         raise InvalidRequest(str(exc)) from None
     return None if stored is None else decode_ack(stored.data)
+
+
+ACK_DIR_ENV = "REACH_ACK_DIR"
+
+
+def default_ack_dir(agent_id: str) -> str:
+    """Where an agent's ack write-ahead files live: ``$REACH_ACK_DIR/<agent_id>`` or
+    ``~/.cache/reach/<agent_id>`` (the same path across restarts, so a restart replays it)."""
+    import os
+
+    base = os.environ.get(ACK_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "reach")
+    return os.path.join(base, agent_id)
+
+
+def default_ack_writer(
+    agent_id: str, servers: str | list[str] | None = None, *, prefix: str = "reach",
+    creds: str | None = None, wal_dir: str | None = None,
+) -> acks.AckWriter:  # fmt: skip
+    """The ack sink an ``Agent`` should use by default: WAL under :func:`default_ack_dir`,
+    its own NATS connection named ``<agent_id>-acks`` (not the agent id, so the broker's
+    disconnect advisories never confuse it with the agent)."""
+    return acks.AckWriter(
+        wal_dir or default_ack_dir(agent_id), servers=servers, name=f"{agent_id}-acks",
+        prefix=prefix, creds=creds,
+    )  # fmt: skip
