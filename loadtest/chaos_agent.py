@@ -4,11 +4,12 @@
         --capability summarize --heartbeat-ms 1000 --work-ms 20
 
 Connects with the connection name = agent_id, announces (retrying), heartbeats with seq,
-load, results and the p50 of its last 20 tasks, answers probes, and runs tasks (sleep
-``--work-ms`` then reply ``{"agent": id}``). SIGUSR1 adds ``--fault-ms`` (1500) to every
-task, SIGUSR2 takes it away again. Prints ``ready <agent_id>`` once announced. Used by the
-detection integration tests and by ``loadtest.chaos``; real processes, so SIGKILL and
-SIGSTOP mean what they say.
+load, results and the p50 of the tasks finished since the last heartbeat, answers probes,
+and runs tasks (a receipt when asked, sleep ``--work-ms``, reply ``{"agent": id}``).
+``--sdk`` runs the same agent on ``reach_agent.Agent`` instead. SIGUSR1 adds
+``--fault-ms`` (1500) to every task, SIGUSR2 takes it away again. Prints
+``ready <agent_id>`` once announced. Used by the detection integration tests and by
+``loadtest.chaos``; real processes, so SIGKILL and SIGSTOP mean what they say.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import signal
 import statistics
 import sys
 import time
-from collections import deque
 from typing import Any
 
 import nats
@@ -36,7 +36,7 @@ class ChaosAgent:
         self.ok_total = 0
         self.seq = 0
         self.token = ""
-        self.durations: deque[float] = deque(maxlen=20)
+        self.recent: list[float] = []
         self.oldest: dict[int, float] = {}
         self._n = 0
         self._running: set[asyncio.Future[None]] = set()
@@ -90,8 +90,10 @@ class ChaosAgent:
             "status": "busy" if self.active else "idle", "active": self.active,
             "queue_depth": 0, "ok_total": self.ok_total, "fail_total": 0,
         }  # fmt: skip
-        if self.durations:
-            body["task_ms_p50"] = int(statistics.median(self.durations))
+        if self.recent:
+            # p50 of the tasks finished since the last heartbeat: the freshest signal.
+            body["task_ms_p50"] = int(statistics.median(self.recent))
+            self.recent.clear()
         if self.oldest:
             body["oldest_task_ms"] = int((now - min(self.oldest.values())) * 1000)
         await self.nc.publish(f"{self.args.prefix}.hb.{self.agent_id}", json.dumps(body).encode())
@@ -112,17 +114,52 @@ class ChaosAgent:
         self.active += 1
         self.oldest[n] = t0
         try:
+            hdrs = msg.headers or {}
+            rid = hdrs.get("Reach-Request-Id", "")
+            if hdrs.get("Reach-Receipt") == "1" and msg.reply:
+                receipt = json.dumps({"request_id": rid, "status": "received"}).encode()
+                await self.nc.publish(msg.reply, receipt, headers={
+                    "Reach-Request-Id": rid, "Reach-Status": "received"})  # fmt: skip
             await asyncio.sleep((self.args.work_ms + self.extra_ms) / 1000.0)
-            rid = (msg.headers or {}).get("Reach-Request-Id", "")
             headers = {"Reach-Status": "completed"}
             if rid:
                 headers["Reach-Request-Id"] = rid
-            await msg.respond(json.dumps({"agent": self.agent_id}).encode(), headers=headers)
+            if msg.reply:
+                await self.nc.publish(msg.reply, json.dumps({"agent": self.agent_id}).encode(),
+                                      headers=headers)  # fmt: skip
             self.ok_total += 1
-            self.durations.append((time.monotonic() - t0) * 1000.0)
+            self.recent.append((time.monotonic() - t0) * 1000.0)
         finally:
             self.active -= 1
             del self.oldest[n]
+
+
+async def run_sdk(args: argparse.Namespace) -> None:
+    """The same agent on the reach SDK (``reach_agent.Agent``): the handler sleeps."""
+    import reach_agent
+
+    extra = [0.0]
+    agent = reach_agent.Agent(
+        args.id, capabilities=args.capability, max_concurrency=args.max_concurrency,
+        heartbeat_interval=args.heartbeat_ms / 1000.0, timeout_hint=5.0, prefix=args.prefix,
+    )  # fmt: skip
+
+    async def work(task: reach_agent.Task) -> dict[str, str]:
+        await asyncio.sleep((args.work_ms + extra[0]) / 1000.0)
+        return {"agent": args.id}
+
+    for cap in args.capability:
+        agent.handler(cap)(work)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGUSR1, extra.__setitem__, 0, args.fault_ms)
+    loop.add_signal_handler(signal.SIGUSR2, extra.__setitem__, 0, 0.0)
+    async with agent.serve(args.server):
+        for _ in range(1000):
+            if agent.token is not None:
+                break
+            await asyncio.sleep(0.01)
+        print(f"ready {args.id}", flush=True)
+        await asyncio.Event().wait()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -136,10 +173,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--work-ms", type=float, default=20.0)
     ap.add_argument("--fault-ms", type=float, default=1500.0)
     ap.add_argument("--max-concurrency", type=int, default=64)
+    ap.add_argument("--sdk", action="store_true", help="run on reach_agent.Agent instead")
     args = ap.parse_args(argv)
     args.capability = args.capability or ["summarize"]
     try:
-        asyncio.run(ChaosAgent(args).run())
+        asyncio.run(run_sdk(args) if args.sdk else ChaosAgent(args).run())
     except KeyboardInterrupt:
         pass
     sys.exit(0)

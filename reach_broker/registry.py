@@ -224,6 +224,10 @@ class Registry:
         rec.ok_total, rec.fail_total = hb.ok_total, hb.fail_total
         if hb.task_ms_p50 is not None and (d_ok or d_fail):
             rec.stats.task(hb.task_ms_p50, cfg.ewma_alpha)
+        elif hb.active == 0 and rec.stats.task_ewma_ms is not None:
+            # Idle (e.g. ejected for slowness, so no tasks): the verdict fades towards the
+            # peers', so the agent is tried again rather than kept out on old evidence.
+            rec.stats.idle(self._peer_task_ms(rec), cfg.ewma_alpha)
         self._set_load(rec, hb.active, hb.queue_depth)
         rec.oldest_task_ms = hb.oldest_task_ms
         rec.status = hb.status
@@ -402,10 +406,7 @@ class Registry:
         rec.stuck = bool(
             hint and rec.oldest_task_ms and rec.oldest_task_ms > self.cfg.scoring.stuck_factor * hint
         )
-        peer = None
-        if rec.capabilities:
-            idx = self.indexes.get(rec.capabilities[0])
-            peer = idx.median_task_ms if idx else None
+        peer = self._peer_task_ms(rec)
         new = score(
             rec.stats,
             self.cfg.scoring,
@@ -418,6 +419,13 @@ class Registry:
         if new != rec.score:
             rec.score = new
             self._touch_score(rec)
+
+    def _peer_task_ms(self, rec: AgentRecord) -> float | None:
+        """Median task duration of the agent's (first) capability, as of the last ranking."""
+        if not rec.capabilities:
+            return None
+        idx = self.indexes.get(rec.capabilities[0])
+        return idx.median_task_ms if idx else None
 
     def _set_load(self, rec: AgentRecord, active: int, queue_depth: int) -> None:
         self.inflight += active - rec.active

@@ -10,7 +10,9 @@ let an agent 1.5 s slower than its peers keep ~85). The ``weight_*`` settings ar
 - T, latency: ``min(1, tol_task / task_ewma) * min(1, rtt_tolerance / rtt_ewma)``, with
   ``tol_task = max(task_tolerance_floor, task_tolerance_ratio * capability median)``: no
   penalty up to the tolerance, then in proportion (an agent 4x slower than the tolerance
-  keeps 1/4);
+  keeps 1/4). ``task_ewma`` follows the ``task_ms_p50`` of heartbeats that report finished
+  tasks; a heartbeat of an idle agent (nothing finished, nothing running) moves it towards
+  the peers' median instead, so an agent ejected for slowness is tried again;
 - F, load: ``1 / (1 + (active + queue_depth) / max_concurrency)``: 1 idle, 0.5 at full
   concurrency, 1/3 with a queue as deep again (the load watermark filters full agents
   anyway; F only orders them);
@@ -88,6 +90,13 @@ class Stats:
     def task(self, ms: float, alpha: float) -> None:
         prev = self.task_ewma_ms
         self.task_ewma_ms = ms if prev is None else prev + alpha * (ms - prev)
+
+    def idle(self, toward_ms: float | None, alpha: float) -> None:
+        """No task finished since the last heartbeat: drift down towards ``toward_ms``
+        (the peers' median), so old slowness is forgiven and the agent gets a new trial."""
+        prev = self.task_ewma_ms
+        if prev is not None and toward_ms is not None and prev > toward_ms:
+            self.task_ewma_ms = prev + alpha * (toward_ms - prev)
 
     @property
     def liveness(self) -> float:

@@ -168,3 +168,35 @@ def test_every_agent_at_full_load_stays_above_60() -> None:
     idx = fleet.reg.indexes["summarize"]
     idx.rebuild(fleet.cfg.routing, 10.0)
     assert (idx.ejected, [r.agent_id for r in idx.ranked]) == (0, ["a", "b", "c"])
+
+
+def test_agent_ejected_for_slowness_is_tried_again_once_idle() -> None:
+    fleet = Fleet()
+    for t in range(1, 11):
+        for agent_id in "abc":
+            fleet.beat(agent_id, float(t))
+        fleet.routable(float(t))
+    fleet.beat("c", 11.0, ok=2, p50=1600, active=2)
+    fleet.beat("c", 12.0, ok=2, p50=1600, active=0)
+    assert fleet.routable(12.0) == {"a", "b"}
+    # Ejected: no tasks, nothing running, no p50. Its task EWMA drifts to the peers' 100 ms.
+    scores = []
+    for t in range(13, 19):
+        fleet.beat("a", float(t))
+        fleet.beat("b", float(t))
+        fleet.beat("c", float(t), ok=0, active=0)
+        scores.append(fleet.score("c"))
+    assert scores == [39.3, 52.6, 69.0, 88.1, 100.0, 100.0]
+    assert fleet.routable(18.0) == {"a", "b", "c"}
+
+
+def test_slow_agent_with_tasks_still_running_is_not_forgiven() -> None:
+    fleet = Fleet()
+    for t in range(1, 11):
+        for agent_id in "abc":
+            fleet.beat(agent_id, float(t))
+        fleet.routable(float(t))
+    fleet.beat("c", 11.0, ok=2, p50=1600, active=2)
+    before = fleet.reg.agents["c"].stats.task_ewma_ms
+    fleet.beat("c", 12.0, ok=0, active=2)  # nothing finished, two still running
+    assert fleet.reg.agents["c"].stats.task_ewma_ms == before
