@@ -197,6 +197,8 @@ class Prober:
                 registry = broker.registry
                 if registry is None or agent_id not in registry.agents:
                     return
+                rec = registry.agents[agent_id]
+                sample = rec.state == "healthy"
                 t0 = broker.clock()
                 try:
                     await broker.nc.request(
@@ -214,7 +216,13 @@ class Prober:
                     broker.metrics.probe_rtt.observe(rtt_ms / 1000.0)
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("probe.%s agent=%s rtt_ms=%s", result, agent_id, rtt_ms)
-                broker.emit(registry.probe_result(agent_id, ok, rtt_ms, now))
+                if sample and result == "no_responders":
+                    # A heartbeating agent without a probe responder (a minimal agent in any
+                    # language may have none): no RTT sample, but no verdict on liveness
+                    # either. A dead one is the disconnect advisory's or the deadlines' job.
+                    ok = True
+                else:
+                    broker.emit(registry.probe_result(agent_id, ok, rtt_ms, now))
         except asyncio.CancelledError:
             raise
         except Exception:  # a failed probe never breaks the broker

@@ -1,0 +1,36 @@
+"""RTT samples of healthy agents against a real server: answered ones feed the RTT EWMA; an
+agent without a probe responder is left alone (no verdict on its liveness)."""
+
+from __future__ import annotations
+
+import json
+
+from nats.aio.client import Client as NATS
+
+from reach_broker.natsserver import NatsServer
+
+from .conftest import BrokerFactory, wait_for
+from .detection_agents import Transitions, agents
+
+
+async def test_rtt_samples_reach_healthy_agents(
+    nats_server: NatsServer, nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    broker = await broker_factory(detection__rtt_sample_interval_s=0.2)
+    seen = Transitions(broker)
+    reply = await nc.request("reach.announce.mute", json.dumps({
+        "agent_id": "mute", "capabilities": ["summarize"], "max_concurrency": 2,
+        "heartbeat_interval_ms": 60000}).encode(), 2)  # fmt: skip
+    assert "token" in json.loads(reply.data)
+    probes = broker.metrics.probes
+    async with agents(nats_server.url, ("echo", ["--heartbeat-ms", "500"])):
+        await wait_for(lambda: probes.labels("ok")._value.get() >= 3, 10, what="3 samples")
+        await wait_for(lambda: probes.labels("no_responders")._value.get() >= 3, 10,
+                       what="3 unanswered samples of mute")  # fmt: skip
+        rtt = broker.registry.agents["echo"].stats.rtt_ewma_ms
+        assert rtt is not None and rtt > 0
+        mute = broker.registry.agents["mute"]
+        assert (mute.state, mute.score, mute.probe_failures, mute.stats.live_n) == (
+            "healthy", 100.0, 0, 0)  # fmt: skip
+        assert seen.of("mute") == [] and seen.of("echo") == []
+        assert probes.labels("timeout")._value.get() == 0
