@@ -6,6 +6,15 @@ ranking from the top and stops once it has enough candidates, so its cost does n
 the fleet. State is re-checked during the walk, so an agent that just went `suspect` is
 skipped at once even before the next rebuild. Sticky keys use a consistent-hash ring over all
 members (rebuilt only when membership changes) and walk past members that are not routable.
+
+Outliers: healthy agents scoring below ``min_reach_score`` are ejected, but never more than
+``max_eject_share`` of a capability's healthy agents at once (the best low scorers stay in).
+Panic: when fewer than ``panic_threshold`` of a capability's non-draining agents are healthy,
+the capability is in panic — logged once on entering, ``reach_capability_panic{capability}``
+set to 1 — and nothing is ejected for its score: every healthy agent left is routed rather
+than none. Suspects stay opt-in (``allow_suspect``). Slow start: a recovered agent's weight
+is multiplied by ``slow_start_share`` for ``slow_start_s``, then ramps linearly to 1 over
+another ``slow_start_s`` (weighted choice; p2c divides its expected completion time by it).
 """
 
 from __future__ import annotations
@@ -62,7 +71,7 @@ class CapabilityIndex:
         self.panic = False
         self.median_task_ms: float | None = None
         self.dirty = True  # membership or a state changed: rebuild within rank_refresh_ms
-        self.reorder = False  # only scores changed: re-rank within REORDER_FACTOR × that
+        self.reorder = False  # only scores changed: re-rank within REORDER_FACTOR x that
         self.built_at = float("-inf")
         self.ring_keys: list[int] = []
         self.ring_owners: list[AgentRecord] = []
@@ -121,7 +130,7 @@ class CapabilityIndex:
 
 
 REORDER_FACTOR = 20
-"""Score-only changes (every heartbeat moves load) re-rank at most every 20 × rank_refresh_ms:
+"""Score-only changes (every heartbeat moves load) re-rank at most every 20 x rank_refresh_ms:
 a sort per capability per heartbeat burst costs O(n log n) and the walk re-checks state and
 load anyway, so a ranking a second old routes the same agents."""
 
