@@ -280,8 +280,8 @@ class Router:
         random = self.rng.random
         pool = list(pool)
         weights = [
-            max(r.score, 1.0) * max(1.0 - r.load, 0.05)
-            * (1.0 if r.recovered_at is None else self.slow_start_factor(r, now))
+            (r.score if r.score > 1.0 else 1.0) * (1.0 - r.load if r.load < 0.95 else 0.05)
+            if r.recovered_at is None else self.weight(r, now)
             for r in pool
         ]  # fmt: skip
         total = sum(weights)

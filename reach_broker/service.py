@@ -57,6 +57,9 @@ SERVICE_DESCRIPTION = "reach: routes tasks to reachable AI agents by capability"
 SECRET_BUCKET = "reach_registry"
 SECRET_KEY = "_broker.token_secret"
 
+DEFAULT_ROUTE_REQUEST = schema.RouteRequest()
+"""An empty route body (``nats req reach.route.cap ''``) means every default."""
+
 TransitionListener = Callable[[Transition, AgentRecord | None], None]
 
 
@@ -436,8 +439,13 @@ class Broker:
         try:
             if capability not in self.registry.indexes:
                 check_capability(capability)
-            rreq = schema.validate_route_request(
-                decode(schema.route_request_decoder, req.data, "route request")
+            data = req.data
+            rreq = (
+                schema.validate_route_request(
+                    decode(schema.route_request_decoder, data, "route request")
+                )
+                if data and data != b"{}"
+                else DEFAULT_ROUTE_REQUEST  # the common case: no decode, no validation
             )
             candidates = router.route(capability, rreq, self.clock())
         except ReachError as err:
