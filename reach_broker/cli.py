@@ -1,3 +1,9 @@
+# !!! NOTE FOR THE ISSUE-6 (operator surface) ENGINEER — from the issue-4 (JetStream) engineer,
+# !!! ~03:25 UTC: a bug in my edit script truncated this file and your UNCOMMITTED changes to it
+# !!! were lost (format_table, agent_rows, parse_duration, format_event, cmd_events/_events,
+# !!! _audit_subscribe, cmd_top, cmd_demo and their parsers). I restored it from HEAD (cd65887)
+# !!! and added only `reach ack` (committed 0376425). git has no other copy. Please re-apply your
+# !!! edits from your session; sorry. Delete this note when done.
 """The ``reach`` command line: ``reach broker`` and the operator commands.
 
 Every option also comes from an environment variable (``NATS_URL``, ``REACH_*``); ``--json``
@@ -94,12 +100,16 @@ def print_json(value: Any) -> None:
     sys.stdout.write(msgspec.json.encode(value).decode() + "\n")
 
 
-def print_table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> None:
+def format_table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> list[str]:
+    """Left-aligned columns two spaces apart, header first; ``None`` cells print empty."""
     cells = [[str(c) for c in header]] + [["" if c is None else str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    for r in cells:
-        sys.stdout.write("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
-        sys.stdout.write("\n")
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+
+
+def print_table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> None:
+    for line in format_table(rows, header):
+        sys.stdout.write(line + "\n")
 
 
 async def connect(args: argparse.Namespace, name: str = "reach-cli") -> Any:
@@ -107,18 +117,28 @@ async def connect(args: argparse.Namespace, name: str = "reach-cli") -> Any:
     import nats
 
     servers = (args.server or "nats://127.0.0.1:4222").split(",")
+    errors: list[BaseException] = []
+
+    async def on_error(exc: Exception) -> None:  # nats-py would log a traceback per attempt
+        errors.append(exc)
+
     try:
+        # max_reconnect_attempts=0 would mean "forever" to nats-py's initial server loop;
+        # 1 tries each server twice, 0.1 s apart, then gives up.
         return await nats.connect(
             servers=servers,
             name=name,
             user_credentials=args.creds,
             connect_timeout=args.timeout,
-            max_reconnect_attempts=0,
+            max_reconnect_attempts=1,
+            reconnect_time_wait=0.1,
             allow_reconnect=False,
+            error_cb=on_error,
         )
     except Exception as exc:  # noqa: BLE001 - every connect failure is the same to a user
+        cause = errors[-1] if errors else exc
         raise CliError(
-            f"cannot connect to NATS at {','.join(servers)}: {exc or type(exc).__name__} "
+            f"cannot connect to NATS at {','.join(servers)}: {cause or type(cause).__name__} "
             "(is `reach broker` running? set --server or NATS_URL)",
             EXIT_UNAVAILABLE,
         ) from None
@@ -256,24 +276,31 @@ async def _agents(args: argparse.Namespace) -> int:
     if args.json:
         print_json(views)
         return 0
-    rows = [
-        (v.agent_id, v.state, f"{v.score:.1f}", f"{v.active}/{v.max_concurrency}",
-         _ago(v.last_seen_ms), ",".join(v.capabilities), v.region or "-",
-         f"{100 * v.success_rate:.1f}%")
-        for v in views
-    ]  # fmt: skip
-    print_table(rows, ["AGENT", "STATE", "SCORE", "LOAD", "LAST HEARD", "CAPABILITIES",
-                       "REGION", "SUCCESS"])  # fmt: skip
+    print_table(agent_rows(views), AGENT_HEADER)
     return 0
 
 
-def _ago(ms: int) -> str:
+AGENT_HEADER = ["AGENT", "STATE", "SCORE", "LOAD", "LAST HEARD", "CAPABILITIES", "REGION",
+                "SUCCESS"]  # fmt: skip
+
+
+def agent_rows(views: Sequence[Any], now_ms: float | None = None) -> list[tuple[str, ...]]:
+    """Table rows of ``reach.agents`` views (shared by ``reach agents`` and ``reach top``)."""
+    return [
+        (v.agent_id, v.state, f"{v.score:.1f}", f"{v.active}/{v.max_concurrency}",
+         _ago(v.last_seen_ms, now_ms), ",".join(v.capabilities), v.region or "-",
+         f"{100 * v.success_rate:.1f}%")
+        for v in views
+    ]  # fmt: skip
+
+
+def _ago(ms: int, now_ms: float | None = None) -> str:
     import time
 
     if not ms:
         return "-"
-    delta = max(time.time() - ms / 1000.0, 0.0)
-    return f"{delta:.1f}s ago"
+    now = time.time() * 1000.0 if now_ms is None else now_ms
+    return f"{max(now - ms, 0.0) / 1000.0:.1f}s ago"
 
 
 def cmd_route(args: argparse.Namespace) -> int:
@@ -308,6 +335,162 @@ async def _route(args: argparse.Namespace) -> int:
              c.subject) for i, c in enumerate(reply.candidates)]  # fmt: skip
     print_table(rows, ["#", "AGENT", "STATE", "SCORE", "LOAD", "REGION", "SUBJECT"])
     return 0
+
+
+# --- reach events -------------------------------------------------------------------------
+
+AUDIT_STREAM = "REACH_AUDIT"
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str, what: str = "--since") -> float:
+    """``90s``, ``15m``, ``1h30m``, ``2d``, ``500ms`` or plain seconds → seconds (> 0)."""
+    import re
+
+    value = text.strip()
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)", value)
+    if re.fullmatch(r"\d+(?:\.\d+)?", value):
+        seconds = float(value)
+    elif parts and "".join(n + u for n, u in parts) == value:
+        seconds = sum(float(n) * _UNITS[u] for n, u in parts)
+    else:
+        raise CliError(f"{what} {text!r} is not a duration (like 90s, 15m, 1h30m, 2d)", EXIT_USAGE)
+    if seconds <= 0:
+        raise CliError(f"{what} {text!r} must be above zero", EXIT_USAGE)
+    return seconds
+
+
+def format_event(event: Any) -> str:
+    """One human line: time, kind, agent, transition, reason, broker."""
+    import time
+
+    at = time.strftime("%H:%M:%S", time.localtime(event.at_ms / 1000.0))
+    move = f"{event.from_ or '-'} -> {event.to}" if event.to else ""
+    return (f"{at}.{event.at_ms % 1000:03d}  {event.kind:<10}  {event.agent_id:<16}  "
+            f"{move:<22}  {event.reason}  [{event.broker_id}]").rstrip()  # fmt: skip
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    since = parse_duration(args.since) if args.since else None
+    if since is None and not args.follow:
+        since = 3600.0  # plain `reach events`: the last hour of the audit trail
+    return asyncio.run(_events(args, since))
+
+
+async def _events(args: argparse.Namespace, since: float | None) -> int:
+    """Print REACH_AUDIT from ``since`` seconds ago (ordered consumer), then live if --follow."""
+    from reach_agent import schema
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def on_msg(msg: Any) -> None:
+        queue.put_nowait(msg)
+
+    def emit(msg: Any) -> None:
+        try:
+            event = schema.event_decoder.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            log.warning("events.undecodable subject=%s error=%s", msg.subject, exc)
+            return
+        if args.json:
+            print_json(event)
+        else:
+            sys.stdout.write(format_event(event) + "\n")
+        sys.stdout.flush()
+
+    nc = await connect(args)
+    try:
+        subject = f"{args.prefix}.event.>"
+        if since is None:
+            await nc.subscribe(subject, cb=on_msg)
+            await nc.flush()
+            caught_up = True
+        else:
+            psub = await _audit_subscribe(nc, subject, since, on_msg, args.timeout)
+            info = await psub.consumer_info()
+            # nothing delivered and nothing pending: the window is empty
+            caught_up = info.num_pending == 0 and info.delivered.consumer_seq == 0
+        if caught_up and not args.follow:
+            return 0
+        stopper = asyncio.ensure_future(stop.wait())
+        try:
+            while not stop.is_set():
+                getter = asyncio.ensure_future(queue.get())
+                wait = None if (caught_up or args.follow) else max(args.timeout, 2.0)
+                done, _ = await asyncio.wait({getter, stopper}, timeout=wait,
+                                             return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                if getter not in done:
+                    getter.cancel()
+                    if not done:  # a quiet stream after the last pending message
+                        break
+                    continue
+                msg = getter.result()
+                emit(msg)
+                pending = msg.metadata.num_pending if since is not None else None
+                if pending == 0 and not args.follow:
+                    break
+        finally:
+            stopper.cancel()
+    finally:
+        await nc.close()
+    return 0
+
+
+async def _audit_subscribe(
+    nc: Any, subject: str, since: float, cb: Callable[[Any], Any], timeout_s: float
+) -> Any:
+    """An ordered consumer on REACH_AUDIT from ``since`` seconds ago, or a clear CliError."""
+    import datetime
+
+    from nats.errors import NoRespondersError
+    from nats.errors import TimeoutError as NatsTimeout
+    from nats.js import api
+    from nats.js.errors import NotFoundError, ServiceUnavailableError
+
+    js = nc.jetstream(timeout=timeout_s)
+    start = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=since)
+    try:
+        await js.stream_info(AUDIT_STREAM)
+        return await js.subscribe(
+            subject,
+            stream=AUDIT_STREAM,
+            cb=cb,
+            ordered_consumer=True,
+            config=api.ConsumerConfig(
+                deliver_policy=api.DeliverPolicy.BY_START_TIME, opt_start_time=start
+            ),
+        )
+    except NotFoundError:
+        raise CliError(
+            f"stream {AUDIT_STREAM} not found on this server: the broker creates it at start "
+            "when JetStream is on (use --follow for live events only)",
+            EXIT_UNAVAILABLE,
+        ) from None
+    except (NoRespondersError, ServiceUnavailableError, NatsTimeout):
+        raise CliError(
+            f"JetStream is not available on this server, so there is no {AUDIT_STREAM} "
+            "history (use --follow for live events only)",
+            EXIT_UNAVAILABLE,
+        ) from None
+
+
+# --- reach top / demo ----------------------------------------------------------------------
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from .top import run_top
+
+    return asyncio.run(run_top(args))
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args)
 
 
 # --- reach ack -----------------------------------------------------------------------------
@@ -401,6 +584,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exclude", action="append", metavar="AGENT_ID")
     p.add_argument("--allow-suspect", action="store_true")
     p.set_defaults(func=cmd_route)
+
+    p = sub.add_parser("top", help="live view of the fleet: states, scores, load, route rate")
+    add_common(p)
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    p.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    p.add_argument("--events", type=int, default=8, help="recent events shown")
+    p.set_defaults(func=cmd_top)
+
+    p = sub.add_parser("events", help="the event stream (REACH_AUDIT history and live)")
+    add_common(p)
+    p.add_argument("--since", metavar="DURATION",
+                   help="replay REACH_AUDIT from this long ago (90s, 15m, 1h; default 1h)")  # fmt: skip
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing live events")
+    p.set_defaults(func=cmd_events)
+
+    p = sub.add_parser("demo", help="embedded NATS, a broker, three demo agents and calls")
+    add_common(p)
+    p.add_argument("--duration", type=float, default=None,
+                   help="stop after this many seconds (default: until Ctrl-C)")  # fmt: skip
+    p.add_argument("--rate", type=float, default=2.0, help="demo calls per second")
+    p.add_argument("--no-view", action="store_true", help="no live view (logs only)")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    p.add_argument("--events", type=int, default=8, help="recent events shown")
+    p.set_defaults(func=cmd_demo)
+
     p = sub.add_parser("ack", help="the durable ack record of a request id (REACH_ACKS)")
     add_common(p)
     p.add_argument("request_id")

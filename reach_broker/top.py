@@ -1,0 +1,314 @@
+"""``reach top``: a live view of the fleet, redrawn with plain ANSI codes (usable over SSH).
+
+Each refresh asks one broker for ``<prefix>.agents`` (states, scores, load) and every broker
+for its NATS Services stats (``$SRV.STATS.reach-broker``: route requests, from which the
+route rate is the difference between two refreshes). Recent events come from the live
+``<prefix>.event.>`` subject, seeded at start with the tail of ``REACH_AUDIT`` when the
+stream exists. ``--once`` prints one snapshot; ``--json`` prints snapshots as JSON lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import logging
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+
+from reach_agent import schema
+from reach_agent.schema import AGENT_STATES, AgentView, Event
+
+from .cli import (
+    AGENT_HEADER,
+    AUDIT_STREAM,
+    CliError,
+    agent_rows,
+    connect,
+    format_event,
+    format_table,
+    print_json,
+    request,
+)
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "reach-broker"
+"""The broker's NATS Services name (``service.SERVICE_NAME``; not imported: top stays light)."""
+
+STATS_WINDOW_S = 0.15
+"""After the first stats reply, how long to wait for the other broker replicas."""
+
+
+class BrokerStats(msgspec.Struct, kw_only=True):
+    """One broker replica as its NATS Services stats describe it."""
+
+    id: str
+    broker_id: str
+    version: str
+    route_requests: int
+    route_errors: int
+    route_avg_ms: float
+
+
+class Snapshot(msgspec.Struct, kw_only=True):
+    """What one refresh of ``reach top`` shows (also its ``--json`` form)."""
+
+    at_ms: int
+    agents: list[AgentView]
+    by_state: dict[str, int]
+    brokers: list[BrokerStats]
+    route_requests: int
+    route_rate: float | None
+    """Route requests per second since the previous refresh (None on the first)."""
+    events: list[Event]
+    error: str | None = None
+
+
+_stats_decoder = msgspec.json.Decoder(dict[str, Any])
+
+
+class Fleet:
+    """Collects snapshots over one NATS connection."""
+
+    def __init__(self, nc: Any, *, prefix: str, timeout: float, max_events: int) -> None:
+        self.nc = nc
+        self.prefix = prefix
+        self.timeout = timeout
+        self.events: collections.deque[Event] = collections.deque(maxlen=max(max_events, 0))
+        self._prev: dict[str, tuple[float, int]] = {}
+        self._sub: Any = None
+
+    async def start(self) -> None:
+        """Seed recent events from REACH_AUDIT (if present), then follow them live."""
+        if self.events.maxlen:
+            await self._seed_events()
+
+        async def on_event(msg: Any) -> None:
+            try:
+                self.events.append(schema.event_decoder.decode(msg.data))
+            except msgspec.DecodeError:
+                log.debug("top.undecodable_event subject=%s", msg.subject)
+
+        self._sub = await self.nc.subscribe(f"{self.prefix}.event.>", cb=on_event)
+        await self.nc.flush()
+
+    async def _seed_events(self) -> None:
+        from nats.js.errors import NotFoundError
+
+        js = self.nc.jetstream(timeout=self.timeout)
+        try:
+            info = await js.stream_info(AUDIT_STREAM)
+        except Exception:  # noqa: BLE001 - no stream or no JetStream: live events only
+            return
+        first = max(info.state.first_seq, info.state.last_seq - (self.events.maxlen or 0) + 1)
+        for seq in range(first, info.state.last_seq + 1):
+            try:
+                raw = await js.get_msg(AUDIT_STREAM, seq)
+                self.events.append(schema.event_decoder.decode(raw.data or b""))
+            except (NotFoundError, msgspec.DecodeError):
+                continue
+
+    async def snapshot(self) -> Snapshot:
+        now = time.time()
+        error = None
+        try:
+            data = await request(self.nc, f"{self.prefix}.agents", b"{}", self.timeout)
+            agents = schema.agent_views_decoder.decode(data)
+        except CliError as exc:
+            agents, error = [], str(exc)
+        brokers = await self.broker_stats()
+        total = sum(b.route_requests for b in brokers)
+        rate = None
+        if self._prev:
+            deltas = []
+            for b in brokers:
+                if b.id in self._prev:
+                    t0, n0 = self._prev[b.id]
+                    deltas.append((b.route_requests - n0) / max(now - t0, 1e-3))
+            rate = round(sum(deltas), 2)
+        self._prev = {b.id: (now, b.route_requests) for b in brokers}
+        by_state = {s: 0 for s in AGENT_STATES}
+        for view in agents:
+            by_state[view.state] = by_state.get(view.state, 0) + 1
+        return Snapshot(
+            at_ms=int(now * 1000),
+            agents=agents,
+            by_state=by_state,
+            brokers=brokers,
+            route_requests=total,
+            route_rate=rate,
+            events=list(self.events),
+            error=error,
+        )
+
+    async def broker_stats(self) -> list[BrokerStats]:
+        """Stats of every replica answering ``$SRV.STATS.reach-broker`` (short gather)."""
+        inbox = self.nc.new_inbox()
+        replies: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def on_reply(msg: Any) -> None:
+            replies.put_nowait(msg.data)
+
+        sub = await self.nc.subscribe(inbox, cb=on_reply)
+        out: list[BrokerStats] = []
+        try:
+            await self.nc.publish(f"$SRV.STATS.{SERVICE_NAME}", b"", reply=inbox)
+            wait = self.timeout
+            while True:
+                try:
+                    data = await asyncio.wait_for(replies.get(), wait)
+                except TimeoutError:
+                    break
+                wait = STATS_WINDOW_S
+                stats = _broker_stats(data)
+                if stats is not None:
+                    out.append(stats)
+        finally:
+            await sub.unsubscribe()
+        out.sort(key=lambda b: b.broker_id)
+        return out
+
+
+def _broker_stats(data: bytes) -> BrokerStats | None:
+    try:
+        raw = _stats_decoder.decode(data)
+        route = next((e for e in raw.get("endpoints") or [] if e.get("name") == "route"), {})
+        return BrokerStats(
+            id=str(raw["id"]),
+            broker_id=str((raw.get("metadata") or {}).get("broker_id", raw["id"])),
+            version=str(raw.get("version", "")),
+            route_requests=int(route.get("num_requests", 0)),
+            route_errors=int(route.get("num_errors", 0)),
+            route_avg_ms=round(int(route.get("average_processing_time", 0)) / 1e6, 3),
+        )
+    except (msgspec.DecodeError, KeyError, TypeError, ValueError):
+        log.debug("top.bad_stats_reply data=%r", data[:200])
+        return None
+
+
+def render(snap: Snapshot, *, server: str, width: int, height: int, title: str = "reach top") -> str:
+    """One frame of text, cut to ``width`` × ``height``."""
+    clock = time.strftime("%H:%M:%S", time.localtime(snap.at_ms / 1000.0))
+    rate = "-" if snap.route_rate is None else f"{snap.route_rate:.1f}/s"
+    states = "  ".join(f"{s} {snap.by_state.get(s, 0)}" for s in AGENT_STATES)
+    lines = [
+        f"{title} — {server} — {clock}   (q or Ctrl-C quits)",
+        f"brokers {len(snap.brokers)}   agents {len(snap.agents)}: {states}",
+        f"routes {rate}   total {snap.route_requests}"
+        + "".join(f"   [{b.broker_id}: {b.route_requests}, avg {b.route_avg_ms:.2f} ms]"
+                  for b in snap.brokers[:3]),
+        "",
+    ]  # fmt: skip
+    if snap.error:
+        lines += [f"! {snap.error}", ""]
+    agents = sorted(snap.agents, key=lambda v: (AGENT_STATES.index(v.state), -v.score, v.agent_id))
+    lines += format_table(agent_rows(agents, snap.at_ms), AGENT_HEADER)
+    if snap.events:
+        lines += ["", "recent events"]
+        lines += [format_event(e) for e in snap.events]
+    if len(lines) > height:
+        lines = [*lines[: height - 1], f"… {len(lines) - height + 1} more lines"]
+    return "\n".join(line[:width] for line in lines)
+
+
+@contextlib.contextmanager
+def _keys(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> Iterator[None]:
+    """On a terminal: cbreak mode, `q` sets ``stop``; the terminal is restored on exit."""
+    if not sys.stdin.isatty():
+        yield
+        return
+    import termios
+    import tty
+
+    fd = sys.stdin.fileno()
+    saved = termios.tcgetattr(fd)
+
+    def on_key() -> None:
+        with contextlib.suppress(OSError):
+            if sys.stdin.read(1) in ("q", "Q"):
+                stop.set()
+
+    try:
+        tty.setcbreak(fd)
+        loop.add_reader(fd, on_key)
+        yield
+    finally:
+        loop.remove_reader(fd)
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+
+async def view_loop(
+    nc: Any,
+    *,
+    prefix: str,
+    server: str,
+    interval: float,
+    timeout: float,
+    max_events: int,
+    once: bool,
+    as_json: bool,
+    stop: asyncio.Event,
+    title: str = "reach top",
+) -> None:
+    """Refresh until ``stop`` (or once); redraws in place on a terminal, appends otherwise."""
+    fleet = Fleet(nc, prefix=prefix, timeout=timeout, max_events=max_events)
+    await fleet.start()
+    tty_out = sys.stdout.isatty() and not as_json and not once
+    loop = asyncio.get_running_loop()
+    if tty_out:
+        sys.stdout.write("\x1b[?1049h\x1b[?25l")  # alternate screen, hide cursor
+    try:
+        with _keys(loop, stop) if tty_out else contextlib.nullcontext():
+            while not stop.is_set():
+                snap = await fleet.snapshot()
+                if once and snap.error:
+                    raise CliError(snap.error, 3)
+                if as_json:
+                    print_json(snap)
+                else:
+                    size = shutil.get_terminal_size((120, 40))
+                    frame = render(snap, server=server, width=size.columns,
+                                   height=size.lines if tty_out else 10_000, title=title)  # fmt: skip
+                    if tty_out:
+                        sys.stdout.write("\x1b[H\x1b[2J" + frame + "\n")
+                    else:
+                        sys.stdout.write(frame + "\n\n")
+                sys.stdout.flush()
+                if once:
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), interval)
+    finally:
+        if tty_out:
+            sys.stdout.write("\x1b[?25h\x1b[?1049l")
+            sys.stdout.flush()
+
+
+async def run_top(args: argparse.Namespace) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    nc = await connect(args, name="reach-top")
+    try:
+        await view_loop(
+            nc,
+            prefix=args.prefix,
+            server=args.server or "nats://127.0.0.1:4222",
+            interval=args.interval,
+            timeout=args.timeout,
+            max_events=args.events,
+            once=args.once,
+            as_json=args.json,
+            stop=stop,
+        )
+    finally:
+        await nc.close()
+    return 0
