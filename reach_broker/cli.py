@@ -640,4 +640,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m reach_broker.cli`: run the imported module's main, so `CliError` raised in
+    # modules that import `reach_broker.cli` (top, demo) is the class main() catches.
+    from reach_broker.cli import main as _main
+
+    sys.exit(_main())

@@ -1,0 +1,417 @@
+"""The ``reach`` CLI run as a subprocess against a real nats-server and an in-process broker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from typing import Any
+
+import pytest
+from nats.aio.client import Client as NATS
+
+from reach_agent import schema
+from reach_broker.cli import CliError, parse_duration
+from reach_broker.natsserver import NatsServer
+from reach_broker.service import Broker
+from reach_broker.top import BrokerStats, Snapshot, render
+
+from .conftest import BrokerFactory, wait_for
+
+CLI = [sys.executable, "-m", "reach_broker.cli"]
+QUIET = {"detection__rtt_sample_interval_s": 0.0}  # no RTT probes: raw agents do not answer
+
+
+def cli_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("REACH_", "NATS_"))}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+async def reach(*argv: str, timeout: float = 30.0) -> tuple[int, str, str]:
+    """Run ``reach ARGV``; returns (exit code, stdout, stderr)."""
+    proc = await asyncio.create_subprocess_exec(
+        *CLI, *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env=cli_env(),
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def announce(nc: NATS, agent_id: str, caps: list[str], **extra: Any) -> str:
+    body = {"agent_id": agent_id, "capabilities": caps, "max_concurrency": 4,
+            "heartbeat_interval_ms": 60_000, **extra}  # fmt: skip
+    reply = await nc.request(f"reach.announce.{agent_id}", json.dumps(body).encode(), 2)
+    assert reply.headers is None, reply.headers
+    token: str = json.loads(reply.data)["token"]
+    hb = {"agent_id": agent_id, "token": token, "seq": 1, "status": "idle", "active": 1,
+          "queue_depth": 0, "ok_total": 0, "fail_total": 0}  # fmt: skip
+    await nc.publish(f"reach.hb.{agent_id}", json.dumps(hb).encode())
+    await nc.flush()
+    return token
+
+
+async def two_agents(nc: NATS, broker: Broker) -> None:
+    await announce(nc, "alpha", ["text_processing", "tool_use"], region="eu", version="1.2.0")
+    await announce(nc, "beta", ["data_cleaning", "text_processing"])
+    await wait_for(lambda: broker.metrics.heartbeat_result["accepted"]._value.get() == 2,
+                   what="two heartbeats")  # fmt: skip
+
+
+async def ensure_audit_stream(nc: NATS) -> None:
+    """REACH_AUDIT as DESIGN §5 has it, unless the broker provisioned it already."""
+    from nats.js.errors import NotFoundError
+
+    js = nc.jetstream()
+    try:
+        await js.stream_info("REACH_AUDIT")
+    except NotFoundError:
+        await js.add_stream(name="REACH_AUDIT", subjects=["reach.event.>"], deny_delete=True,
+                            deny_purge=True)  # fmt: skip
+
+
+# --- reach agents ------------------------------------------------------------------------
+
+
+async def test_agents_json_lists_every_agent_with_its_view(
+    nats_server: NatsServer, nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    broker = await broker_factory(**QUIET)
+    before = int(time.time() * 1000)
+    await two_agents(nc, broker)
+    after = int(time.time() * 1000)
+    code, out, err = await reach("agents", "--json", "-s", nats_server.url)
+    assert (code, err) == (0, "")
+    views = sorted(json.loads(out), key=lambda v: v["agent_id"])
+    for view in views:
+        assert before <= view.pop("last_seen_ms") <= after
+    # The score is the broker's to compute (scoring.py); the CLI shows exactly the wire's.
+    wire = json.loads((await nc.request("reach.agents", b"{}", timeout=2)).data)
+    assert [v.pop("score") for v in views] == [v["score"] for v in sorted(
+        wire, key=lambda v: v["agent_id"])]  # fmt: skip
+    assert views == [
+        {"agent_id": "alpha", "state": "healthy", "load": 0.25,
+         "capabilities": ["text_processing", "tool_use"], "success_rate": 1.0,
+         "region": "eu", "version": "1.2.0", "active": 1, "max_concurrency": 4},
+        {"agent_id": "beta", "state": "healthy", "load": 0.25,
+         "capabilities": ["data_cleaning", "text_processing"], "success_rate": 1.0,
+         "active": 1, "max_concurrency": 4},
+    ]  # fmt: skip
+
+    code, out, _ = await reach("agents", "--json", "-C", "tool_use", "-s", nats_server.url)
+    assert code == 0
+    assert [v["agent_id"] for v in json.loads(out)] == ["alpha"]
+    code, out, _ = await reach("agents", "--json", "--state", "offline", "-s", nats_server.url)
+    assert (code, json.loads(out)) == (0, [])
+
+
+async def test_agents_table_is_readable(
+    nats_server: NatsServer, nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    broker = await broker_factory(**QUIET)
+    await two_agents(nc, broker)
+    code, out, err = await reach("agents", "-C", "tool_use", "-s", nats_server.url)
+    assert (code, err) == (0, "")
+    header, row = out.splitlines()
+    assert header.split() == ["AGENT", "STATE", "SCORE", "LOAD", "LAST", "HEARD",
+                              "CAPABILITIES", "REGION", "SUCCESS"]  # fmt: skip
+    cells = row.split()
+    [wire] = json.loads((await nc.request("reach.agents", b'{"capability": "tool_use"}', 2)).data)
+    assert cells[:4] == ["alpha", "healthy", f"{wire['score']:.1f}", "1/4"]
+    assert cells[5:] == ["ago", "text_processing,tool_use", "eu", "100.0%"]
+
+
+async def test_agents_bad_capability_is_one_clear_line(
+    nats_server: NatsServer, broker_factory: BrokerFactory
+) -> None:
+    await broker_factory(**QUIET)
+    code, out, err = await reach("agents", "-C", "Bad Cap", "-s", nats_server.url)
+    assert (code, out) == (1, "")
+    assert err.startswith("reach: INVALID_CAPABILITY: ")
+    assert "'Bad Cap'" in err
+    assert err.count("\n") == 1
+
+
+# --- reach route ---------------------------------------------------------------------------
+
+
+async def test_route_json_is_what_a_caller_gets(
+    nats_server: NatsServer, nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    broker = await broker_factory(**QUIET)
+    await two_agents(nc, broker)
+    t0 = int(time.time() * 1000)
+    code, out, err = await reach("route", "tool_use", "--json", "-s", nats_server.url)
+    assert (code, err) == (0, "")
+    reply = json.loads(out)
+    assert t0 <= reply.pop("generated_at_ms") <= int(time.time() * 1000)
+    wire = json.loads((await nc.request("reach.route.tool_use", b"", timeout=2)).data)
+    assert reply["candidates"][0].pop("score") == wire["candidates"][0]["score"]
+    assert reply == {
+        "capability": "tool_use",
+        "candidates": [
+            {"agent_id": "alpha", "subject": "reach.task.alpha.tool_use",
+             "state": "healthy", "load": 0.25, "region": "eu", "version": "1.2.0"},
+        ],
+    }  # fmt: skip
+    code, out, _ = await reach("route", "text_processing", "--json", "--region", "eu",
+                               "-s", nats_server.url)  # fmt: skip
+    assert [c["agent_id"] for c in json.loads(out)["candidates"]] == ["alpha"]
+    code, out, _ = await reach("route", "text_processing", "--json", "--limit", "1",
+                               "--exclude", "alpha", "-s", nats_server.url)  # fmt: skip
+    assert [c["agent_id"] for c in json.loads(out)["candidates"]] == ["beta"]
+
+
+async def test_route_errors_are_one_line(
+    nats_server: NatsServer, broker_factory: BrokerFactory
+) -> None:
+    await broker_factory(**QUIET)
+    code, out, err = await reach("route", "translation", "--json", "-s", nats_server.url)
+    assert (code, out) == (1, "")
+    assert err == "reach: NO_REACHABLE_AGENT: no agent has the capability 'translation'\n"
+    code, _, err = await reach("route", "x", "--tag", "tier", "-s", nats_server.url)
+    assert (code, err) == (2, "reach: --tag 'tier' is not key=value\n")
+
+
+# --- unreachable server / no broker -------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("command", [["agents"], ["route", "tool_use"], ["top", "--once"],
+                                     ["events", "--since", "1h"], ["events", "--follow"]])  # fmt: skip
+async def test_no_server_is_one_clear_line(command: list[str]) -> None:
+    url = f"nats://127.0.0.1:{free_port()}"
+    code, out, err = await reach(*command, "--json", "-s", url, "--timeout", "1")
+    assert (code, out) == (3, "")
+    assert err.startswith(f"reach: cannot connect to NATS at {url}: ")
+    assert err.endswith("(is `reach broker` running? set --server or NATS_URL)\n")
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("command", [["agents"], ["route", "tool_use"], ["top", "--once"]])
+async def test_no_broker_is_one_clear_line(nats_server: NatsServer, command: list[str]) -> None:
+    code, out, err = await reach(*command, "--json", "-s", nats_server.url)
+    subject = "reach.agents" if command[0] != "route" else "reach.route.tool_use"
+    assert (code, out) == (3, "")
+    assert err == (f"reach: no broker answers on {subject} "
+                   "(is `reach broker` running on this server?)\n")  # fmt: skip
+
+
+async def test_nats_url_env_is_the_default_server(
+    nats_server: NatsServer, broker_factory: BrokerFactory
+) -> None:
+    await broker_factory(**QUIET)
+    env = {**cli_env(), "NATS_URL": nats_server.url}
+    proc = await asyncio.create_subprocess_exec(
+        *CLI, "agents", "--json", stdout=asyncio.subprocess.PIPE, env=env
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 30)
+    assert (proc.returncode, json.loads(out)) == (0, [])
+
+
+# --- reach top ----------------------------------------------------------------------------
+
+
+async def test_top_once_json_snapshot(
+    nats_server: NatsServer, nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    broker = await broker_factory(**QUIET)
+    await two_agents(nc, broker)
+    for _ in range(3):
+        await nc.request("reach.route.tool_use", b"", timeout=2)
+    code, out, err = await reach("top", "--once", "--json", "--events", "0", "-s", nats_server.url)
+    assert (code, err) == (0, "")
+    snap = json.loads(out)
+    assert isinstance(snap.pop("at_ms"), int)
+    assert [a["agent_id"] for a in snap.pop("agents")] == ["alpha", "beta"]
+    [stats] = snap.pop("brokers")
+    assert isinstance(stats.pop("id"), str)
+    assert stats.pop("route_avg_ms") >= 0
+    assert stats == {"broker_id": broker.broker_id, "version": "0.1.0", "route_requests": 3,
+                     "route_errors": 0}  # fmt: skip
+    assert snap == {
+        "by_state": {"healthy": 2, "suspect": 0, "offline": 0, "recovering": 0, "draining": 0},
+        "route_requests": 3,
+        "route_rate": None,
+        "events": [],
+        "error": None,
+    }
+
+
+async def test_top_once_table_and_recent_events_from_the_audit_stream(
+    nats_server: NatsServer, nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    broker = await broker_factory(**QUIET)
+    await ensure_audit_stream(nc)
+    await two_agents(nc, broker)
+    js = nc.jetstream()
+    deadline = time.monotonic() + 5
+    while (await js.stream_info("REACH_AUDIT")).state.messages < 2:
+        assert time.monotonic() < deadline, "two registered events in REACH_AUDIT"
+        await asyncio.sleep(0.02)
+    code, out, err = await reach("top", "--once", "-s", nats_server.url)
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0].startswith(f"reach top — {nats_server.url} — ")
+    assert lines[1] == ("brokers 1   agents 2: healthy 2  suspect 0  offline 0  recovering 0"
+                        "  draining 0")  # fmt: skip
+    assert lines[2].startswith(f"routes -   total 0   [{broker.broker_id}: 0, avg ")
+    assert lines[4].split()[:2] == ["AGENT", "STATE"]
+    assert [line.split()[0] for line in lines[5:7]] == ["alpha", "beta"]
+    assert lines[8] == "recent events"
+    assert [line.split()[1:5] for line in lines[9:11]] == [
+        ["registered", "alpha", "-", "->"], ["registered", "beta", "-", "->"]
+    ]
+
+
+async def test_top_live_redraws_until_sigint(
+    nats_server: NatsServer, nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    broker = await broker_factory(**QUIET)
+    await two_agents(nc, broker)
+    proc = await asyncio.create_subprocess_exec(
+        *CLI, "top", "--json", "--interval", "0.2", "-s", nats_server.url,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=cli_env(),
+    )  # fmt: skip
+    assert proc.stdout is not None
+    first = json.loads(await asyncio.wait_for(proc.stdout.readline(), 20))
+    for _ in range(5):
+        await nc.request("reach.route.tool_use", b"", timeout=2)
+    second = json.loads(await asyncio.wait_for(proc.stdout.readline(), 20))
+    proc.send_signal(signal.SIGINT)
+    rest, err = await asyncio.wait_for(proc.communicate(), 20)
+    assert (proc.returncode, err) == (0, b"")
+    assert first["route_rate"] is None
+    assert second["route_requests"] == first["route_requests"] + 5
+    assert second["route_rate"] > 0
+    assert all(json.loads(line)["by_state"]["healthy"] == 2 for line in rest.splitlines())
+
+
+def test_render_is_cut_to_the_terminal() -> None:
+    view = schema.AgentView(agent_id="alpha", state="healthy", score=97.5, load=0.5,
+                            last_seen_ms=9_000, capabilities=["tool_use"], success_rate=1.0,
+                            active=2, max_concurrency=4)  # fmt: skip
+    event = schema.Event(kind="state", agent_id="alpha", reason="missed 3 heartbeats",
+                         at_ms=8_000, broker_id="b1", from_="healthy", to="suspect")  # fmt: skip
+    snap = Snapshot(at_ms=10_000, agents=[view], by_state={"healthy": 1}, route_requests=7,
+                    brokers=[BrokerStats(id="x", broker_id="b1", version="0.1.0",
+                                         route_requests=7, route_errors=0, route_avg_ms=0.2)],
+                    route_rate=3.5, events=[event])  # fmt: skip
+    frame = render(snap, server="nats://h:1", width=200, height=100).splitlines()
+    assert frame[1] == "brokers 1   agents 1: healthy 1  suspect 0  offline 0  recovering 0  draining 0"
+    assert frame[2] == "routes 3.5/s   total 7   [b1: 7, avg 0.20 ms]"
+    assert frame[5].split() == ["alpha", "healthy", "97.5", "2/4", "1.0s", "ago", "tool_use", "-",
+                                "100.0%"]  # fmt: skip
+    assert frame[7] == "recent events"
+    assert frame[8].split()[1:] == ["state", "alpha", "healthy", "->", "suspect", "missed", "3",
+                                    "heartbeats", "[b1]"]  # fmt: skip
+    small = render(snap, server="nats://h:1", width=20, height=4).splitlines()
+    assert len(small) == 4
+    assert all(len(line) <= 20 for line in small)
+    assert small[-1] == "… 6 more lines"
+
+
+# --- reach events -------------------------------------------------------------------------
+
+
+async def test_events_since_reads_the_audit_stream(
+    nats_server: NatsServer, nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    broker = await broker_factory(**QUIET)
+    await ensure_audit_stream(nc)
+    js = nc.jetstream()
+    old = schema.Event(kind="state", agent_id="old", reason="before the window",
+                       at_ms=1, broker_id="b0", from_="healthy", to="suspect")  # fmt: skip
+    await js.publish("reach.event.state.old", schema.encoder.encode(old))
+    await asyncio.sleep(1.1)  # inherent: --since 1s must leave the message above outside
+    await two_agents(nc, broker)
+    deadline = time.monotonic() + 5
+    while (await js.stream_info("REACH_AUDIT")).state.messages < 3:
+        assert time.monotonic() < deadline, "two registered events in REACH_AUDIT"
+        await asyncio.sleep(0.02)
+    code, out, err = await reach("events", "--since", "1s", "--json", "-s", nats_server.url)
+    assert (code, err) == (0, "")
+    events = [json.loads(line) for line in out.splitlines()]
+    for e in events:
+        assert isinstance(e.pop("at_ms"), int)
+    assert events == [
+        {"kind": "registered", "agent_id": a, "reason": "announced", "broker_id": broker.broker_id,
+         "to": "healthy"} for a in ("alpha", "beta")
+    ]  # fmt: skip
+    code, out, err = await reach("events", "--since", "1h", "--json", "-s", nats_server.url)
+    assert (code, err) == (0, "")
+    assert [json.loads(line)["agent_id"] for line in out.splitlines()] == ["old", "alpha", "beta"]
+    code, out, err = await reach("events", "--since", "1h", "-s", nats_server.url)
+    assert code == 0
+    assert out.splitlines()[0].split()[1:] == ["state", "old", "healthy", "->", "suspect",
+                                               "before", "the", "window", "[b0]"]  # fmt: skip
+
+
+async def test_events_since_on_an_empty_window_prints_nothing(
+    nats_server: NatsServer, nc: NATS
+) -> None:
+    await ensure_audit_stream(nc)
+    code, out, err = await reach("events", "--since", "10m", "--json", "-s", nats_server.url)
+    assert (code, out, err) == (0, "", "")
+
+
+async def test_events_without_the_stream_say_so(nats_server: NatsServer) -> None:
+    code, out, err = await reach("events", "--since", "1h", "-s", nats_server.url)
+    assert (code, out) == (3, "")
+    assert err == ("reach: stream REACH_AUDIT not found on this server: the broker creates it "
+                   "at start when JetStream is on (use --follow for live events only)\n")  # fmt: skip
+
+
+async def test_events_follow_prints_live_events_and_logs_json(
+    nats_server: NatsServer, nc: NATS
+) -> None:
+    event = schema.Event(kind="state", agent_id="gamma", reason="probe timeout", at_ms=42,
+                         broker_id="b9", from_="suspect", to="offline")  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(
+        *CLI, "events", "--follow", "--json", "--log-format", "json", "-s", nats_server.url,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=cli_env(),
+    )  # fmt: skip
+    assert proc.stdout is not None
+    # Publish until the follower (subscribing in its own time) prints the first one.
+    line = b""
+    deadline = time.monotonic() + 20
+    while not line:
+        assert time.monotonic() < deadline, "reach events --follow printed nothing"
+        await nc.publish("reach.event.state.gamma", schema.encoder.encode(event))
+        try:
+            line = await asyncio.wait_for(proc.stdout.readline(), 0.2)
+        except TimeoutError:
+            continue
+    await nc.publish("reach.event.state.gamma", b"not json")
+    await nc.flush()
+    proc.send_signal(signal.SIGINT)
+    rest, err = await asyncio.wait_for(proc.communicate(), 20)
+    assert proc.returncode == 0
+    expected = {"kind": "state", "agent_id": "gamma", "reason": "probe timeout", "at_ms": 42,
+                "broker_id": "b9", "to": "offline", "from": "suspect"}  # fmt: skip
+    assert all(json.loads(x) == expected for x in [line, *rest.splitlines()])
+    logs = [json.loads(x) for x in err.splitlines()]
+    assert [(r["level"], r["logger"], r["msg"].split()[0]) for r in logs] == [
+        ("warning", "reach", "events.undecodable")
+    ]
+
+
+def test_parse_duration() -> None:
+    assert [parse_duration(x) for x in ("90s", "15m", "1h30m", "2d", "500ms", "7")] == [
+        90.0, 900.0, 5400.0, 172800.0, 0.5, 7.0
+    ]
+    for bad in ("", "1x", "h", "0s", "1h 2m", "-5s"):
+        with pytest.raises(CliError) as info:
+            parse_duration(bad)
+        assert info.value.code == 2
+        assert repr(bad) in str(info.value)
