@@ -75,8 +75,12 @@ class NatsServer:
         config: str | os.PathLike[str] | None = "default",
         binary: str | None = None,
         extra_args: list[str] | None = None,
+        new_session: bool = False,
     ) -> None:
         self.host = host
+        # In its own session a Ctrl-C at the terminal does not reach the server, so its
+        # owner (e.g. `reach demo`) can stop its clients first and the server last.
+        self.new_session = new_session
         self.port = port
         self.config = default_config() if config == "default" else config
         self.binary = binary
@@ -119,7 +123,8 @@ class NatsServer:
         log.debug("nats-server.start args=%s", args)
         try:
             self.proc = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+                args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                start_new_session=self.new_session,
             )
         except OSError as exc:
             raise NatsServerError(f"cannot run {binary!r}: {exc}") from None
