@@ -1,0 +1,68 @@
+"""reach SDK: make an agent reachable by capability, and reach agents from callers.
+
+```python
+agent = reach_agent.Agent("alpha", capabilities=["text_processing"], max_concurrency=8)
+
+@agent.handler("text_processing")
+async def text_processing(task: reach_agent.Task) -> dict:
+    return {"chars": len(task.payload["text"])}
+
+reach_agent.run(agent)          # NATS_URL or nats://127.0.0.1:4222; SIGTERM drains
+
+async with reach_agent.Client() as client:
+    result = await client.call("text_processing", {"text": "hi"}, timeout=30)
+```
+"""
+
+from __future__ import annotations
+
+from ._runtime import run
+from .agent import AckSink, Agent
+from .breaker import Breaker, Breakers
+from .client import Client
+from .config import BreakerConfig, ClientConfig
+from .errors import (
+    BizReject,
+    CompensationFull,
+    Draining,
+    Forbidden,
+    InternalError,
+    InvalidCapability,
+    InvalidRequest,
+    LoopDetected,
+    NoReachableAgent,
+    Overloaded,
+    ReachError,
+    TargetBusy,
+    Timeout,
+)
+from .metrics import AgentMetrics, ClientMetrics
+from .task import Reject, Task
+
+__all__ = [
+    "AckSink",
+    "Agent",
+    "AgentMetrics",
+    "BizReject",
+    "Breaker",
+    "BreakerConfig",
+    "Breakers",
+    "Client",
+    "ClientConfig",
+    "ClientMetrics",
+    "CompensationFull",
+    "Draining",
+    "Forbidden",
+    "InternalError",
+    "InvalidCapability",
+    "InvalidRequest",
+    "LoopDetected",
+    "NoReachableAgent",
+    "Overloaded",
+    "ReachError",
+    "Reject",
+    "TargetBusy",
+    "Task",
+    "Timeout",
+    "run",
+]

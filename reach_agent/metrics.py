@@ -1,0 +1,59 @@
+"""Prometheus metrics of the SDK, off by default: pass ``metrics=`` to enable them.
+
+``ClientMetrics`` carries the names the field reports use for callers:
+``reach_request_total{agent_id,result}``, ``reach_request_duration_seconds`` and
+``reach_circuit_breaker_open{agent_id,capability}`` (0/1). ``AgentMetrics`` counts what an
+agent did with the tasks it was handed. Labels are bounded (agent ids of the fleet, results,
+capabilities); never a request id.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
+
+
+class ClientMetrics:
+    """What a :class:`reach_agent.Client` saw, per attempt and per call."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "reach_request_total",
+            "Task attempts by target agent and result (ok, or the error code)",
+            ["agent_id", "result"],
+            registry=r,
+        )
+        self.duration = Histogram(
+            "reach_request_duration_seconds",
+            "Time from call() to its final outcome, retries included",
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.breaker_open = Gauge(
+            "reach_circuit_breaker_open",
+            "1 while the client's breaker for (agent, capability) is open or half-open",
+            ["agent_id", "capability"],
+            registry=r,
+        )
+        self.route_fallbacks = Counter(
+            "reach_route_cache_fallbacks_total",
+            "Route requests answered from the local cache because no broker answered",
+            registry=r,
+        )
+
+
+class AgentMetrics:
+    """What an :class:`reach_agent.Agent` did with the tasks it received."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.tasks = Counter(
+            "reach_agent_tasks_total",
+            "Tasks by capability and result (ok, rejected, failed, busy, draining, duplicate, "
+            "loop, invalid)",
+            ["capability", "result"],
+            registry=self.registry,
+        )

@@ -1,0 +1,1 @@
+"""Agent programs that tests start as separate processes, and the helper that runs them."""
