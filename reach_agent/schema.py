@@ -178,8 +178,11 @@ class AgentsRequest(Base):
 # --- tasks, acks, events ------------------------------------------------------------------
 
 
-class Receipt(Base):
-    """Interim reply sent before the result when a task asks ``Reach-Receipt: 1``."""
+class Receipt(msgspec.Struct, frozen=True, kw_only=True):
+    """Interim reply sent before the result when a task asks ``Reach-Receipt: 1``.
+
+    Not a ``Base``: ``status`` must be on the wire although it is the default (DESIGN §2).
+    """
 
     request_id: str
     status: Literal["received"] = "received"
