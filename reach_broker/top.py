@@ -37,6 +37,7 @@ from .cli import (
     print_json,
     request,
 )
+
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "reach-broker"
@@ -105,7 +106,7 @@ class Fleet:
         js = self.nc.jetstream(timeout=self.timeout)
         try:
             info = await js.stream_info(AUDIT_STREAM)
-        except Exception:  # noqa: BLE001 - no stream or no JetStream: live events only
+        except Exception:
             return
         first = max(info.state.first_seq, info.state.last_seq - (self.events.maxlen or 0) + 1)
         for seq in range(first, info.state.last_seq + 1):
@@ -134,7 +135,7 @@ class Fleet:
                     deltas.append((b.route_requests - n0) / max(now - t0, 1e-3))
             rate = round(sum(deltas), 2)
         self._prev = {b.id: (now, b.route_requests) for b in brokers}
-        by_state = {s: 0 for s in AGENT_STATES}
+        by_state: dict[str, int] = {s: 0 for s in AGENT_STATES}
         for view in agents:
             by_state[view.state] = by_state.get(view.state, 0) + 1
         return Snapshot(
@@ -179,7 +180,9 @@ class Fleet:
 def _broker_stats(data: bytes) -> BrokerStats | None:
     try:
         raw = _stats_decoder.decode(data)
-        route = next((e for e in raw.get("endpoints") or [] if e.get("name") == "route"), {})
+        route: dict[str, Any] = next(
+            (e for e in raw.get("endpoints") or [] if e.get("name") == "route"), {}
+        )
         return BrokerStats(
             id=str(raw["id"]),
             broker_id=str((raw.get("metadata") or {}).get("broker_id", raw["id"])),
@@ -193,8 +196,10 @@ def _broker_stats(data: bytes) -> BrokerStats | None:
         return None
 
 
-def render(snap: Snapshot, *, server: str, width: int, height: int, title: str = "reach top") -> str:
-    """One frame of text, cut to ``width`` × ``height``."""
+def render(
+    snap: Snapshot, *, server: str, width: int, height: int, title: str = "reach top"
+) -> str:
+    """One frame of text, cut to ``width`` columns and ``height`` lines."""
     clock = time.strftime("%H:%M:%S", time.localtime(snap.at_ms / 1000.0))
     rate = "-" if snap.route_rate is None else f"{snap.route_rate:.1f}/s"
     states = "  ".join(f"{s} {snap.by_state.get(s, 0)}" for s in AGENT_STATES)
@@ -250,7 +255,7 @@ async def view_loop(
     prefix: str,
     server: str,
     interval: float,
-    timeout: float,
+    timeout_s: float,
     max_events: int,
     once: bool,
     as_json: bool,
@@ -258,7 +263,7 @@ async def view_loop(
     title: str = "reach top",
 ) -> None:
     """Refresh until ``stop`` (or once); redraws in place on a terminal, appends otherwise."""
-    fleet = Fleet(nc, prefix=prefix, timeout=timeout, max_events=max_events)
+    fleet = Fleet(nc, prefix=prefix, timeout=timeout_s, max_events=max_events)
     await fleet.start()
     tty_out = sys.stdout.isatty() and not as_json and not once
     loop = asyncio.get_running_loop()
@@ -274,8 +279,9 @@ async def view_loop(
                     print_json(snap)
                 else:
                     size = shutil.get_terminal_size((120, 40))
-                    frame = render(snap, server=server, width=size.columns,
-                                   height=size.lines if tty_out else 10_000, title=title)  # fmt: skip
+                    height = size.lines if tty_out else 10_000
+                    frame = render(snap, server=server, width=size.columns, height=height,
+                                   title=title)  # fmt: skip
                     if tty_out:
                         sys.stdout.write("\x1b[H\x1b[2J" + frame + "\n")
                     else:
@@ -303,7 +309,7 @@ async def run_top(args: argparse.Namespace) -> int:
             prefix=args.prefix,
             server=args.server or "nats://127.0.0.1:4222",
             interval=args.interval,
-            timeout=args.timeout,
+            timeout_s=args.timeout,
             max_events=args.events,
             once=args.once,
             as_json=args.json,

@@ -32,13 +32,13 @@ def cli_env() -> dict[str, str]:
     return env
 
 
-async def reach(*argv: str, timeout: float = 30.0) -> tuple[int, str, str]:
+async def reach(*argv: str, limit_s: float = 30.0) -> tuple[int, str, str]:
     """Run ``reach ARGV``; returns (exit code, stdout, stderr)."""
     proc = await asyncio.create_subprocess_exec(
         *CLI, *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         env=cli_env(),
     )  # fmt: skip
-    out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    out, err = await asyncio.wait_for(proc.communicate(), limit_s)
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
 
@@ -187,8 +187,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.parametrize("command", [["agents"], ["route", "tool_use"], ["top", "--once"],
-                                     ["events", "--since", "1h"], ["events", "--follow"]])  # fmt: skip
+NO_SERVER_COMMANDS = [["agents"], ["route", "tool_use"], ["top", "--once"],
+                      ["events", "--since", "1h"], ["events", "--follow"]]  # fmt: skip
+
+
+@pytest.mark.parametrize("command", NO_SERVER_COMMANDS)
 async def test_no_server_is_one_clear_line(command: list[str]) -> None:
     url = f"nats://127.0.0.1:{free_port()}"
     code, out, err = await reach(*command, "--json", "-s", url, "--timeout", "1")
@@ -270,7 +273,8 @@ async def test_top_once_table_and_recent_events_from_the_audit_stream(
     assert [line.split()[0] for line in lines[5:7]] == ["alpha", "beta"]
     assert lines[8] == "recent events"
     assert [line.split()[1:5] for line in lines[9:11]] == [
-        ["registered", "alpha", "-", "->"], ["registered", "beta", "-", "->"]
+        ["registered", "alpha", "-", "->"],
+        ["registered", "beta", "-", "->"],
     ]
 
 
@@ -308,7 +312,10 @@ def test_render_is_cut_to_the_terminal() -> None:
                                          route_requests=7, route_errors=0, route_avg_ms=0.2)],
                     route_rate=3.5, events=[event])  # fmt: skip
     frame = render(snap, server="nats://h:1", width=200, height=100).splitlines()
-    assert frame[1] == "brokers 1   agents 1: healthy 1  suspect 0  offline 0  recovering 0  draining 0"
+    assert (
+        frame[1]
+        == "brokers 1   agents 1: healthy 1  suspect 0  offline 0  recovering 0  draining 0"
+    )
     assert frame[2] == "routes 3.5/s   total 7   [b1: 7, avg 0.20 ms]"
     assert frame[5].split() == ["alpha", "healthy", "97.5", "2/4", "1.0s", "ago", "tool_use", "-",
                                 "100.0%"]  # fmt: skip
@@ -368,8 +375,10 @@ async def test_events_since_on_an_empty_window_prints_nothing(
 async def test_events_without_the_stream_say_so(nats_server: NatsServer) -> None:
     code, out, err = await reach("events", "--since", "1h", "-s", nats_server.url)
     assert (code, out) == (3, "")
-    assert err == ("reach: stream REACH_AUDIT not found on this server: the broker creates it "
-                   "at start when JetStream is on (use --follow for live events only)\n")  # fmt: skip
+    assert err == (
+        "reach: stream REACH_AUDIT not found on this server: the broker creates it "
+        "at start when JetStream is on (use --follow for live events only)\n"
+    )
 
 
 async def test_events_follow_prints_live_events_and_logs_json(
@@ -408,10 +417,87 @@ async def test_events_follow_prints_live_events_and_logs_json(
 
 def test_parse_duration() -> None:
     assert [parse_duration(x) for x in ("90s", "15m", "1h30m", "2d", "500ms", "7")] == [
-        90.0, 900.0, 5400.0, 172800.0, 0.5, 7.0
+        90.0,
+        900.0,
+        5400.0,
+        172800.0,
+        0.5,
+        7.0,
     ]
     for bad in ("", "1x", "h", "0s", "1h 2m", "-5s"):
         with pytest.raises(CliError) as info:
             parse_duration(bad)
         assert info.value.code == 2
         assert repr(bad) in str(info.value)
+
+
+# --- reach demo ---------------------------------------------------------------------------
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+DEMO_PIDS = {"broker", "alpha", "beta", "gamma", "nats-server"}
+
+
+@pytest.mark.slow
+async def test_demo_runs_for_its_duration_and_leaves_no_process() -> None:
+    code, out, err = await reach("demo", "--duration", "3", "--json", "--no-view", "--rate", "5",
+                                 limit_s=90)  # fmt: skip
+    assert code == 0, err
+    started, stopped = (json.loads(line) for line in out.splitlines())
+    assert set(started) == {"event", "nats_url", "pids", "logs"}
+    assert started["event"] == "started"
+    assert set(started["pids"]) == DEMO_PIDS
+    assert stopped["event"] == "stopped"
+    assert stopped["reason"] == "duration"
+    assert stopped["pids"] == started["pids"]
+    calls = stopped["calls"]
+    assert calls["failed"] == {}
+    assert calls["ok"] >= 1
+    assert sum(calls["by_agent"].values()) == calls["ok"]
+    assert set(calls["by_agent"]) <= {"alpha", "beta", "gamma"}
+    assert [name for name, pid in started["pids"].items() if alive(pid)] == []
+
+
+@pytest.mark.slow
+async def test_demo_shows_the_fleet_and_stops_everything_on_sigint() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        *CLI, "demo", "--json", "--interval", "0.3", "--rate", "4",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=cli_env(),
+    )  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        started = json.loads(await asyncio.wait_for(proc.stdout.readline(), 30))
+        assert set(started["pids"]) == DEMO_PIDS
+        # The live view (JSON snapshots here) shows the three agents healthy.
+        deadline = time.monotonic() + 60
+        while True:
+            assert time.monotonic() < deadline, "the demo fleet never showed healthy"
+            snap = json.loads(await asyncio.wait_for(proc.stdout.readline(), 30))
+            healthy = {a["agent_id"] for a in snap["agents"] if a["state"] == "healthy"}
+            if healthy == {"alpha", "beta", "gamma"}:
+                break
+        assert snap["by_state"]["healthy"] == 3
+        agents = sorted(snap["agents"], key=lambda a: a["agent_id"])
+        assert [{a["agent_id"]: a["capabilities"]} for a in agents] == [
+            {"alpha": ["text_processing", "tool_use"]},
+            {"beta": ["data_cleaning", "text_processing"]},
+            {"gamma": ["intent.recognition", "tool_use"]},
+        ]
+        proc.send_signal(signal.SIGINT)
+        rest, err = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, err
+    stopped = json.loads(rest.splitlines()[-1])
+    assert (stopped["event"], stopped["reason"]) == ("stopped", "signal")
+    assert stopped["calls"]["failed"] == {}
+    assert [name for name, pid in started["pids"].items() if alive(pid)] == []
