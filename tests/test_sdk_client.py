@@ -1,0 +1,213 @@
+"""The caller client against a real nats-server, broker and in-process agents."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+import reach_agent
+from reach_agent import BreakerConfig, ClientConfig, ClientMetrics, schema
+from reach_broker.natsserver import NatsServer
+from reach_broker.service import Broker
+
+from .conftest import BrokerFactory, wait_for
+
+
+def registered(broker: Broker, agent_id: str) -> bool:
+    assert broker.registry is not None
+    rec = broker.registry.agents.get(agent_id)
+    return rec is not None and rec.state == "healthy"
+
+
+@pytest.fixture
+async def agents(nats_server: NatsServer) -> AsyncIterator[Any]:
+    """Start in-process agents; all drained at teardown."""
+    started: list[reach_agent.Agent] = []
+
+    async def make(agent: reach_agent.Agent) -> reach_agent.Agent:
+        await agent.start(nats_server.url)
+        started.append(agent)
+        return agent
+
+    try:
+        yield make
+    finally:
+        for a in started:
+            await a.stop(grace=2)
+
+
+def counting_agent(agent_id: str, capability: str, calls: list[str], **kw: Any) -> Any:
+    agent = reach_agent.Agent(agent_id, [capability], heartbeat_interval=0.1, **kw)
+
+    @agent.handler(capability)
+    async def handle(task: reach_agent.Task) -> dict[str, Any]:
+        calls.append(agent_id)
+        if task.payload and task.payload.get("reject"):
+            raise reach_agent.Reject("not today")
+        return {"agent": agent_id, "payload": task.payload,
+                "traceparent": task.headers.get("traceparent"),
+                "trace_id": task.trace_id, "hops": task.hops}  # fmt: skip
+
+    return agent
+
+
+async def test_call_returns_result_and_passes_headers_through(
+    nats_server: NatsServer, broker: Broker, agents: Any
+) -> None:
+    calls: list[str] = []
+    await agents(counting_agent("c1", "echo", calls))
+    await wait_for(lambda: registered(broker, "c1"), what="c1 healthy")
+    metrics = ClientMetrics()
+    async with reach_agent.Client(nats_server.url, metrics=metrics) as client:
+        result = await client.call(
+            "echo", {"x": 1}, timeout=5, request_id="r-1",
+            traceparent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            headers={schema.H_TRACE_ID: "t-9", schema.H_HOPS: "up1"},
+        )  # fmt: skip
+        receipt = await client.call("echo", {"x": 2}, ack_mode="received", request_id="r-2")
+    assert result == {
+        "agent": "c1", "payload": {"x": 1},
+        "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        "trace_id": "t-9", "hops": ["up1"],
+    }  # fmt: skip
+    assert receipt == schema.Receipt(request_id="r-2")
+    assert metrics.requests.labels("c1", "ok")._value.get() == 2
+    assert metrics.duration._sum.get() > 0
+
+
+async def test_busy_agent_sends_the_call_elsewhere_at_once(
+    nats_server: NatsServer, broker: Broker, agents: Any
+) -> None:
+    release = asyncio.Event()
+    busy_metrics = reach_agent.AgentMetrics()
+    # A long heartbeat interval: the broker does not learn that `full` is busy, so it still
+    # routes to it; the agent itself must answer TARGET_BUSY and the client move on.
+    full = reach_agent.Agent("full", ["job"], max_concurrency=1, heartbeat_interval=5,
+                             metrics=busy_metrics)  # fmt: skip
+
+    @full.handler("job")
+    async def hold(task: reach_agent.Task) -> str:
+        await release.wait()
+        return "full"
+
+    calls: list[str] = []
+    await agents(full)
+    await agents(counting_agent("spare", "job", calls))
+    await wait_for(lambda: registered(broker, "full") and registered(broker, "spare"))
+    metrics = ClientMetrics()
+    async with reach_agent.Client(nats_server.url, metrics=metrics) as client:
+        # A sticky key whose first candidate is `full` makes the order deterministic.
+        key = None
+        for i in range(200):
+            cands = await client.route("job", sticky_key=f"k{i}")
+            if cands[0].agent_id == "full":
+                key = f"k{i}"
+                break
+        assert key is not None
+        occupy = asyncio.create_task(client.call("job", {}, sticky_key=key, timeout=10))
+        await wait_for(lambda: full.active == 1, what="full is busy")
+        result = await client.call("job", {"n": 1}, sticky_key=key, timeout=10)
+        assert result["agent"] == "spare"
+        assert busy_metrics.tasks.labels("job", "busy")._value.get() == 1
+        assert metrics.requests.labels("full", "TARGET_BUSY")._value.get() == 1
+        release.set()
+        assert await asyncio.wait_for(occupy, 10) == "full"
+    assert calls == ["spare"]
+
+
+async def test_biz_reject_is_not_retried(
+    nats_server: NatsServer, broker: Broker, agents: Any
+) -> None:
+    calls: list[str] = []
+    await agents(counting_agent("rej1", "judge", calls))
+    await agents(counting_agent("rej2", "judge", calls))
+    await wait_for(lambda: registered(broker, "rej1") and registered(broker, "rej2"))
+    async with reach_agent.Client(nats_server.url) as client:
+        with pytest.raises(reach_agent.BizReject) as info:
+            await client.call("judge", {"reject": True}, timeout=5)
+    assert info.value.code == "BIZ_REJECT"
+    assert info.value.message == "not today"
+    assert len(calls) == 1
+
+
+async def test_breaker_opens_after_failures_and_closes_after_trials(
+    nats_server: NatsServer, broker: Broker, agents: Any
+) -> None:
+    healthy = False
+    invocations = 0
+    agent = reach_agent.Agent("flaky", ["risky"], heartbeat_interval=0.1)
+
+    @agent.handler("risky")
+    async def risky(task: reach_agent.Task) -> str:
+        nonlocal invocations
+        invocations += 1
+        if not healthy:
+            raise RuntimeError("backend down")
+        return "ok"
+
+    await agents(agent)
+    await wait_for(lambda: registered(broker, "flaky"))
+    cfg = ClientConfig(breaker=BreakerConfig(consecutive_failures=3, open_s=0.3, trial_calls=2))
+    metrics = ClientMetrics()
+    gauge = metrics.breaker_open.labels("flaky", "risky")
+    async with reach_agent.Client(nats_server.url, config=cfg, metrics=metrics) as client:
+        for _ in range(3):
+            with pytest.raises(reach_agent.InternalError) as info:
+                await client.call("risky", {}, timeout=5)
+            assert info.value.message == "handler 'risky' raised RuntimeError: backend down"
+        assert client.breakers.state("flaky", "risky") == "open"
+        assert gauge._value.get() == 1
+        # Open: the only agent is excluded from picks; the handler is not reached.
+        with pytest.raises(reach_agent.NoReachableAgent):
+            await client.call("risky", {}, timeout=5)
+        assert invocations == 3
+        healthy = True
+        b = client.breakers.by_key[("flaky", "risky")]
+        await wait_for(lambda: b.available(client.clock()), what="open period over")
+        assert await client.call("risky", {}, timeout=5) == "ok"
+        assert client.breakers.state("flaky", "risky") == "half_open"
+        assert await client.call("risky", {}, timeout=5) == "ok"
+        assert client.breakers.state("flaky", "risky") == "closed"
+        assert gauge._value.get() == 0
+    assert invocations == 5
+
+
+async def test_route_falls_back_to_cache_without_broker_and_events_prune_it(
+    nats_server: NatsServer, broker_factory: BrokerFactory, agents: Any
+) -> None:
+    broker = await broker_factory()
+    calls: list[str] = []
+    await agents(counting_agent("k1", "cache_me", calls))
+    leaver = await agents(counting_agent("k2", "cache_me", calls))
+    await wait_for(lambda: registered(broker, "k1") and registered(broker, "k2"))
+    metrics = ClientMetrics()
+    async with reach_agent.Client(nats_server.url, metrics=metrics) as client:
+        first = await client.route("cache_me", limit=5)
+        assert sorted(c.agent_id for c in first) == ["k1", "k2"]
+        await leaver.stop(grace=1)  # leave → `left` event → dropped from the cache
+        await wait_for(
+            lambda: [c.agent_id for e in client._cache.values() for c in e.candidates] == ["k1"],
+            what="k2 pruned from the cache by its event",
+        )
+        await broker.stop()
+        cached = await client.route("cache_me", limit=5)
+        assert [c.agent_id for c in cached] == ["k1"]
+        assert metrics.route_fallbacks._value.get() == 1
+        assert (await client.call("cache_me", {"n": 3}, timeout=5))["agent"] == "k1"
+        with pytest.raises(reach_agent.NoReachableAgent) as info:
+            await client.route("never_seen")
+        assert "no cached route" in info.value.message
+
+
+async def test_call_without_any_agent_raises_no_reachable_agent(
+    nats_server: NatsServer, broker: Broker
+) -> None:
+    async with reach_agent.Client(nats_server.url) as client:
+        with pytest.raises(reach_agent.NoReachableAgent) as info:
+            await client.call("nobody.home", {}, timeout=5)
+        assert info.value.code == "NO_REACHABLE_AGENT"
+        with pytest.raises(reach_agent.InvalidCapability):
+            await client.call("Bad Cap", {})
