@@ -19,7 +19,7 @@ from reach_broker.natsserver import NatsServer
 from reach_broker.service import Broker
 
 from .agents.procs import AgentProcess
-from .conftest import BrokerFactory, wait_for
+from .conftest import wait_for
 
 
 class Replies:
@@ -252,7 +252,7 @@ async def test_announce_heartbeats_and_leave_reach_the_broker(
     rec = broker.registry.agents["hb1"]
     assert (rec.region, rec.version, rec.tags, rec.timeout_hint_ms) == ("eu", "1.0",
                                                                        {"tier": "gold"}, 2000)
-    for i in range(3):
+    for _ in range(3):
         await nc.request("reach.task.hb1.echo", b'{"i": 1}', timeout=2)
     await wait_for(lambda: beats[-1].ok_total == 3, what="ok_total reported")
     assert beats[-1].task_ms_p50 is not None and beats[-1].active == 0
