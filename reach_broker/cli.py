@@ -180,6 +180,8 @@ def cmd_broker(args: argparse.Namespace) -> int:
         cfg.nats.creds = args.creds
     if args.metrics_port is not None:
         cfg.broker.metrics_port = args.metrics_port
+    if args.metrics_host:
+        cfg.broker.metrics_host = args.metrics_host
     if args.port is not None:
         cfg.nats.embedded_port = args.port
     if args.store_dir:
@@ -561,6 +563,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="broker.toml (env REACH_CONFIG)")  # fmt: skip
     p.add_argument("--metrics-port", type=int, default=_int_env("REACH_METRICS_PORT"),
                    help="Prometheus /metrics port, 0 turns it off (env REACH_METRICS_PORT)")  # fmt: skip
+    p.add_argument("--metrics-host", default=env_default("REACH_METRICS_HOST"),
+                   help="address of /metrics (default 127.0.0.1; 0.0.0.0 in containers)")  # fmt: skip
     p.add_argument("--port", type=int, default=_int_env("REACH_NATS_PORT"),
                    help="port of the embedded nats-server (default 4222; 0: any free port)")  # fmt: skip
     p.add_argument("--store-dir", default=env_default("REACH_STORE_DIR"),
