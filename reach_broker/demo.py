@@ -97,9 +97,9 @@ def agent_main(agent_id: str) -> int:
         sys.stderr.write(f"reach demo: unknown demo agent {agent_id!r} "
                          f"(one of {', '.join(DEMO_AGENTS)})\n")  # fmt: skip
         return 2
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)-5s %(name)s %(message)s"
-    )
+    from .cli import setup_logging
+
+    setup_logging(os.environ.get("REACH_LOG_FORMAT", "text"), "info")
     reach_agent.run(build_agent(agent_id))
     return 0
 
@@ -231,7 +231,8 @@ def run_demo(args: argparse.Namespace) -> int:
             except NatsServerError as exc:
                 raise CliError(f"embedded nats-server: {exc}", 3) from None
             url = server.url
-        env = {**os.environ, "NATS_URL": url, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "NATS_URL": url, "PYTHONUNBUFFERED": "1",
+               "REACH_LOG_FORMAT": args.log_format}  # fmt: skip
         cli = [sys.executable, "-m", "reach_broker.cli"]
         broker_argv = [*cli, "broker", "--server", url, "--metrics-port", "0",
                        "--log-format", args.log_format]  # fmt: skip

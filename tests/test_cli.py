@@ -501,3 +501,52 @@ async def test_demo_shows_the_fleet_and_stops_everything_on_sigint() -> None:
     assert (stopped["event"], stopped["reason"]) == ("stopped", "signal")
     assert stopped["calls"]["failed"] == {}
     assert [name for name, pid in started["pids"].items() if alive(pid)] == []
+
+
+def _read_until(fd: int, needle: bytes, limit_s: float) -> bytes:
+    """Read a pty master until ``needle`` shows (blocking; run it in a thread)."""
+    import select
+
+    buf = b""
+    deadline = time.monotonic() + limit_s
+    while needle not in buf:
+        left = deadline - time.monotonic()
+        assert left > 0, f"{needle!r} not seen in {buf[-500:]!r}"
+        ready, _, _ = select.select([fd], [], [], min(left, 0.2))
+        if ready:
+            try:
+                buf += os.read(fd, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+    return buf
+
+
+async def test_top_on_a_terminal_redraws_and_quits_on_q(
+    nats_server: NatsServer, nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    import pty
+
+    broker = await broker_factory(**QUIET)
+    await two_agents(nc, broker)
+    master, slave = pty.openpty()
+    proc = await asyncio.create_subprocess_exec(
+        *CLI, "top", "--interval", "0.2", "-s", nats_server.url,
+        stdin=slave, stdout=slave, stderr=slave, env={**cli_env(), "TERM": "xterm"},
+    )  # fmt: skip
+    os.close(slave)
+    try:
+        # Two frames: alternate screen, cursor home + clear before each.
+        seen = await asyncio.to_thread(_read_until, master, b"draining 0", 20)
+        seen += await asyncio.to_thread(_read_until, master, b"draining 0", 20)
+        assert seen.startswith(b"\x1b[?1049h\x1b[?25l")
+        assert seen.count(b"\x1b[H\x1b[2J") >= 2
+        assert b"agents 2: healthy 2" in seen
+        os.write(master, b"q")
+        assert await asyncio.wait_for(proc.wait(), 20) == 0
+        tail = await asyncio.to_thread(_read_until, master, b"\x1b[?25h\x1b[?1049l", 5)
+        assert tail.endswith(b"\x1b[?25h\x1b[?1049l")  # cursor and screen restored
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        os.close(master)
