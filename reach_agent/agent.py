@@ -166,7 +166,10 @@ class Agent:
         self._bg: list[asyncio.Task[Any]] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._running: dict[str, float] = {}
-        self._durations: deque[float] = deque(maxlen=256)
+        # Durations of tasks finished since the last heartbeat: the broker smooths them
+        # (EWMA), so the freshest p50 lets it see a slowdown within a heartbeat or two.
+        self._durations: deque[float] = deque(maxlen=1024)
+        self._last_p50: int | None = None
         self._seen: OrderedDict[str, _Entry] = OrderedDict()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -344,8 +347,9 @@ class Agent:
         return sum(s.pending_msgs for s in self._task_subs)
 
     def load_figures(self) -> tuple[int | None, int | None]:
-        """(median task duration ms over the last 256 tasks, age ms of the oldest running)."""
-        p50 = None
+        """(median task duration ms of the tasks finished since the last heartbeat — else
+        the previous heartbeat's —, age ms of the oldest running task)."""
+        p50 = self._last_p50
         if self._durations:
             ordered = sorted(self._durations)
             p50 = int(ordered[len(ordered) // 2])
@@ -358,6 +362,8 @@ class Agent:
         """The next heartbeat (advances ``seq``)."""
         self.seq += 1
         p50, oldest = self.load_figures()
+        self._durations.clear()
+        self._last_p50 = p50
         hb = schema.Heartbeat(
             agent_id=self.agent_id,
             token=self.token or "",
