@@ -54,6 +54,18 @@ def connect_options(name: str, servers: list[str]) -> dict[str, Any]:
     }
 
 
+async def flush_subscriptions(nc: Any) -> None:
+    """Return once the server has registered every SUB sent so far.
+
+    nats-py 2.16 ``flush()`` writes its PING straight to the socket while SUB commands wait
+    in the pending buffer for the flusher task, so the PONG can arrive before the server saw
+    the SUBs (a request right after start then gets "no responders"). By the first PONG the
+    flusher has written the SUBs; a second PING queues behind them.
+    """
+    await nc.flush()
+    await nc.flush()
+
+
 def new_event_loop_factory() -> Any:
     """uvloop's loop factory when uvloop is installed, else ``None`` (asyncio's default)."""
     try:

@@ -45,7 +45,7 @@ from nats.aio.subscription import Subscription
 from nats.errors import SlowConsumerError
 
 from . import schema
-from ._runtime import connect_options, server_list
+from ._runtime import connect_options, flush_subscriptions, server_list
 from .errors import (
     Draining,
     InternalError,
@@ -231,7 +231,7 @@ class Agent:
             )
             self._task_subs.append(sub)
         self._subs.extend(self._task_subs)
-        await nc.flush()
+        await flush_subscriptions(nc)
         self._bg = [
             asyncio.create_task(self._announce_loop(), name=f"reach-announce-{me}"),
             asyncio.create_task(self._heartbeat_loop(), name=f"reach-heartbeat-{me}"),
@@ -636,11 +636,11 @@ class Agent:
                           self.agent_id, request_id, state)  # fmt: skip
 
 
-async def _wait(event: asyncio.Event, timeout: float) -> None:
-    """Wait for ``event`` at most ``timeout`` s. (``asyncio.timeout``, not ``wait_for``:
+async def _wait(event: asyncio.Event, seconds: float) -> None:
+    """Wait for ``event`` at most ``seconds``. (``asyncio.timeout``, not ``wait_for``:
     on 3.11 ``wait_for`` can swallow a cancel that races the event being set.)"""
     with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(timeout):
+        async with asyncio.timeout(seconds):
             await event.wait()
 
 

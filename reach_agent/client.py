@@ -42,7 +42,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from . import schema
-from ._runtime import connect_options, server_list
+from ._runtime import connect_options, flush_subscriptions, server_list
 from .breaker import Breakers, BreakerState
 from .config import ClientConfig
 from .errors import (
@@ -152,7 +152,7 @@ class Client:
             await nc.subscribe(f"{self._prefix}.event.>", cb=self._on_event,
                                pending_msgs_limit=1_000_000),
         ]  # fmt: skip
-        await nc.flush()
+        await flush_subscriptions(nc)
         self._refresher = asyncio.create_task(self._refresh_loop(), name="reach-route-refresh")
 
     async def stop(self) -> None:

@@ -15,6 +15,7 @@ from nats.aio.client import Client as NATS
 
 import reach_agent
 from reach_agent import schema
+from reach_agent._runtime import flush_subscriptions
 from reach_broker.natsserver import NatsServer
 from reach_broker.service import Broker
 
@@ -35,7 +36,7 @@ class Replies:
             self.msgs.append(msg)
 
         await nc.subscribe(self.inbox, cb=cb)
-        await nc.flush()
+        await flush_subscriptions(nc)
         return self
 
     def bodies(self) -> list[Any]:
@@ -238,7 +239,7 @@ async def test_announce_heartbeats_and_leave_reach_the_broker(
         beats.append(msgspec.json.decode(msg.data, type=schema.Heartbeat))
 
     await nc.subscribe("reach.hb.hb1", cb=on_hb)
-    await nc.flush()
+    await flush_subscriptions(nc)
     agent = reach_agent.Agent("hb1", ["echo"], heartbeat_interval=0.1, region="eu",
                               tags={"tier": "gold"}, version="1.0", timeout_hint=2.0)  # fmt: skip
     agent.handler("echo")(lambda task: task.payload)

@@ -18,6 +18,7 @@ import pytest
 from nats.aio.client import Client as NATS
 
 import reach_agent
+from reach_agent._runtime import flush_subscriptions
 from reach_broker.natsserver import NatsServer
 from reach_broker.service import Broker
 
@@ -97,7 +98,7 @@ class EventLog:
             self.events.append(json.loads(msg.data))
 
         await nc.subscribe("reach.event.>", cb=cb)
-        await nc.flush()
+        await flush_subscriptions(nc)
         return self
 
     def of(self, agent_id: str) -> list[tuple[str, str | None, str | None]]:
