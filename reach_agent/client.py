@@ -369,6 +369,8 @@ class Client:
         once an agent has accepted the task; the result goes to ``REACH_ACKS``.
         Raises a :class:`~reach_agent.errors.ReachError` subclass carrying the wire code.
         """
+        if not self._started:
+            raise InternalError("client is not started: use `async with Client() as client`")
         schema.check_capability(capability)
         if ack_mode not in ("completed", "received"):
             raise InvalidRequest(f"ack_mode {ack_mode!r} is not 'completed' or 'received'")

@@ -139,6 +139,11 @@ async def test_full_agent_answers_target_busy_at_once_and_probe_never_waits(
     err = reach_agent.errors.from_reply(third.headers, third.data)
     assert err is not None and err.code == "TARGET_BUSY"
     assert third.headers["Nats-Service-Error-Code"] == "429"
+    p50, oldest = agent.load_figures()
+    assert p50 is None and oldest is not None and oldest >= 0
+    hb = agent.heartbeat()
+    assert (hb.status, hb.active, hb.ok_total, hb.oldest_task_ms is not None) == (
+        "busy", 2, 0, True)
     probe = await nc.request("reach.probe.busy1", b"{}", timeout=2)
     body = msgspec.json.decode(probe.data, type=schema.ProbeReply)
     assert (body.agent_id, body.status, body.active) == ("busy1", "busy", 2)
@@ -334,3 +339,16 @@ async def test_draining_agent_refuses_new_tasks_and_finishes_running_ones(
     release.set()
     await asyncio.wait_for(stopping, 10)
     assert replies.bodies() == ["finished"]
+
+
+async def test_agent_started_before_any_broker_announces_once_one_appears(
+    broker_factory: Any, agent_factory: Any
+) -> None:
+    agent = reach_agent.Agent("early1", ["echo"], heartbeat_interval=0.1)
+    agent.handler("echo")(lambda task: task.payload)
+    await agent_factory(agent)
+    await asyncio.sleep(0.3)  # a few unanswered announces (backoff 0.1 s doubling)
+    assert agent.token is None
+    broker = await broker_factory()
+    await wait_for(lambda: registered(broker, "early1"), 10, what="registered late")
+    assert agent.broker_id == broker.broker_id
