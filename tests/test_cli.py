@@ -415,6 +415,39 @@ async def test_events_follow_prints_live_events_and_logs_json(
     ]
 
 
+async def test_events_since_and_follow_replays_then_stays_live(
+    nats_server: NatsServer, nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    broker = await broker_factory(**QUIET)
+    await ensure_audit_stream(nc)
+    await two_agents(nc, broker)
+    proc = await asyncio.create_subprocess_exec(
+        *CLI, "events", "--since", "1h", "--follow", "--json", "-s", nats_server.url,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=cli_env(),
+    )  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        replayed = [json.loads(await asyncio.wait_for(proc.stdout.readline(), 20))
+                    for _ in range(2)]  # fmt: skip
+        assert [(e["kind"], e["agent_id"]) for e in replayed] == [
+            ("registered", "alpha"),
+            ("registered", "beta"),
+        ]
+        live = schema.Event(kind="left", agent_id="zeta", reason="leave", at_ms=7,
+                            broker_id="b1", from_="healthy", to="draining")  # fmt: skip
+        await nc.jetstream().publish("reach.event.left.zeta", schema.encoder.encode(live))
+        line = json.loads(await asyncio.wait_for(proc.stdout.readline(), 20))
+        assert line == {"kind": "left", "agent_id": "zeta", "reason": "leave", "at_ms": 7,
+                        "broker_id": "b1", "to": "draining", "from": "healthy"}  # fmt: skip
+        proc.send_signal(signal.SIGINT)
+        rest, err = await asyncio.wait_for(proc.communicate(), 20)
+        assert (proc.returncode, rest, err) == (0, b"", b"")
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
 def test_parse_duration() -> None:
     assert [parse_duration(x) for x in ("90s", "15m", "1h30m", "2d", "500ms", "7")] == [
         90.0,
