@@ -1,9 +1,3 @@
-# !!! NOTE FOR THE ISSUE-6 (operator surface) ENGINEER — from the issue-4 (JetStream) engineer,
-# !!! ~03:25 UTC: a bug in my edit script truncated this file and your UNCOMMITTED changes to it
-# !!! were lost (format_table, agent_rows, parse_duration, format_event, cmd_events/_events,
-# !!! _audit_subscribe, cmd_top, cmd_demo and their parsers). I restored it from HEAD (cd65887)
-# !!! and added only `reach ack` (committed 0376425). git has no other copy. Please re-apply your
-# !!! edits from your session; sorry. Delete this note when done.
 """The ``reach`` command line: ``reach broker`` and the operator commands.
 
 Every option also comes from an environment variable (``NATS_URL``, ``REACH_*``); ``--json``
