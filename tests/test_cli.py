@@ -291,12 +291,16 @@ async def test_top_live_redraws_until_sigint(
     first = json.loads(await asyncio.wait_for(proc.stdout.readline(), 20))
     for _ in range(5):
         await nc.request("reach.route.tool_use", b"", timeout=2)
-    second = json.loads(await asyncio.wait_for(proc.stdout.readline(), 20))
+    # A refresh may have sampled the stats while the requests ran: read until all 5 count.
+    second = first
+    deadline = time.monotonic() + 20
+    while second["route_requests"] != first["route_requests"] + 5:
+        assert time.monotonic() < deadline, f"route_requests stuck at {second['route_requests']}"
+        second = json.loads(await asyncio.wait_for(proc.stdout.readline(), 20))
     proc.send_signal(signal.SIGINT)
     rest, err = await asyncio.wait_for(proc.communicate(), 20)
     assert (proc.returncode, err) == (0, b"")
     assert first["route_rate"] is None
-    assert second["route_requests"] == first["route_requests"] + 5
     assert second["route_rate"] > 0
     assert all(json.loads(line)["by_state"]["healthy"] == 2 for line in rest.splitlines())
 
@@ -340,13 +344,17 @@ async def test_events_since_reads_the_audit_stream(
     old = schema.Event(kind="state", agent_id="old", reason="before the window",
                        at_ms=1, broker_id="b0", from_="healthy", to="suspect")  # fmt: skip
     await js.publish("reach.event.state.old", schema.encoder.encode(old))
-    await asyncio.sleep(1.1)  # inherent: --since 1s must leave the message above outside
+    # Timing is inherent here (stored times are the server's): the window starts 1.5 s
+    # before `mid`, 1.5 s after the old message, and the CLI may take up to 1.5 s to start.
+    await asyncio.sleep(3.0)
+    mid = time.time()
     await two_agents(nc, broker)
     deadline = time.monotonic() + 5
     while (await js.stream_info("REACH_AUDIT")).state.messages < 3:
         assert time.monotonic() < deadline, "two registered events in REACH_AUDIT"
         await asyncio.sleep(0.02)
-    code, out, err = await reach("events", "--since", "1s", "--json", "-s", nats_server.url)
+    since = f"{int((time.time() - mid + 1.5) * 1000)}ms"
+    code, out, err = await reach("events", "--since", since, "--json", "-s", nats_server.url)
     assert (code, err) == (0, "")
     events = [json.loads(line) for line in out.splitlines()]
     for e in events:
