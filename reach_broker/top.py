@@ -18,7 +18,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -78,8 +78,18 @@ _stats_decoder = msgspec.json.Decoder(dict[str, Any])
 class Fleet:
     """Collects snapshots over one NATS connection."""
 
-    def __init__(self, nc: Any, *, prefix: str, timeout: float, max_events: int) -> None:
+    def __init__(
+        self,
+        nc: Any,
+        *,
+        prefix: str,
+        timeout: float,
+        max_events: int,
+        reconnect: Callable[[], Awaitable[Any]] | None = None,
+    ) -> None:
         self.nc = nc
+        self.reconnect = reconnect
+        """Makes a new connection when the server went away (``reach top`` keeps running)."""
         self.prefix = prefix
         self.timeout = timeout
         self.events: collections.deque[Event] = collections.deque(maxlen=max(max_events, 0))
@@ -90,7 +100,9 @@ class Fleet:
         """Seed recent events from REACH_AUDIT (if present), then follow them live."""
         if self.events.maxlen:
             await self._seed_events()
+        await self._follow_events()
 
+    async def _follow_events(self) -> None:
         async def on_event(msg: Any) -> None:
             try:
                 self.events.append(schema.event_decoder.decode(msg.data))
@@ -119,12 +131,27 @@ class Fleet:
     async def snapshot(self) -> Snapshot:
         now = time.time()
         error = None
+        if self.nc.is_closed:
+            if self.reconnect is None:
+                raise CliError("lost the connection to NATS", 3)
+            try:
+                self.nc = await self.reconnect()
+                await self._follow_events()
+            except CliError as exc:
+                return Snapshot(at_ms=int(now * 1000), agents=[], by_state={}, brokers=[],
+                                route_requests=0, route_rate=None, events=list(self.events),
+                                error=f"{exc}; retrying")  # fmt: skip
         try:
             data = await request(self.nc, f"{self.prefix}.agents", b"{}", self.timeout)
             agents = schema.agent_views_decoder.decode(data)
         except CliError as exc:
             agents, error = [], str(exc)
-        brokers = await self.broker_stats()
+        except Exception as exc:  # e.g. the connection closed: show it, go on
+            agents, error = [], f"{type(exc).__name__}: {exc}"
+        try:
+            brokers = await self.broker_stats()
+        except Exception:  # same: the next refresh tries again
+            brokers = []
         total = sum(b.route_requests for b in brokers)
         rate = None
         if self._prev:
@@ -261,9 +288,11 @@ async def view_loop(
     as_json: bool,
     stop: asyncio.Event,
     title: str = "reach top",
+    reconnect: Callable[[], Awaitable[Any]] | None = None,
 ) -> None:
     """Refresh until ``stop`` (or once); redraws in place on a terminal, appends otherwise."""
-    fleet = Fleet(nc, prefix=prefix, timeout=timeout_s, max_events=max_events)
+    fleet = Fleet(nc, prefix=prefix, timeout=timeout_s, max_events=max_events,
+                  reconnect=reconnect)  # fmt: skip
     await fleet.start()
     tty_out = sys.stdout.isatty() and not as_json and not once
     loop = asyncio.get_running_loop()
@@ -292,6 +321,8 @@ async def view_loop(
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), interval)
     finally:
+        if fleet.nc is not nc and not fleet.nc.is_closed:
+            await fleet.nc.close()
         if tty_out:
             sys.stdout.write("\x1b[?25h\x1b[?1049l")
             sys.stdout.flush()
@@ -314,6 +345,7 @@ async def run_top(args: argparse.Namespace) -> int:
             once=args.once,
             as_json=args.json,
             stop=stop,
+            reconnect=None if args.once else lambda: connect(args, name="reach-top"),
         )
     finally:
         await nc.close()

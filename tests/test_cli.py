@@ -591,3 +591,49 @@ async def test_top_on_a_terminal_redraws_and_quits_on_q(
             proc.kill()
             await proc.wait()
         os.close(master)
+
+
+async def test_top_live_survives_a_server_restart(
+    nats_server: NatsServer, nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    broker = await broker_factory(**QUIET)
+    await two_agents(nc, broker)
+    proc = await asyncio.create_subprocess_exec(
+        *CLI, "top", "--json", "--interval", "0.2", "--timeout", "0.5", "-s", nats_server.url,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=cli_env(),
+    )  # fmt: skip
+    assert proc.stdout is not None
+    restarted = None
+
+    async def next_snapshot() -> dict[str, Any]:
+        assert proc.stdout is not None
+        return dict(json.loads(await asyncio.wait_for(proc.stdout.readline(), 20)))
+
+    async def until(pred: Any, what: str) -> dict[str, Any]:
+        deadline = time.monotonic() + 30
+        while not pred(snap := await next_snapshot()):
+            assert time.monotonic() < deadline, what
+        return snap
+
+    try:
+        await until(lambda s: s["error"] is None and len(s["brokers"]) == 1, "a first snapshot")
+        port, store = nats_server.port, nats_server.store_dir
+        nats_server.kill()
+        down = await until(lambda s: s["error"] is not None, "an error frame while down")
+        assert down["agents"] == []
+        restarted = NatsServer(port=port, store_dir=store)
+        await asyncio.to_thread(restarted.start)
+        back = await until(lambda s: s["error"] is None and len(s["brokers"]) == 1, "back up")
+        assert sorted(a["agent_id"] for a in back["agents"]) == ["alpha", "beta"]
+        proc.send_signal(signal.SIGINT)
+        _, err = await asyncio.wait_for(proc.communicate(), 20)
+        assert (proc.returncode, err) == (0, b"")
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        if restarted is not None:
+            # the broker and the raw client reconnected to it: close them before it stops
+            await broker.stop()
+            await nc.close()
+            await asyncio.to_thread(restarted.stop)
