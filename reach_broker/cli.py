@@ -129,7 +129,7 @@ async def connect(args: argparse.Namespace, name: str = "reach-cli") -> Any:
             allow_reconnect=False,
             error_cb=on_error,
         )
-    except Exception as exc:  # noqa: BLE001 - every connect failure is the same to a user
+    except Exception as exc:  # every connect failure is the same to a user
         cause = errors[-1] if errors else exc
         raise CliError(
             f"cannot connect to NATS at {','.join(servers)}: {cause or type(cause).__name__} "
@@ -138,7 +138,7 @@ async def connect(args: argparse.Namespace, name: str = "reach-cli") -> Any:
         ) from None
 
 
-async def request(nc: Any, subject: str, data: bytes, timeout: float) -> bytes:
+async def request(nc: Any, subject: str, data: bytes, timeout_s: float) -> bytes:
     """Request-reply that turns no-responders, timeouts and error replies into CliError."""
     from nats.errors import NoRespondersError
     from nats.errors import TimeoutError as NatsTimeout
@@ -146,14 +146,14 @@ async def request(nc: Any, subject: str, data: bytes, timeout: float) -> bytes:
     from reach_agent.errors import from_reply
 
     try:
-        msg = await nc.request(subject, data, timeout=timeout)
+        msg = await nc.request(subject, data, timeout=timeout_s)
     except NoRespondersError:
         raise CliError(
             f"no broker answers on {subject} (is `reach broker` running on this server?)",
             EXIT_UNAVAILABLE,
         ) from None
     except NatsTimeout:
-        raise CliError(f"no reply on {subject} within {timeout}s", EXIT_UNAVAILABLE) from None
+        raise CliError(f"no reply on {subject} within {timeout_s}s", EXIT_UNAVAILABLE) from None
     err = from_reply(msg.headers, msg.data)
     if err is not None:
         raise CliError(f"{err.code}: {err.message}")
@@ -229,7 +229,7 @@ async def _broker_main(cfg: Any) -> int:
         broker = Broker(cfg, metrics=metrics)
         try:
             await broker.start()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise CliError(
                 f"cannot start the broker on {cfg.nats.url}: {exc or type(exc).__name__}",
                 EXIT_UNAVAILABLE,
@@ -509,7 +509,7 @@ async def _ack(args: argparse.Namespace) -> int:
     try:
         stored = await acks.all_records(nc, args.request_id, prefix=args.prefix,
                                         timeout_s=args.timeout)  # fmt: skip
-    except Exception as exc:  # noqa: BLE001 - no stream, no JetStream: one clear line
+    except Exception as exc:  # no stream, no JetStream: one clear line
         raise CliError(f"cannot read REACH_ACKS: {exc or type(exc).__name__}",
                        EXIT_UNAVAILABLE) from None  # fmt: skip
     finally:
@@ -556,13 +556,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", "-c", default=env_default("REACH_CONFIG"),
                    help="broker.toml (env REACH_CONFIG)")  # fmt: skip
     p.add_argument("--metrics-port", type=int, default=_int_env("REACH_METRICS_PORT"),
-                   help="Prometheus /metrics port, 0 turns it off (env REACH_METRICS_PORT)")  # fmt: skip
+                   help="Prometheus /metrics port, 0 turns it off "
+                        "(env REACH_METRICS_PORT)")  # fmt: skip
     p.add_argument("--metrics-host", default=env_default("REACH_METRICS_HOST"),
-                   help="address of /metrics (default 127.0.0.1; 0.0.0.0 in containers)")  # fmt: skip
+                   help="address of /metrics (default 127.0.0.1; 0.0.0.0 in containers; "
+                        "env REACH_METRICS_HOST)")  # fmt: skip
     p.add_argument("--port", type=int, default=_int_env("REACH_NATS_PORT"),
-                   help="port of the embedded nats-server (default 4222; 0: any free port)")  # fmt: skip
+                   help="port of the embedded nats-server (default 4222; "
+                        "0: any free port)")  # fmt: skip
     p.add_argument("--store-dir", default=env_default("REACH_STORE_DIR"),
-                   help="JetStream store dir of the embedded server (default: a temp dir)")  # fmt: skip
+                   help="JetStream store dir of the embedded server "
+                        "(default: a temp dir)")  # fmt: skip
     p.add_argument("--broker-id", default=env_default("REACH_BROKER_ID"))
     p.set_defaults(func=cmd_broker)
 
@@ -593,7 +597,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("events", help="the event stream (REACH_AUDIT history and live)")
     add_common(p)
     p.add_argument("--since", metavar="DURATION",
-                   help="replay REACH_AUDIT from this long ago (90s, 15m, 1h; default 1h)")  # fmt: skip
+                   help="replay REACH_AUDIT from this long ago "
+                        "(90s, 15m, 1h; default 1h)")  # fmt: skip
     p.add_argument("--follow", "-f", action="store_true", help="keep printing live events")
     p.set_defaults(func=cmd_events)
 
