@@ -12,6 +12,7 @@ is bounded by ``phi_min_std_ratio`` and an irregular one never past the ceiling.
 from __future__ import annotations
 
 import math
+from array import array
 from statistics import NormalDist
 
 from .config import DetectionSection
@@ -36,7 +37,9 @@ class ArrivalWindow:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._samples: list[float] = []
+        # array('d'): 8 bytes a sample instead of a 24-byte float object plus a pointer, so
+        # 100 samples cost 0.8 KiB per agent rather than 3.2 KiB (issue 7: < 4 KiB an agent).
+        self._samples = array("d")
         self._i = 0
         self._sum = 0.0
         self._sumsq = 0.0
@@ -57,7 +60,7 @@ class ArrivalWindow:
         self._sumsq += gap_s * gap_s
 
     def clear(self) -> None:
-        self._samples.clear()
+        del self._samples[:]
         self._i = 0
         self._sum = self._sumsq = 0.0
 
