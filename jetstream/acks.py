@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import msgspec
 import nats
 from nats.aio.client import Client as NATS
-from nats.js.errors import NotFoundError
+from nats.js.errors import NoStreamResponseError, NotFoundError
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,8 @@ class AckWriter:
         self.dropped = 0
         """Records refused before the WAL (invalid request id), logged with the reason."""
         self.retries = 0
+        self.no_stream = False
+        """True while the last attempt found no stream for reach.ack.> (none provisioned)."""
         self._pending: dict[str, _Pending] = {}
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
@@ -162,7 +164,8 @@ class AckWriter:
         """Send what is pending (up to ``timeout``), then close; the rest stays in the WAL."""
         if self._task is None:
             return
-        await self.flush(timeout_s)
+        # With no stream to store into, waiting is pointless: the WAL keeps the records.
+        await self.flush(min(timeout_s, 0.2) if self.no_stream else timeout_s)
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
         self._task = None
@@ -308,6 +311,7 @@ class AckWriter:
                 if len(done) < len(batch):
                     self.retries += len(batch) - len(done)
                     failure = next(r for r in results if r is not True)
+                    self.no_stream = isinstance(failure, NoStreamResponseError)
                     delay = min(backoff, self.retry_max_s) * (0.5 + random.random())
                     log.warning("acks.retry pending=%d in=%.2fs error=%r",
                                 len(self._pending), delay, failure)  # fmt: skip
@@ -315,6 +319,7 @@ class AckWriter:
                     backoff = min(backoff * 2, self.retry_max_s)
                 else:
                     backoff = 0.05
+                    self.no_stream = False
             if self._size > self.compact_bytes:
                 try:
                     self._compact()
@@ -409,7 +414,7 @@ async def wait_final(
 
     sub = await nc.subscribe(subject, cb=on_msg)
     try:
-        await nc.flush(timeout=min(timeout_s, 2.0))
+        await nc.flush(timeout=max(1, int(min(timeout_s, 2.0))))
         last = await last_record(nc, request_id, prefix=prefix, timeout_s=min(timeout_s, 2.0))
         if last is not None and last.state in FINAL_STATES:
             return last

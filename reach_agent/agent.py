@@ -113,6 +113,8 @@ class Agent:
         announce_refresh: float = 600.0,
         ack_sink: AckSink | None = None,
         metrics: AgentMetrics | None = None,
+        durable_acks: bool = True,
+        ack_wal_dir: str | None = None,
     ) -> None:
         schema.check_agent_id(agent_id)
         caps = list(capabilities)
@@ -137,6 +139,11 @@ class Agent:
         self.announce_refresh = announce_refresh
         self.ack_sink = ack_sink
         self.metrics = metrics
+        # Issue 4: without an explicit ack_sink, acks go to REACH_ACKS through a write-ahead
+        # AckWriter (WAL in ack_wal_dir, else $REACH_ACK_DIR/<agent_id> or
+        # ~/.cache/reach/<agent_id>), created at start with the agent's servers.
+        self.durable_acks = durable_acks
+        self.ack_wal_dir = ack_wal_dir
         self.announcement = schema.Announce(
             agent_id=agent_id,
             capabilities=caps,
@@ -221,6 +228,12 @@ class Agent:
             reconnected_cb=self._on_reconnected,
         )
         self.nc = nc
+        if self.ack_sink is None and self.durable_acks:
+            from .durable import default_ack_writer
+
+            self.ack_sink = default_ack_writer(
+                self.agent_id, server_list(servers), prefix=self.prefix, wal_dir=self.ack_wal_dir
+            )
         if self.ack_sink is not None and hasattr(self.ack_sink, "start"):
             await self.ack_sink.start()
         p, me = self.prefix, self.agent_id

@@ -86,11 +86,13 @@ class Replayer:
         if self._sweeper is not None or not getattr(b, "jetstream_ok", False):
             return
         b.listeners.append(self._on_transition)
-        big = {"pending_msgs_limit": 1_000_000, "pending_bytes_limit": 256 * 1024 * 1024}
+        limits = 1_000_000, 256 * 1024 * 1024
         self._subs = [
-            await b.nc.subscribe(f"{b.prefix}.comp.>", cb=self._on_enqueued, **big),
-            await b.nc.subscribe(f"{b.prefix}.ack.>", cb=self._on_ack, **big),
-        ]
+            await b.nc.subscribe(subject, cb=cb, pending_msgs_limit=limits[0],
+                                 pending_bytes_limit=limits[1])
+            for subject, cb in ((f"{b.prefix}.comp.>", self._on_enqueued),
+                                (f"{b.prefix}.ack.>", self._on_ack))
+        ]  # fmt: skip
         self._sweeper = asyncio.create_task(self._sweep_loop(), name="reach-replay-sweep")
 
     async def stop(self) -> None:

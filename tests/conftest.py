@@ -17,6 +17,13 @@ from reach_broker.natsserver import NatsServer
 from reach_broker.service import Broker
 
 
+@pytest.fixture(autouse=True)
+def _ack_dir(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Agents' ack write-ahead files (REACH_ACK_DIR) go to the test's tmp dir, also in
+    agent processes the test starts (they inherit the environment)."""
+    monkeypatch.setenv("REACH_ACK_DIR", str(tmp_path / "acks"))
+
+
 @pytest.fixture
 def nats_server(tmp_path: Any) -> Iterator[NatsServer]:
     """A real nats-server (JetStream, advisories config) on a free port, temp store dir."""
