@@ -219,8 +219,6 @@ class Breakers:
 
     def _prune(self, now: float) -> None:
         """Drop the least recently used closed breakers (half of the table at most)."""
-        closed = sorted(
-            (b.last_used, key) for key, b in self.by_key.items() if b.state == "closed"
-        )
+        closed = sorted((b.last_used, key) for key, b in self.by_key.items() if b.state == "closed")
         for _, key in closed[: max(1, len(self.by_key) // 2)]:
             del self.by_key[key]

@@ -61,9 +61,7 @@ async def test_design_agent_process_serves_call_and_plain_request(
     try:
         await wait_for(lambda: registered(broker, "alpha"), 20, what="alpha registered")
         async with reach_agent.Client(nats_server.url) as client:
-            assert await client.call("text_processing", {"text": "hi"}, timeout=30) == {
-                "chars": 2
-            }
+            assert await client.call("text_processing", {"text": "hi"}, timeout=30) == {"chars": 2}
             candidates = await client.route("text_processing", limit=2)
             assert [c.agent_id for c in candidates] == ["alpha"]
             assert candidates[0].subject == "reach.task.alpha.text_processing"
@@ -95,9 +93,7 @@ async def agent_factory(nats_server: NatsServer) -> Any:
             await a.stop(grace=2)
 
 
-async def test_receipt_then_result_on_the_same_reply_subject(
-    agent_factory: Any, nc: NATS
-) -> None:
+async def test_receipt_then_result_on_the_same_reply_subject(agent_factory: Any, nc: NATS) -> None:
     agent = reach_agent.Agent("r1", ["echo"], heartbeat_interval=0.1)
 
     @agent.handler("echo")
@@ -143,7 +139,11 @@ async def test_full_agent_answers_target_busy_at_once_and_probe_never_waits(
     assert p50 is None and oldest is not None and oldest >= 0
     hb = agent.heartbeat()
     assert (hb.status, hb.active, hb.ok_total, hb.oldest_task_ms is not None) == (
-        "busy", 2, 0, True)
+        "busy",
+        2,
+        0,
+        True,
+    )
     probe = await nc.request("reach.probe.busy1", b"{}", timeout=2)
     body = msgspec.json.decode(probe.data, type=schema.ProbeReply)
     assert (body.agent_id, body.status, body.active) == ("busy1", "busy", 2)
@@ -256,8 +256,12 @@ async def test_announce_heartbeats_and_leave_reach_the_broker(
     assert registered(broker, "hb1")
     assert broker.registry is not None
     rec = broker.registry.agents["hb1"]
-    assert (rec.region, rec.version, rec.tags, rec.timeout_hint_ms) == ("eu", "1.0",
-                                                                       {"tier": "gold"}, 2000)
+    assert (rec.region, rec.version, rec.tags, rec.timeout_hint_ms) == (
+        "eu",
+        "1.0",
+        {"tier": "gold"},
+        2000,
+    )
     for _ in range(3):
         await nc.request("reach.task.hb1.echo", b'{"i": 1}', timeout=2)
     await wait_for(lambda: beats[-1].ok_total == 3, what="ok_total reported")

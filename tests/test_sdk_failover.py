@@ -145,7 +145,8 @@ async def test_sigterm_under_load_drains_in_flight_and_takes_no_new_tasks(
                        what="term-a gone")  # fmt: skip
         kinds = events.of("term-a")
         assert kinds.index(("left", "healthy", "draining")) < kinds.index(
-            ("evicted", "draining", None))
+            ("evicted", "draining", None)
+        )
         assert broker.registry is not None and "term-a" not in broker.registry.agents
     finally:
         leaving.stop()
