@@ -298,6 +298,9 @@ class Agent:
     # --- connection callbacks -----------------------------------------------------------
 
     async def _on_error(self, exc: Exception) -> None:
+        kind = "slow_consumer" if isinstance(exc, SlowConsumerError) else type(exc).__name__
+        if self.metrics is not None:
+            self.metrics.nats_errors.labels(kind).inc()
         if isinstance(exc, SlowConsumerError):
             log.warning("agent.slow_consumer agent=%s subject=%s", self.agent_id, exc.subject)
         else:

@@ -57,3 +57,9 @@ class AgentMetrics:
             ["capability", "result"],
             registry=self.registry,
         )
+        self.nats_errors = Counter(
+            "reach_agent_nats_errors_total",
+            "Errors reported by the agent's NATS connection, by kind (slow_consumer, ...)",
+            ["kind"],
+            registry=self.registry,
+        )

@@ -356,3 +356,20 @@ async def test_agent_started_before_any_broker_announces_once_one_appears(
     broker = await broker_factory()
     await wait_for(lambda: registered(broker, "early1"), 10, what="registered late")
     assert agent.broker_id == broker.broker_id
+
+
+async def test_agent_re_announces_after_reconnecting(
+    nats_server: NatsServer, broker: Broker, agent_factory: Any
+) -> None:
+    agent = reach_agent.Agent("re1", ["echo"], heartbeat_interval=0.1)
+    agent.handler("echo")(lambda task: task.payload)
+    await agent_factory(agent)
+    await wait_for(lambda: registered(broker, "re1"), what="registered")
+    announced = broker.metrics.announce_result["ok"]
+    before = announced._value.get()
+    nats_server.stop()  # same port and store dir on restart: clients reconnect
+    nats_server.start()
+    await wait_for(lambda: announced._value.get() == before + 1, 20, what="re-announced")
+    assert agent.nc is not None and agent.nc.stats["reconnects"] == 1
+    reply = await agent.nc.request("reach.task.re1.echo", b'{"back": true}', timeout=2)
+    assert json.loads(reply.data) == {"back": True}

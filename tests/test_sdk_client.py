@@ -85,7 +85,7 @@ async def test_busy_agent_sends_the_call_elsewhere_at_once(
     busy_metrics = reach_agent.AgentMetrics()
     # A long heartbeat interval: the broker does not learn that `full` is busy, so it still
     # routes to it; the agent itself must answer TARGET_BUSY and the client move on.
-    full = reach_agent.Agent("full", ["job"], max_concurrency=1, heartbeat_interval=5,
+    full = reach_agent.Agent("full", ["job"], max_concurrency=1, heartbeat_interval=30,
                              metrics=busy_metrics)  # fmt: skip
 
     @full.handler("job")
