@@ -4,12 +4,15 @@ the blocking :func:`run` entry point."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
 import signal
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+import nats.errors
 
 if TYPE_CHECKING:
     from .agent import Agent
@@ -48,7 +51,8 @@ def connect_options(name: str, servers: list[str]) -> dict[str, Any]:
         "ping_interval": 2,
         "max_outstanding_pings": 2,
         "allow_reconnect": True,
-        "max_reconnect_attempts": -1,
+        "max_reconnect_attempts": -1,  # also: the first connect waits for a server
+        "reconnect_time_wait": 0.5,  # pause between first-connect attempts
         "reconnect_to_server_handler": reconnect_with_jitter,
         "connect_timeout": 2,
     }
@@ -80,7 +84,8 @@ def run(agent: Agent, servers: str | Sequence[str] | None = None) -> None:
     in-flight tasks finish within the agent's grace period, close. Blocks.
 
     ``servers`` defaults to ``NATS_URL`` or ``nats://127.0.0.1:4222``; uvloop is used when
-    available.
+    available. While no server accepts the first connection it keeps trying (0.2 s doubling
+    to 10 s, jittered); a signal during that wait ends it.
     """
 
     async def main() -> None:
@@ -88,9 +93,26 @@ def run(agent: Agent, servers: str | Sequence[str] | None = None) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        async with agent.serve(servers):
+        delay = 0.2
+        while True:  # no server yet: keep trying (backoff with jitter) until one answers
+            try:
+                await agent.start(servers)
+                break
+            except (nats.errors.Error, OSError, TimeoutError) as exc:
+                pause = delay * (0.5 + random.random())
+                log.warning("agent.connect_failed agent=%s error=%r retry_in=%.1fs",
+                            agent.agent_id, exc, pause)  # fmt: skip
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(pause):
+                        await stop.wait()
+                if stop.is_set():
+                    return
+                delay = min(delay * 2, 10.0)
+        try:
             await stop.wait()
             log.info("agent.signal agent=%s: draining", agent.agent_id)
+        finally:
+            await agent.stop()
 
     with asyncio.Runner(loop_factory=new_event_loop_factory()) as runner:
         runner.run(main())

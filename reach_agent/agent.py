@@ -218,7 +218,6 @@ class Agent:
         missing = [c for c in self.capabilities if c not in self._handlers]
         if missing:
             raise InvalidRequest(f"capabilities {missing!r} have no handler")
-        self._started = True
         self.draining = False
         nc = NATS()
         await nc.connect(
@@ -228,6 +227,16 @@ class Agent:
             reconnected_cb=self._on_reconnected,
         )
         self.nc = nc
+        try:
+            await self._setup(nc, servers)
+        except BaseException:
+            self._subs, self._task_subs = [], []
+            await nc.close()
+            raise
+        self._started = True
+        log.info("agent.started agent=%s capabilities=%s", self.agent_id, self.capabilities)
+
+    async def _setup(self, nc: NATS, servers: str | Sequence[str] | None) -> None:
         if self.ack_sink is None and self.durable_acks:
             from .durable import default_ack_writer
 
@@ -249,7 +258,6 @@ class Agent:
             asyncio.create_task(self._announce_loop(), name=f"reach-announce-{me}"),
             asyncio.create_task(self._heartbeat_loop(), name=f"reach-heartbeat-{me}"),
         ]
-        log.info("agent.started agent=%s capabilities=%s", me, self.capabilities)
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain: answer DRAINING to new tasks, leave, finish in-flight tasks within
@@ -453,9 +461,16 @@ class Agent:
         seen = self._seen
         seen[request_id] = entry
         # Bounded: drop expired entries from the old end, then the oldest finished ones.
+        # Running entries are never dropped; they go to the new end (at most `active` moves).
+        moved = 0
         while seen:
             oldest_id, oldest = next(iter(seen.items()))
-            if oldest.expires <= now or (len(seen) > self.dedup_size and oldest.future.done()):
+            if not oldest.future.done():
+                if moved >= self.active:
+                    break
+                seen.move_to_end(oldest_id)
+                moved += 1
+            elif oldest.expires <= now or len(seen) > self.dedup_size:
                 del seen[oldest_id]
             else:
                 break

@@ -142,8 +142,18 @@ class Client:
         self._started = True
         nc = self.nc
         if self._own_nc:
-            await nc.connect(**connect_options(self._name, server_list(self._servers)),
-                             error_cb=self._on_error)  # fmt: skip
+            servers = server_list(self._servers)
+            try:
+                async with asyncio.timeout(self.config.connect_timeout_s):
+                    await nc.connect(**connect_options(self._name, servers),
+                                     error_cb=self._on_error)  # fmt: skip
+            except TimeoutError:
+                self._started = False
+                await nc.close()
+                raise ConnectionError(
+                    f"no NATS server answered at {servers} within "
+                    f"{self.config.connect_timeout_s:g}s"
+                ) from None
         self._inbox = nc.new_inbox()
         self._inbox_cut = len(self._inbox) + 1
         self._subs = [

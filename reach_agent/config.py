@@ -83,6 +83,9 @@ class ClientConfig(_Config):
     """Cached routes older than this are refreshed in the background."""
     route_cache_size: Annotated[int, Meta(ge=1)] = 1024
     """Distinct (capability, filters) routes kept for fallback."""
+    connect_timeout_s: Seconds = 10.0
+    """How long ``Client.start`` waits for a NATS server before raising ``ConnectionError``
+    (an agent, by contrast, waits for its server indefinitely)."""
     liveness_check: bool = True
     """On a `suspect` event for an agent running our calls, probe it; no answer aborts those
     attempts so they are retried elsewhere at once instead of waiting for the deadline."""

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import socket
 import threading
 import uuid
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import nats
 import pytest
 from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
 
 import reach_agent
 from reach_agent import schema
@@ -373,3 +377,34 @@ async def test_agent_re_announces_after_reconnecting(
     assert agent.nc is not None and agent.nc.stats["reconnects"] == 1
     reply = await agent.nc.request("reach.task.re1.echo", b'{"back": true}', timeout=2)
     assert json.loads(reply.data) == {"back": True}
+
+
+async def test_run_waits_for_a_server_that_starts_later(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"nats://127.0.0.1:{port}"
+    proc = AgentProcess("design_agent.py", url, log_path=tmp_path / "late.err")
+    server = NatsServer(port=port, store_dir=tmp_path / "late-nats")
+    try:
+        await asyncio.sleep(0.5)  # the agent process tries and fails to connect meanwhile
+        assert proc.proc.poll() is None, proc.output()
+        server.start()
+        nc = await nats.connect(url)
+        try:
+            reply = None
+            for _ in range(200):  # bounded: the agent retries every 0.5 s
+                try:
+                    reply = await nc.request("reach.task.alpha.text_processing",
+                                             b'{"text": "late"}', timeout=1)  # fmt: skip
+                    break
+                except NoRespondersError:
+                    await asyncio.sleep(0.05)
+            assert reply is not None and json.loads(reply.data) == {"chars": 4}
+        finally:
+            await nc.close()
+        proc.signal(signal.SIGTERM)
+        assert proc.wait(15) == 0, proc.output()
+    finally:
+        proc.stop()
+        server.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -211,3 +212,15 @@ async def test_call_without_any_agent_raises_no_reachable_agent(
         assert info.value.code == "NO_REACHABLE_AGENT"
         with pytest.raises(reach_agent.InvalidCapability):
             await client.call("Bad Cap", {})
+
+
+async def test_client_without_a_server_fails_with_a_clear_error() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = reach_agent.Client(f"nats://127.0.0.1:{port}", ClientConfig(connect_timeout_s=0.5))
+    with pytest.raises(ConnectionError) as info:
+        await client.start()
+    assert str(info.value) == f"no NATS server answered at ['nats://127.0.0.1:{port}'] within 0.5s"
+    with pytest.raises(reach_agent.InternalError):
+        await client.call("echo", {})
