@@ -7,6 +7,7 @@ import json
 import signal
 import socket
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -408,3 +409,28 @@ async def test_run_waits_for_a_server_that_starts_later(tmp_path: Path) -> None:
     finally:
         proc.stop()
         server.stop()
+
+
+async def test_duplicate_window_is_bounded_in_size_and_time(agent_factory: Any, nc: NATS) -> None:
+    runs: list[str] = []
+    agent = reach_agent.Agent("win1", ["count"], heartbeat_interval=0.1, dedup_size=2,
+                              dedup_ttl=0.3)  # fmt: skip
+
+    @agent.handler("count")
+    async def count(task: reach_agent.Task) -> int:
+        runs.append(task.request_id)
+        return len(runs)
+
+    await agent_factory(agent)
+
+    async def ask(rid: str) -> int:
+        reply = await nc.request("reach.task.win1.count", b"{}", timeout=2,
+                                 headers={schema.H_REQUEST_ID: rid})  # fmt: skip
+        return int(json.loads(reply.data))
+
+    assert [await ask(r) for r in ("w1", "w2", "w3")] == [1, 2, 3]
+    assert await ask("w3") == 3  # remembered
+    assert await ask("w1") == 4  # pushed out by size (2 entries): runs again
+    await wait_for(lambda: agent._lookup("w3", time.monotonic()) is None, 5, what="w3 expired")
+    assert await ask("w3") == 5  # outside the duplicate window: runs again
+    assert runs == ["w1", "w2", "w3", "w1", "w3"]
