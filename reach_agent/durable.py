@@ -16,43 +16,18 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-import msgspec
 from nats.aio.client import Client as NATS
 
 from jetstream import acks, compensation
 
 from .errors import CompensationFull, InternalError, InvalidRequest, Timeout
-from .schema import H_REQUEST_ID, AckRecord, AckState, check_capability, encoder
+from .schema import H_REQUEST_ID, AckRecord, check_capability, decode_ack_record, encoder
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 3600.0
 """Expiry of a queued entry when ``ttl`` is not given (the broker's default_ttl_s)."""
 MAX_PRIORITY = 1_000_000
-
-
-class _StoredAck(msgspec.Struct, kw_only=True):
-    """AckRecord as stored. ``schema.AckRecord.result`` is ``Raw | None``, which msgspec
-    cannot decode when the result is not null, so records are decoded through this."""
-
-    request_id: str
-    agent_id: str
-    capability: str
-    state: AckState
-    at_ms: int
-    result: msgspec.Raw = msgspec.Raw()
-    error: dict[str, str] | None = None
-
-
-_stored_decoder = msgspec.json.Decoder(_StoredAck)
-
-
-def decode_ack(data: bytes) -> AckRecord:
-    """An ``AckRecord`` from its stored JSON (``result`` None when absent or null)."""
-    s = _stored_decoder.decode(data)
-    result = s.result if s.result and bytes(s.result) != b"null" else None
-    return AckRecord(request_id=s.request_id, agent_id=s.agent_id, capability=s.capability,
-                     state=s.state, at_ms=s.at_ms, result=result, error=s.error)  # fmt: skip
 
 
 class Submitted(str):
@@ -147,7 +122,7 @@ async def wait(client: Any, request_id: str, timeout: float, *, prefix: str = "r
         raise Timeout(
             f"no completed or failed record for request_id {request_id!r} within {timeout}s"
         ) from None
-    return decode_ack(stored.data)
+    return decode_ack_record(stored.data)
 
 
 async def last(client: Any, request_id: str, *, prefix: str = "reach") -> AckRecord | None:
@@ -156,7 +131,7 @@ async def last(client: Any, request_id: str, *, prefix: str = "reach") -> AckRec
         stored = await acks.last_record(connection_of(client), request_id, prefix=prefix)
     except acks.InvalidRequestId as exc:
         raise InvalidRequest(str(exc)) from None
-    return None if stored is None else decode_ack(stored.data)
+    return None if stored is None else decode_ack_record(stored.data)
 
 
 ACK_DIR_ENV = "REACH_ACK_DIR"

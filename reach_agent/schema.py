@@ -238,7 +238,6 @@ agents_request_decoder = msgspec.json.Decoder(AgentsRequest)
 agent_views_decoder = msgspec.json.Decoder(list[AgentView])
 probe_reply_decoder = msgspec.json.Decoder(ProbeReply)
 event_decoder = msgspec.json.Decoder(Event)
-ack_record_decoder = msgspec.json.Decoder(AckRecord)
 
 
 def decode(decoder: msgspec.json.Decoder[Any], data: bytes, what: str) -> Any:
@@ -324,3 +323,27 @@ def validate_heartbeat(msg: Heartbeat, subject_agent_id: str) -> Heartbeat:
 def validate_route_request(msg: RouteRequest) -> RouteRequest:
     check_tags(msg.tags)
     return msg
+
+
+class _StoredAck(msgspec.Struct, kw_only=True):
+    """AckRecord as decoded: msgspec cannot decode ``Raw | None`` from a non-null value, so
+    ``result`` is read as ``Raw`` here and turned into ``None`` when absent or null."""
+
+    request_id: str
+    agent_id: str
+    capability: str
+    state: AckState
+    at_ms: int
+    result: msgspec.Raw = msgspec.Raw()
+    error: dict[str, str] | None = None
+
+
+_stored_ack_decoder = msgspec.json.Decoder(_StoredAck)
+
+
+def decode_ack_record(data: bytes) -> AckRecord:
+    """An :class:`AckRecord` from its JSON (``result`` is None when absent or null)."""
+    s = _stored_ack_decoder.decode(data)
+    result = s.result if s.result and bytes(s.result) != b"null" else None
+    return AckRecord(request_id=s.request_id, agent_id=s.agent_id, capability=s.capability,
+                     state=s.state, at_ms=s.at_ms, result=result, error=s.error)  # fmt: skip

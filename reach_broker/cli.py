@@ -499,7 +499,7 @@ def cmd_ack(args: argparse.Namespace) -> int:
 async def _ack(args: argparse.Namespace) -> int:
     """Every record stored on REACH_ACKS for one request id (received, completed/failed)."""
     from jetstream import acks
-    from reach_agent.durable import decode_ack
+    from reach_agent.schema import decode_ack_record
 
     try:
         acks.check_request_id(args.request_id)
@@ -516,7 +516,7 @@ async def _ack(args: argparse.Namespace) -> int:
         await nc.close()
     if not stored:
         raise CliError(f"no ack record for request_id {args.request_id!r} (acks are kept 24 h)")
-    records = [decode_ack(s.data) for s in stored]
+    records = [decode_ack_record(s.data) for s in stored]
     if args.json:
         print_json(records if args.all else records[-1])
         return 0
