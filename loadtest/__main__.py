@@ -31,6 +31,7 @@ import re
 import signal
 import socket
 import sys
+import tempfile
 import time
 import urllib.request
 from datetime import UTC, datetime
@@ -225,6 +226,7 @@ class Run:
         self.metrics_url = args.metrics_url
         self.nc: Any = None
         self.r: dict[str, Any] = {}
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
 
     # helpers
 
@@ -298,10 +300,10 @@ class Run:
             await asyncio.sleep(0.005)
         return None
 
-    async def drive(self, mode: str, seconds: float) -> dict[str, Any]:
+    async def drive(self, mode: str, seconds: float, concurrency: int = 0) -> dict[str, Any]:
         a = self.args
         argv = [PY, "-m", "loadtest.driver", mode, "--server", self.url, "--prefix", a.prefix,
-                "--concurrency", str(a.concurrency), "--duration", str(seconds),
+                "--concurrency", str(concurrency or a.concurrency), "--duration", str(seconds),
                 "--warmup", str(a.warmup)]  # fmt: skip
         for cap in CAPABILITIES[: a.capabilities]:
             argv += ["--capability", cap]
@@ -312,6 +314,17 @@ class Run:
             await child.stop()
 
     # phases
+
+    def _broker_toml(self) -> str:
+        """Defaults, except the fleet-wide in-flight ceiling: 5000 (DESIGN §8) is for fleets
+        far smaller than 10,000 agents each reporting a few running tasks."""
+        ceiling = max(5000, 20 * self.args.agents)
+        self._tmp = tempfile.TemporaryDirectory(prefix="reach-loadtest-")
+        path = os.path.join(self._tmp.name, "broker.toml")
+        with open(path, "w") as f:
+            f.write(f"[routing]\ninflight_ceiling = {ceiling}\n")
+        self.r["broker_config"] = {"routing.inflight_ceiling": ceiling}
+        return path
 
     async def start_infra(self) -> None:
         a = self.args
@@ -328,8 +341,7 @@ class Run:
                 cmd += ["-m", "cProfile", "-o", a.profile_broker]
             cmd += ["-m", "reach_broker.cli", "broker", "--server", self.url, "--prefix", a.prefix,
                     "--metrics-port", str(port), "--log-level", "warning"]  # fmt: skip
-            if a.broker_config:
-                cmd += ["--config", a.broker_config]
+            cmd += ["--config", a.broker_config or self._broker_toml()]
             self.broker = await self.spawn("broker", *cmd, quiet=not a.verbose)
             log(f"broker pid {self.broker.pid}, metrics {self.metrics_url}")
         self.nc = await nats.connect(self.url, name="loadtest-control")
@@ -467,6 +479,13 @@ class Run:
                 server_cpu.append((s1 - s0, dt))
             busy.append((m1[0] - m0[0], m1[1] - m0[1]))
         h1 = await self.hb_total()
+        if a.latency_seconds > 0:
+            # One requester: the latency of a single route against a single echo, no queueing.
+            for mode in ("echo", "route"):
+                res = await self.drive(mode, a.latency_seconds, concurrency=1)
+                self.r[f"{mode}_c1_p50_ms"] = res["p50_ms"]
+                self.r[f"{mode}_c1_p99_ms"] = res["p99_ms"]
+                self.r[f"{mode}_c1_per_s"] = res["per_s"]
         await echo.stop()
 
         def combine(results: list[dict[str, Any]], prefix: str) -> None:
@@ -592,7 +611,7 @@ class Run:
         if "adv" in self.victims:
             v = self.victims["adv"]
             before = await self.wait_routable(VICTIM_ADV, k // 2, timeout)
-            ev = await v.command("count")  # its tally, then SIGKILL: none are in flight
+            ev = await v.command("pause")  # its final tally (flushed), then SIGKILL
             t_kill = time.perf_counter()
             await v.kill()
             self.hb_sent_final["adv"] = ev["sent"]
@@ -675,6 +694,8 @@ class Run:
                 await child.stop()
         if self.server is not None:
             await asyncio.to_thread(self.server.stop)
+        if self._tmp is not None:
+            self._tmp.cleanup()
 
 
 async def amain(args: argparse.Namespace) -> int:
@@ -726,6 +747,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--conn-per-agent", action="store_true", help="one connection per agent")
     p.add_argument("--sim-procs", type=int, default=1, help="sim processes for the fleet")
     p.add_argument("--rounds", type=int, default=2, help="alternating echo/route slices")
+    p.add_argument("--latency-seconds", type=float, default=2.0,
+                   help="single-requester latency of echo and route (0 skips)")  # fmt: skip
     p.add_argument("--warmup", type=float, default=1.0, help="driver warm-up per slice (s)")
     p.add_argument("--kill-share", type=float, default=0.1,
                    help="share of agents silenced, another share SIGKILLed (0: skip)")  # fmt: skip

@@ -88,6 +88,9 @@ def summary(r: dict[str, Any]) -> str:
         f"  echo/s   {_fmt(r.get('echo_per_s'))}  p50 {_fmt(r.get('echo_p50_ms'), ' ms', 2)}  "
         f"p99 {_fmt(r.get('echo_p99_ms'), ' ms', 2)}  "
         f"route/echo {_fmt(r.get('route_vs_echo_ratio'), '', 3)}",
+        f"  one requester: route p50 {_fmt(r.get('route_c1_p50_ms'), ' ms', 3)} "
+        f"p99 {_fmt(r.get('route_c1_p99_ms'), ' ms', 3)}; echo p50 "
+        f"{_fmt(r.get('echo_c1_p50_ms'), ' ms', 3)} p99 {_fmt(r.get('echo_c1_p99_ms'), ' ms', 3)}",
         f"  heartbeats/s {_fmt(r.get('heartbeats_per_s'))} steady, ingest peak "
         f"{_fmt(r.get('heartbeat_ingest_peak_per_s'))}/s (storm offered "
         f"{_fmt(r.get('storm_offered_per_s'))}/s); dropped {_fmt(r.get('heartbeats_dropped'))} "

@@ -268,6 +268,8 @@ class Sim:
                 cursor = due
                 continue
             for k in range(cursor, due):
+                if not self.heartbeating:
+                    break  # paused mid-batch: what was counted is what was published
                 agent = agents[k % n]
                 await conns[agent.conn].publish(agent.subject, agent.heartbeat())
                 self.sent += 1

@@ -38,7 +38,8 @@ def test_loadtest_tiny_run_reports_every_key(tmp_path: Path) -> None:
     argv = [
         sys.executable, "-m", "loadtest",
         "--agents", "20", "--interval", "0.5", "--duration", "1", "--rounds", "1",
-        "--warmup", "0.2", "--concurrency", "4", "--connections", "2", "--capabilities", "1",
+        "--warmup", "0.2", "--latency-seconds", "0.5", "--concurrency", "4",
+        "--connections", "2", "--capabilities", "1",
         "--storm-rate", "2000", "--storm-seconds", "0.5",
         "--report", str(report_path), "--budget", "100",
     ]  # fmt: skip
@@ -67,6 +68,7 @@ def test_loadtest_tiny_run_reports_every_key(tmp_path: Path) -> None:
     assert report["kill_adv_routable_before"] >= 1
     assert report["routes_per_s"] > 0 and report["echo_per_s"] > 0
     assert 0 < report["route_p50_ms"] <= report["route_p99_ms"]
+    assert 0 < report["route_c1_p50_ms"] <= report["route_c1_p99_ms"]
     assert report["broker_rss_bytes"] > 0
     assert isinstance(report["targets"], dict) and "route_vs_echo_ratio" in report["targets"]
     assert "routes/s" in report["summary"]
