@@ -605,7 +605,8 @@ class Agent:
         except ReachError as err:
             error = err
         except asyncio.CancelledError:
-            error = InternalError(f"agent {self.agent_id!r} stopped before the task finished")
+            # Grace expired during a drain: retryable elsewhere (same request id).
+            error = Draining(f"agent {self.agent_id!r} stopped before the task finished")
             raise
         except Exception as exc:  # a handler failure is the caller's answer
             log.exception("task.failed agent=%s capability=%s request_id=%s", self.agent_id,

@@ -388,7 +388,7 @@ class Client:
         clock = self.clock
         t0 = clock()
         deadline = t0 + cfg.clamp_timeout(timeout)
-        rid = request_id or str(uuid.uuid4())
+        rid = request_id or (headers or {}).get(schema.H_REQUEST_ID) or str(uuid.uuid4())
         body = _encode_payload(payload)
         base = dict(headers or {})
         base[schema.H_REQUEST_ID] = rid

@@ -434,3 +434,24 @@ async def test_duplicate_window_is_bounded_in_size_and_time(agent_factory: Any, 
     await wait_for(lambda: agent._lookup("w3", time.monotonic()) is None, 5, what="w3 expired")
     assert await ask("w3") == 5  # outside the duplicate window: runs again
     assert runs == ["w1", "w2", "w3", "w1", "w3"]
+
+
+async def test_task_cut_off_by_the_grace_period_answers_draining(
+    nats_server: NatsServer, nc: NATS
+) -> None:
+    agent = reach_agent.Agent("cut1", ["forever"], heartbeat_interval=0.1)
+
+    @agent.handler("forever")
+    async def forever(task: reach_agent.Task) -> None:
+        await asyncio.Event().wait()
+
+    await agent.start(nats_server.url)
+    replies = await Replies().start(nc)
+    await send(nc, "reach.task.cut1.forever", {}, replies, **{schema.H_REQUEST_ID: "c-1"})
+    await wait_for(lambda: agent.active == 1, what="running")
+    await asyncio.wait_for(agent.stop(grace=0.2), 10)
+    await wait_for(lambda: len(replies.msgs) == 1, what="the cut-off reply")
+    err = reach_agent.errors.from_reply(replies.msgs[0].headers, replies.msgs[0].data)
+    assert err is not None and err.code == "DRAINING"
+    assert err.message == "agent 'cut1' stopped before the task finished"
+    assert (agent.active, agent.fail_total) == (0, 1)
