@@ -55,7 +55,15 @@ def find_binary() -> str:
 
 def default_config() -> Path | None:
     """The server config shipped with reach (accounts and advisories), if present."""
-    return _REPO_CONFIG if _REPO_CONFIG.is_file() else None
+    if _REPO_CONFIG.is_file():
+        return _REPO_CONFIG
+    from importlib.resources import files
+
+    try:
+        shipped = files("reach_broker.configs").joinpath("nats-server.conf")
+    except ModuleNotFoundError:
+        return None
+    return Path(str(shipped)) if shipped.is_file() else None
 
 
 class NatsServer:
