@@ -451,6 +451,7 @@ class Run:
         routes: list[dict[str, Any]] = []
         echoes: list[dict[str, Any]] = []
         route_cpu: list[tuple[float, float]] = []
+        echo_cpu: list[tuple[float, float]] = []
         server_cpu: list[tuple[float, float]] = []
         busy: list[tuple[float, float]] = []
         spid = self.server.pid if self.server else None
@@ -458,7 +459,11 @@ class Run:
         ht0 = time.perf_counter()
         for i in range(a.rounds):
             log(f"round {i + 1}/{a.rounds}: echo {slice_s:g} s")
+            e0, et0 = cpu_seconds(echo.pid), time.perf_counter()
             echoes.append(await self.drive("echo", slice_s))
+            e1 = cpu_seconds(echo.pid)
+            if e0 is not None and e1 is not None:
+                echo_cpu.append((e1 - e0, time.perf_counter() - et0))
             log(f"round {i + 1}/{a.rounds}: route {slice_s:g} s")
             c0, s0, m0 = (
                 cpu_seconds(pid) if pid else None,
@@ -517,6 +522,25 @@ class Run:
         self.r["broker_cpu_share"] = (
             round(sum(c for c, _ in route_cpu) / sum(t for _, t in route_cpu), 3)
             if route_cpu
+            else None
+        )
+        # CPU per request of each responder (the slice's whole process time, so the broker's
+        # figure includes the heartbeats it handled meanwhile): the cost, machine aside.
+        routes_ok = sum(x["ok"] for x in routes)
+        echoes_ok = sum(x["ok"] for x in echoes)
+        self.r["broker_cpu_us_per_route"] = (
+            round(sum(c for c, _ in route_cpu) / routes_ok * 1e6, 1)
+            if route_cpu and routes_ok
+            else None
+        )
+        self.r["echo_responder_cpu_share"] = (
+            round(sum(c for c, _ in echo_cpu) / sum(t for _, t in echo_cpu), 3)
+            if echo_cpu
+            else None
+        )
+        self.r["echo_cpu_us_per_request"] = (
+            round(sum(c for c, _ in echo_cpu) / echoes_ok * 1e6, 1)
+            if echo_cpu and echoes_ok
             else None
         )
         self.r["nats_server_cpu_share"] = (
