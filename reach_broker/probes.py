@@ -165,7 +165,10 @@ class Prober:
         while True:
             try:
                 now = self.broker.clock()
-                while heap and heap[0][0] <= now:
+                limit = self.cfg.probe_concurrency
+                # Start a probe only when a slot is free: a burst of due probes (10,000
+                # newcomers, a reconnect) waits in the heap, not as thousands of tasks.
+                while heap and heap[0][0] <= now and len(self._inflight) < limit:
                     _, gen, agent_id = heapq.heappop(heap)
                     if self._gen.get(agent_id) != gen:
                         continue  # superseded or cancelled
@@ -177,7 +180,8 @@ class Prober:
                     task = asyncio.create_task(self._probe(agent_id), name=f"probe-{agent_id}")
                     self._probes.add(task)
                     task.add_done_callback(self._probes.discard)
-                wait = heap[0][0] - now if heap else IDLE_WAKE_S
+                full = len(self._inflight) >= limit
+                wait = heap[0][0] - now if heap and not full else IDLE_WAKE_S
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), min(max(wait, 0.0), IDLE_WAKE_S))
@@ -230,4 +234,5 @@ class Prober:
             log.exception("probe.failed agent=%s", agent_id)
         finally:
             self._inflight.discard(agent_id)
+            self._wake.set()  # a slot is free: the loop may start the next due probe
         self._after_probe(agent_id, ok)
