@@ -103,7 +103,8 @@ def summary(r: dict[str, Any]) -> str:
         f"RSS {_fmt(mib, ' MiB')} ({_fmt(kib, ' KiB', 2)} per agent)",
         f"  re-announce storm: {_fmt(r.get('reannounce_s'), ' s', 2)} for "
         f"{_fmt(r.get('reannounce_agents'))} agents ({_fmt(r.get('reannounce_errors'))} errors)",
-        f"  10% killed: none routed after {_fmt(r.get('kill_detection_ms'), ' ms', 0)} "
+        f"  {(r.get('kill_share') or 0):.0%} killed: none routed after "
+        f"{_fmt(r.get('kill_detection_ms'), ' ms', 0)} "
         f"(SIGKILL, advisories {'on' if r.get('advisories_active') else 'off'}); "
         f"{_fmt(r.get('kill_detection_silent_ms'), ' ms', 0)} with heartbeats stopped",
         "  targets:",
