@@ -533,6 +533,15 @@ class Run:
             if route_cpu and routes_ok
             else None
         )
+        hb_only = self.r.get("broker_cpu_share_heartbeats")
+        loaded = self.r["broker_cpu_share"]
+        rps = self.r["routes_per_s"]
+        # Net of what the heartbeats-only phase cost, per route: the routing cost itself.
+        self.r["broker_cpu_us_per_route_net"] = (
+            round((loaded - hb_only) / rps * 1e6, 1)
+            if loaded is not None and hb_only is not None and rps
+            else None
+        )
         self.r["echo_responder_cpu_share"] = (
             round(sum(c for c, _ in echo_cpu) / sum(t for _, t in echo_cpu), 3)
             if echo_cpu

@@ -96,7 +96,8 @@ def summary(r: dict[str, Any]) -> str:
         f"{_fmt(r.get('storm_offered_per_s'))}/s); dropped {_fmt(r.get('heartbeats_dropped'))} "
         f"of {_fmt(r.get('heartbeats_sent'))}",
         f"  CPU per request: broker {_fmt(r.get('broker_cpu_us_per_route'), ' us')} a route "
-        f"(heartbeats included), echo responder {_fmt(r.get('echo_cpu_us_per_request'), ' us')}; "
+        f"(heartbeats included), {_fmt(r.get('broker_cpu_us_per_route_net'), ' us')} net of "
+        f"heartbeats; echo responder {_fmt(r.get('echo_cpu_us_per_request'), ' us')}; "
         f"machine busy {_fmt(r.get('machine_cpu_busy_share'), '', 2)}",
         f"  broker CPU {_fmt(r.get('broker_cpu_share'), ' cores', 2)} under route load, "
         f"{_fmt(r.get('broker_cpu_share_heartbeats'), ' cores', 3)} heartbeats only; "
