@@ -600,11 +600,13 @@ class Run:
         h1 = await self.settle_heartbeats(h0 + sent, 15) or 0
         self.r["storm_dropped"] = sent - (h1 - h0)
         offered = (done["storm_sent"] / done["seconds"]) if done and done["seconds"] else None
-        # Peak ingest: the best 1 s window of the broker's own counter.
+        # Peak ingest: the best 1 s window of the broker's own counter (the whole span when
+        # the storm was over sooner).
+        span = min(1.0, samples[-1][0] - samples[0][0])
         best = 0.0
         for i in range(len(samples)):
             for j in range(i + 1, len(samples)):
-                if samples[j][0] - samples[i][0] >= 1.0:
+                if samples[j][0] - samples[i][0] >= span > 0:
                     best = max(
                         best, (samples[j][1] - samples[i][1]) / (samples[j][0] - samples[i][0])
                     )
