@@ -231,6 +231,16 @@ class Router:
         watermark = self.cfg.load_watermark
         exclude = req.exclude
         out: list[AgentRecord] = []
+        if req.region is None and not req.tags and not exclude:
+            # The common request (no filters): state and load only, no bookkeeping. Should
+            # nothing pass, the full walk below runs to count why.
+            for rec in ranked:
+                if rec.state == state and rec.load < watermark:
+                    out.append(rec)
+                    if len(out) >= want:
+                        break
+            if out:
+                return out
         for rec in ranked:
             if rec.state != state:
                 why["state"] = why.get("state", 0) + 1
