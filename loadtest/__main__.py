@@ -575,6 +575,8 @@ class Run:
         c0 = await sim.command("pause")
         h0 = await self.settle_heartbeats(10**12, 5) or 0
         log(f"heartbeat storm: {a.storm_rate:g}/s for {a.storm_seconds:g} s")
+        bpid = self.broker.pid if self.broker else None
+        cpu0 = cpu_seconds(bpid) if bpid else None
         t0 = time.perf_counter()
         await sim.command(f"storm {a.storm_rate} {a.storm_seconds}", reply="storm")
         samples: list[tuple[float, int]] = [(t0, h0)]
@@ -598,7 +600,15 @@ class Run:
         c1 = await sim.command("pause")
         sent = c1["sent"] - c0["sent"]
         h1 = await self.settle_heartbeats(h0 + sent, 15) or 0
+        cpu1 = cpu_seconds(bpid) if bpid else None
         self.r["storm_dropped"] = sent - (h1 - h0)
+        # Heartbeats per second of broker CPU over the storm and its catch-up: what one
+        # broker core would ingest if the load generators did not share the machine.
+        self.r["heartbeats_per_broker_cpu_s"] = (
+            round((h1 - h0) / (cpu1 - cpu0), 1)
+            if cpu0 is not None and cpu1 is not None and cpu1 > cpu0
+            else None
+        )
         offered = (done["storm_sent"] / done["seconds"]) if done and done["seconds"] else None
         # Peak ingest: the best 1 s window of the broker's own counter (the whole span when
         # the storm was over sooner).

@@ -93,7 +93,9 @@ def summary(r: dict[str, Any]) -> str:
         f"{_fmt(r.get('echo_c1_p50_ms'), ' ms', 3)} p99 {_fmt(r.get('echo_c1_p99_ms'), ' ms', 3)}",
         f"  heartbeats/s {_fmt(r.get('heartbeats_per_s'))} steady, ingest peak "
         f"{_fmt(r.get('heartbeat_ingest_peak_per_s'))}/s (storm offered "
-        f"{_fmt(r.get('storm_offered_per_s'))}/s); dropped {_fmt(r.get('heartbeats_dropped'))} "
+        f"{_fmt(r.get('storm_offered_per_s'))}/s; "
+        f"{_fmt(r.get('heartbeats_per_broker_cpu_s'))} per broker CPU second); "
+        f"dropped {_fmt(r.get('heartbeats_dropped'))} "
         f"of {_fmt(r.get('heartbeats_sent'))}",
         f"  CPU per request: broker {_fmt(r.get('broker_cpu_us_per_route'), ' us')} a route "
         f"(heartbeats included), {_fmt(r.get('broker_cpu_us_per_route_net'), ' us')} net of "
