@@ -271,6 +271,7 @@ class Agent:
         self.draining = True
         announce_task, hb_task = self._bg
         announce_task.cancel()
+        self._reannounce.set()  # and wake it, should the cancel be lost (see _stop_loops)
         self._hb_wake.set()  # report `draining` now, not at the next tick
         await self._leave(nc)
         if self.active:
@@ -284,12 +285,13 @@ class Agent:
             t.cancel()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=1.0)
-        hb_task.cancel()
-        await asyncio.gather(announce_task, hb_task, return_exceptions=True)
+        await _stop_loops(announce_task, hb_task)
         self._bg = []
         if self.ack_sink is not None and hasattr(self.ack_sink, "stop"):
             try:
-                await self.ack_sink.stop()
+                # Bounded: acks not yet stored stay in the sink's write-ahead file.
+                async with asyncio.timeout(10.0):
+                    await self.ack_sink.stop()
             except Exception:  # closing must go on
                 log.exception("agent.ack_sink_stop_failed agent=%s", self.agent_id)
         try:
@@ -336,6 +338,8 @@ class Agent:
             self._reannounce.clear()
             try:
                 reply = await nc.request(subject, body, timeout=1.0)
+                if self.draining:
+                    return  # a cancel lost inside nc.request (3.11 wait_for race)
                 err = from_reply(reply.headers, reply.data)
                 if err is not None:
                     log.error("agent.announce_refused agent=%s code=%s message=%s",
@@ -666,6 +670,17 @@ class Agent:
         except Exception:  # the sink's trouble is not the caller's
             log.exception("agent.ack_sink_failed agent=%s request_id=%s state=%s",
                           self.agent_id, request_id, state)  # fmt: skip
+
+
+async def _stop_loops(*tasks: asyncio.Task[Any]) -> None:
+    """Cancel background loops and wait for them, bounded: on 3.11 a cancel that races a
+    completing ``wait_for`` inside nats-py can be swallowed, so never wait forever."""
+    for t in tasks:
+        t.cancel()
+    _, pending = await asyncio.wait(tasks, timeout=2.0)
+    for t in pending:
+        t.cancel()
+        log.warning("agent.loop_did_not_stop task=%s", t.get_name())
 
 
 async def _wait(event: asyncio.Event, seconds: float) -> None:

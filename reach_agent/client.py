@@ -171,7 +171,9 @@ class Client:
         self._started = False
         if self._refresher is not None:
             self._refresher.cancel()
-            await asyncio.gather(self._refresher, return_exceptions=True)
+            # Bounded: a cancel can be lost inside nc.request (3.11 wait_for race); the
+            # loop also ends by itself once the client is stopped.
+            await asyncio.wait({self._refresher}, timeout=2.0)
         for call in self._calls.values():
             call.queue.put_nowait((call.attempt, _CLOSED))
         for t in list(self._tasks):
@@ -285,7 +287,7 @@ class Client:
         """Re-ask the broker for cached routes older than ``route_refresh_s`` that were
         used recently, so the fallback stays fresh."""
         every = self.config.route_refresh_s
-        while True:
+        while self._started:
             await asyncio.sleep(every / 2)
             now = self.clock()
             stale = [

@@ -360,7 +360,7 @@ async def test_agent_started_before_any_broker_announces_once_one_appears(
     assert agent.token is None
     broker = await broker_factory()
     await wait_for(lambda: registered(broker, "early1"), 10, what="registered late")
-    assert agent.broker_id == broker.broker_id
+    await wait_for(lambda: agent.broker_id == broker.broker_id, 5, what="announce answered")
 
 
 async def test_agent_re_announces_after_reconnecting(
