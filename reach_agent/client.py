@@ -127,6 +127,7 @@ class Client:
         self._calls: dict[str, _Call] = {}
         self._by_agent: dict[str, dict[_Call, None]] = {}
         self._checking: set[str] = set()
+        self._watching: set[str] = set()
         self._cache: OrderedDict[RouteKey, _Route] = OrderedDict()
         self._subs: list[Subscription] = []
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -335,6 +336,25 @@ class Client:
         finally:
             self._checking.discard(agent_id)
 
+    async def _watch(self, agent_id: str) -> None:
+        """Probe an agent every ``liveness_probe_s`` while calls wait on it, so a death goes
+        noticed even when no broker reports it (e.g. while routing from the cache)."""
+        every = self.config.liveness_probe_s
+        try:
+            while self._started and self._by_agent.get(agent_id):
+                await asyncio.sleep(every)
+                if not self._by_agent.get(agent_id):
+                    break
+                wait = max(2 * self.config.ack_timeout_s, every)
+                try:
+                    await self.nc.request(f"{self._prefix}.probe.{agent_id}", b"{}", timeout=wait)
+                except (NatsTimeoutError, NoRespondersError) as exc:
+                    self._abort(agent_id, f"liveness probe unanswered ({type(exc).__name__})")
+                except Exception:
+                    log.debug("client.watch_failed agent=%s", agent_id, exc_info=True)
+        finally:
+            self._watching.discard(agent_id)
+
     def _abort(self, agent_id: str, reason: str) -> None:
         calls = self._by_agent.get(agent_id)
         if not calls:
@@ -527,6 +547,9 @@ class Client:
         call.agent_id, call.attempt = agent, n
         watching = self._by_agent.setdefault(agent, {})
         watching[call] = None
+        if self.config.liveness_probe_s > 0 and agent not in self._watching:
+            self._watching.add(agent)
+            self._spawn(self._watch(agent), f"reach-watch-{agent}")
         outcome: Outcome = "closed"
         value: Any = InternalError("client closed")
         try:

@@ -89,6 +89,9 @@ class ClientConfig(_Config):
     liveness_check: bool = True
     """On a `suspect` event for an agent running our calls, probe it; no answer aborts those
     attempts so they are retried elsewhere at once instead of waiting for the deadline."""
+    liveness_probe_s: Annotated[float, Meta(ge=0)] = 2.0
+    """While calls wait on an agent, probe it this often ourselves (0: never); no answer
+    abandons them as lost. Covers agent deaths when no broker event arrives."""
     breaker: BreakerConfig = msgspec.field(default_factory=BreakerConfig)
 
     def clamp_timeout(self, timeout: float | None, timeout_hint: float | None = None) -> float:

@@ -224,3 +224,44 @@ async def test_client_without_a_server_fails_with_a_clear_error() -> None:
     assert str(info.value) == f"no NATS server answered at ['nats://127.0.0.1:{port}'] within 0.5s"
     with pytest.raises(reach_agent.InternalError):
         await client.call("echo", {})
+
+
+async def test_agent_dying_after_its_receipt_is_noticed_without_a_broker(
+    nats_server: NatsServer, broker: Broker, agents: Any
+) -> None:
+    """With no broker to report it, the client's own liveness probes find the dead agent
+    and the call is retried on the other one with the same request id."""
+    seen: list[tuple[str, str]] = []
+
+    def agent(agent_id: str, hang: bool) -> reach_agent.Agent:
+        a = reach_agent.Agent(agent_id, ["mortal"], heartbeat_interval=0.1)
+
+        @a.handler("mortal")
+        async def handle(task: reach_agent.Task) -> str:
+            seen.append((agent_id, task.request_id))
+            if hang:
+                await asyncio.Event().wait()
+            return agent_id
+
+        return a
+
+    doomed = await agents(agent("doomed", True))
+    await agents(agent("fine", False))
+    await wait_for(lambda: registered(broker, "doomed") and registered(broker, "fine"))
+    cfg = ClientConfig(liveness_probe_s=0.3, liveness_check=False)
+    async with reach_agent.Client(nats_server.url, config=cfg) as client:
+        key = None
+        for i in range(300):
+            if (await client.route("mortal", sticky_key=f"m{i}"))[0].agent_id == "doomed":
+                key = f"m{i}"
+                break
+        assert key is not None
+        call = asyncio.create_task(
+            client.call("mortal", {}, sticky_key=key, request_id="m-1", timeout=30)
+        )
+        await wait_for(lambda: seen == [("doomed", "m-1")], what="running on doomed")
+        await broker.stop()  # nobody reports what happens next
+        assert doomed.nc is not None
+        await doomed.nc.close()  # the agent's connection dies with its task accepted
+        assert await asyncio.wait_for(call, 20) == "fine"
+    assert seen == [("doomed", "m-1"), ("fine", "m-1")]
