@@ -227,6 +227,7 @@ class Run:
         self.nc: Any = None
         self.r: dict[str, Any] = {}
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self.monitor_url: str | None = None
 
     # helpers
 
@@ -258,6 +259,20 @@ class Run:
                 return total
             last = total
             await asyncio.sleep(0.1)
+
+    async def slow_consumers(self) -> int | None:
+        """The server's count of slow-consumer events (messages it dropped for a client)."""
+        if not self.monitor_url:
+            return None
+
+        def get() -> int:
+            with urllib.request.urlopen(self.monitor_url + "/varz", timeout=5) as resp:
+                return int(json.loads(resp.read()).get("slow_consumers", 0))
+
+        try:
+            return await asyncio.to_thread(get)
+        except Exception:
+            return None
 
     async def routable(self, capability: str) -> int:
         """Candidates the broker returns for ``capability`` (0 when none is reachable)."""
@@ -329,7 +344,10 @@ class Run:
     async def start_infra(self) -> None:
         a = self.args
         if not self.url:
-            self.server = NatsServer(port=0)
+            # The monitoring port tells whether the server itself dropped messages (slow
+            # consumers): drops the broker cannot see or count.
+            self.monitor_url = f"http://127.0.0.1:{free_port()}"
+            self.server = NatsServer(port=0, extra_args=["-m", self.monitor_url.rsplit(":", 1)[1]])
             await asyncio.to_thread(self.server.start)
             self.url = self.server.url
             log(f"nats-server {self.url} pid {self.server.pid}")
@@ -602,6 +620,7 @@ class Run:
         h1 = await self.settle_heartbeats(h0 + sent, 15) or 0
         cpu1 = cpu_seconds(bpid) if bpid else None
         self.r["storm_dropped"] = sent - (h1 - h0)
+        self.r["nats_slow_consumers"] = await self.slow_consumers()
         # Heartbeats per second of broker CPU over the storm and its catch-up: what one
         # broker core would ingest if the load generators did not share the machine.
         self.r["heartbeats_per_broker_cpu_s"] = (
@@ -690,6 +709,7 @@ class Run:
             self.r["heartbeats_rejected"] = counted - by_result.get("accepted", 0)
         for sim in self.sims:
             await sim.command("resume")
+        self.r["nats_slow_consumers_steady"] = await self.slow_consumers()
         m = await self.metrics()
         self.r["broker_nats_errors"] = {
             k: v for k, v in m.items() if k.startswith("reach_nats_errors_total")

@@ -64,6 +64,7 @@ def test_loadtest_tiny_run_reports_every_key(tmp_path: Path) -> None:
     assert report["heartbeats_sent"] == report["heartbeats_counted"]
     assert report["heartbeats_rejected"] == 0
     assert report["storm_dropped"] == 0
+    assert report["nats_slow_consumers"] == 0
     assert report["heartbeat_ingest_peak_per_s"] > 0
     assert report["kill_silent_routable_before"] >= 1
     assert report["kill_adv_routable_before"] >= 1
