@@ -27,6 +27,7 @@ from nats.micro.request import Request
 from nats.micro.service import EndpointConfig, Service, ServiceConfig
 
 from reach_agent import schema
+from reach_agent._runtime import flush_subscriptions
 from reach_agent.errors import Forbidden, InternalError, ReachError, to_reply
 from reach_agent.schema import (
     AnnounceAck,
@@ -163,7 +164,7 @@ class Broker:
             EndpointConfig(name="agents", subject=f"{p}.agents", handler=self._on_agents,
                            queue_group=QUEUE_GROUP)
         )  # fmt: skip
-        await nc.flush()
+        await flush_subscriptions(nc)  # a single flush() may overtake the SUBs (nats-py)
         self._loop_task = asyncio.create_task(self._tick_loop(), name="reach-broker-tick")
         log.info("broker.started id=%s prefix=%s servers=%s", self.broker_id, p,
                  getattr(nc, "connected_url", None) and nc.connected_url.geturl())  # fmt: skip

@@ -10,7 +10,6 @@ from typing import Any
 import nats
 import pytest
 from nats.aio.client import Client as NATS
-from nats.errors import NoRespondersError
 
 from reach_broker.config import Config
 from reach_broker.metrics import Metrics
@@ -72,7 +71,6 @@ async def broker_factory(nats_server: NatsServer) -> AsyncIterator[BrokerFactory
         broker = Broker(fast_config(nats_server.url, **overrides), metrics=Metrics())
         await broker.start()
         started.append(broker)
-        await until_reachable(nats_server.url, broker)
         return broker
 
     try:
@@ -80,32 +78,6 @@ async def broker_factory(nats_server: NatsServer) -> AsyncIterator[BrokerFactory
     finally:
         for broker in reversed(started):
             await broker.stop()
-
-
-async def until_reachable(url: str, broker: Broker, timeout: float = 5.0) -> None:
-    """Wait until another connection can reach this broker's subscriptions.
-
-    nats-server can answer "no responders" to a request published by one connection a few
-    hundred microseconds after another connection's SUB was confirmed by its PONG (seen
-    with nats-server 2.15 / nats-py 2.16 in about 1 of 30 fresh servers). Tests that send
-    their first request right after start would flake on that; callers in production see
-    a retryable no-responders error, which the SDK retries.
-    """
-    assert broker._service is not None
-    subject = f"$SRV.PING.reach-broker.{broker._service.id}"
-    probe = await nats.connect(url, name="test-readiness")
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                await probe.request(subject, b"", timeout=1)
-                return
-            except NoRespondersError:
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"broker not reachable on {subject}") from None
-                await asyncio.sleep(0.005)
-    finally:
-        await probe.close()
 
 
 @pytest.fixture
