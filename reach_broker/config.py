@@ -27,7 +27,7 @@ class NatsSection(Section):
     creds: str | None = None
     """Path of a NATS credentials file."""
     ping_interval_s: Annotated[int, Meta(ge=1)] = 2
-    """Client PING interval: a dead server is noticed in about ping × outstanding seconds."""
+    """Client PING interval: a dead server is noticed in about ping * outstanding seconds."""
     max_outstanding_pings: Annotated[int, Meta(ge=1)] = 2
     """Unanswered PINGs before the client treats the connection as stale."""
     embedded_port: Annotated[int, Meta(ge=0, le=65535)] = 4222
@@ -118,7 +118,7 @@ class ScoringSection(Section):
     ewma_alpha: Share = 0.3
     """Smoothing of the RTT and task-duration EWMAs."""
     stuck_factor: Positive = 3.0
-    """A task running longer than this × timeout_hint_ms counts as stuck."""
+    """A task running longer than this * timeout_hint_ms counts as stuck."""
     stuck_penalty: Share = 0.5
     """Score multiplier while the agent has a stuck task."""
 
@@ -134,7 +134,7 @@ class RoutingSection(Section):
     """How the order of a reply is chosen: weighted-random sample, power of two choices on
     expected completion time, or plain ranking."""
     pool_factor: Annotated[int, Meta(ge=1, le=100)] = 4
-    """The weighted sample is drawn from the best limit × pool_factor candidates."""
+    """The weighted sample is drawn from the best limit * pool_factor candidates."""
     vnodes: Annotated[int, Meta(ge=1, le=10_000)] = 150
     """Virtual nodes per agent on the sticky_key consistent-hash ring."""
     rank_refresh_ms: Annotated[float, Meta(ge=0)] = 50.0

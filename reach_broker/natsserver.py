@@ -139,7 +139,8 @@ class NatsServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                err = (self.proc.stderr.read() if self.proc.stderr else b"").decode(errors="replace")
+                raw = self.proc.stderr.read() if self.proc.stderr else b""
+                err = raw.decode(errors="replace")
                 tail = self.log_path.read_text(errors="replace")[-2000:]
                 self.proc = None
                 raise NatsServerError(f"nats-server exited at start: {err.strip()} {tail.strip()}")

@@ -86,7 +86,10 @@ async def broker(broker_factory: BrokerFactory) -> Broker:
 
 
 async def wait_for(
-    predicate: Callable[[], Any], timeout: float = 5.0, interval: float = 0.01, what: str = ""
+    predicate: Callable[[], Any],
+    timeout: float = 5.0,  # noqa: ASYNC109 - a polling deadline, not a cancellation scope
+    interval: float = 0.01,
+    what: str = "",
 ) -> Any:
     """Poll ``predicate`` until truthy; fail with ``what`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

@@ -65,7 +65,8 @@ async def test_reach_broker_serves_routes_on_embedded_server(
     try:
         body = {"agent_id": "solo", "capabilities": ["text_processing"], "max_concurrency": 2,
                 "heartbeat_interval_ms": 1000}  # fmt: skip
-        ack = json.loads((await nc.request("reach.announce.solo", json.dumps(body).encode(), 5)).data)
+        reply = await nc.request("reach.announce.solo", json.dumps(body).encode(), 5)
+        ack = json.loads(reply.data)
         hb = {"agent_id": "solo", "token": ack["token"], "seq": 1}
         await nc.publish("reach.hb.solo", json.dumps(hb).encode())
         reply = await nc.request("reach.route.text_processing", b"", timeout=5)

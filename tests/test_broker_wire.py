@@ -187,7 +187,7 @@ async def test_two_replicas_same_state_route_answered_once(
     await wait_for(lambda: len(replies) >= 20, 3, what="20 replies")
     await asyncio.sleep(0.2)  # give a duplicate reply time to arrive, then count exactly
     assert len(replies) == 20
-    served = (b1.metrics.route_result["ok"]._value.get(), b2.metrics.route_result["ok"]._value.get())
+    served = [b.metrics.route_result["ok"]._value.get() for b in (b1, b2)]
     assert sum(served) == 20
 
 
