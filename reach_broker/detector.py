@@ -93,9 +93,14 @@ class Detector:
         cfg = self.cfg
         suspect = cfg.suspect_after * interval_s
         offline = cfg.offline_after * interval_s
-        if cfg.phi_enabled and len(window) >= cfg.phi_min_samples:
-            mean = window.mean
-            std = max(window.std, cfg.phi_min_std_ratio * max(mean, interval_s))
+        n = len(window._samples)
+        if cfg.phi_enabled and n >= cfg.phi_min_samples:
+            # window.mean and window.std inline (every heartbeat comes here): same arithmetic.
+            total = window._sum
+            mean = total / n if n else 0.0
+            var = (window._sumsq - total * total / n) / (n - 1) if n >= 2 else 0.0
+            sd = math.sqrt(var) if var > 0 else 0.0
+            std = max(sd, cfg.phi_min_std_ratio * max(mean, interval_s))
             suspect = min(suspect, mean + self._z_suspect * std)
             offline = min(offline, mean + self._z_offline * std)
         return suspect, max(offline, suspect)

@@ -402,18 +402,22 @@ class Registry:
     # --- internals ------------------------------------------------------------------------
 
     def rescore(self, rec: AgentRecord, now: float) -> None:
+        cfg = self.cfg.scoring
         hint = rec.timeout_hint_ms
-        rec.stuck = bool(
-            hint and rec.oldest_task_ms and rec.oldest_task_ms > self.cfg.scoring.stuck_factor * hint
-        )
-        peer = self._peer_task_ms(rec)
+        oldest = rec.oldest_task_ms
+        rec.stuck = stuck = bool(hint and oldest and oldest > cfg.stuck_factor * hint)
+        # The peer median only matters to an agent with a task EWMA (_peer_task_ms inline).
+        peer = None
+        if rec.stats.task_ewma_ms is not None and rec.capabilities:
+            idx = self.indexes.get(rec.capabilities[0])
+            peer = idx.median_task_ms if idx else None
         new = score(
             rec.stats,
-            self.cfg.scoring,
+            cfg,
             active=rec.active,
             queue_depth=rec.queue_depth,
             max_concurrency=rec.max_concurrency,
-            stuck=rec.stuck,
+            stuck=stuck,
             peer_task_ms=peer,
         )
         if new != rec.score:
