@@ -19,7 +19,10 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterator
+from sys import intern
 from typing import Literal, NamedTuple
+
+import msgspec
 
 from reach_agent.schema import AgentState, AgentView, Announce, Heartbeat
 
@@ -116,6 +119,7 @@ class AgentRecord:
         self.apply_announce(msg, interval_s)
 
     def apply_announce(self, msg: Announce, interval_s: float) -> None:
+        msg = _interned(msg)
         self.announce = msg
         self.capabilities = tuple(msg.capabilities)
         self.max_concurrency = msg.max_concurrency
@@ -139,6 +143,24 @@ class AgentRecord:
             active=self.active,
             max_concurrency=self.max_concurrency,
         )
+
+
+def _opt_intern(value: str | None) -> str | None:
+    return None if value is None else intern(value)
+
+
+def _interned(msg: Announce) -> Announce:
+    """``msg`` with its repeated strings interned (capabilities, agent_type, version, region,
+    tags): a fleet of one kind shares one ``"summarize"`` instead of one copy an agent. Equal
+    to ``msg``; about 0.3 KiB less per agent kept (issue 7: < 4 KiB an agent)."""
+    return msgspec.structs.replace(
+        msg,
+        capabilities=[intern(c) for c in msg.capabilities],
+        agent_type=_opt_intern(msg.agent_type),
+        version=_opt_intern(msg.version),
+        region=_opt_intern(msg.region),
+        tags={intern(k): intern(v) for k, v in msg.tags.items()} if msg.tags else msg.tags,
+    )
 
 
 class Registry:
