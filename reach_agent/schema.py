@@ -55,7 +55,7 @@ class Base(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 # --- agent → broker ---------------------------------------------------------------------
 
 
-class Announce(Base):
+class Announce(Base, frozen=True):
     """``reach.announce.<agent_id>``: idempotent upsert of an agent's registration."""
 
     agent_id: AgentId
@@ -72,7 +72,7 @@ class Announce(Base):
     metadata: Annotated[dict[str, Any], Meta(max_length=64)] = {}
 
 
-class AnnounceAck(Base):
+class AnnounceAck(Base, frozen=True):
     """Reply to an announce: the token every later heartbeat must carry."""
 
     agent_id: str
@@ -81,7 +81,7 @@ class AnnounceAck(Base):
     broker_id: str
 
 
-class Heartbeat(Base):
+class Heartbeat(Base, frozen=True):
     """``reach.hb.<agent_id>``: liveness and load, judged on the broker's clock."""
 
     agent_id: AgentId
@@ -98,7 +98,7 @@ class Heartbeat(Base):
     initial: bool = False
 
 
-class Leave(Base):
+class Leave(Base, frozen=True):
     """``reach.leave.<agent_id>``: the agent stops taking work; body may be ``{}``."""
 
     agent_id: AgentId | None = None
@@ -112,7 +112,7 @@ class Ok(msgspec.Struct, frozen=True, kw_only=True):
     ok: bool = True
 
 
-class ProbeReply(Base):
+class ProbeReply(Base, frozen=True):
     """Reply to ``reach.probe.<agent_id>``."""
 
     agent_id: str
@@ -125,7 +125,7 @@ class ProbeReply(Base):
 # --- caller → broker ----------------------------------------------------------------------
 
 
-class RouteRequest(Base):
+class RouteRequest(Base, frozen=True):
     """``reach.route.<capability>``; an empty body means all defaults."""
 
     limit: Annotated[int, Meta(ge=1, le=100)] = 3
@@ -136,7 +136,7 @@ class RouteRequest(Base):
     allow_suspect: bool = False
 
 
-class Candidate(Base):
+class Candidate(Base, frozen=True):
     agent_id: str
     subject: str
     score: float
@@ -146,13 +146,13 @@ class Candidate(Base):
     version: str | None = None
 
 
-class RouteReply(Base):
+class RouteReply(Base, frozen=True):
     capability: str
     candidates: list[Candidate]
     generated_at_ms: int
 
 
-class AgentView(Base):
+class AgentView(Base, frozen=True):
     """One row of ``reach.agents``."""
 
     agent_id: str
@@ -168,7 +168,7 @@ class AgentView(Base):
     max_concurrency: int = 0
 
 
-class AgentsRequest(Base):
+class AgentsRequest(Base, frozen=True):
     """``reach.agents``: optional filters; ``{}`` or empty lists everything."""
 
     capability: Capability | None = None
@@ -188,7 +188,7 @@ class Receipt(msgspec.Struct, frozen=True, kw_only=True):
     status: Literal["received"] = "received"
 
 
-class AckRecord(Base):
+class AckRecord(Base, frozen=True):
     """``reach.ack.<request_id>`` in ``REACH_ACKS``; ``Nats-Msg-Id: <request_id>.<state>``."""
 
     request_id: str
@@ -200,7 +200,7 @@ class AckRecord(Base):
     error: dict[str, str] | None = None
 
 
-class Event(Base):
+class Event(Base, frozen=True):
     """``reach.event.<kind>.<agent_id>``: one state transition, with why."""
 
     kind: EventKind

@@ -28,13 +28,17 @@ class _StateCollector(Collector):
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         counts = self._counts()
-        agents = GaugeMetricFamily("reach_agents", "Registered agents by reach state", labels=["state"])
+        agents = GaugeMetricFamily(
+            "reach_agents", "Registered agents by reach state", labels=["state"]
+        )
         for state in AGENT_STATES:
             agents.add_metric([state], counts.get(state, 0))
         yield agents
         unhealthy = sum(n for s, n in counts.items() if s in ("suspect", "offline", "recovering"))
         yield GaugeMetricFamily(
-            "reach_agent_unhealthy", "Agents that are suspect, offline or recovering", value=unhealthy
+            "reach_agent_unhealthy",
+            "Agents that are suspect, offline or recovering",
+            value=unhealthy,
         )
 
     def describe(self) -> Iterable[GaugeMetricFamily]:
@@ -63,16 +67,24 @@ class Metrics:
             "reach_announces_total", "Announce requests by result", ["result"], registry=r
         )
         self.announce_result = {k: self.announces.labels(k) for k in ANNOUNCE_RESULTS}
-        self.leaves = Counter("reach_leaves_total", "Leave requests by result", ["result"], registry=r)
+        self.leaves = Counter(
+            "reach_leaves_total", "Leave requests by result", ["result"], registry=r
+        )
         self.registry_changes = Counter(
-            "reach_registry_change_total", "Registry transitions by event kind", ["kind"], registry=r
+            "reach_registry_change_total",
+            "Registry transitions by event kind",
+            ["kind"],
+            registry=r,
         )
         self.state_changes = Counter(
             "reach_state_transitions_total", "State transitions by target state", ["to"], registry=r
         )
         self.probes = Counter("reach_probes_total", "Probes sent by result", ["result"], registry=r)
         self.probe_rtt = Histogram(
-            "reach_probe_rtt_seconds", "Round trip of answered probes", buckets=ROUTE_BUCKETS, registry=r
+            "reach_probe_rtt_seconds",
+            "Round trip of answered probes",
+            buckets=ROUTE_BUCKETS,
+            registry=r,
         )
         self.dropped = Counter(
             "reach_dropped_messages_total",

@@ -140,10 +140,12 @@ class Broker:
             await component.start()
         p = self.prefix
         nc = self.nc
-        big = {"pending_msgs_limit": 1_000_000, "pending_bytes_limit": 512 * 1024 * 1024}
+        msgs, size = 1_000_000, 512 * 1024 * 1024  # a storm of heartbeats must queue, not drop
         self._subs = [
-            await nc.subscribe(f"{p}.hb.*", cb=self._on_heartbeat, **big),
-            await nc.subscribe(f"{p}.announce.*", cb=self._on_announce, **big),
+            await nc.subscribe(f"{p}.hb.*", cb=self._on_heartbeat,
+                               pending_msgs_limit=msgs, pending_bytes_limit=size),
+            await nc.subscribe(f"{p}.announce.*", cb=self._on_announce,
+                               pending_msgs_limit=msgs, pending_bytes_limit=size),
             await nc.subscribe(f"{p}.leave.*", cb=self._on_leave),
         ]
         self._service = await add_service(
@@ -166,8 +168,9 @@ class Broker:
         )  # fmt: skip
         await flush_subscriptions(nc)  # a single flush() may overtake the SUBs (nats-py)
         self._loop_task = asyncio.create_task(self._tick_loop(), name="reach-broker-tick")
-        log.info("broker.started id=%s prefix=%s servers=%s", self.broker_id, p,
-                 getattr(nc, "connected_url", None) and nc.connected_url.geturl())  # fmt: skip
+        url = nc.connected_url
+        log.info("broker.started id=%s prefix=%s server=%s", self.broker_id, p,
+                 url.geturl() if url else None)  # fmt: skip
 
     async def stop(self) -> None:
         """Stop taking work, drain subscriptions, let in-flight probes end, close."""
@@ -223,7 +226,7 @@ class Broker:
             ping_interval=ncfg.ping_interval_s,
             max_outstanding_pings=ncfg.max_outstanding_pings,
             max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
+            reconnect_time_wait=0.5,  # type: ignore[arg-type]  # annotated int, used as seconds
             error_cb=self._on_nats_error,
             disconnected_cb=self._on_disconnected,
             reconnected_cb=self._on_reconnected,
