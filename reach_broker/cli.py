@@ -202,7 +202,10 @@ async def _broker_main(cfg: Any) -> int:
 
     server: NatsServer | None = None
     if not cfg.nats.url:
-        server = NatsServer(port=cfg.nats.embedded_port, store_dir=cfg.nats.embedded_store_dir)
+        # Own session: a terminal Ctrl-C reaches the broker only, which stops its clients
+        # first and then the server (the server dying first would leave them reconnecting).
+        server = NatsServer(port=cfg.nats.embedded_port, store_dir=cfg.nats.embedded_store_dir,
+                            new_session=True)  # fmt: skip
         try:
             await asyncio.to_thread(server.start)
         except NatsServerError as exc:

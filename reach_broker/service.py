@@ -202,9 +202,16 @@ class Broker:
                 log.exception("broker.stop component=%s failed", type(component).__name__)
         if self._own_nc and not self.nc.is_closed:
             try:
-                await asyncio.wait_for(self.nc.drain(), self.cfg.broker.shutdown_grace_s)
-            except Exception:  # noqa: BLE001
-                await self.nc.close()
+                if self.nc.is_connected:
+                    await asyncio.wait_for(self.nc.drain(), self.cfg.broker.shutdown_grace_s)
+                else:  # the server is gone: nothing to drain, stop reconnecting
+                    await self.nc.close()
+            except Exception:  # noqa: BLE001 - shutdown goes on whatever the connection does
+                log.debug("broker.stop drain failed", exc_info=True)
+                try:
+                    await self.nc.close()
+                except Exception:  # noqa: BLE001 - a transport already torn down
+                    log.debug("broker.stop close failed", exc_info=True)
         log.info("broker.stopped id=%s", self.broker_id)
 
     async def __aenter__(self) -> Broker:
@@ -238,7 +245,8 @@ class Broker:
         log.warning("broker.nats_error kind=%s error=%s", kind, exc)
 
     async def _on_disconnected(self) -> None:
-        log.warning("broker.nats_disconnected")
+        if self._started:  # not during our own shutdown, where the drain closes it
+            log.warning("broker.nats_disconnected")
 
     async def _on_reconnected(self) -> None:
         log.info("broker.nats_reconnected url=%s", self.nc.connected_url)

@@ -102,3 +102,37 @@ def test_missing_nats_server_binary_is_a_clear_error(tmp_path: Path) -> None:
     assert out.returncode == 3
     assert "Traceback" not in out.stderr
     assert "REACH_NATS_SERVER" in out.stderr and "not an executable file" in out.stderr
+
+
+def test_ctrl_c_to_the_terminal_group_stops_broker_then_server(tmp_path: Path) -> None:
+    """A terminal Ctrl-C signals the whole foreground group: the server must not die first."""
+    env = {k: v for k, v in os.environ.items() if k != "NATS_URL"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "reach_broker.cli", "broker", "--port", "0", "--metrics-port", "0",
+         "--store-dir", str(tmp_path / "js")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        start_new_session=True,  # its own group, as a shell's foreground job
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "serving on" in line:
+                break
+        url = re.search(r"listening on (nats://\S+)", "".join(lines))
+        assert url, "".join(lines)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=20)
+        assert proc.returncode == 0, out
+        assert "Traceback" not in out
+        assert "nats_error" not in out and "nats_disconnected" not in out, out
+        host, port = url.group(1).removeprefix("nats://").split(":")
+        with pytest.raises(OSError):
+            socket.create_connection((host, int(port)), timeout=1).close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
