@@ -101,12 +101,21 @@ async def submit(
             prefix=prefix,
         )
     except compensation.QueueFull as exc:
+        _count(client, "refused")
         raise CompensationFull(f"{exc}; request_id {rid!r} was not queued") from None
     except compensation.QueueError as exc:
         raise InternalError(str(exc)) from None
     if res.duplicate:
         log.info("submit.duplicate request_id=%s capability=%s seq=%d", rid, capability, res.seq)
+    _count(client, "duplicate" if res.duplicate else "enqueued")
     return Submitted(rid, duplicate=res.duplicate, seq=res.seq)
+
+
+def _count(client: Any, result: str) -> None:
+    """``reach_compensation_total{result}`` of the client's metrics, when it has them."""
+    metrics = getattr(client, "metrics", None)
+    if metrics is not None:
+        metrics.compensation.labels(result).inc()
 
 
 async def wait(client: Any, request_id: str, timeout: float, *, prefix: str = "reach") -> AckRecord:  # noqa: ASYNC109 - the SDK's public signature

@@ -2,9 +2,10 @@
 
 ``ClientMetrics`` carries the names the field reports use for callers:
 ``reach_request_total{agent_id,result}``, ``reach_request_duration_seconds`` and
-``reach_circuit_breaker_open{agent_id,capability}`` (0/1). ``AgentMetrics`` counts what an
-agent did with the tasks it was handed. Labels are bounded (agent ids of the fleet, results,
-capabilities); never a request id.
+``reach_circuit_breaker_open{agent_id,capability}`` (0/1), plus
+``reach_compensation_total{result=enqueued|duplicate|refused}`` for ``submit()``.
+``AgentMetrics`` counts what an agent did with the tasks it was handed. Labels are bounded
+(agent ids of the fleet, results, capabilities); never a request id.
 """
 
 from __future__ import annotations
@@ -36,6 +37,13 @@ class ClientMetrics:
             "reach_circuit_breaker_open",
             "1 while the client's breaker for (agent, capability) is open or half-open",
             ["agent_id", "capability"],
+            registry=r,
+        )
+        self.compensation = Counter(
+            "reach_compensation_total",
+            "Compensation queue entries by result, as the caller saw them "
+            "(enqueued, duplicate, refused); the broker counts replayed and expired",
+            ["result"],
             registry=r,
         )
         self.route_fallbacks = Counter(

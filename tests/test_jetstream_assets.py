@@ -14,9 +14,11 @@ from nats.js.errors import APIError
 
 from jetstream import acks, audit, compensation
 from jetstream.provision import UnsafeChange, load_definitions, provision
-from reach_agent import durable, schema
+from reach_agent import Client, durable, schema
 from reach_agent.errors import CompensationFull, Timeout
+from reach_agent.metrics import ClientMetrics
 from reach_broker.config import CompensationSection
+from reach_broker.natsserver import NatsServer
 from reach_broker.service import Broker
 
 from .conftest import BrokerFactory, wait_for
@@ -151,6 +153,22 @@ async def test_full_queue_refuses_with_compensation_full_and_holds_exactly_the_b
     assert [e.request_id for e in entries] == list(ids)
     assert entries[4].priority == 1
     assert entries[4].headers[schema.H_REQUEST_ID] == ids[4]
+
+
+async def test_client_counts_what_its_submits_became(
+    nats_server: NatsServer, broker_factory: BrokerFactory
+) -> None:
+    await broker_factory(compensation__max_entries=2)
+    metrics = ClientMetrics()
+    async with Client(nats_server.url, metrics=metrics) as client:
+        first = await client.submit("nobody.counts", {"n": 1})
+        await client.submit("nobody.counts", {"n": 1}, request_id=first)
+        await client.submit("nobody.counts", {"n": 2})
+        with pytest.raises(CompensationFull):
+            await client.submit("nobody.counts", {"n": 3})
+    counted = {k: metrics.compensation.labels(k)._value.get()
+               for k in ("enqueued", "duplicate", "refused")}  # fmt: skip
+    assert counted == {"enqueued": 2, "duplicate": 1, "refused": 1}
 
 
 async def test_expired_entries_are_recorded_failed_and_removed(
