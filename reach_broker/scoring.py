@@ -150,34 +150,11 @@ def score(
     peer_task_ms: float | None = None,
 ) -> float:
     """The score in [0, 100], rounded to 0.1 (formula in the module docstring)."""
-    # Hot path (every heartbeat and probe): the four terms inline, with the same arithmetic
-    # as liveness / latency_term / load_term / success_term, so the result is identical.
-    n = stats.live_window
-    live = (stats.live_ok + n - stats.live_n) / n if n else 1.0
-    lat = 1.0
-    rtt = stats.rtt_ewma_ms
-    if rtt is not None and rtt > cfg.rtt_tolerance_ms:
-        lat *= cfg.rtt_tolerance_ms / rtt
-    task = stats.task_ewma_ms
-    if task is not None:
-        tolerance = cfg.task_tolerance_floor_ms
-        if peer_task_ms is not None:
-            tolerance = max(tolerance, cfg.task_tolerance_ratio * peer_task_ms)
-        if task > tolerance:
-            lat *= tolerance / task
-    load = 1.0 / (1.0 + (active + queue_depth) / max(max_concurrency, 1))
-    ok_w = stats.ok_w
-    fail_w = stats.fail_w
-    prior = cfg.success_prior
-    if prior > 0:
-        succ = (ok_w + prior) / (ok_w + fail_w + prior)
-    else:
-        succ = ok_w / (ok_w + fail_w) if ok_w + fail_w > 0 else 1.0
     value = (
-        live**cfg.weight_liveness
-        * lat**cfg.weight_latency
-        * load**cfg.weight_load
-        * succ**cfg.weight_success
+        stats.liveness**cfg.weight_liveness
+        * latency_term(stats, cfg, peer_task_ms) ** cfg.weight_latency
+        * load_term(active, queue_depth, max_concurrency) ** cfg.weight_load
+        * success_term(stats, cfg.success_prior) ** cfg.weight_success
     )
     if stuck:
         value *= cfg.stuck_penalty
