@@ -201,15 +201,20 @@ class Advisories:
 
     # --- advisories ----------------------------------------------------------------------
 
-    async def _on_disconnect(self, msg: Msg) -> None:
-        broker = self.broker
+    def _client_name(self, msg: Msg) -> str | None:
+        """The connection name an advisory is about; a broken one is dropped and counted."""
         try:
             name = _advisory_decoder.decode(msg.data).client.name
         except msgspec.DecodeError:
-            broker.metrics.dropped.labels("advisory", "invalid").inc()
-            return
+            self.broker.metrics.dropped.labels("advisory", "invalid").inc()
+            return None
         self._available()
-        if not name or broker.registry is None:
+        return name or None
+
+    async def _on_disconnect(self, msg: Msg) -> None:
+        broker = self.broker
+        name = self._client_name(msg)
+        if name is None or broker.registry is None:
             return
         transitions = broker.registry.disconnected(name, broker.clock())
         if transitions:
@@ -218,14 +223,9 @@ class Advisories:
 
     async def _on_connect(self, msg: Msg) -> None:
         broker = self.broker
-        try:
-            name = _advisory_decoder.decode(msg.data).client.name
-        except msgspec.DecodeError:
-            broker.metrics.dropped.labels("advisory", "invalid").inc()
-            return
-        self._available()
+        name = self._client_name(msg)
         registry = broker.registry
-        if not name or registry is None:
+        if name is None or registry is None:
             return
         rec = registry.agents.get(name)
         if rec is not None and rec.state in ("offline", "suspect"):
