@@ -70,6 +70,27 @@ async def flush_subscriptions(nc: Any) -> None:
     await nc.flush()
 
 
+async def drain_or_close(nc: Any, grace_s: float) -> None:
+    """End a connection at shutdown without ever raising or hanging.
+
+    Drain (let buffered messages out) when connected; when the server is gone, or the drain
+    fails or overruns ``timeout``, close instead. A close on a transport the event loop has
+    already torn down raises (uvloop: "the handler is closed"); that is swallowed too.
+    """
+    if nc.is_closed:
+        return
+    try:
+        if nc.is_connected:
+            await asyncio.wait_for(nc.drain(), grace_s)
+            return
+    except Exception:  # noqa: BLE001 - shutdown goes on whatever the connection does
+        log.debug("nats.drain_failed", exc_info=True)
+    try:
+        await nc.close()
+    except Exception:  # noqa: BLE001 - a transport already torn down
+        log.debug("nats.close_failed", exc_info=True)
+
+
 def new_event_loop_factory() -> Any:
     """uvloop's loop factory when uvloop is installed, else ``None`` (asyncio's default)."""
     try:

@@ -45,7 +45,7 @@ from nats.aio.subscription import Subscription
 from nats.errors import SlowConsumerError
 
 from . import schema
-from ._runtime import connect_options, flush_subscriptions, server_list
+from ._runtime import connect_options, drain_or_close, flush_subscriptions, server_list
 from .errors import (
     Draining,
     InternalError,
@@ -294,10 +294,7 @@ class Agent:
                     await self.ack_sink.stop()
             except Exception:  # closing must go on
                 log.exception("agent.ack_sink_stop_failed agent=%s", self.agent_id)
-        try:
-            await asyncio.wait_for(nc.drain(), 5.0)
-        except Exception:  # a dead connection must not block shutdown
-            await nc.close()
+        await drain_or_close(nc, 5.0)
         self._subs, self._task_subs = [], []
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)

@@ -42,7 +42,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from . import schema
-from ._runtime import connect_options, flush_subscriptions, server_list
+from ._runtime import connect_options, drain_or_close, flush_subscriptions, server_list
 from .breaker import Breakers, BreakerState
 from .config import ClientConfig
 from .errors import (
@@ -185,11 +185,8 @@ class Client:
             except Exception:  # a closed connection must not block shutdown
                 log.debug("client.unsubscribe_failed", exc_info=True)
         self._subs = []
-        if self._own_nc and not self.nc.is_closed:
-            try:
-                await asyncio.wait_for(self.nc.drain(), 5.0)
-            except Exception:
-                await self.nc.close()
+        if self._own_nc:
+            await drain_or_close(self.nc, 5.0)
 
     async def __aenter__(self) -> Client:
         await self.start()

@@ -27,7 +27,7 @@ from nats.micro.request import Request
 from nats.micro.service import EndpointConfig, Service, ServiceConfig
 
 from reach_agent import schema
-from reach_agent._runtime import flush_subscriptions
+from reach_agent._runtime import drain_or_close, flush_subscriptions
 from reach_agent.errors import Forbidden, InternalError, ReachError, to_reply
 from reach_agent.schema import (
     AnnounceAck,
@@ -200,18 +200,8 @@ class Broker:
                 await component.stop()
             except Exception:  # noqa: BLE001
                 log.exception("broker.stop component=%s failed", type(component).__name__)
-        if self._own_nc and not self.nc.is_closed:
-            try:
-                if self.nc.is_connected:
-                    await asyncio.wait_for(self.nc.drain(), self.cfg.broker.shutdown_grace_s)
-                else:  # the server is gone: nothing to drain, stop reconnecting
-                    await self.nc.close()
-            except Exception:  # noqa: BLE001 - shutdown goes on whatever the connection does
-                log.debug("broker.stop drain failed", exc_info=True)
-                try:
-                    await self.nc.close()
-                except Exception:  # noqa: BLE001 - a transport already torn down
-                    log.debug("broker.stop close failed", exc_info=True)
+        if self._own_nc:
+            await drain_or_close(self.nc, self.cfg.broker.shutdown_grace_s)
         log.info("broker.stopped id=%s", self.broker_id)
 
     async def __aenter__(self) -> Broker:
