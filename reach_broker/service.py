@@ -98,6 +98,8 @@ class Broker:
         self.registry: Registry | None = None
         self.router: Router | None = None
         self.listeners: list[TransitionListener] = []
+        self.announce_listeners: list[Callable[[AgentRecord], None]] = []
+        """Told of every accepted announce, also one that changes no state (the snapshot)."""
         self.components: list[Component] = []
         # Failure detection (issue 5): probes first, then advisories (which reconcile with
         # the server's connection list at start, so registry restores must come before).
@@ -377,6 +379,8 @@ class Broker:
             await self._reply_error(msg, InternalError(f"announce failed: {exc!r}"))
             return
         self.metrics.announce_result["ok"].inc()
+        for listener in self.announce_listeners:
+            listener(rec)
         if msg.reply:
             ack = AnnounceAck(
                 agent_id=agent_id, token=rec.token,

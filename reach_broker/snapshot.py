@@ -19,7 +19,6 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-from nats.aio.msg import Msg
 
 from reach_agent import schema
 from reach_agent.schema import AgentState, Announce
@@ -56,10 +55,11 @@ class Snapshot:
         self.restored = 0
         self.writes = 0
         self._dirty: set[str] = set()
-        self._written: dict[str, bytes] = {}
+        # What the bucket holds per agent, as (announce, state): the registry's own objects,
+        # so remembering costs a tuple and "unchanged" is decided before any encoding.
+        self._written: dict[str, tuple[Announce, AgentState]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._sub: Any = None
 
     async def start(self) -> None:
         b = self.broker
@@ -68,18 +68,16 @@ class Snapshot:
         self.kv = await b.nc.jetstream(timeout=5.0).key_value(BUCKET)
         await self.restore()
         b.listeners.append(self._on_transition)
-        self._sub = await b.nc.subscribe(f"{b.prefix}.announce.*", cb=self._on_announce,
-                                         pending_msgs_limit=1_000_000)  # fmt: skip
+        b.announce_listeners.append(self._on_announce)
         self._task = asyncio.create_task(self._flusher(), name="reach-snapshot")
 
     async def stop(self) -> None:
         if self._task is None:
             return
-        if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
         with contextlib.suppress(ValueError):
             self.broker.listeners.remove(self._on_transition)
+        with contextlib.suppress(ValueError):
+            self.broker.announce_listeners.remove(self._on_announce)
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
         self._task = None
@@ -108,7 +106,7 @@ class Snapshot:
                 except (msgspec.MsgspecError, schema.InvalidRequest) as exc:
                     log.warning("snapshot.bad_entry key=%s error=%s", entry.key, exc)
                     continue
-                self._written[entry.key] = entry.value
+                self._written[entry.key] = (ann, snap.state)
                 if b.registry.restore(ann, snap.state, now, wall_ms) is not None:
                     count += 1
         finally:
@@ -124,11 +122,9 @@ class Snapshot:
         self._dirty.add(t.agent_id)
         self._wake.set()
 
-    async def _on_announce(self, msg: Msg) -> None:
-        agent_id = msg.subject.rpartition(".")[2]
-        if schema.is_agent_id(agent_id):
-            self._dirty.add(agent_id)
-            self._wake.set()
+    def _on_announce(self, rec: AgentRecord) -> None:
+        self._dirty.add(rec.agent_id)
+        self._wake.set()
 
     async def _flusher(self) -> None:
         while True:
@@ -154,22 +150,25 @@ class Snapshot:
                 if agent_id in self._written:
                     ops.append(self._delete(agent_id))
                 continue
+            # last_seen_ms and broker_id alone are not worth a write.
+            if self._written.get(agent_id) == (rec.announce, rec.state):
+                continue
             value = schema.encoder.encode(
                 SnapshotEntry(announce=rec.announce, state=rec.state,
                               last_seen_ms=rec.last_seen_wall_ms, broker_id=b.broker_id)
             )  # fmt: skip
-            if _same(self._written.get(agent_id), value):
-                continue
-            ops.append(self._put(agent_id, value))
+            ops.append(self._put(agent_id, (rec.announce, rec.state), value))
         results = await asyncio.gather(*ops, return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             self._dirty |= dirty  # write them again on the next round
             raise failed[0]
 
-    async def _put(self, agent_id: str, value: bytes) -> None:
+    async def _put(
+        self, agent_id: str, written: tuple[Announce, AgentState], value: bytes
+    ) -> None:
         await self.kv.put(agent_id, value)
-        self._written[agent_id] = value
+        self._written[agent_id] = written
         self.writes += 1
 
     async def _delete(self, agent_id: str) -> None:
@@ -177,13 +176,3 @@ class Snapshot:
         self._written.pop(agent_id, None)
         self.writes += 1
 
-
-def _same(old: bytes | None, new: bytes) -> bool:
-    """Equal apart from bookkeeping (last_seen_ms, broker_id) that alone is not worth a write."""
-    if old is None:
-        return False
-    try:
-        a, b = _entry_decoder.decode(old), _entry_decoder.decode(new)
-    except msgspec.MsgspecError:
-        return False
-    return a.announce == b.announce and a.state == b.state

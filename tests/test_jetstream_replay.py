@@ -276,3 +276,22 @@ async def test_second_broker_has_the_same_registry_without_re_announces(
     # The token secret key lives in the same bucket and is not an agent.
     assert b2.registry.signer is not None
     assert "_broker.token_secret" not in b2.registry.agents
+
+
+async def test_snapshot_writes_only_what_changed(nc: NATS, broker_factory: BrokerFactory) -> None:
+    broker = await broker_factory()
+    await announce(nc, "snapw", region="eu")
+    await wait_for(lambda: broker.snapshot.writes == 1, what="first write")
+    kv = await nc.jetstream().key_value("reach_registry")
+    first = await kv.get("snapw")
+    # The same announce again (a reconnect): nothing stored changes, nothing is written.
+    await announce(nc, "snapw", region="eu")
+    assert broker.metrics.announce_result["ok"]._value.get() == 2  # replied, so applied
+    await broker.snapshot._flush()  # what the flush loop would do next, without waiting
+    assert broker.snapshot.writes == 1
+    assert (await kv.get("snapw")).revision == first.revision
+    # A changed announce is written once, with the new value.
+    await announce(nc, "snapw", region="us")
+    await wait_for(lambda: broker.snapshot.writes == 2, what="second write")
+    stored = json.loads((await kv.get("snapw")).value)
+    assert (stored["announce"]["region"], stored["state"]) == ("us", "healthy")
