@@ -273,10 +273,6 @@ def check_agent_id(value: str, field: str = "agent_id") -> str:
     return value
 
 
-def is_capability(value: str) -> bool:
-    return len(value) <= CAPABILITY_MAX_LEN and _CAPABILITY_RE.match(value) is not None
-
-
 def check_capability(value: str, field: str = "capability") -> str:
     if len(value) > CAPABILITY_MAX_LEN:
         raise InvalidCapability(

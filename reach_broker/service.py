@@ -335,13 +335,6 @@ class Broker:
                 except Exception:  # noqa: BLE001 - a listener never breaks the broker
                     log.exception("broker.listener failed transition=%s", t)
 
-    # --- probes -------------------------------------------------------------------------
-
-    def request_probe(self, agent_id: str) -> None:
-        """Probe ``agent_id`` soon (scheduling, backoff and limits live in probes.py)."""
-        if self._started:
-            self.probes.request(agent_id)
-
     # --- loops --------------------------------------------------------------------------
 
     async def _tick_loop(self) -> None:
@@ -490,10 +483,4 @@ class Broker:
             self.wall_ms(), self.clock(), capability=areq.capability, state=areq.state
         )
         await req.respond(schema.encoder.encode(views))
-
-
-async def run_broker(cfg: Config, stop: asyncio.Event, metrics: Metrics | None = None) -> None:
-    """Run one broker until ``stop`` is set (the CLI sets it on SIGINT/SIGTERM)."""
-    async with Broker(cfg, metrics=metrics):
-        await stop.wait()
 
