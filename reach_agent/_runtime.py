@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import random
 import signal
 from collections.abc import Sequence
@@ -14,82 +13,18 @@ from typing import TYPE_CHECKING, Any
 
 import nats.errors
 
+from .connection import (  # noqa: F401 - moved; re-exported until the SDK split
+    connect_options,
+    drain_or_close,
+    flush_subscriptions,
+    reconnect_with_jitter,
+    server_list,
+)
+
 if TYPE_CHECKING:
     from .agent import Agent
 
 log = logging.getLogger(__name__)
-
-DEFAULT_URL = "nats://127.0.0.1:4222"
-
-
-def server_list(servers: str | Sequence[str] | None) -> list[str]:
-    """``servers`` as a list; ``None`` reads ``NATS_URL`` (comma-separated), else localhost."""
-    if servers is None:
-        servers = os.environ.get("NATS_URL") or DEFAULT_URL
-    if isinstance(servers, str):
-        servers = servers.split(",")
-    out = [s.strip() for s in servers if s and s.strip()]
-    if not out:
-        raise ValueError(f"servers {servers!r} names no NATS server")
-    return out
-
-
-def reconnect_with_jitter(servers: list[Any], info: dict[str, Any]) -> tuple[Any, float]:
-    """nats-py ``reconnect_to_server_handler``: least-tried server first, exponential
-    delay with jitter (0.1 s doubling to 2 s, x0.5-1.5) so a fleet does not reconnect in
-    lockstep after a server restart."""
-    server = min(servers, key=lambda s: s.reconnects)
-    base = min(0.1 * 2 ** min(server.reconnects, 5), 2.0)
-    return server, base * (0.5 + random.random())
-
-
-def connect_options(name: str, servers: list[str]) -> dict[str, Any]:
-    """The connection options every reach SDK connection uses (DESIGN §6)."""
-    return {
-        "servers": servers,
-        "name": name,
-        "ping_interval": 2,
-        "max_outstanding_pings": 2,
-        "allow_reconnect": True,
-        "max_reconnect_attempts": -1,  # also: the first connect waits for a server
-        "reconnect_time_wait": 0.5,  # pause between first-connect attempts
-        "reconnect_to_server_handler": reconnect_with_jitter,
-        "connect_timeout": 2,
-    }
-
-
-async def flush_subscriptions(nc: Any) -> None:
-    """Return once the server has registered every SUB sent so far.
-
-    nats-py 2.16 ``flush()`` writes its PING straight to the socket while SUB commands wait
-    in the pending buffer for the flusher task, so the PONG can arrive before the server saw
-    the SUBs (a request right after start then gets "no responders"). By the first PONG the
-    flusher has written the SUBs; a second PING queues behind them.
-    """
-    await nc.flush()
-    await nc.flush()
-
-
-async def drain_or_close(nc: Any, grace_s: float) -> None:
-    """End a connection at shutdown without ever raising or hanging.
-
-    Drain (let buffered messages out) when connected; when the server is gone, or the drain
-    fails or overruns ``timeout``, close instead. A close on a transport the event loop has
-    already torn down raises (uvloop: "the handler is closed"); that is swallowed too.
-    """
-    if nc.is_closed:
-        return
-    try:
-        if nc.is_connected:
-            await asyncio.wait_for(nc.drain(), grace_s)
-            return
-    except Exception:  # noqa: BLE001 - shutdown goes on whatever the connection does
-        log.debug("nats.drain_failed", exc_info=True)
-    try:
-        await nc.close()
-    except Exception:  # noqa: BLE001 - a transport already torn down
-        log.debug("nats.close_failed", exc_info=True)
-
 
 def new_event_loop_factory() -> Any:
     """uvloop's loop factory when uvloop is installed, else ``None`` (asyncio's default)."""

@@ -1,0 +1,58 @@
+"""Every JetStream name reach uses, in one place: streams, the KV bucket, consumers, headers.
+
+Stream names do not move with the subject prefix (their subjects do, see
+:mod:`jetstream.provision`). The definitions themselves live as data in ``definitions/``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+ACK_STREAM = "REACH_ACKS"
+"""Durable ack records, ``<prefix>.ack.>``."""
+COMP_STREAM = "REACH_COMPENSATION"
+"""The bounded compensation queue (work queue, discard new), ``<prefix>.comp.>``."""
+AUDIT_STREAM = "REACH_AUDIT"
+"""The audit trail of broker events, ``<prefix>.event.>``; delete and purge denied."""
+REGISTRY_BUCKET = "reach_registry"
+"""KV bucket: one key per agent (the broker's snapshot) and ``_broker.*`` private keys."""
+REGISTRY_STREAM = f"KV_{REGISTRY_BUCKET}"
+"""The stream behind :data:`REGISTRY_BUCKET`."""
+STREAM_NAMES = (ACK_STREAM, COMP_STREAM, AUDIT_STREAM, REGISTRY_STREAM)
+"""Every asset provisioned at broker start, in order."""
+
+TOKEN_SECRET_KEY = "_broker.token_secret"
+"""Key in :data:`REGISTRY_BUCKET` of the heartbeat-token secret shared by broker replicas."""
+
+
+def replay_consumer(capability: str) -> str:
+    """Durable consumer replaying one capability (consumer names cannot hold dots)."""
+    digest = hashlib.blake2b(capability.encode(), digest_size=8).hexdigest()
+    return f"reach_replay_{digest}"
+
+
+# --- headers ---------------------------------------------------------------------------
+
+H_MSG_ID = "Nats-Msg-Id"
+"""JetStream's de-duplication id: ``<request_id>.<state>`` on acks, the request id on
+compensation entries."""
+H_REQUEST_ID = "Reach-Request-Id"
+"""The task's request id (also a task header of the wire contract)."""
+H_PRIORITY = "Reach-Priority"
+"""Compensation entry priority (int, higher first)."""
+H_EXPIRES_MS = "Reach-Expires-Ms"
+"""Compensation entry expiry (absolute Unix ms)."""
+H_ENQUEUED_MS = "Reach-Enqueued-Ms"
+"""When a compensation entry was enqueued (Unix ms)."""
+QUEUE_HEADERS = (H_MSG_ID, H_PRIORITY, H_EXPIRES_MS, H_ENQUEUED_MS)
+"""The queue's own headers, stripped before an entry is replayed as a task."""
+
+# --- JetStream API error codes we act on -------------------------------------------------
+
+JS_NOT_ENABLED = 10039
+"""``jetstream not enabled for account``."""
+STREAM_NOT_FOUND = 10059
+MAX_MSGS_EXCEEDED = 10077
+"""``maximum messages exceeded``: the compensation queue is at its bound."""
+NO_MESSAGE_FOUND = 10037
+"""``no message found``: a direct/last-by-subject get on an empty subject."""

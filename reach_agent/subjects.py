@@ -1,0 +1,175 @@
+"""The subject grammar of the wire contract: every subject reach uses is built and parsed here.
+
+One :class:`Subjects` per prefix (``reach`` unless configured). Builders return the subject a
+message goes to; wildcards return what a subscriber listens on; ``*_of`` parsers take a
+received subject back to its variable token(s), without validating it (the caller checks an
+``agent_id`` or capability with :mod:`reach_agent.schema`'s own checks). Nothing else in the
+project spells ``f"{prefix}.hb.…"``; :mod:`jetstream` is handed the subjects it needs.
+
+    <p>.announce.<agent_id>          agent → every broker (request-reply)
+    <p>.hb.<agent_id>                agent → every broker
+    <p>.leave.<agent_id>             agent → every broker (request-reply)
+    <p>.probe.<agent_id>             broker/caller → agent (request-reply)
+    <p>.route.<capability>           caller → one broker (queue group)
+    <p>.agents                       CLI → one broker (queue group)
+    <p>.task.<agent_id>.<capability> caller → agent (request-reply)
+    <p>.ack.<request_id>             agent → REACH_ACKS
+    <p>.comp.<capability>            caller → REACH_COMPENSATION → broker
+    <p>.event.<kind>.<agent_id>      broker → anyone; kept by REACH_AUDIT
+"""
+
+from __future__ import annotations
+
+DEFAULT_PREFIX = "reach"
+
+
+class Subjects:
+    """Builders and parsers of every subject under one prefix. Immutable, cheap to share."""
+
+    __slots__ = (
+        "_ack",
+        "_announce",
+        "_comp",
+        "_cuts",
+        "_event",
+        "_hb",
+        "_leave",
+        "_probe",
+        "_route",
+        "_task",
+        "prefix",
+    )
+
+    def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
+        if not prefix or any(c in prefix for c in " *>\t\r\n") or prefix.endswith("."):
+            raise ValueError(f"prefix {prefix!r} is not a valid subject prefix (e.g. 'reach')")
+        self.prefix = prefix
+        self._announce = f"{prefix}.announce."
+        self._hb = f"{prefix}.hb."
+        self._leave = f"{prefix}.leave."
+        self._probe = f"{prefix}.probe."
+        self._route = f"{prefix}.route."
+        self._task = f"{prefix}.task."
+        self._ack = f"{prefix}.ack."
+        self._comp = f"{prefix}.comp."
+        self._event = f"{prefix}.event."
+        # Parsers run per message (heartbeats): slice at precomputed lengths.
+        self._cuts = (
+            len(self._announce), len(self._hb), len(self._leave), len(self._probe),
+            len(self._route), len(self._task), len(self._ack), len(self._comp),
+            len(self._event),
+        )  # fmt: skip
+
+    def __repr__(self) -> str:
+        return f"Subjects({self.prefix!r})"
+
+    # --- builders -------------------------------------------------------------------------
+
+    def announce(self, agent_id: str) -> str:
+        return self._announce + agent_id
+
+    def heartbeat(self, agent_id: str) -> str:
+        return self._hb + agent_id
+
+    def leave(self, agent_id: str) -> str:
+        return self._leave + agent_id
+
+    def probe(self, agent_id: str) -> str:
+        return self._probe + agent_id
+
+    def route(self, capability: str) -> str:
+        return self._route + capability
+
+    @property
+    def agents(self) -> str:
+        return f"{self.prefix}.agents"
+
+    def task(self, agent_id: str, capability: str) -> str:
+        return f"{self._task}{agent_id}.{capability}"
+
+    def ack(self, request_id: str) -> str:
+        return self._ack + request_id
+
+    def comp(self, capability: str) -> str:
+        return self._comp + capability
+
+    def event(self, kind: str, agent_id: str) -> str:
+        return f"{self._event}{kind}.{agent_id}"
+
+    # --- what subscribers listen on --------------------------------------------------------
+
+    @property
+    def all_announces(self) -> str:
+        return self._announce + "*"
+
+    @property
+    def all_heartbeats(self) -> str:
+        return self._hb + "*"
+
+    @property
+    def all_leaves(self) -> str:
+        return self._leave + "*"
+
+    @property
+    def all_probes(self) -> str:
+        return self._probe + "*"
+
+    @property
+    def all_routes(self) -> str:
+        return self._route + ">"
+
+    def tasks_of(self, agent_id: str) -> str:
+        """Every task subject of one agent (``<p>.task.<agent_id>.>``)."""
+        return f"{self._task}{agent_id}.>"
+
+    @property
+    def all_tasks(self) -> str:
+        return self._task + ">"
+
+    @property
+    def all_acks(self) -> str:
+        return self._ack + ">"
+
+    @property
+    def all_comp(self) -> str:
+        return self._comp + ">"
+
+    @property
+    def all_events(self) -> str:
+        return self._event + ">"
+
+    def events_of(self, agent_id: str) -> str:
+        """Every event about one agent (``<p>.event.*.<agent_id>``)."""
+        return f"{self._event}*.{agent_id}"
+
+    # --- parsers (received subject → its variable part; no validation) ---------------------
+
+    def agent_of_announce(self, subject: str) -> str:
+        return subject[self._cuts[0] :]
+
+    def agent_of_heartbeat(self, subject: str) -> str:
+        return subject[self._cuts[1] :]
+
+    def agent_of_leave(self, subject: str) -> str:
+        return subject[self._cuts[2] :]
+
+    def agent_of_probe(self, subject: str) -> str:
+        return subject[self._cuts[3] :]
+
+    def capability_of_route(self, subject: str) -> str:
+        return subject[self._cuts[4] :]
+
+    def capability_of_task(self, subject: str, agent_id: str) -> str:
+        """The capability of ``<p>.task.<agent_id>.<capability>`` for a known ``agent_id``."""
+        return subject[self._cuts[5] + len(agent_id) + 1 :]
+
+    def request_of_ack(self, subject: str) -> str:
+        return subject[self._cuts[6] :]
+
+    def capability_of_comp(self, subject: str) -> str:
+        return subject[self._cuts[7] :]
+
+    def event_of(self, subject: str) -> tuple[str, str]:
+        """``(kind, agent_id)`` of ``<p>.event.<kind>.<agent_id>``."""
+        kind, _, agent_id = subject[self._cuts[8] :].partition(".")
+        return kind, agent_id
