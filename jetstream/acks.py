@@ -331,10 +331,20 @@ class AckWriter:
     async def _publish(self, msg_id: str, p: _Pending) -> bool:
         assert self._nc is not None
         js = self._nc.jetstream(timeout=self.publish_timeout_s)
-        ack = await js.publish(p.subject, p.data, headers={H_MSG_ID: msg_id})
-        if ack.duplicate:
+        if await publish_record(js, p.subject, msg_id, p.data):
             self.duplicates += 1
         return True
+
+
+async def publish_record(js: Any, subject: str, msg_id: str, data: bytes) -> bool:
+    """Store one ack record on ``REACH_ACKS`` with its de-duplication id (see
+    :func:`ack_msg_id`); returns True when the stream already had it (a duplicate).
+
+    The one writer of ack records: the agent's :class:`AckWriter` and the broker's
+    ``failed``/``expired`` records both go through it. Raises what ``js.publish`` raises.
+    """
+    ack = await js.publish(subject, data, headers={H_MSG_ID: msg_id})
+    return bool(ack.duplicate)
 
 
 def parse_wal(content: bytes) -> dict[str, _Pending]:
