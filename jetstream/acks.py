@@ -33,10 +33,10 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.js.errors import NoStreamResponseError, NotFoundError
 
+from .names import ACK_STREAM, H_MSG_ID, StreamSubjects
+
 log = logging.getLogger(__name__)
 
-ACK_STREAM = "REACH_ACKS"
-H_MSG_ID = "Nats-Msg-Id"
 FINAL_STATES = ("completed", "failed")
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
 _REQUEST_ID_RE = re.compile(REQUEST_ID_PATTERN)
@@ -57,10 +57,6 @@ def check_request_id(request_id: str) -> str:
             "(1-128 chars of [A-Za-z0-9_-], e.g. a UUID4)"
         )
     return request_id
-
-
-def ack_subject(request_id: str, prefix: str = "reach") -> str:
-    return f"{prefix}.ack.{request_id}"
 
 
 def ack_msg_id(request_id: str, state: str) -> str:
@@ -93,10 +89,8 @@ class AckWriter:
         self,
         wal_dir: str | os.PathLike[str],
         *,
-        servers: str | list[str] | None = None,
-        name: str = "reach-acks",
-        prefix: str = "reach",
-        creds: str | None = None,
+        connect: Mapping[str, Any],
+        subjects: StreamSubjects,
         fsync: bool = False,
         batch: int = 256,
         publish_timeout_s: float = 2.0,
@@ -104,12 +98,10 @@ class AckWriter:
         compact_bytes: int = 1 << 20,
     ) -> None:
         self.wal_dir = Path(wal_dir)
-        if servers is None:
-            servers = os.environ.get("NATS_URL") or "nats://127.0.0.1:4222"
-        self.servers = servers.split(",") if isinstance(servers, str) else list(servers)
-        self.name = name
-        self.prefix = prefix
-        self.creds = creds
+        self.connect = dict(connect)
+        """nats-py ``connect()`` options (``reach_agent.connection.connect_options``)."""
+        self.name: str = self.connect.get("name") or "reach-acks"
+        self.subjects = subjects
         self.fsync = fsync
         self.batch = batch
         self.publish_timeout_s = publish_timeout_s
@@ -144,16 +136,7 @@ class AckWriter:
         self.wal_dir.mkdir(parents=True, exist_ok=True)
         self._open_own()
         self._adopt_orphans()
-        self._nc = await nats.connect(
-            servers=self.servers,
-            name=self.name,
-            user_credentials=self.creds,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
-            connect_timeout=2,
-            allow_reconnect=True,
-            error_cb=self._on_error,
-        )
+        self._nc = await nats.connect(**{**self.connect, "error_cb": self._on_error})
         self._task = asyncio.create_task(self._sender(), name=f"{self.name}-sender")
         if self._pending:
             log.info("acks.replaying count=%d dir=%s", len(self._pending), self.wal_dir)
@@ -218,7 +201,7 @@ class AckWriter:
             log.warning("acks.dropped state=%s reason=%s", state, exc)
             return
         msg_id = ack_msg_id(request_id, state)
-        subject = ack_subject(request_id, self.prefix)
+        subject = self.subjects.ack(request_id)
         # A newline in valid JSON is only ever whitespace, so this keeps one record per line.
         data = data.replace(b"\n", b" ")
         self._append(b"A %s %s %s\n" % (msg_id.encode(), subject.encode(), data))
@@ -371,12 +354,12 @@ class StoredAck(NamedTuple):
 
 
 async def last_record(
-    nc: NATS, request_id: str, *, prefix: str = "reach", timeout_s: float = 2.0
+    nc: NATS, request_id: str, *, subjects: StreamSubjects, timeout_s: float = 2.0
 ) -> StoredAck | None:
     """The latest record stored for ``request_id`` (None when there is none)."""
     check_request_id(request_id)
     js = nc.jetstream(timeout=timeout_s)
-    subject = ack_subject(request_id, prefix)
+    subject = subjects.ack(request_id)
     try:
         raw = await js.get_last_msg(ACK_STREAM, subject, direct=True)
     except NotFoundError:
@@ -385,12 +368,12 @@ async def last_record(
 
 
 async def all_records(
-    nc: NATS, request_id: str, *, prefix: str = "reach", timeout_s: float = 2.0
+    nc: NATS, request_id: str, *, subjects: StreamSubjects, timeout_s: float = 2.0
 ) -> list[StoredAck]:
     """Every record stored for ``request_id``, oldest first (for ``reach ack``)."""
     check_request_id(request_id)
     js = nc.jetstream(timeout=timeout_s)
-    subject = ack_subject(request_id, prefix)
+    subject = subjects.ack(request_id)
     out: list[StoredAck] = []
     seq = 0
     while True:
@@ -406,7 +389,7 @@ async def all_records(
 
 
 async def wait_final(
-    nc: NATS, request_id: str, timeout_s: float, *, prefix: str = "reach"
+    nc: NATS, request_id: str, timeout_s: float, *, subjects: StreamSubjects
 ) -> StoredAck:
     """The first ``completed``/``failed`` record of ``request_id``, stored or yet to come.
 
@@ -414,7 +397,7 @@ async def wait_final(
     Raises ``asyncio.TimeoutError`` after ``timeout`` seconds.
     """
     check_request_id(request_id)
-    subject = ack_subject(request_id, prefix)
+    subject = subjects.ack(request_id)
     found: asyncio.Future[StoredAck] = asyncio.get_running_loop().create_future()
 
     async def on_msg(msg: Any) -> None:
@@ -425,12 +408,12 @@ async def wait_final(
     sub = await nc.subscribe(subject, cb=on_msg)
     try:
         await nc.flush(timeout=max(1, int(min(timeout_s, 2.0))))
-        last = await last_record(nc, request_id, prefix=prefix, timeout_s=min(timeout_s, 2.0))
+        last = await last_record(nc, request_id, subjects=subjects, timeout_s=min(timeout_s, 2.0))
         if last is not None and last.state in FINAL_STATES:
             return last
         if last is not None and last.state not in FINAL_STATES:
             # A final record may precede a late duplicate `received`: look at all of them.
-            for rec in await all_records(nc, request_id, prefix=prefix):
+            for rec in await all_records(nc, request_id, subjects=subjects):
                 if rec.state in FINAL_STATES:
                     return rec
         return await asyncio.wait_for(asyncio.shield(found), timeout_s)

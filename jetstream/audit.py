@@ -13,7 +13,7 @@ from typing import NamedTuple
 from nats.aio.client import Client as NATS
 from nats.js import api
 
-AUDIT_STREAM = "REACH_AUDIT"
+from .names import AUDIT_STREAM, StreamSubjects
 
 
 class StoredEvent(NamedTuple):
@@ -28,7 +28,7 @@ async def read_events(
     *,
     since_s: float | None = None,
     subject: str | None = None,
-    prefix: str = "reach",
+    subjects: StreamSubjects,
     limit: int = 10_000,
     timeout_s: float = 2.0,
 ) -> list[StoredEvent]:
@@ -37,7 +37,7 @@ async def read_events(
     cfg = api.ConsumerConfig(
         ack_policy=api.AckPolicy.NONE,
         inactive_threshold=30.0,
-        filter_subject=subject or f"{prefix}.event.>",
+        filter_subject=subject or subjects.all_events,
         mem_storage=True,
     )
     if since_s is not None:

@@ -19,7 +19,6 @@ acking, the entry is redelivered after ``ack_wait``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import Mapping
@@ -31,15 +30,18 @@ from nats.errors import NoRespondersError
 from nats.js import api
 from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
 
-COMP_STREAM = "REACH_COMPENSATION"
-H_MSG_ID = "Nats-Msg-Id"
-H_REQUEST_ID = "Reach-Request-Id"
-H_PRIORITY = "Reach-Priority"
-H_EXPIRES_MS = "Reach-Expires-Ms"
-H_ENQUEUED_MS = "Reach-Enqueued-Ms"
-MAX_MSGS_EXCEEDED = 10077
-QUEUE_HEADERS = (H_MSG_ID, H_PRIORITY, H_EXPIRES_MS, H_ENQUEUED_MS)
-"""Headers that belong to the queue, not to the task (stripped before a replay)."""
+from .names import (
+    COMP_STREAM,
+    H_ENQUEUED_MS,
+    H_EXPIRES_MS,
+    H_MSG_ID,
+    H_PRIORITY,
+    H_REQUEST_ID,
+    MAX_MSGS_EXCEEDED,
+    QUEUE_HEADERS,
+    StreamSubjects,
+    replay_consumer,
+)
 
 
 class QueueError(RuntimeError):
@@ -55,10 +57,6 @@ class EnqueueResult(NamedTuple):
     duplicate: bool
 
 
-def comp_subject(capability: str, prefix: str = "reach") -> str:
-    return f"{prefix}.comp.{capability}"
-
-
 async def enqueue(
     nc: NATS,
     capability: str,
@@ -68,7 +66,7 @@ async def enqueue(
     priority: int = 0,
     expires_at_ms: int,
     headers: Mapping[str, str] | None = None,
-    prefix: str = "reach",
+    subjects: StreamSubjects,
     timeout_s: float = 2.0,
 ) -> EnqueueResult:
     """Store one entry; raise QueueFull at the bound. ``duplicate`` when already queued."""
@@ -79,8 +77,9 @@ async def enqueue(
     hdrs[H_EXPIRES_MS] = str(int(expires_at_ms))
     hdrs[H_ENQUEUED_MS] = str(int(time.time() * 1000))
     js = nc.jetstream(timeout=timeout_s)
+    subject = subjects.comp(capability)
     try:
-        ack = await js.publish(comp_subject(capability, prefix), payload, headers=hdrs)
+        ack = await js.publish(subject, payload, headers=hdrs)
     except APIError as exc:
         if exc.err_code == MAX_MSGS_EXCEEDED:
             raise QueueFull(
@@ -89,7 +88,7 @@ async def enqueue(
         raise QueueError(f"enqueue on {COMP_STREAM} failed: {exc.description}") from None
     except (NoStreamResponseError, NoRespondersError):
         raise QueueError(
-            f"no JetStream stream {COMP_STREAM} answers on {comp_subject(capability, prefix)} "
+            f"no JetStream stream {COMP_STREAM} answers on {subject} "
             "(is a broker with JetStream provisioned?)"
         ) from None
     except TimeoutError:
@@ -121,7 +120,8 @@ class Entry(NamedTuple):
         return 0 < self.expires_at_ms <= now_ms
 
 
-def _int(headers: Mapping[str, str], key: str, default: int = 0) -> int:
+def header_int(headers: Mapping[str, str], key: str, default: int = 0) -> int:
+    """An integer queue header (priority, expiry), ``default`` when absent or malformed."""
     try:
         return int(headers.get(key, default))
     except (TypeError, ValueError):
@@ -129,15 +129,15 @@ def _int(headers: Mapping[str, str], key: str, default: int = 0) -> int:
 
 
 def parse_entry(subject: str, headers: Mapping[str, str] | None, data: bytes, seq: int,
-                msg: Msg | None, prefix: str = "reach") -> Entry:  # fmt: skip
+                msg: Msg | None, subjects: StreamSubjects) -> Entry:  # fmt: skip
     h = {k: v for k, v in (headers or {}).items() if not k.startswith("Nats-") or k == H_MSG_ID}
     rid = h.get(H_REQUEST_ID) or h.get(H_MSG_ID) or ""
     return Entry(
-        capability=subject[len(prefix) + len(".comp.") :],
+        capability=subjects.capability_of_comp(subject),
         request_id=rid,
-        priority=_int(h, H_PRIORITY),
-        expires_at_ms=_int(h, H_EXPIRES_MS),
-        enqueued_ms=_int(h, H_ENQUEUED_MS),
+        priority=header_int(h, H_PRIORITY),
+        expires_at_ms=header_int(h, H_EXPIRES_MS),
+        enqueued_ms=header_int(h, H_ENQUEUED_MS),
         seq=seq,
         headers=h,
         data=data,
@@ -145,29 +145,24 @@ def parse_entry(subject: str, headers: Mapping[str, str] | None, data: bytes, se
     )
 
 
-def entry_of(msg: Msg, prefix: str = "reach") -> Entry:
+def entry_of(msg: Msg, subjects: StreamSubjects) -> Entry:
     return parse_entry(
-        msg.subject, msg.headers, msg.data, msg.metadata.sequence.stream, msg, prefix
+        msg.subject, msg.headers, msg.data, msg.metadata.sequence.stream, msg, subjects
     )
-
-
-def consumer_name(capability: str) -> str:
-    """Durable consumer of one capability (consumer names cannot hold dots)."""
-    digest = hashlib.blake2b(capability.encode(), digest_size=8).hexdigest()
-    return f"reach_replay_{digest}"
 
 
 async def ensure_consumer(
     nc: NATS, capability: str, *, ack_wait_s: float, max_ack_pending: int,
-    prefix: str = "reach", timeout_s: float = 2.0,
+    subjects: StreamSubjects, timeout_s: float = 2.0,
 ) -> Any:  # fmt: skip
     """The shared durable pull consumer of ``capability`` (created or updated), bound."""
     js = nc.jetstream(timeout=timeout_s)
-    name = consumer_name(capability)
+    name = replay_consumer(capability)
+    subject = subjects.comp(capability)
     cfg = api.ConsumerConfig(
         durable_name=name,
-        description=f"reach replay of {comp_subject(capability, prefix)}",
-        filter_subject=comp_subject(capability, prefix),
+        description=f"reach replay of {subject}",
+        filter_subject=subject,
         ack_policy=api.AckPolicy.EXPLICIT,
         deliver_policy=api.DeliverPolicy.ALL,
         ack_wait=ack_wait_s,
@@ -180,28 +175,28 @@ async def ensure_consumer(
 
 
 async def depths(
-    nc: NATS, prefix: str = "reach", timeout_s: float = 2.0
+    nc: NATS, subjects: StreamSubjects, timeout_s: float = 2.0
 ) -> tuple[int, dict[str, int]]:
     """Total entries and entries per capability, from the stream's state."""
     reply = await nc.request(
         f"$JS.API.STREAM.INFO.{COMP_STREAM}",
-        json.dumps({"subjects_filter": f"{prefix}.comp.>"}).encode(),
+        json.dumps({"subjects_filter": subjects.all_comp}).encode(),
         timeout=timeout_s,
     )
     info = json.loads(reply.data)
     if "error" in info:
         raise QueueError(f"stream info {COMP_STREAM}: {info['error'].get('description')}")
     state = info.get("state", {})
-    cut = len(prefix) + len(".comp.")
-    per = {subj[cut:]: n for subj, n in (state.get("subjects") or {}).items()}
+    of = subjects.capability_of_comp
+    per = {of(subj): n for subj, n in (state.get("subjects") or {}).items()}
     return int(state.get("messages", 0)), per
 
 
-async def scan(nc: NATS, capability: str | None = None, *, prefix: str = "reach",
+async def scan(nc: NATS, capability: str | None = None, *, subjects: StreamSubjects,
                limit: int = 100_000, timeout_s: float = 2.0) -> list[Entry]:  # fmt: skip
     """Every entry (of ``capability`` or all), read without taking them (direct get)."""
     js = nc.jetstream(timeout=timeout_s)
-    subject = comp_subject(capability, prefix) if capability else f"{prefix}.comp.>"
+    subject = subjects.comp(capability) if capability else subjects.all_comp
     out: list[Entry] = []
     seq = 0
     while len(out) < limit:
@@ -212,7 +207,7 @@ async def scan(nc: NATS, capability: str | None = None, *, prefix: str = "reach"
         except NotFoundError:
             break
         assert raw.seq is not None and raw.subject is not None
-        out.append(parse_entry(raw.subject, raw.headers, raw.data or b"", raw.seq, None, prefix))
+        out.append(parse_entry(raw.subject, raw.headers, raw.data or b"", raw.seq, None, subjects))
         seq = raw.seq
     return out
 

@@ -7,6 +7,7 @@ Stream names do not move with the subject prefix (their subjects do, see
 from __future__ import annotations
 
 import hashlib
+from typing import Protocol
 
 ACK_STREAM = "REACH_ACKS"
 """Durable ack records, ``<prefix>.ack.>``."""
@@ -56,3 +57,20 @@ MAX_MSGS_EXCEEDED = 10077
 """``maximum messages exceeded``: the compensation queue is at its bound."""
 NO_MESSAGE_FOUND = 10037
 """``no message found``: a direct/last-by-subject get on an empty subject."""
+
+
+class StreamSubjects(Protocol):
+    """The subjects of reach's streams, as :class:`reach_agent.subjects.Subjects` builds them.
+
+    jetstream/ is handed an object with these members instead of spelling subjects itself,
+    so the subject grammar has one address (and this floor imports no floor above it).
+    """
+
+    def ack(self, request_id: str) -> str: ...
+    def request_of_ack(self, subject: str) -> str: ...
+    def comp(self, capability: str) -> str: ...
+    def capability_of_comp(self, subject: str) -> str: ...
+    @property
+    def all_comp(self) -> str: ...
+    @property
+    def all_events(self) -> str: ...

@@ -23,15 +23,14 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
+from .names import JS_NOT_ENABLED, STREAM_NAMES, STREAM_NOT_FOUND
+
 log = logging.getLogger(__name__)
 
 DEFINITIONS_DIR = Path(__file__).resolve().parent / "definitions"
-STREAM_NAMES = ("REACH_ACKS", "REACH_COMPENSATION", "REACH_AUDIT", "KV_reach_registry")
 API = "$JS.API"
 NS = 1_000_000_000
 
-JS_NOT_ENABLED = 10039  # "jetstream not enabled for account"
-STREAM_NOT_FOUND = 10059
 
 Action = Literal["created", "updated", "unchanged"]
 

@@ -20,8 +20,10 @@ from nats.aio.client import Client as NATS
 
 from jetstream import acks, compensation
 
+from .connection import Credentials, connect_options
 from .errors import CompensationFull, InternalError, InvalidRequest, Timeout
 from .schema import H_REQUEST_ID, AckRecord, check_capability, decode_ack_record, encoder
+from .subjects import Subjects
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +100,7 @@ async def submit(
             priority=priority,
             expires_at_ms=int((time.time() + ttl_s) * 1000),
             headers=hdrs,
-            prefix=prefix,
+            subjects=Subjects(prefix),
         )
     except compensation.QueueFull as exc:
         _count(client, "refused")
@@ -124,7 +126,9 @@ async def wait(client: Any, request_id: str, timeout: float, *, prefix: str = "r
     Raises ``Timeout`` when none is stored within ``timeout`` seconds.
     """
     try:
-        stored = await acks.wait_final(connection_of(client), request_id, timeout, prefix=prefix)
+        stored = await acks.wait_final(
+            connection_of(client), request_id, timeout, subjects=Subjects(prefix)
+        )
     except acks.InvalidRequestId as exc:
         raise InvalidRequest(str(exc)) from None
     except TimeoutError:
@@ -137,7 +141,9 @@ async def wait(client: Any, request_id: str, timeout: float, *, prefix: str = "r
 async def last(client: Any, request_id: str, *, prefix: str = "reach") -> AckRecord | None:
     """The latest ack record of ``request_id`` (any state), or None."""
     try:
-        stored = await acks.last_record(connection_of(client), request_id, prefix=prefix)
+        stored = await acks.last_record(
+            connection_of(client), request_id, subjects=Subjects(prefix)
+        )
     except acks.InvalidRequestId as exc:
         raise InvalidRequest(str(exc)) from None
     return None if stored is None else decode_ack_record(stored.data)
@@ -163,6 +169,7 @@ def default_ack_writer(
     its own NATS connection named ``<agent_id>-acks`` (not the agent id, so the broker's
     disconnect advisories never confuse it with the agent)."""
     return acks.AckWriter(
-        wal_dir or default_ack_dir(agent_id), servers=servers, name=f"{agent_id}-acks",
-        prefix=prefix, creds=creds,
+        wal_dir or default_ack_dir(agent_id),
+        connect=connect_options(f"{agent_id}-acks", servers, Credentials(creds=creds)),
+        subjects=Subjects(prefix),
     )  # fmt: skip

@@ -503,6 +503,7 @@ async def _ack(args: argparse.Namespace) -> int:
     """Every record stored on REACH_ACKS for one request id (received, completed/failed)."""
     from jetstream import acks
     from reach_agent.schema import decode_ack_record
+    from reach_agent.subjects import Subjects
 
     try:
         acks.check_request_id(args.request_id)
@@ -510,7 +511,7 @@ async def _ack(args: argparse.Namespace) -> int:
         raise CliError(str(exc), EXIT_USAGE) from None
     nc = await connect(args)
     try:
-        stored = await acks.all_records(nc, args.request_id, prefix=args.prefix,
+        stored = await acks.all_records(nc, args.request_id, subjects=Subjects(args.prefix),
                                         timeout_s=args.timeout)  # fmt: skip
     except Exception as exc:  # no stream, no JetStream: one clear line
         raise CliError(f"cannot read REACH_ACKS: {exc or type(exc).__name__}",

@@ -29,9 +29,11 @@ from nats.errors import NoRespondersError
 
 from jetstream import acks, compensation
 from jetstream.compensation import Entry
+from jetstream.names import H_EXPIRES_MS
 from reach_agent import schema
 from reach_agent.errors import ReachError, from_reply
 from reach_agent.schema import AckRecord, RouteRequest
+from reach_agent.subjects import Subjects
 
 from .registry import AgentRecord, Transition
 
@@ -75,9 +77,7 @@ class Replayer:
         self._subs: list[Any] = []
         self._sweeper: asyncio.Task[None] | None = None
         self._route_req = RouteRequest(limit=3)
-        p = broker.prefix
-        self._comp_cut = len(f"{p}.comp.")
-        self._ack_cut = len(f"{p}.ack.")
+        self.subjects = Subjects(broker.prefix)
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -90,8 +90,8 @@ class Replayer:
         self._subs = [
             await b.nc.subscribe(subject, cb=cb, pending_msgs_limit=limits[0],
                                  pending_bytes_limit=limits[1])
-            for subject, cb in ((f"{b.prefix}.comp.>", self._on_enqueued),
-                                (f"{b.prefix}.ack.>", self._on_ack))
+            for subject, cb in ((self.subjects.all_comp, self._on_enqueued),
+                                (self.subjects.all_acks, self._on_ack))
         ]  # fmt: skip
         self._sweeper = asyncio.create_task(self._sweep_loop(), name="reach-replay-sweep")
 
@@ -123,9 +123,9 @@ class Replayer:
                     self.kick(cap)
 
     async def _on_enqueued(self, msg: Msg) -> None:
-        cap = msg.subject[self._comp_cut :]
+        cap = self.subjects.capability_of_comp(msg.subject)
         self._known[cap] = self._known.get(cap, 0) + 1
-        expires = compensation._int(msg.headers or {}, compensation.H_EXPIRES_MS)
+        expires = compensation.header_int(msg.headers or {}, H_EXPIRES_MS)
         if expires and (not self._next_expiry_ms or expires < self._next_expiry_ms):
             self._next_expiry_ms = expires
         # The stream stores the entry about when this copy arrives: look a moment later.
@@ -194,7 +194,7 @@ class Replayer:
         if psub is None:
             psub = await compensation.ensure_consumer(
                 self.broker.nc, capability, ack_wait_s=self.cfg.ack_wait_s,
-                max_ack_pending=self.cfg.max_entries, prefix=self.broker.prefix,
+                max_ack_pending=self.cfg.max_entries, subjects=self.subjects,
             )  # fmt: skip
             self._consumers[capability] = psub
         return psub
@@ -216,8 +216,7 @@ class Replayer:
             msgs += got
             if len(got) < FETCH_BATCH:
                 break
-        prefix = self.broker.prefix
-        entries = [compensation.entry_of(m, prefix) for m in msgs]
+        entries = [compensation.entry_of(m, self.subjects) for m in msgs]
         entries.sort(key=lambda e: (-e.priority, e.enqueued_ms, e.seq))
         return entries
 
@@ -313,7 +312,7 @@ class Replayer:
         waited_s = (b.wall_ms() - e.enqueued_ms) / 1000.0 if e.enqueued_ms else 0.0
         await self._record_failed(
             e, b.broker_id, "TIMEOUT", "expired",
-            f"queued for {waited_s:.1f}s on {b.prefix}.comp.{e.capability}; expired before "
+            f"queued for {waited_s:.1f}s on {self.subjects.comp(e.capability)}; expired before "
             "an agent was reachable",
         )  # fmt: skip
         self.expired += 1
@@ -330,10 +329,11 @@ class Replayer:
             error={"code": code, "reason": reason, "message": message},
         )  # fmt: skip
         js = b.nc.jetstream(timeout=2.0)
-        await js.publish(
-            acks.ack_subject(e.request_id, b.prefix),
+        await acks.publish_record(
+            js,
+            self.subjects.ack(e.request_id),
+            acks.ack_msg_id(e.request_id, "failed"),
             schema.encoder.encode(rec),
-            headers={acks.H_MSG_ID: acks.ack_msg_id(e.request_id, "failed")},
         )
 
     # --- the sweep ----------------------------------------------------------------------
@@ -351,7 +351,7 @@ class Replayer:
     async def sweep(self) -> None:
         """Depth gauge; expired entries recorded and removed; waiting capabilities kicked."""
         b = self.broker
-        total, per = await compensation.depths(b.nc, b.prefix)
+        total, per = await compensation.depths(b.nc, self.subjects)
         b.metrics.compensation_depth.set(total)
         self._known = per
         if total and self._next_expiry_ms <= b.wall_ms():
@@ -364,7 +364,9 @@ class Replayer:
         b = self.broker
         now_ms = b.wall_ms()
         soonest = 0
-        for e in await compensation.scan(b.nc, prefix=b.prefix, limit=self.cfg.max_entries * 2):
+        for e in await compensation.scan(
+            b.nc, subjects=self.subjects, limit=self.cfg.max_entries * 2
+        ):
             if e.expired(now_ms):
                 await self.record_expired(e)
                 await compensation.remove(b.nc, e.seq)
@@ -380,7 +382,7 @@ class Replayer:
         if counter is None:
             return
         counter.inc()
-        rid = msg.subject[self._ack_cut :]
+        rid = self.subjects.request_of_ack(msg.subject)
         try:
             at_ms = _ack_times.decode(msg.data).at_ms
         except msgspec.MsgspecError:

@@ -15,13 +15,17 @@ from nats.js.errors import APIError
 from jetstream import acks, audit, compensation
 from jetstream.provision import UnsafeChange, load_definitions, provision
 from reach_agent import Client, durable, schema
+from reach_agent.connection import connect_options
 from reach_agent.errors import CompensationFull, Timeout
 from reach_agent.metrics import ClientMetrics
+from reach_agent.subjects import Subjects
 from reach_broker.config import CompensationSection
 from reach_broker.natsserver import NatsServer
 from reach_broker.service import Broker
 
 from .conftest import BrokerFactory, wait_for
+
+SUBJECTS = Subjects()
 
 
 async def stream_info(nc: NATS, name: str) -> dict:
@@ -65,7 +69,9 @@ async def test_default_bound_is_2000() -> None:
 async def test_safe_change_is_applied_unsafe_change_refused_and_data_kept(nc: NATS) -> None:
     await provision(nc)
     for i in range(5):
-        await compensation.enqueue(nc, "cap", b"{}", request_id=f"r{i}", expires_at_ms=0)
+        await compensation.enqueue(
+            nc, "cap", b"{}", request_id=f"r{i}", expires_at_ms=0, subjects=SUBJECTS
+        )
     defs = load_definitions(overrides={"REACH_COMPENSATION": {"duplicate_window": 60 * 10**9}})
     outcomes = {o.name: o for o in await provision(nc, defs)}
     assert outcomes["REACH_COMPENSATION"].action == "updated"
@@ -112,14 +118,14 @@ async def test_audit_trail_cannot_be_purged_or_deleted_and_reads_back(
     with pytest.raises(APIError) as delete:
         await js.delete_msg("REACH_AUDIT", events[0].seq)
     assert delete.value.err_code == 10057  # message delete not permitted
-    assert len(await audit.read_events(nc, since_s=3600)) == 2
-    assert len(await audit.read_events(nc, subject="reach.event.left.>")) == 1
+    assert len(await audit.read_events(nc, subjects=SUBJECTS, since_s=3600)) == 2
+    assert len(await audit.read_events(nc, subjects=SUBJECTS, subject="reach.event.left.>")) == 1
 
 
 async def wait_for_events(nc: NATS, n: int) -> list[audit.StoredEvent]:
     deadline = asyncio.get_running_loop().time() + 5
     while True:
-        events = await audit.read_events(nc)
+        events = await audit.read_events(nc, subjects=SUBJECTS)
         if len(events) >= n or asyncio.get_running_loop().time() > deadline:
             return events
         await asyncio.sleep(0.05)
@@ -132,24 +138,21 @@ async def test_full_queue_refuses_with_compensation_full_and_holds_exactly_the_b
     nc: NATS, broker_factory: BrokerFactory
 ) -> None:
     await broker_factory(compensation__max_entries=20)
-    ids = [
-        await durable.submit(nc, "nobody.serves", {"n": i}, priority=i % 3)
-        for i in range(20)
-    ]
+    ids = [await durable.submit(nc, "nobody.serves", {"n": i}, priority=i % 3) for i in range(20)]
     assert len(set(ids)) == 20
     assert not any(i.duplicate for i in ids)
     with pytest.raises(CompensationFull) as exc:
         await durable.submit(nc, "nobody.serves", {"n": 20})
     assert exc.value.code == "COMPENSATION_FULL"
     assert "maximum messages exceeded" in exc.value.message
-    total, per = await compensation.depths(nc)
+    total, per = await compensation.depths(nc, SUBJECTS)
     assert (total, per) == (20, {"nobody.serves": 20})
     # A duplicate enqueue is recognised even at the bound, and stores nothing.
     again = await durable.submit(nc, "nobody.serves", {"n": 0}, request_id=ids[0])
     assert again == ids[0]
     assert again.duplicate is True
-    assert (await compensation.depths(nc))[0] == 20
-    entries = await compensation.scan(nc, "nobody.serves")
+    assert (await compensation.depths(nc, SUBJECTS))[0] == 20
+    entries = await compensation.scan(nc, "nobody.serves", subjects=SUBJECTS)
     assert [e.request_id for e in entries] == list(ids)
     assert entries[4].priority == 1
     assert entries[4].headers[schema.H_REQUEST_ID] == ids[4]
@@ -184,7 +187,7 @@ async def test_expired_entries_are_recorded_failed_and_removed(
     assert (record.error["code"], record.error["reason"]) == ("TIMEOUT", "expired")
     await wait_for(lambda: broker.replayer.expired == 1, what="expired count")
     for _ in range(100):  # the record is stored first, then the entry removed
-        left = [e.request_id for e in await compensation.scan(nc)]
+        left = [e.request_id for e in await compensation.scan(nc, subjects=SUBJECTS)]
         if left == [keep]:
             break
         await asyncio.sleep(0.05)
@@ -206,7 +209,9 @@ async def test_ack_writer_stores_records_and_wait_returns_the_final_one(
 ) -> None:
     rid = str(uuid.uuid4())
     waiter = asyncio.create_task(durable.wait(nc, rid, timeout=10))
-    async with acks.AckWriter(tmp_path / "wal", servers=nats_server.url) as writer:
+    async with acks.AckWriter(
+        tmp_path / "wal", connect=connect_options("test-acks", nats_server.url), subjects=SUBJECTS
+    ) as writer:
         await writer.record(ack(rid, "received"))
         await writer.record(ack(rid, "completed"))
         assert await writer.flush(5)
@@ -216,7 +221,7 @@ async def test_ack_writer_stores_records_and_wait_returns_the_final_one(
     # Later (e.g. after the caller restarted) the stored record answers at once.
     again = await durable.wait(nc, rid, timeout=2)
     assert again.state == "completed"
-    states = [r.state for r in await acks.all_records(nc, rid)]
+    states = [r.state for r in await acks.all_records(nc, rid, subjects=SUBJECTS)]
     assert states == ["received", "completed"]
     assert not list((tmp_path / "wal").glob("*.wal"))  # all stored: the WAL is gone
     with pytest.raises(Timeout):
@@ -239,26 +244,32 @@ async def test_ack_writer_replays_an_orphaned_wal_and_resends_are_deduplicated(
     # stored_rid was confirmed before the crash: publish it once for real.
     await nc.jetstream().publish(f"reach.ack.{stored_rid}", b"{}",
                                  headers={"Nats-Msg-Id": f"{stored_rid}.completed"})  # fmt: skip
-    async with acks.AckWriter(wal, servers=nats_server.url) as writer:
+    async with acks.AckWriter(
+        wal, connect=connect_options("test-acks", nats_server.url), subjects=SUBJECTS
+    ) as writer:
         assert await writer.flush(5)
         assert writer.stored == 1
     rec = await durable.wait(nc, lost_rid, timeout=2)
     assert (rec.request_id, rec.state) == (lost_rid, "completed")
     assert not (wal / "acks-999999-dead.wal").exists()
     # A second copy of the same record (a re-send) is dropped by the duplicate window.
-    async with acks.AckWriter(wal, servers=nats_server.url) as writer:
+    async with acks.AckWriter(
+        wal, connect=connect_options("test-acks", nats_server.url), subjects=SUBJECTS
+    ) as writer:
         await writer.record(ack(lost_rid, "completed"))
         assert await writer.flush(5)
         assert writer.duplicates == 1
-    assert len(await acks.all_records(nc, lost_rid)) == 1
+    assert len(await acks.all_records(nc, lost_rid, subjects=SUBJECTS)) == 1
 
 
 async def test_ack_writer_keeps_retrying_until_jetstream_has_the_stream(
     nc: NATS, tmp_path: Path, nats_server
 ) -> None:
     rid = str(uuid.uuid4())
-    async with acks.AckWriter(tmp_path / "wal", servers=nats_server.url,
-                              publish_timeout_s=0.2, retry_max_s=0.2) as writer:  # fmt: skip
+    async with acks.AckWriter(
+        tmp_path / "wal", connect=connect_options("test-acks", nats_server.url), subjects=SUBJECTS,
+        publish_timeout_s=0.2, retry_max_s=0.2,
+    ) as writer:  # fmt: skip
         await writer.record(ack(rid, "completed"))
         await wait_for(lambda: writer.retries >= 2, what="retries while REACH_ACKS is absent")
         assert writer.pending == 1
@@ -274,7 +285,9 @@ async def test_reach_ack_cli_shows_the_stored_record(
     import sys
 
     rid = str(uuid.uuid4())
-    async with acks.AckWriter(tmp_path / "wal", servers=nats_server.url) as writer:
+    async with acks.AckWriter(
+        tmp_path / "wal", connect=connect_options("test-acks", nats_server.url), subjects=SUBJECTS
+    ) as writer:
         await writer.record(ack(rid, "received"))
         await writer.record(schema.AckRecord(
             request_id=rid, agent_id="a1", capability="cap", state="completed", at_ms=5,

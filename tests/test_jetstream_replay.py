@@ -24,11 +24,15 @@ from nats.aio.client import Client as NATS
 from jetstream import acks, compensation
 from reach_agent import durable
 from reach_agent.agent import Agent
+from reach_agent.connection import connect_options
+from reach_agent.subjects import Subjects
 from reach_broker.natsserver import NatsServer
 from reach_broker.service import Broker
 
 from .conftest import BrokerFactory, wait_for
 from .test_broker_wire import announce, heartbeat
+
+SUBJECTS = Subjects()
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,10 +40,12 @@ AGENT_SCRIPT = """
 import asyncio, os, sys
 from reach_agent.agent import Agent
 from jetstream.acks import AckWriter
+from reach_agent.connection import connect_options
+from reach_agent.subjects import Subjects
 
 url, agent_id, cap, log_path, wal_dir = sys.argv[1:6]
 delay = float(os.environ.get("TEST_DELAY", "0"))
-writer = AckWriter(wal_dir, servers=url, name=f"{agent_id}-acks")
+writer = AckWriter(wal_dir, connect=connect_options(f"{agent_id}-acks", url), subjects=Subjects())
 agent = Agent(agent_id, [cap], max_concurrency=int(os.environ.get("TEST_MAXC", "4")),
               heartbeat_interval=0.1, ack_sink=writer)
 
@@ -142,11 +148,13 @@ async def test_tasks_queued_without_agent_run_exactly_once_when_one_starts(
 ) -> None:
     broker = await broker_factory(compensation__sweep_interval_s=0.2)
     ids = [await durable.submit(nc, "late.cap", {"n": i}, priority=(i % 2)) for i in range(10)]
-    assert (await compensation.depths(nc))[0] == 10
+    assert (await compensation.depths(nc, SUBJECTS))[0] == 10
     ran: list[tuple[str, int]] = []
+    writer = acks.AckWriter(
+        tmp_path / "wal", connect=connect_options("late1-acks", nats_server.url), subjects=SUBJECTS
+    )
     agent = Agent("late1", ["late.cap"], max_concurrency=4, heartbeat_interval=0.1,
-                  ack_sink=acks.AckWriter(tmp_path / "wal", servers=nats_server.url,
-                                          name="late1-acks"))  # fmt: skip
+                  ack_sink=writer)  # fmt: skip
 
     @agent.handler("late.cap")
     async def handle(task: Any) -> dict[str, int]:
@@ -162,7 +170,7 @@ async def test_tasks_queued_without_agent_run_exactly_once_when_one_starts(
     assert collections.Counter(rid for rid, _ in ran) == dict.fromkeys(ids, 1)
     # Priority first: the five priority-1 entries (odd n) were replayed before the rest.
     assert {n % 2 for _, n in ran[:4]} == {1}
-    assert (await compensation.depths(nc))[0] == 0
+    assert (await compensation.depths(nc, SUBJECTS))[0] == 0
     assert broker.replayer.replayed == 10
     assert broker.metrics.compensation_result["replayed"]._value.get() == 10
     await wait_for(lambda: broker.metrics.ack_record_state["completed"]._value.get() >= 10)
@@ -192,7 +200,7 @@ async def test_broker_killed_mid_replay_loses_nothing_and_runs_nothing_twice(
     assert [json.loads(bytes(r.result))["n"] for r in records] == list(range(12))
     counts = collections.Counter(runs(tmp_path))
     assert counts == dict.fromkeys(ids, 1), f"runs per request id: {counts}"
-    assert (await compensation.depths(nc))[0] == 0
+    assert (await compensation.depths(nc, SUBJECTS))[0] == 0
 
 
 # --- 4: agent SIGKILLed between "handler done" and "ack stored" -----------------------------
@@ -212,7 +220,7 @@ async def test_agent_killed_before_its_ack_was_stored_publishes_it_after_restart
     await wait_for(lambda: a1.poll() is not None, timeout=10, what="agent crash")
     assert a1.returncode == -signal.SIGKILL
     assert runs(tmp_path) == [rid]
-    last = await acks.last_record(nc, rid)
+    last = await acks.last_record(nc, rid, subjects=SUBJECTS)
     assert last is None or last.state == "received"  # the completed ack was not stored
     wal_files = list((tmp_path / "wal").glob("acks-*.wal"))
     assert len(wal_files) == 1 and b"%s.completed" % rid.encode() in wal_files[0].read_bytes()
