@@ -168,8 +168,11 @@ async def run_sdk(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m loadtest.chaos_agent", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m loadtest.chaos_agent",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--server", required=True)
     ap.add_argument("--id", required=True)
     ap.add_argument("--capability", action="append", default=None)
