@@ -15,10 +15,10 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from reach_agent import schema
-from reach_broker.cli import CliError, parse_duration
+from reach_broker.cli.common import CliError, parse_duration
+from reach_broker.cli.view import BrokerStats, Snapshot, render
 from reach_broker.natsserver import NatsServer
 from reach_broker.service import Broker
-from reach_broker.top import BrokerStats, Snapshot, render
 
 from .conftest import BrokerFactory, wait_for
 
