@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import json
 
-from .common import Subcommands, add_common, connect, request, subjects
+from .common import Subcommands, add_common, ask, subjects
 from .output import AGENT_HEADER, agent_rows, print_json, print_table
 
 
@@ -30,12 +30,7 @@ async def _agents(args: argparse.Namespace) -> int:
         body["capability"] = args.capability
     if args.state:
         body["state"] = args.state
-    subject = subjects(args).agents
-    nc = await connect(args)
-    try:
-        data = await request(nc, subject, json.dumps(body).encode(), args.timeout)
-    finally:
-        await nc.close()
+    data = await ask(args, subjects(args).agents, json.dumps(body).encode())
     views = schema.agent_views_decoder.decode(data)
     if args.json:
         print_json(views)

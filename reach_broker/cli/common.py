@@ -157,3 +157,12 @@ async def request(nc: Any, subject: str, data: bytes, timeout_s: float) -> bytes
     if err is not None:
         raise CliError(f"{err.code}: {err.message}")
     return bytes(msg.data)
+
+
+async def ask(args: argparse.Namespace, subject: str, data: bytes) -> bytes:
+    """One :func:`request` on a connection of its own (closed after), for one-shot commands."""
+    nc = await connect(args)
+    try:
+        return await request(nc, subject, data, args.timeout)
+    finally:
+        await nc.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from .common import EXIT_USAGE, CliError, Subcommands, add_common, connect, request, subjects
+from .common import EXIT_USAGE, CliError, Subcommands, add_common, ask, subjects
 from .output import print_json, print_table
 
 
@@ -39,12 +39,7 @@ async def _route(args: argparse.Namespace) -> int:
         limit=args.limit, region=args.region, tags=tags, sticky_key=args.sticky_key,
         exclude=args.exclude or [], allow_suspect=args.allow_suspect,
     )  # fmt: skip
-    subject = subjects(args).route(args.capability)
-    nc = await connect(args)
-    try:
-        data = await request(nc, subject, schema.encoder.encode(req), args.timeout)
-    finally:
-        await nc.close()
+    data = await ask(args, subjects(args).route(args.capability), schema.encoder.encode(req))
     reply = schema.route_reply_decoder.decode(data)
     if args.json:
         print_json(reply)
