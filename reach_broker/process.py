@@ -30,6 +30,12 @@ def install_uvloop() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
+def run(cfg: Config) -> None:
+    """The whole process: :func:`serve` on uvloop (when installed) until a signal."""
+    install_uvloop()
+    asyncio.run(serve(cfg))
+
+
 async def serve(cfg: Config, *, stop: asyncio.Event | None = None) -> None:
     """Run a broker for ``cfg`` until SIGINT/SIGTERM (or ``stop`` is set), then stop it in
     order. Without ``cfg.nats.url`` an embedded server is started and ``cfg.nats.url`` set to

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 from .. import process
 from ..config import ConfigError, load
@@ -59,9 +58,8 @@ def run(args: argparse.Namespace) -> int:
         cfg.nats.embedded_store_dir = args.store_dir
     if args.broker_id:
         cfg.broker.broker_id = args.broker_id
-    process.install_uvloop()
     try:
-        asyncio.run(process.serve(cfg))
+        process.run(cfg)
     except process.StartError as exc:
         raise CliError(str(exc), EXIT_UNAVAILABLE) from None
     return 0
