@@ -119,14 +119,30 @@ def issue(
     return path
 
 
-def issue_agent(directory: DirLike, agent_id: str, **options: float | bool | None) -> Path:
+def issue_agent(
+    directory: DirLike,
+    agent_id: str,
+    *,
+    force: bool = False,
+    reply_window_s: float | None = None,
+    expires_s: float | None = None,
+) -> Path:
     """``DIR/agents/<agent_id>.creds`` (see :func:`issue` for the options)."""
-    return issue(directory, "agent", agent_id, **options)  # type: ignore[arg-type]
+    return issue(
+        directory,
+        "agent",
+        agent_id,
+        force=force,
+        reply_window_s=reply_window_s,
+        expires_s=expires_s,
+    )
 
 
-def issue_caller(directory: DirLike, name: str, **options: float | bool | None) -> Path:
+def issue_caller(
+    directory: DirLike, name: str, *, force: bool = False, expires_s: float | None = None
+) -> Path:
     """``DIR/callers/<name>.creds`` (see :func:`issue` for the options)."""
-    return issue(directory, "caller", name, **options)  # type: ignore[arg-type]
+    return issue(directory, "caller", name, force=force, expires_s=expires_s)
 
 
 def issue_broker(directory: DirLike, *, force: bool = False) -> Path:

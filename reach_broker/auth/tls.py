@@ -57,6 +57,20 @@ def make(
             ]
         )
 
+    def key_usage(*, signs_certificates: bool) -> Any:
+        sign = signs_certificates
+        return x509.KeyUsage(
+            digital_signature=True,
+            key_cert_sign=sign,
+            crl_sign=sign,
+            content_commitment=False,
+            key_encipherment=False,
+            data_encipherment=False,
+            key_agreement=False,
+            encipher_only=False,
+            decipher_only=False,
+        )
+
     ca_priv = ec.generate_private_key(ec.SECP256R1())
     ca_name = name(f"{org} local CA")
     ca_ski = x509.SubjectKeyIdentifier.from_public_key(ca_priv.public_key())
@@ -69,20 +83,7 @@ def make(
         .not_valid_before(now - dt.timedelta(minutes=5))
         .not_valid_after(now + dt.timedelta(days=CA_DAYS))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                key_cert_sign=True,
-                crl_sign=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
+        .add_extension(key_usage(signs_certificates=True), critical=True)
         .add_extension(ca_ski, critical=False)
         .sign(ca_priv, hashes.SHA256())
     )
@@ -98,20 +99,7 @@ def make(
         .not_valid_before(now - dt.timedelta(minutes=5))
         .not_valid_after(now + dt.timedelta(days=SERVER_DAYS))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                key_cert_sign=False,
-                crl_sign=False,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
+        .add_extension(key_usage(signs_certificates=False), critical=True)
         .add_extension(x509.ExtendedKeyUsage([eku.SERVER_AUTH]), critical=False)
         .add_extension(x509.SubjectAlternativeName(sans), critical=False)
         .add_extension(
