@@ -1,0 +1,126 @@
+"""A real N-node NATS cluster for tests: start it, kill and restart nodes, find leaders.
+
+    async with nats_cluster(tmp_path / "cluster", nodes=3) as cluster:
+        nc = await nats.connect(cluster.urls)
+        leader = await cluster.stream_leader(nc, "REACH_COMP")
+        await cluster.kill(leader)
+        await cluster.wait_stream_leader(nc, "REACH_COMP", not_on={leader})
+
+The nodes are ``reach_broker.natscluster`` nodes (the same config as ``reach dev-cluster``:
+APP/SYS accounts, advisories, JetStream) on free loopback ports, with their stores under the
+given directory; every process is stopped when the block ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Collection
+from pathlib import Path
+
+from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
+from nats.js.errors import ServiceUnavailableError
+
+from reach_broker.natscluster import Cluster, launch
+
+READY_TIMEOUT_S = 30.0
+FAILOVER_TIMEOUT_S = 30.0
+"""A stream's new leader after its old one is SIGKILLed (the Raft election takes 4-10 s)."""
+_ELECTING = (TimeoutError, NoRespondersError, ServiceUnavailableError)
+"""What a JetStream API request meets while the asset it names has no leader."""
+
+
+class NatsCluster:
+    """The tests' handle on a running :class:`Cluster` (nodes ``n1``…``nN``)."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+
+    @property
+    def names(self) -> list[str]:
+        return [n.name for n in self.cluster.nodes]
+
+    @property
+    def urls(self) -> list[str]:
+        return self.cluster.urls
+
+    @property
+    def servers(self) -> str:
+        """The comma-separated server list (``--server``, ``NATS_URL``)."""
+        return ",".join(self.urls)
+
+    @property
+    def pids(self) -> list[int | None]:
+        return self.cluster.pids
+
+    def url(self, name: str) -> str:
+        return self.cluster.node(name).url
+
+    def pid(self, name: str) -> int | None:
+        return self.cluster.node(name).pid
+
+    def running(self, name: str) -> bool:
+        return self.cluster.node(name).running()
+
+    async def wait_meta_leader(self, within: float = READY_TIMEOUT_S) -> str:
+        """The meta leader once the running nodes agree on it and are healthy."""
+        return await asyncio.to_thread(self.cluster.wait_ready, within)
+
+    async def kill(self, name: str) -> None:
+        """SIGKILL node ``name``; its ports and store dir are kept for :meth:`restart`."""
+        await asyncio.to_thread(self.cluster.kill, name)
+
+    async def restart(self, name: str, within: float = READY_TIMEOUT_S) -> str:
+        """Start a killed node on the same ports and store dir; the meta leader once the
+        cluster is ready again."""
+        return await asyncio.to_thread(self.cluster.restart, name, within)
+
+    async def stream_leader(self, nc: NATS, stream: str, within: float = 1.0) -> str | None:
+        """The node leading ``stream`` (``$JS.API.STREAM.INFO``'s ``cluster.leader``), or
+        ``None`` while it has none (the request times out during an election); a stream that
+        does not exist is ``NotFoundError``."""
+        try:
+            info = await nc.jetstream(timeout=within).stream_info(stream)
+        except _ELECTING:
+            return None
+        return info.cluster.leader if info.cluster is not None else None
+
+    async def wait_stream_leader(
+        self,
+        nc: NATS,
+        stream: str,
+        *,
+        not_on: Collection[str] = (),
+        current: bool = False,
+        within: float = FAILOVER_TIMEOUT_S,
+    ) -> str:
+        """Wait until ``stream`` has a leader outside ``not_on``; with ``current`` also until
+        every replica is current. Returns the leader's name."""
+        deadline = time.monotonic() + within
+        while True:
+            try:
+                info = await nc.jetstream(timeout=1.0).stream_info(stream)
+            except _ELECTING:
+                info = None
+            cl = info.cluster if info is not None else None
+            if cl is not None and cl.leader and cl.leader not in not_on:
+                if not current or all(p.current for p in cl.replicas or []):
+                    return cl.leader
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"stream {stream} has no leader outside {sorted(not_on)} "
+                    f"(current={current}) after {within} s; last: {cl}"
+                )
+            await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def nats_cluster(dir: Path, nodes: int = 3) -> AsyncIterator[NatsCluster]:
+    """Start an ``nodes``-node cluster under ``dir``; stop every node at the end."""
+    cluster, _ = await asyncio.to_thread(launch, nodes, dir, timeout=READY_TIMEOUT_S)
+    try:
+        yield NatsCluster(cluster)
+    finally:
+        await asyncio.to_thread(cluster.stop)
