@@ -426,8 +426,10 @@ async def test_events_without_the_stream_say_so(nats_server: NatsServer) -> None
 async def test_events_without_jetstream_say_so(nats_server: NatsServer) -> None:
     # NATS_USER/NATS_PASSWORD (read by connect_options): the system account of
     # configs/nats-server.conf, which has no JetStream.
+    assert nats_server.system_password is not None
     code, out, err = await reach("events", "--since", "1h", "-s", nats_server.url,
-                                 env={"NATS_USER": "sys", "NATS_PASSWORD": "sys"})  # fmt: skip
+                                 env={"NATS_USER": "sys",
+                                      "NATS_PASSWORD": nats_server.system_password})  # fmt: skip
     assert (code, out) == (3, "")
     assert err == (
         "reach: JetStream is not available on this server, so there is no REACH_AUDIT "
@@ -683,3 +685,35 @@ async def test_top_live_survives_a_server_restart(
             await broker.stop()
             await nc.close()
             await asyncio.to_thread(restarted.stop)
+
+
+@pytest.mark.slow
+async def test_sigkill_of_the_demo_takes_every_child_along() -> None:
+    import shutil
+
+    from reach_broker.natsserver import remove_stale_store_dirs
+
+    from .test_broker_process import gone
+
+    proc = await asyncio.create_subprocess_exec(
+        *CLI, "demo", "--json", "--no-view", "--rate", "1",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, env=cli_env(),
+    )  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        started = json.loads(await asyncio.wait_for(proc.stdout.readline(), 30))
+        assert set(started["pids"]) == DEMO_PIDS
+        proc.kill()
+        await asyncio.wait_for(proc.wait(), 10)
+        deadline = time.monotonic() + 20
+        while running := [n for n, pid in started["pids"].items() if not gone(pid)]:
+            assert time.monotonic() < deadline, f"still running after the demo's kill: {running}"
+            await asyncio.sleep(0.05)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    # What a SIGKILL cannot clean: the demo's log dir, and its server's store (which the
+    # next start of any embedded server removes).
+    shutil.rmtree(started["logs"])
+    assert str(proc.pid) in [p.name.split("-")[2] for p in remove_stale_store_dirs()]

@@ -12,10 +12,11 @@ import argparse
 import asyncio
 import os
 import re
-import signal
 from typing import Any
 
 from reach_agent.subjects import Subjects
+
+from ..process import STOP_SIGNALS
 
 EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 3
@@ -90,10 +91,10 @@ def parse_duration(text: str, what: str = "--since") -> float:
 
 
 def stop_on_signals() -> asyncio.Event:
-    """An event SIGINT and SIGTERM set (call inside the running loop)."""
+    """An event SIGINT, SIGTERM and SIGHUP set (call inside the running loop)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     return stop
 

@@ -5,7 +5,7 @@ stopped here (Ctrl-C, SIGTERM, ``q`` or ``--duration``).
 The broker and the agents are child processes in sessions of their own, so a Ctrl-C at the
 terminal reaches only this process, which then stops them in order: calls, agents (SIGTERM:
 the SDK drains and leaves), broker, server. A child that does not exit within its grace is
-killed; on Linux every child also gets SIGTERM if this process dies first (PDEATHSIG).
+killed; every child also gets SIGTERM if this process dies first (:mod:`..lifeline`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any
 from reach_agent.subjects import Subjects
 
 from ..demo import DEMO_AGENTS, PAYLOADS
+from ..lifeline import Lifeline, spawn
 from ..natsserver import NatsServer, NatsServerError
 from .common import (
     EXIT_UNAVAILABLE,
@@ -61,31 +62,20 @@ def add_parser(sub: Subcommands) -> None:
 # --- child processes ----------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-    """preexec_fn: SIGTERM this child when the demo process dies (Linux prctl)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 class Children:
     """The demo's child processes, stopped in reverse start order."""
 
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.lifelines: dict[str, Lifeline] = {}
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> int:
-        logfile = open(self.log_dir / f"{name}.log", "wb")
+        logfile = open(self.log_dir / f"{name}.log", "ab")
         try:
-            proc = subprocess.Popen(
+            proc, self.lifelines[name] = spawn(
                 argv, stdin=subprocess.DEVNULL, stdout=logfile, stderr=subprocess.STDOUT,
                 env=env, start_new_session=True,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )  # fmt: skip
         finally:
             logfile.close()
@@ -110,6 +100,9 @@ class Children:
                 log.warning("demo.kill pid=%d: no exit %.0f s after SIGTERM", proc.pid, grace)
                 proc.kill()
                 proc.wait()
+        for name in names:
+            if name in self.lifelines:
+                self.lifelines.pop(name).release()
 
     def tail(self, name: str, lines: int = 15) -> str:
         path = self.log_dir / f"{name}.log"
@@ -219,7 +212,8 @@ def run(args: argparse.Namespace) -> int:
                   f"by agent {c['by_agent']}", flush=True)  # fmt: skip
         return 0
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut cleanup
+        for sig in (signal.SIGINT, signal.SIGHUP):  # a second one must not cut the cleanup
+            signal.signal(sig, signal.SIG_IGN)
         children.stop(list(DEMO_AGENTS))
         children.stop(["broker"])
         if server is not None:
