@@ -12,6 +12,7 @@ from .common import (
     CliError,
     Subcommands,
     add_common,
+    connection_options,
     env_default,
     int_env,
 )
@@ -43,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
         cfg = load(args.config)
     except ConfigError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
+    if args.server is not None or args.creds:  # a bad URL or a missing file: say so now
+        connection_options(args, "reach-broker")
     # Flags (and their env vars) win over broker.toml.
     if args.server:
         cfg.nats.url = args.server
