@@ -157,7 +157,12 @@ CAPABILITY_RULE = "is not a valid capability (dot-separated lowercase tokens [a-
 @pytest.mark.parametrize("value", BAD_CAPABILITIES)
 @pytest.mark.parametrize(
     ("command", "flag"),
-    [(["route"], "capability"), (["agents", "-C"], "--capability")],
+    [
+        (["route"], "capability"),
+        (["call"], "capability"),
+        (["agents", "-C"], "--capability"),
+        (["announce", "-C"], "--capability"),
+    ],
 )
 async def test_a_bad_capability_is_one_line_before_anything_is_sent(
     command: list[str], flag: str, value: str

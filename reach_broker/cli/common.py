@@ -110,6 +110,17 @@ def capability(value: str, flag: str = "capability") -> str:
         raise CliError(exc.message, EXIT_USAGE, kind=exc.code) from None
 
 
+def tags(items: list[str] | None, flag: str = "--tag") -> dict[str, str]:
+    """``K=V`` options as a dict, or a usage error naming the one that is not."""
+    out: dict[str, str] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise CliError(f"{flag} {item!r} is not key=value", EXIT_USAGE)
+        out[key] = value
+    return out
+
+
 NATS_SCHEMES = ("nats", "tls", "ws", "wss")
 
 
