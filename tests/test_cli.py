@@ -726,13 +726,17 @@ async def test_demo_runs_for_its_duration_and_leaves_no_process() -> None:
     code, out, err = await reach("demo", "--duration", "3", "--json", "--no-view", "--rate", "5",
                                  limit_s=90)  # fmt: skip
     assert code == 0, err
-    started, stopped = (json.loads(line) for line in out.splitlines())
-    assert set(started) == {"event", "nats_url", "pids", "logs"}
+    started, ready, stopped = (json.loads(line) for line in out.splitlines())
+    assert set(started) == {"event", "nats_url", "pids", "logs", "broker_id"}
     assert started["event"] == "started"
     assert set(started["pids"]) == DEMO_PIDS
+    assert ready == {"event": "ready", "agents": ["alpha", "beta", "gamma"]}
     assert stopped["event"] == "stopped"
     assert stopped["reason"] == "duration"
     assert stopped["pids"] == started["pids"]
+    assert stopped["restarts"] == {}
+    # A run without failure leaves no logs.
+    assert not await asyncio.to_thread(os.path.exists, started["logs"])
     calls = stopped["calls"]
     assert calls["failed"] == {}
     assert calls["ok"] >= 1
@@ -756,6 +760,8 @@ async def test_demo_shows_the_fleet_and_stops_everything_on_sigint() -> None:
         while True:
             assert time.monotonic() < deadline, "the demo fleet never showed healthy"
             snap = json.loads(await asyncio.wait_for(proc.stdout.readline(), 30))
+            if "event" in snap:  # the demo's own records (ready) between the snapshots
+                continue
             healthy = {a["agent_id"] for a in snap["agents"] if a["state"] == "healthy"}
             if healthy == {"alpha", "beta", "gamma"}:
                 break
@@ -904,3 +910,13 @@ async def test_sigkill_of_the_demo_takes_every_child_along() -> None:
     # next start of any embedded server removes).
     shutil.rmtree(started["logs"])
     assert str(proc.pid) in [p.name.split("-")[2] for p in remove_stale_store_dirs()]
+
+
+def test_render_shows_the_demos_notes_under_the_header() -> None:
+    snap = Snapshot(at_ms=10_000, agents=[], by_state={}, brokers=[], route_requests=0,
+                    route_rate=None, events=[])  # fmt: skip
+    notes = ["10:00:01 beta exited with -9; restarting it in 3 s", "10:00:04 beta restarted"]
+    frame = render(snap, server="nats://h:1", width=200, height=100, title="reach demo",
+                   notes=notes).splitlines()  # fmt: skip
+    assert frame[3:6] == ["", *notes]
+    assert frame[6] == ""

@@ -15,6 +15,7 @@ from .common import (
     connection_options,
     env_default,
     int_env,
+    subjects,
 )
 
 
@@ -36,7 +37,8 @@ def add_parser(sub: Subcommands) -> None:
                    help="JetStream store dir of the embedded server "
                         "(default: a temp dir)")  # fmt: skip
     p.add_argument("--broker-id", default=env_default("REACH_BROKER_ID"))
-    p.set_defaults(func=run)
+    # --prefix (from add_common) overrides broker.toml only when given (or REACH_PREFIX).
+    p.set_defaults(func=run, prefix=env_default("REACH_PREFIX"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
         cfg.nats.embedded_store_dir = args.store_dir
     if args.broker_id:
         cfg.broker.broker_id = args.broker_id
+    if args.prefix is not None:
+        subjects(args)  # a bad prefix is a usage error naming it
+        cfg.broker.prefix = args.prefix
     try:
         process.run(cfg)
     except process.StartError as exc:

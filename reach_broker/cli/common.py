@@ -150,13 +150,15 @@ def servers(args: argparse.Namespace) -> list[str]:
     return urls
 
 
-def connection_options(args: argparse.Namespace, name: str, **overrides: Any) -> dict[str, Any]:
-    """nats-py ``connect()`` options for ``--server``/``--creds`` (and the ``NATS_*``
-    environment), or a usage error: a credentials file that does not exist is named as such,
-    not reported as a failure to connect."""
+def connection_options(
+    args: argparse.Namespace, name: str, *, urls: list[str] | None = None, **overrides: Any
+) -> dict[str, Any]:
+    """nats-py ``connect()`` options for ``--server`` (or ``urls``) and ``--creds`` (and the
+    ``NATS_*`` environment), or a usage error: a credentials file that does not exist is
+    named as such, not reported as a failure to connect."""
     from reach_agent.connection import Credentials, connect_options
 
-    urls = servers(args)
+    urls = urls or servers(args)
     try:
         return connect_options(name, urls, Credentials(creds=args.creds), **overrides)
     except ValueError as exc:
@@ -193,9 +195,15 @@ def stop_on_signals() -> asyncio.Event:
     return stop
 
 
-async def connect(args: argparse.Namespace, name: str = "reach-cli", **overrides: Any) -> Any:
-    """A NATS connection for a CLI command (one try per server, no reconnect unless
-    ``overrides`` say so), or a clear CliError."""
+async def connect(
+    args: argparse.Namespace,
+    name: str = "reach-cli",
+    *,
+    urls: list[str] | None = None,
+    **overrides: Any,
+) -> Any:
+    """A NATS connection for a CLI command to ``--server`` (or ``urls``): one try per
+    server, no reconnect unless ``overrides`` say so; or a clear CliError."""
     import nats
 
     errors: list[BaseException] = []
@@ -207,7 +215,7 @@ async def connect(args: argparse.Namespace, name: str = "reach-cli", **overrides
     # max_reconnect_attempts=0 would mean "forever" to nats-py's initial server loop;
     # 1 tries each server twice, 0.1 s apart, then gives up.
     options = connection_options(
-        args, name, **{"connect_timeout": timeout, "max_reconnect_attempts": 1,
+        args, name, urls=urls, **{"connect_timeout": timeout, "max_reconnect_attempts": 1,
                        "reconnect_time_wait": 0.1, "allow_reconnect": False,
                        "error_cb": on_error, **overrides},
     )  # fmt: skip
