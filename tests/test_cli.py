@@ -69,7 +69,7 @@ async def two_agents(nc: NATS, broker: Broker) -> None:
 
 
 async def ensure_audit_stream(nc: NATS) -> None:
-    """REACH_AUDIT as DESIGN §5 has it, unless the broker provisioned it already."""
+    """REACH_AUDIT as the broker provisions it (deny delete and purge), unless it did already."""
     from nats.js.errors import NotFoundError
 
     js = nc.jetstream()
