@@ -25,6 +25,14 @@ from .test_cli import CLI, DEMO_PIDS, cli_env, reach
 pytestmark = pytest.mark.slow
 
 
+def remove_logs(out: str) -> None:
+    """A failed demo keeps its logs (and says where): a test must not leave them behind."""
+    for line in out.splitlines():
+        record = json.loads(line)
+        if record.get("event") == "started":
+            shutil.rmtree(record["logs"], ignore_errors=True)
+
+
 async def records(proc: asyncio.subprocess.Process) -> Any:
     """The demo's JSON records, one at a time (each read bounded)."""
     assert proc.stdout is not None
@@ -47,6 +55,7 @@ async def test_demo_next_to_a_running_broker_starts_its_own_first(
     other = await broker_factory()
     code, out, err = await reach("demo", "--server", nats_server.url, "--duration", "4",
                                  "--rate", "8", "--json", "--no-view", limit_s=120)  # fmt: skip
+    remove_logs(out)
     assert code == 0, err
     started, ready, stopped = (json.loads(line) for line in out.splitlines())
     assert started["broker_id"].startswith("demo-") and started["broker_id"] != other.broker_id
@@ -60,6 +69,7 @@ async def test_demo_next_to_a_running_broker_starts_its_own_first(
 async def test_demo_under_another_prefix() -> None:
     code, out, err = await reach("demo", "--prefix", "demo2", "--duration", "3", "--rate", "5",
                                  "--json", "--no-view", limit_s=120)  # fmt: skip
+    remove_logs(out)
     assert code == 0, err
     stopped = json.loads(out.splitlines()[-1])
     assert (stopped["reason"], stopped["calls"]["failed"]) == ("duration", {})
