@@ -1,13 +1,16 @@
 """``python -m loadtest.chaos``: one fault on one of three agents while a caller keeps calling.
 
     python -m loadtest.chaos --fault kill|freeze|latency [--hold 45] [--watch 60] \
-        [--calls 1000] [--heartbeat-ms 1000] [--sdk-agents] --report chaos-kill.json
+        [--calls 1000 | --concurrency 8] [--agents 3] [--max-concurrency 64] \
+        [--heartbeat-ms 1000] [--sdk-agents] --report chaos-kill.json
 
 Starts a ``nats-server`` (``configs/nats-server.conf``: advisories on), a broker in this
-process (default settings), three agents ``alpha``/``beta``/``gamma`` as their own processes
-(``loadtest.chaos_agent``: 20 ms tasks), and a caller sending ``--calls`` calls through the
-SDK (``reach_agent.Client``) at a steady rate over warm-up + hold + watch. After the warm-up
-one fault hits ``alpha`` for ``--hold`` seconds:
+process (default settings), ``--agents`` agents ``alpha``/``beta``/``gamma``/… as their own
+processes (``loadtest.chaos_agent``: 20 ms tasks, ``--max-concurrency`` slots each), and a
+caller through the SDK (``reach_agent.Client``): ``--calls`` calls at a steady rate over
+warm-up + hold + watch, or with ``--concurrency N`` N callers each calling back to back for
+the whole run (N calls always in flight). After the warm-up one fault hits ``alpha`` for
+``--hold`` seconds:
 
 - ``kill``: SIGKILL; cleared by starting the agent again;
 - ``freeze``: SIGSTOP (alive to the kernel, silent on the bus — a partition as the bus sees
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -53,7 +57,7 @@ from reach_broker.registry import AgentRecord, Transition
 from reach_broker.service import Broker
 
 CAPABILITY = "summarize"
-AGENTS = ("alpha", "beta", "gamma")
+NAMES = ("alpha", "beta", "gamma", "delta", "epsilon")
 VICTIM = "alpha"
 ROOT = Path(__file__).resolve().parent.parent
 POLL_S = 0.01
@@ -70,6 +74,9 @@ class Run:
     calls: int
     agent_args: list[str]
     sdk: bool
+    agents: tuple[str, ...] = NAMES[:3]
+    concurrency: int = 0
+    """Callers calling back to back (0: ``calls`` at a steady rate instead)."""
     t_fault: float = 0.0
     t_clear: float = 0.0
     switch_at: float | None = None
@@ -116,7 +123,7 @@ def victim_share(broker: Broker, now: float) -> tuple[bool, float]:
     router = broker.router
     assert router is not None
     try:
-        got = router.route(CAPABILITY, RouteRequest(limit=len(AGENTS)), now)
+        got = router.route(CAPABILITY, RouteRequest(limit=len(NAMES)), now)
     except NoReachableAgent:
         return False, 0.0
     routable = any(c.agent_id == VICTIM for c in got)
@@ -127,7 +134,7 @@ def victim_share(broker: Broker, now: float) -> tuple[bool, float]:
 
 
 async def monitor(broker: Broker, run: Run, stop: asyncio.Event) -> None:
-    even = 1.0 / len(AGENTS)
+    even = 1.0 / len(run.agents)
     while not stop.is_set():
         now = time.monotonic()
         routable, share = victim_share(broker, now)
@@ -141,22 +148,36 @@ async def monitor(broker: Broker, run: Run, stop: asyncio.Event) -> None:
         await asyncio.sleep(POLL_S)
 
 
-async def caller(client: Client, run: Run, t0: float, rate: float) -> None:
-    async def one(i: int) -> None:
-        t_send = time.monotonic()
-        try:
-            result = await client.call(CAPABILITY, {"i": i}, timeout=30)
-            run.results.append((i, t_send, time.monotonic(), result.get("agent"), None))
-        except ReachError as err:
-            run.results.append((i, t_send, time.monotonic(), None, err.code))
+async def call_one(client: Client, run: Run, i: int) -> None:
+    t_send = time.monotonic()
+    try:
+        result = await client.call(CAPABILITY, {"i": i}, timeout=30)
+        run.results.append((i, t_send, time.monotonic(), result.get("agent"), None))
+    except ReachError as err:
+        run.results.append((i, t_send, time.monotonic(), None, err.code))
 
+
+async def caller(client: Client, run: Run, t0: float, rate: float) -> None:
+    """``run.calls`` calls, one every ``1 / rate`` seconds, whatever their latency."""
     tasks = []
     for i in range(run.calls):
         delay = t0 + i / rate - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(i)))
+        tasks.append(asyncio.create_task(call_one(client, run, i)))
     await asyncio.gather(*tasks)
+
+
+async def concurrent_callers(client: Client, run: Run, until: float) -> None:
+    """``run.concurrency`` callers, each starting its next call when the last one ended,
+    until ``until`` (monotonic)."""
+    numbers = itertools.count()
+
+    async def one_caller() -> None:
+        while time.monotonic() < until:
+            await call_one(client, run, next(numbers))
+
+    await asyncio.gather(*(one_caller() for _ in range(run.concurrency)))
 
 
 async def inject(run: Run, url: str) -> None:
@@ -192,7 +213,7 @@ def summarize(run: Run, command: str, broker_cfg: Config) -> dict[str, Any]:
               "after": (run.t_clear, float("inf"))}  # fmt: skip
     served: dict[str, dict[str, int]] = {}
     for name, (lo, hi) in phases.items():
-        counts = dict.fromkeys(AGENTS, 0)
+        counts = dict.fromkeys(run.agents, 0)
         for _, t_send, _, agent, _ in run.results:
             if agent is not None and lo <= t_send < hi:
                 counts[agent] += 1
@@ -231,7 +252,8 @@ def summarize(run: Run, command: str, broker_cfg: Config) -> dict[str, Any]:
             for t, f, to, reason in run.transitions
         ],
         "setup": {
-            "agents": list(AGENTS),
+            "agents": list(run.agents),
+            "concurrency": run.concurrency or None,
             "victim": VICTIM,
             "sdk_agents": run.sdk,
             "agent_args": run.agent_args,
@@ -256,8 +278,9 @@ def table(report: dict[str, Any]) -> str:
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)),
              "  ".join(cell(v).ljust(w) for v, w in zip(row, widths, strict=True))]  # fmt: skip
     s = report["served"]
-    lines.append("served (alpha/beta/gamma): " + "; ".join(
-        f"{phase} {'/'.join(str(s[phase][a]) for a in AGENTS)}" for phase in s))  # fmt: skip
+    agents = report["setup"]["agents"]
+    lines.append(f"served ({'/'.join(agents)}): " + "; ".join(
+        f"{phase} {'/'.join(str(s[phase][a]) for a in agents)}" for phase in s))  # fmt: skip
     c = report["call_ms"]
     lines.append(f"call ms: p50 {c['p50']} p99 {c['p99']} max {c['max']}")
     if report["failures_by_code"]:
@@ -267,9 +290,11 @@ def table(report: dict[str, Any]) -> str:
 
 async def main_async(args: argparse.Namespace, command: str) -> dict[str, Any]:
     run = Run(fault=args.fault, hold_s=args.hold, watch_s=args.watch, warmup_s=args.warmup,
-              calls=args.calls, sdk=args.sdk_agents,
+              calls=args.calls, sdk=args.sdk_agents, agents=NAMES[: args.agents],
+              concurrency=args.concurrency,
               agent_args=["--heartbeat-ms", str(args.heartbeat_ms), "--work-ms",
-                          str(args.work_ms)])  # fmt: skip
+                          str(args.work_ms), "--max-concurrency",
+                          str(args.max_concurrency)])  # fmt: skip
     server = NatsServer(port=0)
     await asyncio.to_thread(server.start)
     cfg = Config()
@@ -287,15 +312,15 @@ async def main_async(args: argparse.Namespace, command: str) -> dict[str, Any]:
                 run.transitions.append((time.monotonic(), t.from_, t.to, t.reason))
 
         broker.listeners.append(on_transition)
-        for agent_id in AGENTS:
+        for agent_id in run.agents:
             run.procs[agent_id] = await spawn(server.url, agent_id, run)
         # Let phi learn each agent's rhythm before anything happens.
         reg = broker.registry
         assert reg is not None
         need = cfg.detection.phi_min_samples + 1
         deadline = time.monotonic() + 30
-        while any(len(reg.agents[a].window) < need for a in AGENTS if a in reg.agents) or \
-                len(reg.agents) < len(AGENTS):  # fmt: skip
+        while any(len(reg.agents[a].window) < need for a in run.agents if a in reg.agents) or \
+                len(reg.agents) < len(run.agents):  # fmt: skip
             if time.monotonic() > deadline:
                 raise RuntimeError("agents did not settle within 30 s")
             await asyncio.sleep(0.05)
@@ -304,7 +329,10 @@ async def main_async(args: argparse.Namespace, command: str) -> dict[str, Any]:
         mon = asyncio.create_task(monitor(broker, run, stop))
         total = args.warmup + args.hold + args.watch
         t0 = time.monotonic()
-        calling = asyncio.create_task(caller(client, run, t0, args.calls / total))
+        if run.concurrency:
+            calling = asyncio.create_task(concurrent_callers(client, run, t0 + total))
+        else:
+            calling = asyncio.create_task(caller(client, run, t0, args.calls / total))
         await asyncio.sleep(args.warmup)
         await inject(run, server.url)
         await asyncio.wait_for(calling, args.watch + 120)
@@ -332,6 +360,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--watch", type=float, default=60.0, help="seconds watched after (60)")
     ap.add_argument("--warmup", type=float, default=5.0, help="seconds of calls before (5)")
     ap.add_argument("--calls", type=int, default=1000, help="calls over the whole run (1000)")
+    ap.add_argument(
+        "--concurrency",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead of --calls: N callers calling back to back for the whole run",
+    )
+    ap.add_argument(
+        "--agents",
+        type=int,
+        default=3,
+        choices=range(2, len(NAMES) + 1),
+        metavar="N",
+        help=f"agents, the first of which takes the fault (3; 2-{len(NAMES)})",
+    )
+    ap.add_argument("--max-concurrency", type=int, default=64, help="each agent's slots (64)")
     ap.add_argument("--heartbeat-ms", type=int, default=1000, help="agents' interval (1000)")
     ap.add_argument("--work-ms", type=float, default=20.0, help="a normal task's time (20)")
     ap.add_argument(
@@ -342,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report", required=True, help="JSON report file")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
+    if args.concurrency < 0 or args.max_concurrency < 1:
+        ap.error("--concurrency must be >= 0 and --max-concurrency >= 1")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s")  # fmt: skip
     command = "python -m loadtest.chaos " + shlex.join(argv if argv is not None else sys.argv[1:])

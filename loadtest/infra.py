@@ -60,7 +60,7 @@ class Infra:
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
 
     def _broker_toml(self) -> tuple[str, dict[str, int]]:
-        """Defaults, except the fleet-wide in-flight ceiling: 5000 (DESIGN §8) is for fleets
+        """Defaults, except the fleet-wide in-flight ceiling: 5000 (the default) is for fleets
         far smaller than 10,000 agents each reporting a few running tasks."""
         ceiling = max(5000, 20 * self.args.agents)
         self._tmp = tempfile.TemporaryDirectory(prefix="reach-loadtest-")

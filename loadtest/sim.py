@@ -223,7 +223,7 @@ class Sim:
                             raise RuntimeError(msg.headers.get(H_SERVICE_ERROR))
                         ack = schema.announce_ack_decoder.decode(msg.data)
                         agent.token = ack.token
-                        # seq is per process and keeps rising across re-announces (DESIGN)
+                        # seq is per process and keeps rising across re-announces (never stale)
                         return
                     except Exception:
                         await asyncio.sleep(0.1 * (attempt + 1))

@@ -2,7 +2,8 @@
 and what they are called with.
 
 ``python -m reach_broker.demo agent alpha`` runs one (``reach demo`` starts all three this
-way; so does ``docker-compose.nats.yml``). ``reach demo`` itself is
+way; so does ``docker-compose.nats.yml``), with ``NATS_URL``, ``NATS_CREDS`` and
+``REACH_PREFIX`` from the environment. ``reach demo`` itself is
 :mod:`reach_broker.cli.demo`.
 """
 
@@ -32,12 +33,13 @@ PAYLOADS: dict[str, Any] = {
 """A call payload per demo capability."""
 
 
-def build_agent(agent_id: str) -> Any:
+def build_agent(agent_id: str, prefix: str = "reach") -> Any:
     """A demo agent: each handler does a little simulated work and says who did it."""
     import reach_agent
 
     agent = reach_agent.Agent(agent_id, DEMO_AGENTS[agent_id], max_concurrency=4,
-                              heartbeat_interval=1.0, version="demo", grace=3.0)  # fmt: skip
+                              heartbeat_interval=1.0, version="demo", grace=3.0,
+                              prefix=prefix)  # fmt: skip
 
     async def work() -> None:
         await asyncio.sleep(random.uniform(0.02, 0.15))
@@ -76,7 +78,8 @@ def agent_main(agent_id: str) -> int:
                          f"(one of {', '.join(DEMO_AGENTS)})\n")  # fmt: skip
         return 2
     setup_logging(os.environ.get("REACH_LOG_FORMAT", "text"), "info")
-    reach_agent.run(build_agent(agent_id))
+    # NATS_URL and NATS_CREDS are read by the SDK's connect_options(); the prefix here.
+    reach_agent.run(build_agent(agent_id, os.environ.get("REACH_PREFIX") or "reach"))
     return 0
 
 

@@ -3,6 +3,13 @@
 Used by ``reach broker`` when no server is given, by ``reach demo``, by the load tools and by
 the test fixture, so every one of them runs against the same real server with the same
 configuration (``configs/nats-server.conf``: JetStream, and the disconnect advisories).
+
+The server dies with the process that started it, however that process ends
+(:mod:`reach_broker.lifeline`). A temporary store dir is named after its owner's PID
+(``reach-nats-<pid>-…``), so the next start removes those of owners that died without
+cleaning up. The system account's password comes from ``$REACH_NATS_SYSTEM_PASSWORD`` or is
+a random one per start (:attr:`NatsServer.system_password`): nothing reach runs logs in as the
+system user, and a password in the repository would be one everybody knows.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -21,14 +29,33 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from .lifeline import Guard, Lifeline, spawn
+
 log = logging.getLogger(__name__)
 
 _LISTEN_RE = re.compile(r"Listening for client connections on ([0-9.]+|\[[0-9a-f:]+\]):(\d+)")
+_IN_USE_RE = re.compile(r"\[FTL\] Error listening on port: \S+?:(\d+),.*address already in use")
+_FATAL_RE = re.compile(r"\[(?:FTL|ERR)\] (.*)")
 _REPO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "nats-server.conf"
+
+SYSTEM_PASSWORD_ENV = "REACH_NATS_SYSTEM_PASSWORD"
+"""Read by ``configs/nats-server.conf`` as the system account's password."""
+_PASSWORD_RE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{11,}")
+TMP_PREFIX = "reach-nats-"
+_TMP_RE = re.compile(rf"{TMP_PREFIX}(\d+)-")
 
 
 class NatsServerError(RuntimeError):
     """The embedded server could not be found or started; the message says why."""
+
+
+class PortInUse(NatsServerError):
+    """The port is taken (often by another nats-server or ``reach broker``)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        super().__init__(f"port {port} on {host} is already in use")
+        self.host = host
+        self.port = port
 
 
 def find_binary() -> str:
@@ -66,12 +93,58 @@ def default_config() -> Path | None:
     return Path(str(shipped)) if shipped.is_file() else None
 
 
+def system_password() -> str:
+    """``$REACH_NATS_SYSTEM_PASSWORD`` when set (checked), else a fresh random one."""
+    given = os.environ.get(SYSTEM_PASSWORD_ENV)
+    if not given:
+        return "sys-" + secrets.token_hex(16)
+    if _PASSWORD_RE.fullmatch(given) is None:
+        raise NatsServerError(
+            f"{SYSTEM_PASSWORD_ENV} must be at least 12 characters of letters, digits, '_' "
+            "and '-', starting with a letter (the server config reads it unquoted)"
+        )
+    return given
+
+
+def remove_stale_store_dirs(tmp: str | None = None) -> list[Path]:
+    """Remove the temporary store dirs of owners that are no longer running (a ``kill -9``
+    leaves its dir behind); returns what was removed."""
+    removed = []
+    root = Path(tmp or tempfile.gettempdir())
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return []
+    for entry in entries:
+        match = _TMP_RE.match(entry.name)
+        if match is None or _running(int(match.group(1))) or not entry.is_dir():
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        if not entry.exists():
+            removed.append(entry)
+    if removed:
+        log.debug("nats-server.stale_dirs_removed count=%d", len(removed))
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 class NatsServer:
     """One ``nats-server`` child process with JetStream on loopback.
 
     ``port=0`` lets the server pick a free port (read back from its log, so there is no
     race between choosing a port and binding it). ``store_dir=None`` uses a temporary
-    directory removed on :meth:`stop`. Usable as a (sync or async) context manager.
+    directory removed on :meth:`stop`. ``guard`` ties the server's life to this process
+    (:mod:`reach_broker.lifeline`; default: the platform's mechanism). Usable as a (sync or
+    async) context manager.
     """
 
     def __init__(
@@ -84,6 +157,7 @@ class NatsServer:
         binary: str | None = None,
         extra_args: list[str] | None = None,
         new_session: bool = False,
+        guard: Guard | None = None,
     ) -> None:
         self.host = host
         # In its own session a Ctrl-C at the terminal does not reach the server, so its
@@ -93,10 +167,14 @@ class NatsServer:
         self.config = default_config() if config == "default" else config
         self.binary = binary
         self.extra_args = extra_args or []
-        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self.guard = guard
+        self._tmp: Path | None = None
         self.store_dir = Path(store_dir) if store_dir is not None else None
         self.proc: subprocess.Popen[bytes] | None = None
+        self._lifeline = Lifeline()
         self.log_path: Path | None = None
+        self.system_password: str | None = None
+        """The system account's password while running with the shipped config."""
 
     @property
     def url(self) -> str:
@@ -111,9 +189,13 @@ class NatsServer:
         if self.proc is not None and self.proc.poll() is None:
             return self.url
         binary = self.binary or find_binary()
+        env = dict(os.environ)
+        if self.config is not None:
+            self.system_password = env[SYSTEM_PASSWORD_ENV] = system_password()
         if self.store_dir is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="reach-nats-")
-            self.store_dir = Path(self._tmp.name)
+            remove_stale_store_dirs()
+            self._tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-"))
+            self.store_dir = self._tmp
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.store_dir / "nats-server.log"
         self.log_path.write_bytes(b"")
@@ -130,20 +212,20 @@ class NatsServer:
         ]  # fmt: skip
         log.debug("nats-server.start args=%s", args)
         try:
-            self.proc = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                start_new_session=self.new_session,
-            )
+            self.proc, self._lifeline = spawn(
+                args, guard=self.guard, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE, start_new_session=self.new_session, env=env,
+            )  # fmt: skip
         except OSError as exc:
+            self._cleanup()
             raise NatsServerError(f"cannot run {binary!r}: {exc}") from None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raw = self.proc.stderr.read() if self.proc.stderr else b""
-                err = raw.decode(errors="replace")
-                tail = self.log_path.read_text(errors="replace")[-2000:]
-                self.proc = None
-                raise NatsServerError(f"nats-server exited at start: {err.strip()} {tail.strip()}")
+                failure = self._start_failure(raw.decode(errors="replace"))
+                self.stop()
+                raise failure
             match = _LISTEN_RE.search(self.log_path.read_text(errors="replace"))
             if match and _accepts(self.host, int(match.group(2))):
                 self.port = int(match.group(2))
@@ -152,6 +234,17 @@ class NatsServer:
             time.sleep(0.02)
         self.stop()
         raise NatsServerError(f"nats-server did not accept connections within {timeout} s")
+
+    def _start_failure(self, stderr: str) -> NatsServerError:
+        """The one-line reason the server exited at start (its log can be 20+ lines)."""
+        text = self.log_path.read_text(errors="replace") if self.log_path else ""
+        in_use = _IN_USE_RE.search(text)
+        if in_use:
+            return PortInUse(self.host, int(in_use.group(1)))
+        reasons = [m.group(1).strip() for m in _FATAL_RE.finditer(text)]
+        reasons += stderr.strip().splitlines()  # e.g. a config error, before any log line
+        reason = reasons[-1] if reasons else "no reason given"
+        return NatsServerError(f"nats-server exited at start: {reason}")
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the server (SIGTERM, then SIGKILL after ``timeout``); idempotent."""
@@ -163,10 +256,14 @@ class NatsServer:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        self._lifeline.release()  # after the wait: the server never runs unguarded
         if proc is not None and proc.stderr is not None:
             proc.stderr.close()
+        self._cleanup()
+
+    def _cleanup(self) -> None:
         if self._tmp is not None:
-            self._tmp.cleanup()
+            shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
             self.store_dir = None
 
@@ -176,6 +273,7 @@ class NatsServer:
         if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait()
+        self._lifeline.release()
         if proc is not None and proc.stderr is not None:
             proc.stderr.close()
 

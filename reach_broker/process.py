@@ -2,10 +2,12 @@
 
 Start, in order: an embedded ``nats-server`` when the config names no server (in a session
 of its own, so a terminal Ctrl-C reaches the broker only, which stops its clients before
-the server: the server dying first would leave them reconnecting), SIGINT/SIGTERM handlers,
-the Prometheus ``/metrics`` endpoint, the :class:`~reach_broker.service.Broker`. Stop, the
-other way round: the broker (drains, leaves nothing in flight), then the embedded server.
-The metrics endpoint is a daemon thread that ends with the process.
+the server: the server dying first would leave them reconnecting), SIGINT/SIGTERM/SIGHUP
+handlers (SIGHUP: the terminal closed), the Prometheus ``/metrics`` endpoint, the
+:class:`~reach_broker.service.Broker`. Stop, the other way round: the broker (drains, leaves
+nothing in flight), then the embedded server. The metrics endpoint is a daemon thread that
+ends with the process. Should the process die without stopping (``kill -9``), the embedded
+server dies with it (:mod:`reach_broker.lifeline`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,11 @@ import asyncio
 import signal
 
 from .config import Config
-from .natsserver import NatsServer, NatsServerError
+from .logs import say
+from .natsserver import NatsServer, NatsServerError, PortInUse
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""What stops the process in order: Ctrl-C, ``kill``, and the terminal going away."""
 
 
 class StartError(Exception):
@@ -45,7 +51,7 @@ async def serve(cfg: Config, *, stop: asyncio.Event | None = None) -> None:
         if stop is None:
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in STOP_SIGNALS:
                 loop.add_signal_handler(sig, stop.set)
         await _run_broker(cfg, stop)
     finally:
@@ -58,11 +64,17 @@ async def _embedded_server(cfg: Config) -> NatsServer:
                         new_session=True)  # fmt: skip
     try:
         await asyncio.to_thread(server.start)
+    except PortInUse as exc:
+        raise StartError(
+            f"port {exc.port} is already in use (another `reach broker` or nats-server?): stop "
+            "that one, choose another port with --port (0: any free port), or use the running "
+            f"server with --server nats://{exc.host}:{exc.port}"
+        ) from None
     except NatsServerError as exc:
         raise StartError(f"embedded nats-server: {exc}") from None
     cfg.nats.url = server.url
-    print(f"reach: embedded nats-server listening on {server.url} "
-          f"(JetStream store {server.store_dir})", flush=True)  # fmt: skip
+    say(f"reach: embedded nats-server listening on {server.url} "
+        f"(pid {server.pid}, JetStream store {server.store_dir})")  # fmt: skip
     return server
 
 
@@ -91,9 +103,9 @@ async def _run_broker(cfg: Config, stop: asyncio.Event) -> None:
         ) from None
     where = (f"; metrics on http://{cfg.broker.metrics_host}:{cfg.broker.metrics_port}/metrics"
              if cfg.broker.metrics_port else "")  # fmt: skip
-    print(f"reach: broker {broker.broker_id} serving on {cfg.nats.url}{where}", flush=True)
+    say(f"reach: broker {broker.broker_id} serving on {cfg.nats.url}{where}")
     try:
         await stop.wait()
     finally:
-        print("reach: stopping", flush=True)
+        say("reach: stopping")
         await broker.stop()

@@ -10,12 +10,17 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import nats
 import pytest
+
+from reach_broker.natsserver import NatsServer, NatsServerError
 
 from .conftest import wait_for
 
@@ -160,3 +165,254 @@ def test_busy_metrics_port_is_a_clear_error_and_stops_the_embedded_server(tmp_pa
     host, nats_port = url.group(1).removeprefix("nats://").split(":")
     with pytest.raises(OSError):
         socket.create_connection((host, int(nats_port)), timeout=1).close()
+
+
+# --- the embedded server dies with its broker, however the broker ends -----------------------
+
+READY = re.compile(r"listening on (nats://\S+) \(pid (\d+), JetStream store (\S+)\)")
+
+
+def gone(pid: int) -> bool:
+    """No such process, or only its zombie (an orphan whose new parent has not reaped it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def wait_gone(pid: int, limit_s: float = 15.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not gone(pid):
+        assert time.monotonic() < deadline, f"pid {pid} still running after {limit_s} s"
+        time.sleep(0.02)
+
+
+def refused(url: str) -> bool:
+    host, port = url.removeprefix("nats://").split(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=1).close()
+    except OSError:
+        return True
+    return False
+
+
+def read_until(stream: Any, needle: str, limit_s: float = 30.0) -> str:
+    """Lines of a text pipe until one contains ``needle`` (blocking reads in a thread)."""
+    seen: list[str] = []
+
+    def read() -> None:
+        for line in stream:
+            seen.append(line)
+            if needle in line:
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(limit_s)
+    assert not reader.is_alive() and needle in "".join(seen), "".join(seen)
+    return "".join(seen)
+
+
+def broker_argv(*extra: str) -> list[str]:
+    return [sys.executable, "-m", "reach_broker", "broker", "--metrics-port", "0", *extra]
+
+
+def clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "NATS_URL"}
+
+
+def test_sigkill_of_the_broker_takes_its_server_along_and_the_next_start_cleans_up() -> None:
+    proc = subprocess.Popen(broker_argv("--port", "0"), stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=clean_env())  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        ready = READY.search(read_until(proc.stdout, "serving on"))
+        assert ready, "the broker names its server's URL, PID and store"
+        url, server_pid, store = ready.group(1), int(ready.group(2)), Path(ready.group(3))
+        assert store.name.startswith(f"reach-nats-{proc.pid}-")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        wait_gone(server_pid)
+        assert refused(url)
+        assert store.is_dir(), "nobody was left to remove it"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    # The next start of any embedded server removes the store dirs of dead owners.
+    with NatsServer(port=0) as server:
+        assert server.store_dir is not None and server.store_dir.is_dir()
+        assert not store.exists()
+
+
+def test_closing_the_terminal_stops_broker_and_server_in_order() -> None:
+    """SIGHUP from a real terminal hang-up: a clean stop, the temp store removed."""
+    import fcntl
+    import pty
+    import select
+    import termios
+
+    master, slave = pty.openpty()
+
+    def take_terminal() -> None:  # the pty becomes the session's controlling terminal
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    proc = subprocess.Popen(broker_argv("--port", "0"), stdin=slave, stdout=slave, stderr=slave,
+                            start_new_session=True, preexec_fn=take_terminal,
+                            env=clean_env())  # fmt: skip
+    os.close(slave)
+    try:
+        out = b""
+        deadline = time.monotonic() + 30
+        while b"serving on" not in out:
+            assert time.monotonic() < deadline, out.decode(errors="replace")
+            ready, _, _ = select.select([master], [], [], 0.2)
+            if ready:
+                out += os.read(master, 65536)
+        match = READY.search(out.decode(errors="replace"))
+        assert match, out
+        url, server_pid, store = match.group(1), int(match.group(2)), Path(match.group(3))
+        os.close(master)  # the terminal window closes: the kernel sends SIGHUP
+        master = -1
+        assert proc.wait(20) == 0
+        wait_gone(server_pid)
+        assert refused(url)
+        assert not store.exists()
+    finally:
+        if master >= 0:
+            os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_a_second_broker_on_a_busy_port_is_one_line(
+    broker_process: tuple[subprocess.Popen[str], str, int],
+) -> None:
+    _, url, _ = broker_process
+    port = url.rsplit(":", 1)[1]
+    out = subprocess.run(broker_argv("--port", port), capture_output=True, text=True,
+                         env=clean_env(), timeout=30)  # fmt: skip
+    assert out.returncode == 3
+    assert out.stdout == ""
+    assert out.stderr == (
+        f"reach: port {port} is already in use (another `reach broker` or nats-server?): stop "
+        "that one, choose another port with --port (0: any free port), or use the running "
+        f"server with --server nats://127.0.0.1:{port}\n"
+    )
+
+
+OWNER = """
+import sys, threading, time
+from reach_broker.natsserver import NatsServer
+server = NatsServer(port=0, guard=sys.argv[1])
+if sys.argv[2] == "thread":  # started from a thread that then ends
+    worker = threading.Thread(target=server.start)
+    worker.start()
+    worker.join()
+else:
+    server.start()
+print(server.pid, server.url, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("guard", ["watchdog", "pdeathsig"])
+def test_a_killed_owner_takes_its_server_along(guard: str) -> None:
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, guard, "main"],
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert owner.stdout is not None
+        pid, url = read_until(owner.stdout, "nats://").split()
+        assert not refused(url)
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(10)
+        wait_gone(int(pid))
+        assert refused(url)
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait(10)
+        if owner.stdout is not None:
+            owner.stdout.close()
+
+
+def test_a_server_started_from_a_short_lived_thread_outlives_the_thread() -> None:
+    """PR_SET_PDEATHSIG fires when the forking *thread* ends: the fork must not happen on a
+    worker thread (asyncio.to_thread) that may end before the process does."""
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, "pdeathsig", "thread"],
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert owner.stdout is not None
+        pid, url = read_until(owner.stdout, "nats://").split()
+        # A SIGTERM at the thread's end would stop the server within milliseconds.
+        time.sleep(1.0)
+        assert not gone(int(pid))
+        assert not refused(url)
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(10)
+        wait_gone(int(pid))
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait(10)
+        if owner.stdout is not None:
+            owner.stdout.close()
+
+
+def test_forks_from_worker_threads_happen_on_the_one_spawner_thread() -> None:
+    from reach_broker import lifeline
+
+    where: list[str] = []
+
+    def fork() -> Any:
+        where.append(threading.current_thread().name)
+        return None
+
+    lifeline._on_long_lived_thread(fork)
+    worker = threading.Thread(target=lifeline._on_long_lived_thread, args=(fork,), name="w")
+    worker.start()
+    worker.join(10)
+    assert where[0] == "MainThread"
+    assert where[1].startswith("reach-spawner")
+
+
+def test_system_account_password_is_per_start_unless_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import asyncio
+
+    from nats.aio.client import Client as NATS
+    from nats.errors import Error as NatsError
+
+    async def login(url: str, password: str) -> bool:
+        nc = NATS()
+        try:
+            await nc.connect(url, user="sys", password=password, allow_reconnect=False,
+                             max_reconnect_attempts=1, connect_timeout=2)  # fmt: skip
+        except (NatsError, OSError):
+            return False
+        finally:
+            await nc.close()
+        return True
+
+    monkeypatch.delenv("REACH_NATS_SYSTEM_PASSWORD", raising=False)
+    with NatsServer(port=0) as one, NatsServer(port=0) as two:
+        assert one.system_password and two.system_password
+        assert one.system_password != two.system_password
+        assert asyncio.run(login(one.url, one.system_password))
+        assert not asyncio.run(login(one.url, "sys"))
+    monkeypatch.setenv("REACH_NATS_SYSTEM_PASSWORD", "chosen-by-the-operator")
+    with NatsServer(port=0) as three:
+        assert three.system_password == "chosen-by-the-operator"
+        assert asyncio.run(login(three.url, "chosen-by-the-operator"))
+    monkeypatch.setenv("REACH_NATS_SYSTEM_PASSWORD", "short")
+    with pytest.raises(NatsServerError, match="REACH_NATS_SYSTEM_PASSWORD must be at least 12"):
+        NatsServer(port=0).start()

@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -67,7 +69,7 @@ async def two_agents(nc: NATS, broker: Broker) -> None:
 
 
 async def ensure_audit_stream(nc: NATS) -> None:
-    """REACH_AUDIT as DESIGN §5 has it, unless the broker provisioned it already."""
+    """REACH_AUDIT as the broker provisions it (deny delete and purge), unless it did already."""
     from nats.js.errors import NotFoundError
 
     js = nc.jetstream()
@@ -148,15 +150,33 @@ async def test_agents_table_is_readable(
     assert cells[5:] == ["ago", "text_processing,tool_use", "eu", "100.0%"]
 
 
-async def test_agents_bad_capability_is_one_clear_line(
-    nats_server: NatsServer, broker_factory: BrokerFactory
+BAD_CAPABILITIES = ["text processing", "", "text.", "text..processing", "Bad"]
+CAPABILITY_RULE = "is not a valid capability (dot-separated lowercase tokens [a-z0-9][a-z0-9_-]*)"
+
+
+@pytest.mark.parametrize("value", BAD_CAPABILITIES)
+@pytest.mark.parametrize(
+    ("command", "flag"),
+    [
+        (["route"], "capability"),
+        (["call"], "capability"),
+        (["agents", "-C"], "--capability"),
+        (["announce", "-C"], "--capability"),
+    ],
+)
+async def test_a_bad_capability_is_one_line_before_anything_is_sent(
+    command: list[str], flag: str, value: str
 ) -> None:
-    await broker_factory(**QUIET)
-    code, out, err = await reach("agents", "-C", "Bad Cap", "-s", nats_server.url)
-    assert (code, out) == (1, "")
-    assert err.startswith("reach: INVALID_CAPABILITY: ")
-    assert "'Bad Cap'" in err
-    assert err.count("\n") == 1
+    # No server at all: the name is refused before connecting (a broker would say the same).
+    url = f"nats://127.0.0.1:{free_port()}"
+    code, out, err = await reach(*command, value, "-s", url)
+    assert (code, out) == (2, "")
+    assert err == f"reach: {flag} {value!r} {CAPABILITY_RULE}\n"
+    code, out, err = await reach(*command, value, "--json", "-s", url)
+    assert code == 2
+    message = f"{flag} {value!r} {CAPABILITY_RULE}"
+    assert json.loads(out) == {"error": {"code": "INVALID_CAPABILITY", "exit": 2,
+                                         "message": message}}  # fmt: skip
 
 
 # --- reach route ---------------------------------------------------------------------------
@@ -193,9 +213,20 @@ async def test_route_errors_are_one_line(
     nats_server: NatsServer, broker_factory: BrokerFactory
 ) -> None:
     await broker_factory(**QUIET)
-    code, out, err = await reach("route", "translation", "--json", "-s", nats_server.url)
+    code, out, err = await reach("route", "translation", "-s", nats_server.url)
     assert (code, out) == (1, "")
     assert err == "reach: NO_REACHABLE_AGENT: no agent has the capability 'translation'\n"
+    # With --json the same error is also one JSON object on stdout.
+    code, out, err = await reach("route", "translation", "--json", "-s", nats_server.url)
+    assert code == 1
+    assert err == "reach: NO_REACHABLE_AGENT: no agent has the capability 'translation'\n"
+    assert json.loads(out) == {
+        "error": {
+            "code": "NO_REACHABLE_AGENT",
+            "exit": 1,
+            "message": "no agent has the capability 'translation'",
+        }
+    }
     code, _, err = await reach("route", "x", "--tag", "tier", "-s", nats_server.url)
     assert (code, err) == (2, "reach: --tag 'tier' is not key=value\n")
 
@@ -216,20 +247,74 @@ NO_SERVER_COMMANDS = [["agents"], ["route", "tool_use"], ["top", "--once"],
 @pytest.mark.parametrize("command", NO_SERVER_COMMANDS)
 async def test_no_server_is_one_clear_line(command: list[str]) -> None:
     url = f"nats://127.0.0.1:{free_port()}"
+    line = (f"cannot connect to NATS at {url}: connection refused "
+            "(is `reach broker` running? set --server or NATS_URL)")  # fmt: skip
+    code, out, err = await reach(*command, "-s", url, "--timeout", "1")
+    assert (code, out, err) == (3, "", f"reach: {line}\n")
     code, out, err = await reach(*command, "--json", "-s", url, "--timeout", "1")
+    assert (code, err) == (3, f"reach: {line}\n")
+    assert json.loads(out) == {"error": {"code": "UNAVAILABLE", "message": line, "exit": 3}}
+
+
+@pytest.mark.parametrize(
+    ("server", "line"),
+    [
+        ("http://127.0.0.1:8222", "--server 'http://127.0.0.1:8222': http:// is not a NATS URL "
+                                  "(use nats://HOST:PORT, tls://, ws:// or wss://)"),
+        ("", "--server '' names no NATS server (give nats://HOST:PORT, or leave it out for "
+             "nats://127.0.0.1:4222)"),
+        (" , ", "--server ' , ' names no NATS server (give nats://HOST:PORT, or leave it out "
+                "for nats://127.0.0.1:4222)"),
+        ("nats://127.0.0.1:42x2", "--server 'nats://127.0.0.1:42x2': the port is not a number"),
+        ("nats://:4222", "--server 'nats://:4222' names no host"),
+    ],
+)  # fmt: skip
+async def test_a_bad_server_url_is_one_line(server: str, line: str) -> None:
+    for command in (["agents"], ["route", "tool_use"], ["events", "--follow"], ["broker"]):
+        code, out, err = await reach(*command, "-s", server)
+        assert (code, out, err) == (2, "", f"reach: {line}\n"), command
+
+
+async def test_a_port_that_does_not_speak_nats_is_one_line() -> None:
+    """The monitoring or metrics port by mistake: an HTTP server answers, NATS does not."""
+    import http.server
+    import threading
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"nats://127.0.0.1:{httpd.server_address[1]}"
+        code, out, err = await reach("agents", "-s", url, "--timeout", "1")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
     assert (code, out) == (3, "")
-    assert err.startswith(f"reach: cannot connect to NATS at {url}: ")
-    assert err.endswith("(is `reach broker` running? set --server or NATS_URL)\n")
-    assert err.count("\n") == 1
+    assert err == (f"reach: cannot connect to NATS at {url}: no NATS greeting within 1s: is "
+                   "this a NATS client port? (nats-server listens on 4222 by default; 8222 is "
+                   "for monitoring)\n")  # fmt: skip
+
+
+async def test_a_missing_creds_file_says_so(nats_server: NatsServer, tmp_path: Any) -> None:
+    creds = tmp_path / "nope.creds"
+    line = (f"reach: creds file '{creds}' does not exist (set by the creds option or "
+            "NATS_CREDS)\n")  # fmt: skip
+    for command in (["agents"], ["route", "tool_use"], ["events", "--follow"], ["broker"]):
+        code, out, err = await reach(*command, "-s", nats_server.url, "--creds", str(creds))
+        assert (code, out, err) == (2, "", line), command
+    code, out, err = await reach("agents", "-s", nats_server.url, env={"NATS_CREDS": str(creds)})
+    assert (code, err) == (2, line)
 
 
 @pytest.mark.parametrize("command", [["agents"], ["route", "tool_use"], ["top", "--once"]])
 async def test_no_broker_is_one_clear_line(nats_server: NatsServer, command: list[str]) -> None:
-    code, out, err = await reach(*command, "--json", "-s", nats_server.url)
+    code, out, err = await reach(*command, "-s", nats_server.url)
     subject = "reach.agents" if command[0] != "route" else "reach.route.tool_use"
     assert (code, out) == (3, "")
     assert err == (f"reach: no broker answers on {subject} "
                    "(is `reach broker` running on this server?)\n")  # fmt: skip
+    code, out, _ = await reach(*command, "--json", "-s", nats_server.url)
+    assert code == 3
+    assert json.loads(out)["error"]["code"] == "UNAVAILABLE"
 
 
 async def test_nats_url_env_is_the_default_server(
@@ -339,6 +424,72 @@ async def test_top_once_on_an_empty_audit_stream_shows_no_events(
     assert (snap["events"], snap["agents"], snap["error"]) == ([], [], None)
 
 
+@pytest.fixture
+def fresh_broker() -> Iterator[str]:
+    """`reach broker` just started, as a new user runs it (embedded server, empty streams)."""
+    import subprocess
+
+    proc = subprocess.Popen([*CLI, "broker", "--port", "0", "--metrics-port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=cli_env())  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        url = None
+        for line in proc.stdout:
+            url = url or next(iter(re.findall(r"listening on (nats://\S+)", line)), None)
+            if "serving on" in line:
+                break
+        assert url is not None
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+async def test_top_on_a_fresh_broker_once_json_and_live(fresh_broker: str) -> None:
+    """Before the first event (issue 11 item 1: this was a traceback)."""
+    url = fresh_broker
+    code, out, err = await reach("top", "--once", "-s", url)
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert (
+        lines[1]
+        == "brokers 1   agents 0: healthy 0  suspect 0  offline 0  recovering 0  draining 0"
+    )
+    assert "recent events" not in out
+    code, out, err = await reach("top", "--once", "--json", "-s", url)
+    assert (code, err) == (0, "")
+    snap = json.loads(out)
+    assert (snap["agents"], snap["events"], snap["error"], len(snap["brokers"])) == (
+        [],
+        [],
+        None,
+        1,
+    )
+    proc = await asyncio.create_subprocess_exec(
+        *CLI, "top", "--json", "--interval", "0.2", "-s", url,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=cli_env(),
+    )  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        for _ in range(2):
+            live = json.loads(await asyncio.wait_for(proc.stdout.readline(), 20))
+            assert (live["agents"], live["events"], live["error"]) == ([], [], None)
+        proc.send_signal(signal.SIGINT)
+        _, err_bytes = await asyncio.wait_for(proc.communicate(), 20)
+        assert (proc.returncode, err_bytes) == (0, b"")
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
 def test_render_is_cut_to_the_terminal() -> None:
     view = schema.AgentView(agent_id="alpha", state="healthy", score=97.5, load=0.5,
                             last_seen_ms=9_000, capabilities=["tool_use"], success_rate=1.0,
@@ -406,12 +557,48 @@ async def test_events_since_reads_the_audit_stream(
                                                "before", "the", "window", "[b0]"]  # fmt: skip
 
 
-async def test_events_since_on_an_empty_window_prints_nothing(
-    nats_server: NatsServer, nc: NATS
-) -> None:
+async def test_events_on_an_empty_window_say_so(nats_server: NatsServer, nc: NATS) -> None:
     await ensure_audit_stream(nc)
     code, out, err = await reach("events", "--since", "10m", "--json", "-s", nats_server.url)
-    assert (code, out, err) == (0, "", "")
+    assert (code, out, err) == (0, "", "reach: no events in REACH_AUDIT in the last 10m\n")
+    code, out, err = await reach("events", "-s", nats_server.url)
+    assert (code, out, err) == (0, "", "reach: no events in REACH_AUDIT in the last 1h\n")
+
+
+async def test_events_into_a_pipe_closed_early_end_quietly(
+    nats_server: NatsServer, nc: NATS
+) -> None:
+    """`reach events | head -1`: the exit a SIGPIPE gives (141), no traceback."""
+    import subprocess
+
+    await ensure_audit_stream(nc)
+    js = nc.jetstream()
+    event = schema.Event(kind="state", agent_id="alpha", reason="x" * 100, at_ms=1,
+                         broker_id="b1", from_="healthy", to="suspect")  # fmt: skip
+    for _ in range(2000):  # well past a pipe's buffer, so the CLI writes after head is gone
+        await js.publish("reach.event.state.alpha", schema.encoder.encode(event))
+    script = 'set -o pipefail; "$@" | head -1; echo "exit ${PIPESTATUS[0]}" >&2'
+    argv = ["bash", "-c", script, "bash", *CLI, "events", "--since", "1h", "-s", nats_server.url]
+    out = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True,
+                                  env=cli_env(), timeout=60)  # fmt: skip
+    assert out.stdout.splitlines()[0].split()[1:4] == ["state", "alpha", "healthy"]
+    assert len(out.stdout.splitlines()) == 1
+    assert out.stderr == "exit 141\n"
+
+
+async def test_ack_without_the_stream_or_jetstream_says_which(nats_server: NatsServer) -> None:
+    rid = "9f0c1d2e-0000-4000-8000-000000000001"
+    code, out, err = await reach("ack", rid, "-s", nats_server.url)
+    assert (code, out) == (3, "")
+    assert err == ("reach: stream REACH_ACKS not found on this server: the broker creates it "
+                   "at start when JetStream is on\n")  # fmt: skip
+    assert nats_server.system_password is not None
+    code, out, err = await reach("ack", rid, "-s", nats_server.url,
+                                 env={"NATS_USER": "sys",
+                                      "NATS_PASSWORD": nats_server.system_password})  # fmt: skip
+    assert (code, out) == (3, "")
+    assert err == ("reach: JetStream is not available on this server (or this account), so "
+                   "there is no REACH_ACKS to read\n")  # fmt: skip
 
 
 async def test_events_without_the_stream_say_so(nats_server: NatsServer) -> None:
@@ -426,8 +613,10 @@ async def test_events_without_the_stream_say_so(nats_server: NatsServer) -> None
 async def test_events_without_jetstream_say_so(nats_server: NatsServer) -> None:
     # NATS_USER/NATS_PASSWORD (read by connect_options): the system account of
     # configs/nats-server.conf, which has no JetStream.
+    assert nats_server.system_password is not None
     code, out, err = await reach("events", "--since", "1h", "-s", nats_server.url,
-                                 env={"NATS_USER": "sys", "NATS_PASSWORD": "sys"})  # fmt: skip
+                                 env={"NATS_USER": "sys",
+                                      "NATS_PASSWORD": nats_server.system_password})  # fmt: skip
     assert (code, out) == (3, "")
     assert err == (
         "reach: JetStream is not available on this server, so there is no REACH_AUDIT "
@@ -537,13 +726,17 @@ async def test_demo_runs_for_its_duration_and_leaves_no_process() -> None:
     code, out, err = await reach("demo", "--duration", "3", "--json", "--no-view", "--rate", "5",
                                  limit_s=90)  # fmt: skip
     assert code == 0, err
-    started, stopped = (json.loads(line) for line in out.splitlines())
-    assert set(started) == {"event", "nats_url", "pids", "logs"}
+    started, ready, stopped = (json.loads(line) for line in out.splitlines())
+    assert set(started) == {"event", "nats_url", "pids", "logs", "broker_id"}
     assert started["event"] == "started"
     assert set(started["pids"]) == DEMO_PIDS
+    assert ready == {"event": "ready", "agents": ["alpha", "beta", "gamma"]}
     assert stopped["event"] == "stopped"
     assert stopped["reason"] == "duration"
     assert stopped["pids"] == started["pids"]
+    assert stopped["restarts"] == {}
+    # A run without failure leaves no logs.
+    assert not await asyncio.to_thread(os.path.exists, started["logs"])
     calls = stopped["calls"]
     assert calls["failed"] == {}
     assert calls["ok"] >= 1
@@ -567,6 +760,8 @@ async def test_demo_shows_the_fleet_and_stops_everything_on_sigint() -> None:
         while True:
             assert time.monotonic() < deadline, "the demo fleet never showed healthy"
             snap = json.loads(await asyncio.wait_for(proc.stdout.readline(), 30))
+            if "event" in snap:  # the demo's own records (ready) between the snapshots
+                continue
             healthy = {a["agent_id"] for a in snap["agents"] if a["state"] == "healthy"}
             if healthy == {"alpha", "beta", "gamma"}:
                 break
@@ -683,3 +878,45 @@ async def test_top_live_survives_a_server_restart(
             await broker.stop()
             await nc.close()
             await asyncio.to_thread(restarted.stop)
+
+
+@pytest.mark.slow
+async def test_sigkill_of_the_demo_takes_every_child_along() -> None:
+    import shutil
+
+    from reach_broker.natsserver import remove_stale_store_dirs
+
+    from .test_broker_process import gone
+
+    proc = await asyncio.create_subprocess_exec(
+        *CLI, "demo", "--json", "--no-view", "--rate", "1",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, env=cli_env(),
+    )  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        started = json.loads(await asyncio.wait_for(proc.stdout.readline(), 30))
+        assert set(started["pids"]) == DEMO_PIDS
+        proc.kill()
+        await asyncio.wait_for(proc.wait(), 10)
+        deadline = time.monotonic() + 20
+        while running := [n for n, pid in started["pids"].items() if not gone(pid)]:
+            assert time.monotonic() < deadline, f"still running after the demo's kill: {running}"
+            await asyncio.sleep(0.05)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    # What a SIGKILL cannot clean: the demo's log dir, and its server's store (which the
+    # next start of any embedded server removes).
+    shutil.rmtree(started["logs"])
+    assert str(proc.pid) in [p.name.split("-")[2] for p in remove_stale_store_dirs()]
+
+
+def test_render_shows_the_demos_notes_under_the_header() -> None:
+    snap = Snapshot(at_ms=10_000, agents=[], by_state={}, brokers=[], route_requests=0,
+                    route_rate=None, events=[])  # fmt: skip
+    notes = ["10:00:01 beta exited with -9; restarting it in 3 s", "10:00:04 beta restarted"]
+    frame = render(snap, server="nats://h:1", width=200, height=100, title="reach demo",
+                   notes=notes).splitlines()  # fmt: skip
+    assert frame[3:6] == ["", *notes]
+    assert frame[6] == ""

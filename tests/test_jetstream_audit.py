@@ -140,7 +140,7 @@ async def test_without_the_stream_or_jetstream_the_follow_says_which(
     with pytest.raises(audit.NoAuditStream, match=f"stream {AUDIT_STREAM} not found"):
         await audit.follow_events(nc, ignore, subjects=SUBJECTS, since_s=60, timeout_s=2)
     # The system account of configs/nats-server.conf has no JetStream.
-    sys_nc = await nats.connect(nats_server.url, user="sys", password="sys")
+    sys_nc = await nats.connect(nats_server.url, user="sys", password=nats_server.system_password)
     try:
         with pytest.raises(audit.NoJetStream):
             await audit.follow_events(sys_nc, ignore, subjects=SUBJECTS, timeout_s=1)

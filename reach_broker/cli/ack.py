@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from typing import Any
 
-from jetstream.names import ACK_STREAM
+from jetstream.names import ACK_STREAM, JS_NOT_ENABLED
 
 from .common import (
     EXIT_UNAVAILABLE,
@@ -31,8 +32,32 @@ def run(args: argparse.Namespace) -> int:
     return asyncio.run(_ack(args))
 
 
+async def _check_stream(nc: Any, timeout_s: float) -> None:
+    """A clear error when the server has no JetStream, or no ack stream (no broker set it
+    up); reading records on either would only say "none"."""
+    from nats.errors import NoRespondersError
+    from nats.errors import TimeoutError as NatsTimeout
+    from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
+
+    try:
+        await nc.jetstream(timeout=timeout_s).stream_info(ACK_STREAM)
+    except NotFoundError:
+        raise CliError(f"stream {ACK_STREAM} not found on this server: the broker creates it "
+                       "at start when JetStream is on", EXIT_UNAVAILABLE) from None  # fmt: skip
+    except (NoRespondersError, ServiceUnavailableError, NatsTimeout):
+        raise CliError(f"JetStream is not available on this server (or this account), so there "
+                       f"is no {ACK_STREAM} to read", EXIT_UNAVAILABLE) from None  # fmt: skip
+    except APIError as exc:
+        if exc.err_code == JS_NOT_ENABLED:
+            raise CliError(f"JetStream is not enabled for this account, so there is no "
+                           f"{ACK_STREAM} to read", EXIT_UNAVAILABLE) from None  # fmt: skip
+        raise CliError(f"cannot read {ACK_STREAM}: {exc}", EXIT_UNAVAILABLE) from None
+
+
 async def _ack(args: argparse.Namespace) -> int:
     """Every record stored for one request id (received, completed/failed)."""
+    from nats.errors import Error as NatsError
+
     from jetstream import acks
     from reach_agent.schema import decode_ack_record
 
@@ -43,9 +68,10 @@ async def _ack(args: argparse.Namespace) -> int:
     subs = subjects(args)
     nc = await connect(args)
     try:
+        await _check_stream(nc, args.timeout)
         stored = await acks.all_records(nc, args.request_id, subjects=subs,
                                         timeout_s=args.timeout)  # fmt: skip
-    except Exception as exc:  # no stream, no JetStream: one clear line
+    except (NatsError, TimeoutError) as exc:  # e.g. the server went away in between
         raise CliError(f"cannot read {ACK_STREAM}: {exc or type(exc).__name__}",
                        EXIT_UNAVAILABLE) from None  # fmt: skip
     finally:

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import json
 
-from .common import Subcommands, add_common, ask, subjects
+from .common import Subcommands, add_common, ask, capability, subjects
 from .output import AGENT_HEADER, agent_rows, print_json, print_table
 
 
@@ -26,8 +26,8 @@ async def _agents(args: argparse.Namespace) -> int:
     from reach_agent import schema
 
     body: dict[str, str] = {}
-    if args.capability:
-        body["capability"] = args.capability
+    if args.capability is not None:
+        body["capability"] = capability(args.capability, "--capability")
     if args.state:
         body["state"] = args.state
     data = await ask(args, subjects(args).agents, json.dumps(body).encode())

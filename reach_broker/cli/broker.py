@@ -12,8 +12,10 @@ from .common import (
     CliError,
     Subcommands,
     add_common,
+    connection_options,
     env_default,
     int_env,
+    subjects,
 )
 
 
@@ -35,7 +37,8 @@ def add_parser(sub: Subcommands) -> None:
                    help="JetStream store dir of the embedded server "
                         "(default: a temp dir)")  # fmt: skip
     p.add_argument("--broker-id", default=env_default("REACH_BROKER_ID"))
-    p.set_defaults(func=run)
+    # --prefix (from add_common) overrides broker.toml only when given (or REACH_PREFIX).
+    p.set_defaults(func=run, prefix=env_default("REACH_PREFIX"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
         cfg = load(args.config)
     except ConfigError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
+    if args.server is not None or args.creds:  # a bad URL or a missing file: say so now
+        connection_options(args, "reach-broker")
     # Flags (and their env vars) win over broker.toml.
     if args.server:
         cfg.nats.url = args.server
@@ -58,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
         cfg.nats.embedded_store_dir = args.store_dir
     if args.broker_id:
         cfg.broker.broker_id = args.broker_id
+    if args.prefix is not None:
+        subjects(args)  # a bad prefix is a usage error naming it
+        cfg.broker.prefix = args.prefix
     try:
         process.run(cfg)
     except process.StartError as exc:

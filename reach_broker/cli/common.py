@@ -1,5 +1,6 @@
-"""What every ``reach`` command shares: the error it raises, its common options, its NATS
-connection and request, its signals and its reading of durations.
+"""What every ``reach`` command shares: the error it raises, its common options (and their
+checks: server URLs, capability names), its NATS connection and request, its signals and its
+reading of durations.
 
 A command never builds connection options, subjects or messages of its own: the connection
 comes from :func:`connect` (through :func:`reach_agent.connection.connect_options`), subjects
@@ -10,32 +11,56 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import os
 import re
-import signal
+import socket
+import urllib.parse
 from typing import Any
 
 from reach_agent.subjects import Subjects
 
+from ..process import STOP_SIGNALS
+
 EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 3
+_KINDS = {EXIT_USAGE: "USAGE", EXIT_UNAVAILABLE: "UNAVAILABLE"}
 
 Subcommands = argparse._SubParsersAction  # what ``add_parser(sub)`` of a command receives
 
 
 class CliError(Exception):
-    """A failure to report as one line on stderr with exit code ``code``."""
+    """A failure reported as one line on stderr (with ``--json`` also as one JSON object on
+    stdout, :meth:`as_json`) and exit code ``code``.
 
-    def __init__(self, message: str, code: int = 1) -> None:
+    ``kind`` is the wire error code when the failure is a reach error reply
+    (``NO_REACHABLE_AGENT``), else ``USAGE`` (exit 2), ``UNAVAILABLE`` (3) or ``ERROR`` (1).
+    """
+
+    def __init__(self, message: str, code: int = 1, *, kind: str | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.kind = kind or _KINDS.get(code, "ERROR")
+        self.detail = message
+
+    @classmethod
+    def of(cls, err: Any) -> CliError:
+        """A :class:`~reach_agent.errors.ReachError` (an error reply): exit code 1."""
+        out = cls(f"{err.code}: {err.message}", 1, kind=err.code)
+        out.detail = err.message
+        return out
+
+    def as_json(self) -> dict[str, Any]:
+        """``{"error": {"code", "message", "exit"}}``: the wire's error body, plus the exit."""
+        return {"error": {"code": self.kind, "message": self.detail, "exit": self.code}}
 
 
 # --- options ------------------------------------------------------------------------------
 
 
 def env_default(name: str, default: Any = None) -> Any:
-    return os.environ.get(name, default)
+    """The environment variable ``name``; set but empty counts as unset."""
+    return os.environ.get(name) or default
 
 
 def int_env(name: str) -> int | None:
@@ -43,7 +68,12 @@ def int_env(name: str) -> int | None:
     return int(value) if value else None
 
 
-def add_common(p: argparse.ArgumentParser) -> None:
+def add_common(
+    p: argparse.ArgumentParser,
+    *,
+    timeout: float = 2.0,
+    timeout_help: str = "request timeout in seconds",
+) -> None:
     """The options every command takes, each also from an environment variable."""
     p.add_argument("--server", "-s", default=env_default("NATS_URL"),
                    help="NATS server URL(s), comma-separated (env NATS_URL)")  # fmt: skip
@@ -53,8 +83,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="machine-readable JSON output (env REACH_JSON)")  # fmt: skip
     p.add_argument("--prefix", default=env_default("REACH_PREFIX", "reach"),
                    help="subject prefix (env REACH_PREFIX)")  # fmt: skip
-    p.add_argument("--timeout", type=float, default=float(env_default("REACH_TIMEOUT", "2")),
-                   help="request timeout in seconds (env REACH_TIMEOUT)")  # fmt: skip
+    p.add_argument("--timeout", type=float, default=float(env_default("REACH_TIMEOUT", timeout)),
+                   help=f"{timeout_help} (default {timeout:g}; env REACH_TIMEOUT)")  # fmt: skip
     p.add_argument("--log-format", choices=["text", "json"],
                    default=env_default("REACH_LOG_FORMAT", "text"))  # fmt: skip
     p.add_argument("--log-level", default=env_default("REACH_LOG_LEVEL", "info"))
@@ -66,6 +96,73 @@ def subjects(args: argparse.Namespace) -> Subjects:
         return Subjects(args.prefix)
     except ValueError as exc:
         raise CliError(f"--{exc}", EXIT_USAGE) from None
+
+
+def capability(value: str, flag: str = "capability") -> str:
+    """``value`` if it is a capability name (the wire schema's own check), else a usage
+    error naming the flag and the value."""
+    from reach_agent.errors import InvalidCapability
+    from reach_agent.schema import check_capability
+
+    try:
+        return check_capability(value, flag)
+    except InvalidCapability as exc:
+        raise CliError(exc.message, EXIT_USAGE, kind=exc.code) from None
+
+
+def tags(items: list[str] | None, flag: str = "--tag") -> dict[str, str]:
+    """``K=V`` options as a dict, or a usage error naming the one that is not."""
+    out: dict[str, str] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise CliError(f"{flag} {item!r} is not key=value", EXIT_USAGE)
+        out[key] = value
+    return out
+
+
+NATS_SCHEMES = ("nats", "tls", "ws", "wss")
+
+
+def servers(args: argparse.Namespace) -> list[str]:
+    """The server URLs of ``--server``/``NATS_URL`` (default ``nats://127.0.0.1:4222``),
+    each checked to be a NATS URL, or a usage error naming the bad one."""
+    from reach_agent.connection import server_list
+
+    if args.server is not None and not args.server.replace(",", "").strip():
+        raise CliError(f"--server {args.server!r} names no NATS server (give nats://HOST:PORT, "
+                       "or leave it out for nats://127.0.0.1:4222)", EXIT_USAGE)  # fmt: skip
+    try:
+        urls = server_list(args.server)
+    except ValueError as exc:
+        raise CliError(f"--server: {exc}", EXIT_USAGE) from None
+    for url in urls:
+        parts = urllib.parse.urlsplit(url if "://" in url else f"nats://{url}")
+        if parts.scheme not in NATS_SCHEMES:
+            raise CliError(f"--server {url!r}: {parts.scheme}:// is not a NATS URL (use "
+                           "nats://HOST:PORT, tls://, ws:// or wss://)", EXIT_USAGE)  # fmt: skip
+        try:
+            parts.port  # noqa: B018 - parsing it is the check
+        except ValueError:
+            raise CliError(f"--server {url!r}: the port is not a number", EXIT_USAGE) from None
+        if not parts.hostname:
+            raise CliError(f"--server {url!r} names no host", EXIT_USAGE)
+    return urls
+
+
+def connection_options(
+    args: argparse.Namespace, name: str, *, urls: list[str] | None = None, **overrides: Any
+) -> dict[str, Any]:
+    """nats-py ``connect()`` options for ``--server`` (or ``urls``) and ``--creds`` (and the
+    ``NATS_*`` environment), or a usage error: a credentials file that does not exist is
+    named as such, not reported as a failure to connect."""
+    from reach_agent.connection import Credentials, connect_options
+
+    urls = urls or servers(args)
+    try:
+        return connect_options(name, urls, Credentials(creds=args.creds), **overrides)
+    except ValueError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
 
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -90,51 +187,74 @@ def parse_duration(text: str, what: str = "--since") -> float:
 
 
 def stop_on_signals() -> asyncio.Event:
-    """An event SIGINT and SIGTERM set (call inside the running loop)."""
+    """An event SIGINT, SIGTERM and SIGHUP set (call inside the running loop)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     return stop
 
 
-async def connect(args: argparse.Namespace, name: str = "reach-cli") -> Any:
-    """A NATS connection for a CLI command (one try per server, no reconnect), or a clear
-    CliError."""
+async def connect(
+    args: argparse.Namespace,
+    name: str = "reach-cli",
+    *,
+    urls: list[str] | None = None,
+    **overrides: Any,
+) -> Any:
+    """A NATS connection for a CLI command to ``--server`` (or ``urls``): one try per
+    server, no reconnect unless ``overrides`` say so; or a clear CliError."""
     import nats
 
-    from reach_agent.connection import Credentials, connect_options, server_list
-
-    try:
-        servers = server_list(args.server or None)
-    except ValueError as exc:
-        raise CliError(f"--server: {exc}", EXIT_USAGE) from None
     errors: list[BaseException] = []
 
     async def on_error(exc: Exception) -> None:  # nats-py would log a traceback per attempt
         errors.append(exc)
 
+    timeout = min(args.timeout, CONNECT_TIMEOUT_S)
+    # max_reconnect_attempts=0 would mean "forever" to nats-py's initial server loop;
+    # 1 tries each server twice, 0.1 s apart, then gives up.
+    options = connection_options(
+        args, name, urls=urls, **{"connect_timeout": timeout, "max_reconnect_attempts": 1,
+                       "reconnect_time_wait": 0.1, "allow_reconnect": False,
+                       "error_cb": on_error, **overrides},
+    )  # fmt: skip
     try:
-        # max_reconnect_attempts=0 would mean "forever" to nats-py's initial server loop;
-        # 1 tries each server twice, 0.1 s apart, then gives up.
-        options = connect_options(
-            name,
-            servers,
-            Credentials(creds=args.creds),
-            connect_timeout=args.timeout,
-            max_reconnect_attempts=1,
-            reconnect_time_wait=0.1,
-            allow_reconnect=False,
-            error_cb=on_error,
-        )
         return await nats.connect(**options)
-    except Exception as exc:  # every connect failure is the same to a user
+    except Exception as exc:  # every connect failure is one line to a user
         cause = errors[-1] if errors else exc
         raise CliError(
-            f"cannot connect to NATS at {','.join(servers)}: {cause or type(cause).__name__} "
-            "(is `reach broker` running? set --server or NATS_URL)",
+            f"cannot connect to NATS at {','.join(options['servers'])}: "
+            f"{connect_failure(cause, timeout)}",
             EXIT_UNAVAILABLE,
         ) from None
+
+
+CONNECT_TIMEOUT_S = 5.0
+"""The longest a command waits for a server's greeting (``--timeout`` when shorter)."""
+
+
+def connect_failure(cause: BaseException, timeout: float) -> str:
+    """Why a connection failed, in words a user can act on."""
+    from nats.errors import AuthorizationError
+    from nats.errors import Error as NatsError
+    from nats.errors import TimeoutError as NatsTimeout
+
+    if isinstance(cause, ConnectionRefusedError) or (
+        isinstance(cause, OSError) and cause.errno == errno.ECONNREFUSED
+    ):
+        return "connection refused (is `reach broker` running? set --server or NATS_URL)"
+    if isinstance(cause, socket.gaierror):
+        return f"unknown host ({cause.strerror})"
+    if isinstance(cause, AuthorizationError):
+        return ("authorization violation (check --creds, NATS_CREDS, NATS_USER/NATS_PASSWORD "
+                "or NATS_TOKEN)")  # fmt: skip
+    if isinstance(cause, TimeoutError | NatsTimeout):
+        return (f"no NATS greeting within {timeout:g}s: is this a NATS client port? "
+                "(nats-server listens on 4222 by default; 8222 is for monitoring)")  # fmt: skip
+    if isinstance(cause, NatsError) and "INFO" in str(cause):
+        return "the server there does not speak NATS (is this a NATS client port?)"
+    return str(cause) or type(cause).__name__
 
 
 async def request(nc: Any, subject: str, data: bytes, timeout_s: float) -> bytes:
@@ -155,7 +275,7 @@ async def request(nc: Any, subject: str, data: bytes, timeout_s: float) -> bytes
         raise CliError(f"no reply on {subject} within {timeout_s}s", EXIT_UNAVAILABLE) from None
     err = from_reply(msg.headers, msg.data)
     if err is not None:
-        raise CliError(f"{err.code}: {err.message}")
+        raise CliError.of(err)
     return bytes(msg.data)
 
 

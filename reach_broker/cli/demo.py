@@ -1,11 +1,16 @@
 """``reach demo``: an embedded nats-server, a broker, the three demo agents
 (:mod:`reach_broker.demo`), a trickle of calls and the live view, all started here and all
-stopped here (Ctrl-C, SIGTERM, ``q`` or ``--duration``).
+stopped here (Ctrl-C, SIGTERM, SIGHUP, ``q`` or ``--duration``).
 
-The broker and the agents are child processes in sessions of their own, so a Ctrl-C at the
-terminal reaches only this process, which then stops them in order: calls, agents (SIGTERM:
-the SDK drains and leaves), broker, server. A child that does not exit within its grace is
-killed; on Linux every child also gets SIGTERM if this process dies first (PDEATHSIG).
+In order: the server (unless ``--server``), the broker, and only once *that* broker serves
+(its NATS Services ping answers with its own ``broker_id``: another broker already on the
+bus must not count, or agents would announce before this one listens) the agents, then the
+calls and the view once the broker lists every agent healthy. An agent that dies is started
+again after :data:`RESTART_DELAY_S`, so the view shows the failover and the way back; the
+broker or the server dying ends the demo. Stop, the other way round: calls, agents
+(SIGTERM: the SDK drains and leaves), broker, server. The children are
+:mod:`~reach_broker.cli.children`; their logs are removed after a run without failure and
+kept (path printed) after any failure, a restarted agent included.
 """
 
 from __future__ import annotations
@@ -13,11 +18,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import logging
 import os
+import secrets
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,23 +31,29 @@ from typing import Any
 from reach_agent.subjects import Subjects
 
 from ..demo import DEMO_AGENTS, PAYLOADS
+from ..logs import say
 from ..natsserver import NatsServer, NatsServerError
+from .children import STOP_GRACE_S, Children
 from .common import (
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
     CliError,
     Subcommands,
     add_common,
+    connect,
+    connection_options,
     stop_on_signals,
     subjects,
 )
 from .output import print_json
-from .view import view_loop
-
-log = logging.getLogger(__name__)
+from .view import SERVICE_NAME, view_loop
 
 READY_TIMEOUT_S = 60.0
-STOP_GRACE_S = 10.0
+RESTART_DELAY_S = 3.0
+"""How long a dead demo agent stays dead before it is started again (long enough for the
+view to show it suspect, then offline or gone from the routes)."""
+NOTES = 4
+"""Latest restart notes shown in the view."""
 
 
 def add_parser(sub: Subcommands) -> None:
@@ -58,75 +68,12 @@ def add_parser(sub: Subcommands) -> None:
     p.set_defaults(func=run)
 
 
-# --- child processes ----------------------------------------------------------------------
-
-
-def _die_with_parent() -> None:
-    """preexec_fn: SIGTERM this child when the demo process dies (Linux prctl)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-class Children:
-    """The demo's child processes, stopped in reverse start order."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-
-    def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> int:
-        logfile = open(self.log_dir / f"{name}.log", "wb")
-        try:
-            proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=logfile, stderr=subprocess.STDOUT,
-                env=env, start_new_session=True,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-            )  # fmt: skip
-        finally:
-            logfile.close()
-        self.procs[name] = proc
-        log.debug("demo.spawned name=%s pid=%d", name, proc.pid)
-        return proc.pid
-
-    def exited(self) -> dict[str, int]:
-        return {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
-
-    def stop(self, names: list[str], grace: float = STOP_GRACE_S) -> None:
-        """SIGTERM ``names`` together, wait up to ``grace``, then SIGKILL what is left."""
-        procs = [self.procs[n] for n in names if n in self.procs]
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for proc in procs:
-            try:
-                proc.wait(max(deadline - time.monotonic(), 0.01))
-            except subprocess.TimeoutExpired:
-                log.warning("demo.kill pid=%d: no exit %.0f s after SIGTERM", proc.pid, grace)
-                proc.kill()
-                proc.wait()
-
-    def tail(self, name: str, lines: int = 15) -> str:
-        path = self.log_dir / f"{name}.log"
-        try:
-            return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-
-# --- the demo -------------------------------------------------------------------------------
-
-
 class Calls:
     """A trickle of calls over every demo capability, counted by outcome."""
 
-    def __init__(self, url: str, rate: float) -> None:
-        self.url = url
+    def __init__(self, nc: Any, prefix: str, rate: float) -> None:
+        self.nc = nc
+        self.prefix = prefix
         self.rate = rate
         self.ok = 0
         self.failed: dict[str, int] = {}
@@ -138,7 +85,8 @@ class Calls:
         caps = sorted(PAYLOADS)
         pending: set[asyncio.Task[None]] = set()
         sem = asyncio.Semaphore(16)
-        async with reach_agent.Client(self.url, name="reach-demo-caller") as client:
+        config = reach_agent.ClientConfig(prefix=self.prefix)
+        async with reach_agent.Client(config=config, nc=self.nc, name="reach-demo") as client:
 
             async def one(cap: str) -> None:
                 async with sem:
@@ -173,10 +121,10 @@ def run(args: argparse.Namespace) -> int:
     if args.rate <= 0:
         raise CliError(f"--rate {args.rate!r} must be above zero", EXIT_USAGE)
     subs = subjects(args)
+    connection_options(args, "reach-demo")  # a bad --server or --creds: say so before starting
     log_dir = Path(tempfile.mkdtemp(prefix="reach-demo-"))
-    children = Children(log_dir)
+    demo = Demo(args, subs, Children(log_dir))
     server: NatsServer | None = None
-    failed = False
     try:
         url = args.server
         if not url:
@@ -186,88 +134,210 @@ def run(args: argparse.Namespace) -> int:
             except NatsServerError as exc:
                 raise CliError(f"embedded nats-server: {exc}", EXIT_UNAVAILABLE) from None
             url = server.url
-        env = {**os.environ, "NATS_URL": url, "PYTHONUNBUFFERED": "1",
-               "REACH_LOG_FORMAT": args.log_format}  # fmt: skip
-        cli = [sys.executable, "-m", "reach_broker.cli"]
-        broker_argv = [*cli, "broker", "--server", url, "--metrics-port", "0",
-                       "--log-format", args.log_format]  # fmt: skip
-        pids = {"broker": children.spawn("broker", broker_argv, env)}
-        for agent_id in DEMO_AGENTS:
-            pids[agent_id] = children.spawn(
-                agent_id, [sys.executable, "-m", "reach_broker.demo", "agent", agent_id], env
-            )
-        if server is not None and server.pid is not None:
-            pids["nats-server"] = server.pid
-        started = {"event": "started", "nats_url": url, "pids": pids, "logs": str(log_dir)}
-        if args.json:
-            print_json(started)
-        else:
-            print(f"reach demo: nats {url}; broker and agents {', '.join(DEMO_AGENTS)} "
-                  f"started (logs in {log_dir}); Ctrl-C stops everything", flush=True)  # fmt: skip
-        calls = Calls(url, args.rate)
         try:
-            result = asyncio.run(_demo(args, subs, url, children, calls))
+            return asyncio.run(demo.run(url, server))
         except CliError:
-            failed = True
+            demo.failed = True
             raise
-        summary = {"event": "stopped", "reason": result, "calls": calls.summary(), "pids": pids}
-        if args.json:
-            print_json(summary)
-        else:
-            c = calls.summary()
-            print(f"reach demo: stopped ({result}); calls ok {c['ok']}, failed {c['failed']}, "
-                  f"by agent {c['by_agent']}", flush=True)  # fmt: skip
-        return 0
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut cleanup
-        children.stop(list(DEMO_AGENTS))
-        children.stop(["broker"])
+        for sig in (signal.SIGINT, signal.SIGHUP):  # a second one must not cut the cleanup
+            signal.signal(sig, signal.SIG_IGN)
+        demo.children.stop(list(DEMO_AGENTS))
+        demo.children.stop(["broker"])
         if server is not None:
             server.stop()
-        if failed:
+        if demo.failed:
             sys.stderr.write(f"reach demo: logs kept in {log_dir}\n")
         else:
             shutil.rmtree(log_dir, ignore_errors=True)
 
 
-async def _demo(
-    args: argparse.Namespace, subs: Subjects, url: str, children: Children, calls: Calls
-) -> str:
-    """Wait for the fleet, then calls + live view until a signal, --duration or a crash."""
-    import nats
+def child_commands(
+    args: argparse.Namespace, url: str, prefix: str, broker_id: str
+) -> tuple[list[str], dict[str, str]]:
+    """The broker's command line, and the environment of every child: the server, the
+    prefix and the credentials of the demo reach the broker (as flags) and the agents
+    (``NATS_URL``, ``REACH_PREFIX``, ``NATS_CREDS``, read by the SDK)."""
+    env = {**os.environ, "NATS_URL": url, "PYTHONUNBUFFERED": "1",
+           "REACH_LOG_FORMAT": args.log_format, "REACH_PREFIX": prefix}  # fmt: skip
+    argv = [sys.executable, "-m", "reach_broker.cli", "broker", "--server", url,
+            "--metrics-port", "0", "--log-format", args.log_format, "--prefix", prefix,
+            "--broker-id", broker_id]  # fmt: skip
+    if args.creds:
+        env["NATS_CREDS"] = args.creds
+        argv += ["--creds", args.creds]
+    return argv, env
 
-    from reach_agent.connection import connect_options
 
-    stop = stop_on_signals()
-    reason = "signal"
-    # Its own server (or --server): reconnect after a blip, but give up on a wrong URL
-    # after a minute or so instead of waiting forever.
-    nc = await nats.connect(**connect_options("reach-demo", url, connect_timeout=5,
-                                              max_reconnect_attempts=60))  # fmt: skip
-    try:
-        await _wait_ready(nc, subs, children, stop)
-        if stop.is_set():
-            return reason
+class Demo:
+    """One run of the demo: its children, what happened to them, and the output."""
 
-        async def watchdog() -> None:
+    def __init__(self, args: argparse.Namespace, subs: Subjects, children: Children) -> None:
+        self.args = args
+        self.subs = subs
+        self.children = children
+        self.broker_id = f"demo-{os.getpid()}-{secrets.token_hex(2)}"
+        self.failed = False
+        self.restarts: dict[str, int] = {}
+        self.notes: list[str] = []
+        self.server: NatsServer | None = None
+
+    def emit(self, record: dict[str, Any], text: str) -> None:
+        """A record (``--json``) or a line; with the live view, lines go into its notes."""
+        if self.args.json:
+            print_json(record)
+            sys.stdout.flush()
+        elif self.args.no_view or record["event"] in ("started", "ready", "stopped"):
+            say(f"reach demo: {text}")
+        if record["event"] in ("exited", "restarted"):
+            self.notes = [*self.notes, f"{time.strftime('%H:%M:%S')} {text}"][-NOTES:]
+
+    def pids(self) -> dict[str, int]:
+        pids = self.children.pids
+        if self.server is not None and self.server.pid is not None:
+            pids["nats-server"] = self.server.pid
+        return pids
+
+    async def run(self, url: str, server: NatsServer | None) -> int:
+        args, subs = self.args, self.subs
+        self.server = server
+        stop = stop_on_signals()
+        broker_argv, env = child_commands(args, url, subs.prefix, self.broker_id)
+        # A wrong URL fails at once; once connected, reconnect after a blip for a minute or
+        # so rather than forever (nats-py reads this option at each reconnect).
+        nc = await connect(args, "reach-demo", urls=[url], allow_reconnect=True)
+        nc.options["max_reconnect_attempts"] = 60
+        try:
+            self.children.spawn("broker", broker_argv, env)
+            if not await self.until_serving(nc, stop):
+                return self.stopped("signal", Calls(nc, subs.prefix, args.rate))
+            for agent_id in DEMO_AGENTS:
+                argv = [sys.executable, "-m", "reach_broker.demo", "agent", agent_id]
+                self.children.spawn(agent_id, argv, env)
+            logs = self.children.log_dir
+            self.emit({"event": "started", "nats_url": url, "pids": self.pids(),
+                       "logs": str(logs), "broker_id": self.broker_id},
+                      f"nats {url}; broker {self.broker_id} and agents {', '.join(DEMO_AGENTS)} "
+                      f"started (logs in {logs}); Ctrl-C stops everything")  # fmt: skip
+            calls = Calls(nc, subs.prefix, args.rate)
+            if not await self.until_ready(nc, stop):
+                return self.stopped("signal", calls)
+            self.emit({"event": "ready", "agents": list(DEMO_AGENTS)},
+                      f"{', '.join(DEMO_AGENTS)} healthy; calling")  # fmt: skip
+            return self.stopped(await self.live(nc, url, calls, stop), calls)
+        finally:
+            await nc.close()
+
+    def stopped(self, reason: str, calls: Calls) -> int:
+        record = {"event": "stopped", "reason": reason, "calls": calls.summary(),
+                  "pids": self.pids(), "restarts": dict(self.restarts)}  # fmt: skip
+        c = calls.summary()
+        self.emit(record, f"stopped ({reason}); calls ok {c['ok']}, failed {c['failed']}, by "
+                          f"agent {c['by_agent']}, restarts {self.restarts or 'none'}")  # fmt: skip
+        return 1 if reason.startswith(("broker", "nats-server")) else 0
+
+    def crashed(self) -> str | None:
+        """``"<name> exited with <code>"`` when the broker or the server has ended."""
+        exited = {n: c for n, c in self.children.exited().items() if n not in DEMO_AGENTS}
+        proc = self.server.proc if self.server is not None else None
+        if proc is not None and proc.poll() is not None:
+            exited["nats-server"] = proc.returncode
+        return next((f"{n} exited with {c}" for n, c in exited.items()), None)
+
+    def _check_children(self) -> None:
+        """A crashed broker (or server) is an error; agents are the supervisor's."""
+        crash = self.crashed()
+        if crash is not None:
+            raise CliError(f"{crash}:\n{self.children.tail('broker')}", 1)
+
+    async def until_serving(self, nc: Any, stop: asyncio.Event) -> bool:
+        """Until the broker started here answers its NATS Services ping (its subscriptions
+        to announces and heartbeats are made before the service, so then it hears them)."""
+        from nats.micro.service import ServiceVerb, control_subject
+
+        subject = control_subject(ServiceVerb.PING, SERVICE_NAME)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not stop.is_set():
+            self._check_children()
+            if await _answers(nc, subject, self.broker_id):
+                return True
+            if time.monotonic() > deadline:
+                raise CliError(f"broker {self.broker_id} not serving within "
+                               f"{READY_TIMEOUT_S:.0f} s; its log:\n"
+                               f"{self.children.tail('broker')}", 1)  # fmt: skip
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.1)
+        return False
+
+    async def until_ready(self, nc: Any, stop: asyncio.Event) -> bool:
+        """Until a broker lists every demo agent healthy."""
+        from reach_agent import schema
+
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not stop.is_set():
+            self._check_children()
+            for name, code in self.children.exited().items():
+                raise CliError(f"{name} exited with {code} at start:\n{self.children.tail(name)}")
+            try:
+                msg = await nc.request(self.subs.agents, b"{}", timeout=1)
+                views = schema.agent_views_decoder.decode(msg.data)
+                if {v.agent_id for v in views if v.state == "healthy"} >= set(DEMO_AGENTS):
+                    return True
+            except Exception:  # noqa: BLE001 - broker not answering yet: ask again
+                pass
+            if time.monotonic() > deadline:
+                raise CliError(f"demo agents not healthy within {READY_TIMEOUT_S:.0f} s; broker "
+                               f"log:\n{self.children.tail('broker')}", 1)  # fmt: skip
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.2)
+        return False
+
+    async def live(self, nc: Any, url: str, calls: Calls, stop: asyncio.Event) -> str:
+        """Calls, the view and the supervisor until a signal, --duration or a crash."""
+        args = self.args
+        reason = "signal"
+
+        async def supervise() -> None:
             nonlocal reason
             deadline = None if args.duration is None else time.monotonic() + args.duration
+            due: dict[str, float] = {}
             while not stop.is_set():
-                if deadline is not None and time.monotonic() >= deadline:
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
                     reason = "duration"
                     stop.set()
-                elif children.exited():
-                    reason = f"child exited: {children.exited()}"
+                    break
+                crash = self.crashed()
+                if crash is not None:
+                    reason = crash
+                    self.failed = True
                     stop.set()
+                    break
+                for name, code in self.children.exited().items():
+                    if name not in due:
+                        self.failed = True  # keep the logs: something went wrong
+                        due[name] = now + RESTART_DELAY_S
+                        self.emit({"event": "exited", "name": name, "code": code,
+                                   "restart_in_s": RESTART_DELAY_S},
+                                  f"{name} exited with {code}; restarting it in "
+                                  f"{RESTART_DELAY_S:g} s")  # fmt: skip
+                for name in [n for n, t in due.items() if t <= now and not stop.is_set()]:
+                    del due[name]
+                    pid = self.children.restart(name)
+                    self.restarts[name] = self.restarts.get(name, 0) + 1
+                    self.emit(
+                        {"event": "restarted", "name": name, "pid": pid},
+                        f"{name} restarted (pid {pid})",
+                    )
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), 0.2)
 
-        jobs = [asyncio.create_task(watchdog()), asyncio.create_task(calls.run(stop))]
+        jobs = [asyncio.create_task(supervise()), asyncio.create_task(calls.run(stop))]
         if not args.no_view:
             jobs.append(asyncio.create_task(view_loop(
-                nc, subjects=subs, server=url, interval=args.interval,
+                nc, subjects=self.subs, server=url, interval=args.interval,
                 timeout_s=args.timeout, max_events=args.events, once=False, as_json=args.json,
-                stop=stop, title="reach demo",
+                stop=stop, title="reach demo", notes=lambda: self.notes,
             )))  # fmt: skip
         try:
             await asyncio.gather(*jobs)
@@ -276,30 +346,31 @@ async def _demo(
             for job in jobs:
                 job.cancel()
             await asyncio.gather(*jobs, return_exceptions=True)
-    finally:
-        await nc.close()
-    return reason
+        if reason.startswith("broker"):
+            sys.stderr.write(f"reach demo: {reason}; its log:\n{self.children.tail('broker')}\n")
+        elif reason.startswith("nats-server"):
+            sys.stderr.write(f"reach demo: {reason}\n")
+        return reason
 
 
-async def _wait_ready(nc: Any, subs: Subjects, children: Children, stop: asyncio.Event) -> None:
-    """Until the broker lists every demo agent healthy; a crashed child is an error."""
-    from reach_agent import schema
+async def _answers(nc: Any, subject: str, broker_id: str, window_s: float = 0.5) -> bool:
+    """Whether the reach broker ``broker_id`` is among those answering ``subject`` (a
+    NATS Services ping gathers every replica) within ``window_s``."""
+    import json
 
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while not stop.is_set():
-        if children.exited():
-            name, code = next(iter(children.exited().items()))
-            raise CliError(f"{name} exited with {code} at start:\n{children.tail(name)}", 1)
-        try:
-            msg = await nc.request(subs.agents, b"{}", timeout=1)
-            views = schema.agent_views_decoder.decode(msg.data)
-            healthy = {v.agent_id for v in views if v.state == "healthy"}
-            if healthy >= set(DEMO_AGENTS):
-                return
-        except Exception:  # noqa: BLE001 - broker not answering yet: ask again
-            pass
-        if time.monotonic() > deadline:
-            raise CliError(f"demo agents not healthy within {READY_TIMEOUT_S:.0f} s; broker log:\n"
-                           f"{children.tail('broker')}", 1)  # fmt: skip
+    inbox = nc.new_inbox()
+    found = asyncio.Event()
+
+    async def on_reply(msg: Any) -> None:
+        with contextlib.suppress(ValueError, AttributeError):
+            if (json.loads(msg.data).get("metadata") or {}).get("broker_id") == broker_id:
+                found.set()
+
+    sub = await nc.subscribe(inbox, cb=on_reply)
+    try:
+        await nc.publish(subject, b"", reply=inbox)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), 0.2)
+            await asyncio.wait_for(found.wait(), window_s)
+    finally:
+        await sub.unsubscribe()
+    return found.is_set()

@@ -62,18 +62,29 @@ async def _events(args: argparse.Namespace, since: float | None) -> int:
 
     stop = stop_on_signals()
     subs = subjects(args)
+    printed = 0
+    reader_gone = False
 
     async def emit(stored: audit.StoredEvent) -> None:
+        nonlocal printed, reader_gone
         try:
             event = schema.event_decoder.decode(stored.data)
         except msgspec.DecodeError as exc:
             log.warning("events.undecodable subject=%s error=%s", stored.subject, exc)
             return
-        if args.json:
-            print_json(event)
-        else:
-            sys.stdout.write(format_event(event) + "\n")
-        sys.stdout.flush()
+        if reader_gone:
+            return
+        try:
+            if args.json:
+                print_json(event)
+            else:
+                sys.stdout.write(format_event(event) + "\n")
+            sys.stdout.flush()
+        except BrokenPipeError:  # `| head` has read enough: stop (raised again below)
+            reader_gone = True
+            stop.set()
+            return
+        printed += 1
 
     nc = await connect(args)
     try:
@@ -99,10 +110,15 @@ async def _events(args: argparse.Namespace, since: float | None) -> int:
             if not args.follow:
                 # Until caught up, or a quiet stream after the last pending event.
                 await _until(follow.until_caught_up(max(args.timeout, 2.0)), stop)
-                return 0
+                if not printed and not reader_gone:
+                    sys.stderr.write(f"reach: no events in {AUDIT_STREAM} in the last "
+                                     f"{args.since or '1h'}\n")  # fmt: skip
+                stop.set()
         await stop.wait()
     finally:
         await nc.close()
+    if reader_gone:
+        raise BrokenPipeError
     return 0
 
 

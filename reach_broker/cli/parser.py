@@ -4,23 +4,28 @@ A command is a module with ``add_parser(sub)`` (its subparser, options and
 ``set_defaults(func=run)``) and ``run(args) -> int`` (the exit code); adding one is a new
 module and one entry in :data:`COMMANDS`. Every option also comes from an environment
 variable (``NATS_URL``, ``REACH_*``); ``--json`` prints machine-readable output; errors are
-one clear line on stderr and a non-zero exit (:class:`~.common.CliError`).
+one clear line on stderr and a non-zero exit (:class:`~.common.CliError`), with ``--json``
+also one JSON object on stdout. A reader of stdout that goes away (``reach events | head``)
+ends the command quietly with exit code 141, as SIGPIPE would.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
 from reach_agent.errors import ReachError
 
 from .. import __version__
-from ..logs import setup_logging
-from . import ack, agents, broker, demo, events, route, top
+from ..logs import drop_stdout, setup_logging
+from . import ack, agents, announce, broker, call, demo, events, route, top
 from .common import CliError
+from .output import print_json
 
-COMMANDS = (broker, agents, route, top, events, demo, ack)
+COMMANDS = (broker, agents, route, call, announce, top, events, demo, ack)
 """The subcommands, in the order ``reach --help`` lists them."""
 
 Command = Callable[[argparse.Namespace], int]
@@ -44,10 +49,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return func(args)
     except CliError as exc:
-        sys.stderr.write(f"reach: {exc}\n")
-        return exc.code
+        return report(exc, as_json=args.json)
     except ReachError as exc:
-        sys.stderr.write(f"reach: {exc.code}: {exc.message}\n")
-        return 1
+        return report(CliError.of(exc), as_json=args.json)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        drop_stdout()
+        return 128 + signal.SIGPIPE
+
+
+def report(exc: CliError, *, as_json: bool) -> int:
+    """The failure as one line on stderr (and one JSON object on stdout); its exit code."""
+    sys.stderr.write(f"reach: {exc}\n")
+    if as_json:
+        try:
+            print_json(exc.as_json())
+            sys.stdout.flush()
+        except BrokenPipeError:
+            drop_stdout()
+    with contextlib.suppress(OSError):
+        sys.stderr.flush()
+    return exc.code

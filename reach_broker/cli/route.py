@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from .common import EXIT_USAGE, CliError, Subcommands, add_common, ask, subjects
+from .common import Subcommands, add_common, ask, capability, subjects, tags
 from .output import print_json, print_table
 
 
@@ -29,17 +29,12 @@ def run(args: argparse.Namespace) -> int:
 async def _route(args: argparse.Namespace) -> int:
     from reach_agent import schema
 
-    tags: dict[str, str] = {}
-    for item in args.tag or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise CliError(f"--tag {item!r} is not key=value", EXIT_USAGE)
-        tags[key] = value
+    cap = capability(args.capability)
     req = schema.RouteRequest(
-        limit=args.limit, region=args.region, tags=tags, sticky_key=args.sticky_key,
+        limit=args.limit, region=args.region, tags=tags(args.tag), sticky_key=args.sticky_key,
         exclude=args.exclude or [], allow_suspect=args.allow_suspect,
     )  # fmt: skip
-    data = await ask(args, subjects(args).route(args.capability), schema.encoder.encode(req))
+    data = await ask(args, subjects(args).route(cap), schema.encoder.encode(req))
     reply = schema.route_reply_decoder.decode(data)
     if args.json:
         print_json(reply)

@@ -18,7 +18,7 @@ import logging
 import shutil
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -214,9 +214,16 @@ def _broker_stats(data: bytes) -> BrokerStats | None:
 
 
 def render(
-    snap: Snapshot, *, server: str, width: int, height: int, title: str = "reach top"
+    snap: Snapshot,
+    *,
+    server: str,
+    width: int,
+    height: int,
+    title: str = "reach top",
+    notes: Sequence[str] = (),
 ) -> str:
-    """One frame of text, cut to ``width`` columns and ``height`` lines."""
+    """One frame of text, cut to ``width`` columns and ``height`` lines; ``notes`` (what the
+    demo did, e.g. restarted an agent) go under the header."""
     clock = time.strftime("%H:%M:%S", time.localtime(snap.at_ms / 1000.0))
     rate = "-" if snap.route_rate is None else f"{snap.route_rate:.1f}/s"
     states = "  ".join(f"{s} {snap.by_state.get(s, 0)}" for s in AGENT_STATES)
@@ -230,6 +237,8 @@ def render(
     ]  # fmt: skip
     if snap.error:
         lines += [f"! {snap.error}", ""]
+    if notes:
+        lines += [*notes, ""]
     agents = sorted(snap.agents, key=lambda v: (AGENT_STATES.index(v.state), -v.score, v.agent_id))
     lines += format_table(agent_rows(agents, snap.at_ms), AGENT_HEADER)
     if snap.events:
@@ -279,6 +288,7 @@ async def view_loop(
     stop: asyncio.Event,
     title: str = "reach top",
     reconnect: Callable[[], Awaitable[Any]] | None = None,
+    notes: Callable[[], Sequence[str]] | None = None,
 ) -> None:
     """Refresh until ``stop`` (or once); redraws in place on a terminal, appends otherwise."""
     fleet = Fleet(nc, subjects=subjects, timeout=timeout_s, max_events=max_events,
@@ -300,7 +310,7 @@ async def view_loop(
                     size = shutil.get_terminal_size((120, 40))
                     height = size.lines if tty_out else 10_000
                     frame = render(snap, server=server, width=size.columns, height=height,
-                                   title=title)  # fmt: skip
+                                   title=title, notes=notes() if notes else ())  # fmt: skip
                     if tty_out:
                         sys.stdout.write("\x1b[H\x1b[2J" + frame + "\n")
                     else:
