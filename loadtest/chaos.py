@@ -49,7 +49,7 @@ from reach_agent.errors import NoReachableAgent
 from reach_agent.schema import RouteRequest
 from reach_broker.config import Config
 from reach_broker.natsserver import NatsServer
-from reach_broker.registry import AgentRecord, Transition
+from reach_broker.records import AgentRecord, Transition
 from reach_broker.service import Broker
 
 CAPABILITY = "summarize"

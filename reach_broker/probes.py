@@ -28,7 +28,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 if TYPE_CHECKING:
-    from .registry import AgentRecord, Transition
+    from .records import AgentRecord, Transition
     from .service import Broker
 
 log = logging.getLogger(__name__)

@@ -18,149 +18,18 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterator
-from sys import intern
-from typing import Literal, NamedTuple
-
-import msgspec
 
 from reach_agent.schema import AgentState, AgentView, Announce, Heartbeat
 
 from .config import Config
-from .detector import ArrivalWindow, Detector
-from .routing import CapabilityIndex
-from .scoring import Stats, score
+from .detector import Detector
+from .index import CapabilityIndexes
+from .records import AgentRecord, HeartbeatResult, Transition
+from .scoring import score
 from .tokens import TokenSigner
-
-HeartbeatResult = Literal["accepted", "stale", "forged", "unknown"]
-TransitionKind = Literal["registered", "state", "left", "evicted"]
 
 RECOVER_HEARTBEATS = 2
 """On-time heartbeats that also complete a recovery (agents that do not answer probes)."""
-
-
-class Transition(NamedTuple):
-    kind: TransitionKind
-    agent_id: str
-    from_: AgentState | None
-    to: AgentState | None
-    reason: str
-
-
-class AgentRecord:
-    """What the broker knows of one agent. Mutated only by :class:`Registry`."""
-
-    __slots__ = (
-        "active",
-        "agent_id",
-        "announce",
-        "capabilities",
-        "deadline_gen",
-        "disconnected",
-        "fail_total",
-        "forget_at",
-        "heap_at",
-        "interval_s",
-        "last_seen",
-        "last_seen_wall_ms",
-        "load",
-        "max_concurrency",
-        "offline_at",
-        "ok_total",
-        "oldest_task_ms",
-        "probe_failures",
-        "queue_depth",
-        "recover_hbs",
-        "recovered_at",
-        "region",
-        "score",
-        "seq",
-        "state",
-        "state_since",
-        "stats",
-        "status",
-        "stuck",
-        "suspect_at",
-        "tags",
-        "timeout_hint_ms",
-        "token",
-        "version",
-        "window",
-    )
-
-    def __init__(self, msg: Announce, interval_s: float, window: ArrivalWindow) -> None:
-        self.agent_id = msg.agent_id
-        self.state: AgentState = "healthy"
-        self.state_since = 0.0
-        self.stats = Stats()
-        self.window = window
-        self.seq = -1
-        self.token = ""
-        self.last_seen = 0.0
-        self.last_seen_wall_ms = 0
-        self.active = 0
-        self.queue_depth = 0
-        self.ok_total = 0
-        self.fail_total = 0
-        self.oldest_task_ms: int | None = None
-        self.status = "idle"
-        self.load = 0.0
-        self.score = 100.0
-        self.stuck = False
-        self.suspect_at = 0.0
-        self.offline_at = 0.0
-        self.forget_at = 0.0
-        self.deadline_gen = 0
-        self.heap_at = math.inf  # due time of the live deadline entry (inf: none)
-        self.recovered_at: float | None = None
-        self.recover_hbs = 0
-        self.probe_failures = 0
-        self.disconnected = False
-        self.apply_announce(msg, interval_s)
-
-    def apply_announce(self, msg: Announce, interval_s: float) -> None:
-        msg = _interned(msg)
-        self.announce = msg
-        self.capabilities = tuple(msg.capabilities)
-        self.max_concurrency = msg.max_concurrency
-        self.interval_s = interval_s
-        self.region = msg.region
-        self.version = msg.version
-        self.tags = msg.tags
-        self.timeout_hint_ms = msg.timeout_hint_ms
-
-    def view(self, wall_ms_now: int, now: float) -> AgentView:
-        return AgentView(
-            agent_id=self.agent_id,
-            state=self.state,
-            score=self.score,
-            load=round(self.load, 3),
-            last_seen_ms=self.last_seen_wall_ms,
-            capabilities=list(self.capabilities),
-            region=self.region,
-            version=self.version,
-            success_rate=round(self.stats.success_rate, 4),
-            active=self.active,
-            max_concurrency=self.max_concurrency,
-        )
-
-
-def _opt_intern(value: str | None) -> str | None:
-    return None if value is None else intern(value)
-
-
-def _interned(msg: Announce) -> Announce:
-    """``msg`` with its repeated strings interned (capabilities, agent_type, version, region,
-    tags): a fleet of one kind shares one ``"summarize"`` instead of one copy an agent. Equal
-    to ``msg``; about 0.3 KiB less per agent kept (issue 7: < 4 KiB an agent)."""
-    return msgspec.structs.replace(
-        msg,
-        capabilities=[intern(c) for c in msg.capabilities],
-        agent_type=_opt_intern(msg.agent_type),
-        version=_opt_intern(msg.version),
-        region=_opt_intern(msg.region),
-        tags={intern(k): intern(v) for k, v in msg.tags.items()} if msg.tags else msg.tags,
-    )
 
 
 class Registry:
@@ -171,7 +40,7 @@ class Registry:
         self.signer = signer
         self.detector = Detector(cfg.detection)
         self.agents: dict[str, AgentRecord] = {}
-        self.indexes: dict[str, CapabilityIndex] = {}
+        self.indexes = CapabilityIndexes()
         self._deadlines: list[tuple[float, int, str]] = []
         self.inflight = 0  # Σ active over the fleet, kept incrementally
         self.counts: dict[str, int] = dict.fromkeys(
@@ -198,22 +67,18 @@ class Registry:
             rec.state_since = now
             self.agents[rec.agent_id] = rec
             self.counts["healthy"] += 1
-            for cap in rec.capabilities:
-                self._index(cap).add(rec)
+            self.indexes.add(rec)
             out.append(Transition("registered", rec.agent_id, None, "healthy", "announced"))
         else:
-            old_caps = set(rec.capabilities)
+            old_caps = rec.capabilities
             rec.apply_announce(msg, interval)
-            for cap in old_caps - set(rec.capabilities):
-                self._unindex(cap, rec.agent_id)
-            for cap in set(rec.capabilities) - old_caps:
-                self._index(cap).add(rec)
+            self.indexes.recapability(rec, old_caps)
             rec.window.clear()  # a new process: its rhythm starts afresh
             if rec.state == "offline":
                 out.append(self._move(rec, "recovering", "re-announced", now))
             elif rec.state in ("suspect", "draining"):
                 out.append(self._move(rec, "healthy", "re-announced", now))
-            self._touch(rec)
+            self.indexes.state_changed(rec)
         rec.seq = -1  # seq is per process; a (re-)announce starts a new sequence
         rec.token = self.signer.issue(rec.agent_id)
         self._seen(rec, now, wall_ms)
@@ -249,8 +114,8 @@ class Registry:
         elif hb.active == 0 and rec.stats.task_ewma_ms is not None:
             # Idle (e.g. ejected for slowness, so no tasks): the verdict fades towards the
             # peers', so the agent is tried again rather than kept out on old evidence.
-            rec.stats.idle(self._peer_task_ms(rec), cfg.ewma_alpha)
-        self._set_load(rec, hb.active, hb.queue_depth)
+            rec.stats.idle(self.indexes.peer_task_ms(rec), cfg.ewma_alpha)
+        self.inflight += rec.set_load(hb.active, hb.queue_depth)
         rec.oldest_task_ms = hb.oldest_task_ms
         rec.status = hb.status
         out: list[Transition] = []
@@ -389,8 +254,7 @@ class Registry:
         rec.last_seen_wall_ms = wall_ms
         self.agents[rec.agent_id] = rec
         self.counts[to] += 1
-        for cap in rec.capabilities:
-            self._index(cap).add(rec)
+        self.indexes.add(rec)
         if to == "offline":
             rec.forget_at = now + self.cfg.detection.forget_after_s
             self._push(rec, rec.forget_at)
@@ -407,9 +271,7 @@ class Registry:
     ) -> list[AgentView]:
         if capability is not None:
             idx = self.indexes.get(capability)
-            recs: Iterator[AgentRecord] | list[AgentRecord] = (
-                list(idx.members.values()) if idx else []
-            )
+            recs = list(idx.members.values()) if idx else []
         else:
             recs = list(self.agents.values())
         return [
@@ -428,11 +290,8 @@ class Registry:
         hint = rec.timeout_hint_ms
         oldest = rec.oldest_task_ms
         rec.stuck = stuck = bool(hint and oldest and oldest > cfg.stuck_factor * hint)
-        # The peer median only matters to an agent with a task EWMA (_peer_task_ms inline).
-        peer = None
-        if rec.stats.task_ewma_ms is not None and rec.capabilities:
-            idx = self.indexes.get(rec.capabilities[0])
-            peer = idx.median_task_ms if idx else None
+        # The peer median only matters to an agent with a task EWMA.
+        peer = self.indexes.peer_task_ms(rec) if rec.stats.task_ewma_ms is not None else None
         new = score(
             rec.stats,
             cfg,
@@ -442,22 +301,9 @@ class Registry:
             stuck=stuck,
             peer_task_ms=peer,
         )
-        if new != rec.score:
-            rec.score = new
-            self._touch_score(rec)
-
-    def _peer_task_ms(self, rec: AgentRecord) -> float | None:
-        """Median task duration of the agent's (first) capability, as of the last ranking."""
-        if not rec.capabilities:
-            return None
-        idx = self.indexes.get(rec.capabilities[0])
-        return idx.median_task_ms if idx else None
-
-    def _set_load(self, rec: AgentRecord, active: int, queue_depth: int) -> None:
-        self.inflight += active - rec.active
-        rec.active = active
-        rec.queue_depth = queue_depth
-        rec.load = min(active / rec.max_concurrency, 1.0)
+        if rec.set_score(new):
+            # Only the score moved: the ranking is refreshed on a slower cadence (index.py).
+            self.indexes.score_changed(rec)
 
     def _seen(self, rec: AgentRecord, now: float, wall_ms: int) -> None:
         rec.last_seen = now
@@ -502,11 +348,11 @@ class Registry:
         if to == "recovering":
             rec.recover_hbs = 0
         if to == "offline":
-            self._set_load(rec, 0, 0)
+            self.inflight += rec.set_load(0, 0)
             # Every way into offline (silence, probe, disconnect) starts the forget clock.
             rec.forget_at = now + self.cfg.detection.forget_after_s
             self._push(rec, rec.forget_at)
-        self._touch(rec)
+        self.indexes.state_changed(rec)
         return Transition("state", rec.agent_id, frm, to, reason)
 
     def _recovered(self, rec: AgentRecord, reason: str, now: float) -> Transition:
@@ -516,35 +362,8 @@ class Registry:
     def _evict(self, rec: AgentRecord, reason: str) -> Transition:
         frm = rec.state
         self.counts[frm] -= 1
-        self._set_load(rec, 0, 0)
+        self.inflight += rec.set_load(0, 0)
         del self.agents[rec.agent_id]
-        for cap in rec.capabilities:
-            self._unindex(cap, rec.agent_id)
+        self.indexes.discard(rec)
         rec.deadline_gen += 1
         return Transition("evicted", rec.agent_id, frm, None, reason)
-
-    def _touch(self, rec: AgentRecord) -> None:
-        for cap in rec.capabilities:
-            idx = self.indexes.get(cap)
-            if idx is not None:
-                idx.dirty = True
-
-    def _touch_score(self, rec: AgentRecord) -> None:
-        """Only the score moved: the ranking is refreshed on a slower cadence (routing.py)."""
-        for cap in rec.capabilities:
-            idx = self.indexes.get(cap)
-            if idx is not None:
-                idx.reorder = True
-
-    def _index(self, cap: str) -> CapabilityIndex:
-        idx = self.indexes.get(cap)
-        if idx is None:
-            idx = self.indexes[cap] = CapabilityIndex(cap)
-        return idx
-
-    def _unindex(self, cap: str, agent_id: str) -> None:
-        idx = self.indexes.get(cap)
-        if idx is not None:
-            idx.remove(agent_id)
-            if not idx.members:
-                del self.indexes[cap]

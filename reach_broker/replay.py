@@ -35,7 +35,7 @@ from reach_agent.errors import ReachError, from_reply
 from reach_agent.schema import AckRecord, RouteRequest
 from reach_agent.subjects import Subjects
 
-from .registry import AgentRecord, Transition
+from .records import AgentRecord, Transition
 
 if TYPE_CHECKING:
     from .service import Broker

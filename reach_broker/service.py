@@ -44,7 +44,8 @@ from .advisories import Advisories
 from .config import Config
 from .metrics import Metrics
 from .probes import Prober
-from .registry import AgentRecord, Registry, Transition
+from .records import AgentRecord, Transition
+from .registry import Registry
 from .replay import Replayer
 from .routing import Router
 from .snapshot import Snapshot
@@ -134,9 +135,13 @@ class Broker:
             await self._connect()
         self.jetstream_ok = await self._provision()
         secret = await self._token_secret()
-        self.registry = Registry(self.cfg, TokenSigner(secret, self.cfg.broker.token_max_age_s))
-        self.router = Router(self.cfg.routing, self.registry.indexes, self.task_subject)
-        self.router.on_panic = lambda cap, on: self.metrics.panic.labels(cap).set(int(on))
+        registry = Registry(self.cfg, TokenSigner(secret, self.cfg.broker.token_max_age_s))
+        self.registry = registry
+        self.router = Router(
+            self.cfg.routing, registry.indexes, self.task_subject,
+            inflight=lambda: registry.inflight,
+            on_panic=lambda cap, on: self.metrics.panic.labels(cap).set(int(on)),
+        )  # fmt: skip
         self.metrics.watch_states(lambda: self.registry.counts if self.registry else {})
         for component in self.components:
             await component.start()
@@ -346,7 +351,6 @@ class Broker:
                 changes = self.registry.expire(self.clock())
                 if changes:
                     self.emit(changes)
-                self.router.inflight = self.registry.inflight  # type: ignore[union-attr]
             except Exception:  # noqa: BLE001 - the loop body never dies
                 log.exception("broker.tick failed")
 

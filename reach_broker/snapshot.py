@@ -23,7 +23,7 @@ import msgspec
 from reach_agent import schema
 from reach_agent.schema import AgentState, Announce
 
-from .registry import AgentRecord, Transition
+from .records import AgentRecord, Transition
 
 if TYPE_CHECKING:
     from .service import Broker

@@ -11,7 +11,7 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from reach_broker.registry import AgentRecord, Transition
+from reach_broker.records import AgentRecord, Transition
 from reach_broker.service import Broker
 
 ROOT = Path(__file__).resolve().parent.parent

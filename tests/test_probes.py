@@ -9,7 +9,8 @@ from typing import Any
 from reach_agent.schema import Announce
 from reach_broker.config import Config
 from reach_broker.probes import Prober
-from reach_broker.registry import Registry, Transition
+from reach_broker.records import Transition
+from reach_broker.registry import Registry
 from reach_broker.tokens import TokenSigner
 
 

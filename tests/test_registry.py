@@ -7,7 +7,8 @@ import random
 from reach_agent.schema import Announce, Heartbeat
 from reach_broker.config import Config
 from reach_broker.probes import backoff_delay
-from reach_broker.registry import Registry, Transition
+from reach_broker.records import Transition
+from reach_broker.registry import Registry
 from reach_broker.tokens import TokenSigner
 
 
@@ -141,3 +142,4 @@ def test_offline_by_probe_is_kept_until_forget_after() -> None:
     assert [(t.kind, t.reason) for t in reg.expire(1.0 + 24 * 3600)] == [
         ("evicted", "offline for 86400s")
     ]
+

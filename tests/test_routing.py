@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from reach_agent.errors import NoReachableAgent
+from reach_agent.errors import NoReachableAgent, Overloaded
 from reach_agent.schema import Announce, Heartbeat, RouteRequest
 from reach_broker.config import Config
 from reach_broker.registry import Registry
@@ -25,10 +25,12 @@ class World:
             setattr(cfg.routing, key, value)
         self.cfg = cfg
         self.reg = Registry(cfg, TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
-        self.router = Router(cfg.routing, self.reg.indexes, lambda a, c: f"reach.task.{a}.{c}",
-                             rng=random.Random(seed))  # fmt: skip
         self.panics: list[tuple[str, bool]] = []
-        self.router.on_panic = lambda cap, on: self.panics.append((cap, on))
+        reg = self.reg
+        self.router = Router(cfg.routing, reg.indexes, lambda a, c: f"reach.task.{a}.{c}",
+                             inflight=lambda: reg.inflight,
+                             on_panic=lambda cap, on: self.panics.append((cap, on)),
+                             rng=random.Random(seed))  # fmt: skip
         self.seq = 0
         self.tokens: dict[str, str] = {}
         for agent_id in agents:
@@ -44,8 +46,8 @@ class World:
 
     def set_score(self, agent_id: str, value: float) -> None:
         rec = self.reg.agents[agent_id]
-        rec.score = value
-        self.reg._touch(rec)
+        rec.set_score(value)  # as the registry's rescore would
+        self.reg.indexes.state_changed(rec)
 
     def route(self, now: float, **req: object) -> list[str]:
         got = self.router.route(CAP, RouteRequest(**req), now)  # type: ignore[arg-type]
@@ -197,3 +199,16 @@ def test_peer_median_is_the_lower_median() -> None:
     w.beat("b", 1.0, ok_total=1, task_ms_p50=1600)
     w.route(1.0)
     assert w.reg.indexes[CAP].median_task_ms == 100.0
+
+
+# --- the in-flight ceiling ------------------------------------------------------------------
+
+
+def test_the_inflight_ceiling_reads_the_fleet_as_it_is_now() -> None:
+    w = World("ab", inflight_ceiling=15)
+    w.beat("a", 1.0, active=8)
+    assert len(w.route(1.0, limit=2)) == 2  # 8 in flight: under the ceiling
+    w.beat("b", 1.1, active=8)
+    with pytest.raises(Overloaded) as exc:
+        w.route(1.1)
+    assert exc.value.message == "fleet in-flight tasks 16 exceed the ceiling 15"
