@@ -2,16 +2,9 @@
 
 Inputs (announce, heartbeat, leave, probe results, disconnects, the passing of time) take the
 broker's monotonic clock ``now`` as an argument and return :class:`Transition`s; the service
-publishes them as events afterwards. Nothing here does I/O.
-
-States (DESIGN §3)::
-
-    new ──announce──▶ healthy ◀──heartbeat── suspect ──silence/probe fails──▶ offline
-                        │  ▲                    ▲                                │
-                        │  └──probe ok / 2 hb── recovering ◀──heartbeat/probe───┘
-                        └──silence/disconnect───┘
-    any ──leave / status=draining──▶ draining ──silence/disconnect──▶ evicted
-    offline ──forget_after──▶ evicted
+publishes them as events afterwards. Nothing here does I/O. Which input moves which state
+where is the table in :mod:`reach_broker.states`; this module turns inputs into its events,
+applies the moves, and keeps the deadlines, scores and capability indexes that follow.
 """
 
 from __future__ import annotations
@@ -24,8 +17,9 @@ from reach_agent.schema import AgentState, AgentView, Announce, Heartbeat
 from .config import Config
 from .detector import Detector
 from .index import CapabilityIndexes
-from .records import AgentRecord, HeartbeatResult, Transition
+from .records import AgentRecord, HeartbeatResult, Transition, TransitionKind
 from .scoring import score
+from .states import EVICTED, Event, move
 from .tokens import TokenSigner
 
 RECOVER_HEARTBEATS = 2
@@ -74,10 +68,9 @@ class Registry:
             rec.apply_announce(msg, interval)
             self.indexes.recapability(rec, old_caps)
             rec.window.clear()  # a new process: its rhythm starts afresh
-            if rec.state == "offline":
-                out.append(self._move(rec, "recovering", "re-announced", now))
-            elif rec.state in ("suspect", "draining"):
-                out.append(self._move(rec, "healthy", "re-announced", now))
+            t = self._fire(rec, "announce", now)
+            if t is not None:
+                out.append(t)
             self.indexes.state_changed(rec)
         rec.seq = -1  # seq is per process; a (re-)announce starts a new sequence
         rec.token = self.signer.issue(rec.agent_id)
@@ -118,46 +111,37 @@ class Registry:
         self.inflight += rec.set_load(hb.active, hb.queue_depth)
         rec.oldest_task_ms = hb.oldest_task_ms
         rec.status = hb.status
-        out: list[Transition] = []
+        event: Event = "heartbeat"
         if hb.status == "draining":
-            if rec.state != "draining":
-                out.append(self._move(rec, "draining", "agent reports draining", now))
-        elif rec.state == "suspect":
-            out.append(self._move(rec, "healthy", "heartbeat resumed", now))
-        elif rec.state == "offline":
-            out.append(self._move(rec, "recovering", "heartbeat resumed", now))
+            event = "heartbeat_draining"
         elif rec.state == "recovering":
             rec.recover_hbs += 1 if on_time else 0
             if rec.recover_hbs >= RECOVER_HEARTBEATS:
-                out.append(self._recovered(rec, "heartbeats on time", now))
+                event = "heartbeats_on_time"
+        t = self._fire(rec, event, now)
         self._seen(rec, now, wall_ms)
         self.rescore(rec, now)
-        return "accepted", out
+        return "accepted", [] if t is None else [t]
 
     def leave(self, agent_id: str, now: float, reason: str = "leave") -> list[Transition]:
         rec = self.agents.get(agent_id)
-        if rec is None or rec.state == "draining":
-            return []
-        t = self._move(rec, "draining", reason, now)
-        return [t._replace(kind="left")]
+        t = None if rec is None else self._fire(rec, "leave", now, reason=reason)
+        return [] if t is None else [t]
 
     def disconnected(
         self, agent_id: str, now: float, reason: str = "connection closed"
     ) -> list[Transition]:
         """The server saw the agent's connection close: suspect at once (probe follows)."""
         rec = self.agents.get(agent_id)
-        if rec is None:
+        t = None if rec is None else self._fire(rec, "disconnect", now, reason=reason)
+        if t is None:
             return []
-        if rec.state == "draining":
-            return [self._evict(rec, "left and disconnected")]
-        if rec.state in ("healthy", "recovering"):
-            rec.stats.outcome(False, self.cfg.scoring.liveness_window)
-            t = self._move(rec, "suspect", reason, now)
+        if t.to == "suspect":
+            assert rec is not None
             rec.disconnected = True
             # Probe timeout bounds the wait: no answer by then and the agent is offline.
             self._schedule(rec, rec.suspect_at, now + self.cfg.detection.probe_timeout_s)
-            return [t]
-        return []
+        return [t]
 
     def reconcile(self, connected: set[str], now: float) -> list[Transition]:
         """Known agents with no live connection (per the server) are treated as disconnected.
@@ -175,64 +159,48 @@ class Registry:
         rec = self.agents.get(agent_id)
         if rec is None:
             return []
-        window = self.cfg.scoring.liveness_window
-        rec.stats.outcome(ok, window)
-        out: list[Transition] = []
+        rec.stats.outcome(ok, self.cfg.scoring.liveness_window)
         if ok:
             rec.probe_failures = 0
             rec.disconnected = False
             if rtt_ms is not None:
                 rec.stats.rtt(rtt_ms, self.cfg.scoring.ewma_alpha)
-            if rec.state == "suspect":
-                out.append(self._move(rec, "healthy", "probe answered", now))
-            elif rec.state == "offline":
-                out.append(self._move(rec, "recovering", "probe answered", now))
-            elif rec.state == "recovering":
-                out.append(self._recovered(rec, "probe answered", now))
+            t = self._fire(rec, "probe_ok", now)
             self._rearm(rec, now)  # an answer is a sign of life
         else:
             rec.probe_failures += 1
             # After a disconnect an unanswered probe settles it; after mere silence the
             # offline deadline decides (a raw agent may not answer probes at all).
-            if rec.state == "suspect" and rec.disconnected:
-                out.append(self._move(rec, "offline", "disconnected and probe unanswered", now))
+            t = self._fire(rec, "probe_failed_disconnected", now) if rec.disconnected else None
         self.rescore(rec, now)
-        return out
+        return [] if t is None else [t]
 
     def expire(self, now: float) -> list[Transition]:
         """Apply every deadline that has passed: suspect, offline, eviction."""
         out: list[Transition] = []
         heap = self._deadlines
+        forget = self.cfg.detection.forget_after_s
         while heap and heap[0][0] <= now:
             _, gen, agent_id = heapq.heappop(heap)
             rec = self.agents.get(agent_id)
             if rec is None or gen != rec.deadline_gen:
                 continue
-            rec.heap_at = math.inf  # the live entry is consumed; branches below re-arm
-            silence = now - rec.last_seen
-            if rec.state in ("healthy", "recovering") and now >= rec.suspect_at:
-                rec.stats.outcome(False, self.cfg.scoring.liveness_window)
-                reason = f"no heartbeat for {silence:.2f}s (interval {rec.interval_s:g}s)"
-                out.append(self._move(rec, "suspect", reason, now))
-                self._push(rec, rec.offline_at)
-            elif rec.state == "suspect" and now >= rec.offline_at:
-                reason = f"no heartbeat for {silence:.2f}s (interval {rec.interval_s:g}s)"
-                if rec.disconnected:
-                    reason = f"disconnected and no probe answer for {silence:.2f}s"
-                out.append(self._move(rec, "offline", reason, now))
-                rec.forget_at = now + self.cfg.detection.forget_after_s
-                self._push(rec, rec.forget_at)
-            elif rec.state == "draining" and now >= rec.suspect_at:
-                out.append(self._evict(rec, "left and went silent"))
-            elif rec.state == "offline" and now >= rec.forget_at:
-                out.append(self._evict(rec, f"offline for {self.cfg.detection.forget_after_s:g}s"))
-            else:
+            rec.heap_at = math.inf  # the live entry is consumed; re-armed below or by a move
+            event = self._deadline_passed(rec, now)
+            t = None
+            if event is not None:
+                t = self._fire(rec, event, now, silence=now - rec.last_seen,
+                               interval=rec.interval_s, forget=forget)  # fmt: skip
+            if t is not None:
+                out.append(t)
+            if t is None or t.to == "suspect":
                 self._push(rec, self._next_deadline(rec))
         return out
 
-    def evict(self, agent_id: str, reason: str) -> list[Transition]:
+    def evict(self, agent_id: str, reason: str, now: float = 0.0) -> list[Transition]:
         rec = self.agents.get(agent_id)
-        return [] if rec is None else [self._evict(rec, reason)]
+        t = None if rec is None else self._fire(rec, "evict", now, reason=reason)
+        return [] if t is None else [t]
 
     def restore(
         self, msg: Announce, state: AgentState, now: float, wall_ms: int
@@ -305,6 +273,29 @@ class Registry:
             # Only the score moved: the ranking is refreshed on a slower cadence (index.py).
             self.indexes.score_changed(rec)
 
+    def _fire(
+        self, rec: AgentRecord, event: Event, now: float, **details: object
+    ) -> Transition | None:
+        """Apply the move ``event`` makes from ``rec``'s state (states.MOVES), if any."""
+        m = move(rec.state, event)
+        if m is None:
+            return None
+        reason = m.reason.format_map(details) if details else m.reason
+        if m.to == EVICTED:
+            return self._evict(rec, reason)
+        return self._move(rec, m.to, reason, now, m.kind)
+
+    def _deadline_passed(self, rec: AgentRecord, now: float) -> Event | None:
+        """Which of ``rec``'s deadlines has passed by ``now`` in its state, if any."""
+        state = rec.state
+        if state == "suspect":
+            if now < rec.offline_at:
+                return None
+            return "silent_disconnected" if rec.disconnected else "silent_long"
+        if state == "offline":
+            return "forgotten" if now >= rec.forget_at else None
+        return "silent" if now >= rec.suspect_at else None
+
     def _seen(self, rec: AgentRecord, now: float, wall_ms: int) -> None:
         rec.last_seen = now
         rec.last_seen_wall_ms = wall_ms
@@ -339,25 +330,27 @@ class Registry:
         rec.heap_at = at
         heapq.heappush(self._deadlines, (at, rec.deadline_gen, rec.agent_id))
 
-    def _move(self, rec: AgentRecord, to: AgentState, reason: str, now: float) -> Transition:
+    def _move(self, rec: AgentRecord, to: AgentState, reason: str, now: float,
+              kind: TransitionKind = "state") -> Transition:  # fmt: skip
+        """Change ``rec``'s state, with what entering the new state entails."""
         frm = rec.state
         self.counts[frm] -= 1
         self.counts[to] += 1
         rec.state = to
         rec.state_since = now
-        if to == "recovering":
+        if to == "suspect":
+            rec.stats.outcome(False, self.cfg.scoring.liveness_window)  # one missed sign
+        elif to == "recovering":
             rec.recover_hbs = 0
-        if to == "offline":
+        elif to == "healthy" and frm == "recovering":
+            rec.recovered_at = now  # slow start begins
+        elif to == "offline":
             self.inflight += rec.set_load(0, 0)
             # Every way into offline (silence, probe, disconnect) starts the forget clock.
             rec.forget_at = now + self.cfg.detection.forget_after_s
             self._push(rec, rec.forget_at)
         self.indexes.state_changed(rec)
-        return Transition("state", rec.agent_id, frm, to, reason)
-
-    def _recovered(self, rec: AgentRecord, reason: str, now: float) -> Transition:
-        rec.recovered_at = now  # slow start begins
-        return self._move(rec, "healthy", reason, now)
+        return Transition(kind, rec.agent_id, frm, to, reason)
 
     def _evict(self, rec: AgentRecord, reason: str) -> Transition:
         frm = rec.state
