@@ -19,14 +19,7 @@ from nats.micro.request import Request
 
 from reach_agent import schema
 from reach_agent.errors import Forbidden, InternalError, ReachError, to_reply
-from reach_agent.schema import (
-    AnnounceAck,
-    Ok,
-    RouteReply,
-    check_agent_id,
-    check_capability,
-    decode,
-)
+from reach_agent.schema import AnnounceAck, Ok, check_agent_id, check_capability, decode
 
 from .context import BrokerContext
 from .registry import Registry
@@ -218,12 +211,9 @@ class Handlers:
             if data and data != b"{}"
             else DEFAULT_ROUTE_REQUEST  # the common case: no decode, no validation
         )
-        candidates = self.router.route(capability, rreq, ctx.clock())
+        body = self.router.route_reply(capability, rreq, ctx.clock(), ctx.wall_ms())
         ctx.metrics.route_result["ok"].inc()
-        reply = RouteReply(
-            capability=capability, candidates=candidates, generated_at_ms=ctx.wall_ms()
-        )
-        return schema.encoder.encode(reply)
+        return body
 
     def agents(self, subject: str, data: bytes) -> bytes:
         areq = decode(schema.agents_request_decoder, data, "agents request")

@@ -5,14 +5,18 @@ The registry tells an index what changed (:meth:`CapabilityIndex.add`, ``remove`
 before a walk, which re-ranks only when something changed and at most every
 ``rank_refresh_ms`` (score-only changes: every ``REORDER_FACTOR`` x that). Ranking applies the
 outlier and panic rules of :mod:`reach_broker.routing`. The ring (sticky keys) is rebuilt only
-when membership changes.
+when membership changes. Each routed member's reply entry is encoded once and kept until its
+score, load, state or announce changes, so a route reply re-encodes nothing of a steady fleet.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
-from reach_agent.schema import Candidate
+import msgspec
+
+from reach_agent.schema import AgentState, Announce, Candidate, encoder
 
 from .config import RoutingSection
 from .records import AgentRecord
@@ -21,6 +25,10 @@ REORDER_FACTOR = 20
 """Score-only changes (every heartbeat moves load) re-rank at most every 20 x rank_refresh_ms:
 a sort per capability per heartbeat burst costs O(n log n) and the walk re-checks state and
 load anyway, so a ranking a second old routes the same agents."""
+
+_Encoded = tuple[float, float, AgentState, Announce, msgspec.Raw]
+"""A member's encoded candidate and the (score, load, state, announce) it was encoded from."""
+
 
 def hash64(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
@@ -36,6 +44,7 @@ class CapabilityIndex:
     __slots__ = (
         "_built_at",
         "_dirty",
+        "_encoded",
         "_reorder",
         "_ring",
         "ejected",
@@ -61,6 +70,7 @@ class CapabilityIndex:
         self._reorder = False  # only scores changed: re-rank within REORDER_FACTOR x that
         self._built_at = float("-inf")
         self._ring: tuple[list[int], list[AgentRecord]] | None = None  # None: rebuild
+        self._encoded: dict[str, _Encoded] = {}
 
     # --- what the registry tells it ----------------------------------------------------------
 
@@ -73,6 +83,7 @@ class CapabilityIndex:
         if self.members.pop(agent_id, None) is not None:
             self._dirty = True
             self._ring = None
+            self._encoded.pop(agent_id, None)
 
     def state_changed(self) -> None:
         """A member's state (or announce) changed: re-rank soon."""
@@ -135,6 +146,22 @@ class CapabilityIndex:
             )
             self._ring = [p[0] for p in points], [p[1] for p in points]
         return self._ring
+
+    def encoded(self, rec: AgentRecord, subject_of: Callable[[str, str], str]) -> msgspec.Raw:
+        """``rec`` as this capability's JSON ``Candidate``, encoded again only when its
+        score, load, state or announce changed since the last time it was routed."""
+        hit = self._encoded.get(rec.agent_id)
+        if (
+            hit is not None
+            and hit[0] == rec.score
+            and hit[1] == rec.load
+            and hit[2] == rec.state
+            and hit[3] is rec.announce
+        ):
+            return hit[4]
+        raw = msgspec.Raw(encoder.encode(candidate(rec, subject_of(rec.agent_id, self.name))))
+        self._encoded[rec.agent_id] = (rec.score, rec.load, rec.state, rec.announce, raw)
+        return raw
 
 
 def candidate(rec: AgentRecord, subject: str) -> Candidate:

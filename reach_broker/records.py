@@ -15,7 +15,7 @@ import msgspec
 from reach_agent.schema import AgentState, AgentView, Announce
 
 from .detector import ArrivalWindow
-from .scoring import Stats
+from .scoring import Stats, route_weight
 
 HeartbeatResult = Literal["accepted", "stale", "forged", "unknown"]
 TransitionKind = Literal["registered", "state", "left", "evicted"]
@@ -69,6 +69,7 @@ class AgentRecord:
         "timeout_hint_ms",
         "token",
         "version",
+        "weight",
         "window",
     )
 
@@ -90,6 +91,9 @@ class AgentRecord:
         self.status = "idle"
         self.load = 0.0
         self.score = 100.0
+        self.weight = route_weight(self.score, self.load)
+        """Weight in the routing draw (scoring.route_weight), as of the last rescore: every
+        input that can make the agent routable (announce, heartbeat, probe answer) rescores."""
         self.stuck = False
         self.suspect_at = 0.0
         self.offline_at = 0.0
@@ -114,7 +118,8 @@ class AgentRecord:
         self.timeout_hint_ms = msg.timeout_hint_ms
 
     def set_load(self, active: int, queue_depth: int) -> int:
-        """Record the agent's reported load; returns the change of ``active``."""
+        """Record the agent's reported load; returns the change of ``active``. (Its
+        ``weight`` follows at the next :meth:`set_score`.)"""
         delta = active - self.active
         self.active = active
         self.queue_depth = queue_depth
@@ -122,7 +127,9 @@ class AgentRecord:
         return delta
 
     def set_score(self, score: float) -> bool:
-        """Record a new score; False when it did not change."""
+        """Record the score the registry computed from the current inputs (load among them),
+        and the routing weight that follows from both; False when the score did not move."""
+        self.weight = route_weight(score, self.load)
         if score == self.score:
             return False
         self.score = score

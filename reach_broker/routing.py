@@ -17,7 +17,8 @@ than none. Suspects stay opt-in (``allow_suspect``). Slow start: a recovered age
 is multiplied by ``slow_start_share`` for ``slow_start_s``, then ramps linearly to 1 over
 another ``slow_start_s`` (weighted choice; p2c divides its expected completion time by it).
 
-:meth:`Router.choose` is the decision; :meth:`Router.route` turns it into ``Candidate``s.
+:meth:`Router.choose` is the decision; :meth:`Router.route` turns it into ``Candidate``s and
+:meth:`Router.route_reply` into the encoded reply the broker sends.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ import bisect
 import logging
 import random
 from collections.abc import Callable, Iterable
+from typing import cast
 
 from reach_agent.errors import NoReachableAgent, Overloaded
-from reach_agent.schema import Candidate, RouteRequest
+from reach_agent.schema import Candidate, RouteReply, RouteRequest, encoder
 
 from .config import RoutingSection
 from .index import CapabilityIndex, CapabilityIndexes, candidate, hash64
@@ -65,6 +67,20 @@ class Router:
         _, chosen = self.choose(capability, req, now)
         subject_of = self.subject_of
         return [candidate(r, subject_of(r.agent_id, capability)) for r in chosen]
+
+    def route_reply(
+        self, capability: str, req: RouteRequest, now: float, generated_at_ms: int
+    ) -> bytes:
+        """:meth:`route` as the encoded ``RouteReply``: each candidate's JSON comes from its
+        index (encoded when its score, load or state last changed), so a request encodes
+        only the envelope. The same bytes as encoding ``RouteReply`` of :meth:`route`."""
+        idx, chosen = self.choose(capability, req, now)
+        subject_of = self.subject_of
+        raws = [idx.encoded(r, subject_of) for r in chosen]
+        # msgspec writes a Raw as it is: the wire type, with candidates encoded beforehand.
+        reply = RouteReply(capability=capability, candidates=cast(list[Candidate], raws),
+                           generated_at_ms=generated_at_ms)  # fmt: skip
+        return encoder.encode(reply)
 
     def choose(
         self, capability: str, req: RouteRequest, now: float
@@ -190,14 +206,10 @@ class Router:
 
     def _weighted(self, pool: list[AgentRecord], limit: int, now: float) -> list[AgentRecord]:
         """Weighted draw without replacement: weight = score * free capacity * slow start."""
-        # Hot path (every route): weights inline, slow start only for recovered agents.
+        # Hot path (every route): the record keeps its weight; slow start only when recovered.
         random = self.rng.random
         pool = list(pool)
-        weights = [
-            (r.score if r.score > 1.0 else 1.0) * (1.0 - r.load if r.load < 0.95 else 0.05)
-            if r.recovered_at is None else self.weight(r, now)
-            for r in pool
-        ]  # fmt: skip
+        weights = [r.weight if r.recovered_at is None else self.weight(r, now) for r in pool]
         total = sum(weights)
         chosen: list[AgentRecord] = []
         while pool and len(chosen) < limit:
@@ -212,8 +224,8 @@ class Router:
         return chosen
 
     def weight(self, rec: AgentRecord, now: float) -> float:
-        w = max(rec.score, 1.0) * max(1.0 - rec.load, 0.05)
-        return w * self.slow_start_factor(rec, now)
+        """``rec``'s weight in the draw: scoring.route_weight times its slow-start factor."""
+        return rec.weight * self.slow_start_factor(rec, now)
 
     def slow_start_factor(self, rec: AgentRecord, now: float) -> float:
         """``slow_start_share`` for ``slow_start_s`` after recovery, then a linear ramp."""

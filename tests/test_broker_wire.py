@@ -273,7 +273,7 @@ FAILURE_COUNTERS: dict[str, Any] = {
 @pytest.mark.parametrize(
     ("subject", "body", "breaks"),
     [
-        ("reach.route.text_processing", b"", "router.route"),
+        ("reach.route.text_processing", b"", "router.route_reply"),
         ("reach.announce.a1", announce_body("a1"), "registry.announce"),
         ("reach.leave.a1", b"", "registry.leave"),
         ("reach.agents", b"", "registry.views"),

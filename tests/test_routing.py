@@ -7,8 +7,9 @@ import random
 
 import pytest
 
+from reach_agent import schema
 from reach_agent.errors import NoReachableAgent, Overloaded
-from reach_agent.schema import Announce, Heartbeat, RouteRequest
+from reach_agent.schema import Announce, Heartbeat, RouteReply, RouteRequest
 from reach_broker.config import Config
 from reach_broker.registry import Registry
 from reach_broker.routing import Router
@@ -201,7 +202,41 @@ def test_peer_median_is_the_lower_median() -> None:
     assert w.reg.indexes[CAP].median_task_ms == 100.0
 
 
-# --- the in-flight ceiling ------------------------------------------------------------------
+# --- the encoded reply ----------------------------------------------------------------------
+
+
+def test_route_reply_is_the_encoded_route_of_the_same_draw() -> None:
+    """route_reply() keeps each candidate's JSON until its score, load, state or announce
+    changes: byte for byte what encoding route()'s Candidates gives, through all of those."""
+    rng = random.Random(3)
+    w = World("abcdefgh", seed=11)
+    twin = Router(w.cfg.routing, w.reg.indexes, w.router.subject_of,
+                  inflight=lambda: w.reg.inflight, rng=random.Random(11))  # fmt: skip
+    now = 1.0
+    for step in range(400):
+        now += 0.05
+        agent_id = rng.choice("abcdefgh")
+        roll = rng.random()
+        if roll < 0.6:
+            w.beat(agent_id, now, active=rng.randrange(0, 10), ok_total=step,
+                   task_ms_p50=rng.randrange(50, 500))  # fmt: skip
+        elif roll < 0.7:
+            w.reg.disconnected(agent_id, now)
+        elif roll < 0.8:
+            ann = Announce(agent_id=agent_id, capabilities=[CAP], max_concurrency=10,
+                           heartbeat_interval_ms=1000, region=rng.choice(("eu", "us")),
+                           version=f"1.{step}")  # fmt: skip
+            w.tokens[agent_id] = w.reg.announce(ann, now, 0)[0].token
+        req = RouteRequest(limit=rng.randrange(1, 4), allow_suspect=rng.random() < 0.3)
+        try:
+            expected = schema.encoder.encode(RouteReply(
+                capability=CAP, candidates=w.router.route(CAP, req, now), generated_at_ms=step
+            ))  # fmt: skip
+        except NoReachableAgent:
+            with pytest.raises(NoReachableAgent):
+                twin.route_reply(CAP, req, now, step)
+            continue
+        assert twin.route_reply(CAP, req, now, step) == expected
 
 
 def test_the_inflight_ceiling_reads_the_fleet_as_it_is_now() -> None:
