@@ -2,9 +2,9 @@
 
 A handler (:class:`Handlers`) is synchronous: it decodes, validates, asks the registry or
 the router, hands transitions to the fan-out and returns the reply body (or None), raising
-a :class:`~reach_agent.errors.ReachError` to refuse. :class:`Endpoint` runs it and is the one
-place an exception becomes an error reply (the NATS Services headers) and a count, as
-``nats.micro``'s endpoint does; the reply is sent after the decision.
+a :class:`~reach_agent.errors.ReachError` to refuse. :class:`Endpoint` runs it and sends the
+reply after the decision; :meth:`Endpoint.failure` is the one place an exception becomes an
+error reply (the NATS Services headers) and a count, as ``nats.micro``'s endpoint does.
 """
 
 from __future__ import annotations
@@ -76,26 +76,22 @@ class Endpoint:
         self._timed = timed
         """A histogram of the time to answer, if any."""
 
-    def answer(self, subject: str, data: bytes) -> tuple[bytes, dict[str, str] | None] | None:
-        """Run the handler: (reply body, error headers or None), or None for no reply.
-        The one place an exception becomes an error reply and is counted."""
-        try:
-            body = self._handle(subject, data)
-        except ReachError as err:
+    def failure(self, subject: str, exc: Exception) -> tuple[bytes, dict[str, str]] | None:
+        """What a handler's exception answers — (body, error headers), or None when this
+        endpoint does not answer failures — counted and logged. The one place an exception
+        becomes an error reply: a ReachError is a refusal, anything else a bug (INTERNAL)."""
+        if isinstance(exc, ReachError):
+            err = exc
             if self._refused is not None:
                 self._refused(err).inc()
             if self._log_refusal is not None and log.isEnabledFor(self._log_refusal[0]):
                 log.log(self._log_refusal[0], "%s subject=%s error=%s", self._log_refusal[1],
                         subject, err.message)  # fmt: skip
-            return self._error(err)
-        except Exception as exc:  # noqa: BLE001 - a bug answers INTERNAL, never kills the sub
+        else:
             if self._failed is not None:
                 self._failed.inc()
-            log.exception("%s.failed subject=%s", self.name, subject)
-            return self._error(InternalError(f"{self.name} failed: {exc!r}"))
-        return None if body is None else (body, None)
-
-    def _error(self, err: ReachError) -> tuple[bytes, dict[str, str]] | None:
+            log.error("%s.failed subject=%s", self.name, subject, exc_info=exc)
+            err = InternalError(f"{self.name} failed: {exc!r}")
         if not self._replies:
             return None
         headers, body = to_reply(err)
@@ -103,16 +99,27 @@ class Endpoint:
 
     async def on_message(self, msg: Msg) -> None:
         """Callback of a plain subscription (announce, heartbeat, leave)."""
-        reply = self.answer(msg.subject, msg.data)
-        if reply is not None and msg.reply:
-            await self._nc.publish(msg.reply, reply[0], headers=reply[1])
+        try:
+            body = self._handle(msg.subject, msg.data)
+        except Exception as exc:  # noqa: BLE001 - answered by failure(), never kills the sub
+            reply = self.failure(msg.subject, exc)
+            if reply is not None and msg.reply:
+                await self._nc.publish(msg.reply, reply[0], headers=reply[1])
+            return
+        if body is not None and msg.reply:
+            await self._nc.publish(msg.reply, body)
 
     async def on_request(self, req: Request) -> None:
         """Handler of a NATS Services endpoint (route, agents)."""
         t0 = time.perf_counter()
-        reply = self.answer(req.subject, req.data)
-        if reply is not None:
-            await req.respond(reply[0], headers=reply[1])
+        try:
+            body = self._handle(req.subject, req.data)
+        except Exception as exc:  # noqa: BLE001 - answered by failure(), never kills the sub
+            reply = self.failure(req.subject, exc)
+            if reply is not None:
+                await req.respond(reply[0], headers=reply[1])
+        else:
+            await req.respond(body or b"")
         if self._timed is not None:
             self._timed.observe(time.perf_counter() - t0)
 
@@ -130,6 +137,10 @@ class Handlers:
             "OVERLOADED": m.route_result["overloaded"],
         }
         self._route_invalid = m.route_result["invalid"]
+        self._hb_agent = ctx.subjects.agent_of_heartbeat
+        self._heartbeat = registry.heartbeat
+        self._hb_result = m.heartbeat_result
+        self._clock, self._wall = ctx.clock, ctx.wall
         invalid_hb = m.heartbeat_result["invalid"]
         self.endpoints = {
             "announce": Endpoint(
@@ -172,15 +183,14 @@ class Handlers:
         return schema.encoder.encode(ack)
 
     def heartbeat(self, subject: str, data: bytes) -> None:
-        ctx = self.ctx
-        agent_id = ctx.subjects.agent_of_heartbeat(subject)
+        # The hottest path (every agent, every interval): collaborators bound in __init__.
         hb = schema.validate_heartbeat(
-            decode(schema.heartbeat_decoder, data, "heartbeat"), agent_id
+            decode(schema.heartbeat_decoder, data, "heartbeat"), self._hb_agent(subject)
         )
-        result, transitions = self.registry.heartbeat(hb, ctx.clock(), ctx.wall_ms())
-        ctx.metrics.heartbeat_result[result].inc()
+        result, transitions = self._heartbeat(hb, self._clock(), int(self._wall() * 1000))
+        self._hb_result[result].inc()
         if transitions:
-            ctx.fanout.emit(transitions)
+            self.ctx.fanout.emit(transitions)
 
     def leave(self, subject: str, data: bytes) -> bytes:
         ctx = self.ctx

@@ -202,16 +202,18 @@ class CapabilityIndexes(dict[str, CapabilityIndex]):
             self._index(cap).add(rec)
 
     def state_changed(self, rec: AgentRecord) -> None:
+        """``rec``'s state (or announce) changed: each of its indexes re-ranks soon."""
         for cap in rec.capabilities:
             idx = self.get(cap)
             if idx is not None:
-                idx.state_changed()
+                idx._dirty = True  # CapabilityIndex.state_changed, inline (same module)
 
     def score_changed(self, rec: AgentRecord) -> None:
+        """Only ``rec``'s score moved (most heartbeats): re-rank on the slower cadence."""
         for cap in rec.capabilities:
             idx = self.get(cap)
             if idx is not None:
-                idx.score_changed()
+                idx._reorder = True  # CapabilityIndex.score_changed, inline (same module)
 
     def peer_task_ms(self, rec: AgentRecord) -> float | None:
         """Median task duration of the agent's (first) capability, as of the last ranking."""

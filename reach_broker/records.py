@@ -15,7 +15,7 @@ import msgspec
 from reach_agent.schema import AgentState, AgentView, Announce
 
 from .detector import ArrivalWindow
-from .scoring import Stats, route_weight
+from .scoring import Stats
 
 HeartbeatResult = Literal["accepted", "stale", "forged", "unknown"]
 TransitionKind = Literal["registered", "state", "left", "evicted"]
@@ -91,9 +91,10 @@ class AgentRecord:
         self.status = "idle"
         self.load = 0.0
         self.score = 100.0
-        self.weight = route_weight(self.score, self.load)
-        """Weight in the routing draw (scoring.route_weight), as of the last rescore: every
-        input that can make the agent routable (announce, heartbeat, probe answer) rescores."""
+        self.weight = 0.0
+        """Weight in the routing draw (see set_score), as of the last rescore: every input
+        that can make the agent routable (announce, heartbeat, probe answer) rescores."""
+        self.set_score(100.0)
         self.stuck = False
         self.suspect_at = 0.0
         self.offline_at = 0.0
@@ -127,9 +128,12 @@ class AgentRecord:
         return delta
 
     def set_score(self, score: float) -> bool:
-        """Record the score the registry computed from the current inputs (load among them),
-        and the routing weight that follows from both; False when the score did not move."""
-        self.weight = route_weight(score, self.load)
+        """Record the score the registry computed from the current inputs (load among them)
+        and the agent's weight in the routing draw that follows: its score (at least 1) times
+        its free capacity (at least 0.05), kept here so a route request reads it instead of
+        computing it per candidate. False when the score did not move."""
+        load = self.load
+        self.weight = (score if score > 1.0 else 1.0) * (1.0 - load if load < 0.95 else 0.05)
         if score == self.score:
             return False
         self.score = score

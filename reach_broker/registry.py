@@ -19,7 +19,7 @@ from .detector import Detector
 from .index import CapabilityIndexes
 from .records import AgentRecord, HeartbeatResult, Transition, TransitionKind
 from .scoring import score
-from .states import EVICTED, Event, move
+from .states import EVICTED, MOVES, Event, Move
 from .tokens import TokenSigner
 
 RECOVER_HEARTBEATS = 2
@@ -118,7 +118,8 @@ class Registry:
             rec.recover_hbs += 1 if on_time else 0
             if rec.recover_hbs >= RECOVER_HEARTBEATS:
                 event = "heartbeats_on_time"
-        t = self._fire(rec, event, now)
+        m = MOVES[rec.state].get(event)  # _fire() without the call: most beats move nothing
+        t = None if m is None else self._apply(rec, m, now)
         self._seen(rec, now, wall_ms)
         self.rescore(rec, now)
         return "accepted", [] if t is None else [t]
@@ -258,8 +259,11 @@ class Registry:
         hint = rec.timeout_hint_ms
         oldest = rec.oldest_task_ms
         rec.stuck = stuck = bool(hint and oldest and oldest > cfg.stuck_factor * hint)
-        # The peer median only matters to an agent with a task EWMA.
-        peer = self.indexes.peer_task_ms(rec) if rec.stats.task_ewma_ms is not None else None
+        # The peer median only matters to an agent with a task EWMA (peer_task_ms inline).
+        peer = None
+        if rec.stats.task_ewma_ms is not None and rec.capabilities:
+            idx = self.indexes.get(rec.capabilities[0])
+            peer = idx.median_task_ms if idx else None
         new = score(
             rec.stats,
             cfg,
@@ -277,9 +281,11 @@ class Registry:
         self, rec: AgentRecord, event: Event, now: float, **details: object
     ) -> Transition | None:
         """Apply the move ``event`` makes from ``rec``'s state (states.MOVES), if any."""
-        m = move(rec.state, event)
-        if m is None:
-            return None
+        m = MOVES[rec.state].get(event)
+        return None if m is None else self._apply(rec, m, now, **details)
+
+    def _apply(self, rec: AgentRecord, m: Move, now: float, **details: object) -> Transition:
+        """Make the move ``m`` (a row of states.MOVES), its reason filled in from ``details``."""
         reason = m.reason.format_map(details) if details else m.reason
         if m.to == EVICTED:
             return self._evict(rec, reason)

@@ -224,7 +224,7 @@ class Router:
         return chosen
 
     def weight(self, rec: AgentRecord, now: float) -> float:
-        """``rec``'s weight in the draw: scoring.route_weight times its slow-start factor."""
+        """``rec``'s weight in the draw (AgentRecord.set_score) times its slow-start factor."""
         return rec.weight * self.slow_start_factor(rec, now)
 
     def slow_start_factor(self, rec: AgentRecord, now: float) -> float:

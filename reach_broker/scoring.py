@@ -139,13 +139,6 @@ def success_term(stats: Stats, prior: float) -> float:
     )
 
 
-def route_weight(score: float, load: float) -> float:
-    """An agent's weight in the routing draw, before slow start: its score (at least 1) times
-    its free capacity (at least 0.05). Kept on the record as score and load change, so a
-    route request reads it instead of computing it per candidate."""
-    return (score if score > 1.0 else 1.0) * (1.0 - load if load < 0.95 else 0.05)
-
-
 def score(
     stats: Stats,
     cfg: ScoringSection,

@@ -1,8 +1,9 @@
 """Every move of an agent's reach state, in one table (state x event -> new state, reason).
 
 In the manner of h11's ``_state.py``: the registry turns what it observed into an
-:data:`Event`, looks the move up in :data:`MOVES` and applies it; an event a state does not
-list changes nothing (a heartbeat of a healthy agent, a disconnect of an offline one).
+:data:`Event`, looks the move up (``MOVES[state].get(event)``) and applies it; an event a
+state does not list changes nothing (a heartbeat of a healthy agent, a disconnect of an
+offline one).
 What a move does besides changing the state (a forget clock on entering ``offline``, slow
 start on ``recovering -> healthy``) is the registry's; which moves exist is decided here::
 
@@ -104,7 +105,3 @@ MOVES: Final[dict[AgentState, dict[Event, Move]]] = {
 }
 """For each state, the events that move it, and where to. Unlisted: no change."""
 
-
-def move(state: AgentState, event: Event) -> Move | None:
-    """The move ``event`` makes from ``state``, or None when it changes nothing."""
-    return MOVES[state].get(event)
