@@ -99,9 +99,7 @@ class CapabilityIndex:
         """Re-rank if due; True when that moved the capability into or out of panic."""
         age = now - self._built_at
         refresh = cfg.rank_refresh_ms / 1000.0
-        if (self._dirty and age >= refresh) or (
-            self._reorder and age >= REORDER_FACTOR * refresh
-        ):
+        if (self._dirty and age >= refresh) or (self._reorder and age >= REORDER_FACTOR * refresh):
             was_panic = self.panic
             self.rebuild(cfg, now)
             return self.panic != was_panic

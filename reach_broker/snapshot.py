@@ -161,9 +161,7 @@ class Snapshot:
             self._dirty |= dirty  # write them again on the next round
             raise failed[0]
 
-    async def _put(
-        self, agent_id: str, written: tuple[Announce, AgentState], value: bytes
-    ) -> None:
+    async def _put(self, agent_id: str, written: tuple[Announce, AgentState], value: bytes) -> None:
         await self.kv.put(agent_id, value)
         self._written[agent_id] = written
         self.writes += 1
@@ -172,4 +170,3 @@ class Snapshot:
         await self.kv.delete(agent_id)
         self._written.pop(agent_id, None)
         self.writes += 1
-

@@ -104,4 +104,3 @@ MOVES: Final[dict[AgentState, dict[Event, Move]]] = {
     },
 }
 """For each state, the events that move it, and where to. Unlisted: no change."""
-

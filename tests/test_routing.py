@@ -76,7 +76,7 @@ def test_never_more_than_max_eject_share_ejected_at_once() -> None:
     w = World("abcd")  # max_eject_share 0.5 → at most 2 of 4 out for score
     for agent_id, value in (("b", 50.0), ("c", 30.0), ("d", 10.0)):
         w.set_score(agent_id, value)
-    got = w.route(1.0, limit=4, )
+    got = w.route(1.0, limit=4)
     assert sorted(got) == ["a", "b"]  # the best of the low scorers stays in
     idx = w.reg.indexes[CAP]
     assert (idx.ejected, [r.agent_id for r in idx.ranked]) == (2, ["a", "b"])
