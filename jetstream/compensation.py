@@ -38,6 +38,8 @@ from .names import (
     H_PRIORITY,
     H_REQUEST_ID,
     MAX_MSGS_EXCEEDED,
+    MSG_DELETE_FAILED,
+    NO_MESSAGE_FOUND,
     QUEUE_HEADERS,
     StreamSubjects,
     replay_consumer,
@@ -220,6 +222,6 @@ async def remove(nc: NATS, seq: int, timeout_s: float = 2.0) -> bool:
     except NotFoundError:
         return False
     except APIError as exc:
-        if exc.err_code == 10057 or "no message found" in (exc.description or ""):
+        if exc.err_code in (MSG_DELETE_FAILED, NO_MESSAGE_FOUND):
             return False
         raise

@@ -53,6 +53,10 @@ QUEUE_HEADERS = (H_MSG_ID, H_PRIORITY, H_EXPIRES_MS, H_ENQUEUED_MS)
 JS_NOT_ENABLED = 10039
 """``jetstream not enabled for account``."""
 STREAM_NOT_FOUND = 10059
+STREAM_EXISTS = 10058
+"""``stream name already in use``: another replica created it first."""
+MSG_DELETE_FAILED = 10057
+"""``message delete failed``: e.g. the entry was already removed."""
 MAX_MSGS_EXCEEDED = 10077
 """``maximum messages exceeded``: the compensation queue is at its bound."""
 NO_MESSAGE_FOUND = 10037
@@ -67,6 +71,8 @@ class StreamSubjects(Protocol):
     """
 
     def ack(self, request_id: str) -> str: ...
+    @property
+    def all_acks(self) -> str: ...
     def request_of_ack(self, subject: str) -> str: ...
     def comp(self, capability: str) -> str: ...
     def capability_of_comp(self, subject: str) -> str: ...

@@ -23,7 +23,16 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from .names import JS_NOT_ENABLED, STREAM_NAMES, STREAM_NOT_FOUND
+from .names import (
+    ACK_STREAM,
+    AUDIT_STREAM,
+    COMP_STREAM,
+    JS_NOT_ENABLED,
+    STREAM_EXISTS,
+    STREAM_NAMES,
+    STREAM_NOT_FOUND,
+    StreamSubjects,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,15 +63,23 @@ class Outcome(NamedTuple):
 
 
 def load_definitions(
-    prefix: str = "reach",
+    subjects: StreamSubjects | None = None,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
     directory: Path = DEFINITIONS_DIR,
 ) -> list[dict[str, Any]]:
-    """The definitions as dicts, subjects moved to ``prefix`` and ``overrides`` applied.
+    """The definitions as dicts, with the subjects of ``subjects`` and ``overrides`` applied.
 
-    ``overrides`` maps a stream name to fields replacing the file's (the broker sets
-    ``REACH_COMPENSATION.max_msgs`` from ``compensation.max_entries`` this way).
+    The files hold the default prefix's subjects (``reach.ack.>``, ...); given ``subjects``
+    (:class:`reach_agent.subjects.Subjects` of the broker's prefix), the ack, compensation and
+    audit streams take its wildcards instead. ``overrides`` maps a stream name to fields
+    replacing the file's (the broker sets ``REACH_COMPENSATION.max_msgs`` from
+    ``compensation.max_entries`` this way).
     """
+    own = (
+        {ACK_STREAM: [subjects.all_acks], COMP_STREAM: [subjects.all_comp],
+         AUDIT_STREAM: [subjects.all_events]}
+        if subjects is not None else {}
+    )  # fmt: skip
     out = []
     for name in STREAM_NAMES:
         path = directory / f"{name}.json"
@@ -70,10 +87,8 @@ def load_definitions(
             cfg = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
             raise ProvisionError(f"definition {path}: {exc}") from None
-        if prefix != "reach":
-            cfg["subjects"] = [
-                prefix + s[len("reach") :] if s.startswith("reach.") else s for s in cfg["subjects"]
-            ]
+        if name in own:
+            cfg["subjects"] = own[name]
         cfg.update((overrides or {}).get(name, {}))
         out.append(cfg)
     return out
@@ -170,7 +185,7 @@ async def ensure_stream(nc: NATS, cfg: Mapping[str, Any], timeout_s: float = 5.0
         resp = await _api(nc, f"STREAM.CREATE.{name}", dict(cfg), timeout_s)
         if "error" in resp:
             # Another replica may have created it in between: then it is an update check.
-            if resp["error"].get("err_code") == 10058:  # stream name already in use
+            if resp["error"].get("err_code") == STREAM_EXISTS:
                 return await ensure_stream(nc, cfg, timeout_s)
             raise ProvisionError(
                 f"stream {name}: create failed: {resp['error'].get('description')}"

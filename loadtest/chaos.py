@@ -53,7 +53,7 @@ from reach_agent.errors import NoReachableAgent
 from reach_agent.schema import RouteRequest
 from reach_broker.config import Config
 from reach_broker.natsserver import NatsServer
-from reach_broker.registry import AgentRecord, Transition
+from reach_broker.records import AgentRecord, Transition
 from reach_broker.service import Broker
 
 CAPABILITY = "summarize"
@@ -121,13 +121,12 @@ async def reap(proc: asyncio.subprocess.Process) -> None:
 def victim_share(broker: Broker, now: float) -> tuple[bool, float]:
     """(``alpha`` among the route candidates, its share of the routing weight)."""
     router = broker.router
-    assert router is not None
     try:
         got = router.route(CAPABILITY, RouteRequest(limit=len(NAMES)), now)
     except NoReachableAgent:
         return False, 0.0
     routable = any(c.agent_id == VICTIM for c in got)
-    recs = [broker.registry.agents[c.agent_id] for c in got]  # type: ignore[union-attr]
+    recs = [broker.registry.agents[c.agent_id] for c in got]
     weights = {r.agent_id: router.weight(r, now) for r in recs}
     total = sum(weights.values())
     return routable, (weights.get(VICTIM, 0.0) / total if total else 0.0)
@@ -316,7 +315,6 @@ async def main_async(args: argparse.Namespace, command: str) -> dict[str, Any]:
             run.procs[agent_id] = await spawn(server.url, agent_id, run)
         # Let phi learn each agent's rhythm before anything happens.
         reg = broker.registry
-        assert reg is not None
         need = cfg.detection.phi_min_samples + 1
         deadline = time.monotonic() + 30
         while any(len(reg.agents[a].window) < need for a in run.agents if a in reg.agents) or \

@@ -23,17 +23,34 @@ in its log that it runs on heartbeats alone, and sets ``reach_disconnect_advisor
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-if TYPE_CHECKING:
-    from .service import Broker
+from .context import BrokerContext
+from .probes import Prober
+from .registry import Registry
 
 log = logging.getLogger(__name__)
+
+# The server's own subjects (its system account API, not reach's grammar): spelled only here.
+USER_INFO = "$SYS.REQ.USER.INFO"
+
+
+def disconnect_subject(account: str) -> str:
+    return f"$SYS.ACCOUNT.{account}.DISCONNECT"
+
+
+def connect_subject(account: str) -> str:
+    return f"$SYS.ACCOUNT.{account}.CONNECT"
+
+
+def connz_subject(account: str) -> str:
+    return f"$SYS.REQ.ACCOUNT.{account}.CONNZ"
+
 
 CONNZ_PAGE = 1024
 """Connections per CONNZ page (the server's default limit)."""
@@ -87,10 +104,12 @@ _encoder = msgspec.json.Encoder()
 
 
 class Advisories:
-    """Subscribes to the advisories and reconciles; a :class:`~reach_broker.service.Component`."""
+    """Subscribes to the advisories and reconciles the registry with the server's view."""
 
-    def __init__(self, broker: Broker) -> None:
-        self.broker = broker
+    def __init__(self, ctx: BrokerContext, registry: Registry, prober: Prober) -> None:
+        self.ctx = ctx
+        self.registry = registry
+        self.prober = prober
         self.account: str | None = None
         self.available = False
         """True once the server answered CONNZ for our account (or an advisory arrived)."""
@@ -103,17 +122,17 @@ class Advisories:
         if self._started:
             return
         self._started = True
-        cfg = self.broker.cfg.detection
-        self.broker.metrics.advisories.set(0)
+        cfg = self.ctx.cfg.detection
+        self.ctx.metrics.advisories.set(0)
         if not cfg.advisories:
             log.info("advisories.disabled detection.advisories=false: heartbeats alone")
             return
-        nc = self.broker.nc
+        nc = self.ctx.nc
         self.account = cfg.advisory_account or await self._discover_account()
         acc = self.account or "*"
         self._subs = [
-            await nc.subscribe(f"$SYS.ACCOUNT.{acc}.DISCONNECT", cb=self._on_disconnect),
-            await nc.subscribe(f"$SYS.ACCOUNT.{acc}.CONNECT", cb=self._on_connect),
+            await nc.subscribe(disconnect_subject(acc), cb=self._on_disconnect),
+            await nc.subscribe(connect_subject(acc), cb=self._on_connect),
         ]
         await nc.flush()
         await self.reconcile()
@@ -131,7 +150,7 @@ class Advisories:
 
     async def _discover_account(self) -> str | None:
         try:
-            msg = await self.broker.nc.request("$SYS.REQ.USER.INFO", b"", REQUEST_TIMEOUT_S)
+            msg = await self.ctx.nc.request(USER_INFO, b"", REQUEST_TIMEOUT_S)
             info = _userinfo_decoder.decode(msg.data).data
             return info.account if info and info.account else None
         except Exception as exc:  # old servers: fall back to a wildcard
@@ -142,16 +161,15 @@ class Advisories:
 
     async def reconcile(self) -> int:
         """Known agents without a connection become suspect; returns how many. Idempotent."""
-        broker = self.broker
-        if not self._started or broker.registry is None or not self._subs:
+        if not self._started or not self._subs:
             return 0
         names = await self._connection_names()
         if names is None:
             return 0
-        transitions = broker.registry.reconcile(names, broker.clock())
+        transitions = self.registry.reconcile(names, self.ctx.clock())
         if transitions:
             log.info("advisories.reconciled connected=%d suspect=%d", len(names), len(transitions))
-            broker.emit(transitions)
+            self.ctx.fanout.emit(transitions)
         return len(transitions)
 
     async def _connection_names(self) -> set[str] | None:
@@ -159,13 +177,13 @@ class Advisories:
         if self.account is None:
             self._unavailable("account unknown ($SYS.REQ.USER.INFO did not answer)")
             return None
-        subject = f"$SYS.REQ.ACCOUNT.{self.account}.CONNZ"
+        subject = connz_subject(self.account)
         names: set[str] = set()
         offset = 0
         for _ in range(CONNZ_MAX_PAGES):
             body = _encoder.encode({"offset": offset, "limit": CONNZ_PAGE})
             try:
-                msg = await self.broker.nc.request(subject, body, REQUEST_TIMEOUT_S)
+                msg = await self.ctx.nc.request(subject, body, REQUEST_TIMEOUT_S)
                 data = _connz_decoder.decode(msg.data).data
             except (NoRespondersError, NatsTimeoutError) as exc:
                 self._unavailable(f"{subject} not answered ({type(exc).__name__})")
@@ -186,7 +204,7 @@ class Advisories:
     def _available(self) -> None:
         if not self.available:
             self.available = True
-            self.broker.metrics.advisories.set(1)
+            self.ctx.metrics.advisories.set(1)
             log.info("advisories.enabled account=%s: disconnects detected at once", self.account)
 
     def _unavailable(self, why: str) -> None:
@@ -206,34 +224,30 @@ class Advisories:
         try:
             name = _advisory_decoder.decode(msg.data).client.name
         except msgspec.DecodeError:
-            self.broker.metrics.dropped.labels("advisory", "invalid").inc()
+            self.ctx.metrics.dropped.labels("advisory", "invalid").inc()
             return None
         self._available()
         return name or None
 
     async def _on_disconnect(self, msg: Msg) -> None:
-        broker = self.broker
         name = self._client_name(msg)
-        if name is None or broker.registry is None:
+        if name is None:
             return
-        transitions = broker.registry.disconnected(name, broker.clock())
+        transitions = self.registry.disconnected(name, self.ctx.clock())
         if transitions:
             self.disconnects += 1
-            broker.emit(transitions)
+            self.ctx.fanout.emit(transitions)
 
     async def _on_connect(self, msg: Msg) -> None:
-        broker = self.broker
         name = self._client_name(msg)
-        registry = broker.registry
-        if name is None or registry is None:
+        if name is None:
             return
-        rec = registry.agents.get(name)
+        rec = self.registry.agents.get(name)
         if rec is not None and rec.state in ("offline", "suspect"):
             # A moment's grace: the agent subscribes to its probe subject after connecting.
-            broker.probes.schedule(name, broker.clock() + CONNECT_PROBE_DELAY_S)
+            self.prober.schedule(name, self.ctx.clock() + CONNECT_PROBE_DELAY_S)
 
     def on_reconnected(self) -> None:
         """The broker's own connection came back: advisories may have been missed."""
         if self._started and self._subs:
-            self.broker.spawn(self.reconcile(), "advisories-reconcile")
-
+            self.ctx.spawn(self.reconcile(), "advisories-reconcile")

@@ -64,17 +64,22 @@ class ArrivalWindow:
         self._i = 0
         self._sum = self._sumsq = 0.0
 
+    def moments(self) -> tuple[int, float, float]:
+        """``(samples, mean, std)`` from the running sums, in one call (every heartbeat)."""
+        n = len(self._samples)
+        if n == 0:
+            return 0, 0.0, 0.0
+        total = self._sum
+        var = (self._sumsq - total * total / n) / (n - 1) if n >= 2 else 0.0
+        return n, total / n, math.sqrt(var) if var > 0 else 0.0
+
     @property
     def mean(self) -> float:
-        return self._sum / len(self._samples) if self._samples else 0.0
+        return self.moments()[1]
 
     @property
     def std(self) -> float:
-        n = len(self._samples)
-        if n < 2:
-            return 0.0
-        var = (self._sumsq - self._sum * self._sum / n) / (n - 1)
-        return math.sqrt(var) if var > 0 else 0.0
+        return self.moments()[2]
 
 
 class Detector:
@@ -93,14 +98,10 @@ class Detector:
         cfg = self.cfg
         suspect = cfg.suspect_after * interval_s
         offline = cfg.offline_after * interval_s
-        n = len(window._samples)
-        if cfg.phi_enabled and n >= cfg.phi_min_samples:
-            # window.mean and window.std inline (every heartbeat comes here): same arithmetic.
-            total = window._sum
-            mean = total / n if n else 0.0
-            var = (window._sumsq - total * total / n) / (n - 1) if n >= 2 else 0.0
-            sd = math.sqrt(var) if var > 0 else 0.0
-            std = max(sd, cfg.phi_min_std_ratio * max(mean, interval_s))
-            suspect = min(suspect, mean + self._z_suspect * std)
-            offline = min(offline, mean + self._z_offline * std)
+        if cfg.phi_enabled:
+            n, mean, sd = window.moments()
+            if n >= cfg.phi_min_samples:
+                std = max(sd, cfg.phi_min_std_ratio * max(mean, interval_s))
+                suspect = min(suspect, mean + self._z_suspect * std)
+                offline = min(offline, mean + self._z_offline * std)
         return suspect, max(offline, suspect)

@@ -22,14 +22,14 @@ import asyncio
 import heapq
 import logging
 import random
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-if TYPE_CHECKING:
-    from .registry import AgentRecord, Transition
-    from .service import Broker
+from .context import BrokerContext
+from .records import AgentRecord, Transition
+from .registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +50,14 @@ def backoff_delay(failures: int, cap_s: float, rng: random.Random) -> float:
 
 
 class Prober:
-    """The broker's probe scheduler; a :class:`~reach_broker.service.Component`."""
+    """The broker's probe scheduler: probes agents and hands the results to the registry."""
 
-    def __init__(self, broker: Broker, rng: random.Random | None = None) -> None:
-        self.broker = broker
-        self.cfg = broker.cfg.detection
+    def __init__(
+        self, ctx: BrokerContext, registry: Registry, rng: random.Random | None = None
+    ) -> None:
+        self.ctx = ctx
+        self.registry = registry
+        self.cfg = ctx.cfg.detection
         self.rng = rng or random.Random()
         self._heap: list[tuple[float, int, str]] = []
         self._gen: dict[str, int] = {}  # agent_id -> generation of its live heap entry
@@ -65,22 +68,21 @@ class Prober:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._probes: set[asyncio.Task[Any]] = set()
-        self._subject_prefix = f"{broker.prefix}.probe."
 
     # --- lifecycle --------------------------------------------------------------------------
 
     async def start(self) -> None:
         if self._task is not None:
             return
-        self.broker.listeners.append(self.on_transition)
+        self.ctx.fanout.listeners.append(self.on_transition)
         self._task = asyncio.create_task(self._loop(), name="reach-probes")
 
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is None:
             return
-        if self.on_transition in self.broker.listeners:
-            self.broker.listeners.remove(self.on_transition)
+        if self.on_transition in self.ctx.fanout.listeners:
+            self.ctx.fanout.listeners.remove(self.on_transition)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         for probe in list(self._probes):
@@ -92,7 +94,7 @@ class Prober:
 
     def request(self, agent_id: str) -> None:
         """Probe ``agent_id`` as soon as a slot is free (once, even if asked twice)."""
-        self.schedule(agent_id, self.broker.clock())
+        self.schedule(agent_id, self.ctx.clock())
 
     def schedule(self, agent_id: str, at: float) -> None:
         """(Re)schedule the next probe of ``agent_id``; replaces any earlier plan."""
@@ -118,7 +120,7 @@ class Prober:
         if t.kind == "evicted" or rec is None:
             self.cancel(t.agent_id)
             return
-        now = self.broker.clock()
+        now = self.ctx.clock()
         if t.to in ("suspect", "recovering"):
             self.schedule(t.agent_id, now)
         elif t.to == "offline":
@@ -135,12 +137,11 @@ class Prober:
 
     def _after_probe(self, agent_id: str, ok: bool) -> None:
         """Plan the next probe from the agent's state after this one's result."""
-        registry = self.broker.registry
-        rec = registry.agents.get(agent_id) if registry is not None else None
+        rec = self.registry.agents.get(agent_id)
         if rec is None:
             self.cancel(agent_id)
             return
-        now = self.broker.clock()
+        now = self.ctx.clock()
         if agent_id in self._again:
             self._again.discard(agent_id)
             self.schedule(agent_id, now)  # asked for while this one was in flight
@@ -164,7 +165,7 @@ class Prober:
         heap = self._heap
         while True:
             try:
-                now = self.broker.clock()
+                now = self.ctx.clock()
                 limit = self.cfg.probe_concurrency
                 # Start a probe only when a slot is free: a burst of due probes (10,000
                 # newcomers, a reconnect) waits in the heap, not as thousands of tasks.
@@ -194,30 +195,30 @@ class Prober:
                 await asyncio.sleep(0.1)
 
     async def _probe(self, agent_id: str) -> None:
-        broker = self.broker
+        ctx = self.ctx
+        registry = self.registry
         ok = False
         try:
             async with self._sem:
-                registry = broker.registry
-                if registry is None or agent_id not in registry.agents:
+                rec = registry.agents.get(agent_id)
+                if rec is None:
                     return
-                rec = registry.agents[agent_id]
                 sample = rec.state == "healthy"
-                t0 = broker.clock()
+                t0 = ctx.clock()
                 try:
-                    await broker.nc.request(
-                        self._subject_prefix + agent_id, b"{}", timeout=self.cfg.probe_timeout_s
+                    await ctx.nc.request(
+                        ctx.subjects.probe(agent_id), b"{}", timeout=self.cfg.probe_timeout_s
                     )
                     ok, result = True, "ok"
                 except NatsTimeoutError:
                     result = "timeout"
                 except NoRespondersError:
                     result = "no_responders"
-                now = broker.clock()
+                now = ctx.clock()
                 rtt_ms = (now - t0) * 1000.0 if ok else None
-                broker.metrics.probes.labels(result).inc()
+                ctx.metrics.probes.labels(result).inc()
                 if rtt_ms is not None:
-                    broker.metrics.probe_rtt.observe(rtt_ms / 1000.0)
+                    ctx.metrics.probe_rtt.observe(rtt_ms / 1000.0)
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("probe.%s agent=%s rtt_ms=%s", result, agent_id, rtt_ms)
                 if sample and result == "no_responders":
@@ -226,11 +227,11 @@ class Prober:
                     # either. A dead one is the disconnect advisory's or the deadlines' job.
                     ok = True
                 else:
-                    broker.emit(registry.probe_result(agent_id, ok, rtt_ms, now))
+                    ctx.fanout.emit(registry.probe_result(agent_id, ok, rtt_ms, now))
         except asyncio.CancelledError:
             raise
         except Exception:  # a failed probe never breaks the broker
-            broker.metrics.probes.labels("error").inc()
+            ctx.metrics.probes.labels("error").inc()
             log.exception("probe.failed agent=%s", agent_id)
         finally:
             self._inflight.discard(agent_id)

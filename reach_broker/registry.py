@@ -2,165 +2,28 @@
 
 Inputs (announce, heartbeat, leave, probe results, disconnects, the passing of time) take the
 broker's monotonic clock ``now`` as an argument and return :class:`Transition`s; the service
-publishes them as events afterwards. Nothing here does I/O.
-
-States (DESIGN §3)::
-
-    new ──announce──▶ healthy ◀──heartbeat── suspect ──silence/probe fails──▶ offline
-                        │  ▲                    ▲                                │
-                        │  └──probe ok / 2 hb── recovering ◀──heartbeat/probe───┘
-                        └──silence/disconnect───┘
-    any ──leave / status=draining──▶ draining ──silence/disconnect──▶ evicted
-    offline ──forget_after──▶ evicted
+publishes them as events afterwards. Nothing here does I/O. Which input moves which state
+where is the table in :mod:`reach_broker.states`; this module turns inputs into its events,
+applies the moves, and keeps the deadlines, scores and capability indexes that follow.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterator
-from sys import intern
-from typing import Literal, NamedTuple
-
-import msgspec
 
 from reach_agent.schema import AgentState, AgentView, Announce, Heartbeat
 
 from .config import Config
-from .detector import ArrivalWindow, Detector
-from .routing import CapabilityIndex
-from .scoring import Stats, score
+from .detector import Detector
+from .index import CapabilityIndexes
+from .records import AgentRecord, HeartbeatResult, Transition, TransitionKind
+from .scoring import score
+from .states import EVICTED, MOVES, Event, Move
 from .tokens import TokenSigner
-
-HeartbeatResult = Literal["accepted", "stale", "forged", "unknown"]
-TransitionKind = Literal["registered", "state", "left", "evicted"]
 
 RECOVER_HEARTBEATS = 2
 """On-time heartbeats that also complete a recovery (agents that do not answer probes)."""
-
-
-class Transition(NamedTuple):
-    kind: TransitionKind
-    agent_id: str
-    from_: AgentState | None
-    to: AgentState | None
-    reason: str
-
-
-class AgentRecord:
-    """What the broker knows of one agent. Mutated only by :class:`Registry`."""
-
-    __slots__ = (
-        "active",
-        "agent_id",
-        "announce",
-        "capabilities",
-        "deadline_gen",
-        "disconnected",
-        "fail_total",
-        "forget_at",
-        "heap_at",
-        "interval_s",
-        "last_seen",
-        "last_seen_wall_ms",
-        "load",
-        "max_concurrency",
-        "offline_at",
-        "ok_total",
-        "oldest_task_ms",
-        "probe_failures",
-        "queue_depth",
-        "recover_hbs",
-        "recovered_at",
-        "region",
-        "score",
-        "seq",
-        "state",
-        "state_since",
-        "stats",
-        "status",
-        "stuck",
-        "suspect_at",
-        "tags",
-        "timeout_hint_ms",
-        "token",
-        "version",
-        "window",
-    )
-
-    def __init__(self, msg: Announce, interval_s: float, window: ArrivalWindow) -> None:
-        self.agent_id = msg.agent_id
-        self.state: AgentState = "healthy"
-        self.state_since = 0.0
-        self.stats = Stats()
-        self.window = window
-        self.seq = -1
-        self.token = ""
-        self.last_seen = 0.0
-        self.last_seen_wall_ms = 0
-        self.active = 0
-        self.queue_depth = 0
-        self.ok_total = 0
-        self.fail_total = 0
-        self.oldest_task_ms: int | None = None
-        self.status = "idle"
-        self.load = 0.0
-        self.score = 100.0
-        self.stuck = False
-        self.suspect_at = 0.0
-        self.offline_at = 0.0
-        self.forget_at = 0.0
-        self.deadline_gen = 0
-        self.heap_at = math.inf  # due time of the live deadline entry (inf: none)
-        self.recovered_at: float | None = None
-        self.recover_hbs = 0
-        self.probe_failures = 0
-        self.disconnected = False
-        self.apply_announce(msg, interval_s)
-
-    def apply_announce(self, msg: Announce, interval_s: float) -> None:
-        msg = _interned(msg)
-        self.announce = msg
-        self.capabilities = tuple(msg.capabilities)
-        self.max_concurrency = msg.max_concurrency
-        self.interval_s = interval_s
-        self.region = msg.region
-        self.version = msg.version
-        self.tags = msg.tags
-        self.timeout_hint_ms = msg.timeout_hint_ms
-
-    def view(self, wall_ms_now: int, now: float) -> AgentView:
-        return AgentView(
-            agent_id=self.agent_id,
-            state=self.state,
-            score=self.score,
-            load=round(self.load, 3),
-            last_seen_ms=self.last_seen_wall_ms,
-            capabilities=list(self.capabilities),
-            region=self.region,
-            version=self.version,
-            success_rate=round(self.stats.success_rate, 4),
-            active=self.active,
-            max_concurrency=self.max_concurrency,
-        )
-
-
-def _opt_intern(value: str | None) -> str | None:
-    return None if value is None else intern(value)
-
-
-def _interned(msg: Announce) -> Announce:
-    """``msg`` with its repeated strings interned (capabilities, agent_type, version, region,
-    tags): a fleet of one kind shares one ``"summarize"`` instead of one copy an agent. Equal
-    to ``msg``; about 0.3 KiB less per agent kept (issue 7: < 4 KiB an agent)."""
-    return msgspec.structs.replace(
-        msg,
-        capabilities=[intern(c) for c in msg.capabilities],
-        agent_type=_opt_intern(msg.agent_type),
-        version=_opt_intern(msg.version),
-        region=_opt_intern(msg.region),
-        tags={intern(k): intern(v) for k, v in msg.tags.items()} if msg.tags else msg.tags,
-    )
 
 
 class Registry:
@@ -171,7 +34,7 @@ class Registry:
         self.signer = signer
         self.detector = Detector(cfg.detection)
         self.agents: dict[str, AgentRecord] = {}
-        self.indexes: dict[str, CapabilityIndex] = {}
+        self.indexes = CapabilityIndexes()
         self._deadlines: list[tuple[float, int, str]] = []
         self.inflight = 0  # Σ active over the fleet, kept incrementally
         self.counts: dict[str, int] = dict.fromkeys(
@@ -198,22 +61,17 @@ class Registry:
             rec.state_since = now
             self.agents[rec.agent_id] = rec
             self.counts["healthy"] += 1
-            for cap in rec.capabilities:
-                self._index(cap).add(rec)
+            self.indexes.add(rec)
             out.append(Transition("registered", rec.agent_id, None, "healthy", "announced"))
         else:
-            old_caps = set(rec.capabilities)
+            old_caps = rec.capabilities
             rec.apply_announce(msg, interval)
-            for cap in old_caps - set(rec.capabilities):
-                self._unindex(cap, rec.agent_id)
-            for cap in set(rec.capabilities) - old_caps:
-                self._index(cap).add(rec)
+            self.indexes.recapability(rec, old_caps)
             rec.window.clear()  # a new process: its rhythm starts afresh
-            if rec.state == "offline":
-                out.append(self._move(rec, "recovering", "re-announced", now))
-            elif rec.state in ("suspect", "draining"):
-                out.append(self._move(rec, "healthy", "re-announced", now))
-            self._touch(rec)
+            t = self._fire(rec, "announce", now)
+            if t is not None:
+                out.append(t)
+            self.indexes.state_changed(rec)
         rec.seq = -1  # seq is per process; a (re-)announce starts a new sequence
         rec.token = self.signer.issue(rec.agent_id)
         self._seen(rec, now, wall_ms)
@@ -249,50 +107,42 @@ class Registry:
         elif hb.active == 0 and rec.stats.task_ewma_ms is not None:
             # Idle (e.g. ejected for slowness, so no tasks): the verdict fades towards the
             # peers', so the agent is tried again rather than kept out on old evidence.
-            rec.stats.idle(self._peer_task_ms(rec), cfg.ewma_alpha)
-        self._set_load(rec, hb.active, hb.queue_depth)
+            rec.stats.idle(self.indexes.peer_task_ms(rec), cfg.ewma_alpha)
+        self.inflight += rec.set_load(hb.active, hb.queue_depth)
         rec.oldest_task_ms = hb.oldest_task_ms
         rec.status = hb.status
-        out: list[Transition] = []
+        event: Event = "heartbeat"
         if hb.status == "draining":
-            if rec.state != "draining":
-                out.append(self._move(rec, "draining", "agent reports draining", now))
-        elif rec.state == "suspect":
-            out.append(self._move(rec, "healthy", "heartbeat resumed", now))
-        elif rec.state == "offline":
-            out.append(self._move(rec, "recovering", "heartbeat resumed", now))
+            event = "heartbeat_draining"
         elif rec.state == "recovering":
             rec.recover_hbs += 1 if on_time else 0
             if rec.recover_hbs >= RECOVER_HEARTBEATS:
-                out.append(self._recovered(rec, "heartbeats on time", now))
+                event = "heartbeats_on_time"
+        m = MOVES[rec.state].get(event)  # _fire() without the call: most beats move nothing
+        t = None if m is None else self._apply(rec, m, now)
         self._seen(rec, now, wall_ms)
         self.rescore(rec, now)
-        return "accepted", out
+        return "accepted", [] if t is None else [t]
 
     def leave(self, agent_id: str, now: float, reason: str = "leave") -> list[Transition]:
         rec = self.agents.get(agent_id)
-        if rec is None or rec.state == "draining":
-            return []
-        t = self._move(rec, "draining", reason, now)
-        return [t._replace(kind="left")]
+        t = None if rec is None else self._fire(rec, "leave", now, reason=reason)
+        return [] if t is None else [t]
 
     def disconnected(
         self, agent_id: str, now: float, reason: str = "connection closed"
     ) -> list[Transition]:
         """The server saw the agent's connection close: suspect at once (probe follows)."""
         rec = self.agents.get(agent_id)
-        if rec is None:
+        t = None if rec is None else self._fire(rec, "disconnect", now, reason=reason)
+        if t is None:
             return []
-        if rec.state == "draining":
-            return [self._evict(rec, "left and disconnected")]
-        if rec.state in ("healthy", "recovering"):
-            rec.stats.outcome(False, self.cfg.scoring.liveness_window)
-            t = self._move(rec, "suspect", reason, now)
+        if t.to == "suspect":
+            assert rec is not None
             rec.disconnected = True
             # Probe timeout bounds the wait: no answer by then and the agent is offline.
             self._schedule(rec, rec.suspect_at, now + self.cfg.detection.probe_timeout_s)
-            return [t]
-        return []
+        return [t]
 
     def reconcile(self, connected: set[str], now: float) -> list[Transition]:
         """Known agents with no live connection (per the server) are treated as disconnected.
@@ -310,64 +160,48 @@ class Registry:
         rec = self.agents.get(agent_id)
         if rec is None:
             return []
-        window = self.cfg.scoring.liveness_window
-        rec.stats.outcome(ok, window)
-        out: list[Transition] = []
+        rec.stats.outcome(ok, self.cfg.scoring.liveness_window)
         if ok:
             rec.probe_failures = 0
             rec.disconnected = False
             if rtt_ms is not None:
                 rec.stats.rtt(rtt_ms, self.cfg.scoring.ewma_alpha)
-            if rec.state == "suspect":
-                out.append(self._move(rec, "healthy", "probe answered", now))
-            elif rec.state == "offline":
-                out.append(self._move(rec, "recovering", "probe answered", now))
-            elif rec.state == "recovering":
-                out.append(self._recovered(rec, "probe answered", now))
+            t = self._fire(rec, "probe_ok", now)
             self._rearm(rec, now)  # an answer is a sign of life
         else:
             rec.probe_failures += 1
             # After a disconnect an unanswered probe settles it; after mere silence the
             # offline deadline decides (a raw agent may not answer probes at all).
-            if rec.state == "suspect" and rec.disconnected:
-                out.append(self._move(rec, "offline", "disconnected and probe unanswered", now))
+            t = self._fire(rec, "probe_failed_disconnected", now) if rec.disconnected else None
         self.rescore(rec, now)
-        return out
+        return [] if t is None else [t]
 
     def expire(self, now: float) -> list[Transition]:
         """Apply every deadline that has passed: suspect, offline, eviction."""
         out: list[Transition] = []
         heap = self._deadlines
+        forget = self.cfg.detection.forget_after_s
         while heap and heap[0][0] <= now:
             _, gen, agent_id = heapq.heappop(heap)
             rec = self.agents.get(agent_id)
             if rec is None or gen != rec.deadline_gen:
                 continue
-            rec.heap_at = math.inf  # the live entry is consumed; branches below re-arm
-            silence = now - rec.last_seen
-            if rec.state in ("healthy", "recovering") and now >= rec.suspect_at:
-                rec.stats.outcome(False, self.cfg.scoring.liveness_window)
-                reason = f"no heartbeat for {silence:.2f}s (interval {rec.interval_s:g}s)"
-                out.append(self._move(rec, "suspect", reason, now))
-                self._push(rec, rec.offline_at)
-            elif rec.state == "suspect" and now >= rec.offline_at:
-                reason = f"no heartbeat for {silence:.2f}s (interval {rec.interval_s:g}s)"
-                if rec.disconnected:
-                    reason = f"disconnected and no probe answer for {silence:.2f}s"
-                out.append(self._move(rec, "offline", reason, now))
-                rec.forget_at = now + self.cfg.detection.forget_after_s
-                self._push(rec, rec.forget_at)
-            elif rec.state == "draining" and now >= rec.suspect_at:
-                out.append(self._evict(rec, "left and went silent"))
-            elif rec.state == "offline" and now >= rec.forget_at:
-                out.append(self._evict(rec, f"offline for {self.cfg.detection.forget_after_s:g}s"))
-            else:
+            rec.heap_at = math.inf  # the live entry is consumed; re-armed below or by a move
+            event = self._deadline_passed(rec, now)
+            t = None
+            if event is not None:
+                t = self._fire(rec, event, now, silence=now - rec.last_seen,
+                               interval=rec.interval_s, forget=forget)  # fmt: skip
+            if t is not None:
+                out.append(t)
+            if t is None or t.to == "suspect":
                 self._push(rec, self._next_deadline(rec))
         return out
 
-    def evict(self, agent_id: str, reason: str) -> list[Transition]:
+    def evict(self, agent_id: str, reason: str, now: float = 0.0) -> list[Transition]:
         rec = self.agents.get(agent_id)
-        return [] if rec is None else [self._evict(rec, reason)]
+        t = None if rec is None else self._fire(rec, "evict", now, reason=reason)
+        return [] if t is None else [t]
 
     def restore(
         self, msg: Announce, state: AgentState, now: float, wall_ms: int
@@ -389,8 +223,7 @@ class Registry:
         rec.last_seen_wall_ms = wall_ms
         self.agents[rec.agent_id] = rec
         self.counts[to] += 1
-        for cap in rec.capabilities:
-            self._index(cap).add(rec)
+        self.indexes.add(rec)
         if to == "offline":
             rec.forget_at = now + self.cfg.detection.forget_after_s
             self._push(rec, rec.forget_at)
@@ -407,9 +240,7 @@ class Registry:
     ) -> list[AgentView]:
         if capability is not None:
             idx = self.indexes.get(capability)
-            recs: Iterator[AgentRecord] | list[AgentRecord] = (
-                list(idx.members.values()) if idx else []
-            )
+            recs = list(idx.members.values()) if idx else []
         else:
             recs = list(self.agents.values())
         return [
@@ -428,7 +259,7 @@ class Registry:
         hint = rec.timeout_hint_ms
         oldest = rec.oldest_task_ms
         rec.stuck = stuck = bool(hint and oldest and oldest > cfg.stuck_factor * hint)
-        # The peer median only matters to an agent with a task EWMA (_peer_task_ms inline).
+        # The peer median only matters to an agent with a task EWMA (peer_task_ms inline).
         peer = None
         if rec.stats.task_ewma_ms is not None and rec.capabilities:
             idx = self.indexes.get(rec.capabilities[0])
@@ -442,22 +273,34 @@ class Registry:
             stuck=stuck,
             peer_task_ms=peer,
         )
-        if new != rec.score:
-            rec.score = new
-            self._touch_score(rec)
+        if rec.set_score(new):
+            # Only the score moved: the ranking is refreshed on a slower cadence (index.py).
+            self.indexes.score_changed(rec)
 
-    def _peer_task_ms(self, rec: AgentRecord) -> float | None:
-        """Median task duration of the agent's (first) capability, as of the last ranking."""
-        if not rec.capabilities:
-            return None
-        idx = self.indexes.get(rec.capabilities[0])
-        return idx.median_task_ms if idx else None
+    def _fire(
+        self, rec: AgentRecord, event: Event, now: float, **details: object
+    ) -> Transition | None:
+        """Apply the move ``event`` makes from ``rec``'s state (states.MOVES), if any."""
+        m = MOVES[rec.state].get(event)
+        return None if m is None else self._apply(rec, m, now, **details)
 
-    def _set_load(self, rec: AgentRecord, active: int, queue_depth: int) -> None:
-        self.inflight += active - rec.active
-        rec.active = active
-        rec.queue_depth = queue_depth
-        rec.load = min(active / rec.max_concurrency, 1.0)
+    def _apply(self, rec: AgentRecord, m: Move, now: float, **details: object) -> Transition:
+        """Make the move ``m`` (a row of states.MOVES), its reason filled in from ``details``."""
+        reason = m.reason.format_map(details) if details else m.reason
+        if m.to == EVICTED:
+            return self._evict(rec, reason)
+        return self._move(rec, m.to, reason, now, m.kind)
+
+    def _deadline_passed(self, rec: AgentRecord, now: float) -> Event | None:
+        """Which of ``rec``'s deadlines has passed by ``now`` in its state, if any."""
+        state = rec.state
+        if state == "suspect":
+            if now < rec.offline_at:
+                return None
+            return "silent_disconnected" if rec.disconnected else "silent_long"
+        if state == "offline":
+            return "forgotten" if now >= rec.forget_at else None
+        return "silent" if now >= rec.suspect_at else None
 
     def _seen(self, rec: AgentRecord, now: float, wall_ms: int) -> None:
         rec.last_seen = now
@@ -493,58 +336,33 @@ class Registry:
         rec.heap_at = at
         heapq.heappush(self._deadlines, (at, rec.deadline_gen, rec.agent_id))
 
-    def _move(self, rec: AgentRecord, to: AgentState, reason: str, now: float) -> Transition:
+    def _move(self, rec: AgentRecord, to: AgentState, reason: str, now: float,
+              kind: TransitionKind = "state") -> Transition:  # fmt: skip
+        """Change ``rec``'s state, with what entering the new state entails."""
         frm = rec.state
         self.counts[frm] -= 1
         self.counts[to] += 1
         rec.state = to
         rec.state_since = now
-        if to == "recovering":
+        if to == "suspect":
+            rec.stats.outcome(False, self.cfg.scoring.liveness_window)  # one missed sign
+        elif to == "recovering":
             rec.recover_hbs = 0
-        if to == "offline":
-            self._set_load(rec, 0, 0)
+        elif to == "healthy" and frm == "recovering":
+            rec.recovered_at = now  # slow start begins
+        elif to == "offline":
+            self.inflight += rec.set_load(0, 0)
             # Every way into offline (silence, probe, disconnect) starts the forget clock.
             rec.forget_at = now + self.cfg.detection.forget_after_s
             self._push(rec, rec.forget_at)
-        self._touch(rec)
-        return Transition("state", rec.agent_id, frm, to, reason)
-
-    def _recovered(self, rec: AgentRecord, reason: str, now: float) -> Transition:
-        rec.recovered_at = now  # slow start begins
-        return self._move(rec, "healthy", reason, now)
+        self.indexes.state_changed(rec)
+        return Transition(kind, rec.agent_id, frm, to, reason)
 
     def _evict(self, rec: AgentRecord, reason: str) -> Transition:
         frm = rec.state
         self.counts[frm] -= 1
-        self._set_load(rec, 0, 0)
+        self.inflight += rec.set_load(0, 0)
         del self.agents[rec.agent_id]
-        for cap in rec.capabilities:
-            self._unindex(cap, rec.agent_id)
+        self.indexes.discard(rec)
         rec.deadline_gen += 1
         return Transition("evicted", rec.agent_id, frm, None, reason)
-
-    def _touch(self, rec: AgentRecord) -> None:
-        for cap in rec.capabilities:
-            idx = self.indexes.get(cap)
-            if idx is not None:
-                idx.dirty = True
-
-    def _touch_score(self, rec: AgentRecord) -> None:
-        """Only the score moved: the ranking is refreshed on a slower cadence (routing.py)."""
-        for cap in rec.capabilities:
-            idx = self.indexes.get(cap)
-            if idx is not None:
-                idx.reorder = True
-
-    def _index(self, cap: str) -> CapabilityIndex:
-        idx = self.indexes.get(cap)
-        if idx is None:
-            idx = self.indexes[cap] = CapabilityIndex(cap)
-        return idx
-
-    def _unindex(self, cap: str, agent_id: str) -> None:
-        idx = self.indexes.get(cap)
-        if idx is not None:
-            idx.remove(agent_id)
-            if not idx.members:
-                del self.indexes[cap]

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import msgspec
 from nats.aio.msg import Msg
@@ -32,20 +32,16 @@ from jetstream.compensation import Entry
 from jetstream.names import H_EXPIRES_MS
 from reach_agent import schema
 from reach_agent.errors import ReachError, from_reply
+from reach_agent.retry import retryable
 from reach_agent.schema import AckRecord, RouteRequest
-from reach_agent.subjects import Subjects
 
-from .registry import AgentRecord, Transition
-
-if TYPE_CHECKING:
-    from .service import Broker
+from .context import BrokerContext
+from .records import AgentRecord, Transition
+from .routing import Router
 
 log = logging.getLogger(__name__)
 
 Outcome = Literal["replayed", "expired", "failed", "stalled"]
-RETRY_CODES = frozenset({"TARGET_BUSY", "DRAINING", "OVERLOADED", "TIMEOUT", "NO_REACHABLE_AGENT"})
-"""Replies meaning "not taken here, now": try another agent or later. Any other error is the
-agent refusing the task itself (BIZ_REJECT, LOOP_DETECTED, INVALID_REQUEST): final."""
 TRACK_MAX = 50_000
 """Request ids remembered for the ack latency histogram (oldest forgotten first)."""
 FETCH_BATCH = 256
@@ -59,11 +55,14 @@ _ack_times = msgspec.json.Decoder(_AckTimes)
 
 
 class Replayer:
-    """Broker component replaying ``REACH_COMPENSATION`` entries to reachable agents."""
+    """Broker component replaying ``REACH_COMPENSATION`` entries to reachable agents.
+    Started only when the server has JetStream."""
 
-    def __init__(self, broker: Broker) -> None:
-        self.broker = broker
-        self.cfg = broker.cfg.compensation
+    def __init__(self, ctx: BrokerContext, router: Router) -> None:
+        self.ctx = ctx
+        self.router = router
+        self.subjects = ctx.subjects
+        self.cfg = ctx.cfg.compensation
         self.replayed = 0
         self.expired = 0
         self.failed = 0
@@ -77,18 +76,16 @@ class Replayer:
         self._subs: list[Any] = []
         self._sweeper: asyncio.Task[None] | None = None
         self._route_req = RouteRequest(limit=3)
-        self.subjects = Subjects(broker.prefix)
 
     # --- lifecycle ----------------------------------------------------------------------
 
     async def start(self) -> None:
-        b = self.broker
-        if self._sweeper is not None or not getattr(b, "jetstream_ok", False):
+        if self._sweeper is not None:
             return
-        b.listeners.append(self._on_transition)
+        self.ctx.fanout.listeners.append(self._on_transition)
         limits = 1_000_000, 256 * 1024 * 1024
         self._subs = [
-            await b.nc.subscribe(subject, cb=cb, pending_msgs_limit=limits[0],
+            await self.ctx.nc.subscribe(subject, cb=cb, pending_msgs_limit=limits[0],
                                  pending_bytes_limit=limits[1])
             for subject, cb in ((self.subjects.all_comp, self._on_enqueued),
                                 (self.subjects.all_acks, self._on_ack))
@@ -99,7 +96,7 @@ class Replayer:
         if self._sweeper is None:
             return
         with contextlib.suppress(ValueError):
-            self.broker.listeners.remove(self._on_transition)
+            self.ctx.fanout.listeners.remove(self._on_transition)
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -144,28 +141,16 @@ class Replayer:
         self._running[capability] = task
 
     def _routable(self, capability: str) -> bool:
-        b = self.broker
-        if b.router is None:
-            return False
         try:
-            b.router.route(capability, self._route_req, b.clock())
+            self.router.choose(capability, self._route_req, self.ctx.clock())
         except ReachError:
             return False
         return True
 
     def _limit(self, capability: str) -> int:
         """Replay concurrency, scaled by the best slow-start share among healthy agents."""
-        b = self.broker
-        idx = b.registry.indexes.get(capability) if b.registry else None
-        if idx is None or b.router is None:
-            return 1
-        now = b.clock()
-        factor = max(
-            (b.router.slow_start_factor(r, now) for r in idx.members.values()
-             if r.state == "healthy"),
-            default=1.0,
-        )  # fmt: skip
-        return max(1, round(self.cfg.replay_concurrency * factor))
+        share = self.router.slow_start_share(capability, self.ctx.clock())
+        return max(1, round(self.cfg.replay_concurrency * share))
 
     # --- a replay round -----------------------------------------------------------------
 
@@ -193,7 +178,7 @@ class Replayer:
         psub = self._consumers.get(capability)
         if psub is None:
             psub = await compensation.ensure_consumer(
-                self.broker.nc, capability, ack_wait_s=self.cfg.ack_wait_s,
+                self.ctx.nc, capability, ack_wait_s=self.cfg.ack_wait_s,
                 max_ack_pending=self.cfg.max_entries, subjects=self.subjects,
             )  # fmt: skip
             self._consumers[capability] = psub
@@ -258,27 +243,27 @@ class Replayer:
                     await e.msg.in_progress()
 
     async def _deliver(self, e: Entry) -> Outcome:
-        b = self.broker
-        assert e.msg is not None and b.router is not None
-        if e.expired(b.wall_ms()):
+        ctx, router = self.ctx, self.router
+        assert e.msg is not None  # fetched entries carry their message
+        if e.expired(ctx.wall_ms()):
             await self.record_expired(e)
             await e.msg.ack_sync()
             return "expired"
         headers = e.task_headers()
         headers[schema.H_REQUEST_ID] = e.request_id
         headers[schema.H_RECEIPT] = "1"
-        give_up = b.clock() + self.cfg.ack_wait_s / 2
+        give_up = ctx.clock() + self.cfg.ack_wait_s / 2
         backoff = 0.05
         while True:
             try:
-                candidates = b.router.route(e.capability, self._route_req, b.clock())
+                candidates = router.route(e.capability, self._route_req, ctx.clock())
             except ReachError:
                 await e.msg.nak()
                 return "stalled"
             for c in candidates:
-                sent_ms = b.wall_ms()
+                sent_ms = ctx.wall_ms()
                 try:
-                    reply = await b.nc.request(
+                    reply = await ctx.nc.request(
                         c.subject, e.data, timeout=self.cfg.receipt_timeout_s, headers=headers
                     )
                 except (TimeoutError, NoRespondersError):
@@ -289,17 +274,18 @@ class Replayer:
                     self._remember(self._sent_ms, e.request_id, sent_ms)
                     await e.msg.ack_sync()
                     self.replayed += 1
-                    b.metrics.compensation_result["replayed"].inc()
+                    ctx.metrics.compensation_result["replayed"].inc()
                     log.info("replay.delivered request_id=%s capability=%s agent=%s priority=%d",
                              e.request_id, e.capability, c.agent_id, e.priority)  # fmt: skip
                     return "replayed"
-                if err.code in RETRY_CODES:
+                if retryable("error", err):  # not taken here, now: another agent, or later
                     continue
+                # The agent refused the task itself (BIZ_REJECT, LOOP_DETECTED, ...): final.
                 await self._record_failed(e, c.agent_id, err.code, err.code.lower(), err.message)
                 await e.msg.ack_sync()
                 self.failed += 1
                 return "failed"
-            if b.clock() > give_up:
+            if ctx.clock() > give_up:
                 await e.msg.nak()
                 return "stalled"
             await asyncio.sleep(backoff * (0.5 + random.random()))
@@ -308,27 +294,26 @@ class Replayer:
     # --- failed / expired records -------------------------------------------------------
 
     async def record_expired(self, e: Entry) -> None:
-        b = self.broker
-        waited_s = (b.wall_ms() - e.enqueued_ms) / 1000.0 if e.enqueued_ms else 0.0
+        ctx = self.ctx
+        waited_s = (ctx.wall_ms() - e.enqueued_ms) / 1000.0 if e.enqueued_ms else 0.0
         await self._record_failed(
-            e, b.broker_id, "TIMEOUT", "expired",
+            e, ctx.broker_id, "TIMEOUT", "expired",
             f"queued for {waited_s:.1f}s on {self.subjects.comp(e.capability)}; expired before "
             "an agent was reachable",
         )  # fmt: skip
         self.expired += 1
-        b.metrics.compensation_result["expired"].inc()
+        ctx.metrics.compensation_result["expired"].inc()
         log.info("replay.expired request_id=%s capability=%s", e.request_id, e.capability)
 
     async def _record_failed(
         self, e: Entry, agent_id: str, code: str, reason: str, message: str
     ) -> None:
-        b = self.broker
         rec = AckRecord(
             request_id=e.request_id, agent_id=agent_id, capability=e.capability,
-            state="failed", at_ms=b.wall_ms(),
+            state="failed", at_ms=self.ctx.wall_ms(),
             error={"code": code, "reason": reason, "message": message},
         )  # fmt: skip
-        js = b.nc.jetstream(timeout=2.0)
+        js = self.ctx.nc.jetstream(timeout=2.0)
         await acks.publish_record(
             js,
             self.subjects.ack(e.request_id),
@@ -350,26 +335,25 @@ class Replayer:
 
     async def sweep(self) -> None:
         """Depth gauge; expired entries recorded and removed; waiting capabilities kicked."""
-        b = self.broker
-        total, per = await compensation.depths(b.nc, self.subjects)
-        b.metrics.compensation_depth.set(total)
+        ctx = self.ctx
+        total, per = await compensation.depths(ctx.nc, self.subjects)
+        ctx.metrics.compensation_depth.set(total)
         self._known = per
-        if total and self._next_expiry_ms <= b.wall_ms():
+        if total and self._next_expiry_ms <= ctx.wall_ms():
             await self._expire_all()
         for cap, n in per.items():
             if n:
                 self.kick(cap)
 
     async def _expire_all(self) -> None:
-        b = self.broker
-        now_ms = b.wall_ms()
+        nc = self.ctx.nc
+        now_ms = self.ctx.wall_ms()
         soonest = 0
-        for e in await compensation.scan(
-            b.nc, subjects=self.subjects, limit=self.cfg.max_entries * 2
-        ):
+        limit = self.cfg.max_entries * 2
+        for e in await compensation.scan(nc, subjects=self.subjects, limit=limit):
             if e.expired(now_ms):
                 await self.record_expired(e)
-                await compensation.remove(b.nc, e.seq)
+                await compensation.remove(nc, e.seq)
             elif e.expires_at_ms and (not soonest or e.expires_at_ms < soonest):
                 soonest = e.expires_at_ms
         self._next_expiry_ms = soonest or now_ms + int(self.cfg.default_ttl_s * 1000)
@@ -378,7 +362,7 @@ class Replayer:
 
     async def _on_ack(self, msg: Msg) -> None:
         state = acks.state_of(msg.headers)
-        counter = self.broker.metrics.ack_record_state.get(state or "")
+        counter = self.ctx.metrics.ack_record_state.get(state or "")
         if counter is None:
             return
         counter.inc()
@@ -394,7 +378,7 @@ class Replayer:
         received = self._received_ms.pop(rid, None)
         t0 = start if start is not None else received
         if t0 is not None and at_ms >= t0:
-            self.broker.metrics.ack_latency.observe((at_ms - t0) / 1000.0)
+            self.ctx.metrics.ack_latency.observe((at_ms - t0) / 1000.0)
 
     @staticmethod
     def _remember(d: dict[str, int], key: str, value: int) -> None:

@@ -1,7 +1,8 @@
 """Route = filter → score → choose, over per-capability candidate structures.
 
 Each capability keeps its members and a ranking (healthy members by score) that is rebuilt
-only when something changed and at most every ``rank_refresh_ms``; a route request walks the
+only when something changed and at most every ``rank_refresh_ms`` (:mod:`reach_broker.index`,
+which also applies the outlier and panic rules below); a route request walks the
 ranking from the top and stops once it has enough candidates, so its cost does not grow with
 the fleet. State is re-checked during the walk, so an agent that just went `suspect` is
 skipped at once even before the next rebuild. Sticky keys use a consistent-hash ring over all
@@ -15,166 +16,88 @@ set to 1 — and nothing is ejected for its score: every healthy agent left is r
 than none. Suspects stay opt-in (``allow_suspect``). Slow start: a recovered agent's weight
 is multiplied by ``slow_start_share`` for ``slow_start_s``, then ramps linearly to 1 over
 another ``slow_start_s`` (weighted choice; p2c divides its expected completion time by it).
+
+:meth:`Router.choose` is the decision; :meth:`Router.route` turns it into ``Candidate``s and
+:meth:`Router.route_reply` into the encoded reply the broker sends.
 """
 
 from __future__ import annotations
 
 import bisect
-import hashlib
 import logging
 import random
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import cast
 
 from reach_agent.errors import NoReachableAgent, Overloaded
-from reach_agent.schema import Candidate, RouteRequest
+from reach_agent.schema import Candidate, RouteReply, RouteRequest, encoder
 
 from .config import RoutingSection
-
-if TYPE_CHECKING:
-    from .registry import AgentRecord
+from .index import CapabilityIndex, CapabilityIndexes, candidate, hash64
+from .records import AgentRecord
 
 log = logging.getLogger(__name__)
 
 
-def _hash64(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
-
-
-class CapabilityIndex:
-    """The agents of one capability, with a cached ranking and hash ring."""
-
-    __slots__ = (
-        "built_at",
-        "dirty",
-        "ejected",
-        "healthy",
-        "median_task_ms",
-        "members",
-        "name",
-        "panic",
-        "ranked",
-        "reorder",
-        "ring_keys",
-        "ring_owners",
-        "ring_stale",
-        "suspects",
-    )
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.members: dict[str, AgentRecord] = {}
-        self.ranked: list[AgentRecord] = []  # eligible healthy, best first
-        self.suspects: list[AgentRecord] = []
-        self.healthy = 0
-        self.ejected = 0
-        self.panic = False
-        self.median_task_ms: float | None = None
-        self.dirty = True  # membership or a state changed: rebuild within rank_refresh_ms
-        self.reorder = False  # only scores changed: re-rank within REORDER_FACTOR x that
-        self.built_at = float("-inf")
-        self.ring_keys: list[int] = []
-        self.ring_owners: list[AgentRecord] = []
-        self.ring_stale = True
-
-    def add(self, rec: AgentRecord) -> None:
-        self.members[rec.agent_id] = rec
-        self.dirty = True
-        self.ring_stale = True
-
-    def remove(self, agent_id: str) -> None:
-        if self.members.pop(agent_id, None) is not None:
-            self.dirty = True
-            self.ring_stale = True
-
-    def rebuild(self, cfg: RoutingSection, now: float) -> None:
-        """Re-rank members; keep at most ``max_eject_share`` of healthy ones out for score."""
-        healthy = [r for r in self.members.values() if r.state == "healthy"]
-        healthy.sort(key=_by_score)
-        active = sum(1 for r in self.members.values() if r.state != "draining")
-        self.healthy = len(healthy)
-        # Panic: too few healthy among the agents that are meant to serve (draining ones
-        # have said goodbye). Then nothing is ejected for its score: route to what is left.
-        self.panic = active > 0 and self.healthy < cfg.panic_threshold * active
-        min_score = cfg.min_reach_score
-        eligible = [r for r in healthy if r.score >= min_score]
-        cap = 0 if self.panic else int(cfg.max_eject_share * len(healthy))
-        if len(healthy) - len(eligible) > cap:
-            # Too many would be ejected at once: keep the best of the low scorers in.
-            eligible = healthy[: len(healthy) - cap]
-        self.ranked = eligible
-        self.ejected = len(healthy) - len(eligible)
-        self.suspects = sorted(
-            (r for r in self.members.values() if r.state == "suspect"), key=_by_score
-        )
-        durations = sorted(
-            r.stats.task_ewma_ms for r in healthy if r.stats.task_ewma_ms is not None
-        )
-        # Lower median: with two agents the fast one sets the bar for the slow one.
-        self.median_task_ms = durations[(len(durations) - 1) // 2] if durations else None
-        self.dirty = False
-        self.reorder = False
-        self.built_at = now
-
-    def ring(self, vnodes: int) -> tuple[list[int], list[AgentRecord]]:
-        if self.ring_stale:
-            points = sorted(
-                (_hash64(f"{agent_id}#{i}"), rec)
-                for agent_id, rec in self.members.items()
-                for i in range(vnodes)
-            )
-            self.ring_keys = [p[0] for p in points]
-            self.ring_owners = [p[1] for p in points]
-            self.ring_stale = False
-        return self.ring_keys, self.ring_owners
-
-
-REORDER_FACTOR = 20
-"""Score-only changes (every heartbeat moves load) re-rank at most every 20 x rank_refresh_ms:
-a sort per capability per heartbeat burst costs O(n log n) and the walk re-checks state and
-load anyway, so a ranking a second old routes the same agents."""
-
-
-def _by_score(rec: AgentRecord) -> tuple[float, str]:
-    return (-rec.score, rec.agent_id)
-
-
 class Router:
-    """Answers route requests from the capability indexes a :class:`Registry` maintains."""
+    """Answers route requests from the capability indexes a registry maintains."""
 
     def __init__(
         self,
         cfg: RoutingSection,
-        indexes: dict[str, CapabilityIndex],
+        indexes: CapabilityIndexes,
         subject_of: Callable[[str, str], str],
+        *,
+        inflight: Callable[[], int],
+        on_panic: Callable[[str, bool], None] | None = None,
         rng: random.Random | None = None,
     ) -> None:
         self.cfg = cfg
         self.indexes = indexes
         self.subject_of = subject_of
-        self.rng = rng or random.Random()
-        self.inflight = 0  # fleet-wide reported `active`, kept by the registry
-        self.on_panic: Callable[[str, bool], None] | None = None
+        """The task subject of (agent_id, capability)."""
+        self.inflight = inflight
+        """The fleet's reported in-flight tasks (kept by the registry)."""
+        self.on_panic = on_panic
         """Called with (capability, in_panic) when a capability enters or leaves panic."""
+        self.rng = rng or random.Random()
 
     def route(self, capability: str, req: RouteRequest, now: float) -> list[Candidate]:
         """Candidates for ``capability``, best first; raises NoReachableAgent with why."""
+        _, chosen = self.choose(capability, req, now)
+        subject_of = self.subject_of
+        return [candidate(r, subject_of(r.agent_id, capability)) for r in chosen]
+
+    def route_reply(
+        self, capability: str, req: RouteRequest, now: float, generated_at_ms: int
+    ) -> bytes:
+        """:meth:`route` as the encoded ``RouteReply``: each candidate's JSON comes from its
+        index (encoded when its score, load or state last changed), so a request encodes
+        only the envelope. The same bytes as encoding ``RouteReply`` of :meth:`route`."""
+        idx, chosen = self.choose(capability, req, now)
+        subject_of = self.subject_of
+        raws = [idx.encoded(r, subject_of) for r in chosen]
+        # msgspec writes a Raw as it is: the wire type, with candidates encoded beforehand.
+        reply = RouteReply(capability=capability, candidates=cast(list[Candidate], raws),
+                           generated_at_ms=generated_at_ms)  # fmt: skip
+        return encoder.encode(reply)
+
+    def choose(
+        self, capability: str, req: RouteRequest, now: float
+    ) -> tuple[CapabilityIndex, list[AgentRecord]]:
+        """The routing decision: the index of ``capability`` and the agents chosen, best
+        first. Raises Overloaded or NoReachableAgent (saying why)."""
         cfg = self.cfg
-        if self.inflight > cfg.inflight_ceiling:
+        inflight = self.inflight()
+        if inflight > cfg.inflight_ceiling:
             raise Overloaded(
-                f"fleet in-flight tasks {self.inflight} exceed the ceiling "
-                f"{cfg.inflight_ceiling}"
+                f"fleet in-flight tasks {inflight} exceed the ceiling {cfg.inflight_ceiling}"
             )
         idx = self.indexes.get(capability)
         if idx is None or not idx.members:
             raise NoReachableAgent(f"no agent has the capability {capability!r}")
-        age = now - idx.built_at
-        refresh = cfg.rank_refresh_ms / 1000.0
-        if (idx.dirty and age >= refresh) or (idx.reorder and age >= REORDER_FACTOR * refresh):
-            was_panic = idx.panic
-            idx.rebuild(cfg, now)
-            if idx.panic != was_panic:
-                self._panic_changed(idx)
+        if idx.refresh(cfg, now):
+            self._panic_changed(idx)
         limit = req.limit
         want = limit if cfg.choice == "ranked" and not req.sticky_key else limit * cfg.pool_factor
         why: dict[str, int] = {}
@@ -186,26 +109,23 @@ class Router:
         if req.sticky_key:
             first = self._sticky(idx, req, pool)
             rest = [r for r in pool if r is not first]
-            chosen = [first, *rest[: limit - 1]]
-        elif cfg.choice == "weighted":
-            chosen = self._weighted(pool, limit, now)
-        elif cfg.choice == "p2c":
-            chosen = self._p2c(pool, limit, now)
-        else:
-            chosen = pool[:limit]
-        subject_of = self.subject_of
-        return [
-            Candidate(
-                agent_id=r.agent_id,
-                subject=subject_of(r.agent_id, capability),
-                score=r.score,
-                state=r.state,
-                load=r.load,
-                region=r.region,
-                version=r.version,
-            )
-            for r in chosen
-        ]
+            return idx, [first, *rest[: limit - 1]]
+        if cfg.choice == "weighted":
+            return idx, self._weighted(pool, limit, now)
+        if cfg.choice == "p2c":
+            return idx, self._p2c(pool, limit, now)
+        return idx, pool[:limit]
+
+    def slow_start_share(self, capability: str, now: float) -> float:
+        """The largest slow-start factor among the healthy agents of ``capability`` (1.0
+        when none is ramping up, or none is known): how much of its usual load it may take."""
+        idx = self.indexes.get(capability)
+        if idx is None:
+            return 1.0
+        return max(
+            (self.slow_start_factor(r, now) for r in idx.members.values() if r.state == "healthy"),
+            default=1.0,
+        )
 
     def _panic_changed(self, idx: CapabilityIndex) -> None:
         if idx.panic:
@@ -286,14 +206,10 @@ class Router:
 
     def _weighted(self, pool: list[AgentRecord], limit: int, now: float) -> list[AgentRecord]:
         """Weighted draw without replacement: weight = score * free capacity * slow start."""
-        # Hot path (every route): weights inline, slow start only for recovered agents.
+        # Hot path (every route): the record keeps its weight; slow start only when recovered.
         random = self.rng.random
         pool = list(pool)
-        weights = [
-            (r.score if r.score > 1.0 else 1.0) * (1.0 - r.load if r.load < 0.95 else 0.05)
-            if r.recovered_at is None else self.weight(r, now)
-            for r in pool
-        ]  # fmt: skip
+        weights = [r.weight if r.recovered_at is None else self.weight(r, now) for r in pool]
         total = sum(weights)
         chosen: list[AgentRecord] = []
         while pool and len(chosen) < limit:
@@ -308,8 +224,8 @@ class Router:
         return chosen
 
     def weight(self, rec: AgentRecord, now: float) -> float:
-        w = max(rec.score, 1.0) * max(1.0 - rec.load, 0.05)
-        return w * self.slow_start_factor(rec, now)
+        """``rec``'s weight in the draw (AgentRecord.set_score) times its slow-start factor."""
+        return rec.weight * self.slow_start_factor(rec, now)
 
     def slow_start_factor(self, rec: AgentRecord, now: float) -> float:
         """``slow_start_share`` for ``slow_start_s`` after recovery, then a linear ramp."""
@@ -344,7 +260,7 @@ class Router:
     ) -> AgentRecord:
         keys, owners = idx.ring(self.cfg.vnodes)
         assert req.sticky_key is not None
-        start = bisect.bisect(keys, _hash64(req.sticky_key))
+        start = bisect.bisect(keys, hash64(req.sticky_key))
         eligible = {r.agent_id for r in pool}
         n = len(keys)
         for step in range(n):

@@ -134,9 +134,9 @@ def load_term(active: int, queue_depth: int, max_concurrency: int) -> float:
 
 def success_term(stats: Stats, prior: float) -> float:
     """S: success rate over the recent window, smoothed by ``prior`` virtual successes."""
-    return (stats.ok_w + prior) / (stats.ok_w + stats.fail_w + prior) if prior > 0 else (
-        stats.success_rate
-    )
+    if prior <= 0:
+        return stats.success_rate
+    return (stats.ok_w + prior) / (stats.ok_w + stats.fail_w + prior)
 
 
 def score(

@@ -16,21 +16,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
+from jetstream.names import REGISTRY_BUCKET
 from reach_agent import schema
 from reach_agent.schema import AgentState, Announce
 
-from .registry import AgentRecord, Transition
-
-if TYPE_CHECKING:
-    from .service import Broker
+from .context import BrokerContext
+from .records import AgentRecord, Transition
+from .registry import Registry
 
 log = logging.getLogger(__name__)
 
-BUCKET = "reach_registry"
 FLUSH_S = 0.2
 
 
@@ -47,10 +46,12 @@ _entry_decoder = msgspec.json.Decoder(SnapshotEntry)
 
 
 class Snapshot:
-    """Broker component keeping KV ``reach_registry`` in step with the registry."""
+    """Broker component keeping KV ``reach_registry`` in step with the registry. Started
+    only when the server has JetStream."""
 
-    def __init__(self, broker: Broker) -> None:
-        self.broker = broker
+    def __init__(self, ctx: BrokerContext, registry: Registry) -> None:
+        self.ctx = ctx
+        self.registry = registry
         self.kv: Any = None
         self.restored = 0
         self.writes = 0
@@ -62,22 +63,21 @@ class Snapshot:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        b = self.broker
-        if self._task is not None or not getattr(b, "jetstream_ok", False):
+        if self._task is not None:
             return
-        self.kv = await b.nc.jetstream(timeout=5.0).key_value(BUCKET)
+        self.kv = await self.ctx.nc.jetstream(timeout=5.0).key_value(REGISTRY_BUCKET)
         await self.restore()
-        b.listeners.append(self._on_transition)
-        b.announce_listeners.append(self._on_announce)
+        self.ctx.fanout.listeners.append(self._on_transition)
+        self.ctx.fanout.announce_listeners.append(self._on_announce)
         self._task = asyncio.create_task(self._flusher(), name="reach-snapshot")
 
     async def stop(self) -> None:
         if self._task is None:
             return
         with contextlib.suppress(ValueError):
-            self.broker.listeners.remove(self._on_transition)
+            self.ctx.fanout.listeners.remove(self._on_transition)
         with contextlib.suppress(ValueError):
-            self.broker.announce_listeners.remove(self._on_announce)
+            self.ctx.fanout.announce_listeners.remove(self._on_announce)
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
         self._task = None
@@ -88,10 +88,8 @@ class Snapshot:
 
     async def restore(self) -> int:
         """Load every stored agent into the registry as not-yet-heard-from."""
-        b = self.broker
-        assert b.registry is not None
         watcher = await self.kv.watchall(ignore_deletes=True)
-        now, wall_ms = b.clock(), b.wall_ms()
+        now, wall_ms = self.ctx.clock(), self.ctx.wall_ms()
         count = 0
         try:
             while True:
@@ -107,13 +105,13 @@ class Snapshot:
                     log.warning("snapshot.bad_entry key=%s error=%s", entry.key, exc)
                     continue
                 self._written[entry.key] = (ann, snap.state)
-                if b.registry.restore(ann, snap.state, now, wall_ms) is not None:
+                if self.registry.restore(ann, snap.state, now, wall_ms) is not None:
                     count += 1
         finally:
             with contextlib.suppress(Exception):
                 await watcher.stop()
         self.restored = count
-        log.info("snapshot.restored agents=%d bucket=%s", count, BUCKET)
+        log.info("snapshot.restored agents=%d bucket=%s", count, REGISTRY_BUCKET)
         return count
 
     # --- writing ------------------------------------------------------------------------
@@ -139,13 +137,12 @@ class Snapshot:
                 await asyncio.sleep(1.0)
 
     async def _flush(self) -> None:
-        b = self.broker
-        if not self._dirty or b.registry is None:
+        if not self._dirty:
             return
         dirty, self._dirty = self._dirty, set()
         ops = []
         for agent_id in dirty:
-            rec = b.registry.agents.get(agent_id)
+            rec = self.registry.agents.get(agent_id)
             if rec is None:
                 if agent_id in self._written:
                     ops.append(self._delete(agent_id))
@@ -155,7 +152,7 @@ class Snapshot:
                 continue
             value = schema.encoder.encode(
                 SnapshotEntry(announce=rec.announce, state=rec.state,
-                              last_seen_ms=rec.last_seen_wall_ms, broker_id=b.broker_id)
+                              last_seen_ms=rec.last_seen_wall_ms, broker_id=self.ctx.broker_id)
             )  # fmt: skip
             ops.append(self._put(agent_id, (rec.announce, rec.state), value))
         results = await asyncio.gather(*ops, return_exceptions=True)
@@ -164,9 +161,7 @@ class Snapshot:
             self._dirty |= dirty  # write them again on the next round
             raise failed[0]
 
-    async def _put(
-        self, agent_id: str, written: tuple[Announce, AgentState], value: bytes
-    ) -> None:
+    async def _put(self, agent_id: str, written: tuple[Announce, AgentState], value: bytes) -> None:
         await self.kv.put(agent_id, value)
         self._written[agent_id] = written
         self.writes += 1
@@ -175,4 +170,3 @@ class Snapshot:
         await self.kv.delete(agent_id)
         self._written.pop(agent_id, None)
         self.writes += 1
-

@@ -3,6 +3,9 @@
 ``v1.<epoch>.<mac>`` where ``epoch`` is the wall-clock second the token was issued. Every
 announce issues a fresh token (rotation); a token is accepted until ``max_age_s`` after its
 epoch, so an agent keeps working across broker restarts and replicas without re-announcing.
+
+The broker builds its signer before it knows the secret (the replicas share one through
+JetStream KV, read at start) and keys it with :meth:`TokenSigner.set_secret` then.
 """
 
 from __future__ import annotations
@@ -21,7 +24,15 @@ class TokenSigner:
         self._max_age_s = max_age_s
         self._wall = wall
 
+    def set_secret(self, secret: bytes) -> None:
+        """Key the signer (at broker start); tokens of an earlier secret stop verifying."""
+        if not secret:
+            raise ValueError("the token secret must not be empty")
+        self._secret = secret
+
     def _mac(self, agent_id: str, epoch: int) -> str:
+        if not self._secret:
+            raise RuntimeError("token signer has no secret yet (the broker sets it at start)")
         msg = f"{agent_id}.{epoch}".encode()
         return hmac.new(self._secret, msg, hashlib.sha256).hexdigest()[:32]
 

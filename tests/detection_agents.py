@@ -11,7 +11,7 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from reach_broker.registry import AgentRecord, Transition
+from reach_broker.records import AgentRecord, Transition
 from reach_broker.service import Broker
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,9 +45,9 @@ async def stop_agent(proc: asyncio.subprocess.Process) -> None:
 
 
 @contextlib.asynccontextmanager
-async def agents(url: str, *specs: tuple[str, list[str]]) -> AsyncIterator[
-    dict[str, asyncio.subprocess.Process]
-]:
+async def agents(
+    url: str, *specs: tuple[str, list[str]]
+) -> AsyncIterator[dict[str, asyncio.subprocess.Process]]:
     procs: dict[str, asyncio.subprocess.Process] = {}
     try:
         for agent_id, args in specs:

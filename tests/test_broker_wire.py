@@ -261,3 +261,46 @@ async def test_bad_heartbeats_are_dropped_and_counted(nc: NATS, broker: Broker) 
     # The broker keeps serving.
     reply = await nc.request("reach.route.text_processing", b"", timeout=2)
     assert [c["agent_id"] for c in json.loads(reply.data)["candidates"]] == ["epsilon"]
+
+
+FAILURE_COUNTERS: dict[str, Any] = {
+    "route": lambda m: m.route_result["error"],
+    "announce": lambda m: m.announce_result["error"],
+    "leave": lambda m: m.leaves.labels("error"),
+}
+
+
+@pytest.mark.parametrize(
+    ("subject", "body", "breaks"),
+    [
+        ("reach.route.text_processing", b"", "router.route_reply"),
+        ("reach.announce.a1", announce_body("a1"), "registry.announce"),
+        ("reach.leave.a1", b"", "registry.leave"),
+        ("reach.agents", b"", "registry.views"),
+    ],
+)
+async def test_a_failing_handler_answers_internal_and_counts_it(
+    nc: NATS, broker: Broker, monkeypatch: pytest.MonkeyPatch, subject: str, body: bytes,
+    breaks: str,
+) -> None:  # fmt: skip
+    """A bug in a handler becomes an INTERNAL error reply (one place maps it), is counted,
+    and the subscription keeps serving."""
+    await announce(nc, "a2")
+
+    def boom(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("boom")
+
+    owner, method = breaks.split(".")
+    monkeypatch.setattr(getattr(broker, owner), method, boom)
+    reply = await nc.request(subject, body, timeout=2)
+    assert reply.headers is not None
+    assert reply.headers["Nats-Service-Error-Code"] == "500"
+    name = subject.split(".")[1]
+    assert json.loads(reply.data)["error"] == {
+        "code": "INTERNAL", "message": f"{name} failed: RuntimeError('boom')"
+    }  # fmt: skip
+    if name in FAILURE_COUNTERS:  # reach.agents has no counter
+        assert FAILURE_COUNTERS[name](broker.metrics)._value.get() == 1
+    monkeypatch.undo()
+    again = await nc.request("reach.route.text_processing", b"", timeout=2)
+    assert [c["agent_id"] for c in json.loads(again.data)["candidates"]] == ["a2"]

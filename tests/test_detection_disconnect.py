@@ -94,6 +94,7 @@ async def test_connect_advisory_probes_an_offline_agent_at_once(
     # only the CONNECT advisory can bring the broker to probe it.
     raw = await nats.connect(nats_server.url, name="gamma")
     try:
+
         async def answer(msg: nats.aio.msg.Msg) -> None:
             await msg.respond(b'{"agent_id": "gamma"}')
 

@@ -9,7 +9,8 @@ import pytest
 from reach_agent.schema import Announce, Heartbeat
 from reach_broker.config import Config, DetectionSection
 from reach_broker.detector import ArrivalWindow, Detector, phi, z_for_phi
-from reach_broker.registry import Registry, Transition
+from reach_broker.records import Transition
+from reach_broker.registry import Registry
 from reach_broker.tokens import TokenSigner
 
 

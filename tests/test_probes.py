@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 from typing import Any
 
+from nats.aio.client import Client as NATS
+
 from reach_agent.schema import Announce
+from reach_agent.subjects import Subjects
 from reach_broker.config import Config
+from reach_broker.context import BrokerContext, Fanout
+from reach_broker.metrics import Metrics
 from reach_broker.probes import Prober
-from reach_broker.registry import Registry, Transition
+from reach_broker.records import Transition
+from reach_broker.registry import Registry
 from reach_broker.tokens import TokenSigner
 
 
@@ -27,8 +32,16 @@ def make(**detection: Any) -> tuple[Prober, Registry, Clock]:
         setattr(cfg.detection, key, value)
     clock = Clock()
     reg = Registry(cfg, TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
-    broker = SimpleNamespace(cfg=cfg, clock=clock, listeners=[], prefix="reach", registry=reg)
-    return Prober(broker, rng=random.Random(4)), reg, clock  # type: ignore[arg-type]
+    nc, subjects, metrics = NATS(), Subjects(), Metrics()  # nothing is sent: never connected
+
+    def spawn(coro: Any, name: str) -> None:
+        raise AssertionError(f"nothing is spawned here ({name})")
+
+    fanout = Fanout(nc, subjects, metrics, "b1", lambda: 1_000_000.0, spawn, reg.agents.get)
+    ctx = BrokerContext(cfg=cfg, nc=nc, subjects=subjects, metrics=metrics, broker_id="b1",
+                        clock=clock, wall=lambda: 1_000_000.0, spawn=spawn,
+                        fanout=fanout)  # fmt: skip
+    return Prober(ctx, reg, rng=random.Random(4)), reg, clock
 
 
 def register(prober: Prober, reg: Registry, agent_id: str, now: float) -> None:

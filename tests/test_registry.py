@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import random
 
-from reach_agent.schema import Announce, Heartbeat
+from reach_agent.schema import AGENT_STATES, Announce, Heartbeat
 from reach_broker.config import Config
 from reach_broker.probes import backoff_delay
-from reach_broker.registry import Registry, Transition
+from reach_broker.records import Transition
+from reach_broker.registry import Registry
+from reach_broker.states import EVICTED, MOVES
 from reach_broker.tokens import TokenSigner
 
 
@@ -141,3 +143,28 @@ def test_offline_by_probe_is_kept_until_forget_after() -> None:
     assert [(t.kind, t.reason) for t in reg.expire(1.0 + 24 * 3600)] == [
         ("evicted", "offline for 86400s")
     ]
+
+
+def test_the_transition_table_is_well_formed() -> None:
+    assert set(MOVES) == set(AGENT_STATES)
+    for state, moves in MOVES.items():
+        assert moves["evict"].to == EVICTED  # removal by hand works from anywhere
+        for event, m in moves.items():
+            assert m.to != state, (state, event)  # a move moves
+            assert m.to == EVICTED or m.to in AGENT_STATES
+            assert (m.kind == "evicted") == (m.to == EVICTED), (state, event)
+            assert (m.kind == "left") == (event == "leave"), (state, event)
+
+
+def test_every_state_but_draining_can_leave_and_draining_ignores_heartbeats() -> None:
+    reg, tokens = make("alpha", "beta")
+    reg.disconnected("beta", 1.0)
+    reg.probe_result("beta", False, None, 1.0)
+    assert [(t.kind, t.from_, t.to, t.reason) for t in reg.leave("beta", 2.0, "bye")] == [
+        ("left", "offline", "draining", "bye")
+    ]
+    reg.leave("alpha", 2.0)
+    assert reg.leave("alpha", 2.1) == []
+    hb = Heartbeat(agent_id="alpha", token=tokens["alpha"], seq=1)
+    assert reg.heartbeat(hb, 2.2, 0) == ("accepted", [])
+    assert reg.agents["alpha"].state == "draining"

@@ -7,8 +7,9 @@ import random
 
 import pytest
 
-from reach_agent.errors import NoReachableAgent
-from reach_agent.schema import Announce, Heartbeat, RouteRequest
+from reach_agent import schema
+from reach_agent.errors import NoReachableAgent, Overloaded
+from reach_agent.schema import Announce, Heartbeat, RouteReply, RouteRequest
 from reach_broker.config import Config
 from reach_broker.registry import Registry
 from reach_broker.routing import Router
@@ -25,10 +26,12 @@ class World:
             setattr(cfg.routing, key, value)
         self.cfg = cfg
         self.reg = Registry(cfg, TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
-        self.router = Router(cfg.routing, self.reg.indexes, lambda a, c: f"reach.task.{a}.{c}",
-                             rng=random.Random(seed))  # fmt: skip
         self.panics: list[tuple[str, bool]] = []
-        self.router.on_panic = lambda cap, on: self.panics.append((cap, on))
+        reg = self.reg
+        self.router = Router(cfg.routing, reg.indexes, lambda a, c: f"reach.task.{a}.{c}",
+                             inflight=lambda: reg.inflight,
+                             on_panic=lambda cap, on: self.panics.append((cap, on)),
+                             rng=random.Random(seed))  # fmt: skip
         self.seq = 0
         self.tokens: dict[str, str] = {}
         for agent_id in agents:
@@ -44,8 +47,8 @@ class World:
 
     def set_score(self, agent_id: str, value: float) -> None:
         rec = self.reg.agents[agent_id]
-        rec.score = value
-        self.reg._touch(rec)
+        rec.set_score(value)  # as the registry's rescore would
+        self.reg.indexes.state_changed(rec)
 
     def route(self, now: float, **req: object) -> list[str]:
         got = self.router.route(CAP, RouteRequest(**req), now)  # type: ignore[arg-type]
@@ -73,7 +76,7 @@ def test_never_more_than_max_eject_share_ejected_at_once() -> None:
     w = World("abcd")  # max_eject_share 0.5 → at most 2 of 4 out for score
     for agent_id, value in (("b", 50.0), ("c", 30.0), ("d", 10.0)):
         w.set_score(agent_id, value)
-    got = w.route(1.0, limit=4, )
+    got = w.route(1.0, limit=4)
     assert sorted(got) == ["a", "b"]  # the best of the low scorers stays in
     idx = w.reg.indexes[CAP]
     assert (idx.ejected, [r.agent_id for r in idx.ranked]) == (2, ["a", "b"])
@@ -197,3 +200,50 @@ def test_peer_median_is_the_lower_median() -> None:
     w.beat("b", 1.0, ok_total=1, task_ms_p50=1600)
     w.route(1.0)
     assert w.reg.indexes[CAP].median_task_ms == 100.0
+
+
+# --- the encoded reply ----------------------------------------------------------------------
+
+
+def test_route_reply_is_the_encoded_route_of_the_same_draw() -> None:
+    """route_reply() keeps each candidate's JSON until its score, load, state or announce
+    changes: byte for byte what encoding route()'s Candidates gives, through all of those."""
+    rng = random.Random(3)
+    w = World("abcdefgh", seed=11)
+    twin = Router(w.cfg.routing, w.reg.indexes, w.router.subject_of,
+                  inflight=lambda: w.reg.inflight, rng=random.Random(11))  # fmt: skip
+    now = 1.0
+    for step in range(400):
+        now += 0.05
+        agent_id = rng.choice("abcdefgh")
+        roll = rng.random()
+        if roll < 0.6:
+            w.beat(agent_id, now, active=rng.randrange(0, 10), ok_total=step,
+                   task_ms_p50=rng.randrange(50, 500))  # fmt: skip
+        elif roll < 0.7:
+            w.reg.disconnected(agent_id, now)
+        elif roll < 0.8:
+            ann = Announce(agent_id=agent_id, capabilities=[CAP], max_concurrency=10,
+                           heartbeat_interval_ms=1000, region=rng.choice(("eu", "us")),
+                           version=f"1.{step}")  # fmt: skip
+            w.tokens[agent_id] = w.reg.announce(ann, now, 0)[0].token
+        req = RouteRequest(limit=rng.randrange(1, 4), allow_suspect=rng.random() < 0.3)
+        try:
+            expected = schema.encoder.encode(RouteReply(
+                capability=CAP, candidates=w.router.route(CAP, req, now), generated_at_ms=step
+            ))  # fmt: skip
+        except NoReachableAgent:
+            with pytest.raises(NoReachableAgent):
+                twin.route_reply(CAP, req, now, step)
+            continue
+        assert twin.route_reply(CAP, req, now, step) == expected
+
+
+def test_the_inflight_ceiling_reads_the_fleet_as_it_is_now() -> None:
+    w = World("ab", inflight_ceiling=15)
+    w.beat("a", 1.0, active=8)
+    assert len(w.route(1.0, limit=2)) == 2  # 8 in flight: under the ceiling
+    w.beat("b", 1.1, active=8)
+    with pytest.raises(Overloaded) as exc:
+        w.route(1.1)
+    assert exc.value.message == "fleet in-flight tasks 16 exceed the ceiling 15"

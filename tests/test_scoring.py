@@ -89,7 +89,9 @@ class Fleet:
         cfg.routing.rank_refresh_ms = 0
         self.cfg = cfg
         self.reg = Registry(cfg, TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
-        self.router = Router(cfg.routing, self.reg.indexes, lambda a, c: f"reach.task.{a}.{c}")
+        reg = self.reg
+        self.router = Router(cfg.routing, reg.indexes, lambda a, c: f"reach.task.{a}.{c}",
+                             inflight=lambda: reg.inflight)  # fmt: skip
         self.seq = 0
         self.tokens: dict[str, str] = {}
         self.totals: dict[str, tuple[int, int]] = {}

@@ -1,0 +1,236 @@
+"""The broker's inbound messages: one handler each, and one place their failures are answered.
+
+A handler (:class:`Handlers`) is synchronous: it decodes, validates, asks the registry or
+the router, hands transitions to the fan-out and returns the reply body (or None), raising
+a :class:`~reach_agent.errors.ReachError` to refuse. :class:`Endpoint` runs it and sends the
+reply after the decision; :meth:`Endpoint.failure` is the one place an exception becomes an
+error reply (the NATS Services headers) and a count, as ``nats.micro``'s endpoint does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from nats.aio.msg import Msg
+from nats.micro.request import Request
+
+from reach_agent import schema
+from reach_agent.errors import Forbidden, InternalError, ReachError, to_reply
+from reach_agent.schema import AnnounceAck, Ok, check_agent_id, check_capability, decode
+
+from .context import BrokerContext
+from .registry import Registry
+from .routing import Router
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ROUTE_REQUEST = schema.RouteRequest()
+"""An empty route body (``nats req reach.route.cap ''``) means every default."""
+
+OK_REPLY = schema.encoder.encode(Ok())
+
+Handle = Callable[[str, bytes], bytes | None]
+"""A handler: (subject, body) -> reply body, or None for no reply; raises to refuse."""
+
+
+class Endpoint:
+    """One inbound subject: its handler, and how its failures are counted and answered."""
+
+    __slots__ = (
+        "_failed",
+        "_handle",
+        "_log_refusal",
+        "_nc",
+        "_refused",
+        "_replies",
+        "_timed",
+        "name",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        handle: Handle,
+        ctx: BrokerContext,
+        *,
+        refused: Callable[[ReachError], Any] | None,
+        failed: Any | None,
+        replies: bool = True,
+        log_refusal: tuple[int, str] | None = None,
+        timed: Any | None = None,
+    ) -> None:
+        self.name = name
+        self._handle = handle
+        self._nc = ctx.nc
+        self._refused = refused
+        """The counter of a refusal (a ReachError), chosen by the error."""
+        self._failed = failed
+        """The counter of any other exception (a bug: logged with its traceback)."""
+        self._replies = replies
+        """Whether failures are answered (heartbeats are not, even with a reply subject)."""
+        self._log_refusal = log_refusal
+        """(level, event) a refusal is logged at, if at all."""
+        self._timed = timed
+        """A histogram of the time to answer, if any."""
+
+    def failure(self, subject: str, exc: Exception) -> tuple[bytes, dict[str, str]] | None:
+        """What a handler's exception answers — (body, error headers), or None when this
+        endpoint does not answer failures — counted and logged. The one place an exception
+        becomes an error reply: a ReachError is a refusal, anything else a bug (INTERNAL)."""
+        if isinstance(exc, ReachError):
+            err = exc
+            if self._refused is not None:
+                self._refused(err).inc()
+            if self._log_refusal is not None and log.isEnabledFor(self._log_refusal[0]):
+                log.log(self._log_refusal[0], "%s subject=%s error=%s", self._log_refusal[1],
+                        subject, err.message)  # fmt: skip
+        else:
+            if self._failed is not None:
+                self._failed.inc()
+            log.error("%s.failed subject=%s", self.name, subject, exc_info=exc)
+            err = InternalError(f"{self.name} failed: {exc!r}")
+        if not self._replies:
+            return None
+        headers, body = to_reply(err)
+        return body, headers
+
+    async def on_message(self, msg: Msg) -> None:
+        """Callback of a plain subscription (announce, heartbeat, leave)."""
+        try:
+            body = self._handle(msg.subject, msg.data)
+        except Exception as exc:  # noqa: BLE001 - answered by failure(), never kills the sub
+            reply = self.failure(msg.subject, exc)
+            if reply is not None and msg.reply:
+                await self._nc.publish(msg.reply, reply[0], headers=reply[1])
+            return
+        if body is not None and msg.reply:
+            await self._nc.publish(msg.reply, body)
+
+    async def on_request(self, req: Request) -> None:
+        """Handler of a NATS Services endpoint (route, agents)."""
+        t0 = time.perf_counter()
+        try:
+            body = self._handle(req.subject, req.data)
+        except Exception as exc:  # noqa: BLE001 - answered by failure(), never kills the sub
+            reply = self.failure(req.subject, exc)
+            if reply is not None:
+                await req.respond(reply[0], headers=reply[1])
+        else:
+            await req.respond(body or b"")
+        if self._timed is not None:
+            self._timed.observe(time.perf_counter() - t0)
+
+
+class Handlers:
+    """The broker's handlers over its registry and router."""
+
+    def __init__(self, ctx: BrokerContext, registry: Registry, router: Router) -> None:
+        self.ctx = ctx
+        self.registry = registry
+        self.router = router
+        m = ctx.metrics
+        self._route_refused = {
+            "NO_REACHABLE_AGENT": m.route_result["no_agent"],
+            "OVERLOADED": m.route_result["overloaded"],
+        }
+        self._route_invalid = m.route_result["invalid"]
+        self._hb_agent = ctx.subjects.agent_of_heartbeat
+        self._heartbeat = registry.heartbeat
+        self._hb_result = m.heartbeat_result
+        self._clock, self._wall = ctx.clock, ctx.wall
+        invalid_hb = m.heartbeat_result["invalid"]
+        self.endpoints = {
+            "announce": Endpoint(
+                "announce", self.announce, ctx, refused=lambda _: m.announce_result["invalid"],
+                failed=m.announce_result["error"], log_refusal=(logging.INFO, "announce.refused"),
+            ),
+            "heartbeat": Endpoint(
+                "heartbeat", self.heartbeat, ctx, refused=lambda _: invalid_hb, failed=invalid_hb,
+                replies=False, log_refusal=(logging.DEBUG, "heartbeat.dropped"),
+            ),
+            "leave": Endpoint(
+                "leave", self.leave, ctx, refused=lambda _: m.leaves.labels("invalid"),
+                failed=m.leaves.labels("error"),
+            ),
+            "route": Endpoint(
+                "route", self.route, ctx, refused=self._route_counter,
+                failed=m.route_result["error"], timed=m.route_duration,
+            ),
+            "agents": Endpoint("agents", self.agents, ctx, refused=None, failed=None),
+        }  # fmt: skip
+        """Every inbound subject's endpoint, by name."""
+
+    def _route_counter(self, err: ReachError) -> Any:
+        return self._route_refused.get(err.code, self._route_invalid)
+
+    def announce(self, subject: str, data: bytes) -> bytes:
+        ctx = self.ctx
+        agent_id = ctx.subjects.agent_of_announce(subject)
+        check_agent_id(agent_id, "subject agent_id")
+        ann = schema.validate_announce(decode(schema.announce_decoder, data, "announce"), agent_id)
+        rec, transitions = self.registry.announce(ann, ctx.clock(), ctx.wall_ms())
+        ctx.metrics.announce_result["ok"].inc()
+        ctx.fanout.announced(rec)
+        if transitions:
+            ctx.fanout.emit(transitions)
+        ack = AnnounceAck(
+            agent_id=agent_id, token=rec.token,
+            heartbeat_interval_ms=int(rec.interval_s * 1000), broker_id=ctx.broker_id,
+        )  # fmt: skip
+        return schema.encoder.encode(ack)
+
+    def heartbeat(self, subject: str, data: bytes) -> None:
+        # The hottest path (every agent, every interval): collaborators bound in __init__.
+        hb = schema.validate_heartbeat(
+            decode(schema.heartbeat_decoder, data, "heartbeat"), self._hb_agent(subject)
+        )
+        result, transitions = self._heartbeat(hb, self._clock(), int(self._wall() * 1000))
+        self._hb_result[result].inc()
+        if transitions:
+            self.ctx.fanout.emit(transitions)
+
+    def leave(self, subject: str, data: bytes) -> bytes:
+        ctx = self.ctx
+        agent_id = ctx.subjects.agent_of_leave(subject)
+        check_agent_id(agent_id, "subject agent_id")
+        body = decode(schema.leave_decoder, data, "leave")
+        if body.agent_id is not None and body.agent_id != agent_id:
+            raise schema.InvalidRequest(
+                f"agent_id {body.agent_id!r} in the body disagrees with the subject's {agent_id!r}"
+            )
+        if body.token is not None and not self.registry.signer.verify(agent_id, body.token):
+            raise Forbidden(f"token does not verify for agent_id {agent_id!r}")
+        transitions = self.registry.leave(agent_id, ctx.clock(), body.reason or "leave")
+        ctx.metrics.leaves.labels("ok").inc()
+        if transitions:
+            ctx.fanout.emit(transitions)
+        return OK_REPLY
+
+    def route(self, subject: str, data: bytes) -> bytes:
+        ctx = self.ctx
+        capability = ctx.subjects.capability_of_route(subject)
+        if capability not in self.registry.indexes:
+            check_capability(capability)
+        rreq = (
+            schema.validate_route_request(
+                decode(schema.route_request_decoder, data, "route request")
+            )
+            if data and data != b"{}"
+            else DEFAULT_ROUTE_REQUEST  # the common case: no decode, no validation
+        )
+        body = self.router.route_reply(capability, rreq, ctx.clock(), ctx.wall_ms())
+        ctx.metrics.route_result["ok"].inc()
+        return body
+
+    def agents(self, subject: str, data: bytes) -> bytes:
+        areq = decode(schema.agents_request_decoder, data, "agents request")
+        if areq.capability is not None:
+            check_capability(areq.capability)
+        ctx = self.ctx
+        views = self.registry.views(
+            ctx.wall_ms(), ctx.clock(), capability=areq.capability, state=areq.state
+        )
+        return schema.encoder.encode(views)
