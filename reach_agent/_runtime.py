@@ -1,74 +1,9 @@
-"""Process plumbing shared by agents and clients: server URLs, reconnect jitter, uvloop and
-the blocking :func:`run` entry point."""
+"""Moved: the connection plumbing is :mod:`reach_agent.connection`, ``run`` is
+:mod:`reach_agent.runner`. Kept only for ``reach_broker.service`` until it imports
+``reach_agent.connection`` (issue 10); delete then."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
-import random
-import signal
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from .connection import drain_or_close, flush_subscriptions
 
-import nats.errors
-
-from .connection import (  # noqa: F401 - moved; re-exported until the SDK split
-    connect_options,
-    drain_or_close,
-    flush_subscriptions,
-    reconnect_with_jitter,
-    server_list,
-)
-
-if TYPE_CHECKING:
-    from .agent import Agent
-
-log = logging.getLogger(__name__)
-
-def new_event_loop_factory() -> Any:
-    """uvloop's loop factory when uvloop is installed, else ``None`` (asyncio's default)."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
-        return None
-    return uvloop.new_event_loop
-
-
-def run(agent: Agent, servers: str | Sequence[str] | None = None) -> None:
-    """Serve ``agent`` until SIGTERM or SIGINT, then drain: stop taking tasks, leave, let
-    in-flight tasks finish within the agent's grace period, close. Blocks.
-
-    ``servers`` defaults to ``NATS_URL`` or ``nats://127.0.0.1:4222``; uvloop is used when
-    available. While no server accepts the first connection it keeps trying (0.2 s doubling
-    to 10 s, jittered); a signal during that wait ends it.
-    """
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        delay = 0.2
-        while True:  # no server yet: keep trying (backoff with jitter) until one answers
-            try:
-                await agent.start(servers)
-                break
-            except (nats.errors.Error, OSError, TimeoutError) as exc:
-                pause = delay * (0.5 + random.random())
-                log.warning("agent.connect_failed agent=%s error=%r retry_in=%.1fs",
-                            agent.agent_id, exc, pause)  # fmt: skip
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(pause):
-                        await stop.wait()
-                if stop.is_set():
-                    return
-                delay = min(delay * 2, 10.0)
-        try:
-            await stop.wait()
-            log.info("agent.signal agent=%s: draining", agent.agent_id)
-        finally:
-            await agent.stop()
-
-    with asyncio.Runner(loop_factory=new_event_loop_factory()) as runner:
-        runner.run(main())
+__all__ = ["drain_or_close", "flush_subscriptions"]

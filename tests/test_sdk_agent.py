@@ -20,7 +20,7 @@ from nats.errors import NoRespondersError
 
 import reach_agent
 from reach_agent import schema
-from reach_agent._runtime import flush_subscriptions
+from reach_agent.connection import flush_subscriptions
 from reach_broker.natsserver import NatsServer
 from reach_broker.service import Broker
 
