@@ -29,7 +29,13 @@ from nats.aio.client import Client as NATS
 from nats.errors import SlowConsumerError
 
 from . import durable, schema
-from .connection import connect_options, drain_or_close, flush_subscriptions, server_list
+from .connection import (
+    Credentials,
+    connect_options,
+    drain_or_close,
+    flush_subscriptions,
+    server_list,
+)
 from .dedup import DedupCache
 from .errors import InvalidRequest
 from .metrics import AgentMetrics
@@ -48,7 +54,10 @@ class Agent:
     ``heartbeat_interval`` and ``timeout_hint`` are seconds; ``grace`` is how long a drain
     waits for in-flight tasks; ``dedup_size``/``dedup_ttl`` bound the cache of recent
     results that makes a repeated request id answer with the first result (the duplicate
-    window, DESIGN §8: 2 min).
+    window, DESIGN §8: 2 min). ``creds``, ``nkey_seed``, ``user``/``password``, ``token``
+    and ``tls_ca``/``tls_cert``/``tls_key`` are the connection's credentials (see
+    :class:`~reach_agent.connection.Credentials`; ``token`` is the NATS auth token, not the
+    broker's heartbeat token :attr:`token`). A file that does not exist is a ``ValueError``.
     """
 
     def __init__(
@@ -73,6 +82,14 @@ class Agent:
         metrics: AgentMetrics | None = None,
         durable_acks: bool = True,
         ack_wal_dir: str | None = None,
+        creds: str | None = None,
+        nkey_seed: str | None = None,
+        user: str | None = None,
+        password: str | None = None,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
     ) -> None:
         schema.check_agent_id(agent_id)
         caps = list(capabilities)
@@ -86,6 +103,12 @@ class Agent:
             raise InvalidRequest(f"max_concurrency {max_concurrency!r} must be at least 1")
         if heartbeat_interval < 0.05:
             raise InvalidRequest(f"heartbeat_interval {heartbeat_interval!r} is below 0.05 s")
+        self.credentials = Credentials(
+            creds=creds, nkey_seed=nkey_seed, user=user, password=password, token=token,
+            tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
+        ).check()  # fmt: skip
+        """How the agent's connections (its own, its ack writer's) authenticate; unset
+        fields come from the environment (``NATS_CREDS``, ...) at connect time."""
         self.agent_id = agent_id
         self.capabilities = caps
         self.max_concurrency = max_concurrency
@@ -205,31 +228,40 @@ class Agent:
     # --- lifecycle ----------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def serve(self, servers: str | Sequence[str] | None = None) -> AsyncIterator[Agent]:
+    async def serve(
+        self, servers: str | Sequence[str] | None = None, credentials: Credentials | None = None
+    ) -> AsyncIterator[Agent]:
         """``async with agent.serve():`` serves until the block ends, then drains."""
-        await self.start(servers)
+        await self.start(servers, credentials)
         try:
             yield self
         finally:
             await self.stop()
 
-    async def start(self, servers: str | Sequence[str] | None = None) -> None:
+    async def start(
+        self, servers: str | Sequence[str] | None = None, credentials: Credentials | None = None
+    ) -> None:
+        """Connect, subscribe, start announcing. ``servers`` defaults to ``NATS_URL`` or
+        ``nats://127.0.0.1:4222``; ``credentials`` set here win over the agent's own."""
         if self._started:
             return
         missing = [c for c in self.capabilities if c not in self.tasks.handlers]
         if missing:
             raise InvalidRequest(f"capabilities {missing!r} have no handler")
+        cred = self.credentials if credentials is None else credentials.over(self.credentials)
+        servers = server_list(servers)
+        options = connect_options(self.agent_id, servers, cred)
         self.tasks.draining = False
         nc = NATS()
         await nc.connect(
-            **connect_options(self.agent_id, server_list(servers)),
+            **options,
             error_cb=self._on_error,
             disconnected_cb=self._on_disconnected,
             reconnected_cb=self._on_reconnected,
         )
         self.nc = nc
         try:
-            await self._setup(nc, servers)
+            await self._setup(nc, servers, cred)
         except BaseException:
             self.tasks.forget_subscriptions()
             await nc.close()
@@ -237,11 +269,12 @@ class Agent:
         self._started = True
         log.info("agent.started agent=%s capabilities=%s", self.agent_id, self.capabilities)
 
-    async def _setup(self, nc: NATS, servers: str | Sequence[str] | None) -> None:
+    async def _setup(self, nc: NATS, servers: list[str], cred: Credentials) -> None:
         if self.ack_sink is None and self.durable_acks:
             self.ack_sink = durable.default_ack_writer(
-                self.agent_id, server_list(servers), prefix=self.prefix, wal_dir=self.ack_wal_dir
-            )
+                self.agent_id, servers, prefix=self.prefix, credentials=cred,
+                wal_dir=self.ack_wal_dir,
+            )  # fmt: skip
         sink = self.ack_sink
         if sink is not None and hasattr(sink, "start"):
             await sink.start()

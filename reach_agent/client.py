@@ -49,7 +49,13 @@ from .aio import TaskSet
 from .breaker import Breakers, BreakerState, verdict
 from .calls import AckMode, Call, encode_payload
 from .config import ClientConfig
-from .connection import connect_options, drain_or_close, flush_subscriptions, server_list
+from .connection import (
+    Credentials,
+    connect_options,
+    drain_or_close,
+    flush_subscriptions,
+    server_list,
+)
 from .errors import InternalError, InvalidRequest, NoReachableAgent
 from .liveness import Liveness
 from .metrics import ClientMetrics
@@ -65,6 +71,9 @@ class Client:
 
     ``servers`` defaults to ``NATS_URL`` or ``nats://127.0.0.1:4222``; pass ``nc`` to share
     a connection you own. ``metrics`` (a :class:`ClientMetrics`) is off by default.
+    ``creds``, ``nkey_seed``, ``user``/``password``, ``token`` and ``tls_*`` are the
+    credentials of the client's own connection (unset: ``NATS_CREDS``, ... from the
+    environment; see :class:`~reach_agent.connection.Credentials`).
     """
 
     def __init__(
@@ -76,7 +85,21 @@ class Client:
         name: str | None = None,
         nc: NATS | None = None,
         clock: Callable[[], float] = time.monotonic,
+        creds: str | None = None,
+        nkey_seed: str | None = None,
+        user: str | None = None,
+        password: str | None = None,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
     ) -> None:
+        self.credentials = Credentials(
+            creds=creds, nkey_seed=nkey_seed, user=user, password=password, token=token,
+            tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
+        ).check()  # fmt: skip
+        if nc is not None and self.credentials != Credentials():
+            raise ValueError("credentials apply to the client's own connection: not with nc=")
         self.config = config or ClientConfig()
         self.metrics = metrics
         self.clock = clock
@@ -101,14 +124,15 @@ class Client:
     async def start(self) -> None:
         if self._started:
             return
-        self._started = True
         nc = self.nc
         if self._own_nc:
             servers = server_list(self._servers)
+            options = connect_options(self._name, servers, self.credentials)
+        self._started = True
+        if self._own_nc:
             try:
                 async with asyncio.timeout(self.config.connect_timeout_s):
-                    await nc.connect(**connect_options(self._name, servers),
-                                     error_cb=self._on_error)  # fmt: skip
+                    await nc.connect(**options, error_cb=self._on_error)
             except TimeoutError:
                 self._started = False
                 await nc.close()

@@ -163,13 +163,13 @@ def default_ack_dir(agent_id: str) -> str:
 
 def default_ack_writer(
     agent_id: str, servers: str | list[str] | None = None, *, prefix: str = "reach",
-    creds: str | None = None, wal_dir: str | None = None,
+    credentials: Credentials | None = None, wal_dir: str | None = None,
 ) -> acks.AckWriter:  # fmt: skip
-    """The ack sink an ``Agent`` should use by default: WAL under :func:`default_ack_dir`,
-    its own NATS connection named ``<agent_id>-acks`` (not the agent id, so the broker's
-    disconnect advisories never confuse it with the agent)."""
+    """The ack sink an ``Agent`` uses by default: WAL under :func:`default_ack_dir`, its own
+    NATS connection named ``<agent_id>-acks`` (not the agent id, so the broker's disconnect
+    advisories never confuse it with the agent), with the agent's ``credentials``."""
     return acks.AckWriter(
         wal_dir or default_ack_dir(agent_id),
-        connect=connect_options(f"{agent_id}-acks", servers, Credentials(creds=creds)),
+        connect=connect_options(f"{agent_id}-acks", servers, credentials),
         subjects=Subjects(prefix),
     )  # fmt: skip

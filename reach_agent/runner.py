@@ -17,6 +17,7 @@ from typing import Any
 import nats.errors
 
 from .agent import Agent
+from .connection import Credentials
 
 log = logging.getLogger(__name__)
 
@@ -30,14 +31,32 @@ def new_event_loop_factory() -> Any:
     return uvloop.new_event_loop
 
 
-def run(agent: Agent, servers: str | Sequence[str] | None = None) -> None:
+def run(
+    agent: Agent,
+    servers: str | Sequence[str] | None = None,
+    *,
+    creds: str | None = None,
+    nkey_seed: str | None = None,
+    user: str | None = None,
+    password: str | None = None,
+    token: str | None = None,
+    tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+) -> None:
     """Serve ``agent`` until SIGTERM or SIGINT, then drain: stop taking tasks, leave, let
     in-flight tasks finish within the agent's grace period, close. Blocks.
 
     ``servers`` defaults to ``NATS_URL`` or ``nats://127.0.0.1:4222``; uvloop is used when
     available. While no server accepts the first connection it keeps trying (0.2 s doubling
-    to 10 s, jittered); a signal during that wait ends it.
+    to 10 s, jittered); a signal during that wait ends it. The credentials given here win
+    over the agent's own; unset ones come from the environment (``NATS_CREDS``, ...). A
+    file that does not exist is a ``ValueError`` at once.
     """
+    credentials = Credentials(
+        creds=creds, nkey_seed=nkey_seed, user=user, password=password, token=token,
+        tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
+    ).check()  # fmt: skip
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -47,7 +66,7 @@ def run(agent: Agent, servers: str | Sequence[str] | None = None) -> None:
         delay = 0.2
         while True:  # no server yet: keep trying (backoff with jitter) until one answers
             try:
-                await agent.start(servers)
+                await agent.start(servers, credentials)
                 break
             except (nats.errors.Error, OSError, TimeoutError) as exc:
                 pause = delay * (0.5 + random.random())
