@@ -41,7 +41,7 @@ from .errors import InvalidRequest
 from .metrics import AgentMetrics
 from .presence import Presence
 from .serving import AckSink, Handler, TaskServer
-from .subjects import Subjects
+from .subjects import DEFAULT_PREFIX, Subjects
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class Agent:
         timeout_hint: float | None = None,
         agent_type: str | None = None,
         metadata: dict[str, Any] | None = None,
-        prefix: str = "reach",
+        prefix: str = DEFAULT_PREFIX,
         grace: float = 30.0,
         dedup_size: int = 10_000,
         dedup_ttl: float = 120.0,
