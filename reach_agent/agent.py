@@ -23,13 +23,14 @@ import contextlib
 import inspect
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 from nats.aio.client import Client as NATS
 from nats.errors import SlowConsumerError
 
 from . import durable, schema
 from .connection import (
+    CredentialOptions,
     Credentials,
     connect_options,
     drain_or_close,
@@ -82,14 +83,7 @@ class Agent:
         metrics: AgentMetrics | None = None,
         durable_acks: bool = True,
         ack_wal_dir: str | None = None,
-        creds: str | None = None,
-        nkey_seed: str | None = None,
-        user: str | None = None,
-        password: str | None = None,
-        token: str | None = None,
-        tls_ca: str | None = None,
-        tls_cert: str | None = None,
-        tls_key: str | None = None,
+        **credentials: Unpack[CredentialOptions],
     ) -> None:
         schema.check_agent_id(agent_id)
         caps = list(capabilities)
@@ -103,10 +97,7 @@ class Agent:
             raise InvalidRequest(f"max_concurrency {max_concurrency!r} must be at least 1")
         if heartbeat_interval < 0.05:
             raise InvalidRequest(f"heartbeat_interval {heartbeat_interval!r} is below 0.05 s")
-        self.credentials = Credentials(
-            creds=creds, nkey_seed=nkey_seed, user=user, password=password, token=token,
-            tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
-        ).check()  # fmt: skip
+        self.credentials = Credentials(**credentials).check()
         """How the agent's connections (its own, its ack writer's) authenticate; unset
         fields come from the environment (``NATS_CREDS``, ...) at connect time."""
         self.agent_id = agent_id

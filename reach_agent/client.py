@@ -37,7 +37,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Unpack
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -50,6 +50,7 @@ from .breaker import Breakers, BreakerState, verdict
 from .calls import AckMode, Call, encode_payload
 from .config import ClientConfig
 from .connection import (
+    CredentialOptions,
     Credentials,
     connect_options,
     drain_or_close,
@@ -85,19 +86,9 @@ class Client:
         name: str | None = None,
         nc: NATS | None = None,
         clock: Callable[[], float] = time.monotonic,
-        creds: str | None = None,
-        nkey_seed: str | None = None,
-        user: str | None = None,
-        password: str | None = None,
-        token: str | None = None,
-        tls_ca: str | None = None,
-        tls_cert: str | None = None,
-        tls_key: str | None = None,
+        **credentials: Unpack[CredentialOptions],
     ) -> None:
-        self.credentials = Credentials(
-            creds=creds, nkey_seed=nkey_seed, user=user, password=password, token=token,
-            tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
-        ).check()  # fmt: skip
+        self.credentials = Credentials(**credentials).check()
         if nc is not None and self.credentials != Credentials():
             raise ValueError("credentials apply to the client's own connection: not with nc=")
         self.config = config or ClientConfig()

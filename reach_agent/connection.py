@@ -22,7 +22,7 @@ import random
 import ssl
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import msgspec
 
@@ -43,6 +43,20 @@ ENV = {
 """Environment variable of each :class:`Credentials` field (the ``nats`` CLI's names)."""
 
 _FILES = ("creds", "nkey_seed", "tls_ca", "tls_cert", "tls_key")
+
+
+class CredentialOptions(TypedDict, total=False):
+    """The credential keywords of ``Agent(...)``, ``Client(...)`` and ``reach_agent.run()``:
+    the fields of :class:`Credentials`."""
+
+    creds: str | None
+    nkey_seed: str | None
+    user: str | None
+    password: str | None
+    token: str | None
+    tls_ca: str | None
+    tls_cert: str | None
+    tls_key: str | None
 
 
 class Credentials(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -88,12 +88,7 @@ class Liveness:
     async def _check(self, agent_id: str) -> None:
         """Probe a suspect agent that runs our calls; no answer: abandon those attempts."""
         try:
-            await self.nc.request(self.subjects.probe(agent_id), b"{}",
-                                  timeout=2 * self.config.ack_timeout_s)  # fmt: skip
-        except (NatsTimeoutError, NoRespondersError) as exc:
-            self.abort(agent_id, f"suspect and probe unanswered ({type(exc).__name__})")
-        except Exception:
-            log.debug("client.check_failed agent=%s", agent_id, exc_info=True)
+            await self._probe(agent_id, 2 * self.config.ack_timeout_s, "suspect and probe")
         finally:
             self._checking.discard(agent_id)
 
@@ -106,12 +101,16 @@ class Liveness:
                 await asyncio.sleep(every)
                 if not self._calls.get(agent_id):
                     break
-                wait = max(2 * self.config.ack_timeout_s, every)
-                try:
-                    await self.nc.request(self.subjects.probe(agent_id), b"{}", timeout=wait)
-                except (NatsTimeoutError, NoRespondersError) as exc:
-                    self.abort(agent_id, f"liveness probe unanswered ({type(exc).__name__})")
-                except Exception:
-                    log.debug("client.watch_failed agent=%s", agent_id, exc_info=True)
+                await self._probe(agent_id, max(2 * self.config.ack_timeout_s, every),
+                                  "liveness probe")  # fmt: skip
         finally:
             self._watching.discard(agent_id)
+
+    async def _probe(self, agent_id: str, timeout_s: float, what: str) -> None:
+        """One probe; no answer (or no responders) abandons the attempts on ``agent_id``."""
+        try:
+            await self.nc.request(self.subjects.probe(agent_id), b"{}", timeout=timeout_s)
+        except (NatsTimeoutError, NoRespondersError) as exc:
+            self.abort(agent_id, f"{what} unanswered ({type(exc).__name__})")
+        except Exception:
+            log.debug("client.probe_failed agent=%s probe=%s", agent_id, what, exc_info=True)

@@ -12,12 +12,12 @@ import logging
 import random
 import signal
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import nats.errors
 
 from .agent import Agent
-from .connection import Credentials
+from .connection import CredentialOptions, Credentials
 
 log = logging.getLogger(__name__)
 
@@ -34,15 +34,7 @@ def new_event_loop_factory() -> Any:
 def run(
     agent: Agent,
     servers: str | Sequence[str] | None = None,
-    *,
-    creds: str | None = None,
-    nkey_seed: str | None = None,
-    user: str | None = None,
-    password: str | None = None,
-    token: str | None = None,
-    tls_ca: str | None = None,
-    tls_cert: str | None = None,
-    tls_key: str | None = None,
+    **credentials: Unpack[CredentialOptions],
 ) -> None:
     """Serve ``agent`` until SIGTERM or SIGINT, then drain: stop taking tasks, leave, let
     in-flight tasks finish within the agent's grace period, close. Blocks.
@@ -53,10 +45,7 @@ def run(
     over the agent's own; unset ones come from the environment (``NATS_CREDS``, ...). A
     file that does not exist is a ``ValueError`` at once.
     """
-    credentials = Credentials(
-        creds=creds, nkey_seed=nkey_seed, user=user, password=password, token=token,
-        tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
-    ).check()  # fmt: skip
+    cred = Credentials(**credentials).check()
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -66,7 +55,7 @@ def run(
         delay = 0.2
         while True:  # no server yet: keep trying (backoff with jitter) until one answers
             try:
-                await agent.start(servers, credentials)
+                await agent.start(servers, cred)
                 break
             except (nats.errors.Error, OSError, TimeoutError) as exc:
                 pause = delay * (0.5 + random.random())
