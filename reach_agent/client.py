@@ -55,7 +55,6 @@ from .connection import (
     connect_options,
     drain_or_close,
     flush_subscriptions,
-    server_list,
 )
 from .errors import InternalError, InvalidRequest, NoReachableAgent
 from .liveness import Liveness
@@ -116,9 +115,10 @@ class Client:
         if self._started:
             return
         nc = self.nc
-        if self._own_nc:
-            servers = server_list(self._servers)
-            options = connect_options(self._name, servers, self.credentials)
+        # Built first: a bad credentials setting raises before anything started.
+        options = (
+            connect_options(self._name, self._servers, self.credentials) if self._own_nc else {}
+        )
         self._started = True
         if self._own_nc:
             try:
@@ -128,7 +128,7 @@ class Client:
                 self._started = False
                 await nc.close()
                 raise ConnectionError(
-                    f"no NATS server answered at {servers} within "
+                    f"no NATS server answered at {options['servers']} within "
                     f"{self.config.connect_timeout_s:g}s"
                 ) from None
         self._inbox = ReplyInbox(nc.new_inbox())
@@ -140,6 +140,7 @@ class Client:
         ]  # fmt: skip
         await flush_subscriptions(nc)
         self.liveness.start()
+        self.routes.running = True
         self._refresher = asyncio.create_task(self.routes.refresh_loop(),
                                               name="reach-route-refresh")  # fmt: skip
 

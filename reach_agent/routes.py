@@ -131,8 +131,8 @@ class Routes:
         self.config = config
         self.metrics = metrics
         self.cache = RouteCache(config.route_cache_size, clock)
-        self.running = True
-        """False once the client stops: the refresh loop ends."""
+        self.running = False
+        """Set while the client runs; the refresh loop ends when it is cleared."""
 
     async def route(
         self,
@@ -186,7 +186,6 @@ class Routes:
         """Re-ask the broker for cached routes older than ``route_refresh_s`` that were
         used recently, so the fallback stays fresh."""
         every = self.config.route_refresh_s
-        self.running = True
         while self.running:
             await asyncio.sleep(every / 2)
             for (cap, region, tags, allow_suspect), e in self.cache.stale(every):
