@@ -220,16 +220,25 @@ def summarize(run: Run, command: str, broker_cfg: Config) -> dict[str, Any]:
         "routable_ms": ms(run.routable_at, run.t_clear),
         "recover_ms": ms(run.recover_at, run.t_clear),
         "served": served,
-        "call_ms": {"p50": pct(0.5), "p99": pct(0.99), "max": round(durations[-1]) if durations
-                    else None, "mean": round(statistics.fmean(durations)) if durations else None},
+        "call_ms": {
+            "p50": pct(0.5),
+            "p99": pct(0.99),
+            "max": round(durations[-1]) if durations else None,
+            "mean": round(statistics.fmean(durations)) if durations else None,
+        },
         "victim_transitions": [
             {"t_ms": ms(t, run.t_fault), "from": f, "to": to, "reason": reason}
             for t, f, to, reason in run.transitions
         ],
         "setup": {
-            "agents": list(AGENTS), "victim": VICTIM, "sdk_agents": run.sdk,
-            "agent_args": run.agent_args, "hold_s": run.hold_s, "watch_s": run.watch_s,
-            "warmup_s": run.warmup_s, "min_reach_score": broker_cfg.routing.min_reach_score,
+            "agents": list(AGENTS),
+            "victim": VICTIM,
+            "sdk_agents": run.sdk,
+            "agent_args": run.agent_args,
+            "hold_s": run.hold_s,
+            "watch_s": run.watch_s,
+            "warmup_s": run.warmup_s,
+            "min_reach_score": broker_cfg.routing.min_reach_score,
             "slow_start": [broker_cfg.routing.slow_start_share, broker_cfg.routing.slow_start_s],
             "choice": broker_cfg.routing.choice,
         },
@@ -313,8 +322,11 @@ async def main_async(args: argparse.Namespace, command: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loadtest.chaos", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m loadtest.chaos",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--fault", choices=("kill", "freeze", "latency"), required=True)
     ap.add_argument("--hold", type=float, default=45.0, help="seconds the fault lasts (45)")
     ap.add_argument("--watch", type=float, default=60.0, help="seconds watched after (60)")
@@ -322,8 +334,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=1000, help="calls over the whole run (1000)")
     ap.add_argument("--heartbeat-ms", type=int, default=1000, help="agents' interval (1000)")
     ap.add_argument("--work-ms", type=float, default=20.0, help="a normal task's time (20)")
-    ap.add_argument("--sdk-agents", action="store_true",
-                    help="agents on reach_agent.Agent instead of the raw-NATS chaos agent")
+    ap.add_argument(
+        "--sdk-agents",
+        action="store_true",
+        help="agents on reach_agent.Agent instead of the raw-NATS chaos agent",
+    )
     ap.add_argument("--report", required=True, help="JSON report file")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)

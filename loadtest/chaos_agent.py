@@ -1,4 +1,4 @@
-"""A tiny agent speaking the wire contract with raw nats-py (no SDK), for fault injection.
+"""A tiny agent speaking the wire contract with raw nats-py (no SDK ``Agent``), for faults.
 
     python -m loadtest.chaos_agent --server nats://127.0.0.1:4222 --id alpha \
         --capability summarize --heartbeat-ms 1000 --work-ms 20
@@ -6,6 +6,8 @@
 Connects with the connection name = agent_id, announces (retrying), heartbeats with seq,
 load, results and the p50 of the tasks finished since the last heartbeat, answers probes,
 and runs tasks (a receipt when asked, sleep ``--work-ms``, reply ``{"agent": id}``).
+Subjects, header names and connection options still come from ``reach_agent``
+(``Subjects``, ``schema``, ``connect_options``), so there is one address for each.
 ``--sdk`` runs the same agent on ``reach_agent.Agent`` instead. SIGUSR1 adds
 ``--fault-ms`` (1500) to every task, SIGUSR2 takes it away again. Prints
 ``ready <agent_id>`` once announced. Used by the detection integration tests and by
@@ -26,11 +28,16 @@ from typing import Any
 import nats
 from nats.aio.msg import Msg
 
+from reach_agent.connection import connect_options
+from reach_agent.schema import H_RECEIPT, H_REQUEST_ID, H_STATUS
+from reach_agent.subjects import Subjects
+
 
 class ChaosAgent:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.agent_id: str = args.id
+        self.subjects = Subjects(args.prefix)
         self.extra_ms = 0.0
         self.active = 0
         self.ok_total = 0
@@ -45,15 +52,13 @@ class ChaosAgent:
     async def run(self) -> None:
         a = self.args
         self.nc = await nats.connect(
-            a.server, name=self.agent_id, ping_interval=2, max_outstanding_pings=2,
-            max_reconnect_attempts=-1, reconnect_time_wait=0.2,
-        )  # fmt: skip
+            **connect_options(self.agent_id, a.server, reconnect_time_wait=0.2)
+        )
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGUSR1, self._fault, a.fault_ms)
         loop.add_signal_handler(signal.SIGUSR2, self._fault, 0.0)
-        p = a.prefix
-        await self.nc.subscribe(f"{p}.probe.{self.agent_id}", cb=self._on_probe)
-        await self.nc.subscribe(f"{p}.task.{self.agent_id}.>", cb=self._on_task)
+        await self.nc.subscribe(self.subjects.probe(self.agent_id), cb=self._on_probe)
+        await self.nc.subscribe(self.subjects.tasks_of(self.agent_id), cb=self._on_task)
         await self._announce()
         print(f"ready {self.agent_id}", flush=True)
         while True:
@@ -73,7 +78,7 @@ class ChaosAgent:
         delay = 0.1
         for _ in range(100):
             try:
-                reply = await self.nc.request(f"{a.prefix}.announce.{self.agent_id}", body, 1.0)
+                reply = await self.nc.request(self.subjects.announce(self.agent_id), body, 1.0)
                 self.token = json.loads(reply.data)["token"]
                 self.seq = 0
                 return
@@ -96,7 +101,7 @@ class ChaosAgent:
             self.recent.clear()
         if self.oldest:
             body["oldest_task_ms"] = int((now - min(self.oldest.values())) * 1000)
-        await self.nc.publish(f"{self.args.prefix}.hb.{self.agent_id}", json.dumps(body).encode())
+        await self.nc.publish(self.subjects.heartbeat(self.agent_id), json.dumps(body).encode())
 
     async def _on_probe(self, msg: Msg) -> None:
         reply = {"agent_id": self.agent_id, "active": self.active, "seq": self.seq}
@@ -115,15 +120,15 @@ class ChaosAgent:
         self.oldest[n] = t0
         try:
             hdrs = msg.headers or {}
-            rid = hdrs.get("Reach-Request-Id", "")
-            if hdrs.get("Reach-Receipt") == "1" and msg.reply:
+            rid = hdrs.get(H_REQUEST_ID, "")
+            if hdrs.get(H_RECEIPT) == "1" and msg.reply:
                 receipt = json.dumps({"request_id": rid, "status": "received"}).encode()
                 await self.nc.publish(msg.reply, receipt, headers={
-                    "Reach-Request-Id": rid, "Reach-Status": "received"})  # fmt: skip
+                    H_REQUEST_ID: rid, H_STATUS: "received"})  # fmt: skip
             await asyncio.sleep((self.args.work_ms + self.extra_ms) / 1000.0)
-            headers = {"Reach-Status": "completed"}
+            headers = {H_STATUS: "completed"}
             if rid:
-                headers["Reach-Request-Id"] = rid
+                headers[H_REQUEST_ID] = rid
             if msg.reply:
                 await self.nc.publish(msg.reply, json.dumps({"agent": self.agent_id}).encode(),
                                       headers=headers)  # fmt: skip
@@ -163,8 +168,11 @@ async def run_sdk(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m loadtest.chaos_agent", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m loadtest.chaos_agent",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--server", required=True)
     ap.add_argument("--id", required=True)
     ap.add_argument("--capability", action="append", default=None)

@@ -26,9 +26,12 @@ import nats
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
+from reach_agent.connection import connect_options
 from reach_agent.errors import H_SERVICE_ERROR_CODE
+from reach_agent.subjects import Subjects
 
 ECHO_SUBJECT = "loadtest.echo"
+"""The echo responder's own subject (not part of the wire contract)."""
 
 
 def percentile(sorted_values: list[float], q: float) -> float | None:
@@ -39,23 +42,24 @@ def percentile(sorted_values: list[float], q: float) -> float | None:
     return sorted_values[k]
 
 
-def client_options(server: str) -> dict[str, Any]:
-    """The connection settings of both modes (the comparison depends on their being equal)."""
-    return {
-        "servers": server.split(","),
-        "name": "loadtest-driver",
-        "max_reconnect_attempts": 0,
-        "allow_reconnect": False,
-        "pending_size": 64 * 1024 * 1024,
-        "flusher_queue_size": 65536,
-    }
+def client_options(server: str, name: str = "loadtest-driver") -> dict[str, Any]:
+    """The connection settings of both modes (the comparison depends on their being equal):
+    no reconnect (a slice that loses its server fails), large buffers."""
+    return connect_options(
+        name,
+        server,
+        allow_reconnect=False,
+        max_reconnect_attempts=0,
+        pending_size=64 * 1024 * 1024,
+        flusher_queue_size=65536,
+    )
 
 
 async def run_load(args: argparse.Namespace) -> dict[str, Any]:
     nc = await nats.connect(**client_options(args.server))
     if args.mode == "route":
         caps = args.capability or ["loadtest.cap0"]
-        subjects = [f"{args.prefix}.route.{c}" for c in caps]
+        subjects = [Subjects(args.prefix).route(c) for c in caps]
     else:
         subjects = [ECHO_SUBJECT]
     body = args.body.encode()
@@ -130,7 +134,7 @@ async def run_load(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def echo_server(args: argparse.Namespace) -> None:
-    nc = await nats.connect(**{**client_options(args.server), "name": "loadtest-echo"})
+    nc = await nats.connect(**client_options(args.server, "loadtest-echo"))
     reply = b"x" * args.reply_bytes
 
     async def cb(msg: Any) -> None:

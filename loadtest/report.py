@@ -1,11 +1,18 @@
-"""The load report: the JSON keys other tools read, the targets, and a readable summary."""
+"""The load report: the JSON keys other tools read, the targets, and a readable summary.
+
+Each phase of a run returns its :class:`Figures`; :func:`assemble` is the one place they
+become the report, in the order the phases ran.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 REQUIRED_KEYS: dict[str, tuple[type, ...]] = {
     "agents": (int,),
@@ -22,6 +29,44 @@ REQUIRED_KEYS: dict[str, tuple[type, ...]] = {
     "kill_detection_ms": (float, int),
 }
 """Keys every report carries and their types (a figure that could not be measured is null)."""
+
+
+class Figures(msgspec.Struct, frozen=True, kw_only=True):
+    """What one phase measured: each field is the report key of the same name.
+
+    A field left ``UNSET`` is absent from the report (not measured in this configuration:
+    no broker metrics, ``--latency-seconds 0``, …); ``None`` is a null figure.
+    """
+
+
+def figures(part: Figures) -> dict[str, Any]:
+    """The report keys of one phase's figures, in field order, ``UNSET`` ones left out."""
+    return {k: v for k, v in msgspec.structs.asdict(part).items() if v is not msgspec.UNSET}
+
+
+def assemble(
+    settings: Figures,
+    parts: Sequence[Figures],
+    *,
+    pids: dict[str, int],
+    loadavg_end: str,
+    complete: bool,
+) -> dict[str, Any]:
+    """The report: the run's settings, every required key (null until a phase measures
+    it), the figures of each phase that returned, the PIDs, targets, summary and status.
+
+    ``loadavg_end`` is used when no part carried it (a run cut short)."""
+    r = figures(settings)
+    for key in REQUIRED_KEYS:
+        r.setdefault(key, None)
+    for part in parts:
+        r.update(figures(part))
+    r["pids"] = pids
+    r.setdefault("loadavg_end", loadavg_end)
+    r["targets"] = targets(r)
+    r["summary"] = summary(r)
+    r["status"] = "ok" if complete else "incomplete"
+    return r
 
 
 def targets(r: dict[str, Any]) -> dict[str, dict[str, Any]]:

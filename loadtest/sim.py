@@ -33,8 +33,10 @@ import nats
 from nats.aio.client import Client as NATS
 
 from reach_agent import schema
+from reach_agent.connection import connect_options
 from reach_agent.errors import H_SERVICE_ERROR
 from reach_agent.schema import Announce, Heartbeat, ProbeReply
+from reach_agent.subjects import Subjects
 
 CAPABILITIES = tuple(f"loadtest.cap{i}" for i in range(10))
 """The shared capabilities route load is spread over; each agent has one to three."""
@@ -128,7 +130,7 @@ class SimAgent:
 class Sim:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.prefix = args.prefix
+        self.subjects = Subjects(args.prefix)
         self.interval = args.interval
         rng = random.Random(args.seed)
         self.agents: list[SimAgent] = []
@@ -140,7 +142,7 @@ class Sim:
             shared = CAPABILITIES[: args.capabilities]
             caps = rng.sample(shared, rng.randint(1, min(3, len(shared)))) + extra
             agent = SimAgent(agent_id, caps, i % n_conns, random.Random(rng.random()))
-            agent.subject = f"{self.prefix}.hb.{agent_id}"
+            agent.subject = self.subjects.heartbeat(agent_id)
             self.agents.append(agent)
         self.by_id = {a.agent_id: a for a in self.agents}
         self.conns: list[NATS] = []
@@ -157,10 +159,9 @@ class Sim:
         self.errors += 1
 
     async def connect(self) -> None:
-        opts: dict[str, Any] = {
-            "servers": self.args.server.split(","),
+        # Tuned for many connections in one process: pings every 5 s, large buffers.
+        tuned: dict[str, Any] = {
             "error_cb": self._error_cb,
-            "max_reconnect_attempts": -1,
             "reconnect_time_wait": 0.2,
             "ping_interval": 5,
             "pending_size": 64 * 1024 * 1024,
@@ -175,7 +176,7 @@ class Sim:
                 else f"{self.args.id_prefix}-conn{i}"
             )
             async with sem:
-                return await nats.connect(name=name, **opts)
+                return await nats.connect(**connect_options(name, self.args.server, **tuned))
 
         self.conns = list(await asyncio.gather(*(one(i) for i in range(self.n_conns))))
         # Probes: a wildcard subscription per connection would deliver each probe to every
@@ -184,11 +185,11 @@ class Sim:
             for agent in self.agents:
                 nc = self.conns[agent.conn]
                 self.probe_subs.append(
-                    await nc.subscribe(f"{self.prefix}.probe.{agent.agent_id}", cb=self._on_probe)
+                    await nc.subscribe(self.subjects.probe(agent.agent_id), cb=self._on_probe)
                 )
         else:
             self.probe_subs.append(
-                await self.conns[0].subscribe(f"{self.prefix}.probe.*", cb=self._on_probe)
+                await self.conns[0].subscribe(self.subjects.all_probes, cb=self._on_probe)
             )
         for nc in self.conns:
             await nc.flush()
@@ -196,7 +197,7 @@ class Sim:
     async def _on_probe(self, msg: Any) -> None:
         if not self.answering or not msg.reply:
             return
-        agent_id = msg.subject.rsplit(".", 1)[-1]
+        agent_id = self.subjects.agent_of_probe(msg.subject)
         agent = self.by_id.get(agent_id)
         if agent is None:
             return  # another process's agent
@@ -216,7 +217,7 @@ class Sim:
                 for attempt in range(5):
                     try:
                         msg = await self.conns[agent.conn].request(
-                            f"{self.prefix}.announce.{agent.agent_id}", body, timeout=5.0
+                            self.subjects.announce(agent.agent_id), body, timeout=5.0
                         )
                         if msg.headers and msg.headers.get(H_SERVICE_ERROR):
                             raise RuntimeError(msg.headers.get(H_SERVICE_ERROR))

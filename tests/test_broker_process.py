@@ -136,3 +136,27 @@ def test_ctrl_c_to_the_terminal_group_stops_broker_then_server(tmp_path: Path) -
             proc.wait(10)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def test_busy_metrics_port_is_a_clear_error_and_stops_the_embedded_server(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "NATS_URL"}
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "reach_broker", "broker", "--port", "0",
+             "--metrics-port", str(port), "--store-dir", str(tmp_path / "js")],
+            capture_output=True, text=True, env=env, timeout=30,
+        )  # fmt: skip
+    assert out.returncode == 3, out.stderr
+    assert "Traceback" not in out.stderr
+    assert out.stderr.splitlines()[-1] == (
+        f"reach: metrics port {port}: Address already in use "
+        "(choose another with --metrics-port, 0 turns it off)"
+    )
+    url = re.search(r"embedded nats-server listening on (nats://\S+)", out.stdout)
+    assert url, out.stdout
+    host, nats_port = url.group(1).removeprefix("nats://").split(":")
+    with pytest.raises(OSError):
+        socket.create_connection((host, int(nats_port)), timeout=1).close()

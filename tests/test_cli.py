@@ -15,10 +15,10 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from reach_agent import schema
-from reach_broker.cli import CliError, parse_duration
+from reach_broker.cli.common import CliError, parse_duration
+from reach_broker.cli.view import BrokerStats, Snapshot, render
 from reach_broker.natsserver import NatsServer
 from reach_broker.service import Broker
-from reach_broker.top import BrokerStats, Snapshot, render
 
 from .conftest import BrokerFactory, wait_for
 
@@ -32,11 +32,14 @@ def cli_env() -> dict[str, str]:
     return env
 
 
-async def reach(*argv: str, limit_s: float = 30.0) -> tuple[int, str, str]:
-    """Run ``reach ARGV``; returns (exit code, stdout, stderr)."""
+async def reach(
+    *argv: str, limit_s: float = 30.0, env: dict[str, str] | None = None
+) -> tuple[int, str, str]:
+    """Run ``reach ARGV`` (``env`` added to a clean environment); returns (exit code, stdout,
+    stderr)."""
     proc = await asyncio.create_subprocess_exec(
         *CLI, *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env=cli_env(),
+        env={**cli_env(), **(env or {})},
     )  # fmt: skip
     out, err = await asyncio.wait_for(proc.communicate(), limit_s)
     assert proc.returncode is not None
@@ -73,6 +76,25 @@ async def ensure_audit_stream(nc: NATS) -> None:
     except NotFoundError:
         await js.add_stream(name="REACH_AUDIT", subjects=["reach.event.>"], deny_delete=True,
                             deny_purge=True)  # fmt: skip
+
+
+# --- entry points ----------------------------------------------------------------------
+
+
+def test_every_entry_point_prints_the_same_help() -> None:
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    script = shutil.which("reach", path=str(Path(sys.executable).parent))
+    assert script is not None, "the console script `reach` is installed next to python"
+    entry_points = [[sys.executable, "-m", "reach_broker"], CLI, [script]]
+    for argv in ([], ["events"]):
+        outs = [subprocess.run([*ep, *argv, "--help"], capture_output=True, text=True,
+                               env=cli_env(), timeout=30, check=True).stdout
+                for ep in entry_points]  # fmt: skip
+        assert outs[0].startswith("usage: reach ")
+        assert outs == [outs[0]] * len(entry_points)
 
 
 # --- reach agents ------------------------------------------------------------------------
@@ -305,6 +327,18 @@ async def test_top_live_redraws_until_sigint(
     assert all(json.loads(line)["by_state"]["healthy"] == 2 for line in rest.splitlines())
 
 
+async def test_top_once_on_an_empty_audit_stream_shows_no_events(
+    nats_server: NatsServer, nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    await broker_factory(**QUIET)
+    await ensure_audit_stream(nc)
+    assert (await nc.jetstream().stream_info("REACH_AUDIT")).state.messages == 0
+    code, out, err = await reach("top", "--once", "--json", "-s", nats_server.url)
+    assert (code, err) == (0, "")
+    snap = json.loads(out)
+    assert (snap["events"], snap["agents"], snap["error"]) == ([], [], None)
+
+
 def test_render_is_cut_to_the_terminal() -> None:
     view = schema.AgentView(agent_id="alpha", state="healthy", score=97.5, load=0.5,
                             last_seen_ms=9_000, capabilities=["tool_use"], success_rate=1.0,
@@ -386,6 +420,18 @@ async def test_events_without_the_stream_say_so(nats_server: NatsServer) -> None
     assert err == (
         "reach: stream REACH_AUDIT not found on this server: the broker creates it "
         "at start when JetStream is on (use --follow for live events only)\n"
+    )
+
+
+async def test_events_without_jetstream_say_so(nats_server: NatsServer) -> None:
+    # NATS_USER/NATS_PASSWORD (read by connect_options): the system account of
+    # configs/nats-server.conf, which has no JetStream.
+    code, out, err = await reach("events", "--since", "1h", "-s", nats_server.url,
+                                 env={"NATS_USER": "sys", "NATS_PASSWORD": "sys"})  # fmt: skip
+    assert (code, out) == (3, "")
+    assert err == (
+        "reach: JetStream is not available on this server, so there is no REACH_AUDIT "
+        "history (use --follow for live events only)\n"
     )
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.report import REQUIRED_KEYS, missing_keys
+from loadtest.report import REQUIRED_KEYS, Figures, assemble, figures, missing_keys
 
 pytestmark = pytest.mark.slow
 
@@ -77,3 +77,74 @@ def test_loadtest_tiny_run_reports_every_key(tmp_path: Path) -> None:
     # Nothing this run started outlives it.
     assert set(report["pids"]) >= {"broker-0", "nats-server"}
     assert [name for name, pid in report["pids"].items() if _alive(pid)] == []
+
+
+# --- the pieces the report is built from (pure: no processes) -------------------------------
+
+
+def test_figures_leave_out_unset_and_keep_null_in_field_order() -> None:
+    from loadtest.phases import Accounting
+
+    part = Accounting(heartbeats_sent=7, nats_slow_consumers_steady=None, broker_nats_errors={})
+    assert list(figures(part).items()) == [
+        ("heartbeats_sent", 7),
+        ("nats_slow_consumers_steady", None),
+        ("broker_nats_errors", {}),
+    ]
+
+
+def test_assemble_puts_settings_then_required_keys_then_phases_in_order() -> None:
+    from loadtest.phases import HeartbeatsOnly, Reannounce
+
+    class Head(Figures, frozen=True, kw_only=True):
+        date_utc: str
+        agents: int
+
+    class End(Figures, frozen=True, kw_only=True):
+        loadavg_end: str
+
+    head = Head(date_utc="2026-12-01T00:00:00Z", agents=20)
+    parts = [
+        HeartbeatsOnly(broker_cpu_share_heartbeats=0.1, heartbeats_per_s=40.0),
+        Reannounce(reannounce_s=0.5, reannounce_errors=0, reannounce_agents=16),
+    ]
+    cut_short = assemble(head, parts, pids={"broker-0": 1}, loadavg_end="1 2 3", complete=False)
+    required = [k for k in REQUIRED_KEYS if k != "agents"]
+    assert list(cut_short) == [
+        "date_utc", "agents", *required, "broker_cpu_share_heartbeats",
+        "reannounce_s", "reannounce_errors", "reannounce_agents",
+        "pids", "loadavg_end", "targets", "summary", "status",
+    ]  # fmt: skip
+    assert cut_short["heartbeats_per_s"] == 40.0  # a required key, filled where it stands
+    assert cut_short["routes_per_s"] is None
+    assert cut_short["loadavg_end"] == "1 2 3"
+    assert cut_short["status"] == "incomplete"
+    assert missing_keys(cut_short) == []
+
+    done = assemble(head, [*parts, End(loadavg_end="0 0 0")], pids={}, loadavg_end="9 9 9",
+                    complete=True)  # fmt: skip
+    assert done["loadavg_end"] == "0 0 0"
+    assert list(done).index("loadavg_end") < list(done).index("pids")
+    assert done["status"] == "ok"
+
+
+def test_peak_rate_is_the_best_window_of_at_least_one_second() -> None:
+    from loadtest.phases import peak_rate
+
+    samples = [(0.0, 0), (0.25, 100), (0.5, 200), (1.0, 300), (1.25, 1300)]
+    assert peak_rate(samples) == 1200.0
+    # A span shorter than 1 s: the whole span.
+    assert peak_rate([(0.0, 0), (0.5, 100)]) == 200.0
+
+
+def test_cpu_spans_leave_out_spans_that_could_not_be_read() -> None:
+    from loadtest.procfs import CpuSpans
+
+    spans = CpuSpans()
+    assert spans.share() is None and spans.us_per(10) is None
+    spans.add(1.0, 1.5, 2.0)
+    spans.add(None, 3.0, 5.0)  # the process was gone at the start: not counted
+    spans.add(2.0, 2.5, 2.0)
+    assert spans.share() == 0.25
+    assert spans.us_per(1000) == 1000.0
+    assert spans.us_per(0) is None

@@ -1,48 +1,47 @@
-"""``reach top``: a live view of the fleet, redrawn with plain ANSI codes (usable over SSH).
+"""The live view of the fleet (``reach top``, and ``reach demo``'s screen), redrawn with plain
+ANSI codes (usable over SSH).
 
 Each refresh asks one broker for ``<prefix>.agents`` (states, scores, load) and every broker
 for its NATS Services stats (``$SRV.STATS.reach-broker``: route requests, from which the
-route rate is the difference between two refreshes). Recent events come from the live
-``<prefix>.event.>`` subject, seeded at start with the tail of ``REACH_AUDIT`` when the
-stream exists. ``--once`` prints one snapshot; ``--json`` prints snapshots as JSON lines.
+route rate is the difference between two refreshes). Recent events are the last ones of
+``REACH_AUDIT``, then the live ones through the same consumer (:mod:`jetstream.audit`; live
+only when the stream or JetStream is missing). ``--once`` prints one snapshot; ``--json``
+prints snapshots as JSON lines.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import contextlib
 import logging
 import shutil
-import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import msgspec
+from nats.errors import Error as NatsError
+from nats.micro.service import ServiceVerb, control_subject
 
+from jetstream import audit
 from reach_agent import schema
+from reach_agent.connection import flush_subscriptions
 from reach_agent.schema import AGENT_STATES, AgentView, Event
+from reach_agent.subjects import Subjects
 
-from .cli import (
-    AGENT_HEADER,
-    AUDIT_STREAM,
-    CliError,
-    agent_rows,
-    connect,
-    format_event,
-    format_table,
-    print_json,
-    request,
-)
+from .common import EXIT_UNAVAILABLE, CliError, request
+from .output import AGENT_HEADER, agent_rows, format_event, format_table, print_json
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "reach-broker"
-"""The broker's NATS Services name (``service.SERVICE_NAME``; not imported: top stays light)."""
+"""The broker's NATS Services name (``service.SERVICE_NAME``; not imported: the view stays
+light)."""
 
+STATS_SUBJECT = control_subject(ServiceVerb.STATS, SERVICE_NAME)
+"""``$SRV.STATS.reach-broker``: every replica answers with its endpoint stats."""
 STATS_WINDOW_S = 0.15
 """After the first stats reply, how long to wait for the other broker replicas."""
 
@@ -82,7 +81,7 @@ class Fleet:
         self,
         nc: Any,
         *,
-        prefix: str,
+        subjects: Subjects,
         timeout: float,
         max_events: int,
         reconnect: Callable[[], Awaitable[Any]] | None = None,
@@ -90,59 +89,50 @@ class Fleet:
         self.nc = nc
         self.reconnect = reconnect
         """Makes a new connection when the server went away (``reach top`` keeps running)."""
-        self.prefix = prefix
+        self.subjects = subjects
         self.timeout = timeout
         self.events: collections.deque[Event] = collections.deque(maxlen=max(max_events, 0))
         self._prev: dict[str, tuple[float, int]] = {}
-        self._sub: Any = None
 
     async def start(self) -> None:
-        """Seed recent events from REACH_AUDIT (if present), then follow them live."""
-        if self.events.maxlen:
-            await self._seed_events()
-        await self._follow_events()
+        """The last events of the audit trail (when there is one), then the live ones."""
+        await self._follow_events(history=self.events.maxlen or 0)
 
-    async def _follow_events(self) -> None:
-        async def on_event(msg: Any) -> None:
-            try:
-                self.events.append(schema.event_decoder.decode(msg.data))
-            except msgspec.DecodeError:
-                log.debug("top.undecodable_event subject=%s", msg.subject)
-
-        self._sub = await self.nc.subscribe(f"{self.prefix}.event.>", cb=on_event)
-        await self.nc.flush()
-
-    async def _seed_events(self) -> None:
-        from nats.js.errors import NotFoundError
-
-        js = self.nc.jetstream(timeout=self.timeout)
-        try:
-            info = await js.stream_info(AUDIT_STREAM)
-        except Exception:
+    async def _follow_events(self, *, history: int) -> None:
+        if not self.events.maxlen:
             return
-        first = max(info.state.first_seq, info.state.last_seq - (self.events.maxlen or 0) + 1)
-        for seq in range(first, info.state.last_seq + 1):
-            try:
-                raw = await js.get_msg(AUDIT_STREAM, seq)
-                self.events.append(schema.event_decoder.decode(raw.data or b""))
-            except (NotFoundError, msgspec.DecodeError):
-                continue
+        try:
+            follow = await audit.follow_events(self.nc, self._on_event, subjects=self.subjects,
+                                               last=history, timeout_s=self.timeout)  # fmt: skip
+        except (audit.AuditUnavailable, NatsError) as exc:  # no trail to read: live only
+            log.debug("top.no_history error=%s", exc)
+            await audit.live_events(self.nc, self._on_event, subjects=self.subjects)
+            await flush_subscriptions(self.nc)
+            return
+        if not await follow.until_caught_up(self.timeout):
+            log.debug("top.history_incomplete delivered=%d", follow.delivered)
+
+    async def _on_event(self, stored: audit.StoredEvent) -> None:
+        try:
+            self.events.append(schema.event_decoder.decode(stored.data))
+        except msgspec.DecodeError:
+            log.debug("top.undecodable_event subject=%s", stored.subject)
 
     async def snapshot(self) -> Snapshot:
         now = time.time()
         error = None
         if self.nc.is_closed:
             if self.reconnect is None:
-                raise CliError("lost the connection to NATS", 3)
+                raise CliError("lost the connection to NATS", EXIT_UNAVAILABLE)
             try:
                 self.nc = await self.reconnect()
-                await self._follow_events()
+                await self._follow_events(history=0)
             except CliError as exc:
                 return Snapshot(at_ms=int(now * 1000), agents=[], by_state={}, brokers=[],
                                 route_requests=0, route_rate=None, events=list(self.events),
                                 error=f"{exc}; retrying")  # fmt: skip
         try:
-            data = await request(self.nc, f"{self.prefix}.agents", b"{}", self.timeout)
+            data = await request(self.nc, self.subjects.agents, b"{}", self.timeout)
             agents = schema.agent_views_decoder.decode(data)
         except CliError as exc:
             agents, error = [], str(exc)
@@ -187,7 +177,7 @@ class Fleet:
         sub = await self.nc.subscribe(inbox, cb=on_reply)
         out: list[BrokerStats] = []
         try:
-            await self.nc.publish(f"$SRV.STATS.{SERVICE_NAME}", b"", reply=inbox)
+            await self.nc.publish(STATS_SUBJECT, b"", reply=inbox)
             wait = self.timeout
             while True:
                 try:
@@ -279,7 +269,7 @@ def _keys(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> Iterator[None
 async def view_loop(
     nc: Any,
     *,
-    prefix: str,
+    subjects: Subjects,
     server: str,
     interval: float,
     timeout_s: float,
@@ -291,7 +281,7 @@ async def view_loop(
     reconnect: Callable[[], Awaitable[Any]] | None = None,
 ) -> None:
     """Refresh until ``stop`` (or once); redraws in place on a terminal, appends otherwise."""
-    fleet = Fleet(nc, prefix=prefix, timeout=timeout_s, max_events=max_events,
+    fleet = Fleet(nc, subjects=subjects, timeout=timeout_s, max_events=max_events,
                   reconnect=reconnect)  # fmt: skip
     await fleet.start()
     tty_out = sys.stdout.isatty() and not as_json and not once
@@ -303,7 +293,7 @@ async def view_loop(
             while not stop.is_set():
                 snap = await fleet.snapshot()
                 if once and snap.error:
-                    raise CliError(snap.error, 3)
+                    raise CliError(snap.error, EXIT_UNAVAILABLE)
                 if as_json:
                     print_json(snap)
                 else:
@@ -326,27 +316,3 @@ async def view_loop(
         if tty_out:
             sys.stdout.write("\x1b[?25h\x1b[?1049l")
             sys.stdout.flush()
-
-
-async def run_top(args: argparse.Namespace) -> int:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    nc = await connect(args, name="reach-top")
-    try:
-        await view_loop(
-            nc,
-            prefix=args.prefix,
-            server=args.server or "nats://127.0.0.1:4222",
-            interval=args.interval,
-            timeout_s=args.timeout,
-            max_events=args.events,
-            once=args.once,
-            as_json=args.json,
-            stop=stop,
-            reconnect=None if args.once else lambda: connect(args, name="reach-top"),
-        )
-    finally:
-        await nc.close()
-    return 0

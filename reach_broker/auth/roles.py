@@ -1,0 +1,232 @@
+"""What each kind of identity may do on the bus: one table, expanded into JWT permissions.
+
+nats-server enforces these: a publish outside ``publish`` (and not a permitted reply) is
+dropped by the server and answered with ``-ERR 'Permissions Violation for Publish to "…"'``,
+a subscription outside ``subscribe`` likewise, before any reach process sees the message.
+
+Each cell names a subject the way :class:`reach_agent.subjects.Subjects` builds it (``Of``:
+a builder applied to the identity's own name; ``Every``: a wildcard of the grammar), or is a
+subject outside reach's grammar (``Raw``: JetStream's API, the system account's services,
+the identity's private inbox). :func:`permissions` turns a row into the ``nats`` part of a
+user JWT. The ``ROLES`` table is the one place to change what a role may do; a change takes
+effect for credentials issued afterwards (re-issue to apply it to existing ones).
+
+Every identity gets a private inbox prefix, ``_INBOX.<role>.<name>``, and may subscribe only
+below it: nobody reads another's replies (task results, JetStream answers). The client must
+connect with that prefix (nats-py ``connect(inbox_prefix=…)``); :func:`inbox_prefix_of` reads
+it back from a user JWT.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+from jetstream.names import ACK_STREAM
+from reach_agent.subjects import Subjects
+
+from .claims import Permission, ResponsePermission, User
+
+RoleName = Literal["agent", "caller", "broker"]
+
+BROKER_ACK_AUTHOR = "_broker"
+"""Author token of ack records the broker writes (``failed``/``expired`` of queued requests):
+``<p>.ack._broker.<request_id>``. Not a valid agent id (those start with a letter or digit),
+so no agent can be mistaken for the broker, nor the broker for an agent."""
+
+INBOX_ROOT = "_INBOX"
+
+
+class Of(NamedTuple):
+    """``Subjects.<builder>(name)``: a subject of the identity's own name."""
+
+    builder: str
+
+
+class Every(NamedTuple):
+    """``Subjects.<attr>``: a subject (often a wildcard) that is the same for everyone."""
+
+    attr: str
+
+
+class Raw(NamedTuple):
+    """A subject outside reach's grammar; ``{inbox}``, ``{account}`` and ``{p}`` (the subject
+    prefix) are filled in."""
+
+    template: str
+
+
+class OwnAcks(NamedTuple):
+    """Ack records attributed to the identity: ``<p>.ack.<name>.>`` (``author`` replaces the
+    name when set, as for the broker)."""
+
+    author: str = ""
+
+
+Cell = Of | Every | Raw | OwnAcks
+
+
+@dataclass(frozen=True)
+class Responses:
+    """``allow_responses``: publish to the reply subject of a message received, at most
+    ``max_msgs`` times within ``ttl_s`` of receiving it."""
+
+    max_msgs: int
+    ttl_s: float
+
+
+@dataclass(frozen=True)
+class Role:
+    name: RoleName
+    description: str
+    publish: tuple[Cell, ...]
+    subscribe: tuple[Cell, ...]
+    responses: Responses | None = None
+
+
+INBOX = Raw("{inbox}.>")
+
+AGENT_REPLY_WINDOW_S = 300.0
+"""How long after receiving a task (or probe) an agent may still reply to it. Must exceed the
+longest task deadline (``ClientConfig.max_timeout_s``, 120 s by default): a result published
+later is refused by the server. The server keeps one entry per pending reply until it is
+used up or this window ends, so it is not made longer than it needs to be."""
+
+# JetStream API subjects a caller needs to read ack records (reach_agent.durable's wait and
+# last-record reads): last-by-subject direct get, direct get by sequence, and the non-direct
+# message get used to list every record of a request. Callers get no consumer-create rights:
+# a push consumer's deliver subject is not checked against its creator's permissions, so it
+# would let a caller re-publish stored messages (e.g. old broker events) on any subject.
+_ACK_READS = (
+    Raw(f"$JS.API.DIRECT.GET.{ACK_STREAM}"),
+    Raw(f"$JS.API.DIRECT.GET.{ACK_STREAM}.>"),
+    Raw(f"$JS.API.STREAM.MSG.GET.{ACK_STREAM}"),
+)
+
+ROLES: dict[RoleName, Role] = {
+    "agent": Role(
+        name="agent",
+        description="one agent process (connection name = agent id)",
+        publish=(Of("announce"), Of("heartbeat"), Of("leave"), OwnAcks()),
+        subscribe=(Of("tasks_of"), Of("probe"), Of("events_of"), INBOX),
+        # A task gets at most a receipt and a result; a probe one answer.
+        responses=Responses(max_msgs=2, ttl_s=AGENT_REPLY_WINDOW_S),
+    ),
+    "caller": Role(
+        name="caller",
+        description="routes, calls, submits and waits; reads ack records and events",
+        publish=(
+            Every("all_routes"),
+            Every("agents"),
+            Every("all_tasks"),
+            Every("all_comp"),
+            Every("all_probes"),  # the client's liveness watch probes agents running its calls
+            *_ACK_READS,
+        ),
+        subscribe=(Every("all_acks"), Every("all_events"), INBOX),
+    ),
+    "broker": Role(
+        name="broker",
+        description="the broker (every replica shares one credential)",
+        publish=(
+            Every("all_events"),
+            Every("all_probes"),
+            Every("all_tasks"),
+            OwnAcks(author=BROKER_ACK_AUTHOR),
+            # Replies to announces, leaves, routes, `agents` and `$SRV` pings go to the
+            # requester's inbox, whatever its prefix (a plain allow: no per-reply tracking).
+            Raw(f"{INBOX_ROOT}.>"),
+            Raw("$JS.API.>"),
+            Raw("$JS.ACK.>"),
+            Raw("$JS.FC.>"),
+            Raw("$KV.>"),
+            Raw("$SYS.REQ.USER.INFO"),
+            Raw("$SYS.REQ.ACCOUNT.{account}.CONNZ"),
+            Raw("$SYS.REQ.ACCOUNT.PING.CONNZ"),
+            Raw("$SYS.REQ.SERVER.PING.CONNZ"),
+        ),
+        subscribe=(
+            Every("all_announces"),
+            Every("all_heartbeats"),
+            Every("all_leaves"),
+            Every("all_routes"),
+            Every("agents"),
+            Every("all_comp"),
+            Every("all_acks"),
+            Every("all_events"),
+            Raw("$SRV.>"),
+            Raw("$SYS.ACCOUNT.{account}.CONNECT"),
+            Raw("$SYS.ACCOUNT.{account}.DISCONNECT"),
+            INBOX,
+        ),
+    ),
+}
+
+
+def inbox_prefix(role: RoleName, name: str) -> str:
+    """The private inbox prefix of an identity: ``_INBOX.<role>.<name>``."""
+    return f"{INBOX_ROOT}.{role}.{name}"
+
+
+def _expand(cell: Cell, subjects: Subjects, name: str, role: RoleName, account: str) -> str:
+    match cell:
+        case Of(builder):
+            subject: str = getattr(subjects, builder)(name)
+            return subject
+        case Every(attr):
+            subject = getattr(subjects, attr)
+            return subject
+        case OwnAcks(author):
+            # <p>.ack.<author>.> — the attributable ack subject (Subjects.ack takes one token).
+            return subjects.ack(f"{author or name}.>")
+        case Raw(template):
+            return template.format(
+                inbox=inbox_prefix(role, name), account=account, p=subjects.prefix
+            )
+    raise TypeError(f"not a permission cell: {cell!r}")
+
+
+def permissions(
+    role: RoleName,
+    name: str,
+    *,
+    account: str,
+    subjects: Subjects | None = None,
+    reply_window_s: float | None = None,
+) -> User:
+    """The ``nats`` part of the user JWT of identity ``name`` in ``role``.
+
+    ``account`` is the application account's public key (the advisory subjects carry it);
+    ``reply_window_s`` overrides the role's response window.
+    """
+    row = ROLES[role]
+    subjects = subjects or Subjects()
+    pub = [_expand(c, subjects, name, role, account) for c in row.publish]
+    sub = [_expand(c, subjects, name, role, account) for c in row.subscribe]
+    resp = None
+    if row.responses is not None:
+        ttl_s = row.responses.ttl_s if reply_window_s is None else reply_window_s
+        if ttl_s <= 0:
+            raise ValueError(f"reply_window_s {ttl_s!r} must be > 0 (seconds)")
+        resp = ResponsePermission(max=row.responses.max_msgs, ttl=int(ttl_s * 1e9))
+    return User.unlimited(
+        pub=Permission(allow=pub),
+        sub=Permission(allow=sub),
+        resp=resp,
+        # Plain client connections only: the credential cannot carry a leaf node (which
+        # would bridge another server's clients in under this identity) or a websocket.
+        allowed_connection_types=["STANDARD"],
+        tags=[f"reach-role:{role}"],
+    )
+
+
+def inbox_prefix_of(user: User) -> str | None:
+    """The inbox prefix a user JWT's subscribe permissions grant (``_INBOX.….>``), if any.
+
+    How a client learns the ``inbox_prefix`` to connect with from its credentials alone, also
+    for credentials issued by other tools that follow the same convention.
+    """
+    for subject in user.sub.allow:
+        if subject.startswith(INBOX_ROOT + ".") and subject.endswith(".>"):
+            return subject[:-2]
+    return None

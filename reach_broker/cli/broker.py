@@ -1,0 +1,65 @@
+"""``reach broker``: run a broker (the process itself is :mod:`reach_broker.process`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from .. import process
+from ..config import ConfigError, load
+from .common import (
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    CliError,
+    Subcommands,
+    add_common,
+    env_default,
+    int_env,
+)
+
+
+def add_parser(sub: Subcommands) -> None:
+    p = sub.add_parser("broker", help="run a broker (embedded nats-server unless --server)")
+    add_common(p)
+    p.add_argument("--config", "-c", default=env_default("REACH_CONFIG"),
+                   help="broker.toml (env REACH_CONFIG)")  # fmt: skip
+    p.add_argument("--metrics-port", type=int, default=int_env("REACH_METRICS_PORT"),
+                   help="Prometheus /metrics port, 0 turns it off "
+                        "(env REACH_METRICS_PORT)")  # fmt: skip
+    p.add_argument("--metrics-host", default=env_default("REACH_METRICS_HOST"),
+                   help="address of /metrics (default 127.0.0.1; 0.0.0.0 in containers; "
+                        "env REACH_METRICS_HOST)")  # fmt: skip
+    p.add_argument("--port", type=int, default=int_env("REACH_NATS_PORT"),
+                   help="port of the embedded nats-server (default 4222; "
+                        "0: any free port)")  # fmt: skip
+    p.add_argument("--store-dir", default=env_default("REACH_STORE_DIR"),
+                   help="JetStream store dir of the embedded server "
+                        "(default: a temp dir)")  # fmt: skip
+    p.add_argument("--broker-id", default=env_default("REACH_BROKER_ID"))
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = load(args.config)
+    except ConfigError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    # Flags (and their env vars) win over broker.toml.
+    if args.server:
+        cfg.nats.url = args.server
+    if args.creds:
+        cfg.nats.creds = args.creds
+    if args.metrics_port is not None:
+        cfg.broker.metrics_port = args.metrics_port
+    if args.metrics_host:
+        cfg.broker.metrics_host = args.metrics_host
+    if args.port is not None:
+        cfg.nats.embedded_port = args.port
+    if args.store_dir:
+        cfg.nats.embedded_store_dir = args.store_dir
+    if args.broker_id:
+        cfg.broker.broker_id = args.broker_id
+    try:
+        process.run(cfg)
+    except process.StartError as exc:
+        raise CliError(str(exc), EXIT_UNAVAILABLE) from None
+    return 0

@@ -1,0 +1,117 @@
+"""``reach events``: the audit trail from a time ago (``--since``), then live (``--follow``).
+
+History and the live tail come through :mod:`jetstream.audit` (one ordered consumer, so
+nothing is missed or printed twice between them); ``--follow`` alone subscribes to the
+event subjects and needs no JetStream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Awaitable
+from typing import Any
+
+import msgspec
+
+from jetstream.names import AUDIT_STREAM
+
+from .common import (
+    EXIT_UNAVAILABLE,
+    CliError,
+    Subcommands,
+    add_common,
+    connect,
+    parse_duration,
+    stop_on_signals,
+    subjects,
+)
+from .output import format_event, print_json
+
+log = logging.getLogger("reach")
+
+DEFAULT_SINCE_S = 3600.0
+"""Plain ``reach events``: the last hour of the audit trail."""
+
+
+def add_parser(sub: Subcommands) -> None:
+    p = sub.add_parser("events", help=f"the event stream ({AUDIT_STREAM} history and live)")
+    add_common(p)
+    p.add_argument("--since", metavar="DURATION",
+                   help=f"replay {AUDIT_STREAM} from this long ago "
+                        "(90s, 15m, 1h; default 1h)")  # fmt: skip
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing live events")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    since = parse_duration(args.since) if args.since else None
+    if since is None and not args.follow:
+        since = DEFAULT_SINCE_S
+    return asyncio.run(_events(args, since))
+
+
+async def _events(args: argparse.Namespace, since: float | None) -> int:
+    """Print the events from ``since`` seconds ago until caught up, or (``--follow``) until
+    a signal; ``since`` None: live events only."""
+    from jetstream import audit
+    from reach_agent import schema
+    from reach_agent.connection import flush_subscriptions
+
+    stop = stop_on_signals()
+    subs = subjects(args)
+
+    async def emit(stored: audit.StoredEvent) -> None:
+        try:
+            event = schema.event_decoder.decode(stored.data)
+        except msgspec.DecodeError as exc:
+            log.warning("events.undecodable subject=%s error=%s", stored.subject, exc)
+            return
+        if args.json:
+            print_json(event)
+        else:
+            sys.stdout.write(format_event(event) + "\n")
+        sys.stdout.flush()
+
+    nc = await connect(args)
+    try:
+        if since is None:
+            await audit.live_events(nc, emit, subjects=subs)
+            await flush_subscriptions(nc)
+        else:
+            try:
+                follow = await audit.follow_events(nc, emit, subjects=subs, since_s=since,
+                                                   timeout_s=args.timeout)  # fmt: skip
+            except audit.NoAuditStream:
+                raise CliError(
+                    f"stream {AUDIT_STREAM} not found on this server: the broker creates it at "
+                    "start when JetStream is on (use --follow for live events only)",
+                    EXIT_UNAVAILABLE,
+                ) from None
+            except audit.NoJetStream:
+                raise CliError(
+                    f"JetStream is not available on this server, so there is no {AUDIT_STREAM} "
+                    "history (use --follow for live events only)",
+                    EXIT_UNAVAILABLE,
+                ) from None
+            if not args.follow:
+                # Until caught up, or a quiet stream after the last pending event.
+                await _until(follow.until_caught_up(max(args.timeout, 2.0)), stop)
+                return 0
+        await stop.wait()
+    finally:
+        await nc.close()
+    return 0
+
+
+async def _until(work: Awaitable[Any], stop: asyncio.Event) -> None:
+    """Await ``work`` unless ``stop`` is set first."""
+    job = asyncio.ensure_future(work)
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({job, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        job.cancel()
+        stopper.cancel()

@@ -1,0 +1,99 @@
+"""The broker process: what ``reach broker`` runs, assembled in one place.
+
+Start, in order: an embedded ``nats-server`` when the config names no server (in a session
+of its own, so a terminal Ctrl-C reaches the broker only, which stops its clients before
+the server: the server dying first would leave them reconnecting), SIGINT/SIGTERM handlers,
+the Prometheus ``/metrics`` endpoint, the :class:`~reach_broker.service.Broker`. Stop, the
+other way round: the broker (drains, leaves nothing in flight), then the embedded server.
+The metrics endpoint is a daemon thread that ends with the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+from .config import Config
+from .natsserver import NatsServer, NatsServerError
+
+
+class StartError(Exception):
+    """The process could not start; the message says what failed and how to fix it."""
+
+
+def install_uvloop() -> None:
+    """Run the process's event loops on uvloop when it is installed (not on Windows)."""
+    try:
+        import uvloop
+    except ImportError:
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def run(cfg: Config) -> None:
+    """The whole process: :func:`serve` on uvloop (when installed) until a signal."""
+    install_uvloop()
+    asyncio.run(serve(cfg))
+
+
+async def serve(cfg: Config, *, stop: asyncio.Event | None = None) -> None:
+    """Run a broker for ``cfg`` until SIGINT/SIGTERM (or ``stop`` is set), then stop it in
+    order. Without ``cfg.nats.url`` an embedded server is started and ``cfg.nats.url`` set to
+    it. Raises :class:`StartError` when something cannot start."""
+    server = await _embedded_server(cfg) if not cfg.nats.url else None
+    try:
+        if stop is None:
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
+        await _run_broker(cfg, stop)
+    finally:
+        if server is not None:
+            await asyncio.to_thread(server.stop)
+
+
+async def _embedded_server(cfg: Config) -> NatsServer:
+    server = NatsServer(port=cfg.nats.embedded_port, store_dir=cfg.nats.embedded_store_dir,
+                        new_session=True)  # fmt: skip
+    try:
+        await asyncio.to_thread(server.start)
+    except NatsServerError as exc:
+        raise StartError(f"embedded nats-server: {exc}") from None
+    cfg.nats.url = server.url
+    print(f"reach: embedded nats-server listening on {server.url} "
+          f"(JetStream store {server.store_dir})", flush=True)  # fmt: skip
+    return server
+
+
+async def _run_broker(cfg: Config, stop: asyncio.Event) -> None:
+    from prometheus_client import start_http_server
+
+    from .metrics import Metrics
+    from .service import Broker
+
+    metrics = Metrics()
+    if cfg.broker.metrics_port:
+        try:
+            start_http_server(cfg.broker.metrics_port, cfg.broker.metrics_host,
+                              registry=metrics.registry)  # fmt: skip
+        except OSError as exc:
+            raise StartError(
+                f"metrics port {cfg.broker.metrics_port}: {exc.strerror} "
+                "(choose another with --metrics-port, 0 turns it off)"
+            ) from None
+    broker = Broker(cfg, metrics=metrics)
+    try:
+        await broker.start()
+    except Exception as exc:
+        raise StartError(
+            f"cannot start the broker on {cfg.nats.url}: {exc or type(exc).__name__}"
+        ) from None
+    where = (f"; metrics on http://{cfg.broker.metrics_host}:{cfg.broker.metrics_port}/metrics"
+             if cfg.broker.metrics_port else "")  # fmt: skip
+    print(f"reach: broker {broker.broker_id} serving on {cfg.nats.url}{where}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        print("reach: stopping", flush=True)
+        await broker.stop()
