@@ -1,6 +1,5 @@
-"""Agents and clients on a real nats-server that requires user credentials (operator mode:
-JWTs minted by tests/natsjwt.py, accounts in a MEMORY resolver), with ``creds=`` and with
-``NATS_CREDS`` in the environment."""
+"""Agents and clients on a real nats-server that requires user credentials (operator mode,
+from a reach_broker.auth DIR), with ``creds=`` and with ``NATS_CREDS`` in the environment."""
 
 from __future__ import annotations
 
@@ -18,30 +17,36 @@ import pytest
 import reach_agent
 from reach_agent import durable
 from reach_agent.connection import Credentials, connect_options
+from reach_broker.auth import AuthDir, claims, init
+from reach_broker.auth.claims import User, UserClaims
 from reach_broker.metrics import Metrics
-from reach_broker.natsserver import NatsServer
 from reach_broker.service import Broker
 
 from .agents.procs import AgentProcess
+from .auth_helpers import AuthServer
 from .conftest import fast_config, wait_for
-from .natsjwt import Operator
+
+
+def unrestricted_user(d: AuthDir, name: str, path: Path) -> Path:
+    """Credentials of a user of the DIR's application account allowed everything: this
+    module tests how the SDK presents credentials, not the roles (test_auth_server.py)."""
+    seed = claims.new_seed("user")
+    user = UserClaims(sub=claims.public_key(claims.keypair(seed)), name=name,
+                      nats=User.unlimited())  # fmt: skip
+    path.write_bytes(claims.format_creds(claims.encode(user, d.signer("app")), seed))
+    path.chmod(0o600)
+    return path
 
 
 class Secured:
-    """A server that admits only users of account APP, and a credentials file per user."""
+    """A server that admits only users of the DIR's accounts, and a credentials file per
+    user of this test."""
 
     def __init__(self, tmp: Path) -> None:
-        op = Operator.create("reach-test")
-        app = op.account("APP")
-        self.creds: dict[str, Path] = {}
-        for user in ("broker", "agent", "client"):
-            path = tmp / f"{user}.creds"
-            path.write_text(app.user_creds(user))
-            path.chmod(0o600)
-            self.creds[user] = path
-        conf = tmp / "server.conf"
-        conf.write_text(op.server_config(tmp))
-        self.server = NatsServer(port=0, store_dir=tmp / "nats", config=conf)
+        d = init(tmp / "auth")
+        self.creds = {u: unrestricted_user(d, u, tmp / f"{u}.creds")
+                      for u in ("broker", "agent", "client")}  # fmt: skip
+        self.server = AuthServer(d, tmp / "nats")
 
     @property
     def url(self) -> str:
