@@ -279,7 +279,7 @@ class Client:
             if target is None:
                 # Everything we knew was tried (or is behind an open breaker): ask again.
                 try:
-                    candidates = await self.route(
+                    candidates = await self.routes.route(
                         capability, cfg.route_limit, region=call.region, tags=call.tags,
                         sticky_key=call.sticky_key,
                         exclude=self.breakers.blocked(capability, self.clock()),
