@@ -1,10 +1,10 @@
 """Durable acknowledgements on ``REACH_ACKS``: the agent's write-ahead sender and the readers.
 
 An agent records ``received`` and ``completed``/``failed`` for every task. :class:`AckWriter`
-appends each record to a local write-ahead file *first*, then publishes it on
-``reach.ack.<request_id>`` with ``Nats-Msg-Id: <request_id>.<state>`` over a NATS connection
-of its own, re-sending until JetStream's PubAck confirms; a ``done`` line then marks it
-stored. At start the write-ahead files of dead processes of the same agent (and its own
+appends each record to a local write-ahead file (:mod:`jetstream.wal`) *first*, then
+publishes it on ``reach.ack.<request_id>`` with ``Nats-Msg-Id: <request_id>.<state>`` over a
+NATS connection of its own, re-sending until JetStream's PubAck confirms; a ``D`` line then
+marks it stored. At start the write-ahead files of dead processes of the same agent (and its own
 earlier life) are replayed, so a crash between "handler done" and "ack stored" loses nothing.
 Re-sends are harmless: the stream's duplicate window drops a second copy of the same id.
 
@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import logging
 import os
 import random
 import re
-import secrets
-import signal
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -33,6 +30,7 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.js.errors import NoStreamResponseError, NotFoundError
 
+from . import wal
 from .names import ACK_STREAM, H_MSG_ID, StreamSubjects
 
 log = logging.getLogger(__name__)
@@ -40,10 +38,6 @@ log = logging.getLogger(__name__)
 FINAL_STATES = ("completed", "failed")
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
 _REQUEST_ID_RE = re.compile(REQUEST_ID_PATTERN)
-
-CRASH_ENV = "REACH_ACK_CRASH_AFTER_WAL"
-"""Test hook: ``completed`` (or another state) makes the process SIGKILL itself right after
-that record reached the write-ahead file and before it is published."""
 
 
 class InvalidRequestId(ValueError):
@@ -72,17 +66,14 @@ def state_of(headers: Mapping[str, str] | None) -> str | None:
 # --- the write-ahead sender -----------------------------------------------------------------
 
 
-class _Pending(NamedTuple):
-    subject: str
-    data: bytes
-
-
 class AckWriter:
     """Write-ahead, at-least-once sender of ack records (an agent's ``ack_sink``).
 
     ``record(rec)`` takes any msgspec-encodable object with ``request_id`` and ``state``
-    (the SDK's ``AckRecord``), appends it to the write-ahead file and returns; a background
-    task publishes it and re-sends with jittered backoff until JetStream confirms.
+    (the SDK's ``AckRecord``), appends it to the write-ahead log (:mod:`jetstream.wal`) and
+    returns; a background task publishes it and re-sends with jittered backoff until
+    JetStream confirms. ``after_wal(request_id, state)``, when given, is called once a record
+    is in the log and before it is queued for sending (tests crash the process there).
     """
 
     def __init__(
@@ -96,17 +87,18 @@ class AckWriter:
         publish_timeout_s: float = 2.0,
         retry_max_s: float = 5.0,
         compact_bytes: int = 1 << 20,
+        after_wal: Callable[[str, str], None] | None = None,
     ) -> None:
         self.wal_dir = Path(wal_dir)
         self.connect = dict(connect)
         """nats-py ``connect()`` options (``reach_agent.connection.connect_options``)."""
         self.name: str = self.connect.get("name") or "reach-acks"
         self.subjects = subjects
-        self.fsync = fsync
         self.batch = batch
         self.publish_timeout_s = publish_timeout_s
         self.retry_max_s = retry_max_s
         self.compact_bytes = compact_bytes
+        self.after_wal = after_wal
         self.stored = 0
         """Records confirmed by JetStream (duplicates included) since start."""
         self.duplicates = 0
@@ -115,17 +107,18 @@ class AckWriter:
         self.retries = 0
         self.no_stream = False
         """True while the last attempt found no stream for reach.ack.> (none provisioned)."""
-        self._pending: dict[str, _Pending] = {}
+        self._wal = wal.Wal(self.wal_dir, fsync=fsync)
+        self._pending: dict[str, wal.Entry] = {}
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
-        self._fd: int | None = None
-        self._path: Path | None = None
-        self._size = 0
         self._task: asyncio.Task[None] | None = None
         self._nc: NATS | None = None
-        self._crash_after = os.environ.get(CRASH_ENV) or None
         self._encoder = msgspec.json.Encoder()
+
+    @property
+    def fsync(self) -> bool:
+        return self._wal.fsync
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -133,9 +126,7 @@ class AckWriter:
         """Open this process's WAL, adopt the pending records of dead ones, connect."""
         if self._task is not None:
             return
-        self.wal_dir.mkdir(parents=True, exist_ok=True)
-        self._open_own()
-        self._adopt_orphans()
+        self._pending.update(self._wal.open())
         self._nc = await nats.connect(**{**self.connect, "error_cb": self._on_error})
         self._task = asyncio.create_task(self._sender(), name=f"{self.name}-sender")
         if self._pending:
@@ -155,12 +146,8 @@ class AckWriter:
         if self._nc is not None and not self._nc.is_closed:
             with contextlib.suppress(Exception):
                 await self._nc.close()
-        if self._fd is not None:
-            os.close(self._fd)  # releases the lock; pending lines stay for the next start
-            self._fd = None
-            if not self._pending and self._path is not None:
-                with contextlib.suppress(OSError):
-                    self._path.unlink()
+        # Releases the lock; pending lines stay for the next start.
+        self._wal.close(remove=not self._pending)
 
     async def __aenter__(self) -> AckWriter:
         await self.start()
@@ -192,7 +179,7 @@ class AckWriter:
 
     def write(self, request_id: str, state: str, data: bytes) -> None:
         """Append one record to the WAL and queue it for sending."""
-        if self._fd is None:
+        if not self._wal.is_open:
             raise RuntimeError("AckWriter.write before start()")
         try:
             check_request_id(request_id)
@@ -201,75 +188,12 @@ class AckWriter:
             log.warning("acks.dropped state=%s reason=%s", state, exc)
             return
         msg_id = ack_msg_id(request_id, state)
-        subject = self.subjects.ack(request_id)
-        # A newline in valid JSON is only ever whitespace, so this keeps one record per line.
-        data = data.replace(b"\n", b" ")
-        self._append(b"A %s %s %s\n" % (msg_id.encode(), subject.encode(), data))
-        if self._crash_after is not None and state == self._crash_after:
-            log.warning("acks.test_crash state=%s request_id=%s (%s)", state, request_id, CRASH_ENV)
-            os.kill(os.getpid(), signal.SIGKILL)
-        self._pending[msg_id] = _Pending(subject, data)
+        entry = self._wal.add(msg_id, self.subjects.ack(request_id), data)
+        if self.after_wal is not None:
+            self.after_wal(request_id, state)
+        self._pending[msg_id] = entry
         self._idle.clear()
         self._wake.set()
-
-    def _append(self, line: bytes) -> None:
-        assert self._fd is not None
-        os.write(self._fd, line)
-        self._size += len(line)
-        if self.fsync:
-            os.fsync(self._fd)
-
-    # --- the WAL files ----------------------------------------------------------------
-
-    def _open_own(self) -> None:
-        path = self.wal_dir / f"acks-{os.getpid()}-{secrets.token_hex(3)}.wal"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        self._fd, self._path, self._size = fd, path, 0
-
-    def _adopt_orphans(self) -> None:
-        """Take over WAL files no live process holds: copy their pending lines into ours."""
-        for path in sorted(self.wal_dir.glob("acks-*.wal")):
-            if path == self._path:
-                continue
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError:
-                    continue  # a live writer (another process of this agent) owns it
-                with os.fdopen(os.dup(fd), "rb") as f:
-                    pending = parse_wal(f.read())
-                for msg_id, p in pending.items():
-                    if msg_id not in self._pending:
-                        self._append(
-                            b"A %s %s %s\n" % (msg_id.encode(), p.subject.encode(), p.data)
-                        )
-                        self._pending[msg_id] = p
-                if self._fd is not None and not self.fsync:
-                    os.fsync(self._fd)  # the copy is durable before the original goes
-                path.unlink()
-            finally:
-                os.close(fd)
-
-    def _compact(self) -> None:
-        """Rewrite the WAL with only the pending lines once it has grown large."""
-        assert self._path is not None and self._fd is not None
-        tmp = self._path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        size = 0
-        for msg_id, p in self._pending.items():
-            line = b"A %s %s %s\n" % (msg_id.encode(), p.subject.encode(), p.data)
-            os.write(fd, line)
-            size += len(line)
-        os.fsync(fd)
-        os.replace(tmp, self._path)
-        os.close(self._fd)
-        self._fd, self._size = fd, size
 
     # --- sending ----------------------------------------------------------------------
 
@@ -281,13 +205,13 @@ class AckWriter:
             while self._pending:
                 batch = list(self._pending.items())[: self.batch]
                 results = await asyncio.gather(
-                    *(self._publish(msg_id, p) for msg_id, p in batch), return_exceptions=True
+                    *(self._publish(msg_id, e) for msg_id, e in batch), return_exceptions=True
                 )
                 done = [
                     msg_id for (msg_id, _), ok in zip(batch, results, strict=True) if ok is True
                 ]
                 if done:
-                    self._append(b"".join(b"D %s\n" % m.encode() for m in done))
+                    self._wal.mark_stored(done)
                     for m in done:
                         self._pending.pop(m, None)
                     self.stored += len(done)
@@ -303,18 +227,18 @@ class AckWriter:
                 else:
                     backoff = 0.05
                     self.no_stream = False
-            if self._size > self.compact_bytes:
+            if self._wal.size > self.compact_bytes:
                 try:
-                    self._compact()
+                    self._wal.compact(self._pending)
                 except OSError:
-                    log.exception("acks.compact_failed path=%s", self._path)
+                    log.exception("acks.compact_failed path=%s", self._wal.path)
             if not self._pending:
                 self._idle.set()
 
-    async def _publish(self, msg_id: str, p: _Pending) -> bool:
+    async def _publish(self, msg_id: str, entry: wal.Entry) -> bool:
         assert self._nc is not None
         js = self._nc.jetstream(timeout=self.publish_timeout_s)
-        if await publish_record(js, p.subject, msg_id, p.data):
+        if await publish_record(js, entry.subject, msg_id, entry.data):
             self.duplicates += 1
         return True
 
@@ -328,19 +252,6 @@ async def publish_record(js: Any, subject: str, msg_id: str, data: bytes) -> boo
     """
     ack = await js.publish(subject, data, headers={H_MSG_ID: msg_id})
     return bool(ack.duplicate)
-
-
-def parse_wal(content: bytes) -> dict[str, _Pending]:
-    """Records written but not marked done, in order; a torn last line is ignored."""
-    pending: dict[str, _Pending] = {}
-    for line in content.split(b"\n"):
-        if line.startswith(b"A "):
-            parts = line.split(b" ", 3)
-            if len(parts) == 4 and parts[3]:
-                pending[parts[1].decode()] = _Pending(parts[2].decode(), parts[3])
-        elif line.startswith(b"D "):
-            pending.pop(line[2:].decode(), None)
-    return pending
 
 
 # --- readers ----------------------------------------------------------------------------

@@ -16,7 +16,6 @@ async with reach_agent.Client() as client:
 
 from __future__ import annotations
 
-from ._runtime import run
 from .agent import AckSink, Agent
 from .breaker import Breaker, Breakers
 from .client import Client
@@ -37,6 +36,7 @@ from .errors import (
     Timeout,
 )
 from .metrics import AgentMetrics, ClientMetrics
+from .runner import run
 from .task import Reject, Task
 
 __all__ = [

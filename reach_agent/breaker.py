@@ -6,9 +6,10 @@ Pure: every method takes the clock ``now`` and returns what changed; the client 
 each failed trial up to 5 min; half-open lets 3 trial calls through and closes when all 3
 succeed (any trial failure reopens).
 
-What counts as a failure is the client's decision: it records agent faults (no receipt, no
-responders, timeout, INTERNAL, lost target) and leaves out business rejects, TARGET_BUSY
-and DRAINING, which say nothing bad about the agent's health.
+What counts as a failure is :func:`verdict`'s rule: agent faults (no receipt, no responders,
+timeout, 5xx errors, lost target) are failures; business rejects and other 4xx count as
+successes (the agent answered); TARGET_BUSY, DRAINING and a closing client give no verdict,
+they say nothing about the agent's health.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 from typing import Literal
 
 from .config import BreakerConfig
+from .errors import Draining, ReachError, TargetBusy
+from .retry import Outcome
 
 BreakerState = Literal["closed", "open", "half_open"]
 _BUCKETS = 12
@@ -157,6 +160,20 @@ Key = tuple[str, str]
 """(agent_id, capability)"""
 
 
+def verdict(outcome: Outcome, err: ReachError | None = None) -> bool | None:
+    """What one attempt says about the agent's health: True (it works), False (a fault), or
+    None (no verdict: busy, leaving, or the caller closed)."""
+    if outcome == "ok":
+        return True
+    if outcome == "error":
+        if err is None or isinstance(err, TargetBusy | Draining):
+            return None  # healthy but full or leaving
+        return err.status < 500  # a refused request is a responsive agent
+    if outcome == "closed":
+        return None
+    return False
+
+
 class Breakers:
     """All breakers of one client, keyed by (agent_id, capability).
 
@@ -166,29 +183,39 @@ class Breakers:
 
     def __init__(self, cfg: BreakerConfig) -> None:
         self.cfg = cfg
-        self.by_key: dict[Key, Breaker] = {}
+        self._by_key: dict[Key, Breaker] = {}
         self.not_closed: set[Key] = set()
+
+    def __len__(self) -> int:
+        """Breakers tracked (bounded by ``max_breakers``)."""
+        return len(self._by_key)
 
     def get(self, agent_id: str, capability: str, now: float) -> Breaker:
         key = (agent_id, capability)
-        b = self.by_key.get(key)
+        b = self._by_key.get(key)
         if b is None:
-            if len(self.by_key) >= self.cfg.max_breakers:
+            if len(self._by_key) >= self.cfg.max_breakers:
                 self._prune(now)
-            b = self.by_key[key] = Breaker(self.cfg, now)
+            b = self._by_key[key] = Breaker(self.cfg, now)
         return b
+
+    def available(self, agent_id: str, capability: str, now: float) -> bool:
+        """Would a call to ``agent_id`` for ``capability`` be let through now? (No state
+        change: used to pick a candidate.)"""
+        b = self._by_key.get((agent_id, capability))
+        return b is None or b.available(now)
 
     def blocked(self, capability: str, now: float) -> list[str]:
         """Agents whose breaker for ``capability`` would refuse a call now."""
         return [
             agent
             for (agent, cap) in self.not_closed
-            if cap == capability and not self.by_key[(agent, cap)].available(now)
+            if cap == capability and not self._by_key[(agent, cap)].available(now)
         ]
 
     def allow(self, agent_id: str, capability: str, now: float) -> tuple[bool, BreakerState | None]:
         key = (agent_id, capability)
-        b = self.by_key.get(key)
+        b = self._by_key.get(key)
         if b is None:
             return True, None
         allowed, change = b.allow(now)
@@ -203,12 +230,12 @@ class Breakers:
         return change
 
     def release(self, agent_id: str, capability: str, now: float) -> None:
-        b = self.by_key.get((agent_id, capability))
+        b = self._by_key.get((agent_id, capability))
         if b is not None:
             b.release(now)
 
     def state(self, agent_id: str, capability: str) -> BreakerState:
-        b = self.by_key.get((agent_id, capability))
+        b = self._by_key.get((agent_id, capability))
         return "closed" if b is None else b.state
 
     def _track(self, key: Key, b: Breaker) -> None:
@@ -219,6 +246,7 @@ class Breakers:
 
     def _prune(self, now: float) -> None:
         """Drop the least recently used closed breakers (half of the table at most)."""
-        closed = sorted((b.last_used, key) for key, b in self.by_key.items() if b.state == "closed")
-        for _, key in closed[: max(1, len(self.by_key) // 2)]:
-            del self.by_key[key]
+        by_key = self._by_key
+        closed = sorted((b.last_used, key) for key, b in by_key.items() if b.state == "closed")
+        for _, key in closed[: max(1, len(self._by_key) // 2)]:
+            del self._by_key[key]

@@ -11,6 +11,8 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
+from .subjects import DEFAULT_PREFIX
+
 Seconds = Annotated[float, Meta(gt=0)]
 
 
@@ -57,7 +59,7 @@ class BreakerConfig(_Config):
 class ClientConfig(_Config):
     """How :class:`reach_agent.Client` routes, sends, waits and retries."""
 
-    prefix: str = "reach"
+    prefix: str = DEFAULT_PREFIX
     """Subject prefix shared with the broker and agents."""
     default_timeout_s: Seconds = 30.0
     """Call timeout when the caller gives none (then clamped like any other)."""

@@ -22,7 +22,7 @@ import random
 import ssl
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import msgspec
 
@@ -43,6 +43,20 @@ ENV = {
 """Environment variable of each :class:`Credentials` field (the ``nats`` CLI's names)."""
 
 _FILES = ("creds", "nkey_seed", "tls_ca", "tls_cert", "tls_key")
+
+
+class CredentialOptions(TypedDict, total=False):
+    """The credential keywords of ``Agent(...)``, ``Client(...)`` and ``reach_agent.run()``:
+    the fields of :class:`Credentials`."""
+
+    creds: str | None
+    nkey_seed: str | None
+    user: str | None
+    password: str | None
+    token: str | None
+    tls_ca: str | None
+    tls_cert: str | None
+    tls_key: str | None
 
 
 class Credentials(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -70,6 +84,22 @@ class Credentials(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         """The credentials the environment names (``NATS_CREDS``, ``NATS_CA``, …)."""
         env = os.environ if env is None else env
         return cls(**{f: env[v] for f, v in ENV.items() if env.get(v)})
+
+    def check(self) -> Credentials:
+        """Raise ``ValueError`` naming the setting for a file that does not exist, a
+        password without a user, or half a TLS key pair; returns ``self``."""
+        for field in _FILES:
+            path = getattr(self, field)
+            if path is not None and not Path(path).expanduser().is_file():
+                raise ValueError(
+                    f"{field} file {path!r} does not exist (set by the {field} option or "
+                    f"{ENV[field]})"
+                )
+        if self.password is not None and self.user is None:
+            raise ValueError("password is set but user is not (NATS_USER / the user option)")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both or neither")
+        return self
 
     def over(self, base: Credentials) -> Credentials:
         """These credentials, with every field left unset taken from ``base``."""
@@ -106,8 +136,7 @@ def tls_context(cred: Credentials) -> ssl.SSLContext | None:
     """An SSL context for ``tls_ca`` / ``tls_cert`` + ``tls_key``, or None when neither."""
     if cred.tls_ca is None and cred.tls_cert is None:
         return None
-    if (cred.tls_cert is None) != (cred.tls_key is None):
-        raise ValueError("tls_cert and tls_key go together: give both or neither")
+    cred.check()
     ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=cred.tls_ca)
     if cred.tls_cert is not None and cred.tls_key is not None:
         ctx.load_cert_chain(cred.tls_cert, cred.tls_key)
@@ -129,13 +158,7 @@ def connect_options(
     replace any option (a CLI command connects with ``allow_reconnect=False``, the broker
     passes its callbacks and ping settings).
     """
-    cred = (credentials or Credentials()).over(Credentials.from_env(env))
-    for field in _FILES:
-        path = getattr(cred, field)
-        if path is not None and not Path(path).expanduser().is_file():
-            raise ValueError(
-                f"{field} file {path!r} does not exist (set by the {field} option or {ENV[field]})"
-            )
+    cred = (credentials or Credentials()).over(Credentials.from_env(env)).check()
     opts: dict[str, Any] = {
         "servers": server_list(servers, env),
         "name": name,

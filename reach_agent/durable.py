@@ -23,7 +23,7 @@ from jetstream import acks, compensation
 from .connection import Credentials, connect_options
 from .errors import CompensationFull, InternalError, InvalidRequest, Timeout
 from .schema import H_REQUEST_ID, AckRecord, check_capability, decode_ack_record, encoder
-from .subjects import Subjects
+from .subjects import DEFAULT_PREFIX, Subjects
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ async def submit(
     ttl: float | None = None,
     request_id: str | None = None,
     headers: Mapping[str, str] | None = None,
-    prefix: str = "reach",
+    prefix: str = DEFAULT_PREFIX,
 ) -> Submitted:
     """Queue a task for eventual delivery; returns its request id.
 
@@ -120,7 +120,13 @@ def _count(client: Any, result: str) -> None:
         metrics.compensation.labels(result).inc()
 
 
-async def wait(client: Any, request_id: str, timeout: float, *, prefix: str = "reach") -> AckRecord:  # noqa: ASYNC109 - the SDK's public signature
+async def wait(
+    client: Any,
+    request_id: str,
+    timeout: float,  # noqa: ASYNC109 - the SDK's public signature
+    *,
+    prefix: str = DEFAULT_PREFIX,
+) -> AckRecord:
     """The final ack record (``completed``/``failed``) of ``request_id``.
 
     Raises ``Timeout`` when none is stored within ``timeout`` seconds.
@@ -138,7 +144,7 @@ async def wait(client: Any, request_id: str, timeout: float, *, prefix: str = "r
     return decode_ack_record(stored.data)
 
 
-async def last(client: Any, request_id: str, *, prefix: str = "reach") -> AckRecord | None:
+async def last(client: Any, request_id: str, *, prefix: str = DEFAULT_PREFIX) -> AckRecord | None:
     """The latest ack record of ``request_id`` (any state), or None."""
     try:
         stored = await acks.last_record(
@@ -162,14 +168,14 @@ def default_ack_dir(agent_id: str) -> str:
 
 
 def default_ack_writer(
-    agent_id: str, servers: str | list[str] | None = None, *, prefix: str = "reach",
-    creds: str | None = None, wal_dir: str | None = None,
+    agent_id: str, servers: str | list[str] | None = None, *, prefix: str = DEFAULT_PREFIX,
+    credentials: Credentials | None = None, wal_dir: str | None = None,
 ) -> acks.AckWriter:  # fmt: skip
-    """The ack sink an ``Agent`` should use by default: WAL under :func:`default_ack_dir`,
-    its own NATS connection named ``<agent_id>-acks`` (not the agent id, so the broker's
-    disconnect advisories never confuse it with the agent)."""
+    """The ack sink an ``Agent`` uses by default: WAL under :func:`default_ack_dir`, its own
+    NATS connection named ``<agent_id>-acks`` (not the agent id, so the broker's disconnect
+    advisories never confuse it with the agent), with the agent's ``credentials``."""
     return acks.AckWriter(
         wal_dir or default_ack_dir(agent_id),
-        connect=connect_options(f"{agent_id}-acks", servers, Credentials(creds=creds)),
+        connect=connect_options(f"{agent_id}-acks", servers, credentials),
         subjects=Subjects(prefix),
     )  # fmt: skip

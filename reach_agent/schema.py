@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from jetstream.names import H_MSG_ID, H_REQUEST_ID  # noqa: F401 - headers of the contract
+
 from .errors import H_SERVICE_ERROR, H_SERVICE_ERROR_CODE, InvalidCapability, InvalidRequest  # noqa: F401
 
 PROTOCOL_VERSION = 1
@@ -213,9 +215,9 @@ class Event(Base, frozen=True):
 
 
 # --- headers ------------------------------------------------------------------------------
+# (H_MSG_ID, JetStream's de-duplication id, and H_REQUEST_ID, also a queue header, have their
+# address in jetstream/names.py and are imported above.)
 
-H_MSG_ID = "Nats-Msg-Id"
-H_REQUEST_ID = "Reach-Request-Id"
 H_ACK_MODE = "Reach-Ack-Mode"
 H_TIMEOUT_MS = "Reach-Timeout-Ms"
 H_RECEIPT = "Reach-Receipt"

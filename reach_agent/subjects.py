@@ -173,3 +173,28 @@ class Subjects:
         """``(kind, agent_id)`` of ``<p>.event.<kind>.<agent_id>``."""
         kind, _, agent_id = subject[self._cuts[8] :].partition(".")
         return kind, agent_id
+
+
+class ReplyInbox:
+    """The reply subjects of one client: ``<inbox>.<call>.<attempt>`` under its own inbox.
+
+    Every attempt of a call replies to a subject of its own, so the receipt and the result
+    are both received and a late reply is known to answer an earlier attempt. Not part of
+    the wire contract (an agent replies to whatever reply subject a task carries).
+    """
+
+    __slots__ = ("_cut", "inbox", "wildcard")
+
+    def __init__(self, inbox: str) -> None:
+        self.inbox = inbox
+        self.wildcard = f"{inbox}.*.*"
+        """What the client subscribes to: every attempt of every call."""
+        self._cut = len(inbox) + 1
+
+    def reply(self, call_id: str, attempt: int) -> str:
+        return f"{self.inbox}.{call_id}.{attempt}"
+
+    def parse(self, subject: str) -> tuple[str, str]:
+        """``(call_id, attempt)`` of a reply subject (the attempt as received: a string)."""
+        call_id, _, attempt = subject[self._cut :].partition(".")
+        return call_id, attempt

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from reach_agent.breaker import Breaker, Breakers
+from reach_agent.breaker import Breaker, Breakers, verdict
 from reach_agent.config import BreakerConfig, ClientConfig
+from reach_agent.errors import BizReject, Draining, InternalError, Overloaded, TargetBusy, Timeout
 
 CFG = BreakerConfig()
 
@@ -117,9 +118,24 @@ def test_breakers_track_open_pairs_per_capability() -> None:
     assert bs.blocked("cap.y", 1.0) == []
     assert bs.state("a1", "cap.x") == "open"
     assert bs.state("zz", "cap.x") == "closed"
+    assert [bs.available(a, "cap.x", 1.0) for a in ("a1", "a2", "zz")] == [False, True, True]
     assert bs.blocked("cap.x", 5.0) == []  # open period over: trials allowed
     assert bs.allow("a1", "cap.x", 5.0) == (True, "half_open")
     assert bs.allow("unknown", "cap.x", 5.0) == (True, None)
+
+
+def test_verdict_of_each_outcome() -> None:
+    assert verdict("ok") is True
+    assert [verdict(o) for o in ("not_delivered", "no_responders", "timeout", "lost")] == [
+        False, False, False, False,
+    ]  # fmt: skip
+    assert verdict("closed") is None
+    assert verdict("error", TargetBusy("full")) is None
+    assert verdict("error", Draining("leaving")) is None
+    assert verdict("error", Overloaded("shedding")) is True  # 429: it answered
+    assert verdict("error", BizReject("no")) is True
+    assert verdict("error", InternalError("boom")) is False
+    assert verdict("error", Timeout("late")) is False
 
 
 def test_breakers_table_is_bounded() -> None:
@@ -127,7 +143,7 @@ def test_breakers_table_is_bounded() -> None:
     bs.record("keep", "c", False, 0.0)  # open: never pruned
     for i in range(100):
         bs.record(f"a{i}", "c", True, float(i))
-    assert len(bs.by_key) <= 16
+    assert len(bs) <= 16
     assert bs.state("keep", "c") == "open"
 
 

@@ -13,6 +13,7 @@ from nats.aio.client import Client as NATS
 from nats.js.errors import APIError
 
 from jetstream import acks, audit, compensation
+from jetstream import wal as jwal
 from jetstream.provision import UnsafeChange, load_definitions, provision
 from reach_agent import Client, durable, schema
 from reach_agent.connection import connect_options
@@ -236,9 +237,9 @@ async def test_ack_writer_replays_an_orphaned_wal_and_resends_are_deduplicated(
     stored_rid, lost_rid = str(uuid.uuid4()), str(uuid.uuid4())
     lines = []
     for rid in (stored_rid, lost_rid):
-        data = schema.encoder.encode(ack(rid, "completed"))
-        lines.append(b"A %s.completed reach.ack.%s %s\n" % (rid.encode(), rid.encode(), data))
-    lines.append(b"D %s.completed\n" % stored_rid.encode())
+        record = jwal.entry(SUBJECTS.ack(rid), schema.encoder.encode(ack(rid, "completed")))
+        lines.append(jwal.added(f"{rid}.completed", record))
+    lines.append(jwal.stored([f"{stored_rid}.completed"]))
     lines.append(b"A torn-line-without-data")  # a crash mid-write
     (wal / "acks-999999-dead.wal").write_bytes(b"".join(lines))
     # stored_rid was confirmed before the crash: publish it once for real.

@@ -37,7 +37,7 @@ SUBJECTS = Subjects()
 ROOT = Path(__file__).resolve().parent.parent
 
 AGENT_SCRIPT = """
-import asyncio, os, sys
+import asyncio, os, signal, sys
 from reach_agent.agent import Agent
 from jetstream.acks import AckWriter
 from reach_agent.connection import connect_options
@@ -45,7 +45,15 @@ from reach_agent.subjects import Subjects
 
 url, agent_id, cap, log_path, wal_dir = sys.argv[1:6]
 delay = float(os.environ.get("TEST_DELAY", "0"))
-writer = AckWriter(wal_dir, connect=connect_options(f"{agent_id}-acks", url), subjects=Subjects())
+crash_after = os.environ.get("TEST_CRASH_AFTER_WAL")
+
+def crash(request_id, state):
+    # The record of `state` is in the write-ahead file and not yet published: die here.
+    if state == crash_after:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+writer = AckWriter(wal_dir, connect=connect_options(f"{agent_id}-acks", url), subjects=Subjects(),
+                   after_wal=crash if crash_after else None)
 agent = Agent(agent_id, [cap], max_concurrency=int(os.environ.get("TEST_MAXC", "4")),
               heartbeat_interval=0.1, ack_sink=writer)
 
@@ -76,7 +84,6 @@ class Procs:
     def spawn(self, args: list[str], env: dict[str, str] | None = None,
               name: str = "proc") -> subprocess.Popen[bytes]:  # fmt: skip
         full_env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        full_env.pop(acks.CRASH_ENV, None)
         full_env.update(env or {})
         with open(self.tmp / f"{name}-{len(self.procs)}.log", "wb") as out:
             proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=full_env,
@@ -211,7 +218,7 @@ async def test_agent_killed_before_its_ack_was_stored_publishes_it_after_restart
 ) -> None:
     url = nats_server.url
     a1 = spawn_agent(procs, url, "crash1", "crash.cap", tmp_path,
-                     REACH_ACK_CRASH_AFTER_WAL="completed")  # fmt: skip
+                     TEST_CRASH_AFTER_WAL="completed")  # fmt: skip
     await wait_log(procs, a1, "ready")
     rid = str(uuid.uuid4())
     with pytest.raises(Exception):  # noqa: B017 - the agent dies before replying

@@ -20,7 +20,7 @@ from nats.errors import NoRespondersError
 
 import reach_agent
 from reach_agent import schema
-from reach_agent._runtime import flush_subscriptions
+from reach_agent.connection import flush_subscriptions
 from reach_broker.natsserver import NatsServer
 from reach_broker.service import Broker
 
@@ -431,7 +431,8 @@ async def test_duplicate_window_is_bounded_in_size_and_time(agent_factory: Any, 
     assert [await ask(r) for r in ("w1", "w2", "w3")] == [1, 2, 3]
     assert await ask("w3") == 3  # remembered
     assert await ask("w1") == 4  # pushed out by size (2 entries): runs again
-    await wait_for(lambda: agent._lookup("w3", time.monotonic()) is None, 5, what="w3 expired")
+    await wait_for(lambda: agent.tasks.dedup.lookup("w3", time.monotonic()) is None, 5,
+                   what="w3 expired")  # fmt: skip
     assert await ask("w3") == 5  # outside the duplicate window: runs again
     assert runs == ["w1", "w2", "w3", "w1", "w3"]
 

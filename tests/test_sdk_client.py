@@ -166,8 +166,8 @@ async def test_breaker_opens_after_failures_and_closes_after_trials(
             await client.call("risky", {}, timeout=5)
         assert invocations == 3
         healthy = True
-        b = client.breakers.by_key[("flaky", "risky")]
-        await wait_for(lambda: b.available(client.clock()), what="open period over")
+        await wait_for(lambda: client.breakers.available("flaky", "risky", client.clock()),
+                       what="open period over")  # fmt: skip
         assert await client.call("risky", {}, timeout=5) == "ok"
         assert client.breakers.state("flaky", "risky") == "half_open"
         assert await client.call("risky", {}, timeout=5) == "ok"
@@ -189,8 +189,9 @@ async def test_route_falls_back_to_cache_without_broker_and_events_prune_it(
         first = await client.route("cache_me", limit=5)
         assert sorted(c.agent_id for c in first) == ["k1", "k2"]
         await leaver.stop(grace=1)  # leave → `left` event → dropped from the cache
+        cache = client.routes.cache
         await wait_for(
-            lambda: [c.agent_id for e in client._cache.values() for c in e.candidates] == ["k1"],
+            lambda: [c.agent_id for r in cache.routes() for c in r.candidates] == ["k1"],
             what="k2 pruned from the cache by its event",
         )
         await broker.stop()

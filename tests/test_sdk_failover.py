@@ -18,7 +18,7 @@ import pytest
 from nats.aio.client import Client as NATS
 
 import reach_agent
-from reach_agent._runtime import flush_subscriptions
+from reach_agent.connection import flush_subscriptions
 from reach_broker.natsserver import NatsServer
 from reach_broker.service import Broker
 

@@ -1,6 +1,7 @@
 """A test agent process: logs every handler start to a file, sleeps, answers.
 
     python worker.py AGENT_ID CAPABILITY --log FILE [--max N] [--hb S] [--delay S]
+                     [--creds FILE]
 
 Each handler start appends ``start <request_id>`` to ``--log`` and each finish appends
 ``done <request_id>`` (flushed at once, so a SIGKILL loses nothing written). The payload
@@ -24,6 +25,7 @@ parser.add_argument("--max", type=int, default=8)
 parser.add_argument("--hb", type=float, default=0.1)
 parser.add_argument("--delay", type=float, default=0.0)
 parser.add_argument("--grace", type=float, default=30.0)
+parser.add_argument("--creds", default=None, help="passed to reach_agent.run(creds=...)")
 args = parser.parse_args()
 logging.basicConfig(level=logging.WARNING, format=f"{args.agent_id} %(levelname)s %(message)s")
 
@@ -47,4 +49,4 @@ async def work(task: reach_agent.Task) -> dict:
     return {"agent": args.agent_id, "n": payload.get("n")}
 
 
-reach_agent.run(agent)
+reach_agent.run(agent, creds=args.creds)

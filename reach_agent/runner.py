@@ -1,5 +1,8 @@
-"""Process plumbing shared by agents and clients: server URLs, reconnect jitter, uvloop and
-the blocking :func:`run` entry point."""
+"""The blocking entry point of an agent process: :func:`run` (``reach_agent.run``).
+
+It sits above :mod:`reach_agent.agent` (it imports the agent, never the other way round):
+uvloop when available, SIGTERM/SIGINT handling, the wait for a first server, the drain.
+"""
 
 from __future__ import annotations
 
@@ -9,22 +12,15 @@ import logging
 import random
 import signal
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Unpack
 
 import nats.errors
 
-from .connection import (  # noqa: F401 - moved; re-exported until the SDK split
-    connect_options,
-    drain_or_close,
-    flush_subscriptions,
-    reconnect_with_jitter,
-    server_list,
-)
-
-if TYPE_CHECKING:
-    from .agent import Agent
+from .agent import Agent
+from .connection import CredentialOptions, Credentials
 
 log = logging.getLogger(__name__)
+
 
 def new_event_loop_factory() -> Any:
     """uvloop's loop factory when uvloop is installed, else ``None`` (asyncio's default)."""
@@ -35,14 +31,21 @@ def new_event_loop_factory() -> Any:
     return uvloop.new_event_loop
 
 
-def run(agent: Agent, servers: str | Sequence[str] | None = None) -> None:
+def run(
+    agent: Agent,
+    servers: str | Sequence[str] | None = None,
+    **credentials: Unpack[CredentialOptions],
+) -> None:
     """Serve ``agent`` until SIGTERM or SIGINT, then drain: stop taking tasks, leave, let
     in-flight tasks finish within the agent's grace period, close. Blocks.
 
     ``servers`` defaults to ``NATS_URL`` or ``nats://127.0.0.1:4222``; uvloop is used when
     available. While no server accepts the first connection it keeps trying (0.2 s doubling
-    to 10 s, jittered); a signal during that wait ends it.
+    to 10 s, jittered); a signal during that wait ends it. The credentials given here win
+    over the agent's own; unset ones come from the environment (``NATS_CREDS``, ...). A
+    file that does not exist is a ``ValueError`` at once.
     """
+    cred = Credentials(**credentials).check()
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -52,7 +55,7 @@ def run(agent: Agent, servers: str | Sequence[str] | None = None) -> None:
         delay = 0.2
         while True:  # no server yet: keep trying (backoff with jitter) until one answers
             try:
-                await agent.start(servers)
+                await agent.start(servers, cred)
                 break
             except (nats.errors.Error, OSError, TimeoutError) as exc:
                 pause = delay * (0.5 + random.random())

@@ -1,0 +1,58 @@
+"""asyncio helpers of the SDK: a set of spawned tasks, and bounded waits that survive the
+Python 3.11 race in which ``wait_for`` swallows a cancel arriving as it completes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class TaskSet:
+    """Tasks a component spawned and must end at stop; holding them keeps each alive."""
+
+    __slots__ = ("_tasks",)
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def cancel(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+
+    async def wait(self, timeout_s: float) -> None:
+        """Wait for every task to end, at most ``timeout_s``."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout_s)
+
+
+async def wait_event(event: asyncio.Event, seconds: float) -> None:
+    """Wait for ``event`` at most ``seconds``. (``asyncio.timeout``, not ``wait_for``:
+    on 3.11 ``wait_for`` can swallow a cancel that races the event being set.)"""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await event.wait()
+
+
+async def stop_loops(*tasks: asyncio.Task[Any]) -> None:
+    """Cancel background loops and wait for them, bounded: on 3.11 a cancel that races a
+    completing ``wait_for`` inside nats-py can be swallowed, so never wait forever."""
+    for t in tasks:
+        t.cancel()
+    _, pending = await asyncio.wait(tasks, timeout=2.0)
+    for t in pending:
+        t.cancel()
+        log.warning("agent.loop_did_not_stop task=%s", t.get_name())

@@ -1,0 +1,196 @@
+"""One call in flight: what it sends, by when, and how its current attempt ends.
+
+A :class:`Call` carries the state the client's retry loop and the reply wait share (request
+headers, deadline, filters, the agents tried, the attempt number, the last error), so no
+method threads it through parameters. Replies arrive on the call's queue tagged with the
+attempt they answer; :meth:`Call.outcome` turns them into one :data:`~reach_agent.retry.Outcome`:
+
+* a receipt of the current attempt within ``ack_timeout_s`` → wait for the result until the
+  deadline (with ``ack_mode="received"`` the receipt is the answer);
+* no receipt in time → ``not_delivered``; a 503 without body → ``no_responders``;
+* an error reply of the current attempt → ``error`` (the retry rule decides);
+* a result from this attempt or an earlier one → ``ok`` (the first result wins);
+* :meth:`lose` (the agent died) → ``lost``; :meth:`close` (the client stops) → ``closed``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+from uuid import uuid4
+
+import msgspec
+
+from . import schema
+from .errors import InternalError, InvalidRequest, NoReachableAgent, ReachError, Timeout, from_reply
+from .retry import Outcome
+
+AckMode = Literal["completed", "received"]
+
+_payload_encoder = msgspec.json.Encoder()
+_result_decoder = msgspec.json.Decoder()
+_receipt_decoder = msgspec.json.Decoder(schema.Receipt)
+
+_LOST = object()
+_CLOSED = object()
+_STATUS = "Status"  # nats-server's no-responders reply: Status: 503, no body
+
+
+class Call:
+    """One call and its current attempt."""
+
+    __slots__ = (
+        "ack_mode",
+        "agent_id",
+        "attempt",
+        "body",
+        "call_id",
+        "capability",
+        "deadline",
+        "headers",
+        "last_err",
+        "queue",
+        "region",
+        "retries",
+        "sticky_key",
+        "tags",
+        "tried",
+    )
+
+    def __init__(
+        self,
+        call_id: str,
+        capability: str,
+        body: bytes,
+        headers: Mapping[str, str] | None,
+        *,
+        request_id: str | None,
+        traceparent: str | None,
+        ack_mode: AckMode,
+        deadline: float,
+        region: str | None,
+        tags: dict[str, str] | None,
+        sticky_key: str | None,
+    ) -> None:
+        self.call_id = call_id
+        self.capability = capability
+        self.body = body
+        hdrs = dict(headers or {})
+        hdrs[schema.H_REQUEST_ID] = request_id or hdrs.get(schema.H_REQUEST_ID) or str(uuid4())
+        hdrs[schema.H_RECEIPT] = "1"
+        if ack_mode == "received":
+            hdrs[schema.H_ACK_MODE] = "received"
+        if traceparent:
+            hdrs[schema.H_TRACEPARENT] = traceparent
+        self.headers = hdrs
+        """Headers of every attempt: the caller's, the request id (the same on every
+        attempt), a receipt asked for, the trace; ``Reach-Timeout-Ms`` is added per attempt."""
+        self.ack_mode = ack_mode
+        self.deadline = deadline
+        self.region = region
+        self.tags = tags
+        self.sticky_key = sticky_key
+        self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self.agent_id: str | None = None
+        """The agent of the current attempt."""
+        self.attempt = 0
+        """Attempts begun (one refused by a breaker included); replies carry this number."""
+        self.tried: list[str] = []
+        self.retries = 0
+        self.last_err: ReachError | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.headers[schema.H_REQUEST_ID]
+
+    def attempt_headers(self, now: float) -> dict[str, str]:
+        """The headers of an attempt sent at ``now``: the call's, plus the time left."""
+        hdrs = dict(self.headers)
+        hdrs[schema.H_TIMEOUT_MS] = str(max(int((self.deadline - now) * 1000), 0))
+        return hdrs
+
+    # --- what arrives on the queue ------------------------------------------------------
+
+    def deliver(self, attempt: str, msg: Any) -> None:
+        """A reply to attempt ``attempt`` (as read from its reply subject)."""
+        try:
+            self.queue.put_nowait((int(attempt), msg))
+        except ValueError:
+            pass
+
+    def lose(self) -> None:
+        """The agent of the current attempt is gone: end it as ``lost``."""
+        self.queue.put_nowait((self.attempt, _LOST))
+
+    def close(self) -> None:
+        """The client is stopping: end the current attempt as ``closed``."""
+        self.queue.put_nowait((self.attempt, _CLOSED))
+
+    # --- how the current attempt ends ---------------------------------------------------
+
+    async def outcome(
+        self, sent: float, ack_timeout_s: float, clock: Callable[[], float]
+    ) -> tuple[Outcome, Any]:
+        """Wait for the current attempt (sent at ``sent``) to end: (outcome, result or error)."""
+        n, agent, deadline = self.attempt, self.agent_id, self.deadline
+        ack_by = min(sent + ack_timeout_s, deadline)
+        acked = False
+        while True:
+            until = deadline if acked else ack_by
+            try:
+                async with asyncio.timeout(max(until - clock(), 0.0)):
+                    a, msg = await self.queue.get()
+            except TimeoutError:
+                if acked:
+                    return "timeout", Timeout(
+                        f"agent {agent!r} accepted the task but sent no result within the "
+                        "call's deadline"
+                    )
+                return "not_delivered", Timeout(
+                    f"not delivered: no receipt from agent {agent!r} within {ack_timeout_s:g}s"
+                )
+            if msg is _CLOSED:
+                return "closed", InternalError("client closed while the call was in flight")
+            current = a == n
+            if msg is _LOST:
+                if current:
+                    return "lost", Timeout(f"agent {agent!r} was lost while running the task")
+                continue
+            hdrs = msg.headers
+            if hdrs and hdrs.get(_STATUS) == "503" and not msg.data:
+                if current:
+                    return "no_responders", NoReachableAgent(
+                        f"no responders: agent {agent!r} is not subscribed to {msg.subject!r}"
+                    )
+                continue
+            err = from_reply(hdrs, msg.data)
+            if err is not None:
+                if current:
+                    return "error", err
+                continue  # an earlier attempt's error: the current attempt decides
+            if hdrs and hdrs.get(schema.H_STATUS) == "received":
+                if current:
+                    acked = True
+                    if self.ack_mode == "received":
+                        return "ok", _receipt_decoder.decode(msg.data)
+                continue
+            # A result, from this attempt or a late one: the first result wins.
+            try:
+                return "ok", _result_decoder.decode(msg.data) if msg.data else None
+            except msgspec.DecodeError as exc:
+                return "error", InternalError(f"result from agent {agent!r} is not JSON ({exc})")
+
+
+def encode_payload(payload: Any) -> bytes:
+    """The task body: bytes as given, anything else as JSON (``None``: empty)."""
+    if payload is None:
+        return b""
+    if isinstance(payload, bytes | bytearray | memoryview):
+        return bytes(payload)
+    if isinstance(payload, msgspec.Raw):
+        return bytes(payload)
+    try:
+        return _payload_encoder.encode(payload)
+    except (TypeError, msgspec.EncodeError) as exc:
+        raise InvalidRequest(f"payload is not JSON-serializable ({exc})") from None

@@ -1,0 +1,324 @@
+"""The agent's task side: admit each task, run its handler, reply, record its acks.
+
+Every task subscription callback only decides (:func:`~reach_agent.admission.admit`) and
+acts on the decision — a cached reply, an error reply, or a receipt and a run handed to an
+asyncio task — so the callback returns at once and the next message is read. Handlers are
+``async def`` (run on the loop) or plain functions (run in a worker thread).
+
+The durable-ack hook (``ack_sink``) gets state ``received`` when a task is accepted (before
+the handler runs) and ``completed`` (``result`` = the reply body as ``msgspec.Raw``) or
+``failed`` (``error`` = ``{"code", "message"}``) when it ends. Exceptions it raises are
+logged, never fatal. With ``Reach-Ack-Mode: received`` the caller gets only the receipt; the
+result exists only through the sink (without a sink it is logged and dropped).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from . import schema
+from .admission import admit
+from .aio import TaskSet, wait_event
+from .dedup import DedupCache, Entry
+from .errors import Draining, InternalError, InvalidRequest, ReachError, to_reply
+from .metrics import AgentMetrics
+from .subjects import Subjects
+from .task import Task
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Task], Any]
+
+_result_encoder = msgspec.json.Encoder()
+_payload_decoder = msgspec.json.Decoder()
+
+
+class AckSink(Protocol):
+    """Receives an :class:`~reach_agent.schema.AckRecord` per task state change."""
+
+    async def record(self, rec: schema.AckRecord) -> None: ...
+
+
+class TaskServer:
+    """The tasks of one agent: admission, execution, replies, ack records and load figures."""
+
+    def __init__(
+        self,
+        agent_id: str,
+        max_concurrency: int,
+        subjects: Subjects,
+        *,
+        dedup: DedupCache,
+        metrics: AgentMetrics | None,
+        ack_sink: AckSink | None,
+    ) -> None:
+        self.agent_id = agent_id
+        self.max_concurrency = max_concurrency
+        self.subjects = subjects
+        self.dedup = dedup
+        self.metrics = metrics
+        self.ack_sink = ack_sink
+        self.handlers: dict[str, tuple[Handler, bool]] = {}
+        """capability → (handler, is it a coroutine function)."""
+        self.nc = NATS()  # the agent's connection, from subscribe()
+        self.draining = False
+        self.active = 0
+        self.ok_total = 0
+        self.fail_total = 0
+        self._subs: list[Subscription] = []
+        self._tasks = TaskSet()
+        self._running: dict[str, float] = {}
+        # Durations of tasks finished since the last heartbeat: the broker smooths them
+        # (EWMA), so the freshest p50 lets it see a slowdown within a heartbeat or two.
+        self._durations: deque[float] = deque(maxlen=1024)
+        self._last_p50: int | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._executor: ThreadPoolExecutor | None = None
+
+    # --- lifecycle --------------------------------------------------------------------
+
+    async def subscribe(self, nc: NATS, capabilities: Sequence[str]) -> None:
+        """One subscription per capability (``<p>.task.<agent_id>.<capability>``)."""
+        self.nc = nc
+        for cap in capabilities:
+            sub = await nc.subscribe(
+                self.subjects.task(self.agent_id, cap), cb=self.on_task, pending_msgs_limit=100_000
+            )
+            self._subs.append(sub)
+
+    def forget_subscriptions(self) -> None:
+        """The connection is closed (or never served): its subscriptions are gone."""
+        self._subs = []
+
+    async def drain(self, grace: float) -> None:
+        """Let in-flight tasks finish within ``grace`` seconds, then cancel the rest (they
+        answer DRAINING: retryable elsewhere with the same request id)."""
+        if self.active:
+            log.info("agent.draining agent=%s in_flight=%d grace=%.1fs", self.agent_id,
+                     self.active, grace)  # fmt: skip
+            await wait_event(self._idle, grace)
+            if self.active:
+                log.warning("agent.grace_expired agent=%s cancelling=%d", self.agent_id,
+                            self.active)  # fmt: skip
+        self._tasks.cancel()
+        await self._tasks.wait(1.0)
+
+    def close(self) -> None:
+        """After the connection closed: drop the subscriptions, end the worker threads."""
+        self._subs = []
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    # --- load figures (heartbeats and probe replies) ----------------------------------
+
+    def status(self) -> schema.AgentStatus:
+        if self.draining:
+            return "draining"
+        return "busy" if self.active else "idle"
+
+    def queue_depth(self) -> int:
+        """Task messages received by the connection but not yet looked at."""
+        return sum(s.pending_msgs for s in self._subs)
+
+    def load_figures(self) -> tuple[int | None, int | None]:
+        """(median task duration ms of the tasks finished since the last heartbeat — else
+        the previous heartbeat's —, age ms of the oldest running task)."""
+        p50 = self._last_p50
+        if self._durations:
+            ordered = sorted(self._durations)
+            p50 = int(ordered[len(ordered) // 2])
+        oldest = None
+        if self._running:
+            oldest = int((time.monotonic() - min(self._running.values())) * 1000)
+        return p50, oldest
+
+    def take_load_figures(self) -> tuple[int | None, int | None]:
+        """:meth:`load_figures`, and start the next heartbeat's duration sample."""
+        p50, oldest = self.load_figures()
+        self._durations.clear()
+        self._last_p50 = p50
+        return p50, oldest
+
+    # --- a task arrives ---------------------------------------------------------------
+
+    async def on_task(self, msg: Msg) -> None:
+        """Decide at once and hand the work to a task: this callback must never block."""
+        capability = self.subjects.capability_of_task(msg.subject, self.agent_id)
+        hdrs = msg.headers or {}
+        request_id = hdrs.get(schema.H_REQUEST_ID) or str(uuid.uuid4())
+        now = time.monotonic()
+        entry = self.dedup.lookup(request_id, now)
+        d = admit(hdrs, agent_id=self.agent_id, duplicate=entry is not None,
+                  draining=self.draining, active=self.active,
+                  max_concurrency=self.max_concurrency, now=now)  # fmt: skip
+        reply = msg.reply
+        if d.verdict == "run":
+            self.active += 1
+            self._idle.clear()
+            self._running[request_id] = now
+            entry = self.dedup.begin(request_id, now, self.active)
+            if reply and d.receipt:
+                await self._send_receipt(reply, request_id)
+            self._tasks.spawn(
+                self._run(msg, capability, request_id, entry, d.deadline, hdrs, d.ack_mode),
+                "reach-task",
+            )
+            return
+        self._count(capability, d.label)
+        if d.verdict == "refuse":
+            assert d.error is not None
+            if reply:
+                headers, body = to_reply(d.error)
+                headers[schema.H_REQUEST_ID] = request_id
+                await self._publish(reply, body, headers)
+            return
+        assert entry is not None  # a duplicate
+        if reply and d.receipt:
+            await self._send_receipt(reply, request_id)
+        if reply and d.ack_mode != "received":
+            if entry.future.done():
+                headers, body = entry.future.result()
+                await self._publish(reply, body, headers)
+            else:
+                self._tasks.spawn(self._reply_when_done(entry, reply), "reach-dup")
+
+    async def _reply_when_done(self, entry: Entry, reply: str) -> None:
+        headers, body = await asyncio.shield(entry.future)
+        await self._publish(reply, body, headers)
+
+    async def _publish(self, subject: str, body: bytes, headers: dict[str, str]) -> None:
+        try:
+            await self.nc.publish(subject, body, headers=headers)
+        except Exception as exc:  # a reply that cannot go out is logged
+            log.warning("agent.reply_failed agent=%s subject=%s error=%r", self.agent_id,
+                        subject, exc)  # fmt: skip
+
+    async def _send_receipt(self, reply: str, request_id: str) -> None:
+        body = schema.encoder.encode(schema.Receipt(request_id=request_id))
+        await self._publish(reply, body, {schema.H_REQUEST_ID: request_id,
+                                          schema.H_STATUS: "received"})  # fmt: skip
+
+    def _count(self, capability: str, result: str) -> None:
+        if self.metrics is not None:
+            self.metrics.tasks.labels(capability, result).inc()
+
+    # --- a task runs ------------------------------------------------------------------
+
+    async def _run(
+        self,
+        msg: Msg,
+        capability: str,
+        request_id: str,
+        entry: Entry,
+        deadline: float | None,
+        hdrs: dict[str, str],
+        ack_mode: str,
+    ) -> None:
+        started = time.monotonic()
+        error: ReachError | None = None
+        headers: dict[str, str]
+        body = b""
+        try:
+            await self._record(request_id, capability, "received")
+            try:
+                payload = _payload_decoder.decode(msg.data) if msg.data else None
+            except msgspec.DecodeError as exc:
+                raise InvalidRequest(f"task payload: malformed JSON ({exc})") from None
+            task = Task(payload, request_id, capability, hdrs, deadline, self.agent_id)
+            body = await self._call_handler(capability, task)
+        except ReachError as err:
+            error = err
+        except asyncio.CancelledError:
+            # Grace expired during a drain: retryable elsewhere (same request id).
+            error = Draining(f"agent {self.agent_id!r} stopped before the task finished")
+            raise
+        except Exception as exc:  # a handler failure is the caller's answer
+            log.exception("task.failed agent=%s capability=%s request_id=%s", self.agent_id,
+                          capability, request_id)  # fmt: skip
+            error = InternalError(f"handler {capability!r} raised {type(exc).__name__}: {exc}")
+        finally:
+            now = time.monotonic()
+            self._durations.append((now - started) * 1000.0)
+            self._running.pop(request_id, None)
+            self.active -= 1
+            if self.active == 0:
+                self._idle.set()
+            if error is None:
+                headers = {schema.H_REQUEST_ID: request_id, schema.H_STATUS: "completed"}
+                self.ok_total += 1
+                self._count(capability, "ok")
+            else:
+                headers, body = to_reply(error)
+                headers[schema.H_REQUEST_ID] = request_id
+                if error.status < 500:
+                    self.ok_total += 1  # the agent did its job: the request was refused
+                    self._count(capability, "rejected")
+                else:
+                    self.fail_total += 1
+                    self._count(capability, "failed")
+            self.dedup.finish(entry, (headers, body), now)
+            if msg.reply and ack_mode != "received":
+                await self._publish(msg.reply, body, headers)
+            elif ack_mode == "received" and self.ack_sink is None:
+                log.info("task.result_dropped agent=%s request_id=%s: ack mode 'received' "
+                         "and no ack sink", self.agent_id, request_id)  # fmt: skip
+            if error is None:
+                await self._record(request_id, capability, "completed", result=msgspec.Raw(body))
+            else:
+                failure = {"code": error.code, "message": error.message}
+                await self._record(request_id, capability, "failed", error=failure)
+
+    async def _call_handler(self, capability: str, task: Task) -> bytes:
+        """Run the handler of ``capability`` and encode its result."""
+        fn, is_async = self.handlers[capability]
+        if is_async:
+            result = await fn(task)
+        else:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    max_workers=min(self.max_concurrency, 128),
+                    thread_name_prefix=f"reach-{self.agent_id}",
+                )
+            loop = asyncio.get_running_loop()
+            result = await loop.run_in_executor(self._executor, fn, task)
+        try:
+            return _result_encoder.encode(result)
+        except (TypeError, msgspec.EncodeError) as exc:
+            raise InternalError(
+                f"handler {capability!r} returned a result that is not JSON ({exc})"
+            ) from None
+
+    async def _record(
+        self,
+        request_id: str,
+        capability: str,
+        state: schema.AckState,
+        result: msgspec.Raw | None = None,
+        error: dict[str, str] | None = None,
+    ) -> None:
+        sink = self.ack_sink
+        if sink is None:
+            return
+        rec = schema.AckRecord(
+            request_id=request_id, agent_id=self.agent_id, capability=capability, state=state,
+            at_ms=int(time.time() * 1000), result=result, error=error,
+        )  # fmt: skip
+        try:
+            await sink.record(rec)
+        except Exception:  # the sink's trouble is not the caller's
+            log.exception("agent.ack_sink_failed agent=%s request_id=%s state=%s",
+                          self.agent_id, request_id, state)  # fmt: skip

@@ -1,0 +1,177 @@
+"""The client's pure parts: the retry rule, the route cache (fake clock) and how one attempt
+of a call ends (replies fed to its queue, no server)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+from nats.aio.msg import Msg
+
+from reach_agent import schema
+from reach_agent.calls import Call, encode_payload
+from reach_agent.errors import (
+    BizReject,
+    CompensationFull,
+    Draining,
+    InternalError,
+    InvalidRequest,
+    LoopDetected,
+    NoReachableAgent,
+    Overloaded,
+    ReachError,
+    TargetBusy,
+    Timeout,
+    to_reply,
+)
+from reach_agent.retry import retryable, should_retry
+from reach_agent.routes import RouteCache
+
+# --- the retry rule ---------------------------------------------------------------------
+
+
+def test_error_replies_are_retried_exactly_when_the_error_says_so() -> None:
+    yes = [TargetBusy("x"), Draining("x"), Overloaded("x"), Timeout("x")]
+    no = [BizReject("x"), LoopDetected("x"), InternalError("x"), NoReachableAgent("x"),
+          CompensationFull("x"), ReachError("x", code="SOMETHING_NEW")]  # fmt: skip
+    assert [retryable("error", e) for e in yes] == [True] * 4
+    assert [retryable("error", e) for e in no] == [False] * 6
+    assert [retryable(o) for o in ("not_delivered", "no_responders", "timeout", "lost")] == [
+        True, True, True, True,
+    ]  # fmt: skip
+    assert (retryable("closed"), retryable("ok"), retryable("error")) == (False, False, False)
+
+
+def test_should_retry_needs_retries_left_and_time_for_one_more_attempt() -> None:
+    busy = TargetBusy("full")
+    common: dict[str, Any] = {"max_retries": 2, "min_attempt_s": 0.05}
+    assert should_retry("error", busy, retries_done=1, time_left_s=1.0, **common) is True
+    assert should_retry("error", busy, retries_done=2, time_left_s=1.0, **common) is False
+    assert should_retry("error", busy, retries_done=0, time_left_s=0.05, **common) is False
+    assert should_retry("error", BizReject("no"), retries_done=0, time_left_s=9, **common) is False
+
+
+# --- the route cache --------------------------------------------------------------------
+
+
+def cand(agent_id: str, score: float = 1.0) -> schema.Candidate:
+    return schema.Candidate(agent_id=agent_id, subject=f"reach.task.{agent_id}.cap",
+                            score=score, state="healthy", load=0.0)  # fmt: skip
+
+
+def test_route_cache_falls_back_prunes_bounds_and_lists_stale_routes() -> None:
+    now = [0.0]
+    cache = RouteCache(2, lambda: now[0])
+    k1 = RouteCache.key("cap", None, {"b": "2", "a": "1"}, False)
+    assert k1 == ("cap", None, (("a", "1"), ("b", "2")), False)
+    cache.store(k1, [cand("x"), cand("y"), cand("z")], 3)
+    assert cache.fallback(RouteCache.key("other", None, None, False), 3, []) == []
+    picked = cache.fallback(k1, 2, ["y"], rand=lambda: 0.5)
+    assert len(picked) == 2 and {c.agent_id for c in picked} <= {"x", "z"}
+    cache.drop_agent("x")
+    assert [c.agent_id for r in cache.routes() for c in r.candidates] == ["y", "z"]
+    assert cache.fallback(k1, 3, ["y", "z"]) == []
+    now[0] = 10.0
+    assert [k for k, _ in cache.stale(10.0)] == [k1]
+    now[0] = 400.0  # unused for 30 refresh periods: no longer refreshed
+    assert cache.stale(10.0) == []
+    k2, k3 = (RouteCache.key(c, None, None, False) for c in ("c2", "c3"))
+    cache.store(k2, [cand("a")], 1)
+    cache.store(k3, [cand("b")], 1)  # size 2: the least recently stored (k1) goes
+    assert [c.agent_id for r in cache.routes() for c in r.candidates] == ["a", "b"]
+
+
+# --- how an attempt ends ----------------------------------------------------------------
+
+
+def call(ack_mode: Any = "completed", deadline_s: float = 5.0) -> Call:
+    c = Call("1", "cap", b"{}", {"x-custom": "v"}, request_id="r-1", traceparent=None,
+             ack_mode=ack_mode, deadline=time.monotonic() + deadline_s, region=None,
+             tags=None, sticky_key=None)  # fmt: skip
+    c.attempt, c.agent_id = 2, "a1"
+    return c
+
+
+def reply(data: bytes, **headers: str) -> Msg:
+    return Msg(_client=None, subject="_INBOX.x.1.2", data=data, headers=headers or None)  # type: ignore[arg-type]
+
+
+def receipt() -> Msg:
+    return reply(b'{"request_id":"r-1","status":"received"}', **{schema.H_STATUS: "received"})
+
+
+async def outcome(c: Call, ack_timeout_s: float = 1.0) -> tuple[str, Any]:
+    return await asyncio.wait_for(c.outcome(time.monotonic(), ack_timeout_s, time.monotonic), 5)
+
+
+async def test_headers_of_a_call_and_of_each_attempt() -> None:
+    c = call(ack_mode="received")
+    assert c.headers == {"x-custom": "v", schema.H_REQUEST_ID: "r-1", schema.H_RECEIPT: "1",
+                         schema.H_ACK_MODE: "received"}  # fmt: skip
+    assert c.attempt_headers(c.deadline - 1.5)[schema.H_TIMEOUT_MS] == "1500"
+
+
+async def test_receipt_then_result_and_a_late_result_of_an_earlier_attempt_wins() -> None:
+    c = call()
+    c.deliver("2", receipt())
+    c.deliver("2", reply(b'{"y": 1}'))
+    assert await outcome(c) == ("ok", {"y": 1})
+    c = call()
+    c.deliver("1", reply(b'{"late": true}'))  # attempt 1 answers after all
+    assert await outcome(c) == ("ok", {"late": True})
+
+
+async def test_only_the_current_attempt_decides_errors_and_receipt_mode_returns_the_receipt() -> (
+    None
+):
+    c = call()
+    headers, body = to_reply(TargetBusy("full"))
+    c.deliver("1", reply(body, **headers))  # an earlier attempt's error: ignored
+    c.deliver("2", reply(body, **headers))
+    kind, err = await outcome(c)
+    assert (kind, err.code) == ("error", "TARGET_BUSY")
+    c = call(ack_mode="received")
+    c.deliver("2", receipt())
+    assert await outcome(c) == ("ok", schema.Receipt(request_id="r-1"))
+
+
+async def test_no_receipt_no_responders_lost_and_closed() -> None:
+    kind, err = await outcome(call(), ack_timeout_s=0.05)
+    assert kind == "not_delivered"
+    assert err.message == "not delivered: no receipt from agent 'a1' within 0.05s"
+    c = call()
+    c.deliver("2", reply(b"", Status="503"))
+    kind, err = await outcome(c)
+    assert (kind, err.code) == ("no_responders", "NO_REACHABLE_AGENT")
+    c = call()
+    c.deliver("2", receipt())
+    c.lose()
+    kind, err = await outcome(c)
+    assert (kind, err.message) == ("lost", "agent 'a1' was lost while running the task")
+    c = call()
+    c.close()
+    assert (await outcome(c))[0] == "closed"
+
+
+async def test_accepted_but_no_result_by_the_deadline_is_a_timeout() -> None:
+    c = call(deadline_s=0.1)
+    c.deliver("2", receipt())
+    kind, err = await outcome(c)
+    assert (kind, err.code) == ("timeout", "TIMEOUT")
+
+
+def test_deliver_ignores_a_reply_subject_that_is_not_ours() -> None:
+    c = call()
+    c.deliver("not-a-number", reply(b"{}"))
+    assert c.queue.empty()
+
+
+def test_payload_encoding_and_a_clear_error_for_what_is_not_json() -> None:
+    assert (encode_payload(None), encode_payload(b"raw"), encode_payload({"a": 1})) == (
+        b"", b"raw", b'{"a":1}',
+    )  # fmt: skip
+    with pytest.raises(InvalidRequest) as info:
+        encode_payload(object())
+    assert info.value.message.startswith("payload is not JSON-serializable")
