@@ -55,6 +55,7 @@ class Call:
         "retries",
         "sticky_key",
         "tags",
+        "taker",
         "tried",
     )
 
@@ -97,6 +98,9 @@ class Call:
         self.attempt = 0
         """Attempts begun (one refused by a breaker included); replies carry this number."""
         self.tried: list[str] = []
+        """The agent of each attempt, in order (attempt n went to ``tried[n - 1]``)."""
+        self.taker: str | None = None
+        """The agent whose receipt or result ended an attempt: who took the task."""
         self.retries = 0
         self.last_err: ReachError | None = None
 
@@ -172,10 +176,14 @@ class Call:
             if hdrs and hdrs.get(schema.H_STATUS) == "received":
                 if current:
                     acked = True
+                    self.taker = agent
                     if self.ack_mode == "received":
-                        return "ok", _receipt_decoder.decode(msg.data)
+                        receipt = _receipt_decoder.decode(msg.data)
+                        return "ok", msgspec.structs.replace(receipt, agent_id=agent)
                 continue
-            # A result, from this attempt or a late one: the first result wins.
+            # A result, from this attempt or a late one: the first result wins. Only the
+            # agent an attempt was sent to can publish to that attempt's reply subject.
+            self.taker = self.tried[a - 1] if 0 < a <= len(self.tried) else agent
             try:
                 return "ok", _result_decoder.decode(msg.data) if msg.data else None
             except msgspec.DecodeError as exc:

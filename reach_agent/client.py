@@ -44,6 +44,8 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from jetstream import audit
+
 from . import durable, schema
 from .aio import TaskSet
 from .breaker import Breakers, BreakerState, verdict
@@ -52,11 +54,12 @@ from .config import ClientConfig
 from .connection import (
     CredentialOptions,
     Credentials,
+    connect,
     connect_options,
     drain_or_close,
     flush_subscriptions,
 )
-from .errors import InternalError, InvalidRequest, NoReachableAgent
+from .errors import Forbidden, InternalError, InvalidRequest, NoReachableAgent
 from .liveness import Liveness
 from .metrics import ClientMetrics
 from .retry import Outcome, should_retry
@@ -107,6 +110,8 @@ class Client:
         self._subs: list[Subscription] = []
         self._refresher: asyncio.Task[None] | None = None
         self._ids = itertools.count(1)
+        self.takers = durable.Takers()
+        """Who took each recent call (its receipt's or result's agent): :meth:`wait` trusts."""
         self._started = False
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -123,7 +128,11 @@ class Client:
         if self._own_nc:
             try:
                 async with asyncio.timeout(self.config.connect_timeout_s):
-                    await nc.connect(**options, error_cb=self._on_error)
+                    await connect(nc, {**options, "error_cb": self._on_error},
+                                  what=f"client {self._name!r}")  # fmt: skip
+            except Forbidden:
+                self._started = False
+                raise
             except TimeoutError:
                 self._started = False
                 await nc.close()
@@ -203,6 +212,8 @@ class Client:
                                        allow_suspect=allow_suspect)  # fmt: skip
 
     async def _on_event(self, msg: Msg) -> None:
+        if audit.is_copy(msg, live=True):  # not an event a broker published
+            return
         try:
             ev = schema.event_decoder.decode(msg.data)
         except msgspec.MsgspecError:
@@ -349,6 +360,8 @@ class Client:
             await self.nc.publish(target.subject, call.body, headers=hdrs,
                                   reply=self._inbox.reply(call.call_id, call.attempt))  # fmt: skip
             outcome, value = await call.outcome(now, self.config.ack_timeout_s, self.clock)
+            if call.taker is not None:
+                self.takers.remember(call.request_id, call.taker)
             return outcome, value
         finally:
             self.liveness.untrack(agent, call)
@@ -381,8 +394,12 @@ class Client:
     ) -> str:
         """Hand a task over for delivery now or later (compensation queue); returns its
         request id. Implemented in :mod:`reach_agent.durable`."""
+        kw.setdefault("prefix", self.config.prefix)
         return await durable.submit(self, capability, payload, deliver=deliver, **kw)
 
-    async def wait(self, request_id: str, timeout: float) -> Any:  # noqa: ASYNC109
-        """The durable ack record of ``request_id`` (see :mod:`reach_agent.durable`)."""
-        return await durable.wait(self, request_id, timeout)
+    async def wait(self, request_id: str, timeout: float,  # noqa: ASYNC109
+                   *, agent_id: str | None = None) -> Any:  # fmt: skip
+        """The final ack record of ``request_id`` by the agent that took the task: ``agent_id``,
+        this client's callee, or a broker's word (:func:`reach_agent.durable.wait`)."""
+        return await durable.wait(self, request_id, timeout, agent_id=agent_id,
+                                  prefix=self.config.prefix)  # fmt: skip

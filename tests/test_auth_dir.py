@@ -108,9 +108,8 @@ def test_caller_permissions() -> None:
         "reach.task.>",
         "reach.comp.>",
         "reach.probe.*",
-        "$JS.API.DIRECT.GET.REACH_ACKS",
-        "$JS.API.DIRECT.GET.REACH_ACKS.>",
         "$JS.API.STREAM.MSG.GET.REACH_ACKS",
+        "$JS.API.STREAM.INFO.REACH_ACKS",
     ]
     assert user.sub.allow == ["reach.ack.>", "reach.event.>", "_INBOX.caller.ops.>"]
     assert user.resp is None
@@ -132,6 +131,9 @@ def test_broker_permissions() -> None:
         f"$SYS.REQ.ACCOUNT.{ACC}.CONNZ",
         "$SYS.REQ.ACCOUNT.PING.CONNZ",
         "$SYS.REQ.SERVER.PING.CONNZ",
+        "$SRV.>",
+        "reach.agents",
+        "reach.route.>",
     ]
     assert user.sub.allow == [
         "reach.announce.*",
