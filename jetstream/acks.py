@@ -331,3 +331,52 @@ async def wait_final(
     finally:
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
+
+
+async def final_at(nc: NATS, subject: str, *, timeout_s: float = 2.0) -> StoredAck | None:
+    """The ``completed``/``failed`` record stored on exactly ``subject`` (a claim's result
+    location), or None while there is none."""
+    js = nc.jetstream(timeout=timeout_s)
+    try:
+        raw = await js.get_last_msg(ACK_STREAM, subject, direct=True)
+    except NotFoundError:
+        return None
+    state = state_of(raw.headers)
+    if state in FINAL_STATES:
+        return StoredAck(subject, raw.data or b"", state, raw.seq)
+    # A late duplicate `received` may follow the final record: walk the subject's records.
+    seq = 0
+    for _ in range(100):
+        try:
+            raw = await js.get_msg(ACK_STREAM, seq=seq + 1, subject=subject, next=True)
+        except NotFoundError:
+            return None
+        state = state_of(raw.headers)
+        if state in FINAL_STATES:
+            return StoredAck(subject, raw.data or b"", state, raw.seq)
+        assert raw.seq is not None
+        seq = raw.seq
+    return None
+
+
+async def wait_final_at(nc: NATS, subject: str, timeout_s: float) -> StoredAck:
+    """:func:`final_at`, waiting up to ``timeout_s`` for one to be stored. Subscribed before
+    reading: the SUB and the read leave on one connection in that order, so the server
+    delivers any record stored after the read looked. Raises ``TimeoutError``."""
+    found: asyncio.Future[StoredAck] = asyncio.get_running_loop().create_future()
+
+    async def on_msg(msg: Any) -> None:
+        state = state_of(msg.headers)
+        if state in FINAL_STATES and not found.done():
+            found.set_result(StoredAck(subject, msg.data, state, None))
+
+    sub = await nc.subscribe(subject, cb=on_msg)
+    try:
+        stored = await final_at(nc, subject, timeout_s=min(max(timeout_s, 0.1), 2.0))
+        if stored is not None:
+            return stored
+        async with asyncio.timeout(timeout_s):
+            return await asyncio.shield(found)
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
