@@ -302,35 +302,11 @@ async def all_records(
 async def wait_final(
     nc: NATS, request_id: str, timeout_s: float, *, subjects: StreamSubjects
 ) -> StoredAck:
-    """The first ``completed``/``failed`` record of ``request_id``, stored or yet to come.
-
-    Subscribes before looking at the stream, so a record stored in between is not missed.
-    Raises ``asyncio.TimeoutError`` after ``timeout`` seconds.
-    """
+    """The first ``completed``/``failed`` record of ``request_id``, stored or yet to come
+    (:func:`wait_final_at` on its ack subject). Raises ``asyncio.TimeoutError`` after
+    ``timeout`` seconds."""
     check_request_id(request_id)
-    subject = subjects.ack(request_id)
-    found: asyncio.Future[StoredAck] = asyncio.get_running_loop().create_future()
-
-    async def on_msg(msg: Any) -> None:
-        state = state_of(msg.headers)
-        if state in FINAL_STATES and not found.done():
-            found.set_result(StoredAck(subject, msg.data, state, None))
-
-    sub = await nc.subscribe(subject, cb=on_msg)
-    try:
-        await nc.flush(timeout=max(1, int(min(timeout_s, 2.0))))
-        last = await last_record(nc, request_id, subjects=subjects, timeout_s=min(timeout_s, 2.0))
-        if last is not None and last.state in FINAL_STATES:
-            return last
-        if last is not None and last.state not in FINAL_STATES:
-            # A final record may precede a late duplicate `received`: look at all of them.
-            for rec in await all_records(nc, request_id, subjects=subjects):
-                if rec.state in FINAL_STATES:
-                    return rec
-        return await asyncio.wait_for(asyncio.shield(found), timeout_s)
-    finally:
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
+    return await wait_final_at(nc, subjects.ack(request_id), timeout_s)
 
 
 async def final_at(nc: NATS, subject: str, *, timeout_s: float = 2.0) -> StoredAck | None:

@@ -16,7 +16,9 @@ broker's ordered consumer over the bucket, from a start time.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import itertools
 import re
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
@@ -97,6 +99,10 @@ class ClaimStore:
         self._pre = f"$KV.{bucket}."
         self._get = f"{API}.DIRECT.GET.{self.stream}.{self._pre}"
         self._create_headers = {H_EXPECTED_LAST_SUBJECT_SEQ: "0"}
+        self._sub: Any = None
+        self._inbox = ""
+        self._tokens = itertools.count(1)
+        self._waiting: dict[str, asyncio.Future[Any]] = {}
 
     async def exists(self) -> bool:
         """Whether the server has JetStream and the bucket (False: claims are off)."""
@@ -146,6 +152,49 @@ class ClaimStore:
         claim moved on since (someone else changed it first)."""
         return await self._write(key, data, str(revision))
 
+    async def swap_soon(
+        self, key: str, data: bytes, revision: int
+    ) -> Callable[[], Awaitable[int | None]]:
+        """:meth:`swap`, sent now and confirmed later: on return the compare-and-set is on
+        the connection ahead of anything published after it (so the server has it before,
+        say, the reply it must precede), and awaiting the returned function gives what
+        :meth:`swap` returns. A holder ends its claim this way: one round trip less."""
+        if self._sub is None:
+            self._inbox = self.nc.new_inbox()
+            self._sub = await self.nc.subscribe(f"{self._inbox}.*", cb=self._on_reply)
+        token = format(next(self._tokens), "x")
+        answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._waiting[token] = answer
+        headers = {H_EXPECTED_LAST_SUBJECT_SEQ: str(revision)}
+        try:
+            await self.nc.publish(self._pre + key, data, reply=f"{self._inbox}.{token}",
+                                  headers=headers)  # fmt: skip
+        except NatsError as exc:
+            self._waiting.pop(token, None)
+            raise ClaimsUnavailable(f"claim {key!r}: {type(exc).__name__}: {exc}") from None
+
+        async def confirmed() -> int | None:
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    msg = await answer
+            except TimeoutError:
+                raise ClaimsUnavailable(
+                    f"JetStream did not confirm the claim {key!r} within {self.timeout_s}s"
+                ) from None
+            finally:
+                self._waiting.pop(token, None)
+            if not msg.data and (msg.headers or {}).get("Status") == "503":
+                raise NoClaimsBucket(f"no stream stores {self._pre}{key} (no {self.bucket} "
+                                     "bucket)")  # fmt: skip
+            return self._revision_of(key, msg.data)
+
+        return confirmed
+
+    async def _on_reply(self, msg: Any) -> None:
+        answer = self._waiting.pop(msg.subject.rpartition(".")[2], None)
+        if answer is not None and not answer.done():
+            answer.set_result(msg)
+
     async def _write(self, key: str, data: bytes, expected: str) -> int | None:
         headers = self._create_headers if expected == "0" else {H_EXPECTED_LAST_SUBJECT_SEQ:
                                                                  expected}  # fmt: skip
@@ -163,7 +212,15 @@ class ClaimStore:
             ) from None
         except NatsError as exc:  # the connection is closed or reconnecting
             raise ClaimsUnavailable(f"claim {key!r}: {type(exc).__name__}: {exc}") from None
-        ack = _pub_ack.decode(reply.data)
+        return self._revision_of(key, reply.data)
+
+    @staticmethod
+    def _revision_of(key: str, pub_ack: bytes) -> int | None:
+        """The new revision a PubAck names; None for a lost compare-and-set."""
+        try:
+            ack = _pub_ack.decode(pub_ack)
+        except msgspec.MsgspecError:
+            raise ClaimsUnavailable(f"claim {key!r}: not a PubAck: {pub_ack[:80]!r}") from None
         if ack.error is None:
             return ack.seq
         if ack.error.err_code in WRONG_LAST_SEQUENCE:
