@@ -370,3 +370,27 @@ async def test_a_holder_killed_mid_task_is_released_once_offline_and_runs_once_e
     finally:
         doomed.stop()
         heir.stop()
+
+
+async def test_a_broker_learns_running_claims_written_before_it_started_and_can_release_them(
+    nc: NATS, broker_factory: Any
+) -> None:
+    from jetstream.provision import provision
+
+    await provision(nc)
+    rid = str(uuid.uuid4())
+    running = schema.Claim(request_id=rid, agent_id="ghost", instance="i1", capability="cap",
+                           state="running", at_ms=1, ack_subject=f"reach.ack.{rid}")  # fmt: skip
+    created, _ = await ClaimStore(nc).create(claim_key(rid), schema.encoder.encode(running))
+    assert created is True
+    events = await EventLog().start(nc)
+    broker = await broker_factory()
+    await wait_for(lambda: broker.releaser.held_by("ghost") == [rid], 5, what="claim learnt")
+    assert await broker.releaser.release("ghost", "test") == 1
+    assert await broker.releaser.release("ghost", "test") == 0  # already released
+    stored = await stored_claim(nc, rid)
+    assert stored is not None and (stored.agent_id, stored.state) == ("ghost", "released")
+    assert stored.reason is not None and "declared offline before finishing (test)" in stored.reason
+    await wait_for(lambda: [e["request_id"] for e in events.events] == [rid], 5,
+                   what="the released event")  # fmt: skip
+    await wait_for(lambda: broker.releaser.held_by("ghost") == [], 5, what="claim forgotten")

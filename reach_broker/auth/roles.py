@@ -92,7 +92,7 @@ longest task deadline (``ClientConfig.max_timeout_s``, 3600 s by default): a res
 later is refused by the server. Replies are unlimited in number within the window (a
 streamed answer is one message per chunk), so the server keeps one entry per task received
 for the whole window: about ``tasks per second * window`` entries per agent connection.
-Lower it (``reach auth agent --reply-window``) where tasks are short and many."""
+Lower it (``issue_agent(..., reply_window_s=...)``) where tasks are short and many."""
 
 # JetStream API subjects a caller needs to read ack records (reach_agent.durable's wait and
 # last-record reads): last-by-subject direct get, direct get by sequence, and the non-direct
