@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 from nats.aio.client import Client as NATS
 from nats.js.errors import NotFoundError
 
-from .acks import check_request_id, parse_msg_id
+from .acks import FINAL_STATES, check_request_id, parse_msg_id
 from .names import ACK_STREAM, H_MSG_ID, H_STREAM, StreamSubjects
 
 log = logging.getLogger(__name__)
@@ -165,3 +165,27 @@ async def wait_for(
     finally:
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
+
+
+async def final_at(
+    nc: NATS, subject: str, *, subjects: StreamSubjects, timeout_s: float = 2.0
+) -> StoredAck | None:
+    """The first attributed ``completed``/``failed`` record stored on exactly ``subject`` (one
+    author's records of one request: a claim holder's result location), or None."""
+    author, request_id = subjects.ack_of(subject)
+    found = await all_records(nc, request_id, subjects=subjects, author=author,
+                              timeout_s=timeout_s)  # fmt: skip
+    return next((r for r in found if r.state in FINAL_STATES), None)
+
+
+async def wait_final_at(
+    nc: NATS, subject: str, timeout_s: float, *, subjects: StreamSubjects
+) -> StoredAck:
+    """:func:`final_at`, waiting up to ``timeout_s`` for one to be stored (see
+    :func:`wait_for`). Raises ``TimeoutError``."""
+    author, request_id = subjects.ack_of(subject)
+
+    def accept(rec: StoredAck) -> StoredAck | None:
+        return rec if rec.author == author and rec.state in FINAL_STATES else None
+
+    return await wait_for(nc, request_id, timeout_s, subjects=subjects, accept=accept)

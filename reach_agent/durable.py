@@ -22,7 +22,9 @@ import msgspec
 from nats.aio.client import Client as NATS
 
 from jetstream import ackreads, acks, compensation
+from jetstream.claims import ClaimStore, ClaimsUnavailable, claim_key
 
+from . import schema
 from .connection import Credentials, connect_options
 from .errors import CompensationFull, InternalError, InvalidRequest, Timeout
 from .schema import H_REQUEST_ID, AckRecord, check_capability, decode_ack_record, encoder
@@ -208,7 +210,8 @@ async def wait(
     that took the task.
 
     Who took it: ``agent_id`` when given; else the agent whose receipt or result ``client``
-    received for it (``Client.call``); else an agent a broker names in its own ``received``
+    received for it (``Client.call``); else the holder of the request id's claim (KV
+    ``reach_claims``, when there is one); and an agent a broker names in its own ``received``
     record (``reach.ack._broker.<request_id>``, written when it hands a submitted task over).
     A ``failed`` record of the broker (expired, or finally refused) is final too. Records of
     any other author, copies of stored messages and records whose body disagrees with their
@@ -219,6 +222,10 @@ async def wait(
     known = remembered.get(request_id) if isinstance(remembered, Takers) else None
     if known:
         takers.add(known)
+    if not takers:
+        holder = await _claim_holder(connection_of(client), request_id)
+        if holder:
+            takers.add(holder)
     taken = _Taken(takers)
     try:
         await ackreads.wait_for(connection_of(client), request_id, timeout,
@@ -232,6 +239,18 @@ async def wait(
         ) from None
     assert taken.answer is not None
     return taken.answer
+
+
+async def _claim_holder(nc: NATS, request_id: str) -> str | None:
+    """The agent holding ``request_id``'s claim, if the claims bucket has one (its holder's
+    records are the result; a released claim names nobody)."""
+    try:
+        stored = await ClaimStore(nc).get(claim_key(request_id))
+        claim = schema.claim_decoder.decode(stored.data) if stored is not None else None
+    except (ClaimsUnavailable, msgspec.MsgspecError) as exc:
+        log.debug("wait.claim_unreadable request_id=%s error=%s", request_id, exc)
+        return None
+    return claim.agent_id if claim is not None and claim.state != "released" else None
 
 
 async def last(

@@ -278,10 +278,13 @@ async def test_a_forged_ack_record_is_never_returned_by_wait(
                 "completed",
                 b'{"by":"beta","got":{"n":7}}',
             )
-            # A caller that did not make the call trusts no author it was not told of.
+            # A caller that did not make the call believes the request's claim: beta holds it.
             async with reach_agent.Client(server.url, creds=caller) as other:
-                with pytest.raises(reach_agent.Timeout, match="no taker known"):
-                    await other.wait(rid, 1)
+                by_claim = await other.wait(rid, 5)
+                assert (by_claim.agent_id, bytes(by_claim.result or b"")) == (
+                    "beta",
+                    b'{"by":"beta","got":{"n":7}}',
+                )
                 told = await other.wait(rid, 5, agent_id="beta")
                 assert bytes(told.result or b"") == b'{"by":"beta","got":{"n":7}}'
                 mine = await other.wait(rid, 5, agent_id="alpha")  # alpha's own, as alpha's
@@ -366,3 +369,46 @@ async def test_a_connection_without_credentials_is_refused(
     anon.handler(CAP)(lambda task: None)
     with pytest.raises(reach_agent.Forbidden, match=r"agent 'alpha': the server at .* refused"):
         await asyncio.wait_for(anon.start(server.url), 10)
+
+
+async def test_no_read_a_role_may_do_answers_onto_the_jetstream_api(
+    auth: AuthDir, server: AuthServer, broker: Broker
+) -> None:
+    """Any agent may store a claim, `{}` included; a direct get of it answered onto
+    `$JS.API.STREAM.DELETE.<stream>` would be an empty request there, and delete the stream.
+    Agents and callers read claims and ack records with message gets: their answers are
+    wrapped in JSON, never such a request."""
+    async with (
+        connect(server.url, auth.creds("agent", "alpha"), "alpha", "_INBOX.agent.alpha") as (
+            alpha, alpha_errors,
+        ),
+        connect(server.url, auth.creds("caller", "ops"), "ops", "_INBOX.caller.ops") as (
+            ops, ops_errors,
+        ),
+    ):  # fmt: skip
+        await alpha.publish("$KV.reach_claims.empty", b"{}")
+        await alpha.publish("reach.ack.alpha.empty", b"{}")
+        await alpha.flush()
+        for nc, target in ((ops, AUDIT_STREAM), (alpha, ACK_STREAM)):
+            await nc.publish("$JS.API.DIRECT.GET.KV_reach_claims.$KV.reach_claims.empty", b"",
+                             reply=f"$JS.API.STREAM.DELETE.{target}")  # fmt: skip
+            for stream, subject in (("KV_reach_claims", "$KV.reach_claims.empty"),
+                                    (ACK_STREAM, "reach.ack.alpha.empty")):  # fmt: skip
+                await nc.publish(f"$JS.API.STREAM.MSG.GET.{stream}",
+                                 msgspec.json.encode({"last_by_subj": subject}),
+                                 reply=f"$JS.API.STREAM.DELETE.{target}")  # fmt: skip
+                await nc.publish(f"$JS.API.STREAM.MSG.GET.{stream}",
+                                 msgspec.json.encode({"last_by_subj": subject}),
+                                 reply=f"$JS.API.STREAM.PURGE.{target}")  # fmt: skip
+            await nc.flush()
+        direct = "$js.api.direct.get.kv_reach_claims.$kv.reach_claims.empty"
+        await ops_errors.wait(violation("publish", direct))
+        await alpha_errors.wait(violation("publish", direct))
+        async with connect(server.url, auth.broker_creds, "b2", "_INBOX.broker.broker") as (
+            b2,
+            _,
+        ):
+            js = b2.jetstream(timeout=5)
+            names = {i.config.name for i in await js.streams_info()}
+            assert {AUDIT_STREAM, ACK_STREAM, "KV_reach_claims"} <= names
+            assert (await js.stream_info(ACK_STREAM)).state.messages == 1  # alpha's `{}`
