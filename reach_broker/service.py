@@ -28,12 +28,12 @@ from nats.errors import SlowConsumerError
 from nats.micro import add_service
 from nats.micro.service import EndpointConfig, Service, ServiceConfig
 
-from jetstream.names import REGISTRY_BUCKET, TOKEN_SECRET_KEY
 from reach_agent.connection import Credentials, connect_options, drain_or_close, flush_subscriptions
 from reach_agent.subjects import Subjects
 
 from . import __version__
 from .advisories import Advisories
+from .assets import provision_assets, token_secret
 from .config import Config
 from .context import BrokerContext, Fanout, Tasks, TransitionListener
 from .handlers import Handlers
@@ -88,6 +88,8 @@ class Broker:
         self._own_nc = nc is None
         self.subjects = Subjects(cfg.broker.prefix)
         self.jetstream_ok = False
+        self.replicas: int | None = None
+        """Replicas of the JetStream assets (None: the server has no JetStream)."""
         # The pure core first: the signer is keyed at start (the secret may live in KV).
         self.registry = Registry(cfg, TokenSigner(b"", cfg.broker.token_max_age_s))
         registry = self.registry
@@ -129,8 +131,10 @@ class Broker:
         self._started = True
         if self._own_nc:
             await self.nc.connect(**self._connect_options())
-        self.jetstream_ok = await self._provision()
-        self.registry.signer.set_secret(await self._token_secret())
+        self.replicas = await provision_assets(self.nc, self.cfg, self.subjects)
+        self.jetstream_ok = self.replicas is not None
+        secret = await token_secret(self.nc, self.cfg, jetstream=self.jetstream_ok)
+        self.registry.signer.set_secret(secret)
         if not self._watching:
             self._watching = True
             self.metrics.watch_states(lambda: self.registry.counts)
@@ -238,56 +242,6 @@ class Broker:
     async def _on_reconnected(self) -> None:
         log.info("broker.nats_reconnected url=%s", self.nc.connected_url)
         self.advisories.on_reconnected()  # disconnects may have been missed meanwhile
-
-    async def _provision(self) -> bool:
-        """Create or update the JetStream assets (jetstream/definitions) before any use.
-
-        No JetStream on the server: warn and run without snapshot and replay. A definition
-        that would lose data if applied: raise (the broker refuses to start).
-        """
-        from jetstream.names import COMP_STREAM
-        from jetstream.provision import JetStreamUnavailable, load_definitions, provision
-
-        defs = load_definitions(
-            self.subjects, {COMP_STREAM: {"max_msgs": self.cfg.compensation.max_entries}}
-        )
-        try:
-            outcomes = await provision(self.nc, defs)
-        except JetStreamUnavailable as exc:
-            log.warning("broker.no_jetstream %s: running without registry snapshot, "
-                        "compensation replay and durable acks", exc)  # fmt: skip
-            return False
-        for o in outcomes:
-            if o.action != "unchanged":
-                log.info("jetstream.%s stream=%s %s", o.action, o.name, "; ".join(o.changes))
-        return True
-
-    async def _token_secret(self) -> bytes:
-        """The configured secret, else one shared through JetStream KV by all replicas."""
-        if self.cfg.broker.token_secret:
-            return self.cfg.broker.token_secret.encode()
-        try:
-            js = self.nc.jetstream(timeout=2.0)
-            try:
-                kv = await js.key_value(REGISTRY_BUCKET)
-            except Exception:  # noqa: BLE001 - absent: create it (provisioning refines it)
-                kv = await js.create_key_value(bucket=REGISTRY_BUCKET, history=1)
-            fresh = secrets.token_hex(32).encode()
-            try:
-                await kv.create(TOKEN_SECRET_KEY, fresh)
-                return fresh
-            except Exception:  # noqa: BLE001 - another replica created it first
-                entry = await kv.get(TOKEN_SECRET_KEY)
-                if not entry.value:
-                    raise RuntimeError(f"{REGISTRY_BUCKET}/{TOKEN_SECRET_KEY} is empty") from None
-                return entry.value
-        except Exception as exc:  # noqa: BLE001
-            log.warning(
-                "broker.token_secret no JetStream (%s): using a random secret; replicas will "
-                "not accept each other's tokens. Set broker.token_secret or REACH_TOKEN_SECRET.",
-                exc,
-            )
-            return secrets.token_bytes(32)
 
     # --- loops --------------------------------------------------------------------------
 
