@@ -102,6 +102,8 @@ class Advisories:
         self.disconnects = 0
         self.servers = 0
         """Servers that answered the last CONNZ (every node of a cluster)."""
+        self.answers = 0
+        """CONNZ lists obtained (the observer's proof that the broker's link works)."""
         self._subs: list[Any] = []
         self._started = False
         self._said_unavailable = False
@@ -194,6 +196,7 @@ class Advisories:
             if not more:
                 break
             offset += CONNZ_PAGE
+        self.answers += 1
         self._available()
         return names
 

@@ -35,9 +35,10 @@ from . import __version__
 from .advisories import Advisories
 from .assets import provision_assets, token_secret
 from .config import Config
-from .context import BrokerContext, Fanout, Tasks, TransitionListener
+from .context import BrokerContext, Fanout, Link, Tasks, TransitionListener
 from .handlers import Handlers
 from .metrics import Metrics
+from .observer import Observer
 from .probes import Prober
 from .registry import Registry
 from .replay import Replayer
@@ -99,14 +100,16 @@ class Broker:
             on_panic=lambda cap, on: self.metrics.panic.labels(cap).set(int(on)),
         )  # fmt: skip
         self._tasks = Tasks()
+        self.link = Link()
+        """The broker's own link to NATS (the observer keeps it)."""
         self.fanout = Fanout(self.nc, self.subjects, self.metrics, self.broker_id, wall,
-                             self._tasks.spawn, registry.agents.get)  # fmt: skip
+                             self._tasks.spawn, registry.agents.get, self.link)  # fmt: skip
         self.listeners: list[TransitionListener] = self.fanout.listeners
         """Told of every transition (``listeners.append(fn)``): fn(transition, record)."""
         ctx = BrokerContext(
             cfg=cfg, nc=self.nc, subjects=self.subjects, metrics=self.metrics,
             broker_id=self.broker_id, clock=clock, wall=wall, spawn=self._tasks.spawn,
-            fanout=self.fanout,
+            fanout=self.fanout, link=self.link,
         )  # fmt: skip
         self.handlers = Handlers(ctx, registry, self.router)
         # The snapshot restores the registry before probes and advisories start (advisories
@@ -115,6 +118,7 @@ class Broker:
         self.snapshot = Snapshot(ctx, registry)
         self.probes = Prober(ctx, registry)
         self.advisories = Advisories(ctx, registry, self.probes)
+        self.observer = Observer(ctx, registry, self.advisories)
         self.replayer = Replayer(ctx, self.router)
         self._running: list[Component] = []
         self._service: Service | None = None
@@ -238,10 +242,12 @@ class Broker:
     async def _on_disconnected(self) -> None:
         if self._started:  # not during our own shutdown, where the drain closes it
             log.warning("broker.nats_disconnected")
+            self.observer.lost(self.clock())
 
     async def _on_reconnected(self) -> None:
         log.info("broker.nats_reconnected url=%s", self.nc.connected_url)
-        self.advisories.on_reconnected()  # disconnects may have been missed meanwhile
+        # Clocks rebased over the outage; disconnects missed meanwhile reconciled.
+        self.observer.regained(self.clock())
 
     # --- loops --------------------------------------------------------------------------
 
@@ -250,7 +256,7 @@ class Broker:
         while True:
             await asyncio.sleep(tick)
             try:
-                changes = self.registry.expire(self.clock())
+                changes = self.observer.tick(self.clock())
                 if changes:
                     self.fanout.emit(changes)
             except Exception:  # noqa: BLE001 - the loop body never dies
