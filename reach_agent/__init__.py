@@ -23,6 +23,7 @@ from .config import BreakerConfig, ClientConfig
 from .errors import (
     BizReject,
     CompensationFull,
+    Conflict,
     Draining,
     Forbidden,
     InternalError,
@@ -51,6 +52,7 @@ __all__ = [
     "ClientConfig",
     "ClientMetrics",
     "CompensationFull",
+    "Conflict",
     "Draining",
     "Forbidden",
     "InternalError",

@@ -37,6 +37,7 @@ from .assets import provision_assets, token_secret
 from .config import Config
 from .context import BrokerContext, Fanout, Link, Tasks, TransitionListener
 from .handlers import Handlers
+from .identity import Identity
 from .metrics import Metrics
 from .observer import Observer
 from .probes import Prober
@@ -112,6 +113,7 @@ class Broker:
             fanout=self.fanout, link=self.link,
         )  # fmt: skip
         self.handlers = Handlers(ctx, registry, self.router)
+        self.identity = Identity(ctx, registry, self.handlers)
         # The snapshot restores the registry before probes and advisories start (advisories
         # reconcile with the server's connection list); replay comes last. Snapshot and
         # replay need JetStream and start only with it.
@@ -162,7 +164,7 @@ class Broker:
         self._subs = [
             await nc.subscribe(s.all_heartbeats, cb=ep["heartbeat"].on_message,
                                pending_msgs_limit=msgs, pending_bytes_limit=size),
-            await nc.subscribe(s.all_announces, cb=ep["announce"].on_message,
+            await nc.subscribe(s.all_announces, cb=self.identity.on_message,
                                pending_msgs_limit=msgs, pending_bytes_limit=size),
             await nc.subscribe(s.all_leaves, cb=ep["leave"].on_message),
         ]  # fmt: skip

@@ -108,7 +108,7 @@ ROLES: dict[RoleName, Role] = {
         name="agent",
         description="one agent process (connection name = agent id)",
         publish=(Of("announce"), Of("heartbeat"), Of("leave"), OwnAcks()),
-        subscribe=(Of("tasks_of"), Of("probe"), Of("events_of"), INBOX),
+        subscribe=(Of("tasks_of"), Of("probe"), Of("reannounce"), Of("events_of"), INBOX),
         # A task gets at most a receipt and a result; a probe one answer.
         responses=Responses(max_msgs=2, ttl_s=AGENT_REPLY_WINDOW_S),
     ),
@@ -131,6 +131,7 @@ ROLES: dict[RoleName, Role] = {
         publish=(
             Every("all_events"),
             Every("all_probes"),
+            Every("all_reannounces"),  # asks an agent it does not know to announce again
             Every("all_tasks"),
             OwnAcks(author=BROKER_ACK_AUTHOR),
             # Replies to announces, leaves, routes, `agents` and `$SRV` pings go to the
