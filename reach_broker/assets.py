@@ -22,7 +22,12 @@ import secrets
 from nats.aio.client import Client as NATS
 
 from jetstream.names import COMP_STREAM, REGISTRY_BUCKET, STREAM_NAMES, TOKEN_SECRET_KEY
-from jetstream.provision import JetStreamUnavailable, load_definitions, provision
+from jetstream.provision import (
+    JetStreamUnavailable,
+    ProvisionTimeout,
+    load_definitions,
+    provision,
+)
 from reach_agent.subjects import Subjects
 
 from .clusterinfo import account_of, cluster_size
@@ -30,6 +35,8 @@ from .config import Config
 
 log = logging.getLogger(__name__)
 
+PROVISION_TRIES = 5
+PROVISION_RETRY_S = 1.0
 SECRET_TRIES = 20
 SECRET_RETRY_S = 0.25
 
@@ -56,7 +63,16 @@ async def provision_assets(nc: NATS, cfg: Config, subjects: Subjects) -> int | N
             name: {"num_replicas": n} for name in STREAM_NAMES
         }
         overrides[COMP_STREAM]["max_msgs"] = cfg.compensation.max_entries
-        outcomes = await provision(nc, load_definitions(subjects, overrides))
+        defs = load_definitions(subjects, overrides)
+        for attempt in range(PROVISION_TRIES):
+            try:
+                outcomes = await provision(nc, defs)
+                break
+            except ProvisionTimeout as exc:  # a cluster electing: provisioning is idempotent
+                if attempt == PROVISION_TRIES - 1:
+                    raise
+                log.warning("jetstream.provision_retry %s", exc)
+                await asyncio.sleep(PROVISION_RETRY_S)
     except JetStreamUnavailable as exc:
         log.warning("broker.no_jetstream %s: running without registry snapshot, "
                     "compensation replay and durable acks", exc)  # fmt: skip

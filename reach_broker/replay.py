@@ -7,8 +7,11 @@ consumer (so two replicas never hold the same entry), orders them by priority th
 sends each as a task with its original ``Reach-Request-Id`` and ``Reach-Receipt: 1`` to an
 agent the broker's Router picks, at most ``replay_concurrency`` at once (scaled down by the
 slow-start share of a just-recovered agent). An entry is acked (removed) only after the
-agent's receipt; if the broker dies first, JetStream redelivers it after ``ack_wait_s`` and
-the agent's de-duplication by request id keeps the handler from running twice.
+agent's receipt; if the broker dies first, or the ack is lost in a leader change, JetStream
+redelivers it after ``ack_wait_s``: a dispatch marker written before the send
+(:mod:`reach_broker.dispatch`) then sends it to the same agent, whose de-duplication by
+request id keeps the handler from running twice (or acks it at once when its ack record is
+already stored).
 
 Expired entries (``Reach-Expires-Ms`` passed) are recorded on ``REACH_ACKS`` as ``failed``
 with ``error.reason = "expired"`` and removed: at replay, and by the periodic sweep for
@@ -21,7 +24,8 @@ import asyncio
 import contextlib
 import logging
 import random
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 from nats.aio.msg import Msg
@@ -36,6 +40,7 @@ from reach_agent.retry import retryable
 from reach_agent.schema import AckRecord, RouteRequest
 
 from .context import BrokerContext
+from .dispatch import MARKER_TTL_S, Dispatches
 from .records import AgentRecord, Transition
 from .routing import Router
 
@@ -45,6 +50,13 @@ Outcome = Literal["replayed", "expired", "failed", "stalled"]
 TRACK_MAX = 50_000
 """Request ids remembered for the ack latency histogram (oldest forgotten first)."""
 FETCH_BATCH = 256
+
+
+class Target(NamedTuple):
+    """Where an entry goes (a route candidate's two fields the replayer reads)."""
+
+    agent_id: str
+    subject: str
 
 
 class _AckTimes(msgspec.Struct):
@@ -58,9 +70,16 @@ class Replayer:
     """Broker component replaying ``REACH_COMPENSATION`` entries to reachable agents.
     Started only when the server has JetStream."""
 
-    def __init__(self, ctx: BrokerContext, router: Router) -> None:
+    def __init__(
+        self,
+        ctx: BrokerContext,
+        router: Router,
+        record_of: Callable[[str], AgentRecord | None] = lambda _: None,
+    ) -> None:
         self.ctx = ctx
         self.router = router
+        self.dispatches = Dispatches(ctx.nc, ctx.subjects, ctx.broker_id, record_of)
+        """Where each entry was sent: exactly once across a leader change (dispatch.py)."""
         self.subjects = ctx.subjects
         self.cfg = ctx.cfg.compensation
         self.replayed = 0
@@ -243,6 +262,21 @@ class Replayer:
                     await e.msg.in_progress()
 
     async def _deliver(self, e: Entry) -> Outcome:
+        """Deliver one entry; a JetStream asset electing a leader (a marker or ack that
+        times out, no responders) stalls the round: the entry comes back, and its marker
+        and ack records decide what its redelivery does."""
+        try:
+            return await self._send(e)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - retried by the next round or the sweep
+            log.info("replay.stalled request_id=%s error=%r", e.request_id, exc)
+            with contextlib.suppress(Exception):
+                assert e.msg is not None
+                await e.msg.nak()
+            return "stalled"
+
+    async def _send(self, e: Entry) -> Outcome:
         ctx, router = self.ctx, self.router
         assert e.msg is not None  # fetched entries carry their message
         if e.expired(ctx.wall_ms()):
@@ -252,16 +286,29 @@ class Replayer:
         headers = e.task_headers()
         headers[schema.H_REQUEST_ID] = e.request_id
         headers[schema.H_RECEIPT] = "1"
+        only: str | None = None
+        if e.msg.metadata.num_delivered > 1:  # sent before? (a leader change, a dead replica)
+            done, only = await self.dispatches.redelivery(e.request_id)
+            if done:
+                await e.msg.ack_sync()
+                log.info("replay.already_delivered request_id=%s", e.request_id)
+                return "replayed"
         give_up = ctx.clock() + self.cfg.ack_wait_s / 2
         backoff = 0.05
+        ttl_s = (e.expires_at_ms - ctx.wall_ms()) / 1000.0 if e.expires_at_ms else MARKER_TTL_S
         while True:
             try:
-                candidates = router.route(e.capability, self._route_req, ctx.clock())
+                candidates = (
+                    router.route(e.capability, self._route_req, ctx.clock())
+                    if only is None
+                    else [Target(only, self.subjects.task(only, e.capability))]
+                )
             except ReachError:
                 await e.msg.nak()
                 return "stalled"
             for c in candidates:
                 sent_ms = ctx.wall_ms()
+                await self.dispatches.mark(e.request_id, c.agent_id, sent_ms, ttl_s)
                 try:
                     reply = await ctx.nc.request(
                         c.subject, e.data, timeout=self.cfg.receipt_timeout_s, headers=headers

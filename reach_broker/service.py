@@ -121,7 +121,7 @@ class Broker:
         self.probes = Prober(ctx, registry)
         self.advisories = Advisories(ctx, registry, self.probes)
         self.observer = Observer(ctx, registry, self.advisories)
-        self.replayer = Replayer(ctx, self.router)
+        self.replayer = Replayer(ctx, self.router, registry.agents.get)
         self._running: list[Component] = []
         self._service: Service | None = None
         self._subs: list[Any] = []
