@@ -19,15 +19,11 @@ from .detector import Detector
 from .index import CapabilityIndexes
 from .records import AgentRecord, HeartbeatResult, Transition, TransitionKind
 from .scoring import score
-from .states import EVICTED, MOVES, Event, Move
+from .states import EVICTED, MOVES, SILENCE_EVENTS, Event, Move
 from .tokens import TokenSigner
 
 RECOVER_HEARTBEATS = 2
 """On-time heartbeats that also complete a recovery (agents that do not answer probes)."""
-
-SILENCE_EVENTS: frozenset[Event] = frozenset(("silent", "silent_long"))
-"""Deadline events that rest on silence alone (no disconnect seen): what a deaf broker would
-wrongly conclude, so what :meth:`Registry.expire` may hold."""
 
 
 class Registry:

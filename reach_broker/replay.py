@@ -15,7 +15,8 @@ already stored).
 
 Expired entries (``Reach-Expires-Ms`` passed) are recorded on ``REACH_ACKS`` as ``failed``
 with ``error.reason = "expired"`` and removed: at replay, and by the periodic sweep for
-capabilities no agent serves. The broker also watches ``reach.ack.>`` for the ack metrics.
+capabilities no agent serves. The broker also watches ``reach.ack.>`` for the ack metrics
+(:mod:`reach_broker.ackwatch`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import random
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
-import msgspec
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
@@ -39,6 +39,7 @@ from reach_agent.errors import ReachError, from_reply
 from reach_agent.retry import retryable
 from reach_agent.schema import AckRecord, RouteRequest
 
+from .ackwatch import AckWatch
 from .context import BrokerContext
 from .dispatch import MARKER_TTL_S, Dispatches
 from .records import AgentRecord, Transition
@@ -47,8 +48,6 @@ from .routing import Router
 log = logging.getLogger(__name__)
 
 Outcome = Literal["replayed", "expired", "failed", "stalled"]
-TRACK_MAX = 50_000
-"""Request ids remembered for the ack latency histogram (oldest forgotten first)."""
 FETCH_BATCH = 256
 
 
@@ -57,13 +56,6 @@ class Target(NamedTuple):
 
     agent_id: str
     subject: str
-
-
-class _AckTimes(msgspec.Struct):
-    at_ms: int = 0
-
-
-_ack_times = msgspec.json.Decoder(_AckTimes)
 
 
 class Replayer:
@@ -90,8 +82,8 @@ class Replayer:
         self._known: dict[str, int] = {}
         self._consumers: dict[str, Any] = {}
         self._next_expiry_ms = 0
-        self._sent_ms: dict[str, int] = {}
-        self._received_ms: dict[str, int] = {}
+        self.acks = AckWatch(ctx)
+        """The ack metrics, fed by this component's ``<p>.ack.>`` subscription."""
         self._subs: list[Any] = []
         self._sweeper: asyncio.Task[None] | None = None
         self._route_req = RouteRequest(limit=3)
@@ -107,7 +99,7 @@ class Replayer:
             await self.ctx.nc.subscribe(subject, cb=cb, pending_msgs_limit=limits[0],
                                  pending_bytes_limit=limits[1])
             for subject, cb in ((self.subjects.all_comp, self._on_enqueued),
-                                (self.subjects.all_acks, self._on_ack))
+                                (self.subjects.all_acks, self.acks.on_ack))
         ]  # fmt: skip
         self._sweeper = asyncio.create_task(self._sweep_loop(), name="reach-replay-sweep")
 
@@ -318,7 +310,7 @@ class Replayer:
                     continue
                 err = from_reply(reply.headers, reply.data)
                 if err is None:
-                    self._remember(self._sent_ms, e.request_id, sent_ms)
+                    self.acks.sent(e.request_id, sent_ms)
                     await e.msg.ack_sync()
                     self.replayed += 1
                     ctx.metrics.compensation_result["replayed"].inc()
@@ -404,31 +396,3 @@ class Replayer:
             elif e.expires_at_ms and (not soonest or e.expires_at_ms < soonest):
                 soonest = e.expires_at_ms
         self._next_expiry_ms = soonest or now_ms + int(self.cfg.default_ttl_s * 1000)
-
-    # --- ack metrics --------------------------------------------------------------------
-
-    async def _on_ack(self, msg: Msg) -> None:
-        state = acks.state_of(msg.headers)
-        counter = self.ctx.metrics.ack_record_state.get(state or "")
-        if counter is None:
-            return
-        counter.inc()
-        rid = self.subjects.request_of_ack(msg.subject)
-        try:
-            at_ms = _ack_times.decode(msg.data).at_ms
-        except msgspec.MsgspecError:
-            return
-        if state == "received":
-            self._remember(self._received_ms, rid, at_ms)
-            return
-        start = self._sent_ms.pop(rid, None)
-        received = self._received_ms.pop(rid, None)
-        t0 = start if start is not None else received
-        if t0 is not None and at_ms >= t0:
-            self.ctx.metrics.ack_latency.observe((at_ms - t0) / 1000.0)
-
-    @staticmethod
-    def _remember(d: dict[str, int], key: str, value: int) -> None:
-        if key not in d and len(d) >= TRACK_MAX:
-            d.pop(next(iter(d)))
-        d[key] = value
