@@ -318,6 +318,7 @@ class Replayer:
                              e.request_id, e.capability, c.agent_id, e.priority)  # fmt: skip
                     return "replayed"
                 if retryable("error", err):  # not taken here, now: another agent, or later
+                    only = None  # a refusal (busy, draining) means it did not take it
                     continue
                 # The agent refused the task itself (BIZ_REJECT, LOOP_DETECTED, ...): final.
                 await self._record_failed(e, c.agent_id, err.code, err.code.lower(), err.message)
