@@ -11,6 +11,8 @@ reach_agent.run(agent)          # NATS_URL or nats://127.0.0.1:4222; SIGTERM dra
 
 async with reach_agent.Client() as client:
     result = await client.call("text_processing", {"text": "hi"}, timeout=30)
+    async for chunk in client.stream("chat", {"prompt": "hi"}):   # an async-generator handler
+        print(chunk, end="")
 ```
 """
 
@@ -26,6 +28,7 @@ from .errors import (
     Conflict,
     Draining,
     Forbidden,
+    InProgress,
     InternalError,
     InvalidCapability,
     InvalidRequest,
@@ -33,6 +36,7 @@ from .errors import (
     NoReachableAgent,
     Overloaded,
     ReachError,
+    StreamBroken,
     TargetBusy,
     Timeout,
 )
@@ -55,6 +59,7 @@ __all__ = [
     "Conflict",
     "Draining",
     "Forbidden",
+    "InProgress",
     "InternalError",
     "InvalidCapability",
     "InvalidRequest",
@@ -63,6 +68,7 @@ __all__ = [
     "Overloaded",
     "ReachError",
     "Reject",
+    "StreamBroken",
     "TargetBusy",
     "Task",
     "Timeout",

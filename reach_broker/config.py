@@ -178,6 +178,16 @@ class JetStreamSection(Section):
     of three or more nodes, else 1); an existing asset is moved to this count in place."""
 
 
+class ClaimsSection(Section):
+    scan_window_s: Positive = 3600.0
+    """At start, claims (KV reach_claims) written this long ago are read to know who runs
+    what; a task running longer than this when the broker starts is not released if its
+    agent then goes offline (its claim waits for the agent, or for the bucket's max age)."""
+    release: bool = True
+    """Release the running claims of agents the broker declares offline, so their requests
+    can run elsewhere (off: they stay claimed until their agent returns or they expire)."""
+
+
 class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The whole broker configuration."""
 
@@ -188,6 +198,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     routing: RoutingSection = msgspec.field(default_factory=RoutingSection)
     compensation: CompensationSection = msgspec.field(default_factory=CompensationSection)
     jetstream: JetStreamSection = msgspec.field(default_factory=JetStreamSection)
+    claims: ClaimsSection = msgspec.field(default_factory=ClaimsSection)
 
 
 class ConfigError(ValueError):

@@ -17,11 +17,13 @@ A redelivered entry (``num_delivered > 1``) is looked up first:
   marked agent may have run it without its records reaching the stream yet — the gap the
   fleet-wide claims of issue 14 close).
 
-**With the claims of issue 14** (KV ``reach_claims``, the agent claims the request id before
-its handler runs): the claim makes a delivery to any agent safe, so the marker no longer
-decides correctness; it stays an optimisation (the redelivery goes where the result already
-is, instead of an agent that would answer ``IN_PROGRESS``), and the ack-record check still
-saves the send. Nothing here needs to change when the claims land.
+**With the fleet-wide claims** (KV ``reach_claims``, issue 14: an agent claims the request id
+before its handler runs): the replayer first asks who holds the claim and removes a claimed
+entry without sending it, and an agent answers a duplicate ``IN_PROGRESS``; so a delivery to
+any agent is safe and the claim, not the marker, decides correctness. The marker stays as
+what it costs little to keep: the redelivery goes where the result already is, and the
+ack-record check saves a send when no claim is visible (an agent without claims, e.g. an
+older SDK, or a capability declared idempotent).
 """
 
 from __future__ import annotations
