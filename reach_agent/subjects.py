@@ -14,6 +14,7 @@ sender names against the sender's permissions (see docs/protocol.md, "Reply subj
     <p>.hb.<agent_id>                agent → every broker
     <p>.leave.<agent_id>             agent → every broker (request-reply)
     <p>.probe.<agent_id>             broker/caller → agent (request-reply)
+    <p>.reannounce.<agent_id>        broker → agent: announce again
     <p>.route.<capability>           caller → one broker (queue group)
     <p>.agents                       CLI → one broker (queue group)
     <p>.task.<agent_id>.<capability> caller → agent (request-reply)
@@ -54,6 +55,7 @@ class Subjects:
         "_hb",
         "_leave",
         "_probe",
+        "_reannounce",
         "_route",
         "_task",
         "prefix",
@@ -67,6 +69,7 @@ class Subjects:
         self._hb = f"{prefix}.hb."
         self._leave = f"{prefix}.leave."
         self._probe = f"{prefix}.probe."
+        self._reannounce = f"{prefix}.reannounce."
         self._route = f"{prefix}.route."
         self._task = f"{prefix}.task."
         self._ack = f"{prefix}.ack."
@@ -95,6 +98,9 @@ class Subjects:
 
     def probe(self, agent_id: str) -> str:
         return self._probe + agent_id
+
+    def reannounce(self, agent_id: str) -> str:
+        return self._reannounce + agent_id
 
     def route(self, capability: str) -> str:
         return self._route + capability
@@ -134,6 +140,10 @@ class Subjects:
     @property
     def all_probes(self) -> str:
         return self._probe + "*"
+
+    @property
+    def all_reannounces(self) -> str:
+        return self._reannounce + "*"
 
     @property
     def all_routes(self) -> str:
@@ -184,6 +194,9 @@ class Subjects:
 
     def agent_of_probe(self, subject: str) -> str:
         return subject[self._cuts[3] :]
+
+    def agent_of_reannounce(self, subject: str) -> str:
+        return subject[len(self._reannounce) :]
 
     def capability_of_route(self, subject: str) -> str:
         return subject[self._cuts[4] :]

@@ -92,6 +92,7 @@ def test_agent_permissions() -> None:
     assert user.sub.allow == [
         "reach.task.alpha.>",
         "reach.probe.alpha",
+        "reach.reannounce.alpha",
         "reach.event.*.alpha",
         "_INBOX.agent.alpha.>",
     ]
@@ -127,6 +128,7 @@ def test_broker_permissions() -> None:
     assert user.pub.allow == [
         "reach.event.>",
         "reach.probe.*",
+        "reach.reannounce.*",
         "reach.task.>",
         "reach.ack._broker.>",
         "_INBOX.>",
