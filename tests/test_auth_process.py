@@ -119,8 +119,9 @@ async def test_the_walk_through_of_the_docs(tmp_path: Path) -> None:
             code, out, err = await reach("route", CAP, "-s", broker.url, "--creds", str(ops))
             assert code == 0, err
             # (the score moves with the probes' round trips: not asserted)
-            assert re.search(rf"^1\s+alpha\s+healthy\s+\d+\.\d\s.*reach\.task\.alpha\.{CAP}$",
-                             out, re.M), out
+            assert re.search(
+                rf"^1\s+alpha\s+healthy\s+\d+\.\d\s.*reach\.task\.alpha\.{CAP}$", out, re.M
+            ), out
             code, out, err = await reach("call", CAP, '{"n": 5}', "-s", broker.url,
                                          "--creds", str(ops))  # fmt: skip
             assert (code, json.loads(out)) == (0, {"agent": "alpha", "n": 5}), err
