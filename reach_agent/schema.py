@@ -207,10 +207,15 @@ class Receipt(msgspec.Struct, frozen=True, kw_only=True):
 
     request_id: str
     status: Literal["received"] = "received"
+    agent_id: str | msgspec.UnsetType = msgspec.UNSET
+    """Who took the task: not on the wire. The SDK client fills it in from the attempt the
+    receipt answered (the agent it sent that attempt to): the one to ``wait`` on."""
 
 
 class AckRecord(Base, frozen=True):
-    """``reach.ack.<request_id>`` in ``REACH_ACKS``; ``Nats-Msg-Id: <request_id>.<state>``."""
+    """``reach.ack.<author>.<request_id>`` in ``REACH_ACKS``; ``Nats-Msg-Id:
+    <author>.<request_id>.<state>.<tag>``. ``agent_id`` equals the subject's author, except
+    in the broker's own records (author ``_broker``), where it names the agent concerned."""
 
     request_id: str
     agent_id: str

@@ -25,7 +25,12 @@ class NatsSection(Section):
     url: str | None = None
     """NATS server URL(s), comma-separated; unset starts an embedded nats-server."""
     creds: str | None = None
-    """Path of a NATS credentials file."""
+    """Path of a NATS credentials file (``reach auth``: ``DIR/broker.creds``)."""
+    tls_ca: str | None = None
+    """CA certificate (PEM) the server's certificate must chain to; turns TLS on."""
+    auth_dir: str | None = None
+    """A ``reach auth init`` DIR: the embedded server runs ``DIR/server.conf`` and the broker
+    connects with ``DIR/broker.creds`` (and ``DIR/tls/ca.pem`` with TLS)."""
     ping_interval_s: Annotated[int, Meta(ge=1)] = 2
     """Client PING interval: a dead server is noticed in about ping * outstanding seconds."""
     max_outstanding_pings: Annotated[int, Meta(ge=1)] = 2

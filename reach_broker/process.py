@@ -1,8 +1,9 @@
 """The broker process: what ``reach broker`` runs, assembled in one place.
 
-Start, in order: an embedded ``nats-server`` when the config names no server (in a session
-of its own, so a terminal Ctrl-C reaches the broker only, which stops its clients before
-the server: the server dying first would leave them reconnecting), SIGINT/SIGTERM/SIGHUP
+Start, in order: an embedded ``nats-server`` when the config names no server (with
+``nats.auth_dir``: the DIR's ``server.conf``, operator mode; in a session of its own, so a
+terminal Ctrl-C reaches the broker only, which stops its clients before the server: the
+server dying first would leave them reconnecting), SIGINT/SIGTERM/SIGHUP
 handlers (SIGHUP: the terminal closed), the Prometheus ``/metrics`` endpoint, the
 :class:`~reach_broker.service.Broker`. Stop, the other way round: the broker (drains, leaves
 nothing in flight), then the embedded server. The metrics endpoint is a daemon thread that
@@ -46,6 +47,8 @@ async def serve(cfg: Config, *, stop: asyncio.Event | None = None) -> None:
     """Run a broker for ``cfg`` until SIGINT/SIGTERM (or ``stop`` is set), then stop it in
     order. Without ``cfg.nats.url`` an embedded server is started and ``cfg.nats.url`` set to
     it. Raises :class:`StartError` when something cannot start."""
+    if cfg.nats.auth_dir:
+        _use_auth_dir(cfg)
     server = await _embedded_server(cfg) if not cfg.nats.url else None
     try:
         if stop is None:
@@ -59,9 +62,31 @@ async def serve(cfg: Config, *, stop: asyncio.Event | None = None) -> None:
             await asyncio.to_thread(server.stop)
 
 
+def _use_auth_dir(cfg: Config) -> None:
+    """The broker's credential (and CA) from the auth DIR, unless set explicitly."""
+    from .auth import AuthDir, AuthError
+
+    try:
+        d = AuthDir.open(cfg.nats.auth_dir or "")
+        meta = d.meta()
+    except AuthError as exc:
+        raise StartError(f"--auth: {exc}") from None
+    cfg.nats.creds = cfg.nats.creds or str(d.broker_creds)
+    if meta.tls:
+        cfg.nats.tls_ca = cfg.nats.tls_ca or str(d.ca)
+
+
 async def _embedded_server(cfg: Config) -> NatsServer:
-    server = NatsServer(port=cfg.nats.embedded_port, store_dir=cfg.nats.embedded_store_dir,
-                        new_session=True)  # fmt: skip
+    if cfg.nats.auth_dir:
+        from .auth import AuthDir
+
+        d = AuthDir.open(cfg.nats.auth_dir)
+        server = NatsServer(port=cfg.nats.embedded_port, config=d.server_conf,
+                            store_dir=d.store_dir, config_store=True, tls=d.meta().tls,
+                            new_session=True)  # fmt: skip
+    else:
+        server = NatsServer(port=cfg.nats.embedded_port, store_dir=cfg.nats.embedded_store_dir,
+                            new_session=True)  # fmt: skip
     try:
         await asyncio.to_thread(server.start)
     except PortInUse as exc:
@@ -73,8 +98,9 @@ async def _embedded_server(cfg: Config) -> NatsServer:
     except NatsServerError as exc:
         raise StartError(f"embedded nats-server: {exc}") from None
     cfg.nats.url = server.url
+    mode = f"; operator mode from {cfg.nats.auth_dir}" if cfg.nats.auth_dir else ""
     say(f"reach: embedded nats-server listening on {server.url} "
-        f"(pid {server.pid}, JetStream store {server.store_dir})")  # fmt: skip
+        f"(pid {server.pid}, JetStream store {server.store_dir}{mode})")  # fmt: skip
     return server
 
 

@@ -17,8 +17,11 @@ the agent it went to.
 
 Expired entries (``Reach-Expires-Ms`` passed) are recorded on ``REACH_ACKS`` as ``failed``
 with ``error.reason = "expired"`` and removed: at replay, and by the periodic sweep for
-capabilities no agent serves. The broker also watches ``reach.ack.>`` for the ack metrics
-(:mod:`reach_broker.ackwatch`).
+capabilities no agent serves. Every record the broker writes is its own
+(``reach.ack._broker.<request_id>``): besides those ``failed`` ones, a ``received`` naming the
+agent whose receipt it got, written before the entry is acked, so that ``Client.wait`` knows
+whose ack records to believe for a submitted task. The broker also watches ``reach.ack.>``
+for the ack metrics (:mod:`reach_broker.ackwatch`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from reach_agent import schema
 from reach_agent.errors import ReachError, from_reply
 from reach_agent.retry import retryable
 from reach_agent.schema import AckRecord, RouteRequest
+from reach_agent.subjects import BROKER_ACK_AUTHOR
 
 from .ackwatch import AckWatch
 from .context import BrokerContext
@@ -322,6 +326,7 @@ class Replayer:
                     return await self._skip(e, getattr(err, "holder", ""), "in progress")
                 if err is None:
                     self.acks.sent(e.request_id, sent_ms)
+                    await self._record_taker(e, c.agent_id)
                     await e.msg.ack_sync()
                     self.replayed += 1
                     ctx.metrics.compensation_result["replayed"].inc()
@@ -374,11 +379,27 @@ class Replayer:
             state="failed", at_ms=self.ctx.wall_ms(),
             error={"code": code, "reason": reason, "message": message},
         )  # fmt: skip
+        await self._publish(rec)
+
+    async def _record_taker(self, e: Entry, agent_id: str) -> None:
+        """``received`` by the broker: it handed the task to ``agent_id`` (whose own records
+        ``Client.wait`` then trusts). A failure is logged: the task was delivered anyway."""
+        rec = AckRecord(request_id=e.request_id, agent_id=agent_id, capability=e.capability,
+                        state="received", at_ms=self.ctx.wall_ms())  # fmt: skip
+        try:
+            await self._publish(rec)
+        except Exception as exc:  # noqa: BLE001 - the entry is acked regardless
+            log.warning("replay.taker_unrecorded request_id=%s agent=%s error=%r: wait() "
+                        "needs agent_id= for it", e.request_id, agent_id, exc)  # fmt: skip
+
+    async def _publish(self, rec: AckRecord) -> None:
+        """One record of the broker's own (author ``_broker``)."""
         js = self.ctx.nc.jetstream(timeout=2.0)
+        rid = rec.request_id
         await acks.publish_record(
             js,
-            self.subjects.ack(e.request_id),
-            acks.ack_msg_id(e.request_id, "failed"),
+            self.subjects.ack(BROKER_ACK_AUTHOR, rid),
+            acks.ack_msg_id(BROKER_ACK_AUTHOR, rid, rec.state),
             schema.encoder.encode(rec),
         )
 

@@ -133,6 +133,9 @@ class Broker:
         self._loop_task: asyncio.Task[None] | None = None
         self._started = False
         self._watching = False
+        self._with_creds = bool(cfg.nats.creds)
+        self.auth_enabled = False
+        """Whether the server enforces identities (see :meth:`_secure`)."""
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -141,7 +144,10 @@ class Broker:
             return
         self._started = True
         if self._own_nc:
-            await self.nc.connect(**self._connect_options())
+            options = self._connect_options()
+            self._with_creds = bool(options.get("user_credentials"))
+            await self.nc.connect(**options)
+        self._secure()
         self.replicas = await provision_assets(self.nc, self.cfg, self.subjects)
         self.jetstream_ok = self.replicas is not None
         secret = await token_secret(self.nc, self.cfg, jetstream=self.jetstream_ok)
@@ -228,12 +234,29 @@ class Broker:
     ) -> None:
         await self.stop()
 
+    def _secure(self) -> None:
+        """Secured mode: the server requires every connection to authenticate and this broker
+        authenticated with a user JWT (``--auth DIR``, ``--creds``): reach's roles are then the
+        server's permissions. Otherwise say once, loudly, what open mode means."""
+        # nats-py keeps the server's INFO private; `auth_required` is the server's own word.
+        info = getattr(self.nc, "_server_info", None) or {}
+        self.auth_enabled = bool(info.get("auth_required")) and self._with_creds
+        self.metrics.auth_enabled.set(int(self.auth_enabled))
+        self.handlers.require_leave_token = self.auth_enabled
+        if not self.auth_enabled:
+            log.warning(
+                "broker.open_mode: this NATS server lets anyone who can connect act for any "
+                "agent (announce or leave as it, publish its events, read every task). For "
+                "anything beyond local development run `reach auth init DIR` and `reach broker "
+                "--auth DIR` (docs/operations.md, Securing reach)"
+            )
+
     def _connect_options(self) -> dict[str, Any]:
         """The broker's connection: ``nats.url`` (comma-separated; unset: ``NATS_URL`` or
         localhost), ``nats.creds``, pings from the config, reconnecting forever every 0.5 s."""
         n = self.cfg.nats
         return connect_options(
-            f"reach-broker-{self.broker_id}", n.url, Credentials(creds=n.creds),
+            f"reach-broker-{self.broker_id}", n.url, Credentials(creds=n.creds, tls_ca=n.tls_ca),
             ping_interval=n.ping_interval_s, max_outstanding_pings=n.max_outstanding_pings,
             max_reconnect_attempts=-1, reconnect_time_wait=0.5,
             reconnect_to_server_handler=None,  # nats-py's own: a steady 0.5 s between tries

@@ -90,6 +90,23 @@ def test_the_prefix_and_credentials_reach_every_child(tmp_path: Path) -> None:
     argv, env = child_commands(argparse.Namespace(creds=None, log_format="text"), "u", "r", "b")
     assert "--creds" not in argv
     assert env.get("NATS_CREDS") == os.environ.get("NATS_CREDS")
+    ca = str(tmp_path / "ca.pem")
+    argv, env = child_commands(argparse.Namespace(creds=None, tls_ca=ca, log_format="text"),
+                               "u", "r", "b")  # fmt: skip
+    assert (argv[-2:], env["NATS_CA"]) == (["--tls-ca", ca], ca)
+
+
+async def test_the_demo_runs_the_secure_way() -> None:
+    """`reach demo --auth`: an operator-mode server, a credential per process, calls as a
+    caller; every call served, nothing refused."""
+    code, out, err = await reach("demo", "--auth", "--duration", "4", "--rate", "5", "--json",
+                                 "--no-view", limit_s=120)  # fmt: skip
+    remove_logs(out)
+    assert code == 0, err
+    stopped = json.loads(out.splitlines()[-1])
+    assert (stopped["reason"], stopped["calls"]["failed"]) == ("duration", {})
+    assert stopped["calls"]["ok"] >= 5
+    assert "permission denied" not in err and "broker.open_mode" not in err
 
 
 async def test_a_killed_demo_agent_is_restarted_and_the_logs_are_kept() -> None:

@@ -11,6 +11,12 @@ broker or the server dying ends the demo. Stop, the other way round: calls, agen
 (SIGTERM: the SDK drains and leaves), broker, server. The children are
 :mod:`~reach_broker.cli.children`; their logs are removed after a run without failure and
 kept (path printed) after any failure, a restarted agent included.
+
+``--auth`` runs it the secure way: a fresh auth DIR in the run's temp dir (``reach auth init``
+with a credential per demo agent and a caller ``demo``), the embedded server from its
+``server.conf`` (operator mode), the broker with ``broker.creds``, each agent with its own
+``agents/<id>.creds`` (``NATS_CREDS``), the calls with the caller's credential. The view reads
+the audit trail and the brokers' stats, which only the broker's credential may: it uses that.
 """
 
 from __future__ import annotations
@@ -65,6 +71,9 @@ def add_parser(sub: Subcommands) -> None:
     p.add_argument("--no-view", action="store_true", help="no live view (logs only)")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     p.add_argument("--events", type=int, default=8, help="recent events shown")
+    p.add_argument("--auth", action="store_true",
+                   help="secured: a fresh auth DIR, an operator-mode server and a credential "
+                        "per process (see `reach auth`)")  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -121,19 +130,26 @@ def run(args: argparse.Namespace) -> int:
     if args.rate <= 0:
         raise CliError(f"--rate {args.rate!r} must be above zero", EXIT_USAGE)
     subs = subjects(args)
+    if args.auth and args.creds:
+        raise CliError("--auth makes its own credentials (one per process): leave out --creds",
+                       EXIT_USAGE)  # fmt: skip
     connection_options(args, "reach-demo")  # a bad --server or --creds: say so before starting
     log_dir = Path(tempfile.mkdtemp(prefix="reach-demo-"))
     demo = Demo(args, subs, Children(log_dir))
     server: NatsServer | None = None
     try:
-        url = args.server
-        if not url:
+        url = None if args.auth else args.server  # --auth: always a secured server of its own
+        if args.auth:
+            server = demo.secure(log_dir / "auth")
+        elif not url:
             server = NatsServer(port=0, new_session=True)
+        if server is not None:
             try:
                 server.start()
             except NatsServerError as exc:
                 raise CliError(f"embedded nats-server: {exc}", EXIT_UNAVAILABLE) from None
             url = server.url
+        assert url is not None  # --server, or the server started above
         try:
             return asyncio.run(demo.run(url, server))
         except CliError:
@@ -156,8 +172,8 @@ def child_commands(
     args: argparse.Namespace, url: str, prefix: str, broker_id: str
 ) -> tuple[list[str], dict[str, str]]:
     """The broker's command line, and the environment of every child: the server, the
-    prefix and the credentials of the demo reach the broker (as flags) and the agents
-    (``NATS_URL``, ``REACH_PREFIX``, ``NATS_CREDS``, read by the SDK)."""
+    prefix, the credentials and the CA of the demo reach the broker (as flags) and the agents
+    (``NATS_URL``, ``REACH_PREFIX``, ``NATS_CREDS``, ``NATS_CA``, read by the SDK)."""
     env = {**os.environ, "NATS_URL": url, "PYTHONUNBUFFERED": "1",
            "REACH_LOG_FORMAT": args.log_format, "REACH_PREFIX": prefix}  # fmt: skip
     argv = [sys.executable, "-m", "reach_broker.cli", "broker", "--server", url,
@@ -166,6 +182,10 @@ def child_commands(
     if args.creds:
         env["NATS_CREDS"] = args.creds
         argv += ["--creds", args.creds]
+    tls_ca = getattr(args, "tls_ca", None)
+    if tls_ca:
+        env["NATS_CA"] = tls_ca
+        argv += ["--tls-ca", tls_ca]
     return argv, env
 
 
@@ -181,6 +201,21 @@ class Demo:
         self.restarts: dict[str, int] = {}
         self.notes: list[str] = []
         self.server: NatsServer | None = None
+        self.agent_creds: dict[str, str] = {}
+        """Each demo agent's credential (``--auth``)."""
+        self.caller_creds: str | None = None
+
+    def secure(self, directory: Path) -> NatsServer:
+        """``--auth``: an auth DIR with every credential of the demo, and its server (not
+        started). The demo's own connection (view, readiness) uses the broker's credential."""
+        from ..auth import init, issue_agent, issue_caller
+
+        d = init(directory, prefix=self.subs.prefix)
+        self.agent_creds = {a: str(issue_agent(d, a)) for a in DEMO_AGENTS}
+        self.caller_creds = str(issue_caller(d, "demo"))
+        self.args.creds = str(d.broker_creds)
+        return NatsServer(port=0, config=d.server_conf, store_dir=d.store_dir,
+                          config_store=True, new_session=True)  # fmt: skip
 
     def emit(self, record: dict[str, Any], text: str) -> None:
         """A record (``--json``) or a line; with the live view, lines go into its notes."""
@@ -213,18 +248,28 @@ class Demo:
                 return self.stopped("signal", Calls(nc, subs.prefix, args.rate))
             for agent_id in DEMO_AGENTS:
                 argv = [sys.executable, "-m", "reach_broker.demo", "agent", agent_id]
-                self.children.spawn(agent_id, argv, env)
+                own = self.agent_creds.get(agent_id)
+                self.children.spawn(agent_id, argv, {**env, "NATS_CREDS": own} if own else env)
             logs = self.children.log_dir
             self.emit({"event": "started", "nats_url": url, "pids": self.pids(),
                        "logs": str(logs), "broker_id": self.broker_id},
                       f"nats {url}; broker {self.broker_id} and agents {', '.join(DEMO_AGENTS)} "
                       f"started (logs in {logs}); Ctrl-C stops everything")  # fmt: skip
-            calls = Calls(nc, subs.prefix, args.rate)
-            if not await self.until_ready(nc, stop):
-                return self.stopped("signal", calls)
-            self.emit({"event": "ready", "agents": list(DEMO_AGENTS)},
-                      f"{', '.join(DEMO_AGENTS)} healthy; calling")  # fmt: skip
-            return self.stopped(await self.live(nc, url, calls, stop), calls)
+            calls_nc = nc
+            if self.caller_creds is not None:  # the calls go as a caller, not as the broker
+                as_caller = argparse.Namespace(**{**vars(args), "creds": self.caller_creds})
+                calls_nc = await connect(as_caller, "reach-demo-calls", urls=[url],
+                                         allow_reconnect=True)  # fmt: skip
+            calls = Calls(calls_nc, subs.prefix, args.rate)
+            try:
+                if not await self.until_ready(nc, stop):
+                    return self.stopped("signal", calls)
+                self.emit({"event": "ready", "agents": list(DEMO_AGENTS)},
+                          f"{', '.join(DEMO_AGENTS)} healthy; calling")  # fmt: skip
+                return self.stopped(await self.live(nc, url, calls, stop), calls)
+            finally:
+                if calls_nc is not nc:
+                    await calls_nc.close()
         finally:
             await nc.close()
 
