@@ -7,6 +7,7 @@ HTTP-like status that goes in ``Nats-Service-Error-Code``.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import msgspec
 
@@ -17,6 +18,9 @@ class ReachError(Exception):
     code = "INTERNAL"
     status = 500
     retryable = False
+    extra: dict[str, Any] | None = None
+    """Members the error reply's body carries beside ``error`` (with ``explain``, a route's
+    ``NO_REACHABLE_AGENT`` carries its ``explain``)."""
 
     def __init__(self, message: str = "", *, code: str | None = None) -> None:
         super().__init__(message or self.code)
@@ -155,8 +159,10 @@ def to_reply(err: ReachError) -> tuple[dict[str, str], bytes]:
         H_SERVICE_ERROR: err.message[:1024],
         H_SERVICE_ERROR_CODE: str(err.status),
     }
-    body = _encoder.encode(_ErrorReply(error=_ErrorBody(code=err.code, message=err.message)))
-    return headers, body
+    error = _ErrorBody(code=err.code, message=err.message)
+    if err.extra:
+        return headers, _encoder.encode({"error": error, **err.extra})
+    return headers, _encoder.encode(_ErrorReply(error=error))
 
 
 def from_reply(headers: Mapping[str, str] | None, data: bytes) -> ReachError | None:
