@@ -267,14 +267,15 @@ class Explainer:
             return r.SCORE
         return r.UNRANKED
 
-    def explanation(
-        self, idx: CapabilityIndex, req: RouteRequest, chosen: list[AgentRecord], now: float
-    ) -> RouteExplain:
-        """How ``req`` was decided over ``idx``: every agent not ``chosen``, with why."""
+    def left_out(
+        self, idx: CapabilityIndex, req: RouteRequest, chosen: list[AgentRecord], now: float,
+        walk: Walk | None = None, limit: int = MAX_EXCLUDED,
+    ) -> tuple[dict[str, int], list[Exclusion]]:  # fmt: skip
+        """Every agent of ``idx`` not ``chosen`` for ``req``: how many for each reason, and
+        the first ``limit`` (best ranked, then best scored) with why."""
         cfg = self.router.cfg
-        walk = self.walk(idx, req)
-        pool, walked = walk.pool, walk.state
-        in_pool = {rec.agent_id for rec in pool}
+        walk = walk or self.walk(idx, req)
+        in_pool = {rec.agent_id for rec in walk.pool}
         ranks = {rec.agent_id: i for i, rec in enumerate(idx.ranked, 1)}
         taken = {rec.agent_id for rec in chosen}
         left = [rec for rec in idx.members.values() if rec.agent_id not in taken]
@@ -283,23 +284,32 @@ class Explainer:
         counts: dict[str, int] = {}
         excluded: list[Exclusion] = []
         for rec in left:
-            rank = ranks.get(rec.agent_id, 0)
             code = self.reason(rec, idx, walk, in_pool)
             counts[code] = counts.get(code, 0) + 1
-            if len(excluded) >= MAX_EXCLUDED:
+            if len(excluded) >= limit:
                 continue
+            rank = ranks.get(rec.agent_id, 0)
             t = self.terms(rec)
-            case = Case(rec, req, idx, cfg, now, t, weakest(t, self.scoring), rank, walked,
-                        len(pool))  # fmt: skip
+            case = Case(rec, req, idx, cfg, now, t, weakest(t, self.scoring), rank, walk.state,
+                        len(walk.pool))  # fmt: skip
             excluded.append(Exclusion(
                 agent_id=rec.agent_id, reason=code, detail=DETAILS[code](case),
                 state=rec.state, score=rec.score, load=round(rec.load, 3),
                 explain=self.agent(rec, idx, now, rank=rank, t=t),
             ))  # fmt: skip
+        return counts, excluded
+
+    def explanation(
+        self, idx: CapabilityIndex, req: RouteRequest, chosen: list[AgentRecord], now: float
+    ) -> RouteExplain:
+        """How ``req`` was decided over ``idx``: every agent not ``chosen``, with why."""
+        cfg = self.router.cfg
+        walk = self.walk(idx, req)
+        counts, excluded = self.left_out(idx, req, chosen, now, walk)
         return RouteExplain(
             members=len(idx.members), healthy=idx.healthy, ranked=len(idx.ranked),
             choice="sticky" if req.sticky_key else cfg.choice,
             min_reach_score=cfg.min_reach_score, load_watermark=cfg.load_watermark,
-            ejected=idx.ejected, panic=idx.panic, pool=len(pool), counts=counts,
+            ejected=idx.ejected, panic=idx.panic, pool=len(walk.pool), counts=counts,
             excluded=excluded,
         )  # fmt: skip

@@ -117,6 +117,11 @@ class Router:
             return idx, self._p2c(pool, limit, now)
         return idx, pool[:limit]
 
+    def refresh(self, idx: CapabilityIndex, now: float) -> None:
+        """Re-rank ``idx`` if due, as a route request does (a panic change said, counted)."""
+        if idx.refresh(self.cfg, now):
+            self._panic_changed(idx)
+
     def pool_size(self, req: RouteRequest) -> int:
         """How many agents that pass the filters the walk gathers for the choice."""
         cfg = self.cfg

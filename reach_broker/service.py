@@ -106,6 +106,8 @@ class Broker:
             broker_id=self.broker_id, clock=clock, wall=wall, spawn=self._tasks.spawn,
             fanout=self.fanout,
         )  # fmt: skip
+        self.ctx = ctx
+        """What a component is handed (the console's feed is one, started by the process)."""
         self.handlers = Handlers(ctx, registry, self.router)
         # The snapshot restores the registry before probes and advisories start (advisories
         # reconcile with the server's connection list); replay comes last. Snapshot and
