@@ -217,17 +217,20 @@ class Explainer:
 
     def agent(
         self, rec: AgentRecord, idx: CapabilityIndex | None, now: float, *, rank: int = 0,
-        kept: str | None = None, t: Terms | None = None,
+        kept: str | None = None, t: Terms | None = None, weak: str | None = None,
     ) -> AgentExplain:  # fmt: skip
-        """What ``rec``'s score is made of and its weight in the draw."""
-        t = t or self.terms(rec)
+        """What ``rec``'s score is made of and its weight in the draw (``t`` and ``weak``:
+        its terms and weakest term when the caller has them already)."""
+        if t is None:
+            t = self.terms(rec)
+            weak = weakest(t, self.scoring)
         stats = rec.stats
         router = self.router
         return AgentExplain(
             terms=ScoreTerms(liveness=round(t.liveness, 4), latency=round(t.latency, 4),
                              load=round(t.load, 4), success=round(t.success, 4),
                              stuck=t.stuck),
-            weakest=weakest(t, self.scoring),
+            weakest=weak,
             slow_start=round(router.slow_start_factor(rec, now), 4),
             weight=round(router.weight(rec, now), 2),
             rank=rank, kept=kept,
@@ -290,12 +293,12 @@ class Explainer:
                 continue
             rank = ranks.get(rec.agent_id, 0)
             t = self.terms(rec)
-            case = Case(rec, req, idx, cfg, now, t, weakest(t, self.scoring), rank, walk.state,
-                        len(walk.pool))  # fmt: skip
+            weak = weakest(t, self.scoring)
+            case = Case(rec, req, idx, cfg, now, t, weak, rank, walk.state, len(walk.pool))
             excluded.append(Exclusion(
                 agent_id=rec.agent_id, reason=code, detail=DETAILS[code](case),
                 state=rec.state, score=rec.score, load=round(rec.load, 3),
-                explain=self.agent(rec, idx, now, rank=rank, t=t),
+                explain=self.agent(rec, idx, now, rank=rank, t=t, weak=weak),
             ))  # fmt: skip
         return counts, excluded
 
