@@ -357,3 +357,17 @@ async def test_the_queue_depth_and_the_oldest_entry(
             {"capability": "translate", "depth": 2, "oldest_ms": first.enqueued_ms}]  # fmt: skip
     finally:
         await port.stop()
+
+
+def test_a_bad_console_token_is_a_usage_error() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "reach_broker.cli", "broker", "--console-token", "short",
+         "--metrics-port", "0", "--server", "nats://127.0.0.1:1"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr == ("reach: --console-token: a console token is 16 to 256 of the "
+                          "characters A-Z a-z 0-9 . _ ~ + / = - (got 5 characters)\n")  # fmt: skip

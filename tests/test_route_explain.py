@@ -81,3 +81,18 @@ async def test_nothing_reachable_is_the_error_with_its_explanation(
     data = json.loads(out)
     assert data["error"]["code"] == "NO_REACHABLE_AGENT"
     assert [x["reason"] for x in data["explain"]["excluded"]] == ["exclude"]
+
+
+def test_the_route_cost_tool_times_every_kind_of_request() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "loadtest.routecost", "--agents", "3", "--rounds", "1",
+         "--batch", "20"],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    figures = json.loads(out.stdout)
+    assert figures["agents"] == 3
+    assert set(figures["us_per_request"]) == {"plain", "filtered", "explain"}
+    assert figures["explain_over_plain"] > 1

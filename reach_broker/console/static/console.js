@@ -317,6 +317,9 @@ function chart(label, samples, values, current, fixedMax, color, unit) {
 
 setInterval(() => {
   document.querySelectorAll("#fleet td.seen").forEach((td) => { td.textContent = ago(Number(td.dataset.ms)); });
+  document.querySelectorAll("#queue td[data-ms]").forEach((td) => {
+    if (td.dataset.ms) td.textContent = ago(Number(td.dataset.ms)).replace(" ago", "");
+  });
 }, 1000);
 
 connect();
