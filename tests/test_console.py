@@ -371,3 +371,28 @@ def test_a_bad_console_token_is_a_usage_error() -> None:
     assert out.returncode == 2
     assert out.stderr == ("reach: --console-token: a console token is 16 to 256 of the "
                           "characters A-Z a-z 0-9 . _ ~ + / = - (got 5 characters)\n")  # fmt: skip
+
+
+async def test_the_timeline_starts_with_the_audit_history(
+    nats_server: NatsServer, nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    from reach_agent import schema
+
+    broker = await broker_factory(**QUIET)  # it provisions REACH_AUDIT
+    js = nc.jetstream()
+    old = event("ghost", 1_000, to="offline", broker="an-earlier-broker")
+    await js.publish("reach.event.state.ghost", schema.encoder.encode(old))
+    port = await serve_port(broker)
+    try:
+        sse = await Sse.open(port.server.port)
+        try:
+            (entry,) = await sse.next("events")
+            assert entry == {"event": {"kind": "state", "agent_id": "ghost", "reason":
+                                       "no heartbeat", "at_ms": 1000,
+                                       "broker_id": "an-earlier-broker", "to": "offline",
+                                       "from": "healthy"},
+                             "brokers": ["an-earlier-broker"]}  # fmt: skip
+        finally:
+            sse.close()
+    finally:
+        await port.stop()

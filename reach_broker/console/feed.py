@@ -33,6 +33,8 @@ from .views import CompensationView, QueueDepth, Views, event_view
 log = logging.getLogger(__name__)
 
 COMPENSATION_EVERY_S = 5.0
+HISTORY_QUIET_S = 2.0
+"""At start, reading the audit history gives up when no event came for this long."""
 DEBOUNCE_S = 0.05
 """After a transition the fleet is pushed this much later, so a burst is one push."""
 QUEUE_MAX = 256
@@ -114,9 +116,17 @@ class Feed:
         try:
             self._follow = await audit.follow_events(nc, self._on_stored, subjects=subjects,
                                                      last=self.cfg.events)  # fmt: skip
+            # The history is in before the first page can ask (or the trail went quiet).
+            await self._follow.until_caught_up(HISTORY_QUIET_S)
+            return
         except audit.AuditUnavailable as exc:
             log.info("console.live_events_only %s", exc)
+        except Exception as exc:  # noqa: BLE001 - the console must not stop the broker
+            log.warning("console.audit_unreadable error=%r: live events only", exc)
+        try:
             self._follow = await audit.live_events(nc, self._on_stored, subjects=subjects)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("console.no_events error=%r: the timeline stays empty", exc)
 
     # --- what the page is sent -----------------------------------------------------------------
 

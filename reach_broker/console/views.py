@@ -20,6 +20,8 @@ from .history import Entry, History, Samples
 
 RANKING_ROWS = 25
 """Rows of each capability's ranking (routable first, then the agents left out)."""
+CAPABILITIES = 100
+"""Capabilities whose ranking the page gets (the least reachable first, then by name)."""
 
 DEFAULT_REQUEST = RouteRequest()
 """A capability's ranking is explained for the request a plain caller sends."""
@@ -78,6 +80,8 @@ class FleetView(View):
     capabilities: list[CapabilityView]
     total: int
     """Agents in the fleet (``agents`` lists at most ``console.max_agents``)."""
+    capability_total: int
+    """Capabilities in the fleet (``capabilities`` has at most 100)."""
 
 
 class EventView(View):
@@ -139,11 +143,13 @@ class Views:
         order = sorted(agents.values(), key=lambda r: (_SEVERITY.get(r.state, 9), r.agent_id))
         rows = [self.agent_row(r.agent_id, now, wall_ms) for r in order[:max_agents]]
         by_state: dict[str, int] = {s: self.registry.counts.get(s, 0) for s in AGENT_STATES}
-        caps = [self.capability(name, now) for name in sorted(self.registry.indexes)]
+        indexes = self.registry.indexes
+        names = sorted(indexes, key=lambda n: (indexes[n].healthy > 0, n))[:CAPABILITIES]
+        caps = [c for n in sorted(names) if (c := self.capability(n, now)) is not None]
         return FleetView(at_ms=wall_ms, broker_id=self.broker_id, by_state=by_state,
                          agents=[r for r in rows if r is not None],
-                         capabilities=[c for c in caps if c is not None],
-                         total=len(agents))  # fmt: skip
+                         capabilities=caps, total=len(agents),
+                         capability_total=len(indexes))  # fmt: skip
 
     def capability(self, name: str, now: float) -> CapabilityView | None:
         """``name``'s ranking as a plain request sees it: the pool with each agent's share of

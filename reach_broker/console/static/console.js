@@ -120,6 +120,13 @@ function renderFleet() {
 function fillRow(tr, a) {
   const c = tr.children;
   tr.classList.toggle("selected", view.selected === a.agent_id);
+  c[7].dataset.ms = a.last_seen_ms;
+  c[7].textContent = ago(a.last_seen_ms);
+  // Cells are rebuilt only when they change, so a tooltip being read stays where it is.
+  const sig = JSON.stringify([a.state, a.score, a.active, a.max_concurrency, a.capabilities,
+    a.region, a.version, a.explain.terms, a.explain.weakest]);
+  if (tr.dataset.sig === sig) return;
+  tr.dataset.sig = sig;
   tr.dataset.state = a.state;
   c[0].textContent = a.agent_id;
   c[1].replaceChildren(stateBadge(a.state));
@@ -131,8 +138,6 @@ function fillRow(tr, a) {
   c[4].replaceChildren(el("span", { class: "caps" }, a.capabilities.map((x) => el("span", { class: "cap", text: x }))));
   c[5].textContent = a.region || "–";
   c[6].textContent = a.version || "–";
-  c[7].dataset.ms = a.last_seen_ms;
-  c[7].textContent = ago(a.last_seen_ms);
 }
 
 // --- capabilities ---------------------------------------------------------------------------
@@ -141,7 +146,19 @@ function renderCaps() {
   const box = document.getElementById("caps");
   const caps = view.fleet.capabilities;
   if (!caps.length) { box.replaceChildren(el("p", { class: "dim", text: "no capability yet" })); return; }
-  box.replaceChildren(...caps.map(capCard));
+  // A card is rebuilt only when what it shows changed (its tooltips stay put otherwise).
+  const old = new Map([...box.querySelectorAll(".capcard")].map((n) => [n.dataset.capability, n]));
+  const kids = caps.map((c) => {
+    const sig = JSON.stringify(c);
+    const node = old.get(c.name);
+    if (node && node.dataset.sig === sig) return node;
+    const card = capCard(c);
+    card.dataset.sig = sig;
+    return card;
+  });
+  const more = view.fleet.capability_total - caps.length;
+  if (more > 0) kids.push(el("p", { class: "hint", text: `${more} more capabilities (all with a healthy agent) not shown` }));
+  box.replaceChildren(...kids);
 }
 
 function capCard(c) {
