@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+import msgspec
+
 from reach_agent.errors import NoReachableAgent
 from reach_agent.schema import (
     AgentExplain,
@@ -190,13 +192,8 @@ class Explainer:
         ranks: dict[str, int],
     ) -> Candidate:  # fmt: skip
         """``rec`` as a candidate of ``idx``, with its explanation."""
-        plain = candidate(rec, subject)
-        return Candidate(
-            agent_id=plain.agent_id, subject=plain.subject, score=plain.score,
-            state=plain.state, load=plain.load, region=plain.region, version=plain.version,
-            explain=self.agent(rec, idx, now, rank=ranks.get(rec.agent_id, 0),
-                               kept=self.kept(rec, idx)),
-        )  # fmt: skip
+        explain = self.agent(rec, now, rank=ranks.get(rec.agent_id, 0), kept=self.kept(rec, idx))
+        return msgspec.structs.replace(candidate(rec, subject), explain=explain)
 
     def kept(self, rec: AgentRecord, idx: CapabilityIndex) -> str | None:
         """Why a routed agent is routed although a rule would keep it out, if it is."""
@@ -216,8 +213,8 @@ class Explainer:
                      peer_task_ms=peer)  # fmt: skip
 
     def agent(
-        self, rec: AgentRecord, idx: CapabilityIndex | None, now: float, *, rank: int = 0,
-        kept: str | None = None, t: Terms | None = None, weak: str | None = None,
+        self, rec: AgentRecord, now: float, *, rank: int = 0, kept: str | None = None,
+        t: Terms | None = None, weak: str | None = None,
     ) -> AgentExplain:  # fmt: skip
         """What ``rec``'s score is made of and its weight in the draw (``t`` and ``weak``:
         its terms and weakest term when the caller has them already)."""
@@ -298,7 +295,7 @@ class Explainer:
             excluded.append(Exclusion(
                 agent_id=rec.agent_id, reason=code, detail=DETAILS[code](case),
                 state=rec.state, score=rec.score, load=round(rec.load, 3),
-                explain=self.agent(rec, idx, now, rank=rank, t=t, weak=weak),
+                explain=self.agent(rec, now, rank=rank, t=t, weak=weak),
             ))  # fmt: skip
         return counts, excluded
 

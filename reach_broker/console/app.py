@@ -168,7 +168,7 @@ class App:
         refused = self.access.refusal(req)
         if refused is not None:
             return refused
-        if "token" in req.query and req.path in ("/", "/index.html"):
+        if self.access.token and "token" in req.query and req.path in ("/", "/index.html"):
             # Keep the token in a cookie and out of the address bar (and its history).
             cookie = f"{COOKIE}={req.query['token']}; Path=/; HttpOnly; SameSite=Strict"
             return Response(303, b"", headers=(("Location", "/"), ("Set-Cookie", cookie),

@@ -133,7 +133,7 @@ class Views:
             agent_id=rec.agent_id, state=rec.state, score=rec.score, load=round(rec.load, 3),
             active=rec.active, max_concurrency=rec.max_concurrency,
             capabilities=list(rec.capabilities), last_seen_ms=rec.last_seen_wall_ms,
-            state_since_ms=since_ms, explain=self.explainer.agent(rec, None, now),
+            state_since_ms=since_ms, explain=self.explainer.agent(rec, now),
             region=rec.region, version=rec.version,
         )  # fmt: skip
 
@@ -166,7 +166,7 @@ class Views:
         routable = [
             Routable(agent_id=rec.agent_id, state=rec.state, score=rec.score,
                      share=round(w / total, 3),
-                     explain=ex.agent(rec, idx, now, rank=ranks.get(rec.agent_id, 0),
+                     explain=ex.agent(rec, now, rank=ranks.get(rec.agent_id, 0),
                                       kept=ex.kept(rec, idx)))
             for rec, w in zip(walk.pool, weights, strict=True)
         ]  # fmt: skip
