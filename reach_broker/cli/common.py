@@ -277,24 +277,24 @@ async def exchange(nc: Any, subject: str, data: bytes, timeout_s: float) -> Any:
         raise CliError(f"no reply on {subject} within {timeout_s}s", EXIT_UNAVAILABLE) from None
 
 
-async def request(nc: Any, subject: str, data: bytes, timeout_s: float) -> bytes:
-    """:func:`exchange` that also turns an error reply into CliError; the reply body."""
+def body_of(msg: Any) -> bytes:
+    """A reply's body, or the CliError of the error reply it is."""
     from reach_agent.errors import from_reply
 
-    msg = await exchange(nc, subject, data, timeout_s)
     err = from_reply(msg.headers, msg.data)
     if err is not None:
         raise CliError.of(err)
     return bytes(msg.data)
 
 
+async def request(nc: Any, subject: str, data: bytes, timeout_s: float) -> bytes:
+    """:func:`exchange` that also turns an error reply into CliError; the reply body."""
+    return body_of(await exchange(nc, subject, data, timeout_s))
+
+
 async def ask(args: argparse.Namespace, subject: str, data: bytes) -> bytes:
     """One :func:`request` on a connection of its own (closed after), for one-shot commands."""
-    nc = await connect(args)
-    try:
-        return await request(nc, subject, data, args.timeout)
-    finally:
-        await nc.close()
+    return body_of(await ask_msg(args, subject, data))
 
 
 async def ask_msg(args: argparse.Namespace, subject: str, data: bytes) -> Any:
