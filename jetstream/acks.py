@@ -302,13 +302,43 @@ async def all_records(
 async def wait_final(
     nc: NATS, request_id: str, timeout_s: float, *, subjects: StreamSubjects
 ) -> StoredAck:
-    """The first ``completed``/``failed`` record of ``request_id``, stored or yet to come.
-
-    Subscribes before looking at the stream, so a record stored in between is not missed.
-    Raises ``asyncio.TimeoutError`` after ``timeout`` seconds.
-    """
+    """The first ``completed``/``failed`` record of ``request_id``, stored or yet to come
+    (:func:`wait_final_at` on its ack subject). Raises ``asyncio.TimeoutError`` after
+    ``timeout`` seconds."""
     check_request_id(request_id)
-    subject = subjects.ack(request_id)
+    return await wait_final_at(nc, subjects.ack(request_id), timeout_s)
+
+
+async def final_at(nc: NATS, subject: str, *, timeout_s: float = 2.0) -> StoredAck | None:
+    """The ``completed``/``failed`` record stored on exactly ``subject`` (a claim's result
+    location), or None while there is none."""
+    js = nc.jetstream(timeout=timeout_s)
+    try:
+        raw = await js.get_last_msg(ACK_STREAM, subject, direct=True)
+    except NotFoundError:
+        return None
+    state = state_of(raw.headers)
+    if state in FINAL_STATES:
+        return StoredAck(subject, raw.data or b"", state, raw.seq)
+    # A late duplicate `received` may follow the final record: walk the subject's records.
+    seq = 0
+    for _ in range(100):
+        try:
+            raw = await js.get_msg(ACK_STREAM, seq=seq + 1, subject=subject, next=True)
+        except NotFoundError:
+            return None
+        state = state_of(raw.headers)
+        if state in FINAL_STATES:
+            return StoredAck(subject, raw.data or b"", state, raw.seq)
+        assert raw.seq is not None
+        seq = raw.seq
+    return None
+
+
+async def wait_final_at(nc: NATS, subject: str, timeout_s: float) -> StoredAck:
+    """:func:`final_at`, waiting up to ``timeout_s`` for one to be stored. Subscribed before
+    reading: the SUB and the read leave on one connection in that order, so the server
+    delivers any record stored after the read looked. Raises ``TimeoutError``."""
     found: asyncio.Future[StoredAck] = asyncio.get_running_loop().create_future()
 
     async def on_msg(msg: Any) -> None:
@@ -318,16 +348,11 @@ async def wait_final(
 
     sub = await nc.subscribe(subject, cb=on_msg)
     try:
-        await nc.flush(timeout=max(1, int(min(timeout_s, 2.0))))
-        last = await last_record(nc, request_id, subjects=subjects, timeout_s=min(timeout_s, 2.0))
-        if last is not None and last.state in FINAL_STATES:
-            return last
-        if last is not None and last.state not in FINAL_STATES:
-            # A final record may precede a late duplicate `received`: look at all of them.
-            for rec in await all_records(nc, request_id, subjects=subjects):
-                if rec.state in FINAL_STATES:
-                    return rec
-        return await asyncio.wait_for(asyncio.shield(found), timeout_s)
+        stored = await final_at(nc, subject, timeout_s=min(max(timeout_s, 0.1), 2.0))
+        if stored is not None:
+            return stored
+        async with asyncio.timeout(timeout_s):
+            return await asyncio.shield(found)
     finally:
         with contextlib.suppress(Exception):
             await sub.unsubscribe()

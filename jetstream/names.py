@@ -19,7 +19,12 @@ REGISTRY_BUCKET = "reach_registry"
 """KV bucket: one key per agent (the broker's snapshot) and ``_broker.*`` private keys."""
 REGISTRY_STREAM = f"KV_{REGISTRY_BUCKET}"
 """The stream behind :data:`REGISTRY_BUCKET`."""
-STREAM_NAMES = (ACK_STREAM, COMP_STREAM, AUDIT_STREAM, REGISTRY_STREAM)
+CLAIMS_BUCKET = "reach_claims"
+"""KV bucket: one create-only claim per request id (who runs it, its state, where its result
+is), kept as long as the ack records (its ``max_age`` is ``REACH_ACKS``'s)."""
+CLAIMS_STREAM = f"KV_{CLAIMS_BUCKET}"
+"""The stream behind :data:`CLAIMS_BUCKET`."""
+STREAM_NAMES = (ACK_STREAM, COMP_STREAM, AUDIT_STREAM, REGISTRY_STREAM, CLAIMS_STREAM)
 """Every asset provisioned at broker start, in order."""
 
 TOKEN_SECRET_KEY = "_broker.token_secret"
@@ -47,6 +52,9 @@ H_ENQUEUED_MS = "Reach-Enqueued-Ms"
 """When a compensation entry was enqueued (Unix ms)."""
 QUEUE_HEADERS = (H_MSG_ID, H_PRIORITY, H_EXPIRES_MS, H_ENQUEUED_MS)
 """The queue's own headers, stripped before an entry is replayed as a task."""
+H_EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
+"""JetStream's compare-and-set: store only if the subject's last sequence is this (0: none),
+how a claim is created only once and changed only by whoever read its current revision."""
 
 # --- JetStream API error codes we act on -------------------------------------------------
 
@@ -61,6 +69,8 @@ MAX_MSGS_EXCEEDED = 10077
 """``maximum messages exceeded``: the compensation queue is at its bound."""
 NO_MESSAGE_FOUND = 10037
 """``no message found``: a direct/last-by-subject get on an empty subject."""
+WRONG_LAST_SEQUENCE = (10071, 10164)
+"""``wrong last sequence``: the compare-and-set of a claim lost (someone wrote it first)."""
 
 
 class StreamSubjects(Protocol):

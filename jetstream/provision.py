@@ -26,6 +26,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from .names import (
     ACK_STREAM,
     AUDIT_STREAM,
+    CLAIMS_STREAM,
     COMP_STREAM,
     JS_NOT_ENABLED,
     STREAM_EXISTS,
@@ -73,7 +74,9 @@ def load_definitions(
     (:class:`reach_agent.subjects.Subjects` of the broker's prefix), the ack, compensation and
     audit streams take its wildcards instead. ``overrides`` maps a stream name to fields
     replacing the file's (the broker sets ``REACH_COMPENSATION.max_msgs`` from
-    ``compensation.max_entries`` this way).
+    ``compensation.max_entries`` this way). The claims bucket keeps its claims exactly as long
+    as the ack records their results live in: its ``max_age`` is ``REACH_ACKS``'s (unless
+    ``overrides`` names it).
     """
     own = (
         {ACK_STREAM: [subjects.all_acks], COMP_STREAM: [subjects.all_comp],
@@ -91,6 +94,9 @@ def load_definitions(
             cfg["subjects"] = own[name]
         cfg.update((overrides or {}).get(name, {}))
         out.append(cfg)
+    by_name = {cfg["name"]: cfg for cfg in out}
+    if "max_age" not in (overrides or {}).get(CLAIMS_STREAM, {}):
+        by_name[CLAIMS_STREAM]["max_age"] = by_name[ACK_STREAM]["max_age"]
     return out
 
 

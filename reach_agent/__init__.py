@@ -11,6 +11,8 @@ reach_agent.run(agent)          # NATS_URL or nats://127.0.0.1:4222; SIGTERM dra
 
 async with reach_agent.Client() as client:
     result = await client.call("text_processing", {"text": "hi"}, timeout=30)
+    async for chunk in client.stream("chat", {"prompt": "hi"}):   # an async-generator handler
+        print(chunk, end="")
 ```
 """
 
@@ -25,6 +27,7 @@ from .errors import (
     CompensationFull,
     Draining,
     Forbidden,
+    InProgress,
     InternalError,
     InvalidCapability,
     InvalidRequest,
@@ -32,6 +35,7 @@ from .errors import (
     NoReachableAgent,
     Overloaded,
     ReachError,
+    StreamBroken,
     TargetBusy,
     Timeout,
 )
@@ -53,6 +57,7 @@ __all__ = [
     "CompensationFull",
     "Draining",
     "Forbidden",
+    "InProgress",
     "InternalError",
     "InvalidCapability",
     "InvalidRequest",
@@ -61,6 +66,7 @@ __all__ = [
     "Overloaded",
     "ReachError",
     "Reject",
+    "StreamBroken",
     "TargetBusy",
     "Task",
     "Timeout",

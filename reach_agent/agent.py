@@ -4,7 +4,8 @@ One NATS connection named after the agent id (the broker keys the server's disco
 advisories on it). Two parts do the work: :class:`~reach_agent.presence.Presence` (announce,
 heartbeat, probe answers, leave) and :class:`~reach_agent.serving.TaskServer` (admission,
 execution, replies, ack records; the decision itself is :mod:`~reach_agent.admission`'s,
-the duplicate window :mod:`~reach_agent.dedup`'s). This module validates the agent,
+the duplicate window :mod:`~reach_agent.dedup`'s, the fleet-wide claim of a request id
+:mod:`~reach_agent.claiming`'s). This module validates the agent,
 registers handlers and runs the lifecycle: start (connect, subscribe, announce) and stop
 (drain: refuse new tasks, leave, finish in-flight ones within the grace period, close).
 
@@ -20,15 +21,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+import secrets
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, Unpack
 
 from nats.aio.client import Client as NATS
 from nats.errors import SlowConsumerError
 
 from . import durable, schema
+from .claiming import Claimer
 from .connection import (
     CredentialOptions,
     Credentials,
@@ -39,9 +41,10 @@ from .connection import (
 )
 from .dedup import DedupCache
 from .errors import InvalidRequest
+from .handling import Handler, kind_of
 from .metrics import AgentMetrics
 from .presence import Presence
-from .serving import AckSink, Handler, TaskServer
+from .serving import AckSink, TaskServer
 from .subjects import DEFAULT_PREFIX, Subjects
 
 log = logging.getLogger(__name__)
@@ -55,7 +58,11 @@ class Agent:
     ``heartbeat_interval`` and ``timeout_hint`` are seconds; ``grace`` is how long a drain
     waits for in-flight tasks; ``dedup_size``/``dedup_ttl`` bound the cache of recent
     results that makes a repeated request id answer with the first result (the duplicate
-    window, DESIGN §8: 2 min). ``creds``, ``nkey_seed``, ``user``/``password``, ``token``
+    window, DESIGN §8: 2 min). Across the fleet a request id runs once: each task is claimed
+    in KV ``reach_claims`` first (``claims=False`` turns that off; capabilities in
+    ``idempotent``, or handlers registered with ``idempotent=True``, skip it because their
+    duplicates are harmless; ``claim_timeout`` bounds the claim's round trip). ``creds``,
+    ``nkey_seed``, ``user``/``password``, ``token``
     and ``tls_ca``/``tls_cert``/``tls_key`` are the connection's credentials (see
     :class:`~reach_agent.connection.Credentials`; ``token`` is the NATS auth token, not the
     broker's heartbeat token :attr:`token`). A file that does not exist is a ``ValueError``.
@@ -83,6 +90,9 @@ class Agent:
         metrics: AgentMetrics | None = None,
         durable_acks: bool = True,
         ack_wal_dir: str | None = None,
+        idempotent: Iterable[str] = (),
+        claims: bool = True,
+        claim_timeout: float = 2.0,
         **credentials: Unpack[CredentialOptions],
     ) -> None:
         schema.check_agent_id(agent_id)
@@ -97,6 +107,12 @@ class Agent:
             raise InvalidRequest(f"max_concurrency {max_concurrency!r} must be at least 1")
         if heartbeat_interval < 0.05:
             raise InvalidRequest(f"heartbeat_interval {heartbeat_interval!r} is below 0.05 s")
+        idem = {idempotent} if isinstance(idempotent, str) else set(idempotent)
+        unknown = sorted(idem - set(caps))
+        if unknown:
+            raise InvalidRequest(f"idempotent {unknown!r} are not among the capabilities {caps!r}")
+        if not claim_timeout > 0:
+            raise InvalidRequest(f"claim_timeout {claim_timeout!r} must be a positive number")
         self.credentials = Credentials(**credentials).check()
         """How the agent's connections (its own, its ack writer's) authenticate; unset
         fields come from the environment (``NATS_CREDS``, ...) at connect time."""
@@ -115,6 +131,11 @@ class Agent:
         # ~/.cache/reach/<agent_id>), created at start with the agent's servers.
         self.durable_acks = durable_acks
         self.ack_wal_dir = ack_wal_dir
+        self.claims = claims
+        self.claim_timeout = claim_timeout
+        self.instance = secrets.token_hex(8)
+        """This process (random per process): the claims it holds name it, so a restart of
+        the agent knows which claims its dead predecessor left running."""
         self.announcement = schema.Announce(
             agent_id=agent_id,
             capabilities=caps,
@@ -132,7 +153,8 @@ class Agent:
             agent_id, max_concurrency, self.subjects, dedup=DedupCache(dedup_size, dedup_ttl),
             metrics=metrics, ack_sink=ack_sink,
         )  # fmt: skip
-        """The task side: admission, execution, replies, ack records."""
+        """The task side: admission, claims, execution, replies, ack records."""
+        self.tasks.idempotent |= idem
         self.presence = Presence(
             self.announcement, self.subjects, self.tasks,
             heartbeat_interval=heartbeat_interval, announce_refresh=announce_refresh,
@@ -202,16 +224,25 @@ class Agent:
 
     # --- handlers ---------------------------------------------------------------------
 
-    def handler(self, capability: str) -> Callable[[Handler], Handler]:
-        """Register the handler of ``capability``: ``async def f(task) -> result`` or a
-        plain function (run in a worker thread). ``result`` must be JSON-serializable."""
+    def handler(
+        self, capability: str, *, idempotent: bool | None = None
+    ) -> Callable[[Handler], Handler]:
+        """Register the handler of ``capability``: ``async def f(task) -> result``, a plain
+        function (run in a worker thread), or an async generator (``async def f(task):
+        yield chunk``: a streamed answer). Results and chunks must be JSON-serializable.
+        ``idempotent=True`` runs it without a fleet-wide claim (``False``: with one, also
+        when the agent's ``idempotent`` names it)."""
         if capability not in self.capabilities:
             raise InvalidRequest(
                 f"capability {capability!r} is not among this agent's {self.capabilities!r}"
             )
 
         def register(fn: Handler) -> Handler:
-            self.tasks.handlers[capability] = (fn, inspect.iscoroutinefunction(fn))
+            self.tasks.handlers[capability] = (fn, kind_of(fn))
+            if idempotent is not None:
+                (self.tasks.idempotent.add if idempotent else self.tasks.idempotent.discard)(
+                    capability
+                )
             return fn
 
         return register
@@ -269,6 +300,11 @@ class Agent:
         sink = self.ack_sink
         if sink is not None and hasattr(sink, "start"):
             await sink.start()
+        if self.claims:
+            claimer = Claimer(nc, self.agent_id, self.instance, self.subjects,
+                              timeout_s=self.claim_timeout)  # fmt: skip
+            await claimer.start()
+            self.tasks.claimer = claimer
         await self.presence.subscribe(nc)
         await self.tasks.subscribe(nc, self.capabilities)
         await flush_subscriptions(nc)

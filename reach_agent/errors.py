@@ -65,6 +65,19 @@ class BizReject(RequestError):
     code = "BIZ_REJECT"
 
 
+class InProgress(ReachError):
+    """Another agent holds the request id's claim and is running it: wait for its result
+    (the holder's ack record) instead of running it again."""
+
+    code = "IN_PROGRESS"
+    status = 409
+
+    def __init__(self, message: str = "", *, holder: str = "") -> None:
+        super().__init__(message)
+        self.holder = holder
+        """The agent id holding the claim (``holder`` in the error body)."""
+
+
 # --- nobody could take the task now (retryable elsewhere or later) -----------------------
 
 
@@ -101,6 +114,19 @@ class CompensationFull(Unavailable):
     retryable = False
 
 
+class StreamBroken(ReachError):
+    """A streamed answer ended before its ``completed``: the agent died, or a chunk went
+    missing. ``delivered`` chunks reached the reader; it is never re-run silently."""
+
+    code = "STREAM_BROKEN"
+    status = 502
+
+    def __init__(self, message: str = "", *, delivered: int = 0) -> None:
+        super().__init__(message)
+        self.delivered = delivered
+        """Chunks the reader got before the stream broke (``delivered`` in the error body)."""
+
+
 # --- our own fault ----------------------------------------------------------------------
 
 
@@ -117,12 +143,14 @@ _BY_CODE: dict[str, type[ReachError]] = {
         Forbidden,
         LoopDetected,
         BizReject,
+        InProgress,
         NoReachableAgent,
         Overloaded,
         TargetBusy,
         Draining,
         Timeout,
         CompensationFull,
+        StreamBroken,
         InternalError,
     )
 }
@@ -135,6 +163,11 @@ H_SERVICE_ERROR_CODE = "Nats-Service-Error-Code"
 class _ErrorBody(msgspec.Struct):
     code: str = "INTERNAL"
     message: str = ""
+    # Written only by the codes that carry them (absent, not null, otherwise).
+    holder: str | msgspec.UnsetType = msgspec.UNSET
+    """``IN_PROGRESS``: the agent holding the claim."""
+    delivered: int | msgspec.UnsetType = msgspec.UNSET
+    """``STREAM_BROKEN``: chunks delivered before the break."""
 
 
 class _ErrorReply(msgspec.Struct):
@@ -145,11 +178,17 @@ _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(_ErrorReply)
 
 
-def error_for(code: str, message: str) -> ReachError:
+def error_for(
+    code: str, message: str, *, holder: str | None = None, delivered: int | None = None
+) -> ReachError:
     """The exception of a wire ``code`` (unknown codes become :class:`ReachError`)."""
     cls = _BY_CODE.get(code)
     if cls is None:
         return ReachError(message, code=code)
+    if cls is InProgress:
+        return InProgress(message, holder=holder or "")
+    if cls is StreamBroken:
+        return StreamBroken(message, delivered=delivered or 0)
     return cls(message)
 
 
@@ -159,7 +198,11 @@ def to_reply(err: ReachError) -> tuple[dict[str, str], bytes]:
         H_SERVICE_ERROR: err.message[:1024],
         H_SERVICE_ERROR_CODE: str(err.status),
     }
-    error = _ErrorBody(code=err.code, message=err.message)
+    error = _ErrorBody(
+        code=err.code, message=err.message,
+        holder=err.holder if isinstance(err, InProgress) else msgspec.UNSET,
+        delivered=err.delivered if isinstance(err, StreamBroken) else msgspec.UNSET,
+    )  # fmt: skip
     if err.extra:
         return headers, _encoder.encode({"error": error, **err.extra})
     return headers, _encoder.encode(_ErrorReply(error=error))
@@ -175,4 +218,9 @@ def from_reply(headers: Mapping[str, str] | None, data: bytes) -> ReachError | N
     except msgspec.MsgspecError:
         status = headers.get(H_SERVICE_ERROR_CODE, "500")
         return ReachError(message or f"service error {status}", code="INTERNAL")
-    return error_for(body.error.code, body.error.message or message)
+    e = body.error
+    return error_for(
+        e.code, e.message or message,
+        holder=e.holder if isinstance(e.holder, str) else None,
+        delivered=e.delivered if isinstance(e.delivered, int) else None,
+    )  # fmt: skip

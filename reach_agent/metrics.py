@@ -61,7 +61,7 @@ class AgentMetrics:
         self.tasks = Counter(
             "reach_agent_tasks_total",
             "Tasks by capability and result (ok, rejected, failed, busy, draining, duplicate, "
-            "loop, invalid)",
+            "in_progress, unclaimed, loop, invalid)",
             ["capability", "result"],
             registry=self.registry,
         )

@@ -46,8 +46,9 @@ Percent = Annotated[float, Meta(ge=0, le=100)]
 AgentState = Literal["healthy", "suspect", "offline", "recovering", "draining"]
 AGENT_STATES: tuple[AgentState, ...] = ("healthy", "suspect", "offline", "recovering", "draining")
 AgentStatus = Literal["idle", "busy", "draining"]
-EventKind = Literal["registered", "state", "left", "evicted"]
+EventKind = Literal["registered", "state", "left", "evicted", "released"]
 AckState = Literal["received", "completed", "failed"]
+ClaimState = Literal["running", "completed", "failed", "released"]
 
 
 class Base(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -191,6 +192,8 @@ class Candidate(Base, frozen=True):
     load: float
     region: str | None = None
     version: str | None = None
+    timeout_hint_ms: int | None = None
+    """The agent's announced ``timeout_hint_ms``: callers wait at least this long."""
     explain: AgentExplain | None = None
 
 
@@ -285,7 +288,8 @@ class AckRecord(Base, frozen=True):
 
 
 class Event(Base, frozen=True):
-    """``reach.event.<kind>.<agent_id>``: one state transition, with why."""
+    """``reach.event.<kind>.<agent_id>``: one state transition, with why (kind
+    ``released``: a claim of the agent released, ``request_id`` names it)."""
 
     kind: EventKind
     agent_id: str
@@ -294,6 +298,27 @@ class Event(Base, frozen=True):
     broker_id: str
     to: AgentState | None = None
     from_: AgentState | None = msgspec.field(default=None, name="from")
+    request_id: str | None = None
+
+
+class Claim(Base, frozen=True):
+    """The value of a request id's key in KV ``reach_claims``: who runs it, how far it got,
+    where its result is. Created once (before the handler runs), then changed only by
+    compare-and-set on its revision."""
+
+    request_id: str
+    agent_id: str
+    """The holder: the agent that runs (or ran) the request."""
+    instance: str
+    """The holder's process (random per process): a restarted agent knows its old claims."""
+    capability: str
+    state: ClaimState
+    at_ms: int
+    """When the claim last changed (Unix ms)."""
+    ack_subject: str | None = None
+    """The result location: the ``REACH_ACKS`` subject of the holder's final ack record."""
+    reason: str | None = None
+    """Why it was released."""
 
 
 # --- headers ------------------------------------------------------------------------------
@@ -307,6 +332,14 @@ H_TRACE_ID = "Reach-Trace-Id"
 H_HOPS = "Reach-Hops"
 H_STATUS = "Reach-Status"
 H_TRACEPARENT = "traceparent"
+H_STREAM = "Reach-Stream"
+"""``1`` on a task: answer in chunks. ``cancel`` on a credit message: stop the stream."""
+H_STREAM_WINDOW = "Reach-Stream-Window"
+"""On a streamed task: chunks the caller takes ahead of its credits (default 64)."""
+H_SEQ = "Reach-Seq"
+"""A chunk's sequence number (1, 2, ...); on a credit message, the last chunk consumed."""
+H_CHUNKS = "Reach-Chunks"
+"""On the ``completed`` message that ends a stream: how many chunks it had."""
 
 
 # --- codecs (module level, reused: no per-message construction) ---------------------------
@@ -322,6 +355,7 @@ agents_request_decoder = msgspec.json.Decoder(AgentsRequest)
 agent_views_decoder = msgspec.json.Decoder(list[AgentView])
 probe_reply_decoder = msgspec.json.Decoder(ProbeReply)
 event_decoder = msgspec.json.Decoder(Event)
+claim_decoder = msgspec.json.Decoder(Claim)
 
 
 def decode(decoder: msgspec.json.Decoder[Any], data: bytes, what: str) -> Any:

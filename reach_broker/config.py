@@ -169,6 +169,16 @@ class CompensationSection(Section):
     """Ceiling of the backoff while every agent of a capability answers TARGET_BUSY."""
 
 
+class ClaimsSection(Section):
+    scan_window_s: Positive = 3600.0
+    """At start, claims (KV reach_claims) written this long ago are read to know who runs
+    what; a task running longer than this when the broker starts is not released if its
+    agent then goes offline (its claim waits for the agent, or for the bucket's max age)."""
+    release: bool = True
+    """Release the running claims of agents the broker declares offline, so their requests
+    can run elsewhere (off: they stay claimed until their agent returns or they expire)."""
+
+
 CONSOLE_TOKEN_PATTERN = r"^[A-Za-z0-9._~+/=-]{16,256}$"
 ConsoleToken = Annotated[str, Meta(pattern=CONSOLE_TOKEN_PATTERN)]
 
@@ -211,6 +221,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     scoring: ScoringSection = msgspec.field(default_factory=ScoringSection)
     routing: RoutingSection = msgspec.field(default_factory=RoutingSection)
     compensation: CompensationSection = msgspec.field(default_factory=CompensationSection)
+    claims: ClaimsSection = msgspec.field(default_factory=ClaimsSection)
     console: ConsoleSection = msgspec.field(default_factory=ConsoleSection)
 
 

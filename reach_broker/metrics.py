@@ -110,13 +110,14 @@ class Metrics:
         )  # fmt: skip
         self.compensation = Counter(
             "reach_compensation_total",
-            "Compensation entries by result (replayed/expired by brokers; enqueued/refused by "
-            "clients)",
+            "Compensation entries by result (replayed/expired/claimed by brokers; "
+            "enqueued/refused by clients)",
             ["result"],
             registry=r,
         )
         self.compensation_result = {
-            k: self.compensation.labels(k) for k in ("enqueued", "replayed", "expired", "refused")
+            k: self.compensation.labels(k)
+            for k in ("enqueued", "replayed", "expired", "refused", "claimed")
         }
         self.ack_records = Counter(
             "reach_ack_records_total", "Ack records published on reach.ack.> by state",
@@ -125,6 +126,12 @@ class Metrics:
         self.ack_record_state = {
             k: self.ack_records.labels(k) for k in ("received", "completed", "failed")
         }
+        self.claims_released = Counter(
+            "reach_claims_released_total",
+            "Running claims (KV reach_claims) released because their agent was declared "
+            "offline, so the request can run elsewhere",
+            registry=r,
+        )
         self.ack_latency = Histogram(
             "reach_ack_latency_seconds",
             "Task sent (replay) or received (agent ack) to its completed/failed ack",

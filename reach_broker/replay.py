@@ -7,8 +7,10 @@ consumer (so two replicas never hold the same entry), orders them by priority th
 sends each as a task with its original ``Reach-Request-Id`` and ``Reach-Receipt: 1`` to an
 agent the broker's Router picks, at most ``replay_concurrency`` at once (scaled down by the
 slow-start share of a just-recovered agent). An entry is acked (removed) only after the
-agent's receipt; if the broker dies first, JetStream redelivers it after ``ack_wait_s`` and
-the agent's de-duplication by request id keeps the handler from running twice.
+agent's receipt; if the broker dies first, JetStream redelivers it after ``ack_wait_s``.
+An entry whose request id an agent has claimed (KV ``reach_claims``: running, completed or
+failed), or that an agent answers ``IN_PROGRESS``, is removed without being sent
+(``claimed``); the agents' own claims keep the handler from running twice regardless.
 
 Expired entries (``Reach-Expires-Ms`` passed) are recorded on ``REACH_ACKS`` as ``failed``
 with ``error.reason = "expired"`` and removed: at replay, and by the periodic sweep for
@@ -21,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import random
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 import msgspec
@@ -41,7 +44,7 @@ from .routing import Router
 
 log = logging.getLogger(__name__)
 
-Outcome = Literal["replayed", "expired", "failed", "stalled"]
+Outcome = Literal["replayed", "expired", "failed", "stalled", "claimed"]
 TRACK_MAX = 50_000
 """Request ids remembered for the ack latency histogram (oldest forgotten first)."""
 FETCH_BATCH = 256
@@ -58,14 +61,18 @@ class Replayer:
     """Broker component replaying ``REACH_COMPENSATION`` entries to reachable agents.
     Started only when the server has JetStream."""
 
-    def __init__(self, ctx: BrokerContext, router: Router) -> None:
+    def __init__(self, ctx: BrokerContext, router: Router,
+                 holder_of: Callable[[str], Awaitable[str | None]]) -> None:  # fmt: skip
         self.ctx = ctx
         self.router = router
+        self.holder_of = holder_of
+        """The agent holding a request id's claim (None: unclaimed or released)."""
         self.subjects = ctx.subjects
         self.cfg = ctx.cfg.compensation
         self.replayed = 0
         self.expired = 0
         self.failed = 0
+        self.claimed = 0  # entries an agent had claimed: removed, not sent
         self._running: dict[str, asyncio.Task[None]] = {}
         self._again: set[str] = set()
         self._known: dict[str, int] = {}
@@ -249,6 +256,9 @@ class Replayer:
             await self.record_expired(e)
             await e.msg.ack_sync()
             return "expired"
+        holder = await self.holder_of(e.request_id)
+        if holder is not None:
+            return await self._skip(e, holder, "claimed")
         headers = e.task_headers()
         headers[schema.H_REQUEST_ID] = e.request_id
         headers[schema.H_RECEIPT] = "1"
@@ -270,6 +280,8 @@ class Replayer:
                     log.info("replay.no_receipt request_id=%s agent=%s", e.request_id, c.agent_id)
                     continue
                 err = from_reply(reply.headers, reply.data)
+                if err is not None and err.code == "IN_PROGRESS":
+                    return await self._skip(e, getattr(err, "holder", ""), "in progress")
                 if err is None:
                     self._remember(self._sent_ms, e.request_id, sent_ms)
                     await e.msg.ack_sync()
@@ -290,6 +302,16 @@ class Replayer:
                 return "stalled"
             await asyncio.sleep(backoff * (0.5 + random.random()))
             backoff = min(backoff * 2, self.cfg.busy_retry_max_s)
+
+    async def _skip(self, e: Entry, holder: str, why: str) -> Outcome:
+        """The request id is an agent's already: remove the entry without running it."""
+        assert e.msg is not None
+        await e.msg.ack_sync()
+        self.claimed += 1
+        self.ctx.metrics.compensation_result["claimed"].inc()
+        log.info("replay.claimed request_id=%s capability=%s holder=%s (%s): not sent again",
+                 e.request_id, e.capability, holder, why)  # fmt: skip
+        return "claimed"
 
     # --- failed / expired records -------------------------------------------------------
 

@@ -40,6 +40,7 @@ from .handlers import Handlers
 from .metrics import Metrics
 from .probes import Prober
 from .registry import Registry
+from .releases import Releaser
 from .replay import Replayer
 from .routing import Router
 from .snapshot import Snapshot
@@ -110,12 +111,16 @@ class Broker:
         """What a component is handed (the console's feed is one, started by the process)."""
         self.handlers = Handlers(ctx, registry, self.router)
         # The snapshot restores the registry before probes and advisories start (advisories
-        # reconcile with the server's connection list); replay comes last. Snapshot and
-        # replay need JetStream and start only with it.
+        # reconcile with the server's connection list); claim releases and replay come last.
+        # Snapshot, releases and replay need JetStream and start only with it.
         self.snapshot = Snapshot(ctx, registry)
         self.probes = Prober(ctx, registry)
         self.advisories = Advisories(ctx, registry, self.probes)
-        self.replayer = Replayer(ctx, self.router)
+        agents = registry.agents
+        self.releaser = Releaser(
+            ctx, lambda a: rec.state if (rec := agents.get(a)) is not None else None
+        )
+        self.replayer = Replayer(ctx, self.router, self.releaser.holder_of)
         self._running: list[Component] = []
         self._service: Service | None = None
         self._subs: list[Any] = []
@@ -137,7 +142,7 @@ class Broker:
             self._watching = True
             self.metrics.watch_states(lambda: self.registry.counts)
         self._running = (
-            [self.snapshot, self.probes, self.advisories, self.replayer]
+            [self.snapshot, self.probes, self.advisories, self.releaser, self.replayer]
             if self.jetstream_ok
             else [self.probes, self.advisories]
         )

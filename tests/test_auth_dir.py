@@ -83,6 +83,12 @@ def test_agent_permissions() -> None:
         "reach.hb.alpha",
         "reach.leave.alpha",
         "reach.ack.alpha.>",
+        "$KV.reach_claims.>",
+        "$JS.API.STREAM.INFO.KV_reach_claims",
+        "$JS.API.DIRECT.GET.KV_reach_claims.>",
+        "$JS.API.DIRECT.GET.REACH_ACKS",
+        "$JS.API.DIRECT.GET.REACH_ACKS.>",
+        "$JS.API.STREAM.MSG.GET.REACH_ACKS",
     ]
     assert user.sub.allow == [
         "reach.task.alpha.>",
@@ -91,7 +97,7 @@ def test_agent_permissions() -> None:
         "_INBOX.agent.alpha.>",
     ]
     assert user.resp is not None
-    assert (user.resp.max, user.resp.ttl) == (2, 300_000_000_000)
+    assert (user.resp.max, user.resp.ttl) == (-1, 3660_000_000_000)
     assert user.allowed_connection_types == ["STANDARD"]
     assert user.tags == ["reach-role:agent"]
     assert inbox_prefix_of(user) == "_INBOX.agent.alpha"
@@ -111,9 +117,11 @@ def test_caller_permissions() -> None:
         "$JS.API.DIRECT.GET.REACH_ACKS",
         "$JS.API.DIRECT.GET.REACH_ACKS.>",
         "$JS.API.STREAM.MSG.GET.REACH_ACKS",
+        "$JS.API.DIRECT.GET.KV_reach_claims.>",
     ]
     assert user.sub.allow == ["reach.ack.>", "reach.event.>", "_INBOX.caller.ops.>"]
-    assert user.resp is None
+    assert user.resp is not None
+    assert (user.resp.max, user.resp.ttl) == (-1, 3660_000_000_000)
 
 
 def test_broker_permissions() -> None:

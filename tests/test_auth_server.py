@@ -123,8 +123,9 @@ async def test_agent_uses_its_own_subjects(auth: AuthDir, server: AuthServer) ->
         async def on_task(msg: object) -> None:
             reply = msg.reply  # type: ignore[attr-defined]
             await alpha.publish(reply, b"receipt")
+            await alpha.publish(reply, b"chunk")
             await alpha.publish(reply, b"result")
-            await alpha.publish(reply, b"one too many")
+            await alpha.publish(reply + "x", b"not a reply subject it received")
 
         async def on_probe(msg: object) -> None:
             await alpha.publish(msg.reply, b'{"ok":true}')  # type: ignore[attr-defined]
@@ -140,7 +141,8 @@ async def test_agent_uses_its_own_subjects(auth: AuthDir, server: AuthServer) ->
             await alpha.publish(subject, b"{}")
             await seen.wait(subject)
         # Replies to the requests it received: a probe from the broker, a task from a caller
-        # (receipt and result; a third reply to the same request is refused).
+        # (receipt, streamed chunks, result: any number within the reply window); a subject it
+        # never received as a reply subject is refused.
         probe = await broker.request("reach.probe.alpha", b"{}", timeout=5)
         assert probe.data == b'{"ok":true}'
         replies = Inbox()
@@ -149,9 +151,9 @@ async def test_agent_uses_its_own_subjects(auth: AuthDir, server: AuthServer) ->
         await ops.subscribe(inbox, cb=replies.record)
         await ops.flush()
         await ops.publish("reach.task.alpha.echo", b"hi", reply=inbox)
-        await wait_for(lambda: len(replies.msgs) == 2, 5, what="receipt and result")
-        await errors.wait(violation("publish", inbox))
-        assert [m.data for m in replies.msgs] == [b"receipt", b"result"]
+        await errors.wait(violation("publish", inbox + "x"))
+        await wait_for(lambda: len(replies.msgs) == 3, 5, what="receipt, chunk and result")
+        assert [m.data for m in replies.msgs] == [b"receipt", b"chunk", b"result"]
         # Its ack records, stored by JetStream under its own name only.
         ajs = alpha.jetstream(timeout=5)
         ack = await ajs.publish(

@@ -85,6 +85,15 @@ def test_events_are_kept_bounded_and_a_replicas_copy_is_merged() -> None:
     assert [e.event.at_ms for e in h.transitions("a")] == [1000, 5000]
 
 
+def test_released_claims_of_one_agent_are_told_apart() -> None:
+    h = History(5.0, 10.0, events=10)
+    for broker, rid in (("b1", "r1"), ("b2", "r2"), ("b2", "r1")):
+        h.event(Event(kind="released", agent_id="a", reason="agent offline", at_ms=1000,
+                      broker_id=broker, request_id=rid))  # fmt: skip
+    assert [(e.event.request_id, e.brokers) for e in h.events] == [
+        ("r1", ["b1", "b2"]), ("r2", ["b2"])]  # fmt: skip
+
+
 # --- who may look --------------------------------------------------------------------------------
 
 

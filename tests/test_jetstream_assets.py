@@ -42,9 +42,10 @@ async def test_provisioning_is_idempotent_and_matches_the_definitions(nc: NATS) 
     assert [(o.name, o.action) for o in first] == [
         ("REACH_ACKS", "created"), ("REACH_COMPENSATION", "created"),
         ("REACH_AUDIT", "created"), ("KV_reach_registry", "created"),
+        ("KV_reach_claims", "created"),
     ]  # fmt: skip
     second = await provision(nc)
-    assert [o.action for o in second] == ["unchanged"] * 4
+    assert [o.action for o in second] == ["unchanged"] * 5
     acks_cfg = (await stream_info(nc, "REACH_ACKS"))["config"]
     assert acks_cfg["subjects"] == ["reach.ack.>"]
     assert acks_cfg["storage"] == "file"
@@ -59,6 +60,13 @@ async def test_provisioning_is_idempotent_and_matches_the_definitions(nc: NATS) 
     kv = await nc.jetstream().key_value("reach_registry")
     await kv.put("alpha", b"{}")
     assert (await kv.get("alpha")).value == b"{}"
+    # The claims bucket: one value per key, kept exactly as long as the ack records.
+    claims_cfg = (await stream_info(nc, "KV_reach_claims"))["config"]
+    assert claims_cfg["subjects"] == ["$KV.reach_claims.>"]
+    assert (claims_cfg["max_age"], claims_cfg["max_msgs_per_subject"]) == (24 * 3600 * 10**9, 1)
+    assert (claims_cfg["allow_direct"], claims_cfg["deny_delete"]) == (True, True)
+    claims_kv = await nc.jetstream().key_value("reach_claims")
+    assert await claims_kv.create("r-1", b"{}") == 1
 
 
 async def test_default_bound_is_2000() -> None:

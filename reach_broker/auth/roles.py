@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from jetstream.names import ACK_STREAM
+from jetstream.names import ACK_STREAM, CLAIMS_BUCKET, CLAIMS_STREAM
 from reach_agent.subjects import Subjects
 
 from .claims import Permission, ResponsePermission, User
@@ -86,11 +86,13 @@ class Role:
 
 INBOX = Raw("{inbox}.>")
 
-AGENT_REPLY_WINDOW_S = 300.0
+AGENT_REPLY_WINDOW_S = 3660.0
 """How long after receiving a task (or probe) an agent may still reply to it. Must exceed the
-longest task deadline (``ClientConfig.max_timeout_s``, 120 s by default): a result published
-later is refused by the server. The server keeps one entry per pending reply until it is
-used up or this window ends, so it is not made longer than it needs to be."""
+longest task deadline (``ClientConfig.max_timeout_s``, 3600 s by default): a result published
+later is refused by the server. Replies are unlimited in number within the window (a
+streamed answer is one message per chunk), so the server keeps one entry per task received
+for the whole window: about ``tasks per second * window`` entries per agent connection.
+Lower it (``issue_agent(..., reply_window_s=...)``) where tasks are short and many."""
 
 # JetStream API subjects a caller needs to read ack records (reach_agent.durable's wait and
 # last-record reads): last-by-subject direct get, direct get by sequence, and the non-direct
@@ -102,15 +104,29 @@ _ACK_READS = (
     Raw(f"$JS.API.DIRECT.GET.{ACK_STREAM}.>"),
     Raw(f"$JS.API.STREAM.MSG.GET.{ACK_STREAM}"),
 )
+# Claims (KV reach_claims, reach_agent.claiming): an agent creates and ends them with plain
+# JetStream publishes (compare-and-set by header) and reads them by direct get; a caller
+# waiting on IN_PROGRESS reads them. Any agent of the account may write any claim: the
+# bucket trusts the account's agents (a forged claim can stall a request, not run it twice).
+_CLAIM_READS = (Raw(f"$JS.API.DIRECT.GET.{CLAIMS_STREAM}.>"),)
+_CLAIM_WRITES = (Raw(f"$KV.{CLAIMS_BUCKET}.>"), Raw(f"$JS.API.STREAM.INFO.{CLAIMS_STREAM}"))
 
 ROLES: dict[RoleName, Role] = {
     "agent": Role(
         name="agent",
         description="one agent process (connection name = agent id)",
-        publish=(Of("announce"), Of("heartbeat"), Of("leave"), OwnAcks()),
+        publish=(
+            Of("announce"),
+            Of("heartbeat"),
+            Of("leave"),
+            OwnAcks(),
+            *_CLAIM_WRITES,
+            *_CLAIM_READS,
+            *_ACK_READS,
+        ),
         subscribe=(Of("tasks_of"), Of("probe"), Of("events_of"), INBOX),
-        # A task gets at most a receipt and a result; a probe one answer.
-        responses=Responses(max_msgs=2, ttl_s=AGENT_REPLY_WINDOW_S),
+        # A task gets a receipt, then its result or one message per streamed chunk.
+        responses=Responses(max_msgs=-1, ttl_s=AGENT_REPLY_WINDOW_S),
     ),
     "caller": Role(
         name="caller",
@@ -122,8 +138,12 @@ ROLES: dict[RoleName, Role] = {
             Every("all_comp"),
             Every("all_probes"),  # the client's liveness watch probes agents running its calls
             *_ACK_READS,
+            *_CLAIM_READS,
         ),
         subscribe=(Every("all_acks"), Every("all_events"), INBOX),
+        # Credits of a streamed answer go back to the chunks' reply subject (the agent's
+        # inbox); the SDK sends them only to `_INBOX.` subjects.
+        responses=Responses(max_msgs=-1, ttl_s=AGENT_REPLY_WINDOW_S),
     ),
     "broker": Role(
         name="broker",

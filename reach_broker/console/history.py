@@ -115,8 +115,8 @@ class History:
             old = entry.event
             if event.at_ms - old.at_ms > SAME_WITHIN_MS:
                 break
-            if (old.kind, old.agent_id, old.from_, old.to) == (
-                event.kind, event.agent_id, event.from_, event.to
+            if (old.kind, old.agent_id, old.from_, old.to, old.request_id) == (
+                event.kind, event.agent_id, event.from_, event.to, event.request_id
             ) and event.broker_id not in entry.brokers:  # fmt: skip
                 entry.brokers.append(event.broker_id)
                 return None

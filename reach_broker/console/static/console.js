@@ -205,14 +205,15 @@ function renderEvents(fresh) {
 
 function eventItem(v, fresh) {
   const e = v.event;
+  // A move between states; an eviction; or another kind without a state (a released claim).
   const move = e.to ? [e.from ? stateBadge(e.from) : null, e.from ? el("span", { class: "move", text: "→" }) : null, stateBadge(e.to)]
-    : [el("span", { class: "state gone", text: "evicted" })];
+    : [el("span", { class: "state gone", text: e.kind })];
   const brokers = v.brokers.length > 1 ? ` · ${v.brokers.length} brokers` : ` · ${v.brokers[0]}`;
   return el("li", { class: `event${fresh ? " fresh" : ""}`, "data-agent": e.agent_id, "data-to": e.to || "" },
     el("span", { class: "at", text: clock(e.at_ms) }),
     el("span", { class: "what" }, el("span", { class: "agent", text: e.agent_id }), move,
-      e.kind === "state" || e.kind === "evicted" ? null : el("span", { class: "move", text: e.kind })),
-    el("span", { class: "why", text: `${e.reason}${brokers}` }));
+      e.kind === "state" || !e.to ? null : el("span", { class: "move", text: e.kind })),
+    el("span", { class: "why", text: `${e.request_id ? `request ${e.request_id}: ` : ""}${e.reason}${brokers}` }));
 }
 
 // --- the compensation queue --------------------------------------------------------------------
@@ -290,8 +291,13 @@ function renderDetail() {
     chart("task time", d.samples, d.samples.task_ms, e.task_ms ?? null, null, "#c26a00", " ms"),
     el("h2", { class: "sub" }, "Transitions"),
     d.transitions.length ? el("ul", { class: "transitions" }, d.transitions.slice().reverse().map((v) => el("li", {},
-      el("b", { text: clock(v.event.at_ms) }), ` ${v.event.from || v.event.kind} → ${v.event.to || "evicted"}: ${v.event.reason}`)))
+      el("b", { text: clock(v.event.at_ms) }), ` ${transition(v.event)}: ${v.event.reason}`)))
       : el("p", { class: "dim", text: "none since the broker started" }));
+}
+
+function transition(e) {
+  if (!e.to) return e.request_id ? `${e.kind} ${e.request_id}` : e.kind;
+  return `${e.from || e.kind} → ${e.to}`;
 }
 
 function chart(label, samples, values, current, fixedMax, color, unit) {
