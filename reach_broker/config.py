@@ -208,7 +208,7 @@ class ConsoleSection(Section):
     """Events kept for the timeline (read from REACH_AUDIT at start, then live)."""
     push_s: Positive = 1.0
     """How often a watching page gets the fleet (and at once after a transition)."""
-    max_agents: Annotated[int, Meta(ge=1)] = 1000
+    max_agents: Annotated[int, Meta(ge=1)] = 500
     """Agents sent to the page, the least healthy first (the counts cover all)."""
 
 

@@ -14,6 +14,7 @@ An explained request costs O(agents of the capability): it is for people (``reac
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -156,6 +157,12 @@ DETAILS: dict[str, Callable[[Case], str]] = {
 """The sentence of each reason code (every code of ``reasons.EXCLUSIONS``)."""
 
 
+def _score_terms(t: Terms) -> ScoreTerms:
+    return ScoreTerms(liveness=round(t.liveness, 4), latency=round(t.latency, 4),
+                      load=round(t.load, 4), success=round(t.success, 4),
+                      stuck=t.stuck)  # fmt: skip
+
+
 class Explainer:
     """Explained route replies and rankings over the router and the scoring settings."""
 
@@ -212,6 +219,11 @@ class Explainer:
                      max_concurrency=rec.max_concurrency, stuck=rec.stuck,
                      peer_task_ms=peer)  # fmt: skip
 
+    def brief(self, rec: AgentRecord) -> AgentExplain:
+        """``rec``'s score terms and the weakest of them, nothing else (a list of agents)."""
+        t = self.terms(rec)
+        return AgentExplain(terms=_score_terms(t), weakest=weakest(t, self.scoring))
+
     def agent(
         self, rec: AgentRecord, now: float, *, rank: int = 0, kept: str | None = None,
         t: Terms | None = None, weak: str | None = None,
@@ -224,9 +236,7 @@ class Explainer:
         stats = rec.stats
         router = self.router
         return AgentExplain(
-            terms=ScoreTerms(liveness=round(t.liveness, 4), latency=round(t.latency, 4),
-                             load=round(t.load, 4), success=round(t.success, 4),
-                             stuck=t.stuck),
+            terms=_score_terms(t),
             weakest=weak,
             slow_start=round(router.slow_start_factor(rec, now), 4),
             weight=round(router.weight(rec, now), 2),
@@ -244,16 +254,24 @@ class Explainer:
         """The walk of ``req`` over ``idx``, agent by agent: which filter each ranked agent
         (and each suspect, when the walk falls back to them) fails, and the pool it gathers
         for the choice."""
+        want = self.router.pool_size(req)
+        failed, passed = self._failed(idx.ranked, "healthy", req)
+        if passed or not req.allow_suspect:
+            return Walk(passed[:want], "healthy", failed)
+        failed_suspect, passed = self._failed(idx.suspects, "suspect", req)
+        return Walk(passed[:want], "suspect", {**failed_suspect, **failed})
+
+    def _failed(
+        self, recs: list[AgentRecord], state: str, req: RouteRequest
+    ) -> tuple[dict[str, str | None], list[AgentRecord]]:
+        """The walk over ``recs`` in one pass, then each agent it left out asked why."""
         router = self.router
-        want = router.pool_size(req)
-        failed = {rec.agent_id: router.filtered_by(rec, "healthy", req) for rec in idx.ranked}
-        pool = [rec for rec in idx.ranked if failed[rec.agent_id] is None][:want]
-        if pool or not req.allow_suspect:
-            return Walk(pool, "healthy", failed)
-        failed_suspect = {rec.agent_id: router.filtered_by(rec, "suspect", req)
-                          for rec in idx.suspects}  # fmt: skip
-        pool = [rec for rec in idx.suspects if failed_suspect[rec.agent_id] is None][:want]
-        return Walk(pool, "suspect", {**failed_suspect, **failed})
+        passed = router.passing(recs, state, req)
+        failed: dict[str, str | None] = dict.fromkeys((rec.agent_id for rec in passed), None)
+        for rec in recs:
+            if rec.agent_id not in failed:
+                failed[rec.agent_id] = router.filtered_by(rec, state, req)
+        return failed, passed
 
     def reason(self, rec: AgentRecord, idx: CapabilityIndex, walk: Walk, pool: set[str]) -> str:
         """The reason code of an agent of ``idx`` that is not a candidate after ``walk``."""
@@ -279,15 +297,17 @@ class Explainer:
         ranks = {rec.agent_id: i for i, rec in enumerate(idx.ranked, 1)}
         taken = {rec.agent_id for rec in chosen}
         left = [rec for rec in idx.members.values() if rec.agent_id not in taken]
-        left.sort(key=lambda rec: (ranks.get(rec.agent_id, len(ranks) + 1), -rec.score,
-                                   rec.agent_id))  # fmt: skip
         counts: dict[str, int] = {}
-        excluded: list[Exclusion] = []
+        codes = {}
         for rec in left:
-            code = self.reason(rec, idx, walk, in_pool)
+            code = codes[rec.agent_id] = self.reason(rec, idx, walk, in_pool)
             counts[code] = counts.get(code, 0) + 1
-            if len(excluded) >= limit:
-                continue
+        unranked = len(ranks) + 1
+        listed = heapq.nsmallest(limit, left, key=lambda rec: (
+            ranks.get(rec.agent_id, unranked), -rec.score, rec.agent_id))  # fmt: skip
+        excluded: list[Exclusion] = []
+        for rec in listed:
+            code = codes[rec.agent_id]
             rank = ranks.get(rec.agent_id, 0)
             t = self.terms(rec)
             weak = weakest(t, self.scoring)

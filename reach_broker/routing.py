@@ -129,6 +129,10 @@ class Router:
             return req.limit
         return req.limit * cfg.pool_factor
 
+    def passing(self, recs: list[AgentRecord], state: str, req: RouteRequest) -> list[AgentRecord]:
+        """Every agent of ``recs`` that passes the walk's filters (the walk without a limit)."""
+        return self._walk(recs, state, req, len(recs), {}) if recs else []
+
     def filtered_by(self, rec: AgentRecord, state: str, req: RouteRequest) -> str | None:
         """The reason code (:mod:`reach_broker.reasons`) of the first filter of the walk
         ``rec`` fails when the walk wants ``state``; None when it passes them all."""

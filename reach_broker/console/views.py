@@ -10,6 +10,8 @@ what ``reach route --explain`` says.
 
 from __future__ import annotations
 
+from typing import cast
+
 import msgspec
 
 from reach_agent.schema import AGENT_STATES, AgentExplain, Event, Exclusion, RouteRequest
@@ -25,6 +27,8 @@ CAPABILITIES = 100
 
 DEFAULT_REQUEST = RouteRequest()
 """A capability's ranking is explained for the request a plain caller sends."""
+
+_encode = msgspec.json.Encoder().encode
 
 _SEVERITY = {"offline": 0, "suspect": 1, "recovering": 2, "draining": 3, "healthy": 4}
 
@@ -123,17 +127,24 @@ class Views:
         self.registry = registry
         self.explainer = explainer
         self.broker_id = broker_id
+        self._rows: dict[str, tuple[tuple[object, ...], msgspec.Raw]] = {}
+        """Each listed agent's encoded row and what it was built from (see fleet)."""
 
-    def agent_row(self, agent_id: str, now: float, wall_ms: int) -> AgentRow | None:
+    def agent_row(
+        self, agent_id: str, now: float, wall_ms: int, full: bool = False
+    ) -> AgentRow | None:
+        """``agent_id``'s row: its score terms, and with ``full`` every figure (its detail)."""
         rec = self.registry.agents.get(agent_id)
         if rec is None:
             return None
+        ex = self.explainer
+        explain = ex.agent(rec, now) if full else ex.brief(rec)
         since_ms = wall_ms - int(max(now - rec.state_since, 0.0) * 1000)
         return AgentRow(
             agent_id=rec.agent_id, state=rec.state, score=rec.score, load=round(rec.load, 3),
             active=rec.active, max_concurrency=rec.max_concurrency,
             capabilities=list(rec.capabilities), last_seen_ms=rec.last_seen_wall_ms,
-            state_since_ms=since_ms, explain=self.explainer.agent(rec, now),
+            state_since_ms=since_ms, explain=explain,
             region=rec.region, version=rec.version,
         )  # fmt: skip
 
@@ -141,13 +152,24 @@ class Views:
         """The fleet (the least healthy first, then by id) and every capability's ranking."""
         agents = self.registry.agents
         order = sorted(agents.values(), key=lambda r: (_SEVERITY.get(r.state, 9), r.agent_id))
-        rows = [self.agent_row(r.agent_id, now, wall_ms) for r in order[:max_agents]]
+        # A row is built and encoded again only when its agent was heard from or changed
+        # since the last push (most agents, between two heartbeats, did not).
+        rows: dict[str, tuple[tuple[object, ...], msgspec.Raw]] = {}
+        for rec in order[:max_agents]:
+            key = (rec.last_seen_wall_ms, rec.state, rec.state_since, rec.score,
+                   rec.stats.rtt_ewma_ms, rec.probe_failures, rec.announce)  # fmt: skip
+            hit = self._rows.get(rec.agent_id)
+            if hit is None or hit[0] != key:
+                row = self.agent_row(rec.agent_id, now, wall_ms)
+                hit = (key, msgspec.Raw(_encode(row)))
+            rows[rec.agent_id] = hit
+        self._rows = rows
         by_state: dict[str, int] = {s: self.registry.counts.get(s, 0) for s in AGENT_STATES}
         indexes = self.registry.indexes
         names = sorted(indexes, key=lambda n: (indexes[n].healthy > 0, n))[:CAPABILITIES]
         caps = [c for n in sorted(names) if (c := self.capability(n, now)) is not None]
         return FleetView(at_ms=wall_ms, broker_id=self.broker_id, by_state=by_state,
-                         agents=[r for r in rows if r is not None],
+                         agents=cast(list[AgentRow], [raw for _, raw in rows.values()]),
                          capabilities=caps, total=len(agents),
                          capability_total=len(indexes))  # fmt: skip
 
@@ -181,7 +203,7 @@ class Views:
 
     def agent(self, agent_id: str, history: History, sample_s: float, now: float,
               wall_ms: int) -> AgentDetail | None:  # fmt: skip
-        row = self.agent_row(agent_id, now, wall_ms)
+        row = self.agent_row(agent_id, now, wall_ms, full=True)
         if row is None:
             return None
         return AgentDetail(agent=row, transitions=[event_view(e) for e in
