@@ -405,3 +405,22 @@ async def test_the_timeline_starts_with_the_audit_history(
             sse.close()
     finally:
         await port.stop()
+
+
+def test_a_row_is_rebuilt_only_for_an_agent_heard_from() -> None:
+    from reach_broker.console.views import Views
+    from reach_broker.explain import Explainer
+
+    from .test_routing import World
+
+    w = World("ab")
+    views = Views(w.reg, Explainer(w.router, w.cfg.scoring), "b1")
+    first = views.fleet(1.0, 1_000, 10)
+    w.beat("a", 1.5, active=5)
+    second = views.fleet(2.0, 2_000, 10)
+    a1, b1 = first.agents
+    a2, b2 = second.agents
+    assert b2 is b1  # b not heard from: the same encoded row
+    assert a2 is not a1
+    assert json.loads(bytes(a2))["active"] == 5  # type: ignore[arg-type]
+    assert [c.reachable for c in second.capabilities] == [2]
