@@ -31,6 +31,13 @@ TOKEN_SECRET_KEY = "_broker.token_secret"
 """Key in :data:`REGISTRY_BUCKET` of the heartbeat-token secret shared by broker replicas."""
 
 
+def dispatch_key(request_id: str) -> str:
+    """Key in :data:`REGISTRY_BUCKET` naming the agent a queued request was replayed to
+    (a digest: request ids may hold characters KV keys may not)."""
+    digest = hashlib.blake2b(request_id.encode(), digest_size=12).hexdigest()
+    return f"_replay.{digest}"
+
+
 def replay_consumer(capability: str) -> str:
     """Durable consumer replaying one capability (consumer names cannot hold dots)."""
     digest = hashlib.blake2b(capability.encode(), digest_size=8).hexdigest()

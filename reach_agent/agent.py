@@ -51,6 +51,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["AckSink", "Agent", "Handler"]
 
+FIRST_ANNOUNCE_WAIT_S = 2.0
+"""How long ``start()`` waits for the first announce attempt (one request) to end."""
+
 
 class Agent:
     """An agent: its identity and capabilities, its handlers, and the wiring to NATS.
@@ -147,6 +150,7 @@ class Agent:
             tags=dict(tags or {}),
             timeout_hint_ms=int(timeout_hint * 1000) if timeout_hint else None,
             metadata=dict(metadata or {}),
+            instance_id=secrets.token_hex(8),
         )
         schema.validate_announce(self.announcement, agent_id)
         self.tasks = TaskServer(
@@ -289,7 +293,18 @@ class Agent:
             await nc.close()
             raise
         self._started = True
+        await self._first_announce()
         log.info("agent.started agent=%s capabilities=%s", self.agent_id, self.capabilities)
+
+    async def _first_announce(self) -> None:
+        """Wait for the first announce attempt; a CONFLICT (another live process holds this
+        agent_id) is a start error. No broker yet is not: announcing goes on meanwhile."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.presence.first_answer.wait(), FIRST_ANNOUNCE_WAIT_S)
+        conflict = self.presence.conflict
+        if conflict is not None:
+            await self.stop(grace=0.0)
+            raise conflict
 
     async def _setup(self, nc: NATS, servers: list[str], cred: Credentials) -> None:
         if self.ack_sink is None and self.durable_acks:

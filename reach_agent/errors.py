@@ -59,6 +59,13 @@ class LoopDetected(RequestError):
     status = 409
 
 
+class Conflict(RequestError):
+    """Another live process holds this agent_id: the announce is refused."""
+
+    code = "CONFLICT"
+    status = 409
+
+
 class BizReject(RequestError):
     """The handler refused the task on business grounds: never retried."""
 
@@ -142,6 +149,7 @@ _BY_CODE: dict[str, type[ReachError]] = {
         InvalidCapability,
         Forbidden,
         LoopDetected,
+        Conflict,
         BizReject,
         InProgress,
         NoReachableAgent,

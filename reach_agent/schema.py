@@ -73,6 +73,8 @@ class Announce(Base, frozen=True):
     context_window: Annotated[int, Meta(ge=0, le=2**40)] | None = None
     permissions: Annotated[list[ShortText], Meta(max_length=256)] = []
     metadata: Annotated[dict[str, Any], Meta(max_length=64)] = {}
+    instance_id: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
+    """Random per process: tells a second process with the same agent_id from a re-announce."""
 
 
 class AnnounceAck(Base, frozen=True):
@@ -123,6 +125,20 @@ class ProbeReply(Base, frozen=True):
     active: int = 0
     queue_depth: int = 0
     seq: int = 0
+    instance_id: str | None = None
+    """The announce's ``instance_id``: which process answered."""
+    server: str | None = None
+    """Name of the NATS server the agent is connected to."""
+    cid: int | None = None
+    """The agent's client id on that server."""
+
+
+class Reannounce(Base, frozen=True):
+    """``<p>.reannounce.<agent_id>``: a broker that does not know the agent asks it to
+    announce again (body may be ``{}``)."""
+
+    reason: ShortText | None = None
+    broker_id: str | None = None
 
 
 # --- caller → broker ----------------------------------------------------------------------

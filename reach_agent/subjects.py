@@ -10,6 +10,7 @@ project spells ``f"{prefix}.hb.…"``; :mod:`jetstream` is handed the subjects i
     <p>.hb.<agent_id>                agent → every broker
     <p>.leave.<agent_id>             agent → every broker (request-reply)
     <p>.probe.<agent_id>             broker/caller → agent (request-reply)
+    <p>.reannounce.<agent_id>        broker → agent: announce again
     <p>.route.<capability>           caller → one broker (queue group)
     <p>.agents                       CLI → one broker (queue group)
     <p>.task.<agent_id>.<capability> caller → agent (request-reply)
@@ -35,6 +36,7 @@ class Subjects:
         "_hb",
         "_leave",
         "_probe",
+        "_reannounce",
         "_route",
         "_task",
         "prefix",
@@ -48,6 +50,7 @@ class Subjects:
         self._hb = f"{prefix}.hb."
         self._leave = f"{prefix}.leave."
         self._probe = f"{prefix}.probe."
+        self._reannounce = f"{prefix}.reannounce."
         self._route = f"{prefix}.route."
         self._task = f"{prefix}.task."
         self._ack = f"{prefix}.ack."
@@ -76,6 +79,9 @@ class Subjects:
 
     def probe(self, agent_id: str) -> str:
         return self._probe + agent_id
+
+    def reannounce(self, agent_id: str) -> str:
+        return self._reannounce + agent_id
 
     def route(self, capability: str) -> str:
         return self._route + capability
@@ -113,6 +119,10 @@ class Subjects:
     @property
     def all_probes(self) -> str:
         return self._probe + "*"
+
+    @property
+    def all_reannounces(self) -> str:
+        return self._reannounce + "*"
 
     @property
     def all_routes(self) -> str:
@@ -155,6 +165,9 @@ class Subjects:
 
     def agent_of_probe(self, subject: str) -> str:
         return subject[self._cuts[3] :]
+
+    def agent_of_reannounce(self, subject: str) -> str:
+        return subject[len(self._reannounce) :]
 
     def capability_of_route(self, subject: str) -> str:
         return subject[self._cuts[4] :]

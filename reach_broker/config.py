@@ -90,6 +90,9 @@ class DetectionSection(Section):
     """Use the server's $SYS connect/disconnect advisories when the account exports them."""
     advisory_account: str | None = None
     """Account whose advisories to follow (unset: this connection's, via $SYS.REQ.USER.INFO)."""
+    observer_suspect_share: Share = 0.3
+    """Share of the fleet that, going silent at once, makes the broker doubt its own link and
+    hold every state until heartbeats flow again or the server's connection list confirms."""
 
 
 class ScoringSection(Section):
@@ -169,6 +172,12 @@ class CompensationSection(Section):
     """Ceiling of the backoff while every agent of a capability answers TARGET_BUSY."""
 
 
+class JetStreamSection(Section):
+    replicas: Annotated[int, Meta(ge=1, le=5)] | None = None
+    """Replicas of every stream and the KV bucket (unset: 3 when the server reports a cluster
+    of three or more nodes, else 1); an existing asset is moved to this count in place."""
+
+
 class ClaimsSection(Section):
     scan_window_s: Positive = 3600.0
     """At start, claims (KV reach_claims) written this long ago are read to know who runs
@@ -221,6 +230,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     scoring: ScoringSection = msgspec.field(default_factory=ScoringSection)
     routing: RoutingSection = msgspec.field(default_factory=RoutingSection)
     compensation: CompensationSection = msgspec.field(default_factory=CompensationSection)
+    jetstream: JetStreamSection = msgspec.field(default_factory=JetStreamSection)
     claims: ClaimsSection = msgspec.field(default_factory=ClaimsSection)
     console: ConsoleSection = msgspec.field(default_factory=ConsoleSection)
 

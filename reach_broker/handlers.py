@@ -144,6 +144,9 @@ class Handlers:
         self._hb_result = m.heartbeat_result
         self._clock, self._wall = ctx.clock, ctx.wall
         invalid_hb = m.heartbeat_result["invalid"]
+        self.on_unknown: Callable[[str], None] = lambda agent_id: None
+        """Told of a heartbeat from an agent this broker does not know (or whose token it
+        cannot verify): the re-announce request (:mod:`reach_broker.identity`)."""
         self.endpoints = {
             "announce": Endpoint(
                 "announce", self.announce, ctx, refused=lambda _: m.announce_result["invalid"],
@@ -169,10 +172,17 @@ class Handlers:
         return self._route_refused.get(err.code, self._route_invalid)
 
     def announce(self, subject: str, data: bytes) -> bytes:
-        ctx = self.ctx
-        agent_id = ctx.subjects.agent_of_announce(subject)
+        return self.apply_announce(self.parse_announce(subject, data))
+
+    def parse_announce(self, subject: str, data: bytes) -> schema.Announce:
+        agent_id = self.ctx.subjects.agent_of_announce(subject)
         check_agent_id(agent_id, "subject agent_id")
-        ann = schema.validate_announce(decode(schema.announce_decoder, data, "announce"), agent_id)
+        return schema.validate_announce(decode(schema.announce_decoder, data, "announce"), agent_id)
+
+    def apply_announce(self, ann: schema.Announce) -> bytes:
+        """Register ``ann`` (already validated); the ``AnnounceAck`` body."""
+        ctx = self.ctx
+        agent_id = ann.agent_id
         rec, transitions = self.registry.announce(ann, ctx.clock(), ctx.wall_ms())
         ctx.metrics.announce_result["ok"].inc()
         ctx.fanout.announced(rec)
@@ -191,6 +201,8 @@ class Handlers:
         )
         result, transitions = self._heartbeat(hb, self._clock(), int(self._wall() * 1000))
         self._hb_result[result].inc()
+        if result == "unknown" or result == "forged":
+            self.on_unknown(hb.agent_id)
         if transitions:
             self.ctx.fanout.emit(transitions)
 

@@ -93,6 +93,7 @@ def test_agent_permissions() -> None:
     assert user.sub.allow == [
         "reach.task.alpha.>",
         "reach.probe.alpha",
+        "reach.reannounce.alpha",
         "reach.event.*.alpha",
         "_INBOX.agent.alpha.>",
     ]
@@ -129,6 +130,7 @@ def test_broker_permissions() -> None:
     assert user.pub.allow == [
         "reach.event.>",
         "reach.probe.*",
+        "reach.reannounce.*",
         "reach.task.>",
         "reach.ack._broker.>",
         "_INBOX.>",

@@ -134,6 +134,7 @@ async def test_agent_uses_its_own_subjects(auth: AuthDir, server: AuthServer) ->
         await alpha.subscribe("reach.task.alpha.>", cb=on_task)
         await alpha.subscribe("reach.probe.alpha", cb=on_probe)
         await alpha.subscribe("reach.event.*.alpha", cb=events.record)
+        await alpha.subscribe("reach.reannounce.alpha", cb=events.record)
         await alpha.flush()
         await alpha.flush()
 
@@ -167,6 +168,9 @@ async def test_agent_uses_its_own_subjects(auth: AuthDir, server: AuthServer) ->
         # Events about itself.
         await broker.publish("reach.event.state.alpha", b'{"to":"healthy"}')
         await events.wait("reach.event.state.alpha")
+        # A broker's request to announce again.
+        await broker.publish("reach.reannounce.alpha", b"{}")
+        await events.wait("reach.reannounce.alpha")
         assert len(errors.seen) == 2, errors.seen
 
 

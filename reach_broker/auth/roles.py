@@ -124,7 +124,7 @@ ROLES: dict[RoleName, Role] = {
             *_CLAIM_READS,
             *_ACK_READS,
         ),
-        subscribe=(Of("tasks_of"), Of("probe"), Of("events_of"), INBOX),
+        subscribe=(Of("tasks_of"), Of("probe"), Of("reannounce"), Of("events_of"), INBOX),
         # A task gets a receipt, then its result or one message per streamed chunk.
         responses=Responses(max_msgs=-1, ttl_s=AGENT_REPLY_WINDOW_S),
     ),
@@ -151,6 +151,7 @@ ROLES: dict[RoleName, Role] = {
         publish=(
             Every("all_events"),
             Every("all_probes"),
+            Every("all_reannounces"),  # asks an agent it does not know to announce again
             Every("all_tasks"),
             OwnAcks(author=BROKER_ACK_AUTHOR),
             # Replies to announces, leaves, routes, `agents` and `$SRV` pings go to the
