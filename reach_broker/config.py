@@ -193,6 +193,39 @@ class ClaimsSection(Section):
     can run elsewhere (off: they stay claimed until their agent returns or they expire)."""
 
 
+CONSOLE_TOKEN_PATTERN = r"^[A-Za-z0-9._~+/=-]{16,256}$"
+ConsoleToken = Annotated[str, Meta(pattern=CONSOLE_TOKEN_PATTERN)]
+
+
+def console_token(value: str, source: str) -> str:
+    """``value`` if it can be a console token (16-256 URL- and cookie-safe characters)."""
+    try:
+        return msgspec.convert(value, ConsoleToken)
+    except msgspec.ValidationError:
+        raise ConfigError(
+            f"{source}: a console token is 16 to 256 of the characters A-Z a-z 0-9 . _ ~ + / = -"
+            f" (got {len(value)} characters)"
+        ) from None
+
+
+class ConsoleSection(Section):
+    enabled: bool = True
+    """Serve the web console at / on the metrics port (beside /metrics)."""
+    token: ConsoleToken | None = None
+    """Token the console asks for; required when the metrics port listens beyond loopback
+    (without one the console is off there, /metrics stays open)."""
+    sample_s: Positive = 5.0
+    """How often each agent's score, task time and load are sampled for its chart."""
+    history_s: Positive = 300.0
+    """How far back the samples go (bounded memory: history_s / sample_s per agent)."""
+    events: Annotated[int, Meta(ge=1, le=100_000)] = 500
+    """Events kept for the timeline (read from REACH_AUDIT at start, then live)."""
+    push_s: Positive = 1.0
+    """How often a watching page gets the fleet (and at once after a transition)."""
+    max_agents: Annotated[int, Meta(ge=1)] = 500
+    """Agents sent to the page, the least healthy first (the counts cover all)."""
+
+
 class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The whole broker configuration."""
 
@@ -204,6 +237,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     compensation: CompensationSection = msgspec.field(default_factory=CompensationSection)
     jetstream: JetStreamSection = msgspec.field(default_factory=JetStreamSection)
     claims: ClaimsSection = msgspec.field(default_factory=ClaimsSection)
+    console: ConsoleSection = msgspec.field(default_factory=ConsoleSection)
 
 
 class ConfigError(ValueError):
@@ -229,6 +263,8 @@ def load(path: str | os.PathLike[str] | None = None) -> Config:
         cfg.nats.url = os.environ["NATS_URL"]
     if os.environ.get("REACH_TOKEN_SECRET"):
         cfg.broker.token_secret = os.environ["REACH_TOKEN_SECRET"]
+    if os.environ.get("REACH_CONSOLE_TOKEN"):
+        cfg.console.token = console_token(os.environ["REACH_CONSOLE_TOKEN"], "REACH_CONSOLE_TOKEN")
     if cfg.detection.offline_after < cfg.detection.suspect_after:
         raise ConfigError(
             f"detection.offline_after ({cfg.detection.offline_after}) is below "

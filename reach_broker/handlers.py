@@ -31,6 +31,7 @@ from reach_agent.schema import AnnounceAck, Ok, check_agent_id, check_capability
 from reach_agent.subjects import is_inbox
 
 from .context import BrokerContext
+from .explain import Explainer
 from .registry import Registry
 from .routing import Router
 
@@ -188,6 +189,7 @@ class Handlers:
         self.ctx = ctx
         self.registry = registry
         self.router = router
+        self.explainer = Explainer(router, registry.cfg.scoring)
         m = ctx.metrics
         self._route_refused = {
             "NO_REACHABLE_AGENT": m.route_result["no_agent"],
@@ -304,14 +306,15 @@ class Handlers:
         capability = ctx.subjects.capability_of_route(subject)
         if capability not in self.registry.indexes:
             check_capability(capability)
-        rreq = (
-            schema.validate_route_request(
+        if data and data != b"{}":
+            rreq = schema.validate_route_request(
                 decode(schema.route_request_decoder, data, "route request")
             )
-            if data and data != b"{}"
-            else DEFAULT_ROUTE_REQUEST  # the common case: no decode, no validation
-        )
-        body = self.router.route_reply(capability, rreq, ctx.clock(), ctx.wall_ms())
+            reply = self.explainer.route_reply if rreq.explain else self.router.route_reply
+            body = reply(capability, rreq, ctx.clock(), ctx.wall_ms())
+        else:  # the common case: no decode, no validation, never explained
+            body = self.router.route_reply(capability, DEFAULT_ROUTE_REQUEST, ctx.clock(),
+                                           ctx.wall_ms())  # fmt: skip
         ctx.metrics.route_result["ok"].inc()
         return body
 

@@ -113,6 +113,8 @@ class Broker:
             broker_id=self.broker_id, clock=clock, wall=wall, spawn=self._tasks.spawn,
             fanout=self.fanout, link=self.link,
         )  # fmt: skip
+        self.ctx = ctx
+        """What a component is handed (the console's feed is one, started by the process)."""
         self.handlers = Handlers(ctx, registry, self.router)
         self.identity = Identity(ctx, registry, self.handlers)
         # The snapshot restores the registry before probes and advisories start (advisories

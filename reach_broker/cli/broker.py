@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from .. import process
-from ..config import ConfigError, load
+from ..config import ConfigError, console_token, load
 from .common import (
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
@@ -41,6 +41,9 @@ def add_parser(sub: Subcommands) -> None:
                    help="JetStream store dir of the embedded server "
                         "(default: a temp dir)")  # fmt: skip
     p.add_argument("--broker-id", default=env_default("REACH_BROKER_ID"))
+    p.add_argument("--console-token", default=env_default("REACH_CONSOLE_TOKEN"),
+                   help="token of the web console; needed when --metrics-host is beyond "
+                        "loopback (env REACH_CONSOLE_TOKEN)")  # fmt: skip
     # --prefix (from add_common) overrides broker.toml only when given (or REACH_PREFIX).
     p.set_defaults(func=run, prefix=env_default("REACH_PREFIX"))
 
@@ -77,6 +80,11 @@ def run(args: argparse.Namespace) -> int:
         cfg.nats.embedded_store_dir = args.store_dir
     if args.broker_id:
         cfg.broker.broker_id = args.broker_id
+    if args.console_token:
+        try:
+            cfg.console.token = console_token(args.console_token, "--console-token")
+        except ConfigError as exc:
+            raise CliError(str(exc), EXIT_USAGE) from None
     if args.prefix is not None:
         subjects(args)  # a bad prefix is a usage error naming it
         cfg.broker.prefix = args.prefix

@@ -46,6 +46,8 @@ class CliError(Exception):
         self.code = code
         self.kind = kind or _KINDS.get(code, "ERROR")
         self.detail = message
+        self.extra: dict[str, Any] = {}
+        """Members the ``--json`` object carries beside ``error`` (a route's ``explain``)."""
 
     @classmethod
     def of(cls, err: Any) -> CliError:
@@ -56,7 +58,8 @@ class CliError(Exception):
 
     def as_json(self) -> dict[str, Any]:
         """``{"error": {"code", "message", "exit"}}``: the wire's error body, plus the exit."""
-        return {"error": {"code": self.kind, "message": self.detail, "exit": self.code}}
+        return {"error": {"code": self.kind, "message": self.detail, "exit": self.code},
+                **self.extra}  # fmt: skip
 
 
 # --- options ------------------------------------------------------------------------------
@@ -296,15 +299,14 @@ def connect_failure(cause: BaseException, timeout: float) -> str:
     return str(cause) or type(cause).__name__
 
 
-async def request(nc: Any, subject: str, data: bytes, timeout_s: float) -> bytes:
-    """Request-reply that turns no-responders, timeouts and error replies into CliError."""
+async def exchange(nc: Any, subject: str, data: bytes, timeout_s: float) -> Any:
+    """Request-reply that turns no-responders and timeouts into CliError; the reply ``Msg``
+    (an error reply too)."""
     from nats.errors import NoRespondersError
     from nats.errors import TimeoutError as NatsTimeout
 
-    from reach_agent.errors import from_reply
-
     try:
-        msg = await nc.request(subject, data, timeout=timeout_s)
+        return await nc.request(subject, data, timeout=timeout_s)
     except NoRespondersError:
         raise CliError(
             f"no broker answers on {subject} (is `reach broker` running on this server?)",
@@ -314,16 +316,32 @@ async def request(nc: Any, subject: str, data: bytes, timeout_s: float) -> bytes
         raise refusal(nc, f"no reply on {subject}") or CliError(
             f"no reply on {subject} within {timeout_s}s", EXIT_UNAVAILABLE
         ) from None
+
+
+def body_of(msg: Any) -> bytes:
+    """A reply's body, or the CliError of the error reply it is."""
+    from reach_agent.errors import from_reply
+
     err = from_reply(msg.headers, msg.data)
     if err is not None:
         raise CliError.of(err)
     return bytes(msg.data)
 
 
+async def request(nc: Any, subject: str, data: bytes, timeout_s: float) -> bytes:
+    """:func:`exchange` that also turns an error reply into CliError; the reply body."""
+    return body_of(await exchange(nc, subject, data, timeout_s))
+
+
 async def ask(args: argparse.Namespace, subject: str, data: bytes) -> bytes:
     """One :func:`request` on a connection of its own (closed after), for one-shot commands."""
+    return body_of(await ask_msg(args, subject, data))
+
+
+async def ask_msg(args: argparse.Namespace, subject: str, data: bytes) -> Any:
+    """One :func:`exchange` on a connection of its own: the reply ``Msg``, error or not."""
     nc = await connect(args)
     try:
-        return await request(nc, subject, data, args.timeout)
+        return await exchange(nc, subject, data, args.timeout)
     finally:
         await nc.close()

@@ -28,6 +28,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -74,6 +75,8 @@ def add_parser(sub: Subcommands) -> None:
     p.add_argument("--auth", action="store_true",
                    help="secured: a fresh auth DIR, an operator-mode server and a credential "
                         "per process (see `reach auth`)")  # fmt: skip
+    p.add_argument("--console-port", type=int, default=0,
+                   help="port of the broker's web console (default 0: a free one)")  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -168,16 +171,26 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(log_dir, ignore_errors=True)
 
 
+def free_port() -> int:
+    """A port free on loopback now (the broker binds it a moment later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def child_commands(
-    args: argparse.Namespace, url: str, prefix: str, broker_id: str
+    args: argparse.Namespace, url: str, prefix: str, broker_id: str, console_port: int
 ) -> tuple[list[str], dict[str, str]]:
     """The broker's command line, and the environment of every child: the server, the
     prefix, the credentials and the CA of the demo reach the broker (as flags) and the agents
-    (``NATS_URL``, ``REACH_PREFIX``, ``NATS_CREDS``, ``NATS_CA``, read by the SDK)."""
-    env = {**os.environ, "NATS_URL": url, "PYTHONUNBUFFERED": "1",
-           "REACH_LOG_FORMAT": args.log_format, "REACH_PREFIX": prefix}  # fmt: skip
+    (``NATS_URL``, ``REACH_PREFIX``, ``NATS_CREDS``, ``NATS_CA``, read by the SDK). The broker
+    serves its console (and /metrics) on loopback at ``console_port``."""
+    env = {k: v for k, v in os.environ.items() if k != "REACH_METRICS_HOST"}
+    env.update({"NATS_URL": url, "PYTHONUNBUFFERED": "1", "REACH_LOG_FORMAT": args.log_format,
+                "REACH_PREFIX": prefix})  # fmt: skip
     argv = [sys.executable, "-m", "reach_broker.cli", "broker", "--server", url,
-            "--metrics-port", "0", "--log-format", args.log_format, "--prefix", prefix,
+            "--metrics-port", str(console_port), "--metrics-host", "127.0.0.1",
+            "--log-format", args.log_format, "--prefix", prefix,
             "--broker-id", broker_id]  # fmt: skip
     if args.creds:
         env["NATS_CREDS"] = args.creds
@@ -201,6 +214,9 @@ class Demo:
         self.restarts: dict[str, int] = {}
         self.notes: list[str] = []
         self.server: NatsServer | None = None
+        self.console_port = args.console_port or free_port()
+        self.console = f"http://127.0.0.1:{self.console_port}/"
+        """The broker's web console (printed; the demo opens nothing)."""
         self.agent_creds: dict[str, str] = {}
         """Each demo agent's credential (``--auth``)."""
         self.caller_creds: str | None = None
@@ -237,7 +253,8 @@ class Demo:
         args, subs = self.args, self.subs
         self.server = server
         stop = stop_on_signals()
-        broker_argv, env = child_commands(args, url, subs.prefix, self.broker_id)
+        broker_argv, env = child_commands(args, url, subs.prefix, self.broker_id,
+                                          self.console_port)  # fmt: skip
         # A wrong URL fails at once; once connected, reconnect after a blip for a minute or
         # so rather than forever (nats-py reads this option at each reconnect).
         nc = await connect(args, "reach-demo", urls=[url], allow_reconnect=True)
@@ -252,9 +269,10 @@ class Demo:
                 self.children.spawn(agent_id, argv, {**env, "NATS_CREDS": own} if own else env)
             logs = self.children.log_dir
             self.emit({"event": "started", "nats_url": url, "pids": self.pids(),
-                       "logs": str(logs), "broker_id": self.broker_id},
+                       "logs": str(logs), "broker_id": self.broker_id, "console": self.console},
                       f"nats {url}; broker {self.broker_id} and agents {', '.join(DEMO_AGENTS)} "
-                      f"started (logs in {logs}); Ctrl-C stops everything")  # fmt: skip
+                      f"started (logs in {logs}); console {self.console}; Ctrl-C stops "
+                      "everything")  # fmt: skip
             calls_nc = nc
             if self.caller_creds is not None:  # the calls go as a caller, not as the broker
                 as_caller = argparse.Namespace(**{**vars(args), "creds": self.caller_creds})
@@ -382,7 +400,8 @@ class Demo:
             jobs.append(asyncio.create_task(view_loop(
                 nc, subjects=self.subs, server=url, interval=args.interval,
                 timeout_s=args.timeout, max_events=args.events, once=False, as_json=args.json,
-                stop=stop, title="reach demo", notes=lambda: self.notes,
+                stop=stop, title=f"reach demo · console {self.console}",
+                notes=lambda: self.notes,
             )))  # fmt: skip
         try:
             await asyncio.gather(*jobs)
