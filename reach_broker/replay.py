@@ -40,6 +40,7 @@ from jetstream import acks, compensation
 from jetstream.compensation import Entry
 from jetstream.names import H_EXPIRES_MS
 from reach_agent import schema
+from reach_agent.aio import stop_loops
 from reach_agent.errors import ReachError, from_reply
 from reach_agent.retry import retryable
 from reach_agent.schema import AckRecord, RouteRequest
@@ -121,11 +122,7 @@ class Replayer:
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
-        self._sweeper.cancel()
-        tasks = [self._sweeper, *self._running.values()]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await stop_loops(self._sweeper, *self._running.values())
         self._sweeper = None
         for psub in self._consumers.values():
             with contextlib.suppress(Exception):
