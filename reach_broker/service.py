@@ -129,7 +129,7 @@ class Broker:
         self.releaser = Releaser(
             ctx, lambda a: rec.state if (rec := agents.get(a)) is not None else None
         )
-        self.replayer = Replayer(ctx, self.router, self.releaser.holder_of, agents.get)
+        self.replayer = Replayer(ctx, self.router, self.releaser.claim_of, agents.get)
         self._running: list[Component] = []
         self._service: Service | None = None
         self._subs: list[Any] = []
