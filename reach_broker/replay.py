@@ -38,17 +38,17 @@ from typing import Any, Literal, NamedTuple
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
-from jetstream import acks, compensation
+from jetstream import compensation
 from jetstream.compensation import Entry
 from jetstream.names import H_EXPIRES_MS
 from reach_agent import schema
 from reach_agent.aio import stop_loops
 from reach_agent.errors import ReachError, from_reply
 from reach_agent.retry import retryable
-from reach_agent.schema import AckRecord, RouteRequest
-from reach_agent.subjects import BROKER_ACK_AUTHOR
+from reach_agent.schema import RouteRequest
 
 from .ackwatch import AckWatch
+from .brokeracks import record_failed, record_taker
 from .context import BrokerContext
 from .dispatch import MARKER_TTL_S, Dispatches
 from .records import AgentRecord, Transition
@@ -346,7 +346,7 @@ class Replayer:
                     return await self._claimed(e, getattr(err, "holder", ""), "running")
                 if err is None:
                     self.acks.sent(e.request_id, sent_ms)
-                    await self._record_taker(e, c.agent_id)
+                    await record_taker(ctx, e, c.agent_id)
                     await self.taken.hold(e, c.agent_id)  # removed at its final record
                     self.replayed += 1
                     ctx.metrics.compensation_result["replayed"].inc()
@@ -357,7 +357,7 @@ class Replayer:
                     only = None  # a refusal (busy, draining) means it did not take it
                     continue
                 # The agent refused the task itself (BIZ_REJECT, LOOP_DETECTED, ...): final.
-                await self._record_failed(e, c.agent_id, err.code, err.code.lower(), err.message)
+                await record_failed(ctx, e, c.agent_id, err.code, err.code.lower(), err.message)
                 await e.msg.ack_sync()
                 self.failed += 1
                 return "failed"
@@ -392,46 +392,14 @@ class Replayer:
     async def record_expired(self, e: Entry) -> None:
         ctx = self.ctx
         waited_s = (ctx.wall_ms() - e.enqueued_ms) / 1000.0 if e.enqueued_ms else 0.0
-        await self._record_failed(
-            e, ctx.broker_id, "TIMEOUT", "expired",
+        await record_failed(
+            ctx, e, ctx.broker_id, "TIMEOUT", "expired",
             f"queued for {waited_s:.1f}s on {self.subjects.comp(e.capability)}; expired before "
             "an agent was reachable",
         )  # fmt: skip
         self.expired += 1
         ctx.metrics.compensation_result["expired"].inc()
         log.info("replay.expired request_id=%s capability=%s", e.request_id, e.capability)
-
-    async def _record_failed(
-        self, e: Entry, agent_id: str, code: str, reason: str, message: str
-    ) -> None:
-        rec = AckRecord(
-            request_id=e.request_id, agent_id=agent_id, capability=e.capability,
-            state="failed", at_ms=self.ctx.wall_ms(),
-            error={"code": code, "reason": reason, "message": message},
-        )  # fmt: skip
-        await self._publish(rec)
-
-    async def _record_taker(self, e: Entry, agent_id: str) -> None:
-        """``received`` by the broker: it handed the task to ``agent_id`` (whose own records
-        ``Client.wait`` then trusts). A failure is logged: the task was delivered anyway."""
-        rec = AckRecord(request_id=e.request_id, agent_id=agent_id, capability=e.capability,
-                        state="received", at_ms=self.ctx.wall_ms())  # fmt: skip
-        try:
-            await self._publish(rec)
-        except Exception as exc:  # noqa: BLE001 - the entry is acked regardless
-            log.warning("replay.taker_unrecorded request_id=%s agent=%s error=%r: wait() "
-                        "needs agent_id= for it", e.request_id, agent_id, exc)  # fmt: skip
-
-    async def _publish(self, rec: AckRecord) -> None:
-        """One record of the broker's own (author ``_broker``)."""
-        js = self.ctx.nc.jetstream(timeout=2.0)
-        rid = rec.request_id
-        await acks.publish_record(
-            js,
-            self.subjects.ack(BROKER_ACK_AUTHOR, rid),
-            acks.ack_msg_id(BROKER_ACK_AUTHOR, rid, rec.state),
-            schema.encoder.encode(rec),
-        )
 
     # --- the sweep ----------------------------------------------------------------------
 
