@@ -58,7 +58,6 @@ from .taken import Taken
 log = logging.getLogger(__name__)
 
 Outcome = Literal["replayed", "expired", "failed", "stalled", "claimed", "held", "deferred"]
-FETCH_BATCH = 256
 RELEASE_WAIT_S = 0.5
 """Redelivery delay of an entry whose claim's holder is offline but not yet released."""
 
@@ -155,6 +154,10 @@ class Replayer:
             self._known[cap] = self._known.get(cap, 0) + 1
             self.kick(cap)
 
+    async def _claimed_now(self, request_id: str) -> bool:
+        claim = await self.claim_of(request_id)
+        return claim is not None and claim[1] != "released"
+
     def _alive(self, agent_id: str) -> bool:
         rec = self.record_of(agent_id)
         return rec is not None and rec.state != "offline"
@@ -226,23 +229,10 @@ class Replayer:
 
     async def _fetch(self, capability: str) -> list[Entry]:
         """Every entry of ``capability`` this replica can take now, by priority then age."""
-        psub = await self._consumer(capability)
-        info = await psub.consumer_info()
-        waiting = int(info.num_pending or 0) + int(info.num_ack_pending or 0)
-        if waiting == 0:
+        entries = await compensation.take(await self._consumer(capability), self.subjects)
+        if entries is None:
             self._known[capability] = 0
             return []
-        msgs: list[Msg] = []
-        while len(msgs) < waiting:
-            try:
-                got = await psub.fetch(batch=min(waiting - len(msgs), FETCH_BATCH), timeout=0.3)
-            except TimeoutError:
-                break
-            msgs += got
-            if len(got) < FETCH_BATCH:
-                break
-        entries = [compensation.entry_of(m, self.subjects) for m in msgs]
-        entries.sort(key=lambda e: (-e.priority, e.enqueued_ms, e.seq))
         return entries
 
     async def _dispatch(self, capability: str, entries: list[Entry]) -> Outcome | None:
@@ -300,13 +290,13 @@ class Replayer:
     async def _send(self, e: Entry) -> Outcome:
         ctx, router = self.ctx, self.router
         assert e.msg is not None  # fetched entries carry their message
+        claim = await self.claim_of(e.request_id)  # first: a running task is not expired
+        if claim is not None and claim[1] != "released":
+            return await self._claimed(e, *claim)
         if e.expired(ctx.wall_ms()):
             await self.record_expired(e)
             await e.msg.ack_sync()
             return "expired"
-        claim = await self.claim_of(e.request_id)
-        if claim is not None and claim[1] != "released":
-            return await self._claimed(e, *claim)
         headers = e.task_headers()
         headers[schema.H_REQUEST_ID] = e.request_id
         headers[schema.H_RECEIPT] = "1"
@@ -432,6 +422,8 @@ class Replayer:
         limit = self.cfg.max_entries * 2
         for e in await compensation.scan(nc, subjects=self.subjects, limit=limit):
             if e.expired(now_ms):
+                if self.taken.holds(e.request_id) or await self._claimed_now(e.request_id):
+                    continue  # delivered and running (a replica holds it): not expired
                 await self.record_expired(e)
                 await compensation.remove(nc, e.seq)
             elif e.expires_at_ms and (not soonest or e.expires_at_ms < soonest):
