@@ -48,6 +48,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from jetstream import audit
+from jetstream.tasks import raise_if_cancelled
 
 from . import durable, schema, streaming
 from .aio import TaskSet
@@ -340,6 +341,7 @@ class Client:
         capability = call.capability
         candidates: list[schema.Candidate] = []
         while True:
+            raise_if_cancelled()
             target = self.attempts.next(candidates, call.tried, capability)
             if target is None:
                 # Everything we knew was tried (or is behind an open breaker): ask again.

@@ -29,6 +29,7 @@ from nats.aio.client import Client as NATS
 
 from jetstream import ackreads, acks
 from jetstream.claims import ClaimStore, ClaimsUnavailable, claim_key
+from jetstream.tasks import raise_if_cancelled
 
 from . import schema
 from .calls import Call, HeldEnd
@@ -119,6 +120,7 @@ class HolderWatch:
 
     async def _poll(self) -> None:
         while not self._done:
+            raise_if_cancelled()
             await asyncio.sleep(self.poll_s)
             claim = await self._read()
             if claim is None or claim.state == "released":

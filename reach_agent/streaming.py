@@ -34,6 +34,8 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from jetstream.tasks import raise_if_cancelled
+
 from . import schema
 from .calls import CLOSED, LOST, Call, StreamStart
 from .errors import InternalError, InvalidRequest, StreamBroken, from_reply
@@ -234,6 +236,7 @@ async def read(
     first: Any = start.msg
     try:
         while True:
+            raise_if_cancelled()
             if first is not None:
                 a, msg, first = attempt, first, None
             else:
