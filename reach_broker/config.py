@@ -179,6 +179,35 @@ class ClaimsSection(Section):
     can run elsewhere (off: they stay claimed until their agent returns or they expire)."""
 
 
+A2A_TOKEN_PATTERN = r"^[A-Za-z0-9._~+/=-]{16,256}$"
+A2AToken = Annotated[str, Meta(pattern=A2A_TOKEN_PATTERN)]
+
+
+def a2a_token(value: str, source: str) -> str:
+    """``value`` if it can be a bearer token (16-256 of ``A-Z a-z 0-9 . _ ~ + / = -``)."""
+    try:
+        return msgspec.convert(value, A2AToken)
+    except msgspec.ValidationError:
+        raise ConfigError(
+            f"{source}: an A2A token is 16 to 256 of the characters A-Z a-z 0-9 . _ ~ + / = -"
+            f" (got {len(value)} characters)"
+        ) from None
+
+
+class A2ASection(Section):
+    port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    """Port of the A2A registry and gateway (Agent Cards, JSON-RPC per capability; 0: off)."""
+    host: str = "127.0.0.1"
+    """Address it listens on; anything but loopback requires a token."""
+    token: A2AToken | None = None
+    """Bearer token every request must carry (``Authorization: Bearer <token>``)."""
+    public_url: str | None = None
+    """Base URL the cards name (unset: the scheme and host each request came in on)."""
+    call_timeout_s: Positive = 30.0
+    """Deadline of a ``message/send`` the caller gives none for (message metadata
+    ``timeout_s``); an agent's ``timeout_hint_ms`` still stretches it."""
+
+
 class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The whole broker configuration."""
 
@@ -189,6 +218,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     routing: RoutingSection = msgspec.field(default_factory=RoutingSection)
     compensation: CompensationSection = msgspec.field(default_factory=CompensationSection)
     claims: ClaimsSection = msgspec.field(default_factory=ClaimsSection)
+    a2a: A2ASection = msgspec.field(default_factory=A2ASection)
 
 
 class ConfigError(ValueError):
@@ -214,6 +244,8 @@ def load(path: str | os.PathLike[str] | None = None) -> Config:
         cfg.nats.url = os.environ["NATS_URL"]
     if os.environ.get("REACH_TOKEN_SECRET"):
         cfg.broker.token_secret = os.environ["REACH_TOKEN_SECRET"]
+    if os.environ.get("REACH_A2A_TOKEN"):
+        cfg.a2a.token = a2a_token(os.environ["REACH_A2A_TOKEN"], "REACH_A2A_TOKEN")
     if cfg.detection.offline_after < cfg.detection.suspect_after:
         raise ConfigError(
             f"detection.offline_after ({cfg.detection.offline_after}) is below "

@@ -1,0 +1,148 @@
+"""The gateway's HTTP surface: a Starlette app of the cards and the JSON-RPC endpoints.
+
+====================================================  =========================================
+``GET /agents[?capability=C][&state=S]``              every registered agent's card
+``GET /agents/<agent_id>/.well-known/agent-card.json``  one agent's card (404 when unknown)
+``GET /.well-known/agent-card.json``                  reach's own card (skills: reachable now)
+``POST /a2a/<capability>``                            JSON-RPC: routed to the best agent with it
+``POST /a2a``                                         JSON-RPC: the skill named in metadata
+``POST /agents/<agent_id>/a2a``                       JSON-RPC: that agent only (pinned)
+====================================================  =========================================
+
+The JSON-RPC endpoints are the a2a-sdk's own dispatcher (A2A 1.0 methods such as
+``SendMessage``, and 0.3's ``message/send`` beside them) over
+:class:`~reach_broker.a2a.handler.GatewayHandler`; the path's capability or agent id reaches
+the handler in the call context. With a token every request needs ``Authorization: Bearer
+<token>`` (compared in constant time), else 401.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+from typing import Any
+
+from a2a.server.context import ServerCallContext
+from a2a.server.routes import create_jsonrpc_routes
+from a2a.server.routes.common import DefaultServerCallContextBuilder
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from reach_agent.errors import Forbidden, InvalidRequest, ReachError, to_reply
+from reach_agent.schema import AGENT_STATES, check_capability
+
+from ..registry import Registry
+from ..routing import Router
+from . import cards
+from .handler import GatewayHandler
+
+JSON = "application/json"
+
+
+class PathContext(DefaultServerCallContextBuilder):
+    """The call context of a JSON-RPC request, with its path's ``capability`` or
+    ``agent_id`` in ``state``."""
+
+    def build(self, request: Request) -> ServerCallContext:
+        context = super().build(request)
+        context.state.update(request.path_params)
+        return context
+
+
+def error_response(status: int, err: ReachError) -> Response:
+    """reach's error body (``{"error": {"code", "message"}}``) with an HTTP status."""
+    _, body = to_reply(err)
+    return Response(body, status, media_type=JSON)
+
+
+class BearerToken:
+    """ASGI middleware: every HTTP request must carry ``Authorization: Bearer <token>``."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):
+                body = error_response(
+                    401,
+                    Forbidden("this gateway needs Authorization: Bearer <token> (its --a2a-token)"),
+                )
+                body.headers["WWW-Authenticate"] = 'Bearer realm="reach"'
+                await body(scope, receive, send)
+                return
+        await self.app(scope, receive, send)  # fmt: skip
+
+
+class Views:
+    """The card endpoints, over the broker's registry and router."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        router: Router,
+        clock: Callable[[], float],
+        wall_ms: Callable[[], int],
+        *,
+        version: str,
+        public_url: str | None,
+        token: bool,
+    ) -> None:
+        self.registry = registry
+        self.router = router
+        self.clock = clock
+        self.wall_ms = wall_ms
+        self.version = version
+        self.public_url = public_url.rstrip("/") if public_url else None
+        self.token = token
+
+    def where(self, request: Request) -> cards.Where:
+        base = self.public_url or str(request.base_url).rstrip("/")
+        return cards.Where(base_url=base, token=self.token)
+
+    async def agents(self, request: Request) -> Response:
+        query = request.query_params
+        capability, state = query.get("capability"), query.get("state")
+        try:
+            if capability is not None:
+                check_capability(capability, "capability")
+            if state is not None and state not in AGENT_STATES:
+                raise InvalidRequest(f"state {state!r} is not one of {', '.join(AGENT_STATES)}")
+        except ReachError as err:
+            return error_response(400, err)
+        body = cards.agent_cards(self.registry, self.where(request), self.wall_ms(),
+                                 capability=capability, state=state)  # fmt: skip
+        return Response(cards.encoder.encode(body), media_type=JSON)
+
+    async def agent(self, request: Request) -> Response:
+        agent_id = request.path_params["agent_id"]
+        rec = self.registry.agents.get(agent_id)
+        if rec is None:
+            return error_response(404, InvalidRequest(f"agent {agent_id!r} is not registered"))
+        card = cards.agent_card(rec, self.where(request), cards.iso_utc(self.wall_ms()))
+        return Response(cards.encoder.encode(card), media_type=JSON)
+
+    async def reach(self, request: Request) -> Response:
+        card = cards.reach_card(self.registry, self.router, self.where(request), self.version,
+                                self.clock(), self.wall_ms())  # fmt: skip
+        return Response(cards.encoder.encode(card), media_type=JSON)
+
+
+def build_app(views: Views, handler: GatewayHandler, token: str | None) -> Any:
+    """The Starlette app (wrapped in :class:`BearerToken` when there is a token)."""
+    rpc: list[Any] = []
+    for path in ("/a2a", "/a2a/{capability}", "/agents/{agent_id}/a2a"):
+        rpc += create_jsonrpc_routes(handler, path, context_builder=PathContext(),
+                                     enable_v0_3_compat=True)  # fmt: skip
+    app: Any = Starlette(routes=[
+        Route("/.well-known/agent-card.json", views.reach, methods=["GET"]),
+        Route("/agents", views.agents, methods=["GET"]),
+        Route("/agents/{agent_id}/.well-known/agent-card.json", views.agent, methods=["GET"]),
+        *rpc,
+    ])  # fmt: skip
+    return BearerToken(app, token) if token else app

@@ -1,0 +1,35 @@
+"""Where the gateway listens: the loopback rule (beyond it, a token) and the socket.
+
+No SDK is needed here: the process checks the binding before anything starts.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+
+from ..config import A2ASection
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def binding_error(cfg: A2ASection) -> str | None:
+    """Why the gateway must not start as configured (bound beyond loopback without a
+    token), or None."""
+    if cfg.port and not is_loopback(cfg.host) and not cfg.token:
+        return (f"--a2a-host {cfg.host} listens beyond loopback: give a token with "
+                "--a2a-token or REACH_A2A_TOKEN (16 or more characters)")  # fmt: skip
+    return None
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: any free one); raises OSError."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=1024)
