@@ -328,3 +328,10 @@ async def test_a_token_guards_every_request(
             assert list(card.security_requirements[0].schemes) == ["bearer"]
             [event] = await send(authed, card, text_message("hi", skill="summarize"))
             assert data_of(event.message.parts[0])["agent"] == "alpha"
+
+
+async def test_a_body_over_8_mib_is_refused(gateway: A2AGateway, http: httpx.AsyncClient) -> None:
+    reply = await http.post(f"{gateway.url}/a2a/summarize", content=b" " * (8 * 1024 * 1024 + 1))
+    assert reply.status_code == 413
+    message = "request body larger than 8388608 bytes"
+    assert reply.json() == {"error": {"code": "INVALID_REQUEST", "message": message}}

@@ -13,7 +13,7 @@ The JSON-RPC endpoints are the a2a-sdk's own dispatcher (A2A 1.0 methods such as
 ``SendMessage``, and 0.3's ``message/send`` beside them) over
 :class:`~reach_broker.a2a.handler.GatewayHandler`; the path's capability or agent id reaches
 the handler in the call context. With a token every request needs ``Authorization: Bearer
-<token>`` (compared in constant time), else 401.
+<token>`` (compared in constant time), else 401; a body over 8 MiB is refused with 413.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from a2a.server.context import ServerCallContext
 from a2a.server.routes import create_jsonrpc_routes
 from a2a.server.routes.common import DefaultServerCallContextBuilder
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -40,6 +41,9 @@ from . import cards
 from .handler import GatewayHandler
 
 JSON = "application/json"
+MAX_BODY = 8 * 1024 * 1024
+"""The largest request body taken (a task payload larger than NATS's ``max_payload`` of
+configs/nats-server.conf could not be sent anyway); larger is answered 413."""
 
 
 class PathContext(DefaultServerCallContextBuilder):
@@ -77,6 +81,37 @@ class BearerToken:
                 await body(scope, receive, send)
                 return
         await self.app(scope, receive, send)  # fmt: skip
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes is answered 413 (by its
+    Content-Length before reading, or once the bytes read pass it)."""
+
+    def __init__(self, app: ASGIApp, limit: int = MAX_BODY) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), b"0")
+        too_large = error_response(413, InvalidRequest(
+            f"request body larger than {self.limit} bytes"))  # fmt: skip
+        if not length.isdigit() or int(length) > self.limit:
+            await too_large(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted() -> Any:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise HTTPException(413, f"request body larger than {self.limit} bytes")
+            return message
+
+        await self.app(scope, counted, send)
 
 
 class Views:
@@ -145,4 +180,5 @@ def build_app(views: Views, handler: GatewayHandler, token: str | None) -> Any:
         Route("/agents/{agent_id}/.well-known/agent-card.json", views.agent, methods=["GET"]),
         *rpc,
     ])  # fmt: skip
+    app = BodyLimit(app)
     return BearerToken(app, token) if token else app
