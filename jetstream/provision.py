@@ -53,6 +53,10 @@ class JetStreamUnavailable(ProvisionError):
     """The server (or this account) has no JetStream."""
 
 
+class ProvisionTimeout(ProvisionError):
+    """The JetStream API did not answer in time (e.g. a cluster still electing a leader)."""
+
+
 class UnsafeChange(ProvisionError):
     """The definition differs from the stream in a way that could lose data: refused."""
 
@@ -110,7 +114,7 @@ async def _api(nc: NATS, subject: str, body: Any, timeout_s: float) -> dict[str,
             "nats-server with -js"
         ) from None
     except NatsTimeoutError:
-        raise ProvisionError(f"JetStream API {subject}: no answer within {timeout_s}s") from None
+        raise ProvisionTimeout(f"JetStream API {subject}: no answer within {timeout_s}s") from None
     resp: dict[str, Any] = json.loads(reply.data)
     return resp
 

@@ -25,6 +25,7 @@ from .config import BreakerConfig, ClientConfig
 from .errors import (
     BizReject,
     CompensationFull,
+    Conflict,
     Draining,
     Forbidden,
     InProgress,
@@ -55,6 +56,7 @@ __all__ = [
     "ClientConfig",
     "ClientMetrics",
     "CompensationFull",
+    "Conflict",
     "Draining",
     "Forbidden",
     "InProgress",

@@ -25,7 +25,12 @@ class NatsSection(Section):
     url: str | None = None
     """NATS server URL(s), comma-separated; unset starts an embedded nats-server."""
     creds: str | None = None
-    """Path of a NATS credentials file."""
+    """Path of a NATS credentials file (``reach auth``: ``DIR/broker.creds``)."""
+    tls_ca: str | None = None
+    """CA certificate (PEM) the server's certificate must chain to; turns TLS on."""
+    auth_dir: str | None = None
+    """A ``reach auth init`` DIR: the embedded server runs ``DIR/server.conf`` and the broker
+    connects with ``DIR/broker.creds`` (and ``DIR/tls/ca.pem`` with TLS)."""
     ping_interval_s: Annotated[int, Meta(ge=1)] = 2
     """Client PING interval: a dead server is noticed in about ping * outstanding seconds."""
     max_outstanding_pings: Annotated[int, Meta(ge=1)] = 2
@@ -90,6 +95,9 @@ class DetectionSection(Section):
     """Use the server's $SYS connect/disconnect advisories when the account exports them."""
     advisory_account: str | None = None
     """Account whose advisories to follow (unset: this connection's, via $SYS.REQ.USER.INFO)."""
+    observer_suspect_share: Share = 0.3
+    """Share of the fleet that, going silent at once, makes the broker doubt its own link and
+    hold every state until heartbeats flow again or the server's connection list confirms."""
 
 
 class ScoringSection(Section):
@@ -169,6 +177,12 @@ class CompensationSection(Section):
     """Ceiling of the backoff while every agent of a capability answers TARGET_BUSY."""
 
 
+class JetStreamSection(Section):
+    replicas: Annotated[int, Meta(ge=1, le=5)] | None = None
+    """Replicas of every stream and the KV bucket (unset: 3 when the server reports a cluster
+    of three or more nodes, else 1); an existing asset is moved to this count in place."""
+
+
 class ClaimsSection(Section):
     scan_window_s: Positive = 3600.0
     """At start, claims (KV reach_claims) written this long ago are read to know who runs
@@ -179,19 +193,49 @@ class ClaimsSection(Section):
     can run elsewhere (off: they stay claimed until their agent returns or they expire)."""
 
 
-A2A_TOKEN_PATTERN = r"^[A-Za-z0-9._~+/=-]{16,256}$"
-A2AToken = Annotated[str, Meta(pattern=A2A_TOKEN_PATTERN)]
+HTTP_TOKEN_PATTERN = r"^[A-Za-z0-9._~+/=-]{16,256}$"
+HttpToken = Annotated[str, Meta(pattern=HTTP_TOKEN_PATTERN)]
+"""A token of the broker's HTTP surfaces (the console's, the A2A gateway's): 16-256 URL-,
+header- and cookie-safe characters."""
+
+
+def http_token(value: str, source: str, what: str) -> str:
+    """``value`` if it can be a ``what`` token (16-256 of ``A-Z a-z 0-9 . _ ~ + / = -``)."""
+    try:
+        return msgspec.convert(value, HttpToken)
+    except msgspec.ValidationError:
+        raise ConfigError(
+            f"{source}: {what} token is 16 to 256 of the characters A-Z a-z 0-9 . _ ~ + / = -"
+            f" (got {len(value)} characters)"
+        ) from None
+
+
+def console_token(value: str, source: str) -> str:
+    """``value`` if it can be a console token."""
+    return http_token(value, source, "a console")
 
 
 def a2a_token(value: str, source: str) -> str:
-    """``value`` if it can be a bearer token (16-256 of ``A-Z a-z 0-9 . _ ~ + / = -``)."""
-    try:
-        return msgspec.convert(value, A2AToken)
-    except msgspec.ValidationError:
-        raise ConfigError(
-            f"{source}: an A2A token is 16 to 256 of the characters A-Z a-z 0-9 . _ ~ + / = -"
-            f" (got {len(value)} characters)"
-        ) from None
+    """``value`` if it can be an A2A gateway token."""
+    return http_token(value, source, "an A2A")
+
+
+class ConsoleSection(Section):
+    enabled: bool = True
+    """Serve the web console at / on the metrics port (beside /metrics)."""
+    token: HttpToken | None = None
+    """Token the console asks for; required when the metrics port listens beyond loopback
+    (without one the console is off there, /metrics stays open)."""
+    sample_s: Positive = 5.0
+    """How often each agent's score, task time and load are sampled for its chart."""
+    history_s: Positive = 300.0
+    """How far back the samples go (bounded memory: history_s / sample_s per agent)."""
+    events: Annotated[int, Meta(ge=1, le=100_000)] = 500
+    """Events kept for the timeline (read from REACH_AUDIT at start, then live)."""
+    push_s: Positive = 1.0
+    """How often a watching page gets the fleet (and at once after a transition)."""
+    max_agents: Annotated[int, Meta(ge=1)] = 500
+    """Agents sent to the page, the least healthy first (the counts cover all)."""
 
 
 class A2ASection(Section):
@@ -199,8 +243,9 @@ class A2ASection(Section):
     """Port of the A2A registry and gateway (Agent Cards, JSON-RPC per capability; 0: off)."""
     host: str = "127.0.0.1"
     """Address it listens on; anything but loopback requires a token."""
-    token: A2AToken | None = None
-    """Bearer token every request must carry (``Authorization: Bearer <token>``)."""
+    token: HttpToken | None = None
+    """Bearer token every request must carry (``Authorization: Bearer <token>``; unset: the
+    console's token, if any)."""
     public_url: str | None = None
     """Base URL the cards name (unset: the scheme and host each request came in on)."""
     call_timeout_s: Positive = 30.0
@@ -217,7 +262,9 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     scoring: ScoringSection = msgspec.field(default_factory=ScoringSection)
     routing: RoutingSection = msgspec.field(default_factory=RoutingSection)
     compensation: CompensationSection = msgspec.field(default_factory=CompensationSection)
+    jetstream: JetStreamSection = msgspec.field(default_factory=JetStreamSection)
     claims: ClaimsSection = msgspec.field(default_factory=ClaimsSection)
+    console: ConsoleSection = msgspec.field(default_factory=ConsoleSection)
     a2a: A2ASection = msgspec.field(default_factory=A2ASection)
 
 
@@ -244,6 +291,8 @@ def load(path: str | os.PathLike[str] | None = None) -> Config:
         cfg.nats.url = os.environ["NATS_URL"]
     if os.environ.get("REACH_TOKEN_SECRET"):
         cfg.broker.token_secret = os.environ["REACH_TOKEN_SECRET"]
+    if os.environ.get("REACH_CONSOLE_TOKEN"):
+        cfg.console.token = console_token(os.environ["REACH_CONSOLE_TOKEN"], "REACH_CONSOLE_TOKEN")
     if os.environ.get("REACH_A2A_TOKEN"):
         cfg.a2a.token = a2a_token(os.environ["REACH_A2A_TOKEN"], "REACH_A2A_TOKEN")
     if cfg.detection.offline_after < cfg.detection.suspect_after:

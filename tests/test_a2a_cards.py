@@ -249,7 +249,7 @@ def test_beyond_loopback_needs_a_token() -> None:
     assert binding_error(A2ASection(port=0, host="0.0.0.0")) is None  # off
     assert binding_error(A2ASection(port=8080, host="0.0.0.0")) == (
         "--a2a-host 0.0.0.0 listens beyond loopback: give a token with --a2a-token or "
-        "REACH_A2A_TOKEN (16 or more characters)"
+        "REACH_A2A_TOKEN, or the console's --console-token (16 or more characters)"
     )
     assert binding_error(A2ASection(port=8080, host="0.0.0.0", token="t" * 16)) is None
 

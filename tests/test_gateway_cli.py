@@ -21,11 +21,14 @@ from reach_broker.config import Config
 
 from .test_broker_process import free_port
 
+UNSET = ("NATS_URL", "REACH_A2A_TOKEN", "REACH_CONSOLE_TOKEN")
+"""The environment the broker under test must not inherit (the tests set what it needs)."""
+
 
 def test_reach_broker_serves_the_a2a_gateway(tmp_path: Path) -> None:
     pytest.importorskip("a2a.server", reason="needs the extra 'a2a'")
     a2a_port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REACH_A2A_TOKEN")}
+    env = {k: v for k, v in os.environ.items() if k not in UNSET}
     proc = subprocess.Popen(
         [sys.executable, "-m", "reach_broker.cli", "broker", "--port", "0", "--metrics-port",
          "0", "--store-dir", str(tmp_path / "js"), "--a2a-port", str(a2a_port)],
@@ -60,7 +63,7 @@ def test_reach_broker_serves_the_a2a_gateway(tmp_path: Path) -> None:
 
 
 def test_beyond_loopback_without_a_token_is_refused_in_one_line() -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REACH_A2A_TOKEN")}
+    env = {k: v for k, v in os.environ.items() if k not in UNSET}
     done = subprocess.run(
         [sys.executable, "-m", "reach_broker.cli", "broker", "--port", "0", "--metrics-port",
          "0", "--a2a-port", "8080", "--a2a-host", "0.0.0.0"],
@@ -69,7 +72,7 @@ def test_beyond_loopback_without_a_token_is_refused_in_one_line() -> None:
     assert (done.returncode, done.stdout) == (3, "")
     assert done.stderr == (
         "reach: --a2a-host 0.0.0.0 listens beyond loopback: give a token with --a2a-token or "
-        "REACH_A2A_TOKEN (16 or more characters)\n"
+        "REACH_A2A_TOKEN, or the console's --console-token (16 or more characters)\n"
     )
 
 
@@ -97,4 +100,19 @@ def test_a_missing_extra_is_one_line_naming_it(
     assert capsys.readouterr().err == (
         "reach: reach mcp needs the optional extra 'mcp' (mcp not installed): pip install "
         "'reach[mcp]' (in a clone: pip install -e '.[mcp]')\n"
+    )
+
+
+def test_without_a_token_of_its_own_the_gateway_takes_the_consoles() -> None:
+    pytest.importorskip("a2a.server", reason="needs the extra 'a2a'")
+    cfg = Config()
+    cfg.a2a.port, cfg.a2a.host = 8080, "0.0.0.0"
+    cfg.console.token = "the-console-token-0123"
+    process.check_a2a(cfg)  # beyond loopback, yet it starts: it has the console's token
+    assert cfg.a2a.token == "the-console-token-0123"
+    cfg.a2a.token = "the-gateway-token-4567"
+    process.check_a2a(cfg)
+    assert (cfg.a2a.token, cfg.console.token) == (
+        "the-gateway-token-4567",
+        "the-console-token-0123",
     )

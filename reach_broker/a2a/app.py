@@ -75,7 +75,10 @@ class BearerToken:
             if not hmac.compare_digest(given, self.expected):
                 body = error_response(
                     401,
-                    Forbidden("this gateway needs Authorization: Bearer <token> (its --a2a-token)"),
+                    Forbidden(
+                        "this gateway needs Authorization: Bearer <token> "
+                        "(its --a2a-token, else the console's)"
+                    ),
                 )
                 body.headers["WWW-Authenticate"] = 'Bearer realm="reach"'
                 await body(scope, receive, send)

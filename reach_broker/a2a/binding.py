@@ -25,7 +25,8 @@ def binding_error(cfg: A2ASection) -> str | None:
     token), or None."""
     if cfg.port and not is_loopback(cfg.host) and not cfg.token:
         return (f"--a2a-host {cfg.host} listens beyond loopback: give a token with "
-                "--a2a-token or REACH_A2A_TOKEN (16 or more characters)")  # fmt: skip
+                "--a2a-token or REACH_A2A_TOKEN, or the console's --console-token "
+                "(16 or more characters)")  # fmt: skip
     return None
 
 

@@ -149,7 +149,8 @@ class Where(msgspec.Struct, frozen=True, kw_only=True):
         if self.token:
             security = {
                 "security_schemes": {"bearer": {"httpAuthSecurityScheme": {
-                    "scheme": "Bearer", "description": "the gateway's token (--a2a-token)"}}},
+                    "scheme": "Bearer",
+                    "description": "the gateway's token (--a2a-token, else the console's)"}}},
                 "security_requirements": [{"schemes": {"bearer": {"list": []}}}],
             }  # fmt: skip
         return AgentCard(
