@@ -50,10 +50,13 @@ def build_server(tools: Tools, version: str) -> Any:
 
         "candidates": the agents reach would send a call to now, in the order it would try
         them, each with its live state, score (0-100, higher is better), load (0-1, share
-        of its slots in use) and rank. "others": every other agent with the capability
-        with the same figures and "why" it is left out (for example "it is offline").
-        "reason" appears when no agent can take it. You do not need this before
-        call_agent, which routes by itself; use it to explain or to check availability."""
+        of its slots in use), rank, and what its score is made of ("score_terms", each 0-1,
+        and the "weakest" one). "others": every other agent with the capability with the
+        same figures, a "reason" code and "why" in words (for example reason "state", why
+        "offline for 3.2s"); "left_out" counts them by reason and "reasons" says what each
+        code means. "reason" at the top appears when no agent can take it. You do not need
+        this before call_agent, which routes by itself; use it to explain or to check
+        availability."""
         return await guarded(tools.find_agents(capability, limit, region, tags))
 
     @server.tool()

@@ -6,8 +6,10 @@ Three tools over one :class:`reach_agent.Client` (the optional extra ``mcp``):
 * ``list_capabilities`` — every capability the fleet has, with how many agents hold it and
   how many are healthy now (one ``<prefix>.agents`` request);
 * ``find_agents(capability, limit, region?, tags?)`` — the agents reach would route to now,
-  best first (a route request: the broker's own choice), and every other agent with the
-  capability with its live state, score, load and why it is left out;
+  best first, and every other agent with the capability with its live state, score, load
+  and why it is left out: one explained route request (``RouteRequest.explain``, the
+  broker's own decision and reasons) and one ``<prefix>.agents`` request (the last
+  heartbeats);
 * ``call_agent(capability, payload, timeout_s?)`` — one task, routed and retried by reach;
   the agent's result, or a tool error ``CODE: message`` saying why not.
 
@@ -20,9 +22,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from reach_agent import schema
 from reach_agent.client import Client
 from reach_agent.errors import NoReachableAgent, from_reply
+
+from .reasons import EXCLUSIONS
 
 INSTRUCTIONS = """\
 reach makes a fleet of AI agents reachable by capability (a name such as "summarize" or
@@ -66,6 +72,31 @@ class Tools:
                 entry["healthy"] += view.state == "healthy"
         return {"capabilities": [caps[c] for c in sorted(caps)], "agents": len(views)}
 
+    async def explained_route(
+        self, capability: str, req: schema.RouteRequest
+    ) -> tuple[list[schema.Candidate], schema.RouteExplain | None, str | None]:
+        """One explained route request: the candidates, the explanation, and the reason
+        when none can take it (its body still carries the explanation)."""
+        subject = self.client.subjects.route(capability)
+        try:
+            msg = await self.client.nc.request(subject, schema.encoder.encode(req),
+                                               timeout=self.request_timeout_s)  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - no responders, timeout: one tool error
+            raise NoReachableAgent(f"no broker answered {subject} "
+                                   f"({type(exc).__name__})") from None  # fmt: skip
+        err = from_reply(msg.headers, msg.data)
+        if err is None:
+            reply = schema.route_reply_decoder.decode(msg.data)
+            return reply.candidates, reply.explain, None
+        if not isinstance(err, NoReachableAgent):
+            raise err
+        try:
+            explain = msgspec.convert(msgspec.json.decode(msg.data).get("explain"),
+                                      schema.RouteExplain | None)  # fmt: skip
+        except (msgspec.MsgspecError, AttributeError):
+            explain = None
+        return [], explain, err.message
+
     async def find_agents(
         self,
         capability: str,
@@ -76,28 +107,30 @@ class Tools:
         schema.check_capability(capability)
         if not 1 <= limit <= 100:
             raise schema.InvalidRequest(f"limit {limit} is not within 1..100")
+        req = schema.RouteRequest(limit=limit, region=region, tags=tags or {}, explain=True)
         views = await self.views(capability)
-        try:
-            candidates = await self.client.route(capability, limit, region=region, tags=tags)
-            reason = None
-        except NoReachableAgent as exc:
-            candidates, reason = [], exc.message
-        chosen = {c.agent_id: i for i, c in enumerate(candidates)}
+        candidates, explain, reason = await self.explained_route(capability, req)
         by_id = {v.agent_id: v for v in views}
+        excluded = explain.excluded if explain is not None else []
         out: dict[str, Any] = {
             "capability": capability,
             "candidates": [
-                {**_figures(by_id.get(c.agent_id), c.state, c.score, c.load),
-                 "agent_id": c.agent_id, "rank": i + 1, "region": c.region,
-                 "version": c.version}
+                {"agent_id": c.agent_id, "rank": i + 1,
+                 **_figures(by_id.get(c.agent_id), c.state, c.score, c.load),
+                 **_terms(c.explain), "region": c.region, "version": c.version}
                 for i, c in enumerate(candidates)
             ],
             "others": [
-                {"agent_id": v.agent_id, **_figures(v, v.state, v.score, v.load),
-                 "why": _why(v, region, tags, len(candidates))}
-                for v in views if v.agent_id not in chosen
+                {"agent_id": x.agent_id, **_figures(by_id.get(x.agent_id), x.state, x.score,
+                                                    x.load),
+                 "reason": x.reason, "why": x.detail}
+                for x in excluded
             ],
         }  # fmt: skip
+        if explain is not None and explain.counts:
+            out["left_out"] = explain.counts
+            out["reasons"] = {code: EXCLUSIONS[code] for code in explain.counts
+                              if code in EXCLUSIONS}  # fmt: skip
         if reason is not None:
             out["reason"] = reason
         return out
@@ -122,14 +155,12 @@ def _figures(
     return out
 
 
-def _why(view: schema.AgentView, region: str | None, tags: dict[str, str] | None, n: int) -> str:
-    """Why an agent with the capability is not a candidate, from what the broker shows."""
-    if view.state != "healthy":
-        return f"it is {view.state}: reach routes only to healthy agents"
-    if region is not None and view.region != region:
-        return f"its region is {view.region!r}, not the {region!r} asked for"
-    filtered = " or it lacks a tag asked for" if tags else ""
-    return (
-        f"healthy but not among the {n} candidates: it ranked lower (score, free capacity), "
-        f"is at or above the load watermark or below the minimum score{filtered}"
-    )
+def _terms(explain: schema.AgentExplain | None) -> dict[str, Any]:
+    """What a candidate's score is made of: its terms and the one that pulls it down."""
+    if explain is None:
+        return {}
+    out: dict[str, Any] = {"score_terms": msgspec.structs.asdict(explain.terms),
+                           "weakest": explain.weakest}  # fmt: skip
+    if explain.kept is not None:
+        out["kept"] = explain.kept
+    return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 
 from reach_broker.natsserver import NatsServer
+from reach_broker.reasons import EXCLUSIONS
 from reach_broker.service import Broker
 
 from .agents.procs import AgentProcess
@@ -91,12 +93,15 @@ async def test_mcp_client_lists_tools_finds_agents_and_calls_one(
                                what="alpha offline")  # fmt: skip
                 found = await tool(client, "find_agents", capability="summarize")
                 assert [c["agent_id"] for c in found["candidates"]] == ["beta"]
+                [beta] = found["candidates"]
+                assert sorted(beta["score_terms"]) == [
+                    "latency", "liveness", "load", "stuck", "success"]  # fmt: skip
                 [other] = found["others"]
-                assert (other["agent_id"], other["state"], other["why"]) == (
-                    "alpha",
-                    "offline",
-                    "it is offline: reach routes only to healthy agents",
-                )
+                assert (other["agent_id"], other["state"], other["reason"]) == (
+                    "alpha", "offline", "state")  # fmt: skip
+                assert re.fullmatch(r"offline for \d+\.\ds", other["why"]), other["why"]
+                assert found["left_out"] == {"state": 1}
+                assert found["reasons"] == {"state": EXCLUSIONS["state"]}
                 for _ in range(3):
                     called = await tool(client, "call_agent", capability="summarize",
                                         payload={"n": 4})  # fmt: skip
