@@ -70,7 +70,19 @@ class Wire:
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
-        conn = self.idle.pop() if self.idle else await asyncio.open_connection(self.host, self.port)
+        while self.idle:  # a kept connection, unless the server closed it while idle
+            conn = self.idle.pop()
+            try:
+                return await self._exchange(conn, method, path, body)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                conn[1].close()
+        conn = await asyncio.open_connection(self.host, self.port)
+        return await self._exchange(conn, method, path, body)
+
+    async def _exchange(
+        self, conn: tuple[asyncio.StreamReader, asyncio.StreamWriter], method: str, path: str,
+        body: bytes,
+    ) -> tuple[int, bytes]:  # fmt: skip
         reader, writer = conn
         writer.write(
             f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nA2A-Version: 1.0\r\n"
