@@ -64,7 +64,8 @@ async def _serve(args: argparse.Namespace) -> int:
         max_timeout_s=max(args.call_timeout, base.max_timeout_s),
     )  # fmt: skip
     try:
-        client = reach_agent.Client(servers(args), config, name="reach-mcp", creds=args.creds)
+        client = reach_agent.Client(servers(args), config, name="reach-mcp", creds=args.creds,
+                                    tls_ca=args.tls_ca)  # fmt: skip
     except ValueError as exc:  # a credentials file that does not exist
         raise CliError(str(exc), EXIT_USAGE) from None
     try:
