@@ -335,3 +335,20 @@ async def test_a_body_over_8_mib_is_refused(gateway: A2AGateway, http: httpx.Asy
     assert reply.status_code == 413
     message = "request body larger than 8388608 bytes"
     assert reply.json() == {"error": {"code": "INVALID_REQUEST", "message": message}}
+
+
+async def test_a_page_elsewhere_cannot_reach_the_gateway_on_loopback(
+    gateway: A2AGateway, http: httpx.AsyncClient
+) -> None:
+    rebound = await http.get(f"{gateway.url}/agents", headers={"Host": "evil.example:80"})
+    assert (rebound.status_code, rebound.json()) == (403, {"error": {
+        "code": "FORBIDDEN",
+        "message": "this gateway answers only under a loopback Host name"}})  # fmt: skip
+    body = b'{"jsonrpc": "2.0", "id": 1, "method": "message/send", "params": {}}'
+    simple = await http.post(f"{gateway.url}/a2a/summarize", content=body,
+                             headers={"Content-Type": "text/plain"})  # fmt: skip
+    assert (simple.status_code, simple.json()) == (415, {"error": {
+        "code": "INVALID_REQUEST",
+        "message": "a JSON-RPC request needs Content-Type: application/json"}})  # fmt: skip
+    local = await http.get(f"{gateway.url}/agents", headers={"Host": "localhost"})
+    assert (local.status_code, local.json()) == (200, {"agents": []})

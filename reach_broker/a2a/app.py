@@ -14,6 +14,10 @@ The JSON-RPC endpoints are the a2a-sdk's own dispatcher (A2A 1.0 methods such as
 :class:`~reach_broker.a2a.handler.GatewayHandler`; the path's capability or agent id reaches
 the handler in the call context. With a token every request needs ``Authorization: Bearer
 <token>`` (compared in constant time), else 401; a body over 8 MiB is refused with 413.
+Bound on loopback, a request must name a loopback ``Host`` (403: a page elsewhere cannot
+reach the gateway by rebinding its DNS name); a POST must be ``Content-Type:
+application/json`` (415: a page elsewhere cannot send one without a CORS preflight, which is
+never answered, so it cannot make the gateway run a task).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from reach_agent.schema import AGENT_STATES, check_capability
 from ..registry import Registry
 from ..routing import Router
 from . import cards
+from .binding import is_loopback, loopback_host
 from .handler import GatewayHandler
 
 JSON = "application/json"
@@ -117,6 +122,34 @@ class BodyLimit:
         await self.app(scope, counted, send)
 
 
+class SameMachine:
+    """ASGI middleware: on a loopback address, only a loopback ``Host``; every POST JSON."""
+
+    def __init__(self, app: ASGIApp, listen: str) -> None:
+        self.app = app
+        self.listen = listen
+        self.loopback = is_loopback(listen)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            refused = None
+            if self.loopback and not loopback_host(
+                headers.get(b"host", b"").decode("latin-1"), self.listen
+            ):
+                refused = error_response(403, Forbidden(
+                    "this gateway answers only under a loopback Host name"))  # fmt: skip
+            elif scope["method"] == "POST":
+                kind = headers.get(b"content-type", b"").partition(b";")[0].strip().lower()
+                if kind != b"application/json":
+                    refused = error_response(415, InvalidRequest(
+                        "a JSON-RPC request needs Content-Type: application/json"))  # fmt: skip
+            if refused is not None:
+                await refused(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class Views:
     """The card endpoints, over the broker's registry and router."""
 
@@ -171,8 +204,9 @@ class Views:
         return Response(cards.encoder.encode(card), media_type=JSON)
 
 
-def build_app(views: Views, handler: GatewayHandler, token: str | None) -> Any:
-    """The Starlette app (wrapped in :class:`BearerToken` when there is a token)."""
+def build_app(views: Views, handler: GatewayHandler, token: str | None, listen: str) -> Any:
+    """The Starlette app for a gateway listening on ``listen``, behind its guards
+    (:class:`BearerToken` when there is a token, :class:`BodyLimit`, :class:`SameMachine`)."""
     rpc: list[Any] = []
     for path in ("/a2a", "/a2a/{capability}", "/agents/{agent_id}/a2a"):
         rpc += create_jsonrpc_routes(handler, path, context_builder=PathContext(),
@@ -183,5 +217,5 @@ def build_app(views: Views, handler: GatewayHandler, token: str | None) -> Any:
         Route("/agents/{agent_id}/.well-known/agent-card.json", views.agent, methods=["GET"]),
         *rpc,
     ])  # fmt: skip
-    app = BodyLimit(app)
+    app = BodyLimit(SameMachine(app, listen))
     return BearerToken(app, token) if token else app

@@ -1,23 +1,24 @@
-"""Where the gateway listens: the loopback rule (beyond it, a token) and the socket.
+"""Where the gateway listens: the loopback rule (beyond it, a token; on it, a loopback
+``Host``, as the console has it: :mod:`reach_broker.console.app`) and the socket.
 
 No SDK is needed here: the process checks the binding before anything starts.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 
 from ..config import A2ASection
+from ..console.app import host_name, is_loopback
+
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+def loopback_host(header: str, listen: str) -> bool:
+    """Whether a request's ``Host`` header names this machine (or the listen address): a
+    page elsewhere that rebinds its DNS name to 127.0.0.1 sends its own name."""
+    name = host_name(header)
+    return name in LOOPBACK_NAMES or name == listen.strip("[]")
 
 
 def binding_error(cfg: A2ASection) -> str | None:

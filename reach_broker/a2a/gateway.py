@@ -83,7 +83,7 @@ class A2AGateway:
         sock = bind(self.cfg.host, self.cfg.port)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
-            build_app(self.views, self.handler, self.cfg.token), log_config=None,
+            build_app(self.views, self.handler, self.cfg.token, self.cfg.host), log_config=None,
             log_level="warning", access_log=False, lifespan="off", server_header=False,
             timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
         )  # fmt: skip
