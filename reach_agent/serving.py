@@ -401,9 +401,12 @@ class TaskServer:
         sink = self.ack_sink
         if sink is None:
             return
+        ctx = trace.CURRENT.get()  # this task's (set in _run): a flow step names its run
+        parent = ctx.headers.get(schema.H_PARENT_ID) if ctx is not None else None
         rec = schema.AckRecord(
             request_id=request_id, agent_id=self.agent_id, capability=capability, state=state,
             at_ms=int(time.time() * 1000), result=result, error=error,
+            parent_request_id=parent,
         )  # fmt: skip
         try:
             await sink.record(rec)
