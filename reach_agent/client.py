@@ -50,7 +50,7 @@ from nats.aio.subscription import Subscription
 from jetstream import audit
 from jetstream.tasks import raise_if_cancelled
 
-from . import durable, schema, streaming
+from . import durable, schema, streaming, trace
 from .aio import TaskSet
 from .attempts import Attempts
 from .breaker import Breakers
@@ -72,7 +72,7 @@ from .retry import should_retry
 from .routes import Routes
 from .subjects import ReplyInbox, Subjects
 
-log = logging.getLogger(__name__)
+log = trace.logger(__name__)
 
 
 class Client:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -31,13 +30,13 @@ from jetstream import ackreads, acks
 from jetstream.claims import ClaimStore, ClaimsUnavailable, claim_key
 from jetstream.tasks import raise_if_cancelled
 
-from . import schema
+from . import schema, trace
 from .calls import Call, HeldEnd
 from .claiming import result_location
 from .durable import attributed
 from .subjects import Subjects
 
-log = logging.getLogger(__name__)
+log = trace.logger(__name__)
 
 _UNKNOWN = schema.Claim(request_id="", agent_id="", instance="", capability="", state="running",
                         at_ms=0)  # fmt: skip

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any, Protocol
 
@@ -36,13 +35,13 @@ from nats.aio.msg import Msg
 
 from jetstream.tasks import raise_if_cancelled
 
-from . import schema
+from . import schema, trace
 from .calls import CLOSED, LOST, Call, StreamStart
 from .errors import InternalError, InvalidRequest, StreamBroken, from_reply
 from .liveness import Liveness
 from .subjects import is_inbox
 
-log = logging.getLogger(__name__)
+log = trace.logger(__name__)
 
 DEFAULT_WINDOW = 64
 """Chunks a reader takes ahead of its credits unless it asks otherwise."""

@@ -85,6 +85,9 @@ class DetectionSection(Section):
     """Inter-arrival samples kept per agent."""
     phi_min_samples: Annotated[int, Meta(ge=2)] = 5
     """Samples needed before phi is trusted; before that only fixed thresholds apply."""
+    phi_prior_samples: Annotated[int, Meta(ge=0, le=1000)] = 5
+    """Pseudo-samples at the announced interval a new agent's history starts from, each
+    displaced by a real one (0: none, a new agent waits for phi_min_samples real ones)."""
     probe_concurrency: Annotated[int, Meta(ge=1)] = 64
     """At most this many probes in flight."""
     probe_backoff_max_s: Positive = 60.0
