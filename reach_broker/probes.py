@@ -209,7 +209,9 @@ class Prober:
             # language may have none): no RTT sample, but no verdict on liveness
             # either. A dead one is the disconnect advisory's or the deadlines' job.
             return True
-        ctx.fanout.emit(self.registry.probe_result(agent_id, ok, rtt, now))
+        # Only a healthy agent's answer is an RTT sample: a suspect's (a freeze that just
+        # ended, an answer late by the whole stall) says it lives, not what its latency is.
+        ctx.fanout.emit(self.registry.probe_result(agent_id, ok, rtt if sample else None, now))
         return ok
 
     async def _probe(self, agent_id: str) -> None:
