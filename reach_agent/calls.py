@@ -6,7 +6,9 @@ method threads it through parameters. Replies arrive on the call's queue tagged 
 attempt they answer; :meth:`Call.outcome` turns them into one :data:`~reach_agent.retry.Outcome`:
 
 * a receipt of the current attempt within ``ack_timeout_s`` → wait for the result until the
-  deadline (with ``ack_mode="received"`` the receipt is the answer);
+  deadline (with ``ack_mode="received"`` the receipt is the answer); a receipt is a reply
+  with ``Reach-Status: received``, or one without ``Reach-Status`` whose body is exactly the
+  receipt of this call's request id (:func:`~reach_agent.schema.is_body_receipt`);
 * no receipt in time → ``not_delivered``; a 503 without body → ``no_responders``;
 * an error reply of the current attempt → ``error`` (the retry rule decides);
 * a result from this attempt or an earlier one → ``ok`` (the first result wins); for a
@@ -246,7 +248,9 @@ class Call:
                     return "error", err
                 continue  # an earlier attempt's error: the current attempt decides
             status = hdrs.get(schema.H_STATUS) if hdrs else None
-            if status == "received":
+            if status == "received" or (
+                status is None and schema.is_body_receipt(msg.data, self.request_id)
+            ):
                 if current:
                     acked = True
                     if self.ack_mode == "received":
@@ -296,7 +300,9 @@ class Call:
             if (hdrs and hdrs.get(_STATUS) == "503" and not msg.data) or from_reply(hdrs, msg.data):
                 continue  # errors (another IN_PROGRESS, no responders) change nothing
             status = hdrs.get(schema.H_STATUS) if hdrs else None
-            if status == "received":
+            if status == "received" or (
+                status is None and schema.is_body_receipt(msg.data, self.request_id)
+            ):
                 continue
             if status == "chunk" or (status == "completed" and schema.H_CHUNKS in hdrs):
                 if self.stream:

@@ -209,6 +209,29 @@ class Receipt(msgspec.Struct, frozen=True, kw_only=True):
     status: Literal["received"] = "received"
 
 
+class _BodyReceipt(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A receipt told by its body alone: exactly these two fields, nothing else."""
+
+    request_id: str
+    status: Literal["received"]
+
+
+_body_receipt_decoder = msgspec.json.Decoder(_BodyReceipt)
+_RECEIPT_MAX_BYTES = 512
+
+
+def is_body_receipt(data: bytes, request_id: str) -> bool:
+    """Whether a reply without ``Reach-Status`` is the receipt of ``request_id`` all the same:
+    its body is exactly ``{"request_id": <request_id>, "status": "received"}`` (an agent
+    written from the text alone may leave the header out). Anything else is a result."""
+    if len(data) > _RECEIPT_MAX_BYTES or b'"received"' not in data:
+        return False  # most results: no decode at all
+    try:
+        return _body_receipt_decoder.decode(data).request_id == request_id
+    except msgspec.MsgspecError:
+        return False
+
+
 class AckRecord(Base, frozen=True):
     """``reach.ack.<request_id>`` in ``REACH_ACKS``; ``Nats-Msg-Id: <request_id>.<state>``."""
 
