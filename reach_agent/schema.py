@@ -48,6 +48,10 @@ AGENT_STATES: tuple[AgentState, ...] = ("healthy", "suspect", "offline", "recove
 AgentStatus = Literal["idle", "busy", "draining"]
 EventKind = Literal["registered", "state", "left", "evicted", "released"]
 AckState = Literal["received", "completed", "failed"]
+PROTOCOL_REACH = "reach"
+PROTOCOL_SYNADIA = "synadia-agents"
+"""How a candidate is spoken to: reach's task protocol, or the Synadia Agent Protocol's
+prompt protocol (an agent the broker discovered on ``$SRV.INFO.agents``)."""
 ClaimState = Literal["running", "completed", "failed", "released"]
 
 
@@ -165,6 +169,9 @@ class Candidate(Base, frozen=True):
     version: str | None = None
     timeout_hint_ms: int | None = None
     """The agent's announced ``timeout_hint_ms``: callers wait at least this long."""
+    protocol: str | None = None
+    """``reach`` or ``synadia-agents`` (brokers always say; absent from an older broker:
+    ``reach``)."""
 
 
 class RouteReply(Base, frozen=True):
@@ -187,6 +194,8 @@ class AgentView(Base, frozen=True):
     version: str | None = None
     active: int = 0
     max_concurrency: int = 0
+    protocol: str = PROTOCOL_REACH
+    """``synadia-agents`` for an agent the broker discovered (absent: ``reach``)."""
 
 
 class AgentsRequest(Base, frozen=True):

@@ -27,17 +27,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, Protocol
 
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from . import schema
+from . import prompting, schema
 from .calls import CLOSED, LOST, Call, StreamStart
 from .errors import InternalError, InvalidRequest, StreamBroken, from_reply
 from .liveness import Liveness
+from .prompting import join as join  # the rule lives with the codec calls.py uses
 
 log = logging.getLogger(__name__)
 
@@ -52,15 +53,6 @@ INBOX_ROOT = "_INBOX."
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder()
-
-
-def join(chunks: Iterable[Any]) -> Any:
-    """A stream's chunks as one result: their concatenation when every chunk is a string
-    (and there is at least one), otherwise the list of chunks (``[]`` for none)."""
-    items = list(chunks)
-    if items and all(isinstance(c, str) for c in items):
-        return "".join(items)
-    return items
 
 
 class Joined:
@@ -296,6 +288,46 @@ async def read(
                 log.debug("stream.cancel_failed request_id=%s", call.request_id)
 
 
+async def read_prompted(
+    call: Call, start: StreamStart, clock: Callable[[], float]
+) -> AsyncIterator[Any]:
+    """The chunks of a Synadia agent's prompt stream (:mod:`~reach_agent.prompting`), from
+    the first one (``start``) to the end; their protocol has no credit, so the window is
+    the subscription's buffer."""
+    attempt, agent = start.attempt, call.agents.get(start.attempt)
+    delivered = 0
+    first: Any = start.msg
+    while True:
+        if first is not None:
+            a, msg, first = attempt, first, None
+        else:
+            try:
+                async with asyncio.timeout(max(call.deadline - clock(), 0.0)):
+                    a, msg = await call.queue.get()
+            except TimeoutError:
+                raise StreamBroken(
+                    f"stream from agent {agent!r} did not end by the call's deadline "
+                    f"({delivered} chunks delivered)", delivered=delivered,
+                ) from None  # fmt: skip
+        if msg is CLOSED:
+            raise InternalError("client closed while the stream was in flight")
+        if msg is LOST:
+            raise StreamBroken(
+                f"agent {agent!r} was lost mid-stream after {delivered} chunks: not re-run "
+                "(that would repeat them)", delivered=delivered,
+            )  # fmt: skip
+        if a != attempt or not hasattr(msg, "headers"):
+            continue
+        kind, value = prompting.read(msg, agent)
+        if kind == "end":
+            return
+        if kind == "error":
+            raise value
+        if kind == "chunk":
+            delivered += 1
+            yield value
+
+
 class Caller(Protocol):
     """What :func:`stream` uses of a :class:`reach_agent.Client`."""
 
@@ -343,8 +375,11 @@ async def stream(
             agent = call.agents.get(value.attempt)
             if agent is not None:
                 client.liveness.track(agent, call)  # a death mid-stream breaks the stream
+            chunks = (read_prompted(call, value, client.clock)
+                      if call.protocol == schema.PROTOCOL_SYNADIA
+                      else read(client.nc, call, value, client.clock))  # fmt: skip
             try:
-                async for chunk in read(client.nc, call, value, client.clock):
+                async for chunk in chunks:
                     yield chunk
             finally:
                 if agent is not None:
