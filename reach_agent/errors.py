@@ -210,11 +210,10 @@ def to_reply(err: ReachError) -> tuple[dict[str, str], bytes]:
     return headers, body
 
 
-def from_status(status: int, message: str, *, retry_server_errors: bool) -> ReachError:
+def from_status(status: int, message: str) -> ReachError:
     """The reach error of an HTTP-like status from a peer that does not speak reach (a
-    Synadia agent's error frame, an HTTP agent's response): 429/503 → ``TARGET_BUSY``,
-    401/403 → ``FORBIDDEN``, 408/504 → ``TIMEOUT``, other 4xx → ``BIZ_REJECT``, other 5xx →
-    ``TIMEOUT`` (retryable) when ``retry_server_errors``, else ``INTERNAL``."""
+    Synadia agent's error frame): 429/503 → ``TARGET_BUSY``, 401/403 → ``FORBIDDEN``,
+    408/504 → ``TIMEOUT``, other 4xx → ``BIZ_REJECT``, anything else ``INTERNAL``."""
     text = message or f"status {status}"
     if status in (429, 503):
         return TargetBusy(text)
@@ -224,7 +223,7 @@ def from_status(status: int, message: str, *, retry_server_errors: bool) -> Reac
         return Timeout(text)
     if 400 <= status < 500:
         return BizReject(text)
-    return Timeout(text) if retry_server_errors else InternalError(text)
+    return InternalError(text)
 
 
 def from_reply(headers: Mapping[str, str] | None, data: bytes) -> ReachError | None:

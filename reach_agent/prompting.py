@@ -80,8 +80,7 @@ def read(msg: Any, agent: str | None) -> tuple[Kind, Any]:
         except ValueError:
             status = 500
         text = hdrs.get(H_SERVICE_ERROR, "")
-        return "error", from_status(status, f"agent {agent!r} answered {status}: {text}",
-                                    retry_server_errors=False)  # fmt: skip
+        return "error", from_status(status, f"agent {agent!r} answered {status}: {text}")
     if not msg.data:
         return ("end", None) if not hdrs else ("other", None)
     try:
