@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 from urllib.parse import urlsplit
 
 from reach_agent import schema
@@ -67,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
 async def _adapt(args: argparse.Namespace, cap: str, url: str, health: str | None) -> int:
     from ..httpadapter import HttpAdapter
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     stop = stop_on_signals()
     adapter = HttpAdapter(
         args.agent_id, cap, url, health_url=health, max_concurrency=args.max_concurrency,
