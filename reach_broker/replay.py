@@ -39,13 +39,14 @@ from jetstream.names import H_EXPIRES_MS
 from reach_agent import schema
 from reach_agent.errors import ReachError, from_reply
 from reach_agent.retry import retryable
-from reach_agent.schema import AckRecord, RouteRequest
+from reach_agent.schema import PROTOCOL_SYNADIA, AckRecord, RouteRequest
 
 from .ackwatch import AckWatch
 from .context import BrokerContext
 from .dispatch import MARKER_TTL_S, Dispatches
 from .records import AgentRecord, Transition
 from .routing import Router
+from .synadiareplay import Prompts
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class Target(NamedTuple):
 
     agent_id: str
     subject: str
+    protocol: str | None = None
 
 
 class Replayer:
@@ -75,6 +77,9 @@ class Replayer:
         self.router = router
         self.holder_of = holder_of
         """The agent holding a request id's claim (None: unclaimed or released)."""
+        self.record_of = record_of
+        self.prompts = Prompts(ctx)
+        """Entries for Synadia agents (they write no ack records: the broker does)."""
         self.dispatches = Dispatches(ctx.nc, ctx.subjects, ctx.broker_id, record_of)
         """Where each entry was sent: exactly once across a leader change (dispatch.py)."""
         self.subjects = ctx.subjects
@@ -302,7 +307,7 @@ class Replayer:
                 candidates = (
                     router.route(e.capability, self._route_req, ctx.clock())
                     if only is None
-                    else [Target(only, self.subjects.task(only, e.capability))]
+                    else [self._target(only, e.capability)]
                 )
             except ReachError:
                 await e.msg.nak()
@@ -311,13 +316,23 @@ class Replayer:
                 sent_ms = ctx.wall_ms()
                 await self.dispatches.mark(e.request_id, c.agent_id, sent_ms, ttl_s)
                 try:
-                    reply = await ctx.nc.request(
-                        c.subject, e.data, timeout=self.cfg.receipt_timeout_s, headers=headers
-                    )
+                    if c.protocol == PROTOCOL_SYNADIA:
+                        err = await self.prompts.send(
+                            c.subject,
+                            c.agent_id,
+                            e.request_id,
+                            e.capability,
+                            e.data,
+                            e.expires_at_ms,
+                        )
+                    else:  # fmt: skip
+                        reply = await ctx.nc.request(
+                            c.subject, e.data, timeout=self.cfg.receipt_timeout_s, headers=headers
+                        )
+                        err = from_reply(reply.headers, reply.data)
                 except (TimeoutError, NoRespondersError):
                     log.info("replay.no_receipt request_id=%s agent=%s", e.request_id, c.agent_id)
                     continue
-                err = from_reply(reply.headers, reply.data)
                 if err is not None and err.code == "IN_PROGRESS":
                     return await self._skip(e, getattr(err, "holder", ""), "in progress")
                 if err is None:
@@ -341,6 +356,13 @@ class Replayer:
                 return "stalled"
             await asyncio.sleep(backoff * (0.5 + random.random()))
             backoff = min(backoff * 2, self.cfg.busy_retry_max_s)
+
+    def _target(self, agent_id: str, capability: str) -> Target:
+        """Where a redelivered entry goes: the agent it went to before."""
+        rec = self.record_of(agent_id)
+        if rec is not None and rec.subject is not None:
+            return Target(agent_id, rec.subject, rec.protocol)
+        return Target(agent_id, self.subjects.task(agent_id, capability))
 
     async def _skip(self, e: Entry, holder: str, why: str) -> Outcome:
         """The request id is an agent's already: remove the entry without running it."""

@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
+import msgspec
 import pytest
 from nats.aio.client import Client as NATS
 
@@ -152,3 +153,22 @@ async def test_a_busy_synadia_agent_fails_over_and_a_crash_is_an_error(
         # A handler error (their 500 frame) is the agent's error, not a result.
         with pytest.raises(InternalError, match="500"):
             await client.call("echo-bot", "fail", sticky_key="k", timeout=5)
+
+
+async def test_the_compensation_queue_delivers_to_a_synadia_agent_and_records_its_answer(
+    broker: Broker, nats_server: NatsServer, spawn: Spawn
+) -> None:
+    async with reach_agent.Client(nats_server.url) as client:
+        # Queued while no agent has the capability; delivered once one appears.
+        rid = await client.submit("text.late", "queued", ttl=60)
+        _, instance = await spawn("--capabilities", "text.late")
+        agent_id = agent_id_of("echo-bot", "tests", "main", instance)
+        rec = await client.wait(rid, 20)
+        assert (rec.state, rec.agent_id, rec.capability) == ("completed", agent_id, "text.late")
+        assert msgspec.json.decode(rec.result) == "echo:queued"
+        assert broker.replayer.replayed == 1
+        # An entry the agent fails is recorded failed with its error.
+        bad = await client.submit("text.late", "fail", ttl=60)
+        rec = await client.wait(bad, 20)
+        assert rec.state == "failed" and rec.error is not None
+        assert rec.error["code"] == "INTERNAL" and "500" in rec.error["message"]

@@ -1,0 +1,112 @@
+"""Compensation entries delivered to Synadia Agent Protocol agents.
+
+Their agents write no ack records, so the broker is their caller: :meth:`Prompts.send`
+publishes the prompt envelope (:func:`reach_agent.prompting.envelope`) to the candidate's
+prompt subject with a reply inbox of its own and waits for the first message — the leading
+ack is the receipt (the entry is delivered), an error frame the agent's refusal, nothing
+within ``receipt_timeout_s`` no receipt. After the ack it reads the rest of the stream in the
+background, until its end or the entry's expiry (else ``DEFAULT_RUN_S``), and stores the ack
+record itself: ``completed`` with the response chunks joined, or ``failed`` with the error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import msgspec
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from jetstream import acks
+from reach_agent import prompting, schema
+from reach_agent.connection import flush_subscriptions
+from reach_agent.errors import ReachError, Timeout
+
+from .context import BrokerContext
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RUN_S = 600.0
+"""How long a prompt may run when its entry does not expire."""
+_STATUS = "Status"  # nats-server's no-responders reply: Status: 503, no body
+
+
+class Prompts:
+    """Sends compensation entries to Synadia agents and records their answers."""
+
+    def __init__(self, ctx: BrokerContext) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.cfg.compensation
+
+    async def send(
+        self, subject: str, agent_id: str, request_id: str, capability: str, data: bytes,
+        expires_at_ms: int | None,
+    ) -> ReachError | None:  # fmt: skip
+        """Deliver one entry: None once the agent acknowledged it (its answer is recorded
+        later), its error when it refused; raises nats' TimeoutError or NoRespondersError
+        when nothing acknowledged it."""
+        nc = self.ctx.nc
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        await flush_subscriptions(nc)
+        taken = False
+        try:
+            await nc.publish(subject, prompting.envelope(data), reply=inbox)
+            try:
+                first = await sub.next_msg(timeout=self.cfg.receipt_timeout_s)
+            except NatsTimeoutError:
+                raise NatsTimeoutError from None
+            hdrs = first.headers
+            if hdrs and hdrs.get(_STATUS) == "503" and not first.data:
+                raise NoRespondersError
+            kind, value = prompting.read(first, agent_id)
+            if kind == "error":
+                return value  # type: ignore[no-any-return]
+            chunks: list[Any] = [value] if kind == "chunk" else []
+            left_s = (expires_at_ms - self.ctx.wall_ms()) / 1000.0 if expires_at_ms else 0.0
+            run_s = left_s if left_s > 0 else DEFAULT_RUN_S
+            self.ctx.spawn(self._collect(sub, agent_id, request_id, capability, chunks, run_s),
+                           f"synadia-replay-{request_id}")  # fmt: skip
+            taken = True
+            return None
+        finally:
+            if not taken:
+                await sub.unsubscribe()
+
+    async def _collect(
+        self, sub: Any, agent_id: str, request_id: str, capability: str, chunks: list[Any],
+        run_s: float,
+    ) -> None:  # fmt: skip
+        err: ReachError | None = None
+        try:
+            async with asyncio.timeout(run_s):
+                while True:
+                    kind, value = prompting.read(await sub.next_msg(timeout=run_s), agent_id)
+                    if kind == "chunk":
+                        chunks.append(value)
+                    elif kind == "error":
+                        err = value
+                    elif kind == "end":
+                        break
+        except (TimeoutError, NatsTimeoutError):
+            err = Timeout(f"agent {agent_id!r} did not end its answer within {run_s:.0f}s")
+        finally:
+            await sub.unsubscribe()
+        rec = schema.AckRecord(
+            request_id=request_id, agent_id=agent_id, capability=capability,
+            state="failed" if err else "completed", at_ms=self.ctx.wall_ms(),
+            result=None if err else msgspec.Raw(schema.encoder.encode(prompting.join(chunks))),
+            error={"code": err.code, "message": err.message} if err else None,
+        )  # fmt: skip
+        try:
+            await acks.publish_record(
+                self.ctx.nc.jetstream(timeout=2.0), self.ctx.subjects.ack(request_id),
+                acks.ack_msg_id(request_id, rec.state), schema.encoder.encode(rec),
+            )  # fmt: skip
+        except Exception:  # noqa: BLE001 - a lost record is logged, never a crash
+            log.exception("replay.synadia_record_failed request_id=%s", request_id)
+            return
+        log.info("replay.synadia_recorded request_id=%s agent=%s state=%s", request_id,
+                 agent_id, rec.state)  # fmt: skip
