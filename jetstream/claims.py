@@ -10,13 +10,14 @@ points to.
 
 This module works on bytes (the claim's JSON is :class:`reach_agent.schema.Claim`, read and
 written above this floor). :class:`ClaimStore` talks to the bucket with plain requests (the
-JetStream publish and direct get), so a claim costs one round trip; :func:`follow` is the
+JetStream publish and the message get), so a claim costs one round trip; :func:`follow` is the
 broker's ordered consumer over the bucket, from a start time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import itertools
 import re
@@ -36,6 +37,7 @@ from .names import (
     CLAIMS_STREAM,
     H_EXPECTED_LAST_SUBJECT_SEQ,
     JS_NOT_ENABLED,
+    NO_MESSAGE_FOUND,
     STREAM_NOT_FOUND,
     WRONG_LAST_SEQUENCE,
 )
@@ -76,8 +78,21 @@ class _Info(msgspec.Struct):
     error: _ApiError | None = None
 
 
+class _StoredMsg(msgspec.Struct):
+    seq: int = 0
+    hdrs: str = ""
+    data: str = ""
+
+
+class _MsgGet(msgspec.Struct):
+    message: _StoredMsg | None = None
+    error: _ApiError | None = None
+
+
 _pub_ack = msgspec.json.Decoder(_PubAck)
 _info = msgspec.json.Decoder(_Info)
+_msg_get = msgspec.json.Decoder(_MsgGet)
+_encoder = msgspec.json.Encoder()
 
 
 def claim_key(request_id: str) -> str:
@@ -97,7 +112,12 @@ class ClaimStore:
         self.bucket = bucket
         self.stream = f"KV_{bucket}"
         self._pre = f"$KV.{bucket}."
-        self._get = f"{API}.DIRECT.GET.{self.stream}.{self._pre}"
+        # A message get, not a direct get: a direct get's answer is the stored value itself,
+        # sent to whatever reply subject the requester names (the server never checks it),
+        # so a claim written as `{}` and read with reply `$JS.API.STREAM.DELETE.<stream>`
+        # deletes that stream. A message get's answer is wrapped in JSON: never an empty
+        # request to the JetStream API.
+        self._get = f"{API}.STREAM.MSG.GET.{self.stream}"
         self._create_headers = {H_EXPECTED_LAST_SUBJECT_SEQ: "0"}
         self._sub: Any = None
         self._inbox = ""
@@ -229,26 +249,33 @@ class ClaimStore:
 
     async def _last(self, key: str) -> tuple[Stored, bool] | None:
         """(the last message of ``key``, is it a delete marker), or None."""
+        body = _encoder.encode({"last_by_subj": self._pre + key})
         try:
-            msg = await self.nc.request(self._get + key, b"", timeout=self.timeout_s)
+            msg = await self.nc.request(self._get, body, timeout=self.timeout_s)
         except NoRespondersError:
-            raise NoClaimsBucket(f"no direct get answers for {self.stream}") from None
+            raise NoClaimsBucket(f"no message get answers for {self.stream}") from None
         except NatsTimeoutError:
             raise ClaimsUnavailable(
                 f"JetStream did not return the claim {key!r} within {self.timeout_s}s"
             ) from None
         except NatsError as exc:
             raise ClaimsUnavailable(f"claim {key!r}: {type(exc).__name__}: {exc}") from None
-        headers = msg.headers or {}
-        if not msg.data and headers.get("Status"):
-            if headers["Status"] == "404":
+        try:
+            answer = _msg_get.decode(msg.data)
+        except msgspec.MsgspecError:
+            raise ClaimsUnavailable(f"claim {key!r}: not a message: {msg.data[:80]!r}") from None
+        if answer.error is not None:
+            if answer.error.err_code == NO_MESSAGE_FOUND:
                 return None
-            raise ClaimsUnavailable(
-                f"claim {key!r}: direct get answered {headers['Status']} "
-                f"{headers.get('Description', '')}"
-            )
-        seq = int(headers.get("Nats-Sequence", 0))
-        return Stored(seq, msg.data), headers.get(_KV_OP) in _DELETED
+            if answer.error.err_code in (STREAM_NOT_FOUND, JS_NOT_ENABLED):
+                raise NoClaimsBucket(f"no {self.bucket} bucket: {answer.error.description}")
+            raise ClaimsUnavailable(f"claim {key!r}: {answer.error.description}")
+        stored = answer.message
+        if stored is None:
+            raise ClaimsUnavailable(f"claim {key!r}: a message get without a message")
+        headers = base64.b64decode(stored.hdrs) if stored.hdrs else b""
+        deleted = any(f"{_KV_OP}: {op}".encode() in headers for op in _DELETED)
+        return Stored(stored.seq, base64.b64decode(stored.data) if stored.data else b""), deleted
 
 
 ClaimCallback = Callable[[str, int, bytes], Awaitable[None]]

@@ -47,8 +47,14 @@ def replay_consumer(capability: str) -> str:
 # --- headers ---------------------------------------------------------------------------
 
 H_MSG_ID = "Nats-Msg-Id"
-"""JetStream's de-duplication id: ``<request_id>.<state>`` on acks, the request id on
-compensation entries."""
+"""JetStream's de-duplication id: ``<author>.<request_id>.<state>.<tag>`` on acks (see
+:func:`jetstream.acks.ack_msg_id`), the request id on compensation entries."""
+H_STREAM = "Nats-Stream"
+"""Set by JetStream on a stored message it hands out (a direct get's answer): a message that
+carries it is a *copy* of something stored, published by the server to whatever reply subject
+the requester named. reach drops control messages, events and ack records that carry it."""
+H_SUBJECT = "Nats-Subject"
+"""The original subject of such a copy."""
 H_REQUEST_ID = "Reach-Request-Id"
 """The task's request id (also a task header of the wire contract)."""
 H_PRIORITY = "Reach-Priority"
@@ -87,10 +93,11 @@ class StreamSubjects(Protocol):
     so the subject grammar has one address (and this floor imports no floor above it).
     """
 
-    def ack(self, request_id: str) -> str: ...
+    def ack(self, author: str, request_id: str) -> str: ...
     @property
     def all_acks(self) -> str: ...
-    def request_of_ack(self, subject: str) -> str: ...
+    def acks_of(self, request_id: str) -> str: ...
+    def ack_of(self, subject: str) -> tuple[str, str]: ...
     def comp(self, capability: str) -> str: ...
     def capability_of_comp(self, subject: str) -> str: ...
     @property

@@ -109,6 +109,7 @@ class Call:
         "sticky_key",
         "stream",
         "tags",
+        "taker",
         "timeout",
         "tried",
     )
@@ -169,6 +170,8 @@ class Call:
         self.tried: list[str] = []
         self.agents: dict[int, str] = {}
         """The agent each attempt went to."""
+        self.taker: str | None = None
+        """The agent whose receipt or result ended an attempt: who took the task."""
         self.retries = 0
         self.last_err: ReachError | None = None
 
@@ -263,9 +266,14 @@ class Call:
             ):
                 if current:
                     acked = True
+                    self.taker = agent
                     if self.ack_mode == "received":
-                        return "ok", _receipt_decoder.decode(msg.data)
+                        receipt = _receipt_decoder.decode(msg.data)
+                        return "ok", msgspec.structs.replace(receipt, agent_id=agent)
                 continue
+            # Only the agent an attempt was sent to can publish to that attempt's reply
+            # subject: it took the task.
+            self.taker = self.agents.get(a, agent)
             if status == "chunk" or (status == "completed" and schema.H_CHUNKS in hdrs):
                 if self.stream:  # a stream began (late ones too: the claim allows one)
                     return "ok", StreamStart(a, msg)
@@ -312,9 +320,11 @@ class Call:
             kind, value = prompting.read(msg, agent)
             if kind == "ack" and not acked:
                 acked = True
+                self.taker = agent
                 if self.ack_mode == "received":
-                    return "ok", schema.Receipt(request_id=self.request_id)
+                    return "ok", schema.Receipt(request_id=self.request_id, agent_id=agent)
             elif kind == "chunk":
+                self.taker = agent
                 if self.stream:
                     return "ok", StreamStart(a, msg)
                 chunks.append(value)
@@ -349,6 +359,7 @@ class Call:
             if msg is _LOST:
                 continue  # the holder's liveness: its claim's release is what counts
             if isinstance(msg, _Final):
+                self.taker = holder
                 rec = schema.decode_ack_record(msg.data)
                 if rec.state == "completed":
                     raw = bytes(rec.result) if rec.result is not None else b""
@@ -368,6 +379,7 @@ class Call:
                 if self.stream:
                     return "ok", StreamStart(a, msg)
                 continue
+            self.taker = self.agents.get(a, holder)
             outcome, value = self._result(msg, holder)
             return ("ok" if outcome == "ok" else "error"), value
 

@@ -38,11 +38,12 @@ from typing import Literal
 import msgspec
 from nats.aio.client import Client as NATS
 
-from jetstream import acks
+from jetstream import ackreads
 from jetstream.claims import ClaimStore, ClaimsUnavailable, NoClaimsBucket, Stored, claim_key
 
 from . import schema
 from .dedup import Reply
+from .durable import attributed
 from .errors import InProgress, ReachError, Timeout, error_for, to_reply
 from .subjects import Subjects
 
@@ -160,7 +161,7 @@ class Claimer:
         mine = schema.Claim(
             request_id=request_id, agent_id=self.agent_id, instance=self.instance,
             capability=capability, state="running", at_ms=int(time.time() * 1000),
-            ack_subject=self.subjects.ack(request_id),
+            ack_subject=self.subjects.ack(self.agent_id, request_id),
         )  # fmt: skip
         data = schema.encoder.encode(mine)
         try:
@@ -230,20 +231,23 @@ class Claimer:
                 holder=existing.agent_id,
             )
             return _error_reply(err, request_id)
-        stored = None
-        if existing.ack_subject:
-            try:
-                stored = await acks.wait_final_at(self.nc, existing.ack_subject, STORED_WAIT_S)
-            except TimeoutError:
-                stored = None
-        if stored is None:
+        # The result is the holder's own record: its location follows from the holder (a
+        # claim naming another subject is not believed), and its author must be the holder.
+        location = result_location(existing, self.subjects)
+        rec = None
+        try:
+            stored = await ackreads.wait_final_at(self.nc, location, STORED_WAIT_S,
+                                                  subjects=self.subjects)  # fmt: skip
+            rec = attributed(stored)
+        except TimeoutError:
+            pass
+        if rec is None:
             err = Timeout(
                 f"request_id {request_id!r} already {existing.state} on agent "
                 f"{existing.agent_id!r}, but its result is not in REACH_ACKS "
-                f"({existing.ack_subject or 'no result location'}): not run again"
+                f"({location}): not run again"
             )
             return _error_reply(err, request_id)
-        rec = schema.decode_ack_record(stored.data)
         if rec.state == "completed":
             body = bytes(rec.result) if rec.result is not None else b"null"
             return {schema.H_REQUEST_ID: request_id, schema.H_STATUS: "completed"}, body
@@ -251,6 +255,16 @@ class Claimer:
         return _error_reply(
             error_for(failure.get("code", "INTERNAL"), failure.get("message", "")), request_id
         )
+
+
+def result_location(claim: schema.Claim, subjects: Subjects) -> str:
+    """Where a claim's result is: its holder's ack subject of the request. A claim's own
+    ``ack_subject`` is written by whoever wrote the claim, so it is only compared."""
+    location = subjects.ack(claim.agent_id, claim.request_id)
+    if claim.ack_subject and claim.ack_subject != location:
+        log.warning("claims.foreign_location request_id=%s holder=%s ack_subject=%s: using %s",
+                    claim.request_id, claim.agent_id, claim.ack_subject, location)  # fmt: skip
+    return location
 
 
 def _failed(request_id: str, state: str, exc: Exception) -> Callable[[], Awaitable[None]]:

@@ -47,6 +47,8 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from jetstream import audit
+
 from . import durable, schema, streaming
 from .aio import TaskSet
 from .attempts import Attempts
@@ -56,11 +58,12 @@ from .config import ClientConfig
 from .connection import (
     CredentialOptions,
     Credentials,
+    connect,
     connect_options,
     drain_or_close,
     flush_subscriptions,
 )
-from .errors import InProgress, InternalError, InvalidRequest, NoReachableAgent
+from .errors import Forbidden, InProgress, InternalError, InvalidRequest, NoReachableAgent
 from .holder import Holders
 from .liveness import Liveness
 from .metrics import ClientMetrics
@@ -104,7 +107,7 @@ class Client:
         self.routes = Routes(self.nc, self.subjects, self.config, metrics, clock)
         self._tasks = TaskSet()
         self.liveness = Liveness(self.nc, self.subjects, self.config, self._tasks)
-        self.holders = Holders(self.nc, poll_s=self.config.claim_poll_s)
+        self.holders = Holders(self.nc, poll_s=self.config.claim_poll_s, subjects=self.subjects)
         """Calls waiting for the agent that holds their request id's claim."""
         self.attempts = Attempts(self.nc, self.config, self.breakers, self.liveness, metrics,
                                  clock)  # fmt: skip
@@ -116,6 +119,8 @@ class Client:
         self._subs: list[Subscription] = []
         self._refresher: asyncio.Task[None] | None = None
         self._ids = itertools.count(1)
+        self.takers = durable.Takers()
+        """Who took each recent call (its receipt's or result's agent): :meth:`wait` trusts."""
         self._started = False
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -132,7 +137,11 @@ class Client:
         if self._own_nc:
             try:
                 async with asyncio.timeout(self.config.connect_timeout_s):
-                    await nc.connect(**options, error_cb=self._on_error)
+                    await connect(nc, {**options, "error_cb": self._on_error},
+                                  what=f"client {self._name!r}")  # fmt: skip
+            except Forbidden:
+                self._started = False
+                raise
             except TimeoutError:
                 self._started = False
                 await nc.close()
@@ -212,6 +221,8 @@ class Client:
                                        allow_suspect=allow_suspect)  # fmt: skip
 
     async def _on_event(self, msg: Msg) -> None:
+        if audit.is_copy(msg, live=True):  # not an event a broker published
+            return
         try:
             ev = schema.event_decoder.decode(msg.data)
         except msgspec.MsgspecError:
@@ -315,6 +326,8 @@ class Client:
 
     def close_call(self, call: Call, ok: bool) -> None:
         del self._calls[call.call_id]
+        if call.taker is not None:
+            self.takers.remember(call.request_id, call.taker)
         if self.metrics is not None:
             self.metrics.duration.observe(self.clock() - call.started)
         if log.isEnabledFor(logging.DEBUG):
@@ -361,8 +374,9 @@ class Client:
             outcome, value = await self.attempts.send(call, target, self._inbox)
             if outcome == "error" and isinstance(value, InProgress):
                 # Another agent holds the claim: its result is the answer, not a re-run.
+                call.taker = value.holder
                 if call.ack_mode == "received":
-                    return schema.Receipt(request_id=call.request_id)
+                    return schema.Receipt(request_id=call.request_id, agent_id=value.holder)
                 end, value = await self.holders.wait(call, value.holder, self.clock)
                 if end == "released":
                     call.tried.clear()  # the holder is gone: anyone may take it, at once
@@ -390,8 +404,12 @@ class Client:
     ) -> str:
         """Hand a task over for delivery now or later (compensation queue); returns its
         request id. Implemented in :mod:`reach_agent.durable`."""
+        kw.setdefault("prefix", self.config.prefix)
         return await durable.submit(self, capability, payload, deliver=deliver, **kw)
 
-    async def wait(self, request_id: str, timeout: float) -> Any:  # noqa: ASYNC109
-        """The durable ack record of ``request_id`` (see :mod:`reach_agent.durable`)."""
-        return await durable.wait(self, request_id, timeout)
+    async def wait(self, request_id: str, timeout: float,  # noqa: ASYNC109
+                   *, agent_id: str | None = None) -> Any:  # fmt: skip
+        """The final ack record of ``request_id`` by the agent that took the task: ``agent_id``,
+        this client's callee, or a broker's word (:func:`reach_agent.durable.wait`)."""
+        return await durable.wait(self, request_id, timeout, agent_id=agent_id,
+                                  prefix=self.config.prefix)  # fmt: skip

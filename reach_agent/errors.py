@@ -7,6 +7,7 @@ HTTP-like status that goes in ``Nats-Service-Error-Code``.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import msgspec
 
@@ -17,6 +18,9 @@ class ReachError(Exception):
     code = "INTERNAL"
     status = 500
     retryable = False
+    extra: dict[str, Any] | None = None
+    """Members the error reply's body carries beside ``error`` (with ``explain``, a route's
+    ``NO_REACHABLE_AGENT`` carries its ``explain``)."""
 
     def __init__(self, message: str = "", *, code: str | None = None) -> None:
         super().__init__(message or self.code)
@@ -202,12 +206,14 @@ def to_reply(err: ReachError) -> tuple[dict[str, str], bytes]:
         H_SERVICE_ERROR: err.message[:1024],
         H_SERVICE_ERROR_CODE: str(err.status),
     }
-    body = _encoder.encode(_ErrorReply(error=_ErrorBody(
+    error = _ErrorBody(
         code=err.code, message=err.message,
         holder=err.holder if isinstance(err, InProgress) else msgspec.UNSET,
         delivered=err.delivered if isinstance(err, StreamBroken) else msgspec.UNSET,
-    )))  # fmt: skip
-    return headers, body
+    )  # fmt: skip
+    if err.extra:
+        return headers, _encoder.encode({"error": error, **err.extra})
+    return headers, _encoder.encode(_ErrorReply(error=error))
 
 
 def from_status(status: int, message: str) -> ReachError:

@@ -4,8 +4,9 @@ An agent answers ``IN_PROGRESS`` (naming the holder) when another agent holds th
 id's claim. Running the task again would run it twice, so the call waits instead
 (:meth:`reach_agent.calls.Call.held`), fed by a :class:`HolderWatch`:
 
-* the holder's final ack record, at the result location its claim names (subscribed first,
-  then read from ``REACH_ACKS``, so none is missed);
+* the holder's final ack record, on the holder's own ack subject of the request (subscribed
+  first, then read from ``REACH_ACKS``, so none is missed), attributed to the holder
+  (:func:`reach_agent.durable.attributed`);
 * the claim itself, read every ``poll_s``: ``released`` (the broker declared the holder
   offline before it finished) or gone means "try again" — as does the broker's
   ``released`` event for the request id, which :class:`reach_agent.Client` hands to
@@ -26,11 +27,14 @@ from typing import Any
 import msgspec
 from nats.aio.client import Client as NATS
 
-from jetstream import acks
+from jetstream import ackreads, acks
 from jetstream.claims import ClaimStore, ClaimsUnavailable, claim_key
 
 from . import schema
 from .calls import Call, HeldEnd
+from .claiming import result_location
+from .durable import attributed
+from .subjects import Subjects
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +45,13 @@ _UNKNOWN = schema.Claim(request_id="", agent_id="", instance="", capability="", 
 class HolderWatch:
     """Feeds one waiting call with what its holder does."""
 
-    def __init__(self, nc: NATS, store: ClaimStore, call: Call, *, poll_s: float) -> None:
+    def __init__(
+        self, nc: NATS, store: ClaimStore, call: Call, *, poll_s: float, subjects: Subjects
+    ) -> None:
         self.nc = nc
         self.store = store
         self.call = call
+        self.subjects = subjects
         self.poll_s = poll_s
         self._key = claim_key(call.request_id)
         self._sub: Any = None
@@ -57,18 +64,20 @@ class HolderWatch:
         if claim is None or claim.state == "released":
             self.released()
             return
-        if claim.ack_subject:
-            subject = claim.ack_subject
+        if claim.agent_id:
+            subject = result_location(claim, self.subjects)
 
             async def on_record(msg: Any) -> None:
-                if acks.state_of(msg.headers) in acks.FINAL_STATES:
-                    self._deliver(msg.data)
+                stored = ackreads.attribute(msg.subject, msg.headers, msg.data, None,
+                                            self.subjects)  # fmt: skip
+                if isinstance(stored, ackreads.StoredAck):
+                    self._final(stored)
 
             self._sub = await self.nc.subscribe(subject, cb=on_record)
             with contextlib.suppress(Exception):  # the subscription still catches it
-                stored = await acks.final_at(self.nc, subject)
-                if stored is not None:
-                    self._deliver(stored.data)
+                found = await ackreads.final_at(self.nc, subject, subjects=self.subjects)
+                if found is not None:
+                    self._final(found)
         self._poller = asyncio.create_task(self._poll(), name="reach-holder-poll")
 
     async def stop(self) -> None:
@@ -85,6 +94,10 @@ class HolderWatch:
         if not self._done:
             self._done = True
             self.call.released()
+
+    def _final(self, stored: ackreads.StoredAck) -> None:
+        if stored.state in acks.FINAL_STATES and attributed(stored) is not None:
+            self._deliver(stored.data)
 
     def _deliver(self, data: bytes) -> None:
         if not self._done:
@@ -110,19 +123,21 @@ class HolderWatch:
             claim = await self._read()
             if claim is None or claim.state == "released":
                 self.released()
-            elif claim.state != "running" and claim.ack_subject:
+            elif claim.state != "running" and claim.agent_id:
                 with contextlib.suppress(Exception):
-                    stored = await acks.final_at(self.nc, claim.ack_subject)
-                    if stored is not None:
-                        self._deliver(stored.data)
+                    subject = result_location(claim, self.subjects)
+                    found = await ackreads.final_at(self.nc, subject, subjects=self.subjects)
+                    if found is not None:
+                        self._final(found)
 
 
 class Holders:
     """One client's calls waiting for the holder of their request id's claim."""
 
-    def __init__(self, nc: NATS, *, poll_s: float) -> None:
+    def __init__(self, nc: NATS, *, poll_s: float, subjects: Subjects) -> None:
         self.nc = nc
         self.poll_s = poll_s
+        self.subjects = subjects
         self.store = ClaimStore(nc)
         self._waiting: dict[str, HolderWatch] = {}
 
@@ -136,7 +151,8 @@ class Holders:
         self, call: Call, holder: str, clock: Callable[[], float]
     ) -> tuple[HeldEnd, Any]:
         """Wait for the holder's answer to ``call`` (see :meth:`Call.held`)."""
-        watch = HolderWatch(self.nc, self.store, call, poll_s=self.poll_s)
+        watch = HolderWatch(self.nc, self.store, call, poll_s=self.poll_s,
+                            subjects=self.subjects)  # fmt: skip
         self._waiting[call.request_id] = watch
         log.info("call.in_progress request_id=%s holder=%s: waiting for its result",
                  call.request_id, holder)  # fmt: skip

@@ -21,7 +21,7 @@ from . import schema
 from .aio import stop_loops, wait_event
 from .errors import Conflict, ReachError, from_reply
 from .serving import TaskServer
-from .subjects import Subjects
+from .subjects import Subjects, is_inbox
 
 log = logging.getLogger(__name__)
 
@@ -219,6 +219,10 @@ class Presence:
 
     async def _on_probe(self, msg: Msg) -> None:
         if not msg.reply:
+            return
+        if not is_inbox(msg.reply):  # see TaskServer.on_task: answer inboxes only
+            log.warning("agent.probe_refused agent=%s reason=reply subject %r is not an inbox",
+                        self.agent_id, msg.reply[:128])  # fmt: skip
             return
         if self.health is not None and not await self._healthy():
             return

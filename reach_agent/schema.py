@@ -157,6 +157,51 @@ class RouteRequest(Base, frozen=True):
     sticky_key: Annotated[str, Meta(max_length=1024)] | None = None
     exclude: Annotated[list[AgentId], Meta(max_length=1000)] = []
     allow_suspect: bool = False
+    explain: bool = False
+    """Ask for the reasons: each candidate's ``explain`` and the reply's ``explain``."""
+
+
+class ScoreTerms(Base, frozen=True):
+    """The factors of an agent's score, each in [0, 1]: score = 100 x the product of each
+    term raised to its weight (``scoring.weight_*``); ``stuck`` is 1 or the stuck penalty."""
+
+    liveness: float
+    latency: float
+    load: float
+    success: float
+    stuck: float
+
+
+class AgentExplain(Base, frozen=True):
+    """Why an agent scores what it scores, and where it stands in the capability's routing
+    (with ``RouteRequest.explain``)."""
+
+    terms: ScoreTerms
+    weakest: str | None = None
+    """The term that pulls the score down most (None: every term is 1)."""
+    slow_start: float = 1.0
+    """The slow-start factor on its weight (below 1 for a while after recovering)."""
+    weight: float = 0.0
+    """Its weight in the weighted draw: score x free capacity x slow start."""
+    rank: int = 0
+    """Its place in the capability's ranking, 1 the best; 0: not ranked."""
+    kept: str | None = None
+    """Why it is routed although below the minimum score (``eject_cap``, ``panic``) or
+    although suspect (``allow_suspect``)."""
+    task_ms: float | None = None
+    """Task duration EWMA (from heartbeats)."""
+    rtt_ms: float | None = None
+    """Probe round-trip EWMA."""
+    success_rate: float = 1.0
+    ok_total: int = 0
+    fail_total: int = 0
+    active: int = 0
+    queue_depth: int = 0
+    max_concurrency: int = 0
+    oldest_task_ms: int | None = None
+    timeout_hint_ms: int | None = None
+    probe_failures: int = 0
+    """Probes unanswered in a row."""
 
 
 class Candidate(Base, frozen=True):
@@ -172,12 +217,49 @@ class Candidate(Base, frozen=True):
     protocol: str | None = None
     """``reach`` or ``synadia-agents`` (brokers always say; absent from an older broker:
     ``reach``)."""
+    explain: AgentExplain | None = None
+
+
+class Exclusion(Base, frozen=True):
+    """An agent of the capability that is not among the candidates, and why."""
+
+    agent_id: str
+    reason: str
+    """A reason code (``state``, ``load``, ``score``, ...; the table in docs/protocol.md)."""
+    detail: str
+    """The reason in one sentence, with the figures."""
+    state: AgentState
+    score: float
+    load: float
+    explain: AgentExplain | None = None
+
+
+class RouteExplain(Base, frozen=True):
+    """How a route request was decided (with ``RouteRequest.explain``)."""
+
+    members: int
+    """Agents with the capability, in any state."""
+    healthy: int
+    ranked: int
+    """Healthy agents in the ranking (not ejected for their score)."""
+    choice: str
+    min_reach_score: float
+    load_watermark: float
+    ejected: int = 0
+    panic: bool = False
+    pool: int = 0
+    """Agents that passed every filter and made the pool the choice was made from."""
+    counts: dict[str, int] = {}
+    """Agents left out, by reason code: all of them, also beyond the ``excluded`` listed."""
+    excluded: list[Exclusion] = []
+    """The agents left out (at most 100: the best ranked and scored first), with why."""
 
 
 class RouteReply(Base, frozen=True):
     capability: str
     candidates: list[Candidate]
     generated_at_ms: int
+    explain: RouteExplain | None = None
 
 
 class AgentView(Base, frozen=True):
@@ -216,6 +298,9 @@ class Receipt(msgspec.Struct, frozen=True, kw_only=True):
 
     request_id: str
     status: Literal["received"] = "received"
+    agent_id: str | msgspec.UnsetType = msgspec.UNSET
+    """Who took the task: not on the wire. The SDK client fills it in from the attempt the
+    receipt answered (the agent it sent that attempt to): the one to ``wait`` on."""
 
 
 class _BodyReceipt(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -242,7 +327,9 @@ def is_body_receipt(data: bytes, request_id: str) -> bool:
 
 
 class AckRecord(Base, frozen=True):
-    """``reach.ack.<request_id>`` in ``REACH_ACKS``; ``Nats-Msg-Id: <request_id>.<state>``."""
+    """``reach.ack.<author>.<request_id>`` in ``REACH_ACKS``; ``Nats-Msg-Id:
+    <author>.<request_id>.<state>.<tag>``. ``agent_id`` equals the subject's author, except
+    in the broker's own records (author ``_broker``), where it names the agent concerned."""
 
     request_id: str
     agent_id: str

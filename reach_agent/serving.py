@@ -42,7 +42,7 @@ from .dedup import DedupCache, Entry, Reply
 from .errors import Draining, InternalError, InvalidRequest, ReachError, Timeout, to_reply
 from .handling import Handler, HandlerKind, HandlerRunner
 from .metrics import AgentMetrics
-from .subjects import Subjects
+from .subjects import Subjects, is_inbox
 from .task import Task
 
 log = logging.getLogger(__name__)
@@ -168,6 +168,15 @@ class TaskServer:
     async def on_task(self, msg: Msg) -> None:
         """Decide at once and hand the work to a task: this callback must never block."""
         capability = self.subjects.capability_of_task(msg.subject, self.agent_id)
+        reply = msg.reply
+        if reply and not is_inbox(reply):
+            # The server lets us answer any reply subject a caller names: answering one that
+            # is not an inbox would publish our receipt or result, with our rights, wherever
+            # the caller chose (another agent's subjects, the JetStream API).
+            self._count(capability, "bad_reply")
+            log.warning("agent.task_refused agent=%s capability=%s reason=reply subject %r is "
+                        "not an inbox", self.agent_id, capability, reply[:128])  # fmt: skip
+            return
         hdrs = msg.headers or {}
         request_id = hdrs.get(schema.H_REQUEST_ID) or str(uuid.uuid4())
         now = time.monotonic()
@@ -175,7 +184,6 @@ class TaskServer:
         d = admit(hdrs, agent_id=self.agent_id, duplicate=entry is not None,
                   draining=self.draining, active=self.active,
                   max_concurrency=self.max_concurrency, now=now)  # fmt: skip
-        reply = msg.reply
         if d.verdict == "run":
             self.active += 1
             self._idle.clear()

@@ -39,6 +39,7 @@ from .calls import CLOSED, LOST, Call, StreamStart
 from .errors import InternalError, InvalidRequest, StreamBroken, from_reply
 from .liveness import Liveness
 from .prompting import join as join  # the rule lives with the codec calls.py uses
+from .subjects import is_inbox
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,6 @@ MAX_WINDOW = 1024
 """The largest window an agent grants (a larger ``Reach-Stream-Window`` is lowered to it)."""
 CREDIT_WAIT_S = 60.0
 """How long an agent waits for credit when the task carries no deadline."""
-INBOX_ROOT = "_INBOX."
-"""Credit subjects are inboxes: a chunk naming any other reply subject gets no credit."""
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder()
@@ -272,7 +271,8 @@ async def read(
                     f"chunk {delivered + 1} of agent {agent!r} is missing (got {seq})",
                     delivered=delivered,
                 )  # fmt: skip
-            if msg.reply and msg.reply.startswith(INBOX_ROOT):
+            # Credit subjects are inboxes: a chunk naming any other reply gets no credit.
+            if msg.reply and is_inbox(msg.reply):
                 credit_to = msg.reply  # credits go to inboxes only, never a reach subject
             value = _decoder.decode(msg.data) if msg.data else None
             yield value

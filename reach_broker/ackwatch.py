@@ -1,5 +1,9 @@
 """The ack metrics: every ack record on ``<p>.ack.>`` counted by state, and the time from a
-replayed task's send (or an agent's ``received`` record) to its final record.
+replayed task's send (or an agent's ``received`` record) to its final record. Only
+attributed records count (:func:`jetstream.ackreads.attribute`): a copy of a stored message
+or a message id that names another author is dropped and counted in
+``reach_dropped_total{kind="ack"}``; the broker's own ``received`` (naming a taker) is not an
+ack.
 
 Fed by the replayer's subscription to ``<p>.ack.>`` (:meth:`AckWatch.on_ack`) and told of
 each replayed send (:meth:`AckWatch.sent`). At most :data:`TRACK_MAX` request ids are
@@ -8,10 +12,13 @@ remembered for the latency histogram (oldest forgotten first).
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import msgspec
 from nats.aio.msg import Msg
 
-from jetstream import acks
+from jetstream import ackreads
+from reach_agent.subjects import BROKER_ACK_AUTHOR
 
 from .context import BrokerContext
 
@@ -33,18 +40,29 @@ class AckWatch:
         self.ctx = ctx
         self._sent_ms: dict[str, int] = {}
         self._received_ms: dict[str, int] = {}
+        self.on_final: Callable[[str, str], Awaitable[object]] | None = None
+        """Told of each attributed ``completed``/``failed`` record: (request id, author)."""
 
     def sent(self, request_id: str, at_ms: int) -> None:
         """A replayed task was sent (and its receipt came back) at ``at_ms``."""
         _remember(self._sent_ms, request_id, at_ms)
 
     async def on_ack(self, msg: Msg) -> None:
-        state = acks.state_of(msg.headers)
-        counter = self.ctx.metrics.ack_record_state.get(state or "")
+        stored = ackreads.attribute(msg.subject, msg.headers, msg.data, None, self.ctx.subjects)
+        if isinstance(stored, str):
+            reason = "stored_copy" if "copy" in stored else "invalid"
+            self.ctx.metrics.refused.labels("ack", reason).inc()
+            return
+        state = stored.state
+        if stored.author == BROKER_ACK_AUTHOR and state == "received":
+            return  # the broker naming a task's taker: not an ack
+        counter = self.ctx.metrics.ack_record_state.get(state)
         if counter is None:
             return
         counter.inc()
-        rid = self.ctx.subjects.request_of_ack(msg.subject)
+        rid = stored.request_id
+        if state != "received" and self.on_final is not None:
+            await self.on_final(rid, stored.author)
         try:
             at_ms = _ack_times.decode(msg.data).at_ms
         except msgspec.MsgspecError:

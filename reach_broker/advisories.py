@@ -25,6 +25,13 @@ and the agents :attr:`Advisories.known_elsewhere` returns are left out of the re
 
 A server without the import answers ``CONNZ`` with no responders: the broker then says once
 in its log that it runs on heartbeats alone, and sets ``reach_disconnect_advisories`` to 0.
+
+The connection name is the client's word; nats-server cannot enforce it. With reach's
+credentials the user JWT's ``name`` is the agent id it was issued for, and the server reports
+that JWT in every advisory (``client.jwt``) and in ``CONNZ`` (``{"auth": true}``): a
+connection is taken as agent X's only when its name and its JWT's name are both X. One that
+claims a known agent's name with another's JWT is ignored and counted
+(``reach_dropped_total{kind="advisory",reason="name_mismatch"}``).
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ from typing import Any
 import msgspec
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
+
+from reach_agent.grants import jwt_name
 
 from .clusterinfo import account_of, connz_subject, gather, server_of
 from .context import BrokerContext
@@ -70,6 +79,7 @@ class _Client(msgspec.Struct):
     acc: str = ""
     id: int = 0
     """The connection's client id (cid) on its server."""
+    jwt: str = ""
 
 
 class _Server(msgspec.Struct):
@@ -89,6 +99,7 @@ ClosedListener = Callable[[str, int], None]
 
 class _Conn(msgspec.Struct):
     name: str = ""
+    jwt: str = ""
 
 
 class _Connz(msgspec.Struct):
@@ -185,7 +196,7 @@ class Advisories:
         names: set[str] = set()
         offset = 0
         for _ in range(CONNZ_MAX_PAGES):
-            body = _encoder.encode({"offset": offset, "limit": CONNZ_PAGE})
+            body = _encoder.encode({"offset": offset, "limit": CONNZ_PAGE, "auth": True})
             try:
                 replies = await gather(self.ctx.nc, subject, body, timeout_s=REQUEST_TIMEOUT_S)
             except NoRespondersError:
@@ -206,7 +217,7 @@ class Advisories:
                 if data is None:
                     continue
                 servers.add(server_of(msg))
-                names.update(c.name for c in data.connections if c.name)
+                names.update(c.name for c in data.connections if self._is_named(c.name, c.jwt))
                 # Each server pages its own list: ask again while any has more.
                 more = more or (
                     bool(data.connections) and offset + len(data.connections) < data.total
@@ -240,20 +251,39 @@ class Advisories:
 
     # --- advisories ----------------------------------------------------------------------
 
+    def _is_named(self, name: str, jwt: str) -> bool:
+        """Whether a connection called ``name`` may be taken as agent ``name``'s: no user JWT
+        (open mode), or one issued for that name."""
+        if not name:
+            return False
+        if not jwt or jwt_name(jwt) == name:
+            return True
+        if name in self.registry.agents:
+            self.ctx.metrics.refused.labels("advisory", "name_mismatch").inc()
+            log.warning("advisories.name_mismatch connection=%s jwt_name=%s: not taken as the "
+                        "agent's connection", name, jwt_name(jwt))  # fmt: skip
+        return False
+
     def _advisory(self, msg: Msg) -> _Advisory | None:
         """The advisory; a broken one is dropped and counted."""
         try:
             adv = _advisory_decoder.decode(msg.data)
         except msgspec.DecodeError:
             self.ctx.metrics.dropped.labels("advisory", "invalid").inc()
+            self.ctx.metrics.refused.labels("advisory", "invalid").inc()
             return None
         self._available()
         return adv
 
     def _client_name(self, msg: Msg) -> str | None:
-        """The connection name an advisory is about (None: unnamed, or broken)."""
+        """The agent an advisory is about, if any (None: unnamed, a name its JWT does not
+        bear, or broken)."""
         adv = self._advisory(msg)
-        return (adv.client.name or None) if adv is not None else None
+        return self._named(adv) if adv is not None else None
+
+    def _named(self, adv: _Advisory) -> str | None:
+        client = adv.client
+        return client.name if self._is_named(client.name, client.jwt) else None
 
     async def _on_disconnect(self, msg: Msg) -> None:
         adv = self._advisory(msg)
@@ -264,8 +294,8 @@ class Advisories:
                 listener(adv.server.name or adv.server.id, adv.client.id)
             except Exception:  # noqa: BLE001 - a listener never breaks the broker
                 log.exception("advisories.listener failed cid=%d", adv.client.id)
-        name = adv.client.name
-        if not name:
+        name = self._named(adv)
+        if name is None:
             return
         transitions = self.registry.disconnected(name, self.ctx.clock())
         if transitions:

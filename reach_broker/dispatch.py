@@ -8,8 +8,10 @@ agent it chose — under ``_replay.<digest of request id>`` in KV ``reach_regist
 (replicated like everything else, with a per-message TTL so markers clean themselves up).
 A redelivered entry (``num_delivered > 1``) is looked up first:
 
-- an ack record of the request id already stored on ``REACH_ACKS`` (any state): the task
-  reached an agent; the entry is acked and not sent again;
+- a broker's own ack record of the request id already stored on ``REACH_ACKS``
+  (``reach.ack._broker.<request_id>``: the ``received`` naming the agent whose receipt came
+  back, or a final ``failed``): the task reached an agent; the entry is acked and not sent
+  again;
 - else a marker: the entry goes to the **same** agent while the registry knows it and it is
   not ``offline``; that agent's de-duplication by request id answers a second delivery with
   its first result (or its receipt while it still runs), so the handler runs once;
@@ -36,9 +38,9 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.js.errors import KeyNotFoundError
 
-from jetstream import acks
+from jetstream import ackreads
 from jetstream.names import REGISTRY_BUCKET, dispatch_key
-from reach_agent.subjects import Subjects
+from reach_agent.subjects import BROKER_ACK_AUTHOR, Subjects
 
 from .records import AgentRecord
 
@@ -108,9 +110,12 @@ class Dispatches:
             return None
 
     async def delivered(self, request_id: str) -> bool:
-        """Whether an ack record of ``request_id`` is stored (the task reached an agent)."""
+        """Whether a broker's own record of ``request_id`` is stored: its ``received``
+        (written when an agent's receipt came back) or its final ``failed``. Not any
+        author's: an agent may write records of any request id under its own name."""
         try:
-            rec = await acks.last_record(self.nc, request_id, subjects=self.subjects)
+            rec = await ackreads.last_record(self.nc, request_id, subjects=self.subjects,
+                                             author=BROKER_ACK_AUTHOR)  # fmt: skip
         except ValueError:  # not a request id acks can hold: nothing was recorded
             return False
         return rec is not None

@@ -18,6 +18,11 @@ from reach_agent.schema import AGENT_STATES
 HEARTBEAT_RESULTS = ("accepted", "stale", "forged", "invalid", "unknown")
 ROUTE_RESULTS = ("ok", "no_agent", "invalid", "overloaded", "error")
 ANNOUNCE_RESULTS = ("ok", "invalid", "error", "conflict")
+DROP_KINDS = ("announce", "heartbeat", "leave", "route", "agents", "advisory", "ack")
+"""``kind`` of ``reach_dropped_total``: the inbound subject family a refusal was on."""
+DROP_REASONS = ("invalid", "forbidden", "forged", "stale", "unknown", "no_token",
+                "stored_copy", "reply_subject", "name_mismatch", "error")  # fmt: skip
+"""``reason`` of ``reach_dropped_total`` (see docs/operations.md, Securing reach)."""
 
 ROUTE_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 
@@ -90,6 +95,19 @@ class Metrics:
             "reach_dropped_messages_total",
             "Messages dropped without a reply, by subject kind and reason",
             ["kind", "reason"],
+            registry=r,
+        )
+        self.refused = Counter(
+            "reach_dropped_total",
+            "Inbound messages the broker refused (announces, heartbeats, leaves, requests, "
+            "advisories, ack records), by kind and reason",
+            ["kind", "reason"],
+            registry=r,
+        )
+        self.auth_enabled = Gauge(
+            "reach_auth_enabled",
+            "1 when the server requires credentials and the broker authenticated with a user "
+            "JWT (reach's roles apply); 0 in open mode, where anyone can act for any agent",
             registry=r,
         )
         self.nats_errors = Counter(

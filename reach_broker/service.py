@@ -28,6 +28,7 @@ from nats.errors import SlowConsumerError
 from nats.micro import add_service
 from nats.micro.service import EndpointConfig, Service, ServiceConfig
 
+from reach_agent.aio import stop_loops
 from reach_agent.connection import Credentials, connect_options, drain_or_close, flush_subscriptions
 from reach_agent.subjects import Subjects
 
@@ -114,6 +115,8 @@ class Broker:
             broker_id=self.broker_id, clock=clock, wall=wall, spawn=self._tasks.spawn,
             fanout=self.fanout, link=self.link,
         )  # fmt: skip
+        self.ctx = ctx
+        """What a component is handed (the console's feed is one, started by the process)."""
         self.handlers = Handlers(ctx, registry, self.router)
         self.identity = Identity(ctx, registry, self.handlers)
         # The snapshot restores the registry before probes and advisories start (advisories
@@ -130,13 +133,16 @@ class Broker:
         self.releaser = Releaser(
             ctx, lambda a: rec.state if (rec := agents.get(a)) is not None else None
         )
-        self.replayer = Replayer(ctx, self.router, self.releaser.holder_of, agents.get)
+        self.replayer = Replayer(ctx, self.router, self.releaser.claim_of, agents.get)
         self._running: list[Component] = []
         self._service: Service | None = None
         self._subs: list[Any] = []
         self._loop_task: asyncio.Task[None] | None = None
         self._started = False
         self._watching = False
+        self._with_creds = bool(cfg.nats.creds)
+        self.auth_enabled = False
+        """Whether the server enforces identities (see :meth:`_secure`)."""
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -145,7 +151,10 @@ class Broker:
             return
         self._started = True
         if self._own_nc:
-            await self.nc.connect(**self._connect_options())
+            options = self._connect_options()
+            self._with_creds = bool(options.get("user_credentials"))
+            await self.nc.connect(**options)
+        self._secure()
         self.replicas = await provision_assets(self.nc, self.cfg, self.subjects)
         self.jetstream_ok = self.replicas is not None
         secret = await token_secret(self.nc, self.cfg, jetstream=self.jetstream_ok)
@@ -212,8 +221,7 @@ class Broker:
                 log.debug("broker.stop unsubscribe failed", exc_info=True)
         self._subs = []
         if self._loop_task is not None:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
+            await stop_loops(self._loop_task)
         await self._tasks.settle(self.cfg.broker.shutdown_grace_s)
         for component in reversed(self._running):
             try:
@@ -233,12 +241,29 @@ class Broker:
     ) -> None:
         await self.stop()
 
+    def _secure(self) -> None:
+        """Secured mode: the server requires every connection to authenticate and this broker
+        authenticated with a user JWT (``--auth DIR``, ``--creds``): reach's roles are then the
+        server's permissions. Otherwise say once, loudly, what open mode means."""
+        # nats-py keeps the server's INFO private; `auth_required` is the server's own word.
+        info = getattr(self.nc, "_server_info", None) or {}
+        self.auth_enabled = bool(info.get("auth_required")) and self._with_creds
+        self.metrics.auth_enabled.set(int(self.auth_enabled))
+        self.handlers.require_leave_token = self.auth_enabled
+        if not self.auth_enabled:
+            log.warning(
+                "broker.open_mode: this NATS server lets anyone who can connect act for any "
+                "agent (announce or leave as it, publish its events, read every task). For "
+                "anything beyond local development run `reach auth init DIR` and `reach broker "
+                "--auth DIR` (docs/operations.md, Securing reach)"
+            )
+
     def _connect_options(self) -> dict[str, Any]:
         """The broker's connection: ``nats.url`` (comma-separated; unset: ``NATS_URL`` or
         localhost), ``nats.creds``, pings from the config, reconnecting forever every 0.5 s."""
         n = self.cfg.nats
         return connect_options(
-            f"reach-broker-{self.broker_id}", n.url, Credentials(creds=n.creds),
+            f"reach-broker-{self.broker_id}", n.url, Credentials(creds=n.creds, tls_ca=n.tls_ca),
             ping_interval=n.ping_interval_s, max_outstanding_pings=n.max_outstanding_pings,
             max_reconnect_attempts=-1, reconnect_time_wait=0.5,
             reconnect_to_server_handler=None,  # nats-py's own: a steady 0.5 s between tries

@@ -4,15 +4,18 @@ Their agents write no ack records, so the broker is their caller: :meth:`Prompts
 publishes the prompt envelope (:func:`reach_agent.prompting.envelope`) to the candidate's
 prompt subject with a reply inbox of its own and waits for the first message — the leading
 ack is the receipt (the entry is delivered), an error frame the agent's refusal, nothing
-within ``receipt_timeout_s`` no receipt. After the ack it reads the rest of the stream in the
-background, until its end or the entry's expiry (else ``DEFAULT_RUN_S``), and stores the ack
-record itself: ``completed`` with the response chunks joined, or ``failed`` with the error.
+within ``receipt_timeout_s`` no receipt. After the ack, the collector it returns (run by the
+replay once the entry is held, :mod:`reach_broker.taken`) reads the rest of the stream until
+its end or the entry's expiry (else ``DEFAULT_RUN_S``), stores the ack record itself, as the
+broker (author ``_broker``): ``completed`` with the response chunks joined, or ``failed``
+with the error — and then tells ``on_done`` (the held entry is removed).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -23,6 +26,7 @@ from jetstream import acks
 from reach_agent import prompting, schema
 from reach_agent.connection import flush_subscriptions
 from reach_agent.errors import ReachError, Timeout
+from reach_agent.subjects import BROKER_ACK_AUTHOR
 
 from .context import BrokerContext
 
@@ -36,17 +40,21 @@ _STATUS = "Status"  # nats-server's no-responders reply: Status: 503, no body
 class Prompts:
     """Sends compensation entries to Synadia agents and records their answers."""
 
-    def __init__(self, ctx: BrokerContext) -> None:
+    def __init__(
+        self, ctx: BrokerContext, on_done: Callable[[str, str], Awaitable[object]]
+    ) -> None:
         self.ctx = ctx
         self.cfg = ctx.cfg.compensation
+        self.on_done = on_done
+        """Told (request id, agent id) once the agent's answer is recorded."""
 
     async def send(
         self, subject: str, agent_id: str, request_id: str, capability: str, data: bytes,
         expires_at_ms: int | None,
-    ) -> ReachError | None:  # fmt: skip
-        """Deliver one entry: None once the agent acknowledged it (its answer is recorded
-        later), its error when it refused; raises nats' TimeoutError or NoRespondersError
-        when nothing acknowledged it."""
+    ) -> ReachError | Callable[[], Awaitable[None]]:  # fmt: skip
+        """Deliver one entry: its error when the agent refused it, else (acknowledged) the
+        collector to run once the entry is held; raises nats' TimeoutError or
+        NoRespondersError when nothing acknowledged it."""
         nc = self.ctx.nc
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox)
@@ -67,10 +75,8 @@ class Prompts:
             chunks: list[Any] = [value] if kind == "chunk" else []
             left_s = (expires_at_ms - self.ctx.wall_ms()) / 1000.0 if expires_at_ms else 0.0
             run_s = left_s if left_s > 0 else DEFAULT_RUN_S
-            self.ctx.spawn(self._collect(sub, agent_id, request_id, capability, chunks, run_s),
-                           f"synadia-replay-{request_id}")  # fmt: skip
             taken = True
-            return None
+            return lambda: self._collect(sub, agent_id, request_id, capability, chunks, run_s)
         finally:
             if not taken:
                 await sub.unsubscribe()
@@ -102,11 +108,14 @@ class Prompts:
         )  # fmt: skip
         try:
             await acks.publish_record(
-                self.ctx.nc.jetstream(timeout=2.0), self.ctx.subjects.ack(request_id),
-                acks.ack_msg_id(request_id, rec.state), schema.encoder.encode(rec),
-            )  # fmt: skip
+                self.ctx.nc.jetstream(timeout=2.0),
+                self.ctx.subjects.ack(BROKER_ACK_AUTHOR, request_id),
+                acks.ack_msg_id(BROKER_ACK_AUTHOR, request_id, rec.state),
+                schema.encoder.encode(rec),
+            )
         except Exception:  # noqa: BLE001 - a lost record is logged, never a crash
             log.exception("replay.synadia_record_failed request_id=%s", request_id)
-            return
+            return  # the entry stays held: given back if the agent goes, else at its expiry
         log.info("replay.synadia_recorded request_id=%s agent=%s state=%s", request_id,
                  agent_id, rec.state)  # fmt: skip
+        await self.on_done(request_id, agent_id)

@@ -85,10 +85,9 @@ def test_agent_permissions() -> None:
         "reach.ack.alpha.>",
         "$KV.reach_claims.>",
         "$JS.API.STREAM.INFO.KV_reach_claims",
-        "$JS.API.DIRECT.GET.KV_reach_claims.>",
-        "$JS.API.DIRECT.GET.REACH_ACKS",
-        "$JS.API.DIRECT.GET.REACH_ACKS.>",
+        "$JS.API.STREAM.MSG.GET.KV_reach_claims",
         "$JS.API.STREAM.MSG.GET.REACH_ACKS",
+        "$JS.API.STREAM.INFO.REACH_ACKS",
     ]
     assert user.sub.allow == [
         "reach.task.alpha.>",
@@ -115,10 +114,9 @@ def test_caller_permissions() -> None:
         "reach.task.>",
         "reach.comp.>",
         "reach.probe.*",
-        "$JS.API.DIRECT.GET.REACH_ACKS",
-        "$JS.API.DIRECT.GET.REACH_ACKS.>",
         "$JS.API.STREAM.MSG.GET.REACH_ACKS",
-        "$JS.API.DIRECT.GET.KV_reach_claims.>",
+        "$JS.API.STREAM.INFO.REACH_ACKS",
+        "$JS.API.STREAM.MSG.GET.KV_reach_claims",
     ]
     assert user.sub.allow == ["reach.ack.>", "reach.event.>", "_INBOX.caller.ops.>"]
     assert user.resp is not None
@@ -142,6 +140,9 @@ def test_broker_permissions() -> None:
         f"$SYS.REQ.ACCOUNT.{ACC}.CONNZ",
         "$SYS.REQ.ACCOUNT.PING.CONNZ",
         "$SYS.REQ.SERVER.PING.CONNZ",
+        "$SRV.>",
+        "reach.agents",
+        "reach.route.>",
     ]
     assert user.sub.allow == [
         "reach.announce.*",

@@ -123,8 +123,8 @@ async def test_one_request_id_sent_to_two_agents_at_once_runs_once_and_both_get_
     assert results == [{"agent": holder, "n": 1}, {"agent": holder, "n": 1}]
     stored = await stored_claim(nc, rid)
     assert stored is not None
-    assert (stored.agent_id, stored.state, stored.ack_subject) == (holder, "completed",
-                                                                    f"reach.ack.{rid}")  # fmt: skip
+    assert (stored.agent_id, stored.state, stored.ack_subject) == (
+        holder, "completed", f"reach.ack.{holder}.{rid}")  # fmt: skip
 
 
 async def test_an_idempotent_capability_runs_without_a_claim(
@@ -380,7 +380,8 @@ async def test_a_broker_learns_running_claims_written_before_it_started_and_can_
     await provision(nc)
     rid = str(uuid.uuid4())
     running = schema.Claim(request_id=rid, agent_id="ghost", instance="i1", capability="cap",
-                           state="running", at_ms=1, ack_subject=f"reach.ack.{rid}")  # fmt: skip
+                           state="running", at_ms=1,
+                           ack_subject=f"reach.ack.ghost.{rid}")  # fmt: skip
     created, _ = await ClaimStore(nc).create(claim_key(rid), schema.encoder.encode(running))
     assert created is True
     events = await EventLog().start(nc)

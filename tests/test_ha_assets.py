@@ -42,13 +42,14 @@ async def test_a_broker_upgrades_r1_assets_to_r3_in_place(tmp_path: Path) -> Non
             js = nc.jetstream(timeout=5.0)
             for name in STREAM_NAMES:
                 assert (await js.stream_info(name)).config.num_replicas == 1, name
+                await cluster.wait_stream_leader(nc, name)  # placed and answering
             subjects = Subjects()
             for i in range(20):
                 await compensation.enqueue(
                     nc, "summarize", b'{"n": %d}' % i, request_id=f"req-{i}",
                     expires_at_ms=2**42, subjects=subjects, timeout_s=5.0,
                 )  # fmt: skip
-                await js.publish(subjects.ack(f"req-{i}"), b"{}", timeout=5.0)
+                await js.publish(subjects.ack("a1", f"req-{i}"), b"{}", timeout=5.0)
             kv = await js.key_value(REGISTRY_BUCKET)
             secret = (await kv.get("_broker.token_secret")).value
 

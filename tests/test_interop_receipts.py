@@ -93,5 +93,5 @@ async def test_a_javascript_agent_with_body_only_receipts_is_called_correctly(
         rid2 = str(uuid.uuid4())
         receipt = await client.call("js.echo", {"text": "hi"}, request_id=rid2,
                                     ack_mode="received", timeout=10)  # fmt: skip
-        assert receipt == schema.Receipt(request_id=rid2)
+        assert receipt == schema.Receipt(request_id=rid2, agent_id="js-alpha")
         assert client.breakers.state("js-alpha", "js.echo") == "closed"

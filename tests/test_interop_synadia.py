@@ -111,7 +111,7 @@ async def test_a_synadia_agent_is_routed_called_and_followed(
         assert got == ["echo:", "streamed"]
         receipt = await client.call("text.echo", "x", ack_mode="received", request_id="r-1",
                                     timeout=10)  # fmt: skip
-        assert receipt == schema.Receipt(request_id="r-1")
+        assert receipt == schema.Receipt(request_id="r-1", agent_id=agent_id)
         with pytest.raises(TargetBusy, match="429"):
             await client.call("text.echo", "refuse", timeout=3)
 

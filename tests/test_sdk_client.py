@@ -56,7 +56,8 @@ async def test_call_returns_result_and_passes_headers_through(
         "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
         "trace_id": "t-9", "hops": ["up1"],
     }  # fmt: skip
-    assert receipt == schema.Receipt(request_id="r-2")
+    assert receipt == schema.Receipt(request_id="r-2", agent_id="c1")
+    assert (client.takers.get("r-1"), client.takers.get("r-2")) == ("c1", "c1")
     assert metrics.requests.labels("c1", "ok")._value.get() == 2
     assert metrics.duration._sum.get() > 0
 

@@ -23,18 +23,11 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 from jetstream.names import ACK_STREAM, CLAIMS_BUCKET, CLAIMS_STREAM
-from reach_agent.subjects import Subjects
+from reach_agent.subjects import BROKER_ACK_AUTHOR, INBOX_ROOT, Subjects
 
 from .claims import Permission, ResponsePermission, User
 
 RoleName = Literal["agent", "caller", "broker"]
-
-BROKER_ACK_AUTHOR = "_broker"
-"""Author token of ack records the broker writes (``failed``/``expired`` of queued requests):
-``<p>.ack._broker.<request_id>``. Not a valid agent id (those start with a letter or digit),
-so no agent can be mistaken for the broker, nor the broker for an agent."""
-
-INBOX_ROOT = "_INBOX"
 
 
 class Of(NamedTuple):
@@ -95,20 +88,25 @@ for the whole window: about ``tasks per second * window`` entries per agent conn
 Lower it (``issue_agent(..., reply_window_s=...)``) where tasks are short and many."""
 
 # JetStream API subjects a caller needs to read ack records (reach_agent.durable's wait and
-# last-record reads): last-by-subject direct get, direct get by sequence, and the non-direct
-# message get used to list every record of a request. Callers get no consumer-create rights:
-# a push consumer's deliver subject is not checked against its creator's permissions, so it
-# would let a caller re-publish stored messages (e.g. old broker events) on any subject.
+# last reads, `reach ack`): the message get (it returns a record with its stored headers, so
+# a reader can tell a record from a copy) and the stream's info. No direct get: its answer is
+# the stored message itself, headers and all, published to whatever reply subject the
+# requester names (the server never checks reply subjects), so it would let a caller copy an
+# agent-written record onto another agent's ack subject or onto an event subject. No
+# consumer-create rights either: a push consumer's deliver subject is not checked against its
+# creator's permissions, so a consumer would re-publish stored messages on any subject.
 _ACK_READS = (
-    Raw(f"$JS.API.DIRECT.GET.{ACK_STREAM}"),
-    Raw(f"$JS.API.DIRECT.GET.{ACK_STREAM}.>"),
     Raw(f"$JS.API.STREAM.MSG.GET.{ACK_STREAM}"),
+    Raw(f"$JS.API.STREAM.INFO.{ACK_STREAM}"),
 )
 # Claims (KV reach_claims, reach_agent.claiming): an agent creates and ends them with plain
-# JetStream publishes (compare-and-set by header) and reads them by direct get; a caller
+# JetStream publishes (compare-and-set by header) and reads them by message get; a caller
 # waiting on IN_PROGRESS reads them. Any agent of the account may write any claim: the
 # bucket trusts the account's agents (a forged claim can stall a request, not run it twice).
-_CLAIM_READS = (Raw(f"$JS.API.DIRECT.GET.{CLAIMS_STREAM}.>"),)
+# No direct get: any agent may store `{}` as a claim, and a direct get answered onto
+# `$JS.API.STREAM.DELETE.<stream>` (the server never checks reply subjects) is an empty
+# request there: the stream is deleted (checked against a real server).
+_CLAIM_READS = (Raw(f"$JS.API.STREAM.MSG.GET.{CLAIMS_STREAM}"),)
 _CLAIM_WRITES = (Raw(f"$KV.{CLAIMS_BUCKET}.>"), Raw(f"$JS.API.STREAM.INFO.{CLAIMS_STREAM}"))
 
 ROLES: dict[RoleName, Role] = {
@@ -165,6 +163,13 @@ ROLES: dict[RoleName, Role] = {
             Raw("$SYS.REQ.ACCOUNT.{account}.CONNZ"),
             Raw("$SYS.REQ.ACCOUNT.PING.CONNZ"),
             Raw("$SYS.REQ.SERVER.PING.CONNZ"),
+            # The operators' view of the fleet (`reach top`, `reach events` history, the demo's
+            # view) needs a consumer on REACH_AUDIT and the replicas' NATS Services stats,
+            # which no other role may have: the broker's credential is the admin credential,
+            # so it may also ask what a caller asks.
+            Raw("$SRV.>"),
+            Every("agents"),
+            Every("all_routes"),
         ),
         subscribe=(
             Every("all_announces"),
@@ -198,8 +203,7 @@ def _expand(cell: Cell, subjects: Subjects, name: str, role: RoleName, account: 
             subject = getattr(subjects, attr)
             return subject
         case OwnAcks(author):
-            # <p>.ack.<author>.> — the attributable ack subject (Subjects.ack takes one token).
-            return subjects.ack(f"{author or name}.>")
+            return subjects.acks_by(author or name)
         case Raw(template):
             return template.format(
                 inbox=inbox_prefix(role, name), account=account, p=subjects.prefix
