@@ -322,7 +322,8 @@ class Call:
                 acked = True
                 self.taker = agent
                 if self.ack_mode == "received":
-                    return "ok", schema.Receipt(request_id=self.request_id, agent_id=agent)
+                    return "ok", schema.Receipt(request_id=self.request_id,
+                                                agent_id=agent or msgspec.UNSET)  # fmt: skip
             elif kind == "chunk":
                 self.taker = agent
                 if self.stream:

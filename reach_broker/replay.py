@@ -38,17 +38,17 @@ from typing import Any, Literal, NamedTuple
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
-from jetstream import acks, compensation
+from jetstream import compensation
 from jetstream.compensation import Entry
 from jetstream.names import H_EXPIRES_MS
 from reach_agent import schema
 from reach_agent.aio import stop_loops
-from reach_agent.errors import ReachError, from_reply
+from reach_agent.errors import ReachError
 from reach_agent.retry import retryable
-from reach_agent.schema import PROTOCOL_SYNADIA, AckRecord, RouteRequest
-from reach_agent.subjects import BROKER_ACK_AUTHOR
+from reach_agent.schema import RouteRequest
 
 from .ackwatch import AckWatch
+from .brokeracks import record_failed, record_taker
 from .context import BrokerContext
 from .dispatch import MARKER_TTL_S, Dispatches
 from .records import AgentRecord, Transition
@@ -59,7 +59,6 @@ from .taken import Taken
 log = logging.getLogger(__name__)
 
 Outcome = Literal["replayed", "expired", "failed", "stalled", "claimed", "held", "deferred"]
-FETCH_BATCH = 256
 RELEASE_WAIT_S = 0.5
 """Redelivery delay of an entry whose claim's holder is offline but not yet released."""
 
@@ -159,6 +158,10 @@ class Replayer:
             self._known[cap] = self._known.get(cap, 0) + 1
             self.kick(cap)
 
+    async def _claimed_now(self, request_id: str) -> bool:
+        claim = await self.claim_of(request_id)
+        return claim is not None and claim[1] != "released"
+
     def _alive(self, agent_id: str) -> bool:
         rec = self.record_of(agent_id)
         return rec is not None and rec.state != "offline"
@@ -230,23 +233,10 @@ class Replayer:
 
     async def _fetch(self, capability: str) -> list[Entry]:
         """Every entry of ``capability`` this replica can take now, by priority then age."""
-        psub = await self._consumer(capability)
-        info = await psub.consumer_info()
-        waiting = int(info.num_pending or 0) + int(info.num_ack_pending or 0)
-        if waiting == 0:
+        entries = await compensation.take(await self._consumer(capability), self.subjects)
+        if entries is None:
             self._known[capability] = 0
             return []
-        msgs: list[Msg] = []
-        while len(msgs) < waiting:
-            try:
-                got = await psub.fetch(batch=min(waiting - len(msgs), FETCH_BATCH), timeout=0.3)
-            except TimeoutError:
-                break
-            msgs += got
-            if len(got) < FETCH_BATCH:
-                break
-        entries = [compensation.entry_of(m, self.subjects) for m in msgs]
-        entries.sort(key=lambda e: (-e.priority, e.enqueued_ms, e.seq))
         return entries
 
     async def _dispatch(self, capability: str, entries: list[Entry]) -> Outcome | None:
@@ -304,13 +294,13 @@ class Replayer:
     async def _send(self, e: Entry) -> Outcome:
         ctx, router = self.ctx, self.router
         assert e.msg is not None  # fetched entries carry their message
+        claim = await self.claim_of(e.request_id)  # first: a running task is not expired
+        if claim is not None and claim[1] != "released":
+            return await self._claimed(e, *claim)
         if e.expired(ctx.wall_ms()):
             await self.record_expired(e)
             await e.msg.ack_sync()
             return "expired"
-        claim = await self.claim_of(e.request_id)
-        if claim is not None and claim[1] != "released":
-            return await self._claimed(e, *claim)
         headers = e.task_headers()
         headers[schema.H_REQUEST_ID] = e.request_id
         headers[schema.H_RECEIPT] = "1"
@@ -338,25 +328,8 @@ class Replayer:
             for c in candidates:
                 sent_ms = ctx.wall_ms()
                 await self.dispatches.mark(e.request_id, c.agent_id, sent_ms, ttl_s)
-                collect = None
-                try:
-                    if c.protocol == PROTOCOL_SYNADIA:
-                        sent = await self.prompts.send(
-                            c.subject,
-                            c.agent_id,
-                            e.request_id,
-                            e.capability,
-                            e.data,
-                            e.expires_at_ms,
-                        )
-                        err, collect = (
-                            (sent, None) if isinstance(sent, ReachError) else (None, sent)
-                        )
-                    else:  # fmt: skip
-                        reply = await ctx.nc.request(
-                            c.subject, e.data, timeout=self.cfg.receipt_timeout_s, headers=headers
-                        )
-                        err = from_reply(reply.headers, reply.data)
+                try:  # a reach agent's receipt, or a Synadia agent's ack (its answer later)
+                    err, collect = await self.prompts.deliver(c, e, headers)
                 except (TimeoutError, NoRespondersError):
                     log.info("replay.no_receipt request_id=%s agent=%s", e.request_id, c.agent_id)
                     continue
@@ -364,7 +337,7 @@ class Replayer:
                     return await self._claimed(e, getattr(err, "holder", ""), "running")
                 if err is None:
                     self.acks.sent(e.request_id, sent_ms)
-                    await self._record_taker(e, c.agent_id)
+                    await record_taker(ctx, e, c.agent_id)
                     await self.taken.hold(e, c.agent_id)  # removed at its final record
                     if collect is not None:  # a Synadia agent: the broker records its answer
                         ctx.spawn(collect(), f"synadia-replay-{e.request_id}")
@@ -377,7 +350,7 @@ class Replayer:
                     only = None  # a refusal (busy, draining) means it did not take it
                     continue
                 # The agent refused the task itself (BIZ_REJECT, LOOP_DETECTED, ...): final.
-                await self._record_failed(e, c.agent_id, err.code, err.code.lower(), err.message)
+                await record_failed(ctx, e, c.agent_id, err.code, err.code.lower(), err.message)
                 await e.msg.ack_sync()
                 self.failed += 1
                 return "failed"
@@ -419,46 +392,14 @@ class Replayer:
     async def record_expired(self, e: Entry) -> None:
         ctx = self.ctx
         waited_s = (ctx.wall_ms() - e.enqueued_ms) / 1000.0 if e.enqueued_ms else 0.0
-        await self._record_failed(
-            e, ctx.broker_id, "TIMEOUT", "expired",
+        await record_failed(
+            ctx, e, ctx.broker_id, "TIMEOUT", "expired",
             f"queued for {waited_s:.1f}s on {self.subjects.comp(e.capability)}; expired before "
             "an agent was reachable",
         )  # fmt: skip
         self.expired += 1
         ctx.metrics.compensation_result["expired"].inc()
         log.info("replay.expired request_id=%s capability=%s", e.request_id, e.capability)
-
-    async def _record_failed(
-        self, e: Entry, agent_id: str, code: str, reason: str, message: str
-    ) -> None:
-        rec = AckRecord(
-            request_id=e.request_id, agent_id=agent_id, capability=e.capability,
-            state="failed", at_ms=self.ctx.wall_ms(),
-            error={"code": code, "reason": reason, "message": message},
-        )  # fmt: skip
-        await self._publish(rec)
-
-    async def _record_taker(self, e: Entry, agent_id: str) -> None:
-        """``received`` by the broker: it handed the task to ``agent_id`` (whose own records
-        ``Client.wait`` then trusts). A failure is logged: the task was delivered anyway."""
-        rec = AckRecord(request_id=e.request_id, agent_id=agent_id, capability=e.capability,
-                        state="received", at_ms=self.ctx.wall_ms())  # fmt: skip
-        try:
-            await self._publish(rec)
-        except Exception as exc:  # noqa: BLE001 - the entry is acked regardless
-            log.warning("replay.taker_unrecorded request_id=%s agent=%s error=%r: wait() "
-                        "needs agent_id= for it", e.request_id, agent_id, exc)  # fmt: skip
-
-    async def _publish(self, rec: AckRecord) -> None:
-        """One record of the broker's own (author ``_broker``)."""
-        js = self.ctx.nc.jetstream(timeout=2.0)
-        rid = rec.request_id
-        await acks.publish_record(
-            js,
-            self.subjects.ack(BROKER_ACK_AUTHOR, rid),
-            acks.ack_msg_id(BROKER_ACK_AUTHOR, rid, rec.state),
-            schema.encoder.encode(rec),
-        )
 
     # --- the sweep ----------------------------------------------------------------------
 
@@ -491,6 +432,8 @@ class Replayer:
         limit = self.cfg.max_entries * 2
         for e in await compensation.scan(nc, subjects=self.subjects, limit=limit):
             if e.expired(now_ms):
+                if self.taken.holds(e.request_id) or await self._claimed_now(e.request_id):
+                    continue  # delivered and running (a replica holds it): not expired
                 await self.record_expired(e)
                 await compensation.remove(nc, e.seq)
             elif e.expires_at_ms and (not soonest or e.expires_at_ms < soonest):

@@ -60,29 +60,6 @@ ConnKey = tuple[str, int]
 """(server name, client id): one connection."""
 
 
-class _Sub(msgspec.Struct):
-    subject: str = ""
-
-
-class _Conn(msgspec.Struct):
-    cid: int = 0
-    subscriptions_list_detail: list[_Sub] | None = None
-
-
-class _Connz(msgspec.Struct):
-    connections: list[_Conn] = []
-
-
-class _ConnzReply(msgspec.Struct):
-    data: _Connz | None = None
-
-
-class _Status(msgspec.Struct):
-    instance_id: str = ""
-
-
-_connz_decoder = msgspec.json.Decoder(_ConnzReply)
-_status_decoder = msgspec.json.Decoder(_Status)
 _encoder = msgspec.json.Encoder()
 
 
@@ -318,7 +295,7 @@ class SynadiaAgents:
             more = False
             for msg in replies:
                 try:
-                    data = _connz_decoder.decode(msg.data).data
+                    data = synadiainfo.connz_decoder.decode(msg.data).data
                 except msgspec.MsgspecError:
                     return
                 if data is None:
@@ -376,7 +353,7 @@ class SynadiaAgents:
             t0 = clock()
             msg = await nc.request(status, b"", timeout=timeout_s)
             try:
-                if _status_decoder.decode(msg.data).instance_id == instance:
+                if synadiainfo.status_decoder.decode(msg.data).instance_id == instance:
                     return
             except msgspec.MsgspecError:
                 pass  # an error frame: who answered is unknown

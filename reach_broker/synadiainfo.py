@@ -58,6 +58,31 @@ class Beat(msgspec.Struct):
     session: str | None = None
 
 
+class _Sub(msgspec.Struct):
+    subject: str = ""
+
+
+class _Conn(msgspec.Struct):
+    cid: int = 0
+    subscriptions_list_detail: list[_Sub] | None = None
+
+
+class _Connz(msgspec.Struct):
+    connections: list[_Conn] = []
+
+
+class _ConnzReply(msgspec.Struct):
+    data: _Connz | None = None
+
+
+class _Status(msgspec.Struct):
+    instance_id: str = ""
+
+
+connz_decoder = msgspec.json.Decoder(_ConnzReply)
+status_decoder = msgspec.json.Decoder(_Status)
+"""A ``CONNZ`` reply with subscription details, and a ``status`` reply: the fields read."""
+
 info_decoder = msgspec.json.Decoder(ServiceInfo)
 beat_decoder = msgspec.json.Decoder(Beat)
 

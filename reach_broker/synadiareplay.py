@@ -22,12 +22,13 @@ import msgspec
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from jetstream import acks
+from jetstream.compensation import Entry
 from reach_agent import prompting, schema
 from reach_agent.connection import flush_subscriptions
-from reach_agent.errors import ReachError, Timeout
-from reach_agent.subjects import BROKER_ACK_AUTHOR
+from reach_agent.errors import ReachError, Timeout, from_reply
+from reach_agent.schema import PROTOCOL_SYNADIA
 
+from . import brokeracks
 from .context import BrokerContext
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,8 @@ log = logging.getLogger(__name__)
 DEFAULT_RUN_S = 600.0
 """How long a prompt may run when its entry does not expire."""
 _STATUS = "Status"  # nats-server's no-responders reply: Status: 503, no body
+Collector = Callable[[], Awaitable[None]]
+"""Reads the rest of an acknowledged prompt stream and records the answer."""
 
 
 class Prompts:
@@ -48,10 +51,24 @@ class Prompts:
         self.on_done = on_done
         """Told (request id, agent id) once the agent's answer is recorded."""
 
+    async def deliver(
+        self, target: Any, e: Entry, headers: dict[str, str]
+    ) -> tuple[ReachError | None, Collector | None]:
+        """Send entry ``e`` to ``target`` (its ``agent_id``, ``subject``, ``protocol``): a
+        reach agent gets the task and answers a receipt, a Synadia agent the prompt (see
+        :meth:`send`). (The refusal or None, the collector of a Synadia agent's answer.)"""
+        if target.protocol != PROTOCOL_SYNADIA:
+            reply = await self.ctx.nc.request(target.subject, e.data, headers=headers,
+                                              timeout=self.cfg.receipt_timeout_s)  # fmt: skip
+            return from_reply(reply.headers, reply.data), None
+        sent = await self.send(target.subject, target.agent_id, e.request_id, e.capability,
+                               e.data, e.expires_at_ms)  # fmt: skip
+        return (sent, None) if isinstance(sent, ReachError) else (None, sent)
+
     async def send(
         self, subject: str, agent_id: str, request_id: str, capability: str, data: bytes,
         expires_at_ms: int | None,
-    ) -> ReachError | Callable[[], Awaitable[None]]:  # fmt: skip
+    ) -> ReachError | Collector:  # fmt: skip
         """Deliver one entry: its error when the agent refused it, else (acknowledged) the
         collector to run once the entry is held; raises nats' TimeoutError or
         NoRespondersError when nothing acknowledged it."""
@@ -107,12 +124,7 @@ class Prompts:
             error={"code": err.code, "message": err.message} if err else None,
         )  # fmt: skip
         try:
-            await acks.publish_record(
-                self.ctx.nc.jetstream(timeout=2.0),
-                self.ctx.subjects.ack(BROKER_ACK_AUTHOR, request_id),
-                acks.ack_msg_id(BROKER_ACK_AUTHOR, request_id, rec.state),
-                schema.encoder.encode(rec),
-            )
+            await brokeracks.publish(self.ctx, rec)
         except Exception:  # noqa: BLE001 - a lost record is logged, never a crash
             log.exception("replay.synadia_record_failed request_id=%s", request_id)
             return  # the entry stays held: given back if the agent goes, else at its expiry
