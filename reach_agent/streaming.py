@@ -218,34 +218,14 @@ async def read(
     """The chunks of ``call``'s streamed answer, from its first message ``start`` on, in
     order; ends at the agent's ``completed``. Sends credit as chunks are consumed and a
     cancel when the reader stops early."""
-    attempt, agent = start.attempt, call.agents.get(start.attempt)
+    agent = call.agents.get(start.attempt)
     half = max(1, call.stream // 2)
     delivered = 0
     credit_to: str | None = None
     finished = False
-    first: Any = start.msg
     try:
-        while True:
-            if first is not None:
-                a, msg, first = attempt, first, None
-            else:
-                try:
-                    async with asyncio.timeout(max(call.deadline - clock(), 0.0)):
-                        a, msg = await call.queue.get()
-                except TimeoutError:
-                    raise StreamBroken(
-                        f"stream from agent {agent!r} did not complete by the call's deadline "
-                        f"({delivered} chunks delivered)", delivered=delivered,
-                    ) from None  # fmt: skip
-            if msg is CLOSED:
-                raise InternalError("client closed while the stream was in flight")
-            if msg is LOST:
-                raise StreamBroken(
-                    f"agent {agent!r} was lost mid-stream after {delivered} chunks: not re-run "
-                    "(that would repeat them)", delivered=delivered,
-                )  # fmt: skip
-            if a != attempt or not hasattr(msg, "headers"):
-                continue  # another attempt's reply, or a marker for a wait that is over
+        # The count read when an error ends the stream: the lambda binds late on purpose.
+        async for msg in _messages(call, start, clock, lambda: delivered):  # noqa: B023
             hdrs = msg.headers or {}
             err = from_reply(hdrs, msg.data)
             if err is not None:
@@ -294,30 +274,9 @@ async def read_prompted(
     """The chunks of a Synadia agent's prompt stream (:mod:`~reach_agent.prompting`), from
     the first one (``start``) to the end; their protocol has no credit, so the window is
     the subscription's buffer."""
-    attempt, agent = start.attempt, call.agents.get(start.attempt)
+    agent = call.agents.get(start.attempt)
     delivered = 0
-    first: Any = start.msg
-    while True:
-        if first is not None:
-            a, msg, first = attempt, first, None
-        else:
-            try:
-                async with asyncio.timeout(max(call.deadline - clock(), 0.0)):
-                    a, msg = await call.queue.get()
-            except TimeoutError:
-                raise StreamBroken(
-                    f"stream from agent {agent!r} did not end by the call's deadline "
-                    f"({delivered} chunks delivered)", delivered=delivered,
-                ) from None  # fmt: skip
-        if msg is CLOSED:
-            raise InternalError("client closed while the stream was in flight")
-        if msg is LOST:
-            raise StreamBroken(
-                f"agent {agent!r} was lost mid-stream after {delivered} chunks: not re-run "
-                "(that would repeat them)", delivered=delivered,
-            )  # fmt: skip
-        if a != attempt or not hasattr(msg, "headers"):
-            continue
+    async for msg in _messages(call, start, clock, lambda: delivered):  # noqa: B023
         kind, value = prompting.read(msg, agent)
         if kind == "end":
             return
@@ -326,6 +285,33 @@ async def read_prompted(
         if kind == "chunk":
             delivered += 1
             yield value
+
+
+async def _messages(
+    call: Call, start: StreamStart, clock: Callable[[], float], delivered: Callable[[], int]
+) -> AsyncIterator[Any]:
+    """The replies to the stream's attempt, from its first (``start``) on; the deadline, the
+    agent's loss or the client closing end it with an error (``delivered``: chunks so far)."""
+    attempt, agent = start.attempt, call.agents.get(start.attempt)
+    yield start.msg
+    while True:
+        try:
+            async with asyncio.timeout(max(call.deadline - clock(), 0.0)):
+                a, msg = await call.queue.get()
+        except TimeoutError:
+            raise StreamBroken(
+                f"stream from agent {agent!r} did not complete by the call's deadline "
+                f"({delivered()} chunks delivered)", delivered=delivered(),
+            ) from None  # fmt: skip
+        if msg is CLOSED:
+            raise InternalError("client closed while the stream was in flight")
+        if msg is LOST:
+            raise StreamBroken(
+                f"agent {agent!r} was lost mid-stream after {delivered()} chunks: not re-run "
+                "(that would repeat them)", delivered=delivered(),
+            )  # fmt: skip
+        if a == attempt and hasattr(msg, "headers"):
+            yield msg  # (not another attempt's reply, nor a marker for a wait that is over)
 
 
 class Caller(Protocol):
