@@ -22,6 +22,7 @@ import asyncio
 import heapq
 import logging
 import random
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nats.errors import NoRespondersError
@@ -44,6 +45,10 @@ SAMPLE_JITTER = 0.2
 
 IDLE_WAKE_S = 1.0
 """The scheduler loop re-checks at least this often even with nothing due."""
+
+ProbeSend = Callable[[float], Awaitable[object]]
+"""Probes one agent within the timeout given; raises nats' TimeoutError or NoRespondersError
+when unanswered."""
 
 
 def backoff_delay(failures: int, cap_s: float, rng: random.Random) -> float:
@@ -71,6 +76,9 @@ class Prober:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._probes: set[asyncio.Task[Any]] = set()
+        self.probe_via: Callable[[AgentRecord], ProbeSend | None] = lambda rec: None
+        """How to probe an agent that is not probed on ``<p>.probe.<agent_id>`` (a Synadia
+        agent: its status endpoint); None: the reach probe."""
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -225,11 +233,15 @@ class Prober:
                     return
                 sample = rec.state == "healthy"
                 epoch = ctx.link.epoch
+                via = self.probe_via(rec)
                 t0 = ctx.clock()
                 try:
-                    await ctx.nc.request(
-                        ctx.subjects.probe(agent_id), b"{}", timeout=self.cfg.probe_timeout_s
-                    )
+                    if via is None:
+                        await ctx.nc.request(
+                            ctx.subjects.probe(agent_id), b"{}", timeout=self.cfg.probe_timeout_s
+                        )
+                    else:
+                        await via(self.cfg.probe_timeout_s)
                     ok, result = True, "ok"
                 except NatsTimeoutError:
                     result = "timeout"
