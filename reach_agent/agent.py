@@ -55,7 +55,7 @@ class Agent:
     ``heartbeat_interval`` and ``timeout_hint`` are seconds; ``grace`` is how long a drain
     waits for in-flight tasks; ``dedup_size``/``dedup_ttl`` bound the cache of recent
     results that makes a repeated request id answer with the first result (the duplicate
-    window, DESIGN §8: 2 min). ``creds``, ``nkey_seed``, ``user``/``password``, ``token``
+    window: 2 min by default). ``creds``, ``nkey_seed``, ``user``/``password``, ``token``
     and ``tls_ca``/``tls_cert``/``tls_key`` are the connection's credentials (see
     :class:`~reach_agent.connection.Credentials`; ``token`` is the NATS auth token, not the
     broker's heartbeat token :attr:`token`). A file that does not exist is a ``ValueError``.

@@ -225,7 +225,7 @@ class Client:
         capability: str,
         payload: Any = None,
         *,
-        timeout: float | None = None,  # noqa: ASYNC109 - the call's deadline, DESIGN §6
+        timeout: float | None = None,  # noqa: ASYNC109 - the call's deadline, sent as Reach-Timeout-Ms
         ack_mode: AckMode = "completed",
         sticky_key: str | None = None,
         request_id: str | None = None,

@@ -1,7 +1,8 @@
 """Client-side settings: call timeouts, retries, receipts, route cache and circuit breakers.
 
-Defaults are DESIGN §8's. Both Structs refuse unknown fields, so a typo is a clear error
-(``ClientConfig(retires=3)`` raises), and validate ranges on construction.
+Defaults are the ones from the field reports (docs/sdk.md lists them). Both Structs refuse
+unknown fields, so a typo is a clear error (``ClientConfig(retires=3)`` raises), and
+validate ranges on construction.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class _Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class BreakerConfig(_Config):
-    """Per-(agent, capability) circuit breaker (DESIGN §4, §8)."""
+    """Per-(agent, capability) circuit breaker (docs/sdk.md, "Circuit breakers")."""
 
     consecutive_failures: Annotated[int, Meta(ge=1)] = 10
     """Open after this many failures in a row."""

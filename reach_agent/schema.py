@@ -183,7 +183,8 @@ class AgentsRequest(Base, frozen=True):
 class Receipt(msgspec.Struct, frozen=True, kw_only=True):
     """Interim reply sent before the result when a task asks ``Reach-Receipt: 1``.
 
-    Not a ``Base``: ``status`` must be on the wire although it is the default (DESIGN §2).
+    Not a ``Base``: ``status`` must be on the wire although it is the default (readers tell
+    a receipt from a result by it, docs/protocol.md).
     """
 
     request_id: str
