@@ -130,9 +130,10 @@ class Router:
     def _panic_changed(self, idx: CapabilityIndex) -> None:
         if idx.panic:
             log.warning(
-                "route.panic capability=%s healthy=%d of %d (threshold %.0f%%): "
-                "score ejection suspended, routing to every healthy agent left",
+                "route.panic capability=%s healthy=%d of %d (threshold %.0f%%): %s",
                 idx.name, idx.healthy, len(idx.members), 100 * self.cfg.panic_threshold,
+                "score ejection suspended, routing to every healthy agent left" if idx.healthy
+                else "no healthy agent left to route to",
             )  # fmt: skip
         else:
             log.info("route.panic_over capability=%s healthy=%d of %d", idx.name,

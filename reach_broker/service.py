@@ -252,14 +252,12 @@ class Broker:
             self.subjects, {COMP_STREAM: {"max_msgs": self.cfg.compensation.max_entries}}
         )
         try:
-            outcomes = await provision(self.nc, defs)
+            # Each stream created or updated is logged once, by provision itself.
+            await provision(self.nc, defs)
         except JetStreamUnavailable as exc:
             log.warning("broker.no_jetstream %s: running without registry snapshot, "
                         "compensation replay and durable acks", exc)  # fmt: skip
             return False
-        for o in outcomes:
-            if o.action != "unchanged":
-                log.info("jetstream.%s stream=%s %s", o.action, o.name, "; ".join(o.changes))
         return True
 
     async def _token_secret(self) -> bytes:

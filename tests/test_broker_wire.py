@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 import pytest
 from nats.aio.client import Client as NATS
 
+from jetstream.names import STREAM_NAMES
 from reach_broker.service import Broker
 
 from .conftest import BrokerFactory, wait_for
@@ -101,6 +103,27 @@ async def test_raw_client_announces_heartbeats_and_routes_itself(nc: NATS, broke
     assert view["state"] == "healthy"
     assert view["capabilities"] == ["text_processing", "intent.recognition"]
     assert view["success_rate"] == 1.0
+
+
+async def test_streams_and_registrations_are_logged_once_each(
+    nc: NATS, broker_factory: BrokerFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO):
+        await broker_factory()  # a fresh server: every stream is created
+        await broker_factory()  # a second replica: every stream is already as defined
+        await announce(nc, "alpha")
+
+        def registered() -> list[str]:
+            return [m for m in caplog.messages if m.startswith("agent.registered ")]
+
+        # The reply is one replica's; the other one may still be handling the announce.
+        await wait_for(lambda: len(registered()) == 2, 2, what="both replicas' lines")
+    assert registered() == ["agent.registered agent=alpha to=healthy reason=announced"] * 2
+    said = [(r.name, r.getMessage()) for r in caplog.records]
+    streams = [(name, m) for name, m in said if any(s in m for s in STREAM_NAMES)]
+    assert streams == [
+        ("jetstream.provision", f"jetstream.stream_created name={s}") for s in STREAM_NAMES
+    ]
 
 
 async def test_missed_heartbeats_suspect_offline_then_recovering_healthy(
