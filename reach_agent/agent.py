@@ -239,6 +239,8 @@ class Agent:
         missing = [c for c in self.capabilities if c not in self.tasks.handlers]
         if missing:
             raise InvalidRequest(f"capabilities {missing!r} have no handler")
+        if self.ack_sink is None and self.durable_acks:
+            durable.check_ack_dir(self.agent_id, self.ack_wal_dir)  # one clear error, now
         cred = self.credentials if credentials is None else credentials.over(self.credentials)
         servers = server_list(servers)
         options = connect_options(self.agent_id, servers, cred)
@@ -312,7 +314,8 @@ class Agent:
             log.debug("agent.nats_error agent=%s error=%r", self.agent_id, exc)
 
     async def _on_disconnected(self) -> None:
-        log.info("agent.disconnected agent=%s", self.agent_id)
+        if self._started:  # not the close at the end of stop()
+            log.info("agent.disconnected agent=%s", self.agent_id)
 
     async def _on_reconnected(self) -> None:
         log.info("agent.reconnected agent=%s: re-announcing", self.agent_id)
