@@ -383,6 +383,8 @@ class Client:
         request id. Implemented in :mod:`reach_agent.durable`."""
         return await durable.submit(self, capability, payload, deliver=deliver, **kw)
 
-    async def wait(self, request_id: str, timeout: float) -> Any:  # noqa: ASYNC109
-        """The durable ack record of ``request_id`` (see :mod:`reach_agent.durable`)."""
+    async def wait(self, request_id: str, timeout: float) -> schema.AckRecord:  # noqa: ASYNC109
+        """The final durable ack record of ``request_id`` (``completed`` or ``failed``), its
+        ``result`` decoded; raises ``Timeout`` after ``timeout`` seconds without one
+        (:mod:`reach_agent.durable`)."""
         return await durable.wait(self, request_id, timeout)

@@ -128,7 +128,8 @@ async def wait(
     *,
     prefix: str = DEFAULT_PREFIX,
 ) -> AckRecord:
-    """The final ack record (``completed``/``failed``) of ``request_id``.
+    """The final ack record (``completed``/``failed``) of ``request_id``, its ``result``
+    decoded (the handler's return value, as ``Client.call`` would have returned it).
 
     Raises ``Timeout`` when none is stored within ``timeout`` seconds.
     """
@@ -142,18 +143,18 @@ async def wait(
         raise Timeout(
             f"no completed or failed record for request_id {request_id!r} within {timeout}s"
         ) from None
-    return decode_ack_record(stored.data)
+    return decode_ack_record(stored.data, decode_result=True)
 
 
 async def last(client: Any, request_id: str, *, prefix: str = DEFAULT_PREFIX) -> AckRecord | None:
-    """The latest ack record of ``request_id`` (any state), or None."""
+    """The latest ack record of ``request_id`` (any state, ``result`` decoded), or None."""
     try:
         stored = await acks.last_record(
             connection_of(client), request_id, subjects=Subjects(prefix)
         )
     except acks.InvalidRequestId as exc:
         raise InvalidRequest(str(exc)) from None
-    return None if stored is None else decode_ack_record(stored.data)
+    return None if stored is None else decode_ack_record(stored.data, decode_result=True)
 
 
 ACK_DIR_ENV = "REACH_ACK_DIR"

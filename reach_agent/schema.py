@@ -199,7 +199,10 @@ class AckRecord(Base, frozen=True):
     capability: str
     state: AckState
     at_ms: int
-    result: msgspec.Raw | None = None
+    result: Any = None
+    """The handler's result: written as ``msgspec.Raw`` (its JSON as the agent replied it,
+    never decoded on the way) and so read by :func:`decode_ack_record`; decoded (a dict,
+    list, ...) in what ``Client.wait`` returns. None when there is none."""
     error: dict[str, str] | None = None
 
 
@@ -338,11 +341,15 @@ class _StoredAck(msgspec.Struct, kw_only=True):
 
 
 _stored_ack_decoder = msgspec.json.Decoder(_StoredAck)
+_result_decoder = msgspec.json.Decoder()
 
 
-def decode_ack_record(data: bytes) -> AckRecord:
-    """An :class:`AckRecord` from its JSON (``result`` is None when absent or null)."""
+def decode_ack_record(data: bytes, *, decode_result: bool = False) -> AckRecord:
+    """An :class:`AckRecord` from its JSON (``result`` is None when absent or null): the
+    result as ``msgspec.Raw``, or decoded with ``decode_result`` (as ``Client.wait`` gives it)."""
     s = _stored_ack_decoder.decode(data)
-    result = s.result if s.result and bytes(s.result) != b"null" else None
+    result: Any = s.result if s.result and bytes(s.result) != b"null" else None
+    if decode_result and result is not None:
+        result = _result_decoder.decode(result)
     return AckRecord(request_id=s.request_id, agent_id=s.agent_id, capability=s.capability,
                      state=s.state, at_ms=s.at_ms, result=result, error=s.error)  # fmt: skip

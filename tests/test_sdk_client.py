@@ -79,6 +79,24 @@ async def test_call_returns_result_and_passes_headers_through(
     assert metrics.duration._sum.get() > 0
 
 
+async def test_wait_returns_the_final_ack_record_with_its_result_decoded(
+    nats_server: NatsServer, broker: Broker, agents: Any
+) -> None:
+    await agents(counting_agent("w1", "echo", []))
+    await wait_for(lambda: registered(broker, "w1"), what="w1 healthy")
+    async with reach_agent.Client(nats_server.url) as client:
+        receipt = await client.call("echo", {"x": 3}, ack_mode="received", request_id="r-3")
+        assert receipt == schema.Receipt(request_id="r-3")
+        record = await client.wait("r-3", timeout=10)
+    assert isinstance(record, schema.AckRecord)
+    got = (record.request_id, record.agent_id, record.capability, record.state)
+    assert got == ("r-3", "w1", "echo", "completed")
+    # Decoded, as call() would have returned it: not msgspec.Raw.
+    assert record.result == {"agent": "w1", "payload": {"x": 3}, "traceparent": None,
+                             "trace_id": None, "hops": []}  # fmt: skip
+    assert record.error is None
+
+
 async def test_busy_agent_sends_the_call_elsewhere_at_once(
     nats_server: NatsServer, broker: Broker, agents: Any
 ) -> None:
