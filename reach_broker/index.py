@@ -125,14 +125,29 @@ class CapabilityIndex:
         self.suspects = sorted(
             (r for r in self.members.values() if r.state == "suspect"), key=by_score
         )
-        durations = sorted(
-            r.stats.task_ewma_ms for r in healthy if r.stats.task_ewma_ms is not None
-        )
-        # Lower median: with two agents the fast one sets the bar for the slow one.
-        self.median_task_ms = durations[(len(durations) - 1) // 2] if durations else None
+        self.median_task_ms = self.median(healthy)
         self._dirty = False
         self._reorder = False
         self._built_at = now
+
+    def median(self, healthy: list[AgentRecord] | None = None) -> float | None:
+        """The capability's median task time: the lower median of the healthy members' task
+        EWMAs (with two agents the fast one sets the bar for the slow one). When none of them
+        has one, the suspects' instead: agents restored from the snapshot and not yet heard
+        from carry their history there, so the first heartbeats after a broker restart are
+        judged against the fleet's usual time, not against the bare tolerance floor."""
+        if healthy is None:
+            healthy = [r for r in self.members.values() if r.state == "healthy"]
+        durations = sorted(
+            r.stats.task_ewma_ms for r in healthy if r.stats.task_ewma_ms is not None
+        )
+        if not durations:
+            durations = sorted(
+                r.stats.task_ewma_ms
+                for r in self.members.values()
+                if r.state == "suspect" and r.stats.task_ewma_ms is not None
+            )
+        return durations[(len(durations) - 1) // 2] if durations else None
 
     def ring(self, vnodes: int) -> tuple[list[int], list[AgentRecord]]:
         """The consistent-hash ring of every member: (sorted point hashes, their owners)."""
@@ -212,6 +227,11 @@ class CapabilityIndexes(dict[str, CapabilityIndex]):
             idx = self.get(cap)
             if idx is not None:
                 idx._reorder = True  # CapabilityIndex.score_changed, inline (same module)
+
+    def update_medians(self) -> None:
+        """Every capability's median task time now, without re-ranking (after a restore)."""
+        for idx in self.values():
+            idx.median_task_ms = idx.median()
 
     def peer_task_ms(self, rec: AgentRecord) -> float | None:
         """Median task duration of the agent's (first) capability, as of the last ranking."""

@@ -204,18 +204,26 @@ class Registry:
         return [] if t is None else [t]
 
     def restore(
-        self, msg: Announce, state: AgentState, now: float, wall_ms: int
+        self,
+        msg: Announce,
+        state: AgentState,
+        now: float,
+        wall_ms: int,
+        task_ewma_ms: float | None = None,
     ) -> AgentRecord | None:
         """An agent from the registry snapshot (KV reach_registry) this broker has not heard.
 
         It starts `suspect` (`offline` and `draining` stay so) and becomes routable only
         when a heartbeat or probe answer confirms it; deadlines run from ``now`` as after a
-        missed heartbeat. No transition is returned: nothing changed in the fleet. An agent
-        already known (it announced first) is left alone and None is returned.
+        missed heartbeat. Its task-time history (``task_ewma_ms``) is kept, so its score
+        does not start from nothing. No transition is returned: nothing changed in the
+        fleet. An agent already known (it announced first) is left alone and None is
+        returned. Call :meth:`restored` once the snapshot is read.
         """
         if msg.agent_id in self.agents:
             return None
         rec = AgentRecord(msg, self.interval_for(msg), self.detector.new_window())
+        rec.stats.task_ewma_ms = task_ewma_ms
         to: AgentState = state if state in ("offline", "draining") else "suspect"
         rec.state = to
         rec.state_since = now
@@ -232,6 +240,13 @@ class Registry:
             self._schedule(rec, now + suspect_s, now + offline_s)
         self.rescore(rec, now)
         return rec
+
+    def restored(self, now: float) -> None:
+        """The snapshot is read: each capability's median task time from the restored
+        history, and every score against it (O(fleet), once at start)."""
+        self.indexes.update_medians()
+        for rec in self.agents.values():
+            self.rescore(rec, now)
 
     # --- queries --------------------------------------------------------------------------
 
