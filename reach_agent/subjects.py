@@ -20,6 +20,9 @@ project spells ``f"{prefix}.hb.…"``; :mod:`jetstream` is handed the subjects i
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable
+
 DEFAULT_PREFIX = "reach"
 
 
@@ -149,6 +152,11 @@ class Subjects:
 
     def agent_of_heartbeat(self, subject: str) -> str:
         return subject[self._cuts[1] :]
+
+    def heartbeat_parser(self) -> Callable[[str], str]:
+        """:meth:`agent_of_heartbeat` as a C callable (``operator.itemgetter`` of the
+        slice), for the broker's hottest path: no Python frame per heartbeat."""
+        return operator.itemgetter(slice(self._cuts[1], None))
 
     def agent_of_leave(self, subject: str) -> str:
         return subject[self._cuts[2] :]

@@ -14,12 +14,20 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 from nats.aio.msg import Msg
 from nats.micro.request import Request
 
 from reach_agent import schema
 from reach_agent.errors import Forbidden, InternalError, ReachError, to_reply
-from reach_agent.schema import AnnounceAck, Ok, check_agent_id, check_capability, decode
+from reach_agent.schema import (
+    MAX_BODY_BYTES,
+    AnnounceAck,
+    Ok,
+    check_agent_id,
+    check_capability,
+    decode,
+)
 
 from .context import BrokerContext
 from .registry import Registry
@@ -137,7 +145,8 @@ class Handlers:
             "OVERLOADED": m.route_result["overloaded"],
         }
         self._route_invalid = m.route_result["invalid"]
-        self._hb_agent = ctx.subjects.agent_of_heartbeat
+        self._hb_agent = ctx.subjects.heartbeat_parser()
+        self._hb_decode = schema.heartbeat_decoder.decode
         self._heartbeat = registry.heartbeat
         self._hb_result = m.heartbeat_result
         self._clock, self._wall = ctx.clock, ctx.wall
@@ -183,10 +192,17 @@ class Handlers:
         return schema.encoder.encode(ack)
 
     def heartbeat(self, subject: str, data: bytes) -> None:
-        # The hottest path (every agent, every interval): collaborators bound in __init__.
-        hb = schema.validate_heartbeat(
-            decode(schema.heartbeat_decoder, data, "heartbeat"), self._hb_agent(subject)
-        )
+        # The hottest path (every agent, every interval): collaborators bound in __init__,
+        # and schema.decode / validate_heartbeat called only to word a refusal.
+        try:
+            if not data or len(data) > MAX_BODY_BYTES:
+                raise msgspec.DecodeError
+            hb = self._hb_decode(data)
+        except msgspec.MsgspecError:
+            hb = decode(schema.heartbeat_decoder, data, "heartbeat")  # raises, naming why
+        agent_id = self._hb_agent(subject)
+        if hb.agent_id != agent_id:
+            schema.validate_heartbeat(hb, agent_id)  # raises, naming both
         result, transitions = self._heartbeat(hb, self._clock(), int(self._wall() * 1000))
         self._hb_result[result].inc()
         if transitions:

@@ -108,7 +108,13 @@ class Registry:
             # Idle (e.g. ejected for slowness, so no tasks): the verdict fades towards the
             # peers', so the agent is tried again rather than kept out on old evidence.
             rec.stats.idle(self.indexes.peer_task_ms(rec), cfg.ewma_alpha)
-        self.inflight += rec.set_load(hb.active, hb.queue_depth)
+        # AgentRecord.set_load, inline (every heartbeat).
+        active = hb.active
+        self.inflight += active - rec.active
+        rec.active = active
+        rec.queue_depth = hb.queue_depth
+        load = active / rec.max_concurrency
+        rec.load = load if load < 1.0 else 1.0
         rec.oldest_task_ms = hb.oldest_task_ms
         rec.status = hb.status
         event: Event = "heartbeat"
@@ -288,8 +294,13 @@ class Registry:
             stuck=stuck,
             peer_task_ms=peer,
         )
-        if rec.set_score(new):
-            # Only the score moved: the ranking is refreshed on a slower cadence (index.py).
+        # AgentRecord.set_score, inline (every heartbeat): the routing weight follows the
+        # score and load; if only the score moved, the ranking is refreshed on a slower
+        # cadence (index.py).
+        load = rec.load
+        rec.weight = (new if new > 1.0 else 1.0) * (1.0 - load if load < 0.95 else 0.05)
+        if new != rec.score:
+            rec.score = new
             self.indexes.score_changed(rec)
 
     def _fire(
@@ -321,7 +332,9 @@ class Registry:
         rec.last_seen = now
         rec.last_seen_wall_ms = wall_ms
         rec.disconnected = False
-        self._rearm(rec, now)
+        if rec.state != "offline":  # _rearm(rec, now), inline (every heartbeat)
+            suspect_s, offline_s = self.detector.deadlines(rec.window, rec.interval_s)
+            self._schedule(rec, now + suspect_s, now + offline_s)
 
     def _rearm(self, rec: AgentRecord, base: float) -> None:
         """Deadlines counted from ``base``, the last sign of life."""
@@ -332,7 +345,11 @@ class Registry:
     def _schedule(self, rec: AgentRecord, suspect_at: float, offline_at: float) -> None:
         rec.suspect_at = suspect_at
         rec.offline_at = offline_at
-        at = self._next_deadline(rec)
+        state = rec.state  # _next_deadline(rec), inline (every heartbeat)
+        if state == "suspect":
+            at = offline_at
+        else:
+            at = rec.forget_at if state == "offline" else suspect_at
         if at >= rec.heap_at:
             # Every heartbeat moves the deadline later: keep the earlier live entry (expire()
             # re-arms from it when it fires) rather than push one heap entry per heartbeat.
