@@ -16,6 +16,7 @@ attempt they answer; :meth:`Call.outcome` turns them into one :data:`~reach_agen
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 from uuid import uuid4
@@ -23,8 +24,9 @@ from uuid import uuid4
 import msgspec
 
 from . import schema
+from .config import ClientConfig
 from .errors import InternalError, InvalidRequest, NoReachableAgent, ReachError, Timeout, from_reply
-from .retry import Outcome
+from .retry import Outcome, full_wait
 
 AckMode = Literal["completed", "received"]
 
@@ -109,6 +111,19 @@ class Call:
         hdrs = dict(self.headers)
         hdrs[schema.H_TIMEOUT_MS] = str(max(int((self.deadline - now) * 1000), 0))
         return hdrs
+
+    async def wait_full(
+        self, refused: ReachError, config: ClientConfig, clock: Callable[[], float]
+    ) -> None:
+        """Every candidate is merely full (:func:`~reach_agent.retry.merely_full`): wait the
+        refusal's hint (or ``busy_wait_s``), jittered, then start a new round (every
+        candidate may be tried again); raise ``refused`` instead when the wait and one more
+        attempt would not fit the deadline."""
+        delay = full_wait(refused, config.busy_wait_s, config.backoff_max_s, random.random())
+        if clock() + delay + min(config.ack_timeout_s, 0.05) > self.deadline:
+            raise refused
+        await asyncio.sleep(delay)
+        self.tried.clear()
 
     # --- what arrives on the queue ------------------------------------------------------
 

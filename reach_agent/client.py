@@ -14,6 +14,9 @@ A call moves CREATED → SENT → ACKED → PROCESSING → FINISHED / TIMEOUT / 
   and lost targets; never BIZ_REJECT or another error. A retry goes at once to a candidate
   not tried yet; when every candidate was tried it waits an exponential, jittered backoff
   that must fit inside the deadline.
+* Full is not failed: when the broker answers OVERLOADED (every candidate is full) or every
+  candidate answered TARGET_BUSY, the call waits the refusal's ``retry_after_ms`` (else
+  ``busy_wait_s``), jittered, and asks again — until the deadline, without counting retries.
 
 Every attempt of a call replies to its own subject under one client-wide inbox
 subscription (:class:`~reach_agent.subjects.ReplyInbox`), so the receipt and the result are
@@ -56,10 +59,10 @@ from .connection import (
     drain_or_close,
     flush_subscriptions,
 )
-from .errors import InternalError, InvalidRequest, NoReachableAgent
+from .errors import InternalError, InvalidRequest, NoReachableAgent, ReachError
 from .liveness import Liveness
 from .metrics import ClientMetrics
-from .retry import Outcome, should_retry
+from .retry import Outcome, merely_full, should_retry
 from .routes import Routes
 from .subjects import ReplyInbox, Subjects
 
@@ -192,7 +195,9 @@ class Client:
         exclude: Sequence[str] | None = None,
         allow_suspect: bool = False,
     ) -> list[schema.Candidate]:
-        """Ranked candidates for ``capability`` from a broker, best first.
+        """Ranked candidates for ``capability`` from a broker, best first: a look (a
+        ``peek``), so the broker does not count a task handed to the first; :meth:`call`
+        routes for real.
 
         When no broker answers, the last answer for the same capability and filters is used
         (minus agents that events since reported unhealthy, in weighted-random order);
@@ -200,7 +205,7 @@ class Client:
         """
         return await self.routes.route(capability, limit, region=region, tags=tags,
                                        sticky_key=sticky_key, exclude=exclude,
-                                       allow_suspect=allow_suspect)  # fmt: skip
+                                       allow_suspect=allow_suspect, peek=True)  # fmt: skip
 
     async def _on_event(self, msg: Msg) -> None:
         try:
@@ -286,6 +291,13 @@ class Client:
                     )  # fmt: skip
                 except NoReachableAgent as no_agent:
                     raise (call.last_err or no_agent) from None
+                except ReachError as refused:
+                    if not merely_full("error", refused):
+                        raise
+                    # OVERLOADED: every candidate is full. Wait as told, then ask again.
+                    call.last_err = refused
+                    await call.wait_full(refused, self.config, self.clock)
+                    continue
                 target = self._next(candidates, call.tried, capability) or self._next(
                     candidates, (), capability
                 )
@@ -295,12 +307,17 @@ class Client:
                         "circuit breaker"
                     )
             if call.attempt > 0 and target.agent_id in call.tried:
-                # A retry to an agent we already tried: back off first, inside the deadline.
-                delay = cfg.backoff(call.retries, random.random())
-                if self.clock() + delay + cfg.ack_timeout_s > call.deadline:
-                    assert call.last_err is not None
-                    raise call.last_err
-                await asyncio.sleep(delay)
+                assert call.last_err is not None
+                if merely_full("error", call.last_err):
+                    # Every candidate answered TARGET_BUSY: a moment, then a new round.
+                    await call.wait_full(call.last_err, self.config, self.clock)
+                else:
+                    # A retry to an agent we already tried: back off first, inside the
+                    # deadline.
+                    delay = cfg.backoff(call.retries, random.random())
+                    if self.clock() + delay + cfg.ack_timeout_s > call.deadline:
+                        raise call.last_err
+                    await asyncio.sleep(delay)
             call.attempt += 1
             call.tried.append(target.agent_id)
             allowed, change = self.breakers.allow(target.agent_id, capability, self.clock())
@@ -317,7 +334,8 @@ class Client:
                 min_attempt_s=min(cfg.ack_timeout_s, 0.05),
             ):  # fmt: skip
                 raise value
-            call.retries += 1
+            if not merely_full(outcome, value):
+                call.retries += 1
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("call.retry capability=%s request_id=%s agent=%s outcome=%s "
                           "retry=%d", capability, call.request_id, target.agent_id, outcome,

@@ -69,11 +69,16 @@ class ClientConfig(_Config):
     max_timeout_s: Seconds = 120.0
     """Upper clamp of a call's timeout."""
     retries: Annotated[int, Meta(ge=0, le=20)] = 2
-    """Retries after the first attempt (TIMEOUT, TARGET_BUSY, DRAINING, not delivered)."""
+    """Retries after the first attempt (TIMEOUT, DRAINING, not delivered, lost); a merely
+    full refusal (TARGET_BUSY, OVERLOADED) is waited out instead (``busy_wait_s``)."""
     backoff_s: Annotated[float, Meta(ge=0)] = 1.0
     """First backoff before a retry; multiplied by ``backoff_factor`` each time, jittered."""
     backoff_factor: Annotated[float, Meta(ge=1)] = 2.0
     backoff_max_s: Annotated[float, Meta(ge=0)] = 10.0
+    busy_wait_s: Seconds = 0.05
+    """When every candidate is merely full (``OVERLOADED``, ``TARGET_BUSY``) and the refusal
+    carries no ``retry_after_ms``, wait this long (±50 %) before asking again; such waits
+    last until the deadline and do not count against ``retries``."""
     ack_timeout_s: Seconds = 1.0
     """No receipt within this time means "not delivered": the next candidate is tried at
     once. 1 s rather than less: a receipt is sent before the handler runs, but a loaded

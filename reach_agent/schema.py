@@ -136,6 +136,9 @@ class RouteRequest(Base, frozen=True):
     sticky_key: Annotated[str, Meta(max_length=1024)] | None = None
     exclude: Annotated[list[AgentId], Meta(max_length=1000)] = []
     allow_suspect: bool = False
+    peek: bool = False
+    """A look, not a pick: no task will follow, so the broker does not count the answer's
+    first candidate as handed a task (``reach route``, ``Client.route``, cache refreshes)."""
 
 
 class Candidate(Base, frozen=True):

@@ -38,6 +38,13 @@ log = logging.getLogger(__name__)
 DEFAULT_ROUTE_REQUEST = schema.RouteRequest()
 """An empty route body (``nats req reach.route.cap ''``) means every default."""
 
+COMMON_ROUTE_BODIES = {
+    b"": DEFAULT_ROUTE_REQUEST,
+    b"{}": DEFAULT_ROUTE_REQUEST,
+    schema.encoder.encode(schema.RouteRequest(peek=True)): schema.RouteRequest(peek=True),
+}
+"""Route bodies answered without a decode: every default, and a peek with every default."""
+
 OK_REPLY = schema.encoder.encode(Ok())
 
 Handle = Callable[[str, bytes], bytes | None]
@@ -230,13 +237,11 @@ class Handlers:
         capability = ctx.subjects.capability_of_route(subject)
         if capability not in self.registry.indexes:
             check_capability(capability)
-        rreq = (
-            schema.validate_route_request(
+        rreq = COMMON_ROUTE_BODIES.get(data)  # the common cases: no decode, no validation
+        if rreq is None:
+            rreq = schema.validate_route_request(
                 decode(schema.route_request_decoder, data, "route request")
             )
-            if data and data != b"{}"
-            else DEFAULT_ROUTE_REQUEST  # the common case: no decode, no validation
-        )
         body = self.router.route_reply(capability, rreq, ctx.clock(), ctx.wall_ms())
         ctx.metrics.route_result["ok"].inc()
         return body

@@ -26,6 +26,13 @@ REORDER_FACTOR = 20
 a sort per capability per heartbeat burst costs O(n log n) and the walk re-checks state and
 load anyway, so a ranking a second old routes the same agents."""
 
+RETRY_AFTER_MIN_MS = 10
+RETRY_AFTER_MAX_MS = 1000
+RETRY_AFTER_DEFAULT_MS = 100
+"""The retry-after hint of an OVERLOADED reply: the capability's median task time (a slot
+is likely free by then), within these bounds; the default when no task time is known. A
+fleet over its in-flight ceiling answers the maximum."""
+
 _Encoded = tuple[float, float, AgentState, Announce, msgspec.Raw]
 """A member's encoded candidate and the (score, load, state, announce) it was encoded from."""
 
@@ -148,6 +155,14 @@ class CapabilityIndex:
                 if r.state == "suspect" and r.stats.task_ewma_ms is not None
             )
         return durations[(len(durations) - 1) // 2] if durations else None
+
+    def retry_after_ms(self) -> int:
+        """How long a caller refused because every candidate is full should wait before
+        asking again (``retry_after_ms`` of OVERLOADED): the median task time, bounded."""
+        ms = self.median_task_ms
+        if ms is None:
+            return RETRY_AFTER_DEFAULT_MS
+        return min(max(round(ms), RETRY_AFTER_MIN_MS), RETRY_AFTER_MAX_MS)
 
     def ring(self, vnodes: int) -> tuple[list[int], list[AgentRecord]]:
         """The consistent-hash ring of every member: (sorted point hashes, their owners)."""

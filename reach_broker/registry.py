@@ -114,7 +114,7 @@ class Registry:
         rec.active = active
         rec.queue_depth = hb.queue_depth
         load = active / rec.max_concurrency
-        rec.load = load if load < 1.0 else 1.0
+        rec.load = rec.busy = load if load < 1.0 else 1.0  # the report replaces hand-outs
         rec.oldest_task_ms = hb.oldest_task_ms
         rec.status = hb.status
         event: Event = "heartbeat"
@@ -297,7 +297,7 @@ class Registry:
         # AgentRecord.set_score, inline (every heartbeat): the routing weight follows the
         # score and load; if only the score moved, the ranking is refreshed on a slower
         # cadence (index.py).
-        load = rec.load
+        load = rec.busy
         rec.weight = (new if new > 1.0 else 1.0) * (1.0 - load if load < 0.95 else 0.05)
         if new != rec.score:
             rec.score = new

@@ -197,7 +197,8 @@ async def test_two_replicas_same_state_route_answered_once(
     assert (r1.state, r1.seq, r1.active, r1.score) == (r2.state, r2.seq, r2.active, r2.score)
     assert (r1.state, r1.seq, r1.active) == ("healthy", 3, 1)
 
-    # Route requests go to one replica each: count replies on a raw inbox.
+    # Route requests go to one replica each: count replies on a raw inbox. Peeks: no task
+    # follows, so neither replica counts delta as handed 20 tasks (it has 4 slots).
     inbox = nc.new_inbox()
     replies: list[Any] = []
 
@@ -206,7 +207,7 @@ async def test_two_replicas_same_state_route_answered_once(
 
     await nc.subscribe(inbox, cb=collect)
     for _ in range(20):
-        await nc.publish("reach.route.text_processing", b"", reply=inbox)
+        await nc.publish("reach.route.text_processing", b'{"peek": true}', reply=inbox)
     await wait_for(lambda: len(replies) >= 20, 3, what="20 replies")
     await asyncio.sleep(0.2)  # give a duplicate reply time to arrive, then count exactly
     assert len(replies) == 20

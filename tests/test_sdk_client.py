@@ -102,8 +102,9 @@ async def test_busy_agent_sends_the_call_elsewhere_at_once(
 ) -> None:
     release = asyncio.Event()
     busy_metrics = reach_agent.AgentMetrics()
-    # A long heartbeat interval: the broker does not learn that `full` is busy, so it still
-    # routes to it; the agent itself must answer TARGET_BUSY and the client move on.
+    # A long heartbeat interval and a task sent past the broker: the broker does not learn
+    # that `full` is busy (neither from a heartbeat nor from a route it answered), so it
+    # still routes to it; the agent itself must answer TARGET_BUSY and the client move on.
     full = reach_agent.Agent("full", ["job"], max_concurrency=1, heartbeat_interval=30,
                              metrics=busy_metrics)  # fmt: skip
 
@@ -126,14 +127,14 @@ async def test_busy_agent_sends_the_call_elsewhere_at_once(
                 key = f"k{i}"
                 break
         assert key is not None
-        occupy = asyncio.create_task(client.call("job", {}, sticky_key=key, timeout=10))
+        await client.nc.publish("reach.task.full.job", b"{}")  # straight to the agent
         await wait_for(lambda: full.active == 1, what="full is busy")
         result = await client.call("job", {"n": 1}, sticky_key=key, timeout=10)
         assert result["agent"] == "spare"
         assert busy_metrics.tasks.labels("job", "busy")._value.get() == 1
         assert metrics.requests.labels("full", "TARGET_BUSY")._value.get() == 1
         release.set()
-        assert await asyncio.wait_for(occupy, 10) == "full"
+        await wait_for(lambda: full.active == 0, what="full done")
     assert calls == ["spare"]
 
 

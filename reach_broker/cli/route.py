@@ -32,7 +32,7 @@ async def _route(args: argparse.Namespace) -> int:
     cap = capability(args.capability)
     req = schema.RouteRequest(
         limit=args.limit, region=args.region, tags=tags(args.tag), sticky_key=args.sticky_key,
-        exclude=args.exclude or [], allow_suspect=args.allow_suspect,
+        exclude=args.exclude or [], allow_suspect=args.allow_suspect, peek=True,
     )  # fmt: skip
     data = await ask(args, subjects(args).route(cap), schema.encoder.encode(req))
     reply = schema.route_reply_decoder.decode(data)
