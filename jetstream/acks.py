@@ -2,15 +2,21 @@
 
 An agent records ``received`` and ``completed``/``failed`` for every task. :class:`AckWriter`
 appends each record to a local write-ahead file (:mod:`jetstream.wal`) *first*, then
-publishes it on ``reach.ack.<request_id>`` with ``Nats-Msg-Id: <request_id>.<state>`` over a
-NATS connection of its own, re-sending until JetStream's PubAck confirms; a ``D`` line then
-marks it stored. At start the write-ahead files of dead processes of the same agent (and its own
-earlier life) are replayed, so a crash between "handler done" and "ack stored" loses nothing.
-Re-sends are harmless: the stream's duplicate window drops a second copy of the same id.
+publishes it on ``reach.ack.<author>.<request_id>`` (the author is the agent's id: with
+reach's credentials nobody else may publish there) with ``Nats-Msg-Id:
+<author>.<request_id>.<state>.<tag>`` over a NATS connection of its own, re-sending until
+JetStream's PubAck confirms; a ``D`` line then marks it stored. At start the write-ahead
+files of dead processes of the same agent (and its own earlier life) are replayed, so a crash
+between "handler done" and "ack stored" loses nothing. Re-sends are harmless: the stream's
+duplicate window drops a second copy of the same id.
 
-The readers find the last record of a request id, or wait for a final one. This module works
-on bytes and headers: it knows the stream, not the message type (the state is read from the
-``Nats-Msg-Id`` suffix).
+The ``tag`` is random, drawn once per record and kept in the write-ahead file: the server
+checks the subject a record is published to but never its headers, so a message id anyone
+could compute (``beta.<rid>.completed``) would let another agent store it first, on its own
+subject, and JetStream's duplicate detection would then drop beta's real record.
+
+The readers are :mod:`jetstream.ackreads`. This module works on bytes and headers: it knows
+the stream, not the message type (the state is read from the message id).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import logging
 import os
 import random
 import re
+import secrets
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -28,39 +35,61 @@ from typing import Any, NamedTuple
 import msgspec
 import nats
 from nats.aio.client import Client as NATS
-from nats.js.errors import NoStreamResponseError, NotFoundError
+from nats.js.errors import NoStreamResponseError
 
 from . import wal
-from .names import ACK_STREAM, H_MSG_ID, StreamSubjects
+from .names import H_MSG_ID, StreamSubjects
 
 log = logging.getLogger(__name__)
 
 FINAL_STATES = ("completed", "failed")
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
 _REQUEST_ID_RE = re.compile(REQUEST_ID_PATTERN)
+TAG_BYTES = 6
+"""Random bytes of a message id's tag (12 hex digits)."""
 
 
 class InvalidRequestId(ValueError):
-    """A request id that cannot be one subject token of ``reach.ack.<request_id>``."""
+    """A request id that cannot be one subject token of ``reach.ack.<author>.<request_id>``."""
 
 
 def check_request_id(request_id: str) -> str:
     if _REQUEST_ID_RE.match(request_id) is None:
         raise InvalidRequestId(
-            f"request_id {request_id[:160]!r} is not valid for reach.ack.<request_id> "
+            f"request_id {request_id[:160]!r} is not valid for reach.ack.<author>.<request_id> "
             "(1-128 chars of [A-Za-z0-9_-], e.g. a UUID4)"
         )
     return request_id
 
 
-def ack_msg_id(request_id: str, state: str) -> str:
-    return f"{request_id}.{state}"
+class MsgId(NamedTuple):
+    """The parts of an ack record's ``Nats-Msg-Id``."""
+
+    author: str
+    request_id: str
+    state: str
+    tag: str
+
+
+def ack_msg_id(author: str, request_id: str, state: str, tag: str | None = None) -> str:
+    """``<author>.<request_id>.<state>.<tag>``; a fresh random ``tag`` unless given."""
+    return f"{author}.{request_id}.{state}.{tag or secrets.token_hex(TAG_BYTES)}"
+
+
+def parse_msg_id(msg_id: str | None) -> MsgId | None:
+    """The parts of an ack message id, or None when it is not one."""
+    if not msg_id:
+        return None
+    parts = msg_id.split(".")
+    if len(parts) != 4 or not all(parts):
+        return None
+    return MsgId(*parts)
 
 
 def state_of(headers: Mapping[str, str] | None) -> str | None:
-    """The ack state carried by a stored record's ``Nats-Msg-Id`` (``<rid>.<state>``)."""
-    msg_id = (headers or {}).get(H_MSG_ID)
-    return msg_id.rpartition(".")[2] if msg_id else None
+    """The ack state a record's ``Nats-Msg-Id`` carries."""
+    parsed = parse_msg_id((headers or {}).get(H_MSG_ID))
+    return parsed.state if parsed else None
 
 
 # --- the write-ahead sender -----------------------------------------------------------------
@@ -71,15 +100,18 @@ class AckWriter:
 
     ``record(rec)`` takes any msgspec-encodable object with ``request_id`` and ``state``
     (the SDK's ``AckRecord``), appends it to the write-ahead log (:mod:`jetstream.wal`) and
-    returns; a background task publishes it and re-sends with jittered backoff until
-    JetStream confirms. ``after_wal(request_id, state)``, when given, is called once a record
-    is in the log and before it is queued for sending (tests crash the process there).
+    returns; a background task publishes it on ``subjects.ack(author, request_id)`` and
+    re-sends with jittered backoff until JetStream confirms. ``author`` is the agent id the
+    writer writes for (its credential may publish only its own ack subjects).
+    ``after_wal(request_id, state)``, when given, is called once a record is in the log and
+    before it is queued for sending (tests crash the process there).
     """
 
     def __init__(
         self,
         wal_dir: str | os.PathLike[str],
         *,
+        author: str,
         connect: Mapping[str, Any],
         subjects: StreamSubjects,
         fsync: bool = False,
@@ -90,6 +122,7 @@ class AckWriter:
         after_wal: Callable[[str, str], None] | None = None,
     ) -> None:
         self.wal_dir = Path(wal_dir)
+        self.author = author
         self.connect = dict(connect)
         """nats-py ``connect()`` options (``reach_agent.connection.connect_options``)."""
         self.name: str = self.connect.get("name") or "reach-acks"
@@ -127,6 +160,7 @@ class AckWriter:
         if self._task is not None:
             return
         self._pending.update(self._wal.open())
+        self._migrate()
         self._nc = await nats.connect(**{**self.connect, "error_cb": self._on_error})
         self._task = asyncio.create_task(self._sender(), name=f"{self.name}-sender")
         if self._pending:
@@ -168,8 +202,29 @@ class AckWriter:
         except TimeoutError:
             return False
 
+    def _migrate(self) -> None:
+        """Records an older writer left (``Nats-Msg-Id: <request_id>.<state>`` on
+        ``reach.ack.<request_id>``) get this writer's subject and message id."""
+        old = [m for m in self._pending if parse_msg_id(m) is None]
+        for msg_id in old:
+            entry = self._pending.pop(msg_id)
+            request_id, _, state = msg_id.rpartition(".")
+            if not request_id or _REQUEST_ID_RE.match(request_id) is None:
+                log.warning("acks.unreadable_wal_entry msg_id=%s dropped", msg_id)
+                continue
+            new_id = ack_msg_id(self.author, request_id, state)
+            self._pending[new_id] = wal.Entry(self.subjects.ack(self.author, request_id),
+                                              entry.data)  # fmt: skip
+        if old:
+            self._wal.compact(self._pending)
+
     async def _on_error(self, exc: Exception) -> None:
-        log.debug("acks.nats_error error=%s", exc)
+        if "permissions violation" in str(exc):
+            # The server refused a record (the credential may not publish there): it stays
+            # in the write-ahead log and is re-sent, so say it loudly.
+            log.error("acks.refused writer=%s error=%s", self.name, exc)
+        else:
+            log.debug("acks.nats_error error=%s", exc)
 
     # --- writing ----------------------------------------------------------------------
 
@@ -187,8 +242,8 @@ class AckWriter:
             self.dropped += 1
             log.warning("acks.dropped state=%s reason=%s", state, exc)
             return
-        msg_id = ack_msg_id(request_id, state)
-        entry = self._wal.add(msg_id, self.subjects.ack(request_id), data)
+        msg_id = ack_msg_id(self.author, request_id, state)
+        entry = self._wal.add(msg_id, self.subjects.ack(self.author, request_id), data)
         if self.after_wal is not None:
             self.after_wal(request_id, state)
         self._pending[msg_id] = entry
@@ -252,82 +307,3 @@ async def publish_record(js: Any, subject: str, msg_id: str, data: bytes) -> boo
     """
     ack = await js.publish(subject, data, headers={H_MSG_ID: msg_id})
     return bool(ack.duplicate)
-
-
-# --- readers ----------------------------------------------------------------------------
-
-
-class StoredAck(NamedTuple):
-    subject: str
-    data: bytes
-    state: str | None
-    seq: int | None
-
-
-async def last_record(
-    nc: NATS, request_id: str, *, subjects: StreamSubjects, timeout_s: float = 2.0
-) -> StoredAck | None:
-    """The latest record stored for ``request_id`` (None when there is none)."""
-    check_request_id(request_id)
-    js = nc.jetstream(timeout=timeout_s)
-    subject = subjects.ack(request_id)
-    try:
-        raw = await js.get_last_msg(ACK_STREAM, subject, direct=True)
-    except NotFoundError:
-        return None
-    return StoredAck(subject, raw.data or b"", state_of(raw.headers), raw.seq)
-
-
-async def all_records(
-    nc: NATS, request_id: str, *, subjects: StreamSubjects, timeout_s: float = 2.0
-) -> list[StoredAck]:
-    """Every record stored for ``request_id``, oldest first (for ``reach ack``)."""
-    check_request_id(request_id)
-    js = nc.jetstream(timeout=timeout_s)
-    subject = subjects.ack(request_id)
-    out: list[StoredAck] = []
-    seq = 0
-    while True:
-        try:
-            raw = await js.get_msg(ACK_STREAM, seq=seq + 1, subject=subject, next=True)
-        except NotFoundError:
-            return out
-        out.append(StoredAck(subject, raw.data or b"", state_of(raw.headers), raw.seq))
-        assert raw.seq is not None
-        seq = raw.seq
-        if len(out) >= 100:  # a request id has at most a handful: stop a runaway loop
-            return out
-
-
-async def wait_final(
-    nc: NATS, request_id: str, timeout_s: float, *, subjects: StreamSubjects
-) -> StoredAck:
-    """The first ``completed``/``failed`` record of ``request_id``, stored or yet to come.
-
-    Subscribes before looking at the stream, so a record stored in between is not missed.
-    Raises ``asyncio.TimeoutError`` after ``timeout`` seconds.
-    """
-    check_request_id(request_id)
-    subject = subjects.ack(request_id)
-    found: asyncio.Future[StoredAck] = asyncio.get_running_loop().create_future()
-
-    async def on_msg(msg: Any) -> None:
-        state = state_of(msg.headers)
-        if state in FINAL_STATES and not found.done():
-            found.set_result(StoredAck(subject, msg.data, state, None))
-
-    sub = await nc.subscribe(subject, cb=on_msg)
-    try:
-        await nc.flush(timeout=max(1, int(min(timeout_s, 2.0))))
-        last = await last_record(nc, request_id, subjects=subjects, timeout_s=min(timeout_s, 2.0))
-        if last is not None and last.state in FINAL_STATES:
-            return last
-        if last is not None and last.state not in FINAL_STATES:
-            # A final record may precede a late duplicate `received`: look at all of them.
-            for rec in await all_records(nc, request_id, subjects=subjects):
-                if rec.state in FINAL_STATES:
-                    return rec
-        return await asyncio.wait_for(asyncio.shield(found), timeout_s)
-    finally:
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()

@@ -8,7 +8,10 @@ stops once it has caught up. :func:`live_events` is the live half alone, on the 
 subjects themselves: it needs no JetStream.
 
 Events are handed over as stored (subject and bytes); decoding them is the caller's
-(:mod:`reach_agent.schema`), as this floor imports nothing above it.
+(:mod:`reach_agent.schema`), as this floor imports nothing above it. A message on an event
+subject that carries JetStream's ``Nats-Stream`` header is a copy of a stored message that
+someone had JetStream answer onto that subject (the server never checks reply subjects), not
+an event a broker published: it is skipped and logged, live or stored.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
@@ -26,7 +30,9 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js import api
 from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
-from .names import AUDIT_STREAM, JS_NOT_ENABLED, StreamSubjects
+from .names import AUDIT_STREAM, H_STREAM, JS_NOT_ENABLED, StreamSubjects
+
+log = logging.getLogger(__name__)
 
 
 class StoredEvent(NamedTuple):
@@ -71,13 +77,15 @@ class Follow:
         event = StoredEvent(msg.subject, msg.data, md.sequence.stream, md.timestamp,
                             md.num_pending)  # fmt: skip
         self.delivered += 1
-        await self._cb(event)
+        if not is_copy(msg, live=False):
+            await self._cb(event)
         if event.pending == 0:
             self.caught_up.set()
 
     async def _on_live(self, msg: Msg) -> None:
         self.delivered += 1
-        await self._cb(StoredEvent(msg.subject, msg.data, 0, None))
+        if not is_copy(msg, live=True):
+            await self._cb(StoredEvent(msg.subject, msg.data, 0, None))
 
     async def until_caught_up(self, quiet_s: float) -> bool:
         """Wait until caught up; False when no event arrived for ``quiet_s`` before that
@@ -96,6 +104,21 @@ class Follow:
             sub, self._sub = self._sub, None
             with contextlib.suppress(Exception):  # a closed connection has nothing to undo
                 await sub.unsubscribe()
+
+
+def is_copy(msg: Msg, *, live: bool) -> bool:
+    """Whether a message on an event subject is not an event a broker published but a copy
+    of a stored message: a ``Nats-Stream`` header, or, for one received ``live`` on the
+    subject itself, a reply subject (brokers publish events plainly; a push consumer's
+    deliveries carry one). Logged when it is."""
+    why = None
+    if msg.headers and H_STREAM in msg.headers:
+        why = f"copied from {msg.headers[H_STREAM]}"
+    elif live and msg.reply:
+        why = "it has a reply subject"
+    if why is not None:
+        log.warning("audit.not_an_event subject=%s reason=%s", msg.subject, why)
+    return why is not None
 
 
 def _start_at(

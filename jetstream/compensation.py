@@ -194,6 +194,21 @@ async def depths(
     return int(state.get("messages", 0)), per
 
 
+async def oldest(
+    nc: NATS, capability: str, *, subjects: StreamSubjects, timeout_s: float = 2.0
+) -> Entry | None:
+    """The oldest entry of ``capability`` still queued (read, not taken), None when none is:
+    one direct get of the first message on its subject."""
+    js = nc.jetstream(timeout=timeout_s)
+    try:
+        raw = await js.get_msg(COMP_STREAM, seq=1, subject=subjects.comp(capability), next=True,
+                               direct=True)  # fmt: skip
+    except NotFoundError:
+        return None
+    assert raw.seq is not None and raw.subject is not None
+    return parse_entry(raw.subject, raw.headers, raw.data or b"", raw.seq, None, subjects)
+
+
 async def scan(nc: NATS, capability: str | None = None, *, subjects: StreamSubjects,
                limit: int = 100_000, timeout_s: float = 2.0) -> list[Entry]:  # fmt: skip
     """Every entry (of ``capability`` or all), read without taking them (direct get)."""

@@ -19,11 +19,23 @@ REGISTRY_BUCKET = "reach_registry"
 """KV bucket: one key per agent (the broker's snapshot) and ``_broker.*`` private keys."""
 REGISTRY_STREAM = f"KV_{REGISTRY_BUCKET}"
 """The stream behind :data:`REGISTRY_BUCKET`."""
-STREAM_NAMES = (ACK_STREAM, COMP_STREAM, AUDIT_STREAM, REGISTRY_STREAM)
+CLAIMS_BUCKET = "reach_claims"
+"""KV bucket: one create-only claim per request id (who runs it, its state, where its result
+is), kept as long as the ack records (its ``max_age`` is ``REACH_ACKS``'s)."""
+CLAIMS_STREAM = f"KV_{CLAIMS_BUCKET}"
+"""The stream behind :data:`CLAIMS_BUCKET`."""
+STREAM_NAMES = (ACK_STREAM, COMP_STREAM, AUDIT_STREAM, REGISTRY_STREAM, CLAIMS_STREAM)
 """Every asset provisioned at broker start, in order."""
 
 TOKEN_SECRET_KEY = "_broker.token_secret"
 """Key in :data:`REGISTRY_BUCKET` of the heartbeat-token secret shared by broker replicas."""
+
+
+def dispatch_key(request_id: str) -> str:
+    """Key in :data:`REGISTRY_BUCKET` naming the agent a queued request was replayed to
+    (a digest: request ids may hold characters KV keys may not)."""
+    digest = hashlib.blake2b(request_id.encode(), digest_size=12).hexdigest()
+    return f"_replay.{digest}"
 
 
 def replay_consumer(capability: str) -> str:
@@ -35,8 +47,14 @@ def replay_consumer(capability: str) -> str:
 # --- headers ---------------------------------------------------------------------------
 
 H_MSG_ID = "Nats-Msg-Id"
-"""JetStream's de-duplication id: ``<request_id>.<state>`` on acks, the request id on
-compensation entries."""
+"""JetStream's de-duplication id: ``<author>.<request_id>.<state>.<tag>`` on acks (see
+:func:`jetstream.acks.ack_msg_id`), the request id on compensation entries."""
+H_STREAM = "Nats-Stream"
+"""Set by JetStream on a stored message it hands out (a direct get's answer): a message that
+carries it is a *copy* of something stored, published by the server to whatever reply subject
+the requester named. reach drops control messages, events and ack records that carry it."""
+H_SUBJECT = "Nats-Subject"
+"""The original subject of such a copy."""
 H_REQUEST_ID = "Reach-Request-Id"
 """The task's request id (also a task header of the wire contract)."""
 H_PRIORITY = "Reach-Priority"
@@ -47,6 +65,9 @@ H_ENQUEUED_MS = "Reach-Enqueued-Ms"
 """When a compensation entry was enqueued (Unix ms)."""
 QUEUE_HEADERS = (H_MSG_ID, H_PRIORITY, H_EXPIRES_MS, H_ENQUEUED_MS)
 """The queue's own headers, stripped before an entry is replayed as a task."""
+H_EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
+"""JetStream's compare-and-set: store only if the subject's last sequence is this (0: none),
+how a claim is created only once and changed only by whoever read its current revision."""
 
 # --- JetStream API error codes we act on -------------------------------------------------
 
@@ -61,6 +82,8 @@ MAX_MSGS_EXCEEDED = 10077
 """``maximum messages exceeded``: the compensation queue is at its bound."""
 NO_MESSAGE_FOUND = 10037
 """``no message found``: a direct/last-by-subject get on an empty subject."""
+WRONG_LAST_SEQUENCE = (10071, 10164)
+"""``wrong last sequence``: the compare-and-set of a claim lost (someone wrote it first)."""
 
 
 class StreamSubjects(Protocol):
@@ -70,10 +93,11 @@ class StreamSubjects(Protocol):
     so the subject grammar has one address (and this floor imports no floor above it).
     """
 
-    def ack(self, request_id: str) -> str: ...
+    def ack(self, author: str, request_id: str) -> str: ...
     @property
     def all_acks(self) -> str: ...
-    def request_of_ack(self, subject: str) -> str: ...
+    def acks_of(self, request_id: str) -> str: ...
+    def ack_of(self, subject: str) -> tuple[str, str]: ...
     def comp(self, capability: str) -> str: ...
     def capability_of_comp(self, subject: str) -> str: ...
     @property

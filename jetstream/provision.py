@@ -26,6 +26,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from .names import (
     ACK_STREAM,
     AUDIT_STREAM,
+    CLAIMS_STREAM,
     COMP_STREAM,
     JS_NOT_ENABLED,
     STREAM_EXISTS,
@@ -52,6 +53,10 @@ class JetStreamUnavailable(ProvisionError):
     """The server (or this account) has no JetStream."""
 
 
+class ProvisionTimeout(ProvisionError):
+    """The JetStream API did not answer in time (e.g. a cluster still electing a leader)."""
+
+
 class UnsafeChange(ProvisionError):
     """The definition differs from the stream in a way that could lose data: refused."""
 
@@ -73,7 +78,9 @@ def load_definitions(
     (:class:`reach_agent.subjects.Subjects` of the broker's prefix), the ack, compensation and
     audit streams take its wildcards instead. ``overrides`` maps a stream name to fields
     replacing the file's (the broker sets ``REACH_COMPENSATION.max_msgs`` from
-    ``compensation.max_entries`` this way).
+    ``compensation.max_entries`` this way). The claims bucket keeps its claims exactly as long
+    as the ack records their results live in: its ``max_age`` is ``REACH_ACKS``'s (unless
+    ``overrides`` names it).
     """
     own = (
         {ACK_STREAM: [subjects.all_acks], COMP_STREAM: [subjects.all_comp],
@@ -91,6 +98,9 @@ def load_definitions(
             cfg["subjects"] = own[name]
         cfg.update((overrides or {}).get(name, {}))
         out.append(cfg)
+    by_name = {cfg["name"]: cfg for cfg in out}
+    if "max_age" not in (overrides or {}).get(CLAIMS_STREAM, {}):
+        by_name[CLAIMS_STREAM]["max_age"] = by_name[ACK_STREAM]["max_age"]
     return out
 
 
@@ -104,7 +114,7 @@ async def _api(nc: NATS, subject: str, body: Any, timeout_s: float) -> dict[str,
             "nats-server with -js"
         ) from None
     except NatsTimeoutError:
-        raise ProvisionError(f"JetStream API {subject}: no answer within {timeout_s}s") from None
+        raise ProvisionTimeout(f"JetStream API {subject}: no answer within {timeout_s}s") from None
     resp: dict[str, Any] = json.loads(reply.data)
     return resp
 

@@ -150,6 +150,7 @@ class Sim:
         self.sent = 0
         self.probes_answered = 0
         self.announce_errors = 0
+        self.reannounced = 0
         self.heartbeating = True
         self.answering = True
         self.storm: tuple[float, float] | None = None  # (rate, until)
@@ -191,8 +192,27 @@ class Sim:
             self.probe_subs.append(
                 await self.conns[0].subscribe(self.subjects.all_probes, cb=self._on_probe)
             )
+        # A broker that does not know an agent asks it to announce again: one wildcard on
+        # the first connection serves every agent of this process.
+        self.probe_subs.append(
+            await self.conns[0].subscribe(self.subjects.all_reannounces, cb=self._on_reannounce)
+        )
         for nc in self.conns:
             await nc.flush()
+
+    async def _on_reannounce(self, msg: Any) -> None:
+        agent = self.by_id.get(self.subjects.agent_of_reannounce(msg.subject))
+        if agent is None or not self.heartbeating:
+            return  # another process's agent, or a paused fleet
+        self.reannounced += 1
+        body = schema.encoder.encode(agent.announce(int(self.interval * 1000)))
+        try:
+            reply = await self.conns[agent.conn].request(
+                self.subjects.announce(agent.agent_id), body, timeout=5.0
+            )
+            agent.token = schema.announce_ack_decoder.decode(reply.data).token
+        except Exception:  # noqa: BLE001 - the broker asks again at the next heartbeat
+            self.announce_errors += 1
 
     async def _on_probe(self, msg: Any) -> None:
         if not self.answering or not msg.reply:

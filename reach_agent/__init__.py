@@ -11,6 +11,8 @@ reach_agent.run(agent)          # NATS_URL or nats://127.0.0.1:4222; SIGTERM dra
 
 async with reach_agent.Client() as client:
     result = await client.call("text_processing", {"text": "hi"}, timeout=30)
+    async for chunk in client.stream("chat", {"prompt": "hi"}):   # an async-generator handler
+        print(chunk, end="")
 ```
 """
 
@@ -23,8 +25,10 @@ from .config import BreakerConfig, ClientConfig
 from .errors import (
     BizReject,
     CompensationFull,
+    Conflict,
     Draining,
     Forbidden,
+    InProgress,
     InternalError,
     InvalidCapability,
     InvalidRequest,
@@ -32,6 +36,7 @@ from .errors import (
     NoReachableAgent,
     Overloaded,
     ReachError,
+    StreamBroken,
     TargetBusy,
     Timeout,
 )
@@ -51,8 +56,10 @@ __all__ = [
     "ClientConfig",
     "ClientMetrics",
     "CompensationFull",
+    "Conflict",
     "Draining",
     "Forbidden",
+    "InProgress",
     "InternalError",
     "InvalidCapability",
     "InvalidRequest",
@@ -61,6 +68,7 @@ __all__ = [
     "Overloaded",
     "ReachError",
     "Reject",
+    "StreamBroken",
     "TargetBusy",
     "Task",
     "Timeout",

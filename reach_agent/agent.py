@@ -1,10 +1,13 @@
 """The agent side: an identity with capabilities and handlers, wired to NATS.
 
 One NATS connection named after the agent id (the broker keys the server's disconnect
-advisories on it). Two parts do the work: :class:`~reach_agent.presence.Presence` (announce,
-heartbeat, probe answers, leave) and :class:`~reach_agent.serving.TaskServer` (admission,
-execution, replies, ack records; the decision itself is :mod:`~reach_agent.admission`'s,
-the duplicate window :mod:`~reach_agent.dedup`'s). This module validates the agent,
+advisories on it, and with reach's credentials takes a connection as the agent's only when
+its user JWT was issued for that id). Two parts do the work:
+:class:`~reach_agent.presence.Presence` (announce, heartbeat, probe answers, leave) and
+:class:`~reach_agent.serving.TaskServer` (admission, execution, replies, ack records; the
+decision itself is :mod:`~reach_agent.admission`'s, the duplicate window
+:mod:`~reach_agent.dedup`'s, the fleet-wide claim of a request id
+:mod:`~reach_agent.claiming`'s). This module validates the agent,
 registers handlers and runs the lifecycle: start (connect, subscribe, announce) and stop
 (drain: refuse new tasks, leave, finish in-flight ones within the grace period, close).
 
@@ -20,33 +23,40 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+import secrets
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, Unpack
 
 from nats.aio.client import Client as NATS
 from nats.errors import SlowConsumerError
 
-from . import durable, schema
+from . import durable, grants, schema
+from .claiming import Claimer
 from .connection import (
     CredentialOptions,
     Credentials,
+    connect,
     connect_options,
+    credential_grants,
     drain_or_close,
     flush_subscriptions,
     server_list,
 )
 from .dedup import DedupCache
-from .errors import InvalidRequest
+from .errors import Forbidden, InvalidRequest
+from .handling import Handler, kind_of
 from .metrics import AgentMetrics
 from .presence import Presence
-from .serving import AckSink, Handler, TaskServer
+from .serving import AckSink, TaskServer
 from .subjects import DEFAULT_PREFIX, Subjects
 
 log = logging.getLogger(__name__)
 
 __all__ = ["AckSink", "Agent", "Handler"]
+
+FIRST_ANNOUNCE_WAIT_S = 2.0
+"""How long ``start()`` waits for the first announce attempt (one request) to end."""
 
 
 class Agent:
@@ -55,7 +65,11 @@ class Agent:
     ``heartbeat_interval`` and ``timeout_hint`` are seconds; ``grace`` is how long a drain
     waits for in-flight tasks; ``dedup_size``/``dedup_ttl`` bound the cache of recent
     results that makes a repeated request id answer with the first result (the duplicate
-    window: 2 min by default). ``creds``, ``nkey_seed``, ``user``/``password``, ``token``
+    window: 2 min by default). Across the fleet a request id runs once: each task is claimed
+    in KV ``reach_claims`` first (``claims=False`` turns that off; capabilities in
+    ``idempotent``, or handlers registered with ``idempotent=True``, skip it because their
+    duplicates are harmless; ``claim_timeout`` bounds the claim's round trip). ``creds``,
+    ``nkey_seed``, ``user``/``password``, ``token``
     and ``tls_ca``/``tls_cert``/``tls_key`` are the connection's credentials (see
     :class:`~reach_agent.connection.Credentials`; ``token`` is the NATS auth token, not the
     broker's heartbeat token :attr:`token`). A file that does not exist is a ``ValueError``.
@@ -83,6 +97,9 @@ class Agent:
         metrics: AgentMetrics | None = None,
         durable_acks: bool = True,
         ack_wal_dir: str | None = None,
+        idempotent: Iterable[str] = (),
+        claims: bool = True,
+        claim_timeout: float = 2.0,
         **credentials: Unpack[CredentialOptions],
     ) -> None:
         schema.check_agent_id(agent_id)
@@ -97,6 +114,12 @@ class Agent:
             raise InvalidRequest(f"max_concurrency {max_concurrency!r} must be at least 1")
         if heartbeat_interval < 0.05:
             raise InvalidRequest(f"heartbeat_interval {heartbeat_interval!r} is below 0.05 s")
+        idem = {idempotent} if isinstance(idempotent, str) else set(idempotent)
+        unknown = sorted(idem - set(caps))
+        if unknown:
+            raise InvalidRequest(f"idempotent {unknown!r} are not among the capabilities {caps!r}")
+        if not claim_timeout > 0:
+            raise InvalidRequest(f"claim_timeout {claim_timeout!r} must be a positive number")
         self.credentials = Credentials(**credentials).check()
         """How the agent's connections (its own, its ack writer's) authenticate; unset
         fields come from the environment (``NATS_CREDS``, ...) at connect time."""
@@ -115,6 +138,11 @@ class Agent:
         # ~/.cache/reach/<agent_id>), created at start with the agent's servers.
         self.durable_acks = durable_acks
         self.ack_wal_dir = ack_wal_dir
+        self.claims = claims
+        self.claim_timeout = claim_timeout
+        self.instance = secrets.token_hex(8)
+        """This process (random per process): the claims it holds name it, so a restart of
+        the agent knows which claims its dead predecessor left running."""
         self.announcement = schema.Announce(
             agent_id=agent_id,
             capabilities=caps,
@@ -126,13 +154,15 @@ class Agent:
             tags=dict(tags or {}),
             timeout_hint_ms=int(timeout_hint * 1000) if timeout_hint else None,
             metadata=dict(metadata or {}),
+            instance_id=secrets.token_hex(8),
         )
         schema.validate_announce(self.announcement, agent_id)
         self.tasks = TaskServer(
             agent_id, max_concurrency, self.subjects, dedup=DedupCache(dedup_size, dedup_ttl),
             metrics=metrics, ack_sink=ack_sink,
         )  # fmt: skip
-        """The task side: admission, execution, replies, ack records."""
+        """The task side: admission, claims, execution, replies, ack records."""
+        self.tasks.idempotent |= idem
         self.presence = Presence(
             self.announcement, self.subjects, self.tasks,
             heartbeat_interval=heartbeat_interval, announce_refresh=announce_refresh,
@@ -140,6 +170,12 @@ class Agent:
         """Announce, heartbeats, probe answers, leave."""
         self.nc: NATS | None = None
         self._started = False
+        self._creds_file: str | None = None
+        self._violations: list[grants.Violation] = []
+        self.closed = asyncio.Event()
+        """Set when the server closed the connection for good while serving (the credential
+        was revoked or expired): :func:`reach_agent.run` then exits."""
+        self.closed_reason = ""
 
     # --- what the parts know ------------------------------------------------------------
 
@@ -202,16 +238,25 @@ class Agent:
 
     # --- handlers ---------------------------------------------------------------------
 
-    def handler(self, capability: str) -> Callable[[Handler], Handler]:
-        """Register the handler of ``capability``: ``async def f(task) -> result`` or a
-        plain function (run in a worker thread). ``result`` must be JSON-serializable."""
+    def handler(
+        self, capability: str, *, idempotent: bool | None = None
+    ) -> Callable[[Handler], Handler]:
+        """Register the handler of ``capability``: ``async def f(task) -> result``, a plain
+        function (run in a worker thread), or an async generator (``async def f(task):
+        yield chunk``: a streamed answer). Results and chunks must be JSON-serializable.
+        ``idempotent=True`` runs it without a fleet-wide claim (``False``: with one, also
+        when the agent's ``idempotent`` names it)."""
         if capability not in self.capabilities:
             raise InvalidRequest(
                 f"capability {capability!r} is not among this agent's {self.capabilities!r}"
             )
 
         def register(fn: Handler) -> Handler:
-            self.tasks.handlers[capability] = (fn, inspect.iscoroutinefunction(fn))
+            self.tasks.handlers[capability] = (fn, kind_of(fn))
+            if idempotent is not None:
+                (self.tasks.idempotent.add if idempotent else self.tasks.idempotent.discard)(
+                    capability
+                )
             return fn
 
         return register
@@ -244,14 +289,15 @@ class Agent:
         cred = self.credentials if credentials is None else credentials.over(self.credentials)
         servers = server_list(servers)
         options = connect_options(self.agent_id, servers, cred)
+        self._check_grants(cred)
+        self._violations.clear()
         self.tasks.draining = False
         nc = NATS()
-        await nc.connect(
-            **options,
-            error_cb=self._on_error,
-            disconnected_cb=self._on_disconnected,
-            reconnected_cb=self._on_reconnected,
-        )
+        await connect(nc, {**options, "error_cb": self._on_error,
+                           "disconnected_cb": self._on_disconnected,
+                           "reconnected_cb": self._on_reconnected,
+                           "closed_cb": self._on_closed},
+                      what=f"agent {self.agent_id!r}")  # fmt: skip
         self.nc = nc
         try:
             await self._setup(nc, servers, cred)
@@ -260,7 +306,18 @@ class Agent:
             await nc.close()
             raise
         self._started = True
+        await self._first_announce()
         log.info("agent.started agent=%s capabilities=%s", self.agent_id, self.capabilities)
+
+    async def _first_announce(self) -> None:
+        """Wait for the first announce attempt; a CONFLICT (another live process holds this
+        agent_id) is a start error. No broker yet is not: announcing goes on meanwhile."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.presence.first_answer.wait(), FIRST_ANNOUNCE_WAIT_S)
+        conflict = self.presence.conflict
+        if conflict is not None:
+            await self.stop(grace=0.0)
+            raise conflict
 
     async def _setup(self, nc: NATS, servers: list[str], cred: Credentials) -> None:
         if self.ack_sink is None and self.durable_acks:
@@ -271,10 +328,38 @@ class Agent:
         sink = self.ack_sink
         if sink is not None and hasattr(sink, "start"):
             await sink.start()
+        if self.claims:
+            claimer = Claimer(nc, self.agent_id, self.instance, self.subjects,
+                              timeout_s=self.claim_timeout)  # fmt: skip
+            await claimer.start()
+            self.tasks.claimer = claimer
         await self.presence.subscribe(nc)
         await self.tasks.subscribe(nc, self.capabilities)
-        await flush_subscriptions(nc)
+        await flush_subscriptions(nc)  # a refused SUB is reported before the PONG
+        refused = [v for v in self._violations if v.action == "subscription"]
+        if refused:
+            raise Forbidden(f"the server refused subscribing to {refused[0].subject!r} with "
+                            f"credentials {self._creds_file or '(none)'}: issue agent "
+                            f"{self.agent_id!r} its own credentials")  # fmt: skip
         self.presence.start()
+
+    def _check_grants(self, cred: Credentials) -> None:
+        """Fail now, naming the subject and the file, when the credentials cannot serve
+        this agent (a credential issued for another agent id, a caller's)."""
+        found = credential_grants(cred)
+        if found is None:
+            return
+        self._creds_file, allowed = found
+        s, me = self.subjects, self.agent_id
+        publish = [s.announce(me), s.heartbeat(me), s.leave(me)]
+        if self.ack_sink is None and self.durable_acks:
+            publish.append(s.ack(me, "request"))
+        subscribe = [s.probe(me), s.reannounce(me),
+                     *(s.task(me, cap) for cap in self.capabilities)]  # fmt: skip
+        try:
+            grants.check(allowed, self._creds_file, publish=publish, subscribe=subscribe)
+        except grants.GrantError as exc:
+            raise Forbidden(f"agent {me!r}: {exc}") from None
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain: answer DRAINING to new tasks, leave, finish in-flight tasks within
@@ -305,13 +390,34 @@ class Agent:
     # --- connection callbacks -----------------------------------------------------------
 
     async def _on_error(self, exc: Exception) -> None:
-        kind = "slow_consumer" if isinstance(exc, SlowConsumerError) else type(exc).__name__
+        violation = grants.violation_of(exc)
+        kind = ("slow_consumer" if isinstance(exc, SlowConsumerError) else
+                "permission" if violation else type(exc).__name__)  # fmt: skip
         if self.metrics is not None:
             self.metrics.nats_errors.labels(kind).inc()
         if isinstance(exc, SlowConsumerError):
             log.warning("agent.slow_consumer agent=%s subject=%s", self.agent_id, exc.subject)
+        elif violation is not None:
+            self._violations.append(violation)
+            del self._violations[:-16]
+            log.error("agent.permission_denied agent=%s action=%s subject=%s creds=%s",
+                      self.agent_id, violation.action, violation.subject,
+                      self._creds_file)  # fmt: skip
         else:
             log.debug("agent.nats_error agent=%s error=%r", self.agent_id, exc)
+
+    async def _on_closed(self) -> None:
+        if not self._started:  # our own stop
+            return
+        err = self.nc.last_error if self.nc is not None else None
+        self.closed_reason = str(err or "closed by the server")
+        if "revoked" in self.closed_reason.lower():
+            log.error("agent.revoked agent=%s creds=%s: the server closed the connection and "
+                      "refuses this credential", self.agent_id, self._creds_file)  # fmt: skip
+        else:
+            log.error("agent.closed agent=%s error=%s: the connection will not come back",
+                      self.agent_id, self.closed_reason)  # fmt: skip
+        self.closed.set()
 
     async def _on_disconnected(self) -> None:
         if self._started:  # not the close at the end of stop()

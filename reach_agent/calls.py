@@ -9,8 +9,15 @@ attempt they answer; :meth:`Call.outcome` turns them into one :data:`~reach_agen
   deadline (with ``ack_mode="received"`` the receipt is the answer);
 * no receipt in time → ``not_delivered``; a 503 without body → ``no_responders``;
 * an error reply of the current attempt → ``error`` (the retry rule decides);
-* a result from this attempt or an earlier one → ``ok`` (the first result wins);
+* a result from this attempt or an earlier one → ``ok`` (the first result wins); for a
+  streamed call, so is its first chunk (a :class:`StreamStart`, read on by
+  :mod:`~reach_agent.streaming`);
 * :meth:`lose` (the agent died) → ``lost``; :meth:`close` (the client stops) → ``closed``.
+
+An ``IN_PROGRESS`` answer (another agent holds the request id's claim) is not retried: the
+call waits in :meth:`Call.held` for the holder's result — a late reply of an earlier attempt,
+the holder's final ack record (:mod:`~reach_agent.holder` feeds it to the queue), or the
+news that the claim was released (then it is tried again).
 """
 
 from __future__ import annotations
@@ -25,7 +32,15 @@ import msgspec
 
 from . import schema
 from .config import ClientConfig
-from .errors import InternalError, InvalidRequest, NoReachableAgent, ReachError, Timeout, from_reply
+from .errors import (
+    InternalError,
+    InvalidRequest,
+    NoReachableAgent,
+    ReachError,
+    Timeout,
+    error_for,
+    from_reply,
+)
 from .retry import Outcome, full_wait
 
 AckMode = Literal["completed", "received"]
@@ -36,7 +51,35 @@ _receipt_decoder = msgspec.json.Decoder(schema.Receipt)
 
 _LOST = object()
 _CLOSED = object()
+_RELEASED = object()
+LOST, CLOSED = _LOST, _CLOSED
+"""The markers :meth:`Call.lose` and :meth:`Call.close` put on the queue (for readers of a
+stream, which go on reading it after :meth:`Call.outcome`)."""
 _STATUS = "Status"  # nats-server's no-responders reply: Status: 503, no body
+
+HeldEnd = Literal["ok", "error", "released", "timeout", "closed"]
+"""How waiting for a claim's holder ends: its result or error, the claim released (try
+again), the deadline, or the client closing."""
+
+
+class StreamStart:
+    """The first message of a streamed answer (a chunk, or a ``completed`` with
+    ``Reach-Chunks``) and the attempt it answers."""
+
+    __slots__ = ("attempt", "msg")
+
+    def __init__(self, attempt: int, msg: Any) -> None:
+        self.attempt = attempt
+        self.msg = msg
+
+
+class _Final:
+    """A holder's final ack record, delivered to a call waiting for it."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
 
 
 class Call:
@@ -45,6 +88,7 @@ class Call:
     __slots__ = (
         "ack_mode",
         "agent_id",
+        "agents",
         "attempt",
         "body",
         "call_id",
@@ -55,8 +99,12 @@ class Call:
         "queue",
         "region",
         "retries",
+        "started",
         "sticky_key",
+        "stream",
         "tags",
+        "taker",
+        "timeout",
         "tried",
     )
 
@@ -74,6 +122,9 @@ class Call:
         region: str | None,
         tags: dict[str, str] | None,
         sticky_key: str | None,
+        started: float = 0.0,
+        timeout: float | None = None,
+        stream: int = 0,
     ) -> None:
         self.call_id = call_id
         self.capability = capability
@@ -85,11 +136,21 @@ class Call:
             hdrs[schema.H_ACK_MODE] = "received"
         if traceparent:
             hdrs[schema.H_TRACEPARENT] = traceparent
+        if stream:
+            hdrs[schema.H_STREAM] = "1"
+            hdrs[schema.H_STREAM_WINDOW] = str(stream)
         self.headers = hdrs
         """Headers of every attempt: the caller's, the request id (the same on every
         attempt), a receipt asked for, the trace; ``Reach-Timeout-Ms`` is added per attempt."""
         self.ack_mode = ack_mode
         self.deadline = deadline
+        """When the call gives up (``time.monotonic()``); an attempt to an agent announcing a
+        longer ``timeout_hint_ms`` pushes it out (:meth:`fit_hint`)."""
+        self.started = started
+        self.timeout = timeout
+        """The timeout the caller asked for (None: the configured default)."""
+        self.stream = stream
+        """Chunks taken ahead of credits when the answer is streamed (0: not streamed)."""
         self.region = region
         self.tags = tags
         self.sticky_key = sticky_key
@@ -99,12 +160,22 @@ class Call:
         self.attempt = 0
         """Attempts begun (one refused by a breaker included); replies carry this number."""
         self.tried: list[str] = []
+        self.agents: dict[int, str] = {}
+        """The agent each attempt went to."""
+        self.taker: str | None = None
+        """The agent whose receipt or result ended an attempt: who took the task."""
         self.retries = 0
         self.last_err: ReachError | None = None
 
     @property
     def request_id(self) -> str:
         return self.headers[schema.H_REQUEST_ID]
+
+    def fit_hint(self, deadline: float) -> None:
+        """The current target announced a timeout hint that gives ``deadline``: wait at
+        least that long (never shorter than already promised)."""
+        if deadline > self.deadline:
+            self.deadline = deadline
 
     def attempt_headers(self, now: float) -> dict[str, str]:
         """The headers of an attempt sent at ``now``: the call's, plus the time left."""
@@ -141,6 +212,14 @@ class Call:
     def close(self) -> None:
         """The client is stopping: end the current attempt as ``closed``."""
         self.queue.put_nowait((self.attempt, _CLOSED))
+
+    def released(self) -> None:
+        """The claim whose holder this call waits for was released: try again."""
+        self.queue.put_nowait((self.attempt, _RELEASED))
+
+    def final(self, data: bytes) -> None:
+        """The holder's final ack record (JSON) arrived."""
+        self.queue.put_nowait((self.attempt, _Final(data)))
 
     # --- how the current attempt ends ---------------------------------------------------
 
@@ -184,17 +263,72 @@ class Call:
                 if current:
                     return "error", err
                 continue  # an earlier attempt's error: the current attempt decides
-            if hdrs and hdrs.get(schema.H_STATUS) == "received":
+            status = hdrs.get(schema.H_STATUS) if hdrs else None
+            if status == "received":
                 if current:
                     acked = True
+                    self.taker = agent
                     if self.ack_mode == "received":
-                        return "ok", _receipt_decoder.decode(msg.data)
+                        receipt = _receipt_decoder.decode(msg.data)
+                        return "ok", msgspec.structs.replace(receipt, agent_id=agent)
+                continue
+            # Only the agent an attempt was sent to can publish to that attempt's reply
+            # subject: it took the task.
+            self.taker = self.agents.get(a, agent)
+            if status == "chunk" or (status == "completed" and schema.H_CHUNKS in hdrs):
+                if self.stream:  # a stream began (late ones too: the claim allows one)
+                    return "ok", StreamStart(a, msg)
                 continue
             # A result, from this attempt or a late one: the first result wins.
+            return self._result(msg, agent)
+
+    def _result(self, msg: Any, agent: str | None) -> tuple[Outcome, Any]:
+        try:
+            return "ok", _result_decoder.decode(msg.data) if msg.data else None
+        except msgspec.DecodeError as exc:
+            return "error", InternalError(f"result from agent {agent!r} is not JSON ({exc})")
+
+    async def held(self, holder: str, clock: Callable[[], float]) -> tuple[HeldEnd, Any]:
+        """Wait for the result of the agent ``holder`` that holds this request's claim:
+        a reply to any attempt (a late one of ours), its final ack record, the claim's
+        release, or the deadline."""
+        while True:
             try:
-                return "ok", _result_decoder.decode(msg.data) if msg.data else None
-            except msgspec.DecodeError as exc:
-                return "error", InternalError(f"result from agent {agent!r} is not JSON ({exc})")
+                async with asyncio.timeout(max(self.deadline - clock(), 0.0)):
+                    a, msg = await self.queue.get()
+            except TimeoutError:
+                return "timeout", Timeout(
+                    f"request_id {self.request_id!r} was still running on agent {holder!r} "
+                    "(it holds the claim) at the call's deadline"
+                )
+            if msg is _CLOSED:
+                return "closed", InternalError("client closed while the call was in flight")
+            if msg is _RELEASED:
+                return "released", None
+            if msg is _LOST:
+                continue  # the holder's liveness: its claim's release is what counts
+            if isinstance(msg, _Final):
+                self.taker = holder
+                rec = schema.decode_ack_record(msg.data)
+                if rec.state == "completed":
+                    raw = bytes(rec.result) if rec.result is not None else b""
+                    return "ok", _result_decoder.decode(raw) if raw else None
+                failure = rec.error or {}
+                return "error", error_for(failure.get("code", "INTERNAL"),
+                                          failure.get("message", ""))  # fmt: skip
+            hdrs = msg.headers
+            if (hdrs and hdrs.get(_STATUS) == "503" and not msg.data) or from_reply(hdrs, msg.data):
+                continue  # errors (another IN_PROGRESS, no responders) change nothing
+            status = hdrs.get(schema.H_STATUS) if hdrs else None
+            if status == "received":
+                continue
+            if status == "chunk" or (status == "completed" and schema.H_CHUNKS in hdrs):
+                if self.stream:
+                    return "ok", StreamStart(a, msg)
+                continue
+            self.taker = self.agents.get(a, holder)
+            outcome, value = self._result(msg, holder)
+            return ("ok" if outcome == "ok" else "error"), value
 
 
 def encode_payload(payload: Any) -> bytes:

@@ -24,6 +24,9 @@ both received (``nc.request`` would keep only the first), and a late result of a
 attempt still finishes the call.
 
 The parts: :mod:`~reach_agent.calls` (one call, and how an attempt ends),
+:mod:`~reach_agent.attempts` (sending one attempt, and its bookkeeping),
+:mod:`~reach_agent.holder` (waiting for the holder of a claim, on ``IN_PROGRESS``),
+:mod:`~reach_agent.streaming` (streamed answers),
 :mod:`~reach_agent.routes` (route requests and their cache), :mod:`~reach_agent.liveness`
 (the watch over agents running our calls), :mod:`~reach_agent.breaker` (circuit breakers and
 what counts as a failure), :mod:`~reach_agent.retry` (what is retried). This module wires
@@ -38,7 +41,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from types import TracebackType
 from typing import Any, Unpack
 
@@ -47,22 +50,34 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from . import durable, schema
+from jetstream import audit
+
+from . import durable, schema, streaming
 from .aio import TaskSet
-from .breaker import Breakers, BreakerState, verdict
+from .attempts import Attempts
+from .breaker import Breakers
 from .calls import AckMode, Call, encode_payload
 from .config import ClientConfig
 from .connection import (
     CredentialOptions,
     Credentials,
+    connect,
     connect_options,
     drain_or_close,
     flush_subscriptions,
 )
-from .errors import InternalError, InvalidRequest, NoReachableAgent, ReachError
+from .errors import (
+    Forbidden,
+    InProgress,
+    InternalError,
+    InvalidRequest,
+    NoReachableAgent,
+    ReachError,
+)
+from .holder import Holders
 from .liveness import Liveness
 from .metrics import ClientMetrics
-from .retry import Outcome, merely_full, should_retry
+from .retry import merely_full, should_retry
 from .routes import Routes
 from .subjects import ReplyInbox, Subjects
 
@@ -102,6 +117,10 @@ class Client:
         self.routes = Routes(self.nc, self.subjects, self.config, metrics, clock)
         self._tasks = TaskSet()
         self.liveness = Liveness(self.nc, self.subjects, self.config, self._tasks)
+        self.holders = Holders(self.nc, poll_s=self.config.claim_poll_s, subjects=self.subjects)
+        """Calls waiting for the agent that holds their request id's claim."""
+        self.attempts = Attempts(self.nc, self.config, self.breakers, self.liveness, metrics,
+                                 clock)  # fmt: skip
         self._own_nc = nc is None
         self._servers = servers
         self._name = name or f"reach-client-{uuid.uuid4().hex[:8]}"
@@ -110,6 +129,8 @@ class Client:
         self._subs: list[Subscription] = []
         self._refresher: asyncio.Task[None] | None = None
         self._ids = itertools.count(1)
+        self.takers = durable.Takers()
+        """Who took each recent call (its receipt's or result's agent): :meth:`wait` trusts."""
         self._started = False
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -126,7 +147,11 @@ class Client:
         if self._own_nc:
             try:
                 async with asyncio.timeout(self.config.connect_timeout_s):
-                    await nc.connect(**options, error_cb=self._on_error)
+                    await connect(nc, {**options, "error_cb": self._on_error},
+                                  what=f"client {self._name!r}")  # fmt: skip
+            except Forbidden:
+                self._started = False
+                raise
             except TimeoutError:
                 self._started = False
                 await nc.close()
@@ -208,10 +233,16 @@ class Client:
                                        allow_suspect=allow_suspect, peek=True)  # fmt: skip
 
     async def _on_event(self, msg: Msg) -> None:
+        if audit.is_copy(msg, live=True):  # not an event a broker published
+            return
         try:
             ev = schema.event_decoder.decode(msg.data)
         except msgspec.MsgspecError:
             log.debug("client.event_undecodable subject=%s", msg.subject)
+            return
+        if ev.kind == "released":
+            if ev.request_id:
+                self.holders.released(ev.request_id)
             return
         if ev.kind in ("left", "evicted") or (ev.kind == "state" and ev.to != "healthy"):
             self.routes.cache.drop_agent(ev.agent_id)
@@ -241,38 +272,79 @@ class Client:
     ) -> Any:
         """Run ``payload`` on an agent with ``capability`` and return its decoded result.
 
-        ``timeout`` (seconds) is clamped to ``[min_timeout_s, max_timeout_s]``. With
+        The call waits ``clamp(max(timeout, hint), min_timeout_s, max_timeout_s)`` seconds,
+        ``hint`` being the ``timeout_hint_ms`` the chosen agent announced. With
         ``ack_mode="received"`` the call returns the :class:`~reach_agent.schema.Receipt`
-        once an agent has accepted the task; the result goes to ``REACH_ACKS``.
+        once an agent has accepted the task; the result goes to ``REACH_ACKS``. A streaming
+        handler's answer comes joined (:func:`reach_agent.streaming.join`).
         Raises a :class:`~reach_agent.errors.ReachError` subclass carrying the wire code.
         """
+        call = self.open_call(capability, payload, timeout, ack_mode, sticky_key, request_id,
+                              headers, traceparent, region, tags, 0)  # fmt: skip
+        ok = False
+        try:
+            value = await self._run(call)
+            ok = True
+            return value
+        finally:
+            self.close_call(call, ok)
+
+    def stream(
+        self,
+        capability: str,
+        payload: Any = None,
+        *,
+        timeout: float | None = None,
+        window: int = streaming.DEFAULT_WINDOW,
+        **options: Any,
+    ) -> AsyncIterator[Any]:
+        """``async for chunk in client.stream(capability, payload)``: a streamed answer,
+        chunk by chunk, in order, at most ``window`` ahead of the reader; ``options`` as for
+        :meth:`call` (``sticky_key``, ``request_id``, ``headers``, ...). Implemented in
+        :func:`reach_agent.streaming.stream`."""
+        return streaming.stream(self, capability, payload, timeout=timeout, window=window,
+                                **options)  # fmt: skip
+
+    def open_call(
+        self,
+        capability: str,
+        payload: Any,
+        timeout: float | None,
+        ack_mode: AckMode,
+        sticky_key: str | None,
+        request_id: str | None,
+        headers: dict[str, str] | None,
+        traceparent: str | None,
+        region: str | None,
+        tags: dict[str, str] | None,
+        stream: int,
+    ) -> Call:
+        """A new call, checked and registered for its replies."""
         if not self._started:
             raise InternalError("client is not started: use `async with Client() as client`")
         schema.check_capability(capability)
         if ack_mode not in ("completed", "received"):
             raise InvalidRequest(f"ack_mode {ack_mode!r} is not 'completed' or 'received'")
-        clock = self.clock
-        t0 = clock()
+        t0 = self.clock()
         call_id = format(next(self._ids), "x")
         call = Call(
             call_id, capability, encode_payload(payload), headers, request_id=request_id,
             traceparent=traceparent, ack_mode=ack_mode,
             deadline=t0 + self.config.clamp_timeout(timeout), region=region, tags=tags,
-            sticky_key=sticky_key,
+            sticky_key=sticky_key, started=t0, timeout=timeout, stream=stream,
         )  # fmt: skip
         self._calls[call_id] = call
-        result_label = "error"
-        try:
-            value = await self._run(call)
-            result_label = "ok"
-            return value
-        finally:
-            del self._calls[call_id]
-            if self.metrics is not None:
-                self.metrics.duration.observe(clock() - t0)
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("call.done capability=%s request_id=%s result=%s", capability,
-                          call.request_id, result_label)  # fmt: skip
+        return call
+
+    def close_call(self, call: Call, ok: bool) -> None:
+        del self._calls[call.call_id]
+        if call.taker is not None:
+            self.takers.remember(call.request_id, call.taker)
+        if self.metrics is not None:
+            self.metrics.duration.observe(self.clock() - call.started)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("call.done capability=%s request_id=%s result=%s", call.capability,
+                      call.request_id, "ok" if ok else "error")  # fmt: skip
 
     async def _run(self, call: Call) -> Any:
         """Attempts until one succeeds or the retry rule says stop."""
@@ -280,7 +352,7 @@ class Client:
         capability = call.capability
         candidates: list[schema.Candidate] = []
         while True:
-            target = self._next(candidates, call.tried, capability)
+            target = self.attempts.next(candidates, call.tried, capability)
             if target is None:
                 # Everything we knew was tried (or is behind an open breaker): ask again.
                 try:
@@ -298,9 +370,8 @@ class Client:
                     call.last_err = refused
                     await call.wait_full(refused, self.config, self.clock)
                     continue
-                target = self._next(candidates, call.tried, capability) or self._next(
-                    candidates, (), capability
-                )
+                nxt = self.attempts.next
+                target = nxt(candidates, call.tried, capability) or nxt(candidates, (), capability)
                 if target is None:
                     raise call.last_err or NoReachableAgent(
                         f"every agent with capability {capability!r} is behind an open "
@@ -321,10 +392,20 @@ class Client:
             call.attempt += 1
             call.tried.append(target.agent_id)
             allowed, change = self.breakers.allow(target.agent_id, capability, self.clock())
-            self._breaker_changed(target.agent_id, capability, change)
+            self.attempts.breaker_changed(target.agent_id, capability, change)
             if not allowed:
                 continue
-            outcome, value = await self._attempt(call, target)
+            outcome, value = await self.attempts.send(call, target, self._inbox)
+            if outcome == "error" and isinstance(value, InProgress):
+                # Another agent holds the claim: its result is the answer, not a re-run.
+                call.taker = value.holder
+                if call.ack_mode == "received":
+                    return schema.Receipt(request_id=call.request_id, agent_id=value.holder)
+                end, value = await self.holders.wait(call, value.holder, self.clock)
+                if end == "released":
+                    call.tried.clear()  # the holder is gone: anyone may take it, at once
+                    continue
+                outcome = end  # the holder's own result or error: the retry rule judges it
             if outcome == "ok":
                 return value
             call.last_err = value
@@ -341,57 +422,6 @@ class Client:
                           "retry=%d", capability, call.request_id, target.agent_id, outcome,
                           call.retries)  # fmt: skip
 
-    def _next(
-        self, candidates: list[schema.Candidate], tried: Sequence[str], capability: str
-    ) -> schema.Candidate | None:
-        """The first candidate (broker's weighted order) not tried and not breaker-blocked."""
-        now = self.clock()
-        for cand in candidates:
-            if cand.agent_id not in tried and self.breakers.available(
-                cand.agent_id, capability, now
-            ):
-                return cand
-        return None
-
-    async def _attempt(self, call: Call, target: schema.Candidate) -> tuple[Outcome, Any]:
-        """Send the call's current attempt to ``target`` and wait for how it ends: (outcome,
-        result or error)."""
-        agent = target.agent_id
-        now = self.clock()
-        hdrs = call.attempt_headers(now)
-        call.agent_id = agent
-        self.liveness.track(agent, call)
-        outcome: Outcome = "closed"
-        value: Any = InternalError("client closed")
-        try:
-            await self.nc.publish(target.subject, call.body, headers=hdrs,
-                                  reply=self._inbox.reply(call.call_id, call.attempt))  # fmt: skip
-            outcome, value = await call.outcome(now, self.config.ack_timeout_s, self.clock)
-            return outcome, value
-        finally:
-            self.liveness.untrack(agent, call)
-            self._account(agent, call.capability, outcome, value)
-
-    def _account(self, agent: str, capability: str, outcome: Outcome, value: Any) -> None:
-        """Breaker and metrics bookkeeping of one attempt."""
-        now = self.clock()
-        ok = verdict(outcome, value if outcome == "error" else None)
-        if ok is None:
-            self.breakers.release(agent, capability, now)
-        else:
-            self._breaker_changed(agent, capability, self.breakers.record(agent, capability, ok,
-                                                                          now))  # fmt: skip
-        if self.metrics is not None:
-            label = "ok" if outcome == "ok" else value.code if outcome == "error" else outcome
-            self.metrics.requests.labels(agent, label).inc()
-
-    def _breaker_changed(self, agent: str, capability: str, change: BreakerState | None) -> None:
-        if change is None:
-            return
-        log.info("breaker.%s agent=%s capability=%s", change, agent, capability)
-        if self.metrics is not None:
-            self.metrics.breaker_open.labels(agent, capability).set(0 if change == "closed" else 1)
-
     # --- durable (JetStream) ------------------------------------------------------------
 
     async def submit(
@@ -399,10 +429,14 @@ class Client:
     ) -> str:
         """Hand a task over for delivery now or later (compensation queue); returns its
         request id. Implemented in :mod:`reach_agent.durable`."""
+        kw.setdefault("prefix", self.config.prefix)
         return await durable.submit(self, capability, payload, deliver=deliver, **kw)
 
-    async def wait(self, request_id: str, timeout: float) -> schema.AckRecord:  # noqa: ASYNC109
-        """The final durable ack record of ``request_id`` (``completed`` or ``failed``), its
-        ``result`` decoded; raises ``Timeout`` after ``timeout`` seconds without one
-        (:mod:`reach_agent.durable`)."""
-        return await durable.wait(self, request_id, timeout)
+    async def wait(self, request_id: str, timeout: float,  # noqa: ASYNC109
+                   *, agent_id: str | None = None) -> schema.AckRecord:  # fmt: skip
+        """The final ack record of ``request_id`` (``completed`` or ``failed``, its ``result``
+        decoded) by the agent that took the task: ``agent_id``, this client's callee, or a
+        broker's word; raises ``Timeout`` after ``timeout`` seconds without one
+        (:func:`reach_agent.durable.wait`)."""
+        return await durable.wait(self, request_id, timeout, agent_id=agent_id,
+                                  prefix=self.config.prefix)  # fmt: skip

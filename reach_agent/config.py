@@ -66,8 +66,9 @@ class ClientConfig(_Config):
     """Call timeout when the caller gives none (then clamped like any other)."""
     min_timeout_s: Seconds = 5.0
     """Lower clamp of a call's timeout: ``clamp(max(timeout, timeout_hint), min, max)``."""
-    max_timeout_s: Seconds = 120.0
-    """Upper clamp of a call's timeout."""
+    max_timeout_s: Seconds = 3600.0
+    """Upper clamp of a call's timeout, also of one raised by an agent's ``timeout_hint_ms``
+    (long agent tasks of ten minutes and more are normal)."""
     retries: Annotated[int, Meta(ge=0, le=20)] = 2
     """Retries after the first attempt (TIMEOUT, DRAINING, not delivered, lost); a merely
     full refusal (TARGET_BUSY, OVERLOADED) is waited out instead (``busy_wait_s``)."""
@@ -100,6 +101,9 @@ class ClientConfig(_Config):
     liveness_probe_s: Annotated[float, Meta(ge=0)] = 2.0
     """While calls wait on an agent, probe it this often ourselves (0: never); no answer
     abandons them as lost. Covers agent deaths when no broker event arrives."""
+    claim_poll_s: Seconds = 2.0
+    """While a call waits for the agent holding its request id's claim (``IN_PROGRESS``),
+    read the claim this often: released (its holder went offline) means try again."""
     breaker: BreakerConfig = msgspec.field(default_factory=BreakerConfig)
 
     def clamp_timeout(self, timeout: float | None, timeout_hint: float | None = None) -> float:

@@ -7,7 +7,9 @@ CLI uses: ``NATS_URL`` (comma-separated servers), ``NATS_CREDS`` (a credentials 
 JWT + nkey seed), ``NATS_NKEY`` (an nkey seed file), ``NATS_USER`` / ``NATS_PASSWORD``,
 ``NATS_TOKEN``, ``NATS_CA`` / ``NATS_CERT`` / ``NATS_KEY`` (TLS). An explicit value wins
 over the environment. A file that does not exist is a ``ValueError`` naming the setting and
-the path, at once, rather than a connect failure later.
+the path, at once, rather than a connect failure later. A credentials file also sets the
+connection's inbox prefix: the private ``_INBOX.<role>.<name>`` its user JWT lets it
+subscribe to (:mod:`reach_agent.grants`), or no reply would ever reach it.
 
 Also here: the connection plumbing every reach process shares (:func:`flush_subscriptions`,
 :func:`drain_or_close`, the jittered reconnect handler).
@@ -16,6 +18,7 @@ Also here: the connection plumbing every reach process shares (:func:`flush_subs
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
@@ -25,6 +28,8 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 import msgspec
+
+from . import grants
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +177,9 @@ def connect_options(
     }
     if cred.creds is not None:
         opts["user_credentials"] = str(Path(cred.creds).expanduser())
+        found = _grants(cred.creds)
+        if found is not None and found.inbox_prefix is not None:
+            opts["inbox_prefix"] = found.inbox_prefix
     if cred.nkey_seed is not None:
         opts["nkeys_seed"] = str(Path(cred.nkey_seed).expanduser())
     if cred.user is not None:
@@ -184,6 +192,70 @@ def connect_options(
         opts["tls"] = ctx
     opts.update(overrides)
     return opts
+
+
+def credential_grants(
+    credentials: Credentials | None = None, env: Mapping[str, str] | None = None
+) -> tuple[str, grants.Grants] | None:
+    """(the credentials file, what its user JWT allows), for the credentials a connection
+    would use (``NATS_CREDS`` included); None without a credentials file."""
+    cred = (credentials or Credentials()).over(Credentials.from_env(env))
+    if cred.creds is None:
+        return None
+    found = _grants(cred.creds)
+    return None if found is None else (cred.creds, found)
+
+
+def _grants(creds: str) -> grants.Grants | None:
+    """What a credentials file's user JWT allows; None when it holds none we can read (the
+    connect then fails, or succeeds, on the server's word alone)."""
+    try:
+        return grants.read_creds(creds)
+    except grants.GrantError as exc:
+        log.debug("connection.creds_unreadable %s", exc)
+        return None
+
+
+_REFUSALS = ("authorization violation", "authentication revoked", "authentication expired")
+
+
+def is_refusal(exc: BaseException) -> bool:
+    """Whether an error callback's exception is the server refusing the credentials."""
+    text = str(exc).lower()
+    return any(r in text for r in _REFUSALS)
+
+
+async def connect(nc: Any, options: dict[str, Any], *, what: str) -> None:
+    """``nc.connect(**options)``, except that the server refusing the credentials ends the
+    first connect at once with :class:`~reach_agent.errors.Forbidden` naming ``what`` and the
+    credentials file, instead of retrying until a timeout that would blame the network."""
+    from .errors import Forbidden
+
+    refused: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+    user_cb = options.get("error_cb")
+
+    async def on_error(exc: Exception) -> None:
+        if is_refusal(exc) and not refused.done() and not nc.is_connected:
+            refused.set_result(exc)
+        if user_cb is not None:
+            await user_cb(exc)
+
+    attempt = asyncio.ensure_future(nc.connect(**{**options, "error_cb": on_error}))
+    try:
+        await asyncio.wait({attempt, refused}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        attempt.cancel()
+        raise
+    if attempt.done():
+        attempt.result()
+        return
+    attempt.cancel()
+    await asyncio.gather(attempt, return_exceptions=True)
+    with contextlib.suppress(Exception):
+        await nc.close()
+    creds = options.get("user_credentials") or "(none)"
+    raise Forbidden(f"{what}: the server at {', '.join(options.get('servers', []))} refused the "
+                    f"credentials {creds}: {refused.result()}")  # fmt: skip
 
 
 async def flush_subscriptions(nc: Any) -> None:

@@ -66,6 +66,12 @@ class DedupCache:
                 break
         return entry
 
+    def forget(self, request_id: str, entry: Entry) -> None:
+        """Drop ``entry`` (an answer that may change, e.g. ``IN_PROGRESS``): the next
+        duplicate asks again. Joiners already waiting still get its reply."""
+        if self._seen.get(request_id) is entry:
+            del self._seen[request_id]
+
     def finish(self, entry: Entry, reply: Reply, now: float) -> None:
         """The task ended with ``reply``: duplicates get it until ``now + ttl``."""
         entry.expires = now + self.ttl

@@ -5,7 +5,8 @@
 priority and an expiry; the broker replays it, with the same request id, as soon as an
 agent for the capability is reachable (at once when one already is). ``wait`` returns the
 final ``AckRecord`` (``completed`` or ``failed``) from ``REACH_ACKS``, whether it was stored
-long ago (also after the caller itself restarted) or arrives while waiting.
+long ago (also after the caller itself restarted) or arrives while waiting, and only the
+record of the agent that took the task (see :func:`wait`).
 """
 
 from __future__ import annotations
@@ -14,17 +15,21 @@ import logging
 import os
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
 from nats.aio.client import Client as NATS
 
-from jetstream import acks, compensation
+from jetstream import ackreads, acks, compensation
+from jetstream.claims import ClaimStore, ClaimsUnavailable, claim_key
 
+from . import schema
 from .connection import Credentials, connect_options
 from .errors import CompensationFull, InternalError, InvalidRequest, Timeout
 from .schema import H_REQUEST_ID, AckRecord, check_capability, decode_ack_record, encoder
-from .subjects import DEFAULT_PREFIX, Subjects
+from .subjects import BROKER_ACK_AUTHOR, DEFAULT_PREFIX, Subjects
 
 log = logging.getLogger(__name__)
 
@@ -121,40 +126,157 @@ def _count(client: Any, result: str) -> None:
         metrics.compensation.labels(result).inc()
 
 
+def attributed(stored: ackreads.StoredAck) -> AckRecord | None:
+    """The record ``stored`` holds, if its body agrees with its subject: the same request id,
+    and (for an agent's record) the same agent id as the subject's author. Else None, logged."""
+    try:
+        rec = decode_ack_record(stored.data)
+    except msgspec.MsgspecError as exc:
+        log.warning("acks.ignored subject=%s reason=undecodable (%s)", stored.subject, exc)
+        return None
+    if rec.request_id != stored.request_id or (
+        stored.author != BROKER_ACK_AUTHOR and rec.agent_id != stored.author
+    ):
+        log.warning("acks.ignored subject=%s reason=body names %s/%s", stored.subject,
+                    rec.agent_id, rec.request_id)  # fmt: skip
+        return None
+    return rec
+
+
+TAKERS_MAX = 10_000
+"""Request ids a client remembers the taker of."""
+
+
+class Takers:
+    """request id → the agent that took it (its receipt or result reached this client), for
+    the last :data:`TAKERS_MAX` calls."""
+
+    def __init__(self, size: int = TAKERS_MAX) -> None:
+        self.size = size
+        self._by_request: OrderedDict[str, str] = OrderedDict()
+
+    def remember(self, request_id: str, agent_id: str) -> None:
+        by = self._by_request
+        by[request_id] = agent_id
+        by.move_to_end(request_id)
+        if len(by) > self.size:
+            by.popitem(last=False)
+
+    def get(self, request_id: str) -> str | None:
+        return self._by_request.get(request_id)
+
+
+class _Taken:
+    """Which agents took a request, and the first final record each wrote: the rule of
+    :func:`wait`, fed the request's attributed records in stream order."""
+
+    def __init__(self, takers: set[str]) -> None:
+        self.takers = takers
+        self.finals: dict[str, tuple[ackreads.StoredAck, AckRecord]] = {}
+        self.answer: AckRecord | None = None
+
+    def accept(self, stored: ackreads.StoredAck) -> ackreads.StoredAck | None:
+        rec = attributed(stored)
+        if rec is None:
+            return None
+        if stored.author == BROKER_ACK_AUTHOR:
+            if stored.state == "failed":  # expired, or finally refused: the broker's word
+                self.answer = rec
+                return stored
+            if stored.state == "received":  # "I handed the task to <agent_id>"
+                self.takers.add(rec.agent_id)
+                return self._final_of(rec.agent_id)
+            return None
+        if stored.state in acks.FINAL_STATES:
+            self.finals.setdefault(stored.author, (stored, rec))
+        return self._final_of(stored.author) if stored.author in self.takers else None
+
+    def _final_of(self, agent_id: str) -> ackreads.StoredAck | None:
+        found = self.finals.get(agent_id)
+        if found is None:
+            return None
+        self.answer = found[1]
+        return found[0]
+
+
 async def wait(
     client: Any,
     request_id: str,
     timeout: float,  # noqa: ASYNC109 - the SDK's public signature
     *,
+    agent_id: str | None = None,
     prefix: str = DEFAULT_PREFIX,
 ) -> AckRecord:
-    """The final ack record (``completed``/``failed``) of ``request_id``, its ``result``
-    decoded (the handler's return value, as ``Client.call`` would have returned it).
+    """The final ack record (``completed``/``failed``) of ``request_id``, written by the agent
+    that took the task, its ``result`` decoded (the handler's return value, as
+    ``Client.call`` would have returned it).
 
-    Raises ``Timeout`` when none is stored within ``timeout`` seconds.
+    Who took it: ``agent_id`` when given; else the agent whose receipt or result ``client``
+    received for it (``Client.call``); else the holder of the request id's claim (KV
+    ``reach_claims``, when there is one); and an agent a broker names in its own ``received``
+    record (``reach.ack._broker.<request_id>``, written when it hands a submitted task over).
+    A ``failed`` record of the broker (expired, or finally refused) is final too. Records of
+    any other author, copies of stored messages and records whose body disagrees with their
+    subject are ignored. Raises ``Timeout`` when none is stored within ``timeout`` seconds.
     """
+    takers = {agent_id} if agent_id else set()
+    remembered = getattr(client, "takers", None)
+    known = remembered.get(request_id) if isinstance(remembered, Takers) else None
+    if known:
+        takers.add(known)
+    if not takers:
+        holder = await _claim_holder(connection_of(client), request_id)
+        if holder:
+            takers.add(holder)
+    taken = _Taken(takers)
     try:
-        stored = await acks.wait_final(
-            connection_of(client), request_id, timeout, subjects=Subjects(prefix)
-        )
+        await ackreads.wait_for(connection_of(client), request_id, timeout,
+                            subjects=Subjects(prefix), accept=taken.accept)  # fmt: skip
     except acks.InvalidRequestId as exc:
         raise InvalidRequest(str(exc)) from None
     except TimeoutError:
+        who = f" by {', '.join(sorted(takers))}" if takers else " (no taker known yet)"
         raise Timeout(
-            f"no completed or failed record for request_id {request_id!r} within {timeout}s"
+            f"no completed or failed record for request_id {request_id!r}{who} within {timeout}s"
         ) from None
-    return decode_ack_record(stored.data, decode_result=True)
+    assert taken.answer is not None
+    return _decoded(taken.answer)
 
 
-async def last(client: Any, request_id: str, *, prefix: str = DEFAULT_PREFIX) -> AckRecord | None:
-    """The latest ack record of ``request_id`` (any state, ``result`` decoded), or None."""
+async def _claim_holder(nc: NATS, request_id: str) -> str | None:
+    """The agent holding ``request_id``'s claim, if the claims bucket has one (its holder's
+    records are the result; a released claim names nobody)."""
     try:
-        stored = await acks.last_record(
-            connection_of(client), request_id, subjects=Subjects(prefix)
-        )
+        stored = await ClaimStore(nc).get(claim_key(request_id))
+        claim = schema.claim_decoder.decode(stored.data) if stored is not None else None
+    except (ClaimsUnavailable, msgspec.MsgspecError) as exc:
+        log.debug("wait.claim_unreadable request_id=%s error=%s", request_id, exc)
+        return None
+    return claim.agent_id if claim is not None and claim.state != "released" else None
+
+
+async def last(
+    client: Any, request_id: str, *, agent_id: str | None = None, prefix: str = DEFAULT_PREFIX
+) -> AckRecord | None:
+    """The latest attributed ack record of ``request_id`` (any state; by ``agent_id`` only
+    when given), or None. Its ``agent_id`` is the author the server let write it."""
+    try:
+        stored = await ackreads.all_records(connection_of(client), request_id,
+                                        subjects=Subjects(prefix), author=agent_id)  # fmt: skip
     except acks.InvalidRequestId as exc:
         raise InvalidRequest(str(exc)) from None
-    return None if stored is None else decode_ack_record(stored.data, decode_result=True)
+    for rec in reversed(stored):
+        body = attributed(rec)
+        if body is not None:
+            return _decoded(body)
+    return None
+
+
+def _decoded(rec: AckRecord) -> AckRecord:
+    """``rec`` with its ``result`` (``msgspec.Raw`` as stored) decoded."""
+    if isinstance(rec.result, msgspec.Raw):
+        return msgspec.structs.replace(rec, result=msgspec.json.decode(rec.result))
+    return rec
 
 
 ACK_DIR_ENV = "REACH_ACK_DIR"
@@ -205,6 +327,7 @@ def default_ack_writer(
     advisories never confuse it with the agent), with the agent's ``credentials``."""
     return acks.AckWriter(
         wal_dir or default_ack_dir(agent_id),
+        author=agent_id,
         connect=connect_options(f"{agent_id}-acks", servers, credentials),
         subjects=Subjects(prefix),
     )  # fmt: skip

@@ -21,6 +21,9 @@ class ReachError(Exception):
     full = False
     """The refusal says only that every slot is taken now (``OVERLOADED``, ``TARGET_BUSY``):
     a caller waits a moment and asks again, within its deadline, without counting a retry."""
+    extra: dict[str, Any] | None = None
+    """Members the error reply's body carries beside ``error`` (with ``explain``, a route's
+    ``NO_REACHABLE_AGENT`` carries its ``explain``)."""
 
     def __init__(
         self, message: str = "", *, code: str | None = None, retry_after_ms: int | None = None
@@ -64,10 +67,30 @@ class LoopDetected(RequestError):
     status = 409
 
 
+class Conflict(RequestError):
+    """Another live process holds this agent_id: the announce is refused."""
+
+    code = "CONFLICT"
+    status = 409
+
+
 class BizReject(RequestError):
     """The handler refused the task on business grounds: never retried."""
 
     code = "BIZ_REJECT"
+
+
+class InProgress(ReachError):
+    """Another agent holds the request id's claim and is running it: wait for its result
+    (the holder's ack record) instead of running it again."""
+
+    code = "IN_PROGRESS"
+    status = 409
+
+    def __init__(self, message: str = "", *, holder: str = "") -> None:
+        super().__init__(message)
+        self.holder = holder
+        """The agent id holding the claim (``holder`` in the error body)."""
 
 
 # --- nobody could take the task now (retryable elsewhere or later) -----------------------
@@ -111,6 +134,19 @@ class CompensationFull(Unavailable):
     retryable = False
 
 
+class StreamBroken(ReachError):
+    """A streamed answer ended before its ``completed``: the agent died, or a chunk went
+    missing. ``delivered`` chunks reached the reader; it is never re-run silently."""
+
+    code = "STREAM_BROKEN"
+    status = 502
+
+    def __init__(self, message: str = "", *, delivered: int = 0) -> None:
+        super().__init__(message)
+        self.delivered = delivered
+        """Chunks the reader got before the stream broke (``delivered`` in the error body)."""
+
+
 # --- our own fault ----------------------------------------------------------------------
 
 
@@ -126,13 +162,16 @@ _BY_CODE: dict[str, type[ReachError]] = {
         InvalidCapability,
         Forbidden,
         LoopDetected,
+        Conflict,
         BizReject,
+        InProgress,
         NoReachableAgent,
         Overloaded,
         TargetBusy,
         Draining,
         Timeout,
         CompensationFull,
+        StreamBroken,
         InternalError,
     )
 }
@@ -143,39 +182,49 @@ H_SERVICE_ERROR_CODE = "Nats-Service-Error-Code"
 
 
 class _ErrorBody(msgspec.Struct):
-    """An error body as read: lenient, a peer may leave fields out."""
+    """An error body, read and written: a peer may leave fields out."""
 
     code: str = "INTERNAL"
     message: str = ""
-    retry_after_ms: Any = None  # a hint of the wrong type is no hint
+    # Written only by the codes that carry them (absent, not null, otherwise).
+    holder: str | msgspec.UnsetType = msgspec.UNSET
+    """``IN_PROGRESS``: the agent holding the claim."""
+    delivered: int | msgspec.UnsetType = msgspec.UNSET
+    """``STREAM_BROKEN``: chunks delivered before the break."""
+    retry_after_ms: Any = msgspec.UNSET
+    """``OVERLOADED`` (and any refusal that has a hint): when to ask again. Read leniently:
+    a hint of the wrong type is no hint."""
 
 
 class _ErrorReply(msgspec.Struct):
     error: _ErrorBody
 
 
-class _ErrorBodyOut(msgspec.Struct, omit_defaults=True):
-    """An error body as written: code and message always, the hint only when given."""
-
-    code: str
-    message: str
-    retry_after_ms: int | None = None
-
-
-class _ErrorReplyOut(msgspec.Struct):
-    error: _ErrorBodyOut
-
-
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(_ErrorReply)
 
 
-def error_for(code: str, message: str, retry_after_ms: int | None = None) -> ReachError:
+def error_for(
+    code: str,
+    message: str,
+    *,
+    holder: str | None = None,
+    delivered: int | None = None,
+    retry_after_ms: int | None = None,
+) -> ReachError:
     """The exception of a wire ``code`` (unknown codes become :class:`ReachError`)."""
     cls = _BY_CODE.get(code)
+    err: ReachError
     if cls is None:
-        return ReachError(message, code=code, retry_after_ms=retry_after_ms)
-    return cls(message, retry_after_ms=retry_after_ms)
+        err = ReachError(message, code=code)
+    elif cls is InProgress:
+        err = InProgress(message, holder=holder or "")
+    elif cls is StreamBroken:
+        err = StreamBroken(message, delivered=delivered or 0)
+    else:
+        err = cls(message)
+    err.retry_after_ms = retry_after_ms
+    return err
 
 
 def to_reply(err: ReachError) -> tuple[dict[str, str], bytes]:
@@ -184,9 +233,15 @@ def to_reply(err: ReachError) -> tuple[dict[str, str], bytes]:
         H_SERVICE_ERROR: err.message[:1024],
         H_SERVICE_ERROR_CODE: str(err.status),
     }
-    body = _encoder.encode(_ErrorReplyOut(error=_ErrorBodyOut(
-        code=err.code, message=err.message, retry_after_ms=err.retry_after_ms)))  # fmt: skip
-    return headers, body
+    error = _ErrorBody(
+        code=err.code, message=err.message,
+        holder=err.holder if isinstance(err, InProgress) else msgspec.UNSET,
+        delivered=err.delivered if isinstance(err, StreamBroken) else msgspec.UNSET,
+        retry_after_ms=msgspec.UNSET if err.retry_after_ms is None else err.retry_after_ms,
+    )  # fmt: skip
+    if err.extra:
+        return headers, _encoder.encode({"error": error, **err.extra})
+    return headers, _encoder.encode(_ErrorReply(error=error))
 
 
 def from_reply(headers: Mapping[str, str] | None, data: bytes) -> ReachError | None:
@@ -199,6 +254,12 @@ def from_reply(headers: Mapping[str, str] | None, data: bytes) -> ReachError | N
     except msgspec.MsgspecError:
         status = headers.get(H_SERVICE_ERROR_CODE, "500")
         return ReachError(message or f"service error {status}", code="INTERNAL")
-    hint = body.error.retry_after_ms
+    e = body.error
+    hint = e.retry_after_ms
     ok = isinstance(hint, int | float) and not isinstance(hint, bool) and 0 <= hint < 3.6e6
-    return error_for(body.error.code, body.error.message or message, int(hint) if ok else None)
+    return error_for(
+        e.code, e.message or message,
+        holder=e.holder if isinstance(e.holder, str) else None,
+        delivered=e.delivered if isinstance(e.delivered, int) else None,
+        retry_after_ms=int(hint) if ok else None,
+    )  # fmt: skip

@@ -61,13 +61,14 @@ class AgentMetrics:
         self.tasks = Counter(
             "reach_agent_tasks_total",
             "Tasks by capability and result (ok, rejected, failed, busy, draining, duplicate, "
-            "loop, invalid)",
+            "in_progress, unclaimed, loop, invalid, bad_reply)",
             ["capability", "result"],
             registry=self.registry,
         )
         self.nats_errors = Counter(
             "reach_agent_nats_errors_total",
-            "Errors reported by the agent's NATS connection, by kind (slow_consumer, ...)",
+            "Errors reported by the agent's NATS connection, by kind (slow_consumer, "
+            "permission, ...)",
             ["kind"],
             registry=self.registry,
         )

@@ -18,13 +18,17 @@ from nats.aio.msg import Msg
 
 from . import schema
 from .aio import stop_loops, wait_event
-from .errors import from_reply
+from .errors import Conflict, ReachError, from_reply
 from .serving import TaskServer
-from .subjects import Subjects
+from .subjects import Subjects, is_inbox
 
 log = logging.getLogger(__name__)
 
 _announce_ack_decoder = msgspec.json.Decoder(schema.AnnounceAck)
+
+REANNOUNCE_JITTER_S = 0.5
+"""Ceiling of the random delay before obeying a broker's re-announce request (a quarter of
+the heartbeat interval when that is shorter): a fleet asked at once does not answer at once."""
 
 
 class Presence:
@@ -52,6 +56,10 @@ class Presence:
         self.seq = 0
         self.nc = NATS()  # the agent's connection, from start()
         self._initial = False
+        self.conflict: ReachError | None = None
+        """The CONFLICT a broker answered (another live process holds this agent_id)."""
+        self.first_answer = asyncio.Event()
+        """Set once the first announce attempt has ended (answered, refused or unanswered)."""
         self._reannounce = asyncio.Event()
         self._hb_wake = asyncio.Event()
         self._loops: list[asyncio.Task[Any]] = []
@@ -59,9 +67,11 @@ class Presence:
     # --- lifecycle --------------------------------------------------------------------
 
     async def subscribe(self, nc: NATS) -> None:
-        """Answer probes (``<p>.probe.<agent_id>``) on a subscription of their own."""
+        """Answer probes (``<p>.probe.<agent_id>``) and re-announce requests
+        (``<p>.reannounce.<agent_id>``) on subscriptions of their own."""
         self.nc = nc
         await nc.subscribe(self.subjects.probe(self.agent_id), cb=self._on_probe)
+        await nc.subscribe(self.subjects.reannounce(self.agent_id), cb=self._on_reannounce)
 
     def start(self) -> None:
         """Start announcing and heartbeating (after the subscriptions are in place)."""
@@ -118,6 +128,11 @@ class Presence:
                 if self.tasks.draining:
                     return  # a cancel lost inside nc.request (3.11 wait_for race)
                 err = from_reply(reply.headers, reply.data)
+                if isinstance(err, Conflict):
+                    log.error("agent.conflict agent=%s: %s", self.agent_id, err.message)
+                    self.conflict = err
+                    self.first_answer.set()
+                    return  # another process is this agent: never announce over it
                 if err is not None:
                     log.error("agent.announce_refused agent=%s code=%s message=%s",
                               self.agent_id, err.code, err.message)  # fmt: skip
@@ -131,6 +146,7 @@ class Presence:
                     self._initial = True
                     self._hb_wake.set()
                     log.info("agent.announced agent=%s broker=%s", self.agent_id, ack.broker_id)
+                    self.first_answer.set()
                     delay = 0.1
                     refresh = self.announce_refresh * random.uniform(0.9, 1.1)
                     await wait_event(self._reannounce, refresh)
@@ -139,6 +155,7 @@ class Presence:
                 raise
             except Exception as exc:  # no broker yet: keep trying
                 log.debug("agent.announce_unanswered agent=%s error=%r", self.agent_id, exc)
+            self.first_answer.set()
             await asyncio.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, 5.0)
 
@@ -177,13 +194,29 @@ class Presence:
                     log.debug("agent.heartbeat_failed agent=%s error=%r", self.agent_id, exc)
             await wait_event(self._hb_wake, self.heartbeat_interval)
 
+    async def _on_reannounce(self, msg: Msg) -> None:
+        """A broker does not know us (it restarted without its snapshot, say): announce
+        again soon, after a random pause so a whole fleet does not answer in one burst."""
+        if self.tasks.draining or self.conflict is not None:
+            return
+        jitter = min(REANNOUNCE_JITTER_S, self.heartbeat_interval / 4)
+        log.info("agent.reannounce_requested agent=%s", self.agent_id)
+        asyncio.get_running_loop().call_later(random.uniform(0, jitter), self._reannounce.set)
+
     async def _on_probe(self, msg: Msg) -> None:
         if not msg.reply:
             return
+        if not is_inbox(msg.reply):  # see TaskServer.on_task: answer inboxes only
+            log.warning("agent.probe_refused agent=%s reason=reply subject %r is not an inbox",
+                        self.agent_id, msg.reply[:128])  # fmt: skip
+            return
         tasks = self.tasks
+        info = self.nc._server_info or {}
         reply = schema.ProbeReply(
             agent_id=self.agent_id, status=tasks.status(), active=tasks.active,
             queue_depth=tasks.queue_depth(), seq=self.seq,
+            instance_id=self.announcement.instance_id, server=info.get("server_name"),
+            cid=self.nc.client_id,
         )  # fmt: skip
         try:
             await self.nc.publish(msg.reply, schema.encoder.encode(reply))

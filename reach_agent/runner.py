@@ -98,7 +98,13 @@ def run(
                     return
                 delay = min(delay * 2, 10.0)
         try:
-            await stop.wait()
+            stopping = asyncio.ensure_future(stop.wait())
+            closed = asyncio.ensure_future(agent.closed.wait())
+            await asyncio.wait({stopping, closed}, return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            closed.cancel()
+            if not stop.is_set():  # the server closed the connection for good
+                raise SystemExit(f"reach: agent {agent.agent_id}: {agent.closed_reason}")
             log.info("agent.signal agent=%s: draining", agent.agent_id)
         finally:
             await agent.stop()

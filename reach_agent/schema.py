@@ -46,8 +46,9 @@ Percent = Annotated[float, Meta(ge=0, le=100)]
 AgentState = Literal["healthy", "suspect", "offline", "recovering", "draining"]
 AGENT_STATES: tuple[AgentState, ...] = ("healthy", "suspect", "offline", "recovering", "draining")
 AgentStatus = Literal["idle", "busy", "draining"]
-EventKind = Literal["registered", "state", "left", "evicted"]
+EventKind = Literal["registered", "state", "left", "evicted", "released"]
 AckState = Literal["received", "completed", "failed"]
+ClaimState = Literal["running", "completed", "failed", "released"]
 
 
 class Base(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -72,6 +73,8 @@ class Announce(Base, frozen=True):
     context_window: Annotated[int, Meta(ge=0, le=2**40)] | None = None
     permissions: Annotated[list[ShortText], Meta(max_length=256)] = []
     metadata: Annotated[dict[str, Any], Meta(max_length=64)] = {}
+    instance_id: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
+    """Random per process: tells a second process with the same agent_id from a re-announce."""
 
 
 class AnnounceAck(Base, frozen=True):
@@ -122,6 +125,20 @@ class ProbeReply(Base, frozen=True):
     active: int = 0
     queue_depth: int = 0
     seq: int = 0
+    instance_id: str | None = None
+    """The announce's ``instance_id``: which process answered."""
+    server: str | None = None
+    """Name of the NATS server the agent is connected to."""
+    cid: int | None = None
+    """The agent's client id on that server."""
+
+
+class Reannounce(Base, frozen=True):
+    """``<p>.reannounce.<agent_id>``: a broker that does not know the agent asks it to
+    announce again (body may be ``{}``)."""
+
+    reason: ShortText | None = None
+    broker_id: str | None = None
 
 
 # --- caller → broker ----------------------------------------------------------------------
@@ -139,6 +156,51 @@ class RouteRequest(Base, frozen=True):
     peek: bool = False
     """A look, not a pick: no task will follow, so the broker does not count the answer's
     first candidate as handed a task (``reach route``, ``Client.route``, cache refreshes)."""
+    explain: bool = False
+    """Ask for the reasons: each candidate's ``explain`` and the reply's ``explain``."""
+
+
+class ScoreTerms(Base, frozen=True):
+    """The factors of an agent's score, each in [0, 1]: score = 100 x the product of each
+    term raised to its weight (``scoring.weight_*``); ``stuck`` is 1 or the stuck penalty."""
+
+    liveness: float
+    latency: float
+    load: float
+    success: float
+    stuck: float
+
+
+class AgentExplain(Base, frozen=True):
+    """Why an agent scores what it scores, and where it stands in the capability's routing
+    (with ``RouteRequest.explain``)."""
+
+    terms: ScoreTerms
+    weakest: str | None = None
+    """The term that pulls the score down most (None: every term is 1)."""
+    slow_start: float = 1.0
+    """The slow-start factor on its weight (below 1 for a while after recovering)."""
+    weight: float = 0.0
+    """Its weight in the weighted draw: score x free capacity x slow start."""
+    rank: int = 0
+    """Its place in the capability's ranking, 1 the best; 0: not ranked."""
+    kept: str | None = None
+    """Why it is routed although below the minimum score (``eject_cap``, ``panic``) or
+    although suspect (``allow_suspect``)."""
+    task_ms: float | None = None
+    """Task duration EWMA (from heartbeats)."""
+    rtt_ms: float | None = None
+    """Probe round-trip EWMA."""
+    success_rate: float = 1.0
+    ok_total: int = 0
+    fail_total: int = 0
+    active: int = 0
+    queue_depth: int = 0
+    max_concurrency: int = 0
+    oldest_task_ms: int | None = None
+    timeout_hint_ms: int | None = None
+    probe_failures: int = 0
+    """Probes unanswered in a row."""
 
 
 class Candidate(Base, frozen=True):
@@ -149,12 +211,51 @@ class Candidate(Base, frozen=True):
     load: float
     region: str | None = None
     version: str | None = None
+    timeout_hint_ms: int | None = None
+    """The agent's announced ``timeout_hint_ms``: callers wait at least this long."""
+    explain: AgentExplain | None = None
+
+
+class Exclusion(Base, frozen=True):
+    """An agent of the capability that is not among the candidates, and why."""
+
+    agent_id: str
+    reason: str
+    """A reason code (``state``, ``load``, ``score``, ...; the table in docs/protocol.md)."""
+    detail: str
+    """The reason in one sentence, with the figures."""
+    state: AgentState
+    score: float
+    load: float
+    explain: AgentExplain | None = None
+
+
+class RouteExplain(Base, frozen=True):
+    """How a route request was decided (with ``RouteRequest.explain``)."""
+
+    members: int
+    """Agents with the capability, in any state."""
+    healthy: int
+    ranked: int
+    """Healthy agents in the ranking (not ejected for their score)."""
+    choice: str
+    min_reach_score: float
+    load_watermark: float
+    ejected: int = 0
+    panic: bool = False
+    pool: int = 0
+    """Agents that passed every filter and made the pool the choice was made from."""
+    counts: dict[str, int] = {}
+    """Agents left out, by reason code: all of them, also beyond the ``excluded`` listed."""
+    excluded: list[Exclusion] = []
+    """The agents left out (at most 100: the best ranked and scored first), with why."""
 
 
 class RouteReply(Base, frozen=True):
     capability: str
     candidates: list[Candidate]
     generated_at_ms: int
+    explain: RouteExplain | None = None
 
 
 class AgentView(Base, frozen=True):
@@ -192,10 +293,15 @@ class Receipt(msgspec.Struct, frozen=True, kw_only=True):
 
     request_id: str
     status: Literal["received"] = "received"
+    agent_id: str | msgspec.UnsetType = msgspec.UNSET
+    """Who took the task: not on the wire. The SDK client fills it in from the attempt the
+    receipt answered (the agent it sent that attempt to): the one to ``wait`` on."""
 
 
 class AckRecord(Base, frozen=True):
-    """``reach.ack.<request_id>`` in ``REACH_ACKS``; ``Nats-Msg-Id: <request_id>.<state>``."""
+    """``reach.ack.<author>.<request_id>`` in ``REACH_ACKS``; ``Nats-Msg-Id:
+    <author>.<request_id>.<state>.<tag>``. ``agent_id`` equals the subject's author, except
+    in the broker's own records (author ``_broker``), where it names the agent concerned."""
 
     request_id: str
     agent_id: str
@@ -210,7 +316,8 @@ class AckRecord(Base, frozen=True):
 
 
 class Event(Base, frozen=True):
-    """``reach.event.<kind>.<agent_id>``: one state transition, with why."""
+    """``reach.event.<kind>.<agent_id>``: one state transition, with why (kind
+    ``released``: a claim of the agent released, ``request_id`` names it)."""
 
     kind: EventKind
     agent_id: str
@@ -219,6 +326,27 @@ class Event(Base, frozen=True):
     broker_id: str
     to: AgentState | None = None
     from_: AgentState | None = msgspec.field(default=None, name="from")
+    request_id: str | None = None
+
+
+class Claim(Base, frozen=True):
+    """The value of a request id's key in KV ``reach_claims``: who runs it, how far it got,
+    where its result is. Created once (before the handler runs), then changed only by
+    compare-and-set on its revision."""
+
+    request_id: str
+    agent_id: str
+    """The holder: the agent that runs (or ran) the request."""
+    instance: str
+    """The holder's process (random per process): a restarted agent knows its old claims."""
+    capability: str
+    state: ClaimState
+    at_ms: int
+    """When the claim last changed (Unix ms)."""
+    ack_subject: str | None = None
+    """The result location: the ``REACH_ACKS`` subject of the holder's final ack record."""
+    reason: str | None = None
+    """Why it was released."""
 
 
 # --- headers ------------------------------------------------------------------------------
@@ -232,6 +360,14 @@ H_TRACE_ID = "Reach-Trace-Id"
 H_HOPS = "Reach-Hops"
 H_STATUS = "Reach-Status"
 H_TRACEPARENT = "traceparent"
+H_STREAM = "Reach-Stream"
+"""``1`` on a task: answer in chunks. ``cancel`` on a credit message: stop the stream."""
+H_STREAM_WINDOW = "Reach-Stream-Window"
+"""On a streamed task: chunks the caller takes ahead of its credits (default 64)."""
+H_SEQ = "Reach-Seq"
+"""A chunk's sequence number (1, 2, ...); on a credit message, the last chunk consumed."""
+H_CHUNKS = "Reach-Chunks"
+"""On the ``completed`` message that ends a stream: how many chunks it had."""
 
 
 # --- codecs (module level, reused: no per-message construction) ---------------------------
@@ -247,6 +383,7 @@ agents_request_decoder = msgspec.json.Decoder(AgentsRequest)
 agent_views_decoder = msgspec.json.Decoder(list[AgentView])
 probe_reply_decoder = msgspec.json.Decoder(ProbeReply)
 event_decoder = msgspec.json.Decoder(Event)
+claim_decoder = msgspec.json.Decoder(Claim)
 
 
 def decode(decoder: msgspec.json.Decoder[Any], data: bytes, what: str) -> Any:

@@ -1,15 +1,20 @@
-"""The agent's task side: admit each task, run its handler, reply, record its acks.
+"""The agent's task side: admit each task, claim it, run its handler, reply, record its acks.
 
 Every task subscription callback only decides (:func:`~reach_agent.admission.admit`) and
-acts on the decision — a cached reply, an error reply, or a receipt and a run handed to an
-asyncio task — so the callback returns at once and the next message is read. Handlers are
-``async def`` (run on the loop) or plain functions (run in a worker thread).
+acts on the decision — a cached reply, an error reply, or a run handed to an asyncio task —
+so the callback returns at once and the next message is read. The run first claims the
+request id fleet-wide (:mod:`~reach_agent.claiming`; not for capabilities marked idempotent,
+nor without a claims bucket), and only a claim of its own makes it send the receipt and run
+the handler; otherwise it answers ``IN_PROGRESS`` or the stored result. The holder ends its
+claim before it replies. Handlers are ``async def`` (run on the loop), async generators
+(streamed, :mod:`~reach_agent.streaming`) or plain functions (run in a worker thread).
 
 The durable-ack hook (``ack_sink``) gets state ``received`` when a task is accepted (before
 the handler runs) and ``completed`` (``result`` = the reply body as ``msgspec.Raw``) or
-``failed`` (``error`` = ``{"code", "message"}``) when it ends. Exceptions it raises are
-logged, never fatal. With ``Reach-Ack-Mode: received`` the caller gets only the receipt; the
-result exists only through the sink (without a sink it is logged and dropped).
+``failed`` (``error`` = ``{"code", "message"}``) when it ends, before the reply goes out.
+Exceptions it raises are logged, never fatal. With ``Reach-Ack-Mode: received`` the caller
+gets only the receipt; the result exists only through the sink (without a sink it is logged
+and dropped).
 """
 
 from __future__ import annotations
@@ -19,29 +24,30 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol
 
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from jetstream.claims import ClaimsUnavailable
+
 from . import schema
-from .admission import admit
+from .admission import Admission, admit
 from .aio import TaskSet, wait_event
-from .dedup import DedupCache, Entry
-from .errors import Draining, InternalError, InvalidRequest, ReachError, to_reply
+from .claiming import Claimer, Held
+from .dedup import DedupCache, Entry, Reply
+from .errors import Draining, InternalError, InvalidRequest, ReachError, Timeout, to_reply
+from .handling import Handler, HandlerKind, HandlerRunner
 from .metrics import AgentMetrics
-from .subjects import Subjects
+from .subjects import Subjects, is_inbox
 from .task import Task
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[Task], Any]
 
-_result_encoder = msgspec.json.Encoder()
 _payload_decoder = msgspec.json.Decoder()
 
 
@@ -70,9 +76,14 @@ class TaskServer:
         self.dedup = dedup
         self.metrics = metrics
         self.ack_sink = ack_sink
-        self.handlers: dict[str, tuple[Handler, bool]] = {}
-        """capability → (handler, is it a coroutine function)."""
+        self.handlers: dict[str, tuple[Handler, HandlerKind]] = {}
+        """capability → (handler, how it runs)."""
+        self.idempotent: set[str] = set()
+        """Capabilities whose duplicates are harmless: run without a fleet-wide claim."""
+        self.claimer: Claimer | None = None
+        """The fleet-wide claims (None: off, the duplicate window alone applies)."""
         self.nc = NATS()  # the agent's connection, from subscribe()
+        self.runner = HandlerRunner(agent_id, max_concurrency)
         self.draining = False
         self.active = 0
         self.ok_total = 0
@@ -86,7 +97,6 @@ class TaskServer:
         self._last_p50: int | None = None
         self._idle = asyncio.Event()
         self._idle.set()
-        self._executor: ThreadPoolExecutor | None = None
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -98,10 +108,12 @@ class TaskServer:
                 self.subjects.task(self.agent_id, cap), cb=self.on_task, pending_msgs_limit=100_000
             )
             self._subs.append(sub)
+        await self.runner.subscribe(nc, self.handlers.values())
 
     def forget_subscriptions(self) -> None:
         """The connection is closed (or never served): its subscriptions are gone."""
         self._subs = []
+        self.runner.forget()
 
     async def drain(self, grace: float) -> None:
         """Let in-flight tasks finish within ``grace`` seconds, then cancel the rest (they
@@ -119,9 +131,7 @@ class TaskServer:
     def close(self) -> None:
         """After the connection closed: drop the subscriptions, end the worker threads."""
         self._subs = []
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = None
+        self.runner.close()
 
     # --- load figures (heartbeats and probe replies) ----------------------------------
 
@@ -158,6 +168,15 @@ class TaskServer:
     async def on_task(self, msg: Msg) -> None:
         """Decide at once and hand the work to a task: this callback must never block."""
         capability = self.subjects.capability_of_task(msg.subject, self.agent_id)
+        reply = msg.reply
+        if reply and not is_inbox(reply):
+            # The server lets us answer any reply subject a caller names: answering one that
+            # is not an inbox would publish our receipt or result, with our rights, wherever
+            # the caller chose (another agent's subjects, the JetStream API).
+            self._count(capability, "bad_reply")
+            log.warning("agent.task_refused agent=%s capability=%s reason=reply subject %r is "
+                        "not an inbox", self.agent_id, capability, reply[:128])  # fmt: skip
+            return
         hdrs = msg.headers or {}
         request_id = hdrs.get(schema.H_REQUEST_ID) or str(uuid.uuid4())
         now = time.monotonic()
@@ -165,18 +184,16 @@ class TaskServer:
         d = admit(hdrs, agent_id=self.agent_id, duplicate=entry is not None,
                   draining=self.draining, active=self.active,
                   max_concurrency=self.max_concurrency, now=now)  # fmt: skip
-        reply = msg.reply
         if d.verdict == "run":
             self.active += 1
             self._idle.clear()
             self._running[request_id] = now
             entry = self.dedup.begin(request_id, now, self.active)
-            if reply and d.receipt:
-                await self._send_receipt(reply, request_id)
-            self._tasks.spawn(
-                self._run(msg, capability, request_id, entry, d.deadline, hdrs, d.ack_mode),
-                "reach-task",
-            )
+            claim = self.claimer is not None and capability not in self.idempotent
+            if reply and d.receipt and not claim:
+                await self._send_receipt(reply, request_id)  # at once: nothing to claim
+            self._tasks.spawn(self._run(msg, capability, request_id, entry, d, hdrs, claim),
+                              "reach-task")  # fmt: skip
             return
         self._count(capability, d.label)
         if d.verdict == "refuse":
@@ -224,22 +241,91 @@ class TaskServer:
         capability: str,
         request_id: str,
         entry: Entry,
-        deadline: float | None,
+        d: Admission,
         hdrs: dict[str, str],
-        ack_mode: str,
+        claim: bool,
+    ) -> None:
+        try:
+            held = None
+            if claim:
+                held, answer = await self._claim(capability, request_id)
+                if answer is not None:
+                    await self._answer(msg, capability, request_id, entry, d, answer)
+                    return
+                if msg.reply and d.receipt:
+                    await self._send_receipt(msg.reply, request_id)  # the claim is ours
+            await self._execute(msg, capability, request_id, entry, d, hdrs, held)
+        finally:
+            self._running.pop(request_id, None)
+            self.active -= 1
+            if self.active == 0:
+                self._idle.set()
+
+    async def _claim(
+        self, capability: str, request_id: str
+    ) -> tuple[Held | None, tuple[str, Reply] | None]:
+        """(our claim, or None when claims are off) or the answer for a claim of another."""
+        claimer = self.claimer
+        assert claimer is not None
+        try:
+            claimed = await claimer.claim(request_id, capability)
+        except ClaimsUnavailable as exc:
+            err = Timeout(f"agent {self.agent_id!r} could not claim request_id {request_id!r} "
+                          f"({exc}): not run unclaimed, try again")  # fmt: skip
+            headers, body = to_reply(err)
+            headers[schema.H_REQUEST_ID] = request_id
+            return None, ("unclaimed", (headers, body))
+        if claimed is None or claimed.held is not None:
+            return (claimed.held if claimed else None), None
+        label = "in_progress" if claimed.verdict == "in_progress" else "duplicate"
+        return None, (label, await claimer.answer(claimed, request_id))
+
+    async def _answer(
+        self,
+        msg: Msg,
+        capability: str,
+        request_id: str,
+        entry: Entry,
+        d: Admission,
+        answer: tuple[str, Reply],
+    ) -> None:
+        """Reply for a task this agent does not run (its claim is another's, or failed)."""
+        label, (headers, body) = answer
+        self._count(capability, label)
+        self.dedup.finish(entry, (headers, body), time.monotonic())
+        if label != "duplicate":
+            self.dedup.forget(request_id, entry)  # it may change: ask the claim again
+        if not msg.reply:
+            return
+        if d.ack_mode == "received" and label == "duplicate":
+            await self._send_receipt(msg.reply, request_id)
+        else:
+            await self._publish(msg.reply, body, headers)
+
+    async def _execute(
+        self,
+        msg: Msg,
+        capability: str,
+        request_id: str,
+        entry: Entry,
+        d: Admission,
+        hdrs: dict[str, str],
+        held: Held | None,
     ) -> None:
         started = time.monotonic()
         error: ReachError | None = None
         headers: dict[str, str]
         body = b""
+        wire: Reply | None = None  # what the reply subject gets instead (a stream's end)
         try:
             await self._record(request_id, capability, "received")
             try:
                 payload = _payload_decoder.decode(msg.data) if msg.data else None
             except msgspec.DecodeError as exc:
                 raise InvalidRequest(f"task payload: malformed JSON ({exc})") from None
-            task = Task(payload, request_id, capability, hdrs, deadline, self.agent_id)
-            body = await self._call_handler(capability, task)
+            task = Task(payload, request_id, capability, hdrs, d.deadline, self.agent_id)
+            stream_to = msg.reply if d.ack_mode != "received" else None
+            body, wire = await self.runner.run(self.handlers[capability], task, stream_to)
         except ReachError as err:
             error = err
         except asyncio.CancelledError:
@@ -253,15 +339,12 @@ class TaskServer:
         finally:
             now = time.monotonic()
             self._durations.append((now - started) * 1000.0)
-            self._running.pop(request_id, None)
-            self.active -= 1
-            if self.active == 0:
-                self._idle.set()
             if error is None:
                 headers = {schema.H_REQUEST_ID: request_id, schema.H_STATUS: "completed"}
                 self.ok_total += 1
                 self._count(capability, "ok")
             else:
+                wire = None
                 headers, body = to_reply(error)
                 headers[schema.H_REQUEST_ID] = request_id
                 if error.status < 500:
@@ -271,36 +354,40 @@ class TaskServer:
                     self.fail_total += 1
                     self._count(capability, "failed")
             self.dedup.finish(entry, (headers, body), now)
-            if msg.reply and ack_mode != "received":
-                await self._publish(msg.reply, body, headers)
-            elif ack_mode == "received" and self.ack_sink is None:
-                log.info("task.result_dropped agent=%s request_id=%s: ack mode 'received' "
-                         "and no ack sink", self.agent_id, request_id)  # fmt: skip
+            confirm = None
+            if held is not None:
+                # Sent before the reply: the server has the claim's end before the result.
+                confirm = await self._end_claim(held, error)
+                if error is not None and error.retryable:
+                    self.dedup.forget(request_id, entry)
+            # The final record before the reply too: once a caller has the result, the ack
+            # writer's log has it, so a restarted agent can answer a repeat from the store.
             if error is None:
                 await self._record(request_id, capability, "completed", result=msgspec.Raw(body))
             else:
                 failure = {"code": error.code, "message": error.message}
                 await self._record(request_id, capability, "failed", error=failure)
+            if msg.reply and d.ack_mode != "received":
+                out_headers, out_body = wire or (headers, body)
+                await self._publish(msg.reply, out_body, out_headers)
+            elif d.ack_mode == "received" and self.ack_sink is None:
+                log.info("task.result_dropped agent=%s request_id=%s: ack mode 'received' "
+                         "and no ack sink", self.agent_id, request_id)  # fmt: skip
+            if confirm is not None:
+                await confirm()
 
-    async def _call_handler(self, capability: str, task: Task) -> bytes:
-        """Run the handler of ``capability`` and encode its result."""
-        fn, is_async = self.handlers[capability]
-        if is_async:
-            result = await fn(task)
-        else:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    max_workers=min(self.max_concurrency, 128),
-                    thread_name_prefix=f"reach-{self.agent_id}",
-                )
-            loop = asyncio.get_running_loop()
-            result = await loop.run_in_executor(self._executor, fn, task)
-        try:
-            return _result_encoder.encode(result)
-        except (TypeError, msgspec.EncodeError) as exc:
-            raise InternalError(
-                f"handler {capability!r} returned a result that is not JSON ({exc})"
-            ) from None
+    async def _end_claim(
+        self, held: Held, error: ReachError | None
+    ) -> Callable[[], Awaitable[None]]:
+        """``completed``; ``released`` after a retryable error (another agent may run it);
+        else ``failed`` (a duplicate gets the stored error)."""
+        assert self.claimer is not None
+        if error is None:
+            return await self.claimer.finish(held, "completed")
+        if error.retryable:
+            why = f"{self.agent_id} ended it with {error.code}"
+            return await self.claimer.finish(held, "released", why)
+        return await self.claimer.finish(held, "failed")
 
     async def _record(
         self,

@@ -6,14 +6,19 @@ received subject back to its variable token(s), without validating it (the calle
 ``agent_id`` or capability with :mod:`reach_agent.schema`'s own checks). Nothing else in the
 project spells ``f"{prefix}.hb.…"``; :mod:`jetstream` is handed the subjects it needs.
 
+Replies go to inboxes: every reach process answers only a reply subject under
+:data:`INBOX_ROOT` (:func:`is_inbox`), because nats-server never checks the reply subject a
+sender names against the sender's permissions (see docs/protocol.md, "Reply subjects").
+
     <p>.announce.<agent_id>          agent → every broker (request-reply)
     <p>.hb.<agent_id>                agent → every broker
     <p>.leave.<agent_id>             agent → every broker (request-reply)
     <p>.probe.<agent_id>             broker/caller → agent (request-reply)
+    <p>.reannounce.<agent_id>        broker → agent: announce again
     <p>.route.<capability>           caller → one broker (queue group)
     <p>.agents                       CLI → one broker (queue group)
     <p>.task.<agent_id>.<capability> caller → agent (request-reply)
-    <p>.ack.<request_id>             agent → REACH_ACKS
+    <p>.ack.<author>.<request_id>    agent (author: its id) or broker (``_broker``) → REACH_ACKS
     <p>.comp.<capability>            caller → REACH_COMPENSATION → broker
     <p>.event.<kind>.<agent_id>      broker → anyone; kept by REACH_AUDIT
 """
@@ -24,6 +29,21 @@ import operator
 from collections.abc import Callable
 
 DEFAULT_PREFIX = "reach"
+
+INBOX_ROOT = "_INBOX"
+"""Where every reply subject lives (nats-py's default inbox prefix, and the root of every
+identity's private ``_INBOX.<role>.<name>`` prefix under reach's credentials)."""
+_INBOX_DOT = INBOX_ROOT + "."
+
+BROKER_ACK_AUTHOR = "_broker"
+"""Author token of the ack records brokers write (``<p>.ack._broker.<request_id>``): not a
+valid agent id (those start with a letter or digit), so no agent can be taken for the broker,
+nor the broker for an agent."""
+
+
+def is_inbox(subject: str) -> bool:
+    """Whether ``subject`` is a reply subject reach answers (``_INBOX.…``)."""
+    return subject.startswith(_INBOX_DOT)
 
 
 class Subjects:
@@ -38,6 +58,7 @@ class Subjects:
         "_hb",
         "_leave",
         "_probe",
+        "_reannounce",
         "_route",
         "_task",
         "prefix",
@@ -51,6 +72,7 @@ class Subjects:
         self._hb = f"{prefix}.hb."
         self._leave = f"{prefix}.leave."
         self._probe = f"{prefix}.probe."
+        self._reannounce = f"{prefix}.reannounce."
         self._route = f"{prefix}.route."
         self._task = f"{prefix}.task."
         self._ack = f"{prefix}.ack."
@@ -80,6 +102,9 @@ class Subjects:
     def probe(self, agent_id: str) -> str:
         return self._probe + agent_id
 
+    def reannounce(self, agent_id: str) -> str:
+        return self._reannounce + agent_id
+
     def route(self, capability: str) -> str:
         return self._route + capability
 
@@ -90,8 +115,10 @@ class Subjects:
     def task(self, agent_id: str, capability: str) -> str:
         return f"{self._task}{agent_id}.{capability}"
 
-    def ack(self, request_id: str) -> str:
-        return self._ack + request_id
+    def ack(self, author: str, request_id: str) -> str:
+        """The ack records of ``request_id`` written by ``author`` (an agent id, or
+        :data:`BROKER_ACK_AUTHOR`): only that author may publish there."""
+        return f"{self._ack}{author}.{request_id}"
 
     def comp(self, capability: str) -> str:
         return self._comp + capability
@@ -118,6 +145,10 @@ class Subjects:
         return self._probe + "*"
 
     @property
+    def all_reannounces(self) -> str:
+        return self._reannounce + "*"
+
+    @property
     def all_routes(self) -> str:
         return self._route + ">"
 
@@ -132,6 +163,14 @@ class Subjects:
     @property
     def all_acks(self) -> str:
         return self._ack + ">"
+
+    def acks_of(self, request_id: str) -> str:
+        """Every author's ack records of one request (``<p>.ack.*.<request_id>``)."""
+        return f"{self._ack}*.{request_id}"
+
+    def acks_by(self, author: str) -> str:
+        """Every ack record one author writes (``<p>.ack.<author>.>``)."""
+        return f"{self._ack}{author}.>"
 
     @property
     def all_comp(self) -> str:
@@ -164,6 +203,9 @@ class Subjects:
     def agent_of_probe(self, subject: str) -> str:
         return subject[self._cuts[3] :]
 
+    def agent_of_reannounce(self, subject: str) -> str:
+        return subject[len(self._reannounce) :]
+
     def capability_of_route(self, subject: str) -> str:
         return subject[self._cuts[4] :]
 
@@ -171,8 +213,10 @@ class Subjects:
         """The capability of ``<p>.task.<agent_id>.<capability>`` for a known ``agent_id``."""
         return subject[self._cuts[5] + len(agent_id) + 1 :]
 
-    def request_of_ack(self, subject: str) -> str:
-        return subject[self._cuts[6] :]
+    def ack_of(self, subject: str) -> tuple[str, str]:
+        """``(author, request_id)`` of ``<p>.ack.<author>.<request_id>``."""
+        author, _, request_id = subject[self._cuts[6] :].partition(".")
+        return author, request_id
 
     def capability_of_comp(self, subject: str) -> str:
         return subject[self._cuts[7] :]

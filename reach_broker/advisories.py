@@ -13,11 +13,20 @@ user may ask), or taken from ``detection.advisory_account``.
 - CONNECT of a known ``offline``/``suspect`` agent → probe it 250 ms later (its heartbeat
   may be seconds away).
 - At start and after the broker reconnects: reconcile with ``CONNZ``: known agents with no
-  connection become ``suspect`` (and are probed), e.g. agents restored from a snapshot. A
-  partial list (a cluster answers per server) only costs probes, never a wrong ``offline``.
+  connection become ``suspect`` (and are probed), e.g. agents restored from a snapshot. On a
+  cluster every node answers about its own connections and every answer is gathered
+  (:func:`reach_broker.clusterinfo.gather`); a partial list (a node that did not answer in
+  time) only costs probes, never a wrong ``offline``.
 
 A server without the import answers ``CONNZ`` with no responders: the broker then says once
 in its log that it runs on heartbeats alone, and sets ``reach_disconnect_advisories`` to 0.
+
+The connection name is the client's word; nats-server cannot enforce it. With reach's
+credentials the user JWT's ``name`` is the agent id it was issued for, and the server reports
+that JWT in every advisory (``client.jwt``) and in ``CONNZ`` (``{"auth": true}``): a
+connection is taken as agent X's only when its name and its JWT's name are both X. One that
+claims a known agent's name with another's JWT is ignored and counted
+(``reach_dropped_total{kind="advisory",reason="name_mismatch"}``).
 """
 
 from __future__ import annotations
@@ -28,16 +37,15 @@ from typing import Any
 import msgspec
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeoutError
 
+from reach_agent.grants import jwt_name
+
+from .clusterinfo import account_of, connz_subject, gather, server_of
 from .context import BrokerContext
 from .probes import Prober
 from .registry import Registry
 
 log = logging.getLogger(__name__)
-
-# The server's own subjects (its system account API, not reach's grammar): spelled only here.
-USER_INFO = "$SYS.REQ.USER.INFO"
 
 
 def disconnect_subject(account: str) -> str:
@@ -46,10 +54,6 @@ def disconnect_subject(account: str) -> str:
 
 def connect_subject(account: str) -> str:
     return f"$SYS.ACCOUNT.{account}.CONNECT"
-
-
-def connz_subject(account: str) -> str:
-    return f"$SYS.REQ.ACCOUNT.{account}.CONNZ"
 
 
 CONNZ_PAGE = 1024
@@ -67,6 +71,7 @@ CONNECT_PROBE_DELAY_S = 0.25
 class _Client(msgspec.Struct):
     name: str = ""
     acc: str = ""
+    jwt: str = ""
 
 
 class _Advisory(msgspec.Struct):
@@ -76,6 +81,7 @@ class _Advisory(msgspec.Struct):
 
 class _Conn(msgspec.Struct):
     name: str = ""
+    jwt: str = ""
 
 
 class _Connz(msgspec.Struct):
@@ -89,17 +95,8 @@ class _ConnzReply(msgspec.Struct):
     data: _Connz | None = None
 
 
-class _UserInfo(msgspec.Struct):
-    account: str = ""
-
-
-class _UserInfoReply(msgspec.Struct):
-    data: _UserInfo | None = None
-
-
 _advisory_decoder = msgspec.json.Decoder(_Advisory)
 _connz_decoder = msgspec.json.Decoder(_ConnzReply)
-_userinfo_decoder = msgspec.json.Decoder(_UserInfoReply)
 _encoder = msgspec.json.Encoder()
 
 
@@ -114,6 +111,10 @@ class Advisories:
         self.available = False
         """True once the server answered CONNZ for our account (or an advisory arrived)."""
         self.disconnects = 0
+        self.servers = 0
+        """Servers that answered the last CONNZ (every node of a cluster)."""
+        self.answers = 0
+        """CONNZ lists obtained (the observer's proof that the broker's link works)."""
         self._subs: list[Any] = []
         self._started = False
         self._said_unavailable = False
@@ -128,7 +129,7 @@ class Advisories:
             log.info("advisories.disabled detection.advisories=false: heartbeats alone")
             return
         nc = self.ctx.nc
-        self.account = cfg.advisory_account or await self._discover_account()
+        self.account = cfg.advisory_account or await account_of(nc)
         acc = self.account or "*"
         self._subs = [
             await nc.subscribe(disconnect_subject(acc), cb=self._on_disconnect),
@@ -148,15 +149,6 @@ class Advisories:
                 log.debug("advisories.stop unsubscribe failed", exc_info=True)
         self._subs = []
 
-    async def _discover_account(self) -> str | None:
-        try:
-            msg = await self.ctx.nc.request(USER_INFO, b"", REQUEST_TIMEOUT_S)
-            info = _userinfo_decoder.decode(msg.data).data
-            return info.account if info and info.account else None
-        except Exception as exc:  # old servers: fall back to a wildcard
-            log.debug("advisories.user_info unavailable: %r", exc)
-            return None
-
     # --- reconcile -----------------------------------------------------------------------
 
     async def reconcile(self) -> int:
@@ -173,7 +165,8 @@ class Advisories:
         return len(transitions)
 
     async def _connection_names(self) -> set[str] | None:
-        """Names of the account's live connections, or None when the server won't say."""
+        """Names of the account's live connections on every server that answers, or None
+        when no server will say."""
         if self.account is None:
             self._unavailable("account unknown ($SYS.REQ.USER.INFO did not answer)")
             return None
@@ -181,23 +174,40 @@ class Advisories:
         names: set[str] = set()
         offset = 0
         for _ in range(CONNZ_MAX_PAGES):
-            body = _encoder.encode({"offset": offset, "limit": CONNZ_PAGE})
+            body = _encoder.encode({"offset": offset, "limit": CONNZ_PAGE, "auth": True})
             try:
-                msg = await self.ctx.nc.request(subject, body, REQUEST_TIMEOUT_S)
-                data = _connz_decoder.decode(msg.data).data
-            except (NoRespondersError, NatsTimeoutError) as exc:
-                self._unavailable(f"{subject} not answered ({type(exc).__name__})")
+                replies = await gather(self.ctx.nc, subject, body, timeout_s=REQUEST_TIMEOUT_S)
+            except NoRespondersError:
+                replies, why = [], "NoRespondersError"
+            else:
+                why = "TimeoutError"
+            if not replies:
+                self._unavailable(f"{subject} not answered ({why})")
                 return None
-            except msgspec.DecodeError as exc:
-                self._unavailable(f"{subject} answered something else ({exc})")
-                return None
-            if data is None:
+            more = False
+            servers = set()
+            for msg in replies:
+                try:
+                    data = _connz_decoder.decode(msg.data).data
+                except msgspec.DecodeError as exc:
+                    self._unavailable(f"{subject} answered something else ({exc})")
+                    return None
+                if data is None:
+                    continue
+                servers.add(server_of(msg))
+                names.update(c.name for c in data.connections if self._is_named(c.name, c.jwt))
+                # Each server pages its own list: ask again while any has more.
+                more = more or (
+                    bool(data.connections) and offset + len(data.connections) < data.total
+                )
+            if not servers:
                 self._unavailable(f"{subject} answered without data")
                 return None
-            names.update(c.name for c in data.connections if c.name)
-            offset += len(data.connections)
-            if not data.connections or offset >= data.total:
+            self.servers = len(servers)
+            if not more:
                 break
+            offset += CONNZ_PAGE
+        self.answers += 1
         self._available()
         return names
 
@@ -219,15 +229,29 @@ class Advisories:
 
     # --- advisories ----------------------------------------------------------------------
 
+    def _is_named(self, name: str, jwt: str) -> bool:
+        """Whether a connection called ``name`` may be taken as agent ``name``'s: no user JWT
+        (open mode), or one issued for that name."""
+        if not name:
+            return False
+        if not jwt or jwt_name(jwt) == name:
+            return True
+        if name in self.registry.agents:
+            self.ctx.metrics.refused.labels("advisory", "name_mismatch").inc()
+            log.warning("advisories.name_mismatch connection=%s jwt_name=%s: not taken as the "
+                        "agent's connection", name, jwt_name(jwt))  # fmt: skip
+        return False
+
     def _client_name(self, msg: Msg) -> str | None:
-        """The connection name an advisory is about; a broken one is dropped and counted."""
+        """The agent an advisory is about, if any; a broken one is dropped and counted."""
         try:
-            name = _advisory_decoder.decode(msg.data).client.name
+            client = _advisory_decoder.decode(msg.data).client
         except msgspec.DecodeError:
             self.ctx.metrics.dropped.labels("advisory", "invalid").inc()
+            self.ctx.metrics.refused.labels("advisory", "invalid").inc()
             return None
         self._available()
-        return name or None
+        return client.name if self._is_named(client.name, client.jwt) else None
 
     async def _on_disconnect(self, msg: Msg) -> None:
         name = self._client_name(msg)

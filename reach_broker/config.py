@@ -26,7 +26,12 @@ class NatsSection(Section):
     url: str | None = None
     """NATS server URL(s), comma-separated; unset starts an embedded nats-server."""
     creds: str | None = None
-    """Path of a NATS credentials file."""
+    """Path of a NATS credentials file (``reach auth``: ``DIR/broker.creds``)."""
+    tls_ca: str | None = None
+    """CA certificate (PEM) the server's certificate must chain to; turns TLS on."""
+    auth_dir: str | None = None
+    """A ``reach auth init`` DIR: the embedded server runs ``DIR/server.conf`` and the broker
+    connects with ``DIR/broker.creds`` (and ``DIR/tls/ca.pem`` with TLS)."""
     ping_interval_s: Annotated[int, Meta(ge=1)] = 2
     """Client PING interval: a dead server is noticed in about ping * outstanding seconds."""
     max_outstanding_pings: Annotated[int, Meta(ge=1)] = 2
@@ -91,6 +96,9 @@ class DetectionSection(Section):
     """Use the server's $SYS connect/disconnect advisories when the account exports them."""
     advisory_account: str | None = None
     """Account whose advisories to follow (unset: this connection's, via $SYS.REQ.USER.INFO)."""
+    observer_suspect_share: Share = 0.3
+    """Share of the fleet that, going silent at once, makes the broker doubt its own link and
+    hold every state until heartbeats flow again or the server's connection list confirms."""
 
 
 class ScoringSection(Section):
@@ -170,6 +178,55 @@ class CompensationSection(Section):
     """Ceiling of the backoff while every agent of a capability answers TARGET_BUSY."""
 
 
+class JetStreamSection(Section):
+    replicas: Annotated[int, Meta(ge=1, le=5)] | None = None
+    """Replicas of every stream and the KV bucket (unset: 3 when the server reports a cluster
+    of three or more nodes, else 1); an existing asset is moved to this count in place."""
+
+
+class ClaimsSection(Section):
+    scan_window_s: Positive = 3600.0
+    """At start, claims (KV reach_claims) written this long ago are read to know who runs
+    what; a task running longer than this when the broker starts is not released if its
+    agent then goes offline (its claim waits for the agent, or for the bucket's max age)."""
+    release: bool = True
+    """Release the running claims of agents the broker declares offline, so their requests
+    can run elsewhere (off: they stay claimed until their agent returns or they expire)."""
+
+
+CONSOLE_TOKEN_PATTERN = r"^[A-Za-z0-9._~+/=-]{16,256}$"
+ConsoleToken = Annotated[str, Meta(pattern=CONSOLE_TOKEN_PATTERN)]
+
+
+def console_token(value: str, source: str) -> str:
+    """``value`` if it can be a console token (16-256 URL- and cookie-safe characters)."""
+    try:
+        return msgspec.convert(value, ConsoleToken)
+    except msgspec.ValidationError:
+        raise ConfigError(
+            f"{source}: a console token is 16 to 256 of the characters A-Z a-z 0-9 . _ ~ + / = -"
+            f" (got {len(value)} characters)"
+        ) from None
+
+
+class ConsoleSection(Section):
+    enabled: bool = True
+    """Serve the web console at / on the metrics port (beside /metrics)."""
+    token: ConsoleToken | None = None
+    """Token the console asks for; required when the metrics port listens beyond loopback
+    (without one the console is off there, /metrics stays open)."""
+    sample_s: Positive = 5.0
+    """How often each agent's score, task time and load are sampled for its chart."""
+    history_s: Positive = 300.0
+    """How far back the samples go (bounded memory: history_s / sample_s per agent)."""
+    events: Annotated[int, Meta(ge=1, le=100_000)] = 500
+    """Events kept for the timeline (read from REACH_AUDIT at start, then live)."""
+    push_s: Positive = 1.0
+    """How often a watching page gets the fleet (and at once after a transition)."""
+    max_agents: Annotated[int, Meta(ge=1)] = 500
+    """Agents sent to the page, the least healthy first (the counts cover all)."""
+
+
 class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The whole broker configuration."""
 
@@ -179,6 +236,9 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     scoring: ScoringSection = msgspec.field(default_factory=ScoringSection)
     routing: RoutingSection = msgspec.field(default_factory=RoutingSection)
     compensation: CompensationSection = msgspec.field(default_factory=CompensationSection)
+    jetstream: JetStreamSection = msgspec.field(default_factory=JetStreamSection)
+    claims: ClaimsSection = msgspec.field(default_factory=ClaimsSection)
+    console: ConsoleSection = msgspec.field(default_factory=ConsoleSection)
 
 
 class ConfigError(ValueError):
@@ -204,6 +264,8 @@ def load(path: str | os.PathLike[str] | None = None) -> Config:
         cfg.nats.url = os.environ["NATS_URL"]
     if os.environ.get("REACH_TOKEN_SECRET"):
         cfg.broker.token_secret = os.environ["REACH_TOKEN_SECRET"]
+    if os.environ.get("REACH_CONSOLE_TOKEN"):
+        cfg.console.token = console_token(os.environ["REACH_CONSOLE_TOKEN"], "REACH_CONSOLE_TOKEN")
     if cfg.detection.offline_after < cfg.detection.suspect_after:
         raise ConfigError(
             f"detection.offline_after ({cfg.detection.offline_after}) is below "

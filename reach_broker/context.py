@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -54,6 +54,31 @@ class Tasks:
             task.cancel()
 
 
+class Link:
+    """The broker's own link to NATS as its components see it (set by the observer from the
+    connection's callbacks)."""
+
+    __slots__ = ("connected", "epoch", "since")
+
+    def __init__(self) -> None:
+        self.connected = True
+        """False from the connection's loss to its return."""
+        self.epoch = 0
+        """Outages so far: a measurement spanning a change of epoch spans an outage."""
+        self.since = 0.0
+        """Monotonic time of the last loss or return."""
+
+    def lost(self, now: float) -> None:
+        self.connected = False
+        self.epoch += 1
+        self.since = now
+
+    def regained(self, now: float) -> None:
+        self.connected = True
+        self.epoch += 1
+        self.since = now
+
+
 class Fanout:
     """Where every registry change goes: published as an ``Event`` on
     ``<prefix>.event.<kind>.<agent_id>``, counted, logged, and handed to every listener
@@ -68,8 +93,12 @@ class Fanout:
         wall: Callable[[], float],
         spawn: Callable[[Awaitable[Any], str], None],
         record_of: Callable[[str], AgentRecord | None],
+        link: Link | None = None,
     ) -> None:
         self._nc = nc
+        self.link = link or Link()
+        self.withheld = 0
+        """Events not published because the broker's link was down when they were made."""
         self._subjects = subjects
         self._metrics = metrics
         self._broker_id = broker_id
@@ -89,7 +118,11 @@ class Fanout:
                 broker_id=self._broker_id, to=t.to, from_=t.from_,
             )  # fmt: skip
             subject = self._subjects.event(t.kind, t.agent_id)
-            self._spawn(self._nc.publish(subject, schema.encoder.encode(event)), "event")
+            if self.link.connected:
+                self._spawn(self._publish(subject, schema.encoder.encode(event)), "event")
+            else:  # nats-py would buffer it and send it after the fact: never
+                self.withheld += 1
+                m.dropped.labels("event", "link_down").inc()
             m.registry_changes.labels(t.kind).inc()
             if t.to is not None and t.kind != "registered":
                 m.state_changes.labels(t.to).inc()
@@ -102,6 +135,13 @@ class Fanout:
                     listener(t, rec)
                 except Exception:  # noqa: BLE001 - a listener never breaks the broker
                     log.exception("broker.listener failed transition=%s", t)
+
+    async def _publish(self, subject: str, body: bytes) -> None:
+        if self.link.connected:  # still: the link may have dropped since the emit
+            await self._nc.publish(subject, body)
+        else:
+            self.withheld += 1
+            self._metrics.dropped.labels("event", "link_down").inc()
 
     def announced(self, rec: AgentRecord) -> None:
         """An announce was accepted (whether or not it moved a state)."""
@@ -131,6 +171,8 @@ class BrokerContext:
     """Run a short task in the background; the broker waits for it at stop."""
     fanout: Fanout
     """Where transitions go (:meth:`Fanout.emit`) and where to listen for them."""
+    link: Link = field(default_factory=Link)
+    """The broker's own link: a measurement across its outage is not the agent's."""
 
     def wall_ms(self) -> int:
         return int(self.wall() * 1000)

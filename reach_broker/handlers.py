@@ -5,6 +5,13 @@ the router, hands transitions to the fan-out and returns the reply body (or None
 a :class:`~reach_agent.errors.ReachError` to refuse. :class:`Endpoint` runs it and sends the
 reply after the decision; :meth:`Endpoint.failure` is the one place an exception becomes an
 error reply (the NATS Services headers) and a count, as ``nats.micro``'s endpoint does.
+
+Before any handler runs, :class:`Endpoint` drops (and counts in ``reach_dropped_total``) two
+kinds of message the server's permissions cannot stop, because nats-server never checks a
+message's reply subject against its sender's rights: a copy of a stored message (a
+``Nats-Stream`` header: JetStream answered a direct get onto this subject), and a request
+whose reply subject is not an inbox (answering it would publish with the broker's rights
+wherever the requester chose: an agent's task subject, the JetStream API).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import msgspec
 from nats.aio.msg import Msg
 from nats.micro.request import Request
 
+from jetstream.names import H_STREAM
 from reach_agent import schema
 from reach_agent.errors import Forbidden, InternalError, ReachError, to_reply
 from reach_agent.schema import (
@@ -28,8 +36,10 @@ from reach_agent.schema import (
     check_capability,
     decode,
 )
+from reach_agent.subjects import is_inbox
 
 from .context import BrokerContext
+from .explain import Explainer
 from .registry import Registry
 from .routing import Router
 
@@ -50,11 +60,28 @@ OK_REPLY = schema.encoder.encode(Ok())
 Handle = Callable[[str, bytes], bytes | None]
 """A handler: (subject, body) -> reply body, or None for no reply; raises to refuse."""
 
+Dropped = Callable[[str], Any]
+"""The ``reach_dropped_total`` child of one endpoint, by reason."""
+
+
+class NoToken(Forbidden):
+    """A leave without the agent's token, refused while the server enforces identities."""
+
+    drop_reason = "no_token"
+
+
+def drop_reason(err: ReachError) -> str:
+    """The ``reason`` label a refusal is counted under."""
+    return getattr(err, "drop_reason", None) or (
+        "forbidden" if err.code == "FORBIDDEN" else "invalid"
+    )
+
 
 class Endpoint:
     """One inbound subject: its handler, and how its failures are counted and answered."""
 
     __slots__ = (
+        "_dropped",
         "_failed",
         "_handle",
         "_log_refusal",
@@ -76,6 +103,7 @@ class Endpoint:
         replies: bool = True,
         log_refusal: tuple[int, str] | None = None,
         timed: Any | None = None,
+        dropped: Dropped | None = None,
     ) -> None:
         self.name = name
         self._handle = handle
@@ -90,6 +118,26 @@ class Endpoint:
         """(level, event) a refusal is logged at, if at all."""
         self._timed = timed
         """A histogram of the time to answer, if any."""
+        self._dropped = dropped
+        """``reach_dropped_total{kind=<this endpoint>}`` by reason, if it counts there."""
+
+    def drop(self, reason: str, subject: str) -> None:
+        """A message refused before its handler: counted and logged (at the refusal level)."""
+        if self._dropped is not None:
+            self._dropped(reason).inc()
+        level = self._log_refusal[0] if self._log_refusal else logging.INFO
+        if log.isEnabledFor(level):
+            log.log(level, "%s.dropped subject=%s reason=%s", self.name, subject, reason)
+
+    def _admit(self, subject: str, headers: dict[str, str] | None, reply: str | None) -> bool:
+        """Whether a message may reach the handler (see the module docstring)."""
+        if headers is not None and H_STREAM in headers:
+            self.drop("stored_copy", subject)
+            return False
+        if reply and self._replies and not is_inbox(reply):
+            self.drop("reply_subject", subject)
+            return False
+        return True
 
     def failure(self, subject: str, exc: Exception) -> tuple[bytes, dict[str, str]] | None:
         """What a handler's exception answers — (body, error headers), or None when this
@@ -99,12 +147,16 @@ class Endpoint:
             err = exc
             if self._refused is not None:
                 self._refused(err).inc()
+            if self._dropped is not None:
+                self._dropped(drop_reason(err)).inc()
             if self._log_refusal is not None and log.isEnabledFor(self._log_refusal[0]):
                 log.log(self._log_refusal[0], "%s subject=%s error=%s", self._log_refusal[1],
                         subject, err.message)  # fmt: skip
         else:
             if self._failed is not None:
                 self._failed.inc()
+            if self._dropped is not None:
+                self._dropped("error").inc()
             log.error("%s.failed subject=%s", self.name, subject, exc_info=exc)
             err = InternalError(f"{self.name} failed: {exc!r}")
         if not self._replies:
@@ -114,6 +166,8 @@ class Endpoint:
 
     async def on_message(self, msg: Msg) -> None:
         """Callback of a plain subscription (announce, heartbeat, leave)."""
+        if not self._admit(msg.subject, msg.headers, msg.reply):
+            return
         try:
             body = self._handle(msg.subject, msg.data)
         except Exception as exc:  # noqa: BLE001 - answered by failure(), never kills the sub
@@ -126,6 +180,10 @@ class Endpoint:
 
     async def on_request(self, req: Request) -> None:
         """Handler of a NATS Services endpoint (route, agents)."""
+        # nats.micro's Request keeps the message private; its reply subject is what
+        # respond() publishes to.
+        if not self._admit(req.subject, req.headers, req._msg.reply):
+            return
         t0 = time.perf_counter()
         try:
             body = self._handle(req.subject, req.data)
@@ -146,6 +204,7 @@ class Handlers:
         self.ctx = ctx
         self.registry = registry
         self.router = router
+        self.explainer = Explainer(router, registry.cfg.scoring)
         m = ctx.metrics
         self._route_refused = {
             "NO_REACHABLE_AGENT": m.route_result["no_agent"],
@@ -156,26 +215,45 @@ class Handlers:
         self._hb_decode = schema.heartbeat_decoder.decode
         self._heartbeat = registry.heartbeat
         self._hb_result = m.heartbeat_result
+        # A heartbeat the registry does not accept is also a refusal (bound once: a forged
+        # storm must not cost a label lookup per message).
+        self._hb_dropped = {r: m.refused.labels("heartbeat", r)
+                            for r in ("forged", "stale", "unknown")}  # fmt: skip
         self._clock, self._wall = ctx.clock, ctx.wall
+        self.require_leave_token = False
+        """Set while the server enforces identities (``reach_auth_enabled``): a leave must
+        then carry the agent's token, since the server lets anyone's reply land on
+        ``reach.leave.<id>`` (JetStream's acknowledgement of a publish decodes as a leave)."""
         invalid_hb = m.heartbeat_result["invalid"]
+        self.on_unknown: Callable[[str], None] = lambda agent_id: None
+        """Told of a heartbeat from an agent this broker does not know (or whose token it
+        cannot verify): the re-announce request (:mod:`reach_broker.identity`)."""
+
+        def dropped(kind: str) -> Dropped:
+            return lambda reason: m.refused.labels(kind, reason)
+
         self.endpoints = {
             "announce": Endpoint(
                 "announce", self.announce, ctx, refused=lambda _: m.announce_result["invalid"],
                 failed=m.announce_result["error"], log_refusal=(logging.INFO, "announce.refused"),
+                dropped=dropped("announce"),
             ),
             "heartbeat": Endpoint(
                 "heartbeat", self.heartbeat, ctx, refused=lambda _: invalid_hb, failed=invalid_hb,
                 replies=False, log_refusal=(logging.DEBUG, "heartbeat.dropped"),
+                dropped=dropped("heartbeat"),
             ),
             "leave": Endpoint(
                 "leave", self.leave, ctx, refused=lambda _: m.leaves.labels("invalid"),
-                failed=m.leaves.labels("error"),
+                failed=m.leaves.labels("error"), log_refusal=(logging.INFO, "leave.refused"),
+                dropped=dropped("leave"),
             ),
             "route": Endpoint(
                 "route", self.route, ctx, refused=self._route_counter,
-                failed=m.route_result["error"], timed=m.route_duration,
+                failed=m.route_result["error"], timed=m.route_duration, dropped=dropped("route"),
             ),
-            "agents": Endpoint("agents", self.agents, ctx, refused=None, failed=None),
+            "agents": Endpoint("agents", self.agents, ctx, refused=None, failed=None,
+                               dropped=dropped("agents")),
         }  # fmt: skip
         """Every inbound subject's endpoint, by name."""
 
@@ -183,10 +261,17 @@ class Handlers:
         return self._route_refused.get(err.code, self._route_invalid)
 
     def announce(self, subject: str, data: bytes) -> bytes:
-        ctx = self.ctx
-        agent_id = ctx.subjects.agent_of_announce(subject)
+        return self.apply_announce(self.parse_announce(subject, data))
+
+    def parse_announce(self, subject: str, data: bytes) -> schema.Announce:
+        agent_id = self.ctx.subjects.agent_of_announce(subject)
         check_agent_id(agent_id, "subject agent_id")
-        ann = schema.validate_announce(decode(schema.announce_decoder, data, "announce"), agent_id)
+        return schema.validate_announce(decode(schema.announce_decoder, data, "announce"), agent_id)
+
+    def apply_announce(self, ann: schema.Announce) -> bytes:
+        """Register ``ann`` (already validated); the ``AnnounceAck`` body."""
+        ctx = self.ctx
+        agent_id = ann.agent_id
         rec, transitions = self.registry.announce(ann, ctx.clock(), ctx.wall_ms())
         ctx.metrics.announce_result["ok"].inc()
         ctx.fanout.announced(rec)
@@ -212,6 +297,10 @@ class Handlers:
             schema.validate_heartbeat(hb, agent_id)  # raises, naming both
         result, transitions = self._heartbeat(hb, self._clock(), int(self._wall() * 1000))
         self._hb_result[result].inc()
+        if result != "accepted":
+            self._hb_dropped[result].inc()
+            if result == "unknown" or result == "forged":
+                self.on_unknown(hb.agent_id)
         if transitions:
             self.ctx.fanout.emit(transitions)
 
@@ -224,6 +313,9 @@ class Handlers:
             raise schema.InvalidRequest(
                 f"agent_id {body.agent_id!r} in the body disagrees with the subject's {agent_id!r}"
             )
+        if body.token is None and self.require_leave_token:
+            raise NoToken(f"leave for agent_id {agent_id!r} carries no token (required while "
+                          "the server enforces identities)")  # fmt: skip
         if body.token is not None and not self.registry.signer.verify(agent_id, body.token):
             raise Forbidden(f"token does not verify for agent_id {agent_id!r}")
         transitions = self.registry.leave(agent_id, ctx.clock(), body.reason or "leave")
@@ -242,6 +334,10 @@ class Handlers:
             rreq = schema.validate_route_request(
                 decode(schema.route_request_decoder, data, "route request")
             )
+            if rreq.explain:
+                body = self.explainer.route_reply(capability, rreq, ctx.clock(), ctx.wall_ms())
+                ctx.metrics.route_result["ok"].inc()
+                return body
         body = self.router.route_reply(capability, rreq, ctx.clock(), ctx.wall_ms())
         ctx.metrics.route_result["ok"].inc()
         return body

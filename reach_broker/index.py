@@ -201,6 +201,7 @@ def candidate(rec: AgentRecord, subject: str) -> Candidate:
         load=rec.load,
         region=rec.region,
         version=rec.version,
+        timeout_hint_ms=rec.timeout_hint_ms,
     )
 
 

@@ -17,7 +17,12 @@ from reach_agent.schema import AGENT_STATES
 
 HEARTBEAT_RESULTS = ("accepted", "stale", "forged", "invalid", "unknown")
 ROUTE_RESULTS = ("ok", "no_agent", "invalid", "overloaded", "error")
-ANNOUNCE_RESULTS = ("ok", "invalid", "error")
+ANNOUNCE_RESULTS = ("ok", "invalid", "error", "conflict")
+DROP_KINDS = ("announce", "heartbeat", "leave", "route", "agents", "advisory", "ack")
+"""``kind`` of ``reach_dropped_total``: the inbound subject family a refusal was on."""
+DROP_REASONS = ("invalid", "forbidden", "forged", "stale", "unknown", "no_token",
+                "stored_copy", "reply_subject", "name_mismatch", "error")  # fmt: skip
+"""``reason`` of ``reach_dropped_total`` (see docs/operations.md, Securing reach)."""
 
 ROUTE_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 
@@ -92,6 +97,19 @@ class Metrics:
             ["kind", "reason"],
             registry=r,
         )
+        self.refused = Counter(
+            "reach_dropped_total",
+            "Inbound messages the broker refused (announces, heartbeats, leaves, requests, "
+            "advisories, ack records), by kind and reason",
+            ["kind", "reason"],
+            registry=r,
+        )
+        self.auth_enabled = Gauge(
+            "reach_auth_enabled",
+            "1 when the server requires credentials and the broker authenticated with a user "
+            "JWT (reach's roles apply); 0 in open mode, where anyone can act for any agent",
+            registry=r,
+        )
         self.nats_errors = Counter(
             "reach_nats_errors_total", "NATS client errors by kind", ["kind"], registry=r
         )
@@ -103,6 +121,23 @@ class Metrics:
             "reach_disconnect_advisories", "1 when the server's disconnect advisories are seen",
             registry=r,
         )  # fmt: skip
+        # High availability (issue 13): the broker's doubt about its own link.
+        self.observer_suspect = Gauge(
+            "reach_observer_suspect",
+            "1 while the broker doubts its own view (too much of the fleet silent at once, or "
+            "its NATS link down) and holds every state",
+            registry=r,
+        )
+        self.observer_gaps = Counter(
+            "reach_observer_gaps_total",
+            "Outages of the broker's own NATS link (every agent's clock rebased after each)",
+            registry=r,
+        )
+        self.reannounce_requests = Counter(
+            "reach_reannounce_requests_total",
+            "Agents asked to announce again (heartbeat from an agent the broker does not know)",
+            registry=r,
+        )
         # JetStream (issue 4): compensation queue and durable acks.
         self.compensation_depth = Gauge(
             "reach_compensation_depth", "Entries in REACH_COMPENSATION (read periodically)",
@@ -110,13 +145,14 @@ class Metrics:
         )  # fmt: skip
         self.compensation = Counter(
             "reach_compensation_total",
-            "Compensation entries by result (replayed/expired by brokers; enqueued/refused by "
-            "clients)",
+            "Compensation entries by result (replayed/expired/claimed by brokers; "
+            "enqueued/refused by clients)",
             ["result"],
             registry=r,
         )
         self.compensation_result = {
-            k: self.compensation.labels(k) for k in ("enqueued", "replayed", "expired", "refused")
+            k: self.compensation.labels(k)
+            for k in ("enqueued", "replayed", "expired", "refused", "claimed")
         }
         self.ack_records = Counter(
             "reach_ack_records_total", "Ack records published on reach.ack.> by state",
@@ -125,6 +161,12 @@ class Metrics:
         self.ack_record_state = {
             k: self.ack_records.labels(k) for k in ("received", "completed", "failed")
         }
+        self.claims_released = Counter(
+            "reach_claims_released_total",
+            "Running claims (KV reach_claims) released because their agent was declared "
+            "offline, so the request can run elsewhere",
+            registry=r,
+        )
         self.ack_latency = Histogram(
             "reach_ack_latency_seconds",
             "Task sent (replay) or received (agent ack) to its completed/failed ack",

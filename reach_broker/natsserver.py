@@ -142,7 +142,11 @@ class NatsServer:
 
     ``port=0`` lets the server pick a free port (read back from its log, so there is no
     race between choosing a port and binding it). ``store_dir=None`` uses a temporary
-    directory removed on :meth:`stop`. ``guard`` ties the server's life to this process
+    directory removed on :meth:`stop`. ``config_store=True`` is for a config that turns
+    JetStream on with a store of its own (``reach auth init``'s ``DIR/server.conf``): the
+    launcher then passes neither ``-js`` nor ``-sd`` (the server refuses a second
+    ``store_dir``) and keeps its log in ``store_dir``; ``tls`` says the config requires TLS
+    (the URL is then ``tls://``). ``guard`` ties the server's life to this process
     (:mod:`reach_broker.lifeline`; default: the platform's mechanism). Usable as a (sync or
     async) context manager.
     """
@@ -158,8 +162,12 @@ class NatsServer:
         extra_args: list[str] | None = None,
         new_session: bool = False,
         guard: Guard | None = None,
+        config_store: bool = False,
+        tls: bool = False,
     ) -> None:
         self.host = host
+        self.config_store = config_store
+        self.scheme = "tls" if tls else "nats"
         # In its own session a Ctrl-C at the terminal does not reach the server, so its
         # owner (e.g. `reach demo`) can stop its clients first and the server last.
         self.new_session = new_session
@@ -178,7 +186,7 @@ class NatsServer:
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
     @property
     def pid(self) -> int | None:
@@ -190,7 +198,7 @@ class NatsServer:
             return self.url
         binary = self.binary or find_binary()
         env = dict(os.environ)
-        if self.config is not None:
+        if self.config is not None and not self.config_store:
             self.system_password = env[SYSTEM_PASSWORD_ENV] = system_password()
         if self.store_dir is None:
             remove_stale_store_dirs()
@@ -202,14 +210,10 @@ class NatsServer:
         args = [binary]
         if self.config is not None:
             args += ["-c", str(self.config)]
-        args += [
-            "-a", self.host,
-            "-p", str(self.port or -1),
-            "-js",
-            "-sd", str(self.store_dir / "jetstream"),
-            "-l", str(self.log_path),
-            *self.extra_args,
-        ]  # fmt: skip
+        args += ["-a", self.host, "-p", str(self.port or -1)]
+        if not self.config_store:
+            args += ["-js", "-sd", str(self.store_dir / "jetstream")]
+        args += ["-l", str(self.log_path), *self.extra_args]
         log.debug("nats-server.start args=%s", args)
         try:
             self.proc, self._lifeline = spawn(

@@ -198,6 +198,26 @@ class Prober:
                 log.exception("probes.loop failed")
                 await asyncio.sleep(0.1)
 
+    def _settle(
+        self, agent_id: str, ok: bool, result: str, sample: bool, rtt_ms: float, now: float
+    ) -> bool:
+        """Count one probe's outcome and hand it to the registry; whether it counts as ok."""
+        ctx = self.ctx
+        rtt = rtt_ms if ok else None
+        ctx.metrics.probes.labels(result).inc()
+        if rtt is not None:
+            ctx.metrics.probe_rtt.observe(rtt / 1000.0)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("probe.%s agent=%s rtt_ms=%s", result, agent_id, rtt)
+        if sample and result == "no_responders":
+            # A heartbeating agent without a probe responder (a minimal agent in any
+            # language may have none): no RTT sample, but no verdict on liveness
+            # either. A dead one is the disconnect advisory's or the deadlines' job.
+            return True
+        # Only a sample probe's round trip is an RTT: a liveness probe's measures the silence.
+        ctx.fanout.emit(self.registry.probe_result(agent_id, ok, rtt if sample else None, now))
+        return ok
+
     async def _probe(self, agent_id: str) -> None:
         ctx = self.ctx
         registry = self.registry
@@ -208,6 +228,7 @@ class Prober:
                 if rec is None:
                     return
                 sample = rec.state == "healthy"
+                epoch = ctx.link.epoch
                 t0 = ctx.clock()
                 try:
                     await ctx.nc.request(
@@ -219,20 +240,12 @@ class Prober:
                 except NoRespondersError:
                     result = "no_responders"
                 now = ctx.clock()
-                rtt_ms = (now - t0) * 1000.0 if ok else None
-                ctx.metrics.probes.labels(result).inc()
-                if rtt_ms is not None:
-                    ctx.metrics.probe_rtt.observe(rtt_ms / 1000.0)
-                if log.isEnabledFor(logging.DEBUG):
-                    log.debug("probe.%s agent=%s rtt_ms=%s", result, agent_id, rtt_ms)
-                if sample and result == "no_responders":
-                    # A heartbeating agent without a probe responder (a minimal agent in any
-                    # language may have none): no RTT sample, but no verdict on liveness
-                    # either. A dead one is the disconnect advisory's or the deadlines' job.
+                if epoch != ctx.link.epoch or not ctx.link.connected:
+                    # The broker's own link dropped meanwhile: the outcome is not the agent's.
+                    ctx.metrics.probes.labels("link_down").inc()
                     ok = True
                 else:
-                    rtt = rtt_ms if sample else None  # a liveness probe's time is no RTT
-                    ctx.fanout.emit(registry.probe_result(agent_id, ok, rtt, now))
+                    ok = self._settle(agent_id, ok, result, sample, (now - t0) * 1000.0, now)
         except asyncio.CancelledError:
             raise
         except Exception:  # a failed probe never breaks the broker

@@ -1,19 +1,23 @@
 """The broker process: what ``reach broker`` runs, assembled in one place.
 
-Start, in order: an embedded ``nats-server`` when the config names no server (in a session
-of its own, so a terminal Ctrl-C reaches the broker only, which stops its clients before
-the server: the server dying first would leave them reconnecting), SIGINT/SIGTERM/SIGHUP
-handlers (SIGHUP: the terminal closed), the Prometheus ``/metrics`` endpoint, the
-:class:`~reach_broker.service.Broker`. Stop, the other way round: the broker (drains, leaves
-nothing in flight), then the embedded server. The metrics endpoint is a daemon thread that
-ends with the process. Should the process die without stopping (``kill -9``), the embedded
-server dies with it (:mod:`reach_broker.lifeline`).
+Start, in order: an embedded ``nats-server`` when the config names no server (with
+``nats.auth_dir``: the DIR's ``server.conf``, operator mode; in a session of its own, so a
+terminal Ctrl-C reaches the broker only, which stops its clients before the server: the
+server dying first would leave them reconnecting), SIGINT/SIGTERM/SIGHUP handlers (SIGHUP:
+the terminal closed), the HTTP port (Prometheus ``/metrics`` and the web console,
+:mod:`reach_broker.console`), the :class:`~reach_broker.service.Broker`, then the console's
+feed on the running broker. Stop, the other way round: the HTTP port (open pages are told
+goodbye), the broker (drains, leaves nothing in flight), then the embedded server. Should the
+process die without stopping (``kill -9``), the embedded server dies with it
+(:mod:`reach_broker.lifeline`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+from typing import Any
 
 from .config import Config
 from .logs import say
@@ -46,6 +50,8 @@ async def serve(cfg: Config, *, stop: asyncio.Event | None = None) -> None:
     """Run a broker for ``cfg`` until SIGINT/SIGTERM (or ``stop`` is set), then stop it in
     order. Without ``cfg.nats.url`` an embedded server is started and ``cfg.nats.url`` set to
     it. Raises :class:`StartError` when something cannot start."""
+    if cfg.nats.auth_dir:
+        _use_auth_dir(cfg)
     server = await _embedded_server(cfg) if not cfg.nats.url else None
     try:
         if stop is None:
@@ -59,9 +65,31 @@ async def serve(cfg: Config, *, stop: asyncio.Event | None = None) -> None:
             await asyncio.to_thread(server.stop)
 
 
+def _use_auth_dir(cfg: Config) -> None:
+    """The broker's credential (and CA) from the auth DIR, unless set explicitly."""
+    from .auth import AuthDir, AuthError
+
+    try:
+        d = AuthDir.open(cfg.nats.auth_dir or "")
+        meta = d.meta()
+    except AuthError as exc:
+        raise StartError(f"--auth: {exc}") from None
+    cfg.nats.creds = cfg.nats.creds or str(d.broker_creds)
+    if meta.tls:
+        cfg.nats.tls_ca = cfg.nats.tls_ca or str(d.ca)
+
+
 async def _embedded_server(cfg: Config) -> NatsServer:
-    server = NatsServer(port=cfg.nats.embedded_port, store_dir=cfg.nats.embedded_store_dir,
-                        new_session=True)  # fmt: skip
+    if cfg.nats.auth_dir:
+        from .auth import AuthDir
+
+        d = AuthDir.open(cfg.nats.auth_dir)
+        server = NatsServer(port=cfg.nats.embedded_port, config=d.server_conf,
+                            store_dir=d.store_dir, config_store=True, tls=d.meta().tls,
+                            new_session=True)  # fmt: skip
+    else:
+        server = NatsServer(port=cfg.nats.embedded_port, store_dir=cfg.nats.embedded_store_dir,
+                            new_session=True)  # fmt: skip
     try:
         await asyncio.to_thread(server.start)
     except PortInUse as exc:
@@ -73,39 +101,50 @@ async def _embedded_server(cfg: Config) -> NatsServer:
     except NatsServerError as exc:
         raise StartError(f"embedded nats-server: {exc}") from None
     cfg.nats.url = server.url
+    mode = f"; operator mode from {cfg.nats.auth_dir}" if cfg.nats.auth_dir else ""
     say(f"reach: embedded nats-server listening on {server.url} "
-        f"(pid {server.pid}, JetStream store {server.store_dir})")  # fmt: skip
+        f"(pid {server.pid}, JetStream store {server.store_dir}{mode})")  # fmt: skip
     return server
 
 
 async def _run_broker(cfg: Config, stop: asyncio.Event) -> None:
-    from prometheus_client import start_http_server
-
+    from .console.port import HttpPort
     from .metrics import Metrics
     from .service import Broker
 
     metrics = Metrics()
-    if cfg.broker.metrics_port:
+    port = HttpPort(cfg, metrics.registry) if cfg.broker.metrics_port else None
+    if port is not None:
         try:
-            start_http_server(cfg.broker.metrics_port, cfg.broker.metrics_host,
-                              registry=metrics.registry)  # fmt: skip
+            await port.start()
         except OSError as exc:
+            why = os.strerror(exc.errno) if exc.errno else str(exc)
             raise StartError(
-                f"metrics port {cfg.broker.metrics_port}: {exc.strerror} "
+                f"metrics port {cfg.broker.metrics_port}: {why} "
                 "(choose another with --metrics-port, 0 turns it off)"
             ) from None
-    broker = Broker(cfg, metrics=metrics)
+    try:
+        await _serve_broker(cfg, stop, Broker(cfg, metrics=metrics), port)
+    finally:
+        if port is not None:
+            await port.stop()
+
+
+async def _serve_broker(cfg: Config, stop: asyncio.Event, broker: Any, port: Any) -> None:
     try:
         await broker.start()
     except Exception as exc:
         raise StartError(
             f"cannot start the broker on {cfg.nats.url}: {exc or type(exc).__name__}"
         ) from None
-    where = (f"; metrics on http://{cfg.broker.metrics_host}:{cfg.broker.metrics_port}/metrics"
-             if cfg.broker.metrics_port else "")  # fmt: skip
-    say(f"reach: broker {broker.broker_id} serving on {cfg.nats.url}{where}")
     try:
+        if port is not None:
+            await port.attach(broker.ctx, broker.registry, broker.handlers.explainer)
+        where = f"; {port.describe()}" if port is not None else ""
+        say(f"reach: broker {broker.broker_id} serving on {cfg.nats.url}{where}")
         await stop.wait()
     finally:
         say("reach: stopping")
+        if port is not None:
+            await port.stop()  # the pages first: their streams end, the feed stops
         await broker.stop()

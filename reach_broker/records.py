@@ -61,6 +61,7 @@ class AgentRecord:
         "recover_hbs",
         "recovered_at",
         "region",
+        "resync",
         "score",
         "seq",
         "state",
@@ -120,6 +121,9 @@ class AgentRecord:
         self.recover_hbs = 0
         self.probe_failures = 0
         self.disconnected = False
+        self.resync = False
+        """The broker's own link was down since the last heartbeat: the next gap is not the
+        agent's (no arrival sample, no missed beat)."""
         self.apply_announce(msg, interval_s)
 
     def apply_announce(self, msg: Announce, interval_s: float) -> None:

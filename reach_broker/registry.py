@@ -19,7 +19,7 @@ from .detector import Detector
 from .index import CapabilityIndexes
 from .records import AgentRecord, HeartbeatResult, Transition, TransitionKind
 from .scoring import score
-from .states import EVICTED, MOVES, Event, Move
+from .states import EVICTED, MOVES, SILENCE_EVENTS, Event, Move
 from .tokens import TokenSigner
 
 RECOVER_HEARTBEATS = 2
@@ -40,6 +40,13 @@ class Registry:
         self.counts: dict[str, int] = dict.fromkeys(
             ("healthy", "suspect", "offline", "recovering", "draining"), 0
         )
+        self.beats = 0
+        """Heartbeats received (any result): the observer's sign that its link carries them."""
+        self.held: set[str] = set()
+        """Agents whose silence deadline passed while the broker doubted itself: not moved
+        until :meth:`release_held`."""
+        self.silenced: list[str] = []
+        """Agents the last :meth:`expire` moved for silence."""
 
     # --- inputs ---------------------------------------------------------------------------
 
@@ -81,6 +88,7 @@ class Registry:
     def heartbeat(
         self, hb: Heartbeat, now: float, wall_ms: int
     ) -> tuple[HeartbeatResult, list[Transition]]:
+        self.beats += 1
         rec = self.agents.get(hb.agent_id)
         if rec is None:
             return "unknown", []
@@ -93,9 +101,13 @@ class Registry:
         rec.seq = hb.seq
         cfg = self.cfg.scoring
         gap = now - rec.last_seen
+        sample = not hb.initial
+        if rec.resync:  # the first beat after the broker's own outage: the gap is not its
+            rec.resync = sample = False
+            gap = 0.0
         on_time = gap <= 1.5 * rec.interval_s
         rec.stats.outcome(on_time, cfg.liveness_window)
-        if rec.state in ("healthy", "recovering", "suspect") and not hb.initial:
+        if sample and rec.state in ("healthy", "recovering", "suspect"):
             rec.window.add(gap)
         d_ok = hb.ok_total - rec.ok_total
         d_fail = hb.fail_total - rec.fail_total
@@ -182,11 +194,18 @@ class Registry:
         self.rescore(rec, now)
         return [] if t is None else [t]
 
-    def expire(self, now: float) -> list[Transition]:
-        """Apply every deadline that has passed: suspect, offline, eviction."""
+    def expire(self, now: float, max_silent: int | None = None) -> list[Transition]:
+        """Apply every deadline that has passed: suspect, offline, eviction.
+
+        ``max_silent``: when more agents than this would move for silence now, none of them
+        moves; they are :attr:`held` until :meth:`release_held` (the observer doubts its own
+        view, see :mod:`reach_broker.observer`). Disconnect-confirmed moves and evictions are
+        never held.
+        """
         out: list[Transition] = []
         heap = self._deadlines
         forget = self.cfg.detection.forget_after_s
+        due: list[tuple[AgentRecord, Event]] = []
         while heap and heap[0][0] <= now:
             _, gen, agent_id = heapq.heappop(heap)
             rec = self.agents.get(agent_id)
@@ -194,15 +213,58 @@ class Registry:
                 continue
             rec.heap_at = math.inf  # the live entry is consumed; re-armed below or by a move
             event = self._deadline_passed(rec, now)
-            t = None
-            if event is not None:
-                t = self._fire(rec, event, now, silence=now - rec.last_seen,
-                               interval=rec.interval_s, forget=forget)  # fmt: skip
+            if event is None:
+                self._push(rec, self._next_deadline(rec))
+            else:
+                due.append((rec, event))
+        silent = [r for r, e in due if e in SILENCE_EVENTS]
+        hold = max_silent is not None and len(silent) > max_silent
+        self.silenced = []
+        for rec, event in due:
+            if hold and event in SILENCE_EVENTS:
+                self.held.add(rec.agent_id)  # re-armed by its next sign of life or the release
+                continue
+            t = self._fire(rec, event, now, silence=now - rec.last_seen,
+                           interval=rec.interval_s, forget=forget)  # fmt: skip
             if t is not None:
                 out.append(t)
+                if event in SILENCE_EVENTS:
+                    self.silenced.append(rec.agent_id)
             if t is None or t.to == "suspect":
                 self._push(rec, self._next_deadline(rec))
         return out
+
+    def release_held(self) -> int:
+        """Let the held agents' deadlines run again (the next :meth:`expire` applies them);
+        returns how many were held."""
+        held, self.held = self.held, set()
+        for agent_id in held:
+            rec = self.agents.get(agent_id)
+            if rec is not None and rec.heap_at == math.inf:
+                self._push(rec, self._next_deadline(rec))
+        return len(held)
+
+    def observer_gap(self, start: float, end: float) -> None:
+        """The broker heard nothing from ``start`` to ``end`` (its own link was down): no
+        agent is blamed for it. Every clock is shifted by the gap (silence before ``start``
+        still counts), with a grace of one heartbeat interval on top; the next heartbeat's
+        gap is not sampled. O(fleet): once per outage, never per message."""
+        shift = max(end - start, 0.0)
+        self._deadlines = []
+        self.held = set()
+        for rec in self.agents.values():
+            if rec.last_seen < start:
+                rec.last_seen += shift
+                rec.resync = True
+                if rec.recovered_at is not None:
+                    rec.recovered_at += shift
+            if rec.state == "offline":
+                rec.forget_at += shift
+            else:
+                grace = shift + rec.interval_s
+                rec.suspect_at += grace
+                rec.offline_at += grace
+            self._push(rec, self._next_deadline(rec))
 
     def evict(self, agent_id: str, reason: str, now: float = 0.0) -> list[Transition]:
         rec = self.agents.get(agent_id)

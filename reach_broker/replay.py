@@ -7,12 +7,21 @@ consumer (so two replicas never hold the same entry), orders them by priority th
 sends each as a task with its original ``Reach-Request-Id`` and ``Reach-Receipt: 1`` to an
 agent the broker's Router picks, at most ``replay_concurrency`` at once (scaled down by the
 slow-start share of a just-recovered agent). An entry is acked (removed) only after the
-agent's receipt; if the broker dies first, JetStream redelivers it after ``ack_wait_s`` and
-the agent's de-duplication by request id keeps the handler from running twice.
+agent's receipt; if the broker dies first, or the ack is lost in a leader change, JetStream
+redelivers it after ``ack_wait_s``. An entry whose request id an agent has claimed (KV
+``reach_claims``: running, completed or failed), or that an agent answers ``IN_PROGRESS``,
+is removed without being sent (``claimed``); the agents' own claims keep the handler from
+running twice regardless. A redelivered entry is also looked up in the dispatch markers
+(:mod:`reach_broker.dispatch`): acked at once when its ack record is stored, else sent to
+the agent it went to.
 
 Expired entries (``Reach-Expires-Ms`` passed) are recorded on ``REACH_ACKS`` as ``failed``
 with ``error.reason = "expired"`` and removed: at replay, and by the periodic sweep for
-capabilities no agent serves. The broker also watches ``reach.ack.>`` for the ack metrics.
+capabilities no agent serves. Every record the broker writes is its own
+(``reach.ack._broker.<request_id>``): besides those ``failed`` ones, a ``received`` naming the
+agent whose receipt it got, written before the entry is acked, so that ``Client.wait`` knows
+whose ack records to believe for a submitted task. The broker also watches ``reach.ack.>``
+for the ack metrics (:mod:`reach_broker.ackwatch`).
 """
 
 from __future__ import annotations
@@ -21,9 +30,9 @@ import asyncio
 import contextlib
 import logging
 import random
-from typing import Any, Literal
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, NamedTuple
 
-import msgspec
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
@@ -34,45 +43,57 @@ from reach_agent import schema
 from reach_agent.errors import ReachError, from_reply
 from reach_agent.retry import retryable
 from reach_agent.schema import AckRecord, RouteRequest
+from reach_agent.subjects import BROKER_ACK_AUTHOR
 
+from .ackwatch import AckWatch
 from .context import BrokerContext
+from .dispatch import MARKER_TTL_S, Dispatches
 from .records import AgentRecord, Transition
 from .routing import Router
 
 log = logging.getLogger(__name__)
 
-Outcome = Literal["replayed", "expired", "failed", "stalled"]
-TRACK_MAX = 50_000
-"""Request ids remembered for the ack latency histogram (oldest forgotten first)."""
+Outcome = Literal["replayed", "expired", "failed", "stalled", "claimed"]
 FETCH_BATCH = 256
 
 
-class _AckTimes(msgspec.Struct):
-    at_ms: int = 0
+class Target(NamedTuple):
+    """Where an entry goes (a route candidate's two fields the replayer reads)."""
 
-
-_ack_times = msgspec.json.Decoder(_AckTimes)
+    agent_id: str
+    subject: str
 
 
 class Replayer:
     """Broker component replaying ``REACH_COMPENSATION`` entries to reachable agents.
     Started only when the server has JetStream."""
 
-    def __init__(self, ctx: BrokerContext, router: Router) -> None:
+    def __init__(
+        self,
+        ctx: BrokerContext,
+        router: Router,
+        holder_of: Callable[[str], Awaitable[str | None]],
+        record_of: Callable[[str], AgentRecord | None] = lambda _: None,
+    ) -> None:
         self.ctx = ctx
         self.router = router
+        self.holder_of = holder_of
+        """The agent holding a request id's claim (None: unclaimed or released)."""
+        self.dispatches = Dispatches(ctx.nc, ctx.subjects, ctx.broker_id, record_of)
+        """Where each entry was sent: exactly once across a leader change (dispatch.py)."""
         self.subjects = ctx.subjects
         self.cfg = ctx.cfg.compensation
         self.replayed = 0
         self.expired = 0
         self.failed = 0
+        self.claimed = 0  # entries an agent had claimed: removed, not sent
         self._running: dict[str, asyncio.Task[None]] = {}
         self._again: set[str] = set()
         self._known: dict[str, int] = {}
         self._consumers: dict[str, Any] = {}
         self._next_expiry_ms = 0
-        self._sent_ms: dict[str, int] = {}
-        self._received_ms: dict[str, int] = {}
+        self.acks = AckWatch(ctx)
+        """The ack metrics, fed by this component's ``<p>.ack.>`` subscription."""
         self._subs: list[Any] = []
         self._sweeper: asyncio.Task[None] | None = None
         self._route_req = RouteRequest(limit=3)
@@ -88,7 +109,7 @@ class Replayer:
             await self.ctx.nc.subscribe(subject, cb=cb, pending_msgs_limit=limits[0],
                                  pending_bytes_limit=limits[1])
             for subject, cb in ((self.subjects.all_comp, self._on_enqueued),
-                                (self.subjects.all_acks, self._on_ack))
+                                (self.subjects.all_acks, self.acks.on_ack))
         ]  # fmt: skip
         self._sweeper = asyncio.create_task(self._sweep_loop(), name="reach-replay-sweep")
 
@@ -243,25 +264,56 @@ class Replayer:
                     await e.msg.in_progress()
 
     async def _deliver(self, e: Entry) -> Outcome:
+        """Deliver one entry; a JetStream asset electing a leader (a marker or ack that
+        times out, no responders) stalls the round: the entry comes back, and its marker
+        and ack records decide what its redelivery does."""
+        try:
+            return await self._send(e)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - retried by the next round or the sweep
+            log.info("replay.stalled request_id=%s error=%r", e.request_id, exc)
+            with contextlib.suppress(Exception):
+                assert e.msg is not None
+                await e.msg.nak()
+            return "stalled"
+
+    async def _send(self, e: Entry) -> Outcome:
         ctx, router = self.ctx, self.router
         assert e.msg is not None  # fetched entries carry their message
         if e.expired(ctx.wall_ms()):
             await self.record_expired(e)
             await e.msg.ack_sync()
             return "expired"
+        holder = await self.holder_of(e.request_id)
+        if holder is not None:
+            return await self._skip(e, holder, "claimed")
         headers = e.task_headers()
         headers[schema.H_REQUEST_ID] = e.request_id
         headers[schema.H_RECEIPT] = "1"
+        only: str | None = None
+        if e.msg.metadata.num_delivered > 1:  # sent before? (a leader change, a dead replica)
+            done, only = await self.dispatches.redelivery(e.request_id)
+            if done:
+                await e.msg.ack_sync()
+                log.info("replay.already_delivered request_id=%s", e.request_id)
+                return "replayed"
         give_up = ctx.clock() + self.cfg.ack_wait_s / 2
         backoff = 0.05
+        ttl_s = (e.expires_at_ms - ctx.wall_ms()) / 1000.0 if e.expires_at_ms else MARKER_TTL_S
         while True:
             try:
-                candidates = router.route(e.capability, self._route_req, ctx.clock())
+                candidates = (
+                    router.route(e.capability, self._route_req, ctx.clock())
+                    if only is None
+                    else [Target(only, self.subjects.task(only, e.capability))]
+                )
             except ReachError:
                 await e.msg.nak()
                 return "stalled"
             for c in candidates:
                 sent_ms = ctx.wall_ms()
+                await self.dispatches.mark(e.request_id, c.agent_id, sent_ms, ttl_s)
                 try:
                     reply = await ctx.nc.request(
                         c.subject, e.data, timeout=self.cfg.receipt_timeout_s, headers=headers
@@ -270,8 +322,11 @@ class Replayer:
                     log.info("replay.no_receipt request_id=%s agent=%s", e.request_id, c.agent_id)
                     continue
                 err = from_reply(reply.headers, reply.data)
+                if err is not None and err.code == "IN_PROGRESS":
+                    return await self._skip(e, getattr(err, "holder", ""), "in progress")
                 if err is None:
-                    self._remember(self._sent_ms, e.request_id, sent_ms)
+                    self.acks.sent(e.request_id, sent_ms)
+                    await self._record_taker(e, c.agent_id)
                     await e.msg.ack_sync()
                     self.replayed += 1
                     ctx.metrics.compensation_result["replayed"].inc()
@@ -279,6 +334,7 @@ class Replayer:
                              e.request_id, e.capability, c.agent_id, e.priority)  # fmt: skip
                     return "replayed"
                 if retryable("error", err):  # not taken here, now: another agent, or later
+                    only = None  # a refusal (busy, draining) means it did not take it
                     continue
                 # The agent refused the task itself (BIZ_REJECT, LOOP_DETECTED, ...): final.
                 await self._record_failed(e, c.agent_id, err.code, err.code.lower(), err.message)
@@ -290,6 +346,16 @@ class Replayer:
                 return "stalled"
             await asyncio.sleep(backoff * (0.5 + random.random()))
             backoff = min(backoff * 2, self.cfg.busy_retry_max_s)
+
+    async def _skip(self, e: Entry, holder: str, why: str) -> Outcome:
+        """The request id is an agent's already: remove the entry without running it."""
+        assert e.msg is not None
+        await e.msg.ack_sync()
+        self.claimed += 1
+        self.ctx.metrics.compensation_result["claimed"].inc()
+        log.info("replay.claimed request_id=%s capability=%s holder=%s (%s): not sent again",
+                 e.request_id, e.capability, holder, why)  # fmt: skip
+        return "claimed"
 
     # --- failed / expired records -------------------------------------------------------
 
@@ -313,11 +379,27 @@ class Replayer:
             state="failed", at_ms=self.ctx.wall_ms(),
             error={"code": code, "reason": reason, "message": message},
         )  # fmt: skip
+        await self._publish(rec)
+
+    async def _record_taker(self, e: Entry, agent_id: str) -> None:
+        """``received`` by the broker: it handed the task to ``agent_id`` (whose own records
+        ``Client.wait`` then trusts). A failure is logged: the task was delivered anyway."""
+        rec = AckRecord(request_id=e.request_id, agent_id=agent_id, capability=e.capability,
+                        state="received", at_ms=self.ctx.wall_ms())  # fmt: skip
+        try:
+            await self._publish(rec)
+        except Exception as exc:  # noqa: BLE001 - the entry is acked regardless
+            log.warning("replay.taker_unrecorded request_id=%s agent=%s error=%r: wait() "
+                        "needs agent_id= for it", e.request_id, agent_id, exc)  # fmt: skip
+
+    async def _publish(self, rec: AckRecord) -> None:
+        """One record of the broker's own (author ``_broker``)."""
         js = self.ctx.nc.jetstream(timeout=2.0)
+        rid = rec.request_id
         await acks.publish_record(
             js,
-            self.subjects.ack(e.request_id),
-            acks.ack_msg_id(e.request_id, "failed"),
+            self.subjects.ack(BROKER_ACK_AUTHOR, rid),
+            acks.ack_msg_id(BROKER_ACK_AUTHOR, rid, rec.state),
             schema.encoder.encode(rec),
         )
 
@@ -357,31 +439,3 @@ class Replayer:
             elif e.expires_at_ms and (not soonest or e.expires_at_ms < soonest):
                 soonest = e.expires_at_ms
         self._next_expiry_ms = soonest or now_ms + int(self.cfg.default_ttl_s * 1000)
-
-    # --- ack metrics --------------------------------------------------------------------
-
-    async def _on_ack(self, msg: Msg) -> None:
-        state = acks.state_of(msg.headers)
-        counter = self.ctx.metrics.ack_record_state.get(state or "")
-        if counter is None:
-            return
-        counter.inc()
-        rid = self.subjects.request_of_ack(msg.subject)
-        try:
-            at_ms = _ack_times.decode(msg.data).at_ms
-        except msgspec.MsgspecError:
-            return
-        if state == "received":
-            self._remember(self._received_ms, rid, at_ms)
-            return
-        start = self._sent_ms.pop(rid, None)
-        received = self._received_ms.pop(rid, None)
-        t0 = start if start is not None else received
-        if t0 is not None and at_ms >= t0:
-            self.ctx.metrics.ack_latency.observe((at_ms - t0) / 1000.0)
-
-    @staticmethod
-    def _remember(d: dict[str, int], key: str, value: int) -> None:
-        if key not in d and len(d) >= TRACK_MAX:
-            d.pop(next(iter(d)))
-        d[key] = value

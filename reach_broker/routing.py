@@ -105,6 +105,7 @@ class Router:
         if idx.refresh(cfg, now):
             self._panic_changed(idx)
         limit = req.limit
+        # pool_size(req), inline: the route path saves the call.
         want = limit if cfg.choice == "ranked" and not req.sticky_key else limit * cfg.pool_factor
         why: dict[str, int] = {}
         pool = self._walk(idx.ranked, "healthy", req, want, why, now)
@@ -124,6 +125,34 @@ class Router:
         if cfg.choice == "p2c":
             return idx, self._p2c(pool, limit, now)
         return idx, pool[:limit]
+
+    def refresh(self, idx: CapabilityIndex, now: float) -> None:
+        """Re-rank ``idx`` if due, as a route request does (a panic change said, counted)."""
+        if idx.refresh(self.cfg, now):
+            self._panic_changed(idx)
+
+    def pool_size(self, req: RouteRequest) -> int:
+        """How many agents that pass the filters the walk gathers for the choice."""
+        cfg = self.cfg
+        if cfg.choice == "ranked" and not req.sticky_key:
+            return req.limit
+        return req.limit * cfg.pool_factor
+
+    def passing(
+        self, recs: list[AgentRecord], state: str, req: RouteRequest, now: float
+    ) -> list[AgentRecord]:
+        """Every agent of ``recs`` that passes the walk's filters (the walk without a limit)."""
+        return self._walk(recs, state, req, len(recs), {}, now) if recs else []
+
+    def filtered_by(
+        self, rec: AgentRecord, state: str, req: RouteRequest, now: float
+    ) -> str | None:
+        """The reason code (:mod:`reach_broker.reasons`) of the first filter of the walk
+        ``rec`` fails when the walk wants ``state``; None when it passes them all."""
+        why: dict[str, int] = {}
+        if self._walk((rec,), state, req, 1, why, now):
+            return None
+        return next(iter(why))
 
     def slow_start_share(self, capability: str, now: float) -> float:
         """The largest slow-start factor among the healthy agents of ``capability`` (1.0
@@ -178,6 +207,10 @@ class Router:
                         break
             if out:
                 return out
+        # Each filter counts the agents it keeps out under its reason code (the literals are
+        # reasons.WALK_FILTERS, in that order: constants, not globals, on the route path).
+        # The explanation asks this walk agent by agent (filtered_by), so a filter added
+        # here is explained too once its code and sentence are registered.
         for rec in ranked:
             if rec.state != state:
                 why["state"] = why.get("state", 0) + 1

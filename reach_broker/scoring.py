@@ -35,6 +35,9 @@ and nothing failed: 100 * 0.5^0.4 = 75.8, still in. Failing: with S = 0.7, 100 *
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 from .config import ScoringSection
 
 
@@ -158,4 +161,63 @@ def score(
     )
     if stuck:
         value *= cfg.stuck_penalty
+    return round(100.0 * value, 1)
+
+
+class Terms(NamedTuple):
+    """The factors of :func:`score`, each in [0, 1], for explaining a score to people."""
+
+    liveness: float
+    latency: float
+    load: float
+    success: float
+    stuck: float
+    """1, or ``stuck_penalty`` while a task is stuck."""
+
+
+def terms(
+    stats: Stats,
+    cfg: ScoringSection,
+    *,
+    active: int,
+    queue_depth: int,
+    max_concurrency: int,
+    stuck: bool,
+    peer_task_ms: float | None = None,
+) -> Terms:
+    """What :func:`score` multiplies (before the weights): the same inputs, the same terms."""
+    return Terms(
+        liveness=stats.liveness,
+        latency=latency_term(stats, cfg, peer_task_ms),
+        load=load_term(active, queue_depth, max_concurrency),
+        success=success_term(stats, cfg.success_prior),
+        stuck=cfg.stuck_penalty if stuck else 1.0,
+    )
+
+
+def weakest(t: Terms, cfg: ScoringSection) -> str | None:
+    """The term that pulls the score down most (the smallest term raised to its weight);
+    None when no term is below 1."""
+    weighted = {
+        "liveness": t.liveness**cfg.weight_liveness,
+        "latency": t.latency**cfg.weight_latency,
+        "load": t.load**cfg.weight_load,
+        "success": t.success**cfg.weight_success,
+        "stuck": t.stuck,
+    }
+    name = min(weighted, key=lambda k: weighted[k])
+    return name if weighted[name] < 1.0 else None
+
+
+def score_of(t: Terms, cfg: ScoringSection) -> float:
+    """:func:`score` from its terms (rounded alike): what the explanation multiplies out."""
+    value = math.prod(
+        (
+            t.liveness**cfg.weight_liveness,
+            t.latency**cfg.weight_latency,
+            t.load**cfg.weight_load,
+            t.success**cfg.weight_success,
+            t.stuck,
+        )
+    )
     return round(100.0 * value, 1)

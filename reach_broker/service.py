@@ -28,18 +28,21 @@ from nats.errors import SlowConsumerError
 from nats.micro import add_service
 from nats.micro.service import EndpointConfig, Service, ServiceConfig
 
-from jetstream.names import REGISTRY_BUCKET, TOKEN_SECRET_KEY
 from reach_agent.connection import Credentials, connect_options, drain_or_close, flush_subscriptions
 from reach_agent.subjects import Subjects
 
 from . import __version__
 from .advisories import Advisories
+from .assets import provision_assets, token_secret
 from .config import Config
-from .context import BrokerContext, Fanout, Tasks, TransitionListener
+from .context import BrokerContext, Fanout, Link, Tasks, TransitionListener
 from .handlers import Handlers
+from .identity import Identity
 from .metrics import Metrics
+from .observer import Observer
 from .probes import Prober
 from .registry import Registry
+from .releases import Releaser
 from .replay import Replayer
 from .routing import Router
 from .snapshot import Snapshot
@@ -88,6 +91,8 @@ class Broker:
         self._own_nc = nc is None
         self.subjects = Subjects(cfg.broker.prefix)
         self.jetstream_ok = False
+        self.replicas: int | None = None
+        """Replicas of the JetStream assets (None: the server has no JetStream)."""
         # The pure core first: the signer is keyed at start (the secret may live in KV).
         self.registry = Registry(cfg, TokenSigner(b"", cfg.broker.token_max_age_s))
         registry = self.registry
@@ -97,29 +102,42 @@ class Broker:
             on_panic=lambda cap, on: self.metrics.panic.labels(cap).set(int(on)),
         )  # fmt: skip
         self._tasks = Tasks()
+        self.link = Link()
+        """The broker's own link to NATS (the observer keeps it)."""
         self.fanout = Fanout(self.nc, self.subjects, self.metrics, self.broker_id, wall,
-                             self._tasks.spawn, registry.agents.get)  # fmt: skip
+                             self._tasks.spawn, registry.agents.get, self.link)  # fmt: skip
         self.listeners: list[TransitionListener] = self.fanout.listeners
         """Told of every transition (``listeners.append(fn)``): fn(transition, record)."""
         ctx = BrokerContext(
             cfg=cfg, nc=self.nc, subjects=self.subjects, metrics=self.metrics,
             broker_id=self.broker_id, clock=clock, wall=wall, spawn=self._tasks.spawn,
-            fanout=self.fanout,
+            fanout=self.fanout, link=self.link,
         )  # fmt: skip
+        self.ctx = ctx
+        """What a component is handed (the console's feed is one, started by the process)."""
         self.handlers = Handlers(ctx, registry, self.router)
+        self.identity = Identity(ctx, registry, self.handlers)
         # The snapshot restores the registry before probes and advisories start (advisories
-        # reconcile with the server's connection list); replay comes last. Snapshot and
-        # replay need JetStream and start only with it.
+        # reconcile with the server's connection list); claim releases and replay come last.
+        # Snapshot, releases and replay need JetStream and start only with it.
         self.snapshot = Snapshot(ctx, registry)
         self.probes = Prober(ctx, registry)
         self.advisories = Advisories(ctx, registry, self.probes)
-        self.replayer = Replayer(ctx, self.router)
+        self.observer = Observer(ctx, registry, self.advisories)
+        agents = registry.agents
+        self.releaser = Releaser(
+            ctx, lambda a: rec.state if (rec := agents.get(a)) is not None else None
+        )
+        self.replayer = Replayer(ctx, self.router, self.releaser.holder_of, agents.get)
         self._running: list[Component] = []
         self._service: Service | None = None
         self._subs: list[Any] = []
         self._loop_task: asyncio.Task[None] | None = None
         self._started = False
         self._watching = False
+        self._with_creds = bool(cfg.nats.creds)
+        self.auth_enabled = False
+        """Whether the server enforces identities (see :meth:`_secure`)."""
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -128,14 +146,19 @@ class Broker:
             return
         self._started = True
         if self._own_nc:
-            await self.nc.connect(**self._connect_options())
-        self.jetstream_ok = await self._provision()
-        self.registry.signer.set_secret(await self._token_secret())
+            options = self._connect_options()
+            self._with_creds = bool(options.get("user_credentials"))
+            await self.nc.connect(**options)
+        self._secure()
+        self.replicas = await provision_assets(self.nc, self.cfg, self.subjects)
+        self.jetstream_ok = self.replicas is not None
+        secret = await token_secret(self.nc, self.cfg, jetstream=self.jetstream_ok)
+        self.registry.signer.set_secret(secret)
         if not self._watching:
             self._watching = True
             self.metrics.watch_states(lambda: self.registry.counts)
         self._running = (
-            [self.snapshot, self.probes, self.advisories, self.replayer]
+            [self.snapshot, self.probes, self.advisories, self.releaser, self.replayer]
             if self.jetstream_ok
             else [self.probes, self.advisories]
         )
@@ -154,7 +177,7 @@ class Broker:
         self._subs = [
             await nc.subscribe(s.all_heartbeats, cb=ep["heartbeat"].on_message,
                                pending_msgs_limit=msgs, pending_bytes_limit=size),
-            await nc.subscribe(s.all_announces, cb=ep["announce"].on_message,
+            await nc.subscribe(s.all_announces, cb=self.identity.on_message,
                                pending_msgs_limit=msgs, pending_bytes_limit=size),
             await nc.subscribe(s.all_leaves, cb=ep["leave"].on_message),
         ]  # fmt: skip
@@ -213,12 +236,29 @@ class Broker:
     ) -> None:
         await self.stop()
 
+    def _secure(self) -> None:
+        """Secured mode: the server requires every connection to authenticate and this broker
+        authenticated with a user JWT (``--auth DIR``, ``--creds``): reach's roles are then the
+        server's permissions. Otherwise say once, loudly, what open mode means."""
+        # nats-py keeps the server's INFO private; `auth_required` is the server's own word.
+        info = getattr(self.nc, "_server_info", None) or {}
+        self.auth_enabled = bool(info.get("auth_required")) and self._with_creds
+        self.metrics.auth_enabled.set(int(self.auth_enabled))
+        self.handlers.require_leave_token = self.auth_enabled
+        if not self.auth_enabled:
+            log.warning(
+                "broker.open_mode: this NATS server lets anyone who can connect act for any "
+                "agent (announce or leave as it, publish its events, read every task). For "
+                "anything beyond local development run `reach auth init DIR` and `reach broker "
+                "--auth DIR` (docs/operations.md, Securing reach)"
+            )
+
     def _connect_options(self) -> dict[str, Any]:
         """The broker's connection: ``nats.url`` (comma-separated; unset: ``NATS_URL`` or
         localhost), ``nats.creds``, pings from the config, reconnecting forever every 0.5 s."""
         n = self.cfg.nats
         return connect_options(
-            f"reach-broker-{self.broker_id}", n.url, Credentials(creds=n.creds),
+            f"reach-broker-{self.broker_id}", n.url, Credentials(creds=n.creds, tls_ca=n.tls_ca),
             ping_interval=n.ping_interval_s, max_outstanding_pings=n.max_outstanding_pings,
             max_reconnect_attempts=-1, reconnect_time_wait=0.5,
             reconnect_to_server_handler=None,  # nats-py's own: a steady 0.5 s between tries
@@ -234,58 +274,12 @@ class Broker:
     async def _on_disconnected(self) -> None:
         if self._started:  # not during our own shutdown, where the drain closes it
             log.warning("broker.nats_disconnected")
+            self.observer.lost(self.clock())
 
     async def _on_reconnected(self) -> None:
         log.info("broker.nats_reconnected url=%s", self.nc.connected_url)
-        self.advisories.on_reconnected()  # disconnects may have been missed meanwhile
-
-    async def _provision(self) -> bool:
-        """Create or update the JetStream assets (jetstream/definitions) before any use.
-
-        No JetStream on the server: warn and run without snapshot and replay. A definition
-        that would lose data if applied: raise (the broker refuses to start).
-        """
-        from jetstream.names import COMP_STREAM
-        from jetstream.provision import JetStreamUnavailable, load_definitions, provision
-
-        defs = load_definitions(
-            self.subjects, {COMP_STREAM: {"max_msgs": self.cfg.compensation.max_entries}}
-        )
-        try:
-            # Each stream created or updated is logged once, by provision itself.
-            await provision(self.nc, defs)
-        except JetStreamUnavailable as exc:
-            log.warning("broker.no_jetstream %s: running without registry snapshot, "
-                        "compensation replay and durable acks", exc)  # fmt: skip
-            return False
-        return True
-
-    async def _token_secret(self) -> bytes:
-        """The configured secret, else one shared through JetStream KV by all replicas."""
-        if self.cfg.broker.token_secret:
-            return self.cfg.broker.token_secret.encode()
-        try:
-            js = self.nc.jetstream(timeout=2.0)
-            try:
-                kv = await js.key_value(REGISTRY_BUCKET)
-            except Exception:  # noqa: BLE001 - absent: create it (provisioning refines it)
-                kv = await js.create_key_value(bucket=REGISTRY_BUCKET, history=1)
-            fresh = secrets.token_hex(32).encode()
-            try:
-                await kv.create(TOKEN_SECRET_KEY, fresh)
-                return fresh
-            except Exception:  # noqa: BLE001 - another replica created it first
-                entry = await kv.get(TOKEN_SECRET_KEY)
-                if not entry.value:
-                    raise RuntimeError(f"{REGISTRY_BUCKET}/{TOKEN_SECRET_KEY} is empty") from None
-                return entry.value
-        except Exception as exc:  # noqa: BLE001
-            log.warning(
-                "broker.token_secret no JetStream (%s): using a random secret; replicas will "
-                "not accept each other's tokens. Set broker.token_secret or REACH_TOKEN_SECRET.",
-                exc,
-            )
-            return secrets.token_bytes(32)
+        # Clocks rebased over the outage; disconnects missed meanwhile reconciled.
+        self.observer.regained(self.clock())
 
     # --- loops --------------------------------------------------------------------------
 
@@ -294,7 +288,7 @@ class Broker:
         while True:
             await asyncio.sleep(tick)
             try:
-                changes = self.registry.expire(self.clock())
+                changes = self.observer.tick(self.clock())
                 if changes:
                     self.fanout.emit(changes)
             except Exception:  # noqa: BLE001 - the loop body never dies

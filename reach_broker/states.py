@@ -42,6 +42,10 @@ Event = Literal[
     "evict",  # removed by hand
 ]
 
+SILENCE_EVENTS: Final[frozenset[Event]] = frozenset(("silent", "silent_long"))
+"""Deadline events that rest on silence alone (no disconnect seen): what a deaf broker would
+wrongly conclude, so what the registry may hold while the broker doubts itself."""
+
 EVICTED: Final = "evicted"
 """The target of a move that removes the agent from the registry."""
 

@@ -85,6 +85,26 @@ async def broker(broker_factory: BrokerFactory) -> Broker:
     return await broker_factory()
 
 
+@pytest.fixture
+async def agents(nats_server: NatsServer) -> AsyncIterator[Callable[..., Awaitable[Any]]]:
+    """Start in-process agents (``await agents(reach_agent.Agent(...))``) against the test
+    server; all drained at teardown."""
+    import reach_agent
+
+    started: list[reach_agent.Agent] = []
+
+    async def make(agent: reach_agent.Agent) -> reach_agent.Agent:
+        await agent.start(nats_server.url)
+        started.append(agent)
+        return agent
+
+    try:
+        yield make
+    finally:
+        for a in started:
+            await a.stop(grace=2)
+
+
 async def wait_for(
     predicate: Callable[[], Any],
     timeout: float = 5.0,  # noqa: ASYNC109 - a polling deadline, not a cancellation scope

@@ -83,15 +83,21 @@ def test_agent_permissions() -> None:
         "reach.hb.alpha",
         "reach.leave.alpha",
         "reach.ack.alpha.>",
+        "$KV.reach_claims.>",
+        "$JS.API.STREAM.INFO.KV_reach_claims",
+        "$JS.API.STREAM.MSG.GET.KV_reach_claims",
+        "$JS.API.STREAM.MSG.GET.REACH_ACKS",
+        "$JS.API.STREAM.INFO.REACH_ACKS",
     ]
     assert user.sub.allow == [
         "reach.task.alpha.>",
         "reach.probe.alpha",
+        "reach.reannounce.alpha",
         "reach.event.*.alpha",
         "_INBOX.agent.alpha.>",
     ]
     assert user.resp is not None
-    assert (user.resp.max, user.resp.ttl) == (2, 300_000_000_000)
+    assert (user.resp.max, user.resp.ttl) == (-1, 3660_000_000_000)
     assert user.allowed_connection_types == ["STANDARD"]
     assert user.tags == ["reach-role:agent"]
     assert inbox_prefix_of(user) == "_INBOX.agent.alpha"
@@ -108,12 +114,13 @@ def test_caller_permissions() -> None:
         "reach.task.>",
         "reach.comp.>",
         "reach.probe.*",
-        "$JS.API.DIRECT.GET.REACH_ACKS",
-        "$JS.API.DIRECT.GET.REACH_ACKS.>",
         "$JS.API.STREAM.MSG.GET.REACH_ACKS",
+        "$JS.API.STREAM.INFO.REACH_ACKS",
+        "$JS.API.STREAM.MSG.GET.KV_reach_claims",
     ]
     assert user.sub.allow == ["reach.ack.>", "reach.event.>", "_INBOX.caller.ops.>"]
-    assert user.resp is None
+    assert user.resp is not None
+    assert (user.resp.max, user.resp.ttl) == (-1, 3660_000_000_000)
 
 
 def test_broker_permissions() -> None:
@@ -121,6 +128,7 @@ def test_broker_permissions() -> None:
     assert user.pub.allow == [
         "reach.event.>",
         "reach.probe.*",
+        "reach.reannounce.*",
         "reach.task.>",
         "reach.ack._broker.>",
         "_INBOX.>",
@@ -132,6 +140,9 @@ def test_broker_permissions() -> None:
         f"$SYS.REQ.ACCOUNT.{ACC}.CONNZ",
         "$SYS.REQ.ACCOUNT.PING.CONNZ",
         "$SYS.REQ.SERVER.PING.CONNZ",
+        "$SRV.>",
+        "reach.agents",
+        "reach.route.>",
     ]
     assert user.sub.allow == [
         "reach.announce.*",

@@ -123,8 +123,9 @@ async def test_agent_uses_its_own_subjects(auth: AuthDir, server: AuthServer) ->
         async def on_task(msg: object) -> None:
             reply = msg.reply  # type: ignore[attr-defined]
             await alpha.publish(reply, b"receipt")
+            await alpha.publish(reply, b"chunk")
             await alpha.publish(reply, b"result")
-            await alpha.publish(reply, b"one too many")
+            await alpha.publish(reply + "x", b"not a reply subject it received")
 
         async def on_probe(msg: object) -> None:
             await alpha.publish(msg.reply, b'{"ok":true}')  # type: ignore[attr-defined]
@@ -133,6 +134,7 @@ async def test_agent_uses_its_own_subjects(auth: AuthDir, server: AuthServer) ->
         await alpha.subscribe("reach.task.alpha.>", cb=on_task)
         await alpha.subscribe("reach.probe.alpha", cb=on_probe)
         await alpha.subscribe("reach.event.*.alpha", cb=events.record)
+        await alpha.subscribe("reach.reannounce.alpha", cb=events.record)
         await alpha.flush()
         await alpha.flush()
 
@@ -140,7 +142,8 @@ async def test_agent_uses_its_own_subjects(auth: AuthDir, server: AuthServer) ->
             await alpha.publish(subject, b"{}")
             await seen.wait(subject)
         # Replies to the requests it received: a probe from the broker, a task from a caller
-        # (receipt and result; a third reply to the same request is refused).
+        # (receipt, streamed chunks, result: any number within the reply window); a subject it
+        # never received as a reply subject is refused.
         probe = await broker.request("reach.probe.alpha", b"{}", timeout=5)
         assert probe.data == b'{"ok":true}'
         replies = Inbox()
@@ -149,9 +152,9 @@ async def test_agent_uses_its_own_subjects(auth: AuthDir, server: AuthServer) ->
         await ops.subscribe(inbox, cb=replies.record)
         await ops.flush()
         await ops.publish("reach.task.alpha.echo", b"hi", reply=inbox)
-        await wait_for(lambda: len(replies.msgs) == 2, 5, what="receipt and result")
-        await errors.wait(violation("publish", inbox))
-        assert [m.data for m in replies.msgs] == [b"receipt", b"result"]
+        await errors.wait(violation("publish", inbox + "x"))
+        await wait_for(lambda: len(replies.msgs) == 3, 5, what="receipt, chunk and result")
+        assert [m.data for m in replies.msgs] == [b"receipt", b"chunk", b"result"]
         # Its ack records, stored by JetStream under its own name only.
         ajs = alpha.jetstream(timeout=5)
         ack = await ajs.publish(
@@ -165,6 +168,9 @@ async def test_agent_uses_its_own_subjects(auth: AuthDir, server: AuthServer) ->
         # Events about itself.
         await broker.publish("reach.event.state.alpha", b'{"to":"healthy"}')
         await events.wait("reach.event.state.alpha")
+        # A broker's request to announce again.
+        await broker.publish("reach.reannounce.alpha", b"{}")
+        await events.wait("reach.reannounce.alpha")
         assert len(errors.seen) == 2, errors.seen
 
 
@@ -213,8 +219,9 @@ async def test_caller_permissions(auth: AuthDir, server: AuthServer) -> None:
         js = ops.jetstream(timeout=5)
         queued = await js.publish("reach.comp.text.summarize", b"{}")
         assert (queued.stream, queued.seq) == ("REACH_COMPENSATION", 1)
-        last = await js.get_last_msg("REACH_ACKS", "reach.ack.beta.r1", direct=True)
+        last = await js.get_last_msg("REACH_ACKS", "reach.ack.beta.r1")
         assert (last.seq, last.data) == (1, b'{"state":"completed"}')
+        assert (await js.stream_info("REACH_ACKS")).state.messages == 1
         first = await js.get_msg("REACH_ACKS", seq=1, subject="reach.ack.beta.r1", next=True)
         assert first.seq == 1
         acks, events = Inbox(), Inbox()
@@ -228,7 +235,10 @@ async def test_caller_permissions(auth: AuthDir, server: AuthServer) -> None:
         await events.wait("reach.event.state.beta")
         # No other stream's contents, no consumers (a push consumer's deliver subject is not
         # checked against its creator's permissions).
+        # No direct get either (its answer is the stored message itself, published to any
+        # reply subject the requester names).
         for subject in (
+            "$JS.API.DIRECT.GET.REACH_ACKS",
             "$JS.API.DIRECT.GET.REACH_COMPENSATION",
             "$JS.API.CONSUMER.CREATE.REACH_AUDIT",
         ):
@@ -355,8 +365,10 @@ async def test_server_does_not_check_reply_subjects(auth: AuthDir, server: AuthS
     The server never checks a message's *reply* subject against its sender's permissions:
     whoever answers publishes there with the answerer's rights. JetStream answers every API
     request and every publish; an agent may answer what it receives (``allow_responses``).
-    So a caller can have a stored message copied onto ``reach.event.*`` (and captured by the
-    audit stream), and a PubAck ``{"stream":…,"seq":…}`` lands on any subject named as reply.
+    So whoever may read a stream can have a stored message copied onto ``reach.event.*`` (and
+    captured by the audit stream): verbatim, ``Nats-Stream`` header added, with a direct get
+    (only the broker's credential has it), wrapped in JSON with a message get (callers); and
+    a PubAck ``{"stream":…,"seq":…}`` lands on any subject named as reply.
     """
     async with (
         connect(server.url, auth.broker_creds, "broker", "_INBOX.broker.broker") as (broker, _),
@@ -373,12 +385,18 @@ async def test_server_does_not_check_reply_subjects(auth: AuthDir, server: AuthS
         await broker.subscribe("reach.leave.*", cb=seen.record)
         await broker.flush()
         await broker.flush()
-        await ops.publish(
+        await broker.publish(
             "$JS.API.DIRECT.GET.REACH_ACKS", b'{"seq":1}', reply="reach.event.state.beta"
         )
+        await ops.publish(
+            "$JS.API.STREAM.MSG.GET.REACH_ACKS", b'{"seq":1}', reply="reach.event.state.gamma"
+        )
         await ops.publish("reach.comp.x", b"{}", reply="reach.leave.beta")
-        await wait_for(lambda: len(seen.msgs) == 2, 5, what="both laundered messages")
+        await wait_for(lambda: len(seen.msgs) == 3, 5, what="the three laundered messages")
         copy = next(m for m in seen.msgs if m.subject == "reach.event.state.beta")
         assert (copy.data, copy.headers["Nats-Stream"]) == (b'{"state":"completed"}', "REACH_ACKS")
+        wrapped = next(m for m in seen.msgs if m.subject == "reach.event.state.gamma")
+        assert msgspec.json.decode(wrapped.data)["message"]["subject"] == "reach.ack.beta.r1"
+        assert wrapped.headers is None
         pub_ack = next(m for m in seen.msgs if m.subject == "reach.leave.beta")
         assert msgspec.json.decode(pub_ack.data) == {"stream": "REACH_COMPENSATION", "seq": 1}

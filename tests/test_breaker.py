@@ -152,6 +152,9 @@ def test_client_config_clamps_timeouts_and_jitters_backoff() -> None:
     assert cfg.clamp_timeout(None) == 30.0
     assert cfg.clamp_timeout(1) == 5.0
     assert cfg.clamp_timeout(1, timeout_hint=8) == 8.0
-    assert cfg.clamp_timeout(1000) == 120.0
+    assert cfg.clamp_timeout(1000) == 1000.0
+    assert cfg.clamp_timeout(5, timeout_hint=20 * 60) == 1200.0  # a 20 min hint is waited for
+    assert cfg.clamp_timeout(99_999) == 3600.0
+    assert ClientConfig(max_timeout_s=120).clamp_timeout(5, timeout_hint=600) == 120.0
     assert [cfg.backoff(n, 0.5) for n in (1, 2, 3, 5)] == [1.0, 2.0, 4.0, 10.0]
     assert cfg.backoff(1, 0.0) == 0.5 and cfg.backoff(1, 0.999) < 1.5

@@ -730,7 +730,7 @@ async def test_demo_runs_for_its_duration_and_leaves_no_process() -> None:
                                  limit_s=90)  # fmt: skip
     assert code == 0, err
     started, ready, stopped = (json.loads(line) for line in out.splitlines())
-    assert set(started) == {"event", "nats_url", "pids", "logs", "broker_id"}
+    assert set(started) == {"event", "nats_url", "pids", "logs", "broker_id", "console"}
     assert started["event"] == "started"
     assert set(started["pids"]) == DEMO_PIDS
     assert ready == {"event": "ready", "agents": ["alpha", "beta", "gamma"]}

@@ -7,9 +7,11 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,11 @@ from .test_broker_process import gone
 from .test_cli import CLI, DEMO_PIDS, cli_env, reach
 
 pytestmark = pytest.mark.slow
+
+
+def fetch(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return bytes(r.read())
 
 
 def remove_logs(out: str) -> None:
@@ -79,17 +86,35 @@ async def test_demo_under_another_prefix() -> None:
 def test_the_prefix_and_credentials_reach_every_child(tmp_path: Path) -> None:
     creds = str(tmp_path / "user.creds")
     args = argparse.Namespace(creds=creds, log_format="json")
-    argv, env = child_commands(args, "nats://127.0.0.1:4333", "demo2", "demo-1-ab")
+    argv, env = child_commands(args, "nats://127.0.0.1:4333", "demo2", "demo-1-ab", 19464)
     assert argv[argv.index("broker") :] == [
-        "broker", "--server", "nats://127.0.0.1:4333", "--metrics-port", "0",
-        "--log-format", "json", "--prefix", "demo2", "--broker-id", "demo-1-ab",
-        "--creds", creds,
+        "broker", "--server", "nats://127.0.0.1:4333", "--metrics-port", "19464",
+        "--metrics-host", "127.0.0.1", "--log-format", "json", "--prefix", "demo2",
+        "--broker-id", "demo-1-ab", "--creds", creds,
     ]  # fmt: skip
     assert (env["NATS_URL"], env["REACH_PREFIX"], env["NATS_CREDS"]) == (
         "nats://127.0.0.1:4333", "demo2", creds)  # fmt: skip
-    argv, env = child_commands(argparse.Namespace(creds=None, log_format="text"), "u", "r", "b")
+    argv, env = child_commands(argparse.Namespace(creds=None, log_format="text"), "u", "r", "b",
+                               19464)  # fmt: skip
     assert "--creds" not in argv
     assert env.get("NATS_CREDS") == os.environ.get("NATS_CREDS")
+    ca = str(tmp_path / "ca.pem")
+    argv, env = child_commands(argparse.Namespace(creds=None, tls_ca=ca, log_format="text"),
+                               "u", "r", "b")  # fmt: skip
+    assert (argv[-2:], env["NATS_CA"]) == (["--tls-ca", ca], ca)
+
+
+async def test_the_demo_runs_the_secure_way() -> None:
+    """`reach demo --auth`: an operator-mode server, a credential per process, calls as a
+    caller; every call served, nothing refused."""
+    code, out, err = await reach("demo", "--auth", "--duration", "4", "--rate", "5", "--json",
+                                 "--no-view", limit_s=120)  # fmt: skip
+    remove_logs(out)
+    assert code == 0, err
+    stopped = json.loads(out.splitlines()[-1])
+    assert (stopped["reason"], stopped["calls"]["failed"]) == ("duration", {})
+    assert stopped["calls"]["ok"] >= 5
+    assert "permission denied" not in err and "broker.open_mode" not in err
 
 
 async def test_a_killed_demo_agent_is_restarted_and_the_logs_are_kept() -> None:
@@ -103,6 +128,10 @@ async def test_a_killed_demo_agent_is_restarted_and_the_logs_are_kept() -> None:
         started = await next_event(stream, "started")
         await next_event(stream, "ready")
         url, beta = started["nats_url"], started["pids"]["beta"]
+        # The broker's console is up where the demo says, showing the three agents.
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+/", started["console"]), started
+        fleet = json.loads(await asyncio.to_thread(fetch, started["console"] + "api/fleet"))
+        assert sorted(a["agent_id"] for a in fleet["agents"]) == ["alpha", "beta", "gamma"]
         os.kill(beta, signal.SIGKILL)
         exited = await next_event(stream, "exited")
         assert exited == {"event": "exited", "name": "beta", "code": -9, "restart_in_s": 3.0}

@@ -12,7 +12,7 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.js.errors import APIError
 
-from jetstream import acks, audit, compensation
+from jetstream import ackreads, acks, audit, compensation
 from jetstream import wal as jwal
 from jetstream.provision import UnsafeChange, load_definitions, provision
 from reach_agent import Client, durable, schema
@@ -42,9 +42,10 @@ async def test_provisioning_is_idempotent_and_matches_the_definitions(nc: NATS) 
     assert [(o.name, o.action) for o in first] == [
         ("REACH_ACKS", "created"), ("REACH_COMPENSATION", "created"),
         ("REACH_AUDIT", "created"), ("KV_reach_registry", "created"),
+        ("KV_reach_claims", "created"),
     ]  # fmt: skip
     second = await provision(nc)
-    assert [o.action for o in second] == ["unchanged"] * 4
+    assert [o.action for o in second] == ["unchanged"] * 5
     acks_cfg = (await stream_info(nc, "REACH_ACKS"))["config"]
     assert acks_cfg["subjects"] == ["reach.ack.>"]
     assert acks_cfg["storage"] == "file"
@@ -59,6 +60,13 @@ async def test_provisioning_is_idempotent_and_matches_the_definitions(nc: NATS) 
     kv = await nc.jetstream().key_value("reach_registry")
     await kv.put("alpha", b"{}")
     assert (await kv.get("alpha")).value == b"{}"
+    # The claims bucket: one value per key, kept exactly as long as the ack records.
+    claims_cfg = (await stream_info(nc, "KV_reach_claims"))["config"]
+    assert claims_cfg["subjects"] == ["$KV.reach_claims.>"]
+    assert (claims_cfg["max_age"], claims_cfg["max_msgs_per_subject"]) == (24 * 3600 * 10**9, 1)
+    assert (claims_cfg["allow_direct"], claims_cfg["deny_delete"]) == (True, True)
+    claims_kv = await nc.jetstream().key_value("reach_claims")
+    assert await claims_kv.create("r-1", b"{}") == 1
 
 
 async def test_default_bound_is_2000() -> None:
@@ -209,9 +217,12 @@ async def test_ack_writer_stores_records_and_wait_returns_the_final_one(
     nc: NATS, broker: Broker, tmp_path: Path, nats_server
 ) -> None:
     rid = str(uuid.uuid4())
-    waiter = asyncio.create_task(durable.wait(nc, rid, timeout=10))
+    waiter = asyncio.create_task(durable.wait(nc, rid, timeout=10, agent_id="a1"))
     async with acks.AckWriter(
-        tmp_path / "wal", connect=connect_options("test-acks", nats_server.url), subjects=SUBJECTS
+        tmp_path / "wal",
+        author="a1",
+        connect=connect_options("test-acks", nats_server.url),
+        subjects=SUBJECTS,
     ) as writer:
         await writer.record(ack(rid, "received"))
         await writer.record(ack(rid, "completed"))
@@ -220,13 +231,16 @@ async def test_ack_writer_stores_records_and_wait_returns_the_final_one(
     record = await waiter
     assert (record.request_id, record.state) == (rid, "completed")
     # Later (e.g. after the caller restarted) the stored record answers at once.
-    again = await durable.wait(nc, rid, timeout=2)
+    again = await durable.wait(nc, rid, timeout=2, agent_id="a1")
     assert again.state == "completed"
-    states = [r.state for r in await acks.all_records(nc, rid, subjects=SUBJECTS)]
+    states = [r.state for r in await ackreads.all_records(nc, rid, subjects=SUBJECTS)]
     assert states == ["received", "completed"]
     assert not list((tmp_path / "wal").glob("*.wal"))  # all stored: the WAL is gone
     with pytest.raises(Timeout):
-        await durable.wait(nc, str(uuid.uuid4()), timeout=0.3)
+        await durable.wait(nc, str(uuid.uuid4()), timeout=0.3, agent_id="a1")
+    # Without anyone to say who took the request, no record is believed.
+    with pytest.raises(Timeout, match="no taker known"):
+        await durable.wait(nc, rid, timeout=0.3)
 
 
 async def test_ack_writer_replays_an_orphaned_wal_and_resends_are_deduplicated(
@@ -234,33 +248,41 @@ async def test_ack_writer_replays_an_orphaned_wal_and_resends_are_deduplicated(
 ) -> None:
     wal = tmp_path / "wal"
     wal.mkdir()
-    stored_rid, lost_rid = str(uuid.uuid4()), str(uuid.uuid4())
+    stored_rid, lost_rid, sent_rid = (str(uuid.uuid4()) for _ in range(3))
     lines = []
-    for rid in (stored_rid, lost_rid):
-        record = jwal.entry(SUBJECTS.ack(rid), schema.encoder.encode(ack(rid, "completed")))
+    for rid in (stored_rid, lost_rid):  # as an older writer left them: <rid>.<state>
+        record = jwal.entry(f"reach.ack.{rid}", schema.encoder.encode(ack(rid, "completed")))
         lines.append(jwal.added(f"{rid}.completed", record))
     lines.append(jwal.stored([f"{stored_rid}.completed"]))
+    # Stored by JetStream, but the process died before its D line: adopted and sent again.
+    sent_id = acks.ack_msg_id("a1", sent_rid, "completed")
+    sent = jwal.entry(
+        SUBJECTS.ack("a1", sent_rid), schema.encoder.encode(ack(sent_rid, "completed"))
+    )
+    lines.append(jwal.added(sent_id, sent))
     lines.append(b"A torn-line-without-data")  # a crash mid-write
     (wal / "acks-999999-dead.wal").write_bytes(b"".join(lines))
-    # stored_rid was confirmed before the crash: publish it once for real.
-    await nc.jetstream().publish(f"reach.ack.{stored_rid}", b"{}",
-                                 headers={"Nats-Msg-Id": f"{stored_rid}.completed"})  # fmt: skip
+    await nc.jetstream().publish(sent.subject, sent.data, headers={"Nats-Msg-Id": sent_id})
     async with acks.AckWriter(
-        wal, connect=connect_options("test-acks", nats_server.url), subjects=SUBJECTS
+        wal,
+        author="a1",
+        connect=connect_options("test-acks", nats_server.url),
+        subjects=SUBJECTS,
     ) as writer:
         assert await writer.flush(5)
-        assert writer.stored == 1
-    rec = await durable.wait(nc, lost_rid, timeout=2)
+        assert (writer.stored, writer.duplicates) == (2, 1)
+    # The old-format record went out under this writer's author and message id format.
+    rec = await durable.wait(nc, lost_rid, timeout=2, agent_id="a1")
     assert (rec.request_id, rec.state) == (lost_rid, "completed")
+    [lost] = await ackreads.all_records(nc, lost_rid, subjects=SUBJECTS)
+    assert (lost.subject, lost.author, lost.msg_id.split(".")[:3]) == (
+        f"reach.ack.a1.{lost_rid}",
+        "a1",
+        ["a1", lost_rid, "completed"],
+    )
     assert not (wal / "acks-999999-dead.wal").exists()
-    # A second copy of the same record (a re-send) is dropped by the duplicate window.
-    async with acks.AckWriter(
-        wal, connect=connect_options("test-acks", nats_server.url), subjects=SUBJECTS
-    ) as writer:
-        await writer.record(ack(lost_rid, "completed"))
-        assert await writer.flush(5)
-        assert writer.duplicates == 1
-    assert len(await acks.all_records(nc, lost_rid, subjects=SUBJECTS)) == 1
+    # The re-send was dropped by the duplicate window: one record.
+    assert len(await ackreads.all_records(nc, sent_rid, subjects=SUBJECTS)) == 1
 
 
 async def test_ack_writer_keeps_retrying_until_jetstream_has_the_stream(
@@ -268,7 +290,8 @@ async def test_ack_writer_keeps_retrying_until_jetstream_has_the_stream(
 ) -> None:
     rid = str(uuid.uuid4())
     async with acks.AckWriter(
-        tmp_path / "wal", connect=connect_options("test-acks", nats_server.url), subjects=SUBJECTS,
+        tmp_path / "wal", author="a1", connect=connect_options("test-acks", nats_server.url),
+        subjects=SUBJECTS,
         publish_timeout_s=0.2, retry_max_s=0.2,
     ) as writer:  # fmt: skip
         await writer.record(ack(rid, "completed"))
@@ -276,7 +299,7 @@ async def test_ack_writer_keeps_retrying_until_jetstream_has_the_stream(
         assert writer.pending == 1
         await provision(nc)
         assert await writer.flush(10)
-    assert (await durable.wait(nc, rid, timeout=2)).state == "completed"
+    assert (await durable.wait(nc, rid, timeout=2, agent_id="a1")).state == "completed"
 
 
 async def test_reach_ack_cli_shows_the_stored_record(
@@ -287,7 +310,10 @@ async def test_reach_ack_cli_shows_the_stored_record(
 
     rid = str(uuid.uuid4())
     async with acks.AckWriter(
-        tmp_path / "wal", connect=connect_options("test-acks", nats_server.url), subjects=SUBJECTS
+        tmp_path / "wal",
+        author="a1",
+        connect=connect_options("test-acks", nats_server.url),
+        subjects=SUBJECTS,
     ) as writer:
         await writer.record(ack(rid, "received"))
         await writer.record(schema.AckRecord(

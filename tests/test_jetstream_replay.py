@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from nats.aio.client import Client as NATS
 
-from jetstream import acks, compensation
+from jetstream import ackreads, acks, compensation
 from reach_agent import durable
 from reach_agent.agent import Agent
 from reach_agent.connection import connect_options
@@ -52,8 +52,8 @@ def crash(request_id, state):
     if state == crash_after:
         os.kill(os.getpid(), signal.SIGKILL)
 
-writer = AckWriter(wal_dir, connect=connect_options(f"{agent_id}-acks", url), subjects=Subjects(),
-                   after_wal=crash if crash_after else None)
+writer = AckWriter(wal_dir, author=agent_id, connect=connect_options(f"{agent_id}-acks", url),
+                   subjects=Subjects(), after_wal=crash if crash_after else None)
 agent = Agent(agent_id, [cap], max_concurrency=int(os.environ.get("TEST_MAXC", "4")),
               heartbeat_interval=0.1, ack_sink=writer)
 
@@ -158,7 +158,10 @@ async def test_tasks_queued_without_agent_run_exactly_once_when_one_starts(
     assert (await compensation.depths(nc, SUBJECTS))[0] == 10
     ran: list[tuple[str, int]] = []
     writer = acks.AckWriter(
-        tmp_path / "wal", connect=connect_options("late1-acks", nats_server.url), subjects=SUBJECTS
+        tmp_path / "wal",
+        author="late1",
+        connect=connect_options("late1-acks", nats_server.url),
+        subjects=SUBJECTS,
     )
     agent = Agent("late1", ["late.cap"], max_concurrency=4, heartbeat_interval=0.1,
                   ack_sink=writer)  # fmt: skip
@@ -227,12 +230,12 @@ async def test_agent_killed_before_its_ack_was_stored_publishes_it_after_restart
     await wait_for(lambda: a1.poll() is not None, timeout=10, what="agent crash")
     assert a1.returncode == -signal.SIGKILL
     assert runs(tmp_path) == [rid]
-    last = await acks.last_record(nc, rid, subjects=SUBJECTS)
+    last = await ackreads.last_record(nc, rid, subjects=SUBJECTS)
     assert last is None or last.state == "received"  # the completed ack was not stored
     wal_files = list((tmp_path / "wal").glob("acks-*.wal"))
     assert len(wal_files) == 1 and b"%s.completed" % rid.encode() in wal_files[0].read_bytes()
 
-    waiter = asyncio.create_task(durable.wait(nc, rid, timeout=30))
+    waiter = asyncio.create_task(durable.wait(nc, rid, timeout=30, agent_id="crash1"))
     a2 = spawn_agent(procs, url, "crash1", "crash.cap", tmp_path)
     await wait_log(procs, a2, "ready")
     record = await waiter

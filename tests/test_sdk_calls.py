@@ -168,7 +168,10 @@ async def test_only_the_current_attempt_decides_errors_and_receipt_mode_returns_
     assert (kind, err.code) == ("error", "TARGET_BUSY")
     c = call(ack_mode="received")
     c.deliver("2", receipt())
-    assert await outcome(c) == ("ok", schema.Receipt(request_id="r-1"))
+    # The receipt names the agent the answered attempt went to (the caller's word, not the
+    # body's), and that agent is the call's taker.
+    assert await outcome(c) == ("ok", schema.Receipt(request_id="r-1", agent_id="a1"))
+    assert c.taker == "a1"
 
 
 async def test_no_receipt_no_responders_lost_and_closed() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -21,23 +20,6 @@ def registered(broker: Broker, agent_id: str) -> bool:
     assert broker.registry is not None
     rec = broker.registry.agents.get(agent_id)
     return rec is not None and rec.state == "healthy"
-
-
-@pytest.fixture
-async def agents(nats_server: NatsServer) -> AsyncIterator[Any]:
-    """Start in-process agents; all drained at teardown."""
-    started: list[reach_agent.Agent] = []
-
-    async def make(agent: reach_agent.Agent) -> reach_agent.Agent:
-        await agent.start(nats_server.url)
-        started.append(agent)
-        return agent
-
-    try:
-        yield make
-    finally:
-        for a in started:
-            await a.stop(grace=2)
 
 
 def counting_agent(agent_id: str, capability: str, calls: list[str], **kw: Any) -> Any:
@@ -74,7 +56,8 @@ async def test_call_returns_result_and_passes_headers_through(
         "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
         "trace_id": "t-9", "hops": ["up1"],
     }  # fmt: skip
-    assert receipt == schema.Receipt(request_id="r-2")
+    assert receipt == schema.Receipt(request_id="r-2", agent_id="c1")
+    assert (client.takers.get("r-1"), client.takers.get("r-2")) == ("c1", "c1")
     assert metrics.requests.labels("c1", "ok")._value.get() == 2
     assert metrics.duration._sum.get() > 0
 
@@ -250,11 +233,14 @@ async def test_agent_dying_after_its_receipt_is_noticed_without_a_broker(
     nats_server: NatsServer, broker: Broker, agents: Any
 ) -> None:
     """With no broker to report it, the client's own liveness probes find the dead agent
-    and the call is retried on the other one with the same request id."""
+    and the call is retried on the other one with the same request id. (The capability is
+    idempotent: a claimed request id stays with its dead holder until a broker declares
+    the holder offline, and here no broker runs.)"""
     seen: list[tuple[str, str]] = []
 
     def agent(agent_id: str, hang: bool) -> reach_agent.Agent:
-        a = reach_agent.Agent(agent_id, ["mortal"], heartbeat_interval=0.1)
+        a = reach_agent.Agent(agent_id, ["mortal"], heartbeat_interval=0.1,
+                              idempotent={"mortal"})  # fmt: skip
 
         @a.handler("mortal")
         async def handle(task: reach_agent.Task) -> str:

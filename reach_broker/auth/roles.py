@@ -22,19 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from jetstream.names import ACK_STREAM
-from reach_agent.subjects import Subjects
+from jetstream.names import ACK_STREAM, CLAIMS_BUCKET, CLAIMS_STREAM
+from reach_agent.subjects import BROKER_ACK_AUTHOR, INBOX_ROOT, Subjects
 
 from .claims import Permission, ResponsePermission, User
 
 RoleName = Literal["agent", "caller", "broker"]
-
-BROKER_ACK_AUTHOR = "_broker"
-"""Author token of ack records the broker writes (``failed``/``expired`` of queued requests):
-``<p>.ack._broker.<request_id>``. Not a valid agent id (those start with a letter or digit),
-so no agent can be mistaken for the broker, nor the broker for an agent."""
-
-INBOX_ROOT = "_INBOX"
 
 
 class Of(NamedTuple):
@@ -86,31 +79,52 @@ class Role:
 
 INBOX = Raw("{inbox}.>")
 
-AGENT_REPLY_WINDOW_S = 300.0
+AGENT_REPLY_WINDOW_S = 3660.0
 """How long after receiving a task (or probe) an agent may still reply to it. Must exceed the
-longest task deadline (``ClientConfig.max_timeout_s``, 120 s by default): a result published
-later is refused by the server. The server keeps one entry per pending reply until it is
-used up or this window ends, so it is not made longer than it needs to be."""
+longest task deadline (``ClientConfig.max_timeout_s``, 3600 s by default): a result published
+later is refused by the server. Replies are unlimited in number within the window (a
+streamed answer is one message per chunk), so the server keeps one entry per task received
+for the whole window: about ``tasks per second * window`` entries per agent connection.
+Lower it (``issue_agent(..., reply_window_s=...)``) where tasks are short and many."""
 
 # JetStream API subjects a caller needs to read ack records (reach_agent.durable's wait and
-# last-record reads): last-by-subject direct get, direct get by sequence, and the non-direct
-# message get used to list every record of a request. Callers get no consumer-create rights:
-# a push consumer's deliver subject is not checked against its creator's permissions, so it
-# would let a caller re-publish stored messages (e.g. old broker events) on any subject.
+# last reads, `reach ack`): the message get (it returns a record with its stored headers, so
+# a reader can tell a record from a copy) and the stream's info. No direct get: its answer is
+# the stored message itself, headers and all, published to whatever reply subject the
+# requester names (the server never checks reply subjects), so it would let a caller copy an
+# agent-written record onto another agent's ack subject or onto an event subject. No
+# consumer-create rights either: a push consumer's deliver subject is not checked against its
+# creator's permissions, so a consumer would re-publish stored messages on any subject.
 _ACK_READS = (
-    Raw(f"$JS.API.DIRECT.GET.{ACK_STREAM}"),
-    Raw(f"$JS.API.DIRECT.GET.{ACK_STREAM}.>"),
     Raw(f"$JS.API.STREAM.MSG.GET.{ACK_STREAM}"),
+    Raw(f"$JS.API.STREAM.INFO.{ACK_STREAM}"),
 )
+# Claims (KV reach_claims, reach_agent.claiming): an agent creates and ends them with plain
+# JetStream publishes (compare-and-set by header) and reads them by message get; a caller
+# waiting on IN_PROGRESS reads them. Any agent of the account may write any claim: the
+# bucket trusts the account's agents (a forged claim can stall a request, not run it twice).
+# No direct get: any agent may store `{}` as a claim, and a direct get answered onto
+# `$JS.API.STREAM.DELETE.<stream>` (the server never checks reply subjects) is an empty
+# request there: the stream is deleted (checked against a real server).
+_CLAIM_READS = (Raw(f"$JS.API.STREAM.MSG.GET.{CLAIMS_STREAM}"),)
+_CLAIM_WRITES = (Raw(f"$KV.{CLAIMS_BUCKET}.>"), Raw(f"$JS.API.STREAM.INFO.{CLAIMS_STREAM}"))
 
 ROLES: dict[RoleName, Role] = {
     "agent": Role(
         name="agent",
         description="one agent process (connection name = agent id)",
-        publish=(Of("announce"), Of("heartbeat"), Of("leave"), OwnAcks()),
-        subscribe=(Of("tasks_of"), Of("probe"), Of("events_of"), INBOX),
-        # A task gets at most a receipt and a result; a probe one answer.
-        responses=Responses(max_msgs=2, ttl_s=AGENT_REPLY_WINDOW_S),
+        publish=(
+            Of("announce"),
+            Of("heartbeat"),
+            Of("leave"),
+            OwnAcks(),
+            *_CLAIM_WRITES,
+            *_CLAIM_READS,
+            *_ACK_READS,
+        ),
+        subscribe=(Of("tasks_of"), Of("probe"), Of("reannounce"), Of("events_of"), INBOX),
+        # A task gets a receipt, then its result or one message per streamed chunk.
+        responses=Responses(max_msgs=-1, ttl_s=AGENT_REPLY_WINDOW_S),
     ),
     "caller": Role(
         name="caller",
@@ -122,8 +136,12 @@ ROLES: dict[RoleName, Role] = {
             Every("all_comp"),
             Every("all_probes"),  # the client's liveness watch probes agents running its calls
             *_ACK_READS,
+            *_CLAIM_READS,
         ),
         subscribe=(Every("all_acks"), Every("all_events"), INBOX),
+        # Credits of a streamed answer go back to the chunks' reply subject (the agent's
+        # inbox); the SDK sends them only to `_INBOX.` subjects.
+        responses=Responses(max_msgs=-1, ttl_s=AGENT_REPLY_WINDOW_S),
     ),
     "broker": Role(
         name="broker",
@@ -131,6 +149,7 @@ ROLES: dict[RoleName, Role] = {
         publish=(
             Every("all_events"),
             Every("all_probes"),
+            Every("all_reannounces"),  # asks an agent it does not know to announce again
             Every("all_tasks"),
             OwnAcks(author=BROKER_ACK_AUTHOR),
             # Replies to announces, leaves, routes, `agents` and `$SRV` pings go to the
@@ -144,6 +163,13 @@ ROLES: dict[RoleName, Role] = {
             Raw("$SYS.REQ.ACCOUNT.{account}.CONNZ"),
             Raw("$SYS.REQ.ACCOUNT.PING.CONNZ"),
             Raw("$SYS.REQ.SERVER.PING.CONNZ"),
+            # The operators' view of the fleet (`reach top`, `reach events` history, the demo's
+            # view) needs a consumer on REACH_AUDIT and the replicas' NATS Services stats,
+            # which no other role may have: the broker's credential is the admin credential,
+            # so it may also ask what a caller asks.
+            Raw("$SRV.>"),
+            Every("agents"),
+            Every("all_routes"),
         ),
         subscribe=(
             Every("all_announces"),
@@ -177,8 +203,7 @@ def _expand(cell: Cell, subjects: Subjects, name: str, role: RoleName, account: 
             subject = getattr(subjects, attr)
             return subject
         case OwnAcks(author):
-            # <p>.ack.<author>.> — the attributable ack subject (Subjects.ack takes one token).
-            return subjects.ack(f"{author or name}.>")
+            return subjects.acks_by(author or name)
         case Raw(template):
             return template.format(
                 inbox=inbox_prefix(role, name), account=account, p=subjects.prefix

@@ -1,4 +1,7 @@
-"""``reach ack REQUEST_ID``: the durable ack records of one request (``REACH_ACKS``)."""
+"""``reach ack REQUEST_ID``: the durable ack records of one request (``REACH_ACKS``), each with
+its author: the agent (or ``_broker``) whose subject it was stored on, which only that author
+may publish to under reach's credentials. Copies of stored messages and records whose body
+disagrees with their subject are left out (and logged)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from .common import (
     Subcommands,
     add_common,
     connect,
+    refusal,
     subjects,
 )
 from .output import print_json, print_table, utc
@@ -25,6 +29,7 @@ def add_parser(sub: Subcommands) -> None:
     add_common(p)
     p.add_argument("request_id")
     p.add_argument("--all", action="store_true", help="every record, not only the latest")
+    p.add_argument("--agent", metavar="AGENT_ID", help="only the records this agent wrote")
     p.set_defaults(func=run)
 
 
@@ -45,6 +50,9 @@ async def _check_stream(nc: Any, timeout_s: float) -> None:
         raise CliError(f"stream {ACK_STREAM} not found on this server: the broker creates it "
                        "at start when JetStream is on", EXIT_UNAVAILABLE) from None  # fmt: skip
     except (NoRespondersError, ServiceUnavailableError, NatsTimeout):
+        denied = refusal(nc, f"cannot read {ACK_STREAM}")
+        if denied is not None:
+            raise denied from None
         raise CliError(f"JetStream is not available on this server (or this account), so there "
                        f"is no {ACK_STREAM} to read", EXIT_UNAVAILABLE) from None  # fmt: skip
     except APIError as exc:
@@ -58,8 +66,8 @@ async def _ack(args: argparse.Namespace) -> int:
     """Every record stored for one request id (received, completed/failed)."""
     from nats.errors import Error as NatsError
 
-    from jetstream import acks
-    from reach_agent.schema import decode_ack_record
+    from jetstream import ackreads, acks
+    from reach_agent.durable import attributed
 
     try:
         acks.check_request_id(args.request_id)
@@ -69,27 +77,33 @@ async def _ack(args: argparse.Namespace) -> int:
     nc = await connect(args)
     try:
         await _check_stream(nc, args.timeout)
-        stored = await acks.all_records(nc, args.request_id, subjects=subs,
+        stored = await ackreads.all_records(nc, args.request_id, subjects=subs, author=args.agent,
                                         timeout_s=args.timeout)  # fmt: skip
     except (NatsError, TimeoutError) as exc:  # e.g. the server went away in between
-        raise CliError(f"cannot read {ACK_STREAM}: {exc or type(exc).__name__}",
-                       EXIT_UNAVAILABLE) from None  # fmt: skip
+        raise refusal(nc, f"cannot read {ACK_STREAM}") or CliError(
+            f"cannot read {ACK_STREAM}: {exc or type(exc).__name__}", EXIT_UNAVAILABLE
+        ) from None
     finally:
         await nc.close()
     if not stored:
         raise CliError(f"no ack record for request_id {args.request_id!r} (acks are kept 24 h)")
-    records = [decode_ack_record(s.data) for s in stored]
+    found = [(s.author, r) for s in stored if (r := attributed(s)) is not None]
+    if not found:
+        raise CliError(f"no attributable ack record for request_id {args.request_id!r} (see "
+                       "the warnings above)")  # fmt: skip
+    records = [r for _, r in found]
     if args.json:
         print_json(records if args.all else records[-1])
         return 0
-    shown = records if args.all else [records[-1]]
+    shown = found if args.all else [found[-1]]
     rows = [
-        (r.state, r.agent_id, r.capability, utc(r.at_ms),
+        (r.state, author, r.agent_id, r.capability, utc(r.at_ms),
          (r.error or {}).get("code", "") or "",
          (bytes(r.result).decode(errors="replace")[:60] if r.result else
           (r.error or {}).get("message", "")[:60]))
-        for r in shown
+        for author, r in shown
     ]  # fmt: skip
     print(f"request {args.request_id}")
-    print_table(rows, ["STATE", "AGENT", "CAPABILITY", "AT", "ERROR", "RESULT / MESSAGE"])
+    print_table(rows, ["STATE", "AUTHOR", "AGENT", "CAPABILITY", "AT", "ERROR",
+                       "RESULT / MESSAGE"])  # fmt: skip
     return 0

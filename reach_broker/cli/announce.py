@@ -26,7 +26,7 @@ from reach_agent import schema
 from reach_agent.connection import drain_or_close, flush_subscriptions
 from reach_agent.errors import Draining, InvalidRequest, LoopDetected, ReachError
 from reach_agent.errors import to_reply as error_reply
-from reach_agent.subjects import Subjects
+from reach_agent.subjects import Subjects, is_inbox
 
 from ..logs import say
 from .common import (
@@ -235,6 +235,9 @@ class HandMadeAgent:
         self.reannounce.set()
 
     async def on_probe(self, msg: Any) -> None:
+        if not is_inbox(msg.reply or ""):  # the protocol: answer inboxes only
+            self.say("probe", "ignored a probe whose reply subject is not an inbox", ignored=True)
+            return
         reply = schema.ProbeReply(agent_id=self.agent_id, status=self.status, seq=self.seq)
         await msg.respond(schema.encoder.encode(reply))
         self.say("probe", "answered a probe")
@@ -242,6 +245,10 @@ class HandMadeAgent:
     async def on_task(self, msg: Any) -> None:
         if not msg.reply:  # a publish, not a request: nobody to answer
             self.say("task", "ignored a task sent without a reply subject", ignored=True)
+            return
+        if not is_inbox(msg.reply):  # answering it would publish wherever the caller chose
+            self.say("task", f"ignored a task whose reply subject {msg.reply[:80]!r} is not an "
+                             "inbox", ignored=True)  # fmt: skip
             return
         hdrs = msg.headers or {}
         rid = hdrs.get(schema.H_REQUEST_ID) or str(uuid.uuid4())

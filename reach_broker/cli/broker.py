@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from .. import process
-from ..config import ConfigError, load
+from ..config import ConfigError, console_token, load
 from .common import (
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
@@ -22,6 +22,10 @@ from .common import (
 def add_parser(sub: Subcommands) -> None:
     p = sub.add_parser("broker", help="run a broker (embedded nats-server unless --server)")
     add_common(p)
+    p.add_argument("--auth", metavar="DIR", default=env_default("REACH_AUTH_DIR"),
+                   help="secured mode: the embedded server runs DIR/server.conf (from `reach "
+                        "auth init DIR`) and the broker connects with DIR/broker.creds "
+                        "(env REACH_AUTH_DIR)")  # fmt: skip
     p.add_argument("--config", "-c", default=env_default("REACH_CONFIG"),
                    help="broker.toml (env REACH_CONFIG)")  # fmt: skip
     p.add_argument("--metrics-port", type=int, default=int_env("REACH_METRICS_PORT"),
@@ -37,6 +41,9 @@ def add_parser(sub: Subcommands) -> None:
                    help="JetStream store dir of the embedded server "
                         "(default: a temp dir)")  # fmt: skip
     p.add_argument("--broker-id", default=env_default("REACH_BROKER_ID"))
+    p.add_argument("--console-token", default=env_default("REACH_CONSOLE_TOKEN"),
+                   help="token of the web console; needed when --metrics-host is beyond "
+                        "loopback (env REACH_CONSOLE_TOKEN)")  # fmt: skip
     # --prefix (from add_common) overrides broker.toml only when given (or REACH_PREFIX).
     p.set_defaults(func=run, prefix=env_default("REACH_PREFIX"))
 
@@ -46,13 +53,23 @@ def run(args: argparse.Namespace) -> int:
         cfg = load(args.config)
     except ConfigError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
-    if args.server is not None or args.creds:  # a bad URL or a missing file: say so now
+    if args.server is not None or args.creds or args.tls_ca:  # a bad URL or a missing file
         connection_options(args, "reach-broker")
     # Flags (and their env vars) win over broker.toml.
     if args.server:
         cfg.nats.url = args.server
     if args.creds:
         cfg.nats.creds = args.creds
+    if args.tls_ca:
+        cfg.nats.tls_ca = args.tls_ca
+    if args.auth:
+        from ..auth import AuthDir, AuthError
+
+        try:
+            AuthDir.open(args.auth)
+        except AuthError as exc:
+            raise CliError(f"--auth: {exc}", EXIT_USAGE) from None
+        cfg.nats.auth_dir = args.auth
     if args.metrics_port is not None:
         cfg.broker.metrics_port = args.metrics_port
     if args.metrics_host:
@@ -63,6 +80,11 @@ def run(args: argparse.Namespace) -> int:
         cfg.nats.embedded_store_dir = args.store_dir
     if args.broker_id:
         cfg.broker.broker_id = args.broker_id
+    if args.console_token:
+        try:
+            cfg.console.token = console_token(args.console_token, "--console-token")
+        except ConfigError as exc:
+            raise CliError(str(exc), EXIT_USAGE) from None
     if args.prefix is not None:
         subjects(args)  # a bad prefix is a usage error naming it
         cfg.broker.prefix = args.prefix

@@ -12,15 +12,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import logging
 import os
 import re
 import socket
 import urllib.parse
+import weakref
 from typing import Any
 
 from reach_agent.subjects import Subjects
 
 from ..process import STOP_SIGNALS
+
+log = logging.getLogger("reach")
 
 EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 3
@@ -42,6 +46,8 @@ class CliError(Exception):
         self.code = code
         self.kind = kind or _KINDS.get(code, "ERROR")
         self.detail = message
+        self.extra: dict[str, Any] = {}
+        """Members the ``--json`` object carries beside ``error`` (a route's ``explain``)."""
 
     @classmethod
     def of(cls, err: Any) -> CliError:
@@ -52,7 +58,8 @@ class CliError(Exception):
 
     def as_json(self) -> dict[str, Any]:
         """``{"error": {"code", "message", "exit"}}``: the wire's error body, plus the exit."""
-        return {"error": {"code": self.kind, "message": self.detail, "exit": self.code}}
+        return {"error": {"code": self.kind, "message": self.detail, "exit": self.code},
+                **self.extra}  # fmt: skip
 
 
 # --- options ------------------------------------------------------------------------------
@@ -78,7 +85,11 @@ def add_common(
     p.add_argument("--server", "-s", default=env_default("NATS_URL"),
                    help="NATS server URL(s), comma-separated (env NATS_URL)")  # fmt: skip
     p.add_argument("--creds", default=env_default("REACH_CREDS"),
-                   help="NATS credentials file (env REACH_CREDS)")  # fmt: skip
+                   help="NATS credentials file, e.g. from `reach auth` (env REACH_CREDS; "
+                        "NATS_CREDS also works)")  # fmt: skip
+    p.add_argument("--tls-ca", default=env_default("NATS_CA"), metavar="PEM",
+                   help="CA certificate the server's must chain to; turns TLS on "
+                        "(env NATS_CA; `reach auth init --tls`: DIR/tls/ca.pem)")  # fmt: skip
     p.add_argument("--json", action="store_true", default=bool(env_default("REACH_JSON")),
                    help="machine-readable JSON output (env REACH_JSON)")  # fmt: skip
     p.add_argument("--prefix", default=env_default("REACH_PREFIX", "reach"),
@@ -159,8 +170,9 @@ def connection_options(
     from reach_agent.connection import Credentials, connect_options
 
     urls = urls or servers(args)
+    cred = Credentials(creds=args.creds, tls_ca=getattr(args, "tls_ca", None))
     try:
-        return connect_options(name, urls, Credentials(creds=args.creds), **overrides)
+        return connect_options(name, urls, cred, **overrides)
     except ValueError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
 
@@ -206,10 +218,19 @@ async def connect(
     server, no reconnect unless ``overrides`` say so; or a clear CliError."""
     import nats
 
+    from reach_agent.grants import violation_of
+
     errors: list[BaseException] = []
+    refused: list[Any] = []
 
     async def on_error(exc: Exception) -> None:  # nats-py would log a traceback per attempt
-        errors.append(exc)
+        violation = violation_of(exc)
+        if violation is None:
+            errors.append(exc)
+            return
+        refused.append(violation)
+        log.warning("permission denied: %s to %r (credentials %s)", violation.action,
+                    violation.subject, args.creds or os.environ.get("NATS_CREDS"))  # fmt: skip
 
     timeout = min(args.timeout, CONNECT_TIMEOUT_S)
     # max_reconnect_attempts=0 would mean "forever" to nats-py's initial server loop;
@@ -220,7 +241,9 @@ async def connect(
                        "error_cb": on_error, **overrides},
     )  # fmt: skip
     try:
-        return await nats.connect(**options)
+        nc = await nats.connect(**options)
+        _REFUSED[nc] = refused
+        return nc
     except Exception as exc:  # every connect failure is one line to a user
         cause = errors[-1] if errors else exc
         raise CliError(
@@ -228,6 +251,25 @@ async def connect(
             f"{connect_failure(cause, timeout)}",
             EXIT_UNAVAILABLE,
         ) from None
+
+
+_REFUSED: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+"""The permission violations the server reported on each CLI connection."""
+
+
+def refusal(nc: Any, what: str) -> CliError | None:
+    """A clear error when the server refused something on ``nc`` (a request that then timed
+    out): which subject, and that it is the credentials' doing."""
+    refused = _REFUSED.get(nc) or []
+    if not refused:
+        return None
+    v = refused[-1]
+    return CliError(
+        f"{what}: the server refused {v.action} to {v.subject!r} for these credentials "
+        "(check --creds / NATS_CREDS: a caller's credential may route, call, submit and read "
+        "acks; reading REACH_AUDIT history and broker stats needs the broker's)",
+        1, kind="FORBIDDEN",
+    )  # fmt: skip
 
 
 CONNECT_TIMEOUT_S = 5.0
@@ -246,7 +288,7 @@ def connect_failure(cause: BaseException, timeout: float) -> str:
         return "connection refused (is `reach broker` running? set --server or NATS_URL)"
     if isinstance(cause, socket.gaierror):
         return f"unknown host ({cause.strerror})"
-    if isinstance(cause, AuthorizationError):
+    if isinstance(cause, AuthorizationError) or "authorization violation" in str(cause).lower():
         return ("authorization violation (check --creds, NATS_CREDS, NATS_USER/NATS_PASSWORD "
                 "or NATS_TOKEN)")  # fmt: skip
     if isinstance(cause, TimeoutError | NatsTimeout):
@@ -257,32 +299,49 @@ def connect_failure(cause: BaseException, timeout: float) -> str:
     return str(cause) or type(cause).__name__
 
 
-async def request(nc: Any, subject: str, data: bytes, timeout_s: float) -> bytes:
-    """Request-reply that turns no-responders, timeouts and error replies into CliError."""
+async def exchange(nc: Any, subject: str, data: bytes, timeout_s: float) -> Any:
+    """Request-reply that turns no-responders and timeouts into CliError; the reply ``Msg``
+    (an error reply too)."""
     from nats.errors import NoRespondersError
     from nats.errors import TimeoutError as NatsTimeout
 
-    from reach_agent.errors import from_reply
-
     try:
-        msg = await nc.request(subject, data, timeout=timeout_s)
+        return await nc.request(subject, data, timeout=timeout_s)
     except NoRespondersError:
         raise CliError(
             f"no broker answers on {subject} (is `reach broker` running on this server?)",
             EXIT_UNAVAILABLE,
         ) from None
     except NatsTimeout:
-        raise CliError(f"no reply on {subject} within {timeout_s}s", EXIT_UNAVAILABLE) from None
+        raise refusal(nc, f"no reply on {subject}") or CliError(
+            f"no reply on {subject} within {timeout_s}s", EXIT_UNAVAILABLE
+        ) from None
+
+
+def body_of(msg: Any) -> bytes:
+    """A reply's body, or the CliError of the error reply it is."""
+    from reach_agent.errors import from_reply
+
     err = from_reply(msg.headers, msg.data)
     if err is not None:
         raise CliError.of(err)
     return bytes(msg.data)
 
 
+async def request(nc: Any, subject: str, data: bytes, timeout_s: float) -> bytes:
+    """:func:`exchange` that also turns an error reply into CliError; the reply body."""
+    return body_of(await exchange(nc, subject, data, timeout_s))
+
+
 async def ask(args: argparse.Namespace, subject: str, data: bytes) -> bytes:
     """One :func:`request` on a connection of its own (closed after), for one-shot commands."""
+    return body_of(await ask_msg(args, subject, data))
+
+
+async def ask_msg(args: argparse.Namespace, subject: str, data: bytes) -> Any:
+    """One :func:`exchange` on a connection of its own: the reply ``Msg``, error or not."""
     nc = await connect(args)
     try:
-        return await request(nc, subject, data, args.timeout)
+        return await exchange(nc, subject, data, args.timeout)
     finally:
         await nc.close()

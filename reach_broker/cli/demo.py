@@ -11,6 +11,12 @@ broker or the server dying ends the demo. Stop, the other way round: calls, agen
 (SIGTERM: the SDK drains and leaves), broker, server. The children are
 :mod:`~reach_broker.cli.children`; their logs are removed after a run without failure and
 kept (path printed) after any failure, a restarted agent included.
+
+``--auth`` runs it the secure way: a fresh auth DIR in the run's temp dir (``reach auth init``
+with a credential per demo agent and a caller ``demo``), the embedded server from its
+``server.conf`` (operator mode), the broker with ``broker.creds``, each agent with its own
+``agents/<id>.creds`` (``NATS_CREDS``), the calls with the caller's credential. The view reads
+the audit trail and the brokers' stats, which only the broker's credential may: it uses that.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -65,6 +72,11 @@ def add_parser(sub: Subcommands) -> None:
     p.add_argument("--no-view", action="store_true", help="no live view (logs only)")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     p.add_argument("--events", type=int, default=8, help="recent events shown")
+    p.add_argument("--auth", action="store_true",
+                   help="secured: a fresh auth DIR, an operator-mode server and a credential "
+                        "per process (see `reach auth`)")  # fmt: skip
+    p.add_argument("--console-port", type=int, default=0,
+                   help="port of the broker's web console (default 0: a free one)")  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -121,19 +133,26 @@ def run(args: argparse.Namespace) -> int:
     if args.rate <= 0:
         raise CliError(f"--rate {args.rate!r} must be above zero", EXIT_USAGE)
     subs = subjects(args)
+    if args.auth and args.creds:
+        raise CliError("--auth makes its own credentials (one per process): leave out --creds",
+                       EXIT_USAGE)  # fmt: skip
     connection_options(args, "reach-demo")  # a bad --server or --creds: say so before starting
     log_dir = Path(tempfile.mkdtemp(prefix="reach-demo-"))
     demo = Demo(args, subs, Children(log_dir))
     server: NatsServer | None = None
     try:
-        url = args.server
-        if not url:
+        url = None if args.auth else args.server  # --auth: always a secured server of its own
+        if args.auth:
+            server = demo.secure(log_dir / "auth")
+        elif not url:
             server = NatsServer(port=0, new_session=True)
+        if server is not None:
             try:
                 server.start()
             except NatsServerError as exc:
                 raise CliError(f"embedded nats-server: {exc}", EXIT_UNAVAILABLE) from None
             url = server.url
+        assert url is not None  # --server, or the server started above
         try:
             return asyncio.run(demo.run(url, server))
         except CliError:
@@ -152,20 +171,34 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(log_dir, ignore_errors=True)
 
 
+def free_port() -> int:
+    """A port free on loopback now (the broker binds it a moment later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def child_commands(
-    args: argparse.Namespace, url: str, prefix: str, broker_id: str
+    args: argparse.Namespace, url: str, prefix: str, broker_id: str, console_port: int
 ) -> tuple[list[str], dict[str, str]]:
     """The broker's command line, and the environment of every child: the server, the
-    prefix and the credentials of the demo reach the broker (as flags) and the agents
-    (``NATS_URL``, ``REACH_PREFIX``, ``NATS_CREDS``, read by the SDK)."""
-    env = {**os.environ, "NATS_URL": url, "PYTHONUNBUFFERED": "1",
-           "REACH_LOG_FORMAT": args.log_format, "REACH_PREFIX": prefix}  # fmt: skip
+    prefix, the credentials and the CA of the demo reach the broker (as flags) and the agents
+    (``NATS_URL``, ``REACH_PREFIX``, ``NATS_CREDS``, ``NATS_CA``, read by the SDK). The broker
+    serves its console (and /metrics) on loopback at ``console_port``."""
+    env = {k: v for k, v in os.environ.items() if k != "REACH_METRICS_HOST"}
+    env.update({"NATS_URL": url, "PYTHONUNBUFFERED": "1", "REACH_LOG_FORMAT": args.log_format,
+                "REACH_PREFIX": prefix})  # fmt: skip
     argv = [sys.executable, "-m", "reach_broker.cli", "broker", "--server", url,
-            "--metrics-port", "0", "--log-format", args.log_format, "--prefix", prefix,
+            "--metrics-port", str(console_port), "--metrics-host", "127.0.0.1",
+            "--log-format", args.log_format, "--prefix", prefix,
             "--broker-id", broker_id]  # fmt: skip
     if args.creds:
         env["NATS_CREDS"] = args.creds
         argv += ["--creds", args.creds]
+    tls_ca = getattr(args, "tls_ca", None)
+    if tls_ca:
+        env["NATS_CA"] = tls_ca
+        argv += ["--tls-ca", tls_ca]
     return argv, env
 
 
@@ -181,6 +214,24 @@ class Demo:
         self.restarts: dict[str, int] = {}
         self.notes: list[str] = []
         self.server: NatsServer | None = None
+        self.console_port = args.console_port or free_port()
+        self.console = f"http://127.0.0.1:{self.console_port}/"
+        """The broker's web console (printed; the demo opens nothing)."""
+        self.agent_creds: dict[str, str] = {}
+        """Each demo agent's credential (``--auth``)."""
+        self.caller_creds: str | None = None
+
+    def secure(self, directory: Path) -> NatsServer:
+        """``--auth``: an auth DIR with every credential of the demo, and its server (not
+        started). The demo's own connection (view, readiness) uses the broker's credential."""
+        from ..auth import init, issue_agent, issue_caller
+
+        d = init(directory, prefix=self.subs.prefix)
+        self.agent_creds = {a: str(issue_agent(d, a)) for a in DEMO_AGENTS}
+        self.caller_creds = str(issue_caller(d, "demo"))
+        self.args.creds = str(d.broker_creds)
+        return NatsServer(port=0, config=d.server_conf, store_dir=d.store_dir,
+                          config_store=True, new_session=True)  # fmt: skip
 
     def emit(self, record: dict[str, Any], text: str) -> None:
         """A record (``--json``) or a line; with the live view, lines go into its notes."""
@@ -202,7 +253,8 @@ class Demo:
         args, subs = self.args, self.subs
         self.server = server
         stop = stop_on_signals()
-        broker_argv, env = child_commands(args, url, subs.prefix, self.broker_id)
+        broker_argv, env = child_commands(args, url, subs.prefix, self.broker_id,
+                                          self.console_port)  # fmt: skip
         # A wrong URL fails at once; once connected, reconnect after a blip for a minute or
         # so rather than forever (nats-py reads this option at each reconnect).
         nc = await connect(args, "reach-demo", urls=[url], allow_reconnect=True)
@@ -213,18 +265,29 @@ class Demo:
                 return self.stopped("signal", Calls(nc, subs.prefix, args.rate))
             for agent_id in DEMO_AGENTS:
                 argv = [sys.executable, "-m", "reach_broker.demo", "agent", agent_id]
-                self.children.spawn(agent_id, argv, env)
+                own = self.agent_creds.get(agent_id)
+                self.children.spawn(agent_id, argv, {**env, "NATS_CREDS": own} if own else env)
             logs = self.children.log_dir
             self.emit({"event": "started", "nats_url": url, "pids": self.pids(),
-                       "logs": str(logs), "broker_id": self.broker_id},
+                       "logs": str(logs), "broker_id": self.broker_id, "console": self.console},
                       f"nats {url}; broker {self.broker_id} and agents {', '.join(DEMO_AGENTS)} "
-                      f"started (logs in {logs}); Ctrl-C stops everything")  # fmt: skip
-            calls = Calls(nc, subs.prefix, args.rate)
-            if not await self.until_ready(nc, stop):
-                return self.stopped("signal", calls)
-            self.emit({"event": "ready", "agents": list(DEMO_AGENTS)},
-                      f"{', '.join(DEMO_AGENTS)} healthy; calling")  # fmt: skip
-            return self.stopped(await self.live(nc, url, calls, stop), calls)
+                      f"started (logs in {logs}); console {self.console}; Ctrl-C stops "
+                      "everything")  # fmt: skip
+            calls_nc = nc
+            if self.caller_creds is not None:  # the calls go as a caller, not as the broker
+                as_caller = argparse.Namespace(**{**vars(args), "creds": self.caller_creds})
+                calls_nc = await connect(as_caller, "reach-demo-calls", urls=[url],
+                                         allow_reconnect=True)  # fmt: skip
+            calls = Calls(calls_nc, subs.prefix, args.rate)
+            try:
+                if not await self.until_ready(nc, stop):
+                    return self.stopped("signal", calls)
+                self.emit({"event": "ready", "agents": list(DEMO_AGENTS)},
+                          f"{', '.join(DEMO_AGENTS)} healthy; calling")  # fmt: skip
+                return self.stopped(await self.live(nc, url, calls, stop), calls)
+            finally:
+                if calls_nc is not nc:
+                    await calls_nc.close()
         finally:
             await nc.close()
 
@@ -337,7 +400,8 @@ class Demo:
             jobs.append(asyncio.create_task(view_loop(
                 nc, subjects=self.subs, server=url, interval=args.interval,
                 timeout_s=args.timeout, max_events=args.events, once=False, as_json=args.json,
-                stop=stop, title="reach demo", notes=lambda: self.notes,
+                stop=stop, title=f"reach demo · console {self.console}",
+                notes=lambda: self.notes,
             )))  # fmt: skip
         try:
             await asyncio.gather(*jobs)

@@ -25,6 +25,7 @@ from .common import (
     add_common,
     connect,
     parse_duration,
+    refusal,
     stop_on_signals,
     subjects,
 )
@@ -102,6 +103,10 @@ async def _events(args: argparse.Namespace, since: float | None) -> int:
                     EXIT_UNAVAILABLE,
                 ) from None
             except audit.NoJetStream:
+                denied = refusal(nc, f"cannot read {AUDIT_STREAM}'s history (use --follow for "
+                                     "live events only)")  # fmt: skip
+                if denied is not None:
+                    raise denied from None
                 raise CliError(
                     f"JetStream is not available on this server, so there is no {AUDIT_STREAM} "
                     "history (use --follow for live events only)",

@@ -1,11 +1,14 @@
-"""``reach route CAP``: the candidates a caller would get (``<prefix>.route.<capability>``)."""
+"""``reach route CAP``: the candidates a caller would get (``<prefix>.route.<capability>``);
+with ``--explain`` also why: each candidate's score terms, and every agent left out with its
+reason."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+from typing import Any
 
-from .common import Subcommands, add_common, ask, capability, subjects, tags
+from .common import CliError, Subcommands, add_common, ask_msg, capability, subjects, tags
 from .output import print_json, print_table
 
 
@@ -19,6 +22,9 @@ def add_parser(sub: Subcommands) -> None:
     p.add_argument("--sticky-key")
     p.add_argument("--exclude", action="append", metavar="AGENT_ID")
     p.add_argument("--allow-suspect", action="store_true")
+    p.add_argument("--explain", action="store_true",
+                   help="the score terms of each candidate, and why each other agent is "
+                        "left out")  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -27,19 +33,82 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _route(args: argparse.Namespace) -> int:
+    import msgspec
+
     from reach_agent import schema
+    from reach_agent.errors import from_reply
 
     cap = capability(args.capability)
     req = schema.RouteRequest(
         limit=args.limit, region=args.region, tags=tags(args.tag), sticky_key=args.sticky_key,
-        exclude=args.exclude or [], allow_suspect=args.allow_suspect, peek=True,
+        exclude=args.exclude or [], allow_suspect=args.allow_suspect, explain=args.explain,
+        peek=True,
     )  # fmt: skip
-    data = await ask(args, subjects(args).route(cap), schema.encoder.encode(req))
-    reply = schema.route_reply_decoder.decode(data)
+    msg = await ask_msg(args, subjects(args).route(cap), schema.encoder.encode(req))
+    err = from_reply(msg.headers, msg.data)
+    if err is not None:
+        failure = CliError.of(err)
+        explain = _error_explain(msg.data) if args.explain else None
+        if explain is not None:
+            failure.extra = {"explain": explain}
+            if not args.json:
+                print_explain(cap, msgspec.convert(explain, schema.RouteExplain), [])
+        raise failure
+    reply = schema.route_reply_decoder.decode(msg.data)
     if args.json:
         print_json(reply)
-        return 0
-    rows = [(i + 1, c.agent_id, c.state, f"{c.score:.1f}", f"{c.load:.2f}", c.region or "-",
-             c.subject) for i, c in enumerate(reply.candidates)]  # fmt: skip
-    print_table(rows, ["#", "AGENT", "STATE", "SCORE", "LOAD", "REGION", "SUBJECT"])
+    elif reply.explain is not None:
+        print_explain(cap, reply.explain, reply.candidates)
+    else:
+        rows = [(i + 1, c.agent_id, c.state, f"{c.score:.1f}", f"{c.load:.2f}", c.region or "-",
+                 c.subject) for i, c in enumerate(reply.candidates)]  # fmt: skip
+        print_table(rows, ["#", "AGENT", "STATE", "SCORE", "LOAD", "REGION", "SUBJECT"])
     return 0
+
+
+def _error_explain(data: bytes) -> Any:
+    """The ``explain`` an explained ``NO_REACHABLE_AGENT`` carries beside ``error``, if any."""
+    import msgspec
+
+    try:
+        body = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return None
+    return body.get("explain") if isinstance(body, dict) else None
+
+
+def _f(value: float) -> str:
+    return f"{value:.2f}"
+
+
+def print_explain(cap: str, ex: Any, candidates: list[Any]) -> None:
+    """The explanation as people read it: a summary line, the candidates with their score
+    terms, then every agent left out with its reason."""
+    panic = "; PANIC: nothing ejected for its score" if ex.panic else ""
+    print(f"{cap}: {ex.members} agents, {ex.healthy} healthy, {ex.ranked} ranked, "
+          f"{ex.ejected} ejected; choice {ex.choice}, pool {ex.pool}; min score "
+          f"{ex.min_reach_score:g}, load watermark {ex.load_watermark:g}{panic}")  # fmt: skip
+    rows = []
+    for i, c in enumerate(candidates, 1):
+        e = c.explain
+        t = e.terms
+        rows.append((i, c.agent_id, c.state, f"{c.score:.1f}", f"{e.active}/{e.max_concurrency}",
+                     f"{e.weight:.1f}", _f(e.slow_start), _f(t.liveness), _f(t.latency),
+                     _f(t.load), _f(t.success), _f(t.stuck), e.weakest or "-", e.rank or "-",
+                     e.kept or "-"))  # fmt: skip
+    if rows:
+        print()
+        print_table(rows, ["#", "AGENT", "STATE", "SCORE", "ACTIVE", "WEIGHT", "SLOW", "LIVE",
+                           "LAT", "LOAD", "SUCC", "STUCK", "WEAKEST", "RANK", "KEPT"])  # fmt: skip
+    total = sum(ex.counts.values())
+    if not total:
+        return
+    by = ", ".join(f"{n} {code}" for code, n in sorted(ex.counts.items(), key=lambda kv: -kv[1]))
+    shown = f", first {len(ex.excluded)} listed" if len(ex.excluded) < total else ""
+    print(f"\nleft out: {total} ({by}{shown})")
+    print_table(
+        [(x.agent_id, x.state, f"{x.score:.1f}",
+          f"{x.explain.active}/{x.explain.max_concurrency}" if x.explain else f"{x.load:.2f}",
+          x.reason, x.detail) for x in ex.excluded],
+        ["AGENT", "STATE", "SCORE", "ACTIVE", "REASON", "DETAIL"],
+    )  # fmt: skip

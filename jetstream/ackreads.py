@@ -1,0 +1,191 @@
+"""Reading ack records on ``REACH_ACKS``: every author's records of a request, attributed.
+
+The readers hand back only *attributed* records (:func:`attribute`): the message id names the
+subject's author and request, and the record is not a copy JetStream made of a stored message
+(a ``Nats-Stream`` header: a direct get answered onto an ack subject, which the server allows
+since it never checks reply subjects). They read with message gets (``STREAM.MSG.GET``),
+which return a record's headers as stored; a direct get adds ``Nats-Stream`` to every answer.
+Whether the body agrees too, and which author to believe, is the caller's
+(:mod:`reach_agent.durable`): this module works on bytes and headers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+from nats.aio.client import Client as NATS
+from nats.js.errors import NotFoundError
+
+from .acks import FINAL_STATES, check_request_id, parse_msg_id
+from .names import ACK_STREAM, H_MSG_ID, H_STREAM, StreamSubjects
+
+log = logging.getLogger(__name__)
+
+MAX_RECORDS = 100
+"""Most records read for one request id (it has a handful): a runaway loop stops there."""
+
+
+class StoredAck(NamedTuple):
+    """One ack record as stored (or as it arrived live), attributed to its author."""
+
+    subject: str
+    author: str
+    """Who wrote it: the subject's author token (an agent id, or the broker's ``_broker``)."""
+    request_id: str
+    state: str
+    data: bytes
+    msg_id: str
+    seq: int | None
+    """Stream sequence (None for a record that arrived live)."""
+
+
+def attribute(
+    subject: str, headers: Mapping[str, str] | None, data: bytes, seq: int | None,
+    subjects: StreamSubjects,
+) -> StoredAck | str:  # fmt: skip
+    """The record on ``subject``, or why it is not one: a copy JetStream made of a stored
+    message, or a message id that names another author or request than the subject."""
+    hdrs = headers or {}
+    if H_STREAM in hdrs:
+        return f"a copy of a message stored in {hdrs[H_STREAM]} ({H_STREAM} header)"
+    author, request_id = subjects.ack_of(subject)
+    msg_id = hdrs.get(H_MSG_ID)
+    parsed = parse_msg_id(msg_id)
+    if parsed is None or msg_id is None:
+        return f"{H_MSG_ID} {msg_id!r} is not <author>.<request_id>.<state>.<tag>"
+    if (parsed.author, parsed.request_id) != (author, request_id):
+        return (f"{H_MSG_ID} {msg_id!r} names {parsed.author}/{parsed.request_id}, the "
+                f"subject {author}/{request_id}")  # fmt: skip
+    return StoredAck(subject, author, request_id, parsed.state, data, msg_id, seq)
+
+
+def _keep(rec: StoredAck | str, subject: str) -> StoredAck | None:
+    if isinstance(rec, str):
+        log.warning("acks.ignored subject=%s reason=%s", subject, rec)
+        return None
+    return rec
+
+
+async def _get(js: Any, subjects: StreamSubjects, **query: Any) -> tuple[int, StoredAck | None]:
+    """One stored record (``STREAM.MSG.GET``: the stored headers as they are, without the
+    ones a direct get adds): (its sequence, the record if attributed); (0, None) when there
+    is none."""
+    try:
+        raw = await js.get_msg(ACK_STREAM, **query)
+    except NotFoundError:
+        return 0, None
+    subject = raw.subject or ""
+    rec = attribute(subject, raw.headers, raw.data or b"", raw.seq, subjects)
+    return int(raw.seq or 0), _keep(rec, subject)
+
+
+async def all_records(
+    nc: NATS, request_id: str, *, subjects: StreamSubjects, author: str | None = None,
+    timeout_s: float = 2.0,
+) -> list[StoredAck]:  # fmt: skip
+    """Every attributed record stored for ``request_id`` (by ``author`` only, when given),
+    oldest first; anything else on its subjects is logged and left out."""
+    check_request_id(request_id)
+    js = nc.jetstream(timeout=timeout_s)
+    subject = subjects.acks_of(request_id) if author is None else subjects.ack(author, request_id)
+    out: list[StoredAck] = []
+    seq = 0
+    for _ in range(MAX_RECORDS):
+        seq, rec = await _get(js, subjects, seq=seq + 1, subject=subject, next=True)
+        if not seq:
+            break
+        if rec is not None:
+            out.append(rec)
+    return out
+
+
+async def last_record(
+    nc: NATS, request_id: str, *, subjects: StreamSubjects, author: str | None = None,
+    timeout_s: float = 2.0,
+) -> StoredAck | None:  # fmt: skip
+    """The latest attributed record of ``request_id`` (by ``author`` only, when given)."""
+    check_request_id(request_id)
+    js = nc.jetstream(timeout=timeout_s)
+    subject = subjects.acks_of(request_id) if author is None else subjects.ack(author, request_id)
+    seq, got = await _get(js, subjects, subject=subject)
+    if not seq or got is not None:
+        return got
+    found = await all_records(nc, request_id, subjects=subjects, author=author,
+                              timeout_s=timeout_s)  # fmt: skip
+    return found[-1] if found else None
+
+
+Accept = Callable[[StoredAck], StoredAck | None]
+"""Told of each attributed record of a request, oldest first (history, then live); returns
+the record to answer with (possibly one it was told of earlier), or None to go on."""
+
+
+async def wait_for(
+    nc: NATS, request_id: str, timeout_s: float, *, subjects: StreamSubjects, accept: Accept
+) -> StoredAck:
+    """The record ``accept`` settles on among those of ``request_id``, stored or yet to come.
+
+    Subscribes to every author's subject of the request before reading the stream, so a
+    record stored in between is not missed (a record seen both ways is told once). Raises
+    ``TimeoutError`` after ``timeout_s`` seconds.
+    """
+    check_request_id(request_id)
+    live: asyncio.Queue[StoredAck] = asyncio.Queue()
+
+    async def on_msg(msg: Any) -> None:
+        rec = _keep(attribute(msg.subject, msg.headers, msg.data, None, subjects), msg.subject)
+        if rec is not None:
+            live.put_nowait(rec)
+
+    seen: set[str] = set()
+
+    def tell(rec: StoredAck) -> StoredAck | None:
+        if rec.msg_id in seen:
+            return None
+        seen.add(rec.msg_id)
+        return accept(rec)
+
+    sub = await nc.subscribe(subjects.acks_of(request_id), cb=on_msg)
+    try:
+        async with asyncio.timeout(timeout_s):
+            await nc.flush(timeout=max(1, int(min(timeout_s, 2.0))))
+            for rec in await all_records(nc, request_id, subjects=subjects,
+                                         timeout_s=min(timeout_s, 2.0)):  # fmt: skip
+                answer = tell(rec)
+                if answer is not None:
+                    return answer
+            while True:
+                answer = tell(await live.get())
+                if answer is not None:
+                    return answer
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+
+
+async def final_at(
+    nc: NATS, subject: str, *, subjects: StreamSubjects, timeout_s: float = 2.0
+) -> StoredAck | None:
+    """The first attributed ``completed``/``failed`` record stored on exactly ``subject`` (one
+    author's records of one request: a claim holder's result location), or None."""
+    author, request_id = subjects.ack_of(subject)
+    found = await all_records(nc, request_id, subjects=subjects, author=author,
+                              timeout_s=timeout_s)  # fmt: skip
+    return next((r for r in found if r.state in FINAL_STATES), None)
+
+
+async def wait_final_at(
+    nc: NATS, subject: str, timeout_s: float, *, subjects: StreamSubjects
+) -> StoredAck:
+    """:func:`final_at`, waiting up to ``timeout_s`` for one to be stored (see
+    :func:`wait_for`). Raises ``TimeoutError``."""
+    author, request_id = subjects.ack_of(subject)
+
+    def accept(rec: StoredAck) -> StoredAck | None:
+        return rec if rec.author == author and rec.state in FINAL_STATES else None
+
+    return await wait_for(nc, request_id, timeout_s, subjects=subjects, accept=accept)

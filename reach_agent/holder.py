@@ -1,0 +1,165 @@
+"""The caller's side of ``IN_PROGRESS``: wait for the agent holding the claim, not retry.
+
+An agent answers ``IN_PROGRESS`` (naming the holder) when another agent holds the request
+id's claim. Running the task again would run it twice, so the call waits instead
+(:meth:`reach_agent.calls.Call.held`), fed by a :class:`HolderWatch`:
+
+* the holder's final ack record, on the holder's own ack subject of the request (subscribed
+  first, then read from ``REACH_ACKS``, so none is missed), attributed to the holder
+  (:func:`reach_agent.durable.attributed`);
+* the claim itself, read every ``poll_s``: ``released`` (the broker declared the holder
+  offline before it finished) or gone means "try again" — as does the broker's
+  ``released`` event for the request id, which :class:`reach_agent.Client` hands to
+  :meth:`HolderWatch.released` at once.
+
+A late result of one of the call's own attempts (the holder was tried earlier) also ends
+the wait: it goes through the call's queue like every reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client as NATS
+
+from jetstream import ackreads, acks
+from jetstream.claims import ClaimStore, ClaimsUnavailable, claim_key
+
+from . import schema
+from .calls import Call, HeldEnd
+from .claiming import result_location
+from .durable import attributed
+from .subjects import Subjects
+
+log = logging.getLogger(__name__)
+
+_UNKNOWN = schema.Claim(request_id="", agent_id="", instance="", capability="", state="running",
+                        at_ms=0)  # fmt: skip
+
+
+class HolderWatch:
+    """Feeds one waiting call with what its holder does."""
+
+    def __init__(
+        self, nc: NATS, store: ClaimStore, call: Call, *, poll_s: float, subjects: Subjects
+    ) -> None:
+        self.nc = nc
+        self.store = store
+        self.call = call
+        self.subjects = subjects
+        self.poll_s = poll_s
+        self._key = claim_key(call.request_id)
+        self._sub: Any = None
+        self._poller: asyncio.Task[None] | None = None
+        self._done = False
+
+    async def start(self) -> None:
+        """Look at the claim; subscribe to its result location; start polling."""
+        claim = await self._read()
+        if claim is None or claim.state == "released":
+            self.released()
+            return
+        if claim.agent_id:
+            subject = result_location(claim, self.subjects)
+
+            async def on_record(msg: Any) -> None:
+                stored = ackreads.attribute(msg.subject, msg.headers, msg.data, None,
+                                            self.subjects)  # fmt: skip
+                if isinstance(stored, ackreads.StoredAck):
+                    self._final(stored)
+
+            self._sub = await self.nc.subscribe(subject, cb=on_record)
+            with contextlib.suppress(Exception):  # the subscription still catches it
+                found = await ackreads.final_at(self.nc, subject, subjects=self.subjects)
+                if found is not None:
+                    self._final(found)
+        self._poller = asyncio.create_task(self._poll(), name="reach-holder-poll")
+
+    async def stop(self) -> None:
+        self._done = True
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.wait({self._poller}, timeout=2.0)
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+
+    def released(self) -> None:
+        """The claim was released (event or poll): the call tries again."""
+        if not self._done:
+            self._done = True
+            self.call.released()
+
+    def _final(self, stored: ackreads.StoredAck) -> None:
+        if stored.state in acks.FINAL_STATES and attributed(stored) is not None:
+            self._deliver(stored.data)
+
+    def _deliver(self, data: bytes) -> None:
+        if not self._done:
+            self._done = True
+            self.call.final(data)
+
+    async def _read(self) -> schema.Claim | None:
+        try:
+            stored = await self.store.get(self._key)
+        except ClaimsUnavailable as exc:
+            log.debug("holder.claim_unreadable request_id=%s error=%s", self.call.request_id, exc)
+            return _UNKNOWN  # not readable now: keep waiting
+        if stored is None:
+            return None
+        try:
+            return schema.claim_decoder.decode(stored.data)
+        except msgspec.MsgspecError:
+            return None
+
+    async def _poll(self) -> None:
+        while not self._done:
+            await asyncio.sleep(self.poll_s)
+            claim = await self._read()
+            if claim is None or claim.state == "released":
+                self.released()
+            elif claim.state != "running" and claim.agent_id:
+                with contextlib.suppress(Exception):
+                    subject = result_location(claim, self.subjects)
+                    found = await ackreads.final_at(self.nc, subject, subjects=self.subjects)
+                    if found is not None:
+                        self._final(found)
+
+
+class Holders:
+    """One client's calls waiting for the holder of their request id's claim."""
+
+    def __init__(self, nc: NATS, *, poll_s: float, subjects: Subjects) -> None:
+        self.nc = nc
+        self.poll_s = poll_s
+        self.subjects = subjects
+        self.store = ClaimStore(nc)
+        self._waiting: dict[str, HolderWatch] = {}
+
+    def released(self, request_id: str) -> None:
+        """A broker's ``released`` event for ``request_id``."""
+        watch = self._waiting.get(request_id)
+        if watch is not None:
+            watch.released()
+
+    async def wait(
+        self, call: Call, holder: str, clock: Callable[[], float]
+    ) -> tuple[HeldEnd, Any]:
+        """Wait for the holder's answer to ``call`` (see :meth:`Call.held`)."""
+        watch = HolderWatch(self.nc, self.store, call, poll_s=self.poll_s,
+                            subjects=self.subjects)  # fmt: skip
+        self._waiting[call.request_id] = watch
+        log.info("call.in_progress request_id=%s holder=%s: waiting for its result",
+                 call.request_id, holder)  # fmt: skip
+        try:
+            await watch.start()
+            return await call.held(holder, clock)
+        finally:
+            if self._waiting.get(call.request_id) is watch:
+                del self._waiting[call.request_id]
+            await watch.stop()

@@ -1,0 +1,140 @@
+"""What the broker asks of the NATS servers as a whole: every reply to a request, the
+account, the cluster's size.
+
+On a cluster, a system-account request such as ``CONNZ`` (exported with ``response_type:
+stream``) is answered by **every** node, each about its own connections; nats-py's
+``request()`` keeps only the first answer. :func:`gather` publishes once and collects them
+all. :func:`cluster_size` is what ``[jetstream] replicas`` defaults from: 1 on a server that
+reports no cluster, else the most nodes any source names (the ``connect_urls`` of the
+server's INFO, the servers answering a ``CONNZ``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+
+log = logging.getLogger(__name__)
+
+# The server's own subjects (its system account API, not reach's grammar): spelled only here.
+USER_INFO = "$SYS.REQ.USER.INFO"
+
+REQUEST_TIMEOUT_S = 2.0
+QUIET_S = 0.25
+"""After the first reply, how long :func:`gather` waits for one more before it stops."""
+
+
+def connz_subject(account: str) -> str:
+    return f"$SYS.REQ.ACCOUNT.{account}.CONNZ"
+
+
+class _Server(msgspec.Struct):
+    name: str = ""
+    id: str = ""
+
+
+class _Envelope(msgspec.Struct):
+    server: _Server = msgspec.field(default_factory=_Server)
+
+
+class _UserInfo(msgspec.Struct):
+    account: str = ""
+
+
+class _UserInfoReply(msgspec.Struct):
+    data: _UserInfo | None = None
+
+
+_envelope_decoder = msgspec.json.Decoder(_Envelope)
+_userinfo_decoder = msgspec.json.Decoder(_UserInfoReply)
+
+
+def no_responders(msg: Msg) -> bool:
+    """The server's "no responders" status reply (503) to a request nobody serves."""
+    return msg.headers is not None and msg.headers.get("Status") == "503" and not msg.data
+
+
+async def gather(
+    nc: NATS,
+    subject: str,
+    body: bytes,
+    *,
+    timeout_s: float = REQUEST_TIMEOUT_S,
+    quiet_s: float = QUIET_S,
+    expect: int | None = None,
+) -> list[Msg]:
+    """Publish one request and collect its replies: until ``expect`` have arrived, or
+    ``quiet_s`` passed without another, or ``timeout_s`` in all. ``[]``: no answer in time;
+    the server's "no responders" status raises :class:`nats.errors.NoRespondersError`."""
+    inbox = nc.new_inbox()
+    replies: asyncio.Queue[Msg] = asyncio.Queue()
+
+    async def on_reply(msg: Msg) -> None:
+        await replies.put(msg)
+
+    sub = await nc.subscribe(inbox, cb=on_reply)
+    got: list[Msg] = []
+    try:
+        await nc.publish(subject, body, reply=inbox)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while expect is None or len(got) < expect:
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            try:
+                msg = await asyncio.wait_for(replies.get(), left if not got else min(left, quiet_s))
+            except TimeoutError:
+                break
+            if no_responders(msg):
+                if got:
+                    break
+                raise NoRespondersError
+            got.append(msg)
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+    return got
+
+
+def server_of(msg: Msg) -> str:
+    """The name (else id) of the server a system-account reply came from."""
+    try:
+        server = _envelope_decoder.decode(msg.data).server
+    except msgspec.DecodeError:
+        return ""
+    return server.name or server.id
+
+
+async def account_of(nc: NATS) -> str | None:
+    """This connection's account (``$SYS.REQ.USER.INFO``, which every user may ask)."""
+    try:
+        msg = await nc.request(USER_INFO, b"", REQUEST_TIMEOUT_S)
+        info = _userinfo_decoder.decode(msg.data).data
+        return info.account if info and info.account else None
+    except Exception as exc:  # noqa: BLE001 - old servers, no system account: unknown
+        log.debug("cluster.user_info unavailable: %r", exc)
+        return None
+
+
+async def cluster_size(nc: NATS, account: str | None) -> int:
+    """How many nodes the server's cluster has, as far as it tells (1: no cluster)."""
+    info = nc._server_info or {}
+    if not info.get("cluster"):
+        return 1
+    size = len(info.get("connect_urls") or [])
+    if account is not None:
+        body = b'{"limit": 1}'
+        try:
+            replies = await gather(nc, connz_subject(account), body)
+        except Exception as exc:  # noqa: BLE001 - a partial answer only lowers the count
+            log.debug("cluster.connz unavailable: %r", exc)
+            replies = []
+        size = max(size, len({server_of(m) for m in replies}))
+    return max(size, 1)

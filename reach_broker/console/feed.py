@@ -1,0 +1,229 @@
+"""The console's broker component: it remembers (history), follows the audit trail, and
+pushes the fleet to the pages that watch, as server-sent events.
+
+Given the broker context, the registry and the explainer (never the broker). At start it
+reads the last ``console.events`` events of ``REACH_AUDIT`` and then follows it live through
+one ordered consumer (no gap, no duplicate; plain ``<prefix>.event.>`` when the server has
+no JetStream). It samples the fleet every ``console.sample_s`` for the per-agent charts. While
+at least one page watches, it encodes the fleet once every ``console.push_s`` (and about
+50 ms after any transition) and hands the same bytes to every page; every 5 s it reads the
+compensation queue's depth per capability and the age of each one's oldest entry. Nobody
+watching, it does no more than the sampling and the audit follow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import msgspec
+
+from jetstream import audit, compensation
+from reach_agent import schema
+
+from .. import __version__
+from ..context import BrokerContext
+from ..explain import Explainer
+from ..records import AgentRecord, Transition
+from ..registry import Registry
+from .history import History
+from .views import CompensationView, QueueDepth, Views, event_view
+
+log = logging.getLogger(__name__)
+
+COMPENSATION_EVERY_S = 5.0
+HISTORY_QUIET_S = 2.0
+"""At start, reading the audit history gives up when no event came for this long."""
+DEBOUNCE_S = 0.05
+"""After a transition the fleet is pushed this much later, so a burst is one push."""
+QUEUE_MAX = 256
+"""Messages waiting for one page; a page that falls that far behind is dropped (its
+EventSource reconnects and starts from a fresh fleet)."""
+RECENT_EVENTS = 100
+"""Events a page gets when it connects (the timeline keeps ``console.events``)."""
+
+_json = msgspec.json.Encoder()
+
+
+def sse(kind: str, data: bytes) -> bytes:
+    """One server-sent event (``data`` is one line of JSON)."""
+    return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
+
+
+class Watcher:
+    """One page's stream: the messages waiting for it (None: end the stream)."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[bytes | None] = asyncio.Queue(QUEUE_MAX + 1)
+        self.dropped = False
+
+    def offer(self, message: bytes) -> None:
+        if self.dropped:
+            return
+        if self.queue.qsize() >= QUEUE_MAX:
+            self.dropped = True
+            self.queue.put_nowait(None)
+            return
+        self.queue.put_nowait(message)
+
+
+class Feed:
+    """History, audit follow and the pushes to watching pages."""
+
+    def __init__(self, ctx: BrokerContext, registry: Registry, explainer: Explainer) -> None:
+        self.ctx = ctx
+        self.registry = registry
+        self.cfg = ctx.cfg.console
+        self.history = History(self.cfg.sample_s, self.cfg.history_s, self.cfg.events)
+        self.views = Views(registry, explainer, ctx.broker_id)
+        self.watchers: set[Watcher] = set()
+        self.compensation = CompensationView(at_ms=0, available=False)
+        self._dirty = asyncio.Event()
+        self._follow: audit.Follow | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._tasks:
+            return
+        self.ctx.fanout.listeners.append(self._on_transition)
+        self.history.sample(self.ctx.wall_ms(), self.registry.agents.values())
+        await self._follow_audit()
+        self._tasks = [
+            asyncio.create_task(self._sample_loop(), name="reach-console-sample"),
+            asyncio.create_task(self._push_loop(), name="reach-console-push"),
+        ]
+
+    async def stop(self) -> None:
+        if not self._tasks:
+            return
+        with contextlib.suppress(ValueError):
+            self.ctx.fanout.listeners.remove(self._on_transition)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        if self._follow is not None:
+            await self._follow.stop()
+            self._follow = None
+        for w in list(self.watchers):
+            w.queue.put_nowait(None)
+
+    async def _follow_audit(self) -> None:
+        nc, subjects = self.ctx.nc, self.ctx.subjects
+        try:
+            self._follow = await audit.follow_events(nc, self._on_stored, subjects=subjects,
+                                                     last=self.cfg.events)  # fmt: skip
+            # The history is in before the first page can ask (or the trail went quiet).
+            await self._follow.until_caught_up(HISTORY_QUIET_S)
+            return
+        except audit.AuditUnavailable as exc:
+            log.info("console.live_events_only %s", exc)
+        except Exception as exc:  # noqa: BLE001 - the console must not stop the broker
+            log.warning("console.audit_unreadable error=%r: live events only", exc)
+        try:
+            self._follow = await audit.live_events(nc, self._on_stored, subjects=subjects)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("console.no_events error=%r: the timeline stays empty", exc)
+
+    # --- what the page is sent -----------------------------------------------------------------
+
+    def fleet_json(self) -> bytes:
+        ctx = self.ctx
+        return _json.encode(self.views.fleet(ctx.clock(), ctx.wall_ms(), self.cfg.max_agents))
+
+    def agent_json(self, agent_id: str) -> bytes | None:
+        ctx = self.ctx
+        detail = self.views.agent(agent_id, self.history, self.cfg.sample_s, ctx.clock(),
+                                  ctx.wall_ms())  # fmt: skip
+        return None if detail is None else _json.encode(detail)
+
+    def events_json(self, n: int = RECENT_EVENTS) -> bytes:
+        entries = list(self.history.events)[-n:]
+        return _json.encode([event_view(e) for e in entries])
+
+    def hello_json(self) -> bytes:
+        cfg = self.cfg
+        return _json.encode({"broker_id": self.ctx.broker_id, "version": __version__,
+                             "prefix": self.ctx.subjects.prefix, "sample_s": cfg.sample_s,
+                             "history_s": cfg.history_s})  # fmt: skip
+
+    def watch(self) -> Watcher:
+        """A new page: it gets who we are, the fleet, the recent events and the queue."""
+        w = Watcher()
+        for kind, data in (("hello", self.hello_json()), ("fleet", self.fleet_json()),
+                           ("events", self.events_json()),
+                           ("compensation", _json.encode(self.compensation))):  # fmt: skip
+            w.offer(sse(kind, data))
+        self.watchers.add(w)
+        self._dirty.set()  # the compensation poll runs soon for a first watcher
+        return w
+
+    def unwatch(self, w: Watcher) -> None:
+        self.watchers.discard(w)
+
+    def _send(self, message: bytes) -> None:
+        for w in list(self.watchers):
+            w.offer(message)
+            if w.dropped:
+                self.watchers.discard(w)
+
+    # --- inputs --------------------------------------------------------------------------------
+
+    def _on_transition(self, t: Transition, rec: AgentRecord | None) -> None:
+        self._dirty.set()  # O(1): the push loop does the work, and only when watched
+
+    async def _on_stored(self, stored: audit.StoredEvent) -> None:
+        try:
+            event = schema.event_decoder.decode(stored.data)
+        except msgspec.MsgspecError:
+            log.debug("console.bad_event subject=%s", stored.subject)
+            return
+        entry = self.history.event(event)
+        if entry is not None and self.watchers:
+            self._send(sse("event", _json.encode(event_view(entry))))
+
+    # --- loops ---------------------------------------------------------------------------------
+
+    async def _sample_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.sample_s)
+            try:
+                self.history.sample(self.ctx.wall_ms(), self.registry.agents.values())
+            except Exception:  # noqa: BLE001 - the loop body never dies
+                log.exception("console.sample_failed")
+
+    async def _push_loop(self) -> None:
+        next_comp = 0.0
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._dirty.wait(), self.cfg.push_s)
+                await asyncio.sleep(DEBOUNCE_S)
+            self._dirty.clear()
+            if not self.watchers:
+                continue
+            try:
+                self._send(sse("fleet", self.fleet_json()))
+                now = self.ctx.clock()
+                if now >= next_comp:
+                    next_comp = now + COMPENSATION_EVERY_S
+                    self.compensation = await self._compensation()
+                    self._send(sse("compensation", _json.encode(self.compensation)))
+            except Exception:  # noqa: BLE001 - the loop body never dies
+                log.exception("console.push_failed")
+
+    async def _compensation(self) -> CompensationView:
+        """Depth per capability and the enqueue time of each one's oldest entry."""
+        nc, subjects, at_ms = self.ctx.nc, self.ctx.subjects, self.ctx.wall_ms()
+        try:
+            total, per = await compensation.depths(nc, subjects)
+            rows = []
+            for cap, depth in sorted(per.items()):
+                first = await compensation.oldest(nc, cap, subjects=subjects) if depth else None
+                rows.append(QueueDepth(capability=cap, depth=depth,
+                                       oldest_ms=first.enqueued_ms if first else None))  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - no JetStream, no stream: the page says so
+            return CompensationView(at_ms=at_ms, available=False, error=str(exc) or repr(exc))
+        return CompensationView(at_ms=at_ms, available=True, total=total, capabilities=rows)

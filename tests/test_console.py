@@ -1,0 +1,426 @@
+"""The console's parts: its bounded history (pure), who may look, the HTTP server, and the
+whole port on an in-process broker with raw agents (a real nats-server)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from nats.aio.client import Client as NATS
+
+from reach_agent.schema import Announce, Event
+from reach_broker.config import Config, ConfigError, console_token
+from reach_broker.console.app import Access, App, host_name, is_loopback
+from reach_broker.console.history import History
+from reach_broker.console.httpd import BadRequest, HttpServer, Request, parse_head
+from reach_broker.console.port import HttpPort
+from reach_broker.metrics import Metrics
+from reach_broker.natsserver import NatsServer
+from reach_broker.records import AgentRecord
+from reach_broker.service import Broker
+
+from .conftest import BrokerFactory, fast_config, wait_for
+from .test_cli import QUIET, announce
+
+TOKEN = "s3cret-token-0123456789"
+
+
+def record(agent_id: str, score: float = 100.0) -> AgentRecord:
+    from reach_broker.detector import ArrivalWindow
+
+    ann = Announce(agent_id=agent_id, capabilities=["summarize"], max_concurrency=4,
+                   heartbeat_interval_ms=1000)  # fmt: skip
+    rec = AgentRecord(ann, 1.0, ArrivalWindow(10))
+    rec.score = score
+    return rec
+
+
+def event(agent_id: str, at_ms: int, to: str = "suspect", broker: str = "b1") -> Event:
+    return Event(kind="state", agent_id=agent_id, reason="no heartbeat", at_ms=at_ms,
+                 broker_id=broker, from_="healthy", to=to)  # type: ignore[arg-type]  # fmt: skip
+
+
+# --- history -----------------------------------------------------------------------------------
+
+
+def test_samples_are_a_bounded_ring_on_the_fleets_ticks() -> None:
+    h = History(sample_s=5.0, history_s=20.0, events=10)
+    assert h.capacity == 4
+    a, b = record("a"), record("b")
+    a.stats.task_ewma_ms = 120.0
+    for tick in range(6):
+        a.score = 90.0 + tick
+        h.sample(1000 * tick, [a] if tick < 3 else [a, b])
+    s = h.samples("a")
+    assert s.at_ms == [2000, 3000, 4000, 5000]  # the last 4 of 6 ticks
+    assert s.score == [92.0, 93.0, 94.0, 95.0]
+    assert (s.task_ms, s.load) == ([120.0] * 4, [0.0] * 4)
+    assert h.samples("b").at_ms == [3000, 4000, 5000]  # b from its first tick on
+    assert len(h.series["a"].values) == 3 * 4
+    h.sample(6000, [b])  # a is gone from the registry: forgotten
+    assert "a" not in h.series
+    assert h.samples("a").at_ms == []
+
+
+def test_an_unmeasured_task_time_is_none() -> None:
+    h = History(5.0, 10.0, 10)
+    h.sample(0, [record("a")])
+    assert h.samples("a").task_ms == [None]
+    assert math.isnan(h.series["a"].values[1])
+
+
+def test_events_are_kept_bounded_and_a_replicas_copy_is_merged() -> None:
+    h = History(5.0, 10.0, events=3)
+    assert h.event(event("a", 1000, broker="b1")) is not None
+    assert h.event(event("a", 1200, broker="b2")) is None  # the same move, another replica
+    assert [e.brokers for e in h.events] == [["b1", "b2"]]
+    assert h.event(event("a", 5000, broker="b2")) is not None  # later: a move of its own
+    for i in range(3):
+        h.event(event(f"x{i}", 9000 + i))
+    assert [e.event.agent_id for e in h.events] == ["x0", "x1", "x2"]
+    assert [e.event.at_ms for e in h.transitions("a")] == [1000, 5000]
+
+
+def test_released_claims_of_one_agent_are_told_apart() -> None:
+    h = History(5.0, 10.0, events=10)
+    for broker, rid in (("b1", "r1"), ("b2", "r2"), ("b2", "r1")):
+        h.event(Event(kind="released", agent_id="a", reason="agent offline", at_ms=1000,
+                      broker_id=broker, request_id=rid))  # fmt: skip
+    assert [(e.event.request_id, e.brokers) for e in h.events] == [
+        ("r1", ["b1", "b2"]), ("r2", ["b2"])]  # fmt: skip
+
+
+# --- who may look --------------------------------------------------------------------------------
+
+
+def req(path: str = "/", host: str = "127.0.0.1:9464", **headers: str) -> Request:
+    query = {}
+    if "?" in path:
+        path, _, q = path.partition("?")
+        query = dict(p.split("=", 1) for p in q.split("&"))
+    return Request("GET", path, query, {"host": host, **headers})
+
+
+def test_loopback_is_open_but_only_under_a_loopback_host() -> None:
+    access = Access("127.0.0.1", None)
+    assert (access.loopback, access.enabled) == (True, True)
+    assert access.refusal(req()) is None
+    assert access.refusal(req(host="localhost:9464")) is None
+    refused = access.refusal(req(host="evil.example:9464"))
+    assert refused is not None
+    assert (refused.status, refused.body) == (
+        403, b"this console answers only under a loopback Host name\n")  # fmt: skip
+
+
+def test_beyond_loopback_without_a_token_the_console_is_off() -> None:
+    access = Access("0.0.0.0", None)
+    assert access.enabled is False
+    refused = access.refusal(req(host="10.1.2.3:9464"))
+    assert refused is not None and refused.status == 403
+    assert refused.body == (b"the console is off on 0.0.0.0: bound beyond loopback it needs a "
+                            b"token (--console-token or REACH_CONSOLE_TOKEN)\n")  # fmt: skip
+
+
+def test_the_token_by_query_bearer_or_cookie() -> None:
+    access = Access("0.0.0.0", TOKEN)
+    assert access.enabled is True
+    host = "broker.internal:9464"
+    denied = access.refusal(req(host=host))
+    assert denied is not None and denied.status == 401
+    wrong = access.refusal(req(f"/?token={TOKEN}x", host=host))
+    assert wrong is not None and wrong.status == 401
+    assert access.refusal(req(f"/?token={TOKEN}", host=host)) is None
+    assert access.refusal(req(host=host, authorization=f"Bearer {TOKEN}")) is None
+    assert access.refusal(req(host=host, cookie=f"a=b; reach_console={TOKEN}")) is None
+
+
+async def test_the_token_in_the_address_becomes_a_cookie() -> None:
+    app = App(Metrics().registry, Access("0.0.0.0", TOKEN))
+    resp = await app(req(f"/?token={TOKEN}", host="b:1"))
+    assert resp.status == 303
+    headers = dict(resp.headers)  # type: ignore[union-attr]
+    assert headers["Location"] == "/"
+    assert headers["Set-Cookie"] == f"reach_console={TOKEN}; Path=/; HttpOnly; SameSite=Strict"
+
+
+def test_console_tokens_are_checked() -> None:
+    assert console_token(TOKEN, "--console-token") == TOKEN
+    with pytest.raises(ConfigError) as exc:
+        console_token("short", "--console-token")
+    assert str(exc.value) == ("--console-token: a console token is 16 to 256 of the characters "
+                              "A-Z a-z 0-9 . _ ~ + / = - (got 5 characters)")  # fmt: skip
+    with pytest.raises(ConfigError):
+        console_token("has a space in it, long enough", "REACH_CONSOLE_TOKEN")
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [("127.0.0.1", True), ("::1", True), ("localhost", True), ("0.0.0.0", False),
+     ("192.168.1.4", False), ("broker.example", False)],
+)  # fmt: skip
+def test_loopback_addresses(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
+
+
+def test_host_names() -> None:
+    assert [host_name(h) for h in ("127.0.0.1:9464", "[::1]:9464", "localhost", "a:b")] == [
+        "127.0.0.1", "::1", "localhost", "a:b"]  # fmt: skip
+
+
+# --- the HTTP server ---------------------------------------------------------------------------
+
+
+def test_request_heads() -> None:
+    r = parse_head(b"GET /api/agents/a%2Db?x=1&y= HTTP/1.1\r\nHost: h\r\nX-A:  v ")
+    assert r == Request("GET", "/api/agents/a-b", {"x": "1", "y": ""}, {"host": "h", "x-a": "v"})
+    for head, status in ((b"GET /\r\n", 400), (b"GET / SPDY/3", 400), (b"GET x HTTP/1.1", 400),
+                         (b"GET / HTTP/1.1\r\nno colon", 400)):  # fmt: skip
+        with pytest.raises(BadRequest) as exc:
+            parse_head(head)
+        assert exc.value.status == status
+
+
+async def http(port: int, head: str) -> tuple[int, dict[str, str], bytes]:
+    """One raw request; (status, headers, body)."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5)
+    writer.write(head.encode())
+    data = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    top, _, body = data.partition(b"\r\n\r\n")
+    lines = top.decode().split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), headers, body
+
+
+async def get(
+    port: int, path: str, host: str = "localhost", method: str = "GET"
+) -> tuple[int, dict[str, str], bytes]:
+    return await http(port, f"{method} {path} HTTP/1.1\r\nHost: {host}\r\n\r\n")
+
+
+@pytest.fixture
+async def port() -> AsyncIterator[HttpPort]:
+    cfg = Config()
+    cfg.broker.metrics_port = 0  # HttpPort binds it as given: 0 asks for any free port
+    p = HttpPort(cfg, Metrics().registry)
+    await p.start()
+    try:
+        yield p
+    finally:
+        await p.stop()
+
+
+async def test_metrics_the_page_and_read_only(port: HttpPort) -> None:
+    n = port.server.port
+    status, headers, body = await get(n, "/metrics", "x")
+    assert (status, headers["Content-Type"]) == (200, "text/plain; version=0.0.4; charset=utf-8")
+    assert b"# TYPE reach_route_requests_total counter" in body
+    status, headers, body = await get(n, "/", "127.0.0.1")
+    assert (status, headers["Content-Type"]) == (200, "text/html; charset=utf-8")
+    assert b'<script src="/static/console.js" defer></script>' in body
+    assert headers["Content-Security-Policy"].startswith("default-src 'self'")
+    status, headers, _ = await get(n, "/static/console.js")
+    assert (status, headers["Content-Type"]) == (200, "text/javascript; charset=utf-8")
+    status, headers, body = await get(n, "/static/console.css", "[::1]:80", method="HEAD")
+    assert (status, body) == (200, b"")
+    assert int(headers["Content-Length"]) > 1000
+    status, headers, body = await get(n, "/", method="POST")
+    assert (status, headers["Allow"], body) == (405, "GET, HEAD", b"POST not allowed: read-only\n")
+    status, _, body = await get(n, "/api/fleet")
+    assert (status, body) == (503, b"the broker is starting\n")  # no feed attached yet
+    status, _, body = await get(n, "/nope")
+    assert (status, body) == (404, b"no such page: /nope\n")
+    status, _, _ = await get(n, "/static/../app.py")
+    assert status == 404
+    status, _, _ = await http(n, "GET / HTTP/1.1\r\n" + "X: y\r\n" * 2000 + "\r\n")
+    assert status == 431
+
+
+async def test_a_taken_port_is_an_oserror() -> None:
+    first = HttpServer("127.0.0.1", 0, App(Metrics().registry, Access("127.0.0.1", None)))
+    await first.start()
+    try:
+        second = HttpServer("127.0.0.1", first.port, first.handler)
+        with pytest.raises(OSError) as exc:
+            await second.start()
+        assert exc.value.errno == 98  # EADDRINUSE
+    finally:
+        await first.stop()
+
+
+# --- on a running broker -------------------------------------------------------------------------
+
+
+class Sse:
+    """A raw /events client: the (event, data) pairs as they come."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, port: int) -> Sse:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5)
+        writer.write(b"GET /events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream"), head
+        return cls(reader, writer)
+
+    async def next(self, kind: str, timeout: float = 5.0) -> Any:  # noqa: ASYNC109
+        """The data of the next event of ``kind`` (others are skipped)."""
+        async with asyncio.timeout(timeout):
+            while True:
+                block = (await self.reader.readuntil(b"\n\n")).decode()
+                fields = dict(line.split(": ", 1) for line in block.split("\n") if ": " in line)
+                if fields.get("event") == kind:
+                    return json.loads(fields["data"])
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+async def serve_port(broker: Broker) -> HttpPort:
+    cfg = fast_config("unused")
+    p = HttpPort(cfg, broker.metrics.registry)
+    await p.start()
+    await p.attach(broker.ctx, broker.registry, broker.handlers.explainer)
+    return p
+
+
+async def test_the_page_is_told_of_the_fleet_and_of_each_transition(
+    nats_server: NatsServer, nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    broker = await broker_factory(**QUIET, console__sample_s=0.1)
+    port = await serve_port(broker)
+    try:
+        await announce(nc, "alpha", ["summarize"], region="eu")
+        await wait_for(lambda: broker.metrics.heartbeat_result["accepted"]._value.get() == 1,
+                       what="alpha's heartbeat")  # fmt: skip
+        feed = port.feed
+        assert feed is not None
+        beaten = feed.history.ticks  # samples from here on see the heartbeat's load
+        sse = await Sse.open(port.server.port)
+        try:
+            hello = await sse.next("hello")
+            assert (hello["broker_id"], hello["sample_s"]) == (broker.broker_id, 0.1)
+            fleet = await sse.next("fleet")
+            assert [a["agent_id"] for a in fleet["agents"]] == ["alpha"]
+            (cap,) = fleet["capabilities"]
+            assert (cap["name"], cap["reachable"], cap["panic"]) == ("summarize", 1, False)
+            assert cap["routable"][0]["share"] == 1.0
+            assert [e["event"]["kind"] for e in await sse.next("events")] == ["registered"]
+            assert (await sse.next("compensation"))["available"] is False  # not read yet
+            # A transition: the event, then the fleet with it, both pushed at once.
+            await nc.request("reach.leave.alpha", b"{}", timeout=2)
+            moved = await sse.next("event", 2.0)
+            assert (moved["event"]["to"], moved["brokers"]) == ("draining", [broker.broker_id])
+            fleet = await sse.next("fleet", 2.0)
+            assert fleet["agents"][0]["state"] == "draining"
+            comp = await sse.next("compensation", 7.0)
+            assert (comp["available"], comp["total"], comp["capabilities"]) == (True, 0, [])
+        finally:
+            sse.close()
+        await wait_for(lambda: feed.history.ticks >= beaten + 3, what="3 samples")
+        status, _, body = await get(port.server.port, "/api/agents/alpha")
+        detail = json.loads(body)
+        assert status == 200
+        assert [(t["event"].get("from"), t["event"]["to"]) for t in detail["transitions"]] == [
+            (None, "healthy"), ("healthy", "draining")]  # fmt: skip
+        samples = detail["samples"]
+        assert len(samples["at_ms"]) >= 3  # every 0.1 s since alpha announced
+        assert samples["at_ms"] == sorted(samples["at_ms"])
+        assert samples["score"][-3:] == [91.5] * 3  # 1 of 4 slots busy: 100 x 0.8^0.4
+        assert (samples["load"][-3:], samples["task_ms"][-3:]) == ([0.25] * 3, [None] * 3)
+        status, _, _ = await get(port.server.port, "/api/agents/nobody")
+        assert status == 404
+        await wait_for(lambda: not port.feed or not port.feed.watchers, what="the page gone")
+    finally:
+        await port.stop()
+
+
+async def test_the_queue_depth_and_the_oldest_entry(
+    nats_server: NatsServer, nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    from jetstream import compensation
+
+    broker = await broker_factory(**QUIET)
+    port = await serve_port(broker)
+    try:
+        for rid in ("r1", "r2"):
+            await compensation.enqueue(nc, "translate", b"{}", request_id=rid,
+                                       expires_at_ms=0, subjects=broker.subjects)  # fmt: skip
+        first = await compensation.oldest(nc, "translate", subjects=broker.subjects)
+        assert first is not None and first.request_id == "r1"
+        sse = await Sse.open(port.server.port)
+        try:
+            comp = await sse.next("compensation", 5.0)
+            if not comp["available"]:  # the page's first copy predates the first poll
+                comp = await sse.next("compensation", 7.0)
+        finally:
+            sse.close()
+        assert comp["total"] == 2
+        assert comp["capabilities"] == [
+            {"capability": "translate", "depth": 2, "oldest_ms": first.enqueued_ms}]  # fmt: skip
+    finally:
+        await port.stop()
+
+
+def test_a_bad_console_token_is_a_usage_error() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "reach_broker.cli", "broker", "--console-token", "short",
+         "--metrics-port", "0", "--server", "nats://127.0.0.1:1"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr == ("reach: --console-token: a console token is 16 to 256 of the "
+                          "characters A-Z a-z 0-9 . _ ~ + / = - (got 5 characters)\n")  # fmt: skip
+
+
+async def test_the_timeline_starts_with_the_audit_history(
+    nats_server: NatsServer, nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    from reach_agent import schema
+
+    broker = await broker_factory(**QUIET)  # it provisions REACH_AUDIT
+    js = nc.jetstream()
+    old = event("ghost", 1_000, to="offline", broker="an-earlier-broker")
+    await js.publish("reach.event.state.ghost", schema.encoder.encode(old))
+    port = await serve_port(broker)
+    try:
+        sse = await Sse.open(port.server.port)
+        try:
+            (entry,) = await sse.next("events")
+            assert entry == {"event": {"kind": "state", "agent_id": "ghost", "reason":
+                                       "no heartbeat", "at_ms": 1000,
+                                       "broker_id": "an-earlier-broker", "to": "offline",
+                                       "from": "healthy"},
+                             "brokers": ["an-earlier-broker"]}  # fmt: skip
+        finally:
+            sse.close()
+    finally:
+        await port.stop()
+
+
+def test_a_row_is_rebuilt_only_for_an_agent_heard_from() -> None:
+    from reach_broker.console.views import Views
+    from reach_broker.explain import Explainer
+
+    from .test_routing import World
+
+    w = World("ab")
+    views = Views(w.reg, Explainer(w.router, w.cfg.scoring), "b1")
+    first = views.fleet(1.0, 1_000, 10)
+    w.beat("a", 1.5, active=5)
+    second = views.fleet(2.0, 2_000, 10)
+    a1, b1 = first.agents
+    a2, b2 = second.agents
+    assert b2 is b1  # b not heard from: the same encoded row
+    assert a2 is not a1
+    assert json.loads(bytes(a2))["active"] == 5  # type: ignore[arg-type]
+    assert [c.reachable for c in second.capabilities] == [2]

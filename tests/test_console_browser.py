@@ -1,0 +1,141 @@
+"""The console in a real browser: Debian's chromium, headless, driven by selenium through
+chromium-driver, against a ``reach broker`` process and three demo agent processes."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from reach_broker.natsserver import NatsServer
+
+from .test_broker_process import free_port, read_until
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+REPORTS = ROOT / "reports"
+"""Where the screenshot goes (a test artifact; .gitignore covers it)."""
+CHROMIUM = ("/usr/bin/chromium", "/usr/bin/chromedriver")
+FLAGS = (
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    # Without these Chromium reaches out to the network at start, and this machine refuses.
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--window-size=1440,1000",
+)  # fmt: skip
+
+
+def browser(profile: Path) -> Any:
+    """A headless chromium under selenium, with a fresh profile."""
+    missing = [p for p in CHROMIUM if not os.access(p, os.X_OK)]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed (.ci/run installs Debian's chromium "
+                    "and chromium-driver where it can)")  # fmt: skip
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM[0]
+    for flag in (*FLAGS, f"--user-data-dir={profile}"):
+        opts.add_argument(flag)
+    return webdriver.Chrome(service=Service(CHROMIUM[1]), options=opts)
+
+
+def kill(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+@pytest.fixture
+def fleet(nats_server: NatsServer) -> Iterator[tuple[str, dict[str, subprocess.Popen[str]]]]:
+    """A ``reach broker`` (console on a free loopback port) and the demo agents alpha, beta
+    and gamma, each a process of its own; yields (console URL, the processes)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("REACH_", "NATS_"))}
+    env |= {"NATS_URL": nats_server.url, "PYTHONUNBUFFERED": "1"}
+    port = free_port()
+    procs: dict[str, subprocess.Popen[str]] = {}
+    try:
+        procs["broker"] = subprocess.Popen(
+            [sys.executable, "-m", "reach_broker.cli", "broker", "--server", nats_server.url,
+             "--metrics-port", str(port)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        )  # fmt: skip
+        line = read_until(procs["broker"].stdout, "serving on")
+        found = re.search(r"console on (http://127\.0\.0\.1:\d+/), metrics on", line)
+        assert found, line
+        for agent_id in ("alpha", "beta", "gamma"):
+            procs[agent_id] = subprocess.Popen(
+                [sys.executable, "-m", "reach_broker.demo", "agent", agent_id],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True, env=env,
+            )  # fmt: skip
+        yield found.group(1), procs
+    finally:
+        for proc in procs.values():
+            kill(proc)
+
+
+def test_the_console_shows_the_fleet_and_a_failover_live(
+    fleet: tuple[str, dict[str, subprocess.Popen[str]]], tmp_path: Path
+) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    url, procs = fleet
+    d = browser(tmp_path / "chromium")
+    try:
+        d.get(url)
+        d.execute_script("window.reachLoaded = true")  # gone if the page ever reloads
+
+        def states() -> dict[str, str]:
+            rows = d.find_elements(By.CSS_SELECTOR, "#fleet tbody tr")
+            return {r.get_attribute("data-agent"): r.find_element(By.CSS_SELECTOR, "td.st").text
+                    for r in rows}  # fmt: skip
+
+        healthy = {"alpha": "healthy", "beta": "healthy", "gamma": "healthy"}
+        WebDriverWait(d, 30, poll_frequency=0.1).until(lambda _: states() == healthy)
+        assert d.find_element(By.ID, "link-text").text == "live"
+        assert d.find_element(By.CSS_SELECTOR, '[data-capability="tool_use"] .reach').text == (
+            "2 of 2 reachable")  # fmt: skip
+
+        killed_at = time.monotonic()
+        os.kill(procs["beta"].pid, signal.SIGKILL)
+        WebDriverWait(d, 2.0, poll_frequency=0.05).until(
+            lambda _: states().get("beta") == "offline"
+        )
+        took = time.monotonic() - killed_at
+        assert took < 2.0, took
+        event = 'ol#events li[data-agent="beta"][data-to="offline"]'
+        WebDriverWait(d, 2.0, poll_frequency=0.05).until(
+            lambda _: d.find_elements(By.CSS_SELECTOR, event)
+        )
+        assert "offline" in d.find_element(By.CSS_SELECTOR, event).text
+        assert states() == {**healthy, "beta": "offline"}
+        # The rankings say why: beta is out of data_cleaning's, which is in panic.
+        cap = d.find_element(By.CSS_SELECTOR, '[data-capability="data_cleaning"]')
+        WebDriverWait(d, 2.0, poll_frequency=0.05).until(lambda _: "PANIC" in cap.text)
+        assert re.search(r"beta\s+\d+\.\d\s+state\s+offline for \d+\.\ds", cap.text), cap.text
+        assert d.execute_script("return window.reachLoaded") is True  # no reload
+
+        d.find_element(By.CSS_SELECTOR, '#fleet tr[data-agent="beta"]').click()
+        WebDriverWait(d, 5, poll_frequency=0.1).until(
+            lambda _: "Transitions" in d.find_element(By.ID, "detail").text
+        )
+        REPORTS.mkdir(exist_ok=True)
+        shot = REPORTS / "console-failover.png"
+        assert d.save_screenshot(str(shot))
+        assert shot.stat().st_size > 10_000
+    finally:
+        d.quit()
+        shutil.rmtree(tmp_path / "chromium", ignore_errors=True)

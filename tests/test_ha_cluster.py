@@ -1,0 +1,365 @@
+"""A NATS node dies under reach: a real three-node JetStream cluster, two brokers on
+different nodes, SDK agents spread over the nodes (each agent's server list starts with
+its own node; nats-py's shuffle is turned off so the placement is the test's).
+
+- the node leading ``REACH_COMPENSATION`` is SIGKILLed while 500 queued tasks replay:
+  every task runs exactly once, none is lost, every ack is stored;
+- a node carrying a third of the agents is SIGKILLed: they reconnect to the others and
+  are routable again; none is routed to once it has been unreachable for longer than the
+  detection bound; the agents on the other nodes never leave healthy nor the routes;
+- one of two broker processes is SIGKILLed: the other answers every route request.
+
+Each test prints its figures (``ha.figure ...``), the numbers in loadtest/README.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import nats.aio.client
+import pytest
+from nats.errors import NoRespondersError
+
+import reach_agent
+from jetstream import ackreads, compensation
+from jetstream.names import ACK_STREAM, COMP_STREAM, replay_consumer
+from reach_agent import schema
+from reach_agent.subjects import Subjects
+from reach_broker.clusterinfo import gather
+from reach_broker.metrics import Metrics
+from reach_broker.service import Broker
+
+from .cluster import NatsCluster, nats_cluster
+from .conftest import fast_config, wait_for
+from .detection_agents import Transitions
+
+pytestmark = pytest.mark.slow
+
+TASKS = 500
+
+
+@pytest.fixture(autouse=True)
+def _placed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Connect to the first server of each list (placement), then the next on a loss."""
+    monkeypatch.setattr(nats.aio.client, "shuffle", lambda pool: None)
+
+
+def rotated(cluster: NatsCluster, first: int) -> list[str]:
+    urls = cluster.urls
+    return urls[first:] + urls[:first]
+
+
+def node_of(nc: Any) -> str:
+    return str((nc._server_info or {}).get("server_name"))
+
+
+async def start_brokers(cluster: NatsCluster, **overrides: Any) -> list[Broker]:
+    """Two brokers, on n1 and n2 (each with the whole list, so either can fail over)."""
+    brokers = []
+    for first in (0, 1):
+        cfg = fast_config(",".join(rotated(cluster, first)), **overrides)
+        cfg.broker.token_secret = "ha-test-secret"
+        broker = Broker(cfg, metrics=Metrics())
+        await broker.start()
+        brokers.append(broker)
+    assert [node_of(b.nc) for b in brokers] == ["n1", "n2"]
+    return brokers
+
+
+def make_agent(agent_id: str, ran: collections.Counter[str], delay: float,
+               interval: float) -> reach_agent.Agent:  # fmt: skip
+    agent = reach_agent.Agent(agent_id, ["job"], max_concurrency=16, heartbeat_interval=interval)
+
+    @agent.handler("job")
+    async def job(task: reach_agent.Task) -> dict[str, Any]:
+        ran[task.request_id] += 1
+        await asyncio.sleep(delay)
+        return {"by": agent_id}
+
+    return agent
+
+
+@contextlib.asynccontextmanager
+async def fleet(
+    cluster: NatsCluster, n: int, ran: collections.Counter[str], *, delay: float = 0.0,
+    interval: float = 0.2,
+) -> AsyncIterator[list[reach_agent.Agent]]:  # fmt: skip
+    """``n`` agents, agent i on node i % 3."""
+    agents = [make_agent(f"agent-{i}", ran, delay, interval) for i in range(n)]
+    try:
+        for i, a in enumerate(agents):
+            await a.start(rotated(cluster, i % 3))
+        assert [node_of(a.nc) for a in agents] == [f"n{i % 3 + 1}" for i in range(n)]
+        yield agents
+    finally:
+        await asyncio.gather(*(a.stop(grace=1.0) for a in agents), return_exceptions=True)
+
+
+async def stop_all(brokers: list[Broker]) -> None:
+    for b in brokers:
+        await b.stop()
+
+
+async def test_killing_the_compensation_leader_mid_replay_runs_every_task_once(
+    tmp_path: Path,
+) -> None:
+    async with nats_cluster(tmp_path / "cluster", nodes=3) as cluster:
+        await cluster.wait_meta_leader()
+        brokers = await start_brokers(cluster, compensation__ack_wait_s=8.0,
+                                      compensation__receipt_timeout_s=5.0,
+                                      compensation__sweep_interval_s=1.0)  # fmt: skip
+        nc = await nats.connect(cluster.urls, name="test-client")
+        ran: collections.Counter[str] = collections.Counter()
+        try:
+            assert {b.replicas for b in brokers} == {3}
+            js = nc.jetstream(timeout=5.0)
+            for name in (COMP_STREAM, ACK_STREAM):
+                assert (await js.stream_info(name)).config.num_replicas == 3
+            subjects = Subjects()
+            ids = [f"q-{i:04d}" for i in range(TASKS)]
+            for rid in ids:  # queued while no agent serves "job"
+                await compensation.enqueue(nc, "job", b'{"n": 1}', request_id=rid,
+                                           expires_at_ms=2**42, subjects=subjects,
+                                           timeout_s=5.0)  # fmt: skip
+            leader = await cluster.wait_stream_leader(nc, COMP_STREAM)
+            consumer = replay_consumer("job")
+            async with fleet(cluster, 6, ran, delay=0.05):
+                await wait_for(lambda: len(ran) >= TASKS // 5, 30, what="replay under way")
+                cinfo = await js.consumer_info(COMP_STREAM, consumer)
+                print("ha.consumer_leader", cinfo.cluster.leader if cinfo.cluster else None)
+                t_kill = time.monotonic()
+                await cluster.kill(leader)
+                new = await cluster.wait_stream_leader(nc, COMP_STREAM, not_on={leader})
+                failover = time.monotonic() - t_kill
+                await wait_for(lambda: len(ran) == TASKS, 90, interval=0.1,
+                               what="every queued task ran")  # fmt: skip
+                drained = time.monotonic() - t_kill
+
+                async def all_acked() -> list[str]:
+                    missing = []
+                    for rid in ids:
+                        # The agent's completed record (the broker's own `received`, naming
+                        # the agent it handed the task to, may be stored after it).
+                        recs = await ackreads.all_records(nc, rid, subjects=subjects,
+                                                          timeout_s=5.0)  # fmt: skip
+                        if not any(r.state == "completed" for r in recs):
+                            missing.append(rid)
+                    return missing
+
+                deadline = time.monotonic() + 30
+                missing = await all_acked()
+                while missing and time.monotonic() < deadline:
+                    await asyncio.sleep(0.5)
+                    missing = await all_acked()
+                assert missing == []
+                await wait_for(lambda: all(b.replayer.replayed + b.replayer.dispatches.already
+                                           >= 0 for b in brokers), 1)  # fmt: skip
+                info = await js.stream_info(COMP_STREAM)
+                deadline = time.monotonic() + 30
+                while info.state.messages and time.monotonic() < deadline:
+                    await asyncio.sleep(0.5)
+                    info = await js.stream_info(COMP_STREAM)
+                assert info.state.messages == 0
+            twice = sorted(rid for rid, n in ran.items() if n > 1)
+            assert sorted(ran) == ids  # none lost, none unknown
+            assert twice == []  # none ran twice
+            resent = sum(b.replayer.dispatches.resent_same for b in brokers)
+            already = sum(b.replayer.dispatches.already for b in brokers)
+            print(f"ha.figure replay_leader_kill tasks={TASKS} lost=0 twice={len(twice)} "
+                  f"leader={leader}->{new} failover_s={failover:.2f} drained_s={drained:.2f} "
+                  f"resent_same={resent} already_acked={already}")  # fmt: skip
+        finally:
+            await nc.close()
+            await stop_all(brokers)
+
+
+@pytest.mark.parametrize("lost", ["n3", "n1"])
+async def test_killing_a_node_with_a_third_of_the_agents(tmp_path: Path, lost: str) -> None:
+    """n3 carries agents only; n1 also broker-1 and the caller, who fail over to n2."""
+    async with nats_cluster(tmp_path / "cluster", nodes=3) as cluster:
+        await cluster.wait_meta_leader()
+        brokers = await start_brokers(cluster)
+        caller = await nats.connect(cluster.urls, name="test-caller")
+        assert node_of(caller) == "n1"
+        ran: collections.Counter[str] = collections.Counter()
+        interval = 0.2
+        try:
+            async with fleet(cluster, 9, ran, interval=interval) as agents:
+                on_n3 = {a.agent_id for a in agents if node_of(a.nc) == lost}
+                others = {a.agent_id for a in agents} - on_n3
+                assert len(on_n3) == 3
+                await wait_for(lambda: all(b.registry.counts["healthy"] == 9 for b in brokers),
+                               5, what="every agent healthy on both brokers")  # fmt: skip
+                seen = [Transitions(b) for b in brokers]
+                replies: list[tuple[float, set[str]]] = []
+                down: dict[str, float] = {}
+                back: dict[str, float] = {}
+                stop = asyncio.Event()
+                body = schema.encoder.encode(schema.RouteRequest(limit=9))
+
+                async def watch() -> None:  # when each agent's connection is down and back
+                    while not stop.is_set():
+                        now = time.monotonic()
+                        for a in agents:
+                            if a.agent_id not in on_n3 or a.nc is None:
+                                continue
+                            if not a.nc.is_connected and a.agent_id not in down:
+                                down[a.agent_id] = now
+                            if a.nc.is_connected and a.agent_id in down:
+                                back.setdefault(a.agent_id, now)
+                        await asyncio.sleep(0.002)
+
+                failures = [0]
+
+                async def route() -> None:
+                    while not stop.is_set():
+                        try:
+                            msg = await caller.request("reach.route.job", body, timeout=1.0)
+                            got = schema.route_reply_decoder.decode(msg.data)
+                            replies.append((time.monotonic(),
+                                            {c.agent_id for c in got.candidates}))  # fmt: skip
+                        except Exception:  # noqa: BLE001 - the caller's own failover
+                            failures[0] += 1
+                        await asyncio.sleep(0.01)
+
+                tasks = [asyncio.create_task(watch()), asyncio.create_task(route())]
+                await asyncio.sleep(0.5)
+                t_kill = time.monotonic()
+                await cluster.kill(lost)
+
+                def routable_again() -> bool:
+                    last = [ids for t, ids in replies[-3:] if t > t_kill]
+                    return len(last) == 3 and all(on_n3 <= ids for ids in last)
+
+                await wait_for(lambda: len(back) == 3, 10, what="n3's agents reconnected")
+                await wait_for(routable_again, 10, what="n3's agents routable again")
+                t_routable = time.monotonic()
+                await asyncio.sleep(1.0)
+                stop.set()
+                await asyncio.gather(*tasks)
+                moved = [t for s in seen for t in s.items
+                         if t.agent_id in others and t.kind == "state"]  # fmt: skip
+            after = [(t, ids) for t, ids in replies if t > t_kill]
+            # The agents on the other nodes never leave healthy, nor any route reply.
+            assert all(others <= ids for _, ids in after)
+            assert moved == []
+            # None routed to once unreachable for longer than the detection bound.
+            bound = 3 * interval + 0.2
+            late = [(round(t - t_kill, 3), sorted(ids & {a for a in on_n3
+                     if down.get(a, 1e18) + bound < t < back.get(a, 1e18)}))
+                    for t, ids in after]  # fmt: skip
+            assert [x for x in late if x[1]] == []
+            unreachable = max(back[a] - down[a] for a in on_n3)
+            times = [t_kill] + [t for t, _ in after]
+            gap = max(b - a for a, b in itertools.pairwise(times))
+            print(f"ha.figure node_kill node={lost} agents_on_node=3 "
+                  f"unreachable_max_s={unreachable:.3f} routable_again_s="
+                  f"{t_routable - t_kill:.3f} route_replies={len(after)} "
+                  f"failed_requests={failures[0]} route_gap_max_s={gap:.3f}")  # fmt: skip
+            if lost == "n3":  # the caller's and the brokers' nodes live: nothing goes unanswered
+                assert failures[0] == 0
+            # On n1 the caller's request in flight waits out its timeout (1 s); the caller,
+            # reconnected to n2, is then answered again.
+            assert len(after) >= 5
+        finally:
+            await caller.close()
+            await stop_all(brokers)
+
+
+async def test_killing_one_broker_leaves_every_route_answered(tmp_path: Path) -> None:
+    async with nats_cluster(tmp_path / "cluster", nodes=3) as cluster:
+        await cluster.wait_meta_leader()
+        # broker-1 on n1 and broker-2 on n2 (one URL each: this test kills a broker, not a node)
+        procs = [spawn_broker(f"broker-{i + 1}", cluster.urls[i], tmp_path) for i in (0, 1)]
+        caller = await nats.connect(cluster.urls[2:], name="test-caller")
+        ran: collections.Counter[str] = collections.Counter()
+        try:
+
+            async def brokers_up() -> int:
+                try:
+                    return len(await gather(caller, "$SRV.PING.reach-broker", b"", timeout_s=1))
+                except NoRespondersError:
+                    return 0
+
+            deadline = time.monotonic() + 30
+            while await brokers_up() < 2:
+                assert time.monotonic() < deadline, "two brokers never answered $SRV.PING"
+                await asyncio.sleep(0.2)
+            async with fleet(cluster, 3, ran):
+                body = schema.encoder.encode(schema.RouteRequest(limit=3))
+                replies: list[tuple[float, frozenset[str]]] = []
+                retried = 0
+                unanswered = 0
+
+                async def route_once() -> frozenset[str] | None:
+                    try:
+                        msg = await caller.request("reach.route.job", body, timeout=0.5)
+                    except Exception:  # noqa: BLE001 - retried once, then counted
+                        return None
+                    got = schema.route_reply_decoder.decode(msg.data)
+                    return frozenset(c.agent_id for c in got.candidates)
+
+                everyone = frozenset(f"agent-{i}" for i in range(3))
+                await wait_for_async(route_once, everyone, 10)
+                t_kill = 0.0
+                t_end = time.monotonic() + 4.0
+                while time.monotonic() < t_end:
+                    if not t_kill and time.monotonic() > t_end - 3.0:
+                        procs[0][0].kill()  # SIGKILL broker-1
+                        t_kill = time.monotonic()
+                    ids = await route_once()
+                    if ids is None:
+                        retried += 1
+                        ids = await route_once()
+                    if ids is None:
+                        unanswered += 1
+                    else:
+                        replies.append((time.monotonic(), ids))
+                    await asyncio.sleep(0.01)
+            # Both replicas derive the same states: every reply, whoever answered, is the fleet.
+            assert {ids for _, ids in replies} == {everyone}
+            assert unanswered == 0
+            gaps = [b - a for (a, _), (b, _) in itertools.pairwise(replies) if b > t_kill]
+            after = sum(1 for t, _ in replies if t > t_kill)
+            assert after > 50
+            print(f"ha.figure broker_kill route_requests={len(replies)} after_kill={after} "
+                  f"first_try_failures={retried} unanswered={unanswered} "
+                  f"max_gap_s={max(gaps):.3f}")  # fmt: skip
+        finally:
+            await caller.close()
+            for proc, log in procs:
+                if proc.poll() is None:
+                    proc.terminate()
+                    try:
+                        proc.wait(10)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait(5)
+                log.close()
+
+
+def spawn_broker(name: str, url: str, tmp_path: Path) -> tuple[subprocess.Popen[bytes], Any]:
+    """``reach broker`` as a real process (SIGKILL means what it says)."""
+    env = {**os.environ, "REACH_TOKEN_SECRET": "ha-test-secret", "REACH_LOG_LEVEL": "warning"}
+    log = open(tmp_path / f"{name}.log", "wb")
+    argv = [sys.executable, "-m", "reach_broker.cli", "broker", "--server", url,
+            "--metrics-port", "0", "--broker-id", name]  # fmt: skip
+    return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=log), log
+
+
+async def wait_for_async(probe: Any, want: object, within: float) -> None:
+    deadline = time.monotonic() + within
+    while (got := await probe()) != want:
+        assert time.monotonic() < deadline, f"still {got!r}, not {want!r}"
+        await asyncio.sleep(0.05)

@@ -1,0 +1,91 @@
+"""The broker's own link blips: a TCP proxy between the broker and its nats-server is cut
+for 3 s while agents (connected directly) heartbeat and a caller's calls run. The broker
+doubts itself first: nobody leaves ``healthy``, no event goes out after the fact, and the
+calls complete."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import nats
+from nats.aio.msg import Msg
+
+import reach_agent
+from reach_agent import schema
+from reach_broker.metrics import Metrics
+from reach_broker.natsserver import NatsServer
+from reach_broker.service import Broker
+
+from .conftest import fast_config, wait_for
+from .detection_agents import Transitions
+from .tcpproxy import TcpProxy
+
+CUT_S = 3.0
+AGENTS = 4
+
+
+def make_agent(agent_id: str) -> reach_agent.Agent:
+    agent = reach_agent.Agent(agent_id, ["slow"], heartbeat_interval=0.2, max_concurrency=4,
+                              durable_acks=False)  # fmt: skip
+
+    @agent.handler("slow")
+    async def slow(task: reach_agent.Task) -> dict[str, object]:
+        await asyncio.sleep(float(task.payload["s"]))
+        return {"by": agent_id}
+
+    return agent
+
+
+async def test_a_cut_between_broker_and_server_condemns_nobody(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    async with TcpProxy.to_url(nats_server.url) as proxy:
+        broker = Broker(fast_config(proxy.url), metrics=Metrics())
+        await broker.start()
+        seen = Transitions(broker)
+        watcher = await nats.connect(nats_server.url, name="test-watcher")
+        events: list[schema.Event] = []
+
+        async def on_event(msg: Msg) -> None:
+            events.append(schema.decode(schema.event_decoder, msg.data, "event"))
+
+        await watcher.subscribe("reach.event.>", cb=on_event)
+        agents = [make_agent(f"agent-{i}") for i in range(AGENTS)]
+        try:
+            for a in agents:
+                await a.start(nats_server.url)
+            await wait_for(lambda: broker.registry.counts["healthy"] == AGENTS, 5,
+                           what="every agent healthy")  # fmt: skip
+            await asyncio.sleep(1.0)  # a few beats each: the phi windows fill
+            async with reach_agent.Client(nats_server.url) as client:
+                # Calls that span the cut: routed before it, answered after it.
+                calls = [asyncio.create_task(client.call("slow", {"s": CUT_S + 2.0}, timeout=15))
+                         for _ in range(AGENTS)]  # fmt: skip
+                await asyncio.sleep(0.5)  # the agents report their load
+                before = {a: r.score for a, r in broker.registry.agents.items()}
+                events.clear()
+                t0 = time.monotonic()
+                await proxy.cut()
+                await wait_for(lambda: not broker.link.connected, 2, what="broker disconnected")
+                await asyncio.sleep(CUT_S - (time.monotonic() - t0))
+                await proxy.restore()
+                await wait_for(lambda: broker.link.connected, 5, what="broker reconnected")
+                await asyncio.sleep(0.5)  # beats flow again; the calls still run
+                # Its score is what it was before the blip (nothing measured across it).
+                assert {a: r.score for a, r in broker.registry.agents.items()} == before
+                results = await asyncio.wait_for(asyncio.gather(*calls), 15)
+            assert len(results) == AGENTS
+            assert {r["by"] for r in results} <= {a.agent_id for a in agents}
+            await asyncio.sleep(1.0)  # past the grace: deadlines run again, beats flow
+            assert broker.metrics.observer_gaps._value.get() == 1
+            assert broker.observer.suspect is False
+            assert broker.registry.counts["healthy"] == AGENTS
+            assert [t for t in seen.items if t.kind == "state"] == []
+            assert [e for e in events if e.kind == "state"] == []
+        finally:
+            for a in agents:
+                await a.stop(grace=1.0)
+            await watcher.close()
+            await broker.stop()

@@ -1,0 +1,219 @@
+"""The observer that doubts itself first, pure, fake clock: the registry's outage rebase
+(``observer_gap``), the hold of silence moves (``expire(max_silent=…)``) and the observer's
+rules over them (tick gate, share, release)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import Any
+
+from nats.aio.client import Client as NATS
+
+from reach_agent.schema import Announce, Heartbeat
+from reach_agent.subjects import Subjects
+from reach_broker.config import Config
+from reach_broker.context import BrokerContext, Fanout, Link
+from reach_broker.metrics import Metrics
+from reach_broker.observer import TRUST_S, Observer
+from reach_broker.registry import Registry
+from reach_broker.tokens import TokenSigner
+
+INTERVAL_MS = 1000  # suspect after 3 s of silence, offline after 6 s (fixed thresholds)
+
+
+def make(n: int) -> tuple[Registry, dict[str, str]]:
+    reg = Registry(Config(), TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
+    tokens = {}
+    for i in range(n):
+        ann = Announce(agent_id=f"a{i}", capabilities=["summarize"], max_concurrency=4,
+                       heartbeat_interval_ms=INTERVAL_MS)  # fmt: skip
+        rec, _ = reg.announce(ann, 0.0, 0)
+        tokens[rec.agent_id] = rec.token
+    return reg, tokens
+
+
+def beat(reg: Registry, tokens: dict[str, str], agent_id: str, seq: int, now: float) -> str:
+    hb = Heartbeat(agent_id=agent_id, token=tokens[agent_id], seq=seq)
+    return reg.heartbeat(hb, now, int(now * 1000))[0]
+
+
+# --- Registry.observer_gap --------------------------------------------------------------
+
+
+def test_an_outage_is_not_held_against_anyone() -> None:
+    reg, tokens = make(2)
+    beat(reg, tokens, "a0", 1, 1.0)  # a0 seen at 1.0, a1 at 0.0 (announce)
+    score = {a: r.score for a, r in reg.agents.items()}
+    outcomes = {a: (r.stats.live_n, r.stats.live_ok) for a, r in reg.agents.items()}
+    reg.observer_gap(2.0, 12.0)  # 10 s deaf: far past every deadline
+    assert reg.expire(12.0) == []
+    # Shifted by the gap plus one interval of grace: a1's suspect deadline 3.0 -> 14.0.
+    assert (reg.agents["a1"].last_seen, reg.agents["a1"].suspect_at) == (10.0, 14.0)
+    assert reg.expire(13.99) == []
+    assert [(t.agent_id, t.to) for t in reg.expire(14.0)] == [("a1", "suspect")]
+    # a0 beats again right after the outage: on time, no arrival sample of the gap.
+    window = len(reg.agents["a0"].window)
+    assert beat(reg, tokens, "a0", 2, 12.5) == "accepted"
+    rec = reg.agents["a0"]
+    assert (rec.resync, len(rec.window)) == (False, window)
+    n, ok = outcomes["a0"]
+    assert (rec.stats.live_n, rec.stats.live_ok) == (n + 1, ok + 1)  # an on-time beat
+    assert rec.score == score["a0"]
+
+
+def test_silence_before_the_outage_still_counts() -> None:
+    reg, _ = make(1)  # seen at 0.0: suspect at 3.0
+    reg.observer_gap(2.5, 4.5)  # 2 s deaf
+    assert reg.expire(5.49) == []
+    assert [t.to for t in reg.expire(6.0)] == ["suspect"]  # 3.0 + 2.0 + 1.0 grace
+
+
+def test_an_agent_heard_after_the_outage_began_is_not_shifted() -> None:
+    reg, tokens = make(1)
+    beat(reg, tokens, "a0", 1, 5.0)
+    reg.observer_gap(4.0, 6.0)
+    rec = reg.agents["a0"]
+    assert (rec.last_seen, rec.resync) == (5.0, False)
+
+
+# --- Registry.expire(max_silent) --------------------------------------------------------
+
+
+def test_more_silence_than_allowed_is_held_then_released() -> None:
+    reg, tokens = make(4)
+    assert reg.expire(3.0, max_silent=3) == [] and reg.held == {"a0", "a1", "a2", "a3"}
+    assert reg.counts["healthy"] == 4
+    assert reg.expire(10.0, max_silent=3) == []  # held entries are not retried
+    beat(reg, tokens, "a0", 1, 10.0)  # a sign of life re-arms its own deadline
+    assert reg.release_held() == 4 and reg.held == set()
+    moved = reg.expire(10.0)
+    assert sorted((t.agent_id, t.to) for t in moved) == [
+        ("a1", "suspect"), ("a2", "suspect"), ("a3", "suspect")
+    ]  # fmt: skip
+    assert sorted(reg.silenced) == ["a1", "a2", "a3"]
+
+
+def test_silence_within_the_limit_moves_at_once() -> None:
+    reg, _ = make(4)
+    assert len(reg.expire(3.0, max_silent=4)) == 4
+    assert reg.held == set()
+
+
+def test_disconnect_confirmed_moves_are_never_held() -> None:
+    reg, _ = make(3)
+    for a in ("a0", "a1", "a2"):
+        reg.disconnected(a, 1.0)
+    moved = reg.expire(4.0, max_silent=0)  # probe timeout 3 s: offline, confirmed
+    assert sorted((t.agent_id, t.to) for t in moved) == [
+        ("a0", "offline"), ("a1", "offline"), ("a2", "offline")
+    ]  # fmt: skip
+
+
+# --- Observer ---------------------------------------------------------------------------
+
+
+class _Ctx:
+    def __init__(self, share: float = 0.3) -> None:
+        self.spawned: list[str] = []
+        cfg = Config()
+        cfg.detection.observer_suspect_share = share
+        self.metrics = Metrics()
+        nc = NATS()
+        subjects = Subjects()
+        self.link = Link()
+        fanout = Fanout(nc, subjects, self.metrics, "b", lambda: 0.0, self.spawn,
+                        lambda _: None, self.link)  # fmt: skip
+        self.ctx = BrokerContext(cfg=cfg, nc=nc, subjects=subjects, metrics=self.metrics,
+                                 broker_id="b", clock=lambda: 0.0, wall=lambda: 0.0,
+                                 spawn=self.spawn, fanout=fanout, link=self.link)  # fmt: skip
+
+    def spawn(self, coro: Awaitable[Any], name: str) -> None:
+        self.spawned.append(name)
+        getattr(coro, "close", lambda: None)()
+
+
+class _Advisories:
+    answers = 0
+    available = False
+
+    def on_reconnected(self) -> None:
+        self.reconnected = True
+
+
+def observer(n: int, share: float = 0.3) -> tuple[Observer, Registry, dict[str, str], _Ctx]:
+    reg, tokens = make(n)
+    c = _Ctx(share)
+    return Observer(c.ctx, reg, _Advisories()), reg, tokens, c  # type: ignore[arg-type]
+
+
+def test_a_third_of_the_fleet_silent_at_once_makes_the_broker_doubt_itself() -> None:
+    obs, reg, tokens, c = observer(10)
+    for i in range(7):  # 7 of 10 keep beating; 3 (30 %) go silent: allowed
+        beat(reg, tokens, f"a{i}", 1, 2.0)
+    assert sorted(t.agent_id for t in obs.tick(3.0)) == ["a7", "a8", "a9"]
+    assert obs.suspect is False
+    # A fresh fleet of 10, 4 silent in one tick: more than 30 %, held.
+    obs, reg, tokens, c = observer(10)
+    for i in range(6):
+        beat(reg, tokens, f"a{i}", 1, 2.0)
+    assert obs.tick(3.0) == []
+    assert (obs.suspect, reg.held) == (True, {"a6", "a7", "a8", "a9"})
+    assert c.metrics.observer_suspect._value.get() == 1
+    assert c.spawned == ["observer-confirm"]
+    assert obs.tick(5.0) == []  # a0..a5 go silent too: every silence waits
+    assert reg.held == {f"a{i}" for i in range(10)}
+    # Heartbeats flow again: the broker trusts its ears; the truly silent move now.
+    for i in range(6):
+        beat(reg, tokens, f"a{i}", 2, 5.1)
+    moved = obs.tick(5.1)
+    assert obs.suspect is False and c.metrics.observer_suspect._value.get() == 0
+    assert sorted(t.agent_id for t in moved) == ["a6", "a7", "a8", "a9"]
+    assert {reg.agents[f"a{i}"].state for i in range(6)} == {"healthy"}
+
+
+def test_silences_within_one_interval_add_up() -> None:
+    obs, reg, tokens, _ = observer(10)
+    for i in range(10):
+        beat(reg, tokens, f"a{i}", 1, 0.1 * i)  # phases spread over the interval
+    moved = []
+    now = 3.0
+    while now < 4.0:
+        moved += obs.tick(now)
+        now += 0.05
+    assert len(moved) == 3 and obs.suspect is True  # 3 allowed, the 4th within 1 s held
+    assert len(reg.held) >= 1
+
+
+def test_one_agent_never_makes_the_broker_doubt_itself() -> None:
+    obs, _reg, _, _ = observer(1)
+    assert [t.to for t in obs.tick(3.0)] == ["suspect"]
+    assert obs.suspect is False
+
+
+def test_while_disconnected_nobody_is_judged_and_the_gap_is_rebased() -> None:
+    obs, reg, _tokens, c = observer(3)
+    obs.lost(1.0)
+    assert obs.tick(10.0) == [] and reg.counts["healthy"] == 3
+    obs.regained(11.0)
+    assert c.link.connected is True and c.metrics.observer_gaps._value.get() == 1
+    assert obs.advisories.reconnected is True  # type: ignore[attr-defined]
+    assert obs.tick(11.0) == []
+    assert reg.agents["a0"].suspect_at == 3.0 + 10.0 + 1.0
+
+
+def test_a_release_is_believed_for_a_while() -> None:
+    obs, _reg, _tokens, _ = observer(4)
+    assert obs.tick(3.0) == [] and obs.suspect is True
+    obs.release(3.1, "test")
+    assert len(obs.tick(3.1)) == 4  # not held a second time
+    assert obs.tick(3.1 + TRUST_S) == []
+
+
+def test_events_made_while_the_link_is_down_are_withheld() -> None:
+    obs, reg, _, c = observer(1)
+    obs.lost(0.5)
+    c.ctx.fanout.emit(reg.disconnected("a0", 0.6))
+    assert c.ctx.fanout.withheld == 1 and c.spawned == []
+    obs.regained(0.7)
+    c.ctx.fanout.emit(reg.leave("a0", 0.8))
+    assert c.spawned == ["event"]
