@@ -94,6 +94,7 @@ class Call:
         "call_id",
         "capability",
         "deadline",
+        "gone",
         "headers",
         "last_err",
         "queue",
@@ -160,6 +161,9 @@ class Call:
         self.attempt = 0
         """Attempts begun (one refused by a breaker included); replies carry this number."""
         self.tried: list[str] = []
+        self.gone: list[str] = []
+        """Agents an attempt found dead (``lost``, ``no_responders``): never tried again by
+        this call, and excluded from its route requests."""
         self.agents: dict[int, str] = {}
         """The agent each attempt went to."""
         self.taker: str | None = None

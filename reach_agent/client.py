@@ -356,10 +356,11 @@ class Client:
             if target is None:
                 # Everything we knew was tried (or is behind an open breaker): ask again.
                 try:
+                    blocked = self.breakers.blocked(capability, self.clock())
                     candidates = await self.routes.route(
                         capability, cfg.route_limit, region=call.region, tags=call.tags,
                         sticky_key=call.sticky_key,
-                        exclude=self.breakers.blocked(capability, self.clock()),
+                        exclude=[*blocked, *call.gone] if call.gone else blocked,
                     )  # fmt: skip
                 except NoReachableAgent as no_agent:
                     raise (call.last_err or no_agent) from None
@@ -371,7 +372,9 @@ class Client:
                     await call.wait_full(refused, self.config, self.clock)
                     continue
                 nxt = self.attempts.next
-                target = nxt(candidates, call.tried, capability) or nxt(candidates, (), capability)
+                target = nxt(candidates, call.tried, capability) or nxt(
+                    candidates, call.gone, capability
+                )
                 if target is None:
                     raise call.last_err or NoReachableAgent(
                         f"every agent with capability {capability!r} is behind an open "
@@ -408,6 +411,8 @@ class Client:
                 outcome = end  # the holder's own result or error: the retry rule judges it
             if outcome == "ok":
                 return value
+            if outcome == "lost" or outcome == "no_responders":
+                call.gone.append(target.agent_id)  # dead to this call: elsewhere from now on
             call.last_err = value
             if not should_retry(
                 outcome, value, retries_done=call.retries, max_retries=cfg.retries,

@@ -88,9 +88,12 @@ def _state(c: Case) -> str:
 
 def _load(c: Case) -> str:
     rec = c.rec
-    handed = " with the routes handed out since" if rec.handed_at > rec.last_seen else ""
-    return (f"load {rec.busy:.2f} (reported {rec.active}/{rec.max_concurrency}{handed}), at "
-            f"or above the watermark {c.cfg.load_watermark:g}")  # fmt: skip
+    watermark = f"at or above the watermark {c.cfg.load_watermark:g}"
+    if rec.handed_at <= rec.last_seen and rec.busy == rec.load:  # as the agent reported it
+        return f"load {rec.active}/{rec.max_concurrency} = {rec.load:.2f}, {watermark}"
+    since = "and the routes handed out since" if rec.handed_at > rec.last_seen else "fading"
+    return (f"load {rec.busy:.2f} (reported {rec.active}/{rec.max_concurrency}, {since}), "
+            f"{watermark}")  # fmt: skip
 
 
 def _region(c: Case) -> str:

@@ -162,21 +162,26 @@ class AgentRecord:
         """``busy`` as of ``now`` (kept): tasks finish, so an agent that looked full at its
         last heartbeat or hand-out may have room again. Asked only of an agent that looks
         full (the filter's second look), never per candidate. Still at or above
-        ``watermark``: ``full_until`` is set to when the estimate falls below it."""
+        ``watermark``: ``full_until`` is set to when the estimate falls below it (without a
+        task time: to the next heartbeat, which says)."""
         tasks = self.in_flight(now)
         self._set_busy(tasks)
         if self.busy >= watermark:
             task_ms = self.stats.task_ewma_ms
-            tau = self.interval_s if task_ms is None else max(task_ms, 1.0) / 1000.0
-            room = watermark * self.max_concurrency
-            self.full_until = now + tau * math.log(tasks / room) if tasks > room else now
+            if task_ms is None:
+                self.full_until = max(self.last_seen + self.interval_s, now)
+            else:
+                room = watermark * self.max_concurrency
+                tau = max(task_ms, 1.0) / 1000.0
+                self.full_until = now + tau * math.log(tasks / room) if tasks > room else now
         return self.busy
 
     def in_flight(self, now: float) -> float:
         """Tasks believed running now: the reported ``active`` (as of the last heartbeat), or
         the count at the last hand-out since, each fading with the agent's task time
-        (``exp(-elapsed / task EWMA)``; without one, its heartbeat interval) — the
-        steady-state count is then rate x task time, as Little's law has it."""
+        (``exp(-elapsed / task EWMA)``: the steady-state count is then rate x task time, as
+        Little's law has it). Without a task time nothing fades: the count holds until the
+        next heartbeat reports ``active``."""
         if self.handed_at > self.last_seen:
             base, since = self.handed, self.handed_at
         else:
@@ -184,8 +189,9 @@ class AgentRecord:
         if base <= 0.0:
             return 0.0
         task_ms = self.stats.task_ewma_ms
-        tau = self.interval_s if task_ms is None else max(task_ms, 1.0) / 1000.0
-        return base * math.exp((since - now) / tau)
+        if task_ms is None:
+            return base
+        return base * math.exp((since - now) * 1000.0 / (task_ms if task_ms > 1.0 else 1.0))
 
     def _set_busy(self, tasks: float) -> None:
         busy = tasks / self.max_concurrency

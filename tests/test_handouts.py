@@ -143,3 +143,22 @@ def test_the_inflight_ceiling_answers_overloaded_with_the_longest_hint() -> None
     with pytest.raises(Overloaded) as exc:
         f.pick(1.0)
     assert exc.value.retry_after_ms == 1000
+
+
+def test_without_a_task_time_nothing_fades_until_the_next_heartbeat() -> None:
+    """A first task may take any time: the hand-outs (and a full report) hold until the
+    agent's next heartbeat says what runs, and a full agent is not looked at again before."""
+    f = Fleet("a")
+    for _ in range(4):
+        f.pick(1.0)
+    rec = f.reg.agents["a"]
+    with pytest.raises(Overloaded):
+        f.pick(30.0)
+    assert (rec.busy, rec.full_until) == (1.0, 30.0)  # its heartbeat is overdue: look each time
+    f.beat("a", 31.0, active=4)
+    with pytest.raises(Overloaded):
+        f.pick(31.5)
+    assert (rec.busy, rec.full_until) == (1.0, 32.0)  # announced interval 1 s
+    f.beat("a", 32.0, active=3)
+    assert f.pick(32.0) == "a"
+    assert rec.handed == 4.0

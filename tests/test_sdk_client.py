@@ -69,7 +69,7 @@ async def test_wait_returns_the_final_ack_record_with_its_result_decoded(
     await wait_for(lambda: registered(broker, "w1"), what="w1 healthy")
     async with reach_agent.Client(nats_server.url) as client:
         receipt = await client.call("echo", {"x": 3}, ack_mode="received", request_id="r-3")
-        assert receipt == schema.Receipt(request_id="r-3")
+        assert receipt == schema.Receipt(request_id="r-3", agent_id="w1")
         record = await client.wait("r-3", timeout=10)
     assert isinstance(record, schema.AckRecord)
     got = (record.request_id, record.agent_id, record.capability, record.state)
