@@ -167,9 +167,9 @@ async def test_run_logs_announced_disconnected_reconnected_and_draining(tmp_path
         assert await asyncio.to_thread(proc.wait, 20) == 0, proc.output()
         assert said("runner agent.signal") == ["agent.signal agent=alpha: draining"]
         assert said("agent agent.disconnected") == ["agent.disconnected agent=alpha"]
-        # Each line: "<date> <time> INFO <logger> <event> ..."
+        # Each line: "<date> <time> INFO <logger> <event> ...", the first the claims store's.
         first = proc.output().splitlines()[0].split(" ")
-        assert (first[2], first[3]) == ("INFO", "reach_agent.agent")
+        assert first[2:5] == ["INFO", "reach_agent.claiming", "claims.on"]
     finally:
         if proc is not None:
             proc.stop()
