@@ -51,8 +51,9 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from jetstream import audit
+from jetstream.tasks import raise_if_cancelled
 
-from . import durable, schema, streaming
+from . import durable, schema, streaming, trace
 from .aio import TaskSet
 from .attempts import Attempts
 from .breaker import Breakers
@@ -81,7 +82,7 @@ from .retry import merely_full, should_retry
 from .routes import Routes
 from .subjects import ReplyInbox, Subjects
 
-log = logging.getLogger(__name__)
+log = trace.logger(__name__)
 
 
 class Client:
@@ -352,6 +353,7 @@ class Client:
         capability = call.capability
         candidates: list[schema.Candidate] = []
         while True:
+            raise_if_cancelled()
             target = self.attempts.next(candidates, call.tried, capability)
             if target is None:
                 # Everything we knew was tried (or is behind an open breaker): ask again.

@@ -313,6 +313,8 @@ class AckRecord(Base, frozen=True):
     never decoded on the way) and so read by :func:`decode_ack_record`; decoded (a dict,
     list, ...) in what ``Client.wait`` returns. None when there is none."""
     error: dict[str, str] | None = None
+    parent_request_id: str | None = None
+    """The flow run this request is a step of (the task's ``Reach-Parent-Id``)."""
 
 
 class Event(Base, frozen=True):
@@ -360,6 +362,8 @@ H_TRACE_ID = "Reach-Trace-Id"
 H_HOPS = "Reach-Hops"
 H_STATUS = "Reach-Status"
 H_TRACEPARENT = "traceparent"
+H_PARENT_ID = "Reach-Parent-Id"
+"""On a flow's step: the run's parent request id (recorded in the step's ack records)."""
 H_STREAM = "Reach-Stream"
 """``1`` on a task: answer in chunks. ``cancel`` on a credit message: stop the stream."""
 H_STREAM_WINDOW = "Reach-Stream-Window"
@@ -478,6 +482,7 @@ class _StoredAck(msgspec.Struct, kw_only=True):
     at_ms: int
     result: msgspec.Raw = msgspec.Raw()
     error: dict[str, str] | None = None
+    parent_request_id: str | None = None
 
 
 _stored_ack_decoder = msgspec.json.Decoder(_StoredAck)
@@ -492,4 +497,5 @@ def decode_ack_record(data: bytes, *, decode_result: bool = False) -> AckRecord:
     if decode_result and result is not None:
         result = _result_decoder.decode(result)
     return AckRecord(request_id=s.request_id, agent_id=s.agent_id, capability=s.capability,
-                     state=s.state, at_ms=s.at_ms, result=result, error=s.error)  # fmt: skip
+                     state=s.state, at_ms=s.at_ms, result=result, error=s.error,
+                     parent_request_id=s.parent_request_id)  # fmt: skip

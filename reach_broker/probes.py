@@ -31,6 +31,7 @@ from typing import Any
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
+from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
 
 from .context import BrokerContext
@@ -165,6 +166,7 @@ class Prober:
     async def _loop(self) -> None:
         heap = self._heap
         while True:
+            raise_if_cancelled()
             try:
                 now = self.ctx.clock()
                 limit = self.cfg.probe_concurrency
