@@ -75,8 +75,10 @@ async def test_wait_returns_the_final_ack_record_with_its_result_decoded(
     got = (record.request_id, record.agent_id, record.capability, record.state)
     assert got == ("r-3", "w1", "echo", "completed")
     # Decoded, as call() would have returned it: not msgspec.Raw.
-    assert record.result == {"agent": "w1", "payload": {"x": 3}, "traceparent": None,
-                             "trace_id": None, "hops": []}  # fmt: skip
+    trace_id, parent = record.result["trace_id"], record.result["traceparent"]  # a call's own
+    assert record.result == {"agent": "w1", "payload": {"x": 3}, "hops": [],
+                             "traceparent": parent, "trace_id": trace_id}  # fmt: skip
+    assert parent.split("-")[1] == trace_id and len(trace_id) == 32
     assert record.error is None
 
 
