@@ -76,6 +76,9 @@ JS_NOT_ENABLED = 10039
 STREAM_NOT_FOUND = 10059
 STREAM_EXISTS = 10058
 """``stream name already in use``: another replica created it first."""
+NO_SUITABLE_PEERS = 10005
+"""``no suitable peers for placement``: too few cluster peers can take a replica now (one
+still joining after a start or a restart; or, lasting, too little storage)."""
 MSG_DELETE_FAILED = 10057
 """``message delete failed``: e.g. the entry was already removed."""
 MAX_MSGS_EXCEEDED = 10077

@@ -29,6 +29,7 @@ from .names import (
     CLAIMS_STREAM,
     COMP_STREAM,
     JS_NOT_ENABLED,
+    NO_SUITABLE_PEERS,
     STREAM_EXISTS,
     STREAM_NAMES,
     STREAM_NOT_FOUND,
@@ -55,6 +56,11 @@ class JetStreamUnavailable(ProvisionError):
 
 class ProvisionTimeout(ProvisionError):
     """The JetStream API did not answer in time (e.g. a cluster still electing a leader)."""
+
+
+class NoPeers(ProvisionTimeout):
+    """No cluster peer could take a replica now (one still starting or rejoining): retried as
+    a timeout is."""
 
 
 class UnsafeChange(ProvisionError):
@@ -197,6 +203,8 @@ async def ensure_stream(nc: NATS, cfg: Mapping[str, Any], timeout_s: float = 5.0
             # Another replica may have created it in between: then it is an update check.
             if resp["error"].get("err_code") == STREAM_EXISTS:
                 return await ensure_stream(nc, cfg, timeout_s)
+            if resp["error"].get("err_code") == NO_SUITABLE_PEERS:
+                raise NoPeers(f"stream {name}: create failed: {resp['error'].get('description')}")
             raise ProvisionError(
                 f"stream {name}: create failed: {resp['error'].get('description')}"
             )

@@ -15,7 +15,7 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 
-from . import schema, trace
+from . import prompting, schema, trace
 from .breaker import Breakers, BreakerState, verdict
 from .calls import Call
 from .config import ClientConfig
@@ -72,11 +72,16 @@ class Attempts:
         hdrs = call.attempt_headers(now)
         call.agent_id = agent
         call.agents[call.attempt] = agent
-        self.liveness.track(agent, call)
+        call.protocol = target.protocol
+        # A Synadia agent gets their prompt envelope; it answers no reach probe, so the
+        # broker's events alone tell that it died.
+        synadia = target.protocol == schema.PROTOCOL_SYNADIA
+        body = prompting.envelope(call.body) if synadia else call.body
+        self.liveness.track(agent, call, probe=not synadia)
         outcome: Outcome = "closed"
         value: Any = InternalError("client closed")
         try:
-            await self.nc.publish(target.subject, call.body, headers=hdrs,
+            await self.nc.publish(target.subject, body, headers=hdrs,
                                   reply=inbox.reply(call.call_id, call.attempt))  # fmt: skip
             outcome, value = await call.outcome(now, self.config.ack_timeout_s, self.clock)
             return outcome, value

@@ -6,13 +6,20 @@ method threads it through parameters. Replies arrive on the call's queue tagged 
 attempt they answer; :meth:`Call.outcome` turns them into one :data:`~reach_agent.retry.Outcome`:
 
 * a receipt of the current attempt within ``ack_timeout_s`` → wait for the result until the
-  deadline (with ``ack_mode="received"`` the receipt is the answer);
+  deadline (with ``ack_mode="received"`` the receipt is the answer); a receipt is a reply
+  with ``Reach-Status: received``, or one without ``Reach-Status`` whose body is exactly the
+  receipt of this call's request id (:func:`~reach_agent.schema.is_body_receipt`);
 * no receipt in time → ``not_delivered``; a 503 without body → ``no_responders``;
 * an error reply of the current attempt → ``error`` (the retry rule decides);
 * a result from this attempt or an earlier one → ``ok`` (the first result wins); for a
   streamed call, so is its first chunk (a :class:`StreamStart`, read on by
   :mod:`~reach_agent.streaming`);
 * :meth:`lose` (the agent died) → ``lost``; :meth:`close` (the client stops) → ``closed``.
+
+An attempt to a Synadia Agent Protocol agent (``protocol: "synadia-agents"``) reads their
+prompt stream instead (:mod:`~reach_agent.prompting`): the leading ack is the receipt, waited
+for until the deadline — their protocol has no request id, so a prompt queued behind a busy
+agent is never sent to a second one —, the response chunks joined are the result.
 
 An ``IN_PROGRESS`` answer (another agent holds the request id's claim) is not retried: the
 call waits in :meth:`Call.held` for the holder's result — a late reply of an earlier attempt,
@@ -30,7 +37,7 @@ from uuid import uuid4
 
 import msgspec
 
-from . import schema, trace
+from . import prompting, schema, trace
 from .config import ClientConfig
 from .errors import (
     InternalError,
@@ -97,6 +104,7 @@ class Call:
         "gone",
         "headers",
         "last_err",
+        "protocol",
         "queue",
         "region",
         "retries",
@@ -158,6 +166,8 @@ class Call:
         self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self.agent_id: str | None = None
         """The agent of the current attempt."""
+        self.protocol: str | None = None
+        """How the current attempt's agent is spoken to (a candidate's ``protocol``)."""
         self.attempt = 0
         """Attempts begun (one refused by a breaker included); replies carry this number."""
         self.tried: list[str] = []
@@ -231,6 +241,8 @@ class Call:
         self, sent: float, ack_timeout_s: float, clock: Callable[[], float]
     ) -> tuple[Outcome, Any]:
         """Wait for the current attempt (sent at ``sent``) to end: (outcome, result or error)."""
+        if self.protocol == schema.PROTOCOL_SYNADIA:
+            return await self._prompted(clock)
         n, agent, deadline = self.attempt, self.agent_id, self.deadline
         ack_by = min(sent + ack_timeout_s, deadline)
         acked = False
@@ -268,7 +280,9 @@ class Call:
                     return "error", err
                 continue  # an earlier attempt's error: the current attempt decides
             status = hdrs.get(schema.H_STATUS) if hdrs else None
-            if status == "received":
+            if status == "received" or (
+                status is None and schema.is_body_receipt(msg.data, self.request_id)
+            ):
                 if current:
                     acked = True
                     self.taker = agent
@@ -285,6 +299,59 @@ class Call:
                 continue
             # A result, from this attempt or a late one: the first result wins.
             return self._result(msg, agent)
+
+    async def _prompted(self, clock: Callable[[], float]) -> tuple[Outcome, Any]:
+        """:meth:`outcome` of an attempt to a Synadia agent: its prompt stream (an earlier
+        attempt's reach result still wins)."""
+        n, agent = self.attempt, self.agent_id
+        acked = False
+        chunks: list[Any] = []
+        while True:
+            try:
+                async with asyncio.timeout(max(self.deadline - clock(), 0.0)):
+                    a, msg = await self.queue.get()
+            except TimeoutError:
+                return "timeout", Timeout(
+                    f"agent {agent!r} (synadia-agents) "
+                    + ("sent no end of its answer" if acked else "did not acknowledge the "
+                       "prompt (still busy with an earlier one, or gone)")
+                    + " within the call's deadline"
+                )  # fmt: skip
+            if msg is _CLOSED:
+                return "closed", InternalError("client closed while the call was in flight")
+            if msg is _LOST:
+                if a == n:
+                    return "lost", Timeout(f"agent {agent!r} was lost while running the prompt")
+                continue
+            hdrs = msg.headers
+            if a != n:  # an earlier attempt's: only a reach agent's result counts
+                if (
+                    hdrs
+                    and hdrs.get(schema.H_STATUS) == "completed"
+                    and schema.H_CHUNKS not in hdrs
+                ):
+                    return self._result(msg, self.agents.get(a))
+                continue
+            if hdrs and hdrs.get(_STATUS) == "503" and not msg.data:
+                return "no_responders", NoReachableAgent(
+                    f"no responders: agent {agent!r} is not subscribed to {msg.subject!r}"
+                )
+            kind, value = prompting.read(msg, agent)
+            if kind == "ack" and not acked:
+                acked = True
+                self.taker = agent
+                if self.ack_mode == "received":
+                    return "ok", schema.Receipt(request_id=self.request_id,
+                                                agent_id=agent or msgspec.UNSET)  # fmt: skip
+            elif kind == "chunk":
+                self.taker = agent
+                if self.stream:
+                    return "ok", StreamStart(a, msg)
+                chunks.append(value)
+            elif kind == "end":
+                return "ok", prompting.join(chunks)
+            elif kind == "error":
+                return "error", value
 
     def _result(self, msg: Any, agent: str | None) -> tuple[Outcome, Any]:
         try:
@@ -324,7 +391,9 @@ class Call:
             if (hdrs and hdrs.get(_STATUS) == "503" and not msg.data) or from_reply(hdrs, msg.data):
                 continue  # errors (another IN_PROGRESS, no responders) change nothing
             status = hdrs.get(schema.H_STATUS) if hdrs else None
-            if status == "received":
+            if status == "received" or (
+                status is None and schema.is_body_receipt(msg.data, self.request_id)
+            ):
                 continue
             if status == "chunk" or (status == "completed" and schema.H_CHUNKS in hdrs):
                 if self.stream:

@@ -179,8 +179,8 @@ class _Taken:
         if rec is None:
             return None
         if stored.author == BROKER_ACK_AUTHOR:
-            if stored.state == "failed":  # expired, or finally refused: the broker's word
-                self.answer = rec
+            if stored.state in acks.FINAL_STATES:  # expired, finally refused, or the answer
+                self.answer = rec  # of an agent that writes no records (a Synadia agent)
                 return stored
             if stored.state == "received":  # "I handed the task to <agent_id>"
                 self.takers.add(rec.agent_id)
@@ -214,7 +214,8 @@ async def wait(
     received for it (``Client.call``); else the holder of the request id's claim (KV
     ``reach_claims``, when there is one); and an agent a broker names in its own ``received``
     record (``reach.ack._broker.<request_id>``, written when it hands a submitted task over).
-    A ``failed`` record of the broker (expired, or finally refused) is final too. Records of
+    A final record of the broker (``failed``: expired, or finally refused; ``completed`` or
+    ``failed``: the answer of a Synadia agent, which writes none) is final too. Records of
     any other author, copies of stored messages and records whose body disagrees with their
     subject are ignored. Raises ``Timeout`` when none is stored within ``timeout`` seconds.
     """

@@ -265,6 +265,22 @@ def to_reply(err: ReachError) -> tuple[dict[str, str], bytes]:
     return headers, _encoder.encode(_ErrorReply(error=error))
 
 
+def from_status(status: int, message: str) -> ReachError:
+    """The reach error of an HTTP-like status from a peer that does not speak reach (a
+    Synadia agent's error frame): 429/503 → ``TARGET_BUSY``, 401/403 → ``FORBIDDEN``,
+    408/504 → ``TIMEOUT``, other 4xx → ``BIZ_REJECT``, anything else ``INTERNAL``."""
+    text = message or f"status {status}"
+    if status in (429, 503):
+        return TargetBusy(text)
+    if status in (401, 403):
+        return Forbidden(text)
+    if status in (408, 504):
+        return Timeout(text)
+    if 400 <= status < 500:
+        return BizReject(text)
+    return InternalError(text)
+
+
 def from_reply(headers: Mapping[str, str] | None, data: bytes) -> ReachError | None:
     """The error carried by a reply, or ``None`` when the reply is a success."""
     if not headers or H_SERVICE_ERROR_CODE not in headers:

@@ -41,11 +41,17 @@ class Liveness:
         self._calls: dict[str, dict[Call, None]] = {}
         self._checking: set[str] = set()
         self._watching: set[str] = set()
+        self._unprobed: set[str] = set()
+        """Agents not probed (events alone end their attempts)."""
         self._running = False
 
-    def track(self, agent_id: str, call: Call) -> None:
-        """``call``'s current attempt runs on ``agent_id``; watch that agent."""
+    def track(self, agent_id: str, call: Call, probe: bool = True) -> None:
+        """``call``'s current attempt runs on ``agent_id``; watch that agent (by probes too
+        unless ``probe`` is false: an agent that answers no reach probe, a Synadia one)."""
         self._calls.setdefault(agent_id, {})[call] = None
+        if not probe:
+            self._unprobed.add(agent_id)
+            return
         if self.config.liveness_probe_s > 0 and agent_id not in self._watching:
             self._watching.add(agent_id)
             self._tasks.spawn(self._watch(agent_id), f"reach-watch-{agent_id}")
@@ -56,6 +62,7 @@ class Liveness:
             calls.pop(call, None)
             if not calls:
                 del self._calls[agent_id]
+                self._unprobed.discard(agent_id)
 
     def start(self) -> None:
         self._running = True
@@ -72,7 +79,7 @@ class Liveness:
         if ev.kind == "evicted" or (ev.kind == "state" and ev.to == "offline"):
             self.abort(agent, ev.reason)
         elif ev.kind == "state" and ev.to == "suspect" and self.config.liveness_check:
-            if agent not in self._checking:
+            if agent not in self._checking and agent not in self._unprobed:
                 self._checking.add(agent)
                 self._tasks.spawn(self._check(agent), f"reach-check-{agent}")
 

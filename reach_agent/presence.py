@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -65,6 +66,11 @@ class Presence:
         self._reannounce = asyncio.Event()
         self._hb_wake = asyncio.Event()
         self._loops: list[asyncio.Task[Any]] = []
+        self.health: Callable[[], Awaitable[bool]] | None = None
+        """Asked before each heartbeat and probe answer when set (an adapter's backend
+        check): while it says False the agent is silent — no heartbeat, no probe answer — so
+        brokers take it out of the routes as they would a dead one, and back when it
+        answers again."""
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -190,7 +196,7 @@ class Presence:
         subject = self.subjects.heartbeat(self.agent_id)
         while self._loops:
             self._hb_wake.clear()
-            if self.token is not None:
+            if self.token is not None and (self.health is None or await self._healthy()):
                 try:
                     await nc.publish(subject, schema.encoder.encode(self.heartbeat()))
                 except Exception as exc:  # the loop never dies
@@ -206,12 +212,22 @@ class Presence:
         log.info("agent.reannounce_requested agent=%s", self.agent_id)
         asyncio.get_running_loop().call_later(random.uniform(0, jitter), self._reannounce.set)
 
+    async def _healthy(self) -> bool:
+        assert self.health is not None
+        try:
+            return await self.health()
+        except Exception as exc:  # a failing check is an unhealthy answer, never a crash
+            log.debug("agent.health_failed agent=%s error=%r", self.agent_id, exc)
+            return False
+
     async def _on_probe(self, msg: Msg) -> None:
         if not msg.reply:
             return
         if not is_inbox(msg.reply):  # see TaskServer.on_task: answer inboxes only
             log.warning("agent.probe_refused agent=%s reason=reply subject %r is not an inbox",
                         self.agent_id, msg.reply[:128])  # fmt: skip
+            return
+        if self.health is not None and not await self._healthy():
             return
         tasks = self.tasks
         info = self.nc._server_info or {}

@@ -48,6 +48,10 @@ AGENT_STATES: tuple[AgentState, ...] = ("healthy", "suspect", "offline", "recove
 AgentStatus = Literal["idle", "busy", "draining"]
 EventKind = Literal["registered", "state", "left", "evicted", "released"]
 AckState = Literal["received", "completed", "failed"]
+PROTOCOL_REACH = "reach"
+PROTOCOL_SYNADIA = "synadia-agents"
+"""How a candidate is spoken to: reach's task protocol, or the Synadia Agent Protocol's
+prompt protocol (an agent the broker discovered on ``$SRV.INFO.agents``)."""
 ClaimState = Literal["running", "completed", "failed", "released"]
 
 
@@ -213,6 +217,9 @@ class Candidate(Base, frozen=True):
     version: str | None = None
     timeout_hint_ms: int | None = None
     """The agent's announced ``timeout_hint_ms``: callers wait at least this long."""
+    protocol: str | None = None
+    """``reach`` or ``synadia-agents`` (brokers always say; absent from an older broker:
+    ``reach``)."""
     explain: AgentExplain | None = None
 
 
@@ -272,6 +279,8 @@ class AgentView(Base, frozen=True):
     version: str | None = None
     active: int = 0
     max_concurrency: int = 0
+    protocol: str = PROTOCOL_REACH
+    """``synadia-agents`` for an agent the broker discovered (absent: ``reach``)."""
 
 
 class AgentsRequest(Base, frozen=True):
@@ -296,6 +305,29 @@ class Receipt(msgspec.Struct, frozen=True, kw_only=True):
     agent_id: str | msgspec.UnsetType = msgspec.UNSET
     """Who took the task: not on the wire. The SDK client fills it in from the attempt the
     receipt answered (the agent it sent that attempt to): the one to ``wait`` on."""
+
+
+class _BodyReceipt(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A receipt told by its body alone: exactly these two fields, nothing else."""
+
+    request_id: str
+    status: Literal["received"]
+
+
+_body_receipt_decoder = msgspec.json.Decoder(_BodyReceipt)
+_RECEIPT_MAX_BYTES = 512
+
+
+def is_body_receipt(data: bytes, request_id: str) -> bool:
+    """Whether a reply without ``Reach-Status`` is the receipt of ``request_id`` all the same:
+    its body is exactly ``{"request_id": <request_id>, "status": "received"}`` (an agent
+    written from the text alone may leave the header out). Anything else is a result."""
+    if len(data) > _RECEIPT_MAX_BYTES or b'"received"' not in data:
+        return False  # most results: no decode at all
+    try:
+        return _body_receipt_decoder.decode(data).request_id == request_id
+    except msgspec.MsgspecError:
+        return False
 
 
 class AckRecord(Base, frozen=True):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, Protocol
 
 import msgspec
@@ -35,10 +35,11 @@ from nats.aio.msg import Msg
 
 from jetstream.tasks import raise_if_cancelled
 
-from . import schema, trace
+from . import prompting, schema, trace
 from .calls import CLOSED, LOST, Call, StreamStart
 from .errors import InternalError, InvalidRequest, StreamBroken, from_reply
 from .liveness import Liveness
+from .prompting import join as join  # the rule lives with the codec calls.py uses
 from .subjects import is_inbox
 
 log = trace.logger(__name__)
@@ -52,15 +53,6 @@ CREDIT_WAIT_S = 60.0
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder()
-
-
-def join(chunks: Iterable[Any]) -> Any:
-    """A stream's chunks as one result: their concatenation when every chunk is a string
-    (and there is at least one), otherwise the list of chunks (``[]`` for none)."""
-    items = list(chunks)
-    if items and all(isinstance(c, str) for c in items):
-        return "".join(items)
-    return items
 
 
 class Joined:
@@ -227,35 +219,14 @@ async def read(
     """The chunks of ``call``'s streamed answer, from its first message ``start`` on, in
     order; ends at the agent's ``completed``. Sends credit as chunks are consumed and a
     cancel when the reader stops early."""
-    attempt, agent = start.attempt, call.agents.get(start.attempt)
+    agent = call.agents.get(start.attempt)
     half = max(1, call.stream // 2)
     delivered = 0
     credit_to: str | None = None
     finished = False
-    first: Any = start.msg
     try:
-        while True:
-            raise_if_cancelled()
-            if first is not None:
-                a, msg, first = attempt, first, None
-            else:
-                try:
-                    async with asyncio.timeout(max(call.deadline - clock(), 0.0)):
-                        a, msg = await call.queue.get()
-                except TimeoutError:
-                    raise StreamBroken(
-                        f"stream from agent {agent!r} did not complete by the call's deadline "
-                        f"({delivered} chunks delivered)", delivered=delivered,
-                    ) from None  # fmt: skip
-            if msg is CLOSED:
-                raise InternalError("client closed while the stream was in flight")
-            if msg is LOST:
-                raise StreamBroken(
-                    f"agent {agent!r} was lost mid-stream after {delivered} chunks: not re-run "
-                    "(that would repeat them)", delivered=delivered,
-                )  # fmt: skip
-            if a != attempt or not hasattr(msg, "headers"):
-                continue  # another attempt's reply, or a marker for a wait that is over
+        # The count read when an error ends the stream: the lambda binds late on purpose.
+        async for msg in _messages(call, start, clock, lambda: delivered):  # noqa: B023
             hdrs = msg.headers or {}
             err = from_reply(hdrs, msg.data)
             if err is not None:
@@ -296,6 +267,53 @@ async def read(
                 await nc.publish(credit_to, b"", headers=cancel)
             except Exception:  # the connection may be gone: the agent times out instead
                 log.debug("stream.cancel_failed request_id=%s", call.request_id)
+
+
+async def read_prompted(
+    call: Call, start: StreamStart, clock: Callable[[], float]
+) -> AsyncIterator[Any]:
+    """The chunks of a Synadia agent's prompt stream (:mod:`~reach_agent.prompting`), from
+    the first one (``start``) to the end; their protocol has no credit, so the window is
+    the subscription's buffer."""
+    agent = call.agents.get(start.attempt)
+    delivered = 0
+    async for msg in _messages(call, start, clock, lambda: delivered):  # noqa: B023
+        kind, value = prompting.read(msg, agent)
+        if kind == "end":
+            return
+        if kind == "error":
+            raise value
+        if kind == "chunk":
+            delivered += 1
+            yield value
+
+
+async def _messages(
+    call: Call, start: StreamStart, clock: Callable[[], float], delivered: Callable[[], int]
+) -> AsyncIterator[Any]:
+    """The replies to the stream's attempt, from its first (``start``) on; the deadline, the
+    agent's loss or the client closing end it with an error (``delivered``: chunks so far)."""
+    attempt, agent = start.attempt, call.agents.get(start.attempt)
+    yield start.msg
+    while True:
+        raise_if_cancelled()
+        try:
+            async with asyncio.timeout(max(call.deadline - clock(), 0.0)):
+                a, msg = await call.queue.get()
+        except TimeoutError:
+            raise StreamBroken(
+                f"stream from agent {agent!r} did not complete by the call's deadline "
+                f"({delivered()} chunks delivered)", delivered=delivered(),
+            ) from None  # fmt: skip
+        if msg is CLOSED:
+            raise InternalError("client closed while the stream was in flight")
+        if msg is LOST:
+            raise StreamBroken(
+                f"agent {agent!r} was lost mid-stream after {delivered()} chunks: not re-run "
+                "(that would repeat them)", delivered=delivered(),
+            )  # fmt: skip
+        if a == attempt and hasattr(msg, "headers"):
+            yield msg  # (not another attempt's reply, nor a marker for a wait that is over)
 
 
 class Caller(Protocol):
@@ -345,8 +363,11 @@ async def stream(
             agent = call.agents.get(value.attempt)
             if agent is not None:
                 client.liveness.track(agent, call)  # a death mid-stream breaks the stream
+            chunks = (read_prompted(call, value, client.clock)
+                      if call.protocol == schema.PROTOCOL_SYNADIA
+                      else read(client.nc, call, value, client.clock))  # fmt: skip
             try:
-                async for chunk in read(client.nc, call, value, client.clock):
+                async for chunk in chunks:
                     yield chunk
             finally:
                 if agent is not None:

@@ -21,6 +21,9 @@ sender names against the sender's permissions (see docs/protocol.md, "Reply subj
     <p>.ack.<author>.<request_id>    agent (author: its id) or broker (``_broker``) → REACH_ACKS
     <p>.comp.<capability>            caller → REACH_COMPENSATION → broker
     <p>.event.<kind>.<agent_id>      broker → anyone; kept by REACH_AUDIT
+
+The Synadia Agent Protocol's subjects (theirs, never prefixed) are built by
+:class:`AgentsProtocol` (``AGENTS``): reach reads and calls those agents as they are.
 """
 
 from __future__ import annotations
@@ -225,6 +228,57 @@ class Subjects:
         """``(kind, agent_id)`` of ``<p>.event.<kind>.<agent_id>``."""
         kind, _, agent_id = subject[self._cuts[8] :].partition(".")
         return kind, agent_id
+
+
+class AgentsProtocol:
+    """The subjects of the Synadia Agent Protocol for NATS (v0.3), as its agents use them.
+
+    $SRV.INFO.agents                 discovery: every instance of the micro service
+    $SRV.INFO.agents.<instance_id>   one instance's registration
+    $SRV.PING.agents.<instance_id>   one instance alive?
+    agents.hb.<agent>.<owner>.<session>      an instance's heartbeat (every 30 s)
+    agents.prompt.<agent>.<owner>.<session>  the prompt endpoint (queue group agents)
+    agents.status.<agent>.<owner>.<session>  the status endpoint (queue group agents)
+    """
+
+    __slots__ = ()
+
+    service = "agents"
+    """The micro service name every such agent registers."""
+    info = "$SRV.INFO.agents"
+    ping = "$SRV.PING.agents"
+    """Every instance subscribes to it: the server's CONNZ filters their connections on it."""
+    all_heartbeats = "agents.hb.*.*.*"
+
+    def info_of(self, instance_id: str) -> str:
+        return f"{self.info}.{instance_id}"
+
+    def ping_of(self, instance_id: str) -> str:
+        return f"{self.ping}.{instance_id}"
+
+    def prompt(self, agent: str, owner: str, session: str) -> str:
+        return f"agents.prompt.{agent}.{owner}.{session}"
+
+    def status(self, agent: str, owner: str, session: str) -> str:
+        return f"agents.status.{agent}.{owner}.{session}"
+
+    def of_heartbeat(self, subject: str) -> tuple[str, str, str] | None:
+        """``(agent, owner, session)`` of ``agents.hb.<agent>.<owner>.<session>``."""
+        parts = subject.split(".")
+        if len(parts) != 5 or parts[0] != "agents" or parts[1] != "hb":
+            return None
+        return parts[2], parts[3], parts[4]
+
+    def instance_of_info(self, subject: str) -> str | None:
+        """The instance id of ``$SRV.INFO.agents.<instance_id>`` (a subscription subject)."""
+        head = self.info + "."
+        if not subject.startswith(head) or "." in subject[len(head) :]:
+            return None
+        return subject[len(head) :] or None
+
+
+AGENTS = AgentsProtocol()
+"""The Synadia Agent Protocol's subjects."""
 
 
 class ReplyInbox:

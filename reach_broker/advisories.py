@@ -18,6 +18,11 @@ user may ask), or taken from ``detection.advisory_account``.
   (:func:`reach_broker.clusterinfo.gather`); a partial list (a node that did not answer in
   time) only costs probes, never a wrong ``offline``.
 
+Connections that are not named after an agent (Synadia Agent Protocol agents, whose
+connections are usually unnamed) are matched by the components that know them: every
+DISCONNECT is also handed, as (server name, client id), to :attr:`Advisories.closed_listeners`,
+and the agents :attr:`Advisories.known_elsewhere` returns are left out of the reconcile.
+
 A server without the import answers ``CONNZ`` with no responders: the broker then says once
 in its log that it runs on heartbeats alone, and sets ``reach_disconnect_advisories`` to 0.
 
@@ -32,6 +37,7 @@ claims a known agent's name with another's JWT is ignored and counted
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -71,12 +77,24 @@ CONNECT_PROBE_DELAY_S = 0.25
 class _Client(msgspec.Struct):
     name: str = ""
     acc: str = ""
+    id: int = 0
+    """The connection's client id (cid) on its server."""
     jwt: str = ""
+
+
+class _Server(msgspec.Struct):
+    name: str = ""
+    id: str = ""
 
 
 class _Advisory(msgspec.Struct):
     client: _Client = msgspec.field(default_factory=_Client)
+    server: _Server = msgspec.field(default_factory=_Server)
     reason: str = ""
+
+
+ClosedListener = Callable[[str, int], None]
+"""Told of every closed connection: (server name, client id)."""
 
 
 class _Conn(msgspec.Struct):
@@ -115,6 +133,10 @@ class Advisories:
         """Servers that answered the last CONNZ (every node of a cluster)."""
         self.answers = 0
         """CONNZ lists obtained (the observer's proof that the broker's link works)."""
+        self.closed_listeners: list[ClosedListener] = []
+        """Told (server name, client id) of every DISCONNECT, named or not."""
+        self.known_elsewhere: Callable[[], set[str]] = set
+        """Agents whose connections another component follows (not judged by name)."""
         self._subs: list[Any] = []
         self._started = False
         self._said_unavailable = False
@@ -158,7 +180,7 @@ class Advisories:
         names = await self._connection_names()
         if names is None:
             return 0
-        transitions = self.registry.reconcile(names, self.ctx.clock())
+        transitions = self.registry.reconcile(names | self.known_elsewhere(), self.ctx.clock())
         if transitions:
             log.info("advisories.reconciled connected=%d suspect=%d", len(names), len(transitions))
             self.ctx.fanout.emit(transitions)
@@ -242,19 +264,37 @@ class Advisories:
                         "agent's connection", name, jwt_name(jwt))  # fmt: skip
         return False
 
-    def _client_name(self, msg: Msg) -> str | None:
-        """The agent an advisory is about, if any; a broken one is dropped and counted."""
+    def _advisory(self, msg: Msg) -> _Advisory | None:
+        """The advisory; a broken one is dropped and counted."""
         try:
-            client = _advisory_decoder.decode(msg.data).client
+            adv = _advisory_decoder.decode(msg.data)
         except msgspec.DecodeError:
             self.ctx.metrics.dropped.labels("advisory", "invalid").inc()
             self.ctx.metrics.refused.labels("advisory", "invalid").inc()
             return None
         self._available()
+        return adv
+
+    def _client_name(self, msg: Msg) -> str | None:
+        """The agent an advisory is about, if any (None: unnamed, a name its JWT does not
+        bear, or broken)."""
+        adv = self._advisory(msg)
+        return self._named(adv) if adv is not None else None
+
+    def _named(self, adv: _Advisory) -> str | None:
+        client = adv.client
         return client.name if self._is_named(client.name, client.jwt) else None
 
     async def _on_disconnect(self, msg: Msg) -> None:
-        name = self._client_name(msg)
+        adv = self._advisory(msg)
+        if adv is None:
+            return
+        for listener in self.closed_listeners:
+            try:
+                listener(adv.server.name or adv.server.id, adv.client.id)
+            except Exception:  # noqa: BLE001 - a listener never breaks the broker
+                log.exception("advisories.listener failed cid=%d", adv.client.id)
+        name = self._named(adv)
         if name is None:
             return
         transitions = self.registry.disconnected(name, self.ctx.clock())

@@ -257,6 +257,23 @@ class A2ASection(Section):
     ``timeout_s``); an agent's ``timeout_hint_ms`` still stretches it."""
 
 
+class SynadiaSection(Section):
+    """Agents of the Synadia Agent Protocol for NATS (``$SRV.INFO.agents``), routed as they
+    are (reach_broker/synadia.py)."""
+
+    enabled: bool = True
+    """Discover them, follow their heartbeats and route to them."""
+    sweep_interval_s: Positive = 30.0
+    """How often ``$SRV.INFO.agents`` is asked for every instance (and the server which
+    connection holds which), besides at start and on a heartbeat of an unknown instance."""
+    max_concurrency: Annotated[int, Meta(ge=1, le=100_000)] = 1
+    """Prompts one instance is taken to serve at once (their protocol does not say; their
+    host SDK serves one at a time unless told otherwise)."""
+    forget_after_s: Positive = 300.0
+    """An instance offline this long is evicted (a restarted agent is a new instance; one that
+    only reconnects is found again on its next heartbeat)."""
+
+
 class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The whole broker configuration."""
 
@@ -270,6 +287,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     claims: ClaimsSection = msgspec.field(default_factory=ClaimsSection)
     console: ConsoleSection = msgspec.field(default_factory=ConsoleSection)
     a2a: A2ASection = msgspec.field(default_factory=A2ASection)
+    synadia: SynadiaSection = msgspec.field(default_factory=SynadiaSection)
 
 
 class ConfigError(ValueError):

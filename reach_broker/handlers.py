@@ -266,7 +266,13 @@ class Handlers:
     def parse_announce(self, subject: str, data: bytes) -> schema.Announce:
         agent_id = self.ctx.subjects.agent_of_announce(subject)
         check_agent_id(agent_id, "subject agent_id")
-        return schema.validate_announce(decode(schema.announce_decoder, data, "announce"), agent_id)
+        ann = schema.validate_announce(decode(schema.announce_decoder, data, "announce"), agent_id)
+        if ann.agent_type == schema.PROTOCOL_SYNADIA:
+            raise schema.InvalidRequest(
+                f"agent_type {ann.agent_type!r} is reserved for Synadia Agent Protocol agents "
+                "the broker discovers itself (on $SRV.INFO.agents)"
+            )
+        return ann
 
     def apply_announce(self, ann: schema.Announce) -> bytes:
         """Register ``ann`` (already validated); the ``AnnounceAck`` body."""

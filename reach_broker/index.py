@@ -193,15 +193,18 @@ class CapabilityIndex:
 
 
 def candidate(rec: AgentRecord, subject: str) -> Candidate:
+    """``rec`` as a route candidate; ``subject`` is its task subject unless the record has
+    one of its own (a Synadia agent's prompt subject)."""
     return Candidate(
         agent_id=rec.agent_id,
-        subject=subject,
+        subject=rec.subject or subject,
         score=rec.score,
         state=rec.state,
         load=rec.load,
         region=rec.region,
         version=rec.version,
         timeout_hint_ms=rec.timeout_hint_ms,
+        protocol=rec.protocol,
     )
 
 

@@ -138,6 +138,11 @@ class Metrics:
             "Agents asked to announce again (heartbeat from an agent the broker does not know)",
             registry=r,
         )
+        self.synadia_agents = Gauge(
+            "reach_synadia_agents",
+            "Synadia Agent Protocol instances the broker follows (discovered on $SRV.INFO.agents)",
+            registry=r,
+        )
         # JetStream (issue 4): compensation queue and durable acks.
         self.compensation_depth = Gauge(
             "reach_compensation_depth", "Entries in REACH_COMPENSATION (read periodically)",

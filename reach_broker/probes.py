@@ -26,6 +26,7 @@ import asyncio
 import heapq
 import logging
 import random
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nats.errors import NoRespondersError
@@ -48,6 +49,10 @@ SAMPLE_JITTER = 0.2
 
 IDLE_WAKE_S = 1.0
 """The scheduler loop re-checks at least this often even with nothing due."""
+
+ProbeSend = Callable[[float], Awaitable[object]]
+"""Probes one agent within the timeout given; raises nats' TimeoutError or NoRespondersError
+when unanswered."""
 
 
 def backoff_delay(failures: int, cap_s: float, rng: random.Random) -> float:
@@ -75,6 +80,9 @@ class Prober:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._probes: set[asyncio.Task[Any]] = set()
+        self.probe_via: Callable[[AgentRecord], ProbeSend | None] = lambda rec: None
+        """How to probe an agent that is not probed on ``<p>.probe.<agent_id>`` (a Synadia
+        agent: its status endpoint); None: the reach probe."""
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -213,7 +221,8 @@ class Prober:
             # language may have none): no RTT sample, but no verdict on liveness
             # either. A dead one is the disconnect advisory's or the deadlines' job.
             return True
-        # Only a sample probe's round trip is an RTT: a liveness probe's measures the silence.
+        # Only a healthy agent's answer is an RTT sample: a suspect's (a freeze that just
+        # ended, an answer late by the whole stall) says it lives, not what its latency is.
         ctx.fanout.emit(self.registry.probe_result(agent_id, ok, rtt if sample else None, now))
         return ok
 
@@ -228,11 +237,15 @@ class Prober:
                     return
                 sample = rec.state == "healthy"
                 epoch = ctx.link.epoch
+                via = self.probe_via(rec)
                 t0 = ctx.clock()
                 try:
-                    await ctx.nc.request(
-                        ctx.subjects.probe(agent_id), b"{}", timeout=self.cfg.probe_timeout_s
-                    )
+                    if via is None:
+                        await ctx.nc.request(
+                            ctx.subjects.probe(agent_id), b"{}", timeout=self.cfg.probe_timeout_s
+                        )
+                    else:
+                        await via(self.cfg.probe_timeout_s)
                     ok, result = True, "ok"
                 except NatsTimeoutError:
                     result = "timeout"

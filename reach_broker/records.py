@@ -12,7 +12,7 @@ from typing import Literal, NamedTuple
 
 import msgspec
 
-from reach_agent.schema import AgentState, AgentView, Announce
+from reach_agent.schema import PROTOCOL_REACH, PROTOCOL_SYNADIA, AgentState, AgentView, Announce
 
 from .detector import ArrivalWindow
 from .scoring import Stats
@@ -57,6 +57,7 @@ class AgentRecord:
         "ok_total",
         "oldest_task_ms",
         "probe_failures",
+        "protocol",
         "queue_depth",
         "recover_hbs",
         "recovered_at",
@@ -69,6 +70,7 @@ class AgentRecord:
         "stats",
         "status",
         "stuck",
+        "subject",
         "suspect_at",
         "tags",
         "timeout_hint_ms",
@@ -136,6 +138,12 @@ class AgentRecord:
         self.version = msg.version
         self.tags = msg.tags
         self.timeout_hint_ms = msg.timeout_hint_ms
+        # A Synadia Agent Protocol instance (reach_broker/synadia.py registers it; the reach
+        # announce handler refuses that agent_type): spoken to on its own prompt subject.
+        foreign = msg.agent_type == PROTOCOL_SYNADIA
+        self.protocol = PROTOCOL_SYNADIA if foreign else PROTOCOL_REACH
+        self.subject: str | None = msg.metadata.get("prompt") if foreign else None
+        """The task subject when it is not ``<p>.task.<agent_id>.<capability>``."""
 
     def set_load(self, active: int, queue_depth: int) -> int:
         """Record the agent's reported load (which replaces the hand-outs counted since the
@@ -224,6 +232,7 @@ class AgentRecord:
             success_rate=round(self.stats.success_rate, 4),
             active=self.active,
             max_concurrency=self.max_concurrency,
+            protocol=self.protocol,
         )
 
 

@@ -44,7 +44,7 @@ from jetstream.names import H_EXPIRES_MS
 from jetstream.tasks import raise_if_cancelled
 from reach_agent import schema
 from reach_agent.aio import stop_loops
-from reach_agent.errors import ReachError, from_reply
+from reach_agent.errors import ReachError
 from reach_agent.retry import retryable
 from reach_agent.schema import RouteRequest
 
@@ -54,6 +54,7 @@ from .context import BrokerContext
 from .dispatch import MARKER_TTL_S, Dispatches
 from .records import AgentRecord, Transition
 from .routing import Router
+from .synadiareplay import Prompts
 from .taken import Taken
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class Target(NamedTuple):
 
     agent_id: str
     subject: str
+    protocol: str | None = None
 
 
 class Replayer:
@@ -104,6 +106,8 @@ class Replayer:
         self.taken = Taken(self.cfg.ack_wait_s)
         """Entries delivered and held until their taker's final record."""
         self.acks.on_final = self.taken.done
+        self.prompts = Prompts(ctx, self.taken.done)
+        """Entries for Synadia agents (they write no ack records: the broker does)."""
         self._subs: list[Any] = []
         self._sweeper: asyncio.Task[None] | None = None
         self._route_req = RouteRequest(limit=3)
@@ -319,7 +323,7 @@ class Replayer:
                 candidates = (
                     router.route(e.capability, self._route_req, ctx.clock())
                     if only is None
-                    else [Target(only, self.subjects.task(only, e.capability))]
+                    else [self._target(only, e.capability)]
                 )
             except ReachError:
                 await e.msg.nak()
@@ -327,20 +331,19 @@ class Replayer:
             for c in candidates:
                 sent_ms = ctx.wall_ms()
                 await self.dispatches.mark(e.request_id, c.agent_id, sent_ms, ttl_s)
-                try:
-                    reply = await ctx.nc.request(
-                        c.subject, e.data, timeout=self.cfg.receipt_timeout_s, headers=headers
-                    )
+                try:  # a reach agent's receipt, or a Synadia agent's ack (its answer later)
+                    err, collect = await self.prompts.deliver(c, e, headers)
                 except (TimeoutError, NoRespondersError):
                     log.info("replay.no_receipt request_id=%s agent=%s", e.request_id, c.agent_id)
                     continue
-                err = from_reply(reply.headers, reply.data)
                 if err is not None and err.code == "IN_PROGRESS":
                     return await self._claimed(e, getattr(err, "holder", ""), "running")
                 if err is None:
                     self.acks.sent(e.request_id, sent_ms)
                     await record_taker(ctx, e, c.agent_id)
                     await self.taken.hold(e, c.agent_id)  # removed at its final record
+                    if collect is not None:  # a Synadia agent: the broker records its answer
+                        ctx.spawn(collect(), f"synadia-replay-{e.request_id}")
                     self.replayed += 1
                     ctx.metrics.compensation_result["replayed"].inc()
                     log.info("replay.delivered request_id=%s capability=%s agent=%s priority=%d",
@@ -359,6 +362,13 @@ class Replayer:
                 return "stalled"
             await asyncio.sleep(backoff * (0.5 + random.random()))
             backoff = min(backoff * 2, self.cfg.busy_retry_max_s)
+
+    def _target(self, agent_id: str, capability: str) -> Target:
+        """Where a redelivered entry goes: the agent it went to before."""
+        rec = self.record_of(agent_id)
+        if rec is not None and rec.subject is not None:
+            return Target(agent_id, rec.subject, rec.protocol)
+        return Target(agent_id, self.subjects.task(agent_id, capability))
 
     async def _claimed(self, e: Entry, holder: str, state: str) -> Outcome:
         """The request id is ``holder``'s already: not sent. A finished run's entry is

@@ -48,6 +48,7 @@ from .releases import Releaser
 from .replay import Replayer
 from .routing import Router
 from .snapshot import Snapshot
+from .synadia import SynadiaAgents
 from .tokens import TokenSigner
 
 log = logging.getLogger(__name__)
@@ -126,6 +127,9 @@ class Broker:
         self.probes = Prober(ctx, registry)
         self.advisories = Advisories(ctx, registry, self.probes)
         self.observer = Observer(ctx, registry, self.advisories)
+        self.synadia = SynadiaAgents(ctx, registry, self.handlers, self.probes, self.advisories)
+        """Synadia Agent Protocol agents, discovered and followed (after the advisories: it
+        asks the server's CONNZ of the account they found)."""
         agents = registry.agents
         self.releaser = Releaser(
             ctx, lambda a: rec.state if (rec := agents.get(a)) is not None else None
@@ -160,10 +164,11 @@ class Broker:
             self._watching = True
             self.metrics.watch_states(lambda: self.registry.counts)
         self._running = (
-            [self.snapshot, self.probes, self.advisories, self.releaser, self.replayer]
+            [self.snapshot, self.probes, self.advisories, self.synadia, self.releaser,
+             self.replayer]
             if self.jetstream_ok
-            else [self.probes, self.advisories]
-        )
+            else [self.probes, self.advisories, self.synadia]
+        )  # fmt: skip
         for component in self._running:
             await component.start()
         await self._serve()

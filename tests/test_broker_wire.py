@@ -89,6 +89,7 @@ async def test_raw_client_announces_heartbeats_and_routes_itself(nc: NATS, broke
             "load": 0.0,
             "region": "eu",
             "version": "1.2.0",
+            "protocol": "reach",
         }
     ]
     # A dotted capability routes the same way.

@@ -200,7 +200,8 @@ async def test_route_json_is_what_a_caller_gets(
         "capability": "tool_use",
         "candidates": [
             {"agent_id": "alpha", "subject": "reach.task.alpha.tool_use",
-             "state": "healthy", "load": 0.25, "region": "eu", "version": "1.2.0"},
+             "state": "healthy", "load": 0.25, "region": "eu", "version": "1.2.0",
+             "protocol": "reach"},
         ],
     }  # fmt: skip
     code, out, _ = await reach("route", "text_processing", "--json", "--region", "eu",

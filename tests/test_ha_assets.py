@@ -15,6 +15,7 @@ import pytest
 
 from jetstream import compensation
 from jetstream.names import ACK_STREAM, COMP_STREAM, REGISTRY_BUCKET, STREAM_NAMES
+from jetstream.provision import NoPeers, ProvisionTimeout, ensure_stream
 from reach_agent.subjects import Subjects
 from reach_broker.config import Config
 from reach_broker.metrics import Metrics
@@ -100,3 +101,26 @@ async def test_reach_dev_cluster_starts_in_the_background_and_stops(tmp_path: Pa
     )
     assert missing.returncode == 1
     assert "no cluster recorded" in missing.stderr
+
+
+async def test_a_stream_no_peer_can_take_is_no_peers_which_provisioning_retries(
+    tmp_path: Path,
+) -> None:
+    """JetStream's "no suitable peers for placement" (10005; seen while a node is still
+    joining) is NoPeers, a ProvisionTimeout: the broker tries again rather than failing."""
+    async with nats_cluster(tmp_path / "cluster", nodes=3) as cluster:
+        await cluster.wait_meta_leader()
+        nc = await nats.connect(cluster.urls, name="test-client")
+        try:
+            # Placement on a tag no node carries: the server answers 10005 every time.
+            cfg = {"name": "R3_PROBE", "subjects": ["r3probe.>"], "num_replicas": 3,
+                   "placement": {"tags": ["nowhere"]}}  # fmt: skip
+            with pytest.raises(NoPeers) as exc:
+                await ensure_stream(nc, cfg)
+            assert str(exc.value) == (
+                "stream R3_PROBE: create failed: no suitable peers for placement, tags not "
+                "matched ['nowhere']"
+            )
+            assert isinstance(exc.value, ProvisionTimeout)  # what the broker retries
+        finally:
+            await nc.close()

@@ -21,11 +21,26 @@ from reach_agent.errors import ReachError
 
 from .. import __version__
 from ..logs import drop_stdout, setup_logging
-from . import ack, agents, announce, auth, broker, call, demo, devcluster, events, mcp, route, top
+from . import (
+    ack,
+    adapt,
+    agents,
+    announce,
+    auth,
+    broker,
+    call,
+    demo,
+    devcluster,
+    events,
+    mcp,
+    route,
+    top,
+)
 from .common import CliError
 from .output import print_json
 
-COMMANDS = (broker, agents, route, call, announce, top, events, demo, ack, auth, devcluster, mcp)
+COMMANDS = (broker, agents, route, call, announce, adapt, top, events, demo, ack, auth,
+            devcluster, mcp)  # fmt: skip
 """The subcommands, in the order ``reach --help`` lists them."""
 
 Command = Callable[[argparse.Namespace], int]
