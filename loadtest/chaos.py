@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from reach_agent import Client, ReachError
-from reach_agent.errors import NoReachableAgent
+from reach_agent.errors import NoReachableAgent, Overloaded
 from reach_agent.schema import RouteRequest
 from reach_broker.config import Config
 from reach_broker.natsserver import NatsServer
@@ -118,11 +118,14 @@ async def reap(proc: asyncio.subprocess.Process) -> None:
             await asyncio.wait_for(proc.wait(), 10.0)
 
 
-def victim_share(broker: Broker, now: float) -> tuple[bool, float]:
-    """(``alpha`` among the route candidates, its share of the routing weight)."""
+def victim_share(broker: Broker, now: float) -> tuple[bool, float] | None:
+    """(``alpha`` among the route candidates, its share of the routing weight); None while
+    every candidate is merely full (OVERLOADED: nothing to say about ``alpha`` then)."""
     router = broker.router
     try:
         got = router.route(CAPABILITY, RouteRequest(limit=len(NAMES)), now)
+    except Overloaded:
+        return None
     except NoReachableAgent:
         return False, 0.0
     routable = any(c.agent_id == VICTIM for c in got)
@@ -136,7 +139,11 @@ async def monitor(broker: Broker, run: Run, stop: asyncio.Event) -> None:
     even = 1.0 / len(run.agents)
     while not stop.is_set():
         now = time.monotonic()
-        routable, share = victim_share(broker, now)
+        seen = victim_share(broker, now)
+        if seen is None:
+            await asyncio.sleep(POLL_S)
+            continue
+        routable, share = seen
         if run.t_fault and now >= run.t_fault and run.switch_at is None and not routable:
             run.switch_at = now
         if run.t_clear and now >= run.t_clear:

@@ -4,7 +4,9 @@
 requesters on one connection, each awaiting ``nc.request`` in a loop, warms up, measures
 for ``S`` seconds and prints one JSON line: requests, errors, requests/s, p50/p90/p99/max in
 ms. ``route`` and ``echo`` share every client setting; only the subject differs, so the
-ratio of the two is the broker's cost on top of NATS request-reply itself.
+ratio of the two is the broker's cost on top of NATS request-reply itself. Route requests
+are peeks (``{"peek": true}``): no task follows them, so the broker must not count them as
+tasks handed out (it would believe the simulated fleet full within a second).
 
 ``python -m loadtest.driver echo-server`` is the trivial responder the ``echo`` mode talks
 to: a plain subscription (queue group) that answers every request with a fixed body of
@@ -26,11 +28,14 @@ import nats
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
+from reach_agent import schema
 from reach_agent.connection import connect_options
 from reach_agent.errors import H_SERVICE_ERROR_CODE
 from reach_agent.subjects import Subjects
 
 ECHO_SUBJECT = "loadtest.echo"
+PEEK_BODY = schema.encoder.encode(schema.RouteRequest(peek=True)).decode()
+"""The route body the driver sends by default: every default, as a peek."""
 """The echo responder's own subject (not part of the wire contract)."""
 
 
@@ -166,7 +171,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=float, default=1.0)
     p.add_argument("--timeout", type=float, default=2.0, help="per request (s)")
     p.add_argument("--capability", action="append", help="route these (round robin)")
-    p.add_argument("--body", default="", help="request body (empty: route defaults)")
+    p.add_argument(
+        "--body",
+        default=PEEK_BODY,
+        help="request body (default: a peek with every route default: the driver sends no "
+        "tasks, so its routes must not count as tasks handed out; '' counts them)",
+    )
     p.add_argument("--reply-bytes", type=int, default=400, help="echo-server reply size")
     p.add_argument("--max-runtime", type=float, default=600.0, help="echo-server lifetime (s)")
     return p.parse_args(argv)

@@ -98,12 +98,14 @@ class Observer:
 
     async def route_reply_bytes(self, capability: str) -> int:
         """Size of the broker's reply to a default route request for ``capability``."""
-        msg = await self.nc.request(self.subjects.route(capability), b"", timeout=2)
+        msg = await self.nc.request(self.subjects.route(capability), b'{"peek":true}', timeout=2)
         return len(msg.data)
 
     async def routable(self, capability: str) -> int:
-        """Candidates the broker returns for ``capability`` (0 when none is reachable)."""
-        msg = await self.nc.request(self.subjects.route(capability), b'{"limit":100}', timeout=2)
+        """Candidates the broker returns for ``capability`` (0 when none is reachable). A peek:
+        polling must not make the broker count tasks nobody sends."""
+        body = b'{"limit":100,"peek":true}'
+        msg = await self.nc.request(self.subjects.route(capability), body, timeout=2)
         if msg.headers and H_SERVICE_ERROR_CODE in msg.headers:
             return 0
         return len(json.loads(msg.data)["candidates"])

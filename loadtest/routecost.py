@@ -3,7 +3,11 @@
 One registry with ``--agents`` agents of one capability (half in region ``eu``), the real
 ``Handlers.route`` (subject, decode, router, encode; no NATS), and kinds of request timed in
 turn, ``--rounds`` times alternated: ``plain`` (an empty body, the SDK's), ``filtered``
-(``{"region": "eu"}``) and, where the code has it, ``explain``. Each figure is the best round's
+(``{"region": "eu"}``) and, where the code has them, ``peek`` (the plain request as a look:
+no hand-out counted, so ``plain_over_peek`` is the cost of counting one) and ``explain``. The
+broker's clock advances ``1 / --rate`` seconds per request (default: each agent is handed a
+task per its 100 ms task time, a tenth of its slots), so the hand-outs fade as they would in
+a fleet that keeps up. Each figure is the best round's
 microseconds per request (the least disturbed by whatever else the machine runs); the ratios
 compare kinds of the same run. Run it from two checkouts (``PYTHONPATH=<checkout>``) to compare
 a change's plain path with its parent's.
@@ -30,8 +34,20 @@ from reach_broker.tokens import TokenSigner
 CAP = "summarize"
 
 
-def handlers(agents: int) -> Handlers:
-    """The broker's handlers over ``agents`` healthy agents, ranked as a route would."""
+class Clock:
+    """The broker's clock: ``step`` seconds later at every reading (one reading a request)."""
+
+    def __init__(self, step: float) -> None:
+        self.now, self.step = 1.0, step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def handlers(agents: int, rate: float | None = None) -> Handlers:
+    """The broker's handlers over ``agents`` healthy agents, ranked as a route would, and
+    asked ``rate`` routes a second (default: ten per agent)."""
     cfg = Config()
     reg = Registry(cfg, TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
     subjects = Subjects("reach")
@@ -45,7 +61,8 @@ def handlers(agents: int) -> Handlers:
                        task_ms_p50=100 + i % 50)  # fmt: skip
         reg.heartbeat(hb, 0.5, 0)
     # Only what Handlers reads of its context (no connection: nothing is sent).
-    ctx = types.SimpleNamespace(metrics=Metrics(), subjects=subjects, clock=lambda: 1.0,
+    clock = Clock(1.0 / (rate or 10.0 * agents))
+    ctx = types.SimpleNamespace(metrics=Metrics(), subjects=subjects, clock=clock,
                                 wall=lambda: 1000.0, wall_ms=lambda: 10**6, nc=None)  # fmt: skip
     return Handlers(ctx, reg, router)  # type: ignore[arg-type]
 
@@ -62,10 +79,14 @@ def main() -> None:
     p.add_argument("--agents", type=int, default=1000)
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--batch", type=int, default=5000, help="plain/filtered requests per round")
+    p.add_argument("--rate", type=float, help="route requests per second of the broker's clock "
+                   "(default: 10 per agent)")  # fmt: skip
     args = p.parse_args()
-    h = handlers(args.agents)
+    h = handlers(args.agents, args.rate)
     subject = f"reach.route.{CAP}"
     bodies = {"plain": b"", "filtered": json.dumps({"region": "eu"}).encode()}
+    if "peek" in RouteRequest.__struct_fields__:
+        bodies["peek"] = json.dumps({"peek": True}, separators=(",", ":")).encode()
     if "explain" in RouteRequest.__struct_fields__:
         bodies["explain"] = json.dumps({"explain": True}).encode()
     best: dict[str, float] = {}
@@ -79,6 +100,8 @@ def main() -> None:
     if "explain" in best:
         out["explain_over_plain"] = round(best["explain"] / best["plain"], 1)
     out["filtered_over_plain"] = round(best["filtered"] / best["plain"], 3)
+    if "peek" in best:
+        out["plain_over_peek"] = round(best["plain"] / best["peek"], 3)
     print(json.dumps(out))
 
 

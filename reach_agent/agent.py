@@ -65,7 +65,7 @@ class Agent:
     ``heartbeat_interval`` and ``timeout_hint`` are seconds; ``grace`` is how long a drain
     waits for in-flight tasks; ``dedup_size``/``dedup_ttl`` bound the cache of recent
     results that makes a repeated request id answer with the first result (the duplicate
-    window, DESIGN §8: 2 min). Across the fleet a request id runs once: each task is claimed
+    window: 2 min by default). Across the fleet a request id runs once: each task is claimed
     in KV ``reach_claims`` first (``claims=False`` turns that off; capabilities in
     ``idempotent``, or handlers registered with ``idempotent=True``, skip it because their
     duplicates are harmless; ``claim_timeout`` bounds the claim's round trip). ``creds``,
@@ -284,6 +284,8 @@ class Agent:
         missing = [c for c in self.capabilities if c not in self.tasks.handlers]
         if missing:
             raise InvalidRequest(f"capabilities {missing!r} have no handler")
+        if self.ack_sink is None and self.durable_acks:
+            durable.check_ack_dir(self.agent_id, self.ack_wal_dir)  # one clear error, now
         cred = self.credentials if credentials is None else credentials.over(self.credentials)
         servers = server_list(servers)
         options = connect_options(self.agent_id, servers, cred)
@@ -418,7 +420,8 @@ class Agent:
         self.closed.set()
 
     async def _on_disconnected(self) -> None:
-        log.info("agent.disconnected agent=%s", self.agent_id)
+        if self._started:  # not the close at the end of stop()
+            log.info("agent.disconnected agent=%s", self.agent_id)
 
     async def _on_reconnected(self) -> None:
         log.info("agent.reconnected agent=%s: re-announcing", self.agent_id)

@@ -1,7 +1,7 @@
 """Per-(agent, capability) circuit breakers: CLOSED → OPEN → HALF_OPEN → CLOSED.
 
 Pure: every method takes the clock ``now`` and returns what changed; the client does the I/O
-(metrics, logging). Defaults (DESIGN §8): open after 10 consecutive failures, or more than
+(metrics, logging). Defaults: open after 10 consecutive failures, or more than
 50 % failures over a 1 min window holding at least 10 calls; stay open 5 s, doubling on
 each failed trial up to 5 min; half-open lets 3 trial calls through and closes when all 3
 succeed (any trial failure reopens).

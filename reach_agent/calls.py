@@ -30,6 +30,7 @@ news that the claim was released (then it is tried again).
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 from uuid import uuid4
@@ -37,6 +38,7 @@ from uuid import uuid4
 import msgspec
 
 from . import prompting, schema, trace
+from .config import ClientConfig
 from .errors import (
     InternalError,
     InvalidRequest,
@@ -46,7 +48,7 @@ from .errors import (
     error_for,
     from_reply,
 )
-from .retry import Outcome
+from .retry import Outcome, full_wait
 
 AckMode = Literal["completed", "received"]
 
@@ -99,6 +101,7 @@ class Call:
         "call_id",
         "capability",
         "deadline",
+        "gone",
         "headers",
         "last_err",
         "protocol",
@@ -168,6 +171,9 @@ class Call:
         self.attempt = 0
         """Attempts begun (one refused by a breaker included); replies carry this number."""
         self.tried: list[str] = []
+        self.gone: list[str] = []
+        """Agents an attempt found dead (``lost``, ``no_responders``): never tried again by
+        this call, and excluded from its route requests."""
         self.agents: dict[int, str] = {}
         """The agent each attempt went to."""
         self.taker: str | None = None
@@ -190,6 +196,19 @@ class Call:
         hdrs = dict(self.headers)
         hdrs[schema.H_TIMEOUT_MS] = str(max(int((self.deadline - now) * 1000), 0))
         return hdrs
+
+    async def wait_full(
+        self, refused: ReachError, config: ClientConfig, clock: Callable[[], float]
+    ) -> None:
+        """Every candidate is merely full (:func:`~reach_agent.retry.merely_full`): wait the
+        refusal's hint (or ``busy_wait_s``), jittered, then start a new round (every
+        candidate may be tried again); raise ``refused`` instead when the wait and one more
+        attempt would not fit the deadline."""
+        delay = full_wait(refused, config.busy_wait_s, config.backoff_max_s, random.random())
+        if clock() + delay + min(config.ack_timeout_s, 0.05) > self.deadline:
+            raise refused
+        await asyncio.sleep(delay)
+        self.tried.clear()
 
     # --- what arrives on the queue ------------------------------------------------------
 

@@ -14,6 +14,9 @@ A call moves CREATED → SENT → ACKED → PROCESSING → FINISHED / TIMEOUT / 
   and lost targets; never BIZ_REJECT or another error. A retry goes at once to a candidate
   not tried yet; when every candidate was tried it waits an exponential, jittered backoff
   that must fit inside the deadline.
+* Full is not failed: when the broker answers OVERLOADED (every candidate is full) or every
+  candidate answered TARGET_BUSY, the call waits the refusal's ``retry_after_ms`` (else
+  ``busy_wait_s``), jittered, and asks again — until the deadline, without counting retries.
 
 Every attempt of a call replies to its own subject under one client-wide inbox
 subscription (:class:`~reach_agent.subjects.ReplyInbox`), so the receipt and the result are
@@ -64,11 +67,18 @@ from .connection import (
     drain_or_close,
     flush_subscriptions,
 )
-from .errors import Forbidden, InProgress, InternalError, InvalidRequest, NoReachableAgent
+from .errors import (
+    Forbidden,
+    InProgress,
+    InternalError,
+    InvalidRequest,
+    NoReachableAgent,
+    ReachError,
+)
 from .holder import Holders
 from .liveness import Liveness
 from .metrics import ClientMetrics
-from .retry import should_retry
+from .retry import merely_full, should_retry
 from .routes import Routes
 from .subjects import ReplyInbox, Subjects
 
@@ -211,7 +221,9 @@ class Client:
         exclude: Sequence[str] | None = None,
         allow_suspect: bool = False,
     ) -> list[schema.Candidate]:
-        """Ranked candidates for ``capability`` from a broker, best first.
+        """Ranked candidates for ``capability`` from a broker, best first: a look (a
+        ``peek``), so the broker does not count a task handed to the first; :meth:`call`
+        routes for real.
 
         When no broker answers, the last answer for the same capability and filters is used
         (minus agents that events since reported unhealthy, in weighted-random order);
@@ -219,7 +231,7 @@ class Client:
         """
         return await self.routes.route(capability, limit, region=region, tags=tags,
                                        sticky_key=sticky_key, exclude=exclude,
-                                       allow_suspect=allow_suspect)  # fmt: skip
+                                       allow_suspect=allow_suspect, peek=True)  # fmt: skip
 
     async def _on_event(self, msg: Msg) -> None:
         if audit.is_copy(msg, live=True):  # not an event a broker published
@@ -250,7 +262,7 @@ class Client:
         capability: str,
         payload: Any = None,
         *,
-        timeout: float | None = None,  # noqa: ASYNC109 - the call's deadline, DESIGN §6
+        timeout: float | None = None,  # noqa: ASYNC109 - the call's deadline, sent as Reach-Timeout-Ms
         ack_mode: AckMode = "completed",
         sticky_key: str | None = None,
         request_id: str | None = None,
@@ -346,27 +358,42 @@ class Client:
             if target is None:
                 # Everything we knew was tried (or is behind an open breaker): ask again.
                 try:
+                    blocked = self.breakers.blocked(capability, self.clock())
                     candidates = await self.routes.route(
                         capability, cfg.route_limit, region=call.region, tags=call.tags,
                         sticky_key=call.sticky_key,
-                        exclude=self.breakers.blocked(capability, self.clock()),
+                        exclude=[*blocked, *call.gone] if call.gone else blocked,
                     )  # fmt: skip
                 except NoReachableAgent as no_agent:
                     raise (call.last_err or no_agent) from None
+                except ReachError as refused:
+                    if not merely_full("error", refused):
+                        raise
+                    # OVERLOADED: every candidate is full. Wait as told, then ask again.
+                    call.last_err = refused
+                    await call.wait_full(refused, self.config, self.clock)
+                    continue
                 nxt = self.attempts.next
-                target = nxt(candidates, call.tried, capability) or nxt(candidates, (), capability)
+                target = nxt(candidates, call.tried, capability) or nxt(
+                    candidates, call.gone, capability
+                )
                 if target is None:
                     raise call.last_err or NoReachableAgent(
                         f"every agent with capability {capability!r} is behind an open "
                         "circuit breaker"
                     )
             if call.attempt > 0 and target.agent_id in call.tried:
-                # A retry to an agent we already tried: back off first, inside the deadline.
-                delay = cfg.backoff(call.retries, random.random())
-                if self.clock() + delay + cfg.ack_timeout_s > call.deadline:
-                    assert call.last_err is not None
-                    raise call.last_err
-                await asyncio.sleep(delay)
+                assert call.last_err is not None
+                if merely_full("error", call.last_err):
+                    # Every candidate answered TARGET_BUSY: a moment, then a new round.
+                    await call.wait_full(call.last_err, self.config, self.clock)
+                else:
+                    # A retry to an agent we already tried: back off first, inside the
+                    # deadline.
+                    delay = cfg.backoff(call.retries, random.random())
+                    if self.clock() + delay + cfg.ack_timeout_s > call.deadline:
+                        raise call.last_err
+                    await asyncio.sleep(delay)
             call.attempt += 1
             call.tried.append(target.agent_id)
             allowed, change = self.breakers.allow(target.agent_id, capability, self.clock())
@@ -386,6 +413,8 @@ class Client:
                 outcome = end  # the holder's own result or error: the retry rule judges it
             if outcome == "ok":
                 return value
+            if outcome == "lost" or outcome == "no_responders":
+                call.gone.append(target.agent_id)  # dead to this call: elsewhere from now on
             call.last_err = value
             if not should_retry(
                 outcome, value, retries_done=call.retries, max_retries=cfg.retries,
@@ -393,7 +422,8 @@ class Client:
                 min_attempt_s=min(cfg.ack_timeout_s, 0.05),
             ):  # fmt: skip
                 raise value
-            call.retries += 1
+            if not merely_full(outcome, value):
+                call.retries += 1
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("call.retry capability=%s request_id=%s agent=%s outcome=%s "
                           "retry=%d", capability, call.request_id, target.agent_id, outcome,
@@ -410,8 +440,10 @@ class Client:
         return await durable.submit(self, capability, payload, deliver=deliver, **kw)
 
     async def wait(self, request_id: str, timeout: float,  # noqa: ASYNC109
-                   *, agent_id: str | None = None) -> Any:  # fmt: skip
-        """The final ack record of ``request_id`` by the agent that took the task: ``agent_id``,
-        this client's callee, or a broker's word (:func:`reach_agent.durable.wait`)."""
+                   *, agent_id: str | None = None) -> schema.AckRecord:  # fmt: skip
+        """The final ack record of ``request_id`` (``completed`` or ``failed``, its ``result``
+        decoded) by the agent that took the task: ``agent_id``, this client's callee, or a
+        broker's word; raises ``Timeout`` after ``timeout`` seconds without one
+        (:func:`reach_agent.durable.wait`)."""
         return await durable.wait(self, request_id, timeout, agent_id=agent_id,
                                   prefix=self.config.prefix)  # fmt: skip

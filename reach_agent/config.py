@@ -1,7 +1,8 @@
 """Client-side settings: call timeouts, retries, receipts, route cache and circuit breakers.
 
-Defaults are DESIGN §8's. Both Structs refuse unknown fields, so a typo is a clear error
-(``ClientConfig(retires=3)`` raises), and validate ranges on construction.
+Defaults are the ones from the field reports (docs/sdk.md lists them). Both Structs refuse
+unknown fields, so a typo is a clear error (``ClientConfig(retires=3)`` raises), and
+validate ranges on construction.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class _Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class BreakerConfig(_Config):
-    """Per-(agent, capability) circuit breaker (DESIGN §4, §8)."""
+    """Per-(agent, capability) circuit breaker (docs/sdk.md, "Circuit breakers")."""
 
     consecutive_failures: Annotated[int, Meta(ge=1)] = 10
     """Open after this many failures in a row."""
@@ -69,11 +70,16 @@ class ClientConfig(_Config):
     """Upper clamp of a call's timeout, also of one raised by an agent's ``timeout_hint_ms``
     (long agent tasks of ten minutes and more are normal)."""
     retries: Annotated[int, Meta(ge=0, le=20)] = 2
-    """Retries after the first attempt (TIMEOUT, TARGET_BUSY, DRAINING, not delivered)."""
+    """Retries after the first attempt (TIMEOUT, DRAINING, not delivered, lost); a merely
+    full refusal (TARGET_BUSY, OVERLOADED) is waited out instead (``busy_wait_s``)."""
     backoff_s: Annotated[float, Meta(ge=0)] = 1.0
     """First backoff before a retry; multiplied by ``backoff_factor`` each time, jittered."""
     backoff_factor: Annotated[float, Meta(ge=1)] = 2.0
     backoff_max_s: Annotated[float, Meta(ge=0)] = 10.0
+    busy_wait_s: Seconds = 0.05
+    """When every candidate is merely full (``OVERLOADED``, ``TARGET_BUSY``) and the refusal
+    carries no ``retry_after_ms``, wait this long (±50 %) before asking again; such waits
+    last until the deadline and do not count against ``retries``."""
     ack_timeout_s: Seconds = 1.0
     """No receipt within this time means "not delivered": the next candidate is tried at
     once. 1 s rather than less: a receipt is sent before the handler runs, but a loaded

@@ -2,8 +2,8 @@
 
 A repeated ``Reach-Request-Id`` answers with the first result, or joins the run still going,
 so a retry (the caller's, or the broker's replay) never runs a task twice. Bounded in size
-(``dedup_size``) and time (``dedup_ttl`` after the run ends; DESIGN §8: 2 min). Pure: the
-clock is an argument.
+(``dedup_size``) and time (``dedup_ttl`` after the run ends: 2 min by default, as
+docs/protocol.md promises). Pure: the clock is an argument.
 """
 
 from __future__ import annotations

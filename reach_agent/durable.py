@@ -11,6 +11,7 @@ record of the agent that took the task (see :func:`wait`).
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections import OrderedDict
@@ -206,7 +207,8 @@ async def wait(
     prefix: str = DEFAULT_PREFIX,
 ) -> AckRecord:
     """The final ack record (``completed``/``failed``) of ``request_id``, written by the agent
-    that took the task.
+    that took the task, its ``result`` decoded (the handler's return value, as
+    ``Client.call`` would have returned it).
 
     Who took it: ``agent_id`` when given; else the agent whose receipt or result ``client``
     received for it (``Client.call``); else the holder of the request id's claim (KV
@@ -238,7 +240,7 @@ async def wait(
             f"no completed or failed record for request_id {request_id!r}{who} within {timeout}s"
         ) from None
     assert taken.answer is not None
-    return taken.answer
+    return _decoded(taken.answer)
 
 
 async def _claim_holder(nc: NATS, request_id: str) -> str | None:
@@ -266,8 +268,15 @@ async def last(
     for rec in reversed(stored):
         body = attributed(rec)
         if body is not None:
-            return body
+            return _decoded(body)
     return None
+
+
+def _decoded(rec: AckRecord) -> AckRecord:
+    """``rec`` with its ``result`` (``msgspec.Raw`` as stored) decoded."""
+    if isinstance(rec.result, msgspec.Raw):
+        return msgspec.structs.replace(rec, result=msgspec.json.decode(rec.result))
+    return rec
 
 
 ACK_DIR_ENV = "REACH_ACK_DIR"
@@ -276,10 +285,37 @@ ACK_DIR_ENV = "REACH_ACK_DIR"
 def default_ack_dir(agent_id: str) -> str:
     """Where an agent's ack write-ahead files live: ``$REACH_ACK_DIR/<agent_id>`` or
     ``~/.cache/reach/<agent_id>`` (the same path across restarts, so a restart replays it)."""
-    import os
-
     base = os.environ.get(ACK_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "reach")
     return os.path.join(base, agent_id)
+
+
+def check_ack_dir(agent_id: str, wal_dir: str | None = None) -> str:
+    """The agent's ack write-ahead directory (``wal_dir``, else :func:`default_ack_dir`),
+    created if missing; a ``ValueError`` naming the path and the setting that chose it when
+    it cannot be created or written: one clear error at start instead of a failing write
+    per task (or a start retried forever, as an ``OSError`` would be)."""
+    path = wal_dir or default_ack_dir(agent_id)
+    why = None
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        why = f"cannot be created ({exc.strerror or type(exc).__name__})"
+    else:
+        if not os.access(path, os.W_OK | os.X_OK):
+            why = "is not writable"
+    if why is None:
+        return path
+    if wal_dir:
+        source = "the Agent argument ack_wal_dir"
+    elif os.environ.get(ACK_DIR_ENV):
+        source = f"{ACK_DIR_ENV}={os.environ[ACK_DIR_ENV]!r} (as $REACH_ACK_DIR/<agent_id>)"
+    else:
+        source = f"the default ~/.cache/reach/<agent_id> ({ACK_DIR_ENV} is not set)"
+    raise ValueError(
+        f"agent {agent_id!r}: the ack write-ahead directory {path!r} {why}; it comes from "
+        f"{source}. Set {ACK_DIR_ENV} or the Agent argument ack_wal_dir to a writable "
+        "directory (or pass durable_acks=False)."
+    )
 
 
 def default_ack_writer(

@@ -18,15 +18,23 @@ class ReachError(Exception):
     code = "INTERNAL"
     status = 500
     retryable = False
+    full = False
+    """The refusal says only that every slot is taken now (``OVERLOADED``, ``TARGET_BUSY``):
+    a caller waits a moment and asks again, within its deadline, without counting a retry."""
     extra: dict[str, Any] | None = None
     """Members the error reply's body carries beside ``error`` (with ``explain``, a route's
     ``NO_REACHABLE_AGENT`` carries its ``explain``)."""
 
-    def __init__(self, message: str = "", *, code: str | None = None) -> None:
+    def __init__(
+        self, message: str = "", *, code: str | None = None, retry_after_ms: int | None = None
+    ) -> None:
         super().__init__(message or self.code)
         self.message = message or self.code
         if code is not None:
             self.code = code
+        self.retry_after_ms = retry_after_ms
+        """How long the refusing side suggests waiting before asking again (``OVERLOADED``:
+        about a task's time), when it says; carried in the error body."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(code={self.code!r}, message={self.message!r})"
@@ -99,13 +107,18 @@ class NoReachableAgent(Unavailable):
 
 
 class Overloaded(Unavailable):
+    """Every agent that passes the route's filters is full (or the fleet is over the broker's
+    in-flight ceiling); ``retry_after_ms`` says when to ask again."""
+
     code = "OVERLOADED"
     status = 429
+    full = True
 
 
 class TargetBusy(Unavailable):
     code = "TARGET_BUSY"
     status = 429
+    full = True
 
 
 class Draining(Unavailable):
@@ -190,6 +203,8 @@ H_SERVICE_ERROR_CODE = "Nats-Service-Error-Code"
 
 
 class _ErrorBody(msgspec.Struct):
+    """An error body, read and written: a peer may leave fields out."""
+
     code: str = "INTERNAL"
     message: str = ""
     # Written only by the codes that carry them (absent, not null, otherwise).
@@ -197,6 +212,9 @@ class _ErrorBody(msgspec.Struct):
     """``IN_PROGRESS``: the agent holding the claim."""
     delivered: int | msgspec.UnsetType = msgspec.UNSET
     """``STREAM_BROKEN``: chunks delivered before the break."""
+    retry_after_ms: Any = msgspec.UNSET
+    """``OVERLOADED`` (and any refusal that has a hint): when to ask again. Read leniently:
+    a hint of the wrong type is no hint."""
 
 
 class _ErrorReply(msgspec.Struct):
@@ -208,17 +226,26 @@ _decoder = msgspec.json.Decoder(_ErrorReply)
 
 
 def error_for(
-    code: str, message: str, *, holder: str | None = None, delivered: int | None = None
+    code: str,
+    message: str,
+    *,
+    holder: str | None = None,
+    delivered: int | None = None,
+    retry_after_ms: int | None = None,
 ) -> ReachError:
     """The exception of a wire ``code`` (unknown codes become :class:`ReachError`)."""
     cls = _BY_CODE.get(code)
+    err: ReachError
     if cls is None:
-        return ReachError(message, code=code)
-    if cls is InProgress:
-        return InProgress(message, holder=holder or "")
-    if cls is StreamBroken:
-        return StreamBroken(message, delivered=delivered or 0)
-    return cls(message)
+        err = ReachError(message, code=code)
+    elif cls is InProgress:
+        err = InProgress(message, holder=holder or "")
+    elif cls is StreamBroken:
+        err = StreamBroken(message, delivered=delivered or 0)
+    else:
+        err = cls(message)
+    err.retry_after_ms = retry_after_ms
+    return err
 
 
 def to_reply(err: ReachError) -> tuple[dict[str, str], bytes]:
@@ -231,6 +258,7 @@ def to_reply(err: ReachError) -> tuple[dict[str, str], bytes]:
         code=err.code, message=err.message,
         holder=err.holder if isinstance(err, InProgress) else msgspec.UNSET,
         delivered=err.delivered if isinstance(err, StreamBroken) else msgspec.UNSET,
+        retry_after_ms=msgspec.UNSET if err.retry_after_ms is None else err.retry_after_ms,
     )  # fmt: skip
     if err.extra:
         return headers, _encoder.encode({"error": error, **err.extra})
@@ -264,8 +292,11 @@ def from_reply(headers: Mapping[str, str] | None, data: bytes) -> ReachError | N
         status = headers.get(H_SERVICE_ERROR_CODE, "500")
         return ReachError(message or f"service error {status}", code="INTERNAL")
     e = body.error
+    hint = e.retry_after_ms
+    ok = isinstance(hint, int | float) and not isinstance(hint, bool) and 0 <= hint < 3.6e6
     return error_for(
         e.code, e.message or message,
         holder=e.holder if isinstance(e.holder, str) else None,
         delivered=e.delivered if isinstance(e.delivered, int) else None,
+        retry_after_ms=int(hint) if ok else None,
     )  # fmt: skip

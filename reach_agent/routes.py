@@ -143,8 +143,10 @@ class Routes:
         sticky_key: str | None = None,
         exclude: Sequence[str] | None = None,
         allow_suspect: bool = False,
+        peek: bool = False,
     ) -> list[Candidate]:
-        """:meth:`reach_agent.Client.route`."""
+        """:meth:`reach_agent.Client.route` (a ``peek``); ``Client.call``'s own routes are
+        not peeks: the broker counts the first candidate as handed the task."""
         schema.check_capability(capability)
         if tags:
             schema.check_tags(tags)
@@ -153,7 +155,7 @@ class Routes:
         excluded = list(exclude or ())
         req = schema.RouteRequest(limit=limit, region=region, tags=dict(tags or {}),
                                   sticky_key=sticky_key, exclude=excluded,
-                                  allow_suspect=allow_suspect)  # fmt: skip
+                                  allow_suspect=allow_suspect, peek=peek)  # fmt: skip
         try:
             reply = await self.nc.request(
                 self.subjects.route(capability),
@@ -190,7 +192,7 @@ class Routes:
             for (cap, region, tags, allow_suspect), e in self.cache.stale(every):
                 try:
                     await self.route(cap, e.limit, region=region, tags=dict(tags),
-                                     allow_suspect=allow_suspect)  # fmt: skip
+                                     allow_suspect=allow_suspect, peek=True)  # fmt: skip
                 except ReachError:
                     pass  # no broker or no agent: route() already updated or kept the cache
                 except Exception:  # the loop never dies

@@ -11,7 +11,7 @@ import contextlib
 import logging
 import random
 import signal
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Unpack
 
 import nats.errors
@@ -31,6 +31,35 @@ def new_event_loop_factory() -> Any:
     return uvloop.new_event_loop
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+SDK_LOGGERS = ("reach_agent", "jetstream")
+"""The loggers of an agent process: the SDK's, and its ack write-ahead log's."""
+
+
+def default_logging() -> Callable[[], None] | None:
+    """When the application configured no logging for the SDK (no handler on its loggers or
+    above them, the root included), log the SDK's INFO lines to stderr — announced,
+    disconnected, reconnected, draining — so an agent process says what it does. Returns
+    the undo, or None when the application's own configuration was left alone."""
+    loggers = [logging.getLogger(name) for name in SDK_LOGGERS]
+    if any(lg.hasHandlers() for lg in loggers):
+        return None
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        if lg.level == logging.NOTSET:
+            lg.setLevel(logging.INFO)
+
+    def undo() -> None:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.removeHandler(handler)
+            lg.setLevel(level)
+
+    return undo
+
+
 def run(
     agent: Agent,
     servers: str | Sequence[str] | None = None,
@@ -43,7 +72,8 @@ def run(
     available. While no server accepts the first connection it keeps trying (0.2 s doubling
     to 10 s, jittered); a signal during that wait ends it. The credentials given here win
     over the agent's own; unset ones come from the environment (``NATS_CREDS``, ...). A
-    file that does not exist is a ``ValueError`` at once.
+    file that does not exist is a ``ValueError`` at once. Without any logging configured
+    by the application, the SDK's INFO lines go to stderr (:func:`default_logging`).
     """
     cred = Credentials(**credentials).check()
 
@@ -79,5 +109,10 @@ def run(
         finally:
             await agent.stop()
 
-    with asyncio.Runner(loop_factory=new_event_loop_factory()) as runner:
-        runner.run(main())
+    undo = default_logging()
+    try:
+        with asyncio.Runner(loop_factory=new_event_loop_factory()) as runner:
+            runner.run(main())
+    finally:
+        if undo is not None:
+            undo()

@@ -157,6 +157,9 @@ class RouteRequest(Base, frozen=True):
     sticky_key: Annotated[str, Meta(max_length=1024)] | None = None
     exclude: Annotated[list[AgentId], Meta(max_length=1000)] = []
     allow_suspect: bool = False
+    peek: bool = False
+    """A look, not a pick: no task will follow, so the broker does not count the answer's
+    first candidate as handed a task (``reach route``, ``Client.route``, cache refreshes)."""
     explain: bool = False
     """Ask for the reasons: each candidate's ``explain`` and the reply's ``explain``."""
 
@@ -293,7 +296,8 @@ class AgentsRequest(Base, frozen=True):
 class Receipt(msgspec.Struct, frozen=True, kw_only=True):
     """Interim reply sent before the result when a task asks ``Reach-Receipt: 1``.
 
-    Not a ``Base``: ``status`` must be on the wire although it is the default (DESIGN §2).
+    Not a ``Base``: ``status`` must be on the wire although it is the default (readers tell
+    a receipt from a result by it, docs/protocol.md).
     """
 
     request_id: str
@@ -336,7 +340,10 @@ class AckRecord(Base, frozen=True):
     capability: str
     state: AckState
     at_ms: int
-    result: msgspec.Raw | None = None
+    result: Any = None
+    """The handler's result: written as ``msgspec.Raw`` (its JSON as the agent replied it,
+    never decoded on the way) and so read by :func:`decode_ack_record`; decoded (a dict,
+    list, ...) in what ``Client.wait`` returns. None when there is none."""
     error: dict[str, str] | None = None
     parent_request_id: str | None = None
     """The flow run this request is a step of (the task's ``Reach-Parent-Id``)."""
@@ -511,12 +518,16 @@ class _StoredAck(msgspec.Struct, kw_only=True):
 
 
 _stored_ack_decoder = msgspec.json.Decoder(_StoredAck)
+_result_decoder = msgspec.json.Decoder()
 
 
-def decode_ack_record(data: bytes) -> AckRecord:
-    """An :class:`AckRecord` from its JSON (``result`` is None when absent or null)."""
+def decode_ack_record(data: bytes, *, decode_result: bool = False) -> AckRecord:
+    """An :class:`AckRecord` from its JSON (``result`` is None when absent or null): the
+    result as ``msgspec.Raw``, or decoded with ``decode_result`` (as ``Client.wait`` gives it)."""
     s = _stored_ack_decoder.decode(data)
-    result = s.result if s.result and bytes(s.result) != b"null" else None
+    result: Any = s.result if s.result and bytes(s.result) != b"null" else None
+    if decode_result and result is not None:
+        result = _result_decoder.decode(result)
     return AckRecord(request_id=s.request_id, agent_id=s.agent_id, capability=s.capability,
                      state=s.state, at_ms=s.at_ms, result=result, error=s.error,
                      parent_request_id=s.parent_request_id)  # fmt: skip

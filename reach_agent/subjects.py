@@ -28,6 +28,9 @@ The Synadia Agent Protocol's subjects (theirs, never prefixed) are built by
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable
+
 DEFAULT_PREFIX = "reach"
 
 INBOX_ROOT = "_INBOX"
@@ -191,6 +194,11 @@ class Subjects:
 
     def agent_of_heartbeat(self, subject: str) -> str:
         return subject[self._cuts[1] :]
+
+    def heartbeat_parser(self) -> Callable[[str], str]:
+        """:meth:`agent_of_heartbeat` as a C callable (``operator.itemgetter`` of the
+        slice), for the broker's hottest path: no Python frame per heartbeat."""
+        return operator.itemgetter(slice(self._cuts[1], None))
 
     def agent_of_leave(self, subject: str) -> str:
         return subject[self._cuts[2] :]

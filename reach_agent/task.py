@@ -10,7 +10,7 @@ from . import schema
 from .errors import BizReject
 
 LOOP_LIMIT = 3
-"""Visits of one agent allowed per trace (DESIGN §8); the 4th is ``LOOP_DETECTED``."""
+"""Visits of one agent allowed per trace (docs/protocol.md); the 4th is ``LOOP_DETECTED``."""
 
 
 class Reject(BizReject):

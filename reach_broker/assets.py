@@ -66,7 +66,7 @@ async def provision_assets(nc: NATS, cfg: Config, subjects: Subjects) -> int | N
         defs = load_definitions(subjects, overrides)
         for attempt in range(PROVISION_TRIES):
             try:
-                outcomes = await provision(nc, defs)
+                await provision(nc, defs)  # it logs each stream created or updated, once
                 break
             except ProvisionTimeout as exc:  # a cluster electing: provisioning is idempotent
                 if attempt == PROVISION_TRIES - 1:
@@ -77,9 +77,6 @@ async def provision_assets(nc: NATS, cfg: Config, subjects: Subjects) -> int | N
         log.warning("broker.no_jetstream %s: running without registry snapshot, "
                     "compensation replay and durable acks", exc)  # fmt: skip
         return None
-    for o in outcomes:
-        if o.action != "unchanged":
-            log.info("jetstream.%s stream=%s %s", o.action, o.name, "; ".join(o.changes))
     return n
 
 

@@ -1,7 +1,8 @@
 """Broker configuration: one Struct per section of ``configs/broker.toml``.
 
-Every field has a default (DESIGN §8) and a one-line docstring; unknown keys are refused, so
-a typo in ``broker.toml`` is a clear error rather than a silently ignored setting.
+Every field has a default (the defaults from the field reports) and a one-line docstring;
+unknown keys are refused, so a typo in ``broker.toml`` is a clear error rather than a
+silently ignored setting.
 """
 
 from __future__ import annotations

@@ -126,8 +126,9 @@ class Fanout:
             m.registry_changes.labels(t.kind).inc()
             if t.to is not None and t.kind != "registered":
                 m.state_changes.labels(t.to).inc()
-            log.info("agent.%s agent=%s from=%s to=%s reason=%s", t.kind, t.agent_id,
-                     t.from_, t.to, t.reason)  # fmt: skip
+            log.info("agent.%s agent=%s%s%s reason=%s", t.kind, t.agent_id,
+                     "" if t.from_ is None else f" from={t.from_}",
+                     "" if t.to is None else f" to={t.to}", t.reason)  # fmt: skip
             rec = self._record_of(t.agent_id)
             for listener in self.listeners:
                 try:

@@ -42,9 +42,13 @@ def _moments(n: int, total: float, sumsq: float) -> tuple[int, float, float]:
 
 
 class ArrivalWindow:
-    """Running mean/variance over the last ``size`` inter-arrival times (O(1) per sample)."""
+    """Running mean/variance over the last ``size`` inter-arrival times (O(1) per sample).
 
-    __slots__ = ("_i", "_samples", "_sum", "_sumsq", "size")
+    ``n``, ``mean`` and ``std`` are kept current as samples are added, so the detector reads
+    three attributes per heartbeat instead of computing them.
+    """
+
+    __slots__ = ("_i", "_samples", "_sum", "_sumsq", "mean", "n", "size", "std")
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -54,48 +58,47 @@ class ArrivalWindow:
         self._i = 0
         self._sum = 0.0
         self._sumsq = 0.0
+        self.n = 0
+        """Samples in the window."""
+        self.mean = 0.0
+        self.std = 0.0
+        """Sample standard deviation (0 with fewer than two samples)."""
 
     def __len__(self) -> int:
-        return len(self._samples)
+        return self.n
 
     def add(self, gap_s: float) -> None:
-        if len(self._samples) < self.size:
-            self._samples.append(gap_s)
+        samples = self._samples
+        n = self.n
+        if n < self.size:
+            samples.append(gap_s)
+            self.n = n = n + 1
         else:
-            old = self._samples[self._i]
+            old = samples[self._i]
             self._sum -= old
             self._sumsq -= old * old
-            self._samples[self._i] = gap_s
+            samples[self._i] = gap_s
             self._i = (self._i + 1) % self.size
-        self._sum += gap_s
-        self._sumsq += gap_s * gap_s
+        self._sum = total = self._sum + gap_s
+        self._sumsq = sumsq = self._sumsq + gap_s * gap_s
+        self.mean = total / n
+        var = (sumsq - total * total / n) / (n - 1) if n >= 2 else 0.0
+        self.std = math.sqrt(var) if var > 0 else 0.0
 
     def clear(self) -> None:
         del self._samples[:]
-        self._i = 0
-        self._sum = self._sumsq = 0.0
+        self._i = self.n = 0
+        self._sum = self._sumsq = self.mean = self.std = 0.0
 
     def moments(self, prior: int = 0, prior_s: float = 0.0) -> tuple[int, float, float]:
-        """``(samples, mean, std)`` from the running sums, in one call (every heartbeat);
-        while fewer than ``prior`` real samples exist, pseudo-samples of ``prior_s`` make up
-        the difference (and count in ``samples``)."""
-        n = len(self._samples)
-        if n < prior:  # young: the prior fills in (one comparison on the steady-state path)
+        """``(samples, mean, std)``; while fewer than ``prior`` real samples exist,
+        pseudo-samples of ``prior_s`` make up the difference (and count in ``samples``).
+        The detector reads ``n``, ``mean`` and ``std`` directly once the window is grown."""
+        n = self.n
+        if n < prior:  # young: the prior fills in
             return _moments(prior, self._sum + (prior - n) * prior_s,
                             self._sumsq + (prior - n) * prior_s * prior_s)  # fmt: skip
-        if n == 0:
-            return 0, 0.0, 0.0
-        total = self._sum
-        var = (self._sumsq - total * total / n) / (n - 1) if n >= 2 else 0.0
-        return n, total / n, math.sqrt(var) if var > 0 else 0.0
-
-    @property
-    def mean(self) -> float:
-        return self.moments()[1]
-
-    @property
-    def std(self) -> float:
-        return self.moments()[2]
+        return n, self.mean, self.std
 
 
 class Detector:
@@ -115,7 +118,10 @@ class Detector:
         suspect = cfg.suspect_after * interval_s
         offline = cfg.offline_after * interval_s
         if cfg.phi_enabled:
-            n, mean, sd = window.moments(cfg.phi_prior_samples, interval_s)
+            if window.n >= cfg.phi_prior_samples:  # grown: three attributes, no call
+                n, mean, sd = window.n, window.mean, window.std
+            else:
+                n, mean, sd = window.moments(cfg.phi_prior_samples, interval_s)
             if n >= cfg.phi_min_samples:
                 std = max(sd, cfg.phi_min_std_ratio * max(mean, interval_s))
                 suspect = min(suspect, mean + self._z_suspect * std)

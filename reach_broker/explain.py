@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from reach_agent.errors import NoReachableAgent
+from reach_agent.errors import NoReachableAgent, Overloaded
 from reach_agent.schema import (
     AgentExplain,
     Candidate,
@@ -88,8 +88,12 @@ def _state(c: Case) -> str:
 
 def _load(c: Case) -> str:
     rec = c.rec
-    return (f"load {rec.active}/{rec.max_concurrency} = {rec.load:.2f}, at or above the "
-            f"watermark {c.cfg.load_watermark:g}")  # fmt: skip
+    watermark = f"at or above the watermark {c.cfg.load_watermark:g}"
+    if rec.handed_at <= rec.last_seen and rec.busy == rec.load:  # as the agent reported it
+        return f"load {rec.active}/{rec.max_concurrency} = {rec.load:.2f}, {watermark}"
+    since = "and the routes handed out since" if rec.handed_at > rec.last_seen else "fading"
+    return (f"load {rec.busy:.2f} (reported {rec.active}/{rec.max_concurrency}, {since}), "
+            f"{watermark}")  # fmt: skip
 
 
 def _region(c: Case) -> str:
@@ -173,12 +177,13 @@ class Explainer:
     def route_reply(
         self, capability: str, req: RouteRequest, now: float, generated_at_ms: int
     ) -> bytes:
-        """:meth:`Router.route_reply` with the explanation. ``NO_REACHABLE_AGENT`` is still
-        the error it is, its body carrying the ``explain`` beside ``error``."""
+        """:meth:`Router.route_reply` with the explanation (a look: no hand-out counted).
+        ``NO_REACHABLE_AGENT`` and ``OVERLOADED`` are still the errors they are, the body
+        carrying the ``explain`` beside ``error``."""
         router = self.router
         try:
             idx, chosen = router.choose(capability, req, now)
-        except NoReachableAgent as exc:
+        except (NoReachableAgent, Overloaded) as exc:
             found = router.indexes.get(capability)
             if found is not None and found.members:
                 exc.extra = {"explain": self.explanation(found, req, [], now)}
@@ -250,27 +255,27 @@ class Explainer:
             probe_failures=rec.probe_failures,
         )  # fmt: skip
 
-    def walk(self, idx: CapabilityIndex, req: RouteRequest) -> Walk:
+    def walk(self, idx: CapabilityIndex, req: RouteRequest, now: float) -> Walk:
         """The walk of ``req`` over ``idx``, agent by agent: which filter each ranked agent
         (and each suspect, when the walk falls back to them) fails, and the pool it gathers
         for the choice."""
         want = self.router.pool_size(req)
-        failed, passed = self._failed(idx.ranked, "healthy", req)
+        failed, passed = self._failed(idx.ranked, "healthy", req, now)
         if passed or not req.allow_suspect:
             return Walk(passed[:want], "healthy", failed)
-        failed_suspect, passed = self._failed(idx.suspects, "suspect", req)
+        failed_suspect, passed = self._failed(idx.suspects, "suspect", req, now)
         return Walk(passed[:want], "suspect", {**failed_suspect, **failed})
 
     def _failed(
-        self, recs: list[AgentRecord], state: str, req: RouteRequest
+        self, recs: list[AgentRecord], state: str, req: RouteRequest, now: float
     ) -> tuple[dict[str, str | None], list[AgentRecord]]:
         """The walk over ``recs`` in one pass, then each agent it left out asked why."""
         router = self.router
-        passed = router.passing(recs, state, req)
+        passed = router.passing(recs, state, req, now)
         failed: dict[str, str | None] = dict.fromkeys((rec.agent_id for rec in passed), None)
         for rec in recs:
             if rec.agent_id not in failed:
-                failed[rec.agent_id] = router.filtered_by(rec, state, req)
+                failed[rec.agent_id] = router.filtered_by(rec, state, req, now)
         return failed, passed
 
     def reason(self, rec: AgentRecord, idx: CapabilityIndex, walk: Walk, pool: set[str]) -> str:
@@ -292,7 +297,7 @@ class Explainer:
         """Every agent of ``idx`` not ``chosen`` for ``req``: how many for each reason, and
         the first ``limit`` (best ranked, then best scored) with why."""
         cfg = self.router.cfg
-        walk = walk or self.walk(idx, req)
+        walk = walk or self.walk(idx, req, now)
         in_pool = {rec.agent_id for rec in walk.pool}
         ranks = {rec.agent_id: i for i, rec in enumerate(idx.ranked, 1)}
         taken = {rec.agent_id for rec in chosen}
@@ -324,7 +329,7 @@ class Explainer:
     ) -> RouteExplain:
         """How ``req`` was decided over ``idx``: every agent not ``chosen``, with why."""
         cfg = self.router.cfg
-        walk = self.walk(idx, req)
+        walk = self.walk(idx, req, now)
         counts, excluded = self.left_out(idx, req, chosen, now, walk)
         return RouteExplain(
             members=len(idx.members), healthy=idx.healthy, ranked=len(idx.ranked),

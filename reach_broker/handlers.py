@@ -21,13 +21,21 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 from nats.aio.msg import Msg
 from nats.micro.request import Request
 
 from jetstream.names import H_STREAM
 from reach_agent import schema
 from reach_agent.errors import Forbidden, InternalError, ReachError, to_reply
-from reach_agent.schema import AnnounceAck, Ok, check_agent_id, check_capability, decode
+from reach_agent.schema import (
+    MAX_BODY_BYTES,
+    AnnounceAck,
+    Ok,
+    check_agent_id,
+    check_capability,
+    decode,
+)
 from reach_agent.subjects import is_inbox
 
 from .context import BrokerContext
@@ -39,6 +47,13 @@ log = logging.getLogger(__name__)
 
 DEFAULT_ROUTE_REQUEST = schema.RouteRequest()
 """An empty route body (``nats req reach.route.cap ''``) means every default."""
+
+COMMON_ROUTE_BODIES = {
+    b"": DEFAULT_ROUTE_REQUEST,
+    b"{}": DEFAULT_ROUTE_REQUEST,
+    schema.encoder.encode(schema.RouteRequest(peek=True)): schema.RouteRequest(peek=True),
+}
+"""Route bodies answered without a decode: every default, and a peek with every default."""
 
 OK_REPLY = schema.encoder.encode(Ok())
 
@@ -196,7 +211,8 @@ class Handlers:
             "OVERLOADED": m.route_result["overloaded"],
         }
         self._route_invalid = m.route_result["invalid"]
-        self._hb_agent = ctx.subjects.agent_of_heartbeat
+        self._hb_agent = ctx.subjects.heartbeat_parser()
+        self._hb_decode = schema.heartbeat_decoder.decode
         self._heartbeat = registry.heartbeat
         self._hb_result = m.heartbeat_result
         # A heartbeat the registry does not accept is also a refusal (bound once: a forged
@@ -274,10 +290,17 @@ class Handlers:
         return schema.encoder.encode(ack)
 
     def heartbeat(self, subject: str, data: bytes) -> None:
-        # The hottest path (every agent, every interval): collaborators bound in __init__.
-        hb = schema.validate_heartbeat(
-            decode(schema.heartbeat_decoder, data, "heartbeat"), self._hb_agent(subject)
-        )
+        # The hottest path (every agent, every interval): collaborators bound in __init__,
+        # and schema.decode / validate_heartbeat called only to word a refusal.
+        try:
+            if not data or len(data) > MAX_BODY_BYTES:
+                raise msgspec.DecodeError
+            hb = self._hb_decode(data)
+        except msgspec.MsgspecError:
+            hb = decode(schema.heartbeat_decoder, data, "heartbeat")  # raises, naming why
+        agent_id = self._hb_agent(subject)
+        if hb.agent_id != agent_id:
+            schema.validate_heartbeat(hb, agent_id)  # raises, naming both
         result, transitions = self._heartbeat(hb, self._clock(), int(self._wall() * 1000))
         self._hb_result[result].inc()
         if result != "accepted":
@@ -312,15 +335,16 @@ class Handlers:
         capability = ctx.subjects.capability_of_route(subject)
         if capability not in self.registry.indexes:
             check_capability(capability)
-        if data and data != b"{}":
+        rreq = COMMON_ROUTE_BODIES.get(data)  # the common cases: no decode, no validation
+        if rreq is None:
             rreq = schema.validate_route_request(
                 decode(schema.route_request_decoder, data, "route request")
             )
-            reply = self.explainer.route_reply if rreq.explain else self.router.route_reply
-            body = reply(capability, rreq, ctx.clock(), ctx.wall_ms())
-        else:  # the common case: no decode, no validation, never explained
-            body = self.router.route_reply(capability, DEFAULT_ROUTE_REQUEST, ctx.clock(),
-                                           ctx.wall_ms())  # fmt: skip
+            if rreq.explain:
+                body = self.explainer.route_reply(capability, rreq, ctx.clock(), ctx.wall_ms())
+                ctx.metrics.route_result["ok"].inc()
+                return body
+        body = self.router.route_reply(capability, rreq, ctx.clock(), ctx.wall_ms())
         ctx.metrics.route_result["ok"].inc()
         return body
 

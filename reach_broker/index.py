@@ -26,6 +26,13 @@ REORDER_FACTOR = 20
 a sort per capability per heartbeat burst costs O(n log n) and the walk re-checks state and
 load anyway, so a ranking a second old routes the same agents."""
 
+RETRY_AFTER_MIN_MS = 10
+RETRY_AFTER_MAX_MS = 1000
+RETRY_AFTER_DEFAULT_MS = 100
+"""The retry-after hint of an OVERLOADED reply: the capability's median task time (a slot
+is likely free by then), within these bounds; the default when no task time is known. A
+fleet over its in-flight ceiling answers the maximum."""
+
 _Encoded = tuple[float, float, AgentState, Announce, msgspec.Raw]
 """A member's encoded candidate and the (score, load, state, announce) it was encoded from."""
 
@@ -125,14 +132,37 @@ class CapabilityIndex:
         self.suspects = sorted(
             (r for r in self.members.values() if r.state == "suspect"), key=by_score
         )
-        durations = sorted(
-            r.stats.task_ewma_ms for r in healthy if r.stats.task_ewma_ms is not None
-        )
-        # Lower median: with two agents the fast one sets the bar for the slow one.
-        self.median_task_ms = durations[(len(durations) - 1) // 2] if durations else None
+        self.median_task_ms = self.median(healthy)
         self._dirty = False
         self._reorder = False
         self._built_at = now
+
+    def median(self, healthy: list[AgentRecord] | None = None) -> float | None:
+        """The capability's median task time: the lower median of the healthy members' task
+        EWMAs (with two agents the fast one sets the bar for the slow one). When none of them
+        has one, the suspects' instead: agents restored from the snapshot and not yet heard
+        from carry their history there, so the first heartbeats after a broker restart are
+        judged against the fleet's usual time, not against the bare tolerance floor."""
+        if healthy is None:
+            healthy = [r for r in self.members.values() if r.state == "healthy"]
+        durations = sorted(
+            r.stats.task_ewma_ms for r in healthy if r.stats.task_ewma_ms is not None
+        )
+        if not durations:
+            durations = sorted(
+                r.stats.task_ewma_ms
+                for r in self.members.values()
+                if r.state == "suspect" and r.stats.task_ewma_ms is not None
+            )
+        return durations[(len(durations) - 1) // 2] if durations else None
+
+    def retry_after_ms(self) -> int:
+        """How long a caller refused because every candidate is full should wait before
+        asking again (``retry_after_ms`` of OVERLOADED): the median task time, bounded."""
+        ms = self.median_task_ms
+        if ms is None:
+            return RETRY_AFTER_DEFAULT_MS
+        return min(max(round(ms), RETRY_AFTER_MIN_MS), RETRY_AFTER_MAX_MS)
 
     def ring(self, vnodes: int) -> tuple[list[int], list[AgentRecord]]:
         """The consistent-hash ring of every member: (sorted point hashes, their owners)."""
@@ -216,6 +246,11 @@ class CapabilityIndexes(dict[str, CapabilityIndex]):
             idx = self.get(cap)
             if idx is not None:
                 idx._reorder = True  # CapabilityIndex.score_changed, inline (same module)
+
+    def update_medians(self) -> None:
+        """Every capability's median task time now, without re-ranking (after a restore)."""
+        for idx in self.values():
+            idx.median_task_ms = idx.median()
 
     def peer_task_ms(self, rec: AgentRecord) -> float | None:
         """Median task duration of the agent's (first) capability, as of the last ranking."""

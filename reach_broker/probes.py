@@ -11,6 +11,10 @@ Three reasons to probe, one schedule:
   its own random phase (and ±20% jitter per round), so a fleet of N is sampled at a steady
   N / interval per second instead of in O(fleet) bursts.
 
+Only those samples feed the agent's RTT EWMA (its latency score): the answer to a probe of
+a suspect, offline or recovering agent settles its state, but its round trip measures the
+silence that made it suspect (a frozen process answers when it thaws), not the network.
+
 At most ``probe_concurrency`` probes are in flight; one agent is never probed twice at once.
 Scheduling is a heap keyed by due time with lazy deletion, so a heartbeat costs nothing here
 and a transition O(log n).

@@ -16,7 +16,7 @@ REGION = "region"
 TAGS = "tags"
 EXCLUDE = "exclude"
 
-WALK_FILTERS = (STATE, LOAD, REGION, TAGS, EXCLUDE)
+WALK_FILTERS = (STATE, REGION, TAGS, EXCLUDE, LOAD)
 """The walk's filters in the order it applies them: an agent is reported under the first
 one it fails."""
 
@@ -33,7 +33,8 @@ ALLOW_SUSPECT = "allow_suspect"
 
 EXCLUSIONS: dict[str, str] = {
     STATE: "not healthy (suspect agents only with allow_suspect, when no healthy one passes)",
-    LOAD: "active / max_concurrency at or above routing.load_watermark",
+    LOAD: "full: the tasks believed running (the last heartbeat's active and the routes handed "
+    "out since) / max_concurrency at or above routing.load_watermark",
     REGION: "its region is not the request's region",
     TAGS: "a tag of the request is missing or different",
     EXCLUDE: "named in the request's exclude",

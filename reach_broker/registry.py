@@ -120,7 +120,13 @@ class Registry:
             # Idle (e.g. ejected for slowness, so no tasks): the verdict fades towards the
             # peers', so the agent is tried again rather than kept out on old evidence.
             rec.stats.idle(self.indexes.peer_task_ms(rec), cfg.ewma_alpha)
-        self.inflight += rec.set_load(hb.active, hb.queue_depth)
+        # AgentRecord.set_load, inline (every heartbeat).
+        active = hb.active
+        self.inflight += active - rec.active
+        rec.active = active
+        rec.queue_depth = hb.queue_depth
+        load = active / rec.max_concurrency
+        rec.load = rec.busy = load if load < 1.0 else 1.0  # the report replaces hand-outs
         rec.oldest_task_ms = hb.oldest_task_ms
         rec.status = hb.status
         event: Event = "heartbeat"
@@ -266,18 +272,26 @@ class Registry:
         return [] if t is None else [t]
 
     def restore(
-        self, msg: Announce, state: AgentState, now: float, wall_ms: int
+        self,
+        msg: Announce,
+        state: AgentState,
+        now: float,
+        wall_ms: int,
+        task_ewma_ms: float | None = None,
     ) -> AgentRecord | None:
         """An agent from the registry snapshot (KV reach_registry) this broker has not heard.
 
         It starts `suspect` (`offline` and `draining` stay so) and becomes routable only
         when a heartbeat or probe answer confirms it; deadlines run from ``now`` as after a
-        missed heartbeat. No transition is returned: nothing changed in the fleet. An agent
-        already known (it announced first) is left alone and None is returned.
+        missed heartbeat. Its task-time history (``task_ewma_ms``) is kept, so its score
+        does not start from nothing. No transition is returned: nothing changed in the
+        fleet. An agent already known (it announced first) is left alone and None is
+        returned. Call :meth:`restored` once the snapshot is read.
         """
         if msg.agent_id in self.agents:
             return None
         rec = AgentRecord(msg, self.interval_for(msg), self.detector.new_window())
+        rec.stats.task_ewma_ms = task_ewma_ms
         to: AgentState = state if state in ("offline", "draining") else "suspect"
         rec.state = to
         rec.state_since = now
@@ -294,6 +308,13 @@ class Registry:
             self._schedule(rec, now + suspect_s, now + offline_s)
         self.rescore(rec, now)
         return rec
+
+    def restored(self, now: float) -> None:
+        """The snapshot is read: each capability's median task time from the restored
+        history, and every score against it (O(fleet), once at start)."""
+        self.indexes.update_medians()
+        for rec in self.agents.values():
+            self.rescore(rec, now)
 
     # --- queries --------------------------------------------------------------------------
 
@@ -335,8 +356,13 @@ class Registry:
             stuck=stuck,
             peer_task_ms=peer,
         )
-        if rec.set_score(new):
-            # Only the score moved: the ranking is refreshed on a slower cadence (index.py).
+        # AgentRecord.set_score, inline (every heartbeat): the routing weight follows the
+        # score and load; if only the score moved, the ranking is refreshed on a slower
+        # cadence (index.py).
+        load = rec.busy
+        rec.weight = (new if new > 1.0 else 1.0) * (1.0 - load if load < 0.95 else 0.05)
+        if new != rec.score:
+            rec.score = new
             self.indexes.score_changed(rec)
 
     def _fire(
@@ -368,7 +394,9 @@ class Registry:
         rec.last_seen = now
         rec.last_seen_wall_ms = wall_ms
         rec.disconnected = False
-        self._rearm(rec, now)
+        if rec.state != "offline":  # _rearm(rec, now), inline (every heartbeat)
+            suspect_s, offline_s = self.detector.deadlines(rec.window, rec.interval_s)
+            self._schedule(rec, now + suspect_s, now + offline_s)
 
     def _rearm(self, rec: AgentRecord, base: float) -> None:
         """Deadlines counted from ``base``, the last sign of life."""
@@ -379,7 +407,11 @@ class Registry:
     def _schedule(self, rec: AgentRecord, suspect_at: float, offline_at: float) -> None:
         rec.suspect_at = suspect_at
         rec.offline_at = offline_at
-        at = self._next_deadline(rec)
+        state = rec.state  # _next_deadline(rec), inline (every heartbeat)
+        if state == "suspect":
+            at = offline_at
+        else:
+            at = rec.forget_at if state == "offline" else suspect_at
         if at >= rec.heap_at:
             # Every heartbeat moves the deadline later: keep the earlier live entry (expire()
             # re-arms from it when it fires) rather than push one heap entry per heartbeat.

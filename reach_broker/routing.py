@@ -33,7 +33,7 @@ from reach_agent.errors import NoReachableAgent, Overloaded
 from reach_agent.schema import Candidate, RouteReply, RouteRequest, encoder
 
 from .config import RoutingSection
-from .index import CapabilityIndex, CapabilityIndexes, candidate, hash64
+from .index import RETRY_AFTER_MAX_MS, CapabilityIndex, CapabilityIndexes, candidate, hash64
 from .records import AgentRecord
 
 log = logging.getLogger(__name__)
@@ -73,8 +73,13 @@ class Router:
     ) -> bytes:
         """:meth:`route` as the encoded ``RouteReply``: each candidate's JSON comes from its
         index (encoded when its score, load or state last changed), so a request encodes
-        only the envelope. The same bytes as encoding ``RouteReply`` of :meth:`route`."""
+        only the envelope. The same bytes as encoding ``RouteReply`` of :meth:`route`. The
+        reply is the broker's answer, so its first candidate is counted as handed a task
+        (``AgentRecord.handed_out``) unless the request is a ``peek``; :meth:`route` and
+        :meth:`choose` only look."""
         idx, chosen = self.choose(capability, req, now)
+        if not req.peek:  # the pick gets the task: count it until a heartbeat does
+            chosen[0].handed_out(now)
         subject_of = self.subject_of
         raws = [idx.encoded(r, subject_of) for r in chosen]
         # msgspec writes a Raw as it is: the wire type, with candidates encoded beforehand.
@@ -91,7 +96,8 @@ class Router:
         inflight = self.inflight()
         if inflight > cfg.inflight_ceiling:
             raise Overloaded(
-                f"fleet in-flight tasks {inflight} exceed the ceiling {cfg.inflight_ceiling}"
+                f"fleet in-flight tasks {inflight} exceed the ceiling {cfg.inflight_ceiling}",
+                retry_after_ms=RETRY_AFTER_MAX_MS,
             )
         idx = self.indexes.get(capability)
         if idx is None or not idx.members:
@@ -102,13 +108,16 @@ class Router:
         # pool_size(req), inline: the route path saves the call.
         want = limit if cfg.choice == "ranked" and not req.sticky_key else limit * cfg.pool_factor
         why: dict[str, int] = {}
-        pool = self._walk(idx.ranked, "healthy", req, want, why)
+        pool = self._walk(idx.ranked, "healthy", req, want, why, now)
         if not pool and req.allow_suspect:
-            pool = self._walk(idx.suspects, "suspect", req, want, why)
+            pool = self._walk(idx.suspects, "suspect", req, want, why, now)
         if not pool:
+            if why.get("load"):  # some pass every filter but are full: wait, not elsewhere
+                raise Overloaded(self._explain(capability, idx, why),
+                                 retry_after_ms=idx.retry_after_ms())  # fmt: skip
             raise NoReachableAgent(self._explain(capability, idx, why))
         if req.sticky_key:
-            first = self._sticky(idx, req, pool)
+            first = self._sticky(idx, req, pool, now)
             rest = [r for r in pool if r is not first]
             return idx, [first, *rest[: limit - 1]]
         if cfg.choice == "weighted":
@@ -129,15 +138,19 @@ class Router:
             return req.limit
         return req.limit * cfg.pool_factor
 
-    def passing(self, recs: list[AgentRecord], state: str, req: RouteRequest) -> list[AgentRecord]:
+    def passing(
+        self, recs: list[AgentRecord], state: str, req: RouteRequest, now: float
+    ) -> list[AgentRecord]:
         """Every agent of ``recs`` that passes the walk's filters (the walk without a limit)."""
-        return self._walk(recs, state, req, len(recs), {}) if recs else []
+        return self._walk(recs, state, req, len(recs), {}, now) if recs else []
 
-    def filtered_by(self, rec: AgentRecord, state: str, req: RouteRequest) -> str | None:
+    def filtered_by(
+        self, rec: AgentRecord, state: str, req: RouteRequest, now: float
+    ) -> str | None:
         """The reason code (:mod:`reach_broker.reasons`) of the first filter of the walk
         ``rec`` fails when the walk wants ``state``; None when it passes them all."""
         why: dict[str, int] = {}
-        if self._walk((rec,), state, req, 1, why):
+        if self._walk((rec,), state, req, 1, why, now):
             return None
         return next(iter(why))
 
@@ -155,9 +168,10 @@ class Router:
     def _panic_changed(self, idx: CapabilityIndex) -> None:
         if idx.panic:
             log.warning(
-                "route.panic capability=%s healthy=%d of %d (threshold %.0f%%): "
-                "score ejection suspended, routing to every healthy agent left",
+                "route.panic capability=%s healthy=%d of %d (threshold %.0f%%): %s",
                 idx.name, idx.healthy, len(idx.members), 100 * self.cfg.panic_threshold,
+                "score ejection suspended, routing to every healthy agent left" if idx.healthy
+                else "no healthy agent left to route to",
             )  # fmt: skip
         else:
             log.info("route.panic_over capability=%s healthy=%d of %d", idx.name,
@@ -172,7 +186,11 @@ class Router:
         req: RouteRequest,
         want: int,
         why: dict[str, int],
+        now: float,
     ) -> list[AgentRecord]:
+        # Load is what the broker believes now (AgentRecord.busy: the last report plus its
+        # own hand-outs since); one that looks full gets a second look as of now, unless
+        # that look already said how long it stays full (full_until).
         watermark = self.cfg.load_watermark
         exclude = req.exclude
         out: list[AgentRecord] = []
@@ -180,7 +198,10 @@ class Router:
             # The common request (no filters): state and load only, no bookkeeping. Should
             # nothing pass, the full walk below runs to count why.
             for rec in ranked:
-                if rec.state == state and rec.load < watermark:
+                if rec.state == state and (
+                    rec.busy < watermark
+                    or (rec.full_until <= now and rec.busy_at(now, watermark) < watermark)
+                ):
                     out.append(rec)
                     if len(out) >= want:
                         break
@@ -194,9 +215,6 @@ class Router:
             if rec.state != state:
                 why["state"] = why.get("state", 0) + 1
                 continue
-            if rec.load >= watermark:
-                why["load"] = why.get("load", 0) + 1
-                continue
             if req.region is not None and rec.region != req.region:
                 why["region"] = why.get("region", 0) + 1
                 continue
@@ -205,6 +223,11 @@ class Router:
                 continue
             if exclude and rec.agent_id in exclude:
                 why["exclude"] = why.get("exclude", 0) + 1
+                continue
+            if rec.busy >= watermark and (  # checked last: why["load"] means "only full"
+                rec.full_until > now or rec.busy_at(now, watermark) >= watermark
+            ):
+                why["load"] = why.get("load", 0) + 1
                 continue
             out.append(rec)
             if len(out) >= want:
@@ -285,7 +308,7 @@ class Router:
         return [first, *[r for r in pool if r is not first][: limit - 1]]
 
     def _sticky(
-        self, idx: CapabilityIndex, req: RouteRequest, pool: list[AgentRecord]
+        self, idx: CapabilityIndex, req: RouteRequest, pool: list[AgentRecord], now: float
     ) -> AgentRecord:
         keys, owners = idx.ring(self.cfg.vnodes)
         assert req.sticky_key is not None
@@ -300,7 +323,7 @@ class Router:
             if (
                 owner.state == "healthy"
                 and owner.score >= self.cfg.min_reach_score
-                and self._walk([owner], "healthy", req, 1, {})
+                and self._walk([owner], "healthy", req, 1, {}, now)
             ):
                 return owner
         return pool[0]

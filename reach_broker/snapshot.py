@@ -1,14 +1,18 @@
 """The registry snapshot in KV ``reach_registry``: written as agents change, read at start.
 
 One key per agent (the agent id; broker-private keys start with ``_``, which no agent id
-does) holding the agent's last announce and state. Announces and transitions mark an agent
-dirty; a flush loop writes dirty agents at most every ``FLUSH_S`` and only when the stored
-value would change, so a steady fleet costs no writes. An evicted agent's key is deleted.
+does) holding the agent's last announce, state and task-time history (its task EWMA).
+Announces and transitions mark an agent dirty, and so does a task EWMA that moved by more
+than ``DRIFT`` since it was written (looked at every ``STATS_S``); a flush loop writes
+dirty agents at most every ``FLUSH_S`` and only when the stored value would change, so a
+steady fleet costs next to no writes. An evicted agent's key is deleted.
 
 At start, before probes and advisories run, every stored agent the broker has not heard
-from is restored as ``suspect`` (``offline``/``draining`` stay so): known to ``reach
-agents`` at once, routable as soon as its next heartbeat (or a probe answer) confirms it.
-A second replica therefore starts with the same registry without any agent re-announcing.
+from is restored as ``suspect`` (``offline``/``draining`` stay so) with its task EWMA:
+known to ``reach agents`` at once, routable as soon as its next heartbeat (or a probe
+answer) confirms it, and scored against the capability's usual task time rather than from
+nothing. A second replica therefore starts with the same registry without any agent
+re-announcing.
 """
 
 from __future__ import annotations
@@ -33,6 +37,10 @@ from .registry import Registry
 log = logging.getLogger(__name__)
 
 FLUSH_S = 0.2
+STATS_S = 10.0
+"""How often the task EWMAs are compared with what the bucket holds."""
+DRIFT = 0.2
+"""A task EWMA is written again when it moved by more than this share."""
 
 
 class SnapshotEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -42,6 +50,19 @@ class SnapshotEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     state: AgentState
     last_seen_ms: int = 0
     broker_id: str = ""
+    task_ms: float | None = None
+    """The agent's task EWMA (ms), the history its latency score is judged on."""
+
+
+_Written = tuple[Announce, AgentState, float | None]
+"""What the bucket holds of an agent: (announce, state, task EWMA)."""
+
+
+def drifted(written: float | None, now: float | None) -> bool:
+    """Whether a task EWMA moved enough since it was written to be written again."""
+    if now is None:
+        return False
+    return written is None or abs(now - written) > DRIFT * written
 
 
 _entry_decoder = msgspec.json.Decoder(SnapshotEntry)
@@ -57,31 +78,35 @@ class Snapshot:
         self.kv: Any = None
         self.restored = 0
         self.writes = 0
+        self.stats_every_s = STATS_S
         self._dirty: set[str] = set()
-        # What the bucket holds per agent, as (announce, state): the registry's own objects,
-        # so remembering costs a tuple and "unchanged" is decided before any encoding.
-        self._written: dict[str, tuple[Announce, AgentState]] = {}
+        # What the bucket holds per agent: the registry's own objects, so remembering costs
+        # a tuple and "unchanged" is decided before any encoding.
+        self._written: dict[str, _Written] = {}
         self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        if self._task is not None:
+        if self._tasks:
             return
         self.kv = await self.ctx.nc.jetstream(timeout=5.0).key_value(REGISTRY_BUCKET)
         await self.restore()
         self.ctx.fanout.listeners.append(self._on_transition)
         self.ctx.fanout.announce_listeners.append(self._on_announce)
-        self._task = asyncio.create_task(self._flusher(), name="reach-snapshot")
+        self._tasks = [
+            asyncio.create_task(self._flusher(), name="reach-snapshot"),
+            asyncio.create_task(self._stats_loop(), name="reach-snapshot-stats"),
+        ]
 
     async def stop(self) -> None:
-        if self._task is None:
+        if not self._tasks:
             return
         with contextlib.suppress(ValueError):
             self.ctx.fanout.listeners.remove(self._on_transition)
         with contextlib.suppress(ValueError):
             self.ctx.fanout.announce_listeners.remove(self._on_announce)
-        await stop_loops(self._task)
-        self._task = None
+        await stop_loops(*self._tasks)
+        self._tasks = []
         with contextlib.suppress(Exception):
             await self._flush()
 
@@ -105,12 +130,13 @@ class Snapshot:
                 except (msgspec.MsgspecError, schema.InvalidRequest) as exc:
                     log.warning("snapshot.bad_entry key=%s error=%s", entry.key, exc)
                     continue
-                self._written[entry.key] = (ann, snap.state)
-                if self.registry.restore(ann, snap.state, now, wall_ms) is not None:
-                    count += 1
+                self._written[entry.key] = (ann, snap.state, snap.task_ms)
+                rec = self.registry.restore(ann, snap.state, now, wall_ms, snap.task_ms)
+                count += rec is not None
         finally:
             with contextlib.suppress(Exception):
                 await watcher.stop()
+        self.registry.restored(now)
         self.restored = count
         log.info("snapshot.restored agents=%d bucket=%s", count, REGISTRY_BUCKET)
         return count
@@ -124,6 +150,28 @@ class Snapshot:
     def _on_announce(self, rec: AgentRecord) -> None:
         self._dirty.add(rec.agent_id)
         self._wake.set()
+
+    def sweep_stats(self) -> int:
+        """Mark dirty every agent whose task EWMA drifted from the stored one; returns how
+        many (O(fleet), every ``stats_every_s``, never per message)."""
+        written = self._written
+        marked = 0
+        for agent_id, rec in self.registry.agents.items():
+            old = written.get(agent_id)
+            if old is not None and drifted(old[2], rec.stats.task_ewma_ms):
+                self._dirty.add(agent_id)
+                marked += 1
+        if marked:
+            self._wake.set()
+        return marked
+
+    async def _stats_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.stats_every_s)
+            try:
+                self.sweep_stats()
+            except Exception:  # noqa: BLE001 - the loop never dies
+                log.exception("snapshot.sweep_failed")
 
     async def _flusher(self) -> None:
         while True:
@@ -149,21 +197,26 @@ class Snapshot:
                 if agent_id in self._written:
                     ops.append(self._delete(agent_id))
                 continue
-            # last_seen_ms and broker_id alone are not worth a write.
-            if self._written.get(agent_id) == (rec.announce, rec.state):
-                continue
+            # last_seen_ms and broker_id alone are not worth a write, nor a small drift.
+            task_ms = rec.stats.task_ewma_ms
+            old = self._written.get(agent_id)
+            if old is not None and old[:2] == (rec.announce, rec.state):
+                if not drifted(old[2], task_ms):
+                    continue
+            task_ms = None if task_ms is None else round(task_ms, 1)
             value = schema.encoder.encode(
                 SnapshotEntry(announce=rec.announce, state=rec.state,
-                              last_seen_ms=rec.last_seen_wall_ms, broker_id=self.ctx.broker_id)
+                              last_seen_ms=rec.last_seen_wall_ms, broker_id=self.ctx.broker_id,
+                              task_ms=task_ms)
             )  # fmt: skip
-            ops.append(self._put(agent_id, (rec.announce, rec.state), value))
+            ops.append(self._put(agent_id, (rec.announce, rec.state, task_ms), value))
         results = await asyncio.gather(*ops, return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             self._dirty |= dirty  # write them again on the next round
             raise failed[0]
 
-    async def _put(self, agent_id: str, written: tuple[Announce, AgentState], value: bytes) -> None:
+    async def _put(self, agent_id: str, written: _Written, value: bytes) -> None:
         await self.kv.put(agent_id, value)
         self._written[agent_id] = written
         self.writes += 1

@@ -1,4 +1,4 @@
-"""The circuit breaker state machine, pure, with a fake clock (DESIGN §4, §8 defaults)."""
+"""The circuit breaker state machine, pure, with a fake clock (the default settings)."""
 
 from __future__ import annotations
 

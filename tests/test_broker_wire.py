@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 import pytest
 from nats.aio.client import Client as NATS
 
+from jetstream.names import STREAM_NAMES
 from reach_broker.service import Broker
 
 from .conftest import BrokerFactory, wait_for
@@ -104,6 +106,27 @@ async def test_raw_client_announces_heartbeats_and_routes_itself(nc: NATS, broke
     assert view["success_rate"] == 1.0
 
 
+async def test_streams_and_registrations_are_logged_once_each(
+    nc: NATS, broker_factory: BrokerFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO):
+        await broker_factory()  # a fresh server: every stream is created
+        await broker_factory()  # a second replica: every stream is already as defined
+        await announce(nc, "alpha")
+
+        def registered() -> list[str]:
+            return [m for m in caplog.messages if m.startswith("agent.registered ")]
+
+        # The reply is one replica's; the other one may still be handling the announce.
+        await wait_for(lambda: len(registered()) == 2, 2, what="both replicas' lines")
+    assert registered() == ["agent.registered agent=alpha to=healthy reason=announced"] * 2
+    said = [(r.name, r.getMessage()) for r in caplog.records]
+    streams = [(name, m) for name, m in said if any(s in m for s in STREAM_NAMES)]
+    assert streams == [
+        ("jetstream.provision", f"jetstream.stream_created name={s}") for s in STREAM_NAMES
+    ]
+
+
 async def test_missed_heartbeats_suspect_offline_then_recovering_healthy(
     nc: NATS, broker_factory: BrokerFactory
 ) -> None:
@@ -175,7 +198,8 @@ async def test_two_replicas_same_state_route_answered_once(
     assert (r1.state, r1.seq, r1.active, r1.score) == (r2.state, r2.seq, r2.active, r2.score)
     assert (r1.state, r1.seq, r1.active) == ("healthy", 3, 1)
 
-    # Route requests go to one replica each: count replies on a raw inbox.
+    # Route requests go to one replica each: count replies on a raw inbox. Peeks: no task
+    # follows, so neither replica counts delta as handed 20 tasks (it has 4 slots).
     inbox = nc.new_inbox()
     replies: list[Any] = []
 
@@ -184,7 +208,7 @@ async def test_two_replicas_same_state_route_answered_once(
 
     await nc.subscribe(inbox, cb=collect)
     for _ in range(20):
-        await nc.publish("reach.route.text_processing", b"", reply=inbox)
+        await nc.publish("reach.route.text_processing", b'{"peek": true}', reply=inbox)
     await wait_for(lambda: len(replies) >= 20, 3, what="20 replies")
     await asyncio.sleep(0.2)  # give a duplicate reply time to arrive, then count exactly
     assert len(replies) == 20

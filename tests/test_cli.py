@@ -665,14 +665,17 @@ async def test_events_follow_prints_live_events_and_logs_json(
         except TimeoutError:
             continue
     await nc.publish("reach.event.state.gamma", b"not json")
-    await nc.flush()
+    # The server has it once flush returns, the follower only when it logs it: a SIGINT
+    # sent before then could end the follower with the message unread.
+    assert proc.stderr is not None
+    said = await asyncio.wait_for(proc.stderr.readline(), 20)
     proc.send_signal(signal.SIGINT)
     rest, err = await asyncio.wait_for(proc.communicate(), 20)
     assert proc.returncode == 0
     expected = {"kind": "state", "agent_id": "gamma", "reason": "probe timeout", "at_ms": 42,
                 "broker_id": "b9", "to": "offline", "from": "suspect"}  # fmt: skip
     assert all(json.loads(x) == expected for x in [line, *rest.splitlines()])
-    logs = [json.loads(x) for x in err.splitlines()]
+    logs = [json.loads(x) for x in [said, *err.splitlines()]]
     assert [(r["level"], r["logger"], r["msg"].split()[0]) for r in logs] == [
         ("warning", "reach", "events.undecodable")
     ]

@@ -3,10 +3,13 @@ agent without a probe responder is left alone (no verdict on its liveness)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from typing import Any
 
 from nats.aio.client import Client as NATS
 
+from reach_agent.connection import flush_subscriptions
 from reach_broker.natsserver import NatsServer
 
 from .conftest import BrokerFactory, wait_for
@@ -34,3 +37,30 @@ async def test_rtt_samples_reach_healthy_agents(
             "healthy", 100.0, 0, 0)  # fmt: skip
         assert seen.of("mute") == [] and seen.of("echo") == []
         assert probes.labels("timeout")._value.get() == 0
+
+
+async def test_a_late_answer_of_a_suspect_settles_its_state_but_is_no_rtt_sample(
+    nats_server: NatsServer, nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    """A frozen agent answers the probe sent while it was silent when it thaws: that round
+    trip measures the freeze. Taken as an RTT sample it sank the returning agent's score
+    (rtt 255 ms: score 35, ejected) — the race test_detection_freeze hit under load."""
+    broker = await broker_factory(detection__rtt_sample_interval_s=0.0)
+    reply = await nc.request("reach.announce.thaw", json.dumps({
+        "agent_id": "thaw", "capabilities": ["summarize"], "max_concurrency": 2,
+        "heartbeat_interval_ms": 60000}).encode(), 2)  # fmt: skip
+    assert "token" in json.loads(reply.data)
+
+    async def late_answer(msg: Any) -> None:
+        await asyncio.sleep(0.3)  # as a process that was stopped when the probe came
+        await msg.respond(b'{"agent_id": "thaw"}')
+
+    await nc.subscribe("reach.probe.thaw", cb=late_answer)
+    await flush_subscriptions(nc)
+    reg = broker.registry
+    broker.fanout.emit(reg.disconnected("thaw", broker.clock(), "test"))  # suspect: probed
+    await wait_for(lambda: reg.agents["thaw"].state == "healthy", 5, what="probe answered")
+    rec = reg.agents["thaw"]
+    assert broker.metrics.probes.labels("ok")._value.get() == 1
+    assert rec.stats.rtt_ewma_ms is None
+    assert rec.score == 95.0  # one missed sign of life of 20 (the disconnect), nothing else

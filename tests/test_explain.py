@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from reach_agent import schema
-from reach_agent.errors import NoReachableAgent, to_reply
+from reach_agent.errors import NoReachableAgent, Overloaded, to_reply
 from reach_agent.schema import Announce, RouteReply, RouteRequest
 from reach_broker import reasons
 from reach_broker.explain import DETAILS, MAX_EXCLUDED, Explainer
@@ -195,17 +195,27 @@ def test_no_reachable_agent_is_still_the_error_and_carries_the_explanation() -> 
     w.reg.leave("b", 1.0)
     explainer = Explainer(w.router, w.cfg.scoring)
     with pytest.raises(NoReachableAgent) as exc:
-        explainer.route_reply(CAP, RouteRequest(explain=True), 2.0, 7)
+        explainer.route_reply(CAP, RouteRequest(explain=True, exclude=["a"]), 1.0, 7)
     headers, body = to_reply(exc.value)
     assert headers["Nats-Service-Error-Code"] == "503"
     data = msgspec.json.decode(body)
     assert data["error"]["code"] == "NO_REACHABLE_AGENT"
     assert data["error"]["message"] == exc.value.message
     explain = msgspec.convert(data["explain"], schema.RouteExplain)
+    assert [(e.agent_id, e.reason) for e in explain.excluded] == [("a", "exclude"),
+                                                                  ("b", "state")]  # fmt: skip
+    # Merely full (a passes every other filter): OVERLOADED, explained the same way.
+    with pytest.raises(Overloaded) as full:
+        explainer.route_reply(CAP, RouteRequest(explain=True), 1.0, 7)
+    headers, body = to_reply(full.value)
+    assert headers["Nats-Service-Error-Code"] == "429"
+    data = msgspec.json.decode(body)
+    assert (data["error"]["code"], data["error"]["retry_after_ms"]) == ("OVERLOADED", 100)
+    explain = msgspec.convert(data["explain"], schema.RouteExplain)
     assert [(e.agent_id, e.reason) for e in explain.excluded] == [("a", "load"), ("b", "state")]
     # Without explain the error body is what it always was.
     with pytest.raises(NoReachableAgent) as plain:
-        w.router.route(CAP, RouteRequest(), 2.0)
+        w.router.route(CAP, RouteRequest(exclude=["a"]), 1.0)
     assert msgspec.json.decode(to_reply(plain.value)[1]) == {
         "error": {"code": "NO_REACHABLE_AGENT", "message": plain.value.message}
     }

@@ -185,7 +185,7 @@ async def test_tasks_queued_without_agent_run_exactly_once_when_one_starts(
         records = await asyncio.gather(*(durable.wait(nc, rid, timeout=20) for rid in ids))
     assert [r.state for r in records] == ["completed"] * 10
     assert [r.request_id for r in records] == list(ids)
-    assert [json.loads(bytes(r.result))["double"] for r in records] == [2 * i for i in range(10)]
+    assert [r.result["double"] for r in records] == [2 * i for i in range(10)]
     assert {r.agent_id for r in records} == {"late1"}
     assert collections.Counter(rid for rid, _ in ran) == dict.fromkeys(ids, 1)
     # Priority first: the five priority-1 entries (odd n) were replayed before the rest.
@@ -217,7 +217,7 @@ async def test_broker_killed_mid_replay_loses_nothing_and_runs_nothing_twice(
     await wait_log(procs, b2, "serving on")
     records = await asyncio.gather(*(durable.wait(nc, rid, timeout=40) for rid in ids))
     assert [r.state for r in records] == ["completed"] * 12
-    assert [json.loads(bytes(r.result))["n"] for r in records] == list(range(12))
+    assert [r.result["n"] for r in records] == list(range(12))
     counts = collections.Counter(runs(tmp_path))
     assert counts == dict.fromkeys(ids, 1), f"runs per request id: {counts}"
     await queue_drained(nc)  # b1's held entries: redelivered to b2 after ack_wait, removed
@@ -243,7 +243,7 @@ async def test_a_submitted_task_whose_agent_dies_mid_task_completes_once_elsewhe
     spawn_agent(procs, url, "mid2", "mid.cap", tmp_path)
     record = await durable.wait(nc, rid, timeout=30)
     assert (record.state, record.agent_id) == ("completed", "mid2")
-    assert json.loads(bytes(record.result))["n"] == 5
+    assert record.result["n"] == 5  # decoded, as wait() returns it
     assert runs(tmp_path) == [rid, rid]  # begun on mid1 (killed), run once on mid2
     await wait_for(lambda: broker.replayer.taken.finished == 1, what="the entry removed")
     assert (await compensation.depths(nc, SUBJECTS))[0] == 0  # acked (ack_sync) before
@@ -277,7 +277,7 @@ async def test_agent_killed_before_its_ack_was_stored_publishes_it_after_restart
     await wait_log(procs, a2, "ready")
     record = await waiter
     assert (record.request_id, record.state, record.agent_id) == (rid, "completed", "crash1")
-    assert json.loads(bytes(record.result))["n"] == 7
+    assert record.result["n"] == 7
     assert runs(tmp_path) == [rid]  # the handler did not run again
 
 
@@ -353,3 +353,56 @@ async def test_snapshot_writes_only_what_changed(nc: NATS, broker_factory: Broke
     await wait_for(lambda: broker.snapshot.writes == 2, what="second write")
     stored = json.loads((await kv.get("snapw")).value)
     assert (stored["announce"]["region"], stored["state"]) == ("us", "healthy")
+
+
+async def test_restarted_broker_keeps_task_history_and_scores_slow_agents_as_before(
+    nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    """Agents whose tasks take 500 ms (above the 250 ms tolerance floor, fine against peers
+    that take as long): before the history was kept, the first heartbeats after a restart
+    scored them 50 against the bare floor and half of them were out of the routes until the
+    next re-rank, ~10 s later. Now the snapshot holds each agent's task EWMA."""
+    b1 = await broker_factory()
+    agents = ("slow1", "slow2")
+    # A 5 s interval: no heartbeat is late while the test waits for writes and restarts.
+    tokens = {a: (await announce(nc, a, heartbeat_interval_ms=5000))["token"] for a in agents}
+    await wait_for(lambda: b1.snapshot.writes == 2, what="both written, with no history yet")
+    seq = 0
+
+    async def beat(ok_total: int) -> None:
+        nonlocal seq
+        seq += 1
+        for a in agents:
+            await heartbeat(nc, a, tokens[a], seq, ok_total=ok_total, task_ms_p50=500)
+
+    for n in range(1, 4):  # tasks finished, each heartbeat; routes re-rank in between
+        await beat(10 * n)
+        await wait_for(lambda n=n: all(b1.registry.agents[a].ok_total == 10 * n for a in agents))
+        await nc.request("reach.route.text_processing", b"", timeout=2)
+    await beat(40)
+    await wait_for(lambda: [b1.registry.agents[a].score for a in agents] == [100.0, 100.0],
+                   what="both at 100 on the first broker")  # fmt: skip
+    assert b1.snapshot.sweep_stats() == 2  # what the stats loop does every 10 s
+    kv = await nc.jetstream().key_value("reach_registry")
+
+    async def stored_task_ms(agent_id: str) -> float | None:
+        return json.loads((await kv.get(agent_id)).value).get("task_ms")
+
+    for _ in range(100):
+        if [await stored_task_ms(a) for a in agents] == [500.0, 500.0]:
+            break
+        await asyncio.sleep(0.05)
+    assert [await stored_task_ms(a) for a in agents] == [500.0, 500.0]
+
+    await b1.stop()  # the restart
+    b2 = await broker_factory()
+    assert b2.snapshot.restored == 2
+    restored = [b2.registry.agents[a] for a in agents]
+    assert [(r.state, r.stats.task_ewma_ms) for r in restored] == [("suspect", 500.0)] * 2
+    assert b2.registry.indexes["text_processing"].median_task_ms == 500.0
+    await beat(50)  # heard from again: more 500 ms tasks
+    await wait_for(lambda: all(r.state == "healthy" for r in restored), what="healthy again")
+    assert [r.score for r in restored] == [100.0, 100.0]
+    reply = await nc.request("reach.route.text_processing", b'{"limit": 2}', timeout=2)
+    got = sorted(c["agent_id"] for c in json.loads(reply.data)["candidates"])
+    assert got == list(agents)

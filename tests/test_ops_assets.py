@@ -350,3 +350,21 @@ def test_quick_start_is_two_set_up_commands_any_python_3_11_and_ci_runs_the_test
         ".venv/bin/reach agents",
     ]
     assert "https://github.com/nats-io/natscli" in (ROOT / "README.md").read_text()
+
+
+def test_no_file_cites_the_design_document() -> None:
+    """The design document is not in the repository, so no file may send a reader to it
+    (what ``grep -rn`` for its name outside .git and .venv would find)."""
+    name = "DES" + "IGN"  # spelled apart, so this file does not cite it either
+    skip = {".git", ".venv", "__pycache__", ".mypy_cache", ".ruff_cache", ".pytest_cache"}
+    citing = []
+    for path in sorted(ROOT.rglob("*")):
+        rel = path.relative_to(ROOT)
+        if skip & set(rel.parts) or rel.parts[0].endswith(".egg-info") or not path.is_file():
+            continue
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue  # a binary file
+        citing += [f"{rel}:{n}" for n, line in enumerate(text.splitlines(), 1) if name in line]
+    assert citing == []

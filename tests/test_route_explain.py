@@ -33,8 +33,9 @@ async def test_explained_route_on_the_wire_and_as_a_table(
         ("beta", "region", "region 'us', the request asks 'eu'")
     ]
     assert (explain["members"], explain["healthy"], explain["counts"]) == (2, 2, {"region": 1})
-    # The plain request is answered as before: no explain anywhere.
-    plain = (await nc.request("reach.route.summarize", b"", timeout=2)).data
+    # The plain request is answered as before: no explain anywhere. (A peek: a plain route
+    # would count a task handed to its pick, and the table below would show alpha 2/4 busy.)
+    plain = (await nc.request("reach.route.summarize", b'{"peek": true}', timeout=2)).data
     assert b"explain" not in plain
 
     code, out, err = await reach("route", "summarize", "--explain", "--region", "eu",
@@ -94,5 +95,6 @@ def test_the_route_cost_tool_times_every_kind_of_request() -> None:
     )  # fmt: skip
     figures = json.loads(out.stdout)
     assert figures["agents"] == 3
-    assert set(figures["us_per_request"]) == {"plain", "filtered", "explain"}
+    assert set(figures["us_per_request"]) == {"plain", "filtered", "peek", "explain"}
+    assert isinstance(figures["plain_over_peek"], float)
     assert isinstance(figures["explain_over_plain"], float)  # a timing: its size is not tested

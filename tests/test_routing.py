@@ -120,6 +120,19 @@ def test_panic_is_said_once_and_suspends_ejection(caplog: pytest.LogCaptureFixtu
     assert w.panics == [(CAP, True), (CAP, False)]
 
 
+def test_panic_with_no_healthy_agent_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    w = World("ab")
+    for agent_id in "ab":
+        w.reg.disconnected(agent_id, 1.0)
+    with caplog.at_level(logging.WARNING, logger="reach_broker.routing"):
+        with pytest.raises(NoReachableAgent) as exc:
+            w.route(1.0)
+    assert exc.value.message == "none of the 2 agents with 'summarize' is healthy (2 suspect)"
+    said = [r.getMessage() for r in caplog.records if "route.panic " in r.getMessage()]
+    assert said == ["route.panic capability=summarize healthy=0 of 2 (threshold 50%): "
+                    "no healthy agent left to route to"]  # fmt: skip
+
+
 def test_draining_agents_do_not_count_towards_panic() -> None:
     w = World("abcd")
     for agent_id in "bcd":

@@ -4,6 +4,7 @@ of a call ends (replies fed to its queue, no server)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
@@ -24,9 +25,10 @@ from reach_agent.errors import (
     ReachError,
     TargetBusy,
     Timeout,
+    from_reply,
     to_reply,
 )
-from reach_agent.retry import retryable, should_retry
+from reach_agent.retry import full_wait, merely_full, retryable, should_retry
 from reach_agent.routes import RouteCache
 
 # --- the retry rule ---------------------------------------------------------------------
@@ -45,12 +47,44 @@ def test_error_replies_are_retried_exactly_when_the_error_says_so() -> None:
 
 
 def test_should_retry_needs_retries_left_and_time_for_one_more_attempt() -> None:
-    busy = TargetBusy("full")
+    draining = Draining("bye")
     common: dict[str, Any] = {"max_retries": 2, "min_attempt_s": 0.05}
-    assert should_retry("error", busy, retries_done=1, time_left_s=1.0, **common) is True
-    assert should_retry("error", busy, retries_done=2, time_left_s=1.0, **common) is False
-    assert should_retry("error", busy, retries_done=0, time_left_s=0.05, **common) is False
+    assert should_retry("error", draining, retries_done=1, time_left_s=1.0, **common) is True
+    assert should_retry("error", draining, retries_done=2, time_left_s=1.0, **common) is False
+    assert should_retry("lost", Timeout("x"), retries_done=2, time_left_s=1.0, **common) is False
+    assert should_retry("error", draining, retries_done=0, time_left_s=0.05, **common) is False
     assert should_retry("error", BizReject("no"), retries_done=0, time_left_s=9, **common) is False
+
+
+def test_merely_full_is_waited_out_until_the_deadline_not_counted() -> None:
+    common: dict[str, Any] = {"max_retries": 2, "min_attempt_s": 0.05}
+    for full in (TargetBusy("full"), Overloaded("all full", retry_after_ms=20)):
+        assert merely_full("error", full) is True
+        assert should_retry("error", full, retries_done=2, time_left_s=1.0, **common) is True
+        assert should_retry("error", full, retries_done=9, time_left_s=0.05, **common) is False
+    assert [merely_full("error", e) for e in (Draining("x"), Timeout("x"), BizReject("x"))] == [
+        False, False, False]  # fmt: skip
+    assert merely_full("lost", TargetBusy("x")) is False
+    # The wait: the hint (else the default), times 0.5 + rand, at most the cap.
+    hinted = Overloaded("all full", retry_after_ms=20)
+    assert [full_wait(hinted, 0.05, 10.0, r) for r in (0.0, 0.5)] == [0.01, 0.02]
+    assert full_wait(TargetBusy("full"), 0.05, 10.0, 0.5) == 0.05
+    assert full_wait(Overloaded("x", retry_after_ms=60_000), 0.05, 10.0, 0.9) == 10.0
+
+
+def test_retry_after_ms_travels_in_the_error_body_and_a_bad_one_is_no_hint() -> None:
+    headers, body = to_reply(Overloaded("every agent is full", retry_after_ms=20))
+    assert headers == {"Nats-Service-Error": "every agent is full",
+                       "Nats-Service-Error-Code": "429"}  # fmt: skip
+    assert json.loads(body) == {"error": {"code": "OVERLOADED", "message": "every agent is full",
+                                          "retry_after_ms": 20}}  # fmt: skip
+    err = from_reply(headers, body)
+    assert (type(err), err.code, err.retry_after_ms) == (Overloaded, "OVERLOADED", 20)
+    assert b"retry_after_ms" not in to_reply(NoReachableAgent("none"))[1]
+    for hint, read in (("20.7", 20), ('"soon"', None), ("-1", None), ("true", None)):
+        data = b'{"error": {"code": "OVERLOADED", "message": "m", "retry_after_ms": %s}}'
+        err = from_reply(headers, data % hint.encode())
+        assert (err.code, err.retry_after_ms) == ("OVERLOADED", read)
 
 
 # --- the route cache --------------------------------------------------------------------

@@ -62,13 +62,34 @@ async def test_call_returns_result_and_passes_headers_through(
     assert metrics.duration._sum.get() > 0
 
 
+async def test_wait_returns_the_final_ack_record_with_its_result_decoded(
+    nats_server: NatsServer, broker: Broker, agents: Any
+) -> None:
+    await agents(counting_agent("w1", "echo", []))
+    await wait_for(lambda: registered(broker, "w1"), what="w1 healthy")
+    async with reach_agent.Client(nats_server.url) as client:
+        receipt = await client.call("echo", {"x": 3}, ack_mode="received", request_id="r-3")
+        assert receipt == schema.Receipt(request_id="r-3", agent_id="w1")
+        record = await client.wait("r-3", timeout=10)
+    assert isinstance(record, schema.AckRecord)
+    got = (record.request_id, record.agent_id, record.capability, record.state)
+    assert got == ("r-3", "w1", "echo", "completed")
+    # Decoded, as call() would have returned it: not msgspec.Raw.
+    trace_id, parent = record.result["trace_id"], record.result["traceparent"]  # a call's own
+    assert record.result == {"agent": "w1", "payload": {"x": 3}, "hops": [],
+                             "traceparent": parent, "trace_id": trace_id}  # fmt: skip
+    assert parent.split("-")[1] == trace_id and len(trace_id) == 32
+    assert record.error is None
+
+
 async def test_busy_agent_sends_the_call_elsewhere_at_once(
     nats_server: NatsServer, broker: Broker, agents: Any
 ) -> None:
     release = asyncio.Event()
     busy_metrics = reach_agent.AgentMetrics()
-    # A long heartbeat interval: the broker does not learn that `full` is busy, so it still
-    # routes to it; the agent itself must answer TARGET_BUSY and the client move on.
+    # A long heartbeat interval and a task sent past the broker: the broker does not learn
+    # that `full` is busy (neither from a heartbeat nor from a route it answered), so it
+    # still routes to it; the agent itself must answer TARGET_BUSY and the client move on.
     full = reach_agent.Agent("full", ["job"], max_concurrency=1, heartbeat_interval=30,
                              metrics=busy_metrics)  # fmt: skip
 
@@ -91,14 +112,14 @@ async def test_busy_agent_sends_the_call_elsewhere_at_once(
                 key = f"k{i}"
                 break
         assert key is not None
-        occupy = asyncio.create_task(client.call("job", {}, sticky_key=key, timeout=10))
+        await client.nc.publish("reach.task.full.job", b"{}")  # straight to the agent
         await wait_for(lambda: full.active == 1, what="full is busy")
         result = await client.call("job", {"n": 1}, sticky_key=key, timeout=10)
         assert result["agent"] == "spare"
         assert busy_metrics.tasks.labels("job", "busy")._value.get() == 1
         assert metrics.requests.labels("full", "TARGET_BUSY")._value.get() == 1
         release.set()
-        assert await asyncio.wait_for(occupy, 10) == "full"
+        await wait_for(lambda: full.active == 0, what="full done")
     assert calls == ["spare"]
 
 

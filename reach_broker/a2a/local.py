@@ -48,6 +48,7 @@ class LocalRoutes(Routes):
         sticky_key: str | None = None,
         exclude: Sequence[str] | None = None,
         allow_suspect: bool = False,
+        peek: bool = False,
     ) -> list[Candidate]:
         check_capability(capability)
         pinned = PINNED.get()
@@ -57,8 +58,15 @@ class LocalRoutes(Routes):
             check_tags(tags)
         req = RouteRequest(limit=limit or self.config.route_limit, region=region,
                            tags=dict(tags or {}), sticky_key=sticky_key,
-                           exclude=list(exclude or ()), allow_suspect=allow_suspect)  # fmt: skip
-        return self.router.route(capability, req, self.clock())
+                           exclude=list(exclude or ()), allow_suspect=allow_suspect,
+                           peek=peek)  # fmt: skip
+        now = self.clock()
+        got = self.router.route(capability, req, now)
+        if not peek:  # the gateway's call follows: count its pick, as a route reply does
+            rec = self.registry.agents.get(got[0].agent_id)
+            if rec is not None:
+                rec.handed_out(now)
+        return got
 
     def _pinned(self, agent_id: str, capability: str) -> Candidate:
         rec = self.registry.agents.get(agent_id)

@@ -42,6 +42,7 @@ async def _route(args: argparse.Namespace) -> int:
     req = schema.RouteRequest(
         limit=args.limit, region=args.region, tags=tags(args.tag), sticky_key=args.sticky_key,
         exclude=args.exclude or [], allow_suspect=args.allow_suspect, explain=args.explain,
+        peek=True,
     )  # fmt: skip
     msg = await ask_msg(args, subjects(args).route(cap), schema.encoder.encode(req))
     err = from_reply(msg.headers, msg.data)

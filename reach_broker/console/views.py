@@ -181,7 +181,7 @@ class Views:
             return None
         ex = self.explainer
         ex.router.refresh(idx, now)  # as a route request would
-        walk = ex.walk(idx, DEFAULT_REQUEST)
+        walk = ex.walk(idx, DEFAULT_REQUEST, now)
         ranks = {rec.agent_id: i for i, rec in enumerate(idx.ranked, 1)}
         weights = [ex.router.weight(rec, now) for rec in walk.pool]
         total = sum(weights) or 1.0

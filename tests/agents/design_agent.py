@@ -1,4 +1,4 @@
-"""The agent of DESIGN §6, verbatim: started as a process by tests (NATS_URL from env)."""
+"""The README's example agent, verbatim: started as a process by tests (NATS_URL from env)."""
 
 import reach_agent
 
