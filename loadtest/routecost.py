@@ -36,6 +36,7 @@ def handlers(agents: int) -> Handlers:
     reg = Registry(cfg, TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
     subjects = Subjects("reach")
     router = Router(cfg.routing, reg.indexes, subjects.task, inflight=lambda: reg.inflight,
+                    capacity=lambda: reg.capacity,
                     rng=random.Random(1))  # fmt: skip
     for i in range(agents):
         ann = Announce(agent_id=f"a{i}", capabilities=[CAP], max_concurrency=10,

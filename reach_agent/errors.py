@@ -102,6 +102,11 @@ class Overloaded(Unavailable):
     code = "OVERLOADED"
     status = 429
 
+    def __init__(self, message: str = "", *, retry_after_ms: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
+        """When asking again may succeed (``retry_after_ms`` in the error body), if known."""
+
 
 class TargetBusy(Unavailable):
     code = "TARGET_BUSY"
@@ -176,6 +181,8 @@ class _ErrorBody(msgspec.Struct):
     """``IN_PROGRESS``: the agent holding the claim."""
     delivered: int | msgspec.UnsetType = msgspec.UNSET
     """``STREAM_BROKEN``: chunks delivered before the break."""
+    retry_after_ms: int | msgspec.UnsetType = msgspec.UNSET
+    """``OVERLOADED``: when asking again may succeed."""
 
 
 class _ErrorReply(msgspec.Struct):
@@ -187,8 +194,9 @@ _decoder = msgspec.json.Decoder(_ErrorReply)
 
 
 def error_for(
-    code: str, message: str, *, holder: str | None = None, delivered: int | None = None
-) -> ReachError:
+    code: str, message: str, *, holder: str | None = None, delivered: int | None = None,
+    retry_after_ms: int | None = None,
+) -> ReachError:  # fmt: skip
     """The exception of a wire ``code`` (unknown codes become :class:`ReachError`)."""
     cls = _BY_CODE.get(code)
     if cls is None:
@@ -197,6 +205,8 @@ def error_for(
         return InProgress(message, holder=holder or "")
     if cls is StreamBroken:
         return StreamBroken(message, delivered=delivered or 0)
+    if cls is Overloaded:
+        return Overloaded(message, retry_after_ms=retry_after_ms)
     return cls(message)
 
 
@@ -210,6 +220,8 @@ def to_reply(err: ReachError) -> tuple[dict[str, str], bytes]:
         code=err.code, message=err.message,
         holder=err.holder if isinstance(err, InProgress) else msgspec.UNSET,
         delivered=err.delivered if isinstance(err, StreamBroken) else msgspec.UNSET,
+        retry_after_ms=(err.retry_after_ms if isinstance(err, Overloaded)
+                        and err.retry_after_ms is not None else msgspec.UNSET),
     )  # fmt: skip
     if err.extra:
         return headers, _encoder.encode({"error": error, **err.extra})
@@ -231,4 +243,5 @@ def from_reply(headers: Mapping[str, str] | None, data: bytes) -> ReachError | N
         e.code, e.message or message,
         holder=e.holder if isinstance(e.holder, str) else None,
         delivered=e.delivered if isinstance(e.delivered, int) else None,
+        retry_after_ms=e.retry_after_ms if isinstance(e.retry_after_ms, int) else None,
     )  # fmt: skip

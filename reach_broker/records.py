@@ -39,10 +39,14 @@ class AgentRecord:
         "agent_id",
         "announce",
         "capabilities",
+        "context_usage_pct",
+        "context_window",
         "deadline_gen",
+        "delivery",
         "disconnected",
         "fail_total",
         "forget_at",
+        "headroom",
         "heap_at",
         "interval_s",
         "last_seen",
@@ -52,6 +56,7 @@ class AgentRecord:
         "offline_at",
         "ok_total",
         "oldest_task_ms",
+        "permissions",
         "probe_failures",
         "queue_depth",
         "recover_hbs",
@@ -109,6 +114,9 @@ class AgentRecord:
         self.resync = False
         """The broker's own link was down since the last heartbeat: the next gap is not the
         agent's (no arrival sample, no missed beat)."""
+        self.context_usage_pct: float | None = None
+        self.delivery = 1.0
+        """The delivery term of the score: what callers saw (:mod:`reach_broker.outcomes`)."""
         self.apply_announce(msg, interval_s)
 
     def apply_announce(self, msg: Announce, interval_s: float) -> None:
@@ -121,6 +129,16 @@ class AgentRecord:
         self.version = msg.version
         self.tags = msg.tags
         self.timeout_hint_ms = msg.timeout_hint_ms
+        self.permissions = frozenset(msg.permissions)
+        self.context_window = msg.context_window
+        self.set_context(self.context_usage_pct)
+
+    def set_context(self, usage_pct: float | None) -> None:
+        """The reported context usage, and the headroom it leaves:
+        ``context_window x (1 - usage / 100)`` tokens (0 without a ``context_window``)."""
+        self.context_usage_pct = usage_pct
+        window = self.context_window or 0
+        self.headroom = int(window * (1.0 - usage_pct / 100.0)) if usage_pct else window
 
     def set_load(self, active: int, queue_depth: int) -> int:
         """Record the agent's reported load; returns the change of ``active``. (Its

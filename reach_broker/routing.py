@@ -35,8 +35,13 @@ from reach_agent.schema import Candidate, RouteReply, RouteRequest, encoder
 from .config import RoutingSection
 from .index import CapabilityIndex, CapabilityIndexes, candidate, hash64
 from .records import AgentRecord
+from .rules import Rule, Rules
 
 log = logging.getLogger(__name__)
+
+Policy = tuple[Rule | None, str | None]
+"""What a capability's route rule asks of one request: (the rule, the split arm it got)."""
+NO_POLICY: Policy = (None, None)
 
 
 class Router:
@@ -49,8 +54,10 @@ class Router:
         subject_of: Callable[[str, str], str],
         *,
         inflight: Callable[[], int],
+        capacity: Callable[[], int],
         on_panic: Callable[[str, bool], None] | None = None,
         rng: random.Random | None = None,
+        rules: Rules | None = None,
     ) -> None:
         self.cfg = cfg
         self.indexes = indexes
@@ -61,6 +68,18 @@ class Router:
         self.on_panic = on_panic
         """Called with (capability, in_panic) when a capability enters or leaves panic."""
         self.rng = rng or random.Random()
+        self.capacity = capacity
+        """The fleet's slots: Σ max_concurrency of the agents not offline (the registry's)."""
+        self.rules = rules if rules is not None else Rules()
+        """Each capability's route rule in force (:mod:`reach_broker.rules`)."""
+        self.last_policy: Policy = NO_POLICY
+        """The policy the last :meth:`choose` walked with (the explanation walks it again)."""
+
+    def ceiling(self) -> int:
+        """The fleet-wide in-flight ceiling: ``routing.inflight_ceiling`` when set, else
+        ``inflight_share`` of the fleet's slots, so it grows and shrinks with the fleet."""
+        fixed = self.cfg.inflight_ceiling
+        return fixed if fixed is not None else int(self.cfg.inflight_share * self.capacity())
 
     def route(self, capability: str, req: RouteRequest, now: float) -> list[Candidate]:
         """Candidates for ``capability``, best first; raises NoReachableAgent with why."""
@@ -89,9 +108,13 @@ class Router:
         first. Raises Overloaded or NoReachableAgent (saying why)."""
         cfg = self.cfg
         inflight = self.inflight()
-        if inflight > cfg.inflight_ceiling:
+        ceiling = cfg.inflight_ceiling
+        if ceiling is None:
+            ceiling = int(cfg.inflight_share * self.capacity())
+        if inflight > ceiling:
             raise Overloaded(
-                f"fleet in-flight tasks {inflight} exceed the ceiling {cfg.inflight_ceiling}"
+                f"fleet in-flight tasks {inflight} exceed the ceiling {ceiling}",
+                retry_after_ms=cfg.overloaded_retry_after_ms,
             )
         idx = self.indexes.get(capability)
         if idx is None or not idx.members:
@@ -102,13 +125,22 @@ class Router:
         # pool_size(req), inline: the route path saves the call.
         want = limit if cfg.choice == "ranked" and not req.sticky_key else limit * cfg.pool_factor
         why: dict[str, int] = {}
-        pool = self._walk(idx.ranked, "healthy", req, want, why)
+        rule = self.rules.get(capability) if self.rules else None
+        if rule is not None:
+            arm, fallback = rule.arm(req)
+        else:
+            arm, fallback = req.canary, False
+        pool = self._walk(idx.ranked, "healthy", req, want, why, rule, arm)
+        if not pool and arm is not None and fallback:
+            arm = None  # the arm drawn has no agent left: the split's other arms serve
+            pool = self._walk(idx.ranked, "healthy", req, want, why, rule, arm)
         if not pool and req.allow_suspect:
-            pool = self._walk(idx.suspects, "suspect", req, want, why)
+            pool = self._walk(idx.suspects, "suspect", req, want, why, rule, arm)
+        self.last_policy = (rule, arm)
         if not pool:
             raise NoReachableAgent(self._explain(capability, idx, why))
         if req.sticky_key:
-            first = self._sticky(idx, req, pool)
+            first = self._sticky(idx, req, pool, (rule, arm))
             rest = [r for r in pool if r is not first]
             return idx, [first, *rest[: limit - 1]]
         if cfg.choice == "weighted":
@@ -129,15 +161,19 @@ class Router:
             return req.limit
         return req.limit * cfg.pool_factor
 
-    def passing(self, recs: list[AgentRecord], state: str, req: RouteRequest) -> list[AgentRecord]:
+    def passing(
+        self, recs: list[AgentRecord], state: str, req: RouteRequest, policy: Policy = NO_POLICY
+    ) -> list[AgentRecord]:
         """Every agent of ``recs`` that passes the walk's filters (the walk without a limit)."""
-        return self._walk(recs, state, req, len(recs), {}) if recs else []
+        return self._walk(recs, state, req, len(recs), {}, *policy) if recs else []
 
-    def filtered_by(self, rec: AgentRecord, state: str, req: RouteRequest) -> str | None:
+    def filtered_by(
+        self, rec: AgentRecord, state: str, req: RouteRequest, policy: Policy = NO_POLICY
+    ) -> str | None:
         """The reason code (:mod:`reach_broker.reasons`) of the first filter of the walk
         ``rec`` fails when the walk wants ``state``; None when it passes them all."""
         why: dict[str, int] = {}
-        if self._walk((rec,), state, req, 1, why):
+        if self._walk((rec,), state, req, 1, why, *policy):
             return None
         return next(iter(why))
 
@@ -172,11 +208,18 @@ class Router:
         req: RouteRequest,
         want: int,
         why: dict[str, int],
+        rule: Rule | None = None,
+        arm: str | None = None,
     ) -> list[AgentRecord]:
         watermark = self.cfg.load_watermark
         exclude = req.exclude
+        requires = req.requires
+        min_context = req.min_context_tokens
         out: list[AgentRecord] = []
-        if req.region is None and not req.tags and not exclude:
+        if (
+            rule is None and arm is None and req.region is None and not req.tags
+            and not exclude and not requires and min_context is None
+        ):  # fmt: skip
             # The common request (no filters): state and load only, no bookkeeping. Should
             # nothing pass, the full walk below runs to count why.
             for rec in ranked:
@@ -203,6 +246,24 @@ class Router:
             if req.tags and any(rec.tags.get(k) != v for k, v in req.tags.items()):
                 why["tags"] = why.get("tags", 0) + 1
                 continue
+            if (
+                rule is not None
+                and rule.require
+                and any(k not in req.tags and rec.tags.get(k) != v for k, v in rule.require)
+            ):
+                why["required"] = why.get("required", 0) + 1
+                continue
+            if (arm is not None or (rule is not None and rule.listed)) and _split_out(
+                rec, rule, arm
+            ):
+                why["split"] = why.get("split", 0) + 1
+                continue
+            if requires and not rec.permissions.issuperset(requires):
+                why["requires"] = why.get("requires", 0) + 1
+                continue
+            if min_context is not None and rec.headroom < min_context:
+                why["context"] = why.get("context", 0) + 1
+                continue
             if exclude and rec.agent_id in exclude:
                 why["exclude"] = why.get("exclude", 0) + 1
                 continue
@@ -227,7 +288,8 @@ class Router:
         parts = []
         if why.get("load"):
             parts.append(f"{why['load']} at or above the load watermark {self.cfg.load_watermark}")
-        for key in ("region", "tags", "exclude", "state"):
+        for key in ("region", "tags", "required", "split", "requires", "context", "exclude",
+                    "state"):  # fmt: skip
             if why.get(key):
                 parts.append(f"{why[key]} filtered by {key}")
         detail = "; ".join(parts) or "none passed the filter"
@@ -285,7 +347,7 @@ class Router:
         return [first, *[r for r in pool if r is not first][: limit - 1]]
 
     def _sticky(
-        self, idx: CapabilityIndex, req: RouteRequest, pool: list[AgentRecord]
+        self, idx: CapabilityIndex, req: RouteRequest, pool: list[AgentRecord], policy: Policy
     ) -> AgentRecord:
         keys, owners = idx.ring(self.cfg.vnodes)
         assert req.sticky_key is not None
@@ -300,10 +362,19 @@ class Router:
             if (
                 owner.state == "healthy"
                 and owner.score >= self.cfg.min_reach_score
-                and self._walk([owner], "healthy", req, 1, {})
+                and self._walk([owner], "healthy", req, 1, {}, *policy)
             ):
                 return owner
         return pool[0]
+
+
+def _split_out(rec: AgentRecord, rule: Rule | None, arm: str | None) -> bool:
+    """Whether ``rec`` is outside the split: not of ``arm`` (a canary without a split: not of
+    that ``version``), or, with no arm, of no value the split lists."""
+    if rule is None or not rule.listed:
+        return rec.version != arm
+    value = rule.value_of(rec)
+    return value != arm if arm is not None else value not in rule.listed
 
 
 def _expected_ms(rec: AgentRecord) -> float:

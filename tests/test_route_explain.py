@@ -26,7 +26,8 @@ async def test_explained_route_on_the_wire_and_as_a_table(
     (alpha,) = reply["candidates"]
     assert alpha["agent_id"] == "alpha"
     assert alpha["explain"]["terms"] == {"liveness": 1.0, "latency": 1.0, "load": 0.8,
-                                         "success": 1.0, "stuck": 1.0}  # fmt: skip
+                                         "success": 1.0, "stuck": 1.0,
+                                         "delivery": 1.0}  # fmt: skip
     assert (alpha["explain"]["weakest"], alpha["explain"]["active"]) == ("load", 1)
     explain = reply["explain"]
     assert [(x["agent_id"], x["reason"], x["detail"]) for x in explain["excluded"]] == [
