@@ -67,6 +67,7 @@ from .errors import Forbidden, InProgress, InternalError, InvalidRequest, NoReac
 from .holder import Holders
 from .liveness import Liveness
 from .metrics import ClientMetrics
+from .outcomes import OutcomeBook, OutcomeReporter
 from .retry import should_retry
 from .routes import Routes
 from .subjects import ReplyInbox, Subjects
@@ -114,6 +115,12 @@ class Client:
         self._own_nc = nc is None
         self._servers = servers
         self._name = name or f"reach-client-{uuid.uuid4().hex[:8]}"
+        self.routes.caller = self._name
+        self.outcomes = OutcomeBook(self._name, clock())
+        """What this client saw of each agent, sent to the brokers (:mod:`.outcomes`)."""
+        self.attempts.outcomes = self.outcomes
+        self._reporter = OutcomeReporter(self.nc, self.subjects, self.outcomes,
+                                         self.config.outcome_interval_s, clock)  # fmt: skip
         self._inbox = ReplyInbox("")  # the connection's own inbox, from start()
         self._calls: dict[str, Call] = {}
         self._subs: list[Subscription] = []
@@ -158,6 +165,7 @@ class Client:
         ]  # fmt: skip
         await flush_subscriptions(nc)
         self.liveness.start()
+        self._reporter.start()
         self.routes.running = True
         self._refresher = asyncio.create_task(self.routes.refresh_loop(),
                                               name="reach-route-refresh")  # fmt: skip
@@ -175,6 +183,7 @@ class Client:
             await asyncio.wait({self._refresher}, timeout=2.0)
         for call in self._calls.values():
             call.close()
+        await self._reporter.stop()
         self._tasks.cancel()
         for sub in self._subs:
             try:
@@ -209,8 +218,12 @@ class Client:
         sticky_key: str | None = None,
         exclude: Sequence[str] | None = None,
         allow_suspect: bool = False,
+        canary: str | None = None,
+        requires: Sequence[str] | None = None,
+        min_context_tokens: int | None = None,
     ) -> list[schema.Candidate]:
-        """Ranked candidates for ``capability`` from a broker, best first.
+        """Ranked candidates for ``capability`` from a broker, best first (``canary``,
+        ``requires``, ``min_context_tokens``: see docs/protocol.md, RouteRequest).
 
         When no broker answers, the last answer for the same capability and filters is used
         (minus agents that events since reported unhealthy, in weighted-random order);
@@ -218,7 +231,9 @@ class Client:
         """
         return await self.routes.route(capability, limit, region=region, tags=tags,
                                        sticky_key=sticky_key, exclude=exclude,
-                                       allow_suspect=allow_suspect)  # fmt: skip
+                                       allow_suspect=allow_suspect, canary=canary,
+                                       requires=requires,
+                                       min_context_tokens=min_context_tokens)  # fmt: skip
 
     async def _on_event(self, msg: Msg) -> None:
         if audit.is_copy(msg, live=True):  # not an event a broker published
@@ -348,6 +363,7 @@ class Client:
                         capability, cfg.route_limit, region=call.region, tags=call.tags,
                         sticky_key=call.sticky_key,
                         exclude=self.breakers.blocked(capability, self.clock()),
+                        deadline=call.deadline,
                     )  # fmt: skip
                 except NoReachableAgent as no_agent:
                     raise (call.last_err or no_agent) from None

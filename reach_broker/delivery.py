@@ -15,10 +15,12 @@ an argument (pure):
   panic), like any low scorer.
 - **the unanswered rule**: at least ``unanswered_after`` (N, 3 by default) receipted calls
   without a result (lost + timeouts, any callers) in the window, while no caller got any
-  answer from the agent and its heartbeats reported no finished task since the first of
-  them: D = 0, for everyone, after at most N calls. An agent that is merely slow still
-  finishes tasks (its ``ok_total`` moves), so a caller with too short a deadline cannot
-  eject it this way.
+  answer from the agent, its heartbeats reported no finished task since the first of them
+  and they do report tasks running (``active`` > 0: the receipted tasks are still in its
+  hands): D = 0, for everyone, after at most N calls. The agent's own heartbeats corroborate
+  the callers: an agent that is merely slow still finishes tasks (its ``ok_total`` moves),
+  and an idle one runs nothing, so neither a caller with too short a deadline nor one that
+  makes reports up can eject it this way.
 
 The window slides: once the reports are a minute old, D returns to 1 (the agent is tried
 again, and judged afresh).
@@ -84,9 +86,11 @@ class DeliveryBook:
         self.cfg = cfg
         self.agents: dict[str, AgentOutcomes] = {}
 
-    def add(self, agent_id: str, s: OutcomeSummary, now: float, finished: int) -> Verdict:
-        """Keep one summary (``finished``: the agent's heartbeat ok + fail totals now);
-        returns the agent's verdict."""
+    def add(
+        self, agent_id: str, s: OutcomeSummary, now: float, finished: int, busy: bool
+    ) -> Verdict:
+        """Keep one summary (``finished``: the agent's heartbeat ok + fail totals now;
+        ``busy``: its heartbeats report tasks running); returns the agent's verdict."""
         book = self.agents.get(agent_id)
         if book is None:
             book = self.agents[agent_id] = AgentOutcomes()
@@ -95,9 +99,9 @@ class DeliveryBook:
         book.by_caller.setdefault(s.caller, deque()).append(seen)
         if seen.unanswered and book.baseline is None:
             book.baseline = finished
-        return self.judge(agent_id, now, finished)
+        return self.judge(agent_id, now, finished, busy)
 
-    def judge(self, agent_id: str, now: float, finished: int) -> Verdict:
+    def judge(self, agent_id: str, now: float, finished: int, busy: bool) -> Verdict:
         """The agent's verdict over the window ending ``now`` (old reports dropped)."""
         book = self.agents.get(agent_id)
         if book is None:
@@ -128,7 +132,7 @@ class DeliveryBook:
         share = shares[k - 1] if len(shares) >= k else 0.0
         callers = len(book.by_caller)
         if (
-            unanswered >= cfg.unanswered_after and answers == 0
+            unanswered >= cfg.unanswered_after and answers == 0 and busy
             and book.baseline is not None and finished <= book.baseline
         ):  # fmt: skip
             verdict = Verdict(0.0, UNANSWERED, share, callers)

@@ -78,7 +78,8 @@ class Outcomes:
             return None
         self._result["accepted"].inc()
         now = self.ctx.clock()
-        verdict = self.book.add(agent_id, summary, now, rec.ok_total + rec.fail_total)
+        verdict = self.book.add(agent_id, summary, now, rec.ok_total + rec.fail_total,
+                                rec.active > 0)  # fmt: skip
         self._set(agent_id, verdict, now)
         return verdict
 
@@ -90,8 +91,8 @@ class Outcomes:
             if rec is None:
                 self.book.forget(agent_id)
                 continue
-            self._set(agent_id, self.book.judge(agent_id, now, rec.ok_total + rec.fail_total),
-                      now)  # fmt: skip
+            finished = rec.ok_total + rec.fail_total
+            self._set(agent_id, self.book.judge(agent_id, now, finished, rec.active > 0), now)
 
     def _set(self, agent_id: str, verdict: Verdict, now: float) -> None:
         rec = self.registry.agents.get(agent_id)

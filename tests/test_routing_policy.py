@@ -281,33 +281,44 @@ def _summary(caller: str, attempts: int, **counts: int) -> OutcomeSummary:
 
 def test_one_noisy_caller_alone_cannot_move_the_delivery_term() -> None:
     book = DeliveryBook(OutcomesSection())
-    v = book.add("a", _summary("noisy", 100, not_delivered=60, ok=40), 1.0, finished=0)
+    v = book.add("a", _summary("noisy", 100, not_delivered=60, ok=40), 1.0, finished=0, busy=True)
     assert (v.delivery, v.rule) == (1.0, None)
-    v = book.add("a", _summary("calm", 100, ok=100), 2.0, finished=0)
+    v = book.add("a", _summary("calm", 100, ok=100), 2.0, finished=0, busy=True)
     assert (v.delivery, v.rule) == (1.0, None)  # the second worst caller saw 0 %
-    v = book.add("a", _summary("second", 50, timeouts=5, ok=45), 3.0, finished=100)
+    v = book.add("a", _summary("second", 50, timeouts=5, ok=45), 3.0, finished=100, busy=True)
     assert (v.delivery, v.rule, v.share) == (0.0, OUTLIER, 0.1)  # two callers above 5 %
 
 
 def test_the_outlier_rule_forgets_after_the_window() -> None:
     book = DeliveryBook(OutcomesSection(window_s=60.0))
-    book.add("a", _summary("x", 20, not_delivered=4, ok=16), 0.0, finished=0)
-    assert book.add("a", _summary("y", 20, lost=2, ok=18), 0.0, finished=0).rule == OUTLIER
-    assert book.judge("a", 30.0, finished=0).rule == OUTLIER
-    assert book.judge("a", 61.0, finished=0).delivery == 1.0
+    book.add("a", _summary("x", 20, not_delivered=4, ok=16), 0.0, finished=0, busy=True)
+    assert (
+        book.add("a", _summary("y", 20, lost=2, ok=18), 0.0, finished=0, busy=True).rule == OUTLIER
+    )
+    assert book.judge("a", 30.0, finished=0, busy=True).rule == OUTLIER
+    assert book.judge("a", 61.0, finished=0, busy=True).delivery == 1.0
     assert "a" not in book.agents
 
 
 def test_receipts_without_results_eject_after_n_calls_unless_the_agent_finishes_tasks() -> None:
     cfg = OutcomesSection(unanswered_after=3)
     book = DeliveryBook(cfg)
-    assert book.add("a", _summary("first", 2, timeouts=2), 1.0, finished=7).rule is None
-    assert book.add("a", _summary("first", 1, timeouts=1), 2.0, finished=7).rule == UNANSWERED
+    assert book.add("a", _summary("first", 2, timeouts=2), 1.0, finished=7, busy=True).rule is None
+    assert (
+        book.add("a", _summary("first", 1, timeouts=1), 2.0, finished=7, busy=True).rule
+        == UNANSWERED
+    )
     # The same reports of a slow agent that does finish its tasks (the caller gave up early).
     slow = DeliveryBook(cfg)
-    slow.add("b", _summary("hasty", 2, timeouts=2), 1.0, finished=7)
-    assert slow.add("b", _summary("hasty", 1, timeouts=1), 2.0, finished=9).rule is None
+    slow.add("b", _summary("hasty", 2, timeouts=2), 1.0, finished=7, busy=True)
+    assert slow.add("b", _summary("hasty", 1, timeouts=1), 2.0, finished=9, busy=True).rule is None
     # ... or that answers another caller.
     other = DeliveryBook(cfg)
-    other.add("c", _summary("hasty", 3, timeouts=3), 1.0, finished=7)
-    assert other.add("c", _summary("patient", 1, ok=1), 2.0, finished=7).rule is None
+    other.add("c", _summary("hasty", 3, timeouts=3), 1.0, finished=7, busy=True)
+    assert other.add("c", _summary("patient", 1, ok=1), 2.0, finished=7, busy=True).rule is None
+    # ... or that runs nothing at all: the reports are not its (a caller making them up).
+    idle = DeliveryBook(cfg)
+    assert (
+        idle.add("d", _summary("liar", 50, timeouts=50), 1.0, finished=0, busy=False).rule is None
+    )
+    assert idle.judge("d", 2.0, finished=0, busy=True).rule == UNANSWERED

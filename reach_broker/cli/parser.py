@@ -21,11 +21,12 @@ from reach_agent.errors import ReachError
 
 from .. import __version__
 from ..logs import drop_stdout, setup_logging
-from . import ack, agents, announce, auth, broker, call, demo, devcluster, events, route, top
+from . import ack, agents, announce, auth, broker, call, demo, devcluster, events, route, rules, top
 from .common import CliError
 from .output import print_json
 
-COMMANDS = (broker, agents, route, call, announce, top, events, demo, ack, auth, devcluster)
+COMMANDS = (broker, agents, route, call, announce, top, events, demo, ack, auth, devcluster,
+            rules)  # fmt: skip
 """The subcommands, in the order ``reach --help`` lists them."""
 
 Command = Callable[[argparse.Namespace], int]
