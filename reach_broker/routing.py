@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 Policy = tuple[Rule | None, str | None]
 """What a capability's route rule asks of one request: (the rule, the split arm it got)."""
 NO_POLICY: Policy = (None, None)
+_NO_PAIRS: frozenset[tuple[str, str]] = frozenset()
+_NO_VALUES: frozenset[str] = frozenset()
 
 
 class Router:
@@ -136,7 +138,7 @@ class Router:
             pool = self._walk(idx.ranked, "healthy", req, want, why, rule, arm)
         if not pool and req.allow_suspect:
             pool = self._walk(idx.suspects, "suspect", req, want, why, rule, arm)
-        self.last_policy = (rule, arm)
+        self.last_policy = NO_POLICY if rule is None and arm is None else (rule, arm)
         if not pool:
             raise NoReachableAgent(self._explain(capability, idx, why))
         if req.sticky_key:
@@ -216,14 +218,41 @@ class Router:
         requires = req.requires
         min_context = req.min_context_tokens
         out: list[AgentRecord] = []
+        # The policy of the capability's rule, prepared once per walk: the required tags
+        # (as pairs: one C-level subset test per agent), the split's key, arm and values.
+        required = _NO_PAIRS
+        splitting = arm is not None
+        tag: str | None = None  # None: the split is by version
+        listed = _NO_VALUES
+        if rule is not None:
+            required = rule.required_for(req.tags)
+            if rule.listed:
+                splitting, tag, listed = True, rule.tag, rule.listed
         if (
-            rule is None and arm is None and req.region is None and not req.tags
-            and not exclude and not requires and min_context is None
-        ):  # fmt: skip
-            # The common request (no filters): state and load only, no bookkeeping. Should
-            # nothing pass, the full walk below runs to count why.
-            for rec in ranked:
-                if rec.state == state and rec.load < watermark:
+            req.region is None
+            and not req.tags
+            and not exclude
+            and not requires
+            and (min_context is None)
+        ):
+            # The common request (no filters of its own): state, load and the rule only, no
+            # bookkeeping. Should nothing pass, the full walk below runs to count why.
+            if not required and not splitting:
+                for rec in ranked:
+                    if rec.state == state and rec.load < watermark:
+                        out.append(rec)
+                        if len(out) >= want:
+                            break
+            else:
+                for rec in ranked:
+                    if rec.state != state or rec.load >= watermark:
+                        continue
+                    if required and not rec.tags.items() >= required:
+                        continue
+                    if splitting:
+                        value = rec.version if tag is None else rec.tags.get(tag)
+                        if (value != arm) if arm is not None else (value not in listed):
+                            continue
                     out.append(rec)
                     if len(out) >= want:
                         break
@@ -246,18 +275,14 @@ class Router:
             if req.tags and any(rec.tags.get(k) != v for k, v in req.tags.items()):
                 why["tags"] = why.get("tags", 0) + 1
                 continue
-            if (
-                rule is not None
-                and rule.require
-                and any(k not in req.tags and rec.tags.get(k) != v for k, v in rule.require)
-            ):
+            if required and not rec.tags.items() >= required:
                 why["required"] = why.get("required", 0) + 1
                 continue
-            if (arm is not None or (rule is not None and rule.listed)) and _split_out(
-                rec, rule, arm
-            ):
-                why["split"] = why.get("split", 0) + 1
-                continue
+            if splitting:
+                value = rec.version if tag is None else rec.tags.get(tag)
+                if (value != arm) if arm is not None else (value not in listed):
+                    why["split"] = why.get("split", 0) + 1
+                    continue
             if requires and not rec.permissions.issuperset(requires):
                 why["requires"] = why.get("requires", 0) + 1
                 continue
@@ -366,15 +391,6 @@ class Router:
             ):
                 return owner
         return pool[0]
-
-
-def _split_out(rec: AgentRecord, rule: Rule | None, arm: str | None) -> bool:
-    """Whether ``rec`` is outside the split: not of ``arm`` (a canary without a split: not of
-    that ``version``), or, with no arm, of no value the split lists."""
-    if rule is None or not rule.listed:
-        return rec.version != arm
-    value = rule.value_of(rec)
-    return value != arm if arm is not None else value not in rule.listed
 
 
 def _expected_ms(rec: AgentRecord) -> float:

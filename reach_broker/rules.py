@@ -164,8 +164,8 @@ def describe(rule: RouteRule) -> str:
 class Rule:
     """A compiled rule: what the route walk checks, and the arm each request gets."""
 
-    __slots__ = ("arms", "by_version", "current", "listed", "require", "source", "split_by",
-                 "stored", "total", "weights")  # fmt: skip
+    __slots__ = ("arms", "by_version", "current", "listed", "require", "required", "source",
+                 "split_by", "stored", "tag", "total", "weights")  # fmt: skip
 
     def __init__(self, stored: RouteRule, source: str) -> None:
         self.stored = stored
@@ -180,6 +180,16 @@ class Rule:
         """Every value of the split, also those of weight 0 (routed only as a canary)."""
         self.current = [0] * len(self.arms)
         self.require = tuple(stored.require.items())
+        self.required = frozenset(self.require)
+        """The required tags as pairs: ``rec.tags.items() >= required`` is the check."""
+        self.tag = stored.split_by or "" if not self.by_version else None
+        """The split's tag key (None: the split is by version)."""
+
+    def required_for(self, req_tags: dict[str, str]) -> frozenset[tuple[str, str]]:
+        """The required tags a request must not lack: those whose key it does not name."""
+        if not req_tags:
+            return self.required
+        return frozenset(p for p in self.required if p[0] not in req_tags)
 
     def arm(self, req: RouteRequest) -> tuple[str | None, bool]:
         """The arm of ``req`` and whether it may fall back to the others: (None, True) when
