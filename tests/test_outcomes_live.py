@@ -1,6 +1,7 @@
 """Callers' outcomes on a real nats-server: an agent that sends receipts but never results is
 out of the routes for a second caller after at most N (outcomes.unanswered_after) calls of a
-first; a single noisy caller alone cannot eject a healthy agent."""
+first; a single noisy caller alone cannot eject a healthy agent. And an SDK agent's
+permissions and context headroom, routed on."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from nats.aio.client import Client as NATS
 
 import reach_agent
 from reach_agent.config import ClientConfig
-from reach_agent.errors import Timeout
+from reach_agent.errors import NoReachableAgent, Timeout
 from reach_agent.schema import OutcomeSummary, encoder
 from reach_broker.natsserver import NatsServer
 
@@ -99,3 +100,30 @@ async def test_a_single_noisy_caller_alone_cannot_eject_a_healthy_agent(
     await nc.publish("reach.outcome.b", bad)
     invalid = broker.metrics.outcomes.labels("invalid")
     await wait_for(lambda: invalid._value.get() == 1, what="invalid counted")
+
+
+async def test_an_sdk_agent_s_permissions_and_context_are_routed_on(
+    nats_server: NatsServer, broker_factory: BrokerFactory, agents: Any
+) -> None:
+    broker = await broker_factory(**QUIET)
+    big = reach_agent.Agent("big", [CAP], heartbeat_interval=0.1, permissions=["pii"],
+                            context_window=200_000, claims=False)  # fmt: skip
+    small = reach_agent.Agent("small", [CAP], heartbeat_interval=0.1, context_window=8_000,
+                              claims=False)  # fmt: skip
+    for agent in (big, small):
+        agent.handler(CAP)(answers)
+        await agents(agent)
+    await wait_for(lambda: len(broker.registry.agents) == 2, what="two agents")
+    async with reach_agent.Client(nats_server.url, config=FAST) as client:
+        got = await asyncio.wait_for(client.route(CAP, 3, requires=["pii"]), 5)
+        assert [c.agent_id for c in got] == ["big"]
+        got = await asyncio.wait_for(client.route(CAP, 3, min_context_tokens=100_000), 5)
+        assert [c.agent_id for c in got] == ["big"]
+        big.context_usage_pct = 75.0  # 50,000 tokens left
+        await wait_for(lambda: broker.registry.agents["big"].headroom == 50_000, what="usage")
+        try:
+            await asyncio.wait_for(client.route(CAP, 3, min_context_tokens=100_000), 5)
+        except NoReachableAgent as exc:
+            assert "2 filtered by context" in exc.message
+        else:
+            raise AssertionError("routed an agent without the headroom")
