@@ -80,8 +80,9 @@ class Rulebook:
         if data is None:
             in_force = self.rules.unset(capability)
             action = "cleared"
-            reason = "cleared" + (f"; broker.toml's applies: {describe(in_force)}"
-                                  if in_force is not None else "")  # fmt: skip
+            reason = f"{capability}: cleared" + (
+                f"; broker.toml's applies: {describe(in_force)}" if in_force is not None else ""
+            )
         else:
             try:
                 rule = decode_rule(capability, data)
@@ -93,7 +94,7 @@ class Rulebook:
             self.rules.put(capability, rule)
             action = "set"
             by = f" by {rule.updated_by}" if rule.updated_by else ""
-            reason = f"set {describe(rule)}{by}"
+            reason = f"{capability}: set {describe(rule)}{by}"
         self.quotas.changed(capability)
         m.rule_changes.labels(action).inc()
         self.applied += 1

@@ -67,8 +67,8 @@ async def test_a_rule_change_reaches_a_second_replica_within_a_second_and_is_aud
     events = [schema.event_decoder.decode(e.data) for e in stored]
     rules = [e for e in events if e.kind == "rule"]
     assert [(e.capability, e.agent_id) for e in rules] == [(CAP, "_rules")] * 2
-    assert rules[0].reason.startswith("set require env=prod by ")
-    assert rules[1].reason == "set split version=1:95,2:5; require env=prod"
+    assert rules[0].reason.startswith("summarize: set require env=prod by ")
+    assert rules[1].reason == "summarize: set split version=1:95,2:5; require env=prod"
     # The CLI shows it; clearing puts the untagged agent back.
     code, out, _ = await reach("rules", "show", "--json", "--server", nats_server.url)
     assert (code, list(json.loads(out))) == (0, [CAP])
