@@ -176,6 +176,31 @@ async def ensure_consumer(
     return await js.pull_subscribe_bind(durable=name, stream=COMP_STREAM)
 
 
+FETCH_BATCH = 256
+
+
+async def take(psub: Any, subjects: StreamSubjects) -> list[Entry] | None:
+    """Every entry the capability's durable consumer ``psub`` gives this reader now, by
+    priority then age (fetched, not acked: the caller acks, naks or holds each); None when
+    the consumer has nothing pending nor unacknowledged."""
+    info = await psub.consumer_info()
+    waiting = int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+    if waiting == 0:
+        return None
+    msgs: list[Msg] = []
+    while len(msgs) < waiting:
+        try:
+            got = await psub.fetch(batch=min(waiting - len(msgs), FETCH_BATCH), timeout=0.3)
+        except TimeoutError:
+            break
+        msgs += got
+        if len(got) < FETCH_BATCH:
+            break
+    entries = [entry_of(m, subjects) for m in msgs]
+    entries.sort(key=lambda e: (-e.priority, e.enqueued_ms, e.seq))
+    return entries
+
+
 async def depths(
     nc: NATS, subjects: StreamSubjects, timeout_s: float = 2.0
 ) -> tuple[int, dict[str, int]]:

@@ -47,12 +47,24 @@ async def wait_event(event: asyncio.Event, seconds: float) -> None:
             await event.wait()
 
 
-async def stop_loops(*tasks: asyncio.Task[Any]) -> None:
-    """Cancel background loops and wait for them, bounded: on 3.11 a cancel that races a
-    completing ``wait_for`` inside nats-py can be swallowed, so never wait forever."""
-    for t in tasks:
-        t.cancel()
-    _, pending = await asyncio.wait(tasks, timeout=2.0)
-    for t in pending:
-        t.cancel()
-        log.warning("agent.loop_did_not_stop task=%s", t.get_name())
+STOP_WITHIN_S = 2.0
+RECANCEL_S = 0.1
+
+
+async def stop_loops(*tasks: asyncio.Task[Any], within_s: float = STOP_WITHIN_S) -> None:
+    """Cancel background loops and wait for them to end, at most ``within_s``. On 3.11 a
+    cancel that races a completing ``wait_for`` inside nats-py is swallowed (the loop goes
+    on to its next sleep), so a task still running is cancelled again every ``RECANCEL_S``;
+    one that outlives ``within_s`` is logged, never waited on for ever."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    pending = {t for t in tasks if not t.done()}
+    while pending:
+        for t in pending:
+            t.cancel()
+        left = deadline - loop.time()
+        if left <= 0:
+            for t in pending:
+                log.warning("loop_did_not_stop task=%s", t.get_name())
+            return
+        _, pending = await asyncio.wait(pending, timeout=min(RECANCEL_S, left))

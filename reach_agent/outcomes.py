@@ -20,6 +20,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 
 from . import schema
+from .aio import stop_loops
 from .errors import BizReject
 from .retry import Outcome
 from .subjects import Subjects
@@ -86,8 +87,7 @@ class OutcomeReporter:
         """Stop the loop and send what is left."""
         if self._task is None:
             return
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
+        await stop_loops(self._task)
         self._task = None
         await self.flush()
 

@@ -12,6 +12,8 @@ remembered for the latency histogram (oldest forgotten first).
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import msgspec
 from nats.aio.msg import Msg
 
@@ -38,6 +40,8 @@ class AckWatch:
         self.ctx = ctx
         self._sent_ms: dict[str, int] = {}
         self._received_ms: dict[str, int] = {}
+        self.on_final: Callable[[str, str], Awaitable[object]] | None = None
+        """Told of each attributed ``completed``/``failed`` record: (request id, author)."""
 
     def sent(self, request_id: str, at_ms: int) -> None:
         """A replayed task was sent (and its receipt came back) at ``at_ms``."""
@@ -57,6 +61,8 @@ class AckWatch:
             return
         counter.inc()
         rid = stored.request_id
+        if state != "received" and self.on_final is not None:
+            await self.on_final(rid, stored.author)
         try:
             at_ms = _ack_times.decode(msg.data).at_ms
         except msgspec.MsgspecError:

@@ -16,6 +16,7 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
+from reach_agent.aio import stop_loops
 from reach_agent.errors import ReachError
 from reach_agent.schema import decode, is_agent_id, outcome_decoder, validate_outcome
 
@@ -52,8 +53,7 @@ class Outcomes:
 
     async def stop(self) -> None:
         if self._loop is not None:
-            self._loop.cancel()
-            await asyncio.gather(self._loop, return_exceptions=True)
+            await stop_loops(self._loop)
             self._loop = None
         if self._sub is not None:
             with contextlib.suppress(Exception):

@@ -27,6 +27,8 @@ from typing import Any
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
+from reach_agent.aio import stop_loops
+
 from .context import BrokerContext
 from .records import AgentRecord, Transition
 from .registry import Registry
@@ -83,12 +85,7 @@ class Prober:
             return
         if self.on_transition in self.ctx.fanout.listeners:
             self.ctx.fanout.listeners.remove(self.on_transition)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        for probe in list(self._probes):
-            probe.cancel()
-        if self._probes:
-            await asyncio.gather(*self._probes, return_exceptions=True)
+        await stop_loops(task, *self._probes)
 
     # --- scheduling -------------------------------------------------------------------------
 

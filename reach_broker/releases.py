@@ -83,10 +83,10 @@ class Releaser:
             await self._sub.unsubscribe()
         self._sub = None
 
-    async def holder_of(self, request_id: str) -> str | None:
-        """The agent whose claim on ``request_id`` stands (running, completed or failed);
-        None when it is unclaimed, released, or the bucket cannot say now (the agents'
-        own claims decide then)."""
+    async def claim_of(self, request_id: str) -> tuple[str, str] | None:
+        """``request_id``'s claim as (holder, state: running, completed, failed or
+        released); None when it is unclaimed or the bucket cannot say now (the agents' own
+        claims decide then)."""
         try:
             stored = await self.store.get(claims.claim_key(request_id))
         except ClaimsUnavailable:
@@ -97,7 +97,7 @@ class Releaser:
             claim = schema.claim_decoder.decode(stored.data)
         except msgspec.MsgspecError:
             return None
-        return None if claim.state == "released" else claim.agent_id
+        return claim.agent_id, claim.state
 
     # --- what the bucket says -----------------------------------------------------------
 

@@ -6,14 +6,16 @@ replay round takes every available entry of the capability through its shared du
 consumer (so two replicas never hold the same entry), orders them by priority then age, and
 sends each as a task with its original ``Reach-Request-Id`` and ``Reach-Receipt: 1`` to an
 agent the broker's Router picks, at most ``replay_concurrency`` at once (scaled down by the
-slow-start share of a just-recovered agent). An entry is acked (removed) only after the
-agent's receipt; if the broker dies first, or the ack is lost in a leader change, JetStream
-redelivers it after ``ack_wait_s``. An entry whose request id an agent has claimed (KV
-``reach_claims``: running, completed or failed), or that an agent answers ``IN_PROGRESS``,
-is removed without being sent (``claimed``); the agents' own claims keep the handler from
-running twice regardless. A redelivered entry is also looked up in the dispatch markers
-(:mod:`reach_broker.dispatch`): acked at once when its ack record is stored, else sent to
-the agent it went to.
+slow-start share of a just-recovered agent). After the agent's receipt the entry is held
+(:mod:`reach_broker.taken`) until the agent's final ack record, and given back to run
+elsewhere should the agent go offline first; if the broker dies, JetStream redelivers it
+after ``ack_wait_s``. An entry whose request id an agent has claimed (KV ``reach_claims``)
+as completed or failed is removed without being sent (``claimed``); one a live agent is
+running (its claim, or an ``IN_PROGRESS`` answer) is held as that agent's; one whose holder
+is offline waits a moment for the claim's release. The agents' own claims keep the handler
+from running twice regardless. A redelivered entry is also looked up in the dispatch
+markers (:mod:`reach_broker.dispatch`): acked at once when its ack record is stored, else
+sent to the agent it went to.
 
 Expired entries (``Reach-Expires-Ms`` passed) are recorded on ``REACH_ACKS`` as ``failed``
 with ``error.reason = "expired"`` and removed: at replay, and by the periodic sweep for
@@ -36,25 +38,28 @@ from typing import Any, Literal, NamedTuple
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
-from jetstream import acks, compensation
+from jetstream import compensation
 from jetstream.compensation import Entry
 from jetstream.names import H_EXPIRES_MS
 from reach_agent import schema
+from reach_agent.aio import stop_loops
 from reach_agent.errors import ReachError, from_reply
 from reach_agent.retry import retryable
-from reach_agent.schema import AckRecord, RouteRequest
-from reach_agent.subjects import BROKER_ACK_AUTHOR
+from reach_agent.schema import RouteRequest
 
 from .ackwatch import AckWatch
+from .brokeracks import record_failed, record_taker
 from .context import BrokerContext
 from .dispatch import MARKER_TTL_S, Dispatches
 from .records import AgentRecord, Transition
 from .routing import Router
+from .taken import Taken
 
 log = logging.getLogger(__name__)
 
-Outcome = Literal["replayed", "expired", "failed", "stalled", "claimed"]
-FETCH_BATCH = 256
+Outcome = Literal["replayed", "expired", "failed", "stalled", "claimed", "held", "deferred"]
+RELEASE_WAIT_S = 0.5
+"""Redelivery delay of an entry whose claim's holder is offline but not yet released."""
 
 
 class Target(NamedTuple):
@@ -72,13 +77,14 @@ class Replayer:
         self,
         ctx: BrokerContext,
         router: Router,
-        holder_of: Callable[[str], Awaitable[str | None]],
+        claim_of: Callable[[str], Awaitable[tuple[str, str] | None]],
         record_of: Callable[[str], AgentRecord | None] = lambda _: None,
     ) -> None:
         self.ctx = ctx
         self.router = router
-        self.holder_of = holder_of
-        """The agent holding a request id's claim (None: unclaimed or released)."""
+        self.claim_of = claim_of
+        """A request id's claim: (holder, state), None when unclaimed."""
+        self.record_of = record_of
         self.dispatches = Dispatches(ctx.nc, ctx.subjects, ctx.broker_id, record_of)
         """Where each entry was sent: exactly once across a leader change (dispatch.py)."""
         self.subjects = ctx.subjects
@@ -94,6 +100,9 @@ class Replayer:
         self._next_expiry_ms = 0
         self.acks = AckWatch(ctx)
         """The ack metrics, fed by this component's ``<p>.ack.>`` subscription."""
+        self.taken = Taken(self.cfg.ack_wait_s)
+        """Entries delivered and held until their taker's final record."""
+        self.acks.on_final = self.taken.done
         self._subs: list[Any] = []
         self._sweeper: asyncio.Task[None] | None = None
         self._route_req = RouteRequest(limit=3)
@@ -112,6 +121,7 @@ class Replayer:
                                 (self.subjects.all_acks, self.acks.on_ack))
         ]  # fmt: skip
         self._sweeper = asyncio.create_task(self._sweep_loop(), name="reach-replay-sweep")
+        self.taken.start()
 
     async def stop(self) -> None:
         if self._sweeper is None:
@@ -121,11 +131,8 @@ class Replayer:
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
-        self._sweeper.cancel()
-        tasks = [self._sweeper, *self._running.values()]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await stop_loops(self._sweeper, *self._running.values())
+        await self.taken.stop()
         self._sweeper = None
         for psub in self._consumers.values():
             with contextlib.suppress(Exception):
@@ -139,6 +146,21 @@ class Replayer:
             for cap in rec.capabilities:
                 if self._known.get(cap):
                     self.kick(cap)
+        elif t.to == "offline" or t.kind == "evicted":
+            self.ctx.spawn(self._taker_gone(t.agent_id), "replay-taker-gone")
+
+    async def _taker_gone(self, agent_id: str) -> None:
+        for cap in await self.taken.taker_gone(agent_id):
+            self._known[cap] = self._known.get(cap, 0) + 1
+            self.kick(cap)
+
+    async def _claimed_now(self, request_id: str) -> bool:
+        claim = await self.claim_of(request_id)
+        return claim is not None and claim[1] != "released"
+
+    def _alive(self, agent_id: str) -> bool:
+        rec = self.record_of(agent_id)
+        return rec is not None and rec.state != "offline"
 
     async def _on_enqueued(self, msg: Msg) -> None:
         cap = self.subjects.capability_of_comp(msg.subject)
@@ -207,23 +229,10 @@ class Replayer:
 
     async def _fetch(self, capability: str) -> list[Entry]:
         """Every entry of ``capability`` this replica can take now, by priority then age."""
-        psub = await self._consumer(capability)
-        info = await psub.consumer_info()
-        waiting = int(info.num_pending or 0) + int(info.num_ack_pending or 0)
-        if waiting == 0:
+        entries = await compensation.take(await self._consumer(capability), self.subjects)
+        if entries is None:
             self._known[capability] = 0
             return []
-        msgs: list[Msg] = []
-        while len(msgs) < waiting:
-            try:
-                got = await psub.fetch(batch=min(waiting - len(msgs), FETCH_BATCH), timeout=0.3)
-            except TimeoutError:
-                break
-            msgs += got
-            if len(got) < FETCH_BATCH:
-                break
-        entries = [compensation.entry_of(m, self.subjects) for m in msgs]
-        entries.sort(key=lambda e: (-e.priority, e.enqueued_ms, e.seq))
         return entries
 
     async def _dispatch(self, capability: str, entries: list[Entry]) -> Outcome | None:
@@ -281,18 +290,19 @@ class Replayer:
     async def _send(self, e: Entry) -> Outcome:
         ctx, router = self.ctx, self.router
         assert e.msg is not None  # fetched entries carry their message
+        claim = await self.claim_of(e.request_id)  # first: a running task is not expired
+        if claim is not None and claim[1] != "released":
+            return await self._claimed(e, *claim)
         if e.expired(ctx.wall_ms()):
             await self.record_expired(e)
             await e.msg.ack_sync()
             return "expired"
-        holder = await self.holder_of(e.request_id)
-        if holder is not None:
-            return await self._skip(e, holder, "claimed")
         headers = e.task_headers()
         headers[schema.H_REQUEST_ID] = e.request_id
         headers[schema.H_RECEIPT] = "1"
         only: str | None = None
-        if e.msg.metadata.num_delivered > 1:  # sent before? (a leader change, a dead replica)
+        if e.msg.metadata.num_delivered > 1 and claim is None:  # sent before? (a leader
+            # change, a dead replica; a released claim means its run did not finish)
             done, only = await self.dispatches.redelivery(e.request_id)
             if done:
                 await e.msg.ack_sync()
@@ -323,11 +333,11 @@ class Replayer:
                     continue
                 err = from_reply(reply.headers, reply.data)
                 if err is not None and err.code == "IN_PROGRESS":
-                    return await self._skip(e, getattr(err, "holder", ""), "in progress")
+                    return await self._claimed(e, getattr(err, "holder", ""), "running")
                 if err is None:
                     self.acks.sent(e.request_id, sent_ms)
-                    await self._record_taker(e, c.agent_id)
-                    await e.msg.ack_sync()
+                    await record_taker(ctx, e, c.agent_id)
+                    await self.taken.hold(e, c.agent_id)  # removed at its final record
                     self.replayed += 1
                     ctx.metrics.compensation_result["replayed"].inc()
                     log.info("replay.delivered request_id=%s capability=%s agent=%s priority=%d",
@@ -337,7 +347,7 @@ class Replayer:
                     only = None  # a refusal (busy, draining) means it did not take it
                     continue
                 # The agent refused the task itself (BIZ_REJECT, LOOP_DETECTED, ...): final.
-                await self._record_failed(e, c.agent_id, err.code, err.code.lower(), err.message)
+                await record_failed(ctx, e, c.agent_id, err.code, err.code.lower(), err.message)
                 await e.msg.ack_sync()
                 self.failed += 1
                 return "failed"
@@ -347,14 +357,24 @@ class Replayer:
             await asyncio.sleep(backoff * (0.5 + random.random()))
             backoff = min(backoff * 2, self.cfg.busy_retry_max_s)
 
-    async def _skip(self, e: Entry, holder: str, why: str) -> Outcome:
-        """The request id is an agent's already: remove the entry without running it."""
+    async def _claimed(self, e: Entry, holder: str, state: str) -> Outcome:
+        """The request id is ``holder``'s already: not sent. A finished run's entry is
+        removed; a live holder's held until it finishes; an offline holder's given back a
+        moment, for its claim to be released."""
         assert e.msg is not None
+        if state == "running":
+            if self._alive(holder):
+                await self.taken.hold(e, holder)
+                log.info("replay.held request_id=%s holder=%s: running there",
+                         e.request_id, holder)  # fmt: skip
+                return "held"
+            await e.msg.nak(delay=RELEASE_WAIT_S)
+            return "deferred"
         await e.msg.ack_sync()
         self.claimed += 1
         self.ctx.metrics.compensation_result["claimed"].inc()
         log.info("replay.claimed request_id=%s capability=%s holder=%s (%s): not sent again",
-                 e.request_id, e.capability, holder, why)  # fmt: skip
+                 e.request_id, e.capability, holder, state)  # fmt: skip
         return "claimed"
 
     # --- failed / expired records -------------------------------------------------------
@@ -362,46 +382,14 @@ class Replayer:
     async def record_expired(self, e: Entry) -> None:
         ctx = self.ctx
         waited_s = (ctx.wall_ms() - e.enqueued_ms) / 1000.0 if e.enqueued_ms else 0.0
-        await self._record_failed(
-            e, ctx.broker_id, "TIMEOUT", "expired",
+        await record_failed(
+            ctx, e, ctx.broker_id, "TIMEOUT", "expired",
             f"queued for {waited_s:.1f}s on {self.subjects.comp(e.capability)}; expired before "
             "an agent was reachable",
         )  # fmt: skip
         self.expired += 1
         ctx.metrics.compensation_result["expired"].inc()
         log.info("replay.expired request_id=%s capability=%s", e.request_id, e.capability)
-
-    async def _record_failed(
-        self, e: Entry, agent_id: str, code: str, reason: str, message: str
-    ) -> None:
-        rec = AckRecord(
-            request_id=e.request_id, agent_id=agent_id, capability=e.capability,
-            state="failed", at_ms=self.ctx.wall_ms(),
-            error={"code": code, "reason": reason, "message": message},
-        )  # fmt: skip
-        await self._publish(rec)
-
-    async def _record_taker(self, e: Entry, agent_id: str) -> None:
-        """``received`` by the broker: it handed the task to ``agent_id`` (whose own records
-        ``Client.wait`` then trusts). A failure is logged: the task was delivered anyway."""
-        rec = AckRecord(request_id=e.request_id, agent_id=agent_id, capability=e.capability,
-                        state="received", at_ms=self.ctx.wall_ms())  # fmt: skip
-        try:
-            await self._publish(rec)
-        except Exception as exc:  # noqa: BLE001 - the entry is acked regardless
-            log.warning("replay.taker_unrecorded request_id=%s agent=%s error=%r: wait() "
-                        "needs agent_id= for it", e.request_id, agent_id, exc)  # fmt: skip
-
-    async def _publish(self, rec: AckRecord) -> None:
-        """One record of the broker's own (author ``_broker``)."""
-        js = self.ctx.nc.jetstream(timeout=2.0)
-        rid = rec.request_id
-        await acks.publish_record(
-            js,
-            self.subjects.ack(BROKER_ACK_AUTHOR, rid),
-            acks.ack_msg_id(BROKER_ACK_AUTHOR, rid, rec.state),
-            schema.encoder.encode(rec),
-        )
 
     # --- the sweep ----------------------------------------------------------------------
 
@@ -434,6 +422,8 @@ class Replayer:
         limit = self.cfg.max_entries * 2
         for e in await compensation.scan(nc, subjects=self.subjects, limit=limit):
             if e.expired(now_ms):
+                if self.taken.holds(e.request_id) or await self._claimed_now(e.request_id):
+                    continue  # delivered and running (a replica holds it): not expired
                 await self.record_expired(e)
                 await compensation.remove(nc, e.seq)
             elif e.expires_at_ms and (not soonest or e.expires_at_ms < soonest):

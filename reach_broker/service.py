@@ -28,6 +28,7 @@ from nats.errors import SlowConsumerError
 from nats.micro import add_service
 from nats.micro.service import EndpointConfig, Service, ServiceConfig
 
+from reach_agent.aio import stop_loops
 from reach_agent.connection import Credentials, connect_options, drain_or_close, flush_subscriptions
 from reach_agent.subjects import Subjects
 
@@ -136,7 +137,7 @@ class Broker:
         self.releaser = Releaser(
             ctx, lambda a: rec.state if (rec := agents.get(a)) is not None else None
         )
-        self.replayer = Replayer(ctx, self.router, self.releaser.holder_of, agents.get)
+        self.replayer = Replayer(ctx, self.router, self.releaser.claim_of, agents.get)
         self.rulebook = Rulebook(ctx, self.rules, self.quotas)
         self.outcomes = Outcomes(ctx, registry)
         self._running: list[Component] = []
@@ -226,8 +227,7 @@ class Broker:
                 log.debug("broker.stop unsubscribe failed", exc_info=True)
         self._subs = []
         if self._loop_task is not None:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
+            await stop_loops(self._loop_task)
         await self._tasks.settle(self.cfg.broker.shutdown_grace_s)
         for component in reversed(self._running):
             try:

@@ -22,6 +22,7 @@ import msgspec
 
 from jetstream.names import REGISTRY_BUCKET
 from reach_agent import schema
+from reach_agent.aio import stop_loops
 from reach_agent.schema import AgentState, Announce
 
 from .context import BrokerContext
@@ -78,8 +79,7 @@ class Snapshot:
             self.ctx.fanout.listeners.remove(self._on_transition)
         with contextlib.suppress(ValueError):
             self.ctx.fanout.announce_listeners.remove(self._on_announce)
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
+        await stop_loops(self._task)
         self._task = None
         with contextlib.suppress(Exception):
             await self._flush()

@@ -42,6 +42,7 @@ async def test_a_broker_upgrades_r1_assets_to_r3_in_place(tmp_path: Path) -> Non
             js = nc.jetstream(timeout=5.0)
             for name in STREAM_NAMES:
                 assert (await js.stream_info(name)).config.num_replicas == 1, name
+                await cluster.wait_stream_leader(nc, name)  # placed and answering
             subjects = Subjects()
             for i in range(20):
                 await compensation.enqueue(

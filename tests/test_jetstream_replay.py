@@ -120,6 +120,16 @@ def spawn_agent(procs: Procs, url: str, agent_id: str, cap: str, tmp: Path,
     )  # fmt: skip
 
 
+async def queue_drained(nc: NATS, timeout_s: float = 15.0) -> None:
+    """Wait until the queue is empty: an entry is removed once its taker's final record is
+    seen (by the replica holding it, or at redelivery when that replica died)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while (depth := (await compensation.depths(nc, SUBJECTS))[0]) != 0:
+        assert loop.time() < deadline, f"{depth} entries still queued after {timeout_s}s"
+        await asyncio.sleep(0.05)
+
+
 def runs(tmp: Path) -> list[str]:
     path = tmp / "runs.log"
     return path.read_text().split() if path.exists() else []
@@ -180,7 +190,7 @@ async def test_tasks_queued_without_agent_run_exactly_once_when_one_starts(
     assert collections.Counter(rid for rid, _ in ran) == dict.fromkeys(ids, 1)
     # Priority first: the five priority-1 entries (odd n) were replayed before the rest.
     assert {n % 2 for _, n in ran[:4]} == {1}
-    assert (await compensation.depths(nc, SUBJECTS))[0] == 0
+    await queue_drained(nc)
     assert broker.replayer.replayed == 10
     assert broker.metrics.compensation_result["replayed"]._value.get() == 10
     await wait_for(lambda: broker.metrics.ack_record_state["completed"]._value.get() >= 10)
@@ -210,7 +220,34 @@ async def test_broker_killed_mid_replay_loses_nothing_and_runs_nothing_twice(
     assert [json.loads(bytes(r.result))["n"] for r in records] == list(range(12))
     counts = collections.Counter(runs(tmp_path))
     assert counts == dict.fromkeys(ids, 1), f"runs per request id: {counts}"
-    assert (await compensation.depths(nc, SUBJECTS))[0] == 0
+    await queue_drained(nc)  # b1's held entries: redelivered to b2 after ack_wait, removed
+
+
+# --- 3b: the agent SIGKILLed mid-task ------------------------------------------------------
+
+
+async def test_a_submitted_task_whose_agent_dies_mid_task_completes_once_elsewhere(
+    nc: NATS, broker_factory: BrokerFactory, nats_server: NatsServer, procs: Procs,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    broker = await broker_factory(compensation__sweep_interval_s=0.2)
+    url = nats_server.url
+    rid = await durable.submit(nc, "mid.cap", {"n": 5})
+    first = spawn_agent(procs, url, "mid1", "mid.cap", tmp_path, TEST_DELAY="120")
+    await wait_for(lambda: runs(tmp_path) == [rid], timeout=20, what="the run on mid1")
+    # Taken, not finished: the entry stays in the queue, held by the broker.
+    assert (await compensation.depths(nc, SUBJECTS))[0] == 1
+    await wait_for(lambda: broker.replayer.taken.holds(rid), what="the entry held")
+    procs.kill(first)
+    await wait_for(lambda: broker.replayer.taken.returned == 1, what="the entry given back")
+    spawn_agent(procs, url, "mid2", "mid.cap", tmp_path)
+    record = await durable.wait(nc, rid, timeout=30)
+    assert (record.state, record.agent_id) == ("completed", "mid2")
+    assert json.loads(bytes(record.result))["n"] == 5
+    assert runs(tmp_path) == [rid, rid]  # begun on mid1 (killed), run once on mid2
+    await wait_for(lambda: broker.replayer.taken.finished == 1, what="the entry removed")
+    assert (await compensation.depths(nc, SUBJECTS))[0] == 0  # acked (ack_sync) before
+    assert len(broker.replayer.taken) == 0
 
 
 # --- 4: agent SIGKILLed between "handler done" and "ack stored" -----------------------------

@@ -95,5 +95,7 @@ def test_the_route_cost_tool_times_every_kind_of_request() -> None:
     )  # fmt: skip
     figures = json.loads(out.stdout)
     assert figures["agents"] == 3
-    assert set(figures["us_per_request"]) == {"plain", "filtered", "explain"}
+    assert set(figures["us_per_request"]) == {"plain", "filtered", "explain", "rules", "quota",
+                                              "rules_quota"}  # fmt: skip
     assert isinstance(figures["explain_over_plain"], float)  # a timing: its size is not tested
+    assert isinstance(figures["rules_quota_over_plain"], float)

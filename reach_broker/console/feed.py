@@ -21,6 +21,7 @@ import msgspec
 
 from jetstream import audit, compensation
 from reach_agent import schema
+from reach_agent.aio import stop_loops
 
 from .. import __version__
 from ..context import BrokerContext
@@ -101,9 +102,7 @@ class Feed:
             return
         with contextlib.suppress(ValueError):
             self.ctx.fanout.listeners.remove(self._on_transition)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await stop_loops(*self._tasks)
         self._tasks = []
         if self._follow is not None:
             await self._follow.stop()

@@ -1,0 +1,55 @@
+"""stop_loops ends a loop that swallowed its cancel (the Python 3.11 ``wait_for`` race)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from reach_agent.aio import stop_loops
+
+
+async def _swallows_one_cancel(swallowed: list[int]) -> None:
+    """A loop whose body lost a cancel once, as nats-py's request can on 3.11, then sleeps."""
+    while True:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            if swallowed:
+                raise
+            swallowed.append(1)
+
+
+async def test_a_loop_that_swallowed_its_cancel_is_cancelled_again_and_ends() -> None:
+    swallowed: list[int] = []
+    task = asyncio.create_task(_swallows_one_cancel(swallowed))
+    await asyncio.sleep(0)
+    await asyncio.wait_for(stop_loops(task, within_s=5.0), 5.0)
+    assert task.cancelled()
+    assert swallowed == [1]
+
+
+async def test_a_loop_that_never_ends_is_logged_not_awaited_for_ever(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    released = asyncio.Event()
+
+    async def stubborn() -> None:
+        while True:
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                if released.is_set():
+                    raise
+
+    task = asyncio.create_task(stubborn(), name="stubborn")
+    await asyncio.sleep(0)
+    with caplog.at_level(logging.WARNING, logger="reach_agent.aio"):
+        await asyncio.wait_for(stop_loops(task, within_s=0.3), 5.0)
+    assert not task.done()
+    assert [r.getMessage() for r in caplog.records] == ["loop_did_not_stop task=stubborn"]
+    released.set()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert task.cancelled()
