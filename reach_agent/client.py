@@ -272,6 +272,9 @@ class Client:
         traceparent: str | None = None,
         region: str | None = None,
         tags: dict[str, str] | None = None,
+        canary: str | None = None,
+        requires: Sequence[str] | None = None,
+        min_context_tokens: int | None = None,
     ) -> Any:
         """Run ``payload`` on an agent with ``capability`` and return its decoded result.
 
@@ -280,10 +283,14 @@ class Client:
         ``ack_mode="received"`` the call returns the :class:`~reach_agent.schema.Receipt`
         once an agent has accepted the task; the result goes to ``REACH_ACKS``. A streaming
         handler's answer comes joined (:func:`reach_agent.streaming.join`).
-        Raises a :class:`~reach_agent.errors.ReachError` subclass carrying the wire code.
+        ``canary``, ``requires`` and ``min_context_tokens`` go to the route request
+        (docs/protocol.md, RouteRequest). Raises a :class:`~reach_agent.errors.ReachError`
+        subclass carrying the wire code.
         """
+        filters = {k: v for k, v in (("canary", canary), ("requires", requires),
+                                     ("min_context_tokens", min_context_tokens)) if v}  # fmt: skip
         call = self.open_call(capability, payload, timeout, ack_mode, sticky_key, request_id,
-                              headers, traceparent, region, tags, 0)  # fmt: skip
+                              headers, traceparent, region, tags, 0, filters)  # fmt: skip
         ok = False
         try:
             value = await self._run(call)
@@ -321,6 +328,7 @@ class Client:
         region: str | None,
         tags: dict[str, str] | None,
         stream: int,
+        filters: dict[str, Any] | None = None,
     ) -> Call:
         """A new call, checked and registered for its replies."""
         if not self._started:
@@ -334,7 +342,7 @@ class Client:
             call_id, capability, encode_payload(payload), headers, request_id=request_id,
             traceparent=traceparent, ack_mode=ack_mode,
             deadline=t0 + self.config.clamp_timeout(timeout), region=region, tags=tags,
-            sticky_key=sticky_key, started=t0, timeout=timeout, stream=stream,
+            sticky_key=sticky_key, started=t0, timeout=timeout, stream=stream, filters=filters,
         )  # fmt: skip
         self._calls[call_id] = call
         return call
@@ -363,7 +371,7 @@ class Client:
                         capability, cfg.route_limit, region=call.region, tags=call.tags,
                         sticky_key=call.sticky_key,
                         exclude=self.breakers.blocked(capability, self.clock()),
-                        deadline=call.deadline,
+                        deadline=call.deadline, **call.filters,
                     )  # fmt: skip
                 except NoReachableAgent as no_agent:
                     raise (call.last_err or no_agent) from None

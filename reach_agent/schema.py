@@ -390,9 +390,6 @@ H_TRACE_ID = "Reach-Trace-Id"
 H_HOPS = "Reach-Hops"
 H_STATUS = "Reach-Status"
 H_TRACEPARENT = "traceparent"
-H_CALLER = "Reach-Caller"
-"""On a route request: who asks (the SDK's connection name; quotas are per caller). With the
-server enforcing identities the broker reads the caller from the private reply inbox."""
 H_STREAM = "Reach-Stream"
 """``1`` on a task: answer in chunks. ``cancel`` on a credit message: stop the stream."""
 H_STREAM_WINDOW = "Reach-Stream-Window"
@@ -401,6 +398,9 @@ H_SEQ = "Reach-Seq"
 """A chunk's sequence number (1, 2, ...); on a credit message, the last chunk consumed."""
 H_CHUNKS = "Reach-Chunks"
 """On the ``completed`` message that ends a stream: how many chunks it had."""
+H_CALLER = "Reach-Caller"
+"""On a route request: who asks (the SDK's connection name; quotas are per caller). With the
+server enforcing identities the broker reads the caller from the private reply inbox."""
 
 
 # --- codecs (module level, reused: no per-message construction) ---------------------------

@@ -109,9 +109,9 @@ async def test_an_sdk_agent_s_permissions_and_context_are_routed_on(
     big = reach_agent.Agent("big", [CAP], heartbeat_interval=0.1, permissions=["pii"],
                             context_window=200_000, claims=False)  # fmt: skip
     small = reach_agent.Agent("small", [CAP], heartbeat_interval=0.1, context_window=8_000,
-                              claims=False)  # fmt: skip
+                              version="2", claims=False)  # fmt: skip
     for agent in (big, small):
-        agent.handler(CAP)(answers)
+        agent.handler(CAP)(lambda task, name=agent.agent_id: name)
         await agents(agent)
     await wait_for(lambda: len(broker.registry.agents) == 2, what="two agents")
     async with reach_agent.Client(nats_server.url, config=FAST) as client:
@@ -119,6 +119,10 @@ async def test_an_sdk_agent_s_permissions_and_context_are_routed_on(
         assert [c.agent_id for c in got] == ["big"]
         got = await asyncio.wait_for(client.route(CAP, 3, min_context_tokens=100_000), 5)
         assert [c.agent_id for c in got] == ["big"]
+        # The same filters on a call (and a canary: only agents of that version).
+        for _ in range(5):
+            assert await asyncio.wait_for(client.call(CAP, {}, requires=["pii"]), 5) == "big"
+            assert await asyncio.wait_for(client.call(CAP, {}, canary="2"), 5) == "small"
         big.context_usage_pct = 75.0  # 50,000 tokens left
         await wait_for(lambda: broker.registry.agents["big"].headroom == 50_000, what="usage")
         try:
