@@ -95,6 +95,12 @@ async def test_a_split_set_by_the_cli_holds_on_the_wire(
     firsts = [(await route(nc, {"limit": 1}))[0] for _ in range(200)]
     assert (firsts.count("v1"), firsts.count("v2")) == (180, 20)
     assert await route(nc, {"canary": "2", "limit": 2}) == ["v2"]
+    code, out, err = await reach("route", CAP, "--canary", "2", "--explain", "--json",
+                                 "--server", nats_server.url)  # fmt: skip
+    assert code == 0, err
+    reply = json.loads(out)
+    assert [c["agent_id"] for c in reply["candidates"]] == ["v2"]
+    assert reply["explain"]["counts"] == {"split": 1}
     code, _, err = await reach("rules", "set", CAP, "--split", "version=1", "--server",
                                nats_server.url)  # fmt: skip
     assert code == 2
