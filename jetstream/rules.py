@@ -49,6 +49,12 @@ async def follow(nc: NATS, cb: RuleCallback) -> Any:
     )
 
 
+async def stored(nc: NATS) -> int:
+    """How many keys the bucket holds (cleared ones included: each is one message)."""
+    info = await nc.jetstream().stream_info(RULES_STREAM)
+    return info.state.messages
+
+
 async def put(nc: NATS, capability: str, data: bytes) -> int:
     """Store ``capability``'s rule; its revision."""
     kv = await nc.jetstream().key_value(RULES_BUCKET)

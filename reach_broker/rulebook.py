@@ -31,6 +31,9 @@ from .rules import Rules, decode_rule, describe
 
 log = logging.getLogger(__name__)
 
+CATCH_UP_S = 2.0
+"""At start the broker waits this long at most for the stored rules before it serves."""
+
 AUDIT_CATCH_UP_S = 120.0
 """Changes stored this long before the broker started are audited again at start (the audit
 stream's duplicate window drops the copy if another replica did): a change made while no
@@ -49,6 +52,10 @@ class Rulebook:
         """Changes applied so far."""
         self.changed = asyncio.Event()
         """Set at every applied change (tests wait on it)."""
+        self.seen = 0
+        """Stored changes delivered so far (valid or not)."""
+        self._expected = 0
+        self._caught_up = asyncio.Event()
         self._sub: Any = None
         self._since = 0.0
 
@@ -56,7 +63,20 @@ class Rulebook:
         if self._sub is not None:
             return
         self._since = self.ctx.wall() - AUDIT_CATCH_UP_S
+        try:
+            expected = await bucket.stored(self.ctx.nc)
+        except Exception:  # noqa: BLE001 - no bucket info: follow anyway, without waiting
+            log.warning("rules.count_failed", exc_info=True)
+            expected = 0
+        self._expected = expected
         self._sub = await bucket.follow(self.ctx.nc, self._on_change)
+        # The stored rules are in force before the broker answers its first route.
+        if self.seen < expected:
+            try:
+                await asyncio.wait_for(self._caught_up.wait(), CATCH_UP_S)
+            except TimeoutError:
+                log.warning("rules.catch_up_slow seen=%d of %d after %.0fs", self.seen,
+                            expected, CATCH_UP_S)  # fmt: skip
 
     async def stop(self) -> None:
         if self._sub is None:
@@ -68,6 +88,9 @@ class Rulebook:
     async def _on_change(
         self, capability: str, revision: int, data: bytes | None, stored_at: float
     ) -> None:
+        self.seen += 1
+        if self.seen >= self._expected:
+            self._caught_up.set()
         try:
             self.apply(capability, revision, data, audit=stored_at >= self._since)
         except Exception:  # noqa: BLE001 - the follow never dies
