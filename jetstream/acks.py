@@ -39,6 +39,7 @@ from nats.js.errors import NoStreamResponseError
 
 from . import wal
 from .names import H_MSG_ID, StreamSubjects
+from .tasks import raise_if_cancelled
 
 log = logging.getLogger(__name__)
 
@@ -255,6 +256,7 @@ class AckWriter:
     async def _sender(self) -> None:
         backoff = 0.05
         while True:
+            raise_if_cancelled()
             await self._wake.wait()
             self._wake.clear()
             while self._pending:

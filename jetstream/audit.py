@@ -31,6 +31,7 @@ from nats.js import api
 from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from .names import AUDIT_STREAM, H_STREAM, JS_NOT_ENABLED, StreamSubjects
+from .tasks import raise_if_cancelled
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class Follow:
         """Wait until caught up; False when no event arrived for ``quiet_s`` before that
         (stored events aged out while being read, or the server stalled)."""
         while not self.caught_up.is_set():
+            raise_if_cancelled()
             seen = self.delivered
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.caught_up.wait(), quiet_s)

@@ -27,6 +27,7 @@ from .errors import (
     CompensationFull,
     Conflict,
     Draining,
+    FlowFailed,
     Forbidden,
     InProgress,
     InternalError,
@@ -40,6 +41,7 @@ from .errors import (
     TargetBusy,
     Timeout,
 )
+from .flow import FanOut, Flow, fan_out
 from .metrics import AgentMetrics, ClientMetrics
 from .runner import run
 from .task import Reject, Task
@@ -58,6 +60,9 @@ __all__ = [
     "CompensationFull",
     "Conflict",
     "Draining",
+    "FanOut",
+    "Flow",
+    "FlowFailed",
     "Forbidden",
     "InProgress",
     "InternalError",
@@ -72,5 +77,6 @@ __all__ = [
     "TargetBusy",
     "Task",
     "Timeout",
+    "fan_out",
     "run",
 ]

@@ -8,20 +8,25 @@ reply, refuse or start the run. The order of the checks is the contract::
     draining                   → DRAINING
     Reach-Hops visits us > 3   → LOOP_DETECTED
     active == max_concurrency  → TARGET_BUSY
-    bad Reach-Timeout-Ms / Reach-Ack-Mode → INVALID_REQUEST
+    bad Reach-Timeout-Ms / Reach-Ack-Mode / Reach-Parent-Id → INVALID_REQUEST
     otherwise                  → run (receipt first, if asked)
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Literal
+
+from jetstream.acks import REQUEST_ID_PATTERN
 
 from . import schema
 from .errors import Draining, InvalidRequest, LoopDetected, ReachError, TargetBusy
 from .task import LOOP_LIMIT
 
 Verdict = Literal["duplicate", "refuse", "run"]
+
+_REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
 
 
 class Admission:
@@ -87,6 +92,10 @@ def admit(
             raise InvalidRequest(
                 f"header Reach-Ack-Mode {ack_mode[:40]!r} is not 'completed' or 'received'"
             )
+        parent = headers.get(schema.H_PARENT_ID)
+        if parent is not None and _REQUEST_ID.match(parent) is None:
+            raise InvalidRequest(f"header Reach-Parent-Id {parent[:40]!r} is not a request id "
+                                 "(1-128 chars of [A-Za-z0-9_-])")  # fmt: skip
     except InvalidRequest as invalid:
         return Admission("refuse", "invalid", ack_mode, receipt, invalid)
     return Admission("run", "", ack_mode, receipt, deadline=deadline)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import Coroutine
 from typing import Any
 
-log = logging.getLogger(__name__)
+from . import trace
+
+log = trace.logger(__name__)
 
 
 class TaskSet:

@@ -10,13 +10,12 @@ metric are told here.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from nats.aio.client import Client as NATS
 
-from . import schema
+from . import schema, trace
 from .breaker import Breakers, BreakerState, verdict
 from .calls import Call
 from .config import ClientConfig
@@ -27,7 +26,7 @@ from .outcomes import OutcomeBook
 from .retry import Outcome
 from .subjects import ReplyInbox
 
-log = logging.getLogger(__name__)
+log = trace.logger(__name__)
 
 
 class Attempts:

@@ -29,7 +29,7 @@ from uuid import uuid4
 
 import msgspec
 
-from . import schema
+from . import schema, trace
 from .errors import (
     InternalError,
     InvalidRequest,
@@ -134,14 +134,14 @@ class Call:
         hdrs[schema.H_RECEIPT] = "1"
         if ack_mode == "received":
             hdrs[schema.H_ACK_MODE] = "received"
-        if traceparent:
-            hdrs[schema.H_TRACEPARENT] = traceparent
+        trace.outgoing(hdrs, traceparent)  # the current task's hops and trace, or a new one
         if stream:
             hdrs[schema.H_STREAM] = "1"
             hdrs[schema.H_STREAM_WINDOW] = str(stream)
         self.headers = hdrs
         """Headers of every attempt: the caller's, the request id (the same on every
-        attempt), a receipt asked for, the trace; ``Reach-Timeout-Ms`` is added per attempt."""
+        attempt), a receipt asked for, the trace (inherited from the task this call is made
+        for, :mod:`~reach_agent.trace`); ``Reach-Timeout-Ms`` is added per attempt."""
         self.ack_mode = ack_mode
         self.deadline = deadline
         """When the call gives up (``time.monotonic()``); an attempt to an agent announcing a

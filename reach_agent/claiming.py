@@ -30,7 +30,6 @@ NATS cannot claim at all (exactly when it could not reply either).
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Literal
@@ -41,13 +40,13 @@ from nats.aio.client import Client as NATS
 from jetstream import ackreads
 from jetstream.claims import ClaimStore, ClaimsUnavailable, NoClaimsBucket, Stored, claim_key
 
-from . import schema
+from . import schema, trace
 from .dedup import Reply
 from .durable import attributed
 from .errors import InProgress, ReachError, Timeout, error_for, to_reply
 from .subjects import Subjects
 
-log = logging.getLogger(__name__)
+log = trace.logger(__name__)
 
 Verdict = Literal["take_over", "in_progress", "stored"]
 

@@ -48,8 +48,9 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from jetstream import audit
+from jetstream.tasks import raise_if_cancelled
 
-from . import durable, schema, streaming
+from . import durable, schema, streaming, trace
 from .aio import TaskSet
 from .attempts import Attempts
 from .breaker import Breakers
@@ -72,7 +73,7 @@ from .retry import should_retry
 from .routes import Routes
 from .subjects import ReplyInbox, Subjects
 
-log = logging.getLogger(__name__)
+log = trace.logger(__name__)
 
 
 class Client:
@@ -363,6 +364,7 @@ class Client:
         capability = call.capability
         candidates: list[schema.Candidate] = []
         while True:
+            raise_if_cancelled()
             target = self.attempts.next(candidates, call.tried, capability)
             if target is None:
                 # Everything we knew was tried (or is behind an open breaker): ask again.

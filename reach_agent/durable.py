@@ -11,7 +11,6 @@ record of the agent that took the task (see :func:`wait`).
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -24,13 +23,13 @@ from nats.aio.client import Client as NATS
 from jetstream import ackreads, acks, compensation
 from jetstream.claims import ClaimStore, ClaimsUnavailable, claim_key
 
-from . import schema
+from . import schema, trace
 from .connection import Credentials, connect_options
 from .errors import CompensationFull, InternalError, InvalidRequest, Timeout
 from .schema import H_REQUEST_ID, AckRecord, check_capability, decode_ack_record, encoder
 from .subjects import BROKER_ACK_AUTHOR, DEFAULT_PREFIX, Subjects
 
-log = logging.getLogger(__name__)
+log = trace.logger(__name__)
 
 DEFAULT_TTL_S = 3600.0
 """Expiry of a queued entry when ``ttl`` is not given (the broker's default_ttl_s)."""

@@ -139,6 +139,26 @@ class StreamBroken(ReachError):
         """Chunks the reader got before the stream broke (``delivered`` in the error body)."""
 
 
+class FlowFailed(ReachError):
+    """A flow (:mod:`reach_agent.flow`) could not go on: a critical step failed (``step``,
+    its error ``cause``), or a fan-out got fewer successes than its ``partial`` share
+    (``fan_out``). On the wire only the code and the message travel."""
+
+    code = "FLOW_FAILED"
+    status = 424
+
+    def __init__(
+        self, message: str = "", *, step: Any = None, cause: ReachError | None = None,
+        fan_out: Any = None,
+    ) -> None:  # fmt: skip
+        super().__init__(message)
+        self.step = step
+        """The :class:`~reach_agent.flow.Step` that failed (None for a fan-out)."""
+        self.cause = cause
+        self.fan_out = fan_out
+        """The :class:`~reach_agent.flow.FanOut`, with its successes and failures."""
+
+
 # --- our own fault ----------------------------------------------------------------------
 
 
@@ -164,6 +184,7 @@ _BY_CODE: dict[str, type[ReachError]] = {
         Timeout,
         CompensationFull,
         StreamBroken,
+        FlowFailed,
         InternalError,
     )
 }

@@ -9,6 +9,7 @@ handler: :mod:`~reach_agent.streaming` sends its chunks when the caller asked wi
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import time
 from collections.abc import Callable, Iterable
@@ -94,7 +95,9 @@ class HandlerRunner:
                     thread_name_prefix=f"reach-{self.agent_id}",
                 )
             loop = asyncio.get_running_loop()
-            result = await loop.run_in_executor(self._executor, fn, task)
+            # In the task's context, as on the loop: its trace, for log lines and sub-calls.
+            ctx = contextvars.copy_context()
+            result = await loop.run_in_executor(self._executor, ctx.run, fn, task)
         try:
             return _result_encoder.encode(result), None
         except (TypeError, msgspec.EncodeError) as exc:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -29,14 +28,15 @@ from nats.aio.client import Client as NATS
 
 from jetstream import ackreads, acks
 from jetstream.claims import ClaimStore, ClaimsUnavailable, claim_key
+from jetstream.tasks import raise_if_cancelled
 
-from . import schema
+from . import schema, trace
 from .calls import Call, HeldEnd
 from .claiming import result_location
 from .durable import attributed
 from .subjects import Subjects
 
-log = logging.getLogger(__name__)
+log = trace.logger(__name__)
 
 _UNKNOWN = schema.Claim(request_id="", agent_id="", instance="", capability="", state="running",
                         at_ms=0)  # fmt: skip
@@ -119,6 +119,7 @@ class HolderWatch:
 
     async def _poll(self) -> None:
         while not self._done:
+            raise_if_cancelled()
             await asyncio.sleep(self.poll_s)
             claim = await self._read()
             if claim is None or claim.state == "released":

@@ -16,6 +16,8 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from jetstream.tasks import raise_if_cancelled
+
 from . import schema
 from .aio import stop_loops, wait_event
 from .errors import Conflict, ReachError, from_reply
@@ -125,6 +127,7 @@ class Presence:
         body = schema.encoder.encode(self.announcement)
         delay = 0.1
         while not self.tasks.draining:
+            raise_if_cancelled()
             self._reannounce.clear()
             try:
                 reply = await nc.request(subject, body, timeout=1.0)

@@ -10,7 +10,6 @@ moment do not herd onto one agent. :class:`Routes` asks the broker and keeps the
 from __future__ import annotations
 
 import asyncio
-import logging
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -19,14 +18,14 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from . import schema
+from . import schema, trace
 from .config import ClientConfig
 from .errors import NoReachableAgent, Overloaded, ReachError, from_reply
 from .metrics import ClientMetrics
 from .schema import Candidate
 from .subjects import Subjects
 
-log = logging.getLogger(__name__)
+log = trace.logger(__name__)
 
 RouteKey = tuple[str, str | None, tuple[tuple[str, str], ...], bool]
 """(capability, region, sorted tags, allow_suspect)"""

@@ -318,6 +318,8 @@ class AckRecord(Base, frozen=True):
     at_ms: int
     result: msgspec.Raw | None = None
     error: dict[str, str] | None = None
+    parent_request_id: str | None = None
+    """The flow run this request is a step of (the task's ``Reach-Parent-Id``)."""
 
 
 class Event(Base, frozen=True):
@@ -390,6 +392,8 @@ H_TRACE_ID = "Reach-Trace-Id"
 H_HOPS = "Reach-Hops"
 H_STATUS = "Reach-Status"
 H_TRACEPARENT = "traceparent"
+H_PARENT_ID = "Reach-Parent-Id"
+"""On a flow's step: the run's parent request id (recorded in the step's ack records)."""
 H_STREAM = "Reach-Stream"
 """``1`` on a task: answer in chunks. ``cancel`` on a credit message: stop the stream."""
 H_STREAM_WINDOW = "Reach-Stream-Window"
@@ -523,6 +527,7 @@ class _StoredAck(msgspec.Struct, kw_only=True):
     at_ms: int
     result: msgspec.Raw = msgspec.Raw()
     error: dict[str, str] | None = None
+    parent_request_id: str | None = None
 
 
 _stored_ack_decoder = msgspec.json.Decoder(_StoredAck)
@@ -533,4 +538,5 @@ def decode_ack_record(data: bytes) -> AckRecord:
     s = _stored_ack_decoder.decode(data)
     result = s.result if s.result and bytes(s.result) != b"null" else None
     return AckRecord(request_id=s.request_id, agent_id=s.agent_id, capability=s.capability,
-                     state=s.state, at_ms=s.at_ms, result=result, error=s.error)  # fmt: skip
+                     state=s.state, at_ms=s.at_ms, result=result, error=s.error,
+                     parent_request_id=s.parent_request_id)  # fmt: skip

@@ -20,7 +20,6 @@ and dropped).
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 import uuid
 from collections import deque
@@ -34,7 +33,7 @@ from nats.aio.subscription import Subscription
 
 from jetstream.claims import ClaimsUnavailable
 
-from . import schema
+from . import schema, trace
 from .admission import Admission, admit
 from .aio import TaskSet, wait_event
 from .claiming import Claimer, Held
@@ -45,7 +44,7 @@ from .metrics import AgentMetrics
 from .subjects import Subjects, is_inbox
 from .task import Task
 
-log = logging.getLogger(__name__)
+log = trace.logger(__name__)
 
 
 _payload_decoder = msgspec.json.Decoder()
@@ -245,6 +244,8 @@ class TaskServer:
         hdrs: dict[str, str],
         claim: bool,
     ) -> None:
+        # This asyncio task's own context: the handler's sub-calls and log lines see it.
+        trace.CURRENT.set(trace.TraceContext(request_id, self.agent_id, hdrs))
         try:
             held = None
             if claim:
@@ -400,9 +401,12 @@ class TaskServer:
         sink = self.ack_sink
         if sink is None:
             return
+        ctx = trace.CURRENT.get()  # this task's (set in _run): a flow step names its run
+        parent = ctx.headers.get(schema.H_PARENT_ID) if ctx is not None else None
         rec = schema.AckRecord(
             request_id=request_id, agent_id=self.agent_id, capability=capability, state=state,
             at_ms=int(time.time() * 1000), result=result, error=error,
+            parent_request_id=parent,
         )  # fmt: skip
         try:
             await sink.record(rec)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any, Protocol
 
@@ -34,13 +33,15 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from . import schema
+from jetstream.tasks import raise_if_cancelled
+
+from . import schema, trace
 from .calls import CLOSED, LOST, Call, StreamStart
 from .errors import InternalError, InvalidRequest, StreamBroken, from_reply
 from .liveness import Liveness
 from .subjects import is_inbox
 
-log = logging.getLogger(__name__)
+log = trace.logger(__name__)
 
 DEFAULT_WINDOW = 64
 """Chunks a reader takes ahead of its credits unless it asks otherwise."""
@@ -234,6 +235,7 @@ async def read(
     first: Any = start.msg
     try:
         while True:
+            raise_if_cancelled()
             if first is not None:
                 a, msg, first = attempt, first, None
             else:

@@ -85,6 +85,9 @@ class DetectionSection(Section):
     """Inter-arrival samples kept per agent."""
     phi_min_samples: Annotated[int, Meta(ge=2)] = 5
     """Samples needed before phi is trusted; before that only fixed thresholds apply."""
+    phi_prior_samples: Annotated[int, Meta(ge=0, le=1000)] = 5
+    """Pseudo-samples at the announced interval a new agent's history starts from, each
+    displaced by a real one (0: none, a new agent waits for phi_min_samples real ones)."""
     probe_concurrency: Annotated[int, Meta(ge=1)] = 64
     """At most this many probes in flight."""
     probe_backoff_max_s: Positive = 60.0
@@ -201,25 +204,37 @@ class ClaimsSection(Section):
     can run elsewhere (off: they stay claimed until their agent returns or they expire)."""
 
 
-CONSOLE_TOKEN_PATTERN = r"^[A-Za-z0-9._~+/=-]{16,256}$"
-ConsoleToken = Annotated[str, Meta(pattern=CONSOLE_TOKEN_PATTERN)]
+HTTP_TOKEN_PATTERN = r"^[A-Za-z0-9._~+/=-]{16,256}$"
+HttpToken = Annotated[str, Meta(pattern=HTTP_TOKEN_PATTERN)]
+"""A token of the broker's HTTP surfaces (the console's, the A2A gateway's): 16-256 URL-,
+header- and cookie-safe characters."""
+
+
+def http_token(value: str, source: str, what: str) -> str:
+    """``value`` if it can be a ``what`` token (16-256 of ``A-Z a-z 0-9 . _ ~ + / = -``)."""
+    try:
+        return msgspec.convert(value, HttpToken)
+    except msgspec.ValidationError:
+        raise ConfigError(
+            f"{source}: {what} token is 16 to 256 of the characters A-Z a-z 0-9 . _ ~ + / = -"
+            f" (got {len(value)} characters)"
+        ) from None
 
 
 def console_token(value: str, source: str) -> str:
-    """``value`` if it can be a console token (16-256 URL- and cookie-safe characters)."""
-    try:
-        return msgspec.convert(value, ConsoleToken)
-    except msgspec.ValidationError:
-        raise ConfigError(
-            f"{source}: a console token is 16 to 256 of the characters A-Z a-z 0-9 . _ ~ + / = -"
-            f" (got {len(value)} characters)"
-        ) from None
+    """``value`` if it can be a console token."""
+    return http_token(value, source, "a console")
+
+
+def a2a_token(value: str, source: str) -> str:
+    """``value`` if it can be an A2A gateway token."""
+    return http_token(value, source, "an A2A")
 
 
 class ConsoleSection(Section):
     enabled: bool = True
     """Serve the web console at / on the metrics port (beside /metrics)."""
-    token: ConsoleToken | None = None
+    token: HttpToken | None = None
     """Token the console asks for; required when the metrics port listens beyond loopback
     (without one the console is off there, /metrics stays open)."""
     sample_s: Positive = 5.0
@@ -232,6 +247,21 @@ class ConsoleSection(Section):
     """How often a watching page gets the fleet (and at once after a transition)."""
     max_agents: Annotated[int, Meta(ge=1)] = 500
     """Agents sent to the page, the least healthy first (the counts cover all)."""
+
+
+class A2ASection(Section):
+    port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    """Port of the A2A registry and gateway (Agent Cards, JSON-RPC per capability; 0: off)."""
+    host: str = "127.0.0.1"
+    """Address it listens on; anything but loopback requires a token."""
+    token: HttpToken | None = None
+    """Bearer token every request must carry (``Authorization: Bearer <token>``; unset: the
+    console's token, if any)."""
+    public_url: str | None = None
+    """Base URL the cards name (unset: the scheme and host each request came in on)."""
+    call_timeout_s: Positive = 30.0
+    """Deadline of a ``message/send`` the caller gives none for (message metadata
+    ``timeout_s``); an agent's ``timeout_hint_ms`` still stretches it."""
 
 
 class QuotaLimit(Section):
@@ -300,6 +330,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     jetstream: JetStreamSection = msgspec.field(default_factory=JetStreamSection)
     claims: ClaimsSection = msgspec.field(default_factory=ClaimsSection)
     console: ConsoleSection = msgspec.field(default_factory=ConsoleSection)
+    a2a: A2ASection = msgspec.field(default_factory=A2ASection)
     quotas: QuotasSection = msgspec.field(default_factory=QuotasSection)
     outcomes: OutcomesSection = msgspec.field(default_factory=OutcomesSection)
     rules: dict[str, RuleSection] = {}
@@ -331,6 +362,8 @@ def load(path: str | os.PathLike[str] | None = None) -> Config:
         cfg.broker.token_secret = os.environ["REACH_TOKEN_SECRET"]
     if os.environ.get("REACH_CONSOLE_TOKEN"):
         cfg.console.token = console_token(os.environ["REACH_CONSOLE_TOKEN"], "REACH_CONSOLE_TOKEN")
+    if os.environ.get("REACH_A2A_TOKEN"):
+        cfg.a2a.token = a2a_token(os.environ["REACH_A2A_TOKEN"], "REACH_A2A_TOKEN")
     if cfg.detection.offline_after < cfg.detection.suspect_after:
         raise ConfigError(
             f"detection.offline_after ({cfg.detection.offline_after}) is below "

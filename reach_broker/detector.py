@@ -7,6 +7,11 @@ the moment phi crosses a threshold once per heartbeat: ``t = mean + z(phi) * std
 ``z(phi)`` the normal quantile of ``1 - 10**-phi``. The deadline is the earlier of that and the
 fixed ceiling (``suspect_after`` / ``offline_after`` intervals), so a perfectly regular agent
 is bounded by ``phi_min_std_ratio`` and an irregular one never past the ceiling.
+
+A young agent has no history of its own: its window starts from a prior of
+``phi_prior_samples`` pseudo-samples at the announced interval, each displaced by a real
+one as it arrives, so a freeze of an agent a few seconds old is noticed as early as that of
+an old regular one (rather than at the fixed ceiling).
 """
 
 from __future__ import annotations
@@ -28,6 +33,12 @@ def phi(silence_s: float, mean_s: float, std_s: float) -> float:
     z = (silence_s - mean_s) / std_s
     tail = 0.5 * math.erfc(z / math.sqrt(2.0))
     return math.inf if tail <= 0.0 else -math.log10(tail)
+
+
+def _moments(n: int, total: float, sumsq: float) -> tuple[int, float, float]:
+    """``(n, mean, std)`` of ``n`` samples from their sum and sum of squares."""
+    var = (sumsq - total * total / n) / (n - 1) if n >= 2 else 0.0
+    return n, total / n, math.sqrt(var) if var > 0 else 0.0
 
 
 class ArrivalWindow:
@@ -64,9 +75,14 @@ class ArrivalWindow:
         self._i = 0
         self._sum = self._sumsq = 0.0
 
-    def moments(self) -> tuple[int, float, float]:
-        """``(samples, mean, std)`` from the running sums, in one call (every heartbeat)."""
+    def moments(self, prior: int = 0, prior_s: float = 0.0) -> tuple[int, float, float]:
+        """``(samples, mean, std)`` from the running sums, in one call (every heartbeat);
+        while fewer than ``prior`` real samples exist, pseudo-samples of ``prior_s`` make up
+        the difference (and count in ``samples``)."""
         n = len(self._samples)
+        if n < prior:  # young: the prior fills in (one comparison on the steady-state path)
+            return _moments(prior, self._sum + (prior - n) * prior_s,
+                            self._sumsq + (prior - n) * prior_s * prior_s)  # fmt: skip
         if n == 0:
             return 0, 0.0, 0.0
         total = self._sum
@@ -99,7 +115,7 @@ class Detector:
         suspect = cfg.suspect_after * interval_s
         offline = cfg.offline_after * interval_s
         if cfg.phi_enabled:
-            n, mean, sd = window.moments()
+            n, mean, sd = window.moments(cfg.phi_prior_samples, interval_s)
             if n >= cfg.phi_min_samples:
                 std = max(sd, cfg.phi_min_std_ratio * max(mean, interval_s))
                 suspect = min(suspect, mean + self._z_suspect * std)

@@ -27,6 +27,7 @@ from typing import Any
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
+from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
 
 from .context import BrokerContext
@@ -161,6 +162,7 @@ class Prober:
     async def _loop(self) -> None:
         heap = self._heap
         while True:
+            raise_if_cancelled()
             try:
                 now = self.ctx.clock()
                 limit = self.cfg.probe_concurrency
@@ -207,7 +209,9 @@ class Prober:
             # language may have none): no RTT sample, but no verdict on liveness
             # either. A dead one is the disconnect advisory's or the deadlines' job.
             return True
-        ctx.fanout.emit(self.registry.probe_result(agent_id, ok, rtt, now))
+        # Only a healthy agent's answer is an RTT sample: a suspect's (a freeze that just
+        # ended, an answer late by the whole stall) says it lives, not what its latency is.
+        ctx.fanout.emit(self.registry.probe_result(agent_id, ok, rtt if sample else None, now))
         return ok
 
     async def _probe(self, agent_id: str) -> None:

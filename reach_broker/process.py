@@ -6,8 +6,9 @@ terminal Ctrl-C reaches the broker only, which stops its clients before the serv
 server dying first would leave them reconnecting), SIGINT/SIGTERM/SIGHUP handlers (SIGHUP:
 the terminal closed), the HTTP port (Prometheus ``/metrics`` and the web console,
 :mod:`reach_broker.console`), the :class:`~reach_broker.service.Broker`, then the console's
-feed on the running broker. Stop, the other way round: the HTTP port (open pages are told
-goodbye), the broker (drains, leaves nothing in flight), then the embedded server. Should the
+feed on the running broker and (``a2a.port``) the A2A gateway (:mod:`reach_broker.a2a`).
+Stop, the other way round: the gateway, the HTTP port (open pages are told goodbye), the
+broker (drains, leaves nothing in flight), then the embedded server. Should the
 process die without stopping (``kill -9``), the embedded server dies with it
 (:mod:`reach_broker.lifeline`).
 """
@@ -50,6 +51,7 @@ async def serve(cfg: Config, *, stop: asyncio.Event | None = None) -> None:
     """Run a broker for ``cfg`` until SIGINT/SIGTERM (or ``stop`` is set), then stop it in
     order. Without ``cfg.nats.url`` an embedded server is started and ``cfg.nats.url`` set to
     it. Raises :class:`StartError` when something cannot start."""
+    check_a2a(cfg)
     if cfg.nats.auth_dir:
         _use_auth_dir(cfg)
     server = await _embedded_server(cfg) if not cfg.nats.url else None
@@ -63,6 +65,26 @@ async def serve(cfg: Config, *, stop: asyncio.Event | None = None) -> None:
     finally:
         if server is not None:
             await asyncio.to_thread(server.stop)
+
+
+def check_a2a(cfg: Config) -> None:
+    """Refuse an A2A gateway that cannot start before anything else starts: its extra is
+    missing, or it would listen beyond loopback without a token. Without a token of its own
+    the gateway takes the console's: one token for the broker's HTTP surfaces."""
+    if not cfg.a2a.port:
+        return
+    if cfg.a2a.token is None:
+        cfg.a2a.token = cfg.console.token
+    from .a2a.binding import binding_error
+    from .extras import MissingExtra, require
+
+    try:
+        require("a2a", "--a2a-port")
+    except MissingExtra as exc:
+        raise StartError(str(exc)) from None
+    why = binding_error(cfg.a2a)
+    if why is not None:
+        raise StartError(why)
 
 
 def _use_auth_dir(cfg: Config) -> None:
@@ -137,14 +159,37 @@ async def _serve_broker(cfg: Config, stop: asyncio.Event, broker: Any, port: Any
         raise StartError(
             f"cannot start the broker on {cfg.nats.url}: {exc or type(exc).__name__}"
         ) from None
+    gateway = None
     try:
         if port is not None:
             await port.attach(broker.ctx, broker.registry, broker.handlers.explainer)
         where = f"; {port.describe()}" if port is not None else ""
         say(f"reach: broker {broker.broker_id} serving on {cfg.nats.url}{where}")
+        gateway = await _a2a_gateway(cfg, broker) if cfg.a2a.port else None
         await stop.wait()
     finally:
         say("reach: stopping")
+        if gateway is not None:
+            await gateway.stop()
         if port is not None:
             await port.stop()  # the pages first: their streams end, the feed stops
         await broker.stop()
+
+
+async def _a2a_gateway(cfg: Config, broker: Any) -> Any:
+    """The A2A gateway of the running ``broker``, started and announced."""
+    from .a2a.gateway import A2AGateway
+
+    gateway = A2AGateway(cfg.a2a, nc=broker.nc, subjects=broker.subjects,
+                         registry=broker.registry, router=broker.router, clock=broker.clock,
+                         wall=broker.wall)  # fmt: skip
+    try:
+        await gateway.start()
+    except OSError as exc:
+        why = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise StartError(f"A2A port {cfg.a2a.port} on {cfg.a2a.host}: {why} (choose another "
+                         "with --a2a-port)") from None  # fmt: skip
+    token = " (Authorization: Bearer token required)" if cfg.a2a.token else ""
+    say(f"reach: A2A gateway on {gateway.url}/ (cards at /agents and "
+        f"/.well-known/agent-card.json, JSON-RPC at /a2a/<capability>){token}")  # fmt: skip
+    return gateway

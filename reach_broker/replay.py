@@ -41,6 +41,7 @@ from nats.errors import NoRespondersError
 from jetstream import compensation
 from jetstream.compensation import Entry
 from jetstream.names import H_EXPIRES_MS
+from jetstream.tasks import raise_if_cancelled
 from reach_agent import schema
 from reach_agent.aio import stop_loops
 from reach_agent.errors import ReachError, from_reply
@@ -200,6 +201,7 @@ class Replayer:
     async def _replay(self, capability: str) -> None:
         try:
             while True:
+                raise_if_cancelled()
                 self._again.discard(capability)
                 if not self._routable(capability):
                     return
@@ -266,6 +268,7 @@ class Replayer:
     async def _keepalive(self, held: dict[int, Entry]) -> None:
         """Tell JetStream the entries still waiting for a slot are being worked on."""
         while True:
+            raise_if_cancelled()
             await asyncio.sleep(self.cfg.ack_wait_s / 3)
             for e in list(held.values()):
                 with contextlib.suppress(Exception):
@@ -395,6 +398,7 @@ class Replayer:
 
     async def _sweep_loop(self) -> None:
         while True:
+            raise_if_cancelled()
             try:
                 await self.sweep()
             except asyncio.CancelledError:

@@ -28,6 +28,7 @@ from nats.errors import SlowConsumerError
 from nats.micro import add_service
 from nats.micro.service import EndpointConfig, Service, ServiceConfig
 
+from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
 from reach_agent.connection import Credentials, connect_options, drain_or_close, flush_subscriptions
 from reach_agent.subjects import Subjects
@@ -297,6 +298,7 @@ class Broker:
     async def _tick_loop(self) -> None:
         tick = self.cfg.detection.tick_s
         while True:
+            raise_if_cancelled()
             await asyncio.sleep(tick)
             try:
                 changes = self.observer.tick(self.clock())

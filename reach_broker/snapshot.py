@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 
 from jetstream.names import REGISTRY_BUCKET
+from jetstream.tasks import raise_if_cancelled
 from reach_agent import schema
 from reach_agent.aio import stop_loops
 from reach_agent.schema import AgentState, Announce
@@ -126,6 +127,7 @@ class Snapshot:
 
     async def _flusher(self) -> None:
         while True:
+            raise_if_cancelled()
             await self._wake.wait()
             await asyncio.sleep(FLUSH_S)  # coalesce a burst (and let the broker apply it)
             self._wake.clear()

@@ -19,6 +19,7 @@ import logging
 from typing import NamedTuple
 
 from jetstream.compensation import Entry
+from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,7 @@ class Taken:
 
     async def _keepalive(self) -> None:
         while True:
+            raise_if_cancelled()
             await asyncio.sleep(self.ack_wait_s / 3)
             for held in list(self._held.values()):
                 with contextlib.suppress(Exception):

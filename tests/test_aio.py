@@ -7,6 +7,7 @@ import logging
 
 import pytest
 
+from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
 
 
@@ -53,3 +54,23 @@ async def test_a_loop_that_never_ends_is_logged_not_awaited_for_ever(
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     assert task.cancelled()
+
+
+async def test_a_loop_that_checks_each_turn_ends_on_one_cancel_even_when_it_was_swallowed() -> None:
+    turns: list[int] = []
+
+    async def loop() -> None:
+        while True:
+            raise_if_cancelled()
+            turns.append(1)
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                pass  # lost, as a 3.11 wait_for loses a cancel racing its result
+
+    task = asyncio.create_task(loop())
+    await asyncio.sleep(0)
+    task.cancel()  # once, as asyncio.run's cleanup does
+    await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 5.0)
+    assert task.cancelled()
+    assert turns == [1]

@@ -11,6 +11,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from nats.aio.client import Client as NATS
 
 from reach_agent import schema
 from reach_broker.cli.common import CliError, parse_duration
+from reach_broker.cli.events import parse_since
 from reach_broker.cli.view import BrokerStats, Snapshot, render
 from reach_broker.natsserver import NatsServer
 from reach_broker.service import Broker
@@ -529,16 +531,16 @@ async def test_events_since_reads_the_audit_stream(
     old = schema.Event(kind="state", agent_id="old", reason="before the window",
                        at_ms=1, broker_id="b0", from_="healthy", to="suspect")  # fmt: skip
     await js.publish("reach.event.state.old", schema.encoder.encode(old))
-    # Timing is inherent here (stored times are the server's): the window starts 1.5 s
-    # before `mid`, 1.5 s after the old message, and the CLI may take up to 1.5 s to start.
-    await asyncio.sleep(3.0)
+    # Stored times are the server's: the window starts at an absolute time 1 s after the old
+    # message and 1 s before the new ones (however long the CLI then takes to start).
+    await asyncio.sleep(2.0)
     mid = time.time()
     await two_agents(nc, broker)
     deadline = time.monotonic() + 5
     while (await js.stream_info("REACH_AUDIT")).state.messages < 3:
         assert time.monotonic() < deadline, "two registered events in REACH_AUDIT"
         await asyncio.sleep(0.02)
-    since = f"{int((time.time() - mid + 1.5) * 1000)}ms"
+    since = datetime.fromtimestamp(mid - 1.0, UTC).isoformat()
     code, out, err = await reach("events", "--since", since, "--json", "-s", nats_server.url)
     assert (code, err) == (0, "")
     events = [json.loads(line) for line in out.splitlines()]
@@ -555,6 +557,23 @@ async def test_events_since_reads_the_audit_stream(
     assert code == 0
     assert out.splitlines()[0].split()[1:] == ["state", "old", "healthy", "->", "suspect",
                                                "before", "the", "window", "[b0]"]  # fmt: skip
+
+
+def test_events_since_takes_a_duration_or_a_time_with_its_offset() -> None:
+    now = datetime(2026, 12, 1, 13, 0, 0, tzinfo=UTC).timestamp()
+    assert parse_since("90s", now) == 90.0
+    assert parse_since("2026-12-01T12:58:30Z", now) == 90.0
+    assert parse_since("2026-12-01 13:58:30+01:00", now) == 90.0
+    for text, message in [
+        ("2026-12-01T12:58:30", "--since '2026-12-01T12:58:30' has no UTC offset (add Z or "
+                                "+01:00)"),
+        ("2026-12-01T13:00:01Z", "--since '2026-12-01T13:00:01Z' is in the future"),
+        ("2026-13-01T00:00:00Z", "--since '2026-13-01T00:00:00Z' is not a time (like "
+                                 "2026-12-01T13:00:00Z)"),
+    ]:  # fmt: skip
+        with pytest.raises(CliError) as exc:
+            parse_since(text, now)
+        assert str(exc.value) == message
 
 
 async def test_events_on_an_empty_window_say_so(nats_server: NatsServer, nc: NATS) -> None:

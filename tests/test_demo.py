@@ -100,7 +100,7 @@ def test_the_prefix_and_credentials_reach_every_child(tmp_path: Path) -> None:
     assert env.get("NATS_CREDS") == os.environ.get("NATS_CREDS")
     ca = str(tmp_path / "ca.pem")
     argv, env = child_commands(argparse.Namespace(creds=None, tls_ca=ca, log_format="text"),
-                               "u", "r", "b")  # fmt: skip
+                               "u", "r", "b", 19464)  # fmt: skip
     assert (argv[-2:], env["NATS_CA"]) == (["--tls-ca", ca], ca)
 
 

@@ -8,6 +8,7 @@ import signal
 
 from nats.aio.client import Client as NATS
 
+from reach_agent.errors import NoReachableAgent
 from reach_agent.schema import RouteRequest
 from reach_broker.natsserver import NatsServer
 
@@ -51,3 +52,39 @@ async def test_frozen_agent_leaves_the_routes_and_returns_on_sigcont(
                                            ("healthy", "heartbeats on time")}  # fmt: skip
         assert routed() == ["cold", "warm"]
         assert seen.of("warm") == []
+
+
+async def test_young_frozen_agent_leaves_within_2_5_intervals_and_returns(
+    nats_server: NatsServer, nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    """An agent registered 2 s earlier (1 s heartbeats: too few samples of its own for phi)
+    is judged on the prior built from its announced interval, like an old regular one."""
+    broker = await broker_factory()
+    seen = Transitions(broker)
+    reg = broker.registry
+    interval = 1.0
+
+    def routed() -> list[str]:
+        try:
+            got = broker.router.route("summarize", RouteRequest(limit=3), broker.clock())
+        except NoReachableAgent:
+            return []
+        return sorted(c.agent_id for c in got)
+
+    async with agents(nats_server.url, ("young", ["--heartbeat-ms", "1000"])) as procs:
+        rec = reg.agents["young"]
+        born = rec.state_since
+        await wait_for(lambda: broker.clock() - born >= 2.0, 5.0, what="young 2 s old")
+        assert routed() == ["young"]
+        assert len(rec.window) < broker.cfg.detection.phi_min_samples  # no history
+        os.kill(procs["young"].pid, signal.SIGSTOP)
+        try:
+            # Within 2.5 intervals of the freeze (the fixed ceiling would take 3).
+            await wait_for(lambda: routed() == [], 2.5 * interval + 0.3, what="young out")
+            assert seen.of("young")[0][:2] == ("healthy", "suspect")
+            assert rec.suspect_at - rec.last_seen <= 2.5 * interval
+        finally:
+            os.kill(procs["young"].pid, signal.SIGCONT)
+        thawed = broker.clock()
+        await wait_for(lambda: routed() == ["young"], 5.0, what="young routed again")
+        assert broker.clock() - thawed < 5.0

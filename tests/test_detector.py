@@ -74,11 +74,33 @@ def test_arrival_window_keeps_the_last_n_samples() -> None:
 
 
 def test_fixed_thresholds_until_enough_samples() -> None:
-    det = Detector(DetectionSection())
+    det = Detector(DetectionSection(phi_prior_samples=0))
     w = det.new_window()
     for _ in range(4):
         w.add(1.0)
     assert det.deadlines(w, 1.0) == (3.0, 6.0)
+
+
+def test_prior_fills_in_for_missing_samples_and_fades() -> None:
+    w = ArrivalWindow(100)
+    assert w.moments(5, 1.0) == (5, 1.0, 0.0)  # no history: the prior alone
+    w.add(3.0)
+    n, mean, std = w.moments(5, 1.0)  # four pseudo-samples of 1.0 and one real 3.0
+    assert (n, mean) == (5, pytest.approx(1.4))
+    assert std == pytest.approx((0.8 / 1.0) ** 0.5)  # sum of squares 4*0.16 + 2.56 = 3.2 / 4
+    for _ in range(4):
+        w.add(3.0)
+    assert w.moments(5, 1.0) == (5, 3.0, 0.0)  # five real samples: the prior is gone
+    assert w.moments(0, 1.0) == w.moments()
+
+
+def test_new_agent_gets_phi_deadlines_from_the_prior() -> None:
+    det = Detector(DetectionSection())
+    w = det.new_window()
+    suspect, offline = det.deadlines(w, 1.0)
+    assert suspect == pytest.approx(1.0 + z_for_phi(8.0) * 0.25)  # as an old regular agent
+    assert offline == pytest.approx(1.0 + z_for_phi(16.0) * 0.25)
+    assert det.deadlines(w, 2.0) == (pytest.approx(2 * suspect), pytest.approx(2 * offline))
 
 
 def test_regular_agent_is_bounded_by_the_min_std_ratio() -> None:
@@ -130,6 +152,38 @@ def test_frozen_agent_is_suspect_within_2_5_intervals_and_offline_after() -> Non
     assert t - last == pytest.approx(1.0 + z_for_phi(16.0) * 0.25, abs=0.011)
     assert a.states() == ["suspect", "offline"]
     assert reg.agents["alpha"].state == "offline"
+
+
+@pytest.mark.parametrize("prior", [5, 0])
+def test_young_frozen_agent_is_suspect_as_fast_as_an_old_one(prior: int) -> None:
+    """Registered at 0, one heartbeat at 1 s, then frozen: with the prior phi decides at
+    2.41 intervals like for an old agent; without it the fixed ceiling of 3 applies."""
+    reg = registry(phi_prior_samples=prior)
+    a = Agent(reg)
+    a.beat(1.0)
+    t = 1.0
+    while "suspect" not in a.states():
+        t = round(t + 0.01, 2)
+        a.run_until(t)
+    assert t - 1.0 == pytest.approx(2.41 if prior else 3.0, abs=0.011)
+
+
+def test_young_agent_that_missed_three_beats_is_routable_again_within_seconds() -> None:
+    reg = registry()
+    a = Agent(reg)
+    a.beat(1.0)
+    a.beat(2.0)
+    a.run_until(5.5)  # beats at 3, 4 and 5 missed: suspect, then offline
+    assert a.states() == ["suspect", "offline"]
+    a.beat(5.5)
+    a.beat(6.5)
+    a.beat(7.5)
+    assert a.states() == ["suspect", "offline", "recovering", "healthy"]
+    rec = reg.agents["alpha"]
+    assert rec.state == "healthy"
+    # Liveness: the unfilled slots of the ring count as on time (the prior), so the missed
+    # sign at suspect and the one late beat cost 2/liveness_window, not most of the score.
+    assert rec.stats.liveness == pytest.approx(18 / 20)
 
 
 @pytest.mark.parametrize("catch_up", [False, True], ids=["fixed-delay", "fixed-rate"])

@@ -21,8 +21,16 @@ from reach_broker.tokens import TokenSigner
 INTERVAL_MS = 1000  # suspect after 3 s of silence, offline after 6 s (fixed thresholds)
 
 
+def fixed() -> Config:
+    """No phi prior: these young agents are judged on the fixed thresholds alone, so the
+    deadlines below are round multiples of the interval."""
+    cfg = Config()
+    cfg.detection.phi_prior_samples = 0
+    return cfg
+
+
 def make(n: int) -> tuple[Registry, dict[str, str]]:
-    reg = Registry(Config(), TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
+    reg = Registry(fixed(), TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
     tokens = {}
     for i in range(n):
         ann = Announce(agent_id=f"a{i}", capabilities=["summarize"], max_concurrency=4,
@@ -115,7 +123,7 @@ def test_disconnect_confirmed_moves_are_never_held() -> None:
 class _Ctx:
     def __init__(self, share: float = 0.3) -> None:
         self.spawned: list[str] = []
-        cfg = Config()
+        cfg = fixed()
         cfg.detection.observer_suspect_share = share
         self.metrics = Metrics()
         nc = NATS()

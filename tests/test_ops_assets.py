@@ -31,7 +31,7 @@ COMPOSE = ROOT / "docker-compose.nats.yml"
 
 
 def test_broker_toml_is_the_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("NATS_URL", "REACH_TOKEN_SECRET"):
+    for var in ("NATS_URL", "REACH_TOKEN_SECRET", "REACH_A2A_TOKEN"):
         monkeypatch.delenv(var, raising=False)
     assert config.load(BROKER_TOML) == config.Config()
 
@@ -39,7 +39,7 @@ def test_broker_toml_is_the_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_broker_toml_names_every_setting_of_every_section() -> None:
     text = BROKER_TOML.read_text()
     sections: dict[str, str] = {}
-    for match in re.finditer(r"^\[([a-z_]+)\]\n(.*?)(?=^\[|\Z)", text, re.M | re.S):
+    for match in re.finditer(r"^\[([a-z0-9_]+)\]\n(.*?)(?=^\[|\Z)", text, re.M | re.S):
         sections[match.group(1)] = match.group(2)
     expected = {
         f.name: [g.name for g in msgspec.structs.fields(f.type)]

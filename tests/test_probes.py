@@ -137,3 +137,14 @@ def test_probe_asked_for_while_one_runs_is_sent_right_after() -> None:
     prober._inflight.discard("alpha")
     prober._after_probe("alpha", ok=True)
     assert prober.pending("alpha") == clock.now
+
+
+def test_only_a_healthy_agents_answer_is_an_rtt_sample() -> None:
+    """A suspect's answer (a freeze that just ended: late by the whole stall) says it lives;
+    it is no latency sample."""
+    prober, reg, clock = make(rtt_sample_interval_s=10.0)
+    register(prober, reg, "alpha", clock.now)
+    assert prober._settle("alpha", True, "ok", True, 2.0, clock.now) is True
+    assert reg.agents["alpha"].stats.rtt_ewma_ms == 2.0
+    assert prober._settle("alpha", True, "ok", False, 1600.0, clock.now) is True
+    assert reg.agents["alpha"].stats.rtt_ewma_ms == 2.0

@@ -51,6 +51,11 @@ def test_bad_headers_are_invalid_requests_naming_the_header() -> None:
     assert d.error.message == "header Reach-Timeout-Ms '-5' is not a non-negative integer"
     d = decide({schema.H_ACK_MODE: "whenever"})
     assert d.error.message == "header Reach-Ack-Mode 'whenever' is not 'completed' or 'received'"
+    d = decide({schema.H_PARENT_ID: "run 1"})
+    assert (d.label, d.error.code) == ("invalid", "INVALID_REQUEST")
+    assert d.error.message == ("header Reach-Parent-Id 'run 1' is not a request id "
+                               "(1-128 chars of [A-Za-z0-9_-])")  # fmt: skip
+    assert decide({schema.H_PARENT_ID: "run-1"}).verdict == "run"
 
 
 async def test_duplicate_window_keeps_running_entries_and_expires_finished_ones() -> None:

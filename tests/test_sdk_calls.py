@@ -108,8 +108,11 @@ async def outcome(c: Call, ack_timeout_s: float = 1.0) -> tuple[str, Any]:
 
 async def test_headers_of_a_call_and_of_each_attempt() -> None:
     c = call(ack_mode="received")
+    # Outside any task a call starts a trace: a new traceparent, Reach-Trace-Id its trace id.
+    traceparent = c.headers[schema.H_TRACEPARENT]
     assert c.headers == {"x-custom": "v", schema.H_REQUEST_ID: "r-1", schema.H_RECEIPT: "1",
-                         schema.H_ACK_MODE: "received"}  # fmt: skip
+                         schema.H_ACK_MODE: "received", schema.H_TRACEPARENT: traceparent,
+                         schema.H_TRACE_ID: traceparent[3:35]}  # fmt: skip
     assert c.attempt_headers(c.deadline - 1.5)[schema.H_TIMEOUT_MS] == "1500"
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from .. import process
-from ..config import ConfigError, console_token, load
+from ..config import ConfigError, a2a_token, console_token, load
 from .common import (
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
@@ -44,6 +44,15 @@ def add_parser(sub: Subcommands) -> None:
     p.add_argument("--console-token", default=env_default("REACH_CONSOLE_TOKEN"),
                    help="token of the web console; needed when --metrics-host is beyond "
                         "loopback (env REACH_CONSOLE_TOKEN)")  # fmt: skip
+    p.add_argument("--a2a-port", type=int, default=int_env("REACH_A2A_PORT"),
+                   help="serve the A2A registry and gateway on this port (default off; "
+                        "needs the extra 'a2a'; env REACH_A2A_PORT)")  # fmt: skip
+    p.add_argument("--a2a-host", default=env_default("REACH_A2A_HOST"),
+                   help="address of the A2A gateway (default 127.0.0.1; beyond loopback a "
+                        "token is required; env REACH_A2A_HOST)")  # fmt: skip
+    p.add_argument("--a2a-token", default=None,
+                   help="bearer token the A2A gateway requires (16-256 characters; default "
+                        "the console's token; env REACH_A2A_TOKEN)")  # fmt: skip
     # --prefix (from add_common) overrides broker.toml only when given (or REACH_PREFIX).
     p.set_defaults(func=run, prefix=env_default("REACH_PREFIX"))
 
@@ -83,6 +92,17 @@ def run(args: argparse.Namespace) -> int:
     if args.console_token:
         try:
             cfg.console.token = console_token(args.console_token, "--console-token")
+        except ConfigError as exc:
+            raise CliError(str(exc), EXIT_USAGE) from None
+    if args.a2a_port is not None:
+        if not 0 <= args.a2a_port <= 65535:
+            raise CliError(f"--a2a-port {args.a2a_port} is not a port (0-65535)", EXIT_USAGE)
+        cfg.a2a.port = args.a2a_port
+    if args.a2a_host:
+        cfg.a2a.host = args.a2a_host
+    if args.a2a_token is not None:
+        try:
+            cfg.a2a.token = a2a_token(args.a2a_token, "--a2a-token")
         except ConfigError as exc:
             raise CliError(str(exc), EXIT_USAGE) from None
     if args.prefix is not None:

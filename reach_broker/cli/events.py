@@ -10,8 +10,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import re
 import sys
+import time
 from collections.abc import Awaitable
+from datetime import datetime
 from typing import Any
 
 import msgspec
@@ -20,6 +23,7 @@ from jetstream.names import AUDIT_STREAM
 
 from .common import (
     EXIT_UNAVAILABLE,
+    EXIT_USAGE,
     CliError,
     Subcommands,
     add_common,
@@ -40,15 +44,34 @@ DEFAULT_SINCE_S = 3600.0
 def add_parser(sub: Subcommands) -> None:
     p = sub.add_parser("events", help=f"the event stream ({AUDIT_STREAM} history and live)")
     add_common(p)
-    p.add_argument("--since", metavar="DURATION",
-                   help=f"replay {AUDIT_STREAM} from this long ago "
-                        "(90s, 15m, 1h; default 1h)")  # fmt: skip
+    p.add_argument("--since", metavar="DURATION|TIME",
+                   help=f"replay {AUDIT_STREAM} from this long ago (90s, 15m, 1h; default "
+                        "1h) or from this time (ISO 8601 with its offset, e.g. "
+                        "2026-12-01T13:00:00Z)")  # fmt: skip
     p.add_argument("--follow", "-f", action="store_true", help="keep printing live events")
     p.set_defaults(func=run)
 
 
+def parse_since(text: str, now: float) -> float:
+    """``--since``: a duration, or an ISO 8601 time with its UTC offset; seconds before
+    ``now`` (the Unix time)."""
+    if not re.fullmatch(r"\d{4}-\d\d-\d\d[T ].*", text.strip()):
+        return parse_duration(text)
+    try:
+        at = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise CliError(f"--since {text!r} is not a time (like 2026-12-01T13:00:00Z)",
+                       EXIT_USAGE) from None  # fmt: skip
+    if at.tzinfo is None:
+        raise CliError(f"--since {text!r} has no UTC offset (add Z or +01:00)", EXIT_USAGE)
+    seconds = now - at.timestamp()
+    if seconds <= 0:
+        raise CliError(f"--since {text!r} is in the future", EXIT_USAGE)
+    return seconds
+
+
 def run(args: argparse.Namespace) -> int:
-    since = parse_duration(args.since) if args.since else None
+    since = parse_since(args.since, time.time()) if args.since else None
     if since is None and not args.follow:
         since = DEFAULT_SINCE_S
     return asyncio.run(_events(args, since))
@@ -116,8 +139,9 @@ async def _events(args: argparse.Namespace, since: float | None) -> int:
                 # Until caught up, or a quiet stream after the last pending event.
                 await _until(follow.until_caught_up(max(args.timeout, 2.0)), stop)
                 if not printed and not reader_gone:
-                    sys.stderr.write(f"reach: no events in {AUDIT_STREAM} in the last "
-                                     f"{args.since or '1h'}\n")  # fmt: skip
+                    window = (f"since {args.since}" if args.since and "-" in args.since
+                              else f"in the last {args.since or '1h'}")  # fmt: skip
+                    sys.stderr.write(f"reach: no events in {AUDIT_STREAM} {window}\n")
                 stop.set()
         await stop.wait()
     finally:

@@ -21,11 +21,25 @@ from reach_agent.errors import ReachError
 
 from .. import __version__
 from ..logs import drop_stdout, setup_logging
-from . import ack, agents, announce, auth, broker, call, demo, devcluster, events, route, rules, top
+from . import (
+    ack,
+    agents,
+    announce,
+    auth,
+    broker,
+    call,
+    demo,
+    devcluster,
+    events,
+    mcp,
+    route,
+    rules,
+    top,
+)  # fmt: skip
 from .common import CliError
 from .output import print_json
 
-COMMANDS = (broker, agents, route, call, announce, top, events, demo, ack, auth, devcluster,
+COMMANDS = (broker, agents, route, call, announce, top, events, demo, ack, auth, devcluster, mcp,
             rules)  # fmt: skip
 """The subcommands, in the order ``reach --help`` lists them."""
 

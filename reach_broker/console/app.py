@@ -21,6 +21,8 @@ import mimetypes
 from importlib import resources
 from typing import Any
 
+from jetstream.tasks import raise_if_cancelled
+
 from .feed import Feed, Watcher
 from .httpd import Request, Response, Stream, text
 
@@ -132,6 +134,7 @@ class EventStream:
         try:
             writer.write(b"retry: 1000\n\n")
             while True:
+                raise_if_cancelled()
                 try:
                     message = await asyncio.wait_for(watcher.queue.get(), PING_S)
                 except TimeoutError:

@@ -20,6 +20,7 @@ import logging
 import msgspec
 
 from jetstream import audit, compensation
+from jetstream.tasks import raise_if_cancelled
 from reach_agent import schema
 from reach_agent.aio import stop_loops
 
@@ -188,6 +189,7 @@ class Feed:
 
     async def _sample_loop(self) -> None:
         while True:
+            raise_if_cancelled()
             await asyncio.sleep(self.cfg.sample_s)
             try:
                 self.history.sample(self.ctx.wall_ms(), self.registry.agents.values())
@@ -197,6 +199,7 @@ class Feed:
     async def _push_loop(self) -> None:
         next_comp = 0.0
         while True:
+            raise_if_cancelled()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._dirty.wait(), self.cfg.push_s)
                 await asyncio.sleep(DEBOUNCE_S)
