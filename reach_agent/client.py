@@ -78,6 +78,7 @@ from .errors import (
 from .holder import Holders
 from .liveness import Liveness
 from .metrics import ClientMetrics
+from .outcomes import OutcomeBook, OutcomeReporter
 from .retry import merely_full, should_retry
 from .routes import Routes
 from .subjects import ReplyInbox, Subjects
@@ -125,6 +126,12 @@ class Client:
         self._own_nc = nc is None
         self._servers = servers
         self._name = name or f"reach-client-{uuid.uuid4().hex[:8]}"
+        self.routes.caller = self._name
+        self.outcomes = OutcomeBook(self._name, clock())
+        """What this client saw of each agent, sent to the brokers (:mod:`.outcomes`)."""
+        self.attempts.outcomes = self.outcomes
+        self._reporter = OutcomeReporter(self.nc, self.subjects, self.outcomes,
+                                         self.config.outcome_interval_s, clock)  # fmt: skip
         self._inbox = ReplyInbox("")  # the connection's own inbox, from start()
         self._calls: dict[str, Call] = {}
         self._subs: list[Subscription] = []
@@ -169,6 +176,7 @@ class Client:
         ]  # fmt: skip
         await flush_subscriptions(nc)
         self.liveness.start()
+        self._reporter.start()
         self.routes.running = True
         self._refresher = asyncio.create_task(self.routes.refresh_loop(),
                                               name="reach-route-refresh")  # fmt: skip
@@ -186,6 +194,7 @@ class Client:
             await asyncio.wait({self._refresher}, timeout=2.0)
         for call in self._calls.values():
             call.close()
+        await self._reporter.stop()
         self._tasks.cancel()
         for sub in self._subs:
             try:
@@ -220,10 +229,14 @@ class Client:
         sticky_key: str | None = None,
         exclude: Sequence[str] | None = None,
         allow_suspect: bool = False,
+        canary: str | None = None,
+        requires: Sequence[str] | None = None,
+        min_context_tokens: int | None = None,
     ) -> list[schema.Candidate]:
         """Ranked candidates for ``capability`` from a broker, best first: a look (a
         ``peek``), so the broker does not count a task handed to the first; :meth:`call`
-        routes for real.
+        routes for real (``canary``, ``requires``, ``min_context_tokens``: see
+        docs/protocol.md, RouteRequest).
 
         When no broker answers, the last answer for the same capability and filters is used
         (minus agents that events since reported unhealthy, in weighted-random order);
@@ -231,7 +244,9 @@ class Client:
         """
         return await self.routes.route(capability, limit, region=region, tags=tags,
                                        sticky_key=sticky_key, exclude=exclude,
-                                       allow_suspect=allow_suspect, peek=True)  # fmt: skip
+                                       allow_suspect=allow_suspect, peek=True, canary=canary,
+                                       requires=requires,
+                                       min_context_tokens=min_context_tokens)  # fmt: skip
 
     async def _on_event(self, msg: Msg) -> None:
         if audit.is_copy(msg, live=True):  # not an event a broker published
@@ -270,6 +285,9 @@ class Client:
         traceparent: str | None = None,
         region: str | None = None,
         tags: dict[str, str] | None = None,
+        canary: str | None = None,
+        requires: Sequence[str] | None = None,
+        min_context_tokens: int | None = None,
     ) -> Any:
         """Run ``payload`` on an agent with ``capability`` and return its decoded result.
 
@@ -278,10 +296,14 @@ class Client:
         ``ack_mode="received"`` the call returns the :class:`~reach_agent.schema.Receipt`
         once an agent has accepted the task; the result goes to ``REACH_ACKS``. A streaming
         handler's answer comes joined (:func:`reach_agent.streaming.join`).
-        Raises a :class:`~reach_agent.errors.ReachError` subclass carrying the wire code.
+        ``canary``, ``requires`` and ``min_context_tokens`` go to the route request
+        (docs/protocol.md, RouteRequest). Raises a :class:`~reach_agent.errors.ReachError`
+        subclass carrying the wire code.
         """
+        filters = {k: v for k, v in (("canary", canary), ("requires", requires),
+                                     ("min_context_tokens", min_context_tokens)) if v}  # fmt: skip
         call = self.open_call(capability, payload, timeout, ack_mode, sticky_key, request_id,
-                              headers, traceparent, region, tags, 0)  # fmt: skip
+                              headers, traceparent, region, tags, 0, filters)  # fmt: skip
         ok = False
         try:
             value = await self._run(call)
@@ -319,6 +341,7 @@ class Client:
         region: str | None,
         tags: dict[str, str] | None,
         stream: int,
+        filters: dict[str, Any] | None = None,
     ) -> Call:
         """A new call, checked and registered for its replies."""
         if not self._started:
@@ -332,7 +355,7 @@ class Client:
             call_id, capability, encode_payload(payload), headers, request_id=request_id,
             traceparent=traceparent, ack_mode=ack_mode,
             deadline=t0 + self.config.clamp_timeout(timeout), region=region, tags=tags,
-            sticky_key=sticky_key, started=t0, timeout=timeout, stream=stream,
+            sticky_key=sticky_key, started=t0, timeout=timeout, stream=stream, filters=filters,
         )  # fmt: skip
         self._calls[call_id] = call
         return call
@@ -363,6 +386,7 @@ class Client:
                         capability, cfg.route_limit, region=call.region, tags=call.tags,
                         sticky_key=call.sticky_key,
                         exclude=[*blocked, *call.gone] if call.gone else blocked,
+                        deadline=call.deadline, **call.filters,
                     )  # fmt: skip
                 except NoReachableAgent as no_agent:
                     raise (call.last_err or no_agent) from None

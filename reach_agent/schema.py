@@ -46,7 +46,7 @@ Percent = Annotated[float, Meta(ge=0, le=100)]
 AgentState = Literal["healthy", "suspect", "offline", "recovering", "draining"]
 AGENT_STATES: tuple[AgentState, ...] = ("healthy", "suspect", "offline", "recovering", "draining")
 AgentStatus = Literal["idle", "busy", "draining"]
-EventKind = Literal["registered", "state", "left", "evicted", "released"]
+EventKind = Literal["registered", "state", "left", "evicted", "released", "rule"]
 AckState = Literal["received", "completed", "failed"]
 PROTOCOL_REACH = "reach"
 PROTOCOL_SYNADIA = "synadia-agents"
@@ -162,6 +162,14 @@ class RouteRequest(Base, frozen=True):
     first candidate as handed a task (``reach route``, ``Client.route``, cache refreshes)."""
     explain: bool = False
     """Ask for the reasons: each candidate's ``explain`` and the reply's ``explain``."""
+    canary: ShortText | None = None
+    """Take this arm of the capability's split rule (a ``version`` or tag value) instead of
+    the weighted one; without a split rule, agents of this ``version``."""
+    requires: Annotated[list[ShortText], Meta(max_length=64)] = []
+    """Permissions every candidate must hold (its announce's ``permissions``)."""
+    min_context_tokens: Annotated[int, Meta(ge=0, le=2**40)] | None = None
+    """Candidates' context headroom, ``context_window x (1 - context_usage_pct / 100)``,
+    must be at least this (an agent that announces no ``context_window`` has none)."""
 
 
 class ScoreTerms(Base, frozen=True):
@@ -173,6 +181,10 @@ class ScoreTerms(Base, frozen=True):
     load: float
     success: float
     stuck: float
+    delivery: float = 1.0
+    """What callers saw (``<p>.outcome.<agent_id>`` summaries): 1, or 1 - the failure share
+    that at least ``outcomes.min_callers`` callers report; 0 when ejected by the outlier or
+    the unanswered rule."""
 
 
 class AgentExplain(Base, frozen=True):
@@ -351,7 +363,8 @@ class AckRecord(Base, frozen=True):
 
 class Event(Base, frozen=True):
     """``reach.event.<kind>.<agent_id>``: one state transition, with why (kind
-    ``released``: a claim of the agent released, ``request_id`` names it)."""
+    ``released``: a claim of the agent released, ``request_id`` names it; kind ``rule``: a
+    route rule set or cleared, on ``reach.event.rule._rules``)."""
 
     kind: EventKind
     agent_id: str
@@ -361,6 +374,30 @@ class Event(Base, frozen=True):
     to: AgentState | None = None
     from_: AgentState | None = msgspec.field(default=None, name="from")
     request_id: str | None = None
+    capability: str | None = None
+    """Kind ``rule``: the capability whose route rule changed (``agent_id`` is ``_rules``)."""
+
+
+class OutcomeSummary(Base, frozen=True):
+    """``<p>.outcome.<agent_id>``: what one caller saw of one agent since its last summary
+    (published every ``ClientConfig.outcome_interval_s`` while there is something to say)."""
+
+    caller: ShortText
+    """Who saw it (the client's caller name; see docs/protocol.md, "Outcomes")."""
+    attempts: Count = 0
+    """Attempts sent to the agent."""
+    ok: Count = 0
+    """Attempts answered with a result (or an error reply other than a rejection)."""
+    not_delivered: Count = 0
+    """No receipt within ``ack_timeout_s`` (or no responders)."""
+    lost: Count = 0
+    """Receipted, then abandoned: the agent was reported gone while running it."""
+    timeouts: Count = 0
+    """Receipted, then no result before the call's deadline."""
+    rejected: Count = 0
+    """Business rejections (``BIZ_REJECT``): answers, not failures."""
+    interval_ms: Millis = 0
+    """The span the counts cover."""
 
 
 class Claim(Base, frozen=True):
@@ -404,6 +441,9 @@ H_SEQ = "Reach-Seq"
 """A chunk's sequence number (1, 2, ...); on a credit message, the last chunk consumed."""
 H_CHUNKS = "Reach-Chunks"
 """On the ``completed`` message that ends a stream: how many chunks it had."""
+H_CALLER = "Reach-Caller"
+"""On a route request: who asks (the SDK's connection name; quotas are per caller). With the
+server enforcing identities the broker reads the caller from the private reply inbox."""
 
 
 # --- codecs (module level, reused: no per-message construction) ---------------------------
@@ -420,6 +460,7 @@ agent_views_decoder = msgspec.json.Decoder(list[AgentView])
 probe_reply_decoder = msgspec.json.Decoder(ProbeReply)
 event_decoder = msgspec.json.Decoder(Event)
 claim_decoder = msgspec.json.Decoder(Claim)
+outcome_decoder = msgspec.json.Decoder(OutcomeSummary)
 
 
 def decode(decoder: msgspec.json.Decoder[Any], data: bytes, what: str) -> Any:
@@ -500,6 +541,17 @@ def validate_heartbeat(msg: Heartbeat, subject_agent_id: str) -> Heartbeat:
 
 def validate_route_request(msg: RouteRequest) -> RouteRequest:
     check_tags(msg.tags)
+    return msg
+
+
+def validate_outcome(msg: OutcomeSummary) -> OutcomeSummary:
+    """An outcome summary's counts must add up: every failure or answer was an attempt."""
+    told = msg.ok + msg.not_delivered + msg.lost + msg.timeouts + msg.rejected
+    if told > msg.attempts:
+        raise InvalidRequest(
+            f"outcome: ok + not_delivered + lost + timeouts + rejected = {told} exceeds "
+            f"attempts {msg.attempts}"
+        )
     return msg
 
 
