@@ -103,7 +103,7 @@ class Replayer:
         self._next_expiry_ms = 0
         self.acks = AckWatch(ctx)
         """The ack metrics, fed by this component's ``<p>.ack.>`` subscription."""
-        self.taken = Taken(self.cfg.ack_wait_s)
+        self.taken = Taken(self.cfg.ack_wait_s, claim_of, record_of, ctx.clock)
         """Entries delivered and held until their taker's final record."""
         self.acks.on_final = self.taken.done
         self.prompts = Prompts(ctx, self.taken.done)

@@ -8,7 +8,11 @@ given back (``nak``): its claim is released by then or shortly after
 (:mod:`reach_broker.releases`), and the redelivery runs the task once elsewhere. A submitted
 task thus completes at least once even when its agent dies mid-task. Should the replica
 itself die, JetStream redelivers its held entries after ``ack_wait`` to another replica,
-which holds them again while their claim says a live agent is running them.
+which holds them again while their claim says a live agent is running them. An entry held
+longer than ``ack_wait`` is checked against its claim at each keepalive, so a final record
+this replica missed (a leader change, an ack lost) never keeps it in the queue: removed once
+the claim says completed or failed (or there is no claim), given back once it is released or
+its holder is offline.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import NamedTuple
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, NamedTuple
 
 from jetstream.compensation import Entry
 from jetstream.tasks import raise_if_cancelled
@@ -32,13 +38,28 @@ before the receipt that makes the entry held is read)."""
 class _Held(NamedTuple):
     entry: Entry
     agent_id: str
+    since: float
+
+
+async def _no_claims(request_id: str) -> tuple[str, str] | None:
+    return None
 
 
 class Taken:
     """The entries this replica delivered and holds until their taker finishes."""
 
-    def __init__(self, ack_wait_s: float) -> None:
+    def __init__(
+        self,
+        ack_wait_s: float,
+        claim_of: Callable[[str], Awaitable[tuple[str, str] | None]] = _no_claims,
+        record_of: Callable[[str], Any] = lambda _: None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.ack_wait_s = ack_wait_s
+        self.claim_of = claim_of
+        """A request id's claim (holder, state), None when unclaimed (the replay's)."""
+        self.record_of = record_of
+        self.clock = clock
         self._held: dict[str, _Held] = {}
         self._by_agent: dict[str, set[str]] = {}
         self._early: dict[str, str] = {}
@@ -72,7 +93,7 @@ class Taken:
         old = self._held.get(rid)
         if old is not None:
             self._by_agent.get(old.agent_id, set()).discard(rid)
-        self._held[rid] = _Held(entry, agent_id)
+        self._held[rid] = _Held(entry, agent_id, self.clock())
         self._by_agent.setdefault(agent_id, set()).add(rid)
 
     def holds(self, request_id: str) -> bool:
@@ -131,7 +152,37 @@ class Taken:
         while True:
             raise_if_cancelled()
             await asyncio.sleep(self.ack_wait_s / 3)
+            old = self.clock() - self.ack_wait_s
             for held in list(self._held.values()):
-                with contextlib.suppress(Exception):
+                try:
+                    if held.since < old and not await self._still_running(held):
+                        continue
                     assert held.entry.msg is not None
                     await held.entry.msg.in_progress()
+                except Exception as exc:  # noqa: BLE001 - redelivered after ack_wait anyway
+                    log.debug("replay.keepalive_failed request_id=%s error=%r",
+                              held.entry.request_id, exc)  # fmt: skip
+
+    async def _still_running(self, held: _Held) -> bool:
+        """Whether a long-held entry's claim still says its taker runs it; if not, the entry
+        is removed (finished, or no claim to go by) or given back (released, holder gone)."""
+        rid = held.entry.request_id
+        claim = await self.claim_of(rid)
+        if claim is not None and claim[1] == "running":
+            rec = self.record_of(claim[0])
+            if rec is not None and rec.state != "offline":
+                return True
+        if self._held.get(rid) is not held:
+            return False  # finished or given back meanwhile
+        self._forget(rid)
+        assert held.entry.msg is not None
+        if claim is None or claim[1] in ("completed", "failed"):
+            log.info("replay.taken_settled request_id=%s claim=%s: removed", rid,
+                     claim[1] if claim else "none")  # fmt: skip
+            await self._remove(held.entry)
+        else:
+            self.returned += 1
+            log.warning("replay.taken_returned request_id=%s claim=%s: queued again", rid,
+                        claim[1])  # fmt: skip
+            await held.entry.msg.nak()
+        return False

@@ -5,12 +5,14 @@ token)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,20 @@ from reach_broker.cli.parser import main
 from reach_broker.config import Config
 
 from .test_broker_process import free_port
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_kept() -> Iterator[None]:
+    """``main()`` in process sets the root logger up as the CLI does (its handlers replaced by
+    one on this test's stderr); put pytest's back, or later tests log to a closed stream."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        yield
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+
 
 UNSET = ("NATS_URL", "REACH_A2A_TOKEN", "REACH_CONSOLE_TOKEN")
 """The environment the broker under test must not inherit (the tests set what it needs)."""

@@ -1,0 +1,62 @@
+"""Held replay entries checked against their claim once held longer than ack_wait (pure: an
+injected clock, claims and records; the entry's message records what it was told)."""
+
+from __future__ import annotations
+
+import types
+
+from jetstream.compensation import Entry
+from reach_broker.taken import Taken
+
+
+class Told:
+    """The entry's JetStream message: what the holder told it."""
+
+    def __init__(self) -> None:
+        self.said: list[str] = []
+
+    async def ack_sync(self) -> None:
+        self.said.append("ack")
+
+    async def nak(self, delay: float | None = None) -> None:
+        self.said.append("nak")
+
+    async def in_progress(self) -> None:
+        self.said.append("wip")
+
+
+def entry(rid: str) -> tuple[Entry, Told]:
+    msg = Told()
+    e = Entry(capability="job", request_id=rid, priority=0, expires_at_ms=0, enqueued_ms=0,
+              seq=1, headers={}, data=b"{}", msg=msg)  # type: ignore[arg-type]  # fmt: skip
+    return e, msg
+
+
+async def test_a_long_held_entry_follows_its_claim() -> None:
+    claims = {"done": ("a", "completed"), "runs": ("a", "running"), "freed": ("a", "released"),
+              "gone": ("b", "running")}  # fmt: skip
+    states = {"a": "healthy", "b": "offline"}
+
+    async def claim_of(rid: str) -> tuple[str, str] | None:
+        return claims.get(rid)
+
+    def record_of(agent_id: str) -> object:
+        return types.SimpleNamespace(state=states[agent_id]) if agent_id in states else None
+
+    taken = Taken(30.0, claim_of, record_of, clock=lambda: 100.0)
+    told = {}
+    for rid in ("done", "runs", "freed", "gone", "unclaimed"):
+        e, told[rid] = entry(rid)
+        await taken.hold(e, "b" if rid == "gone" else "a")
+    running = {rid: await taken._still_running(taken._held[rid]) for rid in list(taken._held)}
+    assert running == {"done": False, "runs": True, "freed": False, "gone": False,
+                       "unclaimed": False}  # fmt: skip
+    assert {rid: m.said for rid, m in told.items()} == {
+        "done": ["ack"],
+        "runs": [],
+        "freed": ["nak"],
+        "gone": ["nak"],
+        "unclaimed": ["ack"],
+    }
+    assert (len(taken), taken.finished, taken.returned) == (1, 2, 2)
+    assert taken.holds("runs")
