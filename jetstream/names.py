@@ -24,7 +24,12 @@ CLAIMS_BUCKET = "reach_claims"
 is), kept as long as the ack records (its ``max_age`` is ``REACH_ACKS``'s)."""
 CLAIMS_STREAM = f"KV_{CLAIMS_BUCKET}"
 """The stream behind :data:`CLAIMS_BUCKET`."""
-STREAM_NAMES = (ACK_STREAM, COMP_STREAM, AUDIT_STREAM, REGISTRY_STREAM, CLAIMS_STREAM)
+RULES_BUCKET = "reach_rules"
+"""KV bucket: one route rule per capability (key = the capability), watched by every broker."""
+RULES_STREAM = f"KV_{RULES_BUCKET}"
+"""The stream behind :data:`RULES_BUCKET`."""
+STREAM_NAMES = (ACK_STREAM, COMP_STREAM, AUDIT_STREAM, REGISTRY_STREAM, CLAIMS_STREAM,
+                RULES_STREAM)  # fmt: skip
 """Every asset provisioned at broker start, in order."""
 
 TOKEN_SECRET_KEY = "_broker.token_secret"

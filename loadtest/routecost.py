@@ -3,11 +3,13 @@
 One registry with ``--agents`` agents of one capability (half in region ``eu``), the real
 ``Handlers.route`` (subject, decode, router, encode; no NATS), and kinds of request timed in
 turn, ``--rounds`` times alternated: ``plain`` (an empty body, the SDK's), ``filtered``
-(``{"region": "eu"}``) and, where the code has them, ``peek`` (the plain request as a look:
-no hand-out counted, so ``plain_over_peek`` is the cost of counting one) and ``explain``. The
-broker's clock advances ``1 / --rate`` seconds per request (default: each agent is handed a
-task per its 100 ms task time, a tenth of its slots), so the hand-outs fade as they would in
-a fleet that keeps up. Each figure is the best round's
+(``{"region": "eu"}``), ``peek`` (the plain request as a look: no hand-out counted, so
+``plain_over_peek`` is the cost of counting one), where the code has it ``explain``, and the
+routing policy of issue 18 over the same agents: ``rules`` (the capability's rule: a 95/5
+version split and a required tag), ``quota`` (a token bucket per caller, never empty) and
+``rules_quota`` (both). The broker's clock advances ``1 / --rate`` seconds per request
+(default: each agent is handed a task per its 100 ms task time, a tenth of its slots), so the
+hand-outs fade as they would in a fleet that keeps up. Each figure is the best round's
 microseconds per request (the least disturbed by whatever else the machine runs); the ratios
 compare kinds of the same run. Run it from two checkouts (``PYTHONPATH=<checkout>``) to compare
 a change's plain path with its parent's.
@@ -24,11 +26,13 @@ from collections.abc import Callable
 
 from reach_agent.schema import Announce, Heartbeat, RouteRequest
 from reach_agent.subjects import Subjects
-from reach_broker.config import Config
+from reach_broker.config import Config, QuotasSection
 from reach_broker.handlers import Handlers
 from reach_broker.metrics import Metrics
+from reach_broker.quotas import Quotas
 from reach_broker.registry import Registry
 from reach_broker.routing import Router
+from reach_broker.rules import Rules, build
 from reach_broker.tokens import TokenSigner
 
 CAP = "summarize"
@@ -48,14 +52,26 @@ class Clock:
 def handlers(agents: int, rate: float | None = None) -> Handlers:
     """The broker's handlers over ``agents`` healthy agents, ranked as a route would, and
     asked ``rate`` routes a second (default: ten per agent)."""
+    return policy_handlers(agents, rate)["plain"]
+
+
+def policy_handlers(agents: int, rate: float | None = None) -> dict[str, Handlers]:
+    """Handlers over one registry of ``agents`` agents: ``plain`` (no rules, no quotas),
+    ``rules`` (a split and a required tag), ``quota`` (a bucket per caller), ``rules_quota``;
+    asked ``rate`` routes a second (default: ten per agent)."""
     cfg = Config()
     reg = Registry(cfg, TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
     subjects = Subjects("reach")
-    router = Router(cfg.routing, reg.indexes, subjects.task, inflight=lambda: reg.inflight,
-                    rng=random.Random(1))  # fmt: skip
+
+    def router(rules: Rules) -> Router:
+        return Router(cfg.routing, reg.indexes, subjects.task, inflight=lambda: reg.inflight,
+                      capacity=lambda: reg.capacity, rng=random.Random(1),
+                      rules=rules)  # fmt: skip
+
     for i in range(agents):
         ann = Announce(agent_id=f"a{i}", capabilities=[CAP], max_concurrency=10,
-                       heartbeat_interval_ms=1000, region=("eu", "us")[i % 2])  # fmt: skip
+                       heartbeat_interval_ms=1000, region=("eu", "us")[i % 2],
+                       version="2" if i % 20 == 0 else "1", tags={"env": "prod"})  # fmt: skip
         rec, _ = reg.announce(ann, 0.0, 0)
         hb = Heartbeat(agent_id=rec.agent_id, token=rec.token, seq=1, active=i % 8, ok_total=1,
                        task_ms_p50=100 + i % 50)  # fmt: skip
@@ -64,7 +80,19 @@ def handlers(agents: int, rate: float | None = None) -> Handlers:
     clock = Clock(1.0 / (rate or 10.0 * agents))
     ctx = types.SimpleNamespace(metrics=Metrics(), subjects=subjects, clock=clock,
                                 wall=lambda: 1000.0, wall_ms=lambda: 10**6, nc=None)  # fmt: skip
-    return Handlers(ctx, reg, router)  # type: ignore[arg-type]
+    ruled = Rules()
+    ruled.put(CAP, build(split="version=1:95,2:5", require=["env=prod"]))
+    unlimited = QuotasSection(rate=1e12, burst=10**12)  # a bucket taken from, never empty
+    out = {}
+    for kind, rules, quota in (
+        ("plain", Rules(), QuotasSection()),
+        ("rules", ruled, None),
+        ("quota", Rules(), unlimited),
+        ("rules_quota", ruled, unlimited),
+    ):
+        q = Quotas(quota or QuotasSection(), rules)
+        out[kind] = Handlers(ctx, reg, router(rules), q)  # type: ignore[arg-type]
+    return out
 
 
 def per_request_us(call: Callable[[], object], n: int) -> float:
@@ -81,19 +109,28 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=5000, help="plain/filtered requests per round")
     p.add_argument("--rate", type=float, help="route requests per second of the broker's clock "
                    "(default: 10 per agent)")  # fmt: skip
+    p.add_argument("--no-explain", action="store_true", help="leave the explained kind out")
     args = p.parse_args()
-    h = handlers(args.agents, args.rate)
+    hs = policy_handlers(args.agents, args.rate)
+    h = hs["plain"]
     subject = f"reach.route.{CAP}"
     bodies = {"plain": b"", "filtered": json.dumps({"region": "eu"}).encode()}
     if "peek" in RouteRequest.__struct_fields__:
         bodies["peek"] = json.dumps({"peek": True}, separators=(",", ":")).encode()
-    if "explain" in RouteRequest.__struct_fields__:
+    if "explain" in RouteRequest.__struct_fields__ and not args.no_explain:
         bodies["explain"] = json.dumps({"explain": True}).encode()
+    kinds: dict[str, tuple[Handlers, bytes]] = {k: (h, b) for k, b in bodies.items()}
+    for kind in ("rules", "quota", "rules_quota"):
+        kinds[kind] = (hs[kind], b"")
     best: dict[str, float] = {}
     for _ in range(args.rounds):
-        for kind, body in bodies.items():
+        for kind, (hk, body) in kinds.items():
             n = max(args.batch // 50, 20) if kind == "explain" else args.batch
-            us = per_request_us(lambda body=body: h.route(subject, body), n)  # type: ignore[misc]
+
+            def one(hk: Handlers = hk, body: bytes = body) -> object:
+                return hk.route(subject, body, "caller-1")
+
+            us = per_request_us(one, n)
             best[kind] = min(best.get(kind, us), us)
     out: dict[str, object] = {"agents": args.agents, "us_per_request": {
         k: round(v, 2) for k, v in best.items()}}  # fmt: skip
@@ -102,6 +139,8 @@ def main() -> None:
     out["filtered_over_plain"] = round(best["filtered"] / best["plain"], 3)
     if "peek" in best:
         out["plain_over_peek"] = round(best["plain"] / best["peek"], 3)
+    for kind in ("rules", "quota", "rules_quota"):
+        out[f"{kind}_over_plain"] = round(best[kind] / best["plain"], 3)
     print(json.dumps(out))
 
 

@@ -73,6 +73,8 @@ class Agent:
     and ``tls_ca``/``tls_cert``/``tls_key`` are the connection's credentials (see
     :class:`~reach_agent.connection.Credentials`; ``token`` is the NATS auth token, not the
     broker's heartbeat token :attr:`token`). A file that does not exist is a ``ValueError``.
+    ``permissions`` (what callers may ``require``) and ``context_window`` (tokens) are
+    announced; set :attr:`context_usage_pct` as the window fills.
     """
 
     def __init__(
@@ -100,6 +102,8 @@ class Agent:
         idempotent: Iterable[str] = (),
         claims: bool = True,
         claim_timeout: float = 2.0,
+        permissions: Iterable[str] = (),
+        context_window: int | None = None,
         **credentials: Unpack[CredentialOptions],
     ) -> None:
         schema.check_agent_id(agent_id)
@@ -155,6 +159,8 @@ class Agent:
             timeout_hint_ms=int(timeout_hint * 1000) if timeout_hint else None,
             metadata=dict(metadata or {}),
             instance_id=secrets.token_hex(8),
+            permissions=list(permissions),
+            context_window=context_window,
         )
         schema.validate_announce(self.announcement, agent_id)
         self.tasks = TaskServer(
@@ -236,6 +242,18 @@ class Agent:
         """(median task duration ms of the tasks finished since the last heartbeat — else
         the previous heartbeat's —, age ms of the oldest running task)."""
         return self.tasks.load_figures()
+
+    @property
+    def context_usage_pct(self) -> float | None:
+        """How full the context window is (0-100), sent with every heartbeat: brokers route
+        ``min_context_tokens`` requests by the headroom ``context_window x (1 - usage)``."""
+        return self.presence.context_usage_pct
+
+    @context_usage_pct.setter
+    def context_usage_pct(self, value: float | None) -> None:
+        if value is not None and not 0 <= value <= 100:
+            raise InvalidRequest(f"context_usage_pct {value!r} is not between 0 and 100")
+        self.presence.context_usage_pct = value
 
     def heartbeat(self) -> schema.Heartbeat:
         """The next heartbeat (advances ``seq``)."""

@@ -23,6 +23,7 @@ from .config import ClientConfig
 from .errors import InternalError
 from .liveness import Liveness
 from .metrics import ClientMetrics
+from .outcomes import OutcomeBook
 from .retry import Outcome
 from .subjects import ReplyInbox
 
@@ -47,6 +48,8 @@ class Attempts:
         self.liveness = liveness
         self.metrics = metrics
         self.clock = clock
+        self.outcomes: OutcomeBook | None = None
+        """Told of every attempt's end: what this client saw, for the brokers."""
 
     def next(
         self, candidates: list[schema.Candidate], tried: Sequence[str], capability: str
@@ -91,7 +94,9 @@ class Attempts:
             self.account(agent, call.capability, outcome, value)
 
     def account(self, agent: str, capability: str, outcome: Outcome, value: Any) -> None:
-        """Breaker and metrics bookkeeping of one attempt."""
+        """Breaker, metrics and outcome bookkeeping of one attempt."""
+        if self.outcomes is not None:
+            self.outcomes.record(agent, outcome, value)
         now = self.clock()
         ok = verdict(outcome, value if outcome == "error" else None)
         if ok is None:

@@ -92,6 +92,7 @@ class Call:
         "call_id",
         "capability",
         "deadline",
+        "filters",
         "gone",
         "headers",
         "last_err",
@@ -125,6 +126,7 @@ class Call:
         started: float = 0.0,
         timeout: float | None = None,
         stream: int = 0,
+        filters: dict[str, Any] | None = None,
     ) -> None:
         self.call_id = call_id
         self.capability = capability
@@ -154,6 +156,8 @@ class Call:
         self.region = region
         self.tags = tags
         self.sticky_key = sticky_key
+        self.filters = filters or {}
+        """The route request's other filters (``canary``, ``requires``, ``min_context_tokens``)."""
         self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self.agent_id: str | None = None
         """The agent of the current attempt."""

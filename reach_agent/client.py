@@ -75,6 +75,7 @@ from .errors import (
 from .holder import Holders
 from .liveness import Liveness
 from .metrics import ClientMetrics
+from .outcomes import OutcomeBook, OutcomeReporter
 from .routes import Routes
 from .subjects import ReplyInbox, Subjects
 
@@ -123,6 +124,12 @@ class Client:
         self._own_nc = nc is None
         self._servers = servers
         self._name = name or f"reach-client-{uuid.uuid4().hex[:8]}"
+        self.routes.caller = self._name
+        self.outcomes = OutcomeBook(self._name, clock())
+        """What this client saw of each agent, sent to the brokers (:mod:`.outcomes`)."""
+        self.attempts.outcomes = self.outcomes
+        self._reporter = OutcomeReporter(self.nc, self.subjects, self.outcomes,
+                                         self.config.outcome_interval_s, clock)  # fmt: skip
         self._inbox = ReplyInbox("")  # the connection's own inbox, from start()
         self._calls: dict[str, Call] = {}
         self._subs: list[Subscription] = []
@@ -167,6 +174,7 @@ class Client:
         ]  # fmt: skip
         await flush_subscriptions(nc)
         self.liveness.start()
+        self._reporter.start()
         self.routes.running = True
         self._refresher = asyncio.create_task(self.routes.refresh_loop(),
                                               name="reach-route-refresh")  # fmt: skip
@@ -184,6 +192,7 @@ class Client:
             await asyncio.wait({self._refresher}, timeout=2.0)
         for call in self._calls.values():
             call.close()
+        await self._reporter.stop()
         self._tasks.cancel()
         for sub in self._subs:
             try:
@@ -218,10 +227,14 @@ class Client:
         sticky_key: str | None = None,
         exclude: Sequence[str] | None = None,
         allow_suspect: bool = False,
+        canary: str | None = None,
+        requires: Sequence[str] | None = None,
+        min_context_tokens: int | None = None,
     ) -> list[schema.Candidate]:
         """Ranked candidates for ``capability`` from a broker, best first: a look (a
         ``peek``), so the broker does not count a task handed to the first; :meth:`call`
-        routes for real.
+        routes for real (``canary``, ``requires``, ``min_context_tokens``: see
+        docs/protocol.md, RouteRequest).
 
         When no broker answers, the last answer for the same capability and filters is used
         (minus agents that events since reported unhealthy, in weighted-random order);
@@ -229,7 +242,9 @@ class Client:
         """
         return await self.routes.route(capability, limit, region=region, tags=tags,
                                        sticky_key=sticky_key, exclude=exclude,
-                                       allow_suspect=allow_suspect, peek=True)  # fmt: skip
+                                       allow_suspect=allow_suspect, peek=True, canary=canary,
+                                       requires=requires,
+                                       min_context_tokens=min_context_tokens)  # fmt: skip
 
     async def _on_event(self, msg: Msg) -> None:
         if audit.is_copy(msg, live=True):  # not an event a broker published
@@ -268,6 +283,9 @@ class Client:
         traceparent: str | None = None,
         region: str | None = None,
         tags: dict[str, str] | None = None,
+        canary: str | None = None,
+        requires: Sequence[str] | None = None,
+        min_context_tokens: int | None = None,
     ) -> Any:
         """Run ``payload`` on an agent with ``capability`` and return its decoded result.
 
@@ -276,10 +294,14 @@ class Client:
         ``ack_mode="received"`` the call returns the :class:`~reach_agent.schema.Receipt`
         once an agent has accepted the task; the result goes to ``REACH_ACKS``. A streaming
         handler's answer comes joined (:func:`reach_agent.streaming.join`).
-        Raises a :class:`~reach_agent.errors.ReachError` subclass carrying the wire code.
+        ``canary``, ``requires`` and ``min_context_tokens`` go to the route request
+        (docs/protocol.md, RouteRequest). Raises a :class:`~reach_agent.errors.ReachError`
+        subclass carrying the wire code.
         """
+        filters = {k: v for k, v in (("canary", canary), ("requires", requires),
+                                     ("min_context_tokens", min_context_tokens)) if v}  # fmt: skip
         call = self.open_call(capability, payload, timeout, ack_mode, sticky_key, request_id,
-                              headers, traceparent, region, tags, 0)  # fmt: skip
+                              headers, traceparent, region, tags, 0, filters)  # fmt: skip
         ok = False
         try:
             value = await self._run(call)
@@ -317,6 +339,7 @@ class Client:
         region: str | None,
         tags: dict[str, str] | None,
         stream: int,
+        filters: dict[str, Any] | None = None,
     ) -> Call:
         """A new call, checked and registered for its replies."""
         if not self._started:
@@ -330,7 +353,7 @@ class Client:
             call_id, capability, encode_payload(payload), headers, request_id=request_id,
             traceparent=traceparent, ack_mode=ack_mode,
             deadline=t0 + self.config.clamp_timeout(timeout), region=region, tags=tags,
-            sticky_key=sticky_key, started=t0, timeout=timeout, stream=stream,
+            sticky_key=sticky_key, started=t0, timeout=timeout, stream=stream, filters=filters,
         )  # fmt: skip
         self._calls[call_id] = call
         return call

@@ -104,6 +104,12 @@ class ClientConfig(_Config):
     claim_poll_s: Seconds = 2.0
     """While a call waits for the agent holding its request id's claim (``IN_PROGRESS``),
     read the claim this often: released (its holder went offline) means try again."""
+    outcome_interval_s: Annotated[float, Meta(ge=0)] = 2.0
+    """How often what this client saw of each agent goes to the brokers (``reach.outcome.<id>``:
+    the delivery term of the score); 0: never."""
+    max_retry_after_s: Annotated[float, Meta(ge=0)] = 5.0
+    """An ``OVERLOADED`` route answer's ``retry_after_ms`` is waited out and the route asked
+    again, up to this long in all per route (and never past a call's deadline)."""
     breaker: BreakerConfig = msgspec.field(default_factory=BreakerConfig)
 
     def clamp_timeout(self, timeout: float | None, timeout_hint: float | None = None) -> float:

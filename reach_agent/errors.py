@@ -114,6 +114,11 @@ class Overloaded(Unavailable):
     status = 429
     full = True
 
+    def __init__(self, message: str = "", *, retry_after_ms: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
+        """When asking again may succeed (``retry_after_ms`` in the error body), if known."""
+
 
 class TargetBusy(Unavailable):
     code = "TARGET_BUSY"

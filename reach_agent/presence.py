@@ -59,6 +59,9 @@ class Presence:
         self.seq = 0
         self.nc = NATS()  # the agent's connection, from start()
         self._initial = False
+        self.context_usage_pct: float | None = None
+        """The share (0-100) of the context window in use, sent with every heartbeat
+        (``Agent.context_usage_pct``): brokers route by the headroom it leaves."""
         self.conflict: ReachError | None = None
         """The CONFLICT a broker answered (another live process holds this agent_id)."""
         self.first_answer = asyncio.Event()
@@ -186,6 +189,7 @@ class Presence:
             fail_total=tasks.fail_total,
             task_ms_p50=p50,
             oldest_task_ms=oldest,
+            context_usage_pct=self.context_usage_pct,
             initial=self._initial,
         )
         self._initial = False

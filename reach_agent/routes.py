@@ -20,7 +20,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from . import schema, trace
 from .config import ClientConfig
-from .errors import NoReachableAgent, ReachError, from_reply
+from .errors import NoReachableAgent, Overloaded, ReachError, from_reply
 from .metrics import ClientMetrics
 from .schema import Candidate
 from .subjects import Subjects
@@ -132,6 +132,9 @@ class Routes:
         self.cache = RouteCache(config.route_cache_size, clock)
         self.running = False
         """Set while the client runs; the refresh loop ends when it is cleared."""
+        self.caller = ""
+        """This client's caller name (``Reach-Caller``: brokers keep quotas per caller)."""
+        self.clock = clock
 
     async def route(
         self,
@@ -144,9 +147,45 @@ class Routes:
         exclude: Sequence[str] | None = None,
         allow_suspect: bool = False,
         peek: bool = False,
+        deadline: float | None = None,
+        canary: str | None = None,
+        requires: Sequence[str] | None = None,
+        min_context_tokens: int | None = None,
     ) -> list[Candidate]:
-        """:meth:`reach_agent.Client.route` (a ``peek``); ``Client.call``'s own routes are
-        not peeks: the broker counts the first candidate as handed the task."""
+        """:meth:`reach_agent.Client.route` (a ``peek``; ``Client.call``'s own routes are
+        not peeks: the broker counts the first candidate as handed the task). An
+        ``OVERLOADED`` answer carrying ``retry_after_ms`` is waited out and asked again, up to
+        ``max_retry_after_s`` in all and never past ``deadline`` (a call's)."""
+        budget = self.clock() + self.config.max_retry_after_s
+        if deadline is not None:
+            budget = min(budget, deadline)
+        while True:
+            try:
+                return await self._route(capability, limit, region, tags, sticky_key, exclude,
+                                         allow_suspect, peek, canary,
+                                         requires, min_context_tokens)  # fmt: skip
+            except Overloaded as exc:
+                wait = (exc.retry_after_ms or 0) / 1000.0
+                if not exc.retry_after_ms or self.clock() + wait > budget:
+                    raise
+                log.info("route.overloaded capability=%s retry_after_ms=%d", capability,
+                         exc.retry_after_ms)  # fmt: skip
+                await asyncio.sleep(wait)
+
+    async def _route(
+        self,
+        capability: str,
+        limit: int | None,
+        region: str | None,
+        tags: dict[str, str] | None,
+        sticky_key: str | None,
+        exclude: Sequence[str] | None,
+        allow_suspect: bool,
+        peek: bool,
+        canary: str | None,
+        requires: Sequence[str] | None,
+        min_context_tokens: int | None,
+    ) -> list[Candidate]:
         schema.check_capability(capability)
         if tags:
             schema.check_tags(tags)
@@ -155,12 +194,15 @@ class Routes:
         excluded = list(exclude or ())
         req = schema.RouteRequest(limit=limit, region=region, tags=dict(tags or {}),
                                   sticky_key=sticky_key, exclude=excluded,
-                                  allow_suspect=allow_suspect, peek=peek)  # fmt: skip
+                                  allow_suspect=allow_suspect, peek=peek, canary=canary,
+                                  requires=list(requires or ()),
+                                  min_context_tokens=min_context_tokens)  # fmt: skip
         try:
             reply = await self.nc.request(
                 self.subjects.route(capability),
                 schema.encoder.encode(req),
                 timeout=self.config.route_timeout_s,
+                headers={schema.H_CALLER: self.caller} if self.caller else None,
             )
         except (NatsTimeoutError, NoRespondersError) as exc:
             why = "no broker responded" if isinstance(exc, NoRespondersError) else "timed out"

@@ -8,7 +8,8 @@ cannot express, live in ``validate_*`` functions that raise :class:`InvalidReque
 
 The field vocabulary (``Base``, patterns, bounded types, one-value checks) lives in
 :mod:`~reach_agent.wiretypes`, the task path's stored records (receipt, ack record, event,
-claim) in :mod:`~reach_agent.wirerecords`; both are re-exported here.
+claim) in :mod:`~reach_agent.wirerecords`, an explained route's Structs in
+:mod:`~reach_agent.wireexplain`; all are re-exported here.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from jetstream.names import H_MSG_ID, H_REQUEST_ID  # noqa: F401 - headers of th
 from .errors import H_SERVICE_ERROR, H_SERVICE_ERROR_CODE, InvalidCapability, InvalidRequest  # noqa: F401
 
 # Re-exported, so ``schema.X`` names every part of the contract as before the split:
+from .wireexplain import AgentExplain, Exclusion, RouteExplain, ScoreTerms  # noqa: F401
 from .wirerecords import (  # noqa: F401
     AckRecord,
     Claim,
@@ -165,49 +167,14 @@ class RouteRequest(Base, frozen=True):
     first candidate as handed a task (``reach route``, ``Client.route``, cache refreshes)."""
     explain: bool = False
     """Ask for the reasons: each candidate's ``explain`` and the reply's ``explain``."""
-
-
-class ScoreTerms(Base, frozen=True):
-    """The factors of an agent's score, each in [0, 1]: score = 100 x the product of each
-    term raised to its weight (``scoring.weight_*``); ``stuck`` is 1 or the stuck penalty."""
-
-    liveness: float
-    latency: float
-    load: float
-    success: float
-    stuck: float
-
-
-class AgentExplain(Base, frozen=True):
-    """Why an agent scores what it scores, and where it stands in the capability's routing
-    (with ``RouteRequest.explain``)."""
-
-    terms: ScoreTerms
-    weakest: str | None = None
-    """The term that pulls the score down most (None: every term is 1)."""
-    slow_start: float = 1.0
-    """The slow-start factor on its weight (below 1 for a while after recovering)."""
-    weight: float = 0.0
-    """Its weight in the weighted draw: score x free capacity x slow start."""
-    rank: int = 0
-    """Its place in the capability's ranking, 1 the best; 0: not ranked."""
-    kept: str | None = None
-    """Why it is routed although below the minimum score (``eject_cap``, ``panic``) or
-    although suspect (``allow_suspect``)."""
-    task_ms: float | None = None
-    """Task duration EWMA (from heartbeats)."""
-    rtt_ms: float | None = None
-    """Probe round-trip EWMA."""
-    success_rate: float = 1.0
-    ok_total: int = 0
-    fail_total: int = 0
-    active: int = 0
-    queue_depth: int = 0
-    max_concurrency: int = 0
-    oldest_task_ms: int | None = None
-    timeout_hint_ms: int | None = None
-    probe_failures: int = 0
-    """Probes unanswered in a row."""
+    canary: ShortText | None = None
+    """Take this arm of the capability's split rule (a ``version`` or tag value) instead of
+    the weighted one; without a split rule, agents of this ``version``."""
+    requires: Annotated[list[ShortText], Meta(max_length=64)] = []
+    """Permissions every candidate must hold (its announce's ``permissions``)."""
+    min_context_tokens: Annotated[int, Meta(ge=0, le=2**40)] | None = None
+    """Candidates' context headroom, ``context_window x (1 - context_usage_pct / 100)``,
+    must be at least this (an agent that announces no ``context_window`` has none)."""
 
 
 class Candidate(Base, frozen=True):
@@ -224,41 +191,6 @@ class Candidate(Base, frozen=True):
     """``reach`` or ``synadia-agents`` (brokers always say; absent from an older broker:
     ``reach``)."""
     explain: AgentExplain | None = None
-
-
-class Exclusion(Base, frozen=True):
-    """An agent of the capability that is not among the candidates, and why."""
-
-    agent_id: str
-    reason: str
-    """A reason code (``state``, ``load``, ``score``, ...; the table in docs/protocol.md)."""
-    detail: str
-    """The reason in one sentence, with the figures."""
-    state: AgentState
-    score: float
-    load: float
-    explain: AgentExplain | None = None
-
-
-class RouteExplain(Base, frozen=True):
-    """How a route request was decided (with ``RouteRequest.explain``)."""
-
-    members: int
-    """Agents with the capability, in any state."""
-    healthy: int
-    ranked: int
-    """Healthy agents in the ranking (not ejected for their score)."""
-    choice: str
-    min_reach_score: float
-    load_watermark: float
-    ejected: int = 0
-    panic: bool = False
-    pool: int = 0
-    """Agents that passed every filter and made the pool the choice was made from."""
-    counts: dict[str, int] = {}
-    """Agents left out, by reason code: all of them, also beyond the ``excluded`` listed."""
-    excluded: list[Exclusion] = []
-    """The agents left out (at most 100: the best ranked and scored first), with why."""
 
 
 class RouteReply(Base, frozen=True):
@@ -293,6 +225,28 @@ class AgentsRequest(Base, frozen=True):
     state: AgentState | None = None
 
 
+class OutcomeSummary(Base, frozen=True):
+    """``<p>.outcome.<agent_id>``: what one caller saw of one agent since its last summary
+    (published every ``ClientConfig.outcome_interval_s`` while there is something to say)."""
+
+    caller: ShortText
+    """Who saw it (the client's caller name; see docs/protocol.md, "Outcomes")."""
+    attempts: Count = 0
+    """Attempts sent to the agent."""
+    ok: Count = 0
+    """Attempts answered with a result (or an error reply other than a rejection)."""
+    not_delivered: Count = 0
+    """No receipt within ``ack_timeout_s`` (or no responders)."""
+    lost: Count = 0
+    """Receipted, then abandoned: the agent was reported gone while running it."""
+    timeouts: Count = 0
+    """Receipted, then no result before the call's deadline."""
+    rejected: Count = 0
+    """Business rejections (``BIZ_REJECT``): answers, not failures."""
+    interval_ms: Millis = 0
+    """The span the counts cover."""
+
+
 # --- headers ------------------------------------------------------------------------------
 # (H_MSG_ID, JetStream's de-duplication id, and H_REQUEST_ID, also a queue header, have their
 # address in jetstream/names.py and are imported above.)
@@ -314,6 +268,9 @@ H_SEQ = "Reach-Seq"
 """A chunk's sequence number (1, 2, ...); on a credit message, the last chunk consumed."""
 H_CHUNKS = "Reach-Chunks"
 """On the ``completed`` message that ends a stream: how many chunks it had."""
+H_CALLER = "Reach-Caller"
+"""On a route request: who asks (the SDK's connection name; quotas are per caller). With the
+server enforcing identities the broker reads the caller from the private reply inbox."""
 
 
 # --- codecs (module level, reused: no per-message construction) ---------------------------
@@ -330,6 +287,7 @@ agent_views_decoder = msgspec.json.Decoder(list[AgentView])
 probe_reply_decoder = msgspec.json.Decoder(ProbeReply)
 event_decoder = msgspec.json.Decoder(Event)
 claim_decoder = msgspec.json.Decoder(Claim)
+outcome_decoder = msgspec.json.Decoder(OutcomeSummary)
 
 
 def decode(decoder: msgspec.json.Decoder[Any], data: bytes, what: str) -> Any:
@@ -378,4 +336,15 @@ def validate_heartbeat(msg: Heartbeat, subject_agent_id: str) -> Heartbeat:
 
 def validate_route_request(msg: RouteRequest) -> RouteRequest:
     check_tags(msg.tags)
+    return msg
+
+
+def validate_outcome(msg: OutcomeSummary) -> OutcomeSummary:
+    """An outcome summary's counts must add up: every failure or answer was an attempt."""
+    told = msg.ok + msg.not_delivered + msg.lost + msg.timeouts + msg.rejected
+    if told > msg.attempts:
+        raise InvalidRequest(
+            f"outcome: ok + not_delivered + lost + timeouts + rejected = {told} exceeds "
+            f"attempts {msg.attempts}"
+        )
     return msg

@@ -21,6 +21,8 @@ sender names against the sender's permissions (see docs/protocol.md, "Reply subj
     <p>.ack.<author>.<request_id>    agent (author: its id) or broker (``_broker``) → REACH_ACKS
     <p>.comp.<capability>            caller → REACH_COMPENSATION → broker
     <p>.event.<kind>.<agent_id>      broker → anyone; kept by REACH_AUDIT
+    <p>.event.rule._rules            broker → anyone: a route rule set or cleared (audited)
+    <p>.outcome.<agent_id>           caller → every broker: what it saw of the agent
 
 The Synadia Agent Protocol's subjects (theirs, never prefixed) are built by
 :class:`AgentsProtocol` (``AGENTS``): reach reads and calls those agents as they are.
@@ -44,6 +46,11 @@ valid agent id (those start with a letter or digit), so no agent can be taken fo
 nor the broker for an agent."""
 
 
+RULES_AUTHOR = "_rules"
+"""The agent-id token of route-rule events (``<p>.event.rule._rules``): no agent's id (those
+start with a letter or digit), so no agent's event subscription receives them."""
+
+
 def is_inbox(subject: str) -> bool:
     """Whether ``subject`` is a reply subject reach answers (``_INBOX.…``)."""
     return subject.startswith(_INBOX_DOT)
@@ -60,6 +67,7 @@ class Subjects:
         "_event",
         "_hb",
         "_leave",
+        "_outcome",
         "_probe",
         "_reannounce",
         "_route",
@@ -81,6 +89,7 @@ class Subjects:
         self._ack = f"{prefix}.ack."
         self._comp = f"{prefix}.comp."
         self._event = f"{prefix}.event."
+        self._outcome = f"{prefix}.outcome."
         # Parsers run per message (heartbeats): slice at precomputed lengths.
         self._cuts = (
             len(self._announce), len(self._hb), len(self._leave), len(self._probe),
@@ -128,6 +137,15 @@ class Subjects:
 
     def event(self, kind: str, agent_id: str) -> str:
         return f"{self._event}{kind}.{agent_id}"
+
+    @property
+    def rule_event(self) -> str:
+        """Where route-rule changes are published (and audited)."""
+        return f"{self._event}rule.{RULES_AUTHOR}"
+
+    def outcome(self, agent_id: str) -> str:
+        """A caller's outcome summary of one agent."""
+        return self._outcome + agent_id
 
     # --- what subscribers listen on --------------------------------------------------------
 
@@ -183,6 +201,10 @@ class Subjects:
     def all_events(self) -> str:
         return self._event + ">"
 
+    @property
+    def all_outcomes(self) -> str:
+        return self._outcome + "*"
+
     def events_of(self, agent_id: str) -> str:
         """Every event about one agent (``<p>.event.*.<agent_id>``)."""
         return f"{self._event}*.{agent_id}"
@@ -223,6 +245,9 @@ class Subjects:
 
     def capability_of_comp(self, subject: str) -> str:
         return subject[self._cuts[7] :]
+
+    def agent_of_outcome(self, subject: str) -> str:
+        return subject[len(self._outcome) :]
 
     def event_of(self, subject: str) -> tuple[str, str]:
         """``(kind, agent_id)`` of ``<p>.event.<kind>.<agent_id>``."""

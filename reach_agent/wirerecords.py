@@ -72,7 +72,8 @@ class AckRecord(Base, frozen=True):
 
 class Event(Base, frozen=True):
     """``reach.event.<kind>.<agent_id>``: one state transition, with why (kind
-    ``released``: a claim of the agent released, ``request_id`` names it)."""
+    ``released``: a claim of the agent released, ``request_id`` names it; kind ``rule``: a
+    route rule set or cleared, on ``reach.event.rule._rules``)."""
 
     kind: EventKind
     agent_id: str
@@ -82,6 +83,8 @@ class Event(Base, frozen=True):
     to: AgentState | None = None
     from_: AgentState | None = msgspec.field(default=None, name="from")
     request_id: str | None = None
+    capability: str | None = None
+    """Kind ``rule``: the capability whose route rule changed (``agent_id`` is ``_rules``)."""
 
 
 class Claim(Base, frozen=True):

@@ -43,7 +43,7 @@ Percent = Annotated[float, Meta(ge=0, le=100)]
 AgentState = Literal["healthy", "suspect", "offline", "recovering", "draining"]
 AGENT_STATES: tuple[AgentState, ...] = ("healthy", "suspect", "offline", "recovering", "draining")
 AgentStatus = Literal["idle", "busy", "draining"]
-EventKind = Literal["registered", "state", "left", "evicted", "released"]
+EventKind = Literal["registered", "state", "left", "evicted", "released", "rule"]
 AckState = Literal["received", "completed", "failed"]
 PROTOCOL_REACH = "reach"
 PROTOCOL_SYNADIA = "synadia-agents"

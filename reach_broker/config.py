@@ -115,6 +115,8 @@ class ScoringSection(Section):
     """Exponent of the load term 1 / (1 + (active + queue) / max_concurrency)."""
     weight_success: Annotated[float, Meta(ge=0)] = 2.0
     """Exponent of the task success rate over the last results."""
+    weight_delivery: Annotated[float, Meta(ge=0)] = 2.0
+    """Exponent of the delivery term (what callers saw: ``reach.outcome.<agent_id>``)."""
     success_prior: Annotated[float, Meta(ge=0)] = 5.0
     """Virtual successes added to the success rate, so one early failure is not a verdict."""
     liveness_window: Annotated[int, Meta(ge=1, le=1000)] = 20
@@ -159,8 +161,14 @@ class RoutingSection(Section):
     """At most this share of a capability's agents is kept out for a low score at once."""
     panic_threshold: Share = 0.5
     """Below this healthy share a capability is in panic mode (logged, counted)."""
-    inflight_ceiling: Annotated[int, Meta(ge=1)] = 5000
-    """Fleet-wide in-flight tasks (reported active) above which routes answer OVERLOADED."""
+    inflight_ceiling: Annotated[int, Meta(ge=1)] | None = None
+    """Fleet-wide in-flight tasks (reported active) above which routes answer OVERLOADED
+    (unset: ``inflight_share`` of the fleet's slots, so it scales with the fleet)."""
+    inflight_share: Annotated[float, Meta(gt=0, le=10)] = 0.9
+    """With no fixed ceiling: the ceiling is this share of Σ max_concurrency over the agents
+    that are not offline."""
+    overloaded_retry_after_ms: Annotated[int, Meta(ge=0, le=3_600_000)] = 250
+    """The ``retry_after_ms`` an ``OVERLOADED`` for the in-flight ceiling carries."""
 
 
 class CompensationSection(Section):
@@ -274,6 +282,60 @@ class SynadiaSection(Section):
     only reconnects is found again on its next heartbeat)."""
 
 
+class QuotaLimit(Section):
+    rate: Annotated[float, Meta(gt=0)]
+    """Route requests per second."""
+    burst: Annotated[int, Meta(ge=1)] | None = None
+    """Bucket size: requests allowed at once after a quiet spell (unset: max(1, rate))."""
+
+
+class QuotasSection(Section):
+    """Token buckets per (caller, capability) on route requests (reach_broker/quotas.py)."""
+
+    rate: Annotated[float, Meta(ge=0)] = 0.0
+    """Route requests per second each caller may make for each capability (0: no quota
+    unless a caller's own limit or the capability's route rule sets one)."""
+    burst: Annotated[int, Meta(ge=1)] | None = None
+    """Bucket size of that default (unset: max(1, rate))."""
+    per_caller: dict[str, QuotaLimit] = {}
+    """A caller's own limit, per capability, over the default and the route rules."""
+    callers: list[str] = []
+    """Callers named in the ``caller`` label of the quota metrics (any other is ``other``):
+    the label stays bounded by this list."""
+    max_buckets: Annotated[int, Meta(ge=1)] = 100_000
+    """Buckets kept at most (the oldest dropped first: it comes back full)."""
+
+
+class OutcomesSection(Section):
+    """What callers saw, folded into the delivery term (reach_broker/delivery.py)."""
+
+    enabled: bool = True
+    """Follow ``<prefix>.outcome.*`` and score delivery by it."""
+    window_s: Positive = 60.0
+    """The span the outlier and unanswered rules look at."""
+    min_callers: Annotated[int, Meta(ge=1)] = 2
+    """Distinct callers that must see failures before they count against an agent: the
+    delivery term takes the failure share of the min_callers-th worst caller."""
+    min_attempts: Annotated[int, Meta(ge=1)] = 5
+    """Attempts a caller must have sent within the window before its share counts."""
+    max_failure_share: Share = 0.05
+    """The outlier rule: above this failure share over the window, the agent is ejected."""
+    unanswered_after: Annotated[int, Meta(ge=1)] = 3
+    """N of the unanswered rule: receipted calls without a result (any callers), with no
+    result nor finished task from the agent meanwhile, after which it is out for everyone."""
+
+
+class RuleSection(Section):
+    """One capability's route rule in broker.toml (reach_broker/rules.py)."""
+
+    split: str | None = None
+    """``version=1:95,2:5`` or ``TAG=a:90,b:10``."""
+    require: dict[str, str] = {}
+    """Tags every routed agent must carry, e.g. ``{ env = "prod" }``."""
+    quota: str | None = None
+    """``RATE[:BURST]``: route requests per second per caller for this capability."""
+
+
 class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The whole broker configuration."""
 
@@ -288,6 +350,10 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     console: ConsoleSection = msgspec.field(default_factory=ConsoleSection)
     a2a: A2ASection = msgspec.field(default_factory=A2ASection)
     synadia: SynadiaSection = msgspec.field(default_factory=SynadiaSection)
+    quotas: QuotasSection = msgspec.field(default_factory=QuotasSection)
+    outcomes: OutcomesSection = msgspec.field(default_factory=OutcomesSection)
+    rules: dict[str, RuleSection] = {}
+    """Route rules by capability (``[rules."summarize"]``); KV reach_rules overrides them."""
 
 
 class ConfigError(ValueError):

@@ -1,207 +1,147 @@
-"""One compensation entry delivered: its claim looked up, its expiry, its dispatch marker,
-the route, the agent's receipt (or refusal), then held until the taker's final record.
+"""What callers saw of each agent, folded into the delivery term D of the score.
 
-Its own module because delivering one entry needs the router, the claims, the dispatch
-markers and the taken entries but nothing of the replay rounds (:mod:`reach_broker.replay`:
-which capability, when, how many at once).
+Callers' SDKs publish outcome summaries (``<p>.outcome.<agent_id>``: attempts, not delivered,
+lost, timeouts, rejections, answers) every few seconds. Each broker keeps them per agent
+and per caller over the last ``outcomes.window_s`` (a minute) and judges, with the clock as
+an argument (pure):
+
+- **failure share** of a caller: (not delivered + lost + timeouts) / attempts, for callers
+  that sent at least ``min_attempts``. Business rejections are answers, not failures.
+- **distinct callers**: the agent's failure share is that of the ``min_callers``-th worst
+  caller (the second worst by default), so one caller alone — whose deadlines are too short,
+  whose network is bad, or who lies — moves nothing: D = 1 - that share.
+- **the outlier rule**: above ``max_failure_share`` (5 %) over the window, D = 0: the agent
+  scores 0 and is ejected, within the ejection cap (``routing.max_eject_share``; nothing in
+  panic), like any low scorer.
+- **the unanswered rule**: at least ``unanswered_after`` (N, 3 by default) receipted calls
+  without a result (lost + timeouts, any callers) in the window, while no caller got any
+  answer from the agent, its heartbeats reported no finished task since the first of them
+  and they do report tasks running (``active`` > 0: the receipted tasks are still in its
+  hands): D = 0, for everyone, after at most N calls. The agent's own heartbeats corroborate
+  the callers: an agent that is merely slow still finishes tasks (its ``ok_total`` moves),
+  and an idle one runs nothing, so neither a caller with too short a deadline nor one that
+  makes reports up can eject it this way.
+
+The window slides: once the reports are a minute old, D returns to 1 (the agent is tried
+again, and judged afresh).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
-import random
-from collections.abc import Awaitable, Callable
-from typing import Literal, NamedTuple
+from collections import deque
+from typing import NamedTuple
 
-from nats.errors import NoRespondersError
+from reach_agent.schema import OutcomeSummary
 
-from jetstream.compensation import Entry
-from reach_agent import schema
-from reach_agent.errors import ReachError
-from reach_agent.retry import retryable
-from reach_agent.schema import RouteRequest
+from .config import OutcomesSection
 
-from .ackwatch import AckWatch
-from .brokeracks import record_failed, record_taker
-from .context import BrokerContext
-from .dispatch import MARKER_TTL_S, Dispatches
-from .records import AgentRecord
-from .routing import Router
-from .synadiareplay import Prompts
-from .taken import Taken
-
-log = logging.getLogger("reach_broker.replay")  # the replay.* lines keep their logger
-
-Outcome = Literal["replayed", "expired", "failed", "stalled", "claimed", "held", "deferred"]
-RELEASE_WAIT_S = 0.5
-"""Redelivery delay of an entry whose claim's holder is offline but not yet released."""
+OUTLIER = "outlier"
+UNANSWERED = "unanswered"
 
 
-class Target(NamedTuple):
-    """Where an entry goes (a route candidate's two fields the replayer reads)."""
+class Seen(NamedTuple):
+    """One summary's counts, as kept."""
 
-    agent_id: str
-    subject: str
-    protocol: str | None = None
+    at: float
+    attempts: int
+    failures: int
+    """not delivered + lost + timeouts."""
+    unanswered: int
+    """lost + timeouts: receipted, no result."""
+    answers: int
+    """ok + rejected."""
 
 
-class Delivery:
-    """Delivers the replay's entries one by one (:meth:`deliver`), and counts how each
-    ended."""
+class Verdict(NamedTuple):
+    delivery: float
+    """D in [0, 1]."""
+    rule: str | None
+    """``outlier`` or ``unanswered`` when D is 0 by a rule."""
+    share: float
+    """The failure share counted (the min_callers-th worst caller's)."""
+    callers: int
+    """Callers with reports in the window."""
 
-    def __init__(
-        self,
-        ctx: BrokerContext,
-        router: Router,
-        claim_of: Callable[[str], Awaitable[tuple[str, str] | None]],
-        record_of: Callable[[str], AgentRecord | None],
-        taken: Taken,
-        acks: AckWatch,
-    ) -> None:
-        self.ctx = ctx
-        self.router = router
-        self.claim_of = claim_of
-        """A request id's claim: (holder, state), None when unclaimed."""
-        self.record_of = record_of
-        self.taken = taken
-        self.acks = acks
-        self.subjects = ctx.subjects
-        self.cfg = ctx.cfg.compensation
-        self.dispatches = Dispatches(ctx.nc, ctx.subjects, ctx.broker_id, record_of)
-        """Where each entry was sent: exactly once across a leader change (dispatch.py)."""
-        self.prompts = Prompts(ctx, taken.done)
-        """Entries for Synadia agents (they write no ack records: the broker does)."""
-        self.replayed = 0
-        self.expired = 0
-        self.failed = 0
-        self.claimed = 0  # entries an agent had claimed: removed, not sent
-        self._route_req = RouteRequest(limit=3)
 
-    def _alive(self, agent_id: str) -> bool:
-        rec = self.record_of(agent_id)
-        return rec is not None and rec.state != "offline"
+CLEAN = Verdict(1.0, None, 0.0, 0)
 
-    async def deliver(self, e: Entry) -> Outcome:
-        """Deliver one entry; a JetStream asset electing a leader (a marker or ack that
-        times out, no responders) stalls the round: the entry comes back, and its marker
-        and ack records decide what its redelivery does."""
-        try:
-            return await self._send(e)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - retried by the next round or the sweep
-            log.info("replay.stalled request_id=%s error=%r", e.request_id, exc)
-            with contextlib.suppress(Exception):
-                assert e.msg is not None
-                await e.msg.nak()
-            return "stalled"
 
-    async def _send(self, e: Entry) -> Outcome:
-        ctx, router = self.ctx, self.router
-        assert e.msg is not None  # fetched entries carry their message
-        claim = await self.claim_of(e.request_id)  # first: a running task is not expired
-        if claim is not None and claim[1] != "released":
-            return await self._claimed(e, *claim)
-        if e.expired(ctx.wall_ms()):
-            await self.record_expired(e)
-            await e.msg.ack_sync()
-            return "expired"
-        headers = e.task_headers()
-        headers[schema.H_REQUEST_ID] = e.request_id
-        headers[schema.H_RECEIPT] = "1"
-        only: str | None = None
-        if e.msg.metadata.num_delivered > 1 and claim is None:  # sent before? (a leader
-            # change, a dead replica; a released claim means its run did not finish)
-            done, only = await self.dispatches.redelivery(e.request_id)
-            if done:
-                await e.msg.ack_sync()
-                log.info("replay.already_delivered request_id=%s", e.request_id)
-                return "replayed"
-        give_up = ctx.clock() + self.cfg.ack_wait_s / 2
-        backoff = 0.05
-        ttl_s = (e.expires_at_ms - ctx.wall_ms()) / 1000.0 if e.expires_at_ms else MARKER_TTL_S
-        while True:
-            try:
-                candidates = (
-                    router.route(e.capability, self._route_req, ctx.clock())
-                    if only is None
-                    else [self._target(only, e.capability)]
-                )
-            except ReachError:
-                await e.msg.nak()
-                return "stalled"
-            for c in candidates:
-                sent_ms = ctx.wall_ms()
-                await self.dispatches.mark(e.request_id, c.agent_id, sent_ms, ttl_s)
-                try:  # a reach agent's receipt, or a Synadia agent's ack (its answer later)
-                    err, collect = await self.prompts.deliver(c, e, headers)
-                except (TimeoutError, NoRespondersError):
-                    log.info("replay.no_receipt request_id=%s agent=%s", e.request_id, c.agent_id)
-                    continue
-                if err is not None and err.code == "IN_PROGRESS":
-                    return await self._claimed(e, getattr(err, "holder", ""), "running")
-                if err is None:
-                    self.acks.sent(e.request_id, sent_ms)
-                    await record_taker(ctx, e, c.agent_id)
-                    await self.taken.hold(e, c.agent_id)  # removed at its final record
-                    if collect is not None:  # a Synadia agent: the broker records its answer
-                        ctx.spawn(collect(), f"synadia-replay-{e.request_id}")
-                    self.replayed += 1
-                    ctx.metrics.compensation_result["replayed"].inc()
-                    log.info("replay.delivered request_id=%s capability=%s agent=%s priority=%d",
-                             e.request_id, e.capability, c.agent_id, e.priority)  # fmt: skip
-                    return "replayed"
-                if retryable("error", err):  # not taken here, now: another agent, or later
-                    only = None  # a refusal (busy, draining) means it did not take it
-                    continue
-                # The agent refused the task itself (BIZ_REJECT, LOOP_DETECTED, ...): final.
-                await record_failed(ctx, e, c.agent_id, err.code, err.code.lower(), err.message)
-                await e.msg.ack_sync()
-                self.failed += 1
-                return "failed"
-            if ctx.clock() > give_up:
-                await e.msg.nak()
-                return "stalled"
-            await asyncio.sleep(backoff * (0.5 + random.random()))
-            backoff = min(backoff * 2, self.cfg.busy_retry_max_s)
+class AgentOutcomes:
+    """The reports about one agent: per caller, the summaries within the window."""
 
-    def _target(self, agent_id: str, capability: str) -> Target:
-        """Where a redelivered entry goes: the agent it went to before."""
-        rec = self.record_of(agent_id)
-        if rec is not None and rec.subject is not None:
-            return Target(agent_id, rec.subject, rec.protocol)
-        return Target(agent_id, self.subjects.task(agent_id, capability))
+    __slots__ = ("baseline", "by_caller", "verdict")
 
-    async def _claimed(self, e: Entry, holder: str, state: str) -> Outcome:
-        """The request id is ``holder``'s already: not sent. A finished run's entry is
-        removed; a live holder's held until it finishes; an offline holder's given back a
-        moment, for its claim to be released."""
-        assert e.msg is not None
-        if state == "running":
-            if self._alive(holder):
-                await self.taken.hold(e, holder)
-                log.info("replay.held request_id=%s holder=%s: running there",
-                         e.request_id, holder)  # fmt: skip
-                return "held"
-            await e.msg.nak(delay=RELEASE_WAIT_S)
-            return "deferred"
-        await e.msg.ack_sync()
-        self.claimed += 1
-        self.ctx.metrics.compensation_result["claimed"].inc()
-        log.info("replay.claimed request_id=%s capability=%s holder=%s (%s): not sent again",
-                 e.request_id, e.capability, holder, state)  # fmt: skip
-        return "claimed"
+    def __init__(self) -> None:
+        self.by_caller: dict[str, deque[Seen]] = {}
+        self.baseline: int | None = None
+        """The agent's finished tasks (heartbeat ok + fail) when the first unanswered call
+        of the window was reported: if it moves, the agent is finishing tasks."""
+        self.verdict = CLEAN
 
-    async def record_expired(self, e: Entry) -> None:
-        ctx = self.ctx
-        waited_s = (ctx.wall_ms() - e.enqueued_ms) / 1000.0 if e.enqueued_ms else 0.0
-        await record_failed(
-            ctx, e, ctx.broker_id, "TIMEOUT", "expired",
-            f"queued for {waited_s:.1f}s on {self.subjects.comp(e.capability)}; expired before "
-            "an agent was reachable",
-        )  # fmt: skip
-        self.expired += 1
-        ctx.metrics.compensation_result["expired"].inc()
-        log.info("replay.expired request_id=%s capability=%s", e.request_id, e.capability)
+
+class DeliveryBook:
+    """Every agent's reports and verdict."""
+
+    def __init__(self, cfg: OutcomesSection) -> None:
+        self.cfg = cfg
+        self.agents: dict[str, AgentOutcomes] = {}
+
+    def add(
+        self, agent_id: str, s: OutcomeSummary, now: float, finished: int, busy: bool
+    ) -> Verdict:
+        """Keep one summary (``finished``: the agent's heartbeat ok + fail totals now;
+        ``busy``: its heartbeats report tasks running); returns the agent's verdict."""
+        book = self.agents.get(agent_id)
+        if book is None:
+            book = self.agents[agent_id] = AgentOutcomes()
+        seen = Seen(now, s.attempts, s.not_delivered + s.lost + s.timeouts, s.lost + s.timeouts,
+                    s.ok + s.rejected)  # fmt: skip
+        book.by_caller.setdefault(s.caller, deque()).append(seen)
+        if seen.unanswered and book.baseline is None:
+            book.baseline = finished
+        return self.judge(agent_id, now, finished, busy)
+
+    def judge(self, agent_id: str, now: float, finished: int, busy: bool) -> Verdict:
+        """The agent's verdict over the window ending ``now`` (old reports dropped)."""
+        book = self.agents.get(agent_id)
+        if book is None:
+            return CLEAN
+        cfg = self.cfg
+        horizon = now - cfg.window_s
+        shares: list[float] = []
+        unanswered = answers = 0
+        for caller in list(book.by_caller):
+            q = book.by_caller[caller]
+            while q and q[0].at < horizon:
+                q.popleft()
+            if not q:
+                del book.by_caller[caller]
+                continue
+            attempts = sum(x.attempts for x in q)
+            if attempts >= cfg.min_attempts:
+                shares.append(sum(x.failures for x in q) / attempts)
+            unanswered += sum(x.unanswered for x in q)
+            answers += sum(x.answers for x in q)
+        if not book.by_caller:
+            del self.agents[agent_id]
+            return CLEAN
+        if unanswered == 0:
+            book.baseline = None
+        shares.sort(reverse=True)
+        k = cfg.min_callers
+        share = shares[k - 1] if len(shares) >= k else 0.0
+        callers = len(book.by_caller)
+        if (
+            unanswered >= cfg.unanswered_after and answers == 0 and busy
+            and book.baseline is not None and finished <= book.baseline
+        ):  # fmt: skip
+            verdict = Verdict(0.0, UNANSWERED, share, callers)
+        elif share > cfg.max_failure_share:
+            verdict = Verdict(0.0, OUTLIER, share, callers)
+        else:
+            verdict = Verdict(1.0 - share, None, share, callers)
+        book.verdict = verdict
+        return verdict
+
+    def forget(self, agent_id: str) -> None:
+        self.agents.pop(agent_id, None)

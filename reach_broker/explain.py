@@ -36,7 +36,7 @@ from . import reasons as r
 from .config import RoutingSection, ScoringSection
 from .index import CapabilityIndex, candidate
 from .records import AgentRecord
-from .routing import Router
+from .routing import Policy, Router
 from .scoring import Terms, terms, weakest
 
 MAX_EXCLUDED = 100
@@ -55,6 +55,8 @@ class Walk(NamedTuple):
     """The state it walked for: ``healthy``, or ``suspect`` when it fell back to suspects."""
     failed: dict[str, str | None]
     """Every agent it walked over: the code of the filter it failed, None if it passed."""
+    policy: Policy
+    """The capability's rule and the split arm it walked with."""
 
 
 class Case(NamedTuple):
@@ -71,6 +73,8 @@ class Case(NamedTuple):
     walked: str
     """The state the walk wanted (``healthy``; ``suspect`` when it fell back to suspects)."""
     pool: int
+    policy: Policy
+    """The capability's rule and the split arm the walk was given."""
 
 
 def _state(c: Case) -> str:
@@ -109,6 +113,44 @@ def _tags(c: Case) -> str:
             has = f"is {have!r}" if have is not None else "is missing"
             return f"tag {key} {has}, the request asks {want!r}"
     return "tags differ from the request's"
+
+
+def _required(c: Case) -> str:
+    rule = c.policy[0]
+    for key, want in rule.require if rule is not None else ():
+        if key not in c.req.tags and c.rec.tags.get(key) != want:
+            have = c.rec.tags.get(key)
+            has = f"is {have!r}" if have is not None else "is missing"
+            return f"tag {key} {has}; the capability's rule requires {want!r}"
+    return "lacks a tag the capability's rule requires"
+
+
+def _split(c: Case) -> str:
+    rule, arm = c.policy
+    if rule is None or not rule.listed:
+        return f"version {c.rec.version!r}, the request's canary asks {arm!r}"
+    key = rule.split_by
+    value = rule.value_of(c.rec)
+    if arm is None:
+        arms = ", ".join(sorted(rule.listed))
+        return f"{key} {value!r} is in no arm of the split ({arms})"
+    return f"{key} {value!r}; this request's split arm is {arm!r}"
+
+
+def _requires(c: Case) -> str:
+    missing = sorted(set(c.req.requires) - c.rec.permissions)
+    return f"lacks the permission(s) {', '.join(missing)} the request requires"
+
+
+def _context(c: Case) -> str:
+    rec = c.rec
+    if not rec.context_window:
+        return (f"announces no context_window; the request asks {c.req.min_context_tokens} "
+                "tokens of headroom")  # fmt: skip
+    used = rec.context_usage_pct or 0.0
+    return (f"context headroom {rec.headroom} tokens ({rec.context_window} x {100 - used:g}% "
+            f"free), below the request's min_context_tokens "
+            f"{c.req.min_context_tokens}")  # fmt: skip
 
 
 def _exclude(c: Case) -> str:
@@ -152,6 +194,10 @@ DETAILS: dict[str, Callable[[Case], str]] = {
     r.LOAD: _load,
     r.REGION: _region,
     r.TAGS: _tags,
+    r.REQUIRED: _required,
+    r.SPLIT: _split,
+    r.REQUIRES: _requires,
+    r.CONTEXT: _context,
     r.EXCLUDE: _exclude,
     r.SCORE: _score,
     r.UNRANKED: _unranked,
@@ -164,7 +210,7 @@ DETAILS: dict[str, Callable[[Case], str]] = {
 def _score_terms(t: Terms) -> ScoreTerms:
     return ScoreTerms(liveness=round(t.liveness, 4), latency=round(t.latency, 4),
                       load=round(t.load, 4), success=round(t.success, 4),
-                      stuck=t.stuck)  # fmt: skip
+                      stuck=t.stuck, delivery=round(t.delivery, 4))  # fmt: skip
 
 
 class Explainer:
@@ -186,7 +232,8 @@ class Explainer:
         except (NoReachableAgent, Overloaded) as exc:
             found = router.indexes.get(capability)
             if found is not None and found.members:
-                exc.extra = {"explain": self.explanation(found, req, [], now)}
+                exc.extra = {"explain": self.explanation(found, req, [], now,
+                                                         router.last_policy)}  # fmt: skip
             raise
         ranks = {rec.agent_id: i for i, rec in enumerate(idx.ranked, 1)}
         subject_of = router.subject_of
@@ -196,7 +243,8 @@ class Explainer:
         ]
         reply = RouteReply(capability=capability, candidates=candidates,
                            generated_at_ms=generated_at_ms,
-                           explain=self.explanation(idx, req, chosen, now))  # fmt: skip
+                           explain=self.explanation(idx, req, chosen, now,
+                                                    router.last_policy))  # fmt: skip
         return encoder.encode(reply)
 
     def candidate(
@@ -222,7 +270,7 @@ class Explainer:
             peer = self.router.indexes.peer_task_ms(rec)
         return terms(rec.stats, self.scoring, active=rec.active, queue_depth=rec.queue_depth,
                      max_concurrency=rec.max_concurrency, stuck=rec.stuck,
-                     peer_task_ms=peer)  # fmt: skip
+                     peer_task_ms=peer, delivery=rec.delivery)  # fmt: skip
 
     def brief(self, rec: AgentRecord) -> AgentExplain:
         """``rec``'s score terms and the weakest of them, nothing else (a list of agents)."""
@@ -255,27 +303,32 @@ class Explainer:
             probe_failures=rec.probe_failures,
         )  # fmt: skip
 
-    def walk(self, idx: CapabilityIndex, req: RouteRequest, now: float) -> Walk:
+    def walk(
+        self, idx: CapabilityIndex, req: RouteRequest, now: float, policy: Policy | None = None
+    ) -> Walk:
         """The walk of ``req`` over ``idx``, agent by agent: which filter each ranked agent
         (and each suspect, when the walk falls back to them) fails, and the pool it gathers
-        for the choice."""
+        for the choice. ``policy``: the rule and split arm the choice walked with (None: the
+        capability's rule, no arm drawn — the console's view of every arm at once)."""
+        if policy is None:
+            policy = (self.router.rules.get(idx.name), req.canary)
         want = self.router.pool_size(req)
-        failed, passed = self._failed(idx.ranked, "healthy", req, now)
+        failed, passed = self._failed(idx.ranked, "healthy", req, now, policy)
         if passed or not req.allow_suspect:
-            return Walk(passed[:want], "healthy", failed)
-        failed_suspect, passed = self._failed(idx.suspects, "suspect", req, now)
-        return Walk(passed[:want], "suspect", {**failed_suspect, **failed})
+            return Walk(passed[:want], "healthy", failed, policy)
+        failed_suspect, passed = self._failed(idx.suspects, "suspect", req, now, policy)
+        return Walk(passed[:want], "suspect", {**failed_suspect, **failed}, policy)
 
     def _failed(
-        self, recs: list[AgentRecord], state: str, req: RouteRequest, now: float
+        self, recs: list[AgentRecord], state: str, req: RouteRequest, now: float, policy: Policy
     ) -> tuple[dict[str, str | None], list[AgentRecord]]:
         """The walk over ``recs`` in one pass, then each agent it left out asked why."""
         router = self.router
-        passed = router.passing(recs, state, req, now)
+        passed = router.passing(recs, state, req, now, policy)
         failed: dict[str, str | None] = dict.fromkeys((rec.agent_id for rec in passed), None)
         for rec in recs:
             if rec.agent_id not in failed:
-                failed[rec.agent_id] = router.filtered_by(rec, state, req, now)
+                failed[rec.agent_id] = router.filtered_by(rec, state, req, now, policy)
         return failed, passed
 
     def reason(self, rec: AgentRecord, idx: CapabilityIndex, walk: Walk, pool: set[str]) -> str:
@@ -316,7 +369,8 @@ class Explainer:
             rank = ranks.get(rec.agent_id, 0)
             t = self.terms(rec)
             weak = weakest(t, self.scoring)
-            case = Case(rec, req, idx, cfg, now, t, weak, rank, walk.state, len(walk.pool))
+            case = Case(rec, req, idx, cfg, now, t, weak, rank, walk.state, len(walk.pool),
+                        walk.policy)  # fmt: skip
             excluded.append(Exclusion(
                 agent_id=rec.agent_id, reason=code, detail=DETAILS[code](case),
                 state=rec.state, score=rec.score, load=round(rec.load, 3),
@@ -325,11 +379,12 @@ class Explainer:
         return counts, excluded
 
     def explanation(
-        self, idx: CapabilityIndex, req: RouteRequest, chosen: list[AgentRecord], now: float
-    ) -> RouteExplain:
+        self, idx: CapabilityIndex, req: RouteRequest, chosen: list[AgentRecord], now: float,
+        policy: Policy | None = None,
+    ) -> RouteExplain:  # fmt: skip
         """How ``req`` was decided over ``idx``: every agent not ``chosen``, with why."""
         cfg = self.router.cfg
-        walk = self.walk(idx, req, now)
+        walk = self.walk(idx, req, now, policy)
         counts, excluded = self.left_out(idx, req, chosen, now, walk)
         return RouteExplain(
             members=len(idx.members), healthy=idx.healthy, ranked=len(idx.ranked),

@@ -27,7 +27,7 @@ from nats.micro.request import Request
 
 from jetstream.names import H_STREAM
 from reach_agent import schema
-from reach_agent.errors import Forbidden, InternalError, ReachError, to_reply
+from reach_agent.errors import Forbidden, InternalError, Overloaded, ReachError, to_reply
 from reach_agent.schema import (
     MAX_BODY_BYTES,
     AnnounceAck,
@@ -40,6 +40,7 @@ from reach_agent.subjects import is_inbox
 
 from .context import BrokerContext
 from .explain import Explainer
+from .quotas import Quotas, caller_of
 from .registry import Registry
 from .routing import Router
 
@@ -57,8 +58,9 @@ COMMON_ROUTE_BODIES = {
 
 OK_REPLY = schema.encoder.encode(Ok())
 
-Handle = Callable[[str, bytes], bytes | None]
-"""A handler: (subject, body) -> reply body, or None for no reply; raises to refuse."""
+Handle = Callable[..., bytes | None]
+"""A handler: (subject, body) -> reply body, or None for no reply; raises to refuse. An
+endpoint that names its callers (``caller_of``) calls it with (subject, body, caller)."""
 
 Dropped = Callable[[str], Any]
 """The ``reach_dropped_total`` child of one endpoint, by reason."""
@@ -89,6 +91,7 @@ class Endpoint:
         "_refused",
         "_replies",
         "_timed",
+        "caller_of",
         "name",
     )
 
@@ -104,8 +107,11 @@ class Endpoint:
         log_refusal: tuple[int, str] | None = None,
         timed: Any | None = None,
         dropped: Dropped | None = None,
+        caller_of: Callable[[dict[str, str] | None, str | None], str] | None = None,
     ) -> None:
         self.name = name
+        self.caller_of = caller_of
+        """Who sent a request, from its headers and reply subject (the route endpoint)."""
         self._handle = handle
         self._nc = ctx.nc
         self._refused = refused
@@ -186,7 +192,11 @@ class Endpoint:
             return
         t0 = time.perf_counter()
         try:
-            body = self._handle(req.subject, req.data)
+            if self.caller_of is not None:
+                caller = self.caller_of(req.headers, req._msg.reply)
+                body = self._handle(req.subject, req.data, caller)
+            else:
+                body = self._handle(req.subject, req.data)
         except Exception as exc:  # noqa: BLE001 - answered by failure(), never kills the sub
             reply = self.failure(req.subject, exc)
             if reply is not None:
@@ -200,10 +210,13 @@ class Endpoint:
 class Handlers:
     """The broker's handlers over its registry and router."""
 
-    def __init__(self, ctx: BrokerContext, registry: Registry, router: Router) -> None:
+    def __init__(
+        self, ctx: BrokerContext, registry: Registry, router: Router, quotas: Quotas | None = None
+    ) -> None:
         self.ctx = ctx
         self.registry = registry
         self.router = router
+        self.quotas = quotas or Quotas(registry.cfg.quotas, router.rules)
         self.explainer = Explainer(router, registry.cfg.scoring)
         m = ctx.metrics
         self._route_refused = {
@@ -251,6 +264,8 @@ class Handlers:
             "route": Endpoint(
                 "route", self.route, ctx, refused=self._route_counter,
                 failed=m.route_result["error"], timed=m.route_duration, dropped=dropped("route"),
+                caller_of=lambda headers, reply: caller_of(headers, reply,
+                                                           self.require_leave_token),
             ),
             "agents": Endpoint("agents", self.agents, ctx, refused=None, failed=None,
                                dropped=dropped("agents")),
@@ -330,11 +345,20 @@ class Handlers:
             ctx.fanout.emit(transitions)
         return OK_REPLY
 
-    def route(self, subject: str, data: bytes) -> bytes:
+    def route(self, subject: str, data: bytes, caller: str = "") -> bytes:
         ctx = self.ctx
         capability = ctx.subjects.capability_of_route(subject)
         if capability not in self.registry.indexes:
             check_capability(capability)
+        quotas = self.quotas
+        if quotas.active:
+            retry_after_ms = quotas.admit(caller, capability, ctx.clock())
+            if retry_after_ms is not None:
+                ctx.metrics.quota_refused.labels(capability, quotas.label(caller)).inc()
+                raise Overloaded(
+                    f"caller {caller!r} is over its quota for {capability!r}; retry in "
+                    f"{retry_after_ms} ms", retry_after_ms=retry_after_ms,
+                )  # fmt: skip
         rreq = COMMON_ROUTE_BODIES.get(data)  # the common cases: no decode, no validation
         if rreq is None:
             rreq = schema.validate_route_request(

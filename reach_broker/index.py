@@ -41,8 +41,9 @@ def hash64(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
-def by_score(rec: AgentRecord) -> tuple[float, str]:
-    return (-rec.score, rec.agent_id)
+def by_score(rec: AgentRecord) -> tuple[float, int, str]:
+    """Best score first; among equal scores the larger context headroom (then the id)."""
+    return (-rec.score, -rec.headroom, rec.agent_id)
 
 
 class CapabilityIndex:

@@ -179,5 +179,26 @@ class Metrics:
             registry=r,
         )
 
+        # Routing policy (issue 18): quotas, route rules, what callers saw.
+        self.quota_refused = Counter(
+            "reach_quota_refused_total",
+            "Route requests refused OVERLOADED for a caller's quota, by capability and caller "
+            "(callers not listed in quotas.callers are 'other')",
+            ["capability", "caller"], registry=r,
+        )  # fmt: skip
+        self.rule_changes = Counter(
+            "reach_rule_changes_total", "Route rule changes applied (KV reach_rules), by action",
+            ["action"], registry=r,
+        )  # fmt: skip
+        self.outcomes = Counter(
+            "reach_outcomes_total", "Caller outcome summaries (reach.outcome.*) by result",
+            ["result"], registry=r,
+        )  # fmt: skip
+        self.delivery_ejected = Gauge(
+            "reach_delivery_ejected",
+            "Agents whose delivery term is 0 (outlier or unanswered rule), by rule",
+            ["rule"], registry=r,
+        )  # fmt: skip
+
     def watch_states(self, counts: Callable[[], dict[str, int]]) -> None:
         self.registry.register(_StateCollector(counts))

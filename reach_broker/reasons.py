@@ -14,9 +14,13 @@ STATE = "state"
 LOAD = "load"
 REGION = "region"
 TAGS = "tags"
+REQUIRED = "required"
+SPLIT = "split"
+REQUIRES = "requires"
+CONTEXT = "context"
 EXCLUDE = "exclude"
 
-WALK_FILTERS = (STATE, REGION, TAGS, EXCLUDE, LOAD)
+WALK_FILTERS = (STATE, REGION, TAGS, REQUIRED, SPLIT, REQUIRES, CONTEXT, EXCLUDE, LOAD)
 """The walk's filters in the order it applies them: an agent is reported under the first
 one it fails."""
 
@@ -37,6 +41,10 @@ EXCLUSIONS: dict[str, str] = {
     "out since) / max_concurrency at or above routing.load_watermark",
     REGION: "its region is not the request's region",
     TAGS: "a tag of the request is missing or different",
+    REQUIRED: "lacks a tag the capability's route rule requires (reach rules --require)",
+    SPLIT: "its version (or tag) is not the split arm this request was given",
+    REQUIRES: "does not hold a permission the request requires",
+    CONTEXT: "its context headroom is below the request's min_context_tokens",
     EXCLUDE: "named in the request's exclude",
     SCORE: "ejected: score below routing.min_reach_score (the weakest term named)",
     UNRANKED: "healthy since the capability was last ranked (re-ranked within rank_refresh_ms)",

@@ -40,13 +40,17 @@ class AgentRecord:
         "announce",
         "busy",
         "capabilities",
+        "context_usage_pct",
+        "context_window",
         "deadline_gen",
+        "delivery",
         "disconnected",
         "fail_total",
         "forget_at",
         "full_until",
         "handed",
         "handed_at",
+        "headroom",
         "heap_at",
         "interval_s",
         "last_seen",
@@ -56,6 +60,7 @@ class AgentRecord:
         "offline_at",
         "ok_total",
         "oldest_task_ms",
+        "permissions",
         "probe_failures",
         "protocol",
         "queue_depth",
@@ -126,6 +131,9 @@ class AgentRecord:
         self.resync = False
         """The broker's own link was down since the last heartbeat: the next gap is not the
         agent's (no arrival sample, no missed beat)."""
+        self.context_usage_pct: float | None = None
+        self.delivery = 1.0
+        """The delivery term of the score: what callers saw (:mod:`reach_broker.outcomes`)."""
         self.apply_announce(msg, interval_s)
 
     def apply_announce(self, msg: Announce, interval_s: float) -> None:
@@ -144,6 +152,16 @@ class AgentRecord:
         self.protocol = PROTOCOL_SYNADIA if foreign else PROTOCOL_REACH
         self.subject: str | None = msg.metadata.get("prompt") if foreign else None
         """The task subject when it is not ``<p>.task.<agent_id>.<capability>``."""
+        self.permissions = frozenset(msg.permissions)
+        self.context_window = msg.context_window
+        self.set_context(self.context_usage_pct)
+
+    def set_context(self, usage_pct: float | None) -> None:
+        """The reported context usage, and the headroom it leaves:
+        ``context_window x (1 - usage / 100)`` tokens (0 without a ``context_window``)."""
+        self.context_usage_pct = usage_pct
+        window = self.context_window or 0
+        self.headroom = int(window * (1.0 - usage_pct / 100.0)) if usage_pct else window
 
     def set_load(self, active: int, queue_depth: int) -> int:
         """Record the agent's reported load (which replaces the hand-outs counted since the

@@ -37,6 +37,9 @@ class Registry:
         self.indexes = CapabilityIndexes()
         self._deadlines: list[tuple[float, int, str]] = []
         self.inflight = 0  # Σ active over the fleet, kept incrementally
+        self.capacity = 0
+        """Σ max_concurrency over the agents not offline, kept incrementally: the fleet's
+        slots (the default in-flight ceiling is a share of it)."""
         self.counts: dict[str, int] = dict.fromkeys(
             ("healthy", "suspect", "offline", "recovering", "draining"), 0
         )
@@ -68,11 +71,14 @@ class Registry:
             rec.state_since = now
             self.agents[rec.agent_id] = rec
             self.counts["healthy"] += 1
+            self.capacity += rec.max_concurrency
             self.indexes.add(rec)
             out.append(Transition("registered", rec.agent_id, None, "healthy", "announced"))
         else:
-            old_caps = rec.capabilities
+            old_caps, old_slots = rec.capabilities, rec.max_concurrency
             rec.apply_announce(msg, interval)
+            if rec.state != "offline":
+                self.capacity += rec.max_concurrency - old_slots
             self.indexes.recapability(rec, old_caps)
             rec.window.clear()  # a new process: its rhythm starts afresh
             t = self._fire(rec, "announce", now)
@@ -128,6 +134,9 @@ class Registry:
         load = active / rec.max_concurrency
         rec.load = rec.busy = load if load < 1.0 else 1.0  # the report replaces hand-outs
         rec.oldest_task_ms = hb.oldest_task_ms
+        if hb.context_usage_pct != rec.context_usage_pct:
+            rec.set_context(hb.context_usage_pct)
+            self.indexes.score_changed(rec)  # the ranking's tie-break moved
         rec.status = hb.status
         event: Event = "heartbeat"
         if hb.status == "draining":
@@ -299,6 +308,8 @@ class Registry:
         rec.last_seen_wall_ms = wall_ms
         self.agents[rec.agent_id] = rec
         self.counts[to] += 1
+        if to != "offline":
+            self.capacity += rec.max_concurrency
         self.indexes.add(rec)
         if to == "offline":
             rec.forget_at = now + self.cfg.detection.forget_after_s
@@ -355,6 +366,7 @@ class Registry:
             max_concurrency=rec.max_concurrency,
             stuck=stuck,
             peer_task_ms=peer,
+            delivery=rec.delivery,
         )
         # AgentRecord.set_score, inline (every heartbeat): the routing weight follows the
         # score and load; if only the score moved, the ranking is refreshed on a slower
@@ -436,6 +448,8 @@ class Registry:
         frm = rec.state
         self.counts[frm] -= 1
         self.counts[to] += 1
+        if (frm == "offline") != (to == "offline"):
+            self.capacity += rec.max_concurrency if frm == "offline" else -rec.max_concurrency
         rec.state = to
         rec.state_since = now
         if to == "suspect":
@@ -455,6 +469,8 @@ class Registry:
     def _evict(self, rec: AgentRecord, reason: str) -> Transition:
         frm = rec.state
         self.counts[frm] -= 1
+        if frm != "offline":
+            self.capacity -= rec.max_concurrency
         self.inflight += rec.set_load(0, 0)
         del self.agents[rec.agent_id]
         self.indexes.discard(rec)

@@ -7,7 +7,7 @@ consumer (so two replicas never hold the same entry), orders them by priority th
 sends each as a task with its original ``Reach-Request-Id`` and ``Reach-Receipt: 1`` to an
 agent the broker's Router picks, at most ``replay_concurrency`` at once (scaled down by the
 slow-start share of a just-recovered agent; one entry's delivery is
-:mod:`reach_broker.delivery`'s). After the agent's receipt the entry is held
+:mod:`reach_broker.replaysend`'s). After the agent's receipt the entry is held
 (:mod:`reach_broker.taken`) until the agent's final ack record, and given back to run
 elsewhere should the agent go offline first; if the broker dies, JetStream redelivers it
 after ``ack_wait_s``. An entry whose request id an agent has claimed (KV ``reach_claims``)
@@ -47,8 +47,8 @@ from reach_agent.schema import RouteRequest
 
 from .ackwatch import AckWatch
 from .context import BrokerContext
-from .delivery import Delivery, Outcome
 from .records import AgentRecord, Transition
+from .replaysend import EntrySender, Outcome
 from .routing import Router
 from .taken import Taken
 
@@ -82,9 +82,9 @@ class Replayer:
         self.taken = Taken(self.cfg.ack_wait_s)
         """Entries delivered and held until their taker's final record."""
         self.acks.on_final = self.taken.done
-        self.delivery = Delivery(ctx, router, claim_of, record_of, self.taken, self.acks)
-        """Sends one entry (delivery.py); its counters are this component's."""
-        self.dispatches = self.delivery.dispatches
+        self.sender = EntrySender(ctx, router, claim_of, record_of, self.taken, self.acks)
+        """Sends one entry (replaysend.py); its counters are this component's."""
+        self.dispatches = self.sender.dispatches
         """Where each entry was sent: exactly once across a leader change (dispatch.py)."""
         self._subs: list[Any] = []
         self._sweeper: asyncio.Task[None] | None = None
@@ -92,20 +92,20 @@ class Replayer:
 
     @property
     def replayed(self) -> int:
-        return self.delivery.replayed
+        return self.sender.replayed
 
     @property
     def expired(self) -> int:
-        return self.delivery.expired
+        return self.sender.expired
 
     @property
     def failed(self) -> int:
-        return self.delivery.failed
+        return self.sender.failed
 
     @property
     def claimed(self) -> int:
         """Entries an agent had claimed: removed, not sent."""
-        return self.delivery.claimed
+        return self.sender.claimed
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -248,7 +248,7 @@ class Replayer:
                 if stalled:
                     break
                 held.pop(e.seq, None)
-                inflight.add(asyncio.create_task(self.delivery.deliver(e)))
+                inflight.add(asyncio.create_task(self.sender.deliver(e)))
             if inflight:
                 results = await asyncio.gather(*inflight)
                 stalled = stalled or "stalled" in results
@@ -304,7 +304,7 @@ class Replayer:
             if e.expired(now_ms):
                 if self.taken.holds(e.request_id) or await self._claimed_now(e.request_id):
                     continue  # delivered and running (a replica holds it): not expired
-                await self.delivery.record_expired(e)
+                await self.sender.record_expired(e)
                 await compensation.remove(nc, e.seq)
             elif e.expires_at_ms and (not soonest or e.expires_at_ms < soonest):
                 soonest = e.expires_at_ms

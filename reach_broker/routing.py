@@ -33,10 +33,17 @@ from reach_agent.errors import NoReachableAgent, Overloaded
 from reach_agent.schema import Candidate, RouteReply, RouteRequest, encoder
 
 from .config import RoutingSection
-from .index import RETRY_AFTER_MAX_MS, CapabilityIndex, CapabilityIndexes, candidate, hash64
+from .index import CapabilityIndex, CapabilityIndexes, candidate, hash64
 from .records import AgentRecord
+from .rules import Rule, Rules
 
 log = logging.getLogger(__name__)
+
+Policy = tuple[Rule | None, str | None]
+"""What a capability's route rule asks of one request: (the rule, the split arm it got)."""
+NO_POLICY: Policy = (None, None)
+_NO_PAIRS: frozenset[tuple[str, str]] = frozenset()
+_NO_VALUES: frozenset[str] = frozenset()
 
 
 class Router:
@@ -49,8 +56,10 @@ class Router:
         subject_of: Callable[[str, str], str],
         *,
         inflight: Callable[[], int],
+        capacity: Callable[[], int],
         on_panic: Callable[[str, bool], None] | None = None,
         rng: random.Random | None = None,
+        rules: Rules | None = None,
     ) -> None:
         self.cfg = cfg
         self.indexes = indexes
@@ -61,6 +70,18 @@ class Router:
         self.on_panic = on_panic
         """Called with (capability, in_panic) when a capability enters or leaves panic."""
         self.rng = rng or random.Random()
+        self.capacity = capacity
+        """The fleet's slots: Σ max_concurrency of the agents not offline (the registry's)."""
+        self.rules = rules if rules is not None else Rules()
+        """Each capability's route rule in force (:mod:`reach_broker.rules`)."""
+        self.last_policy: Policy = NO_POLICY
+        """The policy the last :meth:`choose` walked with (the explanation walks it again)."""
+
+    def ceiling(self) -> int:
+        """The fleet-wide in-flight ceiling: ``routing.inflight_ceiling`` when set, else
+        ``inflight_share`` of the fleet's slots, so it grows and shrinks with the fleet."""
+        fixed = self.cfg.inflight_ceiling
+        return fixed if fixed is not None else int(self.cfg.inflight_share * self.capacity())
 
     def route(self, capability: str, req: RouteRequest, now: float) -> list[Candidate]:
         """Candidates for ``capability``, best first; raises NoReachableAgent with why."""
@@ -94,10 +115,13 @@ class Router:
         first. Raises Overloaded or NoReachableAgent (saying why)."""
         cfg = self.cfg
         inflight = self.inflight()
-        if inflight > cfg.inflight_ceiling:
+        ceiling = cfg.inflight_ceiling
+        if ceiling is None:
+            ceiling = int(cfg.inflight_share * self.capacity())
+        if inflight > ceiling:
             raise Overloaded(
-                f"fleet in-flight tasks {inflight} exceed the ceiling {cfg.inflight_ceiling}",
-                retry_after_ms=RETRY_AFTER_MAX_MS,
+                f"fleet in-flight tasks {inflight} exceed the ceiling {ceiling}",
+                retry_after_ms=cfg.overloaded_retry_after_ms,
             )
         idx = self.indexes.get(capability)
         if idx is None or not idx.members:
@@ -108,16 +132,25 @@ class Router:
         # pool_size(req), inline: the route path saves the call.
         want = limit if cfg.choice == "ranked" and not req.sticky_key else limit * cfg.pool_factor
         why: dict[str, int] = {}
-        pool = self._walk(idx.ranked, "healthy", req, want, why, now)
+        rule = self.rules.get(capability) if self.rules else None
+        if rule is not None:
+            arm, fallback = rule.arm(req)
+        else:
+            arm, fallback = req.canary, False
+        pool = self._walk(idx.ranked, "healthy", req, want, why, now, rule, arm)
+        if not pool and arm is not None and fallback:
+            arm = None  # the arm drawn has no agent left: the split's other arms serve
+            pool = self._walk(idx.ranked, "healthy", req, want, why, now, rule, arm)
         if not pool and req.allow_suspect:
-            pool = self._walk(idx.suspects, "suspect", req, want, why, now)
+            pool = self._walk(idx.suspects, "suspect", req, want, why, now, rule, arm)
+        self.last_policy = NO_POLICY if rule is None and arm is None else (rule, arm)
         if not pool:
             if why.get("load"):  # some pass every filter but are full: wait, not elsewhere
                 raise Overloaded(self._explain(capability, idx, why),
                                  retry_after_ms=idx.retry_after_ms())  # fmt: skip
             raise NoReachableAgent(self._explain(capability, idx, why))
         if req.sticky_key:
-            first = self._sticky(idx, req, pool, now)
+            first = self._sticky(idx, req, pool, now, (rule, arm))
             rest = [r for r in pool if r is not first]
             return idx, [first, *rest[: limit - 1]]
         if cfg.choice == "weighted":
@@ -139,18 +172,28 @@ class Router:
         return req.limit * cfg.pool_factor
 
     def passing(
-        self, recs: list[AgentRecord], state: str, req: RouteRequest, now: float
+        self,
+        recs: list[AgentRecord],
+        state: str,
+        req: RouteRequest,
+        now: float,
+        policy: Policy = NO_POLICY,
     ) -> list[AgentRecord]:
         """Every agent of ``recs`` that passes the walk's filters (the walk without a limit)."""
-        return self._walk(recs, state, req, len(recs), {}, now) if recs else []
+        return self._walk(recs, state, req, len(recs), {}, now, *policy) if recs else []
 
     def filtered_by(
-        self, rec: AgentRecord, state: str, req: RouteRequest, now: float
+        self,
+        rec: AgentRecord,
+        state: str,
+        req: RouteRequest,
+        now: float,
+        policy: Policy = NO_POLICY,
     ) -> str | None:
         """The reason code (:mod:`reach_broker.reasons`) of the first filter of the walk
         ``rec`` fails when the walk wants ``state``; None when it passes them all."""
         why: dict[str, int] = {}
-        if self._walk((rec,), state, req, 1, why, now):
+        if self._walk((rec,), state, req, 1, why, now, *policy):
             return None
         return next(iter(why))
 
@@ -187,21 +230,59 @@ class Router:
         want: int,
         why: dict[str, int],
         now: float,
+        rule: Rule | None = None,
+        arm: str | None = None,
     ) -> list[AgentRecord]:
         # Load is what the broker believes now (AgentRecord.busy: the last report plus its
         # own hand-outs since); one that looks full gets a second look as of now, unless
         # that look already said how long it stays full (full_until).
         watermark = self.cfg.load_watermark
         exclude = req.exclude
+        requires = req.requires
+        min_context = req.min_context_tokens
         out: list[AgentRecord] = []
-        if req.region is None and not req.tags and not exclude:
-            # The common request (no filters): state and load only, no bookkeeping. Should
-            # nothing pass, the full walk below runs to count why.
-            for rec in ranked:
-                if rec.state == state and (
-                    rec.busy < watermark
-                    or (rec.full_until <= now and rec.busy_at(now, watermark) < watermark)
-                ):
+        # The policy of the capability's rule, prepared once per walk: the required tags
+        # (as pairs: one C-level subset test per agent), the split's key, arm and values.
+        required = _NO_PAIRS
+        splitting = arm is not None
+        tag: str | None = None  # None: the split is by version
+        listed = _NO_VALUES
+        if rule is not None:
+            required = rule.required_for(req.tags)
+            if rule.listed:
+                splitting, tag, listed = True, rule.tag, rule.listed
+        if (
+            req.region is None
+            and not req.tags
+            and not exclude
+            and not requires
+            and (min_context is None)
+        ):
+            # The common request (no filters of its own): state, load and the rule only, no
+            # bookkeeping. Should nothing pass, the full walk below runs to count why.
+            if not required and not splitting:
+                for rec in ranked:
+                    if rec.state == state and (
+                        rec.busy < watermark
+                        or (rec.full_until <= now and rec.busy_at(now, watermark) < watermark)
+                    ):
+                        out.append(rec)
+                        if len(out) >= want:
+                            break
+            else:
+                for rec in ranked:
+                    if rec.state != state:
+                        continue
+                    if required and not rec.tags.items() >= required:
+                        continue
+                    if splitting:
+                        value = rec.version if tag is None else rec.tags.get(tag)
+                        if (value != arm) if arm is not None else (value not in listed):
+                            continue
+                    if rec.busy >= watermark and (
+                        rec.full_until > now or rec.busy_at(now, watermark) >= watermark
+                    ):
+                        continue
                     out.append(rec)
                     if len(out) >= want:
                         break
@@ -220,6 +301,20 @@ class Router:
                 continue
             if req.tags and any(rec.tags.get(k) != v for k, v in req.tags.items()):
                 why["tags"] = why.get("tags", 0) + 1
+                continue
+            if required and not rec.tags.items() >= required:
+                why["required"] = why.get("required", 0) + 1
+                continue
+            if splitting:
+                value = rec.version if tag is None else rec.tags.get(tag)
+                if (value != arm) if arm is not None else (value not in listed):
+                    why["split"] = why.get("split", 0) + 1
+                    continue
+            if requires and not rec.permissions.issuperset(requires):
+                why["requires"] = why.get("requires", 0) + 1
+                continue
+            if min_context is not None and rec.headroom < min_context:
+                why["context"] = why.get("context", 0) + 1
                 continue
             if exclude and rec.agent_id in exclude:
                 why["exclude"] = why.get("exclude", 0) + 1
@@ -250,7 +345,8 @@ class Router:
         parts = []
         if why.get("load"):
             parts.append(f"{why['load']} at or above the load watermark {self.cfg.load_watermark}")
-        for key in ("region", "tags", "exclude", "state"):
+        for key in ("region", "tags", "required", "split", "requires", "context", "exclude",
+                    "state"):  # fmt: skip
             if why.get(key):
                 parts.append(f"{why[key]} filtered by {key}")
         detail = "; ".join(parts) or "none passed the filter"
@@ -308,7 +404,12 @@ class Router:
         return [first, *[r for r in pool if r is not first][: limit - 1]]
 
     def _sticky(
-        self, idx: CapabilityIndex, req: RouteRequest, pool: list[AgentRecord], now: float
+        self,
+        idx: CapabilityIndex,
+        req: RouteRequest,
+        pool: list[AgentRecord],
+        now: float,
+        policy: Policy,
     ) -> AgentRecord:
         keys, owners = idx.ring(self.cfg.vnodes)
         assert req.sticky_key is not None
@@ -323,7 +424,7 @@ class Router:
             if (
                 owner.state == "healthy"
                 and owner.score >= self.cfg.min_reach_score
-                and self._walk([owner], "healthy", req, 1, {}, now)
+                and self._walk([owner], "healthy", req, 1, {}, now, *policy)
             ):
                 return owner
         return pool[0]

@@ -1,6 +1,7 @@
 """The reach score of an agent, in [0, 100]: will a task handed to it now come back in time?
 
-    score = 100 * L^w_live * T^w_lat * F^w_load * S^w_succ * (stuck_penalty if stuck else 1)
+    score = 100 * L^w_live * T^w_lat * F^w_load * S^w_succ * D^w_deliv
+                * (stuck_penalty if stuck else 1)
 
 a weighted geometric product, so one bad term pulls the whole score down (a weighted mean
 let an agent 1.5 s slower than its peers keep ~85). The ``weight_*`` settings are exponents.
@@ -18,6 +19,9 @@ let an agent 1.5 s slower than its peers keep ~85). The ``weight_*`` settings ar
   anyway; F only orders them);
 - S, success: ``(ok + success_prior) / (ok + fail + success_prior)`` over about the last
   ``success_window`` results (the prior keeps one early failure from sinking a new agent);
+- D, delivery: what callers saw (:mod:`reach_broker.outcomes`): 1 minus the failure share
+  at least ``outcomes.min_callers`` distinct callers report over the last minute; 0 when the
+  outlier rule (more than ``outcomes.max_failure_share``) or the unanswered rule ejects it;
 - stuck: the oldest running task is older than ``stuck_factor * timeout_hint_ms``.
 
 Defaults w_live = 1, w_lat = 1, w_load = 0.4, w_succ = 2. Worked example (agent ``beta``,
@@ -151,6 +155,7 @@ def score(
     max_concurrency: int,
     stuck: bool,
     peer_task_ms: float | None = None,
+    delivery: float = 1.0,
 ) -> float:
     """The score in [0, 100], rounded to 0.1 (formula in the module docstring)."""
     value = (
@@ -159,6 +164,8 @@ def score(
         * load_term(active, queue_depth, max_concurrency) ** cfg.weight_load
         * success_term(stats, cfg.success_prior) ** cfg.weight_success
     )
+    if delivery < 1.0:
+        value *= delivery**cfg.weight_delivery
     if stuck:
         value *= cfg.stuck_penalty
     return round(100.0 * value, 1)
@@ -173,6 +180,8 @@ class Terms(NamedTuple):
     success: float
     stuck: float
     """1, or ``stuck_penalty`` while a task is stuck."""
+    delivery: float = 1.0
+    """D: what callers saw (1 when nothing is held against the agent)."""
 
 
 def terms(
@@ -184,6 +193,7 @@ def terms(
     max_concurrency: int,
     stuck: bool,
     peer_task_ms: float | None = None,
+    delivery: float = 1.0,
 ) -> Terms:
     """What :func:`score` multiplies (before the weights): the same inputs, the same terms."""
     return Terms(
@@ -192,6 +202,7 @@ def terms(
         load=load_term(active, queue_depth, max_concurrency),
         success=success_term(stats, cfg.success_prior),
         stuck=cfg.stuck_penalty if stuck else 1.0,
+        delivery=delivery,
     )
 
 
@@ -204,6 +215,7 @@ def weakest(t: Terms, cfg: ScoringSection) -> str | None:
         "load": t.load**cfg.weight_load,
         "success": t.success**cfg.weight_success,
         "stuck": t.stuck,
+        "delivery": t.delivery**cfg.weight_delivery,
     }
     name = min(weighted, key=lambda k: weighted[k])
     return name if weighted[name] < 1.0 else None
@@ -218,6 +230,7 @@ def score_of(t: Terms, cfg: ScoringSection) -> float:
             t.load**cfg.weight_load,
             t.success**cfg.weight_success,
             t.stuck,
+            t.delivery**cfg.weight_delivery,
         )
     )
     return round(100.0 * value, 1)

@@ -42,11 +42,15 @@ from .handlers import Handlers
 from .identity import Identity
 from .metrics import Metrics
 from .observer import Observer
+from .outcomes import Outcomes
 from .probes import Prober
+from .quotas import Quotas
 from .registry import Registry
 from .releases import Releaser
 from .replay import Replayer
 from .routing import Router
+from .rulebook import Rulebook
+from .rules import Rules, from_config
 from .snapshot import Snapshot
 from .synadia import SynadiaAgents
 from .tokens import TokenSigner
@@ -99,10 +103,14 @@ class Broker:
         # The pure core first: the signer is keyed at start (the secret may live in KV).
         self.registry = Registry(cfg, TokenSigner(b"", cfg.broker.token_max_age_s))
         registry = self.registry
+        self.rules = Rules(from_config(cfg.rules))
+        """Each capability's route rule in force: broker.toml's, then KV reach_rules'."""
+        self.quotas = Quotas(cfg.quotas, self.rules)
         self.router = Router(
             cfg.routing, registry.indexes, self.subjects.task,
-            inflight=lambda: registry.inflight,
+            inflight=lambda: registry.inflight, capacity=lambda: registry.capacity,
             on_panic=lambda cap, on: self.metrics.panic.labels(cap).set(int(on)),
+            rules=self.rules,
         )  # fmt: skip
         self._tasks = Tasks()
         self.link = Link()
@@ -118,7 +126,7 @@ class Broker:
         )  # fmt: skip
         self.ctx = ctx
         """What a component is handed (the console's feed is one, started by the process)."""
-        self.handlers = Handlers(ctx, registry, self.router)
+        self.handlers = Handlers(ctx, registry, self.router, self.quotas)
         self.identity = Identity(ctx, registry, self.handlers)
         # The snapshot restores the registry before probes and advisories start (advisories
         # reconcile with the server's connection list); claim releases and replay come last.
@@ -135,6 +143,8 @@ class Broker:
             ctx, lambda a: rec.state if (rec := agents.get(a)) is not None else None
         )
         self.replayer = Replayer(ctx, self.router, self.releaser.claim_of, agents.get)
+        self.rulebook = Rulebook(ctx, self.rules, self.quotas)
+        self.outcomes = Outcomes(ctx, registry)
         self._running: list[Component] = []
         self._service: Service | None = None
         self._subs: list[Any] = []
@@ -164,10 +174,10 @@ class Broker:
             self._watching = True
             self.metrics.watch_states(lambda: self.registry.counts)
         self._running = (
-            [self.snapshot, self.probes, self.advisories, self.synadia, self.releaser,
-             self.replayer]
+            [self.snapshot, self.rulebook, self.probes, self.advisories, self.synadia,
+             self.outcomes, self.releaser, self.replayer]
             if self.jetstream_ok
-            else [self.probes, self.advisories, self.synadia]
+            else [self.probes, self.advisories, self.synadia, self.outcomes]
         )  # fmt: skip
         for component in self._running:
             await component.start()

@@ -46,7 +46,7 @@ def fleet(*announces: Announce) -> tuple[Registry, Router]:
     for ann in announces:
         reg.announce(ann, 0.0, WALL_MS - 500)
     router = Router(cfg.routing, reg.indexes, lambda a, c: f"reach.task.{a}.{c}",
-                    inflight=lambda: reg.inflight)  # fmt: skip
+                    inflight=lambda: reg.inflight, capacity=lambda: reg.capacity)  # fmt: skip
     return reg, router
 
 

@@ -268,7 +268,8 @@ def test_the_explanation_agrees_with_the_walk() -> None:
     rng = random.Random(9)
     w = World("abcdefghij", seed=4)
     twin = Router(w.cfg.routing, w.reg.indexes, w.router.subject_of,
-                  inflight=lambda: w.reg.inflight, rng=random.Random(4))  # fmt: skip
+                  inflight=lambda: w.reg.inflight, capacity=lambda: w.reg.capacity,
+                  rng=random.Random(4))  # fmt: skip
     explainer = Explainer(twin, w.cfg.scoring)
     seen: set[str] = set()
     for step in range(400):

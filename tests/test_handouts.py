@@ -25,10 +25,14 @@ class Fleet:
     def __init__(self, agents: str, max_concurrency: int = 4) -> None:
         cfg = Config()
         cfg.routing.rank_refresh_ms = 0
+        # The fleet's in-flight ceiling (0.9 x the slots by default) is tested with the routing
+        # policy; here the agents' own load decides.
+        cfg.routing.inflight_share = 10.0
         self.reg = Registry(cfg, TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
         reg = self.reg
         self.router = Router(cfg.routing, reg.indexes, lambda a, c: f"reach.task.{a}.{c}",
-                             inflight=lambda: reg.inflight, rng=random.Random(3))  # fmt: skip
+                             inflight=lambda: reg.inflight, capacity=lambda: reg.capacity,
+                             rng=random.Random(3))  # fmt: skip
         self.seq = 0
         self.tokens: dict[str, str] = {}
         for agent_id in agents:
@@ -136,13 +140,13 @@ def test_full_with_other_filters_is_overloaded_only_if_some_passed_them() -> Non
         f.pick(1.0, RouteRequest(exclude=["zeta"]))
 
 
-def test_the_inflight_ceiling_answers_overloaded_with_the_longest_hint() -> None:
+def test_the_inflight_ceiling_answers_overloaded_with_its_configured_hint() -> None:
     f = Fleet("a")
     f.router.cfg.inflight_ceiling = 1
     f.beat("a", 1.0, active=2)
     with pytest.raises(Overloaded) as exc:
         f.pick(1.0)
-    assert exc.value.retry_after_ms == 1000
+    assert exc.value.retry_after_ms == 250  # routing.overloaded_retry_after_ms
 
 
 def test_without_a_task_time_nothing_fades_until_the_next_heartbeat() -> None:

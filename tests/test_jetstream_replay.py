@@ -306,7 +306,10 @@ async def test_second_broker_has_the_same_registry_without_re_announces(
     beater = asyncio.create_task(beat())
     try:
         await wait_for(lambda: b1.registry.agents["snap4"].state == "offline", timeout=10)
-        await asyncio.sleep(0.5)  # the snapshot flushes every 0.2 s: let the last one land
+        # Stored: all five, snap4 as offline (the snapshot writes 0.2 s after a change).
+        await wait_for(lambda: {a: w[1] for a, w in b1.snapshot._written.items()}
+                       == {**dict.fromkeys(tokens, "healthy"), "snap4": "offline"},
+                       timeout=10, what="the snapshot written")  # fmt: skip
         b2 = await broker_factory()
         assert b2.snapshot.restored == 5
         assert b2.metrics.announce_result["ok"]._value.get() == 0

@@ -95,7 +95,7 @@ async def test_mcp_client_lists_tools_finds_agents_and_calls_one(
                 assert [c["agent_id"] for c in found["candidates"]] == ["beta"]
                 [beta] = found["candidates"]
                 assert sorted(beta["score_terms"]) == [
-                    "latency", "liveness", "load", "stuck", "success"]  # fmt: skip
+                    "delivery", "latency", "liveness", "load", "stuck", "success"]  # fmt: skip
                 [other] = found["others"]
                 assert (other["agent_id"], other["state"], other["reason"]) == (
                     "alpha", "offline", "state")  # fmt: skip

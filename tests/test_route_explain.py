@@ -26,7 +26,8 @@ async def test_explained_route_on_the_wire_and_as_a_table(
     (alpha,) = reply["candidates"]
     assert alpha["agent_id"] == "alpha"
     assert alpha["explain"]["terms"] == {"liveness": 1.0, "latency": 1.0, "load": 0.8,
-                                         "success": 1.0, "stuck": 1.0}  # fmt: skip
+                                         "success": 1.0, "stuck": 1.0,
+                                         "delivery": 1.0}  # fmt: skip
     assert (alpha["explain"]["weakest"], alpha["explain"]["active"]) == ("load", 1)
     explain = reply["explain"]
     assert [(x["agent_id"], x["reason"], x["detail"]) for x in explain["excluded"]] == [
@@ -95,6 +96,8 @@ def test_the_route_cost_tool_times_every_kind_of_request() -> None:
     )  # fmt: skip
     figures = json.loads(out.stdout)
     assert figures["agents"] == 3
-    assert set(figures["us_per_request"]) == {"plain", "filtered", "peek", "explain"}
+    assert set(figures["us_per_request"]) == {"plain", "filtered", "peek", "explain", "rules",
+                                              "quota", "rules_quota"}  # fmt: skip
     assert isinstance(figures["plain_over_peek"], float)
     assert isinstance(figures["explain_over_plain"], float)  # a timing: its size is not tested
+    assert isinstance(figures["rules_quota_over_plain"], float)

@@ -29,7 +29,7 @@ class World:
         self.panics: list[tuple[str, bool]] = []
         reg = self.reg
         self.router = Router(cfg.routing, reg.indexes, lambda a, c: f"reach.task.{a}.{c}",
-                             inflight=lambda: reg.inflight,
+                             inflight=lambda: reg.inflight, capacity=lambda: reg.capacity,
                              on_panic=lambda cap, on: self.panics.append((cap, on)),
                              rng=random.Random(seed))  # fmt: skip
         self.seq = 0
@@ -224,7 +224,8 @@ def test_route_reply_is_the_encoded_route_of_the_same_draw() -> None:
     rng = random.Random(3)
     w = World("abcdefgh", seed=11)
     twin = Router(w.cfg.routing, w.reg.indexes, w.router.subject_of,
-                  inflight=lambda: w.reg.inflight, rng=random.Random(11))  # fmt: skip
+                  inflight=lambda: w.reg.inflight, capacity=lambda: w.reg.capacity,
+                  rng=random.Random(11))  # fmt: skip
     now = 1.0
     for step in range(400):
         now += 0.05

@@ -91,7 +91,8 @@ class Fleet:
         self.reg = Registry(cfg, TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
         reg = self.reg
         self.router = Router(cfg.routing, reg.indexes, lambda a, c: f"reach.task.{a}.{c}",
-                             inflight=lambda: reg.inflight)  # fmt: skip
+                             inflight=lambda: reg.inflight,
+                             capacity=lambda: reg.capacity)  # fmt: skip
         self.seq = 0
         self.tokens: dict[str, str] = {}
         self.totals: dict[str, tuple[int, int]] = {}

@@ -49,6 +49,10 @@ class LocalRoutes(Routes):
         exclude: Sequence[str] | None = None,
         allow_suspect: bool = False,
         peek: bool = False,
+        deadline: float | None = None,
+        canary: str | None = None,
+        requires: Sequence[str] | None = None,
+        min_context_tokens: int | None = None,
     ) -> list[Candidate]:
         check_capability(capability)
         pinned = PINNED.get()
@@ -59,7 +63,8 @@ class LocalRoutes(Routes):
         req = RouteRequest(limit=limit or self.config.route_limit, region=region,
                            tags=dict(tags or {}), sticky_key=sticky_key,
                            exclude=list(exclude or ()), allow_suspect=allow_suspect,
-                           peek=peek)  # fmt: skip
+                           peek=peek, canary=canary, requires=list(requires or ()),
+                           min_context_tokens=min_context_tokens)  # fmt: skip
         now = self.clock()
         got = self.router.route(capability, req, now)
         if not peek:  # the gateway's call follows: count its pick, as a route reply does

@@ -135,6 +135,7 @@ ROLES: dict[RoleName, Role] = {
             Every("all_tasks"),
             Every("all_comp"),
             Every("all_probes"),  # the client's liveness watch probes agents running its calls
+            Every("all_outcomes"),  # what it saw of each agent it called (delivery term)
             *_ACK_READS,
             *_CLAIM_READS,
         ),
@@ -180,6 +181,7 @@ ROLES: dict[RoleName, Role] = {
             Every("all_comp"),
             Every("all_acks"),
             Every("all_events"),
+            Every("all_outcomes"),
             Raw("$SRV.>"),
             Raw("$SYS.ACCOUNT.{account}.CONNECT"),
             Raw("$SYS.ACCOUNT.{account}.DISCONNECT"),

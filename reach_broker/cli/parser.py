@@ -34,13 +34,14 @@ from . import (
     events,
     mcp,
     route,
+    rules,
     top,
-)
+)  # fmt: skip
 from .common import CliError
 from .output import print_json
 
 COMMANDS = (broker, agents, route, call, announce, adapt, top, events, demo, ack, auth,
-            devcluster, mcp)  # fmt: skip
+            devcluster, mcp, rules)  # fmt: skip
 """The subcommands, in the order ``reach --help`` lists them."""
 
 Command = Callable[[argparse.Namespace], int]

@@ -22,6 +22,11 @@ def add_parser(sub: Subcommands) -> None:
     p.add_argument("--sticky-key")
     p.add_argument("--exclude", action="append", metavar="AGENT_ID")
     p.add_argument("--allow-suspect", action="store_true")
+    p.add_argument("--canary", metavar="VALUE", help="this arm of the capability's split rule")
+    p.add_argument("--requires", action="append", metavar="PERMISSION",
+                   help="a permission the agent must hold (repeatable)")  # fmt: skip
+    p.add_argument("--min-context-tokens", type=int, metavar="N",
+                   help="context headroom the agent must have")  # fmt: skip
     p.add_argument("--explain", action="store_true",
                    help="the score terms of each candidate, and why each other agent is "
                         "left out")  # fmt: skip
@@ -43,6 +48,8 @@ async def _route(args: argparse.Namespace) -> int:
         limit=args.limit, region=args.region, tags=tags(args.tag), sticky_key=args.sticky_key,
         exclude=args.exclude or [], allow_suspect=args.allow_suspect, explain=args.explain,
         peek=True,
+        canary=args.canary, requires=args.requires or [],
+        min_context_tokens=args.min_context_tokens,
     )  # fmt: skip
     msg = await ask_msg(args, subjects(args).route(cap), schema.encoder.encode(req))
     err = from_reply(msg.headers, msg.data)

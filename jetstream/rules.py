@@ -1,0 +1,90 @@
+"""The route-rules bucket ``reach_rules`` on bytes: one key per capability.
+
+Writers (``reach rules set|clear``) put and delete keys; every broker follows the bucket
+(:func:`follow`: the last value of each key, then every change, through one ordered consumer
+that nats-py rebuilds after a reconnect), so a change reaches every replica as soon as
+JetStream stores it. What a value means is the broker's (:mod:`reach_broker.rules`): this
+floor moves bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.js import api
+from nats.js.errors import NoKeysError, NotFoundError
+
+from .names import RULES_BUCKET, RULES_STREAM
+
+_KV_OP = "KV-Operation"
+_DELETED = ("DEL", "PURGE")
+_PRE = f"$KV.{RULES_BUCKET}."
+
+RuleCallback = Callable[[str, int, bytes | None, float], Awaitable[None]]
+"""Told of every stored change: (capability, revision, JSON or None when the key was deleted,
+when JetStream stored it in Unix seconds)."""
+
+
+def rule_subject(capability: str) -> str:
+    """The KV subject of one capability's rule."""
+    return _PRE + capability
+
+
+async def follow(nc: NATS, cb: RuleCallback) -> Any:
+    """Each capability's current rule, then every change, in order. Returns the subscription
+    (``unsubscribe()`` ends it)."""
+    cut = len(_PRE)
+
+    async def on_msg(msg: Any) -> None:
+        deleted = (msg.headers or {}).get(_KV_OP) in _DELETED
+        md = msg.metadata
+        await cb(msg.subject[cut:], md.sequence.stream, None if deleted else msg.data,
+                 md.timestamp.timestamp())  # fmt: skip
+
+    config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT)
+    return await nc.jetstream().subscribe(
+        _PRE + ">", stream=RULES_STREAM, cb=on_msg, ordered_consumer=True, config=config
+    )
+
+
+async def stored(nc: NATS) -> int:
+    """How many keys the bucket holds (cleared ones included: each is one message)."""
+    info = await nc.jetstream().stream_info(RULES_STREAM)
+    return info.state.messages
+
+
+async def put(nc: NATS, capability: str, data: bytes) -> int:
+    """Store ``capability``'s rule; its revision."""
+    kv = await nc.jetstream().key_value(RULES_BUCKET)
+    return await kv.put(capability, data)
+
+
+async def delete(nc: NATS, capability: str) -> bool:
+    """Clear ``capability``'s rule; False when it had none."""
+    kv = await nc.jetstream().key_value(RULES_BUCKET)
+    try:
+        await kv.get(capability)
+    except NotFoundError:  # never set, or deleted already
+        return False
+    await kv.delete(capability)
+    return True
+
+
+async def read_all(nc: NATS) -> dict[str, bytes]:
+    """Every stored rule: capability → JSON."""
+    kv = await nc.jetstream().key_value(RULES_BUCKET)
+    out: dict[str, bytes] = {}
+    try:
+        keys = await kv.keys()
+    except NoKeysError:  # an empty bucket
+        return out
+    for key in keys:
+        try:
+            entry = await kv.get(key)
+        except NotFoundError:  # deleted meanwhile
+            continue
+        if entry.value:
+            out[key] = entry.value
+    return out
