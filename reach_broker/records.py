@@ -179,7 +179,11 @@ class AgentRecord:
         """A route reply of this broker just named the agent first: count the task it is
         about to get until a heartbeat reports it, so routes between two heartbeats do not
         all go to an agent that looked idle at the last one. Each replica counts its own
-        hand-outs; the heartbeat's ``active`` counts everyone's."""
+        hand-outs; the heartbeat's ``active`` counts everyone's. Not for an agent that
+        reports no ``active`` (a Synadia Agent Protocol agent): nothing would ever replace
+        the count."""
+        if self.protocol != PROTOCOL_REACH:
+            return
         self.handed = self.in_flight(now) + 1.0
         self.handed_at = now
         self._set_busy(self.handed)

@@ -32,6 +32,7 @@ from typing import cast
 from reach_agent.errors import NoReachableAgent, Overloaded
 from reach_agent.schema import Candidate, RouteReply, RouteRequest, encoder
 
+from . import draws
 from .config import RoutingSection
 from .index import CapabilityIndex, CapabilityIndexes, candidate, hash64
 from .records import AgentRecord
@@ -154,9 +155,9 @@ class Router:
             rest = [r for r in pool if r is not first]
             return idx, [first, *rest[: limit - 1]]
         if cfg.choice == "weighted":
-            return idx, self._weighted(pool, limit, now)
+            return idx, draws.weighted(pool, limit, now, self.cfg, self.rng)
         if cfg.choice == "p2c":
-            return idx, self._p2c(pool, limit, now)
+            return idx, draws.p2c(pool, limit, now, self.cfg, self.rng)
         return idx, pool[:limit]
 
     def refresh(self, idx: CapabilityIndex, now: float) -> None:
@@ -352,56 +353,13 @@ class Router:
         detail = "; ".join(parts) or "none passed the filter"
         return f"no reachable agent for {capability!r} among {total}: {detail}"
 
-    def _weighted(self, pool: list[AgentRecord], limit: int, now: float) -> list[AgentRecord]:
-        """Weighted draw without replacement: weight = score * free capacity * slow start."""
-        # Hot path (every route): the record keeps its weight; slow start only when recovered.
-        random = self.rng.random
-        pool = list(pool)
-        weights = [r.weight if r.recovered_at is None else self.weight(r, now) for r in pool]
-        total = sum(weights)
-        chosen: list[AgentRecord] = []
-        while pool and len(chosen) < limit:
-            x = random() * total
-            last = len(pool) - 1
-            for i, w in enumerate(weights):
-                x -= w
-                if x <= 0 or i == last:
-                    chosen.append(pool.pop(i))
-                    total -= weights.pop(i)
-                    break
-        return chosen
-
     def weight(self, rec: AgentRecord, now: float) -> float:
         """``rec``'s weight in the draw (AgentRecord.set_score) times its slow-start factor."""
-        return rec.weight * self.slow_start_factor(rec, now)
+        return rec.weight * draws.slow_start_factor(rec, now, self.cfg)
 
     def slow_start_factor(self, rec: AgentRecord, now: float) -> float:
         """``slow_start_share`` for ``slow_start_s`` after recovery, then a linear ramp."""
-        span = self.cfg.slow_start_s
-        if rec.recovered_at is None or span <= 0:
-            return 1.0
-        age = now - rec.recovered_at
-        if age >= 2 * span:
-            return 1.0
-        share = self.cfg.slow_start_share
-        if age <= span:
-            return share
-        return share + (1.0 - share) * (age - span) / span
-
-    def _p2c(self, pool: list[AgentRecord], limit: int, now: float) -> list[AgentRecord]:
-        """Power of two choices on expected completion time, then the rest by score.
-
-        A slow-started agent's expected time is divided by its slow-start factor, so it
-        wins its pairings about that much less often.
-        """
-        if len(pool) >= 2:
-            a, b = self.rng.sample(pool, 2)
-            ea = _expected_ms(a) / self.slow_start_factor(a, now)
-            eb = _expected_ms(b) / self.slow_start_factor(b, now)
-            first = a if ea <= eb else b
-        else:
-            first = pool[0]
-        return [first, *[r for r in pool if r is not first][: limit - 1]]
+        return draws.slow_start_factor(rec, now, self.cfg)
 
     def _sticky(
         self,
@@ -428,8 +386,3 @@ class Router:
             ):
                 return owner
         return pool[0]
-
-
-def _expected_ms(rec: AgentRecord) -> float:
-    per_task = rec.stats.task_ewma_ms or 1.0
-    return (rec.active + rec.queue_depth + 1) * per_task / rec.max_concurrency

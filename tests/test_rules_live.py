@@ -27,7 +27,9 @@ CAP = "summarize"
 
 async def route(nc: NATS, body: dict[str, object] | None = None,
                 headers: dict[str, str] | None = None) -> list[str]:  # fmt: skip
-    reply = await nc.request(f"reach.route.{CAP}", json.dumps(body or {}).encode(), timeout=2,
+    # A look (peek): no task follows, so the broker counts no hand-out.
+    look = {"peek": True, **(body or {})}
+    reply = await nc.request(f"reach.route.{CAP}", json.dumps(look).encode(), timeout=2,
                              headers=headers)  # fmt: skip
     err = from_reply(reply.headers, reply.data)
     if err is not None:
