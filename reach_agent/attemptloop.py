@@ -37,7 +37,7 @@ class AttemptLoop:
         config: ClientConfig,
         clock: Callable[[], float],
         breakers: Breakers,
-        routes: Routes,
+        routes: Callable[[], Routes],
         attempts: Attempts,
         holders: Holders,
     ) -> None:
@@ -45,6 +45,7 @@ class AttemptLoop:
         self.clock = clock
         self.breakers = breakers
         self.routes = routes
+        """The client's routes, read per round: a gateway swaps them (``a2a.local``)."""
         self.attempts = attempts
         self.holders = holders
 
@@ -60,7 +61,7 @@ class AttemptLoop:
                 # Everything we knew was tried (or is behind an open breaker): ask again.
                 try:
                     blocked = self.breakers.blocked(capability, self.clock())
-                    candidates = await self.routes.route(
+                    candidates = await self.routes().route(
                         capability, cfg.route_limit, region=call.region, tags=call.tags,
                         sticky_key=call.sticky_key,
                         exclude=[*blocked, *call.gone] if call.gone else blocked,

@@ -119,8 +119,8 @@ class Client:
         """Calls waiting for the agent that holds their request id's claim."""
         self.attempts = Attempts(self.nc, self.config, self.breakers, self.liveness, metrics,
                                  clock)  # fmt: skip
-        self.loop = AttemptLoop(self.config, clock, self.breakers, self.routes, self.attempts,
-                                self.holders)  # fmt: skip
+        self.loop = AttemptLoop(self.config, clock, self.breakers, lambda: self.routes,
+                                self.attempts, self.holders)  # fmt: skip
         self._own_nc = nc is None
         self._servers = servers
         self._name = name or f"reach-client-{uuid.uuid4().hex[:8]}"
