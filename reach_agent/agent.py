@@ -2,7 +2,8 @@
 
 One NATS connection named after the agent id (the broker keys the server's disconnect
 advisories on it, and with reach's credentials takes a connection as the agent's only when
-its user JWT was issued for that id). Two parts do the work:
+its user JWT was issued for that id; what its callbacks tell is
+:class:`~reach_agent.connwatch.ConnectionWatch`'s). Two parts do the work:
 :class:`~reach_agent.presence.Presence` (announce, heartbeat, probe answers, leave) and
 :class:`~reach_agent.serving.TaskServer` (admission, execution, replies, ack records; the
 decision itself is :mod:`~reach_agent.admission`'s, the duplicate window
@@ -29,22 +30,21 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, Unpack
 
 from nats.aio.client import Client as NATS
-from nats.errors import SlowConsumerError
 
-from . import durable, grants, schema
+from . import durable, schema
 from .claiming import Claimer
 from .connection import (
     CredentialOptions,
     Credentials,
     connect,
     connect_options,
-    credential_grants,
     drain_or_close,
     flush_subscriptions,
     server_list,
 )
+from .connwatch import ConnectionWatch
 from .dedup import DedupCache
-from .errors import Forbidden, InvalidRequest
+from .errors import InvalidRequest
 from .handling import Handler, kind_of
 from .metrics import AgentMetrics
 from .presence import Presence
@@ -176,14 +176,19 @@ class Agent:
         """Announce, heartbeats, probe answers, leave."""
         self.nc: NATS | None = None
         self._started = False
-        self._creds_file: str | None = None
-        self._violations: list[grants.Violation] = []
-        self.closed = asyncio.Event()
+        self.watch = ConnectionWatch(agent_id, self.subjects, metrics, lambda: self._started,
+                                     self.presence.reannounce)  # fmt: skip
+        """The connection's callbacks: grants, permission violations, close, reconnect."""
+        self.closed = self.watch.closed
         """Set when the server closed the connection for good while serving (the credential
         was revoked or expired): :func:`reach_agent.run` then exits."""
-        self.closed_reason = ""
 
     # --- what the parts know ------------------------------------------------------------
+
+    @property
+    def closed_reason(self) -> str:
+        """Why the server closed the connection for good (empty while it has not)."""
+        return self.watch.closed_reason
 
     @property
     def ack_sink(self) -> AckSink | None:
@@ -307,16 +312,13 @@ class Agent:
         cred = self.credentials if credentials is None else credentials.over(self.credentials)
         servers = server_list(servers)
         options = connect_options(self.agent_id, servers, cred)
-        self._check_grants(cred)
-        self._violations.clear()
+        writes_acks = self.ack_sink is None and self.durable_acks
+        self.watch.check_grants(cred, self.capabilities, writes_acks=writes_acks)
+        self.watch.violations.clear()
         self.tasks.draining = False
         nc = NATS()
-        await connect(nc, {**options, "error_cb": self._on_error,
-                           "disconnected_cb": self._on_disconnected,
-                           "reconnected_cb": self._on_reconnected,
-                           "closed_cb": self._on_closed},
-                      what=f"agent {self.agent_id!r}")  # fmt: skip
-        self.nc = nc
+        await connect(nc, {**options, **self.watch.callbacks()}, what=f"agent {self.agent_id!r}")
+        self.nc = self.watch.nc = nc
         try:
             await self._setup(nc, servers, cred)
         except BaseException:
@@ -354,30 +356,8 @@ class Agent:
         await self.presence.subscribe(nc)
         await self.tasks.subscribe(nc, self.capabilities)
         await flush_subscriptions(nc)  # a refused SUB is reported before the PONG
-        refused = [v for v in self._violations if v.action == "subscription"]
-        if refused:
-            raise Forbidden(f"the server refused subscribing to {refused[0].subject!r} with "
-                            f"credentials {self._creds_file or '(none)'}: issue agent "
-                            f"{self.agent_id!r} its own credentials")  # fmt: skip
+        self.watch.check_subscriptions()
         self.presence.start()
-
-    def _check_grants(self, cred: Credentials) -> None:
-        """Fail now, naming the subject and the file, when the credentials cannot serve
-        this agent (a credential issued for another agent id, a caller's)."""
-        found = credential_grants(cred)
-        if found is None:
-            return
-        self._creds_file, allowed = found
-        s, me = self.subjects, self.agent_id
-        publish = [s.announce(me), s.heartbeat(me), s.leave(me)]
-        if self.ack_sink is None and self.durable_acks:
-            publish.append(s.ack(me, "request"))
-        subscribe = [s.probe(me), s.reannounce(me),
-                     *(s.task(me, cap) for cap in self.capabilities)]  # fmt: skip
-        try:
-            grants.check(allowed, self._creds_file, publish=publish, subscribe=subscribe)
-        except grants.GrantError as exc:
-            raise Forbidden(f"agent {me!r}: {exc}") from None
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain: answer DRAINING to new tasks, leave, finish in-flight tasks within
@@ -404,43 +384,3 @@ class Agent:
         self.tasks.close()
         log.info("agent.stopped agent=%s ok=%d fail=%d", self.agent_id, self.ok_total,
                  self.fail_total)  # fmt: skip
-
-    # --- connection callbacks -----------------------------------------------------------
-
-    async def _on_error(self, exc: Exception) -> None:
-        violation = grants.violation_of(exc)
-        kind = ("slow_consumer" if isinstance(exc, SlowConsumerError) else
-                "permission" if violation else type(exc).__name__)  # fmt: skip
-        if self.metrics is not None:
-            self.metrics.nats_errors.labels(kind).inc()
-        if isinstance(exc, SlowConsumerError):
-            log.warning("agent.slow_consumer agent=%s subject=%s", self.agent_id, exc.subject)
-        elif violation is not None:
-            self._violations.append(violation)
-            del self._violations[:-16]
-            log.error("agent.permission_denied agent=%s action=%s subject=%s creds=%s",
-                      self.agent_id, violation.action, violation.subject,
-                      self._creds_file)  # fmt: skip
-        else:
-            log.debug("agent.nats_error agent=%s error=%r", self.agent_id, exc)
-
-    async def _on_closed(self) -> None:
-        if not self._started:  # our own stop
-            return
-        err = self.nc.last_error if self.nc is not None else None
-        self.closed_reason = str(err or "closed by the server")
-        if "revoked" in self.closed_reason.lower():
-            log.error("agent.revoked agent=%s creds=%s: the server closed the connection and "
-                      "refuses this credential", self.agent_id, self._creds_file)  # fmt: skip
-        else:
-            log.error("agent.closed agent=%s error=%s: the connection will not come back",
-                      self.agent_id, self.closed_reason)  # fmt: skip
-        self.closed.set()
-
-    async def _on_disconnected(self) -> None:
-        if self._started:  # not the close at the end of stop()
-            log.info("agent.disconnected agent=%s", self.agent_id)
-
-    async def _on_reconnected(self) -> None:
-        log.info("agent.reconnected agent=%s: re-announcing", self.agent_id)
-        self.presence.reannounce()

@@ -1,7 +1,8 @@
 """One attempt of a call: which candidate is next, sending it, and its bookkeeping.
 
-The client's retry loop (:meth:`reach_agent.Client._run`) asks :meth:`Attempts.next` for the
-first candidate not tried and not behind an open breaker, sends the attempt with
+The client's retry loop (:meth:`reach_agent.attemptloop.AttemptLoop.run`) asks
+:meth:`Attempts.next` for the first candidate not tried and not behind an open breaker,
+sends the attempt with
 :meth:`Attempts.send` — which waits longer for an agent announcing a longer
 ``timeout_hint_ms`` (``clamp(max(timeout, hint), min_timeout_s, max_timeout_s)``) but never
 longer for its receipt — and gets back how it ended; the breakers and the per-attempt

@@ -22,9 +22,9 @@ for until the deadline — their protocol has no request id, so a prompt queued 
 agent is never sent to a second one —, the response chunks joined are the result.
 
 An ``IN_PROGRESS`` answer (another agent holds the request id's claim) is not retried: the
-call waits in :meth:`Call.held` for the holder's result — a late reply of an earlier attempt,
-the holder's final ack record (:mod:`~reach_agent.holder` feeds it to the queue), or the
-news that the claim was released (then it is tried again).
+call waits in :func:`reach_agent.holder.held` for the holder's result — a late reply of an
+earlier attempt, the holder's final ack record (:mod:`~reach_agent.holder` feeds it to the
+queue), or the news that the claim was released (then it is tried again).
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ from .errors import (
     NoReachableAgent,
     ReachError,
     Timeout,
-    error_for,
     from_reply,
 )
 from .retry import Outcome, full_wait
@@ -58,15 +57,16 @@ _receipt_decoder = msgspec.json.Decoder(schema.Receipt)
 
 _LOST = object()
 _CLOSED = object()
-_RELEASED = object()
 LOST, CLOSED = _LOST, _CLOSED
 """The markers :meth:`Call.lose` and :meth:`Call.close` put on the queue (for readers of a
 stream, which go on reading it after :meth:`Call.outcome`)."""
 _STATUS = "Status"  # nats-server's no-responders reply: Status: 503, no body
 
-HeldEnd = Literal["ok", "error", "released", "timeout", "closed"]
-"""How waiting for a claim's holder ends: its result or error, the claim released (try
-again), the deadline, or the client closing."""
+
+def is_no_responders(msg: Any) -> bool:
+    """Whether ``msg`` is nats-server's no-responders reply (``Status: 503``, no body)."""
+    hdrs = msg.headers
+    return bool(hdrs) and hdrs.get(_STATUS) == "503" and not msg.data
 
 
 class StreamStart:
@@ -78,15 +78,6 @@ class StreamStart:
     def __init__(self, attempt: int, msg: Any) -> None:
         self.attempt = attempt
         self.msg = msg
-
-
-class _Final:
-    """A holder's final ack record, delivered to a call waiting for it."""
-
-    __slots__ = ("data",)
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
 
 
 class Call:
@@ -231,14 +222,6 @@ class Call:
         """The client is stopping: end the current attempt as ``closed``."""
         self.queue.put_nowait((self.attempt, _CLOSED))
 
-    def released(self) -> None:
-        """The claim whose holder this call waits for was released: try again."""
-        self.queue.put_nowait((self.attempt, _RELEASED))
-
-    def final(self, data: bytes) -> None:
-        """The holder's final ack record (JSON) arrived."""
-        self.queue.put_nowait((self.attempt, _Final(data)))
-
     # --- how the current attempt ends ---------------------------------------------------
 
     async def outcome(
@@ -272,7 +255,7 @@ class Call:
                     return "lost", Timeout(f"agent {agent!r} was lost while running the task")
                 continue
             hdrs = msg.headers
-            if hdrs and hdrs.get(_STATUS) == "503" and not msg.data:
+            if is_no_responders(msg):
                 if current:
                     return "no_responders", NoReachableAgent(
                         f"no responders: agent {agent!r} is not subscribed to {msg.subject!r}"
@@ -302,7 +285,7 @@ class Call:
                     return "ok", StreamStart(a, msg)
                 continue
             # A result, from this attempt or a late one: the first result wins.
-            return self._result(msg, agent)
+            return self.result(msg, agent)
 
     async def _prompted(self, clock: Callable[[], float]) -> tuple[Outcome, Any]:
         """:meth:`outcome` of an attempt to a Synadia agent: its prompt stream (an earlier
@@ -334,9 +317,9 @@ class Call:
                     and hdrs.get(schema.H_STATUS) == "completed"
                     and schema.H_CHUNKS not in hdrs
                 ):
-                    return self._result(msg, self.agents.get(a))
+                    return self.result(msg, self.agents.get(a))
                 continue
-            if hdrs and hdrs.get(_STATUS) == "503" and not msg.data:
+            if is_no_responders(msg):
                 return "no_responders", NoReachableAgent(
                     f"no responders: agent {agent!r} is not subscribed to {msg.subject!r}"
                 )
@@ -357,55 +340,12 @@ class Call:
             elif kind == "error":
                 return "error", value
 
-    def _result(self, msg: Any, agent: str | None) -> tuple[Outcome, Any]:
+    def result(self, msg: Any, agent: str | None) -> tuple[Outcome, Any]:
+        """A result reply: its JSON decoded, or ``error`` when it is not JSON."""
         try:
             return "ok", _result_decoder.decode(msg.data) if msg.data else None
         except msgspec.DecodeError as exc:
             return "error", InternalError(f"result from agent {agent!r} is not JSON ({exc})")
-
-    async def held(self, holder: str, clock: Callable[[], float]) -> tuple[HeldEnd, Any]:
-        """Wait for the result of the agent ``holder`` that holds this request's claim:
-        a reply to any attempt (a late one of ours), its final ack record, the claim's
-        release, or the deadline."""
-        while True:
-            try:
-                async with asyncio.timeout(max(self.deadline - clock(), 0.0)):
-                    a, msg = await self.queue.get()
-            except TimeoutError:
-                return "timeout", Timeout(
-                    f"request_id {self.request_id!r} was still running on agent {holder!r} "
-                    "(it holds the claim) at the call's deadline"
-                )
-            if msg is _CLOSED:
-                return "closed", InternalError("client closed while the call was in flight")
-            if msg is _RELEASED:
-                return "released", None
-            if msg is _LOST:
-                continue  # the holder's liveness: its claim's release is what counts
-            if isinstance(msg, _Final):
-                self.taker = holder
-                rec = schema.decode_ack_record(msg.data)
-                if rec.state == "completed":
-                    raw = bytes(rec.result) if rec.result is not None else b""
-                    return "ok", _result_decoder.decode(raw) if raw else None
-                failure = rec.error or {}
-                return "error", error_for(failure.get("code", "INTERNAL"),
-                                          failure.get("message", ""))  # fmt: skip
-            hdrs = msg.headers
-            if (hdrs and hdrs.get(_STATUS) == "503" and not msg.data) or from_reply(hdrs, msg.data):
-                continue  # errors (another IN_PROGRESS, no responders) change nothing
-            status = hdrs.get(schema.H_STATUS) if hdrs else None
-            if status == "received" or (
-                status is None and schema.is_body_receipt(msg.data, self.request_id)
-            ):
-                continue
-            if status == "chunk" or (status == "completed" and schema.H_CHUNKS in hdrs):
-                if self.stream:
-                    return "ok", StreamStart(a, msg)
-                continue
-            self.taker = self.agents.get(a, holder)
-            outcome, value = self._result(msg, holder)
-            return ("ok" if outcome == "ok" else "error"), value
 
 
 def encode_payload(payload: Any) -> bytes:

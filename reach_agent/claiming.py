@@ -219,6 +219,34 @@ class Claimer:
 
         return confirmed
 
+    async def take(
+        self, request_id: str, capability: str
+    ) -> tuple[Held | None, tuple[str, Reply] | None]:
+        """A task's claim as the run needs it: (our claim, or None when claims are off), or
+        the answer for a claim of another, labelled (``in_progress``, ``duplicate``, or
+        ``unclaimed``: the store did not answer, and the task is not run unclaimed)."""
+        try:
+            claimed = await self.claim(request_id, capability)
+        except ClaimsUnavailable as exc:
+            err = Timeout(f"agent {self.agent_id!r} could not claim request_id {request_id!r} "
+                          f"({exc}): not run unclaimed, try again")  # fmt: skip
+            return None, ("unclaimed", _error_reply(err, request_id))
+        if claimed is None or claimed.held is not None:
+            return (claimed.held if claimed else None), None
+        label = "in_progress" if claimed.verdict == "in_progress" else "duplicate"
+        return None, (label, await self.answer(claimed, request_id))
+
+    async def end(self, held: Held, error: ReachError | None) -> Callable[[], Awaitable[None]]:
+        """How a run ends its claim: ``completed``; ``released`` after a retryable error
+        (another agent may run it); else ``failed`` (a duplicate gets the stored error)."""
+        if error is None:
+            return await self.finish(held, "completed")
+        if error.retryable:
+            return await self.finish(
+                held, "released", f"{self.agent_id} ended it with {error.code}"
+            )
+        return await self.finish(held, "failed")
+
     async def answer(self, claimed: Claimed, request_id: str) -> Reply:
         """The reply to a request whose claim is someone else's (or already finished)."""
         existing = claimed.existing

@@ -24,13 +24,14 @@ both received (``nc.request`` would keep only the first), and a late result of a
 attempt still finishes the call.
 
 The parts: :mod:`~reach_agent.calls` (one call, and how an attempt ends),
+:mod:`~reach_agent.attemptloop` (the attempts of one call, until the retry rule says stop),
 :mod:`~reach_agent.attempts` (sending one attempt, and its bookkeeping),
 :mod:`~reach_agent.holder` (waiting for the holder of a claim, on ``IN_PROGRESS``),
 :mod:`~reach_agent.streaming` (streamed answers),
 :mod:`~reach_agent.routes` (route requests and their cache), :mod:`~reach_agent.liveness`
 (the watch over agents running our calls), :mod:`~reach_agent.breaker` (circuit breakers and
 what counts as a failure), :mod:`~reach_agent.retry` (what is retried). This module wires
-them to NATS and runs the attempts.
+them to NATS.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -51,10 +51,10 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from jetstream import audit
-from jetstream.tasks import raise_if_cancelled
 
 from . import durable, schema, streaming, trace
 from .aio import TaskSet
+from .attemptloop import AttemptLoop
 from .attempts import Attempts
 from .breaker import Breakers
 from .calls import AckMode, Call, encode_payload
@@ -69,17 +69,13 @@ from .connection import (
 )
 from .errors import (
     Forbidden,
-    InProgress,
     InternalError,
     InvalidRequest,
-    NoReachableAgent,
-    ReachError,
 )
 from .holder import Holders
 from .liveness import Liveness
 from .metrics import ClientMetrics
 from .outcomes import OutcomeBook, OutcomeReporter
-from .retry import merely_full, should_retry
 from .routes import Routes
 from .subjects import ReplyInbox, Subjects
 
@@ -123,6 +119,8 @@ class Client:
         """Calls waiting for the agent that holds their request id's claim."""
         self.attempts = Attempts(self.nc, self.config, self.breakers, self.liveness, metrics,
                                  clock)  # fmt: skip
+        self.loop = AttemptLoop(self.config, clock, self.breakers, lambda: self.routes,
+                                self.attempts, self.holders)  # fmt: skip
         self._own_nc = nc is None
         self._servers = servers
         self._name = name or f"reach-client-{uuid.uuid4().hex[:8]}"
@@ -371,87 +369,8 @@ class Client:
                       call.request_id, "ok" if ok else "error")  # fmt: skip
 
     async def _run(self, call: Call) -> Any:
-        """Attempts until one succeeds or the retry rule says stop."""
-        cfg = self.config
-        capability = call.capability
-        candidates: list[schema.Candidate] = []
-        while True:
-            raise_if_cancelled()
-            target = self.attempts.next(candidates, call.tried, capability)
-            if target is None:
-                # Everything we knew was tried (or is behind an open breaker): ask again.
-                try:
-                    blocked = self.breakers.blocked(capability, self.clock())
-                    candidates = await self.routes.route(
-                        capability, cfg.route_limit, region=call.region, tags=call.tags,
-                        sticky_key=call.sticky_key,
-                        exclude=[*blocked, *call.gone] if call.gone else blocked,
-                        deadline=call.deadline, **call.filters,
-                    )  # fmt: skip
-                except NoReachableAgent as no_agent:
-                    raise (call.last_err or no_agent) from None
-                except ReachError as refused:
-                    if not merely_full("error", refused):
-                        raise
-                    # OVERLOADED: every candidate is full. Wait as told, then ask again.
-                    call.last_err = refused
-                    await call.wait_full(refused, self.config, self.clock)
-                    continue
-                nxt = self.attempts.next
-                target = nxt(candidates, call.tried, capability) or nxt(
-                    candidates, call.gone, capability
-                )
-                if target is None:
-                    raise call.last_err or NoReachableAgent(
-                        f"every agent with capability {capability!r} is behind an open "
-                        "circuit breaker"
-                    )
-            if call.attempt > 0 and target.agent_id in call.tried:
-                assert call.last_err is not None
-                if merely_full("error", call.last_err):
-                    # Every candidate answered TARGET_BUSY: a moment, then a new round.
-                    await call.wait_full(call.last_err, self.config, self.clock)
-                else:
-                    # A retry to an agent we already tried: back off first, inside the
-                    # deadline.
-                    delay = cfg.backoff(call.retries, random.random())
-                    if self.clock() + delay + cfg.ack_timeout_s > call.deadline:
-                        raise call.last_err
-                    await asyncio.sleep(delay)
-            call.attempt += 1
-            call.tried.append(target.agent_id)
-            allowed, change = self.breakers.allow(target.agent_id, capability, self.clock())
-            self.attempts.breaker_changed(target.agent_id, capability, change)
-            if not allowed:
-                continue
-            outcome, value = await self.attempts.send(call, target, self._inbox)
-            if outcome == "error" and isinstance(value, InProgress):
-                # Another agent holds the claim: its result is the answer, not a re-run.
-                call.taker = value.holder
-                if call.ack_mode == "received":
-                    return schema.Receipt(request_id=call.request_id, agent_id=value.holder)
-                end, value = await self.holders.wait(call, value.holder, self.clock)
-                if end == "released":
-                    call.tried.clear()  # the holder is gone: anyone may take it, at once
-                    continue
-                outcome = end  # the holder's own result or error: the retry rule judges it
-            if outcome == "ok":
-                return value
-            if outcome == "lost" or outcome == "no_responders":
-                call.gone.append(target.agent_id)  # dead to this call: elsewhere from now on
-            call.last_err = value
-            if not should_retry(
-                outcome, value, retries_done=call.retries, max_retries=cfg.retries,
-                time_left_s=call.deadline - self.clock(),
-                min_attempt_s=min(cfg.ack_timeout_s, 0.05),
-            ):  # fmt: skip
-                raise value
-            if not merely_full(outcome, value):
-                call.retries += 1
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("call.retry capability=%s request_id=%s agent=%s outcome=%s "
-                          "retry=%d", capability, call.request_id, target.agent_id, outcome,
-                          call.retries)  # fmt: skip
+        """Attempts until one succeeds or the retry rule says stop (:class:`AttemptLoop`)."""
+        return await self.loop.run(call, self._inbox)
 
     # --- durable (JetStream) ------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
 An agent answers ``IN_PROGRESS`` (naming the holder) when another agent holds the request
 id's claim. Running the task again would run it twice, so the call waits instead
-(:meth:`reach_agent.calls.Call.held`), fed by a :class:`HolderWatch`:
+(:func:`held`), fed by a :class:`HolderWatch`:
 
 * the holder's final ack record, on the holder's own ack subject of the request (subscribed
   first, then read from ``REACH_ACKS``, so none is missed), attributed to the holder
@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -31,12 +31,30 @@ from jetstream.claims import ClaimStore, ClaimsUnavailable, claim_key
 from jetstream.tasks import raise_if_cancelled
 
 from . import schema, trace
-from .calls import Call, HeldEnd
+from .calls import CLOSED, LOST, Call, StreamStart, is_no_responders
 from .claiming import result_location
 from .durable import attributed
+from .errors import InternalError, Timeout, error_for, from_reply
 from .subjects import Subjects
 
 log = trace.logger(__name__)
+
+HeldEnd = Literal["ok", "error", "released", "timeout", "closed"]
+"""How waiting for a claim's holder ends: its result or error, the claim released (try
+again), the deadline, or the client closing."""
+
+_RELEASED = object()
+_result_decoder = msgspec.json.Decoder()
+
+
+class _Final:
+    """A holder's final ack record, delivered to a call waiting for it."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
 
 _UNKNOWN = schema.Claim(request_id="", agent_id="", instance="", capability="", state="running",
                         at_ms=0)  # fmt: skip
@@ -93,7 +111,7 @@ class HolderWatch:
         """The claim was released (event or poll): the call tries again."""
         if not self._done:
             self._done = True
-            self.call.released()
+            self.call.queue.put_nowait((self.call.attempt, _RELEASED))
 
     def _final(self, stored: ackreads.StoredAck) -> None:
         if stored.state in acks.FINAL_STATES and attributed(stored) is not None:
@@ -102,7 +120,7 @@ class HolderWatch:
     def _deliver(self, data: bytes) -> None:
         if not self._done:
             self._done = True
-            self.call.final(data)
+            self.call.queue.put_nowait((self.call.attempt, _Final(data)))
 
     async def _read(self) -> schema.Claim | None:
         try:
@@ -151,7 +169,7 @@ class Holders:
     async def wait(
         self, call: Call, holder: str, clock: Callable[[], float]
     ) -> tuple[HeldEnd, Any]:
-        """Wait for the holder's answer to ``call`` (see :meth:`Call.held`)."""
+        """Wait for the holder's answer to ``call`` (see :func:`held`)."""
         watch = HolderWatch(self.nc, self.store, call, poll_s=self.poll_s,
                             subjects=self.subjects)  # fmt: skip
         self._waiting[call.request_id] = watch
@@ -159,8 +177,53 @@ class Holders:
                  call.request_id, holder)  # fmt: skip
         try:
             await watch.start()
-            return await call.held(holder, clock)
+            return await held(call, holder, clock)
         finally:
             if self._waiting.get(call.request_id) is watch:
                 del self._waiting[call.request_id]
             await watch.stop()
+
+
+async def held(call: Call, holder: str, clock: Callable[[], float]) -> tuple[HeldEnd, Any]:
+    """Wait for the result of the agent ``holder`` that holds ``call``'s claim: a reply to
+    any attempt (a late one of ours), its final ack record, the claim's release, or the
+    deadline."""
+    while True:
+        try:
+            async with asyncio.timeout(max(call.deadline - clock(), 0.0)):
+                a, msg = await call.queue.get()
+        except TimeoutError:
+            return "timeout", Timeout(
+                f"request_id {call.request_id!r} was still running on agent {holder!r} "
+                "(it holds the claim) at the call's deadline"
+            )
+        if msg is CLOSED:
+            return "closed", InternalError("client closed while the call was in flight")
+        if msg is _RELEASED:
+            return "released", None
+        if msg is LOST:
+            continue  # the holder's liveness: its claim's release is what counts
+        if isinstance(msg, _Final):
+            call.taker = holder
+            rec = schema.decode_ack_record(msg.data)
+            if rec.state == "completed":
+                raw = bytes(rec.result) if rec.result is not None else b""
+                return "ok", _result_decoder.decode(raw) if raw else None
+            failure = rec.error or {}
+            return "error", error_for(failure.get("code", "INTERNAL"),
+                                      failure.get("message", ""))  # fmt: skip
+        hdrs = msg.headers
+        if is_no_responders(msg) or from_reply(hdrs, msg.data):
+            continue  # errors (another IN_PROGRESS, no responders) change nothing
+        status = hdrs.get(schema.H_STATUS) if hdrs else None
+        if status == "received" or (
+            status is None and schema.is_body_receipt(msg.data, call.request_id)
+        ):
+            continue
+        if status == "chunk" or (status == "completed" and schema.H_CHUNKS in hdrs):
+            if call.stream:
+                return "ok", StreamStart(a, msg)
+            continue
+        call.taker = call.agents.get(a, holder)
+        outcome, value = call.result(msg, holder)
+        return ("ok" if outcome == "ok" else "error"), value

@@ -23,7 +23,7 @@ import asyncio
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 import msgspec
@@ -31,14 +31,12 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from jetstream.claims import ClaimsUnavailable
-
 from . import schema, trace
 from .admission import Admission, admit
 from .aio import TaskSet, wait_event
 from .claiming import Claimer, Held
 from .dedup import DedupCache, Entry, Reply
-from .errors import Draining, InternalError, InvalidRequest, ReachError, Timeout, to_reply
+from .errors import Draining, InternalError, InvalidRequest, ReachError, to_reply
 from .handling import Handler, HandlerKind, HandlerRunner
 from .metrics import AgentMetrics
 from .subjects import Subjects, is_inbox
@@ -249,7 +247,8 @@ class TaskServer:
         try:
             held = None
             if claim:
-                held, answer = await self._claim(capability, request_id)
+                assert self.claimer is not None
+                held, answer = await self.claimer.take(request_id, capability)
                 if answer is not None:
                     await self._answer(msg, capability, request_id, entry, d, answer)
                     return
@@ -261,25 +260,6 @@ class TaskServer:
             self.active -= 1
             if self.active == 0:
                 self._idle.set()
-
-    async def _claim(
-        self, capability: str, request_id: str
-    ) -> tuple[Held | None, tuple[str, Reply] | None]:
-        """(our claim, or None when claims are off) or the answer for a claim of another."""
-        claimer = self.claimer
-        assert claimer is not None
-        try:
-            claimed = await claimer.claim(request_id, capability)
-        except ClaimsUnavailable as exc:
-            err = Timeout(f"agent {self.agent_id!r} could not claim request_id {request_id!r} "
-                          f"({exc}): not run unclaimed, try again")  # fmt: skip
-            headers, body = to_reply(err)
-            headers[schema.H_REQUEST_ID] = request_id
-            return None, ("unclaimed", (headers, body))
-        if claimed is None or claimed.held is not None:
-            return (claimed.held if claimed else None), None
-        label = "in_progress" if claimed.verdict == "in_progress" else "duplicate"
-        return None, (label, await claimer.answer(claimed, request_id))
 
     async def _answer(
         self,
@@ -358,7 +338,8 @@ class TaskServer:
             confirm = None
             if held is not None:
                 # Sent before the reply: the server has the claim's end before the result.
-                confirm = await self._end_claim(held, error)
+                assert self.claimer is not None
+                confirm = await self.claimer.end(held, error)
                 if error is not None and error.retryable:
                     self.dedup.forget(request_id, entry)
             # The final record before the reply too: once a caller has the result, the ack
@@ -376,19 +357,6 @@ class TaskServer:
                          "and no ack sink", self.agent_id, request_id)  # fmt: skip
             if confirm is not None:
                 await confirm()
-
-    async def _end_claim(
-        self, held: Held, error: ReachError | None
-    ) -> Callable[[], Awaitable[None]]:
-        """``completed``; ``released`` after a retryable error (another agent may run it);
-        else ``failed`` (a duplicate gets the stored error)."""
-        assert self.claimer is not None
-        if error is None:
-            return await self.claimer.finish(held, "completed")
-        if error.retryable:
-            why = f"{self.agent_id} ended it with {error.code}"
-            return await self.claimer.finish(held, "released", why)
-        return await self.claimer.finish(held, "failed")
 
     async def _record(
         self,

@@ -6,7 +6,8 @@ replay round takes every available entry of the capability through its shared du
 consumer (so two replicas never hold the same entry), orders them by priority then age, and
 sends each as a task with its original ``Reach-Request-Id`` and ``Reach-Receipt: 1`` to an
 agent the broker's Router picks, at most ``replay_concurrency`` at once (scaled down by the
-slow-start share of a just-recovered agent). After the agent's receipt the entry is held
+slow-start share of a just-recovered agent; one entry's delivery is
+:mod:`reach_broker.replaysend`'s). After the agent's receipt the entry is held
 (:mod:`reach_broker.taken`) until the agent's final ack record, and given back to run
 elsewhere should the agent go offline first; if the broker dies, JetStream redelivers it
 after ``ack_wait_s``. An entry whose request id an agent has claimed (KV ``reach_claims``)
@@ -31,45 +32,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any
 
 from nats.aio.msg import Msg
-from nats.errors import NoRespondersError
 
 from jetstream import compensation
 from jetstream.compensation import Entry
 from jetstream.names import H_EXPIRES_MS
 from jetstream.tasks import raise_if_cancelled
-from reach_agent import schema
 from reach_agent.aio import stop_loops
 from reach_agent.errors import ReachError
-from reach_agent.retry import retryable
 from reach_agent.schema import RouteRequest
 
 from .ackwatch import AckWatch
-from .brokeracks import record_failed, record_taker
 from .context import BrokerContext
-from .dispatch import MARKER_TTL_S, Dispatches
 from .records import AgentRecord, Transition
+from .replaysend import EntrySender, Outcome
 from .routing import Router
-from .synadiareplay import Prompts
 from .taken import Taken
 
 log = logging.getLogger(__name__)
-
-Outcome = Literal["replayed", "expired", "failed", "stalled", "claimed", "held", "deferred"]
-RELEASE_WAIT_S = 0.5
-"""Redelivery delay of an entry whose claim's holder is offline but not yet released."""
-
-
-class Target(NamedTuple):
-    """Where an entry goes (a route candidate's two fields the replayer reads)."""
-
-    agent_id: str
-    subject: str
-    protocol: str | None = None
 
 
 class Replayer:
@@ -87,15 +70,8 @@ class Replayer:
         self.router = router
         self.claim_of = claim_of
         """A request id's claim: (holder, state), None when unclaimed."""
-        self.record_of = record_of
-        self.dispatches = Dispatches(ctx.nc, ctx.subjects, ctx.broker_id, record_of)
-        """Where each entry was sent: exactly once across a leader change (dispatch.py)."""
         self.subjects = ctx.subjects
         self.cfg = ctx.cfg.compensation
-        self.replayed = 0
-        self.expired = 0
-        self.failed = 0
-        self.claimed = 0  # entries an agent had claimed: removed, not sent
         self._running: dict[str, asyncio.Task[None]] = {}
         self._again: set[str] = set()
         self._known: dict[str, int] = {}
@@ -106,11 +82,30 @@ class Replayer:
         self.taken = Taken(self.cfg.ack_wait_s, claim_of, record_of, ctx.clock)
         """Entries delivered and held until their taker's final record."""
         self.acks.on_final = self.taken.done
-        self.prompts = Prompts(ctx, self.taken.done)
-        """Entries for Synadia agents (they write no ack records: the broker does)."""
+        self.sender = EntrySender(ctx, router, claim_of, record_of, self.taken, self.acks)
+        """Sends one entry (replaysend.py); its counters are this component's."""
+        self.dispatches = self.sender.dispatches
+        """Where each entry was sent: exactly once across a leader change (dispatch.py)."""
         self._subs: list[Any] = []
         self._sweeper: asyncio.Task[None] | None = None
         self._route_req = RouteRequest(limit=3)
+
+    @property
+    def replayed(self) -> int:
+        return self.sender.replayed
+
+    @property
+    def expired(self) -> int:
+        return self.sender.expired
+
+    @property
+    def failed(self) -> int:
+        return self.sender.failed
+
+    @property
+    def claimed(self) -> int:
+        """Entries an agent had claimed: removed, not sent."""
+        return self.sender.claimed
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -162,10 +157,6 @@ class Replayer:
     async def _claimed_now(self, request_id: str) -> bool:
         claim = await self.claim_of(request_id)
         return claim is not None and claim[1] != "released"
-
-    def _alive(self, agent_id: str) -> bool:
-        rec = self.record_of(agent_id)
-        return rec is not None and rec.state != "offline"
 
     async def _on_enqueued(self, msg: Msg) -> None:
         cap = self.subjects.capability_of_comp(msg.subject)
@@ -257,7 +248,7 @@ class Replayer:
                 if stalled:
                     break
                 held.pop(e.seq, None)
-                inflight.add(asyncio.create_task(self._deliver(e)))
+                inflight.add(asyncio.create_task(self.sender.deliver(e)))
             if inflight:
                 results = await asyncio.gather(*inflight)
                 stalled = stalled or "stalled" in results
@@ -278,131 +269,6 @@ class Replayer:
                 with contextlib.suppress(Exception):
                     assert e.msg is not None
                     await e.msg.in_progress()
-
-    async def _deliver(self, e: Entry) -> Outcome:
-        """Deliver one entry; a JetStream asset electing a leader (a marker or ack that
-        times out, no responders) stalls the round: the entry comes back, and its marker
-        and ack records decide what its redelivery does."""
-        try:
-            return await self._send(e)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - retried by the next round or the sweep
-            log.info("replay.stalled request_id=%s error=%r", e.request_id, exc)
-            with contextlib.suppress(Exception):
-                assert e.msg is not None
-                await e.msg.nak()
-            return "stalled"
-
-    async def _send(self, e: Entry) -> Outcome:
-        ctx, router = self.ctx, self.router
-        assert e.msg is not None  # fetched entries carry their message
-        claim = await self.claim_of(e.request_id)  # first: a running task is not expired
-        if claim is not None and claim[1] != "released":
-            return await self._claimed(e, *claim)
-        if e.expired(ctx.wall_ms()):
-            await self.record_expired(e)
-            await e.msg.ack_sync()
-            return "expired"
-        headers = e.task_headers()
-        headers[schema.H_REQUEST_ID] = e.request_id
-        headers[schema.H_RECEIPT] = "1"
-        only: str | None = None
-        if e.msg.metadata.num_delivered > 1 and claim is None:  # sent before? (a leader
-            # change, a dead replica; a released claim means its run did not finish)
-            done, only = await self.dispatches.redelivery(e.request_id)
-            if done:
-                await e.msg.ack_sync()
-                log.info("replay.already_delivered request_id=%s", e.request_id)
-                return "replayed"
-        give_up = ctx.clock() + self.cfg.ack_wait_s / 2
-        backoff = 0.05
-        ttl_s = (e.expires_at_ms - ctx.wall_ms()) / 1000.0 if e.expires_at_ms else MARKER_TTL_S
-        while True:
-            try:
-                candidates = (
-                    router.route(e.capability, self._route_req, ctx.clock())
-                    if only is None
-                    else [self._target(only, e.capability)]
-                )
-            except ReachError:
-                await e.msg.nak()
-                return "stalled"
-            for c in candidates:
-                sent_ms = ctx.wall_ms()
-                await self.dispatches.mark(e.request_id, c.agent_id, sent_ms, ttl_s)
-                try:  # a reach agent's receipt, or a Synadia agent's ack (its answer later)
-                    err, collect = await self.prompts.deliver(c, e, headers)
-                except (TimeoutError, NoRespondersError):
-                    log.info("replay.no_receipt request_id=%s agent=%s", e.request_id, c.agent_id)
-                    continue
-                if err is not None and err.code == "IN_PROGRESS":
-                    return await self._claimed(e, getattr(err, "holder", ""), "running")
-                if err is None:
-                    self.acks.sent(e.request_id, sent_ms)
-                    await record_taker(ctx, e, c.agent_id)
-                    await self.taken.hold(e, c.agent_id)  # removed at its final record
-                    if collect is not None:  # a Synadia agent: the broker records its answer
-                        ctx.spawn(collect(), f"synadia-replay-{e.request_id}")
-                    self.replayed += 1
-                    ctx.metrics.compensation_result["replayed"].inc()
-                    log.info("replay.delivered request_id=%s capability=%s agent=%s priority=%d",
-                             e.request_id, e.capability, c.agent_id, e.priority)  # fmt: skip
-                    return "replayed"
-                if retryable("error", err):  # not taken here, now: another agent, or later
-                    only = None  # a refusal (busy, draining) means it did not take it
-                    continue
-                # The agent refused the task itself (BIZ_REJECT, LOOP_DETECTED, ...): final.
-                await record_failed(ctx, e, c.agent_id, err.code, err.code.lower(), err.message)
-                await e.msg.ack_sync()
-                self.failed += 1
-                return "failed"
-            if ctx.clock() > give_up:
-                await e.msg.nak()
-                return "stalled"
-            await asyncio.sleep(backoff * (0.5 + random.random()))
-            backoff = min(backoff * 2, self.cfg.busy_retry_max_s)
-
-    def _target(self, agent_id: str, capability: str) -> Target:
-        """Where a redelivered entry goes: the agent it went to before."""
-        rec = self.record_of(agent_id)
-        if rec is not None and rec.subject is not None:
-            return Target(agent_id, rec.subject, rec.protocol)
-        return Target(agent_id, self.subjects.task(agent_id, capability))
-
-    async def _claimed(self, e: Entry, holder: str, state: str) -> Outcome:
-        """The request id is ``holder``'s already: not sent. A finished run's entry is
-        removed; a live holder's held until it finishes; an offline holder's given back a
-        moment, for its claim to be released."""
-        assert e.msg is not None
-        if state == "running":
-            if self._alive(holder):
-                await self.taken.hold(e, holder)
-                log.info("replay.held request_id=%s holder=%s: running there",
-                         e.request_id, holder)  # fmt: skip
-                return "held"
-            await e.msg.nak(delay=RELEASE_WAIT_S)
-            return "deferred"
-        await e.msg.ack_sync()
-        self.claimed += 1
-        self.ctx.metrics.compensation_result["claimed"].inc()
-        log.info("replay.claimed request_id=%s capability=%s holder=%s (%s): not sent again",
-                 e.request_id, e.capability, holder, state)  # fmt: skip
-        return "claimed"
-
-    # --- failed / expired records -------------------------------------------------------
-
-    async def record_expired(self, e: Entry) -> None:
-        ctx = self.ctx
-        waited_s = (ctx.wall_ms() - e.enqueued_ms) / 1000.0 if e.enqueued_ms else 0.0
-        await record_failed(
-            ctx, e, ctx.broker_id, "TIMEOUT", "expired",
-            f"queued for {waited_s:.1f}s on {self.subjects.comp(e.capability)}; expired before "
-            "an agent was reachable",
-        )  # fmt: skip
-        self.expired += 1
-        ctx.metrics.compensation_result["expired"].inc()
-        log.info("replay.expired request_id=%s capability=%s", e.request_id, e.capability)
 
     # --- the sweep ----------------------------------------------------------------------
 
@@ -438,7 +304,7 @@ class Replayer:
             if e.expired(now_ms):
                 if self.taken.holds(e.request_id) or await self._claimed_now(e.request_id):
                     continue  # delivered and running (a replica holds it): not expired
-                await self.record_expired(e)
+                await self.sender.record_expired(e)
                 await compensation.remove(nc, e.seq)
             elif e.expires_at_ms and (not soonest or e.expires_at_ms < soonest):
                 soonest = e.expires_at_ms
