@@ -132,3 +132,19 @@ def test_without_a_token_of_its_own_the_gateway_takes_the_consoles() -> None:
         "the-gateway-token-4567",
         "the-console-token-0123",
     )
+
+
+def test_a_bad_mcp_environment_is_reach_mcps_usage_error_only(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("REACH_MCP_CALL_TIMEOUT", "abc")
+    monkeypatch.setenv("REACH_MCP_PORT", "zz")
+    from reach_broker.cli.parser import build_parser
+
+    build_parser()  # every other command still parses: the defaults are read by reach mcp
+    with pytest.raises(SystemExit) as exc:
+        main(["mcp"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "reach mcp: error: argument --http: invalid int value: 'zz'"
+    )

@@ -16,7 +16,6 @@ from .common import (
     Subcommands,
     add_common,
     env_default,
-    int_env,
     servers,
     subjects,
 )
@@ -27,11 +26,13 @@ DEFAULT_CALL_TIMEOUT_S = 30.0
 def add_parser(sub: Subcommands) -> None:
     p = sub.add_parser("mcp", help="serve reach's tools to MCP clients (stdio, or --http PORT)")
     add_common(p, timeout_help="timeout of the tools' broker requests in seconds")
-    p.add_argument("--http", type=int, default=int_env("REACH_MCP_PORT"), metavar="PORT",
+    # Environment defaults as strings: argparse converts them (type=) only when this command
+    # runs, so a bad value is this command's usage error naming it, not every command's crash.
+    p.add_argument("--http", type=int, default=env_default("REACH_MCP_PORT"), metavar="PORT",
                    help="serve streamable HTTP on 127.0.0.1:PORT/mcp instead of stdio "
                         "(env REACH_MCP_PORT)")  # fmt: skip
     p.add_argument("--call-timeout", type=float,
-                   default=float(env_default("REACH_MCP_CALL_TIMEOUT", DEFAULT_CALL_TIMEOUT_S)),
+                   default=env_default("REACH_MCP_CALL_TIMEOUT", str(DEFAULT_CALL_TIMEOUT_S)),
                    help="call_agent's deadline when the model gives none (default 30; env "
                         "REACH_MCP_CALL_TIMEOUT)")  # fmt: skip
     p.set_defaults(func=run)
