@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -34,9 +33,10 @@ from typing import Any
 import uvloop
 
 import reach_agent
-from reach_broker.config import A2ASection, Config
-from reach_broker.natsserver import NatsServer
+from reach_broker.config import A2ASection
 from reach_broker.service import Broker
+
+from .local import local_stack
 
 CAP = "bench.echo"
 
@@ -112,87 +112,77 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from reach_broker.a2a.gateway import A2AGateway
 
-    with tempfile.TemporaryDirectory(prefix="reach-gateway-") as tmp:
-        server = NatsServer(port=0, store_dir=Path(tmp) / "nats")
-        server.start()
-        try:
-            cfg = Config()
-            cfg.nats.url = server.url
-            cfg.broker.metrics_port = 0
-            agent = reach_agent.Agent("bench-agent", [CAP], max_concurrency=256,
-                                      heartbeat_interval=1.0, idempotent={CAP})  # fmt: skip
-            agent.ack_wal_dir = str(Path(tmp) / "acks")
+    with local_stack("reach-gateway-") as (tmp, server, cfg):
+        agent = reach_agent.Agent("bench-agent", [CAP], max_concurrency=256,
+                                  heartbeat_interval=1.0, idempotent={CAP})  # fmt: skip
+        agent.ack_wal_dir = str(Path(tmp) / "acks")
 
-            @agent.handler(CAP)
-            async def echo(task: reach_agent.Task) -> Any:
-                return task.payload
+        @agent.handler(CAP)
+        async def echo(task: reach_agent.Task) -> Any:
+            return task.payload
 
-            async with Broker(cfg) as broker:
-                gateway = A2AGateway(
-                    A2ASection(port=0), nc=broker.nc, subjects=broker.subjects,
-                    registry=broker.registry, router=broker.router, clock=broker.clock,
-                    wall=broker.wall,
-                )  # fmt: skip
-                async with (
-                    gateway,
-                    agent.serve(server.url),
-                    reach_agent.Client(server.url) as client,
-                    httpx.AsyncClient(timeout=30, headers={"A2A-Version": "1.0"}) as http,
-                ):
-                    for _ in range(200):  # routable once the broker has it
-                        try:
-                            await client.route(CAP, limit=1)
-                            break
-                        except reach_agent.ReachError:
-                            await asyncio.sleep(0.05)
-                    url = f"{gateway.url}/a2a/{CAP}"
-                    card_json = await http.get(f"{gateway.url}/.well-known/agent-card.json")
-                    from a2a.client.card_resolver import parse_agent_card
+        async with Broker(cfg) as broker:
+            gateway = A2AGateway(
+                A2ASection(port=0), nc=broker.nc, subjects=broker.subjects,
+                registry=broker.registry, router=broker.router, clock=broker.clock,
+                wall=broker.wall,
+            )  # fmt: skip
+            async with (
+                gateway,
+                agent.serve(server.url),
+                reach_agent.Client(server.url) as client,
+                httpx.AsyncClient(timeout=30, headers={"A2A-Version": "1.0"}) as http,
+            ):
+                for _ in range(200):  # routable once the broker has it
+                    try:
+                        await client.route(CAP, limit=1)
+                        break
+                    except reach_agent.ReachError:
+                        await asyncio.sleep(0.05)
+                url = f"{gateway.url}/a2a/{CAP}"
+                card_json = await http.get(f"{gateway.url}/.well-known/agent-card.json")
+                from a2a.client.card_resolver import parse_agent_card
 
-                    card = parse_agent_card(card_json.json())
-                    card.supported_interfaces[0].url = url
-                    sdk = ClientFactory(ClientConfig(streaming=False, httpx_client=http)).create(
-                        card
-                    )
+                card = parse_agent_card(card_json.json())
+                card.supported_interfaces[0].url = url
+                sdk = ClientFactory(ClientConfig(streaming=False, httpx_client=http)).create(card)
 
-                    async def direct() -> None:
-                        await client.call(CAP, {"text": "hi"}, timeout=30)
+                async def direct() -> None:
+                    await client.call(CAP, {"text": "hi"}, timeout=30)
 
-                    wire = Wire("127.0.0.1", gateway.port)
-                    path = f"/a2a/{CAP}"
+                wire = Wire("127.0.0.1", gateway.port)
+                path = f"/a2a/{CAP}"
 
-                    async def a2a() -> None:
-                        body = {"jsonrpc": "2.0", "id": 1, "method": "SendMessage", "params": {
-                            "message": {"messageId": str(uuid.uuid4()), "role": "ROLE_USER",
-                                        "parts": [{"text": "hi"}]}}}  # fmt: skip
-                        status, data = await wire.request("POST", path, json.dumps(body).encode())
-                        assert status == 200 and b'"result"' in data, data
+                async def a2a() -> None:
+                    body = {"jsonrpc": "2.0", "id": 1, "method": "SendMessage", "params": {
+                        "message": {"messageId": str(uuid.uuid4()), "role": "ROLE_USER",
+                                    "parts": [{"text": "hi"}]}}}  # fmt: skip
+                    status, data = await wire.request("POST", path, json.dumps(body).encode())
+                    assert status == 200 and b'"result"' in data, data
 
-                    async def a2a_sdk() -> None:
-                        msg = pb.Message(message_id=str(uuid.uuid4()), role=pb.ROLE_USER,
-                                         parts=[pb.Part(text="hi")])  # fmt: skip
-                        async for _ in sdk.send_message(pb.SendMessageRequest(message=msg)):
-                            pass
+                async def a2a_sdk() -> None:
+                    msg = pb.Message(message_id=str(uuid.uuid4()), role=pb.ROLE_USER,
+                                     parts=[pb.Part(text="hi")])  # fmt: skip
+                    async for _ in sdk.send_message(pb.SendMessageRequest(message=msg)):
+                        pass
 
-                    floor = "/agents/nobody/.well-known/agent-card.json"
+                floor = "/agents/nobody/.well-known/agent-card.json"
 
-                    async def http_floor() -> None:
-                        status, _ = await wire.request("GET", floor)
-                        assert status == 404
+                async def http_floor() -> None:
+                    status, _ = await wire.request("GET", floor)
+                    assert status == 404
 
-                    ways = {"direct": direct, "a2a": a2a, "a2a_sdk": a2a_sdk,
-                            "http_floor": http_floor}  # fmt: skip
-                    for way in ways.values():  # warm-up
-                        await rounds_of(way, 50, 4)
-                    per_conc: dict[str, dict[str, list[dict[str, float]]]] = {}
-                    for conc in args.concurrency:
-                        per = per_conc.setdefault(str(conc), {k: [] for k in ways})
-                        for _ in range(args.rounds):
-                            for name, way in ways.items():
-                                per[name].append(await rounds_of(way, args.calls, conc))
-                    wire.close()
-        finally:
-            server.stop()
+                ways = {"direct": direct, "a2a": a2a, "a2a_sdk": a2a_sdk,
+                        "http_floor": http_floor}  # fmt: skip
+                for way in ways.values():  # warm-up
+                    await rounds_of(way, 50, 4)
+                per_conc: dict[str, dict[str, list[dict[str, float]]]] = {}
+                for conc in args.concurrency:
+                    per = per_conc.setdefault(str(conc), {k: [] for k in ways})
+                    for _ in range(args.rounds):
+                        for name, way in ways.items():
+                            per[name].append(await rounds_of(way, args.calls, conc))
+                wire.close()
     out: dict[str, Any] = {"calls_per_round": args.calls, "rounds": args.rounds}
     for conc, per in per_conc.items():
         med = {k: statistics.median(r["median_us"] for r in v) for k, v in per.items()}

@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -32,9 +31,9 @@ import uvloop
 
 import reach_agent
 from jetstream.claims import ClaimStore
-from reach_broker.config import Config
-from reach_broker.natsserver import NatsServer
 from reach_broker.service import Broker
+
+from .local import local_stack
 
 
 def build_agent(url: str) -> reach_agent.Agent:
@@ -73,48 +72,38 @@ async def calls(client: reach_agent.Client, cap: str, n: int, concurrency: int) 
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="reach-once-") as tmp:
-        server = NatsServer(port=0, store_dir=Path(tmp) / "nats")
-        server.start()
-        try:
-            cfg = Config()
-            cfg.nats.url = server.url
-            cfg.broker.metrics_port = 0
-            async with Broker(cfg):
-                agent = build_agent(server.url)
-                agent.ack_wal_dir = str(Path(tmp) / "acks")
-                async with agent.serve(server.url), reach_agent.Client(server.url) as client:
-                    for _ in range(200):  # the agent is routable once the broker has it
-                        try:
-                            await client.route("bench.claimed", limit=1)
-                            break
-                        except reach_agent.ReachError:
-                            await asyncio.sleep(0.05)
-                    for cap in ("bench.claimed", "bench.idem"):  # warm-up
-                        await calls(client, cap, 50, 4)
-                    assert agent.tasks.claimer is not None and agent.tasks.claimer.enabled
-                    rounds: dict[str, dict[str, list[dict[str, float]]]] = {}
-                    for conc in args.concurrency:
-                        per = rounds.setdefault(str(conc), {"claimed": [], "idem": []})
-                        for _ in range(args.rounds):
-                            for name in ("claimed", "idem"):
-                                per[name].append(
-                                    await calls(client, f"bench.{name}", args.calls, conc)
-                                )
-                    store = ClaimStore(client.nc)
-                    creates = []
-                    for _ in range(500):
-                        t0 = time.perf_counter()
-                        await store.create(f"bench-{uuid.uuid4()}", b"{}")
-                        creates.append(time.perf_counter() - t0)
+    with local_stack("reach-once-") as (tmp, server, cfg):
+        async with Broker(cfg):
+            agent = build_agent(server.url)
+            agent.ack_wal_dir = str(Path(tmp) / "acks")
+            async with agent.serve(server.url), reach_agent.Client(server.url) as client:
+                for _ in range(200):  # the agent is routable once the broker has it
+                    try:
+                        await client.route("bench.claimed", limit=1)
+                        break
+                    except reach_agent.ReachError:
+                        await asyncio.sleep(0.05)
+                for cap in ("bench.claimed", "bench.idem"):  # warm-up
+                    await calls(client, cap, 50, 4)
+                assert agent.tasks.claimer is not None and agent.tasks.claimer.enabled
+                rounds: dict[str, dict[str, list[dict[str, float]]]] = {}
+                for conc in args.concurrency:
+                    per = rounds.setdefault(str(conc), {"claimed": [], "idem": []})
+                    for _ in range(args.rounds):
+                        for name in ("claimed", "idem"):
+                            per[name].append(await calls(client, f"bench.{name}", args.calls, conc))
+                store = ClaimStore(client.nc)
+                creates = []
+                for _ in range(500):
                     t0 = time.perf_counter()
-                    n = 0
-                    async for _ in client.stream("bench.stream", {"chunks": args.chunks},
-                                                 window=args.window, timeout=300):  # fmt: skip
-                        n += 1
-                    stream_s = time.perf_counter() - t0
-        finally:
-            server.stop()
+                    await store.create(f"bench-{uuid.uuid4()}", b"{}")
+                    creates.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                n = 0
+                async for _ in client.stream("bench.stream", {"chunks": args.chunks},
+                                             window=args.window, timeout=300):  # fmt: skip
+                    n += 1
+                stream_s = time.perf_counter() - t0
     out: dict[str, Any] = {"calls_per_round": args.calls, "rounds": args.rounds,
                            "claim_create_us": statistics.median(creates) * 1e6}  # fmt: skip
     for conc, per in rounds.items():
