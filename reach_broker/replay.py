@@ -79,7 +79,10 @@ class Replayer:
         self._next_expiry_ms = 0
         self.acks = AckWatch(ctx)
         """The ack metrics, fed by this component's ``<p>.ack.>`` subscription."""
-        self.taken = Taken(self.cfg.ack_wait_s, claim_of, record_of, ctx.clock)
+        self.taken = Taken(
+            self.cfg.ack_wait_s, claim_of, record_of, ctx.clock,
+            on_returned=ctx.metrics.compensation_result["requeued"].inc,
+        )  # fmt: skip
         """Entries delivered and held until their taker's final record."""
         self.acks.on_final = self.taken.done
         self.sender = EntrySender(ctx, router, claim_of, record_of, self.taken, self.acks)

@@ -54,12 +54,15 @@ class Taken:
         claim_of: Callable[[str], Awaitable[tuple[str, str] | None]] = _no_claims,
         record_of: Callable[[str], Any] = lambda _: None,
         clock: Callable[[], float] = time.monotonic,
+        on_returned: Callable[[], object] = lambda: None,
     ) -> None:
         self.ack_wait_s = ack_wait_s
         self.claim_of = claim_of
         """A request id's claim (holder, state), None when unclaimed (the replay's)."""
         self.record_of = record_of
         self.clock = clock
+        self.on_returned = on_returned
+        """Told of each entry given back (``reach_compensation_total{result="requeued"}``)."""
         self._held: dict[str, _Held] = {}
         self._by_agent: dict[str, set[str]] = {}
         self._early: dict[str, str] = {}
@@ -134,6 +137,7 @@ class Taken:
             with contextlib.suppress(Exception):  # else redelivered after ack_wait anyway
                 await held.entry.msg.nak()
             self.returned += 1
+            self.on_returned()
             caps.append(held.entry.capability)
             log.warning("replay.taker_gone request_id=%s capability=%s agent=%s: queued "
                         "again, to run elsewhere", rid, caps[-1], agent_id)  # fmt: skip
@@ -182,6 +186,7 @@ class Taken:
             await self._remove(held.entry)
         else:
             self.returned += 1
+            self.on_returned()
             log.warning("replay.taken_returned request_id=%s claim=%s: queued again", rid,
                         claim[1])  # fmt: skip
             await held.entry.msg.nak()

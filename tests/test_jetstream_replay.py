@@ -240,6 +240,7 @@ async def test_a_submitted_task_whose_agent_dies_mid_task_completes_once_elsewhe
     await wait_for(lambda: broker.replayer.taken.holds(rid), what="the entry held")
     procs.kill(first)
     await wait_for(lambda: broker.replayer.taken.returned == 1, what="the entry given back")
+    assert broker.metrics.compensation_result["requeued"]._value.get() == 1
     spawn_agent(procs, url, "mid2", "mid.cap", tmp_path)
     record = await durable.wait(nc, rid, timeout=30)
     assert (record.state, record.agent_id) == ("completed", "mid2")

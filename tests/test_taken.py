@@ -43,7 +43,9 @@ async def test_a_long_held_entry_follows_its_claim() -> None:
     def record_of(agent_id: str) -> object:
         return types.SimpleNamespace(state=states[agent_id]) if agent_id in states else None
 
-    taken = Taken(30.0, claim_of, record_of, clock=lambda: 100.0)
+    given_back: list[int] = []
+    taken = Taken(30.0, claim_of, record_of, clock=lambda: 100.0,
+                  on_returned=lambda: given_back.append(1))  # fmt: skip
     told = {}
     for rid in ("done", "runs", "freed", "gone", "unclaimed"):
         e, told[rid] = entry(rid)
@@ -58,5 +60,5 @@ async def test_a_long_held_entry_follows_its_claim() -> None:
         "gone": ["nak"],
         "unclaimed": ["ack"],
     }
-    assert (len(taken), taken.finished, taken.returned) == (1, 2, 2)
+    assert (len(taken), taken.finished, taken.returned, len(given_back)) == (1, 2, 2, 2)
     assert taken.holds("runs")
