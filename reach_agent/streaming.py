@@ -33,8 +33,6 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from jetstream.tasks import raise_if_cancelled
-
 from . import prompting, schema, trace
 from .calls import CLOSED, LOST, Call, StreamStart
 from .errors import InternalError, InvalidRequest, StreamBroken, from_reply
@@ -295,8 +293,7 @@ async def _messages(
     agent's loss or the client closing end it with an error (``delivered``: chunks so far)."""
     attempt, agent = start.attempt, call.agents.get(start.attempt)
     yield start.msg
-    while True:
-        raise_if_cancelled()
+    while True:  # (asyncio.timeout, not wait_for: a cancel here is never lost)
         try:
             async with asyncio.timeout(max(call.deadline - clock(), 0.0)):
                 a, msg = await call.queue.get()
