@@ -79,10 +79,6 @@ class EntrySender:
         self.claimed = 0  # entries an agent had claimed: removed, not sent
         self._route_req = RouteRequest(limit=3)
 
-    def _alive(self, agent_id: str) -> bool:
-        rec = self.record_of(agent_id)
-        return rec is not None and rec.state != "offline"
-
     async def deliver(self, e: Entry) -> Outcome:
         """Deliver one entry; a JetStream asset electing a leader (a marker or ack that
         times out, no responders) stalls the round: the entry comes back, and its marker
@@ -180,7 +176,7 @@ class EntrySender:
         moment, for its claim to be released."""
         assert e.msg is not None
         if state == "running":
-            if self._alive(holder):
+            if self.taken.alive(holder):
                 await self.taken.hold(e, holder)
                 log.info("replay.held request_id=%s holder=%s: running there",
                          e.request_id, holder)  # fmt: skip

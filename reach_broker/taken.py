@@ -167,15 +167,18 @@ class Taken:
                     log.debug("replay.keepalive_failed request_id=%s error=%r",
                               held.entry.request_id, exc)  # fmt: skip
 
+    def alive(self, agent_id: str) -> bool:
+        """Whether the broker knows ``agent_id`` and does not hold it offline."""
+        rec = self.record_of(agent_id)
+        return rec is not None and rec.state != "offline"
+
     async def _still_running(self, held: _Held) -> bool:
         """Whether a long-held entry's claim still says its taker runs it; if not, the entry
         is removed (finished, or no claim to go by) or given back (released, holder gone)."""
         rid = held.entry.request_id
         claim = await self.claim_of(rid)
-        if claim is not None and claim[1] == "running":
-            rec = self.record_of(claim[0])
-            if rec is not None and rec.state != "offline":
-                return True
+        if claim is not None and claim[1] == "running" and self.alive(claim[0]):
+            return True
         if self._held.get(rid) is not held:
             return False  # finished or given back meanwhile
         self._forget(rid)
