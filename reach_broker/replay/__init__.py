@@ -1,0 +1,1 @@
+"""The compensation replay: queued entries sent to agents again, held until their final ack record."""
