@@ -29,8 +29,8 @@ import nats
 from nats.aio.msg import Msg
 
 from reach_agent.connection import connect_options
-from reach_agent.schema import H_RECEIPT, H_REQUEST_ID, H_STATUS
-from reach_agent.subjects import Subjects
+from reach_agent.wire.schema import H_RECEIPT, H_REQUEST_ID, H_STATUS
+from reach_agent.wire.subjects import Subjects
 
 
 class ChaosAgent:

@@ -18,11 +18,14 @@ async with reach_agent.Client() as client:
 
 from __future__ import annotations
 
-from .agent import AckSink, Agent
-from .breaker import Breaker, Breakers
-from .client import Client
-from .config import BreakerConfig, ClientConfig
-from .errors import (
+from reach_agent.agent.agent import AckSink, Agent
+from reach_agent.agent.runner import run
+from reach_agent.agent.task import Reject, Task
+from reach_agent.client.breaker import Breaker, Breakers
+from reach_agent.client.client import Client
+from reach_agent.client.config import BreakerConfig, ClientConfig
+from reach_agent.client.flow import FanOut, Flow, fan_out
+from reach_agent.wire.errors import (
     BizReject,
     CompensationFull,
     Conflict,
@@ -41,10 +44,8 @@ from .errors import (
     TargetBusy,
     Timeout,
 )
-from .flow import FanOut, Flow, fan_out
+
 from .metrics import AgentMetrics, ClientMetrics
-from .runner import run
-from .task import Reject, Task
 
 __all__ = [
     "AckSink",

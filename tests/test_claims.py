@@ -1,6 +1,6 @@
 """A request id runs once across the fleet: claims in KV ``reach_claims``, real servers.
 
-The decision is pure (:func:`reach_agent.claiming.decide`); the rest runs against a real
+The decision is pure (:func:`reach_agent.agent.claiming.decide`); the rest runs against a real
 nats-server and broker, with in-process agents where nothing crashes and agent processes
 (``tests/agents/worker.py``, which log every handler start) where one is stalled or killed.
 """
@@ -26,11 +26,12 @@ from nats.aio.client import Client as NATS
 import reach_agent
 from jetstream.claims import ClaimStore, claim_key
 from jetstream.provision import load_definitions
-from reach_agent import ClientConfig, schema
-from reach_agent.claiming import decide
-from reach_agent.subjects import Subjects
-from reach_broker.natsserver import NatsServer, find_binary
-from reach_broker.service import Broker
+from reach_agent import ClientConfig
+from reach_agent.agent.claiming import decide
+from reach_agent.wire import schema
+from reach_agent.wire.subjects import Subjects
+from reach_broker.cluster.natsserver import NatsServer, find_binary
+from reach_broker.service.broker import Broker
 
 from .conftest import wait_for
 from .test_sdk_failover import EventLog, healthy, lines, worker
@@ -212,7 +213,7 @@ async def test_without_jetstream_claims_are_off_logged_once_and_the_process_wind
             break
         await asyncio.sleep(0.05)
     assert nc is not None
-    caplog.set_level(logging.WARNING, logger="reach_agent.claiming")
+    caplog.set_level(logging.WARNING, logger="reach_agent.agent.claiming")
     await agent.start(url)
     try:
         assert agent.tasks.claimer is not None and agent.tasks.claimer.enabled is False

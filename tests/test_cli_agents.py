@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from nats.aio.client import Client as NATS
 
-from reach_broker.natsserver import NatsServer
-from reach_broker.service import Broker
+from reach_broker.cluster.natsserver import NatsServer
+from reach_broker.service.broker import Broker
 
 from .conftest import BrokerFactory, wait_for
 from .test_cli import CLI, cli_env, reach
@@ -192,8 +192,8 @@ async def test_announce_announces_again_after_a_reconnect(
 async def test_announce_answers_the_protocol_errors(
     nats_server: NatsServer, nc: NATS, broker: Broker, announcer: Any
 ) -> None:
-    from reach_agent import schema
-    from reach_agent.errors import from_reply
+    from reach_agent.wire import schema
+    from reach_agent.wire.errors import from_reply
 
     agent = await announcer("--interval", "0.5")
     await agent.until("announced")

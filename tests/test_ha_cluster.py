@@ -34,11 +34,11 @@ from nats.errors import NoRespondersError
 import reach_agent
 from jetstream import ackreads, compensation
 from jetstream.names import ACK_STREAM, COMP_STREAM, replay_consumer
-from reach_agent import schema
-from reach_agent.subjects import Subjects
-from reach_broker.clusterinfo import gather
-from reach_broker.metrics import Metrics
-from reach_broker.service import Broker
+from reach_agent.wire import schema
+from reach_agent.wire.subjects import Subjects
+from reach_broker.service.broker import Broker
+from reach_broker.service.clusterinfo import gather
+from reach_broker.service.metrics import Metrics
 
 from .cluster import NatsCluster, nats_cluster
 from .conftest import fast_config, wait_for

@@ -15,14 +15,16 @@ from nats.js.errors import APIError
 from jetstream import ackreads, acks, audit, compensation
 from jetstream import wal as jwal
 from jetstream.provision import UnsafeChange, load_definitions, provision
-from reach_agent import Client, durable, schema
+from reach_agent import Client
+from reach_agent.client import durable
 from reach_agent.connection import connect_options
-from reach_agent.errors import CompensationFull, Timeout
 from reach_agent.metrics import ClientMetrics
-from reach_agent.subjects import Subjects
+from reach_agent.wire import schema
+from reach_agent.wire.errors import CompensationFull, Timeout
+from reach_agent.wire.subjects import Subjects
+from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.config import CompensationSection
-from reach_broker.natsserver import NatsServer
-from reach_broker.service import Broker
+from reach_broker.service.broker import Broker
 
 from .conftest import BrokerFactory, wait_for
 

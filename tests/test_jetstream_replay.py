@@ -22,12 +22,12 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from jetstream import ackreads, acks, compensation
-from reach_agent import durable
-from reach_agent.agent import Agent
+from reach_agent.agent.agent import Agent
+from reach_agent.client import durable
 from reach_agent.connection import connect_options
-from reach_agent.subjects import Subjects
-from reach_broker.natsserver import NatsServer
-from reach_broker.service import Broker
+from reach_agent.wire.subjects import Subjects
+from reach_broker.cluster.natsserver import NatsServer
+from reach_broker.service.broker import Broker
 
 from .conftest import BrokerFactory, wait_for
 from .test_broker_wire import announce, heartbeat

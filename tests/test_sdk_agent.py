@@ -19,10 +19,10 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 
 import reach_agent
-from reach_agent import schema
 from reach_agent.connection import flush_subscriptions
-from reach_broker.natsserver import NatsServer
-from reach_broker.service import Broker
+from reach_agent.wire import schema
+from reach_broker.cluster.natsserver import NatsServer
+from reach_broker.service.broker import Broker
 
 from .agents.procs import AgentProcess
 from .conftest import wait_for
@@ -137,7 +137,7 @@ async def test_full_agent_answers_target_busy_at_once_and_probe_never_waits(
     await wait_for(lambda: agent.active == 2, what="two running")
     third = await nc.request("reach.task.busy1.slow", b"{}", timeout=2,
                              headers={schema.H_REQUEST_ID: "b2"})  # fmt: skip
-    err = reach_agent.errors.from_reply(third.headers, third.data)
+    err = reach_agent.wire.errors.from_reply(third.headers, third.data)
     assert err is not None and err.code == "TARGET_BUSY"
     assert third.headers["Nats-Service-Error-Code"] == "429"
     p50, oldest = agent.load_figures()
@@ -206,7 +206,7 @@ async def test_reject_loop_internal_and_bad_input_map_to_wire_codes(
     async def ask(body: bytes, **headers: str) -> reach_agent.ReachError | None:
         reply = await nc.request("reach.task.codes1.judge", body, timeout=2,
                                  headers=headers or None)  # fmt: skip
-        return reach_agent.errors.from_reply(reply.headers, reply.data)
+        return reach_agent.wire.errors.from_reply(reply.headers, reply.data)
 
     err = await ask(b'{"reject": true, "amount": 7}')
     assert err is not None and err.code == "BIZ_REJECT"
@@ -343,7 +343,7 @@ async def test_draining_agent_refuses_new_tasks_and_finishes_running_ones(
     stopping = asyncio.create_task(agent.stop(grace=10))
     await wait_for(lambda: agent.draining, what="draining")
     late = await nc.request("reach.task.drain1.slow", b"{}", timeout=2)
-    err = reach_agent.errors.from_reply(late.headers, late.data)
+    err = reach_agent.wire.errors.from_reply(late.headers, late.data)
     assert err is not None and err.code == "DRAINING"
     release.set()
     await asyncio.wait_for(stopping, 10)
@@ -452,7 +452,7 @@ async def test_task_cut_off_by_the_grace_period_answers_draining(
     await wait_for(lambda: agent.active == 1, what="running")
     await asyncio.wait_for(agent.stop(grace=0.2), 10)
     await wait_for(lambda: len(replies.msgs) == 1, what="the cut-off reply")
-    err = reach_agent.errors.from_reply(replies.msgs[0].headers, replies.msgs[0].data)
+    err = reach_agent.wire.errors.from_reply(replies.msgs[0].headers, replies.msgs[0].data)
     assert err is not None and err.code == "DRAINING"
     assert err.message == "agent 'cut1' stopped before the task finished"
     assert (agent.active, agent.fail_total) == (0, 1)

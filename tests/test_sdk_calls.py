@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 from nats.aio.msg import Msg
 
-from reach_agent import schema
-from reach_agent.calls import Call, encode_payload
-from reach_agent.errors import (
+from reach_agent.client.calls import Call, encode_payload
+from reach_agent.client.routes import RouteCache
+from reach_agent.wire import schema
+from reach_agent.wire.errors import (
     BizReject,
     CompensationFull,
     Draining,
@@ -28,8 +29,7 @@ from reach_agent.errors import (
     from_reply,
     to_reply,
 )
-from reach_agent.retry import full_wait, merely_full, retryable, should_retry
-from reach_agent.routes import RouteCache
+from reach_agent.wire.retry import full_wait, merely_full, retryable, should_retry
 
 # --- the retry rule ---------------------------------------------------------------------
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 import reach_agent
-from reach_agent.runner import SDK_LOGGERS, default_logging
-from reach_broker.metrics import Metrics
-from reach_broker.natsserver import NatsServer
-from reach_broker.service import Broker
+from reach_agent.agent.runner import SDK_LOGGERS, default_logging
+from reach_broker.cluster.natsserver import NatsServer
+from reach_broker.service.broker import Broker
+from reach_broker.service.metrics import Metrics
 
 from .agents.procs import AgentProcess
 from .conftest import fast_config, wait_for
@@ -169,7 +169,7 @@ async def test_run_logs_announced_disconnected_reconnected_and_draining(tmp_path
         assert said("agent agent.disconnected") == ["agent.disconnected agent=alpha"]
         # Each line: "<date> <time> INFO <logger> <event> ...", the first the claims store's.
         first = proc.output().splitlines()[0].split(" ")
-        assert first[2:5] == ["INFO", "reach_agent.claiming", "claims.on"]
+        assert first[2:5] == ["INFO", "reach_agent.agent.claiming", "claims.on"]
     finally:
         if proc is not None:
             proc.stop()

@@ -19,9 +19,9 @@ from collections.abc import Mapping
 from typing import Literal
 
 from jetstream.acks import REQUEST_ID_PATTERN
+from reach_agent.wire import schema
+from reach_agent.wire.errors import Draining, InvalidRequest, LoopDetected, ReachError, TargetBusy
 
-from . import schema
-from .errors import Draining, InvalidRequest, LoopDetected, ReachError, TargetBusy
 from .task import LOOP_LIMIT
 
 Verdict = Literal["duplicate", "refuse", "run"]

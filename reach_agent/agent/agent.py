@@ -3,20 +3,20 @@
 One NATS connection named after the agent id (the broker keys the server's disconnect
 advisories on it, and with reach's credentials takes a connection as the agent's only when
 its user JWT was issued for that id; what its callbacks tell is
-:class:`~reach_agent.connwatch.ConnectionWatch`'s). Two parts do the work:
-:class:`~reach_agent.presence.Presence` (announce, heartbeat, probe answers, leave) and
-:class:`~reach_agent.serving.TaskServer` (admission, execution, replies, ack records; the
-decision itself is :mod:`~reach_agent.admission`'s, the duplicate window
-:mod:`~reach_agent.dedup`'s, the fleet-wide claim of a request id
-:mod:`~reach_agent.claiming`'s). This module validates the agent,
+:class:`~reach_agent.agent.connwatch.ConnectionWatch`'s). Two parts do the work:
+:class:`~reach_agent.agent.presence.Presence` (announce, heartbeat, probe answers, leave) and
+:class:`~reach_agent.agent.serving.TaskServer` (admission, execution, replies, ack records; the
+decision itself is :mod:`~reach_agent.agent.admission`'s, the duplicate window
+:mod:`~reach_agent.agent.dedup`'s, the fleet-wide claim of a request id
+:mod:`~reach_agent.agent.claiming`'s). This module validates the agent,
 registers handlers and runs the lifecycle: start (connect, subscribe, announce) and stop
 (drain: refuse new tasks, leave, finish in-flight ones within the grace period, close).
 
 The durable-ack hook: ``Agent(ack_sink=...)`` takes any object with
 ``async def record(rec: schema.AckRecord) -> None`` (and optional ``async start()`` /
 ``async stop()``, called when the agent starts and after it drained); see
-:mod:`~reach_agent.serving` for what it receives. Without one the agent uses the JetStream
-``AckWriter`` (:func:`reach_agent.durable.default_ack_writer`), with the agent's servers and
+:mod:`~reach_agent.agent.serving` for what it receives. Without one the agent uses the JetStream
+``AckWriter`` (:func:`reach_agent.client.durable.default_ack_writer`), with the agent's servers and
 credentials; ``durable_acks=False`` turns acks off.
 """
 
@@ -31,9 +31,8 @@ from typing import Any, Unpack
 
 from nats.aio.client import Client as NATS
 
-from . import durable, schema
-from .claiming import Claimer
-from .connection import (
+from reach_agent.client import durable
+from reach_agent.connection import (
     CredentialOptions,
     Credentials,
     connect,
@@ -42,14 +41,17 @@ from .connection import (
     flush_subscriptions,
     server_list,
 )
+from reach_agent.metrics import AgentMetrics
+from reach_agent.wire import schema
+from reach_agent.wire.errors import InvalidRequest
+from reach_agent.wire.subjects import DEFAULT_PREFIX, Subjects
+
+from .claiming import Claimer
 from .connwatch import ConnectionWatch
 from .dedup import DedupCache
-from .errors import InvalidRequest
 from .handling import Handler, kind_of
-from .metrics import AgentMetrics
 from .presence import Presence
 from .serving import AckSink, TaskServer
-from .subjects import DEFAULT_PREFIX, Subjects
 
 log = logging.getLogger(__name__)
 

@@ -39,12 +39,13 @@ from nats.aio.client import Client as NATS
 
 from jetstream import ackreads
 from jetstream.claims import ClaimStore, ClaimsUnavailable, NoClaimsBucket, Stored, claim_key
+from reach_agent import trace
+from reach_agent.client.durable import attributed
+from reach_agent.wire import schema
+from reach_agent.wire.errors import InProgress, ReachError, Timeout, error_for, to_reply
+from reach_agent.wire.subjects import Subjects
 
-from . import schema, trace
 from .dedup import Reply
-from .durable import attributed
-from .errors import InProgress, ReachError, Timeout, error_for, to_reply
-from .subjects import Subjects
 
 log = trace.logger(__name__)
 

@@ -3,7 +3,7 @@
 reports, a close for good (revoked, expired), and a reconnect (re-announce).
 
 Its own module because it is what the NATS connection's callbacks tell, apart from the
-agent's lifecycle (:mod:`reach_agent.agent`), which hands it what it reads.
+agent's lifecycle (:mod:`reach_agent.agent.agent`), which hands it what it reads.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from nats.errors import SlowConsumerError
 
-from . import grants
-from .connection import Credentials, credential_grants
-from .errors import Forbidden
-from .metrics import AgentMetrics
-from .subjects import Subjects
+from reach_agent import grants
+from reach_agent.connection import Credentials, credential_grants
+from reach_agent.metrics import AgentMetrics
+from reach_agent.wire.errors import Forbidden
+from reach_agent.wire.subjects import Subjects
 
-log = logging.getLogger("reach_agent.agent")  # the agent.* lines keep their logger
+log = logging.getLogger("reach_agent.agent.agent")  # the agent.* lines keep their logger
 
 
 class ConnectionWatch:

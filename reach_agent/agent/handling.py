@@ -2,7 +2,7 @@
 
 A handler is an ``async def`` (awaited on the loop), a plain function (run in a worker
 thread, at most ``min(max_concurrency, 128)`` at once) or an async generator (a streaming
-handler: :mod:`~reach_agent.streaming` sends its chunks when the caller asked with
+handler: :mod:`~reach_agent.client.streaming` sends its chunks when the caller asked with
 ``Reach-Stream: 1``, and joins them into one result when it did not).
 """
 
@@ -19,9 +19,11 @@ from typing import Any, Literal
 import msgspec
 from nats.aio.client import Client as NATS
 
-from . import schema, streaming
+from reach_agent.client import streaming
+from reach_agent.wire import schema
+from reach_agent.wire.errors import InternalError
+
 from .dedup import Reply
-from .errors import InternalError
 from .task import Task
 
 Handler = Callable[[Task], Any]

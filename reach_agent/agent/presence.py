@@ -2,7 +2,8 @@
 
 Control traffic never waits behind business work: the announce and heartbeat loops run on
 asyncio tasks of their own and probes are answered on their own subscription. The figures
-a heartbeat or probe reply carries come from the agent's :class:`~reach_agent.serving.TaskServer`.
+a heartbeat or probe reply carries come from the agent's
+:class:`~reach_agent.agent.serving.TaskServer`.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from jetstream.tasks import raise_if_cancelled
+from reach_agent.aio import stop_loops, wait_event
+from reach_agent.wire import schema
+from reach_agent.wire.errors import Conflict, ReachError, from_reply
+from reach_agent.wire.subjects import Subjects, is_inbox
 
-from . import schema
-from .aio import stop_loops, wait_event
-from .errors import Conflict, ReachError, from_reply
 from .serving import TaskServer
-from .subjects import Subjects, is_inbox
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The blocking entry point of an agent process: :func:`run` (``reach_agent.run``).
 
-It sits above :mod:`reach_agent.agent` (it imports the agent, never the other way round):
+It sits above :mod:`reach_agent.agent.agent` (it imports the agent, never the other way round):
 uvloop when available, SIGTERM/SIGINT handling, the wait for a first server, the drain.
 """
 
@@ -16,8 +16,9 @@ from typing import Any, Unpack
 
 import nats.errors
 
+from reach_agent.connection import CredentialOptions, Credentials
+
 from .agent import Agent
-from .connection import CredentialOptions, Credentials
 
 log = logging.getLogger(__name__)
 

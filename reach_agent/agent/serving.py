@@ -1,13 +1,13 @@
 """The agent's task side: admit each task, claim it, run its handler, reply, record its acks.
 
-Every task subscription callback only decides (:func:`~reach_agent.admission.admit`) and
+Every task subscription callback only decides (:func:`~reach_agent.agent.admission.admit`) and
 acts on the decision — a cached reply, an error reply, or a run handed to an asyncio task —
 so the callback returns at once and the next message is read. The run first claims the
-request id fleet-wide (:mod:`~reach_agent.claiming`; not for capabilities marked idempotent,
+request id fleet-wide (:mod:`~reach_agent.agent.claiming`; not for capabilities marked idempotent,
 nor without a claims bucket), and only a claim of its own makes it send the receipt and run
 the handler; otherwise it answers ``IN_PROGRESS`` or the stored result. The holder ends its
 claim before it replies. Handlers are ``async def`` (run on the loop), async generators
-(streamed, :mod:`~reach_agent.streaming`) or plain functions (run in a worker thread).
+(streamed, :mod:`~reach_agent.client.streaming`) or plain functions (run in a worker thread).
 
 The durable-ack hook (``ack_sink``) gets state ``received`` when a task is accepted (before
 the handler runs) and ``completed`` (``result`` = the reply body as ``msgspec.Raw``) or
@@ -31,15 +31,17 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from . import schema, trace
+from reach_agent import trace
+from reach_agent.aio import TaskSet, wait_event
+from reach_agent.metrics import AgentMetrics
+from reach_agent.wire import schema
+from reach_agent.wire.errors import Draining, InternalError, InvalidRequest, ReachError, to_reply
+from reach_agent.wire.subjects import Subjects, is_inbox
+
 from .admission import Admission, admit
-from .aio import TaskSet, wait_event
 from .claiming import Claimer, Held
 from .dedup import DedupCache, Entry, Reply
-from .errors import Draining, InternalError, InvalidRequest, ReachError, to_reply
 from .handling import Handler, HandlerKind, HandlerRunner
-from .metrics import AgentMetrics
-from .subjects import Subjects, is_inbox
 from .task import Task
 
 log = trace.logger(__name__)
@@ -49,7 +51,7 @@ _payload_decoder = msgspec.json.Decoder()
 
 
 class AckSink(Protocol):
-    """Receives an :class:`~reach_agent.schema.AckRecord` per task state change."""
+    """Receives an :class:`~reach_agent.wire.schema.AckRecord` per task state change."""
 
     async def record(self, rec: schema.AckRecord) -> None: ...
 

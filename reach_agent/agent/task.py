@@ -6,8 +6,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from . import schema
-from .errors import BizReject
+from reach_agent.wire import schema
+from reach_agent.wire.errors import BizReject
 
 LOOP_LIMIT = 3
 """Visits of one agent allowed per trace (docs/protocol.md); the 4th is ``LOOP_DETECTED``."""

@@ -2,7 +2,7 @@
 follow a claim's holder — until an attempt succeeds or the retry rule says stop.
 
 Its own module because it decides across attempts with the client's parts (routes,
-attempts, breakers, holders) and needs nothing else of :class:`~reach_agent.client.Client`.
+attempts, breakers, holders) and needs nothing else of :class:`~reach_agent.client.client.Client`.
 """
 
 from __future__ import annotations
@@ -14,19 +14,20 @@ from collections.abc import Callable
 from typing import Any
 
 from jetstream.tasks import raise_if_cancelled
+from reach_agent import trace
+from reach_agent.wire import schema
+from reach_agent.wire.errors import InProgress, NoReachableAgent, ReachError
+from reach_agent.wire.retry import merely_full, should_retry
+from reach_agent.wire.subjects import ReplyInbox
 
-from . import schema, trace
 from .attempts import Attempts
 from .breaker import Breakers
 from .calls import Call
 from .config import ClientConfig
-from .errors import InProgress, NoReachableAgent, ReachError
 from .holder import Holders
-from .retry import merely_full, should_retry
 from .routes import Routes
-from .subjects import ReplyInbox
 
-log = trace.logger("reach_agent.client")  # the call.retry lines keep their logger
+log = trace.logger("reach_agent.client.client")  # the call.retry lines keep their logger
 
 
 class AttemptLoop:

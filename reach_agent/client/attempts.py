@@ -1,6 +1,6 @@
 """One attempt of a call: which candidate is next, sending it, and its bookkeeping.
 
-The client's retry loop (:meth:`reach_agent.attemptloop.AttemptLoop.run`) asks
+The client's retry loop (:meth:`reach_agent.client.attemptloop.AttemptLoop.run`) asks
 :meth:`Attempts.next` for the first candidate not tried and not behind an open breaker,
 sends the attempt with
 :meth:`Attempts.send` — which waits longer for an agent announcing a longer
@@ -16,16 +16,19 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 
-from . import prompting, schema, trace
+from reach_agent import trace
+from reach_agent.metrics import ClientMetrics
+from reach_agent.wire import schema
+from reach_agent.wire.errors import InternalError
+from reach_agent.wire.retry import Outcome
+from reach_agent.wire.subjects import ReplyInbox
+
+from . import prompting
 from .breaker import Breakers, BreakerState, verdict
 from .calls import Call
 from .config import ClientConfig
-from .errors import InternalError
 from .liveness import Liveness
-from .metrics import ClientMetrics
 from .outcomes import OutcomeBook
-from .retry import Outcome
-from .subjects import ReplyInbox
 
 log = trace.logger(__name__)
 

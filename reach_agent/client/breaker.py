@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from typing import Literal
 
+from reach_agent.wire.errors import Draining, ReachError, TargetBusy
+from reach_agent.wire.retry import Outcome
+
 from .config import BreakerConfig
-from .errors import Draining, ReachError, TargetBusy
-from .retry import Outcome
 
 BreakerState = Literal["closed", "open", "half_open"]
 _BUCKETS = 12

@@ -3,27 +3,28 @@
 A :class:`Call` carries the state the client's retry loop and the reply wait share (request
 headers, deadline, filters, the agents tried, the attempt number, the last error), so no
 method threads it through parameters. Replies arrive on the call's queue tagged with the
-attempt they answer; :meth:`Call.outcome` turns them into one :data:`~reach_agent.retry.Outcome`:
+attempt they answer; :meth:`Call.outcome` turns them into one
+:data:`~reach_agent.wire.retry.Outcome`:
 
 * a receipt of the current attempt within ``ack_timeout_s`` → wait for the result until the
   deadline (with ``ack_mode="received"`` the receipt is the answer); a receipt is a reply
   with ``Reach-Status: received``, or one without ``Reach-Status`` whose body is exactly the
-  receipt of this call's request id (:func:`~reach_agent.schema.is_body_receipt`);
+  receipt of this call's request id (:func:`~reach_agent.wire.schema.is_body_receipt`);
 * no receipt in time → ``not_delivered``; a 503 without body → ``no_responders``;
 * an error reply of the current attempt → ``error`` (the retry rule decides);
 * a result from this attempt or an earlier one → ``ok`` (the first result wins); for a
   streamed call, so is its first chunk (a :class:`StreamStart`, read on by
-  :mod:`~reach_agent.streaming`);
+  :mod:`~reach_agent.client.streaming`);
 * :meth:`lose` (the agent died) → ``lost``; :meth:`close` (the client stops) → ``closed``.
 
 An attempt to a Synadia Agent Protocol agent (``protocol: "synadia-agents"``) reads their
-prompt stream instead (:mod:`~reach_agent.prompting`): the leading ack is the receipt, waited
+prompt stream instead (:mod:`~reach_agent.client.prompting`): the leading ack is the receipt, waited
 for until the deadline — their protocol has no request id, so a prompt queued behind a busy
 agent is never sent to a second one —, the response chunks joined are the result.
 
 An ``IN_PROGRESS`` answer (another agent holds the request id's claim) is not retried: the
-call waits in :func:`reach_agent.holder.held` for the holder's result — a late reply of an
-earlier attempt, the holder's final ack record (:mod:`~reach_agent.holder` feeds it to the
+call waits in :func:`reach_agent.client.holder.held` for the holder's result — a late reply of an
+earlier attempt, the holder's final ack record (:mod:`~reach_agent.client.holder` feeds it to the
 queue), or the news that the claim was released (then it is tried again).
 """
 
@@ -37,9 +38,9 @@ from uuid import uuid4
 
 import msgspec
 
-from . import prompting, schema, trace
-from .config import ClientConfig
-from .errors import (
+from reach_agent import trace
+from reach_agent.wire import schema
+from reach_agent.wire.errors import (
     InternalError,
     InvalidRequest,
     NoReachableAgent,
@@ -47,7 +48,10 @@ from .errors import (
     Timeout,
     from_reply,
 )
-from .retry import Outcome, full_wait
+from reach_agent.wire.retry import Outcome, full_wait
+
+from . import prompting
+from .config import ClientConfig
 
 AckMode = Literal["completed", "received"]
 
@@ -195,7 +199,7 @@ class Call:
     async def wait_full(
         self, refused: ReachError, config: ClientConfig, clock: Callable[[], float]
     ) -> None:
-        """Every candidate is merely full (:func:`~reach_agent.retry.merely_full`): wait the
+        """Every candidate is merely full (:func:`~reach_agent.wire.retry.merely_full`): wait the
         refusal's hint (or ``busy_wait_s``), jittered, then start a new round (every
         candidate may be tried again); raise ``refused`` instead when the wait and one more
         attempt would not fit the deadline."""

@@ -9,7 +9,7 @@ A call moves CREATED → SENT → ACKED → PROCESSING → FINISHED / TIMEOUT / 
 * PROCESSING: wait for the result up to the call's deadline. If the broker reports the
   agent ``offline``/``evicted``, or ``suspect`` and it does not answer our probe, the attempt
   is abandoned as lost and retried elsewhere instead of waiting out the deadline.
-* Retries (at most ``retries``) follow :mod:`reach_agent.retry`: error replies whose
+* Retries (at most ``retries``) follow :mod:`reach_agent.wire.retry`: error replies whose
   ``ReachError.retryable`` is set (TIMEOUT, TARGET_BUSY, DRAINING, OVERLOADED), not delivered
   and lost targets; never BIZ_REJECT or another error. A retry goes at once to a candidate
   not tried yet; when every candidate was tried it waits an exponential, jittered backoff
@@ -19,18 +19,19 @@ A call moves CREATED → SENT → ACKED → PROCESSING → FINISHED / TIMEOUT / 
   ``busy_wait_s``), jittered, and asks again — until the deadline, without counting retries.
 
 Every attempt of a call replies to its own subject under one client-wide inbox
-subscription (:class:`~reach_agent.subjects.ReplyInbox`), so the receipt and the result are
+subscription (:class:`~reach_agent.wire.subjects.ReplyInbox`), so the receipt and the result are
 both received (``nc.request`` would keep only the first), and a late result of an earlier
 attempt still finishes the call.
 
-The parts: :mod:`~reach_agent.calls` (one call, and how an attempt ends),
-:mod:`~reach_agent.attemptloop` (the attempts of one call, until the retry rule says stop),
-:mod:`~reach_agent.attempts` (sending one attempt, and its bookkeeping),
-:mod:`~reach_agent.holder` (waiting for the holder of a claim, on ``IN_PROGRESS``),
-:mod:`~reach_agent.streaming` (streamed answers),
-:mod:`~reach_agent.routes` (route requests and their cache), :mod:`~reach_agent.liveness`
-(the watch over agents running our calls), :mod:`~reach_agent.breaker` (circuit breakers and
-what counts as a failure), :mod:`~reach_agent.retry` (what is retried). This module wires
+The parts: :mod:`~reach_agent.client.calls` (one call, and how an attempt ends),
+:mod:`~reach_agent.client.attemptloop` (the attempts of one call, until the retry rule says stop),
+:mod:`~reach_agent.client.attempts` (sending one attempt, and its bookkeeping),
+:mod:`~reach_agent.client.holder` (waiting for the holder of a claim, on ``IN_PROGRESS``),
+:mod:`~reach_agent.client.streaming` (streamed answers),
+:mod:`~reach_agent.client.routes` (route requests and their cache),
+:mod:`~reach_agent.client.liveness`
+(the watch over agents running our calls), :mod:`~reach_agent.client.breaker` (circuit breakers and
+what counts as a failure), :mod:`~reach_agent.wire.retry` (what is retried). This module wires
 them to NATS.
 """
 
@@ -51,15 +52,9 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from jetstream import audit
-
-from . import durable, schema, streaming, trace
-from .aio import TaskSet
-from .attemptloop import AttemptLoop
-from .attempts import Attempts
-from .breaker import Breakers
-from .calls import AckMode, Call, encode_payload
-from .config import ClientConfig
-from .connection import (
+from reach_agent import trace
+from reach_agent.aio import TaskSet
+from reach_agent.connection import (
     CredentialOptions,
     Credentials,
     connect,
@@ -67,17 +62,21 @@ from .connection import (
     drain_or_close,
     flush_subscriptions,
 )
-from .errors import (
-    Forbidden,
-    InternalError,
-    InvalidRequest,
-)
+from reach_agent.metrics import ClientMetrics
+from reach_agent.wire import schema
+from reach_agent.wire.errors import Forbidden, InternalError, InvalidRequest
+from reach_agent.wire.subjects import ReplyInbox, Subjects
+
+from . import durable, streaming
+from .attemptloop import AttemptLoop
+from .attempts import Attempts
+from .breaker import Breakers
+from .calls import AckMode, Call, encode_payload
+from .config import ClientConfig
 from .holder import Holders
 from .liveness import Liveness
-from .metrics import ClientMetrics
 from .outcomes import OutcomeBook, OutcomeReporter
 from .routes import Routes
-from .subjects import ReplyInbox, Subjects
 
 log = trace.logger(__name__)
 
@@ -291,11 +290,11 @@ class Client:
 
         The call waits ``clamp(max(timeout, hint), min_timeout_s, max_timeout_s)`` seconds,
         ``hint`` being the ``timeout_hint_ms`` the chosen agent announced. With
-        ``ack_mode="received"`` the call returns the :class:`~reach_agent.schema.Receipt`
+        ``ack_mode="received"`` the call returns the :class:`~reach_agent.wire.schema.Receipt`
         once an agent has accepted the task; the result goes to ``REACH_ACKS``. A streaming
-        handler's answer comes joined (:func:`reach_agent.streaming.join`).
+        handler's answer comes joined (:func:`reach_agent.client.streaming.join`).
         ``canary``, ``requires`` and ``min_context_tokens`` go to the route request
-        (docs/protocol.md, RouteRequest). Raises a :class:`~reach_agent.errors.ReachError`
+        (docs/protocol.md, RouteRequest). Raises a :class:`~reach_agent.wire.errors.ReachError`
         subclass carrying the wire code.
         """
         filters = {k: v for k, v in (("canary", canary), ("requires", requires),
@@ -322,7 +321,7 @@ class Client:
         """``async for chunk in client.stream(capability, payload)``: a streamed answer,
         chunk by chunk, in order, at most ``window`` ahead of the reader; ``options`` as for
         :meth:`call` (``sticky_key``, ``request_id``, ``headers``, ...). Implemented in
-        :func:`reach_agent.streaming.stream`."""
+        :func:`reach_agent.client.streaming.stream`."""
         return streaming.stream(self, capability, payload, timeout=timeout, window=window,
                                 **options)  # fmt: skip
 
@@ -378,7 +377,7 @@ class Client:
         self, capability: str, payload: Any, *, deliver: str = "eventually", **kw: Any
     ) -> str:
         """Hand a task over for delivery now or later (compensation queue); returns its
-        request id. Implemented in :mod:`reach_agent.durable`."""
+        request id. Implemented in :mod:`reach_agent.client.durable`."""
         kw.setdefault("prefix", self.config.prefix)
         return await durable.submit(self, capability, payload, deliver=deliver, **kw)
 
@@ -387,6 +386,6 @@ class Client:
         """The final ack record of ``request_id`` (``completed`` or ``failed``, its ``result``
         decoded) by the agent that took the task: ``agent_id``, this client's callee, or a
         broker's word; raises ``Timeout`` after ``timeout`` seconds without one
-        (:func:`reach_agent.durable.wait`)."""
+        (:func:`reach_agent.client.durable.wait`)."""
         return await durable.wait(self, request_id, timeout, agent_id=agent_id,
                                   prefix=self.config.prefix)  # fmt: skip

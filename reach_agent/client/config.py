@@ -12,7 +12,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from .subjects import DEFAULT_PREFIX
+from reach_agent.wire.subjects import DEFAULT_PREFIX
 
 Seconds = Annotated[float, Meta(gt=0)]
 

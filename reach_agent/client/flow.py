@@ -1,4 +1,4 @@
-"""Flows: steps and fan-outs over a :class:`~reach_agent.client.Client`, recorded under one
+"""Flows: steps and fan-outs over a :class:`~reach_agent.client.client.Client`, recorded under one
 parent request id.
 
 A :class:`Flow` is one run. Its parent request id is the task's when it runs inside a
@@ -30,9 +30,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from jetstream.acks import check_request_id
-
-from . import schema, trace
-from .errors import FlowFailed, ReachError, Timeout
+from reach_agent import trace
+from reach_agent.wire import schema
+from reach_agent.wire.errors import FlowFailed, ReachError, Timeout
 
 if TYPE_CHECKING:
     from .client import Client

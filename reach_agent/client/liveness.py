@@ -18,10 +18,11 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from . import schema
+from reach_agent.wire import schema
+from reach_agent.wire.subjects import Subjects
+
 from .calls import Call
 from .config import ClientConfig
-from .subjects import Subjects
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """What this client saw of each agent, summarised for the brokers every few seconds.
 
-Each attempt's end (:meth:`OutcomeBook.record`, told by :mod:`reach_agent.attempts`) is
+Each attempt's end (:meth:`OutcomeBook.record`, told by :mod:`reach_agent.client.attempts`) is
 counted per agent: attempts, answers, not delivered, lost, timeouts, business rejections.
 Every ``ClientConfig.outcome_interval_s`` the counts go out as one
-:class:`~reach_agent.schema.OutcomeSummary` per agent on ``<prefix>.outcome.<agent_id>``
+:class:`~reach_agent.wire.schema.OutcomeSummary` per agent on ``<prefix>.outcome.<agent_id>``
 (nothing is sent for an agent not called since) and start again. The brokers fold them into
 the agent's delivery term (docs/protocol.md, "OutcomeSummary"), so an agent whose results
 never reach its callers drops out of the routes for everyone, not only for the caller whose
@@ -19,11 +19,11 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 
-from . import schema
-from .aio import stop_loops
-from .errors import BizReject
-from .retry import Outcome
-from .subjects import Subjects
+from reach_agent.aio import stop_loops
+from reach_agent.wire import schema
+from reach_agent.wire.errors import BizReject
+from reach_agent.wire.retry import Outcome
+from reach_agent.wire.subjects import Subjects
 
 log = logging.getLogger(__name__)
 

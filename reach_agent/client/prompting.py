@@ -14,7 +14,7 @@ it with a stream of messages:
    ``Nats-Service-Error-Code`` (an HTTP-like status) before it.
 
 :func:`read` classifies one message; ``Call`` (calls.py) and the stream reader
-(:func:`reach_agent.streaming.read`) act on it. A call's result is its response chunks joined
+(:func:`reach_agent.client.streaming.read`) act on it. A call's result is its response chunks joined
 (:func:`join`: their concatenation when all are text).
 """
 
@@ -25,7 +25,12 @@ from typing import Any, Literal
 
 import msgspec
 
-from .errors import H_SERVICE_ERROR, H_SERVICE_ERROR_CODE, InternalError, from_status
+from reach_agent.wire.errors import (
+    H_SERVICE_ERROR,
+    H_SERVICE_ERROR_CODE,
+    InternalError,
+    from_status,
+)
 
 Kind = Literal["ack", "chunk", "other", "end", "error"]
 """What a message of a prompt stream is: the receipt, content, anything to skip, the end,
@@ -45,7 +50,8 @@ _encoder = msgspec.json.Encoder()
 def join(chunks: Iterable[Any]) -> Any:
     """A stream's chunks as one result: their concatenation when every chunk is a string
     (and there is at least one), otherwise the list of chunks (``[]`` for none). (Reach
-    streams and Synadia prompt streams alike; :mod:`~reach_agent.streaming` re-exports it.)"""
+    streams and Synadia prompt streams alike; :mod:`~reach_agent.client.streaming` re-exports
+    it.)"""
     items = list(chunks)
     if items and all(isinstance(c, str) for c in items):
         return "".join(items)

@@ -18,12 +18,14 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from . import schema, trace
+from reach_agent import trace
+from reach_agent.metrics import ClientMetrics
+from reach_agent.wire import schema
+from reach_agent.wire.errors import NoReachableAgent, Overloaded, ReachError, from_reply
+from reach_agent.wire.schema import Candidate
+from reach_agent.wire.subjects import Subjects
+
 from .config import ClientConfig
-from .errors import NoReachableAgent, Overloaded, ReachError, from_reply
-from .metrics import ClientMetrics
-from .schema import Candidate
-from .subjects import Subjects
 
 log = trace.logger(__name__)
 

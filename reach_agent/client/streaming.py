@@ -33,12 +33,15 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from . import prompting, schema, trace
+from reach_agent import trace
+from reach_agent.wire import schema
+from reach_agent.wire.errors import InternalError, InvalidRequest, StreamBroken, from_reply
+from reach_agent.wire.subjects import is_inbox
+
+from . import prompting
 from .calls import CLOSED, LOST, Call, StreamStart
-from .errors import InternalError, InvalidRequest, StreamBroken, from_reply
 from .liveness import Liveness
 from .prompting import join as join  # the rule lives with the codec calls.py uses
-from .subjects import is_inbox
 
 log = trace.logger(__name__)
 
@@ -270,7 +273,7 @@ async def read(
 async def read_prompted(
     call: Call, start: StreamStart, clock: Callable[[], float]
 ) -> AsyncIterator[Any]:
-    """The chunks of a Synadia agent's prompt stream (:mod:`~reach_agent.prompting`), from
+    """The chunks of a Synadia agent's prompt stream (:mod:`~reach_agent.client.prompting`), from
     the first one (``start``) to the end; their protocol has no credit, so the window is
     the subscription's buffer."""
     agent = call.agents.get(start.attempt)

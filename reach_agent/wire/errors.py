@@ -153,7 +153,7 @@ class StreamBroken(ReachError):
 
 
 class FlowFailed(ReachError):
-    """A flow (:mod:`reach_agent.flow`) could not go on: a critical step failed (``step``,
+    """A flow (:mod:`reach_agent.client.flow`) could not go on: a critical step failed (``step``,
     its error ``cause``), or a fan-out got fewer successes than its ``partial`` share
     (``fan_out``). On the wire only the code and the message travel."""
 
@@ -166,10 +166,10 @@ class FlowFailed(ReachError):
     ) -> None:  # fmt: skip
         super().__init__(message)
         self.step = step
-        """The :class:`~reach_agent.flow.Step` that failed (None for a fan-out)."""
+        """The :class:`~reach_agent.client.flow.Step` that failed (None for a fan-out)."""
         self.cause = cause
         self.fan_out = fan_out
-        """The :class:`~reach_agent.flow.FanOut`, with its successes and failures."""
+        """The :class:`~reach_agent.client.flow.FanOut`, with its successes and failures."""
 
 
 # --- our own fault ----------------------------------------------------------------------

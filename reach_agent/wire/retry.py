@@ -5,7 +5,7 @@ Pure: shared by :class:`reach_agent.Client` and the broker's compensation replay
 
 - ``ok``: a result (or, with ``ack_mode="received"``, the receipt);
 - ``error``: the agent (or broker) answered an error reply — retried only when the error
-  is :attr:`~reach_agent.errors.ReachError.retryable` (``TARGET_BUSY``, ``DRAINING``,
+  is :attr:`~reach_agent.wire.errors.ReachError.retryable` (``TARGET_BUSY``, ``DRAINING``,
   ``OVERLOADED``, ``TIMEOUT``), never ``BIZ_REJECT``, ``LOOP_DETECTED``, ``INVALID_*``;
 - ``not_delivered``: no receipt in time, ``no_responders``: nobody subscribed, ``lost``: the
   agent died while running it, ``timeout``: accepted but no result by the deadline — all
@@ -13,7 +13,7 @@ Pure: shared by :class:`reach_agent.Client` and the broker's compensation replay
 - ``closed``: the caller itself is shutting down — never retried.
 
 Being full is not a failure: a refusal that says only that every slot is taken
-(:attr:`~reach_agent.errors.ReachError.full`: ``OVERLOADED`` from the broker, ``TARGET_BUSY``
+(:attr:`~reach_agent.wire.errors.ReachError.full`: ``OVERLOADED`` from the broker, ``TARGET_BUSY``
 from an agent) is waited out — the refusal's ``retry_after_ms``, else a short default,
 jittered (:func:`full_wait`) — and asked again within the caller's deadline, without
 counting against the retries (:func:`merely_full`).

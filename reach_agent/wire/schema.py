@@ -7,9 +7,9 @@ patterns) are declared on the types with ``Meta`` so msgspec reports them with a
 cannot express, live in ``validate_*`` functions that raise :class:`InvalidRequest`.
 
 The field vocabulary (``Base``, patterns, bounded types, one-value checks) lives in
-:mod:`~reach_agent.wiretypes`, the task path's stored records (receipt, ack record, event,
-claim) in :mod:`~reach_agent.wirerecords`, an explained route's Structs in
-:mod:`~reach_agent.wireexplain`; all are re-exported here.
+:mod:`~reach_agent.wire.wiretypes`, the task path's stored records (receipt, ack record, event,
+claim) in :mod:`~reach_agent.wire.wirerecords`, an explained route's Structs in
+:mod:`~reach_agent.wire.wireexplain`; all are re-exported here.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 One :class:`Subjects` per prefix (``reach`` unless configured). Builders return the subject a
 message goes to; wildcards return what a subscriber listens on; ``*_of`` parsers take a
 received subject back to its variable token(s), without validating it (the caller checks an
-``agent_id`` or capability with :mod:`reach_agent.schema`'s own checks). Nothing else in the
+``agent_id`` or capability with :mod:`reach_agent.wire.schema`'s own checks). Nothing else in the
 project spells ``f"{prefix}.hb.…"``; :mod:`jetstream` is handed the subjects it needs.
 
 Replies go to inboxes: every reach process answers only a reply subject under

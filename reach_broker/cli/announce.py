@@ -22,13 +22,13 @@ from typing import Any
 
 import msgspec
 
-from reach_agent import schema
 from reach_agent.connection import drain_or_close, flush_subscriptions
-from reach_agent.errors import Draining, InvalidRequest, LoopDetected, ReachError
-from reach_agent.errors import to_reply as error_reply
-from reach_agent.subjects import Subjects, is_inbox
+from reach_agent.wire import schema
+from reach_agent.wire.errors import Draining, InvalidRequest, LoopDetected, ReachError
+from reach_agent.wire.errors import to_reply as error_reply
+from reach_agent.wire.subjects import Subjects, is_inbox
+from reach_broker.logs import say
 
-from ..logs import say
 from .common import (
     EXIT_USAGE,
     CliError,
@@ -302,6 +302,6 @@ class HandMadeAgent:
 
 
 def _error_of(msg: Any) -> ReachError | None:
-    from reach_agent.errors import from_reply
+    from reach_agent.wire.errors import from_reply
 
     return from_reply(msg.headers, msg.data)

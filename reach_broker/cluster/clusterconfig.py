@@ -64,8 +64,9 @@ class NodeConfig:
 
 _TEMPLATE = """\
 # reach: NATS cluster node {name}.
-# Rendered by reach_broker.clusterconfig.render_config(); tests/test_dev_cluster.py keeps
-# configs/cluster/ equal to it: edit the template, then `python -m reach_broker.clusterconfig
+# Rendered by reach_broker.cluster.clusterconfig.render_config(); tests/test_dev_cluster.py keeps
+# configs/cluster/ equal to it: edit the template, then `python -m
+# reach_broker.cluster.clusterconfig
 # configs/cluster`.
 #
 # The accounts of configs/nats-server.conf: APP (agents, callers, brokers; no_auth_user) and
@@ -226,7 +227,7 @@ def shipped_configs() -> dict[str, str]:
     return files
 
 
-if __name__ == "__main__":  # python -m reach_broker.clusterconfig configs/cluster
+if __name__ == "__main__":  # python -m reach_broker.cluster.clusterconfig configs/cluster
     import sys
 
     out = Path(sys.argv[1])

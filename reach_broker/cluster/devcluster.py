@@ -1,7 +1,7 @@
 """``reach dev-cluster``: a JetStream cluster of N ``nats-server`` processes on loopback.
 
 ``run(3, DIR)`` starts nodes ``n1``…``n3`` (configs, logs and JetStream stores under DIR),
-waits until the cluster has a meta leader (see :mod:`reach_broker.natscluster`), prints one
+waits until the cluster has a meta leader (see :mod:`reach_broker.cluster.natscluster`), prints one
 JSON line ``{"urls": [...], "pids": [...], "dir": DIR}`` on stdout and runs until SIGINT or
 SIGTERM, then stops them. On Linux the nodes also get SIGTERM if the launcher itself dies
 (``PR_SET_PDEATHSIG``); elsewhere ``stop(DIR)`` is the way to end them.
@@ -12,7 +12,7 @@ and returns: the cluster lives on until ``stop(DIR)``. Both modes record the clu
 ``stop`` ends only the processes recorded there whose command line is still the recorded one,
 so a reused PID is never signalled.
 
-``python -m reach_broker.devcluster --nodes 3 --dir DIR [--base-port P] [--background]``
+``python -m reach_broker.cluster.devcluster --nodes 3 --dir DIR [--base-port P] [--background]``
 and ``--stop --dir DIR`` do the same from a shell.
 """
 

@@ -8,7 +8,7 @@ rest: ``kill -9``, a crash, an OOM kill. Two mechanisms, chosen by :func:`defaul
   that forked, so :func:`spawn` forks from the main thread or from one spawner thread that
   lives as long as the process, never from a short-lived worker thread.
 * ``watchdog`` (elsewhere; also usable on Linux): a tiny process (``python -m
-  reach_broker.lifeline PID``) reads a pipe whose write end only the parent holds. The
+  reach_broker.cluster.lifeline PID``) reads a pipe whose write end only the parent holds. The
   kernel closes that end however the parent ends; on EOF the watchdog sends the child
   SIGTERM, then SIGKILL after a grace. A clean stop writes ``q`` first: the watchdog then
   exits without touching the (already stopped) child.
@@ -114,7 +114,7 @@ def spawn(
         return proc, Lifeline()
     try:
         dog = subprocess.Popen(
-            [sys.executable, "-m", "reach_broker.lifeline", str(proc.pid)],
+            [sys.executable, "-m", "reach_broker.cluster.lifeline", str(proc.pid)],
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
     except OSError:
@@ -155,7 +155,9 @@ def watch(pid: int, grace: float = WATCHDOG_GRACE_S) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1 or not argv[0].isdigit():
-        sys.stderr.write("usage: python -m reach_broker.lifeline PID  (stdin: the lifeline)\n")
+        sys.stderr.write(
+            "usage: python -m reach_broker.cluster.lifeline PID  (stdin: the lifeline)\n"
+        )
         return 2
     return watch(int(argv[0]))
 

@@ -1,7 +1,7 @@
 """N ``nats-server`` processes routed into one JetStream cluster on loopback.
 
-Used by ``reach dev-cluster`` (:mod:`reach_broker.devcluster`) and by the tests' cluster
-fixture. Every node's config comes from one template (:mod:`reach_broker.clusterconfig`).
+Used by ``reach dev-cluster`` (:mod:`reach_broker.cluster.devcluster`) and by the tests' cluster
+fixture. Every node's config comes from one template (:mod:`reach_broker.cluster.clusterconfig`).
 
 The cluster is *ready* when every running node's ``/jsz`` (monitoring port) names the same
 meta leader, that leader sees every other running node as a current peer, and every running

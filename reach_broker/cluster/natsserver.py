@@ -5,7 +5,7 @@ the test fixture, so every one of them runs against the same real server with th
 configuration (``configs/nats-server.conf``: JetStream, and the disconnect advisories).
 
 The server dies with the process that started it, however that process ends
-(:mod:`reach_broker.lifeline`). A temporary store dir is named after its owner's PID
+(:mod:`reach_broker.cluster.lifeline`). A temporary store dir is named after its owner's PID
 (``reach-nats-<pid>-…``), so the next start removes those of owners that died without
 cleaning up. The system account's password comes from ``$REACH_NATS_SYSTEM_PASSWORD`` or is
 a random one per start (:attr:`NatsServer.system_password`): nothing reach runs logs in as the
@@ -147,7 +147,7 @@ class NatsServer:
     launcher then passes neither ``-js`` nor ``-sd`` (the server refuses a second
     ``store_dir``) and keeps its log in ``store_dir``; ``tls`` says the config requires TLS
     (the URL is then ``tls://``). ``guard`` ties the server's life to this process
-    (:mod:`reach_broker.lifeline`; default: the platform's mechanism). Usable as a (sync or
+    (:mod:`reach_broker.cluster.lifeline`; default: the platform's mechanism). Usable as a (sync or
     async) context manager.
     """
 

@@ -31,9 +31,8 @@ from __future__ import annotations
 from collections import deque
 from typing import NamedTuple
 
-from reach_agent.schema import OutcomeSummary
-
-from .config import OutcomesSection
+from reach_agent.wire.schema import OutcomeSummary
+from reach_broker.config import OutcomesSection
 
 OUTLIER = "outlier"
 UNANSWERED = "unanswered"

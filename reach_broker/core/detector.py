@@ -20,7 +20,7 @@ import math
 from array import array
 from statistics import NormalDist
 
-from .config import DetectionSection
+from reach_broker.config import DetectionSection
 
 
 def z_for_phi(phi: float) -> float:

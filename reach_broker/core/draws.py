@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import random as _random
 
-from .config import RoutingSection
+from reach_broker.config import RoutingSection
+
 from .records import AgentRecord
 
 

@@ -2,9 +2,9 @@
 
 With ``RouteRequest.explain`` the decision is still :meth:`Router.choose`'s (it is made by
 it, with its randomness), and then explained: each candidate carries its score terms and its
-place in the routing (:class:`~reach_agent.schema.AgentExplain`), and the reply's
-:class:`~reach_agent.schema.RouteExplain` names every other agent of the capability with a
-reason code (:mod:`reach_broker.reasons`) and a sentence with the figures. Whether an agent
+place in the routing (:class:`~reach_agent.wire.schema.AgentExplain`), and the reply's
+:class:`~reach_agent.wire.schema.RouteExplain` names every other agent of the capability with a
+reason code (:mod:`reach_broker.core.reasons`) and a sentence with the figures. Whether an agent
 passes the filters is asked of the route walk itself, agent by agent
 (:meth:`Router.filtered_by`), so the explanation and the walk cannot disagree.
 
@@ -20,8 +20,8 @@ from typing import NamedTuple
 
 import msgspec
 
-from reach_agent.errors import NoReachableAgent, Overloaded
-from reach_agent.schema import (
+from reach_agent.wire.errors import NoReachableAgent, Overloaded
+from reach_agent.wire.schema import (
     AgentExplain,
     Candidate,
     Exclusion,
@@ -31,9 +31,9 @@ from reach_agent.schema import (
     ScoreTerms,
     encoder,
 )
+from reach_broker.config import RoutingSection, ScoringSection
 
 from . import reasons as r
-from .config import RoutingSection, ScoringSection
 from .index import CapabilityIndex, candidate
 from .records import AgentRecord
 from .routing import Policy, Router

@@ -1,7 +1,7 @@
 """The registry's state and clocks: every known agent, the fleet's counts, the capability
 indexes, the deadline heap and each agent's score.
 
-:class:`Fleet` is the base of :class:`reach_broker.registry.Registry`, which turns inputs
+:class:`Fleet` is the base of :class:`reach_broker.core.registry.Registry`, which turns inputs
 into moves; this holds what those moves read and write: the agents, the counts (per state,
 Σ active, Σ slots), the deadlines each sign of life re-arms (a heap with one live entry per
 agent), the score of an agent recomputed after any change, the read-only views, and the two
@@ -15,9 +15,9 @@ from __future__ import annotations
 import heapq
 import math
 
-from reach_agent.schema import AgentView, Announce
+from reach_agent.wire.schema import AgentView, Announce
+from reach_broker.config import Config
 
-from .config import Config
 from .detector import Detector
 from .index import CapabilityIndexes
 from .records import AgentRecord

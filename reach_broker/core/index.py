@@ -4,7 +4,7 @@ The registry tells an index what changed (:meth:`CapabilityIndex.add`, ``remove`
 ``state_changed``, ``score_changed``); the router asks it to :meth:`~CapabilityIndex.refresh`
 before a walk, which re-ranks only when something changed and at most every
 ``rank_refresh_ms`` (score-only changes: every ``REORDER_FACTOR`` x that). Ranking applies the
-outlier and panic rules of :mod:`reach_broker.routing`. The ring (sticky keys) is rebuilt only
+outlier and panic rules of :mod:`reach_broker.core.routing`. The ring (sticky keys) is rebuilt only
 when membership changes. Each routed member's reply entry is encoded once and kept until its
 score, load, state or announce changes, so a route reply re-encodes nothing of a steady fleet.
 """
@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 import msgspec
 
-from reach_agent.schema import AgentState, Announce, Candidate, encoder
+from reach_agent.wire.schema import AgentState, Announce, Candidate, encoder
+from reach_broker.config import RoutingSection
 
-from .config import RoutingSection
 from .records import AgentRecord
 
 REORDER_FACTOR = 20

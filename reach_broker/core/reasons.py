@@ -1,7 +1,7 @@
 """Why an agent is not among a route's candidates: the reason codes, in one table.
 
-The route walk (:mod:`reach_broker.routing`) counts the filter each agent fails under one of
-these codes; the explanation (:mod:`reach_broker.explain`) names the same code for each agent
+The route walk (:mod:`reach_broker.core.routing`) counts the filter each agent fails under one of
+these codes; the explanation (:mod:`reach_broker.core.explain`) names the same code for each agent
 left out and renders its sentence. A new filter adds its code here, its check to the walk and
 its sentence to ``explain.DETAILS`` (a test keeps the three together). The codes are on the
 wire (``Exclusion.reason``, ``AgentExplain.kept``) and listed in docs/protocol.md.

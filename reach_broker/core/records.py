@@ -12,7 +12,13 @@ from typing import Literal, NamedTuple
 
 import msgspec
 
-from reach_agent.schema import PROTOCOL_REACH, PROTOCOL_SYNADIA, AgentState, AgentView, Announce
+from reach_agent.wire.schema import (
+    PROTOCOL_REACH,
+    PROTOCOL_SYNADIA,
+    AgentState,
+    AgentView,
+    Announce,
+)
 
 from .detector import ArrivalWindow
 from .scoring import Stats
@@ -133,7 +139,8 @@ class AgentRecord:
         agent's (no arrival sample, no missed beat)."""
         self.context_usage_pct: float | None = None
         self.delivery = 1.0
-        """The delivery term of the score: what callers saw (:mod:`reach_broker.outcomes`)."""
+        """The delivery term of the score: what callers saw
+        (:mod:`reach_broker.service.outcomes`)."""
         self.apply_announce(msg, interval_s)
 
     def apply_announce(self, msg: Announce, interval_s: float) -> None:
@@ -146,7 +153,7 @@ class AgentRecord:
         self.version = msg.version
         self.tags = msg.tags
         self.timeout_hint_ms = msg.timeout_hint_ms
-        # A Synadia Agent Protocol instance (reach_broker/synadia.py registers it; the reach
+        # A Synadia Agent Protocol instance (reach_broker/interop/synadia.py registers it; the reach
         # announce handler refuses that agent_type): spoken to on its own prompt subject.
         foreign = msg.agent_type == PROTOCOL_SYNADIA
         self.protocol = PROTOCOL_SYNADIA if foreign else PROTOCOL_REACH

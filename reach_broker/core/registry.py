@@ -3,7 +3,7 @@
 Inputs (announce, heartbeat, leave, probe results, disconnects, the passing of time) take the
 broker's monotonic clock ``now`` as an argument and return :class:`Transition`s; the service
 publishes them as events afterwards. Nothing here does I/O. Which input moves which state
-where is the table in :mod:`reach_broker.states`; this module turns inputs into its events,
+where is the table in :mod:`reach_broker.core.states`; this module turns inputs into its events,
 applies the moves, and keeps the deadlines, scores and capability indexes that follow.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 import math
 
-from reach_agent.schema import AgentState, Announce, Heartbeat
+from reach_agent.wire.schema import AgentState, Announce, Heartbeat
 
 from .fleet import Fleet
 from .records import AgentRecord, HeartbeatResult, Transition, TransitionKind
@@ -25,7 +25,7 @@ RECOVER_HEARTBEATS = 2
 class Registry(Fleet):
     """All agents, their capability indexes, and the deadlines that move their states: the
     inputs and the moves they make (the state, the queries and the clocks are
-    :class:`~reach_broker.fleet.Fleet`'s)."""
+    :class:`~reach_broker.core.fleet.Fleet`'s)."""
 
     # --- inputs ---------------------------------------------------------------------------
 
@@ -178,7 +178,8 @@ class Registry(Fleet):
 
         ``max_silent``: when more agents than this would move for silence now, none of them
         moves; they are :attr:`held` until :meth:`release_held` (the observer doubts its own
-        view, see :mod:`reach_broker.observer`). Disconnect-confirmed moves and evictions are
+        view, see :mod:`reach_broker.service.observer`). Disconnect-confirmed moves and evictions
+        are
         never held.
         """
         out: list[Transition] = []

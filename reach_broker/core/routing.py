@@ -1,7 +1,7 @@
 """Route = filter → score → choose, over per-capability candidate structures.
 
 Each capability keeps its members and a ranking (healthy members by score) that is rebuilt
-only when something changed and at most every ``rank_refresh_ms`` (:mod:`reach_broker.index`,
+only when something changed and at most every ``rank_refresh_ms`` (:mod:`reach_broker.core.index`,
 which also applies the outlier and panic rules below); a route request walks the
 ranking from the top and stops once it has enough candidates, so its cost does not grow with
 the fleet. State is re-checked during the walk, so an agent that just went `suspect` is
@@ -29,11 +29,11 @@ import random
 from collections.abc import Callable, Iterable
 from typing import cast
 
-from reach_agent.errors import NoReachableAgent, Overloaded
-from reach_agent.schema import Candidate, RouteReply, RouteRequest, encoder
+from reach_agent.wire.errors import NoReachableAgent, Overloaded
+from reach_agent.wire.schema import Candidate, RouteReply, RouteRequest, encoder
+from reach_broker.config import RoutingSection
 
 from . import draws
-from .config import RoutingSection
 from .index import CapabilityIndex, CapabilityIndexes, candidate, hash64
 from .records import AgentRecord
 from .rules import Rule, Rules
@@ -74,7 +74,7 @@ class Router:
         self.capacity = capacity
         """The fleet's slots: Σ max_concurrency of the agents not offline (the registry's)."""
         self.rules = rules if rules is not None else Rules()
-        """Each capability's route rule in force (:mod:`reach_broker.rules`)."""
+        """Each capability's route rule in force (:mod:`reach_broker.core.rules`)."""
         self.last_policy: Policy = NO_POLICY
         """The policy the last :meth:`choose` walked with (the explanation walks it again)."""
 
@@ -191,7 +191,7 @@ class Router:
         now: float,
         policy: Policy = NO_POLICY,
     ) -> str | None:
-        """The reason code (:mod:`reach_broker.reasons`) of the first filter of the walk
+        """The reason code (:mod:`reach_broker.core.reasons`) of the first filter of the walk
         ``rec`` fails when the walk wants ``state``; None when it passes them all."""
         why: dict[str, int] = {}
         if self._walk((rec,), state, req, 1, why, now, *policy):

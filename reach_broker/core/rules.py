@@ -15,7 +15,7 @@ JSON); :class:`Rule` the compiled one the route walk reads:
 - **require** ``env=prod``: agents without that tag value are never offered, unless the
   request asks for that tag itself (``RouteRequest.tags``).
 - **quota** ``rate[:burst]``: route requests per second per caller for this capability
-  (:mod:`reach_broker.quotas`).
+  (:mod:`reach_broker.core.quotas`).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from reach_agent.errors import InvalidRequest
-from reach_agent.schema import RouteRequest, check_capability, check_tags
+from reach_agent.wire.errors import InvalidRequest
+from reach_agent.wire.schema import RouteRequest, check_capability, check_tags
+from reach_broker.config import ConfigError, RuleSection
 
-from .config import ConfigError, RuleSection
 from .index import hash64
 from .records import AgentRecord
 

@@ -19,7 +19,7 @@ let an agent 1.5 s slower than its peers keep ~85). The ``weight_*`` settings ar
   anyway; F only orders them);
 - S, success: ``(ok + success_prior) / (ok + fail + success_prior)`` over about the last
   ``success_window`` results (the prior keeps one early failure from sinking a new agent);
-- D, delivery: what callers saw (:mod:`reach_broker.outcomes`): 1 minus the failure share
+- D, delivery: what callers saw (:mod:`reach_broker.service.outcomes`): 1 minus the failure share
   at least ``outcomes.min_callers`` distinct callers report over the last minute; 0 when the
   outlier rule (more than ``outcomes.max_failure_share``) or the unanswered rule ejects it;
 - stuck: the oldest running task is older than ``stuck_factor * timeout_hint_ms``.
@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from .config import ScoringSection
+from reach_broker.config import ScoringSection
 
 
 class Stats:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Final, Literal, NamedTuple
 
-from reach_agent.schema import AgentState
+from reach_agent.wire.schema import AgentState
 
 from .records import TransitionKind
 

@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 
 from reach_agent import Agent, Task
-from reach_agent.errors import BizReject, ReachError, TargetBusy, Timeout
+from reach_agent.wire.errors import BizReject, ReachError, TargetBusy, Timeout
 
 log = logging.getLogger(__name__)
 

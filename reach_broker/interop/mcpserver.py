@@ -1,4 +1,4 @@
-"""The MCP server of ``reach mcp``: :class:`~reach_broker.mcptools.Tools` registered with
+"""The MCP server of ``reach mcp``: :class:`~reach_broker.interop.mcptools.Tools` registered with
 the official SDK's ``MCPServer`` (the optional extra ``mcp``), each tool with a description
 written for the model that reads it. A reach error becomes a tool error ``CODE: message``.
 """
@@ -11,7 +11,7 @@ from mcp.server import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from pydantic import Field
 
-from reach_agent.errors import ReachError
+from reach_agent.wire.errors import ReachError
 
 from .mcptools import INSTRUCTIONS, Tools
 

@@ -14,7 +14,7 @@ Three tools over one :class:`reach_agent.Client` (the optional extra ``mcp``):
   the agent's result, or a tool error ``CODE: message`` saying why not.
 
 :class:`Tools` is the logic (plain async methods returning JSON-ready dicts, no SDK);
-:func:`reach_broker.mcpserver.build_server` registers them with the SDK's ``MCPServer``
+:func:`reach_broker.interop.mcpserver.build_server` registers them with the SDK's ``MCPServer``
 under descriptions written for the model that reads them.
 """
 
@@ -24,11 +24,10 @@ from typing import Any
 
 import msgspec
 
-from reach_agent import schema
-from reach_agent.client import Client
-from reach_agent.errors import NoReachableAgent, from_reply
-
-from .reasons import EXCLUSIONS
+from reach_agent.client.client import Client
+from reach_agent.wire import schema
+from reach_agent.wire.errors import NoReachableAgent, from_reply
+from reach_broker.core.reasons import EXCLUSIONS
 
 INSTRUCTIONS = """\
 reach makes a fleet of AI agents reachable by capability (a name such as "summarize" or

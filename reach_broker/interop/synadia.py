@@ -16,7 +16,7 @@ Nothing is asked of them: the broker reads what they already publish and answer.
   details) tells which connection — (server, client id) — holds each instance's
   ``$SRV.INFO.agents.<instance_id>``, and a DISCONNECT advisory of that connection suspects
   its instances (the probe then settles them). A known instance without a connection in that
-  list is suspected too (the reconcile of :mod:`reach_broker.advisories`, for them).
+  list is suspected too (the reconcile of :mod:`reach_broker.service.advisories`, for them).
 - An instance ``offline`` for ``synadia.forget_after_s`` is evicted; a restarted agent is a
   new instance (a new micro service id) and one that only reconnected is found again on its
   next heartbeat.
@@ -35,18 +35,18 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from reach_agent.connection import flush_subscriptions
-from reach_agent.errors import InvalidRequest
-from reach_agent.schema import PROTOCOL_SYNADIA, Announce, Heartbeat
-from reach_agent.subjects import AGENTS
+from reach_agent.wire.errors import InvalidRequest
+from reach_agent.wire.schema import PROTOCOL_SYNADIA, Announce, Heartbeat
+from reach_agent.wire.subjects import AGENTS
+from reach_broker.core.records import AgentRecord, Transition
+from reach_broker.core.registry import Registry
+from reach_broker.service.advisories import Advisories
+from reach_broker.service.clusterinfo import connz_subject, gather, server_of
+from reach_broker.service.context import BrokerContext
+from reach_broker.service.handlers import Handlers
+from reach_broker.service.probes import Prober, ProbeSend
 
 from . import synadiainfo
-from .advisories import Advisories
-from .clusterinfo import connz_subject, gather, server_of
-from .context import BrokerContext
-from .handlers import Handlers
-from .probes import Prober, ProbeSend
-from .records import AgentRecord, Transition
-from .registry import Registry
 
 log = logging.getLogger(__name__)
 

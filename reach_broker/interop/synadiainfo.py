@@ -17,9 +17,9 @@ import re
 
 import msgspec
 
-from reach_agent.errors import InvalidCapability, InvalidRequest
-from reach_agent.schema import PROTOCOL_SYNADIA, Announce, check_capability
-from reach_agent.subjects import AGENTS
+from reach_agent.wire.errors import InvalidCapability, InvalidRequest
+from reach_agent.wire.schema import PROTOCOL_SYNADIA, Announce, check_capability
+from reach_agent.wire.subjects import AGENTS
 
 DEFAULT_INTERVAL_S = 30
 """Their heartbeat interval unless a heartbeat says otherwise."""

@@ -1,11 +1,11 @@
 """Compensation entries delivered to Synadia Agent Protocol agents.
 
 Their agents write no ack records, so the broker is their caller: :meth:`Prompts.send`
-publishes the prompt envelope (:func:`reach_agent.prompting.envelope`) to the candidate's
+publishes the prompt envelope (:func:`reach_agent.client.prompting.envelope`) to the candidate's
 prompt subject with a reply inbox of its own and waits for the first message — the leading
 ack is the receipt (the entry is delivered), an error frame the agent's refusal, nothing
 within ``receipt_timeout_s`` no receipt. After the ack, the collector it returns (run by the
-replay once the entry is held, :mod:`reach_broker.taken`) reads the rest of the stream until
+replay once the entry is held, :mod:`reach_broker.replay.taken`) reads the rest of the stream until
 its end or the entry's expiry (else ``DEFAULT_RUN_S``), stores the ack record itself, as the
 broker (author ``_broker``): ``completed`` with the response chunks joined, or ``failed``
 with the error — and then tells ``on_done`` (the held entry is removed).
@@ -23,13 +23,13 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from jetstream.compensation import Entry
-from reach_agent import prompting, schema
+from reach_agent.client import prompting
 from reach_agent.connection import flush_subscriptions
-from reach_agent.errors import ReachError, Timeout, from_reply
-from reach_agent.schema import PROTOCOL_SYNADIA
-
-from . import brokeracks
-from .context import BrokerContext
+from reach_agent.wire import schema
+from reach_agent.wire.errors import ReachError, Timeout, from_reply
+from reach_agent.wire.schema import PROTOCOL_SYNADIA
+from reach_broker.replay import brokeracks
+from reach_broker.service.context import BrokerContext
 
 log = logging.getLogger(__name__)
 

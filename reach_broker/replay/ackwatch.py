@@ -18,9 +18,8 @@ import msgspec
 from nats.aio.msg import Msg
 
 from jetstream import ackreads
-from reach_agent.subjects import BROKER_ACK_AUTHOR
-
-from .context import BrokerContext
+from reach_agent.wire.subjects import BROKER_ACK_AUTHOR
+from reach_broker.service.context import BrokerContext
 
 TRACK_MAX = 50_000
 """Request ids remembered for the ack latency histogram (oldest forgotten first)."""

@@ -1,7 +1,7 @@
 """The ack records a broker writes as itself (author ``_broker``, on
 ``<p>.ack._broker.<request_id>``): a replayed task's ``received`` naming its taker, and the
 ``failed`` of an entry that expired or that an agent finally refused (and, through
-:mod:`reach_broker.synadiareplay`, the answer of a Synadia agent, which writes none)."""
+:mod:`reach_broker.interop.synadiareplay`, the answer of a Synadia agent, which writes none)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,10 @@ import logging
 
 from jetstream import acks
 from jetstream.compensation import Entry
-from reach_agent import schema
-from reach_agent.schema import AckRecord
-from reach_agent.subjects import BROKER_ACK_AUTHOR
-
-from .context import BrokerContext
+from reach_agent.wire import schema
+from reach_agent.wire.schema import AckRecord
+from reach_agent.wire.subjects import BROKER_ACK_AUTHOR
+from reach_broker.service.context import BrokerContext
 
 log = logging.getLogger(__name__)
 

@@ -40,9 +40,8 @@ from nats.js.errors import KeyNotFoundError
 
 from jetstream import ackreads
 from jetstream.names import REGISTRY_BUCKET, dispatch_key
-from reach_agent.subjects import BROKER_ACK_AUTHOR, Subjects
-
-from .records import AgentRecord
+from reach_agent.wire.subjects import BROKER_ACK_AUTHOR, Subjects
+from reach_broker.core.records import AgentRecord
 
 log = logging.getLogger(__name__)
 

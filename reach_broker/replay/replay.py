@@ -7,15 +7,15 @@ consumer (so two replicas never hold the same entry), orders them by priority th
 sends each as a task with its original ``Reach-Request-Id`` and ``Reach-Receipt: 1`` to an
 agent the broker's Router picks, at most ``replay_concurrency`` at once (scaled down by the
 slow-start share of a just-recovered agent; one entry's delivery is
-:mod:`reach_broker.replaysend`'s). After the agent's receipt the entry is held
-(:mod:`reach_broker.taken`) until the agent's final ack record, and given back to run
+:mod:`reach_broker.replay.replaysend`'s). After the agent's receipt the entry is held
+(:mod:`reach_broker.replay.taken`) until the agent's final ack record, and given back to run
 elsewhere should the agent go offline first; if the broker dies, JetStream redelivers it
 after ``ack_wait_s``. An entry whose request id an agent has claimed (KV ``reach_claims``)
 as completed or failed is removed without being sent (``claimed``); one a live agent is
 running (its claim, or an ``IN_PROGRESS`` answer) is held as that agent's; one whose holder
 is offline waits a moment for the claim's release. The agents' own claims keep the handler
 from running twice regardless. A redelivered entry is also looked up in the dispatch
-markers (:mod:`reach_broker.dispatch`): acked at once when its ack record is stored, else
+markers (:mod:`reach_broker.replay.dispatch`): acked at once when its ack record is stored, else
 sent to the agent it went to.
 
 Expired entries (``Reach-Expires-Ms`` passed) are recorded on ``REACH_ACKS`` as ``failed``
@@ -24,7 +24,7 @@ capabilities no agent serves. Every record the broker writes is its own
 (``reach.ack._broker.<request_id>``): besides those ``failed`` ones, a ``received`` naming the
 agent whose receipt it got, written before the entry is acked, so that ``Client.wait`` knows
 whose ack records to believe for a submitted task. The broker also watches ``reach.ack.>``
-for the ack metrics (:mod:`reach_broker.ackwatch`).
+for the ack metrics (:mod:`reach_broker.replay.ackwatch`).
 """
 
 from __future__ import annotations
@@ -42,14 +42,14 @@ from jetstream.compensation import Entry
 from jetstream.names import H_EXPIRES_MS
 from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
-from reach_agent.errors import ReachError
-from reach_agent.schema import RouteRequest
+from reach_agent.wire.errors import ReachError
+from reach_agent.wire.schema import RouteRequest
+from reach_broker.core.records import AgentRecord, Transition
+from reach_broker.core.routing import Router
+from reach_broker.service.context import BrokerContext
 
 from .ackwatch import AckWatch
-from .context import BrokerContext
-from .records import AgentRecord, Transition
 from .replaysend import EntrySender, Outcome
-from .routing import Router
 from .taken import Taken
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 the route, the agent's receipt (or refusal), then held until the taker's final record.
 
 Its own module because sending one entry needs the router, the claims, the dispatch
-markers and the taken entries but nothing of the replay rounds (:mod:`reach_broker.replay`:
+markers and the taken entries but nothing of the replay rounds (:mod:`reach_broker.replay.replay`:
 which capability, when, how many at once).
 """
 
@@ -18,21 +18,21 @@ from typing import Literal, NamedTuple
 from nats.errors import NoRespondersError
 
 from jetstream.compensation import Entry
-from reach_agent import schema
-from reach_agent.errors import ReachError
-from reach_agent.retry import retryable
-from reach_agent.schema import RouteRequest
+from reach_agent.wire import schema
+from reach_agent.wire.errors import ReachError
+from reach_agent.wire.retry import retryable
+from reach_agent.wire.schema import RouteRequest
+from reach_broker.core.records import AgentRecord
+from reach_broker.core.routing import Router
+from reach_broker.interop.synadiareplay import Prompts
+from reach_broker.service.context import BrokerContext
 
 from .ackwatch import AckWatch
 from .brokeracks import record_failed, record_taker
-from .context import BrokerContext
 from .dispatch import MARKER_TTL_S, Dispatches
-from .records import AgentRecord
-from .routing import Router
-from .synadiareplay import Prompts
 from .taken import Taken
 
-log = logging.getLogger("reach_broker.replay")  # the replay.* lines keep their logger
+log = logging.getLogger("reach_broker.replay.replay")  # the replay.* lines keep their logger
 
 Outcome = Literal["replayed", "expired", "failed", "stalled", "claimed", "held", "deferred"]
 RELEASE_WAIT_S = 0.5

@@ -5,7 +5,7 @@ holds it (un-acked, kept alive with ``in_progress`` every third of the consumer'
 ``ack_wait``) until the taker's own final ack record (``completed`` or ``failed``) arrives on
 ``<p>.ack.>``. Should the taker be declared ``offline`` (or evicted) first, the entry is
 given back (``nak``): its claim is released by then or shortly after
-(:mod:`reach_broker.releases`), and the redelivery runs the task once elsewhere. A submitted
+(:mod:`reach_broker.service.releases`), and the redelivery runs the task once elsewhere. A submitted
 task thus completes at least once even when its agent dies mid-task. Should the replica
 itself die, JetStream redelivers its held entries after ``ack_wait`` to another replica,
 which holds them again while their claim says a live agent is running them. An entry held

@@ -15,7 +15,7 @@ user may ask), or taken from ``detection.advisory_account``.
 - At start and after the broker reconnects: reconcile with ``CONNZ``: known agents with no
   connection become ``suspect`` (and are probed), e.g. agents restored from a snapshot. On a
   cluster every node answers about its own connections and every answer is gathered
-  (:func:`reach_broker.clusterinfo.gather`); a partial list (a node that did not answer in
+  (:func:`reach_broker.service.clusterinfo.gather`); a partial list (a node that did not answer in
   time) only costs probes, never a wrong ``offline``.
 
 Connections that are not named after an agent (Synadia Agent Protocol agents, whose
@@ -45,11 +45,11 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
 from reach_agent.grants import jwt_name
+from reach_broker.core.registry import Registry
 
 from .clusterinfo import account_of, connz_subject, gather, server_of
 from .context import BrokerContext
 from .probes import Prober
-from .registry import Registry
 
 log = logging.getLogger(__name__)
 

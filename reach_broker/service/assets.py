@@ -3,7 +3,7 @@ token secret all replicas share.
 
 ``[jetstream] replicas`` sets ``num_replicas`` of every stream and of the KV bucket; unset,
 it is 3 when the server reports a cluster of three or more nodes
-(:func:`reach_broker.clusterinfo.cluster_size`), else 1. Provisioning
+(:func:`reach_broker.service.clusterinfo.cluster_size`), else 1. Provisioning
 (:mod:`jetstream.provision`) moves an existing asset to that count in place: the server
 copies its data to the new peers, nothing is re-created.
 
@@ -28,10 +28,10 @@ from jetstream.provision import (
     load_definitions,
     provision,
 )
-from reach_agent.subjects import Subjects
+from reach_agent.wire.subjects import Subjects
+from reach_broker.config import Config
 
 from .clusterinfo import account_of, cluster_size
-from .config import Config
 
 log = logging.getLogger(__name__)
 

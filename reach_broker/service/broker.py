@@ -3,8 +3,9 @@
 Announce, heartbeat and leave are plain subscriptions on every replica (each derives the same
 state); route and ``agents`` are NATS Services API endpoints in queue group ``reach-broker``,
 so replicas share that load and ``nats micro ls`` lists the broker. What the messages do is
-:mod:`reach_broker.handlers`; every transition goes to the one fan-out
-(:class:`~reach_broker.context.Fanout`): an ``Event`` on ``<prefix>.event.<kind>.<agent_id>``
+:mod:`reach_broker.service.handlers`; every transition goes to the one fan-out
+(:class:`~reach_broker.service.context.Fanout`): an ``Event`` on
+``<prefix>.event.<kind>.<agent_id>``
 and the listeners (snapshot, compensation replay, probes).
 
 The registry, router and components are built with the broker, so none is optional; what
@@ -31,12 +32,19 @@ from nats.micro.service import EndpointConfig, Service, ServiceConfig
 from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
 from reach_agent.connection import Credentials, connect_options, drain_or_close, flush_subscriptions
-from reach_agent.subjects import Subjects
+from reach_agent.wire.subjects import Subjects
+from reach_broker import __version__
+from reach_broker.config import Config
+from reach_broker.core.quotas import Quotas
+from reach_broker.core.registry import Registry
+from reach_broker.core.routing import Router
+from reach_broker.core.rules import Rules, from_config
+from reach_broker.core.tokens import TokenSigner
+from reach_broker.interop.synadia import SynadiaAgents
+from reach_broker.replay.replay import Replayer
 
-from . import __version__
 from .advisories import Advisories
 from .assets import provision_assets, token_secret
-from .config import Config
 from .context import BrokerContext, Fanout, Link, Tasks, TransitionListener
 from .handlers import Handlers
 from .identity import Identity
@@ -44,16 +52,9 @@ from .metrics import Metrics
 from .observer import Observer
 from .outcomes import Outcomes
 from .probes import Prober
-from .quotas import Quotas
-from .registry import Registry
 from .releases import Releaser
-from .replay import Replayer
-from .routing import Router
 from .rulebook import Rulebook
-from .rules import Rules, from_config
 from .snapshot import Snapshot
-from .synadia import SynadiaAgents
-from .tokens import TokenSigner
 
 log = logging.getLogger(__name__)
 

@@ -16,13 +16,13 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 
-from reach_agent import schema
-from reach_agent.schema import Event
-from reach_agent.subjects import Subjects
+from reach_agent.wire import schema
+from reach_agent.wire.schema import Event
+from reach_agent.wire.subjects import Subjects
+from reach_broker.config import Config
+from reach_broker.core.records import AgentRecord, Transition
 
-from .config import Config
 from .metrics import Metrics
-from .records import AgentRecord, Transition
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 A handler (:class:`Handlers`) is synchronous: it decodes, validates, asks the registry or
 the router, hands transitions to the fan-out and returns the reply body (or None), raising
-a :class:`~reach_agent.errors.ReachError` to refuse. :class:`Endpoint` runs it and sends the
+a :class:`~reach_agent.wire.errors.ReachError` to refuse. :class:`Endpoint` runs it and sends the
 reply after the decision; :meth:`Endpoint.failure` is the one place an exception becomes an
 error reply (the NATS Services headers) and a count, as ``nats.micro``'s endpoint does.
 
@@ -26,9 +26,9 @@ from nats.aio.msg import Msg
 from nats.micro.request import Request
 
 from jetstream.names import H_STREAM
-from reach_agent import schema
-from reach_agent.errors import Forbidden, InternalError, Overloaded, ReachError, to_reply
-from reach_agent.schema import (
+from reach_agent.wire import schema
+from reach_agent.wire.errors import Forbidden, InternalError, Overloaded, ReachError, to_reply
+from reach_agent.wire.schema import (
     MAX_BODY_BYTES,
     AnnounceAck,
     Ok,
@@ -36,13 +36,13 @@ from reach_agent.schema import (
     check_capability,
     decode,
 )
-from reach_agent.subjects import is_inbox
+from reach_agent.wire.subjects import is_inbox
+from reach_broker.core.explain import Explainer
+from reach_broker.core.quotas import Quotas, caller_of
+from reach_broker.core.registry import Registry
+from reach_broker.core.routing import Router
 
 from .context import BrokerContext
-from .explain import Explainer
-from .quotas import Quotas, caller_of
-from .registry import Registry
-from .routing import Router
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +240,7 @@ class Handlers:
         invalid_hb = m.heartbeat_result["invalid"]
         self.on_unknown: Callable[[str], None] = lambda agent_id: None
         """Told of a heartbeat from an agent this broker does not know (or whose token it
-        cannot verify): the re-announce request (:mod:`reach_broker.identity`)."""
+        cannot verify): the re-announce request (:mod:`reach_broker.service.identity`)."""
 
         def dropped(kind: str) -> Dropped:
             return lambda reason: m.refused.labels(kind, reason)

@@ -2,7 +2,7 @@
 
 **Re-announce.** A heartbeat from an agent the broker does not know (it restarted without a
 usable snapshot, or its KV was emptied) or whose token it cannot verify (the shared secret
-changed) is answered by a :class:`~reach_agent.schema.Reannounce` on
+changed) is answered by a :class:`~reach_agent.wire.schema.Reannounce` on
 ``<p>.reannounce.<agent_id>``, at most once per :data:`REANNOUNCE_GAP_S` per agent; the SDK
 announces again at once, after a small jitter. So a fleet is routable again within about
 one heartbeat interval instead of its next scheduled announce (up to 10 minutes).
@@ -25,14 +25,14 @@ import logging
 import msgspec
 from nats.aio.msg import Msg
 
-from reach_agent import schema
-from reach_agent.errors import Conflict, to_reply
+from reach_agent.wire import schema
+from reach_agent.wire.errors import Conflict, to_reply
+from reach_broker.core.records import AgentRecord
+from reach_broker.core.registry import Registry
 
 from .clusterinfo import gather
 from .context import BrokerContext
 from .handlers import Handlers
-from .records import AgentRecord
-from .registry import Registry
 
 log = logging.getLogger(__name__)
 

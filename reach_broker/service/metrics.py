@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from reach_agent.schema import AGENT_STATES
+from reach_agent.wire.schema import AGENT_STATES
 
 HEARTBEAT_RESULTS = ("accepted", "stale", "forged", "invalid", "unknown")
 ROUTE_RESULTS = ("ok", "no_agent", "invalid", "overloaded", "error")

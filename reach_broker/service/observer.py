@@ -20,7 +20,7 @@ A fleet does not go silent all at once; a broker's link does. Three rules follow
   makes the broker doubt itself.
 - **Nothing computed blind goes out later.** nats-py buffers publishes while it reconnects;
   the fan-out publishes no event while :attr:`Link.connected` is false
-  (:class:`~reach_broker.context.Fanout`), and a probe whose round trip overlapped an outage
+  (:class:`~reach_broker.service.context.Fanout`), and a probe whose round trip overlapped an outage
   is not held against the agent (:attr:`Link.epoch`, read by the prober).
 """
 
@@ -33,10 +33,11 @@ import math
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
+from reach_broker.core.records import Transition
+from reach_broker.core.registry import Registry
+
 from .advisories import Advisories
 from .context import BrokerContext, Link
-from .records import Transition
-from .registry import Registry
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Subscribes ``<prefix>.outcome.*`` on every replica (a plain subscription: each replica keeps
 the same book, as with heartbeats), decodes and checks each summary, hands it to the
-:class:`~reach_broker.delivery.DeliveryBook` and sets the agent's ``delivery`` — rescoring
+:class:`~reach_broker.core.delivery.DeliveryBook` and sets the agent's ``delivery`` — rescoring
 it, and re-ranking its capabilities at once when the verdict crosses 0 either way. Once a
 second the book is judged again, so reports older than the window stop counting.
 """
@@ -17,12 +17,12 @@ from typing import Any
 from nats.aio.msg import Msg
 
 from reach_agent.aio import stop_loops
-from reach_agent.errors import ReachError
-from reach_agent.schema import decode, is_agent_id, outcome_decoder, validate_outcome
+from reach_agent.wire.errors import ReachError
+from reach_agent.wire.schema import decode, is_agent_id, outcome_decoder, validate_outcome
+from reach_broker.core.delivery import OUTLIER, UNANSWERED, DeliveryBook, Verdict
+from reach_broker.core.registry import Registry
 
 from .context import BrokerContext
-from .delivery import OUTLIER, UNANSWERED, DeliveryBook, Verdict
-from .registry import Registry
 
 log = logging.getLogger(__name__)
 

@@ -34,10 +34,10 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
+from reach_broker.core.records import AgentRecord, Transition
+from reach_broker.core.registry import Registry
 
 from .context import BrokerContext
-from .records import AgentRecord, Transition
-from .registry import Registry
 
 log = logging.getLogger(__name__)
 

@@ -30,11 +30,11 @@ import msgspec
 
 from jetstream import claims
 from jetstream.claims import ClaimStore, ClaimsUnavailable
-from reach_agent import schema
-from reach_agent.schema import Claim, Event
+from reach_agent.wire import schema
+from reach_agent.wire.schema import Claim, Event
+from reach_broker.core.records import AgentRecord, Transition
 
 from .context import BrokerContext
-from .records import AgentRecord, Transition
 
 log = logging.getLogger(__name__)
 

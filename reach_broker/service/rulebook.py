@@ -3,7 +3,7 @@
 Every replica follows the bucket (:func:`jetstream.rules.follow`: each key's last value at
 start, then every change as JetStream stores it), so a ``reach rules set`` reaches all of
 them within the time a stored message takes to be delivered (milliseconds, well under the
-second promised). Each change is applied to the router's :class:`~reach_broker.rules.Rules`
+second promised). Each change is applied to the router's :class:`~reach_broker.core.rules.Rules`
 and the quotas, and published as an ``Event`` of kind ``rule`` on
 ``<prefix>.event.rule._rules`` — the audit trail ``REACH_AUDIT`` keeps it. Every replica
 publishes it with the same ``Nats-Msg-Id`` (``rule.<capability>.<revision>``), so the trail
@@ -20,14 +20,14 @@ from typing import Any
 
 from jetstream import rules as bucket
 from jetstream.names import H_MSG_ID
-from reach_agent import schema
-from reach_agent.errors import InvalidRequest
-from reach_agent.schema import Event
-from reach_agent.subjects import RULES_AUTHOR
+from reach_agent.wire import schema
+from reach_agent.wire.errors import InvalidRequest
+from reach_agent.wire.schema import Event
+from reach_agent.wire.subjects import RULES_AUTHOR
+from reach_broker.core.quotas import Quotas
+from reach_broker.core.rules import Rules, decode_rule, describe
 
 from .context import BrokerContext
-from .quotas import Quotas
-from .rules import Rules, decode_rule, describe
 
 log = logging.getLogger(__name__)
 

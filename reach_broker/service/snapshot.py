@@ -26,13 +26,13 @@ import msgspec
 
 from jetstream.names import REGISTRY_BUCKET
 from jetstream.tasks import raise_if_cancelled
-from reach_agent import schema
 from reach_agent.aio import stop_loops
-from reach_agent.schema import AgentState, Announce
+from reach_agent.wire import schema
+from reach_agent.wire.schema import AgentState, Announce
+from reach_broker.core.records import AgentRecord, Transition
+from reach_broker.core.registry import Registry
 
 from .context import BrokerContext
-from .records import AgentRecord, Transition
-from .registry import Registry
 
 log = logging.getLogger(__name__)
 

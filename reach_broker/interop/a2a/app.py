@@ -11,7 +11,7 @@
 
 The JSON-RPC endpoints are the a2a-sdk's own dispatcher (A2A 1.0 methods such as
 ``SendMessage``, and 0.3's ``message/send`` beside them) over
-:class:`~reach_broker.a2a.handler.GatewayHandler`; the path's capability or agent id reaches
+:class:`~reach_broker.interop.a2a.handler.GatewayHandler`; the path's capability or agent id reaches
 the handler in the call context. With a token every request needs ``Authorization: Bearer
 <token>`` (compared in constant time), else 401; a body over 8 MiB is refused with 413.
 Bound on loopback, a request must name a loopback ``Host`` (403: a page elsewhere cannot
@@ -36,11 +36,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from reach_agent.errors import Forbidden, InvalidRequest, ReachError, to_reply
-from reach_agent.schema import AGENT_STATES, check_capability
+from reach_agent.wire.errors import Forbidden, InvalidRequest, ReachError, to_reply
+from reach_agent.wire.schema import AGENT_STATES, check_capability
+from reach_broker.core.registry import Registry
+from reach_broker.core.routing import Router
 
-from ..registry import Registry
-from ..routing import Router
 from . import cards
 from .binding import is_loopback, loopback_host
 from .handler import GatewayHandler

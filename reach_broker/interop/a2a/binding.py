@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import socket
 
-from ..config import A2ASection
-from ..console.app import host_name, is_loopback
+from reach_broker.config import A2ASection
+from reach_broker.console.app import host_name, is_loopback
 
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 

@@ -22,12 +22,11 @@ from typing import Any
 
 import msgspec
 
-from reach_agent.errors import ReachError
-from reach_agent.schema import AgentState, RouteRequest
-
-from ..records import AgentRecord
-from ..registry import Registry
-from ..routing import Router
+from reach_agent.wire.errors import ReachError
+from reach_agent.wire.schema import AgentState, RouteRequest
+from reach_broker.core.records import AgentRecord
+from reach_broker.core.registry import Registry
+from reach_broker.core.routing import Router
 
 AVAILABILITY_URI = "urn:reach:a2a:availability:v1"
 """The availability extension of an agent's card (its ``params``: :class:`Availability`)."""

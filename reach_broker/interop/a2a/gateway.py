@@ -19,14 +19,14 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 
-from reach_agent.client import Client
-from reach_agent.config import ClientConfig
-from reach_agent.subjects import Subjects
+from reach_agent.client.client import Client
+from reach_agent.client.config import ClientConfig
+from reach_agent.wire.subjects import Subjects
+from reach_broker import __version__
+from reach_broker.config import A2ASection
+from reach_broker.core.registry import Registry
+from reach_broker.core.routing import Router
 
-from .. import __version__
-from ..config import A2ASection
-from ..registry import Registry
-from ..routing import Router
 from .app import Views, build_app
 from .binding import bind
 from .handler import GatewayHandler

@@ -41,9 +41,9 @@ from a2a.utils.errors import (
 from google.protobuf import struct_pb2
 from google.protobuf.json_format import MessageToDict, ParseDict
 
-from reach_agent import errors
-from reach_agent.client import Client
-from reach_agent.errors import BizReject, LoopDetected, ReachError, RequestError, StreamBroken
+from reach_agent.client.client import Client
+from reach_agent.wire import errors
+from reach_agent.wire.errors import BizReject, LoopDetected, ReachError, RequestError, StreamBroken
 
 from .local import PINNED
 

@@ -13,14 +13,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 
-from reach_agent.client import Client
-from reach_agent.errors import NoReachableAgent
-from reach_agent.routes import Routes
-from reach_agent.schema import Candidate, RouteRequest, check_capability, check_tags
-
-from ..index import candidate
-from ..registry import Registry
-from ..routing import Router
+from reach_agent.client.client import Client
+from reach_agent.client.routes import Routes
+from reach_agent.wire.errors import NoReachableAgent
+from reach_agent.wire.schema import Candidate, RouteRequest, check_capability, check_tags
+from reach_broker.core.index import candidate
+from reach_broker.core.registry import Registry
+from reach_broker.core.routing import Router
 
 PINNED: ContextVar[str | None] = ContextVar("reach_a2a_pinned", default=None)
 """The agent the current call must go to (set around one call, or one stream's first chunk)."""
