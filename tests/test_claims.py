@@ -25,6 +25,7 @@ from nats.aio.client import Client as NATS
 
 import reach_agent
 from jetstream.claims import ClaimStore, claim_key
+from jetstream.names import H_REQUEST_ID
 from jetstream.provision import load_definitions
 from reach_agent import ClientConfig
 from reach_agent.agent.claiming import decide
@@ -175,7 +176,7 @@ async def test_compensation_replay_of_a_completed_request_does_not_run_it_again(
         await agents(slow_agent("done-b", "bill", runs))
         await wait_for(lambda: healthy(broker, "done-b"))
         raw = await nc.request("reach.task.done-b.bill", b'{"n": 7}', timeout=5,
-                               headers={schema.H_REQUEST_ID: rid})  # fmt: skip
+                               headers={H_REQUEST_ID: rid})  # fmt: skip
     assert (record.state, record.agent_id) == ("completed", "done-a")
     assert record.result == {"agent": "done-a", "n": 7}  # decoded, as wait() returns it
     assert (raw.headers or {}).get(schema.H_STATUS) == "completed"
@@ -219,7 +220,7 @@ async def test_without_jetstream_claims_are_off_logged_once_and_the_process_wind
         assert agent.tasks.claimer is not None and agent.tasks.claimer.enabled is False
         for _ in range(3):
             reply = await nc.request("reach.task.nojs.plain", b"{}", timeout=5,
-                                     headers={schema.H_REQUEST_ID: "same"})  # fmt: skip
+                                     headers={H_REQUEST_ID: "same"})  # fmt: skip
             assert msgspec.json.decode(reply.data) == {"agent": "nojs", "n": None}
     finally:
         await agent.stop(grace=1)
@@ -299,7 +300,7 @@ async def test_an_agent_stalled_before_it_claims_never_runs_the_request_its_retr
             nc = await nats.connect(nats_server.url)
             try:
                 task = SUBJECTS.task("stop-a", "pay")
-                hdrs = {schema.H_REQUEST_ID: later}
+                hdrs = {H_REQUEST_ID: later}
                 reply = await nc.request(task, b'{"n": 3}', timeout=15, headers=hdrs)
             finally:
                 await nc.close()

@@ -14,6 +14,7 @@ from nats.js.errors import APIError
 
 from jetstream import ackreads, acks, audit, compensation
 from jetstream import wal as jwal
+from jetstream.names import H_REQUEST_ID
 from jetstream.provision import UnsafeChange, load_definitions, provision
 from reach_agent import Client
 from reach_agent.client import durable
@@ -166,7 +167,7 @@ async def test_full_queue_refuses_with_compensation_full_and_holds_exactly_the_b
     entries = await compensation.scan(nc, "nobody.serves", subjects=SUBJECTS)
     assert [e.request_id for e in entries] == list(ids)
     assert entries[4].priority == 1
-    assert entries[4].headers[schema.H_REQUEST_ID] == ids[4]
+    assert entries[4].headers[H_REQUEST_ID] == ids[4]
 
 
 async def test_client_counts_what_its_submits_became(

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from nats.aio.msg import Msg
 
+from jetstream.names import H_REQUEST_ID
 from reach_agent.client.calls import Call, encode_payload
 from reach_agent.client.routes import RouteCache
 from reach_agent.wire import schema
@@ -144,7 +145,7 @@ async def test_headers_of_a_call_and_of_each_attempt() -> None:
     c = call(ack_mode="received")
     # Outside any task a call starts a trace: a new traceparent, Reach-Trace-Id its trace id.
     traceparent = c.headers[schema.H_TRACEPARENT]
-    assert c.headers == {"x-custom": "v", schema.H_REQUEST_ID: "r-1", schema.H_RECEIPT: "1",
+    assert c.headers == {"x-custom": "v", H_REQUEST_ID: "r-1", schema.H_RECEIPT: "1",
                          schema.H_ACK_MODE: "received", schema.H_TRACEPARENT: traceparent,
                          schema.H_TRACE_ID: traceparent[3:35]}  # fmt: skip
     assert c.attempt_headers(c.deadline - 1.5)[schema.H_TIMEOUT_MS] == "1500"

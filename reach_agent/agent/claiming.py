@@ -39,6 +39,7 @@ from nats.aio.client import Client as NATS
 
 from jetstream import ackreads
 from jetstream.claims import ClaimStore, ClaimsUnavailable, NoClaimsBucket, Stored, claim_key
+from jetstream.names import H_REQUEST_ID
 from reach_agent import trace
 from reach_agent.client.durable import attributed
 from reach_agent.wire import schema
@@ -278,7 +279,7 @@ class Claimer:
             return _error_reply(err, request_id)
         if rec.state == "completed":
             body = bytes(rec.result) if rec.result is not None else b"null"
-            return {schema.H_REQUEST_ID: request_id, schema.H_STATUS: "completed"}, body
+            return {H_REQUEST_ID: request_id, schema.H_STATUS: "completed"}, body
         failure = rec.error or {}
         return _error_reply(
             error_for(failure.get("code", "INTERNAL"), failure.get("message", "")), request_id
@@ -312,5 +313,5 @@ def _decode(stored: Stored) -> schema.Claim:
 
 def _error_reply(err: ReachError, request_id: str) -> Reply:
     headers, body = to_reply(err)
-    headers[schema.H_REQUEST_ID] = request_id
+    headers[H_REQUEST_ID] = request_id
     return headers, body

@@ -19,6 +19,7 @@ from typing import Any, Literal
 import msgspec
 from nats.aio.client import Client as NATS
 
+from jetstream.names import H_REQUEST_ID
 from reach_agent.client import streaming
 from reach_agent.wire import schema
 from reach_agent.wire.errors import InternalError
@@ -84,7 +85,7 @@ class HandlerRunner:
                     wait_s=lambda: (streaming.CREDIT_WAIT_S if deadline is None
                                     else deadline - time.monotonic()),
                 )  # fmt: skip
-                end = {schema.H_REQUEST_ID: task.request_id, schema.H_STATUS: "completed",
+                end = {H_REQUEST_ID: task.request_id, schema.H_STATUS: "completed",
                        schema.H_CHUNKS: str(n)}  # fmt: skip
                 return joined, (end, b"")
             return await streaming.collect(chunks), None

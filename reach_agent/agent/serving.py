@@ -31,6 +31,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from jetstream.names import H_REQUEST_ID
 from reach_agent import trace
 from reach_agent.aio import TaskSet, wait_event
 from reach_agent.metrics import AgentMetrics
@@ -177,7 +178,7 @@ class TaskServer:
                         "not an inbox", self.agent_id, capability, reply[:128])  # fmt: skip
             return
         hdrs = msg.headers or {}
-        request_id = hdrs.get(schema.H_REQUEST_ID) or str(uuid.uuid4())
+        request_id = hdrs.get(H_REQUEST_ID) or str(uuid.uuid4())
         now = time.monotonic()
         entry = self.dedup.lookup(request_id, now)
         d = admit(hdrs, agent_id=self.agent_id, duplicate=entry is not None,
@@ -199,7 +200,7 @@ class TaskServer:
             assert d.error is not None
             if reply:
                 headers, body = to_reply(d.error)
-                headers[schema.H_REQUEST_ID] = request_id
+                headers[H_REQUEST_ID] = request_id
                 await self._publish(reply, body, headers)
             return
         assert entry is not None  # a duplicate
@@ -225,7 +226,7 @@ class TaskServer:
 
     async def _send_receipt(self, reply: str, request_id: str) -> None:
         body = schema.encoder.encode(schema.Receipt(request_id=request_id))
-        await self._publish(reply, body, {schema.H_REQUEST_ID: request_id,
+        await self._publish(reply, body, {H_REQUEST_ID: request_id,
                                           schema.H_STATUS: "received"})  # fmt: skip
 
     def _count(self, capability: str, result: str) -> None:
@@ -323,13 +324,13 @@ class TaskServer:
             now = time.monotonic()
             self._durations.append((now - started) * 1000.0)
             if error is None:
-                headers = {schema.H_REQUEST_ID: request_id, schema.H_STATUS: "completed"}
+                headers = {H_REQUEST_ID: request_id, schema.H_STATUS: "completed"}
                 self.ok_total += 1
                 self._count(capability, "ok")
             else:
                 wire = None
                 headers, body = to_reply(error)
-                headers[schema.H_REQUEST_ID] = request_id
+                headers[H_REQUEST_ID] = request_id
                 if error.status < 500:
                     self.ok_total += 1  # the agent did its job: the request was refused
                     self._count(capability, "rejected")

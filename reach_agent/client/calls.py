@@ -38,6 +38,7 @@ from uuid import uuid4
 
 import msgspec
 
+from jetstream.names import H_REQUEST_ID
 from reach_agent import trace
 from reach_agent.wire import schema
 from reach_agent.wire.errors import (
@@ -136,7 +137,7 @@ class Call:
         self.capability = capability
         self.body = body
         hdrs = dict(headers or {})
-        hdrs[schema.H_REQUEST_ID] = request_id or hdrs.get(schema.H_REQUEST_ID) or str(uuid4())
+        hdrs[H_REQUEST_ID] = request_id or hdrs.get(H_REQUEST_ID) or str(uuid4())
         hdrs[schema.H_RECEIPT] = "1"
         if ack_mode == "received":
             hdrs[schema.H_ACK_MODE] = "received"
@@ -182,7 +183,7 @@ class Call:
 
     @property
     def request_id(self) -> str:
-        return self.headers[schema.H_REQUEST_ID]
+        return self.headers[H_REQUEST_ID]
 
     def fit_hint(self, deadline: float) -> None:
         """The current target announced a timeout hint that gives ``deadline``: wait at

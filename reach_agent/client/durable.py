@@ -23,17 +23,12 @@ from nats.aio.client import Client as NATS
 
 from jetstream import ackreads, acks, compensation
 from jetstream.claims import ClaimStore, ClaimsUnavailable, claim_key
+from jetstream.names import H_REQUEST_ID
 from reach_agent import trace
 from reach_agent.connection import Credentials, connect_options
 from reach_agent.wire import schema
 from reach_agent.wire.errors import CompensationFull, InternalError, InvalidRequest, Timeout
-from reach_agent.wire.schema import (
-    H_REQUEST_ID,
-    AckRecord,
-    check_capability,
-    decode_ack_record,
-    encoder,
-)
+from reach_agent.wire.schema import AckRecord, check_capability, decode_ack_record, encoder
 from reach_agent.wire.subjects import BROKER_ACK_AUTHOR, DEFAULT_PREFIX, Subjects
 
 log = trace.logger(__name__)

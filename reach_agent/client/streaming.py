@@ -33,6 +33,7 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from jetstream.names import H_REQUEST_ID
 from reach_agent import trace
 from reach_agent.wire import schema
 from reach_agent.wire.errors import InternalError, InvalidRequest, StreamBroken, from_reply
@@ -188,7 +189,7 @@ async def send(
             n += 1
             joined.add(chunk, encoded)
             await nc.publish(reply, encoded, reply=subject, headers={
-                schema.H_REQUEST_ID: request_id, schema.H_STATUS: "chunk", schema.H_SEQ: str(n),
+                H_REQUEST_ID: request_id, schema.H_STATUS: "chunk", schema.H_SEQ: str(n),
             })  # fmt: skip
     finally:
         credits.close(subject)

@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 
+from jetstream.names import H_REQUEST_ID
 from reach_agent.connection import drain_or_close, flush_subscriptions
 from reach_agent.wire import schema
 from reach_agent.wire.errors import Draining, InvalidRequest, LoopDetected, ReachError
@@ -251,7 +252,7 @@ class HandMadeAgent:
                              "inbox", ignored=True)  # fmt: skip
             return
         hdrs = msg.headers or {}
-        rid = hdrs.get(schema.H_REQUEST_ID) or str(uuid.uuid4())
+        rid = hdrs.get(H_REQUEST_ID) or str(uuid.uuid4())
         cap = self.subjects.capability_of_task(msg.subject, self.agent_id)
         done = self.results.get(rid)
         if done is not None:  # a retry of a task already served: the same result, not rerun
@@ -264,7 +265,7 @@ class HandMadeAgent:
         except ReachError as err:
             self.fail_total += 1
             headers, body = error_reply(err)
-            await self.nc.publish(msg.reply, body, headers={**headers, schema.H_REQUEST_ID: rid})
+            await self.nc.publish(msg.reply, body, headers={**headers, H_REQUEST_ID: rid})
             self.say("task", f"task {rid} {cap}: refused {err.code} ({err.message})",
                      request_id=rid, capability=cap, error=err.code)  # fmt: skip
             return
@@ -297,7 +298,7 @@ class HandMadeAgent:
             raise InvalidRequest(f"task payload is not JSON ({exc})") from None
 
     async def _reply(self, msg: Any, rid: str, body: bytes, status: str) -> None:
-        headers = {schema.H_REQUEST_ID: rid, schema.H_STATUS: status}
+        headers = {H_REQUEST_ID: rid, schema.H_STATUS: status}
         await self.nc.publish(msg.reply, body, headers=headers)
 
 

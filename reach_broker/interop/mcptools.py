@@ -26,7 +26,7 @@ import msgspec
 
 from reach_agent.client.client import Client
 from reach_agent.wire import schema
-from reach_agent.wire.errors import NoReachableAgent, from_reply
+from reach_agent.wire.errors import InvalidRequest, NoReachableAgent, from_reply
 from reach_broker.core.reasons import EXCLUSIONS
 
 INSTRUCTIONS = """\
@@ -105,7 +105,7 @@ class Tools:
     ) -> dict[str, Any]:
         schema.check_capability(capability)
         if not 1 <= limit <= 100:
-            raise schema.InvalidRequest(f"limit {limit} is not within 1..100")
+            raise InvalidRequest(f"limit {limit} is not within 1..100")
         req = schema.RouteRequest(limit=limit, region=region, tags=tags or {}, explain=True)
         views = await self.views(capability)
         candidates, explain, reason = await self.explained_route(capability, req)
@@ -138,7 +138,7 @@ class Tools:
         self, capability: str, payload: Any, timeout_s: float | None = None
     ) -> dict[str, Any]:
         if timeout_s is not None and timeout_s <= 0:
-            raise schema.InvalidRequest(f"timeout_s {timeout_s} must be above 0")
+            raise InvalidRequest(f"timeout_s {timeout_s} must be above 0")
         timeout = timeout_s or self.call_timeout_s
         result = await self.client.call(capability, payload, timeout=timeout)
         return {"capability": capability, "result": result}

@@ -18,6 +18,7 @@ from typing import Literal, NamedTuple
 from nats.errors import NoRespondersError
 
 from jetstream.compensation import Entry
+from jetstream.names import H_REQUEST_ID
 from reach_agent.wire import schema
 from reach_agent.wire.errors import ReachError
 from reach_agent.wire.retry import retryable
@@ -105,7 +106,7 @@ class EntrySender:
             await e.msg.ack_sync()
             return "expired"
         headers = e.task_headers()
-        headers[schema.H_REQUEST_ID] = e.request_id
+        headers[H_REQUEST_ID] = e.request_id
         headers[schema.H_RECEIPT] = "1"
         only: str | None = None
         if e.msg.metadata.num_delivered > 1 and claim is None:  # sent before? (a leader

@@ -27,7 +27,14 @@ from nats.micro.request import Request
 
 from jetstream.names import H_STREAM
 from reach_agent.wire import schema
-from reach_agent.wire.errors import Forbidden, InternalError, Overloaded, ReachError, to_reply
+from reach_agent.wire.errors import (
+    Forbidden,
+    InternalError,
+    InvalidRequest,
+    Overloaded,
+    ReachError,
+    to_reply,
+)
 from reach_agent.wire.schema import (
     MAX_BODY_BYTES,
     AnnounceAck,
@@ -283,7 +290,7 @@ class Handlers:
         check_agent_id(agent_id, "subject agent_id")
         ann = schema.validate_announce(decode(schema.announce_decoder, data, "announce"), agent_id)
         if ann.agent_type == schema.PROTOCOL_SYNADIA:
-            raise schema.InvalidRequest(
+            raise InvalidRequest(
                 f"agent_type {ann.agent_type!r} is reserved for Synadia Agent Protocol agents "
                 "the broker discovers itself (on $SRV.INFO.agents)"
             )
@@ -331,7 +338,7 @@ class Handlers:
         check_agent_id(agent_id, "subject agent_id")
         body = decode(schema.leave_decoder, data, "leave")
         if body.agent_id is not None and body.agent_id != agent_id:
-            raise schema.InvalidRequest(
+            raise InvalidRequest(
                 f"agent_id {body.agent_id!r} in the body disagrees with the subject's {agent_id!r}"
             )
         if body.token is None and self.require_leave_token:

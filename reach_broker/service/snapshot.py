@@ -28,6 +28,7 @@ from jetstream.names import REGISTRY_BUCKET
 from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
 from reach_agent.wire import schema
+from reach_agent.wire.errors import InvalidRequest
 from reach_agent.wire.schema import AgentState, Announce
 from reach_broker.core.records import AgentRecord, Transition
 from reach_broker.core.registry import Registry
@@ -127,7 +128,7 @@ class Snapshot:
                 try:
                     snap = _entry_decoder.decode(entry.value)
                     ann = schema.validate_announce(snap.announce, entry.key)
-                except (msgspec.MsgspecError, schema.InvalidRequest) as exc:
+                except (msgspec.MsgspecError, InvalidRequest) as exc:
                     log.warning("snapshot.bad_entry key=%s error=%s", entry.key, exc)
                     continue
                 self._written[entry.key] = (ann, snap.state, snap.task_ms)
