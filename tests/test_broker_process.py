@@ -311,7 +311,7 @@ def test_a_second_broker_on_a_busy_port_is_one_line(
 
 OWNER = """
 import sys, threading, time
-from reach_broker.natsserver import NatsServer
+from reach_broker.cluster.natsserver import NatsServer
 server = NatsServer(port=0, guard=sys.argv[1])
 if sys.argv[2] == "thread":  # started from a thread that then ends
     worker = threading.Thread(target=server.start)

@@ -169,7 +169,9 @@ async def test_compensation_replay_of_a_completed_request_does_not_run_it_again(
         assert first == {"agent": "done-a", "n": 7}
         submitted = await client.submit("bill", {"n": 7}, request_id=rid)
         assert submitted == rid and submitted.duplicate is False
-        await wait_for(lambda: broker.replayer.claimed == 1, 10, what="the entry seen as claimed")
+        await wait_for(
+            lambda: broker.replayer.sender.claimed == 1, 10, what="the entry seen as claimed"
+        )
         record = await client.wait(rid, timeout=5)
         # A replay that raced the broker's own check reaches another agent: it answers the
         # stored result and does not run the handler either.
@@ -182,7 +184,7 @@ async def test_compensation_replay_of_a_completed_request_does_not_run_it_again(
     assert (raw.headers or {}).get(schema.H_STATUS) == "completed"
     assert msgspec.json.decode(raw.data) == {"agent": "done-a", "n": 7}
     assert runs == [("done-a", rid)]
-    assert (broker.replayer.replayed, broker.replayer.claimed) == (0, 1)
+    assert (broker.replayer.sender.replayed, broker.replayer.sender.claimed) == (0, 1)
     assert broker.metrics.compensation_result["claimed"]._value.get() == 1
 
 

@@ -163,7 +163,8 @@ async def test_killing_the_compensation_leader_mid_replay_runs_every_task_once(
                     await asyncio.sleep(0.5)
                     missing = await all_acked()
                 assert missing == []
-                await wait_for(lambda: all(b.replayer.replayed + b.replayer.dispatches.already
+                await wait_for(lambda: all(b.replayer.sender.replayed
+                                           + b.replayer.sender.dispatches.already
                                            >= 0 for b in brokers), 1)  # fmt: skip
                 info = await js.stream_info(COMP_STREAM)
                 deadline = time.monotonic() + 30
@@ -174,8 +175,8 @@ async def test_killing_the_compensation_leader_mid_replay_runs_every_task_once(
             twice = sorted(rid for rid, n in ran.items() if n > 1)
             assert sorted(ran) == ids  # none lost, none unknown
             assert twice == []  # none ran twice
-            resent = sum(b.replayer.dispatches.resent_same for b in brokers)
-            already = sum(b.replayer.dispatches.already for b in brokers)
+            resent = sum(b.replayer.sender.dispatches.resent_same for b in brokers)
+            already = sum(b.replayer.sender.dispatches.already for b in brokers)
             print(f"ha.figure replay_leader_kill tasks={TASKS} lost=0 twice={len(twice)} "
                   f"leader={leader}->{new} failover_s={failover:.2f} drained_s={drained:.2f} "
                   f"resent_same={resent} already_acked={already}")  # fmt: skip

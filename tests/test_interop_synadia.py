@@ -165,7 +165,7 @@ async def test_the_compensation_queue_delivers_to_a_synadia_agent_and_records_it
         rec = await client.wait(rid, 20)
         assert (rec.state, rec.agent_id, rec.capability) == ("completed", agent_id, "text.late")
         assert rec.result == "echo:queued"  # wait() decodes the result
-        assert broker.replayer.replayed == 1
+        assert broker.replayer.sender.replayed == 1
         # An entry the agent fails is recorded failed with its error.
         bad = await client.submit("text.late", "fail", ttl=60)
         rec = await client.wait(bad, 20)

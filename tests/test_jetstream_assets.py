@@ -197,7 +197,7 @@ async def test_expired_entries_are_recorded_failed_and_removed(
     assert record.agent_id == broker.broker_id
     assert record.error is not None
     assert (record.error["code"], record.error["reason"]) == ("TIMEOUT", "expired")
-    await wait_for(lambda: broker.replayer.expired == 1, what="expired count")
+    await wait_for(lambda: broker.replayer.sender.expired == 1, what="expired count")
     for _ in range(100):  # the record is stored first, then the entry removed
         left = [e.request_id for e in await compensation.scan(nc, subjects=SUBJECTS)]
         if left == [keep]:

@@ -180,17 +180,11 @@ class Agent:
         self._started = False
         self.watch = ConnectionWatch(agent_id, self.subjects, metrics, lambda: self._started,
                                      self.presence.reannounce)  # fmt: skip
-        """The connection's callbacks: grants, permission violations, close, reconnect."""
-        self.closed = self.watch.closed
-        """Set when the server closed the connection for good while serving (the credential
-        was revoked or expired): :func:`reach_agent.run` then exits."""
+        """The connection's callbacks: grants, permission violations, a close for good
+        (``watch.closed``, ``watch.closed_reason``: :func:`reach_agent.run` then exits),
+        reconnect."""
 
     # --- what the parts know ------------------------------------------------------------
-
-    @property
-    def closed_reason(self) -> str:
-        """Why the server closed the connection for good (empty while it has not)."""
-        return self.watch.closed_reason
 
     @property
     def ack_sink(self) -> AckSink | None:

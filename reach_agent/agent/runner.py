@@ -100,12 +100,12 @@ def run(
                 delay = min(delay * 2, 10.0)
         try:
             stopping = asyncio.ensure_future(stop.wait())
-            closed = asyncio.ensure_future(agent.closed.wait())
+            closed = asyncio.ensure_future(agent.watch.closed.wait())
             await asyncio.wait({stopping, closed}, return_when=asyncio.FIRST_COMPLETED)
             stopping.cancel()
             closed.cancel()
             if not stop.is_set():  # the server closed the connection for good
-                raise SystemExit(f"reach: agent {agent.agent_id}: {agent.closed_reason}")
+                raise SystemExit(f"reach: agent {agent.agent_id}: {agent.watch.closed_reason}")
             log.info("agent.signal agent=%s: draining", agent.agent_id)
         finally:
             await agent.stop()

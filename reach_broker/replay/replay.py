@@ -86,29 +86,12 @@ class Replayer:
         """Entries delivered and held until their taker's final record."""
         self.acks.on_final = self.taken.done
         self.sender = EntrySender(ctx, router, claim_of, record_of, self.taken, self.acks)
-        """Sends one entry (replaysend.py); its counters are this component's."""
-        self.dispatches = self.sender.dispatches
-        """Where each entry was sent: exactly once across a leader change (dispatch.py)."""
+        """Sends one entry (replaysend.py) and counts how each ended (``replayed``,
+        ``expired``, ``failed``, ``claimed``); its ``dispatches`` (dispatch.py) say where each
+        entry was sent, exactly once across a leader change."""
         self._subs: list[Any] = []
         self._sweeper: asyncio.Task[None] | None = None
         self._route_req = RouteRequest(limit=3)
-
-    @property
-    def replayed(self) -> int:
-        return self.sender.replayed
-
-    @property
-    def expired(self) -> int:
-        return self.sender.expired
-
-    @property
-    def failed(self) -> int:
-        return self.sender.failed
-
-    @property
-    def claimed(self) -> int:
-        """Entries an agent had claimed: removed, not sent."""
-        return self.sender.claimed
 
     # --- lifecycle ----------------------------------------------------------------------
 
