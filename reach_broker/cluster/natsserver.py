@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 _LISTEN_RE = re.compile(r"Listening for client connections on ([0-9.]+|\[[0-9a-f:]+\]):(\d+)")
 _IN_USE_RE = re.compile(r"\[FTL\] Error listening on port: \S+?:(\d+),.*address already in use")
 _FATAL_RE = re.compile(r"\[(?:FTL|ERR)\] (.*)")
-_REPO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "nats-server.conf"
+_REPO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "nats-server.conf"
 
 SYSTEM_PASSWORD_ENV = "REACH_NATS_SYSTEM_PASSWORD"
 """Read by ``configs/nats-server.conf`` as the system account's password."""
