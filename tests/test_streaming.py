@@ -15,9 +15,10 @@ from nats.aio.client import Client as NATS
 
 import reach_agent
 from reach_agent.client.calls import Call, StreamStart
-from reach_agent.client.streaming import Joined, join, read
+from reach_agent.client.streaming import read
 from reach_agent.wire import schema
 from reach_agent.wire.errors import InternalError, StreamBroken
+from reach_agent.wire.streams import Joined, join
 from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.service.broker import Broker
 

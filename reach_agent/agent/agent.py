@@ -16,7 +16,7 @@ The durable-ack hook: ``Agent(ack_sink=...)`` takes any object with
 ``async def record(rec: schema.AckRecord) -> None`` (and optional ``async start()`` /
 ``async stop()``, called when the agent starts and after it drained); see
 :mod:`~reach_agent.agent.serving` for what it receives. Without one the agent uses the JetStream
-``AckWriter`` (:func:`reach_agent.client.durable.default_ack_writer`), with the agent's servers and
+``AckWriter`` (:func:`reach_agent.agent.ackwriter.default_ack_writer`), with the agent's servers and
 credentials; ``durable_acks=False`` turns acks off.
 """
 
@@ -31,7 +31,6 @@ from typing import Any, Unpack
 
 from nats.aio.client import Client as NATS
 
-from reach_agent.client import durable
 from reach_agent.connection import (
     CredentialOptions,
     Credentials,
@@ -46,6 +45,7 @@ from reach_agent.wire import schema
 from reach_agent.wire.errors import InvalidRequest
 from reach_agent.wire.subjects import DEFAULT_PREFIX, Subjects
 
+from . import ackwriter
 from .claiming import Claimer
 from .connwatch import ConnectionWatch
 from .dedup import DedupCache
@@ -304,7 +304,7 @@ class Agent:
         if missing:
             raise InvalidRequest(f"capabilities {missing!r} have no handler")
         if self.ack_sink is None and self.durable_acks:
-            durable.check_ack_dir(self.agent_id, self.ack_wal_dir)  # one clear error, now
+            ackwriter.check_ack_dir(self.agent_id, self.ack_wal_dir)  # one clear error, now
         cred = self.credentials if credentials is None else credentials.over(self.credentials)
         servers = server_list(servers)
         options = connect_options(self.agent_id, servers, cred)
@@ -337,7 +337,7 @@ class Agent:
 
     async def _setup(self, nc: NATS, servers: list[str], cred: Credentials) -> None:
         if self.ack_sink is None and self.durable_acks:
-            self.ack_sink = durable.default_ack_writer(
+            self.ack_sink = ackwriter.default_ack_writer(
                 self.agent_id, servers, prefix=self.prefix, credentials=cred,
                 wal_dir=self.ack_wal_dir,
             )  # fmt: skip

@@ -41,7 +41,7 @@ from jetstream import ackreads
 from jetstream.claims import ClaimStore, ClaimsUnavailable, NoClaimsBucket, Stored, claim_key
 from jetstream.names import H_REQUEST_ID
 from reach_agent import trace
-from reach_agent.client.durable import attributed
+from reach_agent.results import attributed, result_location
 from reach_agent.wire import schema
 from reach_agent.wire.errors import InProgress, ReachError, Timeout, error_for, to_reply
 from reach_agent.wire.subjects import Subjects
@@ -284,16 +284,6 @@ class Claimer:
         return _error_reply(
             error_for(failure.get("code", "INTERNAL"), failure.get("message", "")), request_id
         )
-
-
-def result_location(claim: schema.Claim, subjects: Subjects) -> str:
-    """Where a claim's result is: its holder's ack subject of the request. A claim's own
-    ``ack_subject`` is written by whoever wrote the claim, so it is only compared."""
-    location = subjects.ack(claim.agent_id, claim.request_id)
-    if claim.ack_subject and claim.ack_subject != location:
-        log.warning("claims.foreign_location request_id=%s holder=%s ack_subject=%s: using %s",
-                    claim.request_id, claim.agent_id, claim.ack_subject, location)  # fmt: skip
-    return location
 
 
 def _failed(request_id: str, state: str, exc: Exception) -> Callable[[], Awaitable[None]]:

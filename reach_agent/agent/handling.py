@@ -20,10 +20,10 @@ import msgspec
 from nats.aio.client import Client as NATS
 
 from jetstream.names import H_REQUEST_ID
-from reach_agent.client import streaming
-from reach_agent.wire import schema
+from reach_agent.wire import schema, streams
 from reach_agent.wire.errors import InternalError
 
+from . import streaming
 from .dedup import Reply
 from .task import Task
 
@@ -81,7 +81,7 @@ class HandlerRunner:
                 deadline = task.deadline
                 n, joined = await streaming.send(
                     self.nc, chunks, reply=stream_to, request_id=task.request_id,
-                    window=streaming.window_of(task.headers), credits=self.credits,
+                    window=streams.window_of(task.headers), credits=self.credits,
                     wait_s=lambda: (streaming.CREDIT_WAIT_S if deadline is None
                                     else deadline - time.monotonic()),
                 )  # fmt: skip

@@ -40,7 +40,7 @@ import msgspec
 
 from jetstream.names import H_REQUEST_ID
 from reach_agent import trace
-from reach_agent.wire import schema
+from reach_agent.wire import schema, streams
 from reach_agent.wire.errors import (
     InternalError,
     InvalidRequest,
@@ -341,7 +341,7 @@ class Call:
                     return "ok", StreamStart(a, msg)
                 chunks.append(value)
             elif kind == "end":
-                return "ok", prompting.join(chunks)
+                return "ok", streams.join(chunks)
             elif kind == "error":
                 return "error", value
 

@@ -63,7 +63,7 @@ from reach_agent.connection import (
     flush_subscriptions,
 )
 from reach_agent.metrics import ClientMetrics
-from reach_agent.wire import schema
+from reach_agent.wire import schema, streams
 from reach_agent.wire.errors import Forbidden, InternalError, InvalidRequest
 from reach_agent.wire.subjects import ReplyInbox, Subjects
 
@@ -292,7 +292,7 @@ class Client:
         ``hint`` being the ``timeout_hint_ms`` the chosen agent announced. With
         ``ack_mode="received"`` the call returns the :class:`~reach_agent.wire.schema.Receipt`
         once an agent has accepted the task; the result goes to ``REACH_ACKS``. A streaming
-        handler's answer comes joined (:func:`reach_agent.client.streaming.join`).
+        handler's answer comes joined (:func:`reach_agent.wire.streams.join`).
         ``canary``, ``requires`` and ``min_context_tokens`` go to the route request
         (docs/protocol.md, RouteRequest). Raises a :class:`~reach_agent.wire.errors.ReachError`
         subclass carrying the wire code.
@@ -315,7 +315,7 @@ class Client:
         payload: Any = None,
         *,
         timeout: float | None = None,
-        window: int = streaming.DEFAULT_WINDOW,
+        window: int = streams.DEFAULT_WINDOW,
         **options: Any,
     ) -> AsyncIterator[Any]:
         """``async for chunk in client.stream(capability, payload)``: a streamed answer,

@@ -11,7 +11,6 @@ record of the agent that took the task (see :func:`wait`).
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from collections import OrderedDict
@@ -25,10 +24,10 @@ from jetstream import ackreads, acks, compensation
 from jetstream.claims import ClaimStore, ClaimsUnavailable, claim_key
 from jetstream.names import H_REQUEST_ID
 from reach_agent import trace
-from reach_agent.connection import Credentials, connect_options
+from reach_agent.results import attributed
 from reach_agent.wire import schema
 from reach_agent.wire.errors import CompensationFull, InternalError, InvalidRequest, Timeout
-from reach_agent.wire.schema import AckRecord, check_capability, decode_ack_record, encoder
+from reach_agent.wire.schema import AckRecord, check_capability, encoder
 from reach_agent.wire.subjects import BROKER_ACK_AUTHOR, DEFAULT_PREFIX, Subjects
 
 log = trace.logger(__name__)
@@ -124,23 +123,6 @@ def _count(client: Any, result: str) -> None:
     metrics = getattr(client, "metrics", None)
     if metrics is not None:
         metrics.compensation.labels(result).inc()
-
-
-def attributed(stored: ackreads.StoredAck) -> AckRecord | None:
-    """The record ``stored`` holds, if its body agrees with its subject: the same request id,
-    and (for an agent's record) the same agent id as the subject's author. Else None, logged."""
-    try:
-        rec = decode_ack_record(stored.data)
-    except msgspec.MsgspecError as exc:
-        log.warning("acks.ignored subject=%s reason=undecodable (%s)", stored.subject, exc)
-        return None
-    if rec.request_id != stored.request_id or (
-        stored.author != BROKER_ACK_AUTHOR and rec.agent_id != stored.author
-    ):
-        log.warning("acks.ignored subject=%s reason=body names %s/%s", stored.subject,
-                    rec.agent_id, rec.request_id)  # fmt: skip
-        return None
-    return rec
 
 
 TAKERS_MAX = 10_000
@@ -278,57 +260,3 @@ def _decoded(rec: AckRecord) -> AckRecord:
     if isinstance(rec.result, msgspec.Raw):
         return msgspec.structs.replace(rec, result=msgspec.json.decode(rec.result))
     return rec
-
-
-ACK_DIR_ENV = "REACH_ACK_DIR"
-
-
-def default_ack_dir(agent_id: str) -> str:
-    """Where an agent's ack write-ahead files live: ``$REACH_ACK_DIR/<agent_id>`` or
-    ``~/.cache/reach/<agent_id>`` (the same path across restarts, so a restart replays it)."""
-    base = os.environ.get(ACK_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "reach")
-    return os.path.join(base, agent_id)
-
-
-def check_ack_dir(agent_id: str, wal_dir: str | None = None) -> str:
-    """The agent's ack write-ahead directory (``wal_dir``, else :func:`default_ack_dir`),
-    created if missing; a ``ValueError`` naming the path and the setting that chose it when
-    it cannot be created or written: one clear error at start instead of a failing write
-    per task (or a start retried forever, as an ``OSError`` would be)."""
-    path = wal_dir or default_ack_dir(agent_id)
-    why = None
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as exc:
-        why = f"cannot be created ({exc.strerror or type(exc).__name__})"
-    else:
-        if not os.access(path, os.W_OK | os.X_OK):
-            why = "is not writable"
-    if why is None:
-        return path
-    if wal_dir:
-        source = "the Agent argument ack_wal_dir"
-    elif os.environ.get(ACK_DIR_ENV):
-        source = f"{ACK_DIR_ENV}={os.environ[ACK_DIR_ENV]!r} (as $REACH_ACK_DIR/<agent_id>)"
-    else:
-        source = f"the default ~/.cache/reach/<agent_id> ({ACK_DIR_ENV} is not set)"
-    raise ValueError(
-        f"agent {agent_id!r}: the ack write-ahead directory {path!r} {why}; it comes from "
-        f"{source}. Set {ACK_DIR_ENV} or the Agent argument ack_wal_dir to a writable "
-        "directory (or pass durable_acks=False)."
-    )
-
-
-def default_ack_writer(
-    agent_id: str, servers: str | list[str] | None = None, *, prefix: str = DEFAULT_PREFIX,
-    credentials: Credentials | None = None, wal_dir: str | None = None,
-) -> acks.AckWriter:  # fmt: skip
-    """The ack sink an ``Agent`` uses by default: WAL under :func:`default_ack_dir`, its own
-    NATS connection named ``<agent_id>-acks`` (not the agent id, so the broker's disconnect
-    advisories never confuse it with the agent), with the agent's ``credentials``."""
-    return acks.AckWriter(
-        wal_dir or default_ack_dir(agent_id),
-        author=agent_id,
-        connect=connect_options(f"{agent_id}-acks", servers, credentials),
-        subjects=Subjects(prefix),
-    )  # fmt: skip

@@ -6,7 +6,7 @@ id's claim. Running the task again would run it twice, so the call waits instead
 
 * the holder's final ack record, on the holder's own ack subject of the request (subscribed
   first, then read from ``REACH_ACKS``, so none is missed), attributed to the holder
-  (:func:`reach_agent.client.durable.attributed`);
+  (:func:`reach_agent.results.attributed`);
 * the claim itself, read every ``poll_s``: ``released`` (the broker declared the holder
   offline before it finished) or gone means "try again" — as does the broker's
   ``released`` event for the request id, which :class:`reach_agent.Client` hands to
@@ -30,13 +30,12 @@ from jetstream import ackreads, acks
 from jetstream.claims import ClaimStore, ClaimsUnavailable, claim_key
 from jetstream.tasks import raise_if_cancelled
 from reach_agent import trace
-from reach_agent.agent.claiming import result_location
+from reach_agent.results import attributed, result_location
 from reach_agent.wire import schema
 from reach_agent.wire.errors import InternalError, Timeout, error_for, from_reply
 from reach_agent.wire.subjects import Subjects
 
 from .calls import CLOSED, LOST, Call, StreamStart, is_no_responders
-from .durable import attributed
 
 log = trace.logger(__name__)
 

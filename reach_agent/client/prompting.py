@@ -15,12 +15,11 @@ it with a stream of messages:
 
 :func:`read` classifies one message; ``Call`` (calls.py) and the stream reader
 (:func:`reach_agent.client.streaming.read`) act on it. A call's result is its response chunks joined
-(:func:`join`: their concatenation when all are text).
+(:func:`reach_agent.wire.streams.join`: their concatenation when all are text).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any, Literal
 
 import msgspec
@@ -45,17 +44,6 @@ class _Chunk(msgspec.Struct):
 _chunk_decoder = msgspec.json.Decoder(_Chunk)
 _json = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
-
-
-def join(chunks: Iterable[Any]) -> Any:
-    """A stream's chunks as one result: their concatenation when every chunk is a string
-    (and there is at least one), otherwise the list of chunks (``[]`` for none). (Reach
-    streams and Synadia prompt streams alike; :mod:`~reach_agent.client.streaming` re-exports
-    it.)"""
-    items = list(chunks)
-    if items and all(isinstance(c, str) for c in items):
-        return "".join(items)
-    return items
 
 
 def envelope(body: bytes) -> bytes:

@@ -1,218 +1,34 @@
-"""Streamed answers, both sides: the agent sends chunks under credit, the caller reads them.
+"""Streaming, the caller's side: the ordered reader of a streamed answer, and ``Client.stream``.
 
-A handler that is an async generator streams. The caller asks with ``Reach-Stream: 1``
-(and ``Reach-Stream-Window: W``, default 64); the agent then sends, on the task's reply
-subject, one message per chunk — headers ``Reach-Status: chunk`` and ``Reach-Seq: n``
-(1, 2, ...), the chunk's JSON as body, and the agent's *credit subject* as reply subject —
-and finally ``Reach-Status: completed`` with ``Reach-Chunks: <count>`` and an empty body (or
-an error reply). A caller that did not ask for a stream gets one ordinary result: the
-chunks *joined* (:func:`join`).
+The protocol is :mod:`reach_agent.wire.streams`'s; the agent's side is
+:mod:`reach_agent.agent.streaming`. The reader checks the sequence (in order, a repeat
+dropped, a gap or a wrong count ``STREAM_BROKEN``), sends credit as chunks are consumed and
+a cancel when it stops early; an agent lost mid-stream is ``STREAM_BROKEN``, never re-run.
 
-Flow control is credit: the agent sends chunk ``n`` only while ``n <= credited + W``, where
-``credited`` is the highest ``Reach-Seq`` the caller sent back to the credit subject (a
-headers-only message, after its reader *consumed* that chunk; every ``W/2`` chunks). A slow
-reader therefore holds the handler's generator suspended — the agent never buffers more
-than ``W`` chunks, nor does the caller. ``Reach-Stream: cancel`` on the credit subject stops
-the stream; a caller that sends no credit for as long as the task's deadline (or
-``CREDIT_WAIT_S`` without one) has gone, and the stream ends as ``STREAM_BROKEN``.
-
-The caller checks the sequence: chunks are yielded in order, a repeat is dropped, a gap
-or a ``completed`` whose count differs from what arrived is ``STREAM_BROKEN``. So is the
-agent dying mid-stream (its liveness, as for any call): the error carries ``delivered``,
-and nothing is re-run — the chunks already yielded would repeat.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 import msgspec
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 
-from jetstream.names import H_REQUEST_ID
 from reach_agent import trace
 from reach_agent.wire import schema
 from reach_agent.wire.errors import InternalError, InvalidRequest, StreamBroken, from_reply
+from reach_agent.wire.streams import MAX_WINDOW
 from reach_agent.wire.subjects import is_inbox
 
 from . import prompting
 from .calls import CLOSED, LOST, Call, StreamStart
 from .liveness import Liveness
-from .prompting import join as join  # the rule lives with the codec calls.py uses
 
 log = trace.logger(__name__)
 
-DEFAULT_WINDOW = 64
-"""Chunks a reader takes ahead of its credits unless it asks otherwise."""
-MAX_WINDOW = 1024
-"""The largest window an agent grants (a larger ``Reach-Stream-Window`` is lowered to it)."""
-CREDIT_WAIT_S = 60.0
-"""How long an agent waits for credit when the task carries no deadline."""
-
-_encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder()
-
-
-class Joined:
-    """:func:`join` built up chunk by chunk, from the encoded chunks (no re-encoding)."""
-
-    __slots__ = ("_parts", "_texts")
-
-    def __init__(self) -> None:
-        self._parts: list[bytes] = []
-        self._texts: list[str] | None = []
-
-    def add(self, chunk: Any, encoded: bytes) -> None:
-        self._parts.append(encoded)
-        if self._texts is not None:
-            if isinstance(chunk, str):
-                self._texts.append(chunk)
-            else:
-                self._texts = None
-
-    def encode(self) -> bytes:
-        if self._texts is not None and self._parts:
-            return _encoder.encode("".join(self._texts))
-        return b"[" + b",".join(self._parts) + b"]"
-
-
-def window_of(headers: Mapping[str, str]) -> int:
-    """The window a streamed task asks for (``Reach-Stream-Window``), within 1..MAX_WINDOW."""
-    raw = headers.get(schema.H_STREAM_WINDOW)
-    if raw is None:
-        return DEFAULT_WINDOW
-    try:
-        w = int(raw)
-    except ValueError:
-        w = 0
-    if w < 1:
-        raise InvalidRequest(f"header Reach-Stream-Window {raw[:40]!r} is not a positive integer")
-    return min(w, MAX_WINDOW)
-
-
-# --- the agent side ---------------------------------------------------------------------
-
-
-class _Credit:
-    __slots__ = ("cancelled", "event", "seq")
-
-    def __init__(self) -> None:
-        self.seq = 0
-        self.cancelled = False
-        self.event = asyncio.Event()
-
-
-class Credits:
-    """The agent's credit subjects: one wildcard subscription ``<inbox>.*``, one token per
-    running stream."""
-
-    def __init__(self) -> None:
-        self.inbox = ""
-        self._streams: dict[str, _Credit] = {}
-        self._ids = itertools.count(1)
-        self._sub: Any = None
-
-    async def subscribe(self, nc: NATS) -> None:
-        self.inbox = nc.new_inbox()
-        self._sub = await nc.subscribe(f"{self.inbox}.*", cb=self._on_credit)
-
-    def forget(self) -> None:
-        self._sub = None
-        self._streams.clear()
-
-    def open(self) -> tuple[str, _Credit]:
-        sid = format(next(self._ids), "x")
-        credit = self._streams[sid] = _Credit()
-        return f"{self.inbox}.{sid}", credit
-
-    def close(self, subject: str) -> None:
-        self._streams.pop(subject.rpartition(".")[2], None)
-
-    async def _on_credit(self, msg: Msg) -> None:
-        credit = self._streams.get(msg.subject.rpartition(".")[2])
-        if credit is None:
-            return
-        hdrs = msg.headers or {}
-        if hdrs.get(schema.H_STREAM) == "cancel":
-            credit.cancelled = True
-        try:
-            seq = int(hdrs.get(schema.H_SEQ, "0"))
-        except ValueError:
-            seq = 0
-        if seq > credit.seq:
-            credit.seq = seq
-        credit.event.set()
-
-
-async def send(
-    nc: NATS,
-    chunks: AsyncIterator[Any],
-    *,
-    reply: str,
-    request_id: str,
-    window: int,
-    credits: Credits,
-    wait_s: Callable[[], float],
-) -> tuple[int, bytes]:
-    """Send the generator's chunks to ``reply`` under credit; returns (count, joined JSON).
-
-    ``wait_s()`` is how long the agent may still wait for credit (the task's time left).
-    Raises ``StreamBroken`` when the reader cancels or stops taking chunks, ``InternalError``
-    for a chunk that is not JSON; the generator is closed either way.
-    """
-    subject, credit = credits.open()
-    joined = Joined()
-    n = 0
-    try:
-        async for chunk in chunks:
-            try:
-                encoded = _encoder.encode(chunk)
-            except (TypeError, msgspec.EncodeError) as exc:
-                raise InternalError(f"stream chunk {n + 1} is not JSON ({exc})") from None
-            while n + 1 > credit.seq + window and not credit.cancelled:
-                credit.event.clear()
-                try:
-                    async with asyncio.timeout(max(wait_s(), 0.0)):
-                        await credit.event.wait()
-                except TimeoutError:
-                    raise StreamBroken(
-                        f"the reader took no chunk beyond {credit.seq} (window {window}) in "
-                        f"time: stopped after {n} chunks", delivered=n,
-                    ) from None  # fmt: skip
-            if credit.cancelled:
-                raise StreamBroken(f"the reader cancelled the stream after {n} chunks",
-                                   delivered=n)  # fmt: skip
-            n += 1
-            joined.add(chunk, encoded)
-            await nc.publish(reply, encoded, reply=subject, headers={
-                H_REQUEST_ID: request_id, schema.H_STATUS: "chunk", schema.H_SEQ: str(n),
-            })  # fmt: skip
-    finally:
-        credits.close(subject)
-        aclose = getattr(chunks, "aclose", None)
-        if aclose is not None:
-            await aclose()
-    return n, joined.encode()
-
-
-async def collect(chunks: AsyncIterator[Any]) -> bytes:
-    """A streaming handler asked without ``Reach-Stream``: every chunk, joined."""
-    joined = Joined()
-    n = 0
-    async for chunk in chunks:
-        n += 1
-        try:
-            joined.add(chunk, _encoder.encode(chunk))
-        except (TypeError, msgspec.EncodeError) as exc:
-            raise InternalError(f"stream chunk {n} is not JSON ({exc})") from None
-    return joined.encode()
-
-
-# --- the caller side --------------------------------------------------------------------
 
 
 async def read(

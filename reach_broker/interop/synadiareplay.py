@@ -25,7 +25,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from jetstream.compensation import Entry
 from reach_agent.client import prompting
 from reach_agent.connection import flush_subscriptions
-from reach_agent.wire import schema
+from reach_agent.wire import schema, streams
 from reach_agent.wire.errors import ReachError, Timeout, from_reply
 from reach_agent.wire.schema import PROTOCOL_SYNADIA
 from reach_broker.replay import brokeracks
@@ -120,7 +120,7 @@ class Prompts:
         rec = schema.AckRecord(
             request_id=request_id, agent_id=agent_id, capability=capability,
             state="failed" if err else "completed", at_ms=self.ctx.wall_ms(),
-            result=None if err else msgspec.Raw(schema.encoder.encode(prompting.join(chunks))),
+            result=None if err else msgspec.Raw(schema.encoder.encode(streams.join(chunks))),
             error={"code": err.code, "message": err.message} if err else None,
         )  # fmt: skip
         try:
