@@ -65,9 +65,8 @@ class NodeConfig:
 _TEMPLATE = """\
 # reach: NATS cluster node {name}.
 # Rendered by reach_broker.cluster.clusterconfig.render_config(); tests/test_dev_cluster.py keeps
-# configs/cluster/ equal to it: edit the template, then `python -m
-# reach_broker.cluster.clusterconfig
-# configs/cluster`.
+# configs/cluster/ equal to it: edit the template, then
+# `python -m reach_broker.cluster.clusterconfig configs/cluster`.
 #
 # The accounts of configs/nats-server.conf: APP (agents, callers, brokers; no_auth_user) and
 # SYS, which exports APP's connect/disconnect advisories and its CONNZ request. The export is
