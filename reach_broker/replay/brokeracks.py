@@ -1,7 +1,7 @@
 """The ack records a broker writes as itself (author ``_broker``, on
 ``<p>.ack._broker.<request_id>``): a replayed task's ``received`` naming its taker, and the
 ``failed`` of an entry that expired or that an agent finally refused (and, through
-:mod:`reach_broker.interop.synadiareplay`, the answer of a Synadia agent, which writes none)."""
+:mod:`reach_broker.replay.synadiareplay`, the answer of a Synadia agent, which writes none)."""
 
 from __future__ import annotations
 

@@ -25,12 +25,12 @@ from reach_agent.wire.retry import retryable
 from reach_agent.wire.schema import RouteRequest
 from reach_broker.core.records import AgentRecord
 from reach_broker.core.routing import Router
-from reach_broker.interop.synadiareplay import Prompts
 from reach_broker.service.context import BrokerContext
 
 from .ackwatch import AckWatch
 from .brokeracks import record_failed, record_taker
 from .dispatch import MARKER_TTL_S, Dispatches
+from .synadiareplay import Prompts
 from .taken import Taken
 
 log = logging.getLogger("reach_broker.replay.replay")  # the replay.* lines keep their logger

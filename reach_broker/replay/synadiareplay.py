@@ -28,8 +28,9 @@ from reach_agent.connection import flush_subscriptions
 from reach_agent.wire import schema, streams
 from reach_agent.wire.errors import ReachError, Timeout, from_reply
 from reach_agent.wire.schema import PROTOCOL_SYNADIA
-from reach_broker.replay import brokeracks
 from reach_broker.service.context import BrokerContext
+
+from . import brokeracks
 
 log = logging.getLogger(__name__)
 
