@@ -326,7 +326,7 @@ class OutcomesSection(Section):
 
 
 class RuleSection(Section):
-    """One capability's route rule in broker.toml (reach_broker/core/rules.py)."""
+    """One capability's route rule in broker.toml (reach_agent/routing/rules.py)."""
 
     split: str | None = None
     """``version=1:95,2:5`` or ``TAG=a:90,b:10``."""

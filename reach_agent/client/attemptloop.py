@@ -25,7 +25,7 @@ from .breaker import Breakers
 from .calls import Call
 from .config import ClientConfig
 from .holder import Holders
-from .routes import Routes
+from .routes import RouteSource
 
 log = trace.logger("reach_agent.client.client")  # the call.retry lines keep their logger
 
@@ -38,7 +38,7 @@ class AttemptLoop:
         config: ClientConfig,
         clock: Callable[[], float],
         breakers: Breakers,
-        routes: Callable[[], Routes],
+        routes: RouteSource,
         attempts: Attempts,
         holders: Holders,
     ) -> None:
@@ -46,7 +46,6 @@ class AttemptLoop:
         self.clock = clock
         self.breakers = breakers
         self.routes = routes
-        """The client's routes, read per round: a gateway swaps them (``a2a.local``)."""
         self.attempts = attempts
         self.holders = holders
 
@@ -62,11 +61,10 @@ class AttemptLoop:
                 # Everything we knew was tried (or is behind an open breaker): ask again.
                 try:
                     blocked = self.breakers.blocked(capability, self.clock())
-                    candidates = await self.routes().route(
-                        capability, cfg.route_limit, region=call.region, tags=call.tags,
-                        sticky_key=call.sticky_key,
+                    candidates = await self.routes.route(
+                        capability, call.filters, limit=cfg.route_limit,
                         exclude=[*blocked, *call.gone] if call.gone else blocked,
-                        deadline=call.deadline, **call.filters,
+                        deadline=call.deadline,
                     )  # fmt: skip
                 except NoReachableAgent as no_agent:
                     raise (call.last_err or no_agent) from None

@@ -103,12 +103,9 @@ class Call:
         "last_err",
         "protocol",
         "queue",
-        "region",
         "retries",
         "started",
-        "sticky_key",
         "stream",
-        "tags",
         "taker",
         "timeout",
         "tried",
@@ -125,13 +122,10 @@ class Call:
         traceparent: str | None,
         ack_mode: AckMode,
         deadline: float,
-        region: str | None,
-        tags: dict[str, str] | None,
-        sticky_key: str | None,
+        filters: schema.Filters = schema.NO_FILTERS,
         started: float = 0.0,
         timeout: float | None = None,
         stream: int = 0,
-        filters: dict[str, Any] | None = None,
     ) -> None:
         self.call_id = call_id
         self.capability = capability
@@ -158,11 +152,8 @@ class Call:
         """The timeout the caller asked for (None: the configured default)."""
         self.stream = stream
         """Chunks taken ahead of credits when the answer is streamed (0: not streamed)."""
-        self.region = region
-        self.tags = tags
-        self.sticky_key = sticky_key
-        self.filters = filters or {}
-        """The route request's other filters (``canary``, ``requires``, ``min_context_tokens``)."""
+        self.filters = filters
+        """Who may take it: the filters of every route request it makes."""
         self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self.agent_id: str | None = None
         """The agent of the current attempt."""

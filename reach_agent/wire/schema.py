@@ -399,20 +399,14 @@ class Reannounce(Base, frozen=True):
 # --- caller → broker ----------------------------------------------------------------------
 
 
-class RouteRequest(Base, frozen=True):
-    """``reach.route.<capability>``; an empty body means all defaults."""
+class Filters(Base, frozen=True):
+    """Who may take a call: the route request's filters, as a call carries them through
+    every route it asks (a :class:`RouteRequest` adds what changes per route)."""
 
-    limit: Annotated[int, Meta(ge=1, le=100)] = 3
     region: ShortText | None = None
     tags: Annotated[dict[str, ShortText], Meta(max_length=64)] = {}
     sticky_key: Annotated[str, Meta(max_length=1024)] | None = None
-    exclude: Annotated[list[AgentId], Meta(max_length=1000)] = []
     allow_suspect: bool = False
-    peek: bool = False
-    """A look, not a pick: no task will follow, so the broker does not count the answer's
-    first candidate as handed a task (``reach route``, ``Client.route``, cache refreshes)."""
-    explain: bool = False
-    """Ask for the reasons: each candidate's ``explain`` and the reply's ``explain``."""
     canary: ShortText | None = None
     """Take this arm of the capability's split rule (a ``version`` or tag value) instead of
     the weighted one; without a split rule, agents of this ``version``."""
@@ -421,6 +415,30 @@ class RouteRequest(Base, frozen=True):
     min_context_tokens: Annotated[int, Meta(ge=0, le=2**40)] | None = None
     """Candidates' context headroom, ``context_window x (1 - context_usage_pct / 100)``,
     must be at least this (an agent that announces no ``context_window`` has none)."""
+
+
+class RouteRequest(Filters, frozen=True):
+    """``reach.route.<capability>``; an empty body means all defaults."""
+
+    limit: Annotated[int, Meta(ge=1, le=100)] = 3
+    exclude: Annotated[list[AgentId], Meta(max_length=1000)] = []
+    peek: bool = False
+    """A look, not a pick: no task will follow, so the broker does not count the answer's
+    first candidate as handed a task (``reach route``, ``Client.route``, cache refreshes)."""
+    explain: bool = False
+    """Ask for the reasons: each candidate's ``explain`` and the reply's ``explain``."""
+
+
+NO_FILTERS = Filters()
+"""A call that asks nothing of its agent but the capability."""
+
+
+def route_request(
+    filters: Filters, limit: int, exclude: list[str] | None = None, *, peek: bool = False
+) -> RouteRequest:
+    """The route request of a call with ``filters``: ``limit`` candidates, not ``exclude``."""
+    return RouteRequest(limit=limit, exclude=exclude or [], peek=peek,
+                        **msgspec.structs.asdict(filters))  # fmt: skip
 
 
 class Candidate(Base, frozen=True):

@@ -17,11 +17,11 @@ from __future__ import annotations
 import heapq
 import math
 
+from reach_agent.routing.index import CapabilityIndexes
 from reach_agent.wire.schema import AgentState, AgentView, Announce, Heartbeat
 from reach_broker.config import Config
 
 from .detector import Detector
-from .index import CapabilityIndexes
 from .records import AgentRecord, HeartbeatResult, Transition, TransitionKind
 from .scoring import score
 from .states import EVICTED, MOVES, SILENCE_EVENTS, Event, Move
@@ -40,7 +40,7 @@ class Registry:
         self.signer = signer
         self.detector = Detector(cfg.detection)
         self.agents: dict[str, AgentRecord] = {}
-        self.indexes = CapabilityIndexes()
+        self.indexes: CapabilityIndexes[AgentRecord] = CapabilityIndexes()
         self._deadlines: list[tuple[float, int, str]] = []
         self.inflight = 0  # Σ active over the fleet, kept incrementally
         self.capacity = 0
@@ -151,13 +151,14 @@ class Registry:
             # Idle (e.g. ejected for slowness, so no tasks): the verdict fades towards the
             # peers', so the agent is tried again rather than kept out on old evidence.
             rec.stats.idle(self.indexes.peer_task_ms(rec), cfg.ewma_alpha)
-        # AgentRecord.set_load, inline (every heartbeat).
+        # Member.set_load, inline: the call costs 1 % of a heartbeat's instructions (730 of
+        # 72,000 at 1,000 agents, callgrind). The report replaces the hand-outs since.
         active = hb.active
         self.inflight += active - rec.active
         rec.active = active
         rec.queue_depth = hb.queue_depth
         load = active / rec.max_concurrency
-        rec.load = rec.busy = load if load < 1.0 else 1.0  # the report replaces hand-outs
+        rec.load = rec.busy = load if load < 1.0 else 1.0
         rec.oldest_task_ms = hb.oldest_task_ms
         if hb.context_usage_pct != rec.context_usage_pct:
             rec.set_context(hb.context_usage_pct)
@@ -437,13 +438,9 @@ class Registry:
             peer_task_ms=peer,
             delivery=rec.delivery,
         )
-        # AgentRecord.set_score, inline (every heartbeat): the routing weight follows the
-        # score and load; if only the score moved, the ranking is refreshed on a slower
-        # cadence (index.py).
-        load = rec.busy
-        rec.weight = (new if new > 1.0 else 1.0) * (1.0 - load if load < 0.95 else 0.05)
-        if new != rec.score:
-            rec.score = new
+        # The routing weight follows the score and load; if only the score moved, the
+        # ranking is refreshed on a slower cadence (index.py).
+        if rec.set_score(new):
             self.indexes.score_changed(rec)
 
     def _seen(self, rec: AgentRecord, now: float, wall_ms: int) -> None:

@@ -32,13 +32,13 @@ from nats.micro.service import EndpointConfig, Service, ServiceConfig
 from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
 from reach_agent.connection import Credentials, connect_options, drain_or_close, flush_subscriptions
+from reach_agent.routing.rules import Rules
 from reach_agent.wire.subjects import Subjects
 from reach_broker import __version__
 from reach_broker.config import Config
 from reach_broker.core.quotas import Quotas
 from reach_broker.core.registry import Registry
 from reach_broker.core.routing import Router
-from reach_broker.core.rules import Rules, from_config
 from reach_broker.core.tokens import TokenSigner
 from reach_broker.interop.synadia import SynadiaAgents
 from reach_broker.replay.replay import Replayer
@@ -53,7 +53,7 @@ from .observer import Observer
 from .outcomes import Outcomes
 from .probes import Prober
 from .releases import Releaser
-from .rulebook import Rulebook
+from .rulebook import Rulebook, from_config
 from .snapshot import Snapshot
 
 log = logging.getLogger(__name__)

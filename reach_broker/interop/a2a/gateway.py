@@ -53,8 +53,9 @@ class A2AGateway:
         wall: Callable[[], float] = time.time,
     ) -> None:
         self.cfg = cfg
-        self.client = Client(nc=nc, config=ClientConfig(prefix=subjects.prefix), clock=clock)
-        self.client.routes = LocalRoutes(self.client, registry, router, clock)
+        config = ClientConfig(prefix=subjects.prefix)
+        routes = LocalRoutes(registry, router, clock, subjects.task, config.route_limit)
+        self.client = Client(nc=nc, config=config, clock=clock, routes=routes)
         agents = registry.agents
         self.handler = GatewayHandler(
             self.client, lambda a: rec.capabilities if (rec := agents.get(a)) else None,
