@@ -28,8 +28,18 @@ RULES_BUCKET = "reach_rules"
 """KV bucket: one route rule per capability (key = the capability), watched by every broker."""
 RULES_STREAM = f"KV_{RULES_BUCKET}"
 """The stream behind :data:`RULES_BUCKET`."""
+PARTITIONS_BUCKET = "reach_partitions"
+"""KV bucket: one lease per partition of the fleet (key = the partition number), naming the
+broker that owns it; its ``max_age`` is the lease's time to live."""
+PARTITIONS_STREAM = f"KV_{PARTITIONS_BUCKET}"
+"""The stream behind :data:`PARTITIONS_BUCKET`."""
+TABLES_BUCKET = "reach_tables"
+"""KV bucket: each route-table share (key = ``<partition>.<capability>``) as its owner last
+wrote it, for callers that find no broker."""
+TABLES_STREAM = f"KV_{TABLES_BUCKET}"
+"""The stream behind :data:`TABLES_BUCKET`."""
 STREAM_NAMES = (ACK_STREAM, COMP_STREAM, AUDIT_STREAM, REGISTRY_STREAM, CLAIMS_STREAM,
-                RULES_STREAM)  # fmt: skip
+                RULES_STREAM, PARTITIONS_STREAM, TABLES_STREAM)  # fmt: skip
 """Every asset provisioned at broker start, in order."""
 
 TOKEN_SECRET_KEY = "_broker.token_secret"

@@ -46,9 +46,10 @@ async def test_provisioning_is_idempotent_and_matches_the_definitions(nc: NATS) 
         ("REACH_ACKS", "created"), ("REACH_COMPENSATION", "created"),
         ("REACH_AUDIT", "created"), ("KV_reach_registry", "created"),
         ("KV_reach_claims", "created"), ("KV_reach_rules", "created"),
+        ("KV_reach_partitions", "created"), ("KV_reach_tables", "created"),
     ]  # fmt: skip
     second = await provision(nc)
-    assert [o.action for o in second] == ["unchanged"] * 6
+    assert [o.action for o in second] == ["unchanged"] * 8
     acks_cfg = (await stream_info(nc, "REACH_ACKS"))["config"]
     assert acks_cfg["subjects"] == ["reach.ack.>"]
     assert acks_cfg["storage"] == "file"

@@ -464,6 +464,102 @@ class RouteReply(Base, frozen=True):
     explain: RouteExplain | None = None
 
 
+# --- route tables: broker (a share's owner) → callers -------------------------------------
+
+
+class TableEntry(Base, frozen=True):
+    """One agent in a capability's route table: what a caller needs to choose it (the
+    filters' inputs, its weight's, its load) and to reach it."""
+
+    agent_id: str
+    state: AgentState
+    score: float
+    max_concurrency: int
+    active: int = 0
+    """Tasks it reported running at its last heartbeat."""
+    queue_depth: int = 0
+    task_ms: float | None = None
+    """Its task time (the broker's EWMA, ms): how fast what it runs finishes."""
+    interval_ms: int = 1000
+    """Its heartbeat interval: how long a load report holds without a task time."""
+    slow_start_ms: int | None = None
+    """Milliseconds since it recovered, while it is slow-started (absent: not ramping up)."""
+    region: str | None = None
+    version: str | None = None
+    tags: dict[str, str] = {}
+    permissions: list[str] = []
+    context_window: int | None = None
+    context_usage_pct: float | None = None
+    timeout_hint_ms: int | None = None
+    protocol: str | None = None
+    """``reach`` (absent) or ``synadia-agents`` (as a route candidate's)."""
+    subject: str | None = None
+    """Its task subject when it is not ``<p>.task.<agent_id>.<capability>`` (a Synadia
+    agent's prompt subject)."""
+
+
+class TableRouting(Base, frozen=True):
+    """The brokers' ``[routing]`` settings a caller chooses with (as in broker.toml)."""
+
+    choice: Literal["weighted", "p2c", "ranked"] = "weighted"
+    pool_factor: int = 4
+    vnodes: int = 150
+    min_reach_score: float = 60.0
+    load_watermark: float = 0.85
+    slow_start_share: float = 0.2
+    slow_start_s: float = 30.0
+    max_eject_share: float = 0.5
+    panic_threshold: float = 0.5
+    rank_refresh_ms: float = 50.0
+
+
+class TableShare(Base, frozen=True):
+    """One share of a capability's route table: its agents of one partition, as of
+    ``version`` of its owner's ``epoch``, with what a caller routes them by."""
+
+    capability: str
+    partition: int
+    epoch: int
+    version: int
+    entries: list[TableEntry] = []
+    local: bool = True
+    """Whether callers may route this capability themselves (false: a quota applies to
+    it, which only a broker enforces: ask ``<p>.route.<capability>``)."""
+    rule: msgspec.Raw | None = None
+    """The capability's route rule in force (``RouteRule`` JSON, as in KV ``reach_rules``)."""
+    routing: TableRouting = TableRouting()
+    at_ms: int = 0
+    """When its owner made it (Unix ms)."""
+
+
+class TableDelta(Base, frozen=True):
+    """A share's change from ``prev`` to ``version`` (same ``epoch``): agents upserted (their
+    whole entry) and agents removed from the capability; ``local`` and ``rule`` as they are
+    now (as :class:`TableShare`'s)."""
+
+    capability: str
+    partition: int
+    epoch: int
+    version: int
+    prev: int
+    upserts: list[TableEntry] = []
+    removed: list[str] = []
+    local: bool = True
+    rule: msgspec.Raw | None = None
+
+
+class Table(Base, frozen=True):
+    """``<p>.tables.<capability>``'s answer from one broker: the shares of the partitions it
+    owns (a partition it owns and has no share of has no agent of the capability)."""
+
+    capability: str
+    partitions: int
+    """How many partitions the fleet is split into (a share's ``partition`` is below it)."""
+    owned: list[int]
+    shares: list[TableShare] = []
+    broker_id: str | None = None
+
+
 class AgentView(Base, frozen=True):
     """One row of ``reach.agents``."""
 
@@ -552,6 +648,9 @@ probe_reply_decoder = msgspec.json.Decoder(ProbeReply)
 event_decoder = msgspec.json.Decoder(Event)
 claim_decoder = msgspec.json.Decoder(Claim)
 outcome_decoder = msgspec.json.Decoder(OutcomeSummary)
+table_decoder = msgspec.json.Decoder(Table)
+table_share_decoder = msgspec.json.Decoder(TableShare)
+table_delta_decoder = msgspec.json.Decoder(TableDelta)
 
 
 def decode(decoder: msgspec.json.Decoder[Any], data: bytes, what: str) -> Any:

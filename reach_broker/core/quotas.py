@@ -97,6 +97,14 @@ class Quotas:
             return QuotaLimit(rate=self.cfg.rate, burst=self.cfg.burst)
         return None
 
+    def enforced(self, capability: str) -> bool:
+        """Whether a quota may apply to some caller of ``capability`` (a default, a
+        caller's own limit, or the capability's rule): then only brokers route it."""
+        if self.cfg.rate > 0 or self.cfg.per_caller:
+            return True
+        rule = self.rules.get(capability)
+        return rule is not None and rule.stored.quota_rate is not None
+
     def admit(self, caller: str, capability: str, now: float) -> int | None:
         """None when ``caller`` may route ``capability`` now; else the ``retry_after_ms``."""
         key = (caller, capability)

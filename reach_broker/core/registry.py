@@ -56,6 +56,9 @@ class Registry:
         until :meth:`release_held`."""
         self.silenced: list[str] = []
         """Agents the last :meth:`expire` moved for silence."""
+        self.changed: set[str] = set()
+        """Agents rescored, moved or evicted since the route tables last took this set
+        (``service/tables.py`` swaps it for an empty one): what their shares may have to say."""
 
     # --- queries ------------------------------------------------------------------------
 
@@ -357,6 +360,7 @@ class Registry:
             self.capacity += rec.max_concurrency if frm == "offline" else -rec.max_concurrency
         rec.state = to
         rec.state_since = now
+        self.changed.add(rec.agent_id)
         if to == "suspect":
             rec.stats.outcome(False, self.cfg.scoring.liveness_window)  # one missed sign
         elif to == "recovering":
@@ -378,6 +382,7 @@ class Registry:
             self.capacity -= rec.max_concurrency
         self.inflight += rec.set_load(0, 0)
         del self.agents[rec.agent_id]
+        self.changed.add(rec.agent_id)
         self.indexes.discard(rec)
         rec.deadline_gen += 1
         return Transition("evicted", rec.agent_id, frm, None, reason)
@@ -419,6 +424,7 @@ class Registry:
     # --- score and clocks -----------------------------------------------------------------
 
     def rescore(self, rec: AgentRecord, now: float) -> None:
+        self.changed.add(rec.agent_id)
         cfg = self.cfg.scoring
         hint = rec.timeout_hint_ms
         oldest = rec.oldest_task_ms

@@ -21,7 +21,13 @@ import secrets
 
 from nats.aio.client import Client as NATS
 
-from jetstream.names import COMP_STREAM, REGISTRY_BUCKET, STREAM_NAMES, TOKEN_SECRET_KEY
+from jetstream.names import (
+    COMP_STREAM,
+    PARTITIONS_STREAM,
+    REGISTRY_BUCKET,
+    STREAM_NAMES,
+    TOKEN_SECRET_KEY,
+)
 from jetstream.provision import (
     JetStreamUnavailable,
     ProvisionTimeout,
@@ -63,6 +69,7 @@ async def provision_assets(nc: NATS, cfg: Config, subjects: Subjects) -> int | N
             name: {"num_replicas": n} for name in STREAM_NAMES
         }
         overrides[COMP_STREAM]["max_msgs"] = cfg.compensation.max_entries
+        overrides[PARTITIONS_STREAM]["max_age"] = int(cfg.fleet.lease_ttl_s * 1e9)
         defs = load_definitions(subjects, overrides)
         for attempt in range(PROVISION_TRIES):
             try:

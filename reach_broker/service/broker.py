@@ -55,6 +55,7 @@ from .probes import Prober
 from .releases import Releaser
 from .rulebook import Rulebook, from_config
 from .snapshot import Snapshot
+from .tables import Tables
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +147,9 @@ class Broker:
         self.replayer = Replayer(ctx, self.router, self.releaser.claim_of, agents.get)
         self.rulebook = Rulebook(ctx, self.rules, self.quotas)
         self.outcomes = Outcomes(ctx, registry)
+        self.tables = Tables(ctx, registry, self.router, self.quotas)
+        """The route tables of the partitions this broker owns (callers route from them)."""
+        self.fanout.listeners.append(self.tables.on_transition)
         self._running: list[Component] = []
         self._service: Service | None = None
         self._subs: list[Any] = []
@@ -182,6 +186,7 @@ class Broker:
         )  # fmt: skip
         for component in self._running:
             await component.start()
+        await self.tables.start(self.jetstream_ok)  # after the snapshot: shares from it
         await self._serve()
         self._loop_task = asyncio.create_task(self._tick_loop(), name="reach-broker-tick")
         url = self.nc.connected_url
@@ -234,6 +239,7 @@ class Broker:
         self._subs = []
         if self._loop_task is not None:
             await stop_loops(self._loop_task)
+        await self.tables.stop()
         await self._tasks.settle(self.cfg.broker.shutdown_grace_s)
         for component in reversed(self._running):
             try:

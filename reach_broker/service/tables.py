@@ -1,0 +1,196 @@
+"""The route tables on NATS: this broker publishes the shares of the partitions it owns.
+
+What a share holds and how its versions go is :mod:`reach_broker.core.tables`; which
+partitions this broker owns, :mod:`.partitions`. Here:
+
+- **Deltas** on ``<prefix>.table.<partition>.<capability>`` (core NATS): the agents the
+  registry changed (its ``changed`` set, taken whole at each flush: no O(fleet) work), at
+  once when a transition comes through the fan-out (a state moved: an agent out of the routes
+  reaches subscribed callers within milliseconds), else every ``[fleet] table_batch_ms``
+  (load and score drift).
+- **Requests** on ``<prefix>.tables.<capability>`` (every broker answers, no queue group):
+  the shares of the partitions this broker owns, with their epochs and versions (a newcomer's
+  one request; a caller that saw a gap asks again).
+- **Snapshots** in KV ``reach_tables`` (key ``<partition>.<capability>``), a changed share at
+  most every ``[fleet] table_store_s``: what a caller reads when no broker answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import msgspec
+from nats.errors import Error as NatsError
+
+from jetstream.names import TABLES_BUCKET
+from jetstream.tasks import raise_if_cancelled
+from reach_agent.aio import stop_loops
+from reach_agent.routing.rules import Rule, rule_encoder
+from reach_agent.wire import schema
+from reach_agent.wire.schema import Table, TableDelta, check_capability
+from reach_broker.core.quotas import Quotas
+from reach_broker.core.records import AgentRecord, Transition
+from reach_broker.core.registry import Registry
+from reach_broker.core.routing import Router
+from reach_broker.core.tables import Policy, TableBook
+
+from .context import BrokerContext
+from .handlers import Endpoint
+from .partitions import Partitions
+
+log = logging.getLogger(__name__)
+
+_KV_DELETE = {"KV-Operation": "DEL"}
+
+
+class Tables:
+    """This broker's share of the route tables, published (a broker component)."""
+
+    def __init__(self, ctx: BrokerContext, registry: Registry, router: Router,
+                 quotas: Quotas) -> None:  # fmt: skip
+        self.ctx = ctx
+        self.cfg = ctx.cfg.fleet
+        self.registry = registry
+        self.router = router
+        self.quotas = quotas
+        self.book = TableBook(self.cfg.partitions, ctx.cfg.routing, self.policy)
+        self.partitions = Partitions(ctx, self.cfg, self._own, self._lose)
+        self.endpoint = Endpoint(
+            "tables", self.answer, ctx, refused=None, failed=None,
+            dropped=lambda reason: ctx.metrics.dropped.labels("tables", reason),
+        )  # fmt: skip
+        self._rules: dict[str, tuple[Rule, msgspec.Raw]] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._sub: Any = None
+        self._stored_at: dict[tuple[int, str], float] = {}
+        self._jetstream = False
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self, jetstream: bool) -> None:
+        if self._task is not None or not self.cfg.tables:
+            return
+        self._jetstream = jetstream
+        nc, s = self.ctx.nc, self.ctx.subjects
+        self._sub = await nc.subscribe(s.all_tables, cb=self.endpoint.on_message)
+        await self.partitions.start(jetstream)
+        self._task = asyncio.create_task(self._loop(), name="reach-tables")
+
+    async def stop(self) -> None:
+        if self._task is None:
+            return
+        await stop_loops(self._task)
+        self._task = None
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except NatsError:
+                pass
+            self._sub = None
+        await self.partitions.stop()
+
+    # --- what it is told ---------------------------------------------------------------------
+
+    def on_transition(self, t: Transition, rec: AgentRecord | None) -> None:
+        """A consumer of the fan-out: an agent's state moved (or it left): publish now."""
+        self._wake.set()
+
+    def policy(self, capability: str) -> Policy:
+        """Whether callers may route ``capability`` themselves (no quota applies to it:
+        only a broker enforces one), and its route rule's JSON."""
+        rule = self.router.rules.get(capability)
+        raw = None
+        if rule is not None:
+            known = self._rules.get(capability)
+            if known is None or known[0] is not rule:
+                known = self._rules[capability] = (rule, msgspec.Raw(rule_encoder.encode(
+                    rule.stored)))  # fmt: skip
+            raw = known[1]
+        return not self.quotas.enforced(capability), raw
+
+    def _own(self, p: int, epoch: int) -> None:
+        log.info("tables.own partition=%d epoch=%d", p, epoch)
+        self._publish(self.book.own(p, epoch, self.registry.agents, self.ctx.clock()))
+
+    def _lose(self, p: int) -> None:
+        log.info("tables.lose partition=%d", p)
+        self.book.disown(p)
+
+    # --- publishing ----------------------------------------------------------------------------
+
+    def flush(self) -> int:
+        """Publish what changed since the last flush; the deltas published."""
+        changed, self.registry.changed = self.registry.changed, set()
+        now = self.ctx.clock()
+        deltas = self.book.changes(changed, self.registry.agents.get, now)
+        deltas += self.book.policies_changed()
+        self._publish(deltas)
+        if self._jetstream:
+            self._store(now)
+        return len(deltas)
+
+    def _publish(self, deltas: list[TableDelta]) -> None:
+        if not deltas or not self.ctx.link.connected:
+            return  # a caller that missed versions resyncs on the next delta it sees
+        s = self.ctx.subjects
+        encode = schema.encoder.encode
+        for d in deltas:
+            self.ctx.spawn(self.ctx.nc.publish(s.table(d.partition, d.capability), encode(d)),
+                           "table")  # fmt: skip
+        self.ctx.metrics.tables.labels("delta").inc(len(deltas))
+
+    def _store(self, now: float) -> None:
+        """Write each changed share to KV ``reach_tables``, at most every table_store_s."""
+        every = self.cfg.table_store_s
+        at_ms = self.ctx.wall_ms()
+        for (p, cap), share in self.book.shares.items():
+            if share.stored == share.version or now - self._stored_at.get((p, cap), -1e9) < every:
+                continue
+            share.stored = share.version
+            self._stored_at[(p, cap)] = now
+            body = schema.encoder.encode(self.book.share(p, cap, at_ms))
+            self.ctx.spawn(self._put(f"$KV.{TABLES_BUCKET}.{p}.{cap}", body, not share.entries),
+                           "table-store")  # fmt: skip
+
+    async def _put(self, subject: str, body: bytes, empty: bool) -> None:
+        try:
+            if empty:
+                await self.ctx.nc.request(subject, b"", headers=_KV_DELETE, timeout=2.0)
+            else:
+                await self.ctx.nc.request(subject, body, timeout=2.0)
+            self.ctx.metrics.tables.labels("stored").inc()
+        except NatsError as exc:
+            self.ctx.metrics.tables.labels("store_failed").inc()
+            log.debug("tables.store_failed subject=%s error=%s", subject, exc)
+
+    async def _loop(self) -> None:
+        every = self.cfg.table_batch_ms / 1000.0
+        while True:
+            raise_if_cancelled()
+            try:
+                async with asyncio.timeout(every):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                self.flush()
+            except Exception:  # noqa: BLE001 - the loop body never dies
+                log.exception("tables.flush failed")
+
+    # --- answering -----------------------------------------------------------------------------
+
+    def answer(self, subject: str, data: bytes) -> bytes:
+        """``<prefix>.tables.<capability>``: the shares of the partitions this broker owns."""
+        capability = self.ctx.subjects.capability_of_tables(subject)
+        check_capability(capability)
+        book, at_ms = self.book, self.ctx.wall_ms()
+        owned = sorted(book.epochs)
+        shares = [book.share(s.partition, capability, at_ms) for s in book.of(capability)]
+        self.ctx.metrics.tables.labels("request").inc()
+        return schema.encoder.encode(Table(capability=capability, partitions=book.partitions,
+                                           owned=owned, shares=shares,
+                                           broker_id=self.ctx.broker_id))  # fmt: skip
