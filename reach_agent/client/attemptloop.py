@@ -71,9 +71,12 @@ class AttemptLoop:
                 except ReachError as refused:
                     if not merely_full("error", refused):
                         raise
-                    # OVERLOADED: every candidate is full. Wait as told, then ask again.
-                    call.last_err = refused
-                    await call.wait_full(refused, self.config, self.clock)
+                    # OVERLOADED: every candidate is full. Wait as told, then ask again. (An
+                    # agent's own TARGET_BUSY, which made a table route find it full, stays
+                    # the call's error.)
+                    if call.last_err is None or not merely_full("error", call.last_err):
+                        call.last_err = refused
+                    await call.wait_full(refused, self.config, self.clock, call.last_err)
                     continue
                 nxt = self.attempts.next
                 target = nxt(candidates, call.tried, capability) or nxt(

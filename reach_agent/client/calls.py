@@ -189,15 +189,16 @@ class Call:
         return hdrs
 
     async def wait_full(
-        self, refused: ReachError, config: ClientConfig, clock: Callable[[], float]
-    ) -> None:
+        self, refused: ReachError, config: ClientConfig, clock: Callable[[], float],
+        error: ReachError | None = None,
+    ) -> None:  # fmt: skip
         """Every candidate is merely full (:func:`~reach_agent.wire.retry.merely_full`): wait the
         refusal's hint (or ``busy_wait_s``), jittered, then start a new round (every
-        candidate may be tried again); raise ``refused`` instead when the wait and one more
-        attempt would not fit the deadline."""
+        candidate may be tried again); raise ``error`` (default: ``refused``) instead when the
+        wait and one more attempt would not fit the deadline."""
         delay = full_wait(refused, config.busy_wait_s, config.backoff_max_s, random.random())
         if clock() + delay + min(config.ack_timeout_s, 0.05) > self.deadline:
-            raise refused
+            raise error or refused
         await asyncio.sleep(delay)
         self.tried.clear()
 

@@ -77,6 +77,7 @@ from .holder import Holders
 from .liveness import Liveness
 from .outcomes import OutcomeBook, OutcomeReporter
 from .routes import Routes, RouteSource
+from .tables import TableRoutes
 
 log = trace.logger(__name__)
 
@@ -116,14 +117,17 @@ class Client:
         self._own_nc = nc is None
         self._servers = servers
         self._name = name or f"reach-client-{uuid.uuid4().hex[:8]}"
-        self.routes: RouteSource = routes or Routes(self.nc, self.subjects, self.config, metrics,
-                                                    clock, caller=self._name)  # fmt: skip
+        if routes is None:
+            broker = Routes(self.nc, self.subjects, self.config, metrics, clock,
+                            caller=self._name)  # fmt: skip
+            routes = TableRoutes(self.nc, self.subjects, self.config, broker, metrics, clock)
+        self.routes: RouteSource = routes
         self._tasks = TaskSet()
         self.liveness = Liveness(self.nc, self.subjects, self.config, self._tasks)
         self.holders = Holders(self.nc, poll_s=self.config.claim_poll_s, subjects=self.subjects)
         """Calls waiting for the agent that holds their request id's claim."""
         self.attempts = Attempts(self.nc, self.config, self.breakers, self.liveness, metrics,
-                                 clock)  # fmt: skip
+                                 clock, self.routes)  # fmt: skip
         self.loop = AttemptLoop(self.config, clock, self.breakers, self.routes, self.attempts,
                                 self.holders)  # fmt: skip
         self.outcomes = OutcomeBook(self._name, clock())

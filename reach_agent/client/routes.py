@@ -54,6 +54,14 @@ class RouteSource(Protocol):
         """An event reported ``agent_id`` unhealthy or gone."""
         ...
 
+    def sent(self, agent_id: str, attempt: object) -> None:
+        """``attempt`` (any key, unique while it runs) is being sent to ``agent_id``."""
+        ...
+
+    def ended(self, attempt: object, busy: bool) -> None:
+        """``attempt`` ended; ``busy``: its agent answered ``TARGET_BUSY``."""
+        ...
+
     async def start(self) -> None: ...
     async def stop(self) -> None: ...
 
@@ -183,6 +191,12 @@ class Routes:
 
     def agent_gone(self, agent_id: str) -> None:
         self.cache.drop_agent(agent_id)
+
+    def sent(self, agent_id: str, attempt: object) -> None:
+        """Nothing to count: the broker counted its pick as handed a task."""
+
+    def ended(self, attempt: object, busy: bool) -> None:
+        """Nothing counted."""
 
     async def route(
         self, capability: str, filters: Filters = NO_FILTERS, *, limit: int | None = None,

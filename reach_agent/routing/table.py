@@ -114,7 +114,10 @@ class TableMember(Member):
             self._set_busy(self.in_flight(now))
 
     def refused(self) -> None:
-        """It answered ``TARGET_BUSY``: full until its next report."""
+        """It answered ``TARGET_BUSY``: full until its next report (not an agent that
+        reports no ``active``, a Synadia agent: its reports would not say when)."""
+        if self.protocol != PROTOCOL_REACH:
+            return
         self.full_until = math.inf
         self._set_busy(float(self.max_concurrency))
 
@@ -171,6 +174,13 @@ class RouteTable:
         self.shares[delta.partition] = (delta.epoch, delta.version)
         self._policy(delta.local, delta.rule)
         return True
+
+    def clear(self, p: int, members: dict[str, TableMember]) -> None:
+        """Partition ``p`` has no agent of the capability (its owner holds no share of it)."""
+        for agent_id, q in list(self.where.items()):
+            if q == p:
+                self._remove(agent_id, members)
+        self.shares.pop(p, None)
 
     def drop(self, members: dict[str, TableMember]) -> None:
         """The caller stops following the capability: its members leave the shared map

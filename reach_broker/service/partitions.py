@@ -20,6 +20,7 @@ partitioned ingest will follow the same leases.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 from collections.abc import Callable
@@ -43,6 +44,9 @@ class Lease(msgspec.Struct, kw_only=True, omit_defaults=True):
     broker_id: str | None = None
     at_ms: int = 0
 
+
+HAND_BACK_S = 1.0
+"""How long a stopping broker spends handing its leases back (they lapse anyway)."""
 
 _lease = msgspec.json.Decoder(Lease)
 _encode = msgspec.json.Encoder().encode
@@ -81,16 +85,19 @@ class Partitions:
         self._task = asyncio.create_task(self._loop(), name="reach-partitions")
 
     async def stop(self) -> None:
-        """Stop renewing and hand every lease back (so another broker takes them at once)."""
+        """Stop renewing and hand every lease back (so another broker takes them at once),
+        within a second in all: a lease not handed back lapses by itself."""
         if self._task is not None:
             await stop_loops(self._task)
             self._task = None
             free = _encode(Lease(at_ms=self.ctx.wall_ms()))
-            for p, (_, revision, _at) in list(self.held.items()):
-                try:
-                    await self.store.swap(str(p), free, revision)
-                except ClaimsUnavailable:
-                    pass  # it lapses by itself
+            backs = [self.store.swap(str(p), free, rev) for p, (_, rev, _at) in self.held.items()]
+            if backs and self.ctx.link.connected:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(HAND_BACK_S):
+                        await asyncio.gather(*backs, return_exceptions=True)
+            for back in backs:
+                back.close()  # those never awaited (the link was down)
         for p in list(self.held):
             self._lose(p)
 

@@ -187,6 +187,7 @@ class Tables:
         """``<prefix>.tables.<capability>``: the shares of the partitions this broker owns."""
         capability = self.ctx.subjects.capability_of_tables(subject)
         check_capability(capability)
+        self.flush()  # the shares as the registry has them now, not as of the last batch
         book, at_ms = self.book, self.ctx.wall_ms()
         owned = sorted(book.epochs)
         shares = [book.share(s.partition, capability, at_ms) for s in book.of(capability)]

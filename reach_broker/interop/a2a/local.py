@@ -51,6 +51,12 @@ class LocalRoutes:
     def agent_gone(self, agent_id: str) -> None:
         """Nothing kept: the router knows before the event is out."""
 
+    def sent(self, agent_id: str, attempt: object) -> None:
+        """Counted already: :meth:`route` hands the pick its task, as a route reply does."""
+
+    def ended(self, attempt: object, busy: bool) -> None:
+        """The agent's next heartbeat says."""
+
     async def route(
         self, capability: str, filters: Filters = NO_FILTERS, *, limit: int | None = None,
         exclude: Sequence[str] = (), peek: bool = False, deadline: float | None = None,
