@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, Unpack
 
 from nats.aio.client import Client as NATS
@@ -47,7 +47,7 @@ from .dedup import DedupCache
 from .errors import InvalidRequest
 from .handling import Handler, kind_of
 from .metrics import AgentMetrics
-from .presence import Presence
+from .presence import READINESS_INTERVAL_S, Presence
 from .serving import AckSink, TaskServer
 from .subjects import DEFAULT_PREFIX, Subjects
 
@@ -74,7 +74,10 @@ class Agent:
     :class:`~reach_agent.connection.Credentials`; ``token`` is the NATS auth token, not the
     broker's heartbeat token :attr:`token`). A file that does not exist is a ``ValueError``.
     ``permissions`` (what callers may ``require``) and ``context_window`` (tokens) are
-    announced; set :attr:`context_usage_pct` as the window fills.
+    announced; set :attr:`context_usage_pct` as the window fills. ``readiness`` (an
+    adapter's check of the service it fronts, ``async () -> bool``) is asked every
+    ``readiness_interval`` seconds: while it says False the agent reports ``draining`` and
+    refuses tasks with ``DRAINING`` (see :mod:`~reach_agent.presence`).
     """
 
     def __init__(
@@ -104,6 +107,8 @@ class Agent:
         claim_timeout: float = 2.0,
         permissions: Iterable[str] = (),
         context_window: int | None = None,
+        readiness: Callable[[], Awaitable[bool]] | None = None,
+        readiness_interval: float = READINESS_INTERVAL_S,
         **credentials: Unpack[CredentialOptions],
     ) -> None:
         schema.check_agent_id(agent_id)
@@ -122,6 +127,8 @@ class Agent:
         unknown = sorted(idem - set(caps))
         if unknown:
             raise InvalidRequest(f"idempotent {unknown!r} are not among the capabilities {caps!r}")
+        if not readiness_interval > 0:
+            raise InvalidRequest(f"readiness_interval {readiness_interval!r} must be positive")
         if not claim_timeout > 0:
             raise InvalidRequest(f"claim_timeout {claim_timeout!r} must be a positive number")
         self.credentials = Credentials(**credentials).check()
@@ -172,6 +179,7 @@ class Agent:
         self.presence = Presence(
             self.announcement, self.subjects, self.tasks,
             heartbeat_interval=heartbeat_interval, announce_refresh=announce_refresh,
+            readiness=readiness, readiness_interval=readiness_interval,
         )  # fmt: skip
         """Announce, heartbeats, probe answers, leave."""
         self.nc: NATS | None = None
@@ -357,7 +365,7 @@ class Agent:
         await self.tasks.subscribe(nc, self.capabilities)
         await flush_subscriptions(nc)  # a refused SUB is reported before the PONG
         self.watch.check_subscriptions()
-        self.presence.start()
+        await self.presence.start()
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain: answer DRAINING to new tasks, leave, finish in-flight tasks within

@@ -82,6 +82,9 @@ class TaskServer:
         self.nc = NATS()  # the agent's connection, from subscribe()
         self.runner = HandlerRunner(agent_id, max_concurrency)
         self.draining = False
+        self.unready = False
+        """The service behind an adapter does not answer (:mod:`~reach_agent.presence`'s
+        readiness check): reported ``draining``, tasks refused with ``DRAINING``."""
         self.active = 0
         self.ok_total = 0
         self.fail_total = 0
@@ -133,7 +136,7 @@ class TaskServer:
     # --- load figures (heartbeats and probe replies) ----------------------------------
 
     def status(self) -> schema.AgentStatus:
-        if self.draining:
+        if self.draining or self.unready:
             return "draining"
         return "busy" if self.active else "idle"
 
@@ -179,7 +182,7 @@ class TaskServer:
         now = time.monotonic()
         entry = self.dedup.lookup(request_id, now)
         d = admit(hdrs, agent_id=self.agent_id, duplicate=entry is not None,
-                  draining=self.draining, active=self.active,
+                  draining=self.draining or self.unready, active=self.active,
                   max_concurrency=self.max_concurrency, now=now)  # fmt: skip
         if d.verdict == "run":
             self.active += 1

@@ -8,9 +8,9 @@ failover, one request id — and answers:
 
 * the agent's result → a ``Message`` (role agent) whose one part is the result (a string as
   a text part, anything else as a data part), metadata ``request_id`` and ``capability``;
-* ``BIZ_REJECT`` → a ``Task`` in state ``REJECTED``; ``INTERNAL``, ``LOOP_DETECTED``,
-  ``STREAM_BROKEN`` (the agent took it and failed) → a ``Task`` in state ``FAILED``, its
-  status message ``CODE: message``;
+* ``BIZ_REJECT``, ``INPUT_REQUIRED`` → a ``Task`` in state ``REJECTED``; ``INTERNAL``,
+  ``LOOP_DETECTED``, ``STREAM_BROKEN`` (the agent took it and failed) → a ``Task`` in state
+  ``FAILED``, its status message ``CODE: message``;
 * nothing took it (``NO_REACHABLE_AGENT`` with the route's reason, ``OVERLOADED``,
   ``TIMEOUT``, ``TARGET_BUSY``, ...) → a JSON-RPC error ``-32603`` whose message is
   ``CODE: message`` and whose ``data`` carries ``code``; a bad request → ``-32602``.
@@ -43,7 +43,14 @@ from google.protobuf.json_format import MessageToDict, ParseDict
 
 from reach_agent import errors
 from reach_agent.client import Client
-from reach_agent.errors import BizReject, LoopDetected, ReachError, RequestError, StreamBroken
+from reach_agent.errors import (
+    BizReject,
+    InputRequired,
+    LoopDetected,
+    ReachError,
+    RequestError,
+    StreamBroken,
+)
 
 from .local import PINNED
 
@@ -183,7 +190,7 @@ def outcome_of(err: ReachError, target: Target) -> pb.Task:
     """What a reach error answers: a ``Task`` when the agent took the request and refused
     or failed it; otherwise it is raised as the A2A error (:func:`a2a_error`)."""
     text = f"{err.code}: {err.message}"
-    if isinstance(err, BizReject):
+    if isinstance(err, BizReject | InputRequired):  # taken and refused (no second turn here)
         return target.task(pb.TASK_STATE_REJECTED, text)
     if isinstance(err, LoopDetected | StreamBroken | errors.InternalError):
         return target.task(pb.TASK_STATE_FAILED, text)
