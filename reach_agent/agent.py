@@ -48,7 +48,7 @@ from .errors import InvalidRequest
 from .handling import Handler, kind_of
 from .metrics import AgentMetrics
 from .presence import READINESS_INTERVAL_S, Presence
-from .serving import AckSink, TaskServer
+from .serving import CANCEL_GRACE_S, AckSink, TaskServer
 from .subjects import DEFAULT_PREFIX, Subjects
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,9 @@ class Agent:
     announced; set :attr:`context_usage_pct` as the window fills. ``readiness`` (an
     adapter's check of the service it fronts, ``async () -> bool``) is asked every
     ``readiness_interval`` seconds: while it says False the agent reports ``draining`` and
-    refuses tasks with ``DRAINING`` (see :mod:`~reach_agent.presence`).
+    refuses tasks with ``DRAINING`` (see :mod:`~reach_agent.presence`). A cancelled
+    request's handler sees ``asyncio.CancelledError`` and has ``cancel_grace`` seconds to
+    clean up before it is cancelled again (see :mod:`~reach_agent.serving`).
     """
 
     def __init__(
@@ -109,6 +111,7 @@ class Agent:
         context_window: int | None = None,
         readiness: Callable[[], Awaitable[bool]] | None = None,
         readiness_interval: float = READINESS_INTERVAL_S,
+        cancel_grace: float = CANCEL_GRACE_S,
         **credentials: Unpack[CredentialOptions],
     ) -> None:
         schema.check_agent_id(agent_id)
@@ -127,6 +130,8 @@ class Agent:
         unknown = sorted(idem - set(caps))
         if unknown:
             raise InvalidRequest(f"idempotent {unknown!r} are not among the capabilities {caps!r}")
+        if not cancel_grace >= 0:
+            raise InvalidRequest(f"cancel_grace {cancel_grace!r} must be 0 or more seconds")
         if not readiness_interval > 0:
             raise InvalidRequest(f"readiness_interval {readiness_interval!r} must be positive")
         if not claim_timeout > 0:
@@ -176,6 +181,7 @@ class Agent:
         )  # fmt: skip
         """The task side: admission, claims, execution, replies, ack records."""
         self.tasks.idempotent |= idem
+        self.tasks.cancel_grace = cancel_grace
         self.presence = Presence(
             self.announcement, self.subjects, self.tasks,
             heartbeat_interval=heartbeat_interval, announce_refresh=announce_refresh,
@@ -362,7 +368,7 @@ class Agent:
             await claimer.start()
             self.tasks.claimer = claimer
         await self.presence.subscribe(nc)
-        await self.tasks.subscribe(nc, self.capabilities)
+        await self.tasks.subscribe(nc, self.capabilities, cancels=self.watch.takes_cancels)
         await flush_subscriptions(nc)  # a refused SUB is reported before the PONG
         self.watch.check_subscriptions()
         await self.presence.start()

@@ -43,12 +43,16 @@ from jetstream.claims import ClaimStore, ClaimsUnavailable, NoClaimsBucket, Stor
 from . import schema, trace
 from .dedup import Reply
 from .durable import attributed
-from .errors import InProgress, ReachError, Timeout, error_for, to_reply
+from .errors import Cancelled, InProgress, ReachError, Timeout, error_for, to_reply
 from .subjects import Subjects
 
 log = trace.logger(__name__)
 
 Verdict = Literal["take_over", "in_progress", "stored"]
+
+CANCELLED = "cancelled"
+"""The ``reason`` of a claim ended by a cancel (state ``failed``; its result the holder's
+``failed`` record with ``CANCELLED``)."""
 
 STORED_WAIT_S = 2.0
 """How long an agent waits for the final ack record of a claim that says it is finished
@@ -238,14 +242,17 @@ class Claimer:
 
     async def end(self, held: Held, error: ReachError | None) -> Callable[[], Awaitable[None]]:
         """How a run ends its claim: ``completed``; ``released`` after a retryable error
-        (another agent may run it); else ``failed`` (a duplicate gets the stored error)."""
+        (another agent may run it); else ``failed`` (a duplicate gets the stored error;
+        reason ``cancelled`` for a cancelled run: no retry or replay runs it again)."""
         if error is None:
             return await self.finish(held, "completed")
         if error.retryable:
             return await self.finish(
                 held, "released", f"{self.agent_id} ended it with {error.code}"
             )
-        return await self.finish(held, "failed")
+        return await self.finish(
+            held, "failed", CANCELLED if isinstance(error, Cancelled) else None
+        )
 
     async def answer(self, claimed: Claimed, request_id: str) -> Reply:
         """The reply to a request whose claim is someone else's (or already finished)."""

@@ -31,7 +31,7 @@ from jetstream.claims import ClaimStore, ClaimsUnavailable, claim_key
 from jetstream.tasks import raise_if_cancelled
 
 from . import schema, trace
-from .calls import CLOSED, LOST, Call, StreamStart, is_no_responders
+from .calls import CANCELLED, CLOSED, LOST, Call, StreamStart, is_no_responders
 from .claiming import result_location
 from .durable import attributed
 from .errors import InternalError, Timeout, error_for, from_reply
@@ -199,6 +199,8 @@ async def held(call: Call, holder: str, clock: Callable[[], float]) -> tuple[Hel
             )
         if msg is CLOSED:
             return "closed", InternalError("client closed while the call was in flight")
+        if msg is CANCELLED:
+            return "closed", call.cancelled
         if msg is _RELEASED:
             return "released", None
         if msg is LOST:

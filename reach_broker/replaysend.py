@@ -22,6 +22,7 @@ from reach_agent import schema
 from reach_agent.errors import ReachError
 from reach_agent.retry import retryable
 from reach_agent.schema import RouteRequest
+from reach_agent.subjects import BROKER_ACK_AUTHOR
 
 from .ackwatch import AckWatch
 from .brokeracks import record_failed, record_taker
@@ -185,9 +186,11 @@ class EntrySender:
             return "deferred"
         await e.msg.ack_sync()
         self.claimed += 1
-        self.ctx.metrics.compensation_result["claimed"].inc()
-        log.info("replay.claimed request_id=%s capability=%s holder=%s (%s): not sent again",
-                 e.request_id, e.capability, holder, state)  # fmt: skip
+        # A claim the broker holds is a cancel's (reach_broker.canceller).
+        result = "cancelled" if holder == BROKER_ACK_AUTHOR else "claimed"
+        self.ctx.metrics.compensation_result[result].inc()
+        log.info("replay.%s request_id=%s capability=%s holder=%s (%s): not sent again",
+                 result, e.request_id, e.capability, holder, state)  # fmt: skip
         return "claimed"
 
     async def record_expired(self, e: Entry) -> None:

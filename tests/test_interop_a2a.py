@@ -219,3 +219,34 @@ async def test_a_card_that_is_not_there_is_one_line(
     assert proc.returncode == 3
     assert err.decode().startswith("reach: no A2A agent card at http://127.0.0.1:9/"), err
     assert out == b""
+
+
+@pytest.mark.parametrize("card", [("1.0",), ("0.3", "--no-streaming")], ids=["1.0-stream", "0.3"])
+async def test_a_cancel_is_forwarded_as_a2a_tasks_cancel(
+    broker: Broker, nats_server: NatsServer, a2a_agent: Processes, sidecar: Processes,
+    card: tuple[str, ...],
+) -> None:  # fmt: skip
+    agent = await a2a_agent("--card", *card)
+    await sidecar(agent.url, "--agent-id", "slow-a2a")
+    await wait_for(lambda: state(broker, "slow-a2a") == "healthy", 10, what="slow-a2a healthy")
+    async with reach_agent.Client(nats_server.url) as client:
+        call = asyncio.create_task(client.call("echo-text", "slow 30", request_id="rid-slow",
+                                               timeout=60))  # fmt: skip
+
+        async def running() -> bool:
+            return any(s["request_id"] == "rid-slow" for s in await agent.seen())
+
+        deadline = time.monotonic() + 10
+        while not await running():
+            assert time.monotonic() < deadline, "the A2A agent never got the message"
+            await asyncio.sleep(0.05)
+        reply = await client.cancel("rid-slow")
+        assert (reply.state, reply.agent_id) == ("cancelled", "slow-a2a")
+        with pytest.raises(reach_agent.Cancelled):
+            await asyncio.wait_for(call, 10)
+        deadline = time.monotonic() + 10
+        while not await agent.cancelled():  # its executor saw the CancelledError
+            assert time.monotonic() < deadline, "tasks/cancel never reached the A2A agent"
+            await asyncio.sleep(0.05)
+        rec = await client.wait("rid-slow", 5)
+        assert (rec.agent_id, rec.error["code"]) == ("slow-a2a", "CANCELLED")

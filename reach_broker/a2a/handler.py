@@ -19,6 +19,11 @@ failover, one request id — and answers:
 each chunk as an artifact update, then the ``COMPLETED`` status (the client's
 :meth:`~reach_agent.Client.stream`; a plain handler's result is one chunk). The gateway
 keeps no tasks: ``GetTask`` answers task-not-found.
+
+``CancelTask`` (0.3: ``tasks/cancel``) of a task id — the request id, as every ``Task`` the
+gateway answers names it — is :meth:`reach_agent.Client.cancel`: the agent running it is
+told, a message still waiting on it ends as a ``Task`` in state ``CANCELED``, and the
+answer is that ``CANCELED`` task; one that had finished is task-not-cancelable.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from a2a.utils.errors import (
     InternalError,
     InvalidParamsError,
     PushNotificationNotSupportedError,
+    TaskNotCancelableError,
     TaskNotFoundError,
 )
 from google.protobuf import struct_pb2
@@ -45,6 +51,7 @@ from reach_agent import errors
 from reach_agent.client import Client
 from reach_agent.errors import (
     BizReject,
+    Cancelled,
     InputRequired,
     LoopDetected,
     ReachError,
@@ -192,6 +199,8 @@ def outcome_of(err: ReachError, target: Target) -> pb.Task:
     text = f"{err.code}: {err.message}"
     if isinstance(err, BizReject | InputRequired):  # taken and refused (no second turn here)
         return target.task(pb.TASK_STATE_REJECTED, text)
+    if isinstance(err, Cancelled):
+        return target.task(pb.TASK_STATE_CANCELED, text)
     if isinstance(err, LoopDetected | StreamBroken | errors.InternalError):
         return target.task(pb.TASK_STATE_FAILED, text)
     raise a2a_error(err) from None
@@ -265,7 +274,9 @@ class GatewayHandler(RequestHandler):
                     yield self._chunk(target, chunk, index)
                     index += 1
         except ReachError as err:
-            state = pb.TASK_STATE_REJECTED if isinstance(err, BizReject) else pb.TASK_STATE_FAILED
+            state = (pb.TASK_STATE_REJECTED if isinstance(err, BizReject) else
+                     pb.TASK_STATE_CANCELED if isinstance(err, Cancelled) else
+                     pb.TASK_STATE_FAILED)  # fmt: skip
             yield self._status(target, state, f"{err.code}: {err.message}")
             return
         yield self._status(target, pb.TASK_STATE_COMPLETED, None)
@@ -291,8 +302,20 @@ class GatewayHandler(RequestHandler):
     async def on_list_tasks(self, params: Any, context: ServerCallContext) -> Any:
         return pb.ListTasksResponse()
 
-    async def on_cancel_task(self, params: Any, context: ServerCallContext) -> pb.Task | None:
-        return None
+    async def on_cancel_task(
+        self, params: pb.CancelTaskRequest, context: ServerCallContext
+    ) -> pb.Task | None:
+        """``CancelTask``: the request id's cancel (:meth:`reach_agent.Client.cancel`)."""
+        try:
+            reply = await self.client.cancel(params.id, reason="A2A CancelTask")
+        except ReachError as err:
+            raise a2a_error(err) from None
+        if reply.state == "finished":
+            raise TaskNotCancelableError(message=f"task {params.id} already finished on agent "
+                                         f"{reply.agent_id}")  # fmt: skip
+        status = pb.TaskStatus(state=pb.TASK_STATE_CANCELED)
+        meta = {"request_id": params.id, "cancelled_by": reply.agent_id}
+        return pb.Task(id=params.id, context_id=params.id, status=status, metadata=meta)
 
     async def on_subscribe_to_task(
         self, params: Any, context: ServerCallContext
