@@ -32,7 +32,10 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
-from reach_agent import calls, schema, serving, trace
+from reach_agent import trace
+from reach_agent.agent import serving
+from reach_agent.client import calls
+from reach_agent.wire import schema
 
 from .local import echo_stack
 

@@ -17,11 +17,11 @@ from nats.aio.client import Client as NATS
 
 import reach_agent
 from jetstream.claims import ClaimStore, claim_key
-from reach_agent import schema
-from reach_agent.config import ClientConfig
-from reach_agent.errors import Cancelled, Timeout
-from reach_broker.natsserver import NatsServer
-from reach_broker.service import Broker
+from reach_agent.client.config import ClientConfig
+from reach_agent.wire import schema
+from reach_agent.wire.errors import Cancelled, Timeout
+from reach_broker.cluster.natsserver import NatsServer
+from reach_broker.service.broker import Broker
 
 from .conftest import wait_for
 from .test_cli import reach

@@ -22,9 +22,9 @@ pytest.importorskip("a2a.client", reason="needs the extra 'a2a'")
 import httpx
 
 import reach_agent
-from reach_agent.errors import BizReject, InputRequired, InternalError
-from reach_broker.natsserver import NatsServer
-from reach_broker.service import Broker
+from reach_agent.wire.errors import BizReject, InputRequired, InternalError
+from reach_broker.cluster.natsserver import NatsServer
+from reach_broker.service.broker import Broker
 
 from .conftest import wait_for
 from .test_cli import CLI, cli_env

@@ -1,6 +1,6 @@
 """``reach adapt http`` and ``reach adapt a2a``: sidecars that make an HTTP agent
-(:mod:`reach_broker.httpadapter`) or an A2A agent (:mod:`reach_broker.a2aadapter`) a reach
-agent; each runs until Ctrl-C, then drains."""
+(:mod:`reach_broker.interop.httpadapter`) or an A2A agent
+(:mod:`reach_broker.interop.a2aadapter`) a reach agent; each runs until Ctrl-C, then drains."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import asyncio
 import logging
 from urllib.parse import urlsplit
 
-from reach_agent import schema
-from reach_agent.errors import ReachError
+from reach_agent.wire import schema
+from reach_agent.wire.errors import ReachError
+from reach_broker.logs import say
 
-from ..logs import say
 from .common import (
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
@@ -82,7 +82,7 @@ def _limits(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..httpadapter import missing_extra
+    from reach_broker.interop.httpadapter import missing_extra
 
     why = missing_extra()
     if why is not None:
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _adapt(args: argparse.Namespace, cap: str, url: str, health: str | None) -> int:
-    from ..httpadapter import HttpAdapter
+    from reach_broker.interop.httpadapter import HttpAdapter
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     stop = stop_on_signals()
@@ -121,7 +121,7 @@ async def _adapt(args: argparse.Namespace, cap: str, url: str, health: str | Non
 
 
 def run_a2a(args: argparse.Namespace) -> int:
-    from ..a2aadapter import missing_extra
+    from reach_broker.interop.a2aadapter import missing_extra
 
     why = missing_extra()
     if why is not None:
@@ -143,7 +143,7 @@ def run_a2a(args: argparse.Namespace) -> int:
 
 
 async def _adapt_a2a(args: argparse.Namespace, url: str, rename: dict[str, str]) -> int:
-    from ..a2aadapter import A2AAdapter
+    from reach_broker.interop.a2aadapter import A2AAdapter
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     stop = stop_on_signals()
