@@ -13,6 +13,13 @@ first on the child's ``PYTHONPATH`` (this module, and ``loadtest``, stay this tr
 
     python -m loadtest.callcost --base HEAD~1 --rounds 8 --calls 2000
 
+On a shared, noisy machine the timed ratios swing; ``--callgrind`` counts instructions
+instead (valgrind's callgrind, the child process only: client, broker and agent, not
+nats-server): each tree runs ``--calls`` and ``4 x --calls`` round trips, and the difference
+over ``3 x --calls`` is the instructions of one call, which noise does not move.
+
+    python -m loadtest.callcost --base HEAD~1 --callgrind --calls 200
+
 Made for the cancellation plumbing (issue 26: every task an agent runs is findable by a
 cancel, every call can be cancelled); any change on the call path can be measured the same way.
 """
@@ -49,7 +56,8 @@ async def child(calls: int, warm: int) -> dict[str, float]:
 
 
 def export(ref: str, into: Path) -> str:
-    """The ref's packages in ``into``; the commit it names."""
+    """The ref's packages in ``into`` (made if missing); the commit it names."""
+    into.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", ref], cwd=ROOT, check=True,
                             capture_output=True, text=True).stdout.strip()  # fmt: skip
     archive = subprocess.run(["git", "archive", commit, *PACKAGES], cwd=ROOT, check=True,
@@ -69,6 +77,38 @@ def slice_of(tree: Path | None, calls: int, warm: int) -> dict[str, float]:
         timeout=600,
     )  # fmt: skip
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def instructions(tree: Path | None, calls: int, warm: int, out: Path) -> int:
+    """The instructions (callgrind's ``Ir``) of one child run of ``calls`` round trips."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*([str(tree)] if tree else []),
+                                                        str(ROOT)]))  # fmt: skip
+    subprocess.run(
+        ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, "-m",
+         "loadtest.callcost", "--child", "--calls", str(calls), "--warm", str(warm)],
+        cwd=ROOT, env=env, check=True, capture_output=True, timeout=3600,
+    )  # fmt: skip
+    for line in out.read_text().splitlines():
+        if line.startswith(("totals:", "summary:")):
+            return int(line.split()[1])
+    raise RuntimeError(f"no totals in {out}")
+
+
+def count(base: str, calls: int, warm: int) -> dict[str, Any]:
+    """Instructions per call, this tree and the ref's, by the difference of two runs."""
+    with tempfile.TemporaryDirectory(prefix="reach-callcost-base-") as tmp:
+        commit = export(base, Path(tmp) / "tree")
+        per: dict[str, float] = {}
+        for key, tree in (("with", None), ("without", Path(tmp) / "tree")):
+            few = instructions(tree, calls, warm, Path(tmp) / f"{key}-few.out")
+            many = instructions(tree, 4 * calls, warm, Path(tmp) / f"{key}-many.out")
+            per[key] = (many - few) / (3 * calls)
+    return {
+        "base": commit,
+        "instructions_per_call_with": round(per["with"]),
+        "instructions_per_call_without": round(per["without"]),
+        "instructions_with_vs_without": round(per["with"] / per["without"], 4),
+    }
 
 
 def compare(base: str, rounds: int, calls: int, warm: int) -> dict[str, Any]:
@@ -104,10 +144,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--calls", type=int, default=2000, help="timed calls per slice")
     ap.add_argument("--warm", type=int, default=200, help="untimed calls first, per slice")
+    ap.add_argument("--callgrind", action="store_true",
+                    help="count instructions (valgrind) instead of timing")  # fmt: skip
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(asyncio.run(child(args.calls, args.warm))))
+        return
+    if args.callgrind:
+        print(json.dumps(count(args.base, args.calls, args.warm), indent=2))
         return
     print(json.dumps(compare(args.base, args.rounds, args.calls, args.warm), indent=2))
 
