@@ -467,7 +467,9 @@ class TaskServer:
                 headers, body = to_reply(error)
                 headers[H_REQUEST_ID] = request_id
                 if isinstance(error, Cancelled):
-                    self.ok_total += 1  # not the agent's failure
+                    # Neither a result nor the agent's failure: in neither total (brokers
+                    # read ok_total as "it finishes tasks": a hung handler the caller's
+                    # deadline cancelled did not).
                     self._count(capability, "cancelled")
                 elif error.status < 500:
                     self.ok_total += 1  # the agent did its job: the request was refused
