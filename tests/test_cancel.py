@@ -269,3 +269,36 @@ async def test_a_deadline_spent_waiting_for_a_slot_does_not_cancel_the_request_i
     assert await client.call("cancel.busy", {"sleep": 0}, request_id="rid-later", timeout=5) == {
         "done": "rid-later"
     }
+
+
+async def test_a_handler_that_ignores_its_cancel_is_cancelled_again_after_the_grace(
+    broker: Broker, agents: Agents, client: reach_agent.Client
+) -> None:
+    agent = reach_agent.Agent("stubborn", ["cancel.grace"], max_concurrency=1,
+                              heartbeat_interval=0.1, cancel_grace=0.3)  # fmt: skip
+    seen: list[float] = []
+    started = asyncio.Event()
+
+    @agent.handler("cancel.grace")
+    async def stubborn(task: reach_agent.Task) -> str:
+        started.set()
+        while True:
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                seen.append(time.monotonic())
+                if len(seen) == 2:
+                    raise
+                # the first cancel is ignored: it keeps working
+
+    await agents(agent)
+    await wait_for(lambda: "stubborn" in broker.registry.agents, what="announced")
+    call = asyncio.create_task(client.call("cancel.grace", {}, request_id="rid-g", timeout=60))
+    await asyncio.wait_for(started.wait(), 10)
+    await client.cancel("rid-g")
+    with pytest.raises(Cancelled):
+        await asyncio.wait_for(call, 5)
+    await wait_for(lambda: len(seen) == 2 and agent.active == 0, 5, what="the second cancel")
+    assert seen[1] - seen[0] >= 0.29, seen[1] - seen[0]  # not before the grace (0.3 s)
+    rec = await client.wait("rid-g", 5)
+    assert (rec.state, rec.error["code"]) == ("failed", "CANCELLED")
