@@ -40,7 +40,7 @@ def add_parser(sub: Subcommands) -> None:
     init.add_argument("--tls", action="store_true",
                       help="also a local CA and a server certificate: the server requires "
                            "TLS (needs the 'cryptography' package: "
-                           "pip install 'reach[tls]')")  # fmt: skip
+                           "pip install 'nats-reach[tls]')")  # fmt: skip
     init.add_argument(
         "--force",
         action="store_true",
