@@ -106,6 +106,18 @@ class HttpAdapter:
         finally:
             await self.http.aclose()
 
+    def not_ready(self) -> str | None:
+        """Why the sidecar's ``/readyz`` says 503 (:mod:`reach_broker.health`), or None:
+        connected to NATS, announced to a broker that answered, not draining."""
+        agent = self.agent
+        if agent.nc is None or not agent.nc.is_connected:
+            return "not connected to NATS"
+        if agent.draining:
+            return "draining: it takes no new tasks"
+        if agent.token is None:
+            return "announced, but no broker has answered yet"
+        return None
+
     async def healthy(self) -> bool:
         """GET the health URL: a 2xx within the timeout."""
         import httpx

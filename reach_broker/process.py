@@ -4,8 +4,9 @@ Start, in order: an embedded ``nats-server`` when the config names no server (wi
 ``nats.auth_dir``: the DIR's ``server.conf``, operator mode; in a session of its own, so a
 terminal Ctrl-C reaches the broker only, which stops its clients before the server: the
 server dying first would leave them reconnecting), SIGINT/SIGTERM/SIGHUP handlers (SIGHUP:
-the terminal closed), the HTTP port (Prometheus ``/metrics`` and the web console,
-:mod:`reach_broker.console`), the :class:`~reach_broker.service.Broker`, then the console's
+the terminal closed), the HTTP port (Prometheus ``/metrics``, the probes ``/healthz`` and
+``/readyz`` of :mod:`reach_broker.health` and the web console, :mod:`reach_broker.console`),
+the :class:`~reach_broker.service.Broker`, then the console's
 feed on the running broker and (``a2a.port``) the A2A gateway (:mod:`reach_broker.a2a`).
 Stop, the other way round: the gateway, the HTTP port (open pages are told goodbye), the
 broker (drains, leaves nothing in flight), then the embedded server. Should the
@@ -135,7 +136,8 @@ async def _run_broker(cfg: Config, stop: asyncio.Event) -> None:
     from .service import Broker
 
     metrics = Metrics()
-    port = HttpPort(cfg, metrics.registry) if cfg.broker.metrics_port else None
+    broker = Broker(cfg, metrics=metrics)
+    port = HttpPort(cfg, metrics.registry, broker.not_ready) if cfg.broker.metrics_port else None
     if port is not None:
         try:
             await port.start()
@@ -146,7 +148,7 @@ async def _run_broker(cfg: Config, stop: asyncio.Event) -> None:
                 "(choose another with --metrics-port, 0 turns it off)"
             ) from None
     try:
-        await _serve_broker(cfg, stop, Broker(cfg, metrics=metrics), port)
+        await _serve_broker(cfg, stop, broker, port)
     finally:
         if port is not None:
             await port.stop()

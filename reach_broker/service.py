@@ -154,6 +154,8 @@ class Broker:
         self._with_creds = bool(cfg.nats.creds)
         self.auth_enabled = False
         """Whether the server enforces identities (see :meth:`_secure`)."""
+        self.serving = False
+        """Started: assets provisioned, rules loaded, handlers subscribed (until :meth:`stop`)."""
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -183,6 +185,7 @@ class Broker:
             await component.start()
         await self._serve()
         self._loop_task = asyncio.create_task(self._tick_loop(), name="reach-broker-tick")
+        self.serving = True
         url = self.nc.connected_url
         log.info("broker.started id=%s prefix=%s server=%s", self.broker_id,
                  self.subjects.prefix, url.geturl() if url else None)  # fmt: skip
@@ -220,6 +223,7 @@ class Broker:
         if not self._started:
             return
         self._started = False
+        self.serving = False
         if self._service is not None:
             try:
                 await self._service.stop()
@@ -242,6 +246,23 @@ class Broker:
         if self._own_nc:
             await drain_or_close(self.nc, self.cfg.broker.shutdown_grace_s)
         log.info("broker.stopped id=%s", self.broker_id)
+
+    def not_ready(self) -> str | None:
+        """Why ``/readyz`` says 503 (:mod:`reach_broker.health`), or None: connected to NATS,
+        the JetStream assets provisioned, the rules loaded and the handlers subscribed."""
+        servers = self.cfg.nats.url or "NATS_URL / nats://127.0.0.1:4222"
+        if not self._started:
+            return "the broker is not running"
+        if not self.nc.is_connected:
+            if self.serving:
+                return f"disconnected from NATS (reconnecting to {servers})"
+            return f"not connected to NATS yet (connecting to {servers})"
+        if not self.serving:
+            return "starting: provisioning the JetStream assets and loading the route rules"
+        if not self.jetstream_ok:
+            return ("the NATS server has no JetStream: no claims, durable acks or compensation "
+                    "replay (start nats-server with -js)")  # fmt: skip
+        return None
 
     async def __aenter__(self) -> Broker:
         await self.start()

@@ -19,6 +19,7 @@ import nats
 import pytest
 
 from .test_broker_process import free_port
+from .test_health import probe
 
 ROOT = Path(__file__).resolve().parent.parent
 _NOT_SHIPPED = shutil.ignore_patterns(
@@ -97,7 +98,8 @@ def wheel_broker(installed: Path, tmp_path: Path) -> Iterator[tuple[str, int]]:
 async def test_the_wheel_runs_reach_broker_with_its_shipped_configs(
     wheel_broker: tuple[str, int],
 ) -> None:
-    url, _http = wheel_broker
+    url, http = wheel_broker
+    assert await probe(http, "/readyz") == (200, {"ready": True})
     nc = await nats.connect(url)
     try:
         body = {"agent_id": "w1", "capabilities": ["text_processing"], "max_concurrency": 1,

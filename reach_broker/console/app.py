@@ -1,4 +1,6 @@
-"""What the broker's HTTP port answers: ``/metrics`` (Prometheus, as before) and the console —
+"""What the broker's HTTP port answers: ``/metrics`` (Prometheus, as before), the probes
+``/healthz`` and ``/readyz`` (:mod:`reach_broker.health`; like ``/metrics``, no token) and the
+console —
 the page (``/``, ``/static/…``, shipped in the package: no CDN, no network), its JSON
 (``/api/…``) and its live stream (``/events``, server-sent events). Read-only: GET and HEAD.
 
@@ -23,6 +25,8 @@ from typing import Any
 
 from jetstream.tasks import raise_if_cancelled
 
+from .. import health
+from ..health import Readiness
 from .feed import Feed, Watcher
 from .httpd import Request, Response, Stream, text
 
@@ -157,10 +161,12 @@ class EventStream:
 class App:
     """The HTTP port's handler: metrics always, the console when :class:`Access` allows."""
 
-    def __init__(self, registry: Any, access: Access) -> None:
+    def __init__(self, registry: Any, access: Access, not_ready: Readiness) -> None:
         self.registry = registry
         """The Prometheus CollectorRegistry of /metrics."""
         self.access = access
+        self.not_ready = not_ready
+        """The broker's readiness, for /readyz (:mod:`reach_broker.health`)."""
         self.feed: Feed | None = None
         """The console's data, attached once the broker runs (until then: 503)."""
         self.files = _static()
@@ -168,6 +174,8 @@ class App:
     async def __call__(self, req: Request) -> Response | Stream:
         if req.path == "/metrics":
             return self.metrics(req)
+        if req.path in health.PATHS:
+            return health.response(req.path, self.not_ready)
         refused = self.access.refusal(req)
         if refused is not None:
             return refused

@@ -9,6 +9,7 @@ from typing import Any
 from ..config import Config
 from ..context import BrokerContext
 from ..explain import Explainer
+from ..health import Readiness
 from ..registry import Registry
 from .app import Access, App
 from .feed import Feed
@@ -16,13 +17,14 @@ from .httpd import HttpServer
 
 
 class HttpPort:
-    """``/metrics`` of ``registry`` on ``broker.metrics_host:metrics_port``, and the console."""
+    """``/metrics`` of ``registry`` on ``broker.metrics_host:metrics_port``, ``/healthz`` and
+    ``/readyz`` (``not_ready``: the broker's), and the console."""
 
-    def __init__(self, cfg: Config, registry: Any) -> None:
+    def __init__(self, cfg: Config, registry: Any, not_ready: Readiness) -> None:
         b, c = cfg.broker, cfg.console
         self.cfg = cfg
         self.access = Access(b.metrics_host, c.token, c.enabled)
-        self.app = App(registry, self.access)
+        self.app = App(registry, self.access, not_ready)
         self.server = HttpServer(b.metrics_host, b.metrics_port, self.app)
         self.feed: Feed | None = None
 
