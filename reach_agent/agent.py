@@ -40,7 +40,7 @@ from .connection import (
     connect_options,
     drain_or_close,
     flush_subscriptions,
-    server_list,
+    resolve,
 )
 from .connwatch import ConnectionWatch
 from .dedup import DedupCache
@@ -310,7 +310,7 @@ class Agent:
         if self.ack_sink is None and self.durable_acks:
             durable.check_ack_dir(self.agent_id, self.ack_wal_dir)  # one clear error, now
         cred = self.credentials if credentials is None else credentials.over(self.credentials)
-        servers = server_list(servers)
+        servers, cred = resolve(servers, cred)  # explicit, NATS_* and the NATS context
         options = connect_options(self.agent_id, servers, cred)
         writes_acks = self.ack_sink is None and self.durable_acks
         self.watch.check_grants(cred, self.capabilities, writes_acks=writes_acks)

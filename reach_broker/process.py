@@ -55,6 +55,8 @@ async def serve(cfg: Config, *, stop: asyncio.Event | None = None) -> None:
     check_a2a(cfg)
     if cfg.nats.auth_dir:
         _use_auth_dir(cfg)
+    if not cfg.nats.url:
+        _use_context(cfg)
     server = await _embedded_server(cfg) if not cfg.nats.url else None
     try:
         if stop is None:
@@ -86,6 +88,25 @@ def check_a2a(cfg: Config) -> None:
     why = binding_error(cfg.a2a)
     if why is not None:
         raise StartError(why)
+
+
+def _use_context(cfg: Config) -> None:
+    """A NATS context named by ``nats.context`` (``--context``) or ``NATS_CONTEXT`` that names
+    a server: the broker connects there instead of starting an embedded server. Otherwise the
+    embedded server's connection uses no context, not even the one selected in the ``nats``
+    CLI (its server is this process's own)."""
+    from reach_agent.connection import load_context
+
+    name = cfg.nats.context if cfg.nats.context is not None else os.environ.get("NATS_CONTEXT")
+    if name:
+        try:
+            ctx = load_context(name)
+        except ValueError as exc:
+            raise StartError(str(exc)) from None
+        if ctx.url:
+            cfg.nats.url, cfg.nats.context = ctx.url, name
+            return
+    cfg.nats.context = ""
 
 
 def _use_auth_dir(cfg: Config) -> None:

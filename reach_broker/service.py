@@ -295,7 +295,8 @@ class Broker:
         localhost), ``nats.creds``, pings from the config, reconnecting forever every 0.5 s."""
         n = self.cfg.nats
         return connect_options(
-            f"reach-broker-{self.broker_id}", n.url, Credentials(creds=n.creds, tls_ca=n.tls_ca),
+            f"reach-broker-{self.broker_id}", n.url,
+            Credentials(creds=n.creds, tls_ca=n.tls_ca, context=n.context),
             ping_interval=n.ping_interval_s, max_outstanding_pings=n.max_outstanding_pings,
             max_reconnect_attempts=-1, reconnect_time_wait=0.5,
             reconnect_to_server_handler=None,  # nats-py's own: a steady 0.5 s between tries

@@ -69,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
         cfg.nats.url = args.server
     if args.creds:
         cfg.nats.creds = args.creds
+    if args.context:
+        cfg.nats.context = args.context
     if args.tls_ca:
         cfg.nats.tls_ca = args.tls_ca
     if args.auth:

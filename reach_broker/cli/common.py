@@ -84,6 +84,10 @@ def add_common(
     """The options every command takes, each also from an environment variable."""
     p.add_argument("--server", "-s", default=env_default("NATS_URL"),
                    help="NATS server URL(s), comma-separated (env NATS_URL)")  # fmt: skip
+    p.add_argument("--context", default=env_default("NATS_CONTEXT"), metavar="NAME",
+                   help="a `nats` CLI context (~/.config/nats/context/NAME.json): its server "
+                        "and credentials fill what the other options leave unset (env "
+                        "NATS_CONTEXT; default the selected one)")  # fmt: skip
     p.add_argument("--creds", default=env_default("REACH_CREDS"),
                    help="NATS credentials file, e.g. from `reach auth` (env REACH_CREDS; "
                         "NATS_CREDS also works)")  # fmt: skip
@@ -138,7 +142,7 @@ NATS_SCHEMES = ("nats", "tls", "ws", "wss")
 def servers(args: argparse.Namespace) -> list[str]:
     """The server URLs of ``--server``/``NATS_URL`` (default ``nats://127.0.0.1:4222``),
     each checked to be a NATS URL, or a usage error naming the bad one."""
-    from reach_agent.connection import server_list
+    from reach_agent.connection import Credentials, resolve, server_list
 
     if args.server is not None and not args.server.replace(",", "").strip():
         raise CliError(f"--server {args.server!r} names no NATS server (give nats://HOST:PORT, "
@@ -147,6 +151,11 @@ def servers(args: argparse.Namespace) -> list[str]:
         urls = server_list(args.server)
     except ValueError as exc:
         raise CliError(f"--server: {exc}", EXIT_USAGE) from None
+    if args.server is None:  # NATS_URL, else the NATS context's server, else localhost
+        try:
+            urls = resolve(None, Credentials(context=getattr(args, "context", None)))[0]
+        except ValueError as exc:
+            raise CliError(str(exc), EXIT_USAGE) from None
     for url in urls:
         parts = urllib.parse.urlsplit(url if "://" in url else f"nats://{url}")
         if parts.scheme not in NATS_SCHEMES:
@@ -170,7 +179,8 @@ def connection_options(
     from reach_agent.connection import Credentials, connect_options
 
     urls = urls or servers(args)
-    cred = Credentials(creds=args.creds, tls_ca=getattr(args, "tls_ca", None))
+    cred = Credentials(creds=args.creds, tls_ca=getattr(args, "tls_ca", None),
+                       context=getattr(args, "context", None))  # fmt: skip
     try:
         return connect_options(name, urls, cred, **overrides)
     except ValueError as exc:
