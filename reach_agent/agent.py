@@ -31,7 +31,7 @@ from typing import Any, Unpack
 
 from nats.aio.client import Client as NATS
 
-from . import durable, schema
+from . import durable, otel, schema
 from .claiming import Claimer
 from .connection import (
     CredentialOptions,
@@ -165,9 +165,10 @@ class Agent:
         schema.validate_announce(self.announcement, agent_id)
         self.tasks = TaskServer(
             agent_id, max_concurrency, self.subjects, dedup=DedupCache(dedup_size, dedup_ttl),
-            metrics=metrics, ack_sink=ack_sink,
+            metrics=metrics, ack_sink=ack_sink, spans=otel.spans("reach-agent"),
         )  # fmt: skip
-        """The task side: admission, claims, execution, replies, ack records."""
+        """The task side: admission, claims, execution, replies, ack records (and, with
+        ``OTEL_EXPORTER_OTLP_ENDPOINT`` set, their spans: :mod:`.otel`)."""
         self.tasks.idempotent |= idem
         self.presence = Presence(
             self.announcement, self.subjects, self.tasks,
@@ -382,5 +383,7 @@ class Agent:
                 log.exception("agent.ack_sink_stop_failed agent=%s", self.agent_id)
         await drain_or_close(nc, 5.0)
         self.tasks.close()
+        if self.tasks.spans is not None:
+            await asyncio.to_thread(self.tasks.spans.flush)
         log.info("agent.stopped agent=%s ok=%d fail=%d", self.agent_id, self.ok_total,
                  self.fail_total)  # fmt: skip

@@ -29,6 +29,7 @@ from nats.micro import add_service
 from nats.micro.service import EndpointConfig, Service, ServiceConfig
 
 from jetstream.tasks import raise_if_cancelled
+from reach_agent import otel
 from reach_agent.aio import stop_loops
 from reach_agent.connection import Credentials, connect_options, drain_or_close, flush_subscriptions
 from reach_agent.subjects import Subjects
@@ -122,7 +123,7 @@ class Broker:
         ctx = BrokerContext(
             cfg=cfg, nc=self.nc, subjects=self.subjects, metrics=self.metrics,
             broker_id=self.broker_id, clock=clock, wall=wall, spawn=self._tasks.spawn,
-            fanout=self.fanout, link=self.link,
+            fanout=self.fanout, link=self.link, spans=otel.spans("reach-broker"),
         )  # fmt: skip
         self.ctx = ctx
         """What a component is handed (the console's feed is one, started by the process)."""
@@ -245,6 +246,8 @@ class Broker:
                 log.exception("broker.stop component=%s failed", type(component).__name__)
         if self._own_nc:
             await drain_or_close(self.nc, self.cfg.broker.shutdown_grace_s)
+        if self.ctx.spans is not None:
+            await asyncio.to_thread(self.ctx.spans.flush)
         log.info("broker.stopped id=%s", self.broker_id)
 
     def not_ready(self) -> str | None:
