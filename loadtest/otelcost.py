@@ -13,6 +13,11 @@ calls per second and this process's CPU microseconds per call (client, broker an
 nats-server), per round and their medians, and the with/without ratios.
 
     python -m loadtest.otelcost --base /tmp/reach-base --rounds 8 --calls 1000
+    python -m loadtest.otelcost --base /tmp/reach-base --instructions --calls 400
+
+``--instructions`` counts instead of timing (valgrind's callgrind: reproducible on a noisy
+machine): instructions per call of the slice process, from the difference of a 100-call and
+a ``--calls`` run in each tree, so start-up cancels out.
 
 Each slice's nats-server is its own (a temp store dir), stopped and removed in ``finally``.
 """
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -67,17 +73,37 @@ asyncio.run(main(int(sys.argv[1])))
 """
 
 
-def run_slice(tree: Path, calls: int) -> dict[str, float]:
+def run_slice(
+    tree: Path, calls: int, wrap: list[str] | None = None
+) -> tuple[dict[str, float], str]:
+    """One slice's figures (and its stderr), in a fresh process on ``tree``'s packages."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env["PYTHONPATH"] = str(tree)
     done = subprocess.run(
-        [sys.executable, "-c", SLICE, str(calls), str(tree)], cwd=tree, env=env,
-        capture_output=True, text=True, timeout=600,
+        [*(wrap or []), sys.executable, "-c", SLICE, str(calls), str(tree)], cwd=tree, env=env,
+        capture_output=True, text=True, timeout=3600,
     )  # fmt: skip
     if done.returncode != 0:
         raise SystemExit(f"slice in {tree} failed:\n{done.stderr}")
     result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    return result, done.stderr
+
+
+CALLGRIND = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
+
+
+def instructions(tree: Path, small: int, large: int) -> float:
+    """Instructions per call of the slice process (client, broker and agent; valgrind's
+    callgrind, which counts them reproducibly): the difference of a ``large`` and a
+    ``small`` run, over the calls between, so start-up and warm-up cancel out."""
+    counts = []
+    for n in (small, large):
+        _, err = run_slice(tree, n, CALLGRIND)
+        found = re.search(r"Collected : (\d+)", err)
+        if found is None:
+            raise SystemExit(f"no instruction count from callgrind:\n{err[-2000:]}")
+        counts.append(int(found.group(1)))
+    return (counts[1] - counts[0]) / (large - small)
 
 
 def main() -> None:
@@ -87,11 +113,21 @@ def main() -> None:
                     help="a checkout without the hooks (the commit before them)")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=8, help="rounds (one slice each way)")
     ap.add_argument("--calls", type=int, default=1000, help="calls per slice")
+    ap.add_argument("--instructions", action="store_true",
+                    help="instead: instructions per call under callgrind, with and without "
+                         "(runs of 100 and --calls calls in each tree)")  # fmt: skip
     args = ap.parse_args()
+    if args.instructions:
+        with_ = instructions(HERE, 100, args.calls)
+        without = instructions(args.base, 100, args.calls)
+        print(json.dumps({"instructions_per_call_with": round(with_),
+                          "instructions_per_call_without": round(without),
+                          "with_vs_without": round(with_ / without, 4)}, indent=2))  # fmt: skip
+        return
     per: dict[str, list[dict[str, float]]] = {"with": [], "without": []}
     for r in range(args.rounds):
         for key in ("with", "without") if r % 2 == 0 else ("without", "with"):
-            per[key].append(run_slice(HERE if key == "with" else args.base, args.calls))
+            per[key].append(run_slice(HERE if key == "with" else args.base, args.calls)[0])
     out: dict[str, Any] = {}
     for fig in ("calls_per_s", "cpu_us_per_call"):
         ratios = [w[fig] / wo[fig] for w, wo in zip(per["with"], per["without"], strict=True)]

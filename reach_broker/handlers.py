@@ -264,6 +264,9 @@ class Handlers:
         self._hb_dropped = {r: m.refused.labels("heartbeat", r)
                             for r in ("forged", "stale", "unknown")}  # fmt: skip
         self._clock, self._wall = ctx.clock, ctx.wall
+        self.route_counts: dict[str, int] = {}
+        """Route requests answered per capability since start (the console's charts read
+        them on their tick; a capability is counted only once it has had agents)."""
         self.require_leave_token = False
         """Set while the server enforces identities (``reach_auth_enabled``): a leave must
         then carry the agent's token, since the server lets anyone's reply land on
@@ -401,6 +404,8 @@ class Handlers:
                 return body
         body = self.router.route_reply(capability, rreq, ctx.clock(), ctx.wall_ms())
         ctx.metrics.route_result["ok"].inc()
+        counts = self.route_counts
+        counts[capability] = counts.get(capability, 0) + 1
         return body
 
     def agents(self, subject: str, data: bytes) -> bytes:

@@ -185,7 +185,8 @@ async def _serve_broker(cfg: Config, stop: asyncio.Event, broker: Any, port: Any
     gateway = None
     try:
         if port is not None:
-            await port.attach(broker.ctx, broker.registry, broker.handlers.explainer)
+            await port.attach(broker.ctx, broker.registry, broker.handlers.explainer,
+                              broker.handlers.route_counts)  # fmt: skip
         where = f"; {port.describe()}" if port is not None else ""
         say(f"reach: broker {broker.broker_id} serving on {cfg.nats.url}{where}")
         gateway = await _a2a_gateway(cfg, broker) if cfg.a2a.port else None

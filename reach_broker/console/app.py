@@ -23,6 +23,8 @@ import mimetypes
 from importlib import resources
 from typing import Any
 
+import msgspec
+
 from jetstream.tasks import raise_if_cancelled
 
 from .. import health
@@ -30,6 +32,7 @@ from ..health import Readiness
 from .feed import Feed, Watcher
 from .httpd import Request, Response, Stream, text
 
+_json = msgspec.json.Encoder()
 COOKIE = "reach_console"
 PING_S = 15.0
 """A comment line on an idle event stream this often, so proxies and the browser keep it."""
@@ -210,6 +213,14 @@ class App:
             return self.json(feed.fleet_json())
         if path == "/api/events":
             return self.json(feed.events_json(feed.cfg.events))
+        if path == "/api/charts":
+            return self.json(_json.encode(feed.capabilities.index(feed.ctx.wall_ms())))
+        if path.startswith("/api/charts/"):
+            cap = path.removeprefix("/api/charts/")
+            chart = feed.capabilities.chart(cap, feed.ctx.wall_ms())
+            if chart is None:
+                return text(404, f"no chart of capability {cap!r}", SECURITY)
+            return self.json(_json.encode(chart))
         if path.startswith("/api/agents/"):
             body = feed.agent_json(path.removeprefix("/api/agents/"))
             if body is None:

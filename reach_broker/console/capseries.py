@@ -101,6 +101,8 @@ class CapabilitySeries:
         self.rings: dict[str, _Ring] = {}
         self.untracked: set[str] = set()
         self._last_counts: dict[str, int] = {}
+        self._primed = False
+        """Whether the counts were read once (that first read is the baseline)."""
         self._pending: dict[str, tuple[str, int]] = {}
         """request id → (capability, ``received`` at_ms), insertion-ordered."""
 
@@ -121,10 +123,12 @@ class CapabilitySeries:
         the last read goes to the current bucket. O(capabilities) per read."""
         bucket = wall_ms // (BUCKET_S * 1000)
         last = self._last_counts
+        first_read = not self._primed
+        self._primed = True
         for capability, n in counts.items():
-            seen = last.get(capability)
+            seen = last.get(capability, 0)
             last[capability] = n
-            if seen is None:  # the first read: what came before the console started
+            if first_read:  # what came before the console started is not charted
                 continue
             if n > seen and (ring := self._ring(capability)) is not None:
                 ring.routes[ring.slot(bucket)] += n - seen

@@ -4,6 +4,7 @@ console attached once the broker runs, and stopped before the broker."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ..config import Config
@@ -44,11 +45,18 @@ class HttpPort:
     async def start(self) -> None:
         await self.server.start()
 
-    async def attach(self, ctx: BrokerContext, registry: Registry, explainer: Explainer) -> None:
-        """The console's data, from a running broker's parts."""
+    async def attach(
+        self,
+        ctx: BrokerContext,
+        registry: Registry,
+        explainer: Explainer,
+        route_counts: Mapping[str, int] | None = None,
+    ) -> None:
+        """The console's data, from a running broker's parts (``route_counts``: its
+        handlers' route requests per capability, for the charts)."""
         if not self.access.enabled or self.feed is not None:
             return
-        feed = Feed(ctx, registry, explainer)
+        feed = Feed(ctx, registry, explainer, route_counts)
         await feed.start()
         self.feed = self.app.feed = feed
 
