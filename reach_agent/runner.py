@@ -18,6 +18,7 @@ import nats.errors
 
 from .agent import Agent
 from .connection import CredentialOptions, Credentials
+from .errors import ReachError
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,9 @@ def run(
             try:
                 await agent.start(servers, cred)
                 break
+            except ReachError as exc:  # refused (CONFLICT, FORBIDDEN): one line, exit 1
+                raise SystemExit(f"reach: agent {agent.agent_id}: {exc.code}: {exc.message}"
+                                 ) from None  # fmt: skip
             except (nats.errors.Error, OSError, TimeoutError) as exc:
                 pause = delay * (0.5 + random.random())
                 log.warning("agent.connect_failed agent=%s error=%r retry_in=%.1fs",

@@ -101,8 +101,12 @@ def add_common(
     p.add_argument("--timeout", type=float, default=float(env_default("REACH_TIMEOUT", timeout)),
                    help=f"{timeout_help} (default {timeout:g}; env REACH_TIMEOUT)")  # fmt: skip
     p.add_argument("--log-format", choices=["text", "json"],
-                   default=env_default("REACH_LOG_FORMAT", "text"))  # fmt: skip
-    p.add_argument("--log-level", default=env_default("REACH_LOG_LEVEL", "info"))
+                   default=env_default("REACH_LOG_FORMAT", "text"),
+                   help="log lines on stderr as text or one JSON object each (env "
+                        "REACH_LOG_FORMAT)")  # fmt: skip
+    p.add_argument("--log-level", default=env_default("REACH_LOG_LEVEL", "info"),
+                   help="debug, info, warning or error (default info; env "
+                        "REACH_LOG_LEVEL)")  # fmt: skip
 
 
 def subjects(args: argparse.Namespace) -> Subjects:
