@@ -14,8 +14,11 @@ nats-server), per round and their medians, and the with/without ratios.
 
     python -m loadtest.otelcost --base /tmp/reach-base --rounds 8 --calls 1000
     python -m loadtest.otelcost --base /tmp/reach-base --instructions --calls 400
+    python -m loadtest.otelcost --base /tmp/reach-base --python-calls --calls 1000
 
-``--instructions`` counts instead of timing (valgrind's callgrind: reproducible on a noisy
+``--python-calls`` counts Python function calls per call instead (cProfile; reproducible on a
+noisy machine, though the timers of the broker and the agent add a little per second of wall
+time). ``--instructions`` counts instead of timing (valgrind's callgrind: reproducible on a noisy
 machine): instructions per call of the slice process, from the difference of a 100-call and
 a ``--calls`` run in each tree, so start-up cancels out.
 
@@ -27,10 +30,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pstats
 import re
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +44,12 @@ HERE = Path(__file__).resolve().parent.parent
 SLICE = """
 import asyncio, json, sys, time
 import reach_agent
-from reach_broker.metrics import Metrics
-from reach_broker.service import Broker
+try:
+    from reach_broker.service.broker import Broker
+    from reach_broker.service.metrics import Metrics
+except ImportError:  # a checkout from before the subpackages (issue 22)
+    from reach_broker.service import Broker
+    from reach_broker.metrics import Metrics
 from loadtest.local import local_stack
 
 assert reach_agent.__file__.startswith(sys.argv[2]), reach_agent.__file__
@@ -92,6 +101,26 @@ def run_slice(
 CALLGRIND = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
 
 
+def python_calls(tree: Path, small: int, large: int) -> float:
+    """Python function calls per call of the slice process (cProfile's count: the same on
+    a noisy machine), from the difference of a ``large`` and a ``small`` run."""
+    counts = []
+    for n in (small, large):
+        with tempfile.TemporaryDirectory(prefix="reach-otelcost-") as tmp:
+            out = Path(tmp) / "profile"
+            wrap = [sys.executable, "-m", "cProfile", "-o", str(out)]
+            env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+            env["PYTHONPATH"] = str(tree)
+            script = Path(tmp) / "slice.py"
+            script.write_text(SLICE)
+            done = subprocess.run([*wrap, str(script), str(n), str(tree)], cwd=tree, env=env,
+                                  capture_output=True, text=True, timeout=3600)  # fmt: skip
+            if done.returncode != 0:
+                raise SystemExit(f"slice in {tree} failed:\n{done.stderr}")
+            counts.append(pstats.Stats(str(out)).total_calls)
+    return (counts[1] - counts[0]) / (large - small)
+
+
 def instructions(tree: Path, small: int, large: int) -> float:
     """Instructions per call of the slice process (client, broker and agent; valgrind's
     callgrind, which counts them reproducibly): the difference of a ``large`` and a
@@ -116,7 +145,17 @@ def main() -> None:
     ap.add_argument("--instructions", action="store_true",
                     help="instead: instructions per call under callgrind, with and without "
                          "(runs of 100 and --calls calls in each tree)")  # fmt: skip
+    ap.add_argument("--python-calls", action="store_true",
+                    help="instead: Python function calls per call (cProfile), with and "
+                         "without (runs of 400 and 400 + --calls calls in each tree)")  # fmt: skip
     args = ap.parse_args()
+    if args.python_calls:
+        with_ = python_calls(HERE, 400, 400 + args.calls)
+        without = python_calls(args.base, 400, 400 + args.calls)
+        print(json.dumps({"python_calls_per_call_with": round(with_, 1),
+                          "python_calls_per_call_without": round(without, 1),
+                          "with_vs_without": round(with_ / without, 4)}, indent=2))  # fmt: skip
+        return
     if args.instructions:
         with_ = instructions(HERE, 100, args.calls)
         without = instructions(args.base, 100, args.calls)

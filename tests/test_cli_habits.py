@@ -16,10 +16,10 @@ import pytest
 
 import reach_agent
 from jetstream.acks import AckWriter
-from reach_agent.subjects import Subjects
+from reach_agent.wire.subjects import Subjects
 from reach_broker.cli.parser import build_parser, hoist
-from reach_broker.natsserver import NatsServer
-from reach_broker.service import Broker
+from reach_broker.cluster.natsserver import NatsServer
+from reach_broker.service.broker import Broker
 
 from .conftest import wait_for
 from .test_cli import CLI, cli_env, reach
@@ -142,7 +142,7 @@ async def test_a_refused_start_is_one_line_and_exit_1(
         prefix = "reach: agent dup: CONFLICT: " if name == "run()" else "reach: CONFLICT: "
         assert len(lines) == 1 and lines[0].startswith(prefix), (name, err.decode())
         assert "agent_id 'dup' is live in another process" in lines[0]
-    assert live.closed.is_set() is False  # the live one went on
+    assert live.watch.closed.is_set() is False  # the live one went on
 
 
 async def test_the_demo_says_which_pids_to_kill() -> None:
@@ -182,7 +182,7 @@ async def test_records_still_pending_keep_the_write_ahead_log(
     tmp_path: Path, nats_server: NatsServer
 ) -> None:
     from reach_agent.connection import connect_options
-    from reach_agent.schema import AckRecord
+    from reach_agent.wire.schema import AckRecord
 
     # No REACH_ACKS stream on this server (no broker provisioned it): nothing can be stored.
     wal_dir = tmp_path / "pending"

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from reach_broker import process
-from reach_broker.metrics import Metrics
-from reach_broker.natsserver import NatsServer
-from reach_broker.service import Broker
+from reach_broker.cluster.natsserver import NatsServer
+from reach_broker.service.broker import Broker
+from reach_broker.service.metrics import Metrics
 
 from .conftest import fast_config
 from .test_broker_process import free_port

@@ -14,9 +14,9 @@ import pytest
 
 import reach_agent
 from reach_agent.connection import Credentials, NatsContext, connect_options, load_context
-from reach_broker.metrics import Metrics
-from reach_broker.natsserver import NatsServer
-from reach_broker.service import Broker
+from reach_broker.cluster.natsserver import NatsServer
+from reach_broker.service.broker import Broker
+from reach_broker.service.metrics import Metrics
 
 from .conftest import fast_config, wait_for
 from .test_cli import reach

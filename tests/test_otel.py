@@ -20,7 +20,7 @@ import pytest
 
 import reach_agent
 from reach_agent import otel
-from reach_broker.natsserver import NatsServer
+from reach_broker.cluster.natsserver import NatsServer
 
 from .conftest import BrokerFactory, wait_for
 
@@ -179,7 +179,7 @@ async def test_a_failed_call_is_an_error_span(
 ) -> None:
     await broker_factory()
     async with reach_agent.Client(nats_server.url) as client:
-        with pytest.raises(reach_agent.errors.NoReachableAgent):
+        with pytest.raises(reach_agent.NoReachableAgent):
             await client.call("nobody", {}, timeout=5, request_id="rq-otel-2")
     names = ("reach.call nobody", "reach.route nobody")
     await wait_for(lambda: {s["name"] for s in receiver.spans} >= set(names), 10, what=names)
@@ -192,12 +192,12 @@ async def test_a_failed_call_is_an_error_span(
 PROBE = """
 import json, sys
 {block}
-import reach_agent, reach_broker.service, reach_broker.cli
+import reach_agent, reach_broker.service.broker, reach_broker.cli
 from reach_broker.config import Config
-from reach_broker.metrics import Metrics
+from reach_broker.service.metrics import Metrics
 client = reach_agent.Client()
 agent = reach_agent.Agent("a", ["c"])
-broker = reach_broker.service.Broker(Config(), metrics=Metrics())
+broker = reach_broker.service.broker.Broker(Config(), metrics=Metrics())
 print(json.dumps({{"spans": [client.spans is None, agent.tasks.spans is None,
                              broker.ctx.spans is None],
                   "imported": sorted(m for m in sys.modules if m.startswith("opentelemetry"))}}))

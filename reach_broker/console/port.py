@@ -7,11 +7,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..config import Config
-from ..context import BrokerContext
-from ..explain import Explainer
-from ..health import Readiness
-from ..registry import Registry
+from reach_broker.config import Config
+from reach_broker.core.explain import Explainer
+from reach_broker.core.registry import Registry
+from reach_broker.health import Readiness
+from reach_broker.service.context import BrokerContext
+
 from .app import Access, App
 from .feed import Feed
 from .httpd import HttpServer
