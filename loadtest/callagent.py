@@ -9,9 +9,11 @@ before the handler runs), and ``bench.claimed`` (the request id is claimed in KV
 ``AckWriter`` (WAL in ``--wal-dir``), as any agent's do.
 
 JSON lines on stdout: ``ready`` once the agent is started, then one line per command read
-on stdin: ``stats`` flushes the ack writer and answers ``{"event": "stats", "runs":
-{capability: handler runs}, "acks_stored": …, "acks_pending": …}``. It stops (draining the
-agent) on ``quit``, when stdin closes, on SIGTERM, or after ``--max-runtime``.
+on stdin: ``flush`` waits (at most ``--flush-wait`` s) until the ack writer has stored every
+record written so far and answers how many were pending and how long it took; ``stats``
+flushes too and answers ``{"event": "stats", "runs": {capability: handler runs},
+"acks_stored": …, "acks_pending": …}``. It stops (draining the agent) on ``quit``, when
+stdin closes, on SIGTERM, or after ``--max-runtime``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import json
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 import reach_agent
@@ -63,18 +66,24 @@ class BenchAgent:
 
         return echo
 
-    async def stats(self) -> dict[str, Any]:
+    async def flush(self) -> dict[str, Any]:
+        """Until the ack writer has stored everything (``--flush-wait`` at most): records
+        still pending when a slice ends are its cost too, paid after it."""
         sink = self.agent.ack_sink
-        flushed = stored = pending = None
-        if isinstance(sink, AckWriter):
-            flushed = await sink.flush(10.0)
-            stored, pending = sink.stored, sink.pending
-        return {
-            "runs": dict(self.runs),
-            "acks_flushed": flushed,
-            "acks_stored": stored,
-            "acks_pending": pending,
-        }
+        if not isinstance(sink, AckWriter):
+            return {"pending_before": None, "seconds": 0.0, "flushed": None, "pending_after": None}
+        pending, t0 = sink.pending, time.perf_counter()
+        flushed = await sink.flush(self.args.flush_wait)
+        seconds = round(time.perf_counter() - t0, 4)
+        return {"pending_before": pending, "seconds": seconds, "flushed": flushed,
+                "pending_after": sink.pending}  # fmt: skip
+
+    async def stats(self) -> dict[str, Any]:
+        flushed = await self.flush()
+        sink = self.agent.ack_sink
+        return {"runs": dict(self.runs), "acks_flushed": flushed["flushed"],
+                "acks_stored": sink.stored if isinstance(sink, AckWriter) else None,
+                "acks_pending": flushed["pending_after"]}  # fmt: skip
 
     async def commands(self, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
@@ -87,6 +96,8 @@ class BenchAgent:
                 return
             if words[:1] == ["stats"]:
                 emit("stats", **await self.stats())
+            elif words[:1] == ["flush"]:
+                emit("flush", **await self.flush())
             elif words:
                 emit("error", message=f"unknown command {words[0]!r}")
 
@@ -123,6 +134,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--wal-dir", required=True, help="the ack write-ahead directory")
     p.add_argument("--agent-id", default="bench-agent")
     p.add_argument("--max-concurrency", type=int, default=64)
+    p.add_argument(
+        "--flush-wait",
+        type=float,
+        default=120.0,
+        help="longest wait for the ack writer on flush (s)",
+    )
     p.add_argument("--max-runtime", type=float, default=3600.0)
     return p.parse_args(argv)
 

@@ -120,11 +120,14 @@ class Caller:
             with contextlib.suppress(Exception):
                 await self.nc.close()
 
-    def request(self, kind: str) -> Callable[[str], Awaitable[Any]]:
-        """The one request of ``kind``, given its request id."""
+    def request(self, kind: str, numbered: bool = False) -> Callable[[str], Awaitable[Any]]:
+        """The one request of ``kind``, given its request id (``numbered``: a bare request's
+        body is its id)."""
         nc, js, client = self.nc, self.js, self.client
         assert client is not None
         js_body = b"j" * JS_BYTES
+        if kind == "raw" and numbered:
+            return lambda rid: nc.request(ECHO_SUBJECT, rid.encode(), timeout=TIMEOUT_S)
         if kind == "raw":
             return lambda rid: nc.request(ECHO_SUBJECT, PAYLOAD_BYTES, timeout=TIMEOUT_S)
         if kind == "js":
@@ -178,11 +181,13 @@ class Caller:
         }
 
     async def trace(self, kind: str, n: int) -> dict[str, Any]:
-        """``n`` sequential requests: [request id, start ns, end ns, error or None] each."""
-        send = self.request(kind)
+        """``n`` sequential requests: [request id, start ns, end ns, error or None] each. A
+        bare request's "request id" is its body, a number as long as the usual payload, so
+        the wiretap can tell one from the next."""
+        send = self.request(kind, numbered=kind == "raw")
         out: list[list[Any]] = []
-        for _ in range(n):
-            rid = uuid.uuid4().hex
+        for i in range(n):
+            rid = f"{i:0{len(PAYLOAD_BYTES)}d}" if kind == "raw" else uuid.uuid4().hex
             t0 = time.monotonic_ns()
             error = None
             try:

@@ -60,6 +60,7 @@ from . import hops, procfs
 from .callagent import CLAIMED, IDEMPOTENT
 from .caller import JS_STREAM, KINDS, PAYLOAD_BYTES
 from .children import PY, Child, Children, free_port
+from .driver import ECHO_SUBJECT
 
 log = logging.getLogger("loadtest.calls")
 
@@ -67,6 +68,8 @@ SYNC_MODES = ("always", "default")
 """``always``: ``sync_interval: always`` (every JetStream write synced before its PubAck);
 ``default``: no ``sync_interval`` (the server's default: lazy fsync every 2 minutes)."""
 PROCESSES = ("caller", "agent", "broker", "server", "echo")
+TRACED = {"claimed": hops.CLAIMED_PATH, "idem": hops.IDEMPOTENT_PATH, "raw": hops.RAW_PATH}
+"""What ``--trace`` sends, in this order, and the marks each passes."""
 WARMUP_CONCURRENCY = 4
 
 # The goals: (figure, bound, "<=" or ">=", where it is set).
@@ -230,6 +233,15 @@ class Stack:
         result = await self.caller.command(
             f"run {kind} {concurrency} {calls} {seconds}", within=seconds + 60
         )
+        # The ack records the slice left in the agent's writer are its cost too: the next
+        # slice starts once they are stored, and the time that took is reported.
+        assert self.agent is not None
+        drain = await self.agent.command("flush", within=180)
+        if not drain["flushed"]:
+            raise RuntimeError(
+                f"{self.sync}: the agent's ack writer still had "
+                f"{drain['pending_after']} records pending after the slice"
+            )
         c1, b1, wall = self.cpu(), procfs.machine_busy(), time.perf_counter() - w0
         ok = result["ok"]
         result["cpu_us_per_request"] = {
@@ -244,37 +256,40 @@ class Stack:
             round((b1[0] - b0[0]) / (b1[1] - b0[1]), 3) if b1[1] > b0[1] else None
         )
         result["wall_s"] = round(wall, 3)
+        result["acks_pending_at_end"] = drain["pending_before"]
+        result["ack_drain_s"] = drain["seconds"]
+        result["sustained_per_s"] = round(ok / (result["seconds"] + drain["seconds"]), 1)
         return result
 
     async def trace(self, n: int) -> dict[str, Any]:
-        """``n`` sequential claimed, then idempotent calls under the wiretap: per-hop medians."""
-        assert self.caller is not None
+        """``n`` sequential claimed calls, idempotent calls and bare requests (the tap's
+        calibration) under the wiretap: per-hop medians."""
+        assert self.caller is not None and self.agent is not None
         tap = hops.Wiretap(self.url)
         await tap.start()
         try:
             traced = {
                 kind: await self.caller.command(f"trace {kind} {n}", within=n * 11 + 30)
-                for kind in ("claimed", "idem")
+                for kind in TRACED
             }
-            await asyncio.sleep(0.5)  # the ack records' PubAcks trail the last call
+            await self.agent.command("flush", within=180)  # the ack records trail the calls
+            await asyncio.sleep(0.2)  # their PubAcks reach the tap
         finally:
             seen = await tap.stop()
         by_subject = hops.index(seen)
         subjects = Subjects("reach")
         out: dict[str, Any] = {}
-        for kind, cap, path in (
-            ("claimed", CLAIMED, hops.CLAIMED_PATH),
-            ("idem", IDEMPOTENT, hops.IDEMPOTENT_PATH),
-        ):
-            lines = [
-                hops.timeline(by_subject, subjects, "bench-agent", cap, rid, t0, t1)
-                for rid, t0, t1, error in traced[kind]["calls"]
-                if error is None
-            ]
-            out[kind] = {
-                **hops.breakdown(lines, path),
-                "errors": sum(1 for c in traced[kind]["calls"] if c[3] is not None),
-            }
+        for kind, path in TRACED.items():
+            calls = traced[kind]["calls"]
+            if kind == "raw":
+                lines = [hops.raw_timeline(by_subject, ECHO_SUBJECT, body.encode(), t0, t1)
+                         for body, t0, t1, error in calls if error is None]  # fmt: skip
+            else:
+                cap = CLAIMED if kind == "claimed" else IDEMPOTENT
+                lines = [hops.timeline(by_subject, subjects, "bench-agent", cap, rid, t0, t1)
+                         for rid, t0, t1, error in calls if error is None]  # fmt: skip
+            errors = sum(1 for c in calls if c[3] is not None)
+            out[kind] = {**hops.breakdown(lines, path), "errors": errors}
         return out
 
     async def stored(self) -> dict[str, Any]:
@@ -325,6 +340,8 @@ def figures(slices: list[dict[str, Any]], concurrencies: list[int]) -> dict[str,
                 "p50_us": median([s["p50_us"] for s in rs if s["p50_us"] is not None]),
                 "p99_us": median([s["p99_us"] for s in rs if s["p99_us"] is not None]),
                 "per_s": median([s["per_s"] for s in rs]),
+                "sustained_per_s": median([s["sustained_per_s"] for s in rs]),
+                "acks_pending_at_end": median([s["acks_pending_at_end"] or 0 for s in rs]),
                 "cpu_us_per_request": {
                     p: median(
                         [
@@ -444,7 +461,7 @@ async def run(
         )
         if args.trace:
             entry["hops"] = await stack.trace(args.trace)
-            for kind in ("claimed", "idem"):
+            for kind in TRACED:
                 calls = args.trace
                 ok = calls - entry["hops"][kind]["errors"]
                 extra[sync].append(
@@ -488,6 +505,12 @@ def summary(report: dict[str, Any]) -> str:
             f = report["sync"][x].get("figures", {}).get(kind, {}).get(high, {})
             cells.append(f"{f.get('per_s')}" if f else "-")
         row(f"{kind}: requests/s, {high} in flight", cells)
+    for kind in ("idem", "claimed"):
+        cells = []
+        for x in syncs:
+            f = report["sync"][x].get("figures", {}).get(kind, {}).get(high, {})
+            cells.append(f"{f.get('sustained_per_s')}" if f else "-")
+        row(f"{kind}: the same, acks drained", cells)
     lines.append("")
     for name, bound, op, _source in GOALS:
         cells = []
@@ -498,19 +521,18 @@ def summary(report: dict[str, Any]) -> str:
             else:
                 cells.append(f"{g['value']:.3f} {'met' if g['met'] else 'missed'}")
         row(f"{name} ({op} {bound})", cells)
+    names = {"claimed": "claimed call", "idem": "idempotent call", "raw": "bare request"}
     for x in syncs:
-        h = report["sync"][x].get("hops", {}).get("claimed")
-        if not h:
-            continue
-        lines += [
-            "",
-            f"claimed call, hop by hop (sync_interval {x}; {h['complete']} traced "
-            f"calls, median µs; total {h['total_us']})",
-        ]
-        for label, v in h["hops_us"].items():
-            lines.append(f"  {v!s:>9}  {label}")
-        off = {k: v for k, v in h["marks_us"].items() if k in hops.OFF_PATH}
-        lines.append(f"  off the path, µs after the call's start: {off}")
+        for kind, name in names.items():
+            h = report["sync"][x].get("hops", {}).get(kind)
+            if not h:
+                continue
+            lines += ["", f"{name}, hop by hop (sync_interval {x}; {h['complete']} traced, "
+                          f"median µs; total {h['total_us']})"]  # fmt: skip
+            lines += [f"  {v!s:>9}  {label}" for label, v in h["hops_us"].items()]
+            off = {k: v for k, v in h["marks_us"].items() if k in hops.OFF_PATH}
+            if off:
+                lines.append(f"  off the path, µs after the call's start: {off}")
     return "\n".join(lines)
 
 

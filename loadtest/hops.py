@@ -37,6 +37,7 @@ from reach_agent.connection import connect_options
 from reach_agent.subjects import Subjects
 
 JS_ACK_PREFIX = "$JS.ACK."
+HEAD_BYTES = 16
 
 
 class Seen(NamedTuple):
@@ -46,6 +47,9 @@ class Seen(NamedTuple):
     subject: str
     reply: str
     headers: dict[str, str]
+    head: bytes = b""
+    """The body's first ``HEAD_BYTES`` bytes (a bare request carries nothing else to know it
+    by)."""
 
 
 class Wiretap:
@@ -64,7 +68,8 @@ class Wiretap:
         seen = self.seen
 
         async def note(msg: Any) -> None:
-            seen.append(Seen(clock(), msg.subject, msg.reply or "", dict(msg.headers or {})))
+            headers = dict(msg.headers or {})
+            seen.append(Seen(clock(), msg.subject, msg.reply or "", headers, msg.data[:HEAD_BYTES]))
 
         await self._nc.subscribe(
             ">", cb=note, pending_msgs_limit=10_000_000, pending_bytes_limit=1 << 30
@@ -96,6 +101,9 @@ CLAIMED_PATH = (
 )
 """The marks a claimed call passes in order (its critical path)."""
 IDEMPOTENT_PATH = ("start", "route_request", "route_reply", "task", "receipt", "result", "end")
+RAW_PATH = ("start", "request", "reply", "end")
+"""A bare request-reply, traced the same way: its first and last hop are the tap's lag and
+the caller's own work, the part of the calls' first and last hop that is not reach's."""
 OFF_PATH = (
     "ack_received",
     "ack_received_puback",
@@ -118,6 +126,9 @@ HOPS: dict[tuple[str, str], str] = {
     ("claim_end", "result"): "agent: claim end → result sent (record 'completed' to the WAL)",
     ("receipt", "result"): "agent: receipt → result sent (records to the WAL, handler)",
     ("result", "end"): "caller: result → call() returns",
+    ("start", "request"): "caller: request() → on the wire",
+    ("request", "reply"): "echo responder round trip",
+    ("reply", "end"): "caller: reply → request() returns",
 }
 
 
@@ -178,6 +189,23 @@ def timeline(
             mark(f"ack_{state}", ev)
             mark(f"ack_{state}_puback", _first(by_subject.get(ev.reply), ev.t_ns))
     return {name: t - start_ns for name, t in at.items()}
+
+
+def raw_timeline(
+    by_subject: dict[str, list[Seen]], subject: str, body: bytes, start_ns: int, end_ns: int
+) -> dict[str, int]:
+    """The marks of one bare request on ``subject``, known by its ``body``. (Not "the first
+    after the start": the tap may read a request after its reply has come back, and so
+    after the next request's start.)"""
+    at = {"start": 0, "end": end_ns - start_ns}
+    for request in by_subject.get(subject, ()):
+        if request.head == body[:HEAD_BYTES] and request.t_ns >= start_ns:
+            at["request"] = request.t_ns - start_ns
+            reply = _first(by_subject.get(request.reply), request.t_ns)
+            if reply is not None:
+                at["reply"] = reply.t_ns - start_ns
+            break
+    return at
 
 
 def index(seen: Iterable[Seen]) -> dict[str, list[Seen]]:

@@ -50,11 +50,11 @@ def test_tiny_run_counts_every_request_exactly(tmp_path: Path) -> None:
                   for s in entry["slices"]]  # fmt: skip
         assert slices == [(kind, conc, CALLS, CALLS, {}) for conc in (1, 16)
                           for kind in ("raw", "js", "idem", "claimed")], sync  # fmt: skip
-        # Warm-up + 2 slices (+ the trace for the calls): sent, answered, none failed.
+        # Warm-up + 2 slices (+ the trace, but for js): sent, answered, none failed.
         calls = WARMUP + 2 * CALLS + TRACE
         requests = WARMUP + 2 * CALLS
         assert entry["requests"] == {
-            "raw": {"sent": requests, "ok": requests, "errors": {}},
+            "raw": {"sent": requests + TRACE, "ok": requests + TRACE, "errors": {}},
             "js": {"sent": requests, "ok": requests, "errors": {}},
             "idem": {"sent": calls, "ok": calls, "errors": {}},
             "claimed": {"sent": calls, "ok": calls, "errors": {}},
@@ -79,9 +79,10 @@ def test_tiny_run_counts_every_request_exactly(tmp_path: Path) -> None:
         assert set(entry["goals"]) == set(entry["ratios"])
         assert [r["round"] for r in entry["ratios_per_round"]] == [0]
         # The wiretap found every mark of every traced call.
-        claimed, idem = entry["hops"]["claimed"], entry["hops"]["idem"]
-        assert (claimed["calls"], claimed["complete"], claimed["errors"]) == (TRACE, TRACE, 0)
-        assert (idem["calls"], idem["complete"], idem["errors"]) == (TRACE, TRACE, 0)
+        claimed, idem, raw = (entry["hops"][k] for k in ("claimed", "idem", "raw"))
+        for traced in (claimed, idem, raw):
+            assert (traced["calls"], traced["complete"], traced["errors"]) == (TRACE, TRACE, 0)
+        assert raw["jetstream_writes_per_call"] == 0
         # claim create, claim end, two ack records; the idempotent call: the records only
         assert claimed["jetstream_writes_per_call"] == 4
         assert idem["jetstream_writes_per_call"] == 2
@@ -203,3 +204,19 @@ def test_breakdown_leaves_incomplete_calls_out_of_the_hops() -> None:
     assert (summary["calls"], summary["complete"], summary["total_us"]) == (1, 0, None)
     assert set(summary["hops_us"].values()) == {None}
     assert summary["marks_us"] == {"start": 0.0, "task": 1.0, "end": 5.0}
+
+
+def test_a_bare_request_is_known_by_its_body_even_when_the_tap_reads_it_late() -> None:
+    # The tap read request 1 only after request 2 had started: "the first request after
+    # the start" would give request 2 request 1's marks.
+    seen = [
+        hops.Seen(1_500, "loadtest.echo", "_INBOX.q.1", {}, b"0000001"),
+        hops.Seen(1_600, "_INBOX.q.1", "", {}),
+        hops.Seen(1_700, "loadtest.echo", "_INBOX.q.2", {}, b"0000002"),
+        hops.Seen(1_900, "_INBOX.q.2", "", {}),
+    ]
+    by_subject = hops.index(seen)
+    first = hops.raw_timeline(by_subject, "loadtest.echo", b"0000001", 1_000, 1_300)
+    second = hops.raw_timeline(by_subject, "loadtest.echo", b"0000002", 1_400, 1_950)
+    assert first == {"start": 0, "request": 500, "reply": 600, "end": 300}
+    assert second == {"start": 0, "request": 300, "reply": 500, "end": 550}
