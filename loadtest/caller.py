@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import sys
 import time
@@ -45,7 +44,7 @@ from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 import reach_agent
 from reach_agent.connection import connect_options
 
-from .callagent import CLAIMED, IDEMPOTENT
+from .callagent import CLAIMED, IDEMPOTENT, emit
 from .driver import ECHO_SUBJECT, percentile
 
 KINDS = ("raw", "js", "idem", "claimed")
@@ -60,11 +59,6 @@ JS_MAX_MSGS = 2_000_000
 """The stream keeps the newest this many (discard old): a bound on the store, not a limit
 any run reaches."""
 TIMEOUT_S = 10.0
-
-
-def emit(event: str, **fields: Any) -> None:
-    sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
-    sys.stdout.flush()
 
 
 def error_key(exc: BaseException) -> str:

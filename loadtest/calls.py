@@ -46,6 +46,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -493,24 +494,21 @@ def summary(report: dict[str, Any]) -> str:
     def row(label: str, cells: list[str]) -> None:
         lines.append(f"{label:42}" + "".join(f"{c:>26}" for c in cells))
 
-    for kind in KINDS:
-        cells = []
+    def figure(kind: str, conc: str, text: Callable[[dict[str, Any]], str]) -> list[str]:
+        out = []
         for x in syncs:
-            f = report["sync"][x].get("figures", {}).get(kind, {}).get(low, {})
-            cells.append(f"{f.get('p50_us')} / {f.get('p99_us')}" if f else "-")
-        row(f"{kind}: p50 / p99 µs, {low} in flight", cells)
+            f = report["sync"][x].get("figures", {}).get(kind, {}).get(conc)
+            out.append(text(f) if f else "-")
+        return out
+
     for kind in KINDS:
-        cells = []
-        for x in syncs:
-            f = report["sync"][x].get("figures", {}).get(kind, {}).get(high, {})
-            cells.append(f"{f.get('per_s')}" if f else "-")
-        row(f"{kind}: requests/s, {high} in flight", cells)
+        row(f"{kind}: p50 / p99 µs, {low} in flight",
+            figure(kind, low, lambda f: f"{f['p50_us']} / {f['p99_us']}"))  # fmt: skip
+    for kind in KINDS:
+        row(f"{kind}: requests/s, {high} in flight", figure(kind, high, lambda f: f"{f['per_s']}"))
     for kind in ("idem", "claimed"):
-        cells = []
-        for x in syncs:
-            f = report["sync"][x].get("figures", {}).get(kind, {}).get(high, {})
-            cells.append(f"{f.get('sustained_per_s')}" if f else "-")
-        row(f"{kind}: the same, acks drained", cells)
+        row(f"{kind}: the same, acks drained",
+            figure(kind, high, lambda f: f"{f['sustained_per_s']}"))  # fmt: skip
     lines.append("")
     for name, bound, op, _source in GOALS:
         cells = []
