@@ -17,13 +17,14 @@ left at the server's default, lazy fsync) and its own store, on loopback:
                   to a file stream), ``idem`` and ``claimed`` (``Client.call``)
 
 A slice is one kind at one concurrency for ``--duration`` seconds or ``--calls`` requests,
-whichever ends first. Rounds alternate the kinds (raw, js, idem, claimed, raw, …), each
-concurrency, and with ``both`` the two stacks (the order flips every round), so the
-machine's noise hits every figure alike. Per kind: the median over the rounds of the
-slices' p50 and p99 latency at 1 in flight and of requests per second at 16; the ratios
-issue 23 and issue 29 define; CPU µs per request of every process. ``--trace N`` then
-makes N sequential claimed and idempotent calls per stack under a wiretap
-(:mod:`loadtest.hops`): the median time of every hop of a call.
+whichever ends first; it ends when the agent's ack writer has stored the records it left
+(how long that took is reported: ``sustained_per_s`` counts it). Rounds alternate the kinds
+(raw, js, idem, claimed, raw, …), each concurrency, and with ``both`` the two stacks (the
+order flips every round), so the machine's noise hits every figure alike. Per kind: the
+median over the rounds of the slices' p50 and p99 latency at 1 in flight and of requests
+per second at 16; the ratios issue 23 and issue 29 define; CPU µs per request of every
+process. ``--trace N`` then makes N sequential claimed calls, idempotent calls and bare
+requests per stack under a wiretap (:mod:`loadtest.hops`): the median time of every hop.
 
 Every process the run starts is ended by its PID (the children also die with this one),
 and ``--budget`` (derived from the options unless given) bounds the whole run.
