@@ -55,8 +55,8 @@ import nats
 
 from jetstream.names import ACK_STREAM, CLAIMS_STREAM
 from reach_agent.connection import connect_options
-from reach_agent.subjects import Subjects
-from reach_broker.natsserver import NatsServer, default_config, find_binary
+from reach_agent.wire.subjects import Subjects
+from reach_broker.cluster.natsserver import NatsServer, default_config, find_binary
 
 from . import hops, procfs
 from .callagent import CLAIMED, IDEMPOTENT

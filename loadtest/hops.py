@@ -31,10 +31,10 @@ import nats
 
 from jetstream.acks import state_of
 from jetstream.claims import claim_key
-from jetstream.names import CLAIMS_BUCKET
-from reach_agent import schema
+from jetstream.names import CLAIMS_BUCKET, H_REQUEST_ID
 from reach_agent.connection import connect_options
-from reach_agent.subjects import Subjects
+from reach_agent.wire import schema
+from reach_agent.wire.subjects import Subjects
 
 JS_ACK_PREFIX = "$JS.ACK."
 HEAD_BYTES = 16
@@ -159,7 +159,7 @@ def timeline(
 
     task = None
     for ev in by_subject.get(subjects.task(agent_id, capability), ()):
-        if ev.headers.get(schema.H_REQUEST_ID) == request_id:
+        if ev.headers.get(H_REQUEST_ID) == request_id:
             task = mark("task", ev)
             break
     if task is not None:

@@ -14,7 +14,7 @@ import pytest
 
 from loadtest import hops
 from loadtest.calls import GOALS, goals, ratios, server_config
-from reach_agent.subjects import Subjects
+from reach_agent.wire.subjects import Subjects
 
 from .test_loadtest_smoke import _alive
 
