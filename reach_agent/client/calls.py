@@ -108,6 +108,8 @@ class Call:
         "queue",
         "region",
         "retries",
+        "span",
+        "span_headers",
         "started",
         "sticky_key",
         "stream",
@@ -185,6 +187,11 @@ class Call:
         self.last_err: ReachError | None = None
         self.cancelled: ReachError | None = None
         """The ``CANCELLED`` this call ends with, once ``Client.cancel`` cancelled it."""
+        self.span: Any = None
+        """The call's OpenTelemetry span (:mod:`~reach_agent.otel`; None when spans are off)."""
+        self.span_headers: dict[str, str] | None = None
+        """What its route requests carry when spans are on: its ``traceparent`` and request
+        id, so the broker's route span joins the trace."""
 
     @property
     def request_id(self) -> str:

@@ -86,7 +86,7 @@ def missing_extra() -> str | None:
         import a2a.client  # noqa: F401
         import httpx  # noqa: F401
     except ImportError:
-        return "reach adapt a2a needs the a2a-sdk: pip install 'reach[a2a]'"
+        return "reach adapt a2a needs the a2a-sdk: pip install 'nats-reach[a2a]'"
     return None
 
 

@@ -23,7 +23,7 @@ to the agent's URL as an HTTP POST:
 * a request id runs once: the fleet-wide claim and the duplicate window of the SDK answer a
   repeat with the first result, never a second POST.
 
-The HTTP client is httpx (the optional extra ``reach[http]``): well kept, async with a
+The HTTP client is httpx (the optional extra ``nats-reach[http]``): well kept, async with a
 connection pool, per-request timeouts, and no event-loop plumbing of its own.
 """
 
@@ -57,7 +57,7 @@ def missing_extra() -> str | None:
     try:
         import httpx  # noqa: F401
     except ImportError:
-        return "reach adapt http needs httpx: pip install 'reach[http]'"
+        return "reach adapt http needs httpx: pip install 'nats-reach[http]'"
     return None
 
 
@@ -115,6 +115,20 @@ class HttpAdapter:
             await self.agent.stop(grace)
         finally:
             await self.http.aclose()
+
+    def not_ready(self) -> str | None:
+        """Why the sidecar's ``/readyz`` says 503 (:mod:`reach_broker.health`), or None:
+        connected to NATS, announced to a broker that answered, not draining. (Its backend's
+        health is the brokers' business: a dead one is reported draining, out of the routes,
+        while the sidecar process itself stays ready.)"""
+        agent = self.agent
+        if agent.nc is None or not agent.nc.is_connected:
+            return "not connected to NATS"
+        if agent.draining:
+            return "draining: it takes no new tasks"
+        if agent.token is None:
+            return "announced, but no broker has answered yet"
+        return None
 
     async def ready(self) -> bool:
         """Whether the backend answers (asked every second): the health URL when there is
