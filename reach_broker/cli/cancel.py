@@ -15,7 +15,7 @@ from .output import print_json
 def add_parser(sub: Subcommands) -> None:
     p = sub.add_parser("cancel", help="cancel a request: its agent stops, it never runs again")
     add_common(p, timeout=2.0, timeout_help="how long a broker may take to answer")
-    p.add_argument("request_id", metavar="REQUEST_ID")
+    p.add_argument("request_id", metavar="REQUEST_ID", help="the request to cancel")
     p.add_argument("--reason", help="why (in the CANCELLED error the caller and wait() see)")
     p.set_defaults(func=run)
 
