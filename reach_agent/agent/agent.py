@@ -26,11 +26,12 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, Unpack
 
 from nats.aio.client import Client as NATS
 
+from reach_agent import otel
 from reach_agent.connection import (
     CredentialOptions,
     Credentials,
@@ -38,7 +39,7 @@ from reach_agent.connection import (
     connect_options,
     drain_or_close,
     flush_subscriptions,
-    server_list,
+    resolve,
 )
 from reach_agent.metrics import AgentMetrics
 from reach_agent.wire import schema
@@ -50,8 +51,8 @@ from .claiming import Claimer
 from .connwatch import ConnectionWatch
 from .dedup import DedupCache
 from .handling import Handler, kind_of
-from .presence import Presence
-from .serving import AckSink, TaskServer
+from .presence import READINESS_INTERVAL_S, Presence
+from .serving import CANCEL_GRACE_S, AckSink, TaskServer
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,12 @@ class Agent:
     :class:`~reach_agent.connection.Credentials`; ``token`` is the NATS auth token, not the
     broker's heartbeat token :attr:`token`). A file that does not exist is a ``ValueError``.
     ``permissions`` (what callers may ``require``) and ``context_window`` (tokens) are
-    announced; set :attr:`context_usage_pct` as the window fills.
+    announced; set :attr:`context_usage_pct` as the window fills. ``readiness`` (an
+    adapter's check of the service it fronts, ``async () -> bool``) is asked every
+    ``readiness_interval`` seconds: while it says False the agent reports ``draining`` and
+    refuses tasks with ``DRAINING`` (see :mod:`~reach_agent.agent.presence`). A cancelled
+    request's handler sees ``asyncio.CancelledError`` and has ``cancel_grace`` seconds to
+    clean up before it is cancelled again (see :mod:`~reach_agent.agent.serving`).
     """
 
     def __init__(
@@ -106,6 +112,9 @@ class Agent:
         claim_timeout: float = 2.0,
         permissions: Iterable[str] = (),
         context_window: int | None = None,
+        readiness: Callable[[], Awaitable[bool]] | None = None,
+        readiness_interval: float = READINESS_INTERVAL_S,
+        cancel_grace: float = CANCEL_GRACE_S,
         **credentials: Unpack[CredentialOptions],
     ) -> None:
         schema.check_agent_id(agent_id)
@@ -124,6 +133,10 @@ class Agent:
         unknown = sorted(idem - set(caps))
         if unknown:
             raise InvalidRequest(f"idempotent {unknown!r} are not among the capabilities {caps!r}")
+        if not cancel_grace >= 0:
+            raise InvalidRequest(f"cancel_grace {cancel_grace!r} must be 0 or more seconds")
+        if not readiness_interval > 0:
+            raise InvalidRequest(f"readiness_interval {readiness_interval!r} must be positive")
         if not claim_timeout > 0:
             raise InvalidRequest(f"claim_timeout {claim_timeout!r} must be a positive number")
         self.credentials = Credentials(**credentials).check()
@@ -167,13 +180,16 @@ class Agent:
         schema.validate_announce(self.announcement, agent_id)
         self.tasks = TaskServer(
             agent_id, max_concurrency, self.subjects, dedup=DedupCache(dedup_size, dedup_ttl),
-            metrics=metrics, ack_sink=ack_sink,
+            metrics=metrics, ack_sink=ack_sink, spans=otel.spans("reach-agent"),
         )  # fmt: skip
-        """The task side: admission, claims, execution, replies, ack records."""
+        """The task side: admission, claims, execution, replies, ack records (and, with
+        ``OTEL_EXPORTER_OTLP_ENDPOINT`` set, their spans: :mod:`.otel`)."""
         self.tasks.idempotent |= idem
+        self.tasks.cancel_grace = cancel_grace
         self.presence = Presence(
             self.announcement, self.subjects, self.tasks,
             heartbeat_interval=heartbeat_interval, announce_refresh=announce_refresh,
+            readiness=readiness, readiness_interval=readiness_interval,
         )  # fmt: skip
         """Announce, heartbeats, probe answers, leave."""
         self.nc: NATS | None = None
@@ -306,7 +322,7 @@ class Agent:
         if self.ack_sink is None and self.durable_acks:
             ackwriter.check_ack_dir(self.agent_id, self.ack_wal_dir)  # one clear error, now
         cred = self.credentials if credentials is None else credentials.over(self.credentials)
-        servers = server_list(servers)
+        servers, cred = resolve(servers, cred)  # explicit, NATS_* and the NATS context
         options = connect_options(self.agent_id, servers, cred)
         writes_acks = self.ack_sink is None and self.durable_acks
         self.watch.check_grants(cred, self.capabilities, writes_acks=writes_acks)
@@ -350,10 +366,10 @@ class Agent:
             await claimer.start()
             self.tasks.claimer = claimer
         await self.presence.subscribe(nc)
-        await self.tasks.subscribe(nc, self.capabilities)
+        await self.tasks.subscribe(nc, self.capabilities, cancels=self.watch.takes_cancels)
         await flush_subscriptions(nc)  # a refused SUB is reported before the PONG
         self.watch.check_subscriptions()
-        self.presence.start()
+        await self.presence.start()
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain: answer DRAINING to new tasks, leave, finish in-flight tasks within
@@ -378,5 +394,7 @@ class Agent:
                 log.exception("agent.ack_sink_stop_failed agent=%s", self.agent_id)
         await drain_or_close(nc, 5.0)
         self.tasks.close()
+        if self.tasks.spans is not None:
+            await asyncio.to_thread(self.tasks.spans.flush)
         log.info("agent.stopped agent=%s ok=%d fail=%d", self.agent_id, self.ok_total,
                  self.fail_total)  # fmt: skip

@@ -44,10 +44,11 @@ class RouteSource(Protocol):
     async def route(
         self, capability: str, filters: Filters = NO_FILTERS, *, limit: int | None = None,
         exclude: Sequence[str] = (), peek: bool = False, deadline: float | None = None,
+        headers: dict[str, str] | None = None,
     ) -> list[Candidate]:  # fmt: skip
         """Candidates for ``capability`` under ``filters``, best first, none of ``exclude``;
         ``peek``: a look, no task follows; ``deadline``: the call's (a wait for a full
-        fleet ends there)."""
+        fleet ends there); ``headers``: the call's trace, for a route request."""
         ...
 
     def agent_gone(self, agent_id: str) -> None:
@@ -201,11 +202,13 @@ class Routes:
     async def route(
         self, capability: str, filters: Filters = NO_FILTERS, *, limit: int | None = None,
         exclude: Sequence[str] = (), peek: bool = False, deadline: float | None = None,
+        headers: dict[str, str] | None = None,
     ) -> list[Candidate]:  # fmt: skip
         """:meth:`reach_agent.Client.route` (a ``peek``; ``Client.call``'s own routes are
-        not peeks: the broker counts the first candidate as handed the task). An
-        ``OVERLOADED`` answer carrying ``retry_after_ms`` is waited out and asked again, up to
-        ``max_retry_after_s`` in all and never past ``deadline`` (a call's)."""
+        not peeks: the broker counts the first candidate as handed the task; ``headers``: a
+        call's trace, when spans are on). An ``OVERLOADED`` answer carrying ``retry_after_ms``
+        is waited out and asked again, up to ``max_retry_after_s`` in all and never past
+        ``deadline`` (a call's)."""
         schema.check_capability(capability)
         if filters.tags:
             schema.check_tags(filters.tags)
@@ -216,7 +219,7 @@ class Routes:
             budget = min(budget, deadline)
         while True:
             try:
-                return await self.ask(capability, req)
+                return await self.ask(capability, req, headers)
             except Overloaded as exc:
                 wait = (exc.retry_after_ms or 0) / 1000.0
                 if not exc.retry_after_ms or self.clock() + wait > budget:
@@ -225,15 +228,20 @@ class Routes:
                          exc.retry_after_ms)  # fmt: skip
                 await asyncio.sleep(wait)
 
-    async def ask(self, capability: str, req: schema.RouteRequest) -> list[Candidate]:
+    async def ask(
+        self, capability: str, req: schema.RouteRequest, headers: dict[str, str] | None = None
+    ) -> list[Candidate]:
         """One route request to a broker; when none answers, the cache's candidates."""
         key = RouteCache.key(capability, req)
+        hdrs = {schema.H_CALLER: self.caller} if self.caller else None
+        if headers:
+            hdrs = {**(hdrs or {}), **headers}
         try:
             reply = await self.nc.request(
                 self.subjects.route(capability),
                 schema.encoder.encode(req),
                 timeout=self.config.route_timeout_s,
-                headers={schema.H_CALLER: self.caller} if self.caller else None,
+                headers=hdrs,
             )
         except (NatsTimeoutError, NoRespondersError) as exc:
             why = "no broker responded" if isinstance(exc, NoRespondersError) else "timed out"

@@ -138,16 +138,18 @@ class TableRoutes:
     async def route(
         self, capability: str, filters: Filters = NO_FILTERS, *, limit: int | None = None,
         exclude: Sequence[str] = (), peek: bool = False, deadline: float | None = None,
+        headers: dict[str, str] | None = None,
     ) -> list[Candidate]:  # fmt: skip
         """The candidates of ``capability`` from its table; a broker's when the table cannot
-        say (see the module docstring)."""
+        say (see the module docstring; ``headers``, a call's trace, go with a request)."""
         if peek:
             return await self.broker.route(capability, filters, limit=limit, exclude=exclude,
-                                           peek=True, deadline=deadline)  # fmt: skip
+                                           peek=True, deadline=deadline,
+                                           headers=headers)  # fmt: skip
         table = await self.table(capability)
         if table is None or not table.local:
             return await self.broker.route(capability, filters, limit=limit, exclude=exclude,
-                                           deadline=deadline)  # fmt: skip
+                                           deadline=deadline, headers=headers)  # fmt: skip
         schema.check_capability(capability)
         if filters.tags:
             schema.check_tags(filters.tags)
@@ -159,7 +161,7 @@ class TableRoutes:
         except NoReachableAgent:
             # Nobody here: the broker may know an agent this table does not have yet.
             return await self.broker.route(capability, filters, limit=limit, exclude=exclude,
-                                           deadline=deadline)  # fmt: skip
+                                           deadline=deadline, headers=headers)  # fmt: skip
         task = self.subjects.task
         return [m.candidate(task(m.agent_id, capability)) for m in chosen]
 

@@ -60,7 +60,9 @@ class LocalRoutes:
     async def route(
         self, capability: str, filters: Filters = NO_FILTERS, *, limit: int | None = None,
         exclude: Sequence[str] = (), peek: bool = False, deadline: float | None = None,
+        headers: dict[str, str] | None = None,
     ) -> list[Candidate]:  # fmt: skip
+        """The broker's router, in process (``headers``, a call's trace, have no use here)."""
         check_capability(capability)
         pinned = PINNED.get()
         if pinned is not None:
