@@ -241,6 +241,10 @@ class AckRecord(Base, frozen=True):
     error: dict[str, str] | None = None
     parent_request_id: str | None = None
     """The flow run this request is a step of (the task's ``Reach-Parent-Id``)."""
+    received_ms: int | None = None
+    """On a final record: when the agent accepted the task, its ``received`` record folded
+    into this one (a writer that had not stored ``received`` yet when the run ended stores
+    one record instead of two)."""
 
 
 class Event(Base, frozen=True):
@@ -297,6 +301,7 @@ class _StoredAck(msgspec.Struct, kw_only=True):
     result: msgspec.Raw = msgspec.Raw()
     error: dict[str, str] | None = None
     parent_request_id: str | None = None
+    received_ms: int | None = None
 
 
 _stored_ack_decoder = msgspec.json.Decoder(_StoredAck)
@@ -312,7 +317,8 @@ def decode_ack_record(data: bytes, *, decode_result: bool = False) -> AckRecord:
         result = _result_decoder.decode(result)
     return AckRecord(request_id=s.request_id, agent_id=s.agent_id, capability=s.capability,
                      state=s.state, at_ms=s.at_ms, result=result, error=s.error,
-                     parent_request_id=s.parent_request_id)  # fmt: skip
+                     parent_request_id=s.parent_request_id,
+                     received_ms=s.received_ms)  # fmt: skip
 
 
 # --- agent → broker ---------------------------------------------------------------------
