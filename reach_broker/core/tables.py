@@ -61,13 +61,21 @@ def entry_of(rec: AgentRecord, now: float, slow_start_s: float) -> TableEntry:
     )  # fmt: skip
 
 
-def urgent(old: TableEntry | None, new: TableEntry, min_score: float) -> bool:
-    """Whether the change from ``old`` to ``new`` may take the agent out of (or put it in)
-    routes: its state, or its score across the minimum. Published at once; the rest
-    (load, score drift) waits for the next batch."""
-    if old is None or old.state != new.state:
-        return True
-    return (old.score >= min_score) != (new.score >= min_score)
+def unchanged(entry: TableEntry, rec: AgentRecord, now: float, slow_start_s: float) -> bool:
+    """Whether :func:`entry_of` would make ``entry`` again for ``rec`` (its announce, and so
+    every field that only an announce sets, the same): a heartbeat that moved nothing the
+    tables say costs a few comparisons, not an entry."""
+    task_ms = rec.stats.task_ewma_ms
+    return (
+        entry.state == rec.state
+        and entry.active == rec.active
+        and entry.queue_depth == rec.queue_depth
+        and entry.score == round(rec.score, 1)
+        and entry.task_ms == (None if task_ms is None else round(task_ms, 1))
+        and entry.context_usage_pct == rec.context_usage_pct
+        and entry.slow_start_ms is None
+        and (rec.recovered_at is None or now - rec.recovered_at >= 2 * slow_start_s)
+    )
 
 
 class Share:
@@ -103,6 +111,8 @@ class TableBook:
         self.shares: dict[tuple[int, str], Share] = {}
         self.caps: dict[str, tuple[str, ...]] = {}
         """Each agent's capabilities as last published."""
+        self.entries: dict[str, tuple[TableEntry, object]] = {}
+        """Each agent's entry as last made, and the announce it was made from."""
         self._partition: dict[str, int] = {}
         self._policies: dict[str, Policy] = {}
 
@@ -131,6 +141,7 @@ class TableBook:
             del self.shares[key]
         for agent_id in [a for a in self.caps if self.partition_of(a) == p]:
             del self.caps[agent_id]
+            self.entries.pop(agent_id, None)
 
     # --- changes ------------------------------------------------------------------------------
 
@@ -150,7 +161,20 @@ class TableBook:
             rec = record(agent_id)
             old_caps = self.caps.get(agent_id, ())
             caps = rec.capabilities if rec is not None else ()
-            entry = entry_of(rec, now, slow_s) if rec is not None else None
+            entry = None
+            if rec is not None:
+                last = self.entries.get(agent_id)
+                if (
+                    last is not None
+                    and last[1] is rec.announce
+                    and unchanged(last[0], rec, now, slow_s)
+                ):
+                    if caps == old_caps:
+                        continue  # nothing the tables say moved
+                    entry = last[0]
+                else:
+                    entry = entry_of(rec, now, slow_s)
+                    self.entries[agent_id] = (entry, rec.announce)
             for cap in caps:
                 share = self._share(p, cap)
                 if share.entries.get(agent_id) != entry:
@@ -164,6 +188,7 @@ class TableBook:
                         touched.setdefault((p, cap), ([], []))[1].append(agent_id)
             if rec is None:
                 self.caps.pop(agent_id, None)
+                self.entries.pop(agent_id, None)
                 self._partition.pop(agent_id, None)
             else:
                 self.caps[agent_id] = caps
