@@ -20,6 +20,9 @@ the whole run (N calls always in flight). After the warm-up one fault hits ``alp
 Measured (monotonic clock, polled every 10 ms from the broker's own routing):
 
 - ``switch_ms``: fault start → ``alpha`` no longer among the route candidates (no new tasks);
+- ``table_switch_ms``: fault start → ``alpha`` no longer among the candidates the caller's
+  own route table gives (the SDK routes its calls from it; the broker's change reaches it as
+  a table delta);
 - ``detect_ms``: fault start → first state change of ``alpha`` (kill/freeze);
 - ``routable_ms``: fault cleared → ``alpha`` routable again;
 - ``recover_ms``: fault cleared → ``alpha`` back at full share (its routing weight ≥ 90% of
@@ -49,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from reach_agent import Client, ReachError
+from reach_agent.client.tables import TableRoutes
 from reach_agent.wire.errors import NoReachableAgent, Overloaded
 from reach_agent.wire.schema import RouteRequest
 from reach_broker.cluster.natsserver import NatsServer
@@ -80,6 +84,7 @@ class Run:
     t_fault: float = 0.0
     t_clear: float = 0.0
     switch_at: float | None = None
+    table_switch_at: float | None = None
     routable_at: float | None = None
     recover_at: float | None = None
     transitions: list[tuple[float, str | None, str | None, str]] = field(default_factory=list)
@@ -135,10 +140,30 @@ def victim_share(broker: Broker, now: float) -> tuple[bool, float] | None:
     return routable, (weights.get(VICTIM, 0.0) / total if total else 0.0)
 
 
-async def monitor(broker: Broker, run: Run, stop: asyncio.Event) -> None:
+def in_callers_table(client: Client, now: float) -> bool | None:
+    """Whether ``alpha`` is among the candidates the caller's route table gives now (None:
+    the caller routes through a broker, or holds no table yet, or everyone is full)."""
+    routes = client.routes
+    if not isinstance(routes, TableRoutes) or CAPABILITY not in routes.followed:
+        return None
+    table = routes.followed[CAPABILITY].table
+    routes.chooser.cfg = table.settings
+    try:
+        got = routes.chooser.pick(table.index, RouteRequest(limit=len(NAMES)), table.rule, now)
+    except Overloaded:
+        return None
+    except NoReachableAgent:
+        return False
+    return any(m.agent_id == VICTIM for m in got)
+
+
+async def monitor(broker: Broker, client: Client, run: Run, stop: asyncio.Event) -> None:
     even = 1.0 / len(run.agents)
     while not stop.is_set():
         now = time.monotonic()
+        if run.t_fault and now >= run.t_fault and run.table_switch_at is None:
+            if in_callers_table(client, now) is False:
+                run.table_switch_at = now
         seen = victim_share(broker, now)
         if seen is None:
             await asyncio.sleep(POLL_S)
@@ -242,6 +267,7 @@ def summarize(run: Run, command: str, broker_cfg: Config) -> dict[str, Any]:
         "failed_calls": len(failed),
         "failures_by_code": by_code,
         "switch_ms": ms(run.switch_at, run.t_fault),
+        "table_switch_ms": ms(run.table_switch_at, run.t_fault),
         "detect_ms": ms(detect, run.t_fault) if run.fault != "latency" else None,
         "last_task_sent_to_victim_ms": ms(last_victim, run.t_fault),
         "routable_ms": ms(run.routable_at, run.t_clear),
@@ -277,8 +303,10 @@ def table(report: dict[str, Any]) -> str:
     def cell(v: Any) -> str:
         return "-" if v is None else str(v)
 
-    head = ("fault", "calls", "failed", "switch_ms", "detect_ms", "routable_ms", "recover_ms")
+    head = ("fault", "calls", "failed", "switch_ms", "table_switch_ms", "last_to_victim_ms",
+            "detect_ms", "routable_ms", "recover_ms")  # fmt: skip
     row = (report["fault"], report["calls"], report["failed_calls"], report["switch_ms"],
+           report.get("table_switch_ms"), report["last_task_sent_to_victim_ms"],
            report["detect_ms"], report["routable_ms"], report["recover_ms"])  # fmt: skip
     widths = [max(len(h), len(cell(v))) for h, v in zip(head, row, strict=True)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)),
@@ -331,7 +359,7 @@ async def main_async(args: argparse.Namespace, command: str) -> dict[str, Any]:
             await asyncio.sleep(0.05)
         client = Client(server.url, name="chaos-caller")
         await client.start()
-        mon = asyncio.create_task(monitor(broker, run, stop))
+        mon = asyncio.create_task(monitor(broker, client, run, stop))
         total = args.warmup + args.hold + args.watch
         t0 = time.monotonic()
         if run.concurrency:

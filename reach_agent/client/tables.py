@@ -44,6 +44,9 @@ from .routes import Routes
 log = trace.logger(__name__)
 
 _API = "$JS.API"
+REFETCH_S = 1.0
+"""A table that could not be had is asked for again at most this often (calls meanwhile ask
+a broker)."""
 _KV_OP = "KV-Operation"
 
 
@@ -204,6 +207,8 @@ class TableRoutes:
         f.used_at = now
         if f.table.shares:
             return f.table
+        if f.fetching is None and now - f.synced_at >= REFETCH_S:
+            self._fetch(f)  # none came last time: a broker may be there now
         if f.fetching is not None:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.config.table_wait_s * 2):
@@ -245,12 +250,12 @@ class TableRoutes:
             for delta in f.pending:
                 if delta.epoch == table.shares.get(delta.partition, (None, 0))[0]:
                     table.apply(delta, self.members, now)
-            f.synced_at = now
             return bool(shares or covered)
         except Exception:  # noqa: BLE001 - a fetch never breaks the client
             log.exception("tables.fetch_failed capability=%s", cap)
             return False
         finally:
+            f.synced_at = self.clock()
             f.pending = []
             f.fetching = None
             if f.resync and self.followed.get(cap) is f:
