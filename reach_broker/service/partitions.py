@@ -102,34 +102,40 @@ class Partitions:
             self._lose(p)
 
     async def round(self) -> None:
-        """Renew every lease held, take every partition that is free."""
+        """Renew every lease held, take every partition that is free: all at once (one
+        round trip for the lot, so a busy broker still renews well within the time to live)."""
         mine = _encode(Lease(broker_id=self.ctx.broker_id, at_ms=self.ctx.wall_ms()))
-        for p in range(self.cfg.partitions):
-            key = str(p)
-            held = self.held.get(p)
-            now = self.ctx.clock()
-            try:
-                if held is not None:
-                    revision = await self.store.swap(key, mine, held[1])
-                    if revision is None:  # it lapsed and someone took it
-                        log.warning("partitions.lost partition=%d", p)
-                        self._lose(p)
-                    else:
-                        self.held[p] = (held[0], revision, now)
-                    continue
-                ours, stored = await self.store.create(key, mine)
-                if ours:
-                    self._own(p, stored.revision, stored.revision)
-                elif _lease.decode(stored.data).broker_id is None:  # handed back: take it
-                    revision = await self.store.swap(key, mine, stored.revision)
-                    if revision is not None:
-                        self._own(p, revision, revision)
-            except (ClaimsUnavailable, msgspec.MsgspecError) as exc:
-                log.debug("partitions.round_failed partition=%d error=%s", p, exc)
-                if held is not None and now - held[2] >= self.cfg.lease_ttl_s:
-                    # Not renewed within its time: it may be someone else's by now.
-                    log.warning("partitions.lapsed partition=%d", p)
+        await asyncio.gather(*(self._keep(p, mine) for p in range(self.cfg.partitions)))
+
+    async def _keep(self, p: int, mine: bytes) -> None:
+        """Renew partition ``p``'s lease if held, else take it if free."""
+        key = str(p)
+        held = self.held.get(p)
+        now = self.ctx.clock()
+        try:
+            if held is not None:
+                revision = await self.store.swap(key, mine, held[1])
+                if p not in self.held:
+                    return  # handed back meanwhile (stop)
+                if revision is None:  # it lapsed and someone took it
+                    log.warning("partitions.lost partition=%d", p)
                     self._lose(p)
+                else:
+                    self.held[p] = (held[0], revision, now)
+                return
+            ours, stored = await self.store.create(key, mine)
+            if ours:
+                self._own(p, stored.revision, stored.revision)
+            elif _lease.decode(stored.data).broker_id is None:  # handed back: take it
+                revision = await self.store.swap(key, mine, stored.revision)
+                if revision is not None:
+                    self._own(p, revision, revision)
+        except (ClaimsUnavailable, msgspec.MsgspecError) as exc:
+            log.debug("partitions.round_failed partition=%d error=%s", p, exc)
+            if held is not None and p in self.held and now - held[2] >= self.cfg.lease_ttl_s:
+                # Not renewed within its time: it may be someone else's by now.
+                log.warning("partitions.lapsed partition=%d", p)
+                self._lose(p)
 
     def _own(self, p: int, epoch: int, revision: int) -> None:
         self.held[p] = (epoch, revision, self.ctx.clock())

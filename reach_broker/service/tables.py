@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 
 _KV_DELETE = {"KV-Operation": "DEL"}
 
+COALESCE_S = 0.01
+"""After a transition the flush waits this long for whatever else moves at the same time."""
+
 
 class Tables:
     """This broker's share of the route tables, published (a broker component)."""
@@ -113,7 +116,9 @@ class Tables:
 
     def _own(self, p: int, epoch: int) -> None:
         log.info("tables.own partition=%d epoch=%d", p, epoch)
-        self._publish(self.book.own(p, epoch, self.registry.agents, self.ctx.clock()))
+        deltas = self.book.own(p, epoch, self.registry.agents, self.ctx.clock())
+        if deltas:
+            self.ctx.spawn(self._send(deltas), "table")
 
     def _lose(self, p: int) -> None:
         log.info("tables.lose partition=%d", p)
@@ -121,25 +126,30 @@ class Tables:
 
     # --- publishing ----------------------------------------------------------------------------
 
-    def flush(self) -> int:
-        """Publish what changed since the last flush; the deltas published."""
+    def collect(self) -> list[TableDelta]:
+        """What changed since the last collect, as deltas (the shares' versions advanced);
+        changed shares written to KV when due."""
         changed, self.registry.changed = self.registry.changed, set()
         now = self.ctx.clock()
         deltas = self.book.changes(changed, self.registry.agents.get, now)
         deltas += self.book.policies_changed()
-        self._publish(deltas)
         if self._jetstream:
             self._store(now)
+        return deltas
+
+    async def flush(self) -> int:
+        """Publish what changed since the last flush; the deltas published."""
+        deltas = self.collect()
+        await self._send(deltas)
         return len(deltas)
 
-    def _publish(self, deltas: list[TableDelta]) -> None:
+    async def _send(self, deltas: list[TableDelta]) -> None:
         if not deltas or not self.ctx.link.connected:
             return  # a caller that missed versions resyncs on the next delta it sees
-        s = self.ctx.subjects
+        s, nc = self.ctx.subjects, self.ctx.nc
         encode = schema.encoder.encode
-        for d in deltas:
-            self.ctx.spawn(self.ctx.nc.publish(s.table(d.partition, d.capability), encode(d)),
-                           "table")  # fmt: skip
+        for d in deltas:  # into the connection's buffer: one flush for the lot
+            await nc.publish(s.table(d.partition, d.capability), encode(d))
         self.ctx.metrics.tables.labels("delta").inc(len(deltas))
 
     def _store(self, now: float) -> None:
@@ -173,11 +183,14 @@ class Tables:
             try:
                 async with asyncio.timeout(every):
                     await self._wake.wait()
+                # A transition: out within COALESCE_S, with whatever else moved meanwhile
+                # (a storm of announces is a few flushes, not one per announce).
+                await asyncio.sleep(COALESCE_S)
             except TimeoutError:
                 pass
             self._wake.clear()
             try:
-                self.flush()
+                await self.flush()
             except Exception:  # noqa: BLE001 - the loop body never dies
                 log.exception("tables.flush failed")
 
@@ -187,7 +200,9 @@ class Tables:
         """``<prefix>.tables.<capability>``: the shares of the partitions this broker owns."""
         capability = self.ctx.subjects.capability_of_tables(subject)
         check_capability(capability)
-        self.flush()  # the shares as the registry has them now, not as of the last batch
+        deltas = self.collect()  # the shares as the registry has them now, not as of the
+        if deltas:  # last batch (the deltas go out behind this answer)
+            self.ctx.spawn(self._send(deltas), "table")
         book, at_ms = self.book, self.ctx.wall_ms()
         owned = sorted(book.epochs)
         shares = [book.share(s.partition, capability, at_ms) for s in book.of(capability)]
