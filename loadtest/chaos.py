@@ -89,6 +89,8 @@ class Run:
     recover_at: float | None = None
     transitions: list[tuple[float, str | None, str | None, str]] = field(default_factory=list)
     results: list[tuple[int, float, float, str | None, str | None]] = field(default_factory=list)
+    errors: dict[int, str] = field(default_factory=dict)
+    """A failed call's error message, by call number."""
     procs: dict[str, asyncio.subprocess.Process] = field(default_factory=dict)
 
 
@@ -140,21 +142,14 @@ def victim_share(broker: Broker, now: float) -> tuple[bool, float] | None:
     return routable, (weights.get(VICTIM, 0.0) / total if total else 0.0)
 
 
-def in_callers_table(client: Client, now: float) -> bool | None:
-    """Whether ``alpha`` is among the candidates the caller's route table gives now (None:
-    the caller routes through a broker, or holds no table yet, or everyone is full)."""
+def in_callers_table(client: Client) -> bool | None:
+    """Whether ``alpha`` is routable in the caller's own route table: there and healthy
+    (None: the caller routes through a broker, or holds no table yet)."""
     routes = client.routes
     if not isinstance(routes, TableRoutes) or CAPABILITY not in routes.followed:
         return None
-    table = routes.followed[CAPABILITY].table
-    routes.chooser.cfg = table.settings
-    try:
-        got = routes.chooser.pick(table.index, RouteRequest(limit=len(NAMES)), table.rule, now)
-    except Overloaded:
-        return None
-    except NoReachableAgent:
-        return False
-    return any(m.agent_id == VICTIM for m in got)
+    m = routes.members.get(VICTIM)
+    return m is not None and m.state == "healthy"
 
 
 async def monitor(broker: Broker, client: Client, run: Run, stop: asyncio.Event) -> None:
@@ -162,7 +157,7 @@ async def monitor(broker: Broker, client: Client, run: Run, stop: asyncio.Event)
     while not stop.is_set():
         now = time.monotonic()
         if run.t_fault and now >= run.t_fault and run.table_switch_at is None:
-            if in_callers_table(client, now) is False:
+            if in_callers_table(client) is False:
                 run.table_switch_at = now
         seen = victim_share(broker, now)
         if seen is None:
@@ -186,6 +181,7 @@ async def call_one(client: Client, run: Run, i: int) -> None:
         run.results.append((i, t_send, time.monotonic(), result.get("agent"), None))
     except ReachError as err:
         run.results.append((i, t_send, time.monotonic(), None, err.code))
+        run.errors[i] = err.message
 
 
 async def caller(client: Client, run: Run, t0: float, rate: float) -> None:
@@ -266,6 +262,15 @@ def summarize(run: Run, command: str, broker_cfg: Config) -> dict[str, Any]:
         "calls": len(run.results),
         "failed_calls": len(failed),
         "failures_by_code": by_code,
+        "failures_at_ms": [
+            {
+                "sent_ms": ms(r[1], run.t_fault),
+                "ended_ms": ms(r[2], run.t_fault),
+                "code": r[4],
+                "message": run.errors.get(r[0]),
+            }
+            for r in failed[:20]
+        ],
         "switch_ms": ms(run.switch_at, run.t_fault),
         "table_switch_ms": ms(run.table_switch_at, run.t_fault),
         "detect_ms": ms(detect, run.t_fault) if run.fault != "latency" else None,

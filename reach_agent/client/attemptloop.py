@@ -79,6 +79,7 @@ class AttemptLoop:
                     if call.last_err is None or not merely_full("error", call.last_err):
                         call.last_err = refused
                     await call.wait_full(refused, self.config, self.clock, call.last_err)
+                    candidates = []  # route again: the fleet moved while we waited
                     continue
                 nxt = self.attempts.next
                 target = nxt(candidates, call.tried, capability) or nxt(
@@ -92,8 +93,11 @@ class AttemptLoop:
             if call.attempt > 0 and target.agent_id in call.tried:
                 assert call.last_err is not None
                 if merely_full("error", call.last_err):
-                    # Every candidate answered TARGET_BUSY: a moment, then a new round.
+                    # Every candidate answered TARGET_BUSY: a moment, then a new round from a
+                    # new route (an agent of the old one may have died meanwhile).
                     await call.wait_full(call.last_err, self.config, self.clock)
+                    candidates = []
+                    continue
                 else:
                     # A retry to an agent we already tried: back off first, inside the
                     # deadline.
