@@ -85,7 +85,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         await asyncio.sleep(0.05)
                 for cap in ("bench.claimed", "bench.idem"):  # warm-up
                     await calls(client, cap, 50, 4)
-                assert agent.tasks.claimer is not None and agent.tasks.claimer.enabled
+                assert agent.tasks.claimer is not None and agent.tasks.claimer.refused == 0
                 rounds: dict[str, dict[str, list[dict[str, float]]]] = {}
                 for conc in args.concurrency:
                     per = rounds.setdefault(str(conc), {"claimed": [], "idem": []})

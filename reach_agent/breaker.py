@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Literal
 
 from .config import BreakerConfig
-from .errors import Draining, ReachError, TargetBusy
+from .errors import Draining, ReachError, StoreUnavailable, TargetBusy
 from .retry import Outcome
 
 BreakerState = Literal["closed", "open", "half_open"]
@@ -166,8 +166,8 @@ def verdict(outcome: Outcome, err: ReachError | None = None) -> bool | None:
     if outcome == "ok":
         return True
     if outcome == "error":
-        if err is None or isinstance(err, TargetBusy | Draining):
-            return None  # healthy but full or leaving
+        if err is None or isinstance(err, TargetBusy | Draining | StoreUnavailable):
+            return None  # healthy but full or leaving, or the shared store is not there
         return err.status < 500  # a refused request is a responsive agent
     if outcome == "closed":
         return None

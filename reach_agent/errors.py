@@ -19,8 +19,10 @@ class ReachError(Exception):
     status = 500
     retryable = False
     full = False
-    """The refusal says only that every slot is taken now (``OVERLOADED``, ``TARGET_BUSY``):
-    a caller waits a moment and asks again, within its deadline, without counting a retry."""
+    """The refusal says only "not now": every slot is taken (``OVERLOADED``,
+    ``TARGET_BUSY``), or a store the guarantee needs is not there yet
+    (``STORE_UNAVAILABLE``): a caller waits a moment and asks again, within its deadline,
+    without counting a retry."""
     extra: dict[str, Any] | None = None
     """Members the error reply's body carries beside ``error`` (with ``explain``, a route's
     ``NO_REACHABLE_AGENT`` carries its ``explain``)."""
@@ -139,6 +141,20 @@ class CompensationFull(Unavailable):
     retryable = False
 
 
+class StoreUnavailable(Unavailable):
+    """A JetStream store a guarantee depends on is missing or not answering (the claims
+    bucket ``reach_claims``, the compensation queue): nothing ran and nothing was stored.
+    The message names the store and what to do; asked again after ``retry_after_ms``
+    within the caller's deadline, without counting a retry (like a full agent), because
+    the store usually comes back (a broker provisions it, a cluster elects a leader)."""
+
+    code = "STORE_UNAVAILABLE"
+    full = True
+
+    def __init__(self, message: str = "", *, retry_after_ms: int | None = None) -> None:
+        super().__init__(message, retry_after_ms=retry_after_ms)
+
+
 class StreamBroken(ReachError):
     """A streamed answer ended before its ``completed``: the agent died, or a chunk went
     missing. ``delivered`` chunks reached the reader; it is never re-run silently."""
@@ -196,6 +212,7 @@ _BY_CODE: dict[str, type[ReachError]] = {
         Draining,
         Timeout,
         CompensationFull,
+        StoreUnavailable,
         StreamBroken,
         FlowFailed,
         InternalError,

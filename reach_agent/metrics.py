@@ -65,6 +65,14 @@ class AgentMetrics:
             ["capability", "result"],
             registry=self.registry,
         )
+        self.store_errors = Counter(
+            "reach_agent_store_errors_total",
+            "Failures of the stores the agent's guarantees rest on, by store (claims: KV "
+            "reach_claims) and operation (claim: a task refused STORE_UNAVAILABLE; end: a "
+            "claim's end retried)",
+            ["store", "op"],
+            registry=self.registry,
+        )
         self.nats_errors = Counter(
             "reach_agent_nats_errors_total",
             "Errors reported by the agent's NATS connection, by kind (slow_consumer, "

@@ -4,10 +4,11 @@ Every task subscription callback only decides (:func:`~reach_agent.admission.adm
 acts on the decision — a cached reply, an error reply, or a run handed to an asyncio task —
 so the callback returns at once and the next message is read. The run first claims the
 request id fleet-wide (:mod:`~reach_agent.claiming`; not for capabilities marked idempotent,
-nor without a claims bucket), and only a claim of its own makes it send the receipt and run
-the handler; otherwise it answers ``IN_PROGRESS`` or the stored result. The holder ends its
-claim before it replies. Handlers are ``async def`` (run on the loop), async generators
-(streamed, :mod:`~reach_agent.streaming`) or plain functions (run in a worker thread).
+nor with ``claims=False``), and only a claim of its own makes it send the receipt and run
+the handler; otherwise it answers ``IN_PROGRESS``, the stored result, or — the store could
+not decide — ``STORE_UNAVAILABLE``. The holder ends its claim before it replies. Handlers
+are ``async def`` (run on the loop), async generators (streamed,
+:mod:`~reach_agent.streaming`) or plain functions (run in a worker thread).
 
 The durable-ack hook (``ack_sink``) gets state ``received`` when a task is accepted (before
 the handler runs) and ``completed`` (``result`` = the reply body as ``msgspec.Raw``) or
@@ -36,7 +37,13 @@ from .admission import Admission, admit
 from .aio import TaskSet, wait_event
 from .claiming import Claimer, Held
 from .dedup import DedupCache, Entry, Reply
-from .errors import Draining, InternalError, InvalidRequest, ReachError, to_reply
+from .errors import (
+    Draining,
+    InternalError,
+    InvalidRequest,
+    ReachError,
+    to_reply,
+)
 from .handling import Handler, HandlerKind, HandlerRunner
 from .metrics import AgentMetrics
 from .subjects import Subjects, is_inbox
@@ -78,7 +85,8 @@ class TaskServer:
         self.idempotent: set[str] = set()
         """Capabilities whose duplicates are harmless: run without a fleet-wide claim."""
         self.claimer: Claimer | None = None
-        """The fleet-wide claims (None: off, the duplicate window alone applies)."""
+        """The fleet-wide claims (None: ``Agent(claims=False)``, the duplicate window alone
+        applies)."""
         self.nc = NATS()  # the agent's connection, from subscribe()
         self.runner = HandlerRunner(agent_id, max_concurrency)
         self.draining = False

@@ -11,6 +11,7 @@ import nats
 import pytest
 from nats.aio.client import Client as NATS
 
+from jetstream.provision import load_definitions, provision
 from reach_broker.config import Config
 from reach_broker.metrics import Metrics
 from reach_broker.natsserver import NatsServer
@@ -42,6 +43,19 @@ async def nc(nats_server: NatsServer) -> AsyncIterator[NATS]:
         yield conn
     finally:
         await conn.close()
+
+
+@pytest.fixture
+async def provisioned(nats_server: NatsServer) -> NatsServer:
+    """The test server with the JetStream assets a broker creates at start (the claims
+    bucket among them), for tests that run agents without a broker: without the bucket an
+    agent refuses every claimed task (STORE_UNAVAILABLE)."""
+    conn = await nats.connect(nats_server.url, name="test-provision")
+    try:
+        await provision(conn, load_definitions())
+    finally:
+        await conn.close()
+    return nats_server
 
 
 def fast_config(url: str, **overrides: Any) -> Config:

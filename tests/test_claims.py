@@ -25,14 +25,16 @@ from nats.aio.client import Client as NATS
 
 import reach_agent
 from jetstream.claims import ClaimStore, claim_key
-from jetstream.provision import load_definitions
+from jetstream.provision import load_definitions, provision
 from reach_agent import ClientConfig, schema
 from reach_agent.claiming import decide
+from reach_agent.errors import from_reply
 from reach_agent.subjects import Subjects
 from reach_broker.natsserver import NatsServer, find_binary
 from reach_broker.service import Broker
 
 from .conftest import wait_for
+from .tcpproxy import TcpProxy
 from .test_sdk_failover import EventLog, healthy, lines, worker
 
 SUBJECTS = Subjects("reach")
@@ -199,12 +201,17 @@ def plain_server() -> Iterator[str]:
         proc.wait(10)
 
 
-async def test_without_jetstream_claims_are_off_logged_once_and_the_process_window_applies(
+def refusal_of(reply: Any) -> reach_agent.ReachError | None:
+    return from_reply(reply.headers, reply.data)
+
+
+async def test_without_jetstream_a_claimed_task_is_refused_retryably_never_run_and_logged_once(
     plain_server: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     url = plain_server
     runs: list[tuple[str, str]] = []
-    agent = slow_agent("nojs", "plain", runs, durable_acks=False)
+    metrics = reach_agent.AgentMetrics()
+    agent = slow_agent("nojs", "plain", runs, durable_acks=False, metrics=metrics)
     nc = None
     for _ in range(200):
         with contextlib.suppress(Exception):
@@ -215,18 +222,143 @@ async def test_without_jetstream_claims_are_off_logged_once_and_the_process_wind
     caplog.set_level(logging.WARNING, logger="reach_agent.claiming")
     await agent.start(url)
     try:
-        assert agent.tasks.claimer is not None and agent.tasks.claimer.enabled is False
         for _ in range(3):
             reply = await nc.request("reach.task.nojs.plain", b"{}", timeout=5,
                                      headers={schema.H_REQUEST_ID: "same"})  # fmt: skip
-            assert msgspec.json.decode(reply.data) == {"agent": "nojs", "n": None}
+            err = refusal_of(reply)
+            assert isinstance(err, reach_agent.StoreUnavailable)
+            assert (err.code, err.retryable, err.retry_after_ms) == ("STORE_UNAVAILABLE", True, 500)
+            assert (reply.headers or {})["Nats-Service-Error-Code"] == "503"
+            assert (reply.headers or {})[schema.H_REQUEST_ID] == "same"
+            assert "the claims bucket 'reach_claims' does not exist on this server" in err.message
     finally:
         await agent.stop(grace=1)
         await nc.close()
-    assert runs == [("nojs", "same")]
-    off = [r for r in caplog.records if r.getMessage().startswith("claims.off")]
-    assert len(off) == 1
-    assert "duplicates are caught by this process's window only" in off[0].getMessage()
+    assert runs == []
+    assert metrics.store_errors.labels("claims", "claim")._value.get() == 3
+    assert metrics.tasks.labels("plain", "unclaimed")._value.get() == 3
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("claims.")]
+    assert len(said) == 1, said  # at start; the refusals within WARN_EVERY_S add no line
+    assert said[0].startswith("claims.unavailable agent=nojs bucket=reach_claims")
+    assert "never run unclaimed; run nats-server with JetStream (-js)" in said[0]
+
+
+async def test_agents_started_before_the_broker_never_run_one_request_id_twice(
+    nats_server: NatsServer, broker_factory: Any, agents: Any, nc: NATS
+) -> None:
+    runs: list[tuple[str, str]] = []
+    release = asyncio.Event()
+    early = {}
+    for name in ("early-a", "early-b"):
+        agent = reach_agent.Agent(name, ["early"], heartbeat_interval=0.1,
+                                  metrics=reach_agent.AgentMetrics())  # fmt: skip
+
+        @agent.handler("early")
+        async def handle(task: reach_agent.Task, name: str = name) -> dict[str, Any]:
+            runs.append((name, task.request_id))
+            await release.wait()
+            return {"agent": name}
+
+        early[name] = await agents(agent)
+    rid = str(uuid.uuid4())
+
+    async def both() -> list[Any]:
+        return [asyncio.ensure_future(nc.request(f"reach.task.{n}.early", b"{}", timeout=10,
+                                                 headers={schema.H_REQUEST_ID: rid}))
+                for n in early]  # fmt: skip
+
+    before = await asyncio.wait_for(asyncio.gather(*await both()), 10)
+    assert [type(refusal_of(r)) for r in before] == [reach_agent.StoreUnavailable] * 2
+    assert runs == []
+    for agent in early.values():
+        assert agent.metrics.store_errors.labels("claims", "claim")._value.get() == 1
+
+    broker = await broker_factory()  # provisions reach_claims
+    await wait_for(lambda: healthy(broker, "early-a") and healthy(broker, "early-b"))
+    after = await both()
+    await wait_for(lambda: len(runs) == 1 and any(f.done() for f in after), 10,
+                   what="one run, and the other agent's answer")  # fmt: skip
+    holder = runs[0][0]
+    waiting = next(f for f in after if f.done())
+    err = refusal_of(waiting.result())
+    assert isinstance(err, reach_agent.InProgress) and err.holder == holder
+    release.set()
+    results = await asyncio.wait_for(asyncio.gather(*after), 10)
+    assert [msgspec.json.decode(r.data) for r in results if refusal_of(r) is None] == [
+        {"agent": holder}]  # fmt: skip
+    again = await asyncio.wait_for(asyncio.gather(*await both()), 10)
+    assert [msgspec.json.decode(r.data) for r in again] == [{"agent": holder}] * 2
+    assert runs == [(holder, rid)]
+
+
+async def test_an_sdk_call_refused_for_a_missing_bucket_is_asked_again_within_its_deadline(
+    nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS
+) -> None:
+    runs: list[tuple[str, str]] = []
+    metrics = reach_agent.AgentMetrics()
+    await agents(slow_agent("back-a", "back", runs, metrics=metrics))
+    await wait_for(lambda: healthy(broker, "back-a"))
+    await nc.jetstream().delete_stream("KV_reach_claims")  # the bucket is gone for a while
+    refused = metrics.store_errors.labels("claims", "claim")._value.get
+    rid = str(uuid.uuid4())
+    async with reach_agent.Client(nats_server.url) as client:
+        call = asyncio.ensure_future(client.call("back", {"n": 3}, request_id=rid, timeout=30))
+        await wait_for(lambda: refused() >= 2, 10, what="the call asked again after a refusal")
+        assert runs == [] and not call.done()
+        claims_def = [d for d in load_definitions() if d["name"] == "KV_reach_claims"]
+        await provision(nc, claims_def)
+        assert await asyncio.wait_for(call, 30) == {"agent": "back-a", "n": 3}
+    assert runs == [("back-a", rid)]
+    stored = await stored_claim(nc, rid)
+    assert stored is not None and (stored.agent_id, stored.state) == ("back-a", "completed")
+
+
+async def test_a_claim_end_the_store_did_not_confirm_is_retried_until_stored(
+    provisioned: NatsServer, nc: NATS, caplog: pytest.LogCaptureFixture
+) -> None:
+    release = asyncio.Event()
+    agent = reach_agent.Agent("ender", ["end"], heartbeat_interval=0.1, claim_timeout=0.5,
+                              durable_acks=False, metrics=reach_agent.AgentMetrics())  # fmt: skip
+
+    @agent.handler("end")
+    async def handle(task: reach_agent.Task) -> str:
+        await release.wait()
+        return "done"
+
+    caplog.set_level(logging.INFO, logger="reach_agent.claiming")
+    async with TcpProxy.to_url(provisioned.url) as proxy:
+        await agent.start(proxy.url)
+        try:
+            rid = str(uuid.uuid4())
+            # No reply subject: a reply sent into the cut link is lost, which is not the point.
+            await nc.publish("reach.task.ender.end", b"{}", headers={schema.H_REQUEST_ID: rid})
+            await wait_for(lambda: agent.active == 1, what="the run")
+            running = await stored_claim(nc, rid)
+            assert running is not None and running.state == "running"
+            await proxy.cut()  # the agent's link drops: its claim's end is not confirmed
+            release.set()
+            claimer = agent.tasks.claimer
+            assert claimer is not None
+            await wait_for(lambda: claimer.end_retries >= 1, 10, what="the end retried")
+            await proxy.restore()
+
+            async def ended() -> bool:
+                claim = await stored_claim(nc, rid)
+                return claim is not None and claim.state == "completed"
+
+            for _ in range(200):
+                if await ended():
+                    break
+                await asyncio.sleep(0.05)
+            assert await ended()
+            await wait_for(lambda: len(claimer._settling) == 0, 10, what="the retry done")
+        finally:
+            await agent.stop(grace=1)
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith(f"claims.end_retrying request_id={rid} state=completed") for m in said)
+    assert f"claims.end_stored request_id={rid} state=completed" in said
+    assert agent.metrics is not None
+    assert agent.metrics.store_errors.labels("claims", "end")._value.get() == claimer.end_retries
 
 
 # --- agent processes: stalls, restarts, deaths ------------------------------------------

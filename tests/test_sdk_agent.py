@@ -19,6 +19,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 
 import reach_agent
+from jetstream.provision import load_definitions, provision
 from reach_agent import schema
 from reach_agent.connection import flush_subscriptions
 from reach_broker.natsserver import NatsServer
@@ -82,8 +83,10 @@ async def test_design_agent_process_serves_call_and_plain_request(
 
 
 @pytest.fixture
-async def agent_factory(nats_server: NatsServer) -> Any:
-    """In-process agents served on the test's loop; all drained at teardown."""
+async def agent_factory(provisioned: NatsServer) -> Any:
+    """In-process agents served on the test's loop (the server provisioned as a broker
+    would: agents claim each task); all drained at teardown."""
+    nats_server = provisioned
     agents: list[reach_agent.Agent] = []
 
     async def make(agent: reach_agent.Agent) -> reach_agent.Agent:
@@ -393,6 +396,7 @@ async def test_run_waits_for_a_server_that_starts_later(tmp_path: Path) -> None:
         server.start()
         nc = await nats.connect(url)
         try:
+            await provision(nc, load_definitions())  # as the broker would: the claims bucket
             reply = None
             for _ in range(200):  # bounded: the agent retries every 0.5 s
                 try:
@@ -413,8 +417,10 @@ async def test_run_waits_for_a_server_that_starts_later(tmp_path: Path) -> None:
 
 async def test_duplicate_window_is_bounded_in_size_and_time(agent_factory: Any, nc: NATS) -> None:
     runs: list[str] = []
+    # The process's own window alone (claims=False): with claims a repeat outside the window
+    # is answered from the claim's stored result instead.
     agent = reach_agent.Agent("win1", ["count"], heartbeat_interval=0.1, dedup_size=2,
-                              dedup_ttl=0.3)  # fmt: skip
+                              dedup_ttl=0.3, claims=False)  # fmt: skip
 
     @agent.handler("count")
     async def count(task: reach_agent.Task) -> int:
@@ -438,8 +444,9 @@ async def test_duplicate_window_is_bounded_in_size_and_time(agent_factory: Any, 
 
 
 async def test_task_cut_off_by_the_grace_period_answers_draining(
-    nats_server: NatsServer, nc: NATS
+    provisioned: NatsServer, nc: NATS
 ) -> None:
+    nats_server = provisioned
     agent = reach_agent.Agent("cut1", ["forever"], heartbeat_interval=0.1)
 
     @agent.handler("forever")
