@@ -13,9 +13,11 @@ are ``async def`` (run on the loop), async generators (streamed,
 The durable-ack hook (``ack_sink``) gets state ``received`` when a task is accepted (before
 the handler runs) and ``completed`` (``result`` = the reply body as ``msgspec.Raw``) or
 ``failed`` (``error`` = ``{"code", "message"}``) when it ends, before the reply goes out.
-Exceptions it raises are logged, never fatal. With ``Reach-Ack-Mode: received`` the caller
-gets only the receipt; the result exists only through the sink (without a sink it is logged
-and dropped).
+A sink that raises on ``received`` refuses the task (``STORE_UNAVAILABLE``, retryable; the
+handler does not run: its result could not be made durable); one that raises on the final
+record is logged as an error and counted, and the reply still goes out (the handler ran).
+With ``Reach-Ack-Mode: received`` the caller gets only the receipt; the result exists only
+through the sink (without a sink it is logged and dropped).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from .errors import (
     InternalError,
     InvalidRequest,
     ReachError,
+    StoreUnavailable,
     to_reply,
 )
 from .handling import Handler, HandlerKind, HandlerRunner
@@ -307,7 +310,11 @@ class TaskServer:
         body = b""
         wire: Reply | None = None  # what the reply subject gets instead (a stream's end)
         try:
-            await self._record(request_id, capability, "received")
+            if not await self._record(request_id, capability, "received"):
+                raise StoreUnavailable(
+                    f"agent {self.agent_id!r} did not run request_id {request_id!r}: its ack "
+                    "sink could not record 'received' (see the agent's log): ask again"
+                )
             try:
                 payload = _payload_decoder.decode(msg.data) if msg.data else None
             except msgspec.DecodeError as exc:
@@ -373,10 +380,11 @@ class TaskServer:
         state: schema.AckState,
         result: msgspec.Raw | None = None,
         error: dict[str, str] | None = None,
-    ) -> None:
+    ) -> bool:
+        """Hand one record to the ack sink; False (logged, counted) when the sink raised."""
         sink = self.ack_sink
         if sink is None:
-            return
+            return True
         ctx = trace.CURRENT.get()  # this task's (set in _run): a flow step names its run
         parent = ctx.headers.get(schema.H_PARENT_ID) if ctx is not None else None
         rec = schema.AckRecord(
@@ -386,6 +394,11 @@ class TaskServer:
         )  # fmt: skip
         try:
             await sink.record(rec)
-        except Exception:  # the sink's trouble is not the caller's
+        except Exception:  # the caller learns it from the task's answer, never a crash
             log.exception("agent.ack_sink_failed agent=%s request_id=%s state=%s",
                           self.agent_id, request_id, state)  # fmt: skip
+            if self.metrics is not None:
+                op = "received" if state == "received" else "final"
+                self.metrics.store_errors.labels("acks", op).inc()
+            return False
+        return True

@@ -19,6 +19,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 
 import reach_agent
+from jetstream.claims import ClaimStore, claim_key
 from jetstream.provision import load_definitions, provision
 from reach_agent import schema
 from reach_agent.connection import flush_subscriptions
@@ -326,6 +327,63 @@ async def test_ack_sink_gets_received_and_completed_and_ack_mode_received_replie
     assert by[("a-2", "failed")].error == {"code": "BIZ_REJECT", "message": "x is negative"}
     assert by[("a-1", "completed")].agent_id == "ack1"
     assert by[("a-1", "completed")].capability == "calc"
+
+
+class FailingSink(ListSink):
+    """Raises on the states named in ``failing`` (a full disk, a broken custom sink)."""
+
+    def __init__(self, failing: set[str]) -> None:
+        super().__init__()
+        self.failing = failing
+
+    async def record(self, rec: schema.AckRecord) -> None:
+        if rec.state in self.failing:
+            raise OSError(28, "No space left on device")
+        await super().record(rec)
+
+
+async def test_a_task_whose_received_record_fails_is_refused_retryably_and_never_run(
+    agent_factory: Any, nc: NATS
+) -> None:
+    runs: list[str] = []
+    metrics = reach_agent.AgentMetrics()
+    agent = reach_agent.Agent("sink1", ["calc"], heartbeat_interval=0.1, metrics=metrics,
+                              ack_sink=FailingSink({"received"}))  # fmt: skip
+
+    @agent.handler("calc")
+    async def calc(task: reach_agent.Task) -> int:
+        runs.append(task.request_id)
+        return 1
+
+    await agent_factory(agent)
+    reply = await nc.request("reach.task.sink1.calc", b"{}", timeout=5,
+                             headers={schema.H_REQUEST_ID: "s-1"})  # fmt: skip
+    err = reach_agent.errors.from_reply(reply.headers, reply.data)
+    assert isinstance(err, reach_agent.StoreUnavailable) and err.retryable
+    assert err.message == ("agent 'sink1' did not run request_id 's-1': its ack sink could not "
+                           "record 'received' (see the agent's log): ask again")  # fmt: skip
+    assert runs == []
+    stored = await ClaimStore(nc).get(claim_key("s-1"))
+    assert stored is not None
+    claim = schema.claim_decoder.decode(stored.data)
+    assert claim.state == "released"  # another agent may run it
+    assert metrics.store_errors.labels("acks", "received")._value.get() == 1
+
+
+async def test_a_final_record_the_sink_refuses_is_counted_and_the_reply_still_goes_out(
+    agent_factory: Any, nc: NATS
+) -> None:
+    metrics = reach_agent.AgentMetrics()
+    sink = FailingSink({"completed"})
+    agent = reach_agent.Agent("sink2", ["calc"], heartbeat_interval=0.1, metrics=metrics,
+                              ack_sink=sink)  # fmt: skip
+    agent.handler("calc")(lambda task: 2)
+    await agent_factory(agent)
+    reply = await nc.request("reach.task.sink2.calc", b"{}", timeout=5,
+                             headers={schema.H_REQUEST_ID: "s-2"})  # fmt: skip
+    assert json.loads(reply.data) == 2
+    assert [(r.request_id, r.state) for r in sink.records] == [("s-2", "received")]
+    assert metrics.store_errors.labels("acks", "final")._value.get() == 1
 
 
 async def test_draining_agent_refuses_new_tasks_and_finishes_running_ones(
