@@ -26,7 +26,7 @@ from jetstream.claims import ClaimStore, ClaimsUnavailable, claim_key
 
 from . import schema, trace
 from .connection import Credentials, connect_options
-from .errors import CompensationFull, InternalError, InvalidRequest, Timeout
+from .errors import CompensationFull, InvalidRequest, StoreUnavailable, Timeout
 from .schema import H_REQUEST_ID, AckRecord, check_capability, decode_ack_record, encoder
 from .subjects import BROKER_ACK_AUTHOR, DEFAULT_PREFIX, Subjects
 
@@ -76,7 +76,9 @@ async def submit(
     """Queue a task for eventual delivery; returns its request id.
 
     Raises ``CompensationFull`` when the queue is at its bound (nothing was stored),
-    ``InvalidRequest``/``InvalidCapability`` for bad arguments. Higher ``priority`` replays
+    ``StoreUnavailable`` (retryable) when no stream took it (none provisioned yet, or no
+    PubAck in time: submit again with the same request id), ``InvalidRequest``/
+    ``InvalidCapability`` for bad arguments. Higher ``priority`` replays
     first; ``ttl`` (seconds) is how long the entry may wait before it is recorded as
     ``failed`` with reason ``expired``.
     """
@@ -110,8 +112,11 @@ async def submit(
     except compensation.QueueFull as exc:
         _count(client, "refused")
         raise CompensationFull(f"{exc}; request_id {rid!r} was not queued") from None
-    except compensation.QueueError as exc:
-        raise InternalError(str(exc)) from None
+    except compensation.QueueError as exc:  # no stream (no broker yet), no PubAck in time
+        _count(client, "unavailable")
+        raise StoreUnavailable(f"{exc}; request_id {rid!r} may not be queued: submit it again "
+                               "with the same request_id (a repeat is not stored twice)",
+                               retry_after_ms=1000) from None  # fmt: skip
     if res.duplicate:
         log.info("submit.duplicate request_id=%s capability=%s seq=%d", rid, capability, res.seq)
     _count(client, "duplicate" if res.duplicate else "enqueued")

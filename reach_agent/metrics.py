@@ -3,7 +3,7 @@
 ``ClientMetrics`` carries the names the field reports use for callers:
 ``reach_request_total{agent_id,result}``, ``reach_request_duration_seconds`` and
 ``reach_circuit_breaker_open{agent_id,capability}`` (0/1), plus
-``reach_compensation_total{result=enqueued|duplicate|refused}`` for ``submit()``.
+``reach_compensation_total{result=enqueued|duplicate|refused|unavailable}`` for ``submit()``.
 ``AgentMetrics`` counts what an agent did with the tasks it was handed. Labels are bounded
 (agent ids of the fleet, results, capabilities); never a request id.
 """
@@ -42,7 +42,8 @@ class ClientMetrics:
         self.compensation = Counter(
             "reach_compensation_total",
             "Compensation queue entries by result, as the caller saw them "
-            "(enqueued, duplicate, refused); the broker counts replayed and expired",
+            "(enqueued, duplicate, refused, unavailable); the broker counts replayed and "
+            "expired",
             ["result"],
             registry=r,
         )

@@ -172,6 +172,14 @@ class Metrics:
             "offline, so the request can run elsewhere",
             registry=r,
         )
+        self.store_errors = Counter(
+            "reach_store_errors_total",
+            "Claim reads and writes, and the broker's own ack records, that JetStream did not "
+            "take, by store and operation (claims/lookup: a compensation entry waits instead "
+            "of being sent, removed or expired on a guess; claims/release: a release tried "
+            "again; acks/taker, acks/answer: a record tried again until stored)",
+            ["store", "op"], registry=r,
+        )  # fmt: skip
         self.ack_latency = Histogram(
             "reach_ack_latency_seconds",
             "Task sent (replay) or received (agent ack) to its completed/failed ack",

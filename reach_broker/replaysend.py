@@ -63,7 +63,8 @@ class EntrySender:
         self.ctx = ctx
         self.router = router
         self.claim_of = claim_of
-        """A request id's claim: (holder, state), None when unclaimed."""
+        """A request id's claim: (holder, state), None when unclaimed; raises
+        ``ClaimsUnavailable`` when the bucket cannot say (the entry is given back: stalled)."""
         self.record_of = record_of
         self.taken = taken
         self.acks = acks

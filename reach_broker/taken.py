@@ -24,6 +24,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
+from jetstream.claims import ClaimsUnavailable
 from jetstream.compensation import Entry
 from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
@@ -58,7 +59,8 @@ class Taken:
     ) -> None:
         self.ack_wait_s = ack_wait_s
         self.claim_of = claim_of
-        """A request id's claim (holder, state), None when unclaimed (the replay's)."""
+        """A request id's claim (holder, state), None when unclaimed (the replay's); raises
+        ``ClaimsUnavailable`` when the bucket cannot say."""
         self.record_of = record_of
         self.clock = clock
         self.on_returned = on_returned
@@ -176,7 +178,10 @@ class Taken:
         """Whether a long-held entry's claim still says its taker runs it; if not, the entry
         is removed (finished, or no claim to go by) or given back (released, holder gone)."""
         rid = held.entry.request_id
-        claim = await self.claim_of(rid)
+        try:
+            claim = await self.claim_of(rid)
+        except ClaimsUnavailable:  # cannot say now (counted): keep holding it, never a guess
+            return True
         if claim is not None and claim[1] == "running" and self.alive(claim[0]):
             return True
         if self._held.get(rid) is not held:

@@ -30,10 +30,11 @@ from reach_agent import ClientConfig, schema
 from reach_agent.claiming import decide
 from reach_agent.errors import from_reply
 from reach_agent.subjects import Subjects
+from reach_broker.metrics import Metrics
 from reach_broker.natsserver import NatsServer, find_binary
 from reach_broker.service import Broker
 
-from .conftest import wait_for
+from .conftest import fast_config, wait_for
 from .tcpproxy import TcpProxy
 from .test_sdk_failover import EventLog, healthy, lines, worker
 
@@ -359,6 +360,38 @@ async def test_a_claim_end_the_store_did_not_confirm_is_retried_until_stored(
     assert f"claims.end_stored request_id={rid} state=completed" in said
     assert agent.metrics is not None
     assert agent.metrics.store_errors.labels("claims", "end")._value.get() == claimer.end_retries
+
+
+async def test_a_release_the_bucket_did_not_take_is_tried_again_until_it_is(
+    nats_server: NatsServer, nc: NATS
+) -> None:
+    async with TcpProxy.to_url(nats_server.url) as proxy:
+        broker = Broker(fast_config(proxy.url), metrics=Metrics())
+        await broker.start()
+        try:
+            rid = str(uuid.uuid4())
+            ghost = schema.Claim(request_id=rid, agent_id="ghost", instance="i1",
+                                 capability="cap", state="running", at_ms=1)  # fmt: skip
+            await ClaimStore(nc).create(claim_key(rid), schema.encoder.encode(ghost))
+            await wait_for(lambda: broker.releaser.held_by("ghost") == [rid])
+            await proxy.cut()  # the broker's link is down: its release cannot be stored
+            failed = broker.metrics.store_errors.labels("claims", "release")._value.get
+            assert await broker.releaser.release("ghost", "gone in a test") == 0
+            assert failed() == 1
+            await proxy.restore()
+
+            async def released() -> bool:
+                claim = await stored_claim(nc, rid)
+                return claim is not None and claim.state == "released"
+
+            for _ in range(300):
+                if await released():
+                    break
+                await asyncio.sleep(0.05)
+            assert await released()
+            await wait_for(lambda: broker.releaser.released == 1, what="counted as released")
+        finally:
+            await broker.stop()
 
 
 # --- agent processes: stalls, restarts, deaths ------------------------------------------
