@@ -25,6 +25,14 @@ def _ack_dir(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("REACH_ACK_DIR", str(tmp_path / "acks"))
 
 
+@pytest.fixture(autouse=True)
+def _store_dir(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `reach broker` a test starts without --store-dir or --ephemeral keeps its JetStream
+    store in the test's tmp dir, never in ./reach-data of the directory pytest runs in."""
+    monkeypatch.setenv("REACH_STORE_DIR", str(tmp_path / "reach-data"))
+    monkeypatch.delenv("REACH_EPHEMERAL", raising=False)
+
+
 @pytest.fixture
 def nats_server(tmp_path: Any) -> Iterator[NatsServer]:
     """A real nats-server (JetStream, advisories config) on a free port, temp store dir."""
