@@ -80,8 +80,11 @@ ping_interval: "2s"
 ping_max: 2
 max_payload: 8MB
 
+# sync_interval: always: a write is on disk on every replica that acknowledged it (the
+# default fsyncs every 2 minutes). The cost: docs/operations.md, "Durability".
 jetstream {{
   store_dir: {store_dir}
+  sync_interval: always
   max_memory_store: 256MB
   max_file_store: 4GB
 }}
