@@ -300,10 +300,17 @@ class Agent:
             await self.stop()
 
     async def start(
-        self, servers: str | Sequence[str] | None = None, credentials: Credentials | None = None
+        self,
+        servers: str | Sequence[str] | None = None,
+        credentials: Credentials | None = None,
+        *,
+        stop: asyncio.Event | None = None,
     ) -> None:
         """Connect, subscribe, start announcing. ``servers`` defaults to ``NATS_URL`` or
-        ``nats://127.0.0.1:4222``; ``credentials`` set here win over the agent's own."""
+        ``nats://127.0.0.1:4222``; ``credentials`` set here win over the agent's own. The
+        first connect waits for a server as long as it takes, logging each failed attempt
+        (``agent.connect_failed``); ``stop`` set meanwhile (a signal) ends the wait with
+        :class:`~reach_agent.connection.NotConnected`."""
         if self._started:
             return
         missing = [c for c in self.capabilities if c not in self.tasks.handlers]
@@ -319,7 +326,8 @@ class Agent:
         self.watch.violations.clear()
         self.tasks.draining = False
         nc = NATS()
-        await connect(nc, {**options, **self.watch.callbacks()}, what=f"agent {self.agent_id!r}")
+        await connect(nc, {**options, **self.watch.callbacks()}, what=f"agent {self.agent_id!r}",
+                      stop=stop)  # fmt: skip
         self.nc = self.watch.nc = nc
         try:
             await self._setup(nc, servers, cred)

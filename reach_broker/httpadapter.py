@@ -25,6 +25,7 @@ connection pool, per-request timeouts, and no event-loop plumbing of its own.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -97,8 +98,12 @@ class HttpAdapter:
             self.agent.presence.health = self.healthy
         self._health_timeout = min(HEALTH_TIMEOUT_S, heartbeat_interval)
 
-    async def start(self, servers: str | list[str] | None = None) -> None:
-        await self.agent.start(servers)
+    async def start(
+        self, servers: str | list[str] | None = None, *, stop: asyncio.Event | None = None
+    ) -> None:
+        """Serve as the agent (see :meth:`reach_agent.Agent.start`: ``stop`` ends the wait
+        for a first server)."""
+        await self.agent.start(servers, stop=stop)
 
     async def stop(self, grace: float | None = None) -> None:
         try:

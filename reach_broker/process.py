@@ -23,6 +23,8 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from reach_agent.connection import NotConnected
+
 from .config import Config
 from .logs import say
 from .natsserver import NatsServer, NatsServerError, PortInUse, StoreInUse
@@ -176,7 +178,9 @@ async def _run_broker(cfg: Config, stop: asyncio.Event) -> None:
 
 async def _serve_broker(cfg: Config, stop: asyncio.Event, broker: Any, port: Any) -> None:
     try:
-        await broker.start()
+        await broker.start(stop=stop)
+    except NotConnected as exc:  # a signal while no server had answered yet
+        raise StartError(str(exc)) from None
     except Exception as exc:
         raise StartError(
             f"cannot start the broker on {cfg.nats.url}: {exc or type(exc).__name__}"

@@ -9,10 +9,19 @@ import logging
 from urllib.parse import urlsplit
 
 from reach_agent import schema
+from reach_agent.connection import NotConnected
 from reach_agent.errors import ReachError
 
 from ..logs import say
-from .common import EXIT_USAGE, CliError, Subcommands, add_common, capability, stop_on_signals
+from .common import (
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    CliError,
+    Subcommands,
+    add_common,
+    capability,
+    stop_on_signals,
+)
 
 
 def add_parser(sub: Subcommands) -> None:
@@ -75,7 +84,11 @@ async def _adapt(args: argparse.Namespace, cap: str, url: str, health: str | Non
         timeout_hint_ms=args.timeout_hint_ms, heartbeat_interval=args.interval,
         prefix=args.prefix, creds=args.creds,
     )  # fmt: skip
-    await adapter.start(args.server)
+    try:
+        await adapter.start(args.server, stop=stop)
+    except NotConnected as exc:  # a signal while no server had answered yet
+        await adapter.stop()
+        raise CliError(str(exc), EXIT_UNAVAILABLE) from None
     say(
         f"adapting {args.agent_id} ({cap}) -> POST {url}" + (f", health {health}" if health else "")
     )
