@@ -50,13 +50,21 @@ from . import schema, trace
 from .aio import TaskSet
 from .dedup import Reply
 from .durable import attributed
-from .errors import InProgress, ReachError, StoreUnavailable, Timeout, error_for, to_reply
+from .errors import (
+    IdempotencyMismatch,
+    InProgress,
+    ReachError,
+    StoreUnavailable,
+    Timeout,
+    error_for,
+    to_reply,
+)
 from .metrics import AgentMetrics
 from .subjects import Subjects
 
 log = trace.logger(__name__)
 
-Verdict = Literal["take_over", "in_progress", "stored"]
+Verdict = Literal["take_over", "in_progress", "stored", "mismatch"]
 
 STORED_WAIT_S = 2.0
 """How long an agent waits for the final ack record of a claim that says it is finished
@@ -69,9 +77,15 @@ END_RETRY_MAX_S = 5.0
 """The longest pause between two tries of a claim's end the store did not confirm."""
 
 
-def decide(claim: schema.Claim, *, agent_id: str, instance: str) -> Verdict:
+def decide(
+    claim: schema.Claim, *, agent_id: str, instance: str, digest: str | None = None
+) -> Verdict:
     """What a stored claim means to the agent ``agent_id`` (process ``instance``) that just
-    failed to create it."""
+    failed to create it for a body of ``digest``: a claim made for another body is another
+    request (``mismatch``), whatever its state; one without a digest (written before digests
+    were) is taken as this body's."""
+    if claim.body_digest is not None and digest is not None and claim.body_digest != digest:
+        return "mismatch"
     if claim.state == "released":
         return "take_over"
     if claim.state != "running":
@@ -201,14 +215,15 @@ class Claimer:
             "capability never runs unclaimed: ask again", retry_after_ms=RETRY_AFTER_MS,
         )  # fmt: skip
 
-    async def claim(self, request_id: str, capability: str) -> Claimed:
-        """Claim ``request_id``. Raises ``ClaimsUnavailable`` (``NoClaimsBucket``: there is
-        no bucket) when the store cannot decide: the task is then refused, never run."""
+    async def claim(self, request_id: str, capability: str, digest: str | None = None) -> Claimed:
+        """Claim ``request_id`` for a body of ``digest``. Raises ``ClaimsUnavailable``
+        (``NoClaimsBucket``: there is no bucket) when the store cannot decide: the task is
+        then refused, never run."""
         key = claim_key(request_id)
         mine = schema.Claim(
             request_id=request_id, agent_id=self.agent_id, instance=self.instance,
             capability=capability, state="running", at_ms=int(time.time() * 1000),
-            ack_subject=self.subjects.ack(self.agent_id, request_id),
+            ack_subject=self.subjects.ack(self.agent_id, request_id), body_digest=digest,
         )  # fmt: skip
         data = schema.encoder.encode(mine)
         created, stored = await self.store.create(key, data)
@@ -220,7 +235,8 @@ class Claimer:
             if created:
                 return Claimed(Held(key, stored.revision, mine))
             existing = _decode(stored)
-            verdict = decide(existing, agent_id=self.agent_id, instance=self.instance)
+            verdict = decide(existing, agent_id=self.agent_id, instance=self.instance,
+                             digest=digest)  # fmt: skip
             if verdict != "take_over":
                 return Claimed(verdict=verdict, existing=existing)
             revision = await self.store.swap(key, data, stored.revision)
@@ -310,19 +326,21 @@ class Claimer:
                 return
 
     async def take(
-        self, request_id: str, capability: str
+        self, request_id: str, capability: str, digest: str | None = None
     ) -> tuple[Held | None, tuple[str, Reply] | None]:
         """A task's claim as the run needs it: our claim, or the answer for a claim of
-        another, labelled (``in_progress``, ``duplicate``, or ``unclaimed``: the store could
-        not decide, and the task is refused ``STORE_UNAVAILABLE``, never run unclaimed)."""
+        another, labelled (``in_progress``, ``duplicate``, ``mismatch``: the claim is for
+        another body, or ``unclaimed``: the store could not decide, and the task is refused
+        ``STORE_UNAVAILABLE``, never run unclaimed)."""
         try:
-            claimed = await self.claim(request_id, capability)
+            claimed = await self.claim(request_id, capability, digest)
         except ClaimsUnavailable as exc:
             return None, ("unclaimed", _error_reply(self.refusal(exc, request_id), request_id))
         if claimed.held is not None:
             return claimed.held, None
-        label = "in_progress" if claimed.verdict == "in_progress" else "duplicate"
-        return None, (label, await self.answer(claimed, request_id))
+        label = claimed.verdict if claimed.verdict in ("in_progress", "mismatch") else "duplicate"
+        assert label is not None
+        return None, (label, await self.answer(claimed, request_id, digest))
 
     async def end(self, held: Held, error: ReachError | None) -> Callable[[], Awaitable[None]]:
         """How a run ends its claim: ``completed``; ``released`` after a retryable error
@@ -335,10 +353,15 @@ class Claimer:
             )
         return await self.finish(held, "failed")
 
-    async def answer(self, claimed: Claimed, request_id: str) -> Reply:
-        """The reply to a request whose claim is someone else's (or already finished)."""
+    async def answer(self, claimed: Claimed, request_id: str, digest: str | None = None) -> Reply:
+        """The reply to a request whose claim is someone else's (or already finished, or for
+        another body)."""
         existing = claimed.existing
         assert existing is not None
+        if claimed.verdict == "mismatch":
+            assert existing.body_digest is not None and digest is not None
+            return _error_reply(self._mismatch(request_id, existing.body_digest, digest,
+                                               existing.agent_id), request_id)  # fmt: skip
         if claimed.verdict == "in_progress":
             err: ReachError = InProgress(
                 f"request_id {request_id!r} is running on agent {existing.agent_id!r} "
@@ -363,12 +386,23 @@ class Claimer:
                 f"({location}): not run again"
             )
             return _error_reply(err, request_id)
+        if rec.body_digest is not None and digest is not None and rec.body_digest != digest:
+            # a claim written without a digest, its record with one: another body after all
+            return _error_reply(self._mismatch(request_id, rec.body_digest, digest,
+                                               existing.agent_id), request_id)  # fmt: skip
         if rec.state == "completed":
             body = bytes(rec.result) if rec.result is not None else b"null"
             return {schema.H_REQUEST_ID: request_id, schema.H_STATUS: "completed"}, body
         failure = rec.error or {}
         return _error_reply(
             error_for(failure.get("code", "INTERNAL"), failure.get("message", "")), request_id
+        )
+
+    def _mismatch(self, request_id: str, first: str, this: str, holder: str) -> ReachError:
+        log.warning("claims.mismatch request_id=%s holder=%s: reused with another body",
+                    request_id, holder)  # fmt: skip
+        return IdempotencyMismatch.reused(
+            request_id, first, this, seen=f"its claim, held by agent {holder!r}"
         )
 
 

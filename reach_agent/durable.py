@@ -26,8 +26,21 @@ from jetstream.claims import ClaimStore, ClaimsUnavailable, claim_key
 
 from . import schema, trace
 from .connection import Credentials, connect_options
-from .errors import CompensationFull, InvalidRequest, StoreUnavailable, Timeout
-from .schema import H_REQUEST_ID, AckRecord, check_capability, decode_ack_record, encoder
+from .errors import (
+    CompensationFull,
+    IdempotencyMismatch,
+    InvalidRequest,
+    StoreUnavailable,
+    Timeout,
+)
+from .schema import (
+    H_REQUEST_ID,
+    AckRecord,
+    body_digest,
+    check_capability,
+    decode_ack_record,
+    encoder,
+)
 from .subjects import BROKER_ACK_AUTHOR, DEFAULT_PREFIX, Subjects
 
 log = trace.logger(__name__)
@@ -75,7 +88,9 @@ async def submit(
 ) -> Submitted:
     """Queue a task for eventual delivery; returns its request id.
 
-    Raises ``CompensationFull`` when the queue is at its bound (nothing was stored),
+    Raises ``IdempotencyMismatch`` when ``request_id`` was already used with another body
+    (its claim, or the entry queued under it, says so: nothing new was stored),
+    ``CompensationFull`` when the queue is at its bound (nothing was stored),
     ``StoreUnavailable`` (retryable) when no stream took it (none provisioned yet, or no
     PubAck in time: submit again with the same request id), ``InvalidRequest``/
     ``InvalidCapability`` for bad arguments. Higher ``priority`` replays
@@ -96,11 +111,19 @@ async def submit(
     except acks.InvalidRequestId as exc:
         raise InvalidRequest(str(exc)) from None
     data = bytes(payload) if isinstance(payload, bytes | bytearray) else encoder.encode(payload)
+    digest = body_digest(data)
     hdrs = dict(headers or {})
     hdrs[H_REQUEST_ID] = rid
+    nc = connection_of(client)
+    claim = await _claim(nc, rid) if request_id else None  # a fresh uuid4 was never used
+    if claim is not None and claim.body_digest is not None and claim.body_digest != digest:
+        _count(client, "mismatch")
+        raise IdempotencyMismatch.reused(
+            rid, claim.body_digest, digest, seen=f"its claim, held by agent {claim.agent_id!r}"
+        )
     try:
         res = await compensation.enqueue(
-            connection_of(client),
+            nc,
             capability,
             data,
             request_id=rid,
@@ -108,6 +131,7 @@ async def submit(
             expires_at_ms=int((time.time() + ttl_s) * 1000),
             headers=hdrs,
             subjects=Subjects(prefix),
+            body_digest=digest,
         )
     except compensation.QueueFull as exc:
         _count(client, "refused")
@@ -118,6 +142,10 @@ async def submit(
                                "with the same request_id (a repeat is not stored twice)",
                                retry_after_ms=1000) from None  # fmt: skip
     if res.duplicate:
+        first = await compensation.digest_at(nc, res.seq)
+        if first is not None and first != digest:
+            _count(client, "mismatch")
+            raise IdempotencyMismatch.reused(rid, first, digest, seen="the compensation queue")
         log.info("submit.duplicate request_id=%s capability=%s seq=%d", rid, capability, res.seq)
     _count(client, "duplicate" if res.duplicate else "enqueued")
     return Submitted(rid, duplicate=res.duplicate, seq=res.seq)
@@ -248,15 +276,21 @@ async def wait(
     return _decoded(taken.answer)
 
 
+async def _claim(nc: NATS, request_id: str) -> schema.Claim | None:
+    """``request_id``'s claim, if the claims bucket has one and says so now (a bucket that
+    cannot say is logged: the agents check the claim again anyway)."""
+    try:
+        stored = await ClaimStore(nc).get(claim_key(request_id))
+        return schema.claim_decoder.decode(stored.data) if stored is not None else None
+    except (ClaimsUnavailable, msgspec.MsgspecError) as exc:
+        log.info("claims.unreadable request_id=%s error=%s", request_id, exc)
+        return None
+
+
 async def _claim_holder(nc: NATS, request_id: str) -> str | None:
     """The agent holding ``request_id``'s claim, if the claims bucket has one (its holder's
     records are the result; a released claim names nobody)."""
-    try:
-        stored = await ClaimStore(nc).get(claim_key(request_id))
-        claim = schema.claim_decoder.decode(stored.data) if stored is not None else None
-    except (ClaimsUnavailable, msgspec.MsgspecError) as exc:
-        log.debug("wait.claim_unreadable request_id=%s error=%s", request_id, exc)
-        return None
+    claim = await _claim(nc, request_id)
     return claim.agent_id if claim is not None and claim.state != "released" else None
 
 

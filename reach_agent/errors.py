@@ -82,6 +82,26 @@ class BizReject(RequestError):
     code = "BIZ_REJECT"
 
 
+class IdempotencyMismatch(RequestError):
+    """The request id was used before with another task body (its digest is stored with the
+    claim, the ack records and the queued entry): a request id names one request, so this
+    one is refused rather than answered with the other body's result. Never retried."""
+
+    code = "IDEMPOTENCY_MISMATCH"
+    status = 422
+
+    @classmethod
+    def reused(cls, request_id: str, first: str, this: str, seen: str) -> IdempotencyMismatch:
+        """The refusal of ``request_id`` sent with a body of digest ``this``, where ``seen``
+        (the claim, the duplicate window, the queue) holds it with a body of digest
+        ``first``."""
+        return cls(
+            f"request_id {request_id!r} was already used with another body (body digest "
+            f"{first[:12]}..., this body {this[:12]}..., per {seen}): a request id names one "
+            "request; send a new body with a new request id"
+        )
+
+
 class InProgress(ReachError):
     """Another agent holds the request id's claim and is running it: wait for its result
     (the holder's ack record) instead of running it again."""
@@ -205,6 +225,7 @@ _BY_CODE: dict[str, type[ReachError]] = {
         LoopDetected,
         Conflict,
         BizReject,
+        IdempotencyMismatch,
         InProgress,
         NoReachableAgent,
         Overloaded,

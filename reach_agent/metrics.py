@@ -3,7 +3,8 @@
 ``ClientMetrics`` carries the names the field reports use for callers:
 ``reach_request_total{agent_id,result}``, ``reach_request_duration_seconds`` and
 ``reach_circuit_breaker_open{agent_id,capability}`` (0/1), plus
-``reach_compensation_total{result=enqueued|duplicate|refused|unavailable}`` for ``submit()``.
+``reach_compensation_total{result=enqueued|duplicate|refused|unavailable|mismatch}`` for
+``submit()``.
 ``AgentMetrics`` counts what an agent did with the tasks it was handed. Labels are bounded
 (agent ids of the fleet, results, capabilities); never a request id.
 """
@@ -42,8 +43,8 @@ class ClientMetrics:
         self.compensation = Counter(
             "reach_compensation_total",
             "Compensation queue entries by result, as the caller saw them "
-            "(enqueued, duplicate, refused, unavailable); the broker counts replayed and "
-            "expired",
+            "(enqueued, duplicate, refused, unavailable, mismatch); the broker counts replayed "
+            "and expired",
             ["result"],
             registry=r,
         )
@@ -62,7 +63,7 @@ class AgentMetrics:
         self.tasks = Counter(
             "reach_agent_tasks_total",
             "Tasks by capability and result (ok, rejected, failed, busy, draining, duplicate, "
-            "in_progress, unclaimed, loop, invalid, bad_reply)",
+            "in_progress, unclaimed, mismatch, loop, invalid, bad_reply)",
             ["capability", "result"],
             registry=self.registry,
         )

@@ -30,6 +30,7 @@ from .wirerecords import (  # noqa: F401
     Claim,
     Event,
     Receipt,
+    body_digest,
     decode_ack_record,
     is_body_receipt,
 )

@@ -187,21 +187,25 @@ class TaskServer:
             return
         hdrs = msg.headers or {}
         request_id = hdrs.get(schema.H_REQUEST_ID) or str(uuid.uuid4())
+        digest = schema.body_digest(msg.data)
         now = time.monotonic()
         entry = self.dedup.lookup(request_id, now)
+        mismatch = None
+        if entry is not None and entry.digest is not None and entry.digest != digest:
+            mismatch = entry.digest, digest
         d = admit(hdrs, agent_id=self.agent_id, duplicate=entry is not None,
                   draining=self.draining, active=self.active,
-                  max_concurrency=self.max_concurrency, now=now)  # fmt: skip
+                  max_concurrency=self.max_concurrency, now=now, mismatch=mismatch)  # fmt: skip
         if d.verdict == "run":
             self.active += 1
             self._idle.clear()
             self._running[request_id] = now
-            entry = self.dedup.begin(request_id, now, self.active)
+            entry = self.dedup.begin(request_id, now, self.active, digest)
             claim = self.claimer is not None and capability not in self.idempotent
             if reply and d.receipt and not claim:
                 await self._send_receipt(reply, request_id)  # at once: nothing to claim
-            self._tasks.spawn(self._run(msg, capability, request_id, entry, d, hdrs, claim),
-                              "reach-task")  # fmt: skip
+            self._tasks.spawn(self._run(msg, capability, request_id, entry, d, hdrs, claim,
+                                        digest), "reach-task")  # fmt: skip
             return
         self._count(capability, d.label)
         if d.verdict == "refuse":
@@ -252,6 +256,7 @@ class TaskServer:
         d: Admission,
         hdrs: dict[str, str],
         claim: bool,
+        digest: str,
     ) -> None:
         # This asyncio task's own context: the handler's sub-calls and log lines see it.
         trace.CURRENT.set(trace.TraceContext(request_id, self.agent_id, hdrs))
@@ -259,13 +264,13 @@ class TaskServer:
             held = None
             if claim:
                 assert self.claimer is not None
-                held, answer = await self.claimer.take(request_id, capability)
+                held, answer = await self.claimer.take(request_id, capability, digest)
                 if answer is not None:
                     await self._answer(msg, capability, request_id, entry, d, answer)
                     return
                 if msg.reply and d.receipt:
                     await self._send_receipt(msg.reply, request_id)  # the claim is ours
-            await self._execute(msg, capability, request_id, entry, d, hdrs, held)
+            await self._execute(msg, capability, request_id, entry, d, hdrs, held, digest)
         finally:
             self._running.pop(request_id, None)
             self.active -= 1
@@ -303,6 +308,7 @@ class TaskServer:
         d: Admission,
         hdrs: dict[str, str],
         held: Held | None,
+        digest: str,
     ) -> None:
         started = time.monotonic()
         error: ReachError | None = None
@@ -310,7 +316,7 @@ class TaskServer:
         body = b""
         wire: Reply | None = None  # what the reply subject gets instead (a stream's end)
         try:
-            if not await self._record(request_id, capability, "received"):
+            if not await self._record(request_id, capability, "received", digest):
                 raise StoreUnavailable(
                     f"agent {self.agent_id!r} did not run request_id {request_id!r}: its ack "
                     "sink could not record 'received' (see the agent's log): ask again"
@@ -360,10 +366,11 @@ class TaskServer:
             # The final record before the reply too: once a caller has the result, the ack
             # writer's log has it, so a restarted agent can answer a repeat from the store.
             if error is None:
-                await self._record(request_id, capability, "completed", result=msgspec.Raw(body))
+                await self._record(request_id, capability, "completed", digest,
+                                   result=msgspec.Raw(body))  # fmt: skip
             else:
                 failure = {"code": error.code, "message": error.message}
-                await self._record(request_id, capability, "failed", error=failure)
+                await self._record(request_id, capability, "failed", digest, error=failure)
             if msg.reply and d.ack_mode != "received":
                 out_headers, out_body = wire or (headers, body)
                 await self._publish(msg.reply, out_body, out_headers)
@@ -378,6 +385,7 @@ class TaskServer:
         request_id: str,
         capability: str,
         state: schema.AckState,
+        digest: str,
         result: msgspec.Raw | None = None,
         error: dict[str, str] | None = None,
     ) -> bool:
@@ -390,7 +398,7 @@ class TaskServer:
         rec = schema.AckRecord(
             request_id=request_id, agent_id=self.agent_id, capability=capability, state=state,
             at_ms=int(time.time() * 1000), result=result, error=error,
-            parent_request_id=parent,
+            parent_request_id=parent, body_digest=digest,
         )  # fmt: skip
         try:
             await sink.record(rec)

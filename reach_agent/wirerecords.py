@@ -1,5 +1,5 @@
 """The records of the task path: the receipt, the ack record (and its decoding), the
-event, the claim.
+event, the claim, and the task body's digest both of them carry.
 
 Its own module because these are what JetStream stores and the broker and SDK read back,
 apart from the control-plane messages of ``schema``, which re-exports every name here.
@@ -7,11 +7,20 @@ apart from the control-plane messages of ``schema``, which re-exports every name
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Literal
 
 import msgspec
 
 from .wiretypes import AckState, AgentState, Base, ClaimState, EventKind
+
+
+def body_digest(body: bytes) -> str:
+    """The digest of a task body as sent (its bytes, not its meaning): the 32 hex digits of
+    BLAKE2b-128. Stored with a request id's claim and ack records (``body_digest``) and on
+    its compensation entry, so that the request id reused with another body is refused
+    (``IDEMPOTENCY_MISMATCH``) instead of answered with the first body's result."""
+    return hashlib.blake2b(body, digest_size=16).hexdigest()
 
 
 class Receipt(msgspec.Struct, frozen=True, kw_only=True):
@@ -68,6 +77,9 @@ class AckRecord(Base, frozen=True):
     error: dict[str, str] | None = None
     parent_request_id: str | None = None
     """The flow run this request is a step of (the task's ``Reach-Parent-Id``)."""
+    body_digest: str | None = None
+    """:func:`body_digest` of the task body the record is about (absent in records written
+    before it existed)."""
 
 
 class Event(Base, frozen=True):
@@ -105,6 +117,10 @@ class Claim(Base, frozen=True):
     """The result location: the ``REACH_ACKS`` subject of the holder's final ack record."""
     reason: str | None = None
     """Why it was released."""
+    body_digest: str | None = None
+    """:func:`body_digest` of the body the holder runs: another body under the same request
+    id is refused ``IDEMPOTENCY_MISMATCH`` (absent in claims written before it existed:
+    accepted)."""
 
 
 class _StoredAck(msgspec.Struct, kw_only=True):
@@ -119,6 +135,7 @@ class _StoredAck(msgspec.Struct, kw_only=True):
     result: msgspec.Raw = msgspec.Raw()
     error: dict[str, str] | None = None
     parent_request_id: str | None = None
+    body_digest: str | None = None
 
 
 _stored_ack_decoder = msgspec.json.Decoder(_StoredAck)
@@ -134,4 +151,5 @@ def decode_ack_record(data: bytes, *, decode_result: bool = False) -> AckRecord:
         result = _result_decoder.decode(result)
     return AckRecord(request_id=s.request_id, agent_id=s.agent_id, capability=s.capability,
                      state=s.state, at_ms=s.at_ms, result=result, error=s.error,
-                     parent_request_id=s.parent_request_id)  # fmt: skip
+                     parent_request_id=s.parent_request_id,
+                     body_digest=s.body_digest)  # fmt: skip

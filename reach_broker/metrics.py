@@ -24,6 +24,10 @@ DROP_REASONS = ("invalid", "forbidden", "forged", "stale", "unknown", "no_token"
                 "stored_copy", "reply_subject", "name_mismatch", "error")  # fmt: skip
 """``reason`` of ``reach_dropped_total`` (see docs/operations.md, Securing reach)."""
 
+COMPENSATION_RESULTS = ("enqueued", "replayed", "expired", "refused", "claimed", "requeued",
+                        "mismatch")  # fmt: skip
+"""``result`` of ``reach_compensation_total`` on the broker."""
+
 ROUTE_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 
 
@@ -150,15 +154,12 @@ class Metrics:
         )  # fmt: skip
         self.compensation = Counter(
             "reach_compensation_total",
-            "Compensation entries by result (replayed/expired/claimed/requeued by brokers; "
-            "enqueued/refused by clients)",
+            "Compensation entries by result (replayed/expired/claimed/requeued/mismatch by "
+            "brokers; enqueued/refused by clients)",
             ["result"],
             registry=r,
         )
-        self.compensation_result = {
-            k: self.compensation.labels(k)
-            for k in ("enqueued", "replayed", "expired", "refused", "claimed", "requeued")
-        }
+        self.compensation_result = {k: self.compensation.labels(k) for k in COMPENSATION_RESULTS}
         self.ack_records = Counter(
             "reach_ack_records_total", "Ack records published on reach.ack.> by state",
             ["state"], registry=r,

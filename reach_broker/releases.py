@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -38,6 +38,17 @@ from .context import BrokerContext
 from .records import AgentRecord, Transition
 
 log = logging.getLogger(__name__)
+
+
+class ClaimView(NamedTuple):
+    """What the replay needs of a request id's claim."""
+
+    holder: str
+    state: str
+    """``running``, ``completed``, ``failed`` or ``released``."""
+    body_digest: str | None = None
+    """The digest of the body it was claimed for (None: written before digests were)."""
+
 
 RUNNING_MAX = 1_000_000
 """Running claims remembered at most (the oldest are forgotten first beyond it)."""
@@ -87,11 +98,11 @@ class Releaser:
             await self._sub.unsubscribe()
         self._sub = None
 
-    async def claim_of(self, request_id: str) -> tuple[str, str] | None:
-        """``request_id``'s claim as (holder, state: running, completed, failed or
-        released); None when it is unclaimed. Raises ``ClaimsUnavailable`` (counted) when
-        the bucket cannot say now, or holds what is not a claim: "unclaimed" is never a
-        guess, since the replay sends, removes or expires an entry on it."""
+    async def claim_of(self, request_id: str) -> ClaimView | None:
+        """``request_id``'s claim (holder, state, body digest); None when it is unclaimed.
+        Raises ``ClaimsUnavailable`` (counted) when the bucket cannot say now, or holds what
+        is not a claim: "unclaimed" is never a guess, since the replay sends, removes or
+        expires an entry on it."""
         try:
             stored = await self.store.get(claims.claim_key(request_id))
             if stored is None:
@@ -103,7 +114,7 @@ class Releaser:
         except ClaimsUnavailable:
             self.ctx.metrics.store_errors.labels("claims", "lookup").inc()
             raise
-        return claim.agent_id, claim.state
+        return ClaimView(claim.agent_id, claim.state, claim.body_digest)
 
     # --- what the bucket says -----------------------------------------------------------
 

@@ -49,6 +49,7 @@ from reach_agent.schema import RouteRequest
 from .ackwatch import AckWatch
 from .context import BrokerContext
 from .records import AgentRecord, Transition
+from .releases import ClaimView
 from .replaysend import EntrySender, Outcome
 from .routing import Router
 from .taken import Taken
@@ -64,7 +65,7 @@ class Replayer:
         self,
         ctx: BrokerContext,
         router: Router,
-        claim_of: Callable[[str], Awaitable[tuple[str, str] | None]],
+        claim_of: Callable[[str], Awaitable[ClaimView | None]],
         record_of: Callable[[str], AgentRecord | None] = lambda _: None,
     ) -> None:
         self.ctx = ctx

@@ -29,6 +29,8 @@ from jetstream.compensation import Entry
 from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
 
+from .releases import ClaimView
+
 log = logging.getLogger(__name__)
 
 EARLY_MAX = 4096
@@ -42,7 +44,7 @@ class _Held(NamedTuple):
     since: float
 
 
-async def _no_claims(request_id: str) -> tuple[str, str] | None:
+async def _no_claims(request_id: str) -> ClaimView | None:
     return None
 
 
@@ -52,7 +54,7 @@ class Taken:
     def __init__(
         self,
         ack_wait_s: float,
-        claim_of: Callable[[str], Awaitable[tuple[str, str] | None]] = _no_claims,
+        claim_of: Callable[[str], Awaitable[ClaimView | None]] = _no_claims,
         record_of: Callable[[str], Any] = lambda _: None,
         clock: Callable[[], float] = time.monotonic,
         on_returned: Callable[[], object] = lambda: None,

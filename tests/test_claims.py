@@ -24,11 +24,13 @@ import pytest
 from nats.aio.client import Client as NATS
 
 import reach_agent
+from jetstream import ackreads, acks, compensation
 from jetstream.claims import ClaimStore, claim_key
 from jetstream.provision import load_definitions, provision
 from reach_agent import ClientConfig, schema
 from reach_agent.claiming import decide
 from reach_agent.errors import from_reply
+from reach_agent.schema import decode_ack_record
 from reach_agent.subjects import Subjects
 from reach_broker.metrics import Metrics
 from reach_broker.natsserver import NatsServer, find_binary
@@ -176,7 +178,8 @@ async def test_compensation_replay_of_a_completed_request_does_not_run_it_again(
         # stored result and does not run the handler either.
         await agents(slow_agent("done-b", "bill", runs))
         await wait_for(lambda: healthy(broker, "done-b"))
-        raw = await nc.request("reach.task.done-b.bill", b'{"n": 7}', timeout=5,
+        # The same body bytes as the SDK sent (a request id's body digest is of its bytes).
+        raw = await nc.request("reach.task.done-b.bill", b'{"n":7}', timeout=5,
                                headers={schema.H_REQUEST_ID: rid})  # fmt: skip
     assert (record.state, record.agent_id) == ("completed", "done-a")
     assert record.result == {"agent": "done-a", "n": 7}  # decoded, as wait() returns it
@@ -572,3 +575,119 @@ async def test_a_broker_learns_running_claims_written_before_it_started_and_can_
     await wait_for(lambda: [e["request_id"] for e in events.events] == [rid], 5,
                    what="the released event")  # fmt: skip
     await wait_for(lambda: broker.releaser.held_by("ghost") == [], 5, what="claim forgotten")
+
+
+# --- idempotency keys are checked: one request id, one body ---------------------------------
+
+
+def body_of(reply: Any) -> Any:
+    return msgspec.json.decode(reply.data)
+
+
+async def test_a_request_id_reused_with_another_body_is_refused_never_answered_with_the_first(
+    nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS
+) -> None:
+    runs: list[tuple[str, str]] = []
+    await agents(slow_agent("idem-1", "pay", runs, metrics=reach_agent.AgentMetrics()))
+    await agents(slow_agent("idem-2", "pay", runs))
+    await wait_for(lambda: healthy(broker, "idem-1") and healthy(broker, "idem-2"))
+    rid = str(uuid.uuid4())
+    first, other = b'{"n":1}', b'{"n":2}'
+
+    async def ask(agent: str, body: bytes) -> Any:
+        return await nc.request(f"reach.task.{agent}.pay", body, timeout=5,
+                                headers={schema.H_REQUEST_ID: rid})  # fmt: skip
+
+    assert body_of(await ask("idem-1", first)) == {"agent": "idem-1", "n": 1}
+    cases = [("idem-1", "per agent 'idem-1''s recent tasks"),  # its duplicate window
+             ("idem-2", "per its claim, held by agent 'idem-1'")]  # fmt: skip
+    for agent, seen in cases:
+        reply = await ask(agent, other)
+        err = refusal_of(reply)
+        assert isinstance(err, reach_agent.IdempotencyMismatch), (agent, err)
+        assert (err.code, err.status, err.retryable) == ("IDEMPOTENCY_MISMATCH", 422, False)
+        assert (reply.headers or {})["Nats-Service-Error-Code"] == "422"
+        assert err.message == (
+            f"request_id {rid!r} was already used with another body (body digest "
+            f"{schema.body_digest(first)[:12]}..., this body {schema.body_digest(other)[:12]}..., "
+            f"{seen}): a request id names one request; send a new body with a new request id"
+        )  # fmt: skip
+    # The first body again, on the other agent: its stored result, as before.
+    assert body_of(await ask("idem-2", first)) == {"agent": "idem-1", "n": 1}
+    assert runs == [("idem-1", rid)]
+    stored = await stored_claim(nc, rid)
+    assert stored is not None and stored.body_digest == schema.body_digest(first)
+    records = await ackreads.all_records(nc, rid, subjects=SUBJECTS, author="idem-1")
+    digests = {r.state: decode_ack_record(r.data).body_digest for r in records}
+    assert digests == {"received": schema.body_digest(first),
+                       "completed": schema.body_digest(first)}  # fmt: skip
+    # An SDK call reusing the request id with another payload gets the same refusal.
+    async with reach_agent.Client(nats_server.url) as client:
+        assert await client.call("pay", {"n": 1}, request_id=rid) == {"agent": "idem-1", "n": 1}
+        with pytest.raises(reach_agent.IdempotencyMismatch, match=f"request_id {rid!r} was"):
+            await client.call("pay", {"n": 2}, request_id=rid)
+    assert runs == [("idem-1", rid)]
+
+
+async def test_records_and_claims_without_a_digest_are_still_accepted(
+    provisioned: NatsServer, agents: Any, nc: NATS
+) -> None:
+    """A claim and an ack record written by an older agent (no body_digest): any body under
+    the request id gets the stored result, as before digests."""
+    runs: list[tuple[str, str]] = []
+    await agents(slow_agent("newer", "legacy", runs))
+    rid = str(uuid.uuid4())
+    old = schema.Claim(request_id=rid, agent_id="older", instance="i0", capability="legacy",
+                       state="completed", at_ms=1)  # fmt: skip
+    await ClaimStore(nc).create(claim_key(rid), schema.encoder.encode(old))
+    record = schema.AckRecord(request_id=rid, agent_id="older", capability="legacy",
+                              state="completed", at_ms=1, result=msgspec.Raw(b'"old"'))  # fmt: skip
+    await acks.publish_record(nc.jetstream(), SUBJECTS.ack("older", rid),
+                              acks.ack_msg_id("older", rid, "completed"),
+                              schema.encoder.encode(record))  # fmt: skip
+    reply = await nc.request("reach.task.newer.legacy", b'{"any":"body"}', timeout=5,
+                             headers={schema.H_REQUEST_ID: rid})  # fmt: skip
+    assert refusal_of(reply) is None and body_of(reply) == "old"
+    assert runs == []
+
+
+async def test_submit_refuses_a_request_id_already_used_with_another_body(
+    nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS
+) -> None:
+    runs: list[tuple[str, str]] = []
+    await agents(slow_agent("sub-1", "ship", runs))
+    await wait_for(lambda: healthy(broker, "sub-1"))
+    metrics = reach_agent.ClientMetrics()
+    called, queued = str(uuid.uuid4()), str(uuid.uuid4())
+    async with reach_agent.Client(nats_server.url, metrics=metrics) as client:
+        await client.call("ship", {"n": 1}, request_id=called)
+        with pytest.raises(reach_agent.IdempotencyMismatch, match="per its claim"):
+            await client.submit("ship", {"n": 2}, request_id=called)  # the claim says n=1
+        first = await client.submit("nobody.ships", {"n": 3}, request_id=queued)
+        assert first.duplicate is False
+        again = await client.submit("nobody.ships", {"n": 3}, request_id=queued)
+        assert again.duplicate is True  # the same body: the entry already queued
+        with pytest.raises(reach_agent.IdempotencyMismatch, match="the compensation queue"):
+            await client.submit("nobody.ships", {"n": 4}, request_id=queued)
+    assert metrics.compensation.labels("mismatch")._value.get() == 2
+    left = await compensation.scan(nc, "nobody.ships", subjects=SUBJECTS)
+    assert [(e.request_id, msgspec.json.decode(e.data)) for e in left] == [(queued, {"n": 3})]
+    assert runs == [("sub-1", called)]
+
+
+async def test_a_queued_entry_whose_request_id_was_claimed_for_another_body_is_not_run(
+    nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS
+) -> None:
+    runs: list[tuple[str, str]] = []
+    await agents(slow_agent("rep-1", "mail", runs))
+    await wait_for(lambda: healthy(broker, "rep-1"))
+    rid = str(uuid.uuid4())
+    async with reach_agent.Client(nats_server.url) as client:
+        await client.call("mail", {"n": 1}, request_id=rid)
+    body = b'{"n":2}'  # queued past submit's check (a raw publisher, or a race)
+    await compensation.enqueue(nc, "mail", body, request_id=rid, expires_at_ms=0,
+                               subjects=SUBJECTS, body_digest=schema.body_digest(body))  # fmt: skip
+    mismatched = broker.metrics.compensation_result["mismatch"]._value.get
+    await wait_for(lambda: mismatched() == 1, 10, what="the entry seen as another request")
+    assert await compensation.scan(nc, "mail", subjects=SUBJECTS) == []
+    assert runs == [("rep-1", rid)]
