@@ -69,7 +69,7 @@ H_EXPIRES_MS = "Reach-Expires-Ms"
 H_ENQUEUED_MS = "Reach-Enqueued-Ms"
 """When a compensation entry was enqueued (Unix ms)."""
 H_BODY_DIGEST = "Reach-Body-Digest"
-"""The digest of a compensation entry's body (``reach_agent.schema.body_digest``): the
+"""The digest of a compensation entry's body (``reach_agent.wire.schema.body_digest``): the
 request id reused with another body is refused (IDEMPOTENCY_MISMATCH)."""
 QUEUE_HEADERS = (H_MSG_ID, H_PRIORITY, H_EXPIRES_MS, H_ENQUEUED_MS, H_BODY_DIGEST)
 """The queue's own headers, stripped before an entry is replayed as a task."""
@@ -98,7 +98,7 @@ WRONG_LAST_SEQUENCE = (10071, 10164)
 
 
 class StreamSubjects(Protocol):
-    """The subjects of reach's streams, as :class:`reach_agent.subjects.Subjects` builds them.
+    """The subjects of reach's streams, as :class:`reach_agent.wire.subjects.Subjects` builds them.
 
     jetstream/ is handed an object with these members instead of spelling subjects itself,
     so the subject grammar has one address (and this floor imports no floor above it).

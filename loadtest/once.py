@@ -31,9 +31,10 @@ import uvloop
 
 import reach_agent
 from jetstream.claims import ClaimStore
-from reach_broker.service import Broker
+from reach_broker.service.broker import Broker
 
-from .local import SYNC_CHOICES, local_stack
+from .calls import SYNC_MODES
+from .local import local_stack
 
 
 def build_agent(url: str) -> reach_agent.Agent:
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", default="1,16", help="comma-separated calls in flight")
     p.add_argument("--chunks", type=int, default=20_000, help="chunks of the streamed answer")
     p.add_argument("--window", type=int, default=64, help="the stream's credit window")
-    p.add_argument("--sync", choices=SYNC_CHOICES, default="always",
+    p.add_argument("--sync", choices=SYNC_MODES, default="always",
                    help="the server's JetStream fsync: the shipped sync_interval: always, or "
                         "nats-server's default (every 2 min); run both, alternated, to see "
                         "what always costs")  # fmt: skip

@@ -300,9 +300,9 @@ async def connect(
       :class:`NotConnected` (nats-py's ``connect()`` retries forever inside itself with
       ``max_reconnect_attempts=-1``, so it is raced against ``stop``, never left to end);
     - the server refusing the credentials ends it at once with
-      :class:`~reach_agent.errors.Forbidden` naming ``what`` and the credentials file,
+      :class:`~reach_agent.wire.errors.Forbidden` naming ``what`` and the credentials file,
       instead of retrying until a timeout that would blame the network."""
-    from .errors import Forbidden
+    from reach_agent.wire.errors import Forbidden
 
     loop = asyncio.get_running_loop()
     refused: asyncio.Future[BaseException] = loop.create_future()

@@ -1,6 +1,6 @@
 """A request id runs once across the fleet: claims in KV ``reach_claims``, real servers.
 
-The decision is pure (:func:`reach_agent.claiming.decide`); the rest runs against a real
+The decision is pure (:func:`reach_agent.agent.claiming.decide`); the rest runs against a real
 nats-server and broker, with in-process agents where nothing crashes and agent processes
 (``tests/agents/worker.py``, which log every handler start) where one is stalled or killed.
 """
@@ -26,15 +26,17 @@ from nats.aio.client import Client as NATS
 import reach_agent
 from jetstream import ackreads, acks, compensation
 from jetstream.claims import ClaimStore, claim_key
+from jetstream.names import H_REQUEST_ID
 from jetstream.provision import load_definitions, provision
-from reach_agent import ClientConfig, schema
-from reach_agent.claiming import decide
-from reach_agent.errors import from_reply
-from reach_agent.schema import decode_ack_record
-from reach_agent.subjects import Subjects
-from reach_broker.metrics import Metrics
-from reach_broker.natsserver import NatsServer, find_binary
-from reach_broker.service import Broker
+from reach_agent import ClientConfig
+from reach_agent.agent.claiming import decide
+from reach_agent.wire import schema
+from reach_agent.wire.errors import from_reply
+from reach_agent.wire.schema import decode_ack_record
+from reach_agent.wire.subjects import Subjects
+from reach_broker.cluster.natsserver import NatsServer, find_binary
+from reach_broker.service.broker import Broker
+from reach_broker.service.metrics import Metrics
 
 from .conftest import fast_config, wait_for
 from .tcpproxy import TcpProxy
@@ -172,7 +174,9 @@ async def test_compensation_replay_of_a_completed_request_does_not_run_it_again(
         assert first == {"agent": "done-a", "n": 7}
         submitted = await client.submit("bill", {"n": 7}, request_id=rid)
         assert submitted == rid and submitted.duplicate is False
-        await wait_for(lambda: broker.replayer.claimed == 1, 10, what="the entry seen as claimed")
+        await wait_for(
+            lambda: broker.replayer.sender.claimed == 1, 10, what="the entry seen as claimed"
+        )
         record = await client.wait(rid, timeout=5)
         # A replay that raced the broker's own check reaches another agent: it answers the
         # stored result and does not run the handler either.
@@ -180,13 +184,13 @@ async def test_compensation_replay_of_a_completed_request_does_not_run_it_again(
         await wait_for(lambda: healthy(broker, "done-b"))
         # The same body bytes as the SDK sent (a request id's body digest is of its bytes).
         raw = await nc.request("reach.task.done-b.bill", b'{"n":7}', timeout=5,
-                               headers={schema.H_REQUEST_ID: rid})  # fmt: skip
+                               headers={H_REQUEST_ID: rid})  # fmt: skip
     assert (record.state, record.agent_id) == ("completed", "done-a")
     assert record.result == {"agent": "done-a", "n": 7}  # decoded, as wait() returns it
     assert (raw.headers or {}).get(schema.H_STATUS) == "completed"
     assert msgspec.json.decode(raw.data) == {"agent": "done-a", "n": 7}
     assert runs == [("done-a", rid)]
-    assert (broker.replayer.replayed, broker.replayer.claimed) == (0, 1)
+    assert (broker.replayer.sender.replayed, broker.replayer.sender.claimed) == (0, 1)
     assert broker.metrics.compensation_result["claimed"]._value.get() == 1
 
 
@@ -223,17 +227,17 @@ async def test_without_jetstream_a_claimed_task_is_refused_retryably_never_run_a
             break
         await asyncio.sleep(0.05)
     assert nc is not None
-    caplog.set_level(logging.WARNING, logger="reach_agent.claiming")
+    caplog.set_level(logging.WARNING, logger="reach_agent.agent.claiming")
     await agent.start(url)
     try:
         for _ in range(3):
             reply = await nc.request("reach.task.nojs.plain", b"{}", timeout=5,
-                                     headers={schema.H_REQUEST_ID: "same"})  # fmt: skip
+                                     headers={H_REQUEST_ID: "same"})  # fmt: skip
             err = refusal_of(reply)
             assert isinstance(err, reach_agent.StoreUnavailable)
             assert (err.code, err.retryable, err.retry_after_ms) == ("STORE_UNAVAILABLE", True, 500)
             assert (reply.headers or {})["Nats-Service-Error-Code"] == "503"
-            assert (reply.headers or {})[schema.H_REQUEST_ID] == "same"
+            assert (reply.headers or {})[H_REQUEST_ID] == "same"
             assert "the claims bucket 'reach_claims' does not exist on this server" in err.message
     finally:
         await agent.stop(grace=1)
@@ -268,7 +272,7 @@ async def test_agents_started_before_the_broker_never_run_one_request_id_twice(
 
     async def both() -> list[Any]:
         return [asyncio.ensure_future(nc.request(f"reach.task.{n}.early", b"{}", timeout=10,
-                                                 headers={schema.H_REQUEST_ID: rid}))
+                                                 headers={H_REQUEST_ID: rid}))
                 for n in early]  # fmt: skip
 
     before = await asyncio.wait_for(asyncio.gather(*await both()), 10)
@@ -329,13 +333,13 @@ async def test_a_claim_end_the_store_did_not_confirm_is_retried_until_stored(
         await release.wait()
         return "done"
 
-    caplog.set_level(logging.INFO, logger="reach_agent.claiming")
+    caplog.set_level(logging.INFO, logger="reach_agent.agent.claiming")
     async with TcpProxy.to_url(provisioned.url) as proxy:
         await agent.start(proxy.url)
         try:
             rid = str(uuid.uuid4())
             # No reply subject: a reply sent into the cut link is lost, which is not the point.
-            await nc.publish("reach.task.ender.end", b"{}", headers={schema.H_REQUEST_ID: rid})
+            await nc.publish("reach.task.ender.end", b"{}", headers={H_REQUEST_ID: rid})
             await wait_for(lambda: agent.active == 1, what="the run")
             running = await stored_claim(nc, rid)
             assert running is not None and running.state == "running"
@@ -466,7 +470,7 @@ async def test_an_agent_stalled_before_it_claims_never_runs_the_request_its_retr
             nc = await nats.connect(nats_server.url)
             try:
                 task = SUBJECTS.task("stop-a", "pay")
-                hdrs = {schema.H_REQUEST_ID: later}
+                hdrs = {H_REQUEST_ID: later}
                 reply = await nc.request(task, b'{"n": 3}', timeout=15, headers=hdrs)
             finally:
                 await nc.close()
@@ -596,7 +600,7 @@ async def test_a_request_id_reused_with_another_body_is_refused_never_answered_w
 
     async def ask(agent: str, body: bytes) -> Any:
         return await nc.request(f"reach.task.{agent}.pay", body, timeout=5,
-                                headers={schema.H_REQUEST_ID: rid})  # fmt: skip
+                                headers={H_REQUEST_ID: rid})  # fmt: skip
 
     assert body_of(await ask("idem-1", first)) == {"agent": "idem-1", "n": 1}
     cases = [("idem-1", "per agent 'idem-1''s recent tasks"),  # its duplicate window
@@ -646,7 +650,7 @@ async def test_records_and_claims_without_a_digest_are_still_accepted(
                               acks.ack_msg_id("older", rid, "completed"),
                               schema.encoder.encode(record))  # fmt: skip
     reply = await nc.request("reach.task.newer.legacy", b'{"any":"body"}', timeout=5,
-                             headers={schema.H_REQUEST_ID: rid})  # fmt: skip
+                             headers={H_REQUEST_ID: rid})  # fmt: skip
     assert refusal_of(reply) is None and body_of(reply) == "old"
     assert runs == []
 

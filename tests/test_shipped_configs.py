@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 
 from reach_broker.auth.bootstrap import init as auth_init
-from reach_broker.natsserver import SYSTEM_PASSWORD_ENV, find_binary
+from reach_broker.cluster.natsserver import SYSTEM_PASSWORD_ENV, find_binary
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"

@@ -7,7 +7,7 @@ import types
 
 from jetstream.claims import ClaimsUnavailable
 from jetstream.compensation import Entry
-from reach_broker.taken import Taken
+from reach_broker.replay.taken import Taken
 
 
 class Told:

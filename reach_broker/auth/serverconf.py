@@ -53,7 +53,7 @@ def render(
         f"ping_max: {PING_MAX}",
         f"max_payload: {MAX_PAYLOAD}",
         "",
-        "# sync_interval: always: an acknowledged write is on disk first (docs/operations.md,",
+        "# An acknowledged write is fsynced first (the second line below; docs/operations.md,",
         "# Durability).",
         "jetstream {",
         f"  store_dir: {_q(store_dir)}",
