@@ -6,12 +6,13 @@ JetStream store kept across restarts in ``./reach-data`` unless ``--store-dir`` 
 operator mode; in a session of its own, so a terminal Ctrl-C reaches the broker only, which
 stops its clients before the server: the server dying first would leave them reconnecting),
 SIGINT/SIGTERM/SIGHUP handlers (SIGHUP: the terminal closed), the HTTP port (Prometheus
-``/metrics`` and the web console, :mod:`reach_broker.console`), the
-:class:`~reach_broker.service.broker.Broker`, then the console's feed on the running broker
-and (``a2a.port``) the A2A gateway (:mod:`reach_broker.interop.a2a`). Stop, the other way
-round: the gateway, the HTTP port (open pages are told goodbye), the broker (drains, leaves
-nothing in flight), then the embedded server. Should the process die without stopping
-(``kill -9``), the embedded server dies with it (:mod:`reach_broker.cluster.lifeline`).
+``/metrics``, the probes ``/healthz`` and ``/readyz`` of :mod:`reach_broker.health` and the
+web console, :mod:`reach_broker.console`), the :class:`~reach_broker.service.broker.Broker`,
+then the console's feed on the running broker and (``a2a.port``) the A2A gateway
+(:mod:`reach_broker.interop.a2a`). Stop, the other way round: the gateway, the HTTP port
+(open pages are told goodbye), the broker (drains, leaves nothing in flight), then the
+embedded server. Should the process die without stopping (``kill -9``), the embedded server
+dies with it (:mod:`reach_broker.cluster.lifeline`).
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ async def serve(cfg: Config, *, stop: asyncio.Event | None = None) -> None:
     check_a2a(cfg)
     if cfg.nats.auth_dir:
         _use_auth_dir(cfg)
+    if not cfg.nats.url:
+        _use_context(cfg)
     server = await _embedded_server(cfg) if not cfg.nats.url else None
     try:
         if stop is None:
@@ -95,6 +98,25 @@ def check_a2a(cfg: Config) -> None:
     why = binding_error(cfg.a2a)
     if why is not None:
         raise StartError(why)
+
+
+def _use_context(cfg: Config) -> None:
+    """A NATS context named by ``nats.context`` (``--context``) or ``NATS_CONTEXT`` that names
+    a server: the broker connects there instead of starting an embedded server. Otherwise the
+    embedded server's connection uses no context, not even the one selected in the ``nats``
+    CLI (its server is this process's own)."""
+    from reach_agent.connection import load_context
+
+    name = cfg.nats.context if cfg.nats.context is not None else os.environ.get("NATS_CONTEXT")
+    if name:
+        try:
+            ctx = load_context(name)
+        except ValueError as exc:
+            raise StartError(str(exc)) from None
+        if ctx.url:
+            cfg.nats.url, cfg.nats.context = ctx.url, name
+            return
+    cfg.nats.context = ""
 
 
 def _use_auth_dir(cfg: Config) -> None:
@@ -164,7 +186,8 @@ async def _run_broker(cfg: Config, stop: asyncio.Event) -> None:
     from reach_broker.service.metrics import Metrics
 
     metrics = Metrics()
-    port = HttpPort(cfg, metrics.registry) if cfg.broker.metrics_port else None
+    broker = Broker(cfg, metrics=metrics)
+    port = HttpPort(cfg, metrics.registry, broker.not_ready) if cfg.broker.metrics_port else None
     if port is not None:
         try:
             await port.start()
@@ -175,7 +198,7 @@ async def _run_broker(cfg: Config, stop: asyncio.Event) -> None:
                 "(choose another with --metrics-port, 0 turns it off)"
             ) from None
     try:
-        await _serve_broker(cfg, stop, Broker(cfg, metrics=metrics), port)
+        await _serve_broker(cfg, stop, broker, port)
     finally:
         if port is not None:
             await port.stop()
@@ -193,7 +216,8 @@ async def _serve_broker(cfg: Config, stop: asyncio.Event, broker: Any, port: Any
     gateway = None
     try:
         if port is not None:
-            await port.attach(broker.ctx, broker.registry, broker.handlers.explainer)
+            await port.attach(broker.ctx, broker.registry, broker.handlers.explainer,
+                              broker.handlers.route_counts)  # fmt: skip
         where = f"; {port.describe()}" if port is not None else ""
         say(f"reach: broker {broker.broker_id} serving on {cfg.nats.url}{where}")
         gateway = await _a2a_gateway(cfg, broker) if cfg.a2a.port else None

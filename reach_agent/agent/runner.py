@@ -17,6 +17,7 @@ from typing import Any, Unpack
 import nats.errors
 
 from reach_agent.connection import CredentialOptions, Credentials, NotConnected
+from reach_agent.wire.errors import ReachError
 
 from .agent import Agent
 
@@ -92,6 +93,9 @@ def run(
                 break
             except NotConnected as exc:  # a signal while no server had answered yet
                 raise SystemExit(f"reach: {exc}") from None
+            except ReachError as exc:  # refused (CONFLICT, FORBIDDEN): one line, exit 1
+                raise SystemExit(f"reach: agent {agent.agent_id}: {exc.code}: {exc.message}"
+                                 ) from None  # fmt: skip
             except (nats.errors.Error, OSError, TimeoutError) as exc:
                 pause = delay * (0.5 + random.random())
                 log.warning("agent.connect_failed agent=%s error=%r retry_in=%.1fs",
