@@ -71,7 +71,8 @@ class AgentMetrics:
             "reach_agent_store_errors_total",
             "Failures of the stores the agent's guarantees rest on, by store (claims: KV "
             "reach_claims; acks: the ack sink) and operation (claim: a task refused "
-            "STORE_UNAVAILABLE; end: a claim's end retried; received: a task refused, its "
+            "STORE_UNAVAILABLE; end: a claim's end retried; orphan: a claim stored although "
+            "unconfirmed, for a refused task, released; received: a task refused, its "
             "'received' record not written; final: a final record not written)",
             ["store", "op"],
             registry=self.registry,

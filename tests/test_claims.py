@@ -25,11 +25,11 @@ from nats.aio.client import Client as NATS
 
 import reach_agent
 from jetstream import ackreads, acks, compensation
-from jetstream.claims import ClaimStore, claim_key
+from jetstream.claims import ClaimStore, ClaimsUnavailable, Stored, claim_key
 from jetstream.names import H_REQUEST_ID
 from jetstream.provision import load_definitions, provision
 from reach_agent import ClientConfig
-from reach_agent.agent.claiming import decide
+from reach_agent.agent.claiming import Claimer, decide
 from reach_agent.wire import schema
 from reach_agent.wire.errors import from_reply
 from reach_agent.wire.schema import decode_ack_record
@@ -399,6 +399,61 @@ async def test_a_release_the_bucket_did_not_take_is_tried_again_until_it_is(
             await wait_for(lambda: broker.releaser.released == 1, what="counted as released")
         finally:
             await broker.stop()
+
+
+class LostAnswers(ClaimStore):
+    """The real bucket, with answers lost: ``creates`` creates are stored and then reported
+    unanswered (a PubAck lost in a leader election), ``gets`` reads fail."""
+
+    def __init__(self, nc: NATS, *, creates: int, gets: int) -> None:
+        super().__init__(nc)
+        self.creates, self.gets = creates, gets
+
+    async def create(self, key: str, data: bytes) -> tuple[bool, Stored]:
+        result = await super().create(key, data)
+        if self.creates:
+            self.creates -= 1
+            raise ClaimsUnavailable(f"JetStream did not confirm the claim {key!r} (test)")
+        return result
+
+    async def get(self, key: str) -> Stored | None:
+        if self.gets:
+            self.gets -= 1
+            raise ClaimsUnavailable(f"JetStream did not return the claim {key!r} (test)")
+        return await super().get(key)
+
+
+async def test_a_claim_stored_although_unconfirmed_is_run_or_released_never_left_running(
+    provisioned: NatsServer, nc: NATS
+) -> None:
+    metrics = reach_agent.AgentMetrics()
+    # Read back at once: the claim is ours, run it.
+    ours = Claimer(nc, "lossy", "i1", SUBJECTS, store=LostAnswers(nc, creates=1, gets=0))
+    claimed = await ours.claim("lost-1", "cap")
+    assert claimed.held is not None and claimed.held.claim.instance == "i1"
+    # Not readable either: refused, and released once it can be read.
+    refusing = Claimer(nc, "lossy", "i2", SUBJECTS, metrics=metrics,
+                       store=LostAnswers(nc, creates=1, gets=1))  # fmt: skip
+    with pytest.raises(ClaimsUnavailable):
+        await refusing.claim("lost-2", "cap")
+
+    async def released() -> bool:
+        claim = await stored_claim(nc, "lost-2")
+        return claim is not None and claim.state == "released"
+
+    for _ in range(200):
+        if await released():
+            break
+        await asyncio.sleep(0.05)
+    assert await released()
+    claim = await stored_claim(nc, "lost-2")
+    assert claim is not None and claim.reason == ("lossy refused the task: its claim was not "
+                                                  "confirmed")  # fmt: skip
+    await wait_for(lambda: metrics.store_errors.labels("claims", "orphan")._value.get() == 1)
+    await refusing.stop()
+    # Another agent takes a released claim over.
+    other = Claimer(nc, "other", "i3", SUBJECTS)
+    assert (await other.claim("lost-2", "cap")).held is not None
 
 
 # --- agent processes: stalls, restarts, deaths ------------------------------------------

@@ -137,9 +137,10 @@ class Claimer:
         timeout_s: float = 2.0,
         metrics: AgentMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        store: ClaimStore | None = None,
     ) -> None:
         self.nc = nc
-        self.store = ClaimStore(nc, timeout_s=timeout_s)
+        self.store = store if store is not None else ClaimStore(nc, timeout_s=timeout_s)
         self.agent_id = agent_id
         self.instance = instance
         self.subjects = subjects
@@ -231,7 +232,15 @@ class Claimer:
             ack_subject=self.subjects.ack(self.agent_id, request_id), body_digest=digest,
         )  # fmt: skip
         data = schema.encoder.encode(mine)
-        created, stored = await self.store.create(key, data)
+        try:
+            created, stored = await self.store.create(key, data)
+        except NoClaimsBucket:
+            raise
+        except ClaimsUnavailable:  # no answer: the create may have been stored all the same
+            landed = await self._landed(key, data, request_id)
+            if landed is None:
+                raise
+            created, stored = True, landed
         if not self.available:
             self.available = True
             log.info("claims.available agent=%s bucket=%s refused=%d", self.agent_id,
@@ -255,6 +264,45 @@ class Claimer:
             else:
                 created, stored = False, again
         raise ClaimsUnavailable(f"claim {key!r} kept changing while being taken over")
+
+    async def _landed(self, key: str, data: bytes, request_id: str) -> Stored | None:
+        """After a create nobody confirmed: our claim, if the store has it (then it is ours
+        to run); None when it does not, or cannot say now — then, the task being refused, a
+        claim of ours stored after all would be left ``running`` for nobody, so it is looked
+        for again in the background and released (:meth:`_release_orphan`)."""
+        try:
+            stored = await self.store.get(key)
+        except ClaimsUnavailable:
+            self._settling.spawn(self._release_orphan(key, data, request_id), "reach-orphan")
+            return None
+        return stored if stored is not None and stored.data == data else None
+
+    async def _release_orphan(self, key: str, data: bytes, request_id: str) -> None:
+        """Release our create of ``key`` (exactly ``data``) if it was stored although its
+        task was refused; anything else under the key is left alone."""
+        pause = 0.1
+        while True:
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, END_RETRY_MAX_S)
+            try:
+                stored = await self.store.get(key)
+                if stored is None or stored.data != data:
+                    return  # it was not stored, or moved on (taken over, ended)
+                claim = _decode(stored)
+                released = msgspec.structs.replace(
+                    claim, state="released", at_ms=int(time.time() * 1000),
+                    reason=f"{self.agent_id} refused the task: its claim was not confirmed",
+                )  # fmt: skip
+                won = await self.store.swap(key, schema.encoder.encode(released), stored.revision)
+            except ClaimsUnavailable:
+                continue
+            if won is not None:
+                if self.metrics is not None:
+                    self.metrics.store_errors.labels("claims", "orphan").inc()
+                log.warning("claims.orphan_released request_id=%s agent=%s: a claim stored "
+                            "although the store never confirmed it, for a task this agent "
+                            "refused", request_id, self.agent_id)  # fmt: skip
+            return
 
     async def finish(
         self, held: Held, state: schema.ClaimState, reason: str | None = None
