@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from .wire.errors import (
     BizReject,
+    Cancelled,
     CompensationFull,
     Conflict,
     Draining,
@@ -36,6 +37,7 @@ from .wire.errors import (
     Forbidden,
     IdempotencyMismatch,
     InProgress,
+    InputRequired,
     InternalError,
     InvalidCapability,
     InvalidRequest,
@@ -100,6 +102,7 @@ __all__ = [
     "Breaker",
     "BreakerConfig",
     "Breakers",
+    "Cancelled",
     "Client",
     "ClientConfig",
     "ClientMetrics",
@@ -112,6 +115,7 @@ __all__ = [
     "Forbidden",
     "IdempotencyMismatch",
     "InProgress",
+    "InputRequired",
     "InternalError",
     "InvalidCapability",
     "InvalidRequest",

@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, Unpack
 
 from nats.aio.client import Client as NATS
@@ -51,8 +51,8 @@ from .claiming import Claimer
 from .connwatch import ConnectionWatch
 from .dedup import DedupCache
 from .handling import Handler, kind_of
-from .presence import Presence
-from .serving import AckSink, TaskServer
+from .presence import READINESS_INTERVAL_S, Presence
+from .serving import CANCEL_GRACE_S, AckSink, TaskServer
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,12 @@ class Agent:
     :class:`~reach_agent.connection.Credentials`; ``token`` is the NATS auth token, not the
     broker's heartbeat token :attr:`token`). A file that does not exist is a ``ValueError``.
     ``permissions`` (what callers may ``require``) and ``context_window`` (tokens) are
-    announced; set :attr:`context_usage_pct` as the window fills.
+    announced; set :attr:`context_usage_pct` as the window fills. ``readiness`` (an
+    adapter's check of the service it fronts, ``async () -> bool``) is asked every
+    ``readiness_interval`` seconds: while it says False the agent reports ``draining`` and
+    refuses tasks with ``DRAINING`` (see :mod:`~reach_agent.agent.presence`). A cancelled
+    request's handler sees ``asyncio.CancelledError`` and has ``cancel_grace`` seconds to
+    clean up before it is cancelled again (see :mod:`~reach_agent.agent.serving`).
     """
 
     def __init__(
@@ -109,6 +114,9 @@ class Agent:
         claim_timeout: float = 2.0,
         permissions: Iterable[str] = (),
         context_window: int | None = None,
+        readiness: Callable[[], Awaitable[bool]] | None = None,
+        readiness_interval: float = READINESS_INTERVAL_S,
+        cancel_grace: float = CANCEL_GRACE_S,
         **credentials: Unpack[CredentialOptions],
     ) -> None:
         schema.check_agent_id(agent_id)
@@ -127,6 +135,10 @@ class Agent:
         unknown = sorted(idem - set(caps))
         if unknown:
             raise InvalidRequest(f"idempotent {unknown!r} are not among the capabilities {caps!r}")
+        if not cancel_grace >= 0:
+            raise InvalidRequest(f"cancel_grace {cancel_grace!r} must be 0 or more seconds")
+        if not readiness_interval > 0:
+            raise InvalidRequest(f"readiness_interval {readiness_interval!r} must be positive")
         if not claim_timeout > 0:
             raise InvalidRequest(f"claim_timeout {claim_timeout!r} must be a positive number")
         self.credentials = Credentials(**credentials).check()
@@ -175,9 +187,11 @@ class Agent:
         """The task side: admission, claims, execution, replies, ack records (and, with
         ``OTEL_EXPORTER_OTLP_ENDPOINT`` set, their spans: :mod:`.otel`)."""
         self.tasks.idempotent |= idem
+        self.tasks.cancel_grace = cancel_grace
         self.presence = Presence(
             self.announcement, self.subjects, self.tasks,
             heartbeat_interval=heartbeat_interval, announce_refresh=announce_refresh,
+            readiness=readiness, readiness_interval=readiness_interval,
         )  # fmt: skip
         """Announce, heartbeats, probe answers, leave."""
         self.nc: NATS | None = None
@@ -362,10 +376,10 @@ class Agent:
             await claimer.start()
             self.tasks.claimer = claimer
         await self.presence.subscribe(nc)
-        await self.tasks.subscribe(nc, self.capabilities)
+        await self.tasks.subscribe(nc, self.capabilities, cancels=self.watch.takes_cancels)
         await flush_subscriptions(nc)  # a refused SUB is reported before the PONG
         self.watch.check_subscriptions()
-        self.presence.start()
+        await self.presence.start()
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain: answer DRAINING to new tasks, leave, finish in-flight tasks within

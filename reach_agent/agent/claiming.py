@@ -52,6 +52,7 @@ from reach_agent.metrics import AgentMetrics
 from reach_agent.results import attributed, result_location
 from reach_agent.wire import schema
 from reach_agent.wire.errors import (
+    Cancelled,
     IdempotencyMismatch,
     InProgress,
     ReachError,
@@ -397,14 +398,17 @@ class Claimer:
 
     async def end(self, held: Held, error: ReachError | None) -> Callable[[], Awaitable[None]]:
         """How a run ends its claim: ``completed``; ``released`` after a retryable error
-        (another agent may run it); else ``failed`` (a duplicate gets the stored error)."""
+        (another agent may run it); else ``failed`` (a duplicate gets the stored error;
+        reason ``cancelled`` for a cancelled run: no retry or replay runs it again)."""
         if error is None:
             return await self.finish(held, "completed")
         if error.retryable:
             return await self.finish(
                 held, "released", f"{self.agent_id} ended it with {error.code}"
             )
-        return await self.finish(held, "failed")
+        return await self.finish(
+            held, "failed", schema.CLAIM_CANCELLED if isinstance(error, Cancelled) else None
+        )
 
     async def answer(self, claimed: Claimed, request_id: str, digest: str | None = None) -> Reply:
         """The reply to a request whose claim is someone else's (or already finished, or for

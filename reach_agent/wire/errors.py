@@ -102,6 +102,14 @@ class IdempotencyMismatch(RequestError):
         )
 
 
+class InputRequired(RequestError):
+    """The agent needs more from the caller to go on (an A2A agent's ``input-required``):
+    the message carries its question. reach has no second turn: send a new request."""
+
+    code = "INPUT_REQUIRED"
+    status = 422
+
+
 class InProgress(ReachError):
     """Another agent holds the request id's claim and is running it: wait for its result
     (the holder's ack record) instead of running it again."""
@@ -175,6 +183,14 @@ class StoreUnavailable(Unavailable):
         super().__init__(message, retry_after_ms=retry_after_ms)
 
 
+class Cancelled(ReachError):
+    """The request was cancelled (``Client.cancel``, ``reach cancel``, a cancelled call, its
+    caller's deadline) before it finished; a cancelled request id never runs again."""
+
+    code = "CANCELLED"
+    status = 499  # the "client closed request" of nginx and gRPC's HTTP mapping
+
+
 class StreamBroken(ReachError):
     """A streamed answer ended before its ``completed``: the agent died, or a chunk went
     missing. ``delivered`` chunks reached the reader; it is never re-run silently."""
@@ -226,6 +242,7 @@ _BY_CODE: dict[str, type[ReachError]] = {
         Conflict,
         BizReject,
         IdempotencyMismatch,
+        InputRequired,
         InProgress,
         NoReachableAgent,
         Overloaded,
@@ -234,6 +251,7 @@ _BY_CODE: dict[str, type[ReachError]] = {
         Timeout,
         CompensationFull,
         StoreUnavailable,
+        Cancelled,
         StreamBroken,
         FlowFailed,
         InternalError,

@@ -52,6 +52,7 @@ from reach_broker.replay.replay import Replayer
 
 from .advisories import Advisories
 from .assets import provision_assets, token_secret
+from .canceller import Canceller
 from .context import BrokerContext, Fanout, Link, Tasks, TransitionListener
 from .handlers import Handlers
 from .identity import Identity
@@ -151,6 +152,8 @@ class Broker:
             ctx, lambda a: rec.state if (rec := agents.get(a)) is not None else None
         )
         self.replayer = Replayer(ctx, self.router, self.releaser.claim_of, agents.get)
+        self.canceller = Canceller(ctx, queue=QUEUE_GROUP)
+        """``<p>.cancel._broker``: a cancelled request's claim made final, its entry unqueued."""
         self.rulebook = Rulebook(ctx, self.rules, self.quotas)
         self.outcomes = Outcomes(ctx, registry)
         self._running: list[Component] = []
@@ -195,7 +198,7 @@ class Broker:
             self.metrics.watch_states(lambda: self.registry.counts)
         self._running = (
             [self.snapshot, self.rulebook, self.probes, self.advisories, self.synadia,
-             self.outcomes, self.releaser, self.replayer]
+             self.outcomes, self.releaser, self.replayer, self.canceller]
             if self.jetstream_ok
             else [self.probes, self.advisories, self.synadia, self.outcomes]
         )  # fmt: skip
