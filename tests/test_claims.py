@@ -13,6 +13,7 @@ import logging
 import signal
 import socket
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -109,6 +110,19 @@ def slow_agent(agent_id: str, cap: str, runs: list[tuple[str, str]], sleep: floa
 async def stored_claim(nc: NATS, request_id: str) -> schema.Claim | None:
     stored = await ClaimStore(nc).get(claim_key(request_id))
     return None if stored is None else schema.claim_decoder.decode(stored.data)
+
+
+async def claim_becomes(nc: NATS, request_id: str, state: str, limit_s: float = 15.0
+                        ) -> schema.Claim:  # fmt: skip
+    """The request id's claim once it is in ``state`` (read every 50 ms, at most
+    ``limit_s``)."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        claim = await stored_claim(nc, request_id)
+        if claim is not None and claim.state == state:
+            return claim
+        assert time.monotonic() < deadline, f"claim of {request_id} is {claim}, not {state}"
+        await asyncio.sleep(0.05)
 
 
 async def test_one_request_id_sent_to_two_agents_at_once_runs_once_and_both_get_its_result(
@@ -350,15 +364,7 @@ async def test_a_claim_end_the_store_did_not_confirm_is_retried_until_stored(
             await wait_for(lambda: claimer.end_retries >= 1, 10, what="the end retried")
             await proxy.restore()
 
-            async def ended() -> bool:
-                claim = await stored_claim(nc, rid)
-                return claim is not None and claim.state == "completed"
-
-            for _ in range(200):
-                if await ended():
-                    break
-                await asyncio.sleep(0.05)
-            assert await ended()
+            await claim_becomes(nc, rid, "completed")
             await wait_for(lambda: len(claimer._settling) == 0, 10, what="the retry done")
         finally:
             await agent.stop(grace=1)
@@ -387,15 +393,7 @@ async def test_a_release_the_bucket_did_not_take_is_tried_again_until_it_is(
             assert failed() == 1
             await proxy.restore()
 
-            async def released() -> bool:
-                claim = await stored_claim(nc, rid)
-                return claim is not None and claim.state == "released"
-
-            for _ in range(300):
-                if await released():
-                    break
-                await asyncio.sleep(0.05)
-            assert await released()
+            await claim_becomes(nc, rid, "released")
             await wait_for(lambda: broker.releaser.released == 1, what="counted as released")
         finally:
             await broker.stop()
@@ -437,18 +435,8 @@ async def test_a_claim_stored_although_unconfirmed_is_run_or_released_never_left
     with pytest.raises(ClaimsUnavailable):
         await refusing.claim("lost-2", "cap")
 
-    async def released() -> bool:
-        claim = await stored_claim(nc, "lost-2")
-        return claim is not None and claim.state == "released"
-
-    for _ in range(200):
-        if await released():
-            break
-        await asyncio.sleep(0.05)
-    assert await released()
-    claim = await stored_claim(nc, "lost-2")
-    assert claim is not None and claim.reason == ("lossy refused the task: its claim was not "
-                                                  "confirmed")  # fmt: skip
+    claim = await claim_becomes(nc, "lost-2", "released")
+    assert claim.reason == "lossy refused the task: its claim was not confirmed"
     await wait_for(lambda: metrics.store_errors.labels("claims", "orphan")._value.get() == 1)
     await refusing.stop()
     # Another agent takes a released claim over.
