@@ -304,6 +304,9 @@ async def test_the_page_is_told_of_the_fleet_and_of_each_transition(
         feed = port.feed
         assert feed is not None
         beaten = feed.history.ticks  # samples from here on see the heartbeat's load
+        # The registered event comes back through the audit trail's consumer: read it there
+        # before the page connects (the page's first events are what the feed has read).
+        await wait_for(lambda: feed.history.events, what="the registered event read back")
         sse = await Sse.open(port.server.port)
         try:
             hello = await sse.next("hello")

@@ -182,9 +182,10 @@ class TableRoutes:
         if sent is None:
             return
         m, report = sent
-        m.handed_back(self.clock(), report)
+        now = self.clock()
+        m.handed_back(now, report)
         if busy:
-            m.refused()
+            m.refused(now)
 
     # --- following ------------------------------------------------------------------------
 

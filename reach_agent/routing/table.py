@@ -11,9 +11,9 @@ again). Its agents are :class:`TableMember`s, routed with the same code the brok
 
 A caller counts its own hand-outs exactly, since it sees its calls end
 (:meth:`TableMember.handed_out`, :meth:`TableMember.handed_back`): the agent's last reported
-``active`` (fading with its task time, as at a broker) plus the caller's calls sent since that
-report and still running. An agent's own ``TARGET_BUSY`` marks it full until its next report
-(:meth:`TableMember.refused`).
+``active`` (fading with its task time, as at a broker; less the caller's calls it counted that
+ended since) plus the caller's calls sent since that report and still running. An agent's own
+``TARGET_BUSY`` marks it full for about one task time (:meth:`TableMember.refused`).
 """
 
 from __future__ import annotations
@@ -26,9 +26,12 @@ from reach_agent.wire.errors import InvalidRequest
 from reach_agent.wire.schema import PROTOCOL_REACH, TableDelta, TableEntry, TableShare
 
 from .index import CapabilityIndex
-from .member import Member, TaskStats
+from .member import Member, TaskStats, weight
 from .rules import Rule, decode_rule
 from .settings import Settings
+
+REFUSED_HOLD_MS = 100.0
+"""How long an agent that answered TARGET_BUSY counts as full when its task time is unknown."""
 
 _FNV_OFFSET = 0x811C9DC5
 _FNV_PRIME = 0x01000193
@@ -46,7 +49,7 @@ def partition(agent_id: str, partitions: int) -> int:
 class TableMember(Member):
     """One agent of a caller's route tables (shared by every table it is in)."""
 
-    __slots__ = ("entry", "report", "sent")
+    __slots__ = ("ended", "entry", "report", "sent")
 
     stats: TaskStats
 
@@ -56,6 +59,9 @@ class TableMember(Member):
         """This caller's calls sent to it since its last report, still running."""
         self.report = 0
         """Reports applied so far: a call remembers the one it was sent under."""
+        self.ended = 0
+        """This caller's calls sent before the last report that ended since: the report's
+        ``active`` counted them, they run no more."""
         self.entry = entry
         self.apply(entry, now)
 
@@ -86,15 +92,17 @@ class TableMember(Member):
         self.last_seen = now
         self.report += 1
         self.sent = 0
+        self.ended = 0
         self.full_until = -math.inf
         self.set_load(entry.active, entry.queue_depth)
         self.set_score(entry.score)
         return moved
 
     def in_flight(self, now: float) -> float:
-        """Its last reported ``active``, fading with its task time (as at a broker), plus
-        this caller's calls sent since that report and still running."""
-        base = float(self.active)
+        """Its last reported ``active`` (less this caller's calls it counted that ended
+        since), fading with its task time (as at a broker), plus this caller's calls sent
+        since that report and still running."""
+        base = float(self.active - self.ended if self.active > self.ended else 0)
         task_ms = self.stats.task_ewma_ms
         if base > 0.0 and task_ms is not None:
             base *= math.exp((self.last_seen - now) * 1000.0 / (task_ms if task_ms > 1.0 else 1.0))
@@ -106,20 +114,27 @@ class TableMember(Member):
         self._set_busy(self.in_flight(now))
 
     def handed_back(self, now: float, report: int) -> None:
-        """A call sent under report ``report`` ended: room again (unless a report since
-        counted it)."""
-        if report == self.report and self.sent > 0:
-            self.sent -= 1
-            self.full_until = -math.inf
-            self._set_busy(self.in_flight(now))
+        """A call sent under report ``report`` ended: room again, whether it was counted by
+        this caller (sent since the last report) or by the report."""
+        if report == self.report:
+            if self.sent > 0:
+                self.sent -= 1
+        else:
+            self.ended += 1
+        self.full_until = -math.inf
+        self._set_busy(self.in_flight(now))
 
-    def refused(self) -> None:
-        """It answered ``TARGET_BUSY``: full until its next report (not an agent that
-        reports no ``active``, a Synadia agent: its reports would not say when)."""
+    def refused(self, now: float) -> None:
+        """It answered ``TARGET_BUSY``: full for about one of its task times (100 ms without
+        one; at most its heartbeat interval), when a slot is likely free again and the load
+        filter looks again. Not an agent that reports no ``active`` (a Synadia agent)."""
         if self.protocol != PROTOCOL_REACH:
             return
-        self.full_until = math.inf
-        self._set_busy(float(self.max_concurrency))
+        task_ms = self.stats.task_ewma_ms
+        hold = (task_ms if task_ms is not None else REFUSED_HOLD_MS) / 1000.0
+        self.full_until = now + min(max(hold, 0.01), self.interval_s)
+        self.busy = 1.0
+        self.weight = weight(self.score, 1.0)
 
 
 class RouteTable:

@@ -82,6 +82,7 @@ class Partitions:
                 self._own(p, epoch, 0)
             return
         await self.round()
+        log.info("partitions.owned count=%d of %d", len(self.held), self.cfg.partitions)
         self._task = asyncio.create_task(self._loop(), name="reach-partitions")
 
     async def stop(self) -> None:

@@ -115,13 +115,13 @@ class Tables:
         return not self.quotas.enforced(capability), raw
 
     def _own(self, p: int, epoch: int) -> None:
-        log.info("tables.own partition=%d epoch=%d", p, epoch)
+        log.debug("tables.own partition=%d epoch=%d", p, epoch)
         deltas = self.book.own(p, epoch, self.registry.agents, self.ctx.clock())
         if deltas:
             self.ctx.spawn(self._send(deltas), "table")
 
     def _lose(self, p: int) -> None:
-        log.info("tables.lose partition=%d", p)
+        log.debug("tables.lose partition=%d", p)
         self.book.disown(p)
 
     # --- publishing ----------------------------------------------------------------------------
