@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import random
@@ -294,7 +295,9 @@ class AckWriter:
                 await asyncio.sleep(self.linger_s)  # more may come: a fold, a fuller batch
             self._wake.clear()
             while self._pending:
-                batch = list(self._pending.items())[: self.batch]
+                # The first ``batch`` pending records, without copying the rest: a backlog
+                # of n records is sent in n / batch slices, not n**2 / batch copies.
+                batch = list(itertools.islice(self._pending.items(), self.batch))
                 self._sending = {msg_id for msg_id, _ in batch}
                 try:
                     results = await asyncio.gather(
@@ -311,10 +314,12 @@ class AckWriter:
                     for m in done:
                         self._pending.pop(m, None)
                     self.stored += len(done)
-                    if self._received:
-                        sent = set(done)
-                        for rid in [r for r, (m, _) in self._received.items() if m in sent]:
-                            del self._received[rid]
+                    for m in done:  # a stored ``received`` can no longer be folded
+                        parsed = parse_msg_id(m)
+                        if parsed is not None and parsed.state == "received":
+                            unsent = self._received.get(parsed.request_id)
+                            if unsent is not None and unsent[0] == m:
+                                del self._received[parsed.request_id]
                 if len(done) < len(batch):
                     self.retries += len(batch) - len(done)
                     failure = next(r for r in results if r is not True)
