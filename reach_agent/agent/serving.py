@@ -37,8 +37,8 @@ import asyncio
 import time
 import uuid
 from collections import deque
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -79,6 +79,18 @@ class AckSink(Protocol):
     """Receives an :class:`~reach_agent.wire.schema.AckRecord` per task state change."""
 
     async def record(self, rec: schema.AckRecord) -> None: ...
+
+
+@runtime_checkable
+class AheadAckSink(AckSink, Protocol):
+    """An ack sink that can also publish a record at once over the agent's own connection
+    (``js``: its JetStream context), ahead of the reply (``jetstream.acks.AckWriter``): a
+    claimed run's ``completed`` record is then its claim's end. Returns the PubAck check to
+    await after the reply (True: stored), or None when the record was not sent now."""
+
+    async def record_ahead(
+        self, rec: schema.AckRecord, js: Any
+    ) -> Callable[[], Awaitable[bool]] | None: ...
 
 
 CANCEL_GRACE_S = 5.0
@@ -130,6 +142,8 @@ class TaskServer:
         """The fleet-wide claims (None: ``Agent(claims=False)``, the duplicate window alone
         applies)."""
         self.nc = NATS()  # the agent's connection, from subscribe()
+        self._js: Any = None
+        """The agent connection's JetStream context (records sent ahead of replies)."""
         self.runner = HandlerRunner(agent_id, max_concurrency)
         self.draining = False
         self.unready = False
@@ -160,6 +174,7 @@ class TaskServer:
         for cancels (``<p>.cancel.<agent_id>``, never behind task messages) unless
         ``cancels`` is False (a credential issued before cancellation existed)."""
         self.nc = nc
+        self._js = None
         for cap in capabilities:
             sub = await nc.subscribe(
                 self.subjects.task(self.agent_id, cap), cb=self.on_task, pending_msgs_limit=100_000
@@ -467,7 +482,8 @@ class TaskServer:
         body = b""
         wire: Reply | None = None  # what the reply subject gets instead (a stream's end)
         try:
-            if not await self._record(request_id, capability, "received", digest):
+            received = self._ack_record(request_id, capability, "received", digest)
+            if not await self._record(received):
                 raise StoreUnavailable(
                     f"agent {self.agent_id!r} did not run request_id {request_id!r}: its ack "
                     "sink could not record 'received' (see the agent's log): ask again"
@@ -531,21 +547,28 @@ class TaskServer:
                     self.fail_total += 1
                     self._count(capability, "failed")
             self.dedup.finish(entry, (headers, body), now)
-            confirm = None
-            if held is not None:
+            # The final record before the reply: once a caller has the result, the ack
+            # writer's log has it, so a restarted agent can answer a repeat from the store.
+            if error is None:
+                final = self._ack_record(request_id, capability, "completed", digest,
+                                         result=msgspec.Raw(body))  # fmt: skip
+            else:
+                failure = {"code": error.code, "message": error.message}
+                final = self._ack_record(request_id, capability, "failed", digest, error=failure)
+            confirm: Callable[[], Awaitable[object]] | None = None
+            if held is not None and error is None:
+                # The completed record is the claim's end (one synced write, not two): sent
+                # on this connection ahead of the reply, so the server has it first.
+                confirm = await self._record_ahead(final)
+            if held is not None and confirm is None:
                 # Sent before the reply: the server has the claim's end before the result.
                 assert self.claimer is not None
                 confirm = await self.claimer.end(held, error)
                 if error is not None and error.retryable:
                     self.dedup.forget(request_id, entry)
-            # The final record before the reply too: once a caller has the result, the ack
-            # writer's log has it, so a restarted agent can answer a repeat from the store.
-            if error is None:
-                await self._record(request_id, capability, "completed", digest,
-                                   result=msgspec.Raw(body))  # fmt: skip
-            else:
-                failure = {"code": error.code, "message": error.message}
-                await self._record(request_id, capability, "failed", digest, error=failure)
+                await self._record(final)
+            elif held is None:
+                await self._record(final)
             if msg.reply and d.ack_mode != "received":
                 out_headers, out_body = wire or (headers, body)
                 await self._publish(msg.reply, out_body, out_headers)
@@ -556,7 +579,7 @@ class TaskServer:
                 await confirm()
         return error
 
-    async def _record(
+    def _ack_record(
         self,
         request_id: str,
         capability: str,
@@ -564,28 +587,52 @@ class TaskServer:
         digest: str,
         result: msgspec.Raw | None = None,
         error: dict[str, str] | None = None,
-    ) -> bool:
-        """Hand one record to the ack sink; False (logged, counted) when the sink raised."""
-        sink = self.ack_sink
-        if sink is None:
-            return True
+    ) -> schema.AckRecord | None:
+        """One ack record of this run for the ack sink (None: no sink)."""
+        if self.ack_sink is None:
+            return None
         ctx = trace.CURRENT.get()  # this task's (set in _run): a flow step names its run
         parent = ctx.headers.get(schema.H_PARENT_ID) if ctx is not None else None
-        rec = schema.AckRecord(
+        return schema.AckRecord(
             request_id=request_id, agent_id=self.agent_id, capability=capability, state=state,
             at_ms=int(time.time() * 1000), result=result, error=error,
             parent_request_id=parent, body_digest=digest,
         )  # fmt: skip
+
+    async def _record(self, rec: schema.AckRecord | None) -> bool:
+        """Hand one record to the ack sink; False (logged, counted) when the sink raised."""
+        if rec is None or self.ack_sink is None:
+            return True
         try:
-            await sink.record(rec)
+            await self.ack_sink.record(rec)
         except Exception:  # the caller learns it from the task's answer, never a crash
-            log.exception("agent.ack_sink_failed agent=%s request_id=%s state=%s",
-                          self.agent_id, request_id, state)  # fmt: skip
-            if self.metrics is not None:
-                op = "received" if state == "received" else "final"
-                self.metrics.store_errors.labels("acks", op).inc()
+            self._sink_failed(rec)
             return False
         return True
+
+    async def _record_ahead(
+        self, rec: schema.AckRecord | None
+    ) -> Callable[[], Awaitable[object]] | None:
+        """A claimed run's ``completed`` record sent ahead of the reply on this connection
+        (:meth:`AheadAckSink.record_ahead`); the PubAck check to await after the reply, or
+        None when the sink cannot (another sink, or not sent now): the run then ends its
+        claim itself."""
+        if rec is None or not isinstance(self.ack_sink, AheadAckSink):
+            return None
+        if self._js is None:
+            self._js = self.nc.jetstream()
+        try:
+            return await self.ack_sink.record_ahead(rec, self._js)
+        except Exception:  # the WAL refused it: the claim's end and the plain path
+            self._sink_failed(rec)
+            return None
+
+    def _sink_failed(self, rec: schema.AckRecord) -> None:
+        log.exception("agent.ack_sink_failed agent=%s request_id=%s state=%s",
+                      self.agent_id, rec.request_id, rec.state)  # fmt: skip
+        if self.metrics is not None:
+            op = "received" if rec.state == "received" else "final"
+            self.metrics.store_errors.labels("acks", op).inc()
 
 
 def _cancelled_reply(request_id: str, agent_id: str, reason: str) -> Reply:

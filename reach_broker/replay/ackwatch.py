@@ -37,8 +37,13 @@ _ack_times = msgspec.json.Decoder(_AckTimes)
 class AckWatch:
     """``reach_ack_records_total{state}`` and ``reach_ack_latency_seconds``."""
 
-    def __init__(self, ctx: BrokerContext) -> None:
+    def __init__(
+        self, ctx: BrokerContext, on_completed: Callable[[str, str], None] | None = None
+    ) -> None:
         self.ctx = ctx
+        self.on_completed = on_completed
+        """Told of each attributed ``completed`` record: (request id, author) — the claims'
+        releaser (the record ends a claim that stays ``running``)."""
         self._sent_ms: dict[str, int] = {}
         self._received_ms: dict[str, int] = {}
         self.on_final: Callable[[str, str], Awaitable[object]] | None = None
@@ -62,6 +67,8 @@ class AckWatch:
             return
         counter.inc()
         rid = stored.request_id
+        if state == "completed" and self.on_completed is not None:
+            self.on_completed(rid, stored.author)
         if state != "received" and self.on_final is not None:
             await self.on_final(rid, stored.author)
         try:

@@ -67,6 +67,7 @@ class Replayer:
         router: Router,
         claim_of: Callable[[str], Awaitable[ClaimView | None]],
         record_of: Callable[[str], AgentRecord | None] = lambda _: None,
+        finished: Callable[[str, str], None] | None = None,
     ) -> None:
         self.ctx = ctx
         self.router = router
@@ -80,8 +81,9 @@ class Replayer:
         self._known: dict[str, int] = {}
         self._consumers: dict[str, Any] = {}
         self._next_expiry_ms = 0
-        self.acks = AckWatch(ctx)
-        """The ack metrics, fed by this component's ``<p>.ack.>`` subscription."""
+        self.acks = AckWatch(ctx, on_completed=finished)
+        """The ack metrics, fed by this component's ``<p>.ack.>`` subscription; it tells
+        ``finished`` (the claims' releaser) of each completed record."""
         self.taken = Taken(
             self.cfg.ack_wait_s, claim_of, record_of, ctx.clock,
             on_returned=ctx.metrics.compensation_result["requeued"].inc,

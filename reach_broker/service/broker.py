@@ -152,7 +152,9 @@ class Broker:
         self.releaser = Releaser(
             ctx, lambda a: rec.state if (rec := agents.get(a)) is not None else None
         )
-        self.replayer = Replayer(ctx, self.router, self.releaser.claim_of, agents.get)
+        self.replayer = Replayer(
+            ctx, self.router, self.releaser.claim_of, agents.get, self.releaser.finished
+        )
         self.canceller = Canceller(ctx, queue=QUEUE_GROUP)
         """``<p>.cancel._broker``: a cancelled request's claim made final, its entry unqueued."""
         self.rulebook = Rulebook(ctx, self.rules, self.quotas)

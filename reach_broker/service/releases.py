@@ -31,6 +31,7 @@ import msgspec
 
 from jetstream import claims
 from jetstream.claims import ClaimStore, ClaimsUnavailable
+from reach_agent.results import ended_by_record
 from reach_agent.wire import schema
 from reach_agent.wire.schema import Claim, Event
 from reach_broker.core.records import AgentRecord, Transition
@@ -52,6 +53,8 @@ class ClaimView(NamedTuple):
 
 RUNNING_MAX = 1_000_000
 """Running claims remembered at most (the oldest are forgotten first beyond it)."""
+COMPLETED_MAX = 100_000
+"""Completed records remembered at most while their claim has not come (oldest first out)."""
 RELEASE_RETRY_S = 0.5
 RELEASE_RETRY_MAX_S = 10.0
 """First and longest pause before a release the bucket did not take is tried again."""
@@ -72,6 +75,8 @@ class Releaser:
         """holder agent id → claim key → (revision, claim)."""
         self._holder_of: dict[str, str] = {}
         """claim key → the holder under which it is remembered."""
+        self._completed: dict[str, str] = {}
+        """claim key → the author of a completed record heard of before its claim."""
         self._sub: Any = None
 
     @property
@@ -111,10 +116,45 @@ class Releaser:
                 claim = schema.claim_decoder.decode(stored.data)
             except msgspec.MsgspecError as exc:
                 raise ClaimsUnavailable(f"claim of {request_id!r} is not a Claim ({exc})") from None
+            state = claim.state
+            if state == "running" and await self._ended(claim):
+                state = "completed"  # its holder's completed record ended it
         except ClaimsUnavailable:
             self.ctx.metrics.store_errors.labels("claims", "lookup").inc()
             raise
-        return ClaimView(claim.agent_id, claim.state, claim.body_digest)
+        return ClaimView(claim.agent_id, state, claim.body_digest)
+
+    async def _ended(self, claim: Claim) -> bool:
+        """Whether the holder stored its ``completed`` record of ``claim``'s request: an SDK
+        agent's completed record of a claimed run is the claim's end, and the claim stays
+        ``running`` (docs/protocol.md, Claims). ``ClaimsUnavailable`` when the ack store
+        cannot say (never a guess: a release on a wrong "no" lets a finished request run
+        again)."""
+        try:
+            return await ended_by_record(self.ctx.nc, claim, self.ctx.subjects) is not None
+        except Exception as exc:  # noqa: BLE001 - a timeout, no stream: cannot decide now
+            raise ClaimsUnavailable(
+                f"the ack record of request {claim.request_id!r} could "
+                f"not be read: {type(exc).__name__}: {exc}"
+            ) from None
+
+    def finished(self, request_id: str, author: str) -> None:
+        """``author`` stored its ``completed`` record of ``request_id``: a running claim it
+        holds is finished, nothing to release (told by the ack watch, which may hear of the
+        record before the claims' consumer delivers the claim: then the claim is not
+        remembered when it comes)."""
+        key = claims.claim_key(request_id)
+        if self._holder_of.get(key) != author:
+            if len(self._completed) >= COMPLETED_MAX:
+                del self._completed[next(iter(self._completed))]
+            self._completed[key] = author
+            return
+        del self._holder_of[key]
+        held = self._running.get(author)
+        if held is not None:
+            held.pop(key, None)
+            if not held:
+                del self._running[author]
 
     # --- what the bucket says -----------------------------------------------------------
 
@@ -132,6 +172,9 @@ class Releaser:
                 if not held:
                     del self._running[old]
         if claim.state != "running":
+            return
+        if self._completed.get(key) == claim.agent_id:
+            del self._completed[key]  # its completed record came first: it is finished
             return
         if len(self._holder_of) >= RUNNING_MAX:
             self._forget_oldest()
@@ -169,6 +212,9 @@ class Releaser:
             released = msgspec.structs.replace(claim, state="released", at_ms=self.ctx.wall_ms(),
                                                reason=reason[:512])  # fmt: skip
             try:
+                if await self._ended(claim):
+                    self.finished(claim.request_id, agent_id)  # it finished: not released
+                    continue
                 won = await self.store.swap(key, schema.encoder.encode(released), revision)
             except ClaimsUnavailable as exc:
                 failed += 1
