@@ -38,7 +38,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -81,7 +81,6 @@ class AckSink(Protocol):
     async def record(self, rec: schema.AckRecord) -> None: ...
 
 
-@runtime_checkable
 class AheadAckSink(AckSink, Protocol):
     """An ack sink that can also publish a record at once over the agent's own connection
     (``js``: its JetStream context), ahead of the reply (``jetstream.acks.AckWriter``): a
@@ -617,12 +616,13 @@ class TaskServer:
         (:meth:`AheadAckSink.record_ahead`); the PubAck check to await after the reply, or
         None when the sink cannot (another sink, or not sent now): the run then ends its
         claim itself."""
-        if rec is None or not isinstance(self.ack_sink, AheadAckSink):
+        sink = self.ack_sink  # (hasattr: isinstance of a runtime Protocol costs ~20 µs)
+        if rec is None or not hasattr(sink, "record_ahead"):
             return None
         if self._js is None:
             self._js = self.nc.jetstream()
         try:
-            return await self.ack_sink.record_ahead(rec, self._js)
+            return await cast(AheadAckSink, sink).record_ahead(rec, self._js)
         except Exception:  # the WAL refused it: the claim's end and the plain path
             self._sink_failed(rec)
             return None
