@@ -659,6 +659,34 @@ async def test_a_broker_learns_running_claims_written_before_it_started_and_can_
     await wait_for(lambda: broker.releaser.held_by("ghost") == [], 5, what="claim forgotten")
 
 
+async def test_a_broker_started_later_does_not_keep_claims_their_completed_record_ended(
+    nc: NATS, broker_factory: Any
+) -> None:
+    from jetstream.provision import provision
+
+    await provision(nc)
+    done, running = str(uuid.uuid4()), str(uuid.uuid4())
+    for rid in (done, running):
+        claim = schema.Claim(request_id=rid, agent_id="ghost", instance="i1", capability="cap",
+                             state="running", at_ms=1,
+                             ack_subject=f"reach.ack.ghost.{rid}")  # fmt: skip
+        created, _ = await ClaimStore(nc).create(claim_key(rid), schema.encoder.encode(claim))
+        assert created is True
+    # ghost's completed record of one of them: that claim's end
+    record = schema.AckRecord(request_id=done, agent_id="ghost", capability="cap",
+                              state="completed", at_ms=2)  # fmt: skip
+    await acks.publish_record(nc.jetstream(), f"reach.ack.ghost.{done}",
+                              acks.ack_msg_id("ghost", done, "completed"),
+                              schema.encoder.encode(record))  # fmt: skip
+    broker = await broker_factory()
+    await wait_for(lambda: broker.releaser.held_by("ghost") == [running], 10,
+                   what="only the running claim kept")  # fmt: skip
+    assert await broker.releaser.release("ghost", "test") == 1
+    assert await ended_by(nc, done) == ("ghost", "running", "ghost")
+    released = await stored_claim(nc, running)
+    assert released is not None and released.state == "released"
+
+
 # --- idempotency keys are checked: one request id, one body ---------------------------------
 
 

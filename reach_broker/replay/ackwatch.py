@@ -50,7 +50,8 @@ class AckWatch:
         """Told of each attributed ``completed``/``failed`` record: (request id, author)."""
 
     def sent(self, request_id: str, at_ms: int) -> None:
-        """A replayed task was sent (and its receipt came back) at ``at_ms``."""
+        """A replayed task is being sent, at ``at_ms`` (a send not taken is overwritten by the
+        next)."""
         _remember(self._sent_ms, request_id, at_ms)
 
     async def on_ack(self, msg: Msg) -> None:

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from jetstream import claims
+from jetstream import ackreads, claims
 from jetstream.claims import ClaimStore, ClaimsUnavailable
 from reach_agent.results import ended_by_record
 from reach_agent.wire import schema
@@ -54,7 +54,9 @@ class ClaimView(NamedTuple):
 RUNNING_MAX = 1_000_000
 """Running claims remembered at most (the oldest are forgotten first beyond it)."""
 COMPLETED_MAX = 100_000
-"""Completed records remembered at most while their claim has not come (oldest first out)."""
+"""Completed records remembered at most while their claim has not come (oldest first out;
+one forgotten too early leaves its finished claim remembered as running: memory, never a
+release, which reads the record first)."""
 RELEASE_RETRY_S = 0.5
 RELEASE_RETRY_MAX_S = 10.0
 """First and longest pause before a release the bucket did not take is tried again."""
@@ -78,6 +80,7 @@ class Releaser:
         self._completed: dict[str, str] = {}
         """claim key → the author of a completed record heard of before its claim."""
         self._sub: Any = None
+        self._catch_up: ackreads.CatchUp | None = None
 
     @property
     def running(self) -> int:
@@ -93,12 +96,21 @@ class Releaser:
         self.ctx.fanout.listeners.append(self._on_transition)
         since = self.ctx.wall() - self.cfg.scan_window_s
         self._sub = await claims.follow(self.ctx.nc, self._on_claim, since=since)
+        # The completed records of the same window: each ends a claim that stays ``running``
+        # in the bucket, so the claims caught up above are not kept as running (later
+        # records come through the ack watch, as they are published).
+        self._catch_up = ackreads.CatchUp(self.ctx.nc, self.finished, since=since,
+                                          subjects=self.ctx.subjects)  # fmt: skip
+        await self._catch_up.start()
 
     async def stop(self) -> None:
         if self._sub is None:
             return
         with contextlib.suppress(ValueError):
             self.ctx.fanout.listeners.remove(self._on_transition)
+        if self._catch_up is not None:
+            await self._catch_up.stop()
+            self._catch_up = None
         with contextlib.suppress(Exception):
             await self._sub.unsubscribe()
         self._sub = None
