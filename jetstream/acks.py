@@ -268,9 +268,9 @@ class AckWriter:
         context of the caller's own connection — instead of by the sender. On return it is
         in that connection's buffer, ahead of anything published after it. Await the
         returned function after the reply: True once JetStream confirmed it; False when it
-        did not in time (the sender then re-sends it: the same message id, stored once).
-        None when it could not be published now (it stays pending for the sender; the
-        caller ends its claim the other way)."""
+        did not in time, or it could not be published at all (the sender then sends it: the
+        same message id, stored once). None when the record was refused (an invalid request
+        id, logged): it is not in the WAL, and the caller ends its claim the other way."""
         msg_id = self._add(rec)
         if msg_id is None:
             return None
@@ -278,11 +278,11 @@ class AckWriter:
         self._ahead.add(msg_id)
         try:
             answer = await js.publish_async(entry.subject, entry.data, headers={H_MSG_ID: msg_id})
-        except Exception as exc:  # a closed or reconnecting connection: the sender sends it
+        except Exception as exc:  # a closed connection: the sender sends it
             self._ahead.discard(msg_id)
             self._wake.set()
             log.info("acks.ahead_unsent msg_id=%s error=%r", msg_id, exc)
-            return None
+            return _unsent
 
         async def confirmed() -> bool:
             try:
@@ -411,6 +411,10 @@ class AckWriter:
         if await publish_record(js, entry.subject, msg_id, entry.data):
             self.duplicates += 1
         return True
+
+
+async def _unsent() -> bool:
+    return False
 
 
 async def publish_record(js: Any, subject: str, msg_id: str, data: bytes) -> bool:

@@ -340,8 +340,10 @@ async def test_a_record_sent_ahead_goes_over_the_callers_connection_and_back_to_
             assert await confirm() is False
         finally:
             await elsewhere.close()
-        # A closed connection: not sent now (None), the sender stores it.
-        assert await writer.record_ahead(ack(closed, "completed"), elsewhere.jetstream()) is None
+        # A closed connection: not sent at all, the sender stores it.
+        confirm = await writer.record_ahead(ack(closed, "completed"), elsewhere.jetstream())
+        assert confirm is not None
+        assert await confirm() is False
         assert await writer.flush(5)
         assert (writer.pending, writer.stored, writer.retries) == (0, 3, 1)
     for rid in (lost, closed):

@@ -85,7 +85,8 @@ class AheadAckSink(AckSink, Protocol):
     """An ack sink that can also publish a record at once over the agent's own connection
     (``js``: its JetStream context), ahead of the reply (``jetstream.acks.AckWriter``): a
     claimed run's ``completed`` record is then its claim's end. Returns the PubAck check to
-    await after the reply (True: stored), or None when the record was not sent now."""
+    await after the reply (True: stored; False: the sink stores it later), or None when it
+    did not take the record."""
 
     async def record_ahead(
         self, rec: schema.AckRecord, js: Any
@@ -614,8 +615,8 @@ class TaskServer:
     ) -> Callable[[], Awaitable[object]] | None:
         """A claimed run's ``completed`` record sent ahead of the reply on this connection
         (:meth:`AheadAckSink.record_ahead`); the PubAck check to await after the reply, or
-        None when the sink cannot (another sink, or not sent now): the run then ends its
-        claim itself."""
+        None when the sink cannot (another sink, one that raised, a record it refused): the
+        run then ends its claim itself."""
         sink = self.ack_sink  # (hasattr: isinstance of a runtime Protocol costs ~20 µs)
         if rec is None or not hasattr(sink, "record_ahead"):
             return None
