@@ -12,7 +12,7 @@ from nats.aio.client import Client as NATS
 import reach_agent
 from reach_agent.routing.table import RouteTable, TableMember, partition
 from reach_agent.wire import schema
-from reach_agent.wire.schema import TableDelta, TableEntry, TableRouting, TableShare
+from reach_agent.wire.schema import Table, TableDelta, TableEntry, TableRouting, TableShare
 from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.config import Config
 from reach_broker.core.registry import Registry
@@ -125,6 +125,31 @@ def test_a_copy_follows_deltas_and_says_when_one_does_not_follow() -> None:
     unreadable = TableDelta(capability="x", partition=1, epoch=6, version=3, prev=2,
                             rule=msgspec.Raw(b'{"split_by": "version", "wat": 1}'))  # fmt: skip
     assert table.apply(unreadable, members, 4.0) and not table.local and table.rule is None
+
+
+def test_a_rule_travels_in_shares_and_deltas_and_its_absence_too() -> None:
+    """Off the wire: a share and a delta carrying a rule decode (a ``Raw | None`` field
+    decoded only ``null``: any rule made them undecodable, and callers kept the old rule)."""
+    split = msgspec.Raw(b'{"split_by":"version","split":{"1":90,"2":10}}')
+    share = TableShare(capability="x", partition=1, epoch=5, version=1, entries=[entry("a")],
+                       rule=split)  # fmt: skip
+    body = schema.encoder.encode(Table(capability="x", partitions=4, owned=[1], shares=[share]))
+    got = schema.table_decoder.decode(body).shares[0]
+    assert bytes(got.rule) == bytes(split)
+    members: dict[str, TableMember] = {}
+    table = RouteTable("x", TableRouting())
+    table.load(got, members, 0.0)
+    assert table.local and table.rule is not None and table.rule.stored.split == {"1": 90, "2": 10}
+    cleared = TableDelta(capability="x", partition=1, epoch=5, version=2, prev=1)
+    body = schema.encoder.encode(cleared)
+    assert b"rule" not in body
+    assert table.apply(schema.table_delta_decoder.decode(body), members, 1.0)
+    assert table.local and table.rule is None
+    quota = TableDelta(capability="x", partition=1, epoch=5, version=3, prev=2, local=False,
+                       rule=msgspec.Raw(b'{"quota_rate":1.0}'))  # fmt: skip
+    assert table.apply(schema.table_delta_decoder.decode(schema.encoder.encode(quota)),
+                       members, 2.0)  # fmt: skip
+    assert not table.local and table.rule is not None and table.rule.stored.quota_rate == 1.0
 
 
 # --- on NATS -------------------------------------------------------------------------------

@@ -26,9 +26,9 @@ from reach_broker.config import RoutingSection
 
 from .records import AgentRecord
 
-Policy = tuple[bool, msgspec.Raw | None]
+Policy = tuple[bool, msgspec.Raw]
 """What a capability's shares say of it besides its agents: (callers may route it
-themselves, its route rule's JSON)."""
+themselves, its route rule's JSON, ``NO_RULE`` for none)."""
 
 
 def routing_of(cfg: RoutingSection) -> TableRouting:

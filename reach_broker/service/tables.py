@@ -29,7 +29,7 @@ from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
 from reach_agent.routing.rules import Rule, rule_encoder
 from reach_agent.wire import schema
-from reach_agent.wire.schema import Table, TableDelta, check_capability
+from reach_agent.wire.schema import NO_RULE, Table, TableDelta, check_capability
 from reach_broker.core.quotas import Quotas
 from reach_broker.core.records import AgentRecord, Transition
 from reach_broker.core.registry import Registry
@@ -105,7 +105,7 @@ class Tables:
         """Whether callers may route ``capability`` themselves (no quota applies to it:
         only a broker enforces one), and its route rule's JSON."""
         rule = self.router.rules.get(capability)
-        raw = None
+        raw = NO_RULE
         if rule is not None:
             known = self._rules.get(capability)
             if known is None or known[0] is not rule:
