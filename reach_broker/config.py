@@ -349,8 +349,9 @@ class FleetSection(Section):
     """Load and score changes go out at most this often; a change of state (or a score
     across ``min_reach_score``) at once."""
     table_store_s: Annotated[float, Meta(ge=0.1, le=3600)] = 1.0
-    """A changed share is written to KV ``reach_tables`` (what a caller reads when no
-    broker answers) at most this often."""
+    """A share whose agents or their states changed is written to KV ``reach_tables`` (what
+    a caller reads when no broker answers) at most this often; one whose load or scores only
+    drifted at most every 10 x this (``service/tables.DRIFT_STORE_FACTOR``)."""
 
 
 class RuleSection(Section):

@@ -218,3 +218,25 @@ async def test_two_brokers_share_the_partitions_and_one_stopping_hands_its_own_o
     await first.stop()
     await wait_for(lambda: len(second.tables.partitions.held) == 32, timeout=5,
                    what="the second broker owns every partition")  # fmt: skip
+
+
+def test_a_share_says_whether_its_agents_moved_or_only_their_load() -> None:
+    """What decides how soon a share is stored again: a join, a leave or a state move makes
+    it ``moved``; a heartbeat that only moves load or score does not."""
+    reg, book = book_world()
+    announce(reg, "a", ["x"], 0.0)
+    book.own(book.partition_of("a"), 1, reg.agents, 0.0)
+    share = book.shares[(book.partition_of("a"), "x")]
+    assert share.moved  # new
+    share.moved = False
+    rec = reg.agents["a"]
+    rec.set_load(1, 0)
+    assert [len(d.upserts) for d in book.changes({"a"}, reg.agents.get, 1.0)] == [1]
+    assert not share.moved  # only its load
+    reg.disconnected("a", 2.0)  # suspect
+    assert [d.upserts[0].state for d in book.changes({"a"}, reg.agents.get, 2.0)] == ["suspect"]
+    assert share.moved
+    share.moved = False
+    announce(reg, "a", ["y"], 3.0)  # leaves x
+    book.changes({"a"}, reg.agents.get, 3.0)
+    assert share.moved and share.entries == {}

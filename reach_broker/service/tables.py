@@ -11,8 +11,10 @@ partitions this broker owns, :mod:`.partitions`. Here:
 - **Requests** on ``<prefix>.tables.<capability>`` (every broker answers, no queue group):
   the shares of the partitions this broker owns, with their epochs and versions (a newcomer's
   one request; a caller that saw a gap asks again).
-- **Snapshots** in KV ``reach_tables`` (key ``<partition>.<capability>``), a changed share at
-  most every ``[fleet] table_store_s``: what a caller reads when no broker answers.
+- **Snapshots** in KV ``reach_tables`` (key ``<partition>.<capability>``), a share whose
+  agents or their states changed at most every ``[fleet] table_store_s``, one whose load only
+  drifted at most every ``DRIFT_STORE_FACTOR`` x that: what a caller reads when no broker
+  answers.
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ _KV_DELETE = {"KV-Operation": "DEL"}
 
 COALESCE_S = 0.01
 """After a transition the flush waits this long for whatever else moves at the same time."""
+DRIFT_STORE_FACTOR = 10
+"""A share whose agents' load or scores only drifted is written to KV at most every
+``DRIFT_STORE_FACTOR`` x ``table_store_s`` (10 s by default): its agents report a new
+``active`` at nearly every heartbeat, and each rewrite of the share is a JetStream write."""
 
 
 class Tables:
@@ -69,6 +75,9 @@ class Tables:
         self._task: asyncio.Task[None] | None = None
         self._sub: Any = None
         self._stored_at: dict[tuple[int, str], float] = {}
+        self._storing: set[tuple[int, str]] = set()
+        """Shares whose write to KV is out (the next waits for it: no pile-up on a slow
+        server)."""
         self._jetstream = False
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -153,19 +162,29 @@ class Tables:
         self.ctx.metrics.tables.labels("delta").inc(len(deltas))
 
     def _store(self, now: float) -> None:
-        """Write each changed share to KV ``reach_tables``, at most every table_store_s."""
+        """Write changed shares to KV ``reach_tables``: one whose agents or their states
+        moved at most every ``table_store_s``, one whose load or scores only drifted at most
+        every ``DRIFT_STORE_FACTOR`` x that (a caller reading the store corrects load with its
+        own count and the agents' answers), and never one whose last write is still out."""
         every = self.cfg.table_store_s
+        drift = every * DRIFT_STORE_FACTOR
         at_ms = self.ctx.wall_ms()
-        for (p, cap), share in self.book.shares.items():
-            if share.stored == share.version or now - self._stored_at.get((p, cap), -1e9) < every:
+        storing = self._storing
+        for key, share in self.book.shares.items():
+            if share.stored == share.version or key in storing:
+                continue
+            if now - self._stored_at.get(key, -1e9) < (every if share.moved else drift):
                 continue
             share.stored = share.version
-            self._stored_at[(p, cap)] = now
+            share.moved = False
+            self._stored_at[key] = now
+            storing.add(key)
+            p, cap = key
             body = schema.encoder.encode(self.book.share(p, cap, at_ms))
-            self.ctx.spawn(self._put(f"$KV.{TABLES_BUCKET}.{p}.{cap}", body, not share.entries),
-                           "table-store")  # fmt: skip
+            self.ctx.spawn(self._put(key, body, not share.entries), "table-store")
 
-    async def _put(self, subject: str, body: bytes, empty: bool) -> None:
+    async def _put(self, key: tuple[int, str], body: bytes, empty: bool) -> None:
+        subject = f"$KV.{TABLES_BUCKET}.{key[0]}.{key[1]}"
         try:
             if empty:
                 await self.ctx.nc.request(subject, b"", headers=_KV_DELETE, timeout=2.0)
@@ -175,6 +194,8 @@ class Tables:
         except NatsError as exc:
             self.ctx.metrics.tables.labels("store_failed").inc()
             log.debug("tables.store_failed subject=%s error=%s", subject, exc)
+        finally:
+            self._storing.discard(key)
 
     async def _loop(self) -> None:
         every = self.cfg.table_batch_ms / 1000.0
