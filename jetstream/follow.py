@@ -188,6 +188,8 @@ class Follower:
         """True while a consumer delivers (from a successful creation until a loss)."""
         self.consumer: str | None = None
         """The current consumer's name (the server's choice)."""
+        self.inbox = ""
+        """The subject the current consumer delivers to (a new inbox for each)."""
         self.rebuilds = 0
         """Consumers made again after a loss."""
         self.failures = 0
@@ -279,7 +281,7 @@ class Follower:
                 await sub.unsubscribe()
             raise
         old, self._sub = self._sub, sub
-        self.consumer = info.name
+        self.consumer, self.inbox = info.name, inbox
         self.following = True
         self._seen = time.monotonic()
         self._reconnects = self.nc.stats["reconnects"]
