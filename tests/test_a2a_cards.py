@@ -21,6 +21,8 @@ from google.protobuf.json_format import MessageToDict, ParseDict
 from reach_agent.wire import errors
 from reach_agent.wire.errors import (
     BizReject,
+    Cancelled,
+    InputRequired,
     InvalidCapability,
     NoReachableAgent,
     StreamBroken,
@@ -220,30 +222,26 @@ def test_results_become_parts() -> None:
     assert json_of(MessageToDict(part_of({"n": 4, "f": 0.5}))["data"]) == {"n": 4, "f": 0.5}
 
 
-class _Target:
-    request_id = "r-1"
-
-    def task(self, state: Any, text: str | None = None) -> tuple[Any, str | None]:
-        return state, text
-
-
-def test_reach_errors_become_tasks_or_a2a_errors() -> None:
-    target: Any = _Target()
-    assert outcome_of(BizReject("text is empty"), target) == (
+def test_reach_errors_become_task_states_or_a2a_errors() -> None:
+    assert outcome_of(BizReject("text is empty")) == (
         pb.TASK_STATE_REJECTED, "BIZ_REJECT: text is empty")  # fmt: skip
-    assert outcome_of(errors.InternalError("handler raised ValueError: x"), target) == (
+    assert outcome_of(InputRequired("which language?")) == (
+        pb.TASK_STATE_INPUT_REQUIRED, "INPUT_REQUIRED: which language?")  # fmt: skip
+    assert outcome_of(Cancelled("by its caller")) == (
+        pb.TASK_STATE_CANCELED, "CANCELLED: by its caller")  # fmt: skip
+    assert outcome_of(errors.InternalError("handler raised ValueError: x")) == (
         pb.TASK_STATE_FAILED, "INTERNAL: handler raised ValueError: x")  # fmt: skip
-    assert outcome_of(StreamBroken("agent lost", delivered=2), target) == (
+    assert outcome_of(StreamBroken("agent lost", delivered=2)) == (
         pb.TASK_STATE_FAILED, "STREAM_BROKEN: agent lost")  # fmt: skip
     with pytest.raises(InternalError) as unreachable:
-        outcome_of(NoReachableAgent("no agent has the capability 'x'"), target)
+        outcome_of(NoReachableAgent("no agent has the capability 'x'"))
     assert unreachable.value.message == "NO_REACHABLE_AGENT: no agent has the capability 'x'"
     assert unreachable.value.data == {"code": "NO_REACHABLE_AGENT"}
     with pytest.raises(InternalError) as busy:
-        outcome_of(TargetBusy("agent at max_concurrency"), target)
+        outcome_of(TargetBusy("agent at max_concurrency"))
     assert busy.value.data == {"code": "TARGET_BUSY"}
     with pytest.raises(InvalidParamsError) as invalid:
-        outcome_of(InvalidCapability("capability 'A B' is not valid"), target)
+        outcome_of(InvalidCapability("capability 'A B' is not valid"))
     assert invalid.value.message == "INVALID_CAPABILITY: capability 'A B' is not valid"
 
 

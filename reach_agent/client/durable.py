@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import msgspec
@@ -27,7 +27,7 @@ from reach_agent import trace
 from reach_agent.results import attributed
 from reach_agent.wire import schema
 from reach_agent.wire.errors import CompensationFull, InternalError, InvalidRequest, Timeout
-from reach_agent.wire.schema import AckRecord, check_capability, encoder
+from reach_agent.wire.schema import AckRecord, Claim, check_capability, encoder
 from reach_agent.wire.subjects import BROKER_ACK_AUTHOR, DEFAULT_PREFIX, Subjects
 
 log = trace.logger(__name__)
@@ -226,15 +226,33 @@ async def wait(
     return _decoded(taken.answer)
 
 
-async def _claim_holder(nc: NATS, request_id: str) -> str | None:
-    """The agent holding ``request_id``'s claim, if the claims bucket has one (its holder's
-    records are the result; a released claim names nobody)."""
+def final_of(stored: Iterable[ackreads.StoredAck], takers: Iterable[str]) -> AckRecord | None:
+    """The record :func:`wait` answers with among ``stored`` (one request's attributed
+    records, oldest first) when ``takers`` took it, its ``result`` decoded; None while there
+    is none (a reader that already holds the records: the A2A gateway's tasks)."""
+    taken = _Taken(set(takers))
+    for rec in stored:
+        if taken.accept(rec) is not None:
+            assert taken.answer is not None
+            return _decoded(taken.answer)
+    return None
+
+
+async def read_claim(nc: NATS, request_id: str) -> Claim | None:
+    """The claim of ``request_id`` (KV ``reach_claims``), or None when there is none or it
+    cannot be read."""
     try:
         stored = await ClaimStore(nc).get(claim_key(request_id))
-        claim = schema.claim_decoder.decode(stored.data) if stored is not None else None
+        return schema.claim_decoder.decode(stored.data) if stored is not None else None
     except (ClaimsUnavailable, msgspec.MsgspecError) as exc:
         log.debug("wait.claim_unreadable request_id=%s error=%s", request_id, exc)
         return None
+
+
+async def _claim_holder(nc: NATS, request_id: str) -> str | None:
+    """The agent holding ``request_id``'s claim, if the claims bucket has one (its holder's
+    records are the result; a released claim names nobody)."""
+    claim = await read_claim(nc, request_id)
     return claim.agent_id if claim is not None and claim.state != "released" else None
 
 
