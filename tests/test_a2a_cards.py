@@ -14,7 +14,7 @@ pytest.importorskip("a2a.types", reason="needs the extra 'a2a'")
 
 from a2a.compat.v0_3 import types as v03
 from a2a.types import a2a_pb2 as pb
-from a2a.utils.errors import InternalError, InvalidParamsError
+from a2a.utils.errors import ContentTypeNotSupportedError, InternalError, InvalidParamsError
 from a2a.utils.proto_utils import validate_proto_required_fields
 from google.protobuf.json_format import MessageToDict, ParseDict
 
@@ -184,16 +184,19 @@ def test_payloads_of_messages() -> None:
     assert payload_of(message({"data": {"n": 4, "x": [1.5, 2]}})) == {"n": 4, "x": [1.5, 2]}
     assert payload_of(message({"text": "hello"}, {"text": "world"})) == {"text": "hello\nworld"}
     assert payload_of(message({"data": "just a string"})) == "just a string"
-    with pytest.raises(InvalidParamsError) as url_part:
-        payload_of(message({"url": "https://x/y.png"}))
+    assert payload_of(message({"text": "see"}, {"data": {"n": 1}}, {"text": "this"})) == {
+        "text": "see\nthis", "data": [{"n": 1}]}  # fmt: skip
+    assert payload_of(message({"data": 1}, {"data": 2})) == {"data": [1, 2]}
+    with pytest.raises(ContentTypeNotSupportedError) as url_part:
+        payload_of(message({"text": "look"}, {"url": "https://x/y.png", "mediaType": "image/png"}))
     assert url_part.value.message == (
-        "message.parts[0] is a url part: the gateway forwards text parts or one data part "
-        "(a JSON value)"
+        "message.parts[1] is a url part (image/png): the gateway forwards text and data parts "
+        "(text/plain, application/json) to reach agents"
     )
-    with pytest.raises(InvalidParamsError) as mixed:
-        payload_of(message({"data": {}}, {"text": "and"}))
-    assert mixed.value.message == (
-        "message has 1 data and 1 text parts: send one data part (the payload) or only text parts"
+    with pytest.raises(InvalidParamsError) as blank:
+        payload_of(message({}))
+    assert blank.value.message == (
+        "message.parts[0] is empty: a part holds text, data, raw bytes or a URL"
     )
     with pytest.raises(InvalidParamsError) as empty:
         payload_of(message())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import time
@@ -566,3 +567,29 @@ async def test_the_0_3_methods_answer_tasks_and_invalid_params_with_32602(
     assert gone["result"]["status"]["state"] == "canceled"
     again = await rpc(http, url, "tasks/cancel", {"id": task["id"]})
     assert again["error"]["code"] == -32002
+
+
+async def test_malformed_requests_get_json_rpc_errors_never_a_crash(
+    gateway: A2AGateway, http: httpx.AsyncClient
+) -> None:
+    url = f"{gateway.url}/a2a/summarize"
+    cases = [
+        ({"jsonrpc": "2.0", "id": 1, "method": {"name": "tasks/get"}, "params": {}}, -32600),
+        ({"jsonrpc": "2.0", "id": {"x": 1}, "method": "ListTasks", "params": {"status": "X"}},
+         -32600),
+        ({"jsonrpc": "2.0", "id": 2, "method": "message/stream", "params": []}, -32600),
+        ({"jsonrpc": "2.0", "id": 3, "method": "invalid/nonexistent/method", "params": {}},
+         -32601),
+        ({"jsonrpc": "2.0", "id": 4, "method": "tasks/get", "params": {"id": 7}}, -32602),
+    ]  # fmt: skip
+    for body, code in cases:
+        reply = await http.post(url, json=body)
+        assert (reply.status_code, reply.json()["error"]["code"]) == (200, code), body
+    # An error of a streaming method, to a client that asked for a stream, is a stream.
+    sse = await http.post(url, json={"jsonrpc": "2.0", "id": 5, "method": "SubscribeToTask",
+                                     "params": {"id": "nonexistent-task-id"}},
+                          headers={**A2A_1_0, "Accept": "text/event-stream"})  # fmt: skip
+    assert sse.headers["content-type"].startswith("text/event-stream")
+    event, data = sse.text.strip().split("\r\n")
+    assert event == "event: error"
+    assert json.loads(data.removeprefix("data: "))["error"]["code"] == -32001

@@ -78,6 +78,8 @@ class PathContext(DefaultServerCallContextBuilder):
 
 
 TASK_STATES = frozenset(pb.TaskState.keys()) - {"TASK_STATE_UNSPECIFIED"}
+STREAMING_METHODS = frozenset(("SendStreamingMessage", "SubscribeToTask", "message/stream",
+                               "tasks/resubscribe"))  # fmt: skip
 V03_METHODS: dict[str, Any] = dict(JSONRPC03Adapter.METHOD_TO_MODEL)
 """The 0.3 methods and their request models (pydantic), as the SDK's 0.3 layer reads them."""
 
@@ -87,6 +89,8 @@ def invalid_params(body: dict[str, Any]) -> str | None:
     (None: let it answer). Its 1.0 parser reads an unknown enum value as unset, so a
     ``ListTasks`` ``status`` that names no state would list every task; its 0.3 layer
     answers any invalid params with ``-32600`` (invalid request) instead of ``-32602``."""
+    if not well_formed(body):
+        return None  # the SDK's own first check: -32600
     method, params = body.get("method"), body.get("params")
     if method == "ListTasks" and isinstance(params, dict) and "status" in params:
         status = params["status"]
@@ -95,7 +99,7 @@ def invalid_params(body: dict[str, Any]) -> str | None:
             return (f"params.status {status!r} is not a task state (one of "
                     f"{', '.join(sorted(TASK_STATES))})")  # fmt: skip
     model = V03_METHODS.get(method) if isinstance(method, str) else None
-    if model is not None and well_formed(body):
+    if model is not None:
         try:
             model.model_validate(body)
         except ValidationError as exc:
@@ -118,8 +122,10 @@ def well_formed(body: dict[str, Any]) -> bool:
 
 
 class Edge:
-    """One JSON-RPC endpoint: the a2a-sdk's dispatcher, with the invalid params its layer
-    would answer wrongly answered ``-32602`` here (:func:`invalid_params`)."""
+    """One JSON-RPC endpoint: the a2a-sdk's dispatcher, with what its layer answers wrongly
+    answered here: invalid params as ``-32602`` (:func:`invalid_params`), and an error of a
+    streaming method as a stream (one ``event: error``) to a client that asks for
+    ``text/event-stream``, where the SDK answers plain JSON."""
 
     def __init__(self, dispatcher: JsonRpcDispatcher) -> None:
         self.dispatcher = dispatcher
@@ -129,13 +135,22 @@ class Edge:
             body = json.loads(await request.body())
         except ValueError:
             body = None  # the dispatcher answers a parse error
-        if isinstance(body, dict):
-            why = invalid_params(body)
-            if why is not None:
-                rid = body.get("id")
-                error = {"code": INVALID_PARAMS, "message": why}
-                return JSONResponse({"jsonrpc": "2.0", "id": rid, "error": error})
-        return await self.dispatcher.handle_requests(request)
+        if not isinstance(body, dict):
+            return await self.dispatcher.handle_requests(request)
+        method = body.get("method")
+        why = invalid_params(body)
+        response: Response
+        if why is not None:
+            error = {"code": INVALID_PARAMS, "message": why}
+            response = JSONResponse({"jsonrpc": "2.0", "id": body.get("id"), "error": error})
+        else:
+            response = await self.dispatcher.handle_requests(request)
+        if (isinstance(method, str) and method in STREAMING_METHODS
+                and isinstance(response, JSONResponse)
+                and "text/event-stream" in request.headers.get("accept", "")):  # fmt: skip
+            return Response(b"event: error\r\ndata: " + bytes(response.body) + b"\r\n\r\n",
+                            media_type="text/event-stream")  # fmt: skip
+        return response
 
 
 def error_response(status: int, err: ReachError) -> Response:

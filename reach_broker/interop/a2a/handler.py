@@ -55,6 +55,7 @@ from a2a.server.request_handlers.request_handler import RequestHandler
 from a2a.types import a2a_pb2 as pb
 from a2a.utils.errors import (
     A2AError,
+    ContentTypeNotSupportedError,
     ExtendedAgentCardNotConfiguredError,
     InternalError,
     InvalidParamsError,
@@ -109,8 +110,10 @@ def json_of(value: Any) -> Any:
 
 
 def payload_of(message: pb.Message) -> Any:
-    """The task payload of a message: its one ``data`` part's value, or ``{"text": ...}``
-    of its text parts (joined by newlines). Anything else is refused, naming the part."""
+    """The task payload of a message: its one ``data`` part's value; ``{"text": ...}`` of
+    only text parts (joined by newlines); with several data parts, or text and data,
+    ``{"text"?: ..., "data": [values]}``. Other parts (raw bytes, URLs) are refused with
+    ``ContentTypeNotSupportedError`` naming the part: the gateway forwards JSON."""
     texts: list[str] = []
     data: list[Any] = []
     for i, part in enumerate(message.parts):
@@ -119,21 +122,22 @@ def payload_of(message: pb.Message) -> Any:
             texts.append(part.text)
         elif kind == "data":
             data.append(json_of(MessageToDict(part.data)))
+        elif kind is None:
+            raise InvalidParamsError(message=f"message.parts[{i}] is empty: a part holds text, "
+                                     "data, raw bytes or a URL")  # fmt: skip
         else:
-            raise InvalidParamsError(
-                message=f"message.parts[{i}] is a {kind or 'empty'} part: the gateway forwards "
-                "text parts or one data part (a JSON value)"
+            media = f" ({part.media_type})" if part.media_type else ""
+            raise ContentTypeNotSupportedError(
+                message=f"message.parts[{i}] is a {kind} part{media}: the gateway forwards text "
+                "and data parts (text/plain, application/json) to reach agents"
             )
-    if data and (texts or len(data) > 1):
-        raise InvalidParamsError(
-            message=f"message has {len(data)} data and {len(texts)} text parts: send one data "
-            "part (the payload) or only text parts"
-        )
-    if data:
-        return data[0]
-    if not texts:
+    if not texts and not data:
         raise InvalidParamsError(message="message.parts is empty: nothing to send")
-    return {"text": "\n".join(texts)}
+    if len(data) == 1 and not texts:
+        return data[0]
+    if not data:
+        return {"text": "\n".join(texts)}
+    return {"text": "\n".join(texts), "data": data} if texts else {"data": data}
 
 
 def check_required(params: pb.SendMessageRequest) -> None:
@@ -361,7 +365,14 @@ class GatewayHandler(RequestHandler):
         same request id again is its task."""
         rid = target.request_id
         record = self.record(target, message, tasks.SUBMITTED, None)
-        fresh = await self.tasks.create(record, self.client.nc.max_payload)
+        try:
+            fresh = await self.tasks.create(record, self.client.nc.max_payload)
+        except InvalidParamsError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - refused before anything runs: retryable
+            log.warning("a2a.task_not_kept task=%s error=%r", rid, exc)
+            why = f"TIMEOUT: the task could not be kept ({exc!r}); nothing was sent, try again"
+            raise InternalError(message=why, data={"code": "TIMEOUT"}) from None
         if not fresh and (got := await self.tasks.get(rid)) is not None:
             record = got[0]
         token = PINNED.set(target.agent_id)

@@ -58,7 +58,7 @@ from jetstream import ackreads
 from jetstream.names import A2A_TASKS_BUCKET, A2A_TASKS_STREAM
 from jetstream.provision import ensure_stream, load_definitions
 from reach_agent.client import durable
-from reach_agent.wire.schema import AckRecord
+from reach_agent.wire.schema import AckRecord, Claim
 from reach_agent.wire.subjects import Subjects
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,9 @@ TASK_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 """A task id is a request id (docs/protocol.md): anything else names no task."""
 READS_AT_ONCE = 16
 """Open tasks whose ack records one ListTasks re-reads concurrently."""
+RECORD_GRACE_MS = 30_000
+"""How long after a request's claim ended its final ack record may still be on its way
+(the agent's write-ahead log publishes it)."""
 CHANGE_TRIES = 8
 """Compare-and-set attempts on one record before a change gives up."""
 
@@ -230,6 +233,22 @@ def order_key(record: TaskRecord) -> tuple[int, str]:
     return (-record.updated_ms, record.id)
 
 
+def lost_reason(claim: Claim | None, now_ms: int) -> str | None:
+    """Why a request without a final ack record never gets one (None: it may still): its
+    claim was released (its agent declared offline mid-run: nothing runs it now), or it
+    ended :data:`RECORD_GRACE_MS` ago and its holder stored no record (an agent that writes
+    none, e.g. ``durable_acks=False``)."""
+    if claim is None:
+        return None
+    if claim.state == "released":
+        return (f"LOST: agent {claim.agent_id} went offline before it finished "
+                f"({claim.reason or 'its claim was released'}); nothing runs it now")  # fmt: skip
+    if claim.state in ("completed", "failed") and now_ms - claim.at_ms > RECORD_GRACE_MS:
+        return (f"LOST: agent {claim.agent_id} ended it ({claim.state}) but stored no ack "
+                "record: its result is not kept (an agent without durable acks)")  # fmt: skip
+    return None
+
+
 # --- the store ---------------------------------------------------------------------------
 
 
@@ -364,11 +383,8 @@ class Tasks:
             taker = turn.taker or (claim.agent_id if claim is not None else None)
             return Turn(request_id=rid, state=state_name(state), at_ms=final.at_ms,
                         taker=taker, text=text), final  # fmt: skip
-        if state_of(turn.state) in OPEN and claim is not None and claim.state == "released":
-            lost = (
-                f"LOST: agent {claim.agent_id} went offline before it finished "
-                f"({claim.reason or 'its claim was released'}); nothing runs it now"
-            )
+        lost = None if state_of(turn.state) not in OPEN else lost_reason(claim, self.wall_ms())
+        if lost is not None:
             return Turn(request_id=rid, state=state_name(pb.TASK_STATE_FAILED),
                         at_ms=self.wall_ms(), taker=turn.taker, text=lost), None  # fmt: skip
         return turn, None
