@@ -31,6 +31,7 @@ from a2a.utils.errors import (
 from google.protobuf.json_format import MessageToDict
 
 import reach_agent
+from jetstream.names import A2A_TASKS_STREAM
 from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.config import A2ASection
 from reach_broker.interop.a2a.gateway import A2AGateway
@@ -297,6 +298,12 @@ async def test_list_tasks_pages_the_callers_tasks_newest_first_and_filters_them(
     everything = await root.list_tasks(pb.ListTasksRequest(context_id="ctx-a"))
     assert sorted(t.id for t in everything.tasks) == sorted([*made, late.task.id,
                                                              foreign.task.id])  # fmt: skip
+    # Each listing's consumer is gone soon after (not left behind for minutes).
+    js = broker.nc.jetstream()
+    deadline = time.monotonic() + 15
+    while (await js.stream_info(A2A_TASKS_STREAM)).state.consumer_count:
+        assert time.monotonic() < deadline, "listing consumers left behind"
+        await asyncio.sleep(0.2)
 
 
 async def test_list_tasks_refuses_invalid_params_with_32602(

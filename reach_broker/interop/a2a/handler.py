@@ -43,6 +43,7 @@ message still waiting on its result can be cancelled by its request id the same 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -685,10 +686,15 @@ class GatewayHandler(RequestHandler):
             records = [r for r in records if tasks.order_key(r) > position]
         page = records[:size]
         history = params.history_length if params.HasField("history_length") else None
-        found = []
-        for r in page:
-            artifacts = await self.artifacts(r) if params.include_artifacts else ()
-            found.append(tasks.task_of(r, history_length=history, artifacts=artifacts))
+        gate = asyncio.Semaphore(tasks.READS_AT_ONCE)
+
+        async def listed(record: TaskRecord) -> pb.Task:
+            if not params.include_artifacts:
+                return tasks.task_of(record, history_length=history)
+            async with gate:
+                return await self.task(record, history)
+
+        found = list(await asyncio.gather(*(listed(r) for r in page)))
         more = len(records) > size
         return pb.ListTasksResponse(
             tasks=found, page_size=len(found), total_size=total,

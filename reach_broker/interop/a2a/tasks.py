@@ -85,6 +85,9 @@ READS_AT_ONCE = 16
 RECORD_GRACE_MS = 30_000
 """How long after a request's claim ended its final ack record may still be on its way
 (the agent's write-ahead log publishes it)."""
+WATCH_GONE_S = 2.0
+"""The server removes a listing's consumer this long after the listing ended (nats-py's
+watch leaves it behind otherwise, for 5 minutes)."""
 CHANGE_TRIES = 8
 """Compare-and-set attempts on one record before a change gives up."""
 
@@ -347,7 +350,8 @@ class Tasks:
 
     async def all(self) -> list[TaskRecord]:
         """Every record of this owner (the bucket's subject filter ``<owner>.>``)."""
-        watcher = await self._kv().watch(f"{self.owner}.>", ignore_deletes=True)
+        watcher = await self._kv().watch(f"{self.owner}.>", ignore_deletes=True,
+                                         inactive_threshold=WATCH_GONE_S)  # fmt: skip
         out: list[TaskRecord] = []
         try:
             while (entry := await watcher.updates(timeout=5.0)) is not None:
