@@ -400,7 +400,11 @@ class GatewayHandler(RequestHandler):
             first = stored.turns[0]
             return stored.with_turn(turn) if state_of(first.state) == tasks.SUBMITTED else None
 
-        changed = await self.tasks.change(rid, taken)
+        try:
+            changed = await self.tasks.change(rid, taken)
+        except Exception as exc:  # noqa: BLE001 - it runs: a read finds it by its claim
+            log.warning("a2a.task_not_updated task=%s error=%r", rid, exc)
+            return record.with_turn(turn)
         return await self.tasks.refresh(changed) if changed is not None else record
 
     def record(
