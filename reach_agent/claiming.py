@@ -223,8 +223,8 @@ class Claimer:
         self, request_id: str, capability: str
     ) -> tuple[Held | None, tuple[str, Reply] | None]:
         """A task's claim as the run needs it: (our claim, or None when claims are off), or
-        the answer for a claim of another, labelled (``in_progress``, ``duplicate``, or
-        ``unclaimed``: the store did not answer, and the task is not run unclaimed)."""
+        the answer for a claim of another, labelled as :meth:`answer` labels it, or
+        ``unclaimed``: the store did not answer, and the task is not run unclaimed."""
         try:
             claimed = await self.claim(request_id, capability)
         except ClaimsUnavailable as exc:
@@ -233,8 +233,7 @@ class Claimer:
             return None, ("unclaimed", _error_reply(err, request_id))
         if claimed is None or claimed.held is not None:
             return (claimed.held if claimed else None), None
-        label = "in_progress" if claimed.verdict == "in_progress" else "duplicate"
-        return None, (label, await self.answer(claimed, request_id))
+        return None, await self.answer(claimed, request_id)
 
     async def end(self, held: Held, error: ReachError | None) -> Callable[[], Awaitable[None]]:
         """How a run ends its claim: ``completed``; ``released`` after a retryable error
@@ -247,8 +246,12 @@ class Claimer:
             )
         return await self.finish(held, "failed")
 
-    async def answer(self, claimed: Claimed, request_id: str) -> Reply:
-        """The reply to a request whose claim is someone else's (or already finished)."""
+    async def answer(self, claimed: Claimed, request_id: str) -> tuple[str, Reply]:
+        """The reply to a request whose claim is someone else's (or already finished),
+        labelled: ``in_progress`` (``IN_PROGRESS``: it runs elsewhere), ``duplicate`` (the
+        stored result: the request's answer for good) or ``unstored`` (finished, but its
+        result could not be read in time: ``TIMEOUT``, retryable, and not the request's
+        answer — the next copy reads the store again)."""
         existing = claimed.existing
         assert existing is not None
         if claimed.verdict == "in_progress":
@@ -257,7 +260,7 @@ class Claimer:
                 f"(claimed at {existing.at_ms} ms): wait for its result",
                 holder=existing.agent_id,
             )
-            return _error_reply(err, request_id)
+            return "in_progress", _error_reply(err, request_id)
         # The result is the holder's own record: its location follows from the holder (a
         # claim naming another subject is not believed), and its author must be the holder.
         location = result_location(existing, self.subjects)
@@ -274,12 +277,13 @@ class Claimer:
                 f"{existing.agent_id!r}, but its result is not in REACH_ACKS "
                 f"({location}): not run again"
             )
-            return _error_reply(err, request_id)
+            return "unstored", _error_reply(err, request_id)
         if rec.state == "completed":
             body = bytes(rec.result) if rec.result is not None else b"null"
-            return {schema.H_REQUEST_ID: request_id, schema.H_STATUS: "completed"}, body
+            return "duplicate", ({schema.H_REQUEST_ID: request_id, schema.H_STATUS: "completed"},
+                                 body)  # fmt: skip
         failure = rec.error or {}
-        return _error_reply(
+        return "duplicate", _error_reply(
             error_for(failure.get("code", "INTERNAL"), failure.get("message", "")), request_id
         )
 

@@ -24,6 +24,7 @@ import pytest
 from nats.aio.client import Client as NATS
 
 import reach_agent
+from jetstream.acks import ack_msg_id, publish_record
 from jetstream.claims import ClaimStore, claim_key
 from jetstream.provision import load_definitions
 from reach_agent import ClientConfig, schema
@@ -407,3 +408,41 @@ async def test_a_broker_learns_running_claims_written_before_it_started_and_can_
     await wait_for(lambda: [e["request_id"] for e in events.events] == [rid], 5,
                    what="the released event")  # fmt: skip
     await wait_for(lambda: broker.releaser.held_by("ghost") == [], 5, what="claim forgotten")
+
+
+async def test_a_finished_claim_whose_result_is_not_stored_yet_is_read_again_on_the_next_copy(
+    nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS
+) -> None:
+    """The holder ended its claim ``completed`` but its ack writer has not stored the record
+    yet (a stream leader election): the copy gets a retryable TIMEOUT, and that answer is
+    not remembered as the request's — the next copy reads the store again and gets the
+    result (found by loadtest.nemesis: an agent kept answering TIMEOUT from its duplicate
+    window for two minutes after the record was stored)."""
+    runs: list[tuple[str, str]] = []
+    metrics = reach_agent.AgentMetrics()
+    await agents(slow_agent("reader", "ledger", runs, metrics=metrics))
+    await wait_for(lambda: healthy(broker, "reader"))
+    rid = str(uuid.uuid4())
+    done = schema.Claim(request_id=rid, agent_id="ghost", instance="g1", capability="ledger",
+                        state="completed", at_ms=1,
+                        ack_subject=SUBJECTS.ack("ghost", rid))  # fmt: skip
+    created, _ = await ClaimStore(nc).create(claim_key(rid), schema.encoder.encode(done))
+    assert created
+    task = SUBJECTS.task("reader", "ledger")
+    first = await nc.request(task, b'{"n": 3}', headers={schema.H_REQUEST_ID: rid}, timeout=10)
+    assert (first.headers or {}).get("Nats-Service-Error-Code") == "503"
+    assert msgspec.json.decode(first.data)["error"]["code"] == "TIMEOUT"
+    record = schema.AckRecord(request_id=rid, agent_id="ghost", capability="ledger",
+                              state="completed", at_ms=2,
+                              result=msgspec.Raw(b'{"agent":"ghost","n":3}'))  # fmt: skip
+    await publish_record(nc.jetstream(), SUBJECTS.ack("ghost", rid),
+                         ack_msg_id("ghost", rid, "completed"),
+                         schema.encoder.encode(record))  # fmt: skip
+    second = await nc.request(task, b'{"n": 3}', headers={schema.H_REQUEST_ID: rid}, timeout=10)
+    assert (second.headers or {}).get(schema.H_STATUS) == "completed"
+    assert msgspec.json.decode(second.data) == {"agent": "ghost", "n": 3}
+    assert runs == []
+    sample = metrics.registry.get_sample_value
+    labels = {"capability": "ledger"}
+    assert sample("reach_agent_tasks_total", {**labels, "result": "unstored"}) == 1.0
+    assert sample("reach_agent_tasks_total", {**labels, "result": "duplicate"}) == 1.0
