@@ -74,6 +74,8 @@ BROKERS = ("b1", "b2")
 CALLERS = ("c1", "c2", "c3")
 NODES = ("n1", "n2", "n3")
 READY_S = 30.0
+HISTORY_FILE = "history.json"
+"""The run's history, as the checker read it (kept with ``--dir``; ``--check`` reads it)."""
 OFFLINE_AFTER = 6.0
 """The brokers' ``detection.offline_after`` (default): the checker's window."""
 
@@ -102,6 +104,8 @@ class Stack:
         self.killed: dict[int, float] = {}
         """PID → when it was SIGKILLed (the agents')."""
         self.done: list[history.Fault] = []
+        self.start_failures: list[str] = []
+        """Broker starts that failed (the process exited at start), with its last line."""
         self._locks: dict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self._broker_toml = root / "broker.toml"
 
@@ -134,14 +138,28 @@ class Stack:
                 f'[broker]\ntoken_secret = "{secrets.token_hex(16)}"\nmetrics_port = 0\n'
             )
         logfile = self.root / f"{name}.log"
-        offset = logfile.stat().st_size if logfile.exists() else 0
-        child = await self.children.spawn(
-            name, PY, "-m", "reach_broker.cli", "broker", "--server", ",".join(self.proxied[name]),
-            "--broker-id", name, "--config", str(self._broker_toml), "--metrics-port", "0",
-            "--log-level", "info", log=str(logfile),
-        )  # fmt: skip
-        self.brokers[name] = child
-        await _wait_line(logfile, offset, "serving on", child, READY_S)
+        deadline = time.monotonic() + READY_S
+        while True:
+            offset = logfile.stat().st_size if logfile.exists() else 0
+            child = await self.children.spawn(
+                name, PY, "-m", "reach_broker.cli", "broker", "--server",
+                ",".join(self.proxied[name]), "--broker-id", name, "--config",
+                str(self._broker_toml), "--metrics-port", "0", "--log-level", "info",
+                log=str(logfile),
+            )  # fmt: skip
+            self.brokers[name] = child
+            try:
+                await _wait_line(logfile, offset, "serving on", child, READY_S)
+                return
+            except ChildExited:
+                # As a supervisor would: start it again (`reach broker` exits when JetStream
+                # is not ready at its start, e.g. right after a node restarted).
+                why = _read_bytes(logfile, offset).decode(errors="replace").strip()
+                self.start_failures.append(f"{name}: {why.splitlines()[-1] if why else '?'}")
+                log.warning("broker.start_failed broker=%s: %s", name, self.start_failures[-1])
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(1.0)
 
     async def start_agent(self, name: str) -> None:
         wal = self.root / "wal" / name
@@ -259,6 +277,10 @@ class Stack:
         await asyncio.to_thread(self.cluster.stop)
 
 
+class ChildExited(RuntimeError):
+    """A child exited while it was being waited for."""
+
+
 async def _wait_line(path: Path, offset: int, text: str, child: Child, within: float) -> None:
     """Wait until ``text`` appears in ``path`` after ``offset`` (the child's own lines)."""
     deadline = time.monotonic() + within
@@ -266,7 +288,7 @@ async def _wait_line(path: Path, offset: int, text: str, child: Child, within: f
         if text.encode() in _read_bytes(path, offset):
             return
         if not child.alive():
-            raise RuntimeError(f"{child.name} (pid {child.pid}) exited; see {path}")
+            raise ChildExited(f"{child.name} (pid {child.pid}) exited; see {path}")
         await asyncio.sleep(0.1)
     raise RuntimeError(f"{child.name} did not say {text!r} within {within} s; see {path}")
 
@@ -433,6 +455,7 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                             warmup=args.warmup, agents=AGENTS, brokers=BROKERS, nodes=NODES,
                             kinds=args.kinds)  # fmt: skip
     nc: NATS | None = None
+    load0 = list(os.getloadavg())
     try:
         stack.start_cluster()
         await stack.start_proxies()
@@ -472,11 +495,14 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         for child in stack.agents.values():
             await child.stop(grace=40.0)  # drains: its ack writer flushes
         h = await read_history(stack, nc, monitor)
+        (root / HISTORY_FILE).write_bytes(msgspec.json.encode(h))
         rules = history.Rules(offline_window_s=OFFLINE_AFTER * args.heartbeat,
                               beat_gap_s=2 * args.heartbeat)  # fmt: skip
         verdict = history.check(h, rules)
         claims = await claims_of(nc, verdict.unresolved)
-        return report(args, plan_, h, verdict, claims, began, finished)
+        extra = {"broker_start_failures": stack.start_failures,
+                 "loadavg": {"start": load0, "end": list(os.getloadavg())}}  # fmt: skip
+        return report(args, plan_, h, verdict, claims, began, finished, extra)
     finally:
         await monitor.stop()
         if nc is not None:
@@ -497,7 +523,7 @@ async def _drain_queue(nc: NATS, subjects: Subjects, within: float) -> None:
 
 def report(args: argparse.Namespace, plan_: list[faults.Planned], h: history.History,
            verdict: history.Verdict, claims: dict[str, str], began: float,
-           finished: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+           finished: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
     kinds = collections.Counter(f.kind for f in h.faults)
     by_kind = collections.Counter(v.kind for v in verdict.violations)
     offline = [e for e in h.events if e.kind == "state" and e.to == "offline"]
@@ -535,6 +561,7 @@ def report(args: argparse.Namespace, plan_: list[faults.Planned], h: history.His
         "queued_at_end": len(h.queued),
         "callers": finished,
         "outcomes": dict(collections.Counter(f"{o.op}:{'ok' if o.ok else o.code}" for o in h.ops)),
+        **extra,
     }
 
 
@@ -562,6 +589,20 @@ def table(r: dict[str, Any]) -> str:
     if len(r["violations"]) > 20:
         lines.append(f"  … {len(r['violations']) - 20} more in the report")
     return "\n".join(lines)
+
+
+def recheck(path: Path, heartbeat: float) -> int:
+    """``--check``: the verdict on a kept history, printed; 1 on any violation."""
+    h = msgspec.json.decode(path.read_bytes(), type=history.History)
+    rules = history.Rules(offline_window_s=OFFLINE_AFTER * heartbeat, beat_gap_s=2 * heartbeat)
+    verdict = history.check(h, rules)
+    print(f"calls {verdict.calls}, submits {verdict.submits}, runs {verdict.runs}, resolved "
+          f"{verdict.resolved}, unresolved {len(verdict.unresolved)}, second runs allowed "
+          f"{verdict.excused}, offline declarations {verdict.declarations}")  # fmt: skip
+    for v in verdict.violations:
+        print(f"{v.kind} {v.request_id or v.agent}: {v.seen}")
+    print(f"VIOLATIONS {len(verdict.violations)}")
+    return 1 if verdict.violations else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -594,7 +635,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the whole run's bound in seconds (default: duration + 300)",
     )
-    ap.add_argument("--dir", help="keep the run's files (logs, stores) here")
+    ap.add_argument("--dir", help="keep the run's files (logs, stores, history.json) here")
+    ap.add_argument(
+        "--check",
+        metavar="HISTORY",
+        help="no run: check a kept history.json again and print its violations",
+    )
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
@@ -606,6 +652,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(exc))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s")  # fmt: skip
+    if args.check:
+        return recheck(Path(args.check), args.heartbeat)
     if args.dir:
         root = Path(args.dir).resolve()
         if root.exists() and any(root.iterdir()):
