@@ -14,13 +14,16 @@ What is a violation (``Violation.kind``), exactly as the guarantee states it:
 - ``run_after_final`` — a run of a request id starts after another run of it ended in a
   final state (its handler returned, or refused with a non-retryable error);
 - ``overlapping_runs`` — two runs of one request id overlap in time;
-- both are allowed only when the first run's holder was declared ``offline`` (a broker's
-  ``state`` event, or its ``released`` event for the request id) after that run began and
-  before the second began, while a fault was on the holder's own path — its process
-  killed or stopped, its link cut or stalled, or the NATS node it was linked to killed or
-  stopped ("the holder is declared offline before it finishes: a crash, or a stall or
-  partition longer than the offline threshold"). A run whose process was killed ends at
-  the kill: a run after it is a re-run of a crashed one, never a violation;
+- neither counts when the first run's process was killed before the second began (a
+  crash: the run never finished), when the first run ended with a retryable error (its
+  holder released the claim), or when a broker released the first run's claim (its
+  ``released`` event for the request id, naming the holder: the claim was still
+  ``running``, the holder's end of it not stored) before the second began, *and* a fault on
+  the holder's own path — its process killed or stopped, its link cut or stalled, the NATS
+  node it was linked to killed or stopped — had cut it off from before its claim's end
+  could be stored (its run's end, or the release if that came first) until at most
+  ``Rules.offline_window_s`` before the release: "a stall or partition longer than the
+  offline threshold". Those second runs are counted in ``Verdict.excused``;
 - ``completed_without_ack`` — the caller got a run's result and ``REACH_ACKS`` holds no
   ``completed`` record of that run by its agent (or the run it names never completed);
   ``failed_without_ack`` — the same for a run's own error (``BIZ_REJECT``);
@@ -320,13 +323,10 @@ class _Index:
         self.links: dict[str, list[Link]] = defaultdict(list)
         for link in h.links:
             self.links[link.owner].append(link)
-        self.offline: dict[str, list[float]] = defaultdict(list)
-        self.released: dict[str, list[Event]] = defaultdict(list)
+        self.released_events: dict[str, list[Event]] = defaultdict(list)
         for e in h.events:
-            if e.kind == "state" and e.to == "offline":
-                self.offline[e.agent].append(e.at)
-            elif e.kind == "released" and e.rid:
-                self.released[e.rid].append(e)
+            if e.kind == "released" and e.rid:
+                self.released_events[e.rid].append(e)
         self.beats = {a: sorted(ts) for a, ts in h.beats.items()}
         self.queued = set(h.queued)
 
@@ -339,28 +339,31 @@ class _Index:
             return proc.killed, "killed"
         return self.h.ended, "never"
 
-    def path_faulted(self, agent: str, t0: float, t1: float) -> bool:
-        """Was a fault on ``agent``'s own path (its process, its link, the node it was linked
-        to) at some time in ``[t0, t1]``?"""
-        if any(_overlaps(f.start, f.end, t0, t1) for f in self.faults.get(agent, ())
-               if f.kind in AGENT_FAULTS):  # fmt: skip
-            return True
+    def cut_off(self, agent: str) -> list[tuple[float, float]]:
+        """When ``agent`` was cut off by a fault on its own path — its process killed or
+        stopped, its link cut or stalled, the NATS node it was linked to when that failed
+        killed or stopped — as merged intervals."""
+        spans = [(f.start, f.end) for f in self.faults.get(agent, ()) if f.kind in AGENT_FAULTS]
         for f in self.h.faults:
-            if f.kind not in NODE_FAULTS or not _overlaps(f.start, f.end, t0, t1):
-                continue
-            lo, hi = max(f.start, t0), min(f.end, t1)
-            for link in self.links.get(agent, ()):
-                if link.node == f.target and _overlaps(
-                    link.opened, link.closed if link.closed is not None else self.h.ended, lo, hi
-                ):
-                    return True
-        return False
+            if f.kind in NODE_FAULTS and any(
+                link.node == f.target and link.opened <= f.start
+                and (link.closed is None or link.closed >= f.start - self.rules.slack_s)
+                for link in self.links.get(agent, ())
+            ):  # fmt: skip
+                spans.append((f.start, f.end))
+        merged: list[tuple[float, float]] = []
+        for lo, hi in sorted(spans):
+            if merged and lo <= merged[-1][1] + self.rules.slack_s:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+            else:
+                merged.append((lo, hi))
+        return merged
 
-    def released_between(self, run: Run, t0: float, t1: float) -> float | None:
-        """When ``run``'s holder was declared offline (or its claim of the request id
-        released) in ``[t0, t1]``, if it was."""
-        times = [e.at for e in self.released.get(run.rid, ()) if e.agent == run.agent]
-        times += self.offline.get(run.agent, [])
+    def released(self, run: Run, t0: float, t1: float) -> float | None:
+        """When a broker released ``run``'s claim (its ``released`` event naming the request
+        id and the run's holder) in ``[t0, t1]``, if it did: proof that the claim was still
+        ``running`` then — the holder's end of it had not been stored."""
+        times = [e.at for e in self.released_events.get(run.rid, ()) if e.agent == run.agent]
         inside = sorted(t for t in times if t0 <= t <= t1)
         return inside[0] if inside else None
 
@@ -398,7 +401,7 @@ def check(h: History, rules: Rules | None = None) -> Verdict:
 
 def _runs_of(ix: _Index, rid: str, runs: list[Run],
              excused: dict[str, int]) -> Iterable[Violation]:  # fmt: skip
-    slack = ix.rules.slack_s
+    slack, window = ix.rules.slack_s, ix.rules.offline_window_s
     for i, first in enumerate(runs):
         end, how = ix.end_of(first)
         if how == "never":
@@ -413,23 +416,24 @@ def _runs_of(ix: _Index, rid: str, runs: list[Run],
             if how == "ended" and retryable and end <= second.start + slack:
                 excused["after_retryable_end"] += 1
                 continue
-            released = ix.released_between(first, first.start - slack, second.start + slack)
-            honest = released is not None and ix.path_faulted(
-                first.agent, first.start - slack, released
-            )
-            overlap = second.start < end
-            if honest and (overlap or (released is not None and released <= end + slack)):
+            released = ix.released(first, first.start - slack, second.start + slack)
+            # The holder was cut off from before its claim's end could be stored (its run's
+            # end, or the release if that came first) until the release's detection window.
+            honest = released is not None and any(
+                lo <= min(end, released) + slack and hi >= released - window
+                for lo, hi in ix.cut_off(first.agent)
+            )  # fmt: skip
+            if honest:
                 excused["after_release"] += 1
                 continue
+            overlap = second.start < end
             what = (f"run {first.run} on {first.agent} [{first.start:.3f} - {end:.3f} "
                     f"{first.outcome or how}] and run {second.run} on {second.agent} from "
                     f"{second.start:.3f}")  # fmt: skip
-            why = (
-                "; its holder was declared offline at "
-                f"{released:.3f} with no fault on its path (a false declaration)"
-                if released is not None
-                else "; no release of the first run's claim"
-            )
+            why = (f"; a broker released the first run's claim at {released:.3f} although "
+                   "no fault had cut its holder off since before the claim's end could be "
+                   "stored" if released is not None
+                   else "; no broker released the first run's claim")  # fmt: skip
             kind = "overlapping_runs" if overlap else "run_after_final"
             yield Violation(kind=kind, request_id=rid, agent=second.agent, seen=what + why)
 

@@ -86,24 +86,33 @@ def test_a_clean_history_has_no_violation_and_counts_what_it_checked() -> None:
     assert verdict.runs == 4
 
 
-def test_a_run_after_a_completed_run_unless_its_holder_was_declared_offline_under_a_fault() -> None:
-    first, op, rec = clean_call("c1-1")
+def test_a_run_after_a_completed_run_unless_its_holder_was_cut_off_and_released() -> None:
+    first, op, rec = clean_call("c1-1")  # runs 1.0 - 1.5
     second = run("c1-1", 4.0, 4.5, agent=A2, instance="i2")
     verdict = check(history(first, op, rec, second))
     assert kinds(verdict.violations) == [("run_after_final", "c1-1")]
-    assert "no release of the first run's claim" in verdict.violations[0].seen
+    assert "no broker released the first run's claim" in verdict.violations[0].seen
 
-    # Declared offline while it ran, but nothing was wrong with it: a false declaration.
-    offline = Event(kind="state", agent=A1, at=1.2, to="offline", broker="b1")
-    verdict = check(history(first, op, rec, second, offline))
+    # Released, but nothing was wrong with the holder: a false declaration.
+    released = Event(kind="released", agent=A1, at=3.0, rid="c1-1", broker="b1")
+    verdict = check(history(first, op, rec, second, released))
     assert kinds(verdict.violations) == [("run_after_final", "c1-1")]
-    assert "no fault on its path" in verdict.violations[0].seen
+    assert "no fault had cut its holder off" in verdict.violations[0].seen
 
-    # A stall of the holder longer than the offline threshold: what the guarantee allows.
-    stalled = Fault(kind="agent_stop", target=A1, start=1.1, end=1.4)
-    verdict = check(history(first, op, rec, second, offline, stalled))
+    # Its link stalled as its handler returned, until after the release: the claim's end
+    # could not be stored, and the guarantee lets the request run again.
+    stalled = Fault(kind="agent_stall", target=A1, start=1.4, end=3.5)
+    verdict = check(history(first, op, rec, second, released, stalled))
     assert verdict.violations == []
     assert verdict.excused == {"after_release": 1}
+
+    # A short fault as it finished, a release long after: the claim's end was lost, and no
+    # fault explains why it stayed running.
+    late = Event(kind="released", agent=A1, at=30.0, rid="c1-1", broker="b1")
+    blip = Fault(kind="agent_stall", target=A1, start=1.4, end=2.0)
+    third = run("c1-1", 31.0, 31.5, agent=A2, instance="i2", n=2)
+    verdict = check(history(first, op, rec, third, late, blip))
+    assert kinds(verdict.violations) == [("run_after_final", "c1-1")]
 
 
 def test_a_run_after_a_refused_run_is_a_violation() -> None:
@@ -136,6 +145,11 @@ def test_overlapping_runs_unless_the_first_holder_was_cut_off_and_released() -> 
     verdict = check(history(first, second, released, cut))
     assert verdict.violations == []
     assert verdict.excused == {"after_release": 1}
+    # A declaration without the claim's release proves nothing about the claim.
+    offline = Event(kind="state", agent=A1, at=2.5, to="offline", broker="b2")
+    assert kinds(check(history(first, second, offline, cut)).violations) == [
+        ("overlapping_runs", "c1-1")
+    ]
 
     # The node the holder was linked to was stopped: a partition too.
     node = Fault(kind="node_stop", target="n2", start=1.5, end=4.0)
