@@ -278,14 +278,17 @@ class Claimer:
                 f"({location}): not run again"
             )
             return "unstored", _error_reply(err, request_id)
+        # Named, so the caller's wait believes the holder's record, not ours (we write none).
         if rec.state == "completed":
             body = bytes(rec.result) if rec.result is not None else b"null"
-            return "duplicate", ({schema.H_REQUEST_ID: request_id, schema.H_STATUS: "completed"},
-                                 body)  # fmt: skip
+            return "duplicate", ({schema.H_REQUEST_ID: request_id, schema.H_STATUS: "completed",
+                                  schema.H_HOLDER: existing.agent_id}, body)  # fmt: skip
         failure = rec.error or {}
-        return "duplicate", _error_reply(
+        headers, body = _error_reply(
             error_for(failure.get("code", "INTERNAL"), failure.get("message", "")), request_id
         )
+        headers[schema.H_HOLDER] = existing.agent_id
+        return "duplicate", (headers, body)
 
 
 def result_location(claim: schema.Claim, subjects: Subjects) -> str:

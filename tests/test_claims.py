@@ -446,3 +446,37 @@ async def test_a_finished_claim_whose_result_is_not_stored_yet_is_read_again_on_
     labels = {"capability": "ledger"}
     assert sample("reach_agent_tasks_total", {**labels, "result": "unstored"}) == 1.0
     assert sample("reach_agent_tasks_total", {**labels, "result": "duplicate"}) == 1.0
+
+
+async def test_a_caller_answered_from_another_agents_claim_waits_for_the_holders_record(
+    nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS
+) -> None:
+    """An agent answering a repeat with the holder's stored result names the holder
+    (``Reach-Holder``), and the caller's ``wait`` then believes the holder's record — not
+    the answering agent's, which never writes one (found by loadtest.nemesis: a submitted
+    task repeated with ``call`` and answered by another agent was never found by ``wait``)."""
+    runs: list[tuple[str, str]] = []
+    await agents(slow_agent("relay", "ledger2", runs))
+    await wait_for(lambda: healthy(broker, "relay"))
+    rid = str(uuid.uuid4())
+    done = schema.Claim(request_id=rid, agent_id="keeper", instance="k1", capability="ledger2",
+                        state="completed", at_ms=1,
+                        ack_subject=SUBJECTS.ack("keeper", rid))  # fmt: skip
+    assert (await ClaimStore(nc).create(claim_key(rid), schema.encoder.encode(done)))[0]
+    record = schema.AckRecord(request_id=rid, agent_id="keeper", capability="ledger2",
+                              state="completed", at_ms=2,
+                              result=msgspec.Raw(b'{"agent":"keeper","n":4}'))  # fmt: skip
+    await publish_record(nc.jetstream(), SUBJECTS.ack("keeper", rid),
+                         ack_msg_id("keeper", rid, "completed"),
+                         schema.encoder.encode(record))  # fmt: skip
+    async with reach_agent.Client(nats_server.url) as client:
+        assert await client.call("ledger2", {"n": 4}, request_id=rid, timeout=10) == {
+            "agent": "keeper", "n": 4}  # fmt: skip
+        assert client.takers.get(rid) == "keeper"
+        stored = await client.wait(rid, timeout=5)
+    assert (stored.agent_id, stored.state) == ("keeper", "completed")
+    assert stored.result == {"agent": "keeper", "n": 4}
+    assert runs == []
+    raw = await nc.request(SUBJECTS.task("relay", "ledger2"), b'{"n": 4}',
+                           headers={schema.H_REQUEST_ID: rid}, timeout=10)  # fmt: skip
+    assert (raw.headers or {}).get(schema.H_HOLDER) == "keeper"
