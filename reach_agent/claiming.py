@@ -5,7 +5,8 @@ Before a handler runs, the agent creates the request id's claim in KV ``reach_cl
 create finds a claim decides with :func:`decide` (pure) what the stored claim means:
 
     released (its holder went offline)           → take it over (compare-and-set), run
-    running, held by this agent's earlier process → take it over (that process died), run
+    running, held by this agent's id              → take it over (its earlier process died,
+                                                    or this process's create landed unseen), run
     running, held by anyone else                  → IN_PROGRESS, naming the holder
     completed / failed                            → answer the stored result (the holder's
                                                     final ack record), never run again
@@ -62,8 +63,12 @@ def decide(claim: schema.Claim, *, agent_id: str, instance: str) -> Verdict:
         return "take_over"
     if claim.state != "running":
         return "stored"
-    if claim.agent_id == agent_id and claim.instance != instance:
-        return "take_over"  # this agent's previous process died holding it
+    if claim.agent_id == agent_id:
+        # This agent's, running, yet this process runs nothing under the request id (a copy
+        # of a task it runs is answered from its duplicate window before it claims): its
+        # previous process died holding it, or this process's own create landed while its
+        # answer was lost (the task was refused retryably). Take it over.
+        return "take_over"
     return "in_progress"
 
 

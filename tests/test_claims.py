@@ -49,7 +49,9 @@ def claim(state: schema.ClaimState, agent: str = "alpha", instance: str = "i1") 
 def test_a_stored_claim_means_wait_answer_or_take_over() -> None:
     me = {"agent_id": "alpha", "instance": "i1"}
     assert decide(claim("running", "beta", "i9"), **me) == "in_progress"
-    assert decide(claim("running", "alpha", "i1"), **me) == "in_progress"  # ours, running
+    # ours, this very process: a create that landed while its answer was lost (this process
+    # runs nothing under the id: a copy of a task it runs never reaches the claim)
+    assert decide(claim("running", "alpha", "i1"), **me) == "take_over"
     assert decide(claim("running", "alpha", "i0"), **me) == "take_over"  # our dead predecessor
     assert decide(claim("released", "beta", "i9"), **me) == "take_over"
     assert decide(claim("completed", "beta", "i9"), **me) == "stored"
@@ -480,3 +482,30 @@ async def test_a_caller_answered_from_another_agents_claim_waits_for_the_holders
     raw = await nc.request(SUBJECTS.task("relay", "ledger2"), b'{"n": 4}',
                            headers={schema.H_REQUEST_ID: rid}, timeout=10)  # fmt: skip
     assert (raw.headers or {}).get(schema.H_HOLDER) == "keeper"
+
+
+async def test_a_claim_this_process_created_without_seeing_the_answer_is_taken_over(
+    nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS
+) -> None:
+    """The agent's create of a claim landed but its PubAck was lost (a timeout: the task was
+    refused, retryably). The next copy finds a claim ``running`` under the agent's own id
+    and process, which runs nothing under that request id: it takes the claim over and runs
+    the task — instead of answering ``IN_PROGRESS`` naming itself to every copy, so that no
+    copy ever ran it (found by loadtest.nemesis: two calls answered 'still running on agent
+    a1' for 50 s after every fault had healed, with no run anywhere)."""
+    runs: list[tuple[str, str]] = []
+    agent = await agents(slow_agent("orphan", "ledger3", runs))
+    await wait_for(lambda: healthy(broker, "orphan"))
+    rid = str(uuid.uuid4())
+    lost = schema.Claim(request_id=rid, agent_id="orphan", instance=agent.instance,
+                        capability="ledger3", state="running", at_ms=1,
+                        ack_subject=SUBJECTS.ack("orphan", rid))  # fmt: skip
+    assert (await ClaimStore(nc).create(claim_key(rid), schema.encoder.encode(lost)))[0]
+    reply = await nc.request(SUBJECTS.task("orphan", "ledger3"), b'{"n": 5}',
+                             headers={schema.H_REQUEST_ID: rid}, timeout=10)  # fmt: skip
+    assert msgspec.json.decode(reply.data) == {"agent": "orphan", "n": 5}
+    assert runs == [("orphan", rid)]
+    stored = await stored_claim(nc, rid)
+    assert stored is not None
+    assert (stored.agent_id, stored.instance, stored.state) == ("orphan", agent.instance,
+                                                                "completed")  # fmt: skip
