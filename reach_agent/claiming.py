@@ -31,6 +31,7 @@ NATS cannot claim at all (exactly when it could not reply either).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import Literal
@@ -51,6 +52,10 @@ log = trace.logger(__name__)
 
 Verdict = Literal["take_over", "in_progress", "stored"]
 
+UNCONFIRMED_TRIES = 6
+"""Looks at a claim whose create (or take-over) was not confirmed, while the store does not
+answer (backing off 0.5 s doubling to 4 s: about 12 s in all)."""
+UNCONFIRMED_REASON = "its create was not confirmed and the task was refused"
 STORED_WAIT_S = 2.0
 """How long an agent waits for the final ack record of a claim that says it is finished
 (the holder ends its claim just before its ack writer stores the record)."""
@@ -239,6 +244,33 @@ class Claimer:
         if claimed is None or claimed.held is not None:
             return (claimed.held if claimed else None), None
         return None, await self.answer(claimed, request_id)
+
+    async def release_unconfirmed(self, request_id: str, running: Callable[[], bool]) -> None:
+        """After a task was refused because its claim was not confirmed: the create (or the
+        take-over) may have landed all the same, leaving a claim ``running`` under this
+        process for a request it does not run — every copy elsewhere would wait for it. Look,
+        and release such a claim (unless ``running()``: a later copy runs it here now)."""
+        key = claim_key(request_id)
+        for attempt in range(UNCONFIRMED_TRIES):
+            try:
+                stored = await self.store.get(key)
+                if stored is None:
+                    return
+                claim = _decode(stored)
+                ours = (claim.agent_id, claim.instance) == (self.agent_id, self.instance)
+                if claim.state != "running" or not ours or running():
+                    return
+                gone = msgspec.structs.replace(claim, state="released", reason=UNCONFIRMED_REASON,
+                                               at_ms=int(time.time() * 1000))  # fmt: skip
+                if await self.store.swap(key, schema.encoder.encode(gone), stored.revision):
+                    log.info("claims.unconfirmed_released request_id=%s agent=%s", request_id,
+                             self.agent_id)  # fmt: skip
+                return  # or it moved on meanwhile: not ours to change any more
+            except (ClaimsUnavailable, NoClaimsBucket):
+                await asyncio.sleep(min(0.5 * 2**attempt, 4.0))
+        log.warning("claims.unconfirmed_unknown request_id=%s agent=%s: the claim could not "
+                    "be read; if its create landed, it waits for this agent's release or "
+                    "offline declaration", request_id, self.agent_id)  # fmt: skip
 
     async def end(self, held: Held, error: ReachError | None) -> Callable[[], Awaitable[None]]:
         """How a run ends its claim: ``completed``; ``released`` after a retryable error

@@ -244,12 +244,14 @@ class TaskServer:
     ) -> None:
         # This asyncio task's own context: the handler's sub-calls and log lines see it.
         trace.CURRENT.set(trace.TraceContext(request_id, self.agent_id, hdrs))
+        unconfirmed = False
         try:
             held = None
             if claim:
                 assert self.claimer is not None
                 held, answer = await self.claimer.take(request_id, capability)
                 if answer is not None:
+                    unconfirmed = answer[0] == "unclaimed"
                     await self._answer(msg, capability, request_id, entry, d, answer)
                     return
                 if msg.reply and d.receipt:
@@ -260,6 +262,12 @@ class TaskServer:
             self.active -= 1
             if self.active == 0:
                 self._idle.set()
+            if unconfirmed and self.claimer is not None:
+                # Refused for a claim not confirmed: it may have landed all the same.
+                look = self.claimer.release_unconfirmed(
+                    request_id, lambda: request_id in self._running
+                )
+                self._tasks.spawn(look, "reach-claim-unconfirmed")
 
     async def _answer(
         self,

@@ -25,7 +25,7 @@ from nats.aio.client import Client as NATS
 
 import reach_agent
 from jetstream.acks import ack_msg_id, publish_record
-from jetstream.claims import ClaimStore, claim_key
+from jetstream.claims import ClaimStore, ClaimsUnavailable, claim_key
 from jetstream.provision import load_definitions
 from reach_agent import ClientConfig, schema
 from reach_agent.claiming import decide
@@ -509,3 +509,40 @@ async def test_a_claim_this_process_created_without_seeing_the_answer_is_taken_o
     assert stored is not None
     assert (stored.agent_id, stored.instance, stored.state) == ("orphan", agent.instance,
                                                                 "completed")  # fmt: skip
+
+
+async def test_a_refused_task_whose_claim_landed_unseen_releases_it(
+    nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The claim's create landed but its answer was lost (injected: the store raises after
+    a real create), so the task is refused, retryably: the agent looks again and releases
+    the claim left ``running`` under its own process, and a copy sent to another agent runs
+    the request instead of waiting for a holder that runs nothing."""
+    runs: list[tuple[str, str]] = []
+    agent = await agents(slow_agent("unseen", "ledger4", runs))
+    await wait_for(lambda: healthy(broker, "unseen"))
+    assert agent.tasks.claimer is not None
+    store = agent.tasks.claimer.store
+    real_create = store.create
+
+    async def landed_unseen(key: str, data: bytes) -> Any:
+        await real_create(key, data)
+        raise ClaimsUnavailable(f"JetStream did not confirm the claim {key!r} within 2.0s")
+
+    monkeypatch.setattr(store, "create", landed_unseen)
+    rid = str(uuid.uuid4())
+    reply = await nc.request(SUBJECTS.task("unseen", "ledger4"), b'{"n": 6}',
+                             headers={schema.H_REQUEST_ID: rid}, timeout=10)  # fmt: skip
+    assert msgspec.json.decode(reply.data)["error"]["code"] == "TIMEOUT"
+    assert runs == []
+    stored = None
+    for _ in range(200):
+        stored = await stored_claim(nc, rid)
+        if stored is not None and stored.state == "released":
+            break
+        await asyncio.sleep(0.05)
+    assert stored is not None
+    assert (stored.agent_id, stored.instance, stored.state) == ("unseen", agent.instance,
+                                                                "released")  # fmt: skip
+    assert stored.reason == "its create was not confirmed and the task was refused"
