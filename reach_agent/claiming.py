@@ -129,6 +129,9 @@ class Claimer:
         """Whether claims are taken (the bucket exists)."""
         self._checked = float("-inf")
         self._warned = False
+        self.unconfirmed: set[str] = set()
+        """Request ids refused because their claim got no answer (it may have landed): each
+        looked at once by :meth:`release_unconfirmed`."""
 
     async def start(self) -> None:
         """Look for the bucket once; without it claims are off until a later check."""
@@ -238,6 +241,8 @@ class Claimer:
         try:
             claimed = await self.claim(request_id, capability)
         except ClaimsUnavailable as exc:
+            if not isinstance(exc, NoClaimsBucket):  # no answer: it may have landed
+                self.unconfirmed.add(request_id)
             err = Timeout(f"agent {self.agent_id!r} could not claim request_id {request_id!r} "
                           f"({exc}): not run unclaimed, try again")  # fmt: skip
             return None, ("unclaimed", _error_reply(err, request_id))
@@ -250,6 +255,9 @@ class Claimer:
         take-over) may have landed all the same, leaving a claim ``running`` under this
         process for a request it does not run — every copy elsewhere would wait for it. Look,
         and release such a claim (unless ``running()``: a later copy runs it here now)."""
+        if request_id not in self.unconfirmed:
+            return  # nothing was sent, or the store said no: nothing landed
+        self.unconfirmed.discard(request_id)
         key = claim_key(request_id)
         for attempt in range(UNCONFIRMED_TRIES):
             try:
