@@ -49,15 +49,16 @@ class Child:
 
     @classmethod
     async def start(cls, name: str, *argv: str, stdin: bool = False, quiet: bool = True,
-                    log: str | None = None) -> Child:  # fmt: skip
+                    log: str | None = None, err_log: str | None = None) -> Child:  # fmt: skip
         """Start ``argv``; with ``log`` its stdout and stderr are appended to that file (and
-        :meth:`read_event` has nothing to read)."""
+        :meth:`read_event` has nothing to read), with ``err_log`` its stderr alone."""
         out: Any = asyncio.subprocess.PIPE
         err: Any = asyncio.subprocess.DEVNULL if quiet else None
-        sink = _append(log) if log else None
+        sink = _append(log or err_log) if log or err_log else None
         try:
             if sink is not None:
-                out = err = sink
+                err = sink
+                out = sink if log else out
             proc = await asyncio.create_subprocess_exec(
                 *argv,
                 stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
@@ -128,8 +129,9 @@ class Children:
         self._all: list[Child] = []
 
     async def spawn(self, name: str, *argv: str, stdin: bool = False, quiet: bool = True,
-                    log: str | None = None) -> Child:  # fmt: skip
-        child = await Child.start(name, *argv, stdin=stdin, quiet=quiet, log=log)
+                    log: str | None = None, err_log: str | None = None) -> Child:  # fmt: skip
+        child = await Child.start(name, *argv, stdin=stdin, quiet=quiet, log=log,
+                                  err_log=err_log)  # fmt: skip
         self._all.append(child)
         return child
 

@@ -104,6 +104,8 @@ class Stack:
         self.killed: dict[int, float] = {}
         """PID → when it was SIGKILLed (the agents')."""
         self.done: list[history.Fault] = []
+        self.node_pids: list[int] = []
+        """Every nats-server process started (restarts included)."""
         self.start_failures: list[str] = []
         """Broker starts that failed (the process exited at start), with its last line."""
         self._locks: dict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
@@ -114,6 +116,7 @@ class Stack:
     def start_cluster(self) -> None:
         """The nodes (blocking; from the main thread, so PR_SET_PDEATHSIG ties them to us)."""
         self.cluster.start(READY_S, die_with_parent_=True)
+        self.node_pids += [n.pid for n in self.cluster.nodes if n.pid is not None]
 
     @property
     def node_urls(self) -> list[str]:
@@ -183,10 +186,13 @@ class Stack:
                 name, PY, "-m", "loadtest.nemesis_caller", "--name", name,
                 "--servers", ",".join(self.node_urls), "--log", str(self.ops_log(name)),
                 "--seed", str(self.args.seed), "--concurrency", str(self.args.concurrency),
-                stdin=True, quiet=not self.args.verbose,
+                stdin=True, err_log=str(self.root / f"{name}.log"),
             )  # fmt: skip
-            await child.wait_event("ready", READY_S)
             self.callers[name] = child
+            try:
+                await child.wait_event("ready", READY_S)
+            except (RuntimeError, TimeoutError) as exc:
+                raise RuntimeError(f"caller {name}: {exc!r}; see {self.root / name}.log") from None
 
     # --- faults ----------------------------------------------------------------------------
 
@@ -244,6 +250,8 @@ class Stack:
 
     async def restart_node(self, node: Node) -> None:
         node.spawn(die_with_parent_=True)  # forked on the main thread (PR_SET_PDEATHSIG)
+        if node.pid is not None:
+            self.node_pids.append(node.pid)
         await asyncio.to_thread(node.wait_listening)
 
     # --- after the faults ------------------------------------------------------------------
@@ -501,7 +509,8 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         verdict = history.check(h, rules)
         claims = await claims_of(nc, verdict.unresolved)
         extra = {"broker_start_failures": stack.start_failures,
-                 "loadavg": {"start": load0, "end": list(os.getloadavg())}}  # fmt: skip
+                 "loadavg": {"start": load0, "end": list(os.getloadavg())},
+                 "pids": [*children.pids().values(), *stack.node_pids]}  # fmt: skip
         return report(args, plan_, h, verdict, claims, began, finished, extra)
     finally:
         await monitor.stop()
