@@ -49,6 +49,8 @@ class Caller:
         self.rng = random.Random(f"{args.seed}/{args.name}")
         self.client = Client(args.servers.split(","), name=f"nemesis-{args.name}")
         self.payloads: dict[str, dict[str, Any]] = {}
+        self.issued: list[str] = []
+        """Every request id issued, in order (a repeat draws one)."""
         self.calls: dict[str, bool] = {}
         """Request id of each call → whether its last answer was final."""
         self.submits: dict[str, bool | None] = {}
@@ -128,11 +130,12 @@ class Caller:
             if draw < self.args.repeat_share and self.payloads:
                 # An earlier request id again, whatever became of it: it must never run
                 # a second time (the delivery guarantee), and its answer is its first run's.
-                rid = self.rng.choice(list(self.payloads))
+                rid = self.issued[self.rng.randrange(len(self.issued))]
                 await self.call(rid, "repeat", final=False)
                 continue
             rid = f"{self.args.name}-{next(self._numbers):06d}"
             self.payloads[rid] = self.payload()
+            self.issued.append(rid)
             if draw < self.args.repeat_share + self.args.submit_share:
                 await self.submit(rid, "submit")
             else:
