@@ -9,8 +9,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.config import Config
-from reach_broker.natsserver import NatsServer
 
 
 @contextlib.contextmanager

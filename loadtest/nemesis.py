@@ -59,10 +59,10 @@ from nats.js.api import DeliverPolicy
 from jetstream import ackreads, audit, compensation
 from jetstream.claims import ClaimStore, ClaimsUnavailable, claim_key
 from jetstream.names import ACK_STREAM
-from reach_agent import schema
-from reach_agent.subjects import Subjects
-from reach_broker.clusterconfig import plan
-from reach_broker.natscluster import Cluster, Node
+from reach_agent.wire import schema
+from reach_agent.wire.subjects import Subjects
+from reach_broker.cluster.clusterconfig import plan
+from reach_broker.cluster.natscluster import Cluster, Node
 
 from . import faults, history
 from .children import PY, Child, Children

@@ -33,9 +33,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import reach_agent
-from reach_agent import calls, schema, serving, trace
-from reach_broker.metrics import Metrics
-from reach_broker.service import Broker
+from reach_agent import trace
+from reach_agent.agent import serving
+from reach_agent.client import calls
+from reach_agent.wire import schema
+from reach_broker.service.broker import Broker
+from reach_broker.service.metrics import Metrics
 
 from .local import local_stack
 

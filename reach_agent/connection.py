@@ -227,9 +227,9 @@ def is_refusal(exc: BaseException) -> bool:
 
 async def connect(nc: Any, options: dict[str, Any], *, what: str) -> None:
     """``nc.connect(**options)``, except that the server refusing the credentials ends the
-    first connect at once with :class:`~reach_agent.errors.Forbidden` naming ``what`` and the
+    first connect at once with :class:`~reach_agent.wire.errors.Forbidden` naming ``what`` and the
     credentials file, instead of retrying until a timeout that would blame the network."""
-    from .errors import Forbidden
+    from reach_agent.wire.errors import Forbidden
 
     refused: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
     user_cb = options.get("error_cb")

@@ -1,8 +1,8 @@
 """Trace context that follows a task into its sub-calls, and into the SDK's log lines.
 
 An agent runs each task with the task's :class:`TraceContext` in a context variable
-(:data:`CURRENT`, set by :class:`~reach_agent.serving.TaskServer`; asyncio tasks the handler
-spawns and its worker thread inherit it). A :class:`~reach_agent.client.Client` call made
+(:data:`CURRENT`, set by :class:`~reach_agent.agent.serving.TaskServer`; asyncio tasks the handler
+spawns and its worker thread inherit it). A :class:`~reach_agent.client.client.Client` call made
 there adds the context's child headers to its own — ``Reach-Hops`` with this agent
 appended, the task's ``Reach-Trace-Id``, and a ``traceparent`` of the same W3C trace with a
 new parent id — so loops are caught downstream without passing headers by hand (headers
@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from contextvars import ContextVar
 from random import getrandbits
 
-from . import schema
+from .wire import schema
 
 _TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 _TRACE_ID = re.compile(r"[0-9a-f]{32}")
@@ -42,7 +42,7 @@ class TraceContext:
         self.agent_id = agent_id
         self.headers = headers
         self.steps = 0
-        """Flow steps begun for this task (:mod:`~reach_agent.flow`): their ids' numbers."""
+        """Flow steps begun for this task (:mod:`~reach_agent.client.flow`): their ids' numbers."""
 
     @property
     def trace_id(self) -> str | None:

@@ -105,7 +105,7 @@ class DetectionSection(Section):
 
 
 class ScoringSection(Section):
-    """score = 100 * L^w_live * T^w_lat * F^w_load * S^w_succ (see reach_broker/scoring.py)."""
+    """score = 100 * L^w_live * T^w_lat * F^w_load * S^w_succ (see reach_broker/core/scoring.py)."""
 
     weight_liveness: Annotated[float, Meta(ge=0)] = 1.0
     """Exponent of the liveness ratio over the last heartbeat/probe outcomes."""
@@ -267,7 +267,7 @@ class A2ASection(Section):
 
 class SynadiaSection(Section):
     """Agents of the Synadia Agent Protocol for NATS (``$SRV.INFO.agents``), routed as they
-    are (reach_broker/synadia.py)."""
+    are (reach_broker/interop/synadia.py)."""
 
     enabled: bool = True
     """Discover them, follow their heartbeats and route to them."""
@@ -290,7 +290,7 @@ class QuotaLimit(Section):
 
 
 class QuotasSection(Section):
-    """Token buckets per (caller, capability) on route requests (reach_broker/quotas.py)."""
+    """Token buckets per (caller, capability) on route requests (reach_broker/core/quotas.py)."""
 
     rate: Annotated[float, Meta(ge=0)] = 0.0
     """Route requests per second each caller may make for each capability (0: no quota
@@ -307,7 +307,7 @@ class QuotasSection(Section):
 
 
 class OutcomesSection(Section):
-    """What callers saw, folded into the delivery term (reach_broker/delivery.py)."""
+    """What callers saw, folded into the delivery term (reach_broker/core/delivery.py)."""
 
     enabled: bool = True
     """Follow ``<prefix>.outcome.*`` and score delivery by it."""
@@ -326,7 +326,7 @@ class OutcomesSection(Section):
 
 
 class RuleSection(Section):
-    """One capability's route rule in broker.toml (reach_broker/rules.py)."""
+    """One capability's route rule in broker.toml (reach_broker/core/rules.py)."""
 
     split: str | None = None
     """``version=1:95,2:5`` or ``TAG=a:90,b:10``."""

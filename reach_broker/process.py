@@ -5,12 +5,12 @@ Start, in order: an embedded ``nats-server`` when the config names no server (wi
 terminal Ctrl-C reaches the broker only, which stops its clients before the server: the
 server dying first would leave them reconnecting), SIGINT/SIGTERM/SIGHUP handlers (SIGHUP:
 the terminal closed), the HTTP port (Prometheus ``/metrics`` and the web console,
-:mod:`reach_broker.console`), the :class:`~reach_broker.service.Broker`, then the console's
-feed on the running broker and (``a2a.port``) the A2A gateway (:mod:`reach_broker.a2a`).
+:mod:`reach_broker.console`), the :class:`~reach_broker.service.broker.Broker`, then the console's
+feed on the running broker and (``a2a.port``) the A2A gateway (:mod:`reach_broker.interop.a2a`).
 Stop, the other way round: the gateway, the HTTP port (open pages are told goodbye), the
 broker (drains, leaves nothing in flight), then the embedded server. Should the
 process die without stopping (``kill -9``), the embedded server dies with it
-(:mod:`reach_broker.lifeline`).
+(:mod:`reach_broker.cluster.lifeline`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import os
 import signal
 from typing import Any
 
+from reach_broker.cluster.natsserver import NatsServer, NatsServerError, PortInUse
+
 from .config import Config
 from .logs import say
-from .natsserver import NatsServer, NatsServerError, PortInUse
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """What stops the process in order: Ctrl-C, ``kill``, and the terminal going away."""
@@ -75,7 +76,8 @@ def check_a2a(cfg: Config) -> None:
         return
     if cfg.a2a.token is None:
         cfg.a2a.token = cfg.console.token
-    from .a2a.binding import binding_error
+    from reach_broker.interop.a2a.binding import binding_error
+
     from .extras import MissingExtra, require
 
     try:
@@ -130,9 +132,9 @@ async def _embedded_server(cfg: Config) -> NatsServer:
 
 
 async def _run_broker(cfg: Config, stop: asyncio.Event) -> None:
-    from .console.port import HttpPort
-    from .metrics import Metrics
-    from .service import Broker
+    from reach_broker.console.port import HttpPort
+    from reach_broker.service.broker import Broker
+    from reach_broker.service.metrics import Metrics
 
     metrics = Metrics()
     port = HttpPort(cfg, metrics.registry) if cfg.broker.metrics_port else None
@@ -178,7 +180,7 @@ async def _serve_broker(cfg: Config, stop: asyncio.Event, broker: Any, port: Any
 
 async def _a2a_gateway(cfg: Config, broker: Any) -> Any:
     """The A2A gateway of the running ``broker``, started and announced."""
-    from .a2a.gateway import A2AGateway
+    from reach_broker.interop.a2a.gateway import A2AGateway
 
     gateway = A2AGateway(cfg.a2a, nc=broker.nc, subjects=broker.subjects,
                          registry=broker.registry, router=broker.router, clock=broker.clock,

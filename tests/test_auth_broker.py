@@ -20,10 +20,11 @@ from nats.js.errors import NotFoundError
 import reach_agent
 from jetstream import ackreads
 from jetstream.names import ACK_STREAM, AUDIT_STREAM
-from reach_agent import durable, schema
+from reach_agent.client import durable
+from reach_agent.wire import schema
 from reach_broker.auth import AuthDir, init, issue_agent, issue_caller
-from reach_broker.metrics import Metrics
-from reach_broker.service import Broker
+from reach_broker.service.broker import Broker
+from reach_broker.service.metrics import Metrics
 
 from .auth_helpers import AuthServer, Inbox, auth_server, connect, violation
 from .conftest import fast_config, wait_for
@@ -342,7 +343,7 @@ async def test_a_connection_named_after_another_agent_is_not_taken_for_it(
     await asyncio.wait_for(beta.start(server.url), 20)
     try:
         await wait_for(lambda: healthy(broker, "beta"), 10, what="beta healthy")
-        caplog.set_level(logging.WARNING, "reach_broker.advisories")
+        caplog.set_level(logging.WARNING, "reach_broker.service.advisories")
         # alpha's credential, connection name "beta": its disconnect is not beta's.
         async with connect(server.url, auth.creds("agent", "alpha"), "beta"):
             pass

@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from reach_agent.subjects import Subjects
+from reach_agent.wire.subjects import Subjects
 from reach_broker.auth import (
     ROLES,
     AuthDir,

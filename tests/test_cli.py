@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 from nats.aio.client import Client as NATS
 
-from reach_agent import schema
+from reach_agent.wire import schema
 from reach_broker.cli.common import CliError, parse_duration
 from reach_broker.cli.events import parse_since
 from reach_broker.cli.view import BrokerStats, Snapshot, render
-from reach_broker.natsserver import NatsServer
-from reach_broker.service import Broker
+from reach_broker.cluster.natsserver import NatsServer
+from reach_broker.service.broker import Broker
 
 from .conftest import BrokerFactory, wait_for
 
@@ -907,7 +907,7 @@ async def test_top_live_survives_a_server_restart(
 async def test_sigkill_of_the_demo_takes_every_child_along() -> None:
     import shutil
 
-    from reach_broker.natsserver import remove_stale_store_dirs
+    from reach_broker.cluster.natsserver import remove_stale_store_dirs
 
     from .test_broker_process import gone
 

@@ -12,16 +12,16 @@ from typing import Any
 import pytest
 from nats.aio.client import Client as NATS
 
-from reach_agent.schema import Announce, Event
+from reach_agent.wire.schema import Announce, Event
+from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.config import Config, ConfigError, console_token
 from reach_broker.console.app import Access, App, host_name, is_loopback
 from reach_broker.console.history import History
 from reach_broker.console.httpd import BadRequest, HttpServer, Request, parse_head
 from reach_broker.console.port import HttpPort
-from reach_broker.metrics import Metrics
-from reach_broker.natsserver import NatsServer
-from reach_broker.records import AgentRecord
-from reach_broker.service import Broker
+from reach_broker.core.records import AgentRecord
+from reach_broker.service.broker import Broker
+from reach_broker.service.metrics import Metrics
 
 from .conftest import BrokerFactory, fast_config, wait_for
 from .test_cli import QUIET, announce
@@ -30,7 +30,7 @@ TOKEN = "s3cret-token-0123456789"
 
 
 def record(agent_id: str, score: float = 100.0) -> AgentRecord:
-    from reach_broker.detector import ArrivalWindow
+    from reach_broker.core.detector import ArrivalWindow
 
     ann = Announce(agent_id=agent_id, capabilities=["summarize"], max_concurrency=4,
                    heartbeat_interval_ms=1000)  # fmt: skip
@@ -385,7 +385,7 @@ def test_a_bad_console_token_is_a_usage_error() -> None:
 async def test_the_timeline_starts_with_the_audit_history(
     nats_server: NatsServer, nc: NATS, broker_factory: BrokerFactory
 ) -> None:
-    from reach_agent import schema
+    from reach_agent.wire import schema
 
     broker = await broker_factory(**QUIET)  # it provisions REACH_AUDIT
     js = nc.jetstream()
@@ -409,7 +409,7 @@ async def test_the_timeline_starts_with_the_audit_history(
 
 def test_a_row_is_rebuilt_only_for_an_agent_heard_from() -> None:
     from reach_broker.console.views import Views
-    from reach_broker.explain import Explainer
+    from reach_broker.core.explain import Explainer
 
     from .test_routing import World
 

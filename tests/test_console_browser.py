@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from reach_broker.natsserver import NatsServer
+from reach_broker.cluster.natsserver import NatsServer
 
 from .test_broker_process import free_port, read_until
 

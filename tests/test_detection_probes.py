@@ -10,7 +10,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 
 from reach_agent.connection import flush_subscriptions
-from reach_broker.natsserver import NatsServer
+from reach_broker.cluster.natsserver import NatsServer
 
 from .conftest import BrokerFactory, wait_for
 from .detection_agents import Transitions, agents

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 import reach_agent
-from reach_agent.errors import BizReject, TargetBusy
-from reach_broker.natsserver import NatsServer
-from reach_broker.service import Broker
+from reach_agent.wire.errors import BizReject, TargetBusy
+from reach_broker.cluster.natsserver import NatsServer
+from reach_broker.service.broker import Broker
 
 from .conftest import wait_for
 from .test_cli import CLI, cli_env
@@ -195,7 +195,7 @@ async def test_a_failing_health_url_takes_it_out_of_the_routes(
     await wait_for(lambda: broker.registry.agents["http-a"].state in ("suspect", "offline"), 10,
                    what="http-a out of the routes")  # fmt: skip
     async with reach_agent.Client(nats_server.url) as client:
-        with pytest.raises(reach_agent.errors.NoReachableAgent):
+        with pytest.raises(reach_agent.wire.errors.NoReachableAgent):
             await client.route("llm.chat")
         a.health = 200
         await wait_for(lambda: healthy(broker, "http-a"), 10, what="http-a back")

@@ -19,7 +19,7 @@ from jetstream import audit, claims
 from jetstream.names import AUDIT_STREAM, CLAIMS_STREAM
 from jetstream.ordered import start_at
 from jetstream.provision import load_definitions, provision
-from reach_agent.subjects import Subjects
+from reach_agent.wire.subjects import Subjects
 
 from .conftest import wait_for
 

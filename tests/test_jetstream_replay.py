@@ -22,12 +22,12 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from jetstream import ackreads, acks, compensation
-from reach_agent import durable
-from reach_agent.agent import Agent
+from reach_agent.agent.agent import Agent
+from reach_agent.client import durable
 from reach_agent.connection import connect_options
-from reach_agent.subjects import Subjects
-from reach_broker.natsserver import NatsServer
-from reach_broker.service import Broker
+from reach_agent.wire.subjects import Subjects
+from reach_broker.cluster.natsserver import NatsServer
+from reach_broker.service.broker import Broker
 
 from .conftest import BrokerFactory, wait_for
 from .test_broker_wire import announce, heartbeat
@@ -38,10 +38,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 AGENT_SCRIPT = """
 import asyncio, os, signal, sys
-from reach_agent.agent import Agent
+from reach_agent.agent.agent import Agent
 from jetstream.acks import AckWriter
 from reach_agent.connection import connect_options
-from reach_agent.subjects import Subjects
+from reach_agent.wire.subjects import Subjects
 
 url, agent_id, cap, log_path, wal_dir = sys.argv[1:6]
 delay = float(os.environ.get("TEST_DELAY", "0"))
@@ -191,7 +191,7 @@ async def test_tasks_queued_without_agent_run_exactly_once_when_one_starts(
     # Priority first: the five priority-1 entries (odd n) were replayed before the rest.
     assert {n % 2 for _, n in ran[:4]} == {1}
     await queue_drained(nc)
-    assert broker.replayer.replayed == 10
+    assert broker.replayer.sender.replayed == 10
     assert broker.metrics.compensation_result["replayed"]._value.get() == 10
     await wait_for(lambda: broker.metrics.ack_record_state["completed"]._value.get() >= 10)
     assert broker.metrics.ack_latency._sum.get() > 0

@@ -1,5 +1,5 @@
 """``reach adapt http``: a sidecar that makes an HTTP agent a reach agent
-(:mod:`reach_broker.httpadapter`); it runs until Ctrl-C, then drains."""
+(:mod:`reach_broker.interop.httpadapter`); it runs until Ctrl-C, then drains."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import asyncio
 import logging
 from urllib.parse import urlsplit
 
-from reach_agent import schema
-from reach_agent.errors import ReachError
+from reach_agent.wire import schema
+from reach_agent.wire.errors import ReachError
+from reach_broker.logs import say
 
-from ..logs import say
 from .common import EXIT_USAGE, CliError, Subcommands, add_common, capability, stop_on_signals
 
 
@@ -42,7 +42,7 @@ def _url(value: str, flag: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..httpadapter import missing_extra
+    from reach_broker.interop.httpadapter import missing_extra
 
     why = missing_extra()
     if why is not None:
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _adapt(args: argparse.Namespace, cap: str, url: str, health: str | None) -> int:
-    from ..httpadapter import HttpAdapter
+    from reach_broker.interop.httpadapter import HttpAdapter
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     stop = stop_on_signals()

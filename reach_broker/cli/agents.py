@@ -23,7 +23,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _agents(args: argparse.Namespace) -> int:
-    from reach_agent import schema
+    from reach_agent.wire import schema
 
     body: dict[str, str] = {}
     if args.capability is not None:

@@ -115,7 +115,7 @@ def _dir(p: argparse.ArgumentParser) -> None:
 
 
 def _open(args: argparse.Namespace) -> Any:
-    from ..auth import AuthDir, AuthError
+    from reach_broker.auth import AuthDir, AuthError
 
     if not args.dir:
         raise CliError("--dir DIR is required (or set REACH_AUTH_DIR)", EXIT_USAGE)
@@ -132,7 +132,7 @@ def _identity(i: Any) -> dict[str, Any]:
 
 
 def run_init(args: argparse.Namespace) -> int:
-    from ..auth import AuthError, init
+    from reach_broker.auth import AuthError, init
 
     try:
         d = init(args.dir, tls=args.tls, force=args.force, prefix=args.prefix, host=args.host,
@@ -161,7 +161,7 @@ def run_init(args: argparse.Namespace) -> int:
 
 
 def run_issue(args: argparse.Namespace) -> int:
-    from ..auth import AuthError, issue
+    from reach_broker.auth import AuthError, issue
 
     d = _open(args)
     expires = parse_duration(args.expires, "--expires") if args.expires else None
@@ -177,7 +177,7 @@ def run_issue(args: argparse.Namespace) -> int:
 
 
 def run_list(args: argparse.Namespace) -> int:
-    from ..auth import list_identities
+    from reach_broker.auth import list_identities
 
     found = list_identities(_open(args))
     if args.json:
@@ -192,7 +192,7 @@ def run_list(args: argparse.Namespace) -> int:
 
 
 def run_revoke(args: argparse.Namespace) -> int:
-    from ..auth import AuthError, revoke
+    from reach_broker.auth import AuthError, revoke
 
     d = _open(args)
     try:
@@ -222,7 +222,7 @@ def run_push(args: argparse.Namespace) -> int:
 
 def _push(args: argparse.Namespace, d: Any, done: str) -> str:
     """Hand the server the DIR's account (``$SYS.REQ.CLAIMS.UPDATE``); its answer."""
-    from ..auth import AuthError, push_account
+    from reach_broker.auth import AuthError, push_account
 
     urls = servers(args)
     try:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from .. import process
-from ..config import ConfigError, a2a_token, console_token, load
+from reach_broker import process
+from reach_broker.config import ConfigError, a2a_token, console_token, load
+
 from .common import (
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     if args.tls_ca:
         cfg.nats.tls_ca = args.tls_ca
     if args.auth:
-        from ..auth import AuthDir, AuthError
+        from reach_broker.auth import AuthDir, AuthError
 
         try:
             AuthDir.open(args.auth)

@@ -4,7 +4,7 @@ reading of durations.
 
 A command never builds connection options, subjects or messages of its own: the connection
 comes from :func:`connect` (through :func:`reach_agent.connection.connect_options`), subjects
-from :func:`subjects` (a :class:`reach_agent.subjects.Subjects`).
+from :func:`subjects` (a :class:`reach_agent.wire.subjects.Subjects`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ import urllib.parse
 import weakref
 from typing import Any
 
-from reach_agent.subjects import Subjects
-
-from ..process import STOP_SIGNALS
+from reach_agent.wire.subjects import Subjects
+from reach_broker.process import STOP_SIGNALS
 
 log = logging.getLogger("reach")
 
@@ -51,7 +50,7 @@ class CliError(Exception):
 
     @classmethod
     def of(cls, err: Any) -> CliError:
-        """A :class:`~reach_agent.errors.ReachError` (an error reply): exit code 1."""
+        """A :class:`~reach_agent.wire.errors.ReachError` (an error reply): exit code 1."""
         out = cls(f"{err.code}: {err.message}", 1, kind=err.code)
         out.detail = err.message
         return out
@@ -112,8 +111,8 @@ def subjects(args: argparse.Namespace) -> Subjects:
 def capability(value: str, flag: str = "capability") -> str:
     """``value`` if it is a capability name (the wire schema's own check), else a usage
     error naming the flag and the value."""
-    from reach_agent.errors import InvalidCapability
-    from reach_agent.schema import check_capability
+    from reach_agent.wire.errors import InvalidCapability
+    from reach_agent.wire.schema import check_capability
 
     try:
         return check_capability(value, flag)
@@ -320,7 +319,7 @@ async def exchange(nc: Any, subject: str, data: bytes, timeout_s: float) -> Any:
 
 def body_of(msg: Any) -> bytes:
     """A reply's body, or the CliError of the error reply it is."""
-    from reach_agent.errors import from_reply
+    from reach_agent.wire.errors import from_reply
 
     err = from_reply(msg.headers, msg.data)
     if err is not None:

@@ -35,11 +35,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from reach_agent.subjects import Subjects
+from reach_agent.wire.subjects import Subjects
+from reach_broker.cluster.natsserver import NatsServer, NatsServerError
+from reach_broker.demo import DEMO_AGENTS
+from reach_broker.logs import say
 
-from ..demo import DEMO_AGENTS
-from ..logs import say
-from ..natsserver import NatsServer, NatsServerError
 from .children import Children
 from .common import (
     EXIT_UNAVAILABLE,
@@ -176,7 +176,7 @@ class Demo:
     def secure(self, directory: Path) -> NatsServer:
         """``--auth``: an auth DIR with every credential of the demo, and its server (not
         started). The demo's own connection (view, readiness) uses the broker's credential."""
-        from ..auth import init, issue_agent, issue_caller
+        from reach_broker.auth import init, issue_agent, issue_caller
 
         d = init(directory, prefix=self.subs.prefix)
         self.agent_creds = {a: str(issue_agent(d, a)) for a in DEMO_AGENTS}
@@ -286,7 +286,7 @@ class Demo:
 
     async def until_ready(self, nc: Any, stop: asyncio.Event) -> bool:
         """Until a broker lists every demo agent healthy."""
-        from reach_agent import schema
+        from reach_agent.wire import schema
 
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not stop.is_set():

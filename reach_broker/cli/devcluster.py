@@ -1,4 +1,4 @@
-"""``reach dev-cluster``: a local N-node JetStream cluster (:mod:`reach_broker.devcluster`).
+"""``reach dev-cluster``: a local N-node JetStream cluster (:mod:`reach_broker.cluster.devcluster`).
 
     reach dev-cluster --nodes 3 --dir DIR [--base-port P] [--background]
     reach dev-cluster --stop --dir DIR
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import argparse
 
-from .. import devcluster
+from reach_broker.cluster import devcluster
+
 from .common import EXIT_USAGE, CliError, Subcommands, env_default, int_env
 
 

@@ -1,4 +1,4 @@
-"""``reach mcp``: the MCP server (:mod:`reach_broker.mcptools`) on stdio, or with ``--http
+"""``reach mcp``: the MCP server (:mod:`reach_broker.interop.mcptools`) on stdio, or with ``--http
 PORT`` on streamable HTTP at ``http://127.0.0.1:PORT/mcp``. Needs the extra ``mcp``.
 
 stdout belongs to the protocol on stdio: every word of ours goes to stderr.
@@ -39,7 +39,7 @@ def add_parser(sub: Subcommands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..extras import MissingExtra, require
+    from reach_broker.extras import MissingExtra, require
 
     try:
         require("mcp", "reach mcp")
@@ -54,10 +54,9 @@ def run(args: argparse.Namespace) -> int:
 
 async def _serve(args: argparse.Namespace) -> int:
     import reach_agent
-
-    from .. import __version__
-    from ..mcpserver import build_server
-    from ..mcptools import Tools
+    from reach_broker import __version__
+    from reach_broker.interop.mcpserver import build_server
+    from reach_broker.interop.mcptools import Tools
 
     base = reach_agent.ClientConfig()
     config = reach_agent.ClientConfig(

@@ -17,10 +17,10 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 
-from reach_agent.errors import ReachError
+from reach_agent.wire.errors import ReachError
+from reach_broker import __version__
+from reach_broker.logs import drop_stdout, setup_logging
 
-from .. import __version__
-from ..logs import drop_stdout, setup_logging
 from . import (
     ack,
     adapt,
@@ -36,7 +36,7 @@ from . import (
     route,
     rules,
     top,
-)  # fmt: skip
+)
 from .common import CliError
 from .output import print_json
 

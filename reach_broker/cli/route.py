@@ -40,8 +40,8 @@ def run(args: argparse.Namespace) -> int:
 async def _route(args: argparse.Namespace) -> int:
     import msgspec
 
-    from reach_agent import schema
-    from reach_agent.errors import from_reply
+    from reach_agent.wire import schema
+    from reach_agent.wire.errors import from_reply
 
     cap = capability(args.capability)
     req = schema.RouteRequest(

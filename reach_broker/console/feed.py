@@ -21,14 +21,14 @@ import msgspec
 
 from jetstream import audit, compensation
 from jetstream.tasks import raise_if_cancelled
-from reach_agent import schema
 from reach_agent.aio import stop_loops
+from reach_agent.wire import schema
+from reach_broker import __version__
+from reach_broker.core.explain import Explainer
+from reach_broker.core.records import AgentRecord, Transition
+from reach_broker.core.registry import Registry
+from reach_broker.service.context import BrokerContext
 
-from .. import __version__
-from ..context import BrokerContext
-from ..explain import Explainer
-from ..records import AgentRecord, Transition
-from ..registry import Registry
 from .history import History
 from .views import CompensationView, QueueDepth, Views, event_view
 

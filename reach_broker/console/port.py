@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import Config
-from ..context import BrokerContext
-from ..explain import Explainer
-from ..registry import Registry
+from reach_broker.config import Config
+from reach_broker.core.explain import Explainer
+from reach_broker.core.registry import Registry
+from reach_broker.service.context import BrokerContext
+
 from .app import Access, App
 from .feed import Feed
 from .httpd import HttpServer

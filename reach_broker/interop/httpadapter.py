@@ -1,0 +1,157 @@
+"""An HTTP agent made a reach agent by a sidecar (``reach adapt http``).
+
+The sidecar is a :class:`reach_agent.Agent` (announce, heartbeats, probes, admission, claims,
+the duplicate window) whose one handler forwards each task on ``<p>.task.<agent_id>.<cap>``
+to the agent's URL as an HTTP POST:
+
+* body: the task's payload as JSON (``Content-Type: application/json``); headers
+  ``Reach-Request-Id``, ``Reach-Timeout-Ms`` (the time left) and ``traceparent`` when the
+  task carries one; the request times out with the task's deadline;
+* answer (:func:`error_of`): 2xx → the result (the response's JSON, or its text when it is
+  not JSON; ``null`` for an empty body); 429/503 → ``TARGET_BUSY``; other 4xx →
+  ``BIZ_REJECT``; anything else (5xx, a redirect), a timeout or a refused connection →
+  ``TIMEOUT`` (retryable: the caller tries another agent, the claim is handed back);
+* ``active`` is the sidecar's own count of forwarded requests in flight (the SDK's);
+  ``--max-concurrency`` caps it (the SDK answers ``TARGET_BUSY`` beyond);
+* with ``--health URL``, each heartbeat and each probe answer first GETs it (2xx: healthy,
+  within ``HEALTH_TIMEOUT_S``); while it fails the sidecar is silent — no heartbeat, no probe
+  answer — so brokers take the agent out of the routes, and put it back once it answers;
+* a request id runs once: the fleet-wide claim and the duplicate window of the SDK answer a
+  repeat with the first result, never a second POST.
+
+The HTTP client is httpx (the optional extra ``reach[http]``): well kept, async with a
+connection pool, per-request timeouts, and no event-loop plumbing of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+
+from reach_agent import Agent, Task
+from reach_agent.wire.errors import BizReject, ReachError, TargetBusy, Timeout
+
+log = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 2.0
+"""A health check slower than this (or the heartbeat interval, if shorter) fails."""
+DEFAULT_TIMEOUT_S = 60.0
+"""How long a POST may take when the task carries no deadline."""
+TRACEPARENT = "traceparent"
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder()
+
+
+def missing_extra() -> str | None:
+    """Why the sidecar cannot run here (httpx not installed), else None."""
+    try:
+        import httpx  # noqa: F401
+    except ImportError:
+        return "reach adapt http needs httpx: pip install 'reach[http]'"
+    return None
+
+
+def error_of(status: int, message: str) -> ReachError:
+    """The reach error of a non-2xx HTTP status."""
+    if status in (429, 503):
+        return TargetBusy(message)
+    if 400 <= status < 500:
+        return BizReject(message)
+    return Timeout(message)
+
+
+class HttpAdapter:
+    """One HTTP agent behind one sidecar: ``await start(servers)``, ``await stop()``."""
+
+    def __init__(
+        self,
+        agent_id: str,
+        capability: str,
+        url: str,
+        *,
+        health_url: str | None = None,
+        max_concurrency: int = 8,
+        timeout_hint_ms: int | None = None,
+        heartbeat_interval: float = 5.0,
+        **agent_options: Any,
+    ) -> None:
+        import httpx
+
+        self.url = url
+        self.health_url = health_url
+        self.posts = 0
+        """HTTP requests sent to ``url`` (tests count them)."""
+        self.agent = Agent(
+            agent_id, [capability], max_concurrency, agent_type="http",
+            timeout_hint=timeout_hint_ms / 1000 if timeout_hint_ms else None,
+            heartbeat_interval=heartbeat_interval, metadata={"url": url}, **agent_options,
+        )  # fmt: skip
+        self.agent.handler(capability)(self.forward)
+        self.http = httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=64)
+        )
+        if health_url is not None:
+            self.agent.presence.health = self.healthy
+        self._health_timeout = min(HEALTH_TIMEOUT_S, heartbeat_interval)
+
+    async def start(self, servers: str | list[str] | None = None) -> None:
+        await self.agent.start(servers)
+
+    async def stop(self, grace: float | None = None) -> None:
+        try:
+            await self.agent.stop(grace)
+        finally:
+            await self.http.aclose()
+
+    async def healthy(self) -> bool:
+        """GET the health URL: a 2xx within the timeout."""
+        import httpx
+
+        assert self.health_url is not None
+        try:
+            resp = await self.http.get(self.health_url, timeout=self._health_timeout)
+        except httpx.HTTPError as exc:
+            log.info("adapt.health_failed url=%s error=%s", self.health_url, type(exc).__name__)
+            return False
+        if not resp.is_success:
+            log.info("adapt.health_failed url=%s status=%d", self.health_url, resp.status_code)
+        return resp.is_success
+
+    async def forward(self, task: Task) -> Any:
+        """The task as an HTTP POST; its answer as the result or a reach error."""
+        import httpx
+
+        left = task.time_left
+        timeout_s = max(left, 0.001) if left is not None else DEFAULT_TIMEOUT_S
+        headers = {
+            "Content-Type": "application/json",
+            "Reach-Request-Id": task.request_id,
+            "Reach-Timeout-Ms": str(int(timeout_s * 1000)),
+        }
+        trace = task.headers.get(TRACEPARENT)
+        if trace:
+            headers[TRACEPARENT] = trace
+        self.posts += 1
+        try:
+            resp = await self.http.post(self.url, content=_encoder.encode(task.payload),
+                                        headers=headers, timeout=timeout_s)  # fmt: skip
+        except httpx.TimeoutException:
+            raise Timeout(f"HTTP agent {self.url} did not answer within {timeout_s:.3f}s") from None
+        except httpx.HTTPError as exc:
+            raise Timeout(f"HTTP agent {self.url} unreachable: {type(exc).__name__}") from None
+        if resp.is_success:
+            return self._result(resp.content)
+        raise error_of(resp.status_code, f"HTTP agent {self.url} answered {resp.status_code}: "
+                       f"{resp.text[:200].strip()}")  # fmt: skip
+
+    @staticmethod
+    def _result(body: bytes) -> Any:
+        if not body:
+            return None
+        try:
+            return _decoder.decode(body)
+        except msgspec.DecodeError:
+            return body.decode("utf-8", "replace")

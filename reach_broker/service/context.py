@@ -1,0 +1,178 @@
+"""What a broker component is handed instead of the broker: :class:`BrokerContext`.
+
+The probes, advisories, snapshot and replay each get one context (the connection, the
+clocks, metrics, subjects, a task spawner and the one transitions fan-out) and, beside it,
+exactly the collaborators they use (the registry, the router, the prober). None of them
+sees the broker, so each can be built and tested on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from nats.aio.client import Client as NATS
+
+from reach_agent.wire import schema
+from reach_agent.wire.schema import Event
+from reach_agent.wire.subjects import Subjects
+from reach_broker.config import Config
+from reach_broker.core.records import AgentRecord, Transition
+
+from .metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+TransitionListener = Callable[[Transition, AgentRecord | None], None]
+"""Told of every transition, with the agent's record (None once it is evicted)."""
+AnnounceListener = Callable[[AgentRecord], None]
+"""Told of every accepted announce, also one that changes no state."""
+
+
+class Tasks:
+    """Short background tasks the broker owns (event publishes, a reconcile): spawned
+    without being awaited, waited for (then cancelled) at stop."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Awaitable[Any], name: str) -> None:
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def settle(self, grace_s: float) -> None:
+        """Wait up to ``grace_s`` for the running tasks, then cancel what is left."""
+        if not self._tasks:
+            return
+        await asyncio.wait(self._tasks, timeout=grace_s)
+        for task in list(self._tasks):
+            task.cancel()
+
+
+class Link:
+    """The broker's own link to NATS as its components see it (set by the observer from the
+    connection's callbacks)."""
+
+    __slots__ = ("connected", "epoch", "since")
+
+    def __init__(self) -> None:
+        self.connected = True
+        """False from the connection's loss to its return."""
+        self.epoch = 0
+        """Outages so far: a measurement spanning a change of epoch spans an outage."""
+        self.since = 0.0
+        """Monotonic time of the last loss or return."""
+
+    def lost(self, now: float) -> None:
+        self.connected = False
+        self.epoch += 1
+        self.since = now
+
+    def regained(self, now: float) -> None:
+        self.connected = True
+        self.epoch += 1
+        self.since = now
+
+
+class Fanout:
+    """Where every registry change goes: published as an ``Event`` on
+    ``<prefix>.event.<kind>.<agent_id>``, counted, logged, and handed to every listener
+    (probes, snapshot, replay; tests and the chaos run add their own)."""
+
+    def __init__(
+        self,
+        nc: NATS,
+        subjects: Subjects,
+        metrics: Metrics,
+        broker_id: str,
+        wall: Callable[[], float],
+        spawn: Callable[[Awaitable[Any], str], None],
+        record_of: Callable[[str], AgentRecord | None],
+        link: Link | None = None,
+    ) -> None:
+        self._nc = nc
+        self.link = link or Link()
+        self.withheld = 0
+        """Events not published because the broker's link was down when they were made."""
+        self._subjects = subjects
+        self._metrics = metrics
+        self._broker_id = broker_id
+        self._wall = wall
+        self._spawn = spawn
+        self._record_of = record_of
+        self.listeners: list[TransitionListener] = []
+        self.announce_listeners: list[AnnounceListener] = []
+
+    def emit(self, transitions: list[Transition]) -> None:
+        """Publish events for ``transitions`` and tell the listeners."""
+        at_ms = int(self._wall() * 1000)
+        m = self._metrics
+        for t in transitions:
+            event = Event(
+                kind=t.kind, agent_id=t.agent_id, reason=t.reason, at_ms=at_ms,
+                broker_id=self._broker_id, to=t.to, from_=t.from_,
+            )  # fmt: skip
+            subject = self._subjects.event(t.kind, t.agent_id)
+            if self.link.connected:
+                self._spawn(self._publish(subject, schema.encoder.encode(event)), "event")
+            else:  # nats-py would buffer it and send it after the fact: never
+                self.withheld += 1
+                m.dropped.labels("event", "link_down").inc()
+            m.registry_changes.labels(t.kind).inc()
+            if t.to is not None and t.kind != "registered":
+                m.state_changes.labels(t.to).inc()
+            log.info("agent.%s agent=%s%s%s reason=%s", t.kind, t.agent_id,
+                     "" if t.from_ is None else f" from={t.from_}",
+                     "" if t.to is None else f" to={t.to}", t.reason)  # fmt: skip
+            rec = self._record_of(t.agent_id)
+            for listener in self.listeners:
+                try:
+                    listener(t, rec)
+                except Exception:  # noqa: BLE001 - a listener never breaks the broker
+                    log.exception("broker.listener failed transition=%s", t)
+
+    async def _publish(self, subject: str, body: bytes) -> None:
+        if self.link.connected:  # still: the link may have dropped since the emit
+            await self._nc.publish(subject, body)
+        else:
+            self.withheld += 1
+            self._metrics.dropped.labels("event", "link_down").inc()
+
+    def announced(self, rec: AgentRecord) -> None:
+        """An announce was accepted (whether or not it moved a state)."""
+        for listener in self.announce_listeners:
+            try:
+                listener(rec)
+            except Exception:  # noqa: BLE001 - a listener never breaks the broker
+                log.exception("broker.announce_listener failed agent=%s", rec.agent_id)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BrokerContext:
+    """The broker's shared parts, as one component sees them."""
+
+    cfg: Config
+    """The whole configuration (each component reads its own section)."""
+    nc: NATS
+    """The broker's connection (connected before any component starts)."""
+    subjects: Subjects
+    metrics: Metrics
+    broker_id: str
+    clock: Callable[[], float]
+    """Monotonic seconds: every deadline and duration."""
+    wall: Callable[[], float]
+    """Unix seconds: timestamps that leave the process."""
+    spawn: Callable[[Awaitable[Any], str], None]
+    """Run a short task in the background; the broker waits for it at stop."""
+    fanout: Fanout
+    """Where transitions go (:meth:`Fanout.emit`) and where to listen for them."""
+    link: Link = field(default_factory=Link)
+    """The broker's own link: a measurement across its outage is not the agent's."""
+
+    def wall_ms(self) -> int:
+        return int(self.wall() * 1000)
