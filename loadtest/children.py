@@ -54,7 +54,8 @@ class Child:
         :meth:`read_event` has nothing to read), with ``err_log`` its stderr alone."""
         out: Any = asyncio.subprocess.PIPE
         err: Any = asyncio.subprocess.DEVNULL if quiet else None
-        sink = _append(log or err_log) if log or err_log else None
+        path = log or err_log
+        sink = _append(path) if path else None
         try:
             if sink is not None:
                 err = sink

@@ -4,7 +4,7 @@ delivery guarantee found in the history (in the spirit of Jepsen).
     python -m loadtest.nemesis --duration 60 --seed 7 --report r.json
 
 The system: a three-node NATS cluster (the ``reach dev-cluster`` nodes,
-:mod:`reach_broker.natscluster`, with ``no_advertise`` so a client knows only the
+:mod:`reach_broker.cluster.natscluster`, with ``no_advertise`` so a client knows only the
 addresses it is given), two ``reach broker`` processes, four SDK agents
 (:mod:`loadtest.nemesis_agent`: a claimed capability whose handler writes each run's start
 and end to a log of its own) and three callers (:mod:`loadtest.nemesis_caller`: ``call``
@@ -25,7 +25,8 @@ compensation queue, ``REACH_AUDIT`` (with the monitor's live copy of the events)
 proxies' links and the faults. :func:`loadtest.history.check` lists the violations.
 
 Prints a summary table, writes ``--report`` (JSON: ``violations``, ``faults``,
-``fault_kinds``, ``calls``, ``submits``, ``unresolved``, …) and exits 1 on any violation.
+``fault_kinds``, ``calls``, ``submits``, ``unresolved``, …) and exits 1 on any violation
+(2 when the run itself could not be made: a process that would not start, the budget).
 Every process is ours, on loopback, started with ``PR_SET_PDEATHSIG`` and ended by PID;
 the run is bounded (``--budget``). The run's files (logs, stores) are kept with ``--dir``.
 """
@@ -677,6 +678,12 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         r = asyncio.run(bounded())
+    except (RuntimeError, OSError, TimeoutError, nats.errors.Error) as exc:
+        log.exception("run.failed")
+        kept = root if args.dir else "removed; keep them with --dir"
+        print(f"nemesis: the run could not be made: {exc!r} (its files: {kept})",
+              file=sys.stderr)  # fmt: skip
+        return 2
     finally:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
