@@ -18,12 +18,13 @@ What is a violation (``Violation.kind``), exactly as the guarantee states it:
   crash: the run never finished), when the first run ended with a retryable error (its
   holder released the claim), or when a broker released the first run's claim (its
   ``released`` event for the request id, naming the holder: the claim was still
-  ``running``, the holder's end of it not stored) before the second began, *and* a fault on
-  the holder's own path — its process killed or stopped, its link cut or stalled, the NATS
-  node it was linked to killed or stopped — had cut it off from before its claim's end
-  could be stored (its run's end, or the release if that came first) until at most
-  ``Rules.offline_window_s`` before the release: "a stall or partition longer than the
-  offline threshold". Those second runs are counted in ``Verdict.excused``;
+  ``running``, the holder's end of it not stored) before the second began, on a declaration
+  a fault explains — a fault on the holder's own path (its process killed or stopped, its
+  link cut or stalled, the NATS node it was linked to killed or stopped) within
+  ``Rules.offline_window_s`` before the release, or its process killed for good — and, when
+  the first run had ended, within ``Rules.end_pending_s`` of its end (the holder retries its
+  claim's end until it is stored: a release long after means the end was left unstored).
+  Those second runs are counted in ``Verdict.excused``;
 - ``completed_without_ack`` — the caller got a run's result and ``REACH_ACKS`` holds no
   ``completed`` record of that run by its agent (or the run it names never completed);
   ``failed_without_ack`` — the same for a run's own error (``BIZ_REJECT``);
@@ -35,9 +36,9 @@ What is a violation (``Violation.kind``), exactly as the guarantee states it:
 - ``submit_lost`` — of those, a submit the queue acknowledged whose task never ran, has no
   final record and is no longer queued;
 - ``offline_while_healthy`` — a broker declared an agent ``offline`` although, for the
-  whole detection window before (``Rules.offline_window_s``), no fault touched its process
-  or its link and the monitor saw its heartbeats reach the cluster with no gap longer than
-  ``Rules.beat_gap_s``: it was healthy and reachable.
+  whole detection window before (``Rules.offline_window_s``), no fault touched its process,
+  its link or the NATS node it was linked to, and the monitor saw its heartbeats reach the
+  cluster with no gap longer than ``Rules.beat_gap_s``: it was healthy and reachable.
 """
 
 from __future__ import annotations
@@ -175,6 +176,10 @@ class Rules(msgspec.Struct, frozen=True, kw_only=True):
     beat_gap_s: float = 2.0
     """Longest gap between heartbeats seen by the monitor that still counts as a steady
     flow (2 heartbeat intervals: no correct detector declares offline on it)."""
+    end_pending_s: float = 60.0
+    """Longest time a run's claim end may stay unstored while it is retried (the claims
+    store unavailable, e.g. electing a leader): a release later than that after the run
+    ended means the end was abandoned, not pending."""
     slack_s: float = 0.5
     """Tolerance between clocks of one machine's processes (a claim is taken a little
     before its handler's start line is written)."""
@@ -339,11 +344,15 @@ class _Index:
             return proc.killed, "killed"
         return self.h.ended, "never"
 
-    def cut_off(self, agent: str) -> list[tuple[float, float]]:
+    def cut_off(self, agent: str, instance: str | None = None) -> list[tuple[float, float]]:
         """When ``agent`` was cut off by a fault on its own path — its process killed or
         stopped, its link cut or stalled, the NATS node it was linked to when that failed
-        killed or stopped — as merged intervals."""
+        killed or stopped — as merged intervals; with ``instance``, that process is cut off
+        for good from its kill on (a restart is another process)."""
         spans = [(f.start, f.end) for f in self.faults.get(agent, ()) if f.kind in AGENT_FAULTS]
+        proc = self.procs.get(instance) if instance is not None else None
+        if proc is not None and proc.killed is not None:
+            spans.append((proc.killed, float("inf")))
         for f in self.h.faults:
             if f.kind in NODE_FAULTS and any(
                 link.node == f.target and link.opened <= f.start
@@ -358,6 +367,12 @@ class _Index:
             else:
                 merged.append((lo, hi))
         return merged
+
+    def faulted_near(self, agent: str, t: float, instance: str | None = None) -> bool:
+        """Was ``agent`` (``instance``) cut off at some time within the detection window
+        before ``t``: a declaration of it ``offline`` at ``t`` that a fault explains?"""
+        lo, hi = t - self.rules.offline_window_s, t + self.rules.slack_s
+        return any(_overlaps(a, b, lo, hi) for a, b in self.cut_off(agent, instance))
 
     def released(self, run: Run, t0: float, t1: float) -> float | None:
         """When a broker released ``run``'s claim (its ``released`` event naming the request
@@ -401,7 +416,7 @@ def check(h: History, rules: Rules | None = None) -> Verdict:
 
 def _runs_of(ix: _Index, rid: str, runs: list[Run],
              excused: dict[str, int]) -> Iterable[Violation]:  # fmt: skip
-    slack, window = ix.rules.slack_s, ix.rules.offline_window_s
+    slack, pending_s = ix.rules.slack_s, ix.rules.end_pending_s
     for i, first in enumerate(runs):
         end, how = ix.end_of(first)
         if how == "never":
@@ -417,23 +432,30 @@ def _runs_of(ix: _Index, rid: str, runs: list[Run],
                 excused["after_retryable_end"] += 1
                 continue
             released = ix.released(first, first.start - slack, second.start + slack)
-            # The holder was cut off from before its claim's end could be stored (its run's
-            # end, or the release if that came first) until the release's detection window.
-            honest = released is not None and any(
-                lo <= min(end, released) + slack and hi >= released - window
-                for lo, hi in ix.cut_off(first.agent)
-            )  # fmt: skip
-            if honest:
+            overlap = second.start < end
+            # A broker released the claim (so its end was not stored) on an honest
+            # declaration — a fault on the holder's path explains it — and, for a run that
+            # had ended, while an end retried until stored could still be pending.
+            honest = released is not None and ix.faulted_near(first.agent, released,
+                                                              first.instance)  # fmt: skip
+            pending = released is not None and (overlap or released - end <= pending_s)
+            if honest and pending:
                 excused["after_release"] += 1
                 continue
-            overlap = second.start < end
             what = (f"run {first.run} on {first.agent} [{first.start:.3f} - {end:.3f} "
                     f"{first.outcome or how}] and run {second.run} on {second.agent} from "
                     f"{second.start:.3f}")  # fmt: skip
-            why = (f"; a broker released the first run's claim at {released:.3f} although "
-                   "no fault had cut its holder off since before the claim's end could be "
-                   "stored" if released is not None
-                   else "; no broker released the first run's claim")  # fmt: skip
+            if released is None:
+                why = "; no broker released the first run's claim"
+            elif not honest:
+                why = (
+                    f"; a broker released the first run's claim at {released:.3f} although "
+                    "no fault on its holder's path explains declaring it offline"
+                )
+            else:
+                why = (f"; a broker released the first run's claim at {released:.3f}, "
+                       f"{released - end:.1f} s after the run ended: its end was left "
+                       "unstored, not pending")  # fmt: skip
             kind = "overlapping_runs" if overlap else "run_after_final"
             yield Violation(kind=kind, request_id=rid, agent=second.agent, seen=what + why)
 
@@ -516,8 +538,8 @@ def _declarations(ix: _Index) -> Iterable[Violation]:
         if e.kind != "state" or e.to != "offline":
             continue
         t0, t1 = e.at - window, e.at
-        if any(_overlaps(f.start, f.end, t0, t1) for f in ix.faults.get(e.agent, ())):
-            continue  # its process or link was under a fault
+        if ix.faulted_near(e.agent, e.at):
+            continue  # its process, its link or its node was under a fault
         beats = ix.beats.get(e.agent, [])
         lo = bisect.bisect_left(beats, t0)
         hi = bisect.bisect_right(beats, t1)
