@@ -495,7 +495,7 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         finished = {}
         for name, child in stack.callers.items():
             try:
-                finished[name] = await child.wait_event("finish", args.settle + 30.0)
+                finished[name] = await child.wait_event("finish", args.settle + 60.0)
             except (TimeoutError, RuntimeError) as exc:
                 log.warning("caller.unfinished caller=%s error=%r", name, exc)
         for child in stack.callers.values():
@@ -631,8 +631,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--settle",
         type=float,
-        default=60.0,
-        help="seconds the callers get to resolve what is open (60)",
+        default=None,
+        help="seconds the callers get to resolve what is open (60, or duration / 10 if more)",
     )
     ap.add_argument(
         "--kinds",
@@ -655,6 +655,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     args.kinds = [k for k in args.kinds.split(",") if k]
+    if args.settle is None:
+        args.settle = max(60.0, args.duration / 10)
     try:
         faults.schedule(0, duration=1, interval=1, warmup=0, agents=AGENTS, brokers=BROKERS,
                         nodes=NODES, kinds=args.kinds)  # fmt: skip
@@ -671,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
         root.mkdir(parents=True, exist_ok=True)
     else:
         root = Path(tempfile.mkdtemp(prefix="reach-nemesis-"))
-    budget = args.budget or args.duration + 300.0
+    budget = args.budget or args.duration + args.settle + 300.0
 
     async def bounded() -> dict[str, Any]:
         return await asyncio.wait_for(run(args, root), budget)

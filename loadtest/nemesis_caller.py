@@ -7,7 +7,8 @@ each with a request id of its own, every operation written down.
 
 ``--concurrency`` workers each issue one operation after another: a call (request id
 ``<name>-<n>``, payload ``{"ms": …, "reject"?: true}`` drawn from ``--seed``), with
-probability ``--submit-share`` a submit to the compensation queue instead, and with
+probability ``--submit-share`` a submit to the compensation queue instead (then a ``wait``
+for its final record, up to ``--wait-timeout``), and with
 probability ``--repeat-share`` a call of one of its earlier request ids again, whatever
 became of it (op ``repeat``, the same payload). Each operation is two
 JSON lines in ``--log`` (one ``write`` each, ``t`` in Unix time):
@@ -21,7 +22,8 @@ last answer was not final (``TIMEOUT``, ``NO_REACHABLE_AGENT``, … — the call
 the delivery guarantee allows) is sent again with the same request id and payload (op
 ``recall``) until it is; every submit whose enqueue is not known to have been stored is
 sent again (op ``resubmit``; the queue's duplicate window makes that safe); then each queued
-task's final ack record is read with ``Client.wait`` (op ``wait``). Then it prints
+task whose final ack record was not read yet is read with ``Client.wait`` (op ``wait``).
+Then it prints
 ``{"event": "finish", …}`` with its counts and exits.
 """
 
@@ -55,6 +57,8 @@ class Caller:
         """Request id of each call → whether its last answer was final."""
         self.submits: dict[str, bool | None] = {}
         """Request id of each submit → stored (True), refused (False), unknown (None)."""
+        self.waited: set[str] = set()
+        """Submitted request ids whose final record ``wait`` read."""
         self.stopping = False
         self._numbers = itertools.count(1)
 
@@ -110,6 +114,7 @@ class Caller:
         self.submits[rid] = True
 
     async def wait(self, rid: str, timeout: float) -> None:  # noqa: ASYNC109
+        """Read a submitted task's final record (``Client.wait``)."""
         self.log.write(ev="invoke", op="wait", rid=rid)
         try:
             rec = await self.client.wait(rid, timeout=max(timeout, 0.1))
@@ -123,6 +128,7 @@ class Caller:
         result = rec.result if isinstance(rec.result, dict) else {}
         self.log.write(ev="ok", op="wait", rid=rid, state=rec.state, agent=rec.agent_id,
                        run=result.get("run"), code=(rec.error or {}).get("code"))  # fmt: skip
+        self.waited.add(rid)
 
     async def worker(self) -> None:
         while not self.stopping:
@@ -138,6 +144,8 @@ class Caller:
             self.issued.append(rid)
             if draw < self.args.repeat_share + self.args.submit_share:
                 await self.submit(rid, "submit")
+                if self.submits[rid]:  # as a caller would: wait for it (bounded)
+                    await self.wait(rid, self.args.wait_timeout)
             else:
                 await self.call(rid, "call")
 
@@ -146,7 +154,7 @@ class Caller:
         deadline = time.monotonic() + seconds
         self.stopping = True
         await asyncio.gather(*workers)
-        gate = asyncio.Semaphore(8)
+        gate = asyncio.Semaphore(16)
 
         async def bounded(coro: Any) -> None:
             async with gate:
@@ -161,7 +169,7 @@ class Caller:
                                  *(bounded(self.submit(rid, "resubmit"))
                                    for rid in open_submits))  # fmt: skip
             await asyncio.sleep(0.5)
-        queued = [rid for rid, stored in self.submits.items() if stored]
+        queued = [rid for rid, stored in self.submits.items() if stored and rid not in self.waited]
         left = max(deadline - time.monotonic(), 1.0)
         await asyncio.gather(*(bounded(self.wait(rid, left)) for rid in queued))
         return {
@@ -208,6 +216,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--submit-share", type=float, default=0.2)
     ap.add_argument("--repeat-share", type=float, default=0.1)
     ap.add_argument("--call-timeout", type=float, default=10.0)
+    ap.add_argument(
+        "--wait-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a worker waits for its submitted task's record (30)",
+    )
     args = ap.parse_args(argv)
     asyncio.run(run(args))
     return 0
