@@ -643,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
         "--budget",
         type=float,
         default=None,
-        help="the whole run's bound in seconds (default: duration + 300)",
+        help="the whole run's bound in seconds (default: duration + settle + 300)",
     )
     ap.add_argument("--dir", help="keep the run's files (logs, stores, history.json) here")
     ap.add_argument(
