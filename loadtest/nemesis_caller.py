@@ -7,8 +7,8 @@ each with a request id of its own, every operation written down.
 
 ``--concurrency`` workers each issue one operation after another: a call (request id
 ``<name>-<n>``, payload ``{"ms": …, "reject"?: true}`` drawn from ``--seed``), with
-probability ``--submit-share`` a submit to the compensation queue instead (then a ``wait``
-for its final record, up to ``--wait-timeout``), and with
+probability ``--submit-share`` a submit to the compensation queue instead (and, aside, a
+``wait`` for its final record, up to ``--wait-timeout``), and with
 probability ``--repeat-share`` a call of one of its earlier request ids again, whatever
 became of it (op ``repeat``, the same payload). Each operation is two
 JSON lines in ``--log`` (one ``write`` each, ``t`` in Unix time):
@@ -59,6 +59,7 @@ class Caller:
         """Request id of each submit → stored (True), refused (False), unknown (None)."""
         self.waited: set[str] = set()
         """Submitted request ids whose final record ``wait`` read."""
+        self._waits: set[asyncio.Task[None]] = set()
         self.stopping = False
         self._numbers = itertools.count(1)
 
@@ -144,8 +145,10 @@ class Caller:
             self.issued.append(rid)
             if draw < self.args.repeat_share + self.args.submit_share:
                 await self.submit(rid, "submit")
-                if self.submits[rid]:  # as a caller would: wait for it (bounded)
-                    await self.wait(rid, self.args.wait_timeout)
+                if self.submits[rid]:  # as a caller would: wait for it (bounded), aside
+                    task = asyncio.create_task(self.wait(rid, self.args.wait_timeout))
+                    self._waits.add(task)
+                    task.add_done_callback(self._waits.discard)
             else:
                 await self.call(rid, "call")
 
@@ -154,6 +157,7 @@ class Caller:
         deadline = time.monotonic() + seconds
         self.stopping = True
         await asyncio.gather(*workers)
+        await asyncio.gather(*self._waits)  # each bounded by --wait-timeout
         gate = asyncio.Semaphore(16)
 
         async def bounded(coro: Any) -> None:
