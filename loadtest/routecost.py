@@ -79,7 +79,8 @@ def policy_handlers(agents: int, rate: float | None = None) -> dict[str, Handler
     # Only what Handlers reads of its context (no connection: nothing is sent).
     clock = Clock(1.0 / (rate or 10.0 * agents))
     ctx = types.SimpleNamespace(metrics=Metrics(), subjects=subjects, clock=clock,
-                                wall=lambda: 1000.0, wall_ms=lambda: 10**6, nc=None)  # fmt: skip
+                                wall=lambda: 1000.0, wall_ms=lambda: 10**6, nc=None,
+                                spans=None)  # fmt: skip
     ruled = Rules()
     ruled.put(CAP, build(split="version=1:95,2:5", require=["env=prod"]))
     unlimited = QuotasSection(rate=1e12, burst=10**12)  # a bucket taken from, never empty

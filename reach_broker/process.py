@@ -1,16 +1,18 @@
 """The broker process: what ``reach broker`` runs, assembled in one place.
 
-Start, in order: an embedded ``nats-server`` when the config names no server (with
-``nats.auth_dir``: the DIR's ``server.conf``, operator mode; in a session of its own, so a
-terminal Ctrl-C reaches the broker only, which stops its clients before the server: the
-server dying first would leave them reconnecting), SIGINT/SIGTERM/SIGHUP handlers (SIGHUP:
-the terminal closed), the HTTP port (Prometheus ``/metrics`` and the web console,
-:mod:`reach_broker.console`), the :class:`~reach_broker.service.broker.Broker`, then the console's
-feed on the running broker and (``a2a.port``) the A2A gateway (:mod:`reach_broker.interop.a2a`).
-Stop, the other way round: the gateway, the HTTP port (open pages are told goodbye), the
-broker (drains, leaves nothing in flight), then the embedded server. Should the
-process die without stopping (``kill -9``), the embedded server dies with it
-(:mod:`reach_broker.cluster.lifeline`).
+Start, in order: an embedded ``nats-server`` when the config names no server (its
+JetStream store kept across restarts in ``./reach-data`` unless ``--store-dir`` or
+``--ephemeral`` say otherwise; with ``nats.auth_dir``: the DIR's ``server.conf`` and store,
+operator mode; in a session of its own, so a terminal Ctrl-C reaches the broker only, which
+stops its clients before the server: the server dying first would leave them reconnecting),
+SIGINT/SIGTERM/SIGHUP handlers (SIGHUP: the terminal closed), the HTTP port (Prometheus
+``/metrics``, the probes ``/healthz`` and ``/readyz`` of :mod:`reach_broker.health` and the
+web console, :mod:`reach_broker.console`), the :class:`~reach_broker.service.broker.Broker`,
+then the console's feed on the running broker and (``a2a.port``) the A2A gateway
+(:mod:`reach_broker.interop.a2a`). Stop, the other way round: the gateway, the HTTP port
+(open pages are told goodbye), the broker (drains, leaves nothing in flight), then the
+embedded server. Should the process die without stopping (``kill -9``), the embedded server
+dies with it (:mod:`reach_broker.cluster.lifeline`).
 """
 
 from __future__ import annotations
@@ -18,9 +20,16 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from pathlib import Path
 from typing import Any
 
-from reach_broker.cluster.natsserver import NatsServer, NatsServerError, PortInUse
+from reach_agent.connection import NotConnected
+from reach_broker.cluster.natsserver import (
+    NatsServer,
+    NatsServerError,
+    PortInUse,
+    StoreInUse,
+)
 
 from .config import Config
 from .logs import say
@@ -55,6 +64,8 @@ async def serve(cfg: Config, *, stop: asyncio.Event | None = None) -> None:
     check_a2a(cfg)
     if cfg.nats.auth_dir:
         _use_auth_dir(cfg)
+    if not cfg.nats.url:
+        _use_context(cfg)
     server = await _embedded_server(cfg) if not cfg.nats.url else None
     try:
         if stop is None:
@@ -89,6 +100,25 @@ def check_a2a(cfg: Config) -> None:
         raise StartError(why)
 
 
+def _use_context(cfg: Config) -> None:
+    """A NATS context named by ``nats.context`` (``--context``) or ``NATS_CONTEXT`` that names
+    a server: the broker connects there instead of starting an embedded server. Otherwise the
+    embedded server's connection uses no context, not even the one selected in the ``nats``
+    CLI (its server is this process's own)."""
+    from reach_agent.connection import load_context
+
+    name = cfg.nats.context if cfg.nats.context is not None else os.environ.get("NATS_CONTEXT")
+    if name:
+        try:
+            ctx = load_context(name)
+        except ValueError as exc:
+            raise StartError(str(exc)) from None
+        if ctx.url:
+            cfg.nats.url, cfg.nats.context = ctx.url, name
+            return
+    cfg.nats.context = ""
+
+
 def _use_auth_dir(cfg: Config) -> None:
     """The broker's credential (and CA) from the auth DIR, unless set explicitly."""
     from .auth import AuthDir, AuthError
@@ -112,7 +142,7 @@ async def _embedded_server(cfg: Config) -> NatsServer:
                             store_dir=d.store_dir, config_store=True, tls=d.meta().tls,
                             new_session=True)  # fmt: skip
     else:
-        server = NatsServer(port=cfg.nats.embedded_port, store_dir=cfg.nats.embedded_store_dir,
+        server = NatsServer(port=cfg.nats.embedded_port, store_dir=store_dir(cfg),
                             new_session=True)  # fmt: skip
     try:
         await asyncio.to_thread(server.start)
@@ -122,13 +152,32 @@ async def _embedded_server(cfg: Config) -> NatsServer:
             "that one, choose another port with --port (0: any free port), or use the running "
             f"server with --server nats://{exc.host}:{exc.port}"
         ) from None
+    except StoreInUse as exc:
+        raise StartError(f"{exc}: stop that broker, or give this one another store with "
+                         "--store-dir DIR (or --ephemeral)") from None  # fmt: skip
     except NatsServerError as exc:
         raise StartError(f"embedded nats-server: {exc}") from None
     cfg.nats.url = server.url
     mode = f"; operator mode from {cfg.nats.auth_dir}" if cfg.nats.auth_dir else ""
+    kept = ("a throwaway temp dir, removed at exit" if cfg.nats.embedded_ephemeral and
+            not cfg.nats.auth_dir else "kept across restarts")  # fmt: skip
     say(f"reach: embedded nats-server listening on {server.url} "
-        f"(pid {server.pid}, JetStream store {server.store_dir}{mode})")  # fmt: skip
+        f"(pid {server.pid}, JetStream store {server.store_dir}: {kept}{mode})")  # fmt: skip
     return server
+
+
+DEFAULT_STORE_DIR = "reach-data"
+"""Where ``reach broker``'s embedded server keeps its JetStream store unless told otherwise:
+acks, claims, the compensation queue, the audit trail and the registry snapshot."""
+
+
+def store_dir(cfg: Config) -> Path | None:
+    """The embedded server's store: ``[nats] embedded_store_dir`` (``--store-dir``), else
+    ``./reach-data``, made absolute now (so the line printed at start names it); None, a
+    temp dir removed at exit, with ``embedded_ephemeral`` (``--ephemeral``)."""
+    if cfg.nats.embedded_ephemeral:
+        return None
+    return Path(cfg.nats.embedded_store_dir or DEFAULT_STORE_DIR).expanduser().resolve()
 
 
 async def _run_broker(cfg: Config, stop: asyncio.Event) -> None:
@@ -137,7 +186,8 @@ async def _run_broker(cfg: Config, stop: asyncio.Event) -> None:
     from reach_broker.service.metrics import Metrics
 
     metrics = Metrics()
-    port = HttpPort(cfg, metrics.registry) if cfg.broker.metrics_port else None
+    broker = Broker(cfg, metrics=metrics)
+    port = HttpPort(cfg, metrics.registry, broker.not_ready) if cfg.broker.metrics_port else None
     if port is not None:
         try:
             await port.start()
@@ -148,7 +198,7 @@ async def _run_broker(cfg: Config, stop: asyncio.Event) -> None:
                 "(choose another with --metrics-port, 0 turns it off)"
             ) from None
     try:
-        await _serve_broker(cfg, stop, Broker(cfg, metrics=metrics), port)
+        await _serve_broker(cfg, stop, broker, port)
     finally:
         if port is not None:
             await port.stop()
@@ -156,7 +206,9 @@ async def _run_broker(cfg: Config, stop: asyncio.Event) -> None:
 
 async def _serve_broker(cfg: Config, stop: asyncio.Event, broker: Any, port: Any) -> None:
     try:
-        await broker.start()
+        await broker.start(stop=stop)
+    except NotConnected as exc:  # a signal while no server had answered yet
+        raise StartError(str(exc)) from None
     except Exception as exc:
         raise StartError(
             f"cannot start the broker on {cfg.nats.url}: {exc or type(exc).__name__}"
@@ -164,7 +216,8 @@ async def _serve_broker(cfg: Config, stop: asyncio.Event, broker: Any, port: Any
     gateway = None
     try:
         if port is not None:
-            await port.attach(broker.ctx, broker.registry, broker.handlers.explainer)
+            await port.attach(broker.ctx, broker.registry, broker.handlers.explainer,
+                              broker.handlers.route_counts)  # fmt: skip
         where = f"; {port.describe()}" if port is not None else ""
         say(f"reach: broker {broker.broker_id} serving on {cfg.nats.url}{where}")
         gateway = await _a2a_gateway(cfg, broker) if cfg.a2a.port else None

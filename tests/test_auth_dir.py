@@ -93,6 +93,7 @@ def test_agent_permissions() -> None:
         "reach.task.alpha.>",
         "reach.probe.alpha",
         "reach.reannounce.alpha",
+        "reach.cancel.alpha",
         "reach.event.*.alpha",
         "_INBOX.agent.alpha.>",
     ]
@@ -115,6 +116,7 @@ def test_caller_permissions() -> None:
         "reach.comp.>",
         "reach.probe.*",
         "reach.outcome.*",
+        "reach.cancel.*",
         "$JS.API.STREAM.MSG.GET.REACH_ACKS",
         "$JS.API.STREAM.INFO.REACH_ACKS",
         "$JS.API.STREAM.MSG.GET.KV_reach_claims",
@@ -131,6 +133,7 @@ def test_broker_permissions() -> None:
         "reach.probe.*",
         "reach.reannounce.*",
         "reach.task.>",
+        "reach.cancel.*",
         "reach.ack._broker.>",
         "_INBOX.>",
         "$JS.API.>",
@@ -155,6 +158,7 @@ def test_broker_permissions() -> None:
         "reach.ack.>",
         "reach.event.>",
         "reach.outcome.*",
+        "reach.cancel._broker",
         "$SRV.>",
         f"$SYS.ACCOUNT.{ACC}.CONNECT",
         f"$SYS.ACCOUNT.{ACC}.DISCONNECT",
@@ -273,7 +277,8 @@ def test_revoke_resigns_the_account(tmp_path: Path) -> None:
     # A new credential for the same agent is a new key, untouched by the old revocation.
     fresh = claims.decode(claims.read_creds(issue_agent(d, "alpha"))[0], UserClaims)
     assert fresh.sub != key
-    assert [i.revoked_at for i in list_identities(d) if i.name == "alpha"] == [None, 2_000_000_000]
+    # Oldest first, the revoked key before its replacement however the seconds fall.
+    assert [i.revoked_at for i in list_identities(d) if i.name == "alpha"] == [2_000_000_000, None]
 
 
 def test_force_reissue_revokes_the_old_key(tmp_path: Path) -> None:

@@ -432,7 +432,7 @@ def fresh_broker() -> Iterator[str]:
     """`reach broker` just started, as a new user runs it (embedded server, empty streams)."""
     import subprocess
 
-    proc = subprocess.Popen([*CLI, "broker", "--port", "0", "--metrics-port", "0"],
+    proc = subprocess.Popen([*CLI, "broker", "--port", "0", "--metrics-port", "0", "--ephemeral"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env=cli_env())  # fmt: skip
     try:
@@ -753,7 +753,8 @@ async def test_demo_runs_for_its_duration_and_leaves_no_process() -> None:
     assert set(started) == {"event", "nats_url", "pids", "logs", "broker_id", "console"}
     assert started["event"] == "started"
     assert set(started["pids"]) == DEMO_PIDS
-    assert ready == {"event": "ready", "agents": ["alpha", "beta", "gamma"]}
+    assert ready == {"event": "ready", "agents": ["alpha", "beta", "gamma"],
+                     "pids": started["pids"]}  # fmt: skip
     assert stopped["event"] == "stopped"
     assert stopped["reason"] == "duration"
     assert stopped["pids"] == started["pids"]

@@ -82,7 +82,7 @@ def test_beyond_loopback_without_a_token_is_refused_in_one_line() -> None:
     env = {k: v for k, v in os.environ.items() if k not in UNSET}
     done = subprocess.run(
         [sys.executable, "-m", "reach_broker.cli", "broker", "--port", "0", "--metrics-port",
-         "0", "--a2a-port", "8080", "--a2a-host", "0.0.0.0"],
+         "0", "--ephemeral", "--a2a-port", "8080", "--a2a-host", "0.0.0.0"],
         capture_output=True, text=True, env=env, timeout=60,
     )  # fmt: skip
     assert (done.returncode, done.stdout) == (3, "")
@@ -110,12 +110,12 @@ def test_a_missing_extra_is_one_line_naming_it(
         process.check_a2a(cfg)
     assert str(a2a.value) == (
         "--a2a-port needs the optional extra 'a2a' (a2a-sdk not installed): pip install "
-        "'reach[a2a]' (in a clone: pip install -e '.[a2a]')"
+        "'nats-reach[a2a]' (in a clone: pip install -e '.[a2a]')"
     )
     assert main(["mcp"]) == 2
     assert capsys.readouterr().err == (
         "reach: reach mcp needs the optional extra 'mcp' (mcp not installed): pip install "
-        "'reach[mcp]' (in a clone: pip install -e '.[mcp]')\n"
+        "'nats-reach[mcp]' (in a clone: pip install -e '.[mcp]')\n"
     )
 
 

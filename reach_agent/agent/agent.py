@@ -26,11 +26,12 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, Unpack
 
 from nats.aio.client import Client as NATS
 
+from reach_agent import otel
 from reach_agent.connection import (
     CredentialOptions,
     Credentials,
@@ -38,7 +39,7 @@ from reach_agent.connection import (
     connect_options,
     drain_or_close,
     flush_subscriptions,
-    server_list,
+    resolve,
 )
 from reach_agent.metrics import AgentMetrics
 from reach_agent.wire import schema
@@ -50,8 +51,8 @@ from .claiming import Claimer
 from .connwatch import ConnectionWatch
 from .dedup import DedupCache
 from .handling import Handler, kind_of
-from .presence import Presence
-from .serving import AckSink, TaskServer
+from .presence import READINESS_INTERVAL_S, Presence
+from .serving import CANCEL_GRACE_S, AckSink, TaskServer
 
 log = logging.getLogger(__name__)
 
@@ -68,15 +69,22 @@ class Agent:
     waits for in-flight tasks; ``dedup_size``/``dedup_ttl`` bound the cache of recent
     results that makes a repeated request id answer with the first result (the duplicate
     window: 2 min by default). Across the fleet a request id runs once: each task is claimed
-    in KV ``reach_claims`` first (``claims=False`` turns that off; capabilities in
-    ``idempotent``, or handlers registered with ``idempotent=True``, skip it because their
-    duplicates are harmless; ``claim_timeout`` bounds the claim's round trip). ``creds``,
+    in KV ``reach_claims`` first, and refused (``STORE_UNAVAILABLE``, retryable) while the
+    bucket is missing or does not answer, never run unclaimed (``claims=False`` turns claims
+    off for the whole agent; capabilities in ``idempotent``, or handlers registered with
+    ``idempotent=True``, skip them because their duplicates are harmless; ``claim_timeout``
+    bounds the claim's round trip). ``creds``,
     ``nkey_seed``, ``user``/``password``, ``token``
     and ``tls_ca``/``tls_cert``/``tls_key`` are the connection's credentials (see
     :class:`~reach_agent.connection.Credentials`; ``token`` is the NATS auth token, not the
     broker's heartbeat token :attr:`token`). A file that does not exist is a ``ValueError``.
     ``permissions`` (what callers may ``require``) and ``context_window`` (tokens) are
-    announced; set :attr:`context_usage_pct` as the window fills.
+    announced; set :attr:`context_usage_pct` as the window fills. ``readiness`` (an
+    adapter's check of the service it fronts, ``async () -> bool``) is asked every
+    ``readiness_interval`` seconds: while it says False the agent reports ``draining`` and
+    refuses tasks with ``DRAINING`` (see :mod:`~reach_agent.agent.presence`). A cancelled
+    request's handler sees ``asyncio.CancelledError`` and has ``cancel_grace`` seconds to
+    clean up before it is cancelled again (see :mod:`~reach_agent.agent.serving`).
     """
 
     def __init__(
@@ -106,6 +114,9 @@ class Agent:
         claim_timeout: float = 2.0,
         permissions: Iterable[str] = (),
         context_window: int | None = None,
+        readiness: Callable[[], Awaitable[bool]] | None = None,
+        readiness_interval: float = READINESS_INTERVAL_S,
+        cancel_grace: float = CANCEL_GRACE_S,
         **credentials: Unpack[CredentialOptions],
     ) -> None:
         schema.check_agent_id(agent_id)
@@ -124,6 +135,10 @@ class Agent:
         unknown = sorted(idem - set(caps))
         if unknown:
             raise InvalidRequest(f"idempotent {unknown!r} are not among the capabilities {caps!r}")
+        if not cancel_grace >= 0:
+            raise InvalidRequest(f"cancel_grace {cancel_grace!r} must be 0 or more seconds")
+        if not readiness_interval > 0:
+            raise InvalidRequest(f"readiness_interval {readiness_interval!r} must be positive")
         if not claim_timeout > 0:
             raise InvalidRequest(f"claim_timeout {claim_timeout!r} must be a positive number")
         self.credentials = Credentials(**credentials).check()
@@ -167,13 +182,16 @@ class Agent:
         schema.validate_announce(self.announcement, agent_id)
         self.tasks = TaskServer(
             agent_id, max_concurrency, self.subjects, dedup=DedupCache(dedup_size, dedup_ttl),
-            metrics=metrics, ack_sink=ack_sink,
+            metrics=metrics, ack_sink=ack_sink, spans=otel.spans("reach-agent"),
         )  # fmt: skip
-        """The task side: admission, claims, execution, replies, ack records."""
+        """The task side: admission, claims, execution, replies, ack records (and, with
+        ``OTEL_EXPORTER_OTLP_ENDPOINT`` set, their spans: :mod:`.otel`)."""
         self.tasks.idempotent |= idem
+        self.tasks.cancel_grace = cancel_grace
         self.presence = Presence(
             self.announcement, self.subjects, self.tasks,
             heartbeat_interval=heartbeat_interval, announce_refresh=announce_refresh,
+            readiness=readiness, readiness_interval=readiness_interval,
         )  # fmt: skip
         """Announce, heartbeats, probe answers, leave."""
         self.nc: NATS | None = None
@@ -294,10 +312,17 @@ class Agent:
             await self.stop()
 
     async def start(
-        self, servers: str | Sequence[str] | None = None, credentials: Credentials | None = None
+        self,
+        servers: str | Sequence[str] | None = None,
+        credentials: Credentials | None = None,
+        *,
+        stop: asyncio.Event | None = None,
     ) -> None:
         """Connect, subscribe, start announcing. ``servers`` defaults to ``NATS_URL`` or
-        ``nats://127.0.0.1:4222``; ``credentials`` set here win over the agent's own."""
+        ``nats://127.0.0.1:4222``; ``credentials`` set here win over the agent's own. The
+        first connect waits for a server as long as it takes, logging each failed attempt
+        (``agent.connect_failed``); ``stop`` set meanwhile (a signal) ends the wait with
+        :class:`~reach_agent.connection.NotConnected`."""
         if self._started:
             return
         missing = [c for c in self.capabilities if c not in self.tasks.handlers]
@@ -306,14 +331,15 @@ class Agent:
         if self.ack_sink is None and self.durable_acks:
             ackwriter.check_ack_dir(self.agent_id, self.ack_wal_dir)  # one clear error, now
         cred = self.credentials if credentials is None else credentials.over(self.credentials)
-        servers = server_list(servers)
+        servers, cred = resolve(servers, cred)  # explicit, NATS_* and the NATS context
         options = connect_options(self.agent_id, servers, cred)
         writes_acks = self.ack_sink is None and self.durable_acks
         self.watch.check_grants(cred, self.capabilities, writes_acks=writes_acks)
         self.watch.violations.clear()
         self.tasks.draining = False
         nc = NATS()
-        await connect(nc, {**options, **self.watch.callbacks()}, what=f"agent {self.agent_id!r}")
+        await connect(nc, {**options, **self.watch.callbacks()}, what=f"agent {self.agent_id!r}",
+                      stop=stop)  # fmt: skip
         self.nc = self.watch.nc = nc
         try:
             await self._setup(nc, servers, cred)
@@ -346,14 +372,14 @@ class Agent:
             await sink.start()
         if self.claims:
             claimer = Claimer(nc, self.agent_id, self.instance, self.subjects,
-                              timeout_s=self.claim_timeout)  # fmt: skip
+                              timeout_s=self.claim_timeout, metrics=self.metrics)  # fmt: skip
             await claimer.start()
             self.tasks.claimer = claimer
         await self.presence.subscribe(nc)
-        await self.tasks.subscribe(nc, self.capabilities)
+        await self.tasks.subscribe(nc, self.capabilities, cancels=self.watch.takes_cancels)
         await flush_subscriptions(nc)  # a refused SUB is reported before the PONG
         self.watch.check_subscriptions()
-        self.presence.start()
+        await self.presence.start()
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain: answer DRAINING to new tasks, leave, finish in-flight tasks within
@@ -367,6 +393,8 @@ class Agent:
         self.tasks.draining = True
         await self.presence.leave()
         await self.tasks.drain(grace)
+        if self.tasks.claimer is not None:
+            await self.tasks.claimer.stop()  # claim ends the store has not confirmed yet
         await self.presence.stop()
         sink = self.ack_sink
         if sink is not None and hasattr(sink, "stop"):
@@ -378,5 +406,7 @@ class Agent:
                 log.exception("agent.ack_sink_stop_failed agent=%s", self.agent_id)
         await drain_or_close(nc, 5.0)
         self.tasks.close()
+        if self.tasks.spans is not None:
+            await asyncio.to_thread(self.tasks.spans.flush)
         log.info("agent.stopped agent=%s ok=%d fail=%d", self.agent_id, self.ok_total,
                  self.fail_total)  # fmt: skip

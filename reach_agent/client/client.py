@@ -52,11 +52,13 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from jetstream import audit
-from reach_agent import trace
+from jetstream.names import H_REQUEST_ID
+from reach_agent import otel, trace
 from reach_agent.aio import TaskSet
 from reach_agent.connection import (
     CredentialOptions,
     Credentials,
+    NotConnected,
     connect,
     connect_options,
     drain_or_close,
@@ -64,7 +66,7 @@ from reach_agent.connection import (
 )
 from reach_agent.metrics import ClientMetrics
 from reach_agent.wire import schema, streams
-from reach_agent.wire.errors import Forbidden, InternalError, InvalidRequest
+from reach_agent.wire.errors import Forbidden, InternalError, InvalidRequest, ReachError
 from reach_agent.wire.subjects import ReplyInbox, Subjects
 
 from . import durable, streaming
@@ -72,6 +74,7 @@ from .attemptloop import AttemptLoop
 from .attempts import Attempts
 from .breaker import Breakers
 from .calls import AckMode, Call, encode_payload
+from .cancel import Cancels
 from .config import ClientConfig
 from .holder import Holders
 from .liveness import Liveness
@@ -136,11 +139,20 @@ class Client:
         self._ids = itertools.count(1)
         self.takers = durable.Takers()
         """Who took each recent call (its receipt's or result's agent): :meth:`wait` trusts."""
+        self.cancels = Cancels(self.nc, self.subjects, self._tasks)
+        """Cancels sent to the agents running this client's requests (:mod:`.cancel`)."""
+        self.spans = otel.spans("reach-client")
+        """OpenTelemetry spans of the calls (:mod:`.otel`): None unless
+        ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set and the extra ``otel`` installed."""
         self._started = False
 
     # --- lifecycle ----------------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def start(self, *, stop: asyncio.Event | None = None) -> None:
+        """Connect (unless given a connection) and subscribe. Waits for a server at most
+        ``config.connect_timeout_s`` (``ConnectionError``), logging each failed attempt
+        (``client.connect_failed``); ``stop`` set meanwhile (a signal) ends the wait at once
+        (:class:`~reach_agent.connection.NotConnected`)."""
         if self._started:
             return
         nc = self.nc
@@ -153,8 +165,9 @@ class Client:
             try:
                 async with asyncio.timeout(self.config.connect_timeout_s):
                     await connect(nc, {**options, "error_cb": self._on_error},
-                                  what=f"client {self._name!r}")  # fmt: skip
-            except Forbidden:
+                                  what=f"client {self._name!r}", role="client",
+                                  stop=stop)  # fmt: skip
+            except (Forbidden, NotConnected):
                 self._started = False
                 raise
             except TimeoutError:
@@ -201,6 +214,8 @@ class Client:
         self._subs = []
         if self._own_nc:
             await drain_or_close(self.nc, 5.0)
+        if self.spans is not None:
+            await asyncio.to_thread(self.spans.flush)
 
     async def __aenter__(self) -> Client:
         await self.start()
@@ -301,13 +316,21 @@ class Client:
                                      ("min_context_tokens", min_context_tokens)) if v}  # fmt: skip
         call = self.open_call(capability, payload, timeout, ack_mode, sticky_key, request_id,
                               headers, traceparent, region, tags, 0, filters)  # fmt: skip
-        ok = False
+        ok, error = False, None
         try:
             value = await self._run(call)
             ok = True
             return value
+        except asyncio.CancelledError:
+            self.cancels.tell(call, "the call was cancelled", everyone=True)
+            raise
+        except ReachError as exc:
+            error = exc
+            if self.clock() >= call.deadline:
+                self.cancels.tell(call, "the caller's deadline passed")
+            raise
         finally:
-            self.close_call(call, ok)
+            self.close_call(call, ok, error)
 
     def stream(
         self,
@@ -348,17 +371,43 @@ class Client:
             raise InvalidRequest(f"ack_mode {ack_mode!r} is not 'completed' or 'received'")
         t0 = self.clock()
         call_id = format(next(self._ids), "x")
+        span = None
+        if self.spans is not None:
+            span = self._call_span(capability, traceparent, headers)
+            traceparent = self.spans.traceparent(span)
         call = Call(
             call_id, capability, encode_payload(payload), headers, request_id=request_id,
             traceparent=traceparent, ack_mode=ack_mode,
             deadline=t0 + self.config.clamp_timeout(timeout), region=region, tags=tags,
             sticky_key=sticky_key, started=t0, timeout=timeout, stream=stream, filters=filters,
         )  # fmt: skip
+        if span is not None:
+            span.set_attribute("reach.request_id", call.request_id)
+            call.span = span
+            call.span_headers = {schema.H_TRACEPARENT: traceparent or "",
+                                 H_REQUEST_ID: call.request_id}  # fmt: skip
         self._calls[call_id] = call
         return call
 
-    def close_call(self, call: Call, ok: bool) -> None:
+    def _call_span(
+        self, capability: str, traceparent: str | None, headers: dict[str, str] | None
+    ) -> Any:
+        """The ``reach.call`` span: a child of the caller's ``traceparent``, else of the
+        task this call is made for (its run span), else of the current OpenTelemetry span."""
+        assert self.spans is not None
+        parent = traceparent or (headers or {}).get(schema.H_TRACEPARENT)
+        task = trace.CURRENT.get()
+        if not parent and task is not None:
+            parent = task.parent or task.headers.get(schema.H_TRACEPARENT)
+        return self.spans.start(f"reach.call {capability}", parent, otel.CLIENT,
+                                {"reach.capability": capability})  # fmt: skip
+
+    def close_call(self, call: Call, ok: bool, error: ReachError | None = None) -> None:
         del self._calls[call.call_id]
+        if call.span is not None and self.spans is not None:
+            if not ok:
+                error = error or call.last_err or InternalError("the call did not complete")
+            self.spans.end(call.span, error, agent_id=call.taker or call.agent_id)
         if call.taker is not None:
             self.takers.remember(call.request_id, call.taker)
         if self.metrics is not None:
@@ -389,3 +438,21 @@ class Client:
         (:func:`reach_agent.client.durable.wait`)."""
         return await durable.wait(self, request_id, timeout, agent_id=agent_id,
                                   prefix=self.config.prefix)  # fmt: skip
+
+    # --- cancellation -------------------------------------------------------------------
+
+    async def cancel(
+        self,
+        request_id: str,
+        *,
+        reason: str | None = None,
+        timeout: float = 2.0,  # noqa: ASYNC109 - how long the brokers may take to answer
+    ) -> schema.CancelReply:
+        """Cancel ``request_id`` wherever it is: this client's calls of it end with
+        ``CANCELLED`` at once; the agent running it is told (its handler sees
+        ``asyncio.CancelledError``, its final ack record says ``CANCELLED``); a request no
+        agent runs (queued, not yet sent, its agent ignoring cancels) is made final by a
+        broker, so no retry or replay runs it. Returns who settled it and how
+        (``cancelled``, or ``finished``: its result stands); raises ``Timeout`` when no
+        broker answered (:mod:`reach_agent.client.cancel`)."""
+        return await self.cancels.cancel(request_id, reason, timeout, self._calls.values())

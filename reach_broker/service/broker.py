@@ -30,8 +30,15 @@ from nats.micro import add_service
 from nats.micro.service import EndpointConfig, Service, ServiceConfig
 
 from jetstream.tasks import raise_if_cancelled
+from reach_agent import otel
 from reach_agent.aio import stop_loops
-from reach_agent.connection import Credentials, connect_options, drain_or_close, flush_subscriptions
+from reach_agent.connection import (
+    Credentials,
+    connect,
+    connect_options,
+    drain_or_close,
+    flush_subscriptions,
+)
 from reach_agent.wire.subjects import Subjects
 from reach_broker import __version__
 from reach_broker.config import Config
@@ -45,6 +52,7 @@ from reach_broker.replay.replay import Replayer
 
 from .advisories import Advisories
 from .assets import provision_assets, token_secret
+from .canceller import Canceller
 from .context import BrokerContext, Fanout, Link, Tasks, TransitionListener
 from .handlers import Handlers
 from .identity import Identity
@@ -123,7 +131,7 @@ class Broker:
         ctx = BrokerContext(
             cfg=cfg, nc=self.nc, subjects=self.subjects, metrics=self.metrics,
             broker_id=self.broker_id, clock=clock, wall=wall, spawn=self._tasks.spawn,
-            fanout=self.fanout, link=self.link,
+            fanout=self.fanout, link=self.link, spans=otel.spans("reach-broker"),
         )  # fmt: skip
         self.ctx = ctx
         """What a component is handed (the console's feed is one, started by the process)."""
@@ -144,6 +152,8 @@ class Broker:
             ctx, lambda a: rec.state if (rec := agents.get(a)) is not None else None
         )
         self.replayer = Replayer(ctx, self.router, self.releaser.claim_of, agents.get)
+        self.canceller = Canceller(ctx, queue=QUEUE_GROUP)
+        """``<p>.cancel._broker``: a cancelled request's claim made final, its entry unqueued."""
         self.rulebook = Rulebook(ctx, self.rules, self.quotas)
         self.outcomes = Outcomes(ctx, registry)
         self._running: list[Component] = []
@@ -151,21 +161,33 @@ class Broker:
         self._subs: list[Any] = []
         self._loop_task: asyncio.Task[None] | None = None
         self._started = False
+        self._connected = False
         self._watching = False
         self._with_creds = bool(cfg.nats.creds)
         self.auth_enabled = False
         """Whether the server enforces identities (see :meth:`_secure`)."""
+        self.serving = False
+        """Started: assets provisioned, rules loaded, handlers subscribed (until :meth:`stop`)."""
 
     # --- lifecycle ----------------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def start(self, *, stop: asyncio.Event | None = None) -> None:
+        """Connect (waiting for a server as long as it takes, each failed attempt logged as
+        ``broker.connect_failed``; ``stop`` set meanwhile ends the wait with
+        :class:`~reach_agent.connection.NotConnected`), provision, start the components."""
         if self._started:
             return
         self._started = True
         if self._own_nc:
             options = self._connect_options()
             self._with_creds = bool(options.get("user_credentials"))
-            await self.nc.connect(**options)
+            try:
+                await connect(self.nc, options, what=f"broker {self.broker_id!r}", role="broker",
+                              stop=stop)  # fmt: skip
+            except BaseException:
+                self._started = False
+                raise
+        self._connected = True
         self._secure()
         self.replicas = await provision_assets(self.nc, self.cfg, self.subjects)
         self.jetstream_ok = self.replicas is not None
@@ -176,7 +198,7 @@ class Broker:
             self.metrics.watch_states(lambda: self.registry.counts)
         self._running = (
             [self.snapshot, self.rulebook, self.probes, self.advisories, self.synadia,
-             self.outcomes, self.releaser, self.replayer]
+             self.outcomes, self.releaser, self.replayer, self.canceller]
             if self.jetstream_ok
             else [self.probes, self.advisories, self.synadia, self.outcomes]
         )  # fmt: skip
@@ -184,6 +206,7 @@ class Broker:
             await component.start()
         await self._serve()
         self._loop_task = asyncio.create_task(self._tick_loop(), name="reach-broker-tick")
+        self.serving = True
         url = self.nc.connected_url
         log.info("broker.started id=%s prefix=%s server=%s", self.broker_id,
                  self.subjects.prefix, url.geturl() if url else None)  # fmt: skip
@@ -221,6 +244,7 @@ class Broker:
         if not self._started:
             return
         self._started = False
+        self.serving = False
         if self._service is not None:
             try:
                 await self._service.stop()
@@ -242,7 +266,26 @@ class Broker:
                 log.exception("broker.stop component=%s failed", type(component).__name__)
         if self._own_nc:
             await drain_or_close(self.nc, self.cfg.broker.shutdown_grace_s)
+        if self.ctx.spans is not None:
+            await asyncio.to_thread(self.ctx.spans.flush)
         log.info("broker.stopped id=%s", self.broker_id)
+
+    def not_ready(self) -> str | None:
+        """Why ``/readyz`` says 503 (:mod:`reach_broker.health`), or None: connected to NATS,
+        the JetStream assets provisioned, the rules loaded and the handlers subscribed."""
+        servers = self.cfg.nats.url or "NATS_URL / nats://127.0.0.1:4222"
+        if not self._started:
+            return "the broker is not running"
+        if not self.nc.is_connected:
+            if self.serving:
+                return f"disconnected from NATS (reconnecting to {servers})"
+            return f"not connected to NATS yet (connecting to {servers})"
+        if not self.serving:
+            return "starting: provisioning the JetStream assets and loading the route rules"
+        if not self.jetstream_ok:
+            return ("the NATS server has no JetStream: no claims, durable acks or compensation "
+                    "replay (start nats-server with -js)")  # fmt: skip
+        return None
 
     async def __aenter__(self) -> Broker:
         await self.start()
@@ -275,7 +318,8 @@ class Broker:
         localhost), ``nats.creds``, pings from the config, reconnecting forever every 0.5 s."""
         n = self.cfg.nats
         return connect_options(
-            f"reach-broker-{self.broker_id}", n.url, Credentials(creds=n.creds, tls_ca=n.tls_ca),
+            f"reach-broker-{self.broker_id}", n.url,
+            Credentials(creds=n.creds, tls_ca=n.tls_ca, context=n.context),
             ping_interval=n.ping_interval_s, max_outstanding_pings=n.max_outstanding_pings,
             max_reconnect_attempts=-1, reconnect_time_wait=0.5,
             reconnect_to_server_handler=None,  # nats-py's own: a steady 0.5 s between tries
@@ -286,10 +330,12 @@ class Broker:
     async def _on_nats_error(self, exc: Exception) -> None:
         kind = "slow_consumer" if isinstance(exc, SlowConsumerError) else type(exc).__name__
         self.metrics.nats_errors.labels(kind).inc()
-        log.warning("broker.nats_error kind=%s error=%s", kind, exc)
+        if self._connected:  # before, the first connect's failures are said (rate-limited)
+            log.warning("broker.nats_error kind=%s error=%s", kind, exc)
 
     async def _on_disconnected(self) -> None:
-        if self._started:  # not during our own shutdown, where the drain closes it
+        if self._started and self._connected:  # not at our own shutdown (the drain closes
+            # it), nor when a first connect that never succeeded is called off
             log.warning("broker.nats_disconnected")
             self.observer.lost(self.clock())
 

@@ -173,6 +173,8 @@ class BrokerContext:
     """Where transitions go (:meth:`Fanout.emit`) and where to listen for them."""
     link: Link = field(default_factory=Link)
     """The broker's own link: a measurement across its outage is not the agent's."""
+    spans: Any = None
+    """OpenTelemetry spans of route requests (:mod:`reach_agent.otel`; None: off)."""
 
     def wall_ms(self) -> int:
         return int(self.wall() * 1000)

@@ -16,6 +16,7 @@ wherever the requester chose: an agent's task subject, the JetStream API).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -25,7 +26,7 @@ import msgspec
 from nats.aio.msg import Msg
 from nats.micro.request import Request
 
-from jetstream.names import H_STREAM
+from jetstream.names import H_REQUEST_ID, H_STREAM
 from reach_agent.wire import schema
 from reach_agent.wire.errors import (
     Forbidden,
@@ -36,6 +37,7 @@ from reach_agent.wire.errors import (
     to_reply,
 )
 from reach_agent.wire.schema import (
+    H_TRACEPARENT,
     MAX_BODY_BYTES,
     AnnounceAck,
     Ok,
@@ -97,6 +99,7 @@ class Endpoint:
         "_nc",
         "_refused",
         "_replies",
+        "_spans",
         "_timed",
         "caller_of",
         "name",
@@ -133,6 +136,8 @@ class Endpoint:
         """A histogram of the time to answer, if any."""
         self._dropped = dropped
         """``reach_dropped_total{kind=<this endpoint>}`` by reason, if it counts there."""
+        self._spans = ctx.spans if caller_of is not None else None
+        """The route endpoint's OpenTelemetry spans (:mod:`reach_agent.otel`; None: off)."""
 
     def drop(self, reason: str, subject: str) -> None:
         """A message refused before its handler: counted and logged (at the refusal level)."""
@@ -197,6 +202,9 @@ class Endpoint:
         # respond() publishes to.
         if not self._admit(req.subject, req.headers, req._msg.reply):
             return
+        span = None
+        if self._spans is not None and req.headers and H_TRACEPARENT in req.headers:
+            span = self._span(req.subject, req.headers)
         t0 = time.perf_counter()
         try:
             if self.caller_of is not None:
@@ -208,10 +216,32 @@ class Endpoint:
             reply = self.failure(req.subject, exc)
             if reply is not None:
                 await req.respond(reply[0], headers=reply[1])
+            if span is not None:
+                self._end_span(span, None, exc)
         else:
             await req.respond(body or b"")
+            if span is not None:
+                self._end_span(span, body, None)
         if self._timed is not None:
             self._timed.observe(time.perf_counter() - t0)
+
+    def _span(self, subject: str, headers: dict[str, str]) -> Any:
+        """The ``reach.route`` span of a traced call's route request (a child of the call's
+        span, :mod:`reach_agent.otel`)."""
+        assert self._spans is not None
+        capability = subject.rpartition(".")[2]
+        return self._spans.start(f"reach.route {capability}", headers[H_TRACEPARENT], "server",
+                                 {"reach.capability": capability,
+                                  "reach.request_id": headers.get(H_REQUEST_ID, "")})  # fmt: skip
+
+    def _end_span(self, span: Any, body: bytes | None, exc: Exception | None) -> None:
+        """End a route span, naming the first candidate of the reply (or the error)."""
+        assert self._spans is not None
+        agent = None
+        if body:
+            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError, IndexError):
+                agent = schema.route_reply_decoder.decode(body).candidates[0].agent_id
+        self._spans.end(span, exc, agent_id=agent)
 
 
 class Handlers:
@@ -240,6 +270,9 @@ class Handlers:
         self._hb_dropped = {r: m.refused.labels("heartbeat", r)
                             for r in ("forged", "stale", "unknown")}  # fmt: skip
         self._clock, self._wall = ctx.clock, ctx.wall
+        self.route_counts: dict[str, int] = {}
+        """Route requests answered per capability since start (the console's charts read
+        them on their tick; a capability is counted only once it has had agents)."""
         self.require_leave_token = False
         """Set while the server enforces identities (``reach_auth_enabled``): a leave must
         then carry the agent's token, since the server lets anyone's reply land on
@@ -377,6 +410,8 @@ class Handlers:
                 return body
         body = self.router.route_reply(capability, rreq, ctx.clock(), ctx.wall_ms())
         ctx.metrics.route_result["ok"].inc()
+        counts = self.route_counts
+        counts[capability] = counts.get(capability, 0) + 1
         return body
 
     def agents(self, subject: str, data: bytes) -> bytes:
