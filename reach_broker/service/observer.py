@@ -15,8 +15,12 @@ A fleet does not go silent all at once; a broker's link does. Three rules follow
   (:meth:`Registry.expire` with ``max_silent``), and every later silence with them, until
   its link is shown to work: a heartbeat arrives, the server answers ``CONNZ`` (the
   reconcile then moves who has no connection), or a held agent's probe is answered either
-  way (a reply or "no responders"). Then the held deadlines run again, with the rule
-  suspended for :data:`TRUST_S` so they are not held a second time. A single agent never
+  way (a reply or "no responders"). Then the clocks are rebased over the doubt, as after an
+  outage: a broker whose server was stopped, or whose routes were down, heard nobody while
+  its connection stayed open, and the silence of the doubt is not held against anyone
+  (the first heartbeat heard, or a "no responders" from a server whose routes are still
+  coming back, does not mean the others are heard yet). The held deadlines then run again,
+  rebased, and are believed when they come (not held a second time). A single agent never
   makes the broker doubt itself.
 - **Nothing computed blind goes out later.** nats-py buffers publishes while it reconnects;
   the fan-out publishes no event while :attr:`Link.connected` is false
@@ -123,11 +127,25 @@ class Observer:
         )  # fmt: skip
 
     def release(self, now: float, why: str) -> None:
-        """The link is shown to work: held deadlines run again (believed for TRUST_S)."""
+        """The link is shown to work: held deadlines run again (believed for TRUST_S).
+
+        After a doubt, the silence the broker could not tell from its own deafness is held
+        against nobody: every clock is rebased over the doubt (silence before it still
+        counts, plus one interval of grace), and the held agents' rebased deadlines are
+        believed when they come (no second hold for the same silence)."""
         if not self.suspect and not self.registry.held:
             return
-        held = self.registry.release_held()
-        self._trusted_until = now + TRUST_S
+        registry = self.registry
+        if self.suspect:
+            ids = set(registry.held)
+            registry.observer_gap(self._since, now)
+            recs = [registry.agents[a] for a in ids if a in registry.agents]
+            until = max((r.offline_at for r in recs if r.state != "offline"), default=now)
+            held = len(ids)
+            self._trusted_until = max(now, until) + TRUST_S
+        else:
+            held = registry.release_held()
+            self._trusted_until = now + TRUST_S
         if self.suspect:
             self.suspect = False
             self.ctx.metrics.observer_suspect.set(0)
