@@ -77,7 +77,8 @@ class Feed:
         self.ctx = ctx
         self.registry = registry
         self.cfg = ctx.cfg.console
-        self.history = History(self.cfg.sample_s, self.cfg.history_s, self.cfg.events)
+        self.history = History(self.cfg.sample_s, self.cfg.history_s, self.cfg.events,
+                               self.cfg.chart_agents)  # fmt: skip
         self.views = Views(registry, explainer, ctx.broker_id)
         self.watchers: set[Watcher] = set()
         self.compensation = CompensationView(at_ms=0, available=False)
@@ -91,7 +92,7 @@ class Feed:
         if self._tasks:
             return
         self.ctx.fanout.listeners.append(self._on_transition)
-        self.history.sample(self.ctx.wall_ms(), self.registry.agents.values())
+        self.history.sample(self.ctx.wall_ms(), self.registry.agents)
         await self._follow_audit()
         self._tasks = [
             asyncio.create_task(self._sample_loop(), name="reach-console-sample"),
@@ -192,7 +193,7 @@ class Feed:
             raise_if_cancelled()
             await asyncio.sleep(self.cfg.sample_s)
             try:
-                self.history.sample(self.ctx.wall_ms(), self.registry.agents.values())
+                self.history.sample(self.ctx.wall_ms(), self.registry.agents)
             except Exception:  # noqa: BLE001 - the loop body never dies
                 log.exception("console.sample_failed")
 
