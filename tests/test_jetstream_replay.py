@@ -25,7 +25,9 @@ from jetstream import ackreads, acks, compensation
 from reach_agent import durable
 from reach_agent.agent import Agent
 from reach_agent.connection import connect_options
+from reach_agent.schema import Announce
 from reach_agent.subjects import Subjects
+from reach_broker import snapshot
 from reach_broker.natsserver import NatsServer
 from reach_broker.service import Broker
 
@@ -354,6 +356,59 @@ async def test_snapshot_writes_only_what_changed(nc: NATS, broker_factory: Broke
     await wait_for(lambda: broker.snapshot.writes == 2, what="second write")
     stored = json.loads((await kv.get("snapw")).value)
     assert (stored["announce"]["region"], stored["state"]) == ("us", "healthy")
+
+
+async def test_changed_agents_are_written_in_batches_one_round_trip_each(
+    nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    """N changed agents cost ceil(N / BATCH) round trips (each batch's publishes pipelined,
+    their acknowledgements awaited together), not one request per agent."""
+    broker = await broker_factory()
+    snap, reg = broker.snapshot, broker.registry
+    n = 1000
+    for i in range(n):  # straight into the registry: the flush loop is not woken
+        reg.announce(Announce(agent_id=f"burst{i}", capabilities=["text_processing"],
+                              max_concurrency=2, heartbeat_interval_ms=1000), 0.0, 0)  # fmt: skip
+    rounds, writes = snap.rounds, snap.writes
+    snap._dirty = {f"burst{i}" for i in range(n)}
+    await snap._flush()  # what the flush loop does 0.2 s after a change
+    assert snapshot.BATCH == 256
+    assert (snap.rounds - rounds, snap.writes - writes) == (4, n)  # ceil(1000 / 256)
+    kv = await nc.jetstream().key_value("reach_registry")
+    keys = {k for k in await kv.keys() if k.startswith("burst")}
+    assert keys == {f"burst{i}" for i in range(n)}
+    stored = json.loads((await kv.get("burst7")).value)
+    assert (stored["announce"]["agent_id"], stored["state"]) == ("burst7", "healthy")
+    # 300 evicted: 300 deletes in 2 round trips; the 700 unchanged cost nothing.
+    for i in range(300):
+        reg.evict(f"burst{i}", "test")
+    snap._dirty = {f"burst{i}" for i in range(n)}
+    await snap._flush()
+    assert (snap.rounds - rounds, snap.writes - writes) == (6, n + 300)
+    assert len([k for k in await kv.keys() if k.startswith("burst")]) == 700
+
+
+async def test_unacknowledged_writes_stay_dirty_and_are_written_later(
+    nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    broker = await broker_factory()
+    snap, reg = broker.snapshot, broker.registry
+    js = nc.jetstream()
+    cfg = (await js.stream_info("KV_reach_registry")).config
+    await js.delete_stream("KV_reach_registry")  # nothing answers the writes now
+    for i in range(300):
+        reg.announce(Announce(agent_id=f"lost{i}", capabilities=["text_processing"],
+                              max_concurrency=2, heartbeat_interval_ms=1000), 0.0, 0)  # fmt: skip
+    snap._dirty = {f"lost{i}" for i in range(300)}
+    writes = snap.writes
+    with pytest.raises(snapshot.WritesFailed, match="256 of 256 writes failed"):
+        await snap._flush()  # the first batch fails: it and the second stay dirty
+    assert snap.writes == writes and snap._dirty == {f"lost{i}" for i in range(300)}
+    await js.add_stream(cfg)  # the bucket is back
+    await snap._flush()
+    assert snap.writes == writes + 300 and not snap._dirty
+    kv = await js.key_value("reach_registry")
+    assert len([k for k in await kv.keys() if k.startswith("lost")]) == 300
 
 
 async def test_restarted_broker_keeps_task_history_and_scores_slow_agents_as_before(
