@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -60,7 +59,7 @@ def test_samples_are_a_bounded_ring_on_the_fleets_ticks() -> None:
     assert s.score == [92.0, 93.0, 94.0, 95.0]
     assert (s.task_ms, s.load) == ([120.0] * 4, [0.0] * 4)
     assert h.samples("b").at_ms == [3000, 4000, 5000]  # b from its first tick on
-    assert len(h.series["a"].values) == 3 * 4
+    assert len(h.series["a"].values) == 8 * 4  # 8 bytes a sample
     h.sample(6000, {"b": b})  # a is gone from the registry: forgotten
     assert "a" not in h.series
     assert h.samples("a").at_ms == []
@@ -70,7 +69,17 @@ def test_an_unmeasured_task_time_is_none() -> None:
     h = History(5.0, 10.0, 10)
     h.sample(0, {"a": record("a")})
     assert h.samples("a").task_ms == [None]
-    assert math.isnan(h.series["a"].values[1])
+
+
+def test_samples_keep_what_the_page_shows() -> None:
+    """Score and load are kept in hundredths and ten-thousandths (the page shows two
+    decimals), the task time as a float32."""
+    h = History(5.0, 10.0, 10)
+    a = record("a", score=87.654321)
+    a.load, a.stats.task_ewma_ms = 0.3456, 1234.5678
+    h.sample(0, {"a": a})
+    s = h.samples("a")
+    assert (s.score, s.load, s.task_ms) == ([87.65], [0.35], [1234.57])
 
 
 def test_events_are_kept_bounded_and_a_replicas_copy_is_merged() -> None:

@@ -3,11 +3,12 @@ time, load) and its last transitions; for the fleet the event timeline.
 
 Pure (no I/O; times are arguments). Samples are taken on one tick every ``sample_s``
 (:meth:`History.sample`, nothing per heartbeat), so every agent's ring lines up with the one
-ring of tick times. A ring is an ``array('f')`` of three floats per sample: with its record
-about 0.9 KiB an agent for 60 samples (5 minutes at 5 s), plus its last transitions (a list
-of at most :data:`TRANSITIONS` timeline entries). At most ``chart_agents`` agents have a
-ring: a tick costs O(min(fleet, chart_agents)), and beyond that bound newcomers are charted
-only as charted agents leave.
+ring of tick times. A ring holds 8 bytes a sample (:data:`SAMPLE`: the score and the load
+in hundredths and ten-thousandths, as exact as the page shows them, the task time a
+float32): with its record about 0.55 KiB an agent for 60 samples (5 minutes at 5 s), plus
+its last transitions (a list of at most :data:`TRANSITIONS` timeline entries). At most
+``chart_agents`` agents have a ring: a tick costs O(min(fleet, chart_agents)), and beyond
+that bound newcomers are charted only as charted agents leave.
 
 An event costs O(1): a replica's copy of a transition is found by the transition's key in a
 dict of the timeline's entries (kept exactly as long as the entry is in the timeline), not
@@ -17,6 +18,7 @@ by a scan, so a burst of n transitions costs n look-ups whatever its length.
 from __future__ import annotations
 
 import math
+import struct
 from array import array
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -33,6 +35,11 @@ TRANSITIONS = 16
 """Transitions kept per agent."""
 SAME_WITHIN_MS = 2000
 """An event equal to one just seen from another broker replica is that one, seen twice."""
+
+SAMPLE = struct.Struct("<HfH")
+"""One sample: score x 100, task time (ms, float32), load x 10,000; NONE / NaN: unmeasured."""
+NONE = 0xFFFF
+_UNMEASURED = SAMPLE.pack(NONE, math.nan, NONE)
 
 Key = tuple[str, str, str | None, str | None, str | None]
 """What makes two events the same transition: kind, agent, from, to, request id."""
@@ -55,7 +62,7 @@ class Series:
     __slots__ = ("first_tick", "transitions", "values")
 
     def __init__(self, capacity: int, first_tick: int) -> None:
-        self.values = array("f", [math.nan]) * (3 * capacity)
+        self.values = bytearray(_UNMEASURED * capacity)
         self.first_tick = first_tick
         self.transitions: list[Entry] | None = None
         """Made at the first transition: a list (a deque, even empty, is 0.6 KiB), the
@@ -101,7 +108,8 @@ class History:
         (O(chart_agents) whatever the fleet)."""
         pos = self.ticks % self.capacity
         self._tick_ms[pos] = wall_ms
-        series, cap, tick, i = self.series, self.capacity, self.ticks, 3 * pos
+        series, cap, tick, offset = self.series, self.capacity, self.ticks, SAMPLE.size * pos
+        pack = SAMPLE.pack_into
         room = self.chart_agents - len(series)
         if room > 0:
             pairs: Iterable[tuple[str, AgentRecord | None]] = agents.items()
@@ -120,10 +128,9 @@ class History:
             elif s.first_tick < 0:
                 s.first_tick = tick  # made by an event before its first sample
             task = rec.stats.task_ewma_ms
-            values = s.values
-            values[i] = rec.score
-            values[i + 1] = math.nan if task is None else task
-            values[i + 2] = rec.load
+            score = min(round(rec.score * 100), NONE - 1)
+            load = min(round(rec.load * 10_000), NONE - 1)
+            pack(s.values, offset, score, math.nan if task is None else task, load)
             seen += 1
         if len(series) > seen:  # rings of agents no longer in the registry
             for agent_id in [a for a in series if a not in agents]:
@@ -140,9 +147,10 @@ class History:
         for tick in range(start, self.ticks):
             pos = tick % self.capacity
             out.at_ms.append(int(self._tick_ms[pos]))
-            for j, column in enumerate((out.score, out.task_ms, out.load)):
-                value = s.values[3 * pos + j]
-                column.append(None if math.isnan(value) else round(value, 2))
+            score, task, load = SAMPLE.unpack_from(s.values, SAMPLE.size * pos)
+            out.score.append(None if score == NONE else score / 100)
+            out.task_ms.append(None if math.isnan(task) else round(task, 2))
+            out.load.append(None if load == NONE else round(load / 10_000, 2))
         return out
 
     # --- events --------------------------------------------------------------------------------
