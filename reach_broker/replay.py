@@ -149,7 +149,9 @@ class Replayer:
             for cap in rec.capabilities:
                 if self._known.get(cap):
                     self.kick(cap)
-        elif t.to == "offline" or t.kind == "evicted":
+        elif (t.to == "offline" or t.kind == "evicted") and self.taken.held_by(t.agent_id):
+            # A task only for an agent that holds entries: 1,000 agents going offline
+            # together are 1,000 look-ups, not 1,000 tasks.
             self.ctx.spawn(self._taker_gone(t.agent_id), "replay-taker-gone")
 
     async def _taker_gone(self, agent_id: str) -> None:
