@@ -284,6 +284,9 @@ class Replayer:
                 await self.sweep()
             except asyncio.CancelledError:
                 raise
+            except TimeoutError:  # nats' too: a busy server or broker, not a bug
+                log.warning("replay.sweep_failed JetStream did not answer in time: swept "
+                            "again in %g s", self.cfg.sweep_interval_s)  # fmt: skip
             except Exception:  # noqa: BLE001 - the loop never dies
                 log.exception("replay.sweep_failed")
             await asyncio.sleep(self.cfg.sweep_interval_s)
