@@ -6,7 +6,7 @@ subject's author and request, and the record is not a copy JetStream made of a s
 since it never checks reply subjects). They read with message gets (``STREAM.MSG.GET``),
 which return a record's headers as stored; a direct get adds ``Nats-Stream`` to every answer.
 Whether the body agrees too, and which author to believe, is the caller's
-(:mod:`reach_agent.durable`): this module works on bytes and headers.
+(:mod:`reach_agent.client.durable`): this module works on bytes and headers.
 """
 
 from __future__ import annotations

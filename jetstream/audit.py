@@ -8,7 +8,7 @@ stops once it has caught up. :func:`live_events` is the live half alone, on the 
 subjects themselves: it needs no JetStream.
 
 Events are handed over as stored (subject and bytes); decoding them is the caller's
-(:mod:`reach_agent.schema`), as this floor imports nothing above it. A message on an event
+(:mod:`reach_agent.wire.schema`), as this floor imports nothing above it. A message on an event
 subject that carries JetStream's ``Nats-Stream`` header is a copy of a stored message that
 someone had JetStream answer onto that subject (the server never checks reply subjects), not
 an event a broker published: it is skipped and logged, live or stored.

@@ -8,7 +8,7 @@ a compare-and-set on the revision the writer read, so two writers never both win
 bucket's ``max_age`` is the ack records' retention: a claim lives as long as the result it
 points to.
 
-This module works on bytes (the claim's JSON is :class:`reach_agent.schema.Claim`, read and
+This module works on bytes (the claim's JSON is :class:`reach_agent.wire.schema.Claim`, read and
 written above this floor). :class:`ClaimStore` talks to the bucket with plain requests (the
 JetStream publish and the message get), so a claim costs one round trip; :func:`follow` is the
 broker's ordered consumer over the bucket, from a start time.

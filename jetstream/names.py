@@ -95,7 +95,7 @@ WRONG_LAST_SEQUENCE = (10071, 10164)
 
 
 class StreamSubjects(Protocol):
-    """The subjects of reach's streams, as :class:`reach_agent.subjects.Subjects` builds them.
+    """The subjects of reach's streams, as :class:`reach_agent.wire.subjects.Subjects` builds them.
 
     jetstream/ is handed an object with these members instead of spelling subjects itself,
     so the subject grammar has one address (and this floor imports no floor above it).

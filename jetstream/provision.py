@@ -81,7 +81,7 @@ def load_definitions(
     """The definitions as dicts, with the subjects of ``subjects`` and ``overrides`` applied.
 
     The files hold the default prefix's subjects (``reach.ack.>``, ...); given ``subjects``
-    (:class:`reach_agent.subjects.Subjects` of the broker's prefix), the ack, compensation and
+    (:class:`reach_agent.wire.subjects.Subjects` of the broker's prefix), the ack, compensation and
     audit streams take its wildcards instead. ``overrides`` maps a stream name to fields
     replacing the file's (the broker sets ``REACH_COMPENSATION.max_msgs`` from
     ``compensation.max_entries`` this way). The claims bucket keeps its claims exactly as long

@@ -3,7 +3,7 @@
 Writers (``reach rules set|clear``) put and delete keys; every broker follows the bucket
 (:func:`follow`: the last value of each key, then every change, through one ordered consumer
 that nats-py rebuilds after a reconnect), so a change reaches every replica as soon as
-JetStream stores it. What a value means is the broker's (:mod:`reach_broker.rules`): this
+JetStream stores it. What a value means is the broker's (:mod:`reach_broker.core.rules`): this
 floor moves bytes.
 """
 

@@ -34,9 +34,9 @@ from typing import Any
 
 import nats
 
-from reach_agent import schema
 from reach_agent.connection import Credentials, connect_options
-from reach_agent.subjects import Subjects
+from reach_agent.wire import schema
+from reach_agent.wire.subjects import Subjects
 from reach_broker.auth import AuthDir, claims, init, issue_caller
 from reach_broker.auth.claims import User, UserClaims
 

@@ -49,12 +49,12 @@ from pathlib import Path
 from typing import Any
 
 from reach_agent import Client, ReachError
-from reach_agent.errors import NoReachableAgent, Overloaded
-from reach_agent.schema import RouteRequest
+from reach_agent.wire.errors import NoReachableAgent, Overloaded
+from reach_agent.wire.schema import RouteRequest
+from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.config import Config
-from reach_broker.natsserver import NatsServer
-from reach_broker.records import AgentRecord, Transition
-from reach_broker.service import Broker
+from reach_broker.core.records import AgentRecord, Transition
+from reach_broker.service.broker import Broker
 
 CAPABILITY = "summarize"
 NAMES = ("alpha", "beta", "gamma", "delta", "epsilon")

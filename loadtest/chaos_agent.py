@@ -28,9 +28,10 @@ from typing import Any
 import nats
 from nats.aio.msg import Msg
 
+from jetstream.names import H_REQUEST_ID
 from reach_agent.connection import connect_options
-from reach_agent.schema import H_RECEIPT, H_REQUEST_ID, H_STATUS
-from reach_agent.subjects import Subjects
+from reach_agent.wire.schema import H_RECEIPT, H_STATUS
+from reach_agent.wire.subjects import Subjects
 
 
 class ChaosAgent:

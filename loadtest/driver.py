@@ -28,10 +28,10 @@ import nats
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from reach_agent import schema
 from reach_agent.connection import connect_options
-from reach_agent.errors import H_SERVICE_ERROR_CODE
-from reach_agent.subjects import Subjects
+from reach_agent.wire import schema
+from reach_agent.wire.errors import H_SERVICE_ERROR_CODE
+from reach_agent.wire.subjects import Subjects
 
 ECHO_SUBJECT = "loadtest.echo"
 PEEK_BODY = schema.encoder.encode(schema.RouteRequest(peek=True)).decode()

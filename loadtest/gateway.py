@@ -34,7 +34,7 @@ import uvloop
 
 import reach_agent
 from reach_broker.config import A2ASection
-from reach_broker.service import Broker
+from reach_broker.service.broker import Broker
 
 from .local import local_stack
 
@@ -110,7 +110,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from a2a.client import ClientConfig, ClientFactory
     from a2a.types import a2a_pb2 as pb
 
-    from reach_broker.a2a.gateway import A2AGateway
+    from reach_broker.interop.a2a.gateway import A2AGateway
 
     with local_stack("reach-gateway-") as (tmp, server, cfg):
         agent = reach_agent.Agent("bench-agent", [CAP], max_concurrency=256,

@@ -21,8 +21,8 @@ import nats
 from msgspec import UNSET, UnsetType
 
 from reach_agent.connection import connect_options
-from reach_agent.subjects import Subjects
-from reach_broker.natsserver import NatsServer
+from reach_agent.wire.subjects import Subjects
+from reach_broker.cluster.natsserver import NatsServer
 
 from .children import Children, free_port
 from .observe import Observer

@@ -14,8 +14,8 @@ import time
 import urllib.request
 from typing import Any
 
-from reach_agent.errors import H_SERVICE_ERROR_CODE
-from reach_agent.subjects import Subjects
+from reach_agent.wire.errors import H_SERVICE_ERROR_CODE
+from reach_agent.wire.subjects import Subjects
 
 _SAMPLE_RE = re.compile(r"^(\w+)(?:\{([^}]*)\})? ([0-9.eE+-]+|NaN)$")
 _HEARTBEATS = 'reach_heartbeats_total{result="'

@@ -24,16 +24,16 @@ import time
 import types
 from collections.abc import Callable
 
-from reach_agent.schema import Announce, Heartbeat, RouteRequest
-from reach_agent.subjects import Subjects
+from reach_agent.wire.schema import Announce, Heartbeat, RouteRequest
+from reach_agent.wire.subjects import Subjects
 from reach_broker.config import Config, QuotasSection
-from reach_broker.handlers import Handlers
-from reach_broker.metrics import Metrics
-from reach_broker.quotas import Quotas
-from reach_broker.registry import Registry
-from reach_broker.routing import Router
-from reach_broker.rules import Rules, build
-from reach_broker.tokens import TokenSigner
+from reach_broker.core.quotas import Quotas
+from reach_broker.core.registry import Registry
+from reach_broker.core.routing import Router
+from reach_broker.core.rules import Rules, build
+from reach_broker.core.tokens import TokenSigner
+from reach_broker.service.handlers import Handlers
+from reach_broker.service.metrics import Metrics
 
 CAP = "summarize"
 
@@ -79,7 +79,8 @@ def policy_handlers(agents: int, rate: float | None = None) -> dict[str, Handler
     # Only what Handlers reads of its context (no connection: nothing is sent).
     clock = Clock(1.0 / (rate or 10.0 * agents))
     ctx = types.SimpleNamespace(metrics=Metrics(), subjects=subjects, clock=clock,
-                                wall=lambda: 1000.0, wall_ms=lambda: 10**6, nc=None)  # fmt: skip
+                                wall=lambda: 1000.0, wall_ms=lambda: 10**6, nc=None,
+                                spans=None)  # fmt: skip
     ruled = Rules()
     ruled.put(CAP, build(split="version=1:95,2:5", require=["env=prod"]))
     unlimited = QuotasSection(rate=1e12, burst=10**12)  # a bucket taken from, never empty

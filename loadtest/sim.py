@@ -32,11 +32,11 @@ from typing import Any
 import nats
 from nats.aio.client import Client as NATS
 
-from reach_agent import schema
 from reach_agent.connection import connect_options
-from reach_agent.errors import H_SERVICE_ERROR
-from reach_agent.schema import Announce, Heartbeat, ProbeReply
-from reach_agent.subjects import Subjects
+from reach_agent.wire import schema
+from reach_agent.wire.errors import H_SERVICE_ERROR
+from reach_agent.wire.schema import Announce, Heartbeat, ProbeReply
+from reach_agent.wire.subjects import Subjects
 
 CAPABILITIES = tuple(f"loadtest.cap{i}" for i in range(10))
 """The shared capabilities route load is spread over; each agent has one to three."""

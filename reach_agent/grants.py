@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from .subjects import INBOX_ROOT
+from reach_agent.wire.subjects import INBOX_ROOT
 
 
 class _Permission(msgspec.Struct):

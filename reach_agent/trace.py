@@ -1,8 +1,8 @@
 """Trace context that follows a task into its sub-calls, and into the SDK's log lines.
 
 An agent runs each task with the task's :class:`TraceContext` in a context variable
-(:data:`CURRENT`, set by :class:`~reach_agent.serving.TaskServer`; asyncio tasks the handler
-spawns and its worker thread inherit it). A :class:`~reach_agent.client.Client` call made
+(:data:`CURRENT`, set by :class:`~reach_agent.agent.serving.TaskServer`; asyncio tasks the handler
+spawns and its worker thread inherit it). A :class:`~reach_agent.client.client.Client` call made
 there adds the context's child headers to its own — ``Reach-Hops`` with this agent
 appended, the task's ``Reach-Trace-Id``, and a ``traceparent`` of the same W3C trace with a
 new parent id — so loops are caught downstream without passing headers by hand (headers
@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from contextvars import ContextVar
 from random import getrandbits
 
-from . import schema
+from .wire import schema
 
 _TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 _TRACE_ID = re.compile(r"[0-9a-f]{32}")
@@ -35,14 +35,17 @@ class TraceContext:
     """The task being run: its request id, the agent running it and the headers it came
     with (the child headers of its sub-calls are computed from them, when there is one)."""
 
-    __slots__ = ("agent_id", "headers", "request_id", "steps")
+    __slots__ = ("agent_id", "headers", "parent", "request_id", "steps")
 
     def __init__(self, request_id: str, agent_id: str, headers: Mapping[str, str]) -> None:
         self.request_id = request_id
         self.agent_id = agent_id
         self.headers = headers
+        self.parent: str | None = None
+        """The ``traceparent`` of the task's run span when spans are on (:mod:`.otel`): its
+        sub-calls' spans are its children."""
         self.steps = 0
-        """Flow steps begun for this task (:mod:`~reach_agent.flow`): their ids' numbers."""
+        """Flow steps begun for this task (:mod:`~reach_agent.client.flow`): their ids' numbers."""
 
     @property
     def trace_id(self) -> str | None:

@@ -2,6 +2,6 @@
 
 import sys
 
-from .cli.parser import main
+from reach_broker.cli.parser import main
 
 sys.exit(main())

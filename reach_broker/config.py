@@ -29,6 +29,10 @@ class NatsSection(Section):
     """Path of a NATS credentials file (``reach auth``: ``DIR/broker.creds``)."""
     tls_ca: str | None = None
     """CA certificate (PEM) the server's certificate must chain to; turns TLS on."""
+    context: str | None = None
+    """A ``nats`` CLI context (``~/.config/nats/context/NAME.json``) whose server and
+    credentials fill what ``url``, ``creds`` and ``tls_ca`` leave unset (``NATS_CONTEXT``
+    also names one); with a server of its own, no embedded server starts."""
     auth_dir: str | None = None
     """A ``reach auth init`` DIR: the embedded server runs ``DIR/server.conf`` and the broker
     connects with ``DIR/broker.creds`` (and ``DIR/tls/ca.pem`` with TLS)."""
@@ -105,7 +109,7 @@ class DetectionSection(Section):
 
 
 class ScoringSection(Section):
-    """score = 100 * L^w_live * T^w_lat * F^w_load * S^w_succ (see reach_broker/scoring.py)."""
+    """score = 100 * L^w_live * T^w_lat * F^w_load * S^w_succ (see reach_broker/core/scoring.py)."""
 
     weight_liveness: Annotated[float, Meta(ge=0)] = 1.0
     """Exponent of the liveness ratio over the last heartbeat/probe outcomes."""
@@ -271,7 +275,7 @@ class A2ASection(Section):
 
 class SynadiaSection(Section):
     """Agents of the Synadia Agent Protocol for NATS (``$SRV.INFO.agents``), routed as they
-    are (reach_broker/synadia.py)."""
+    are (reach_broker/interop/synadia.py)."""
 
     enabled: bool = True
     """Discover them, follow their heartbeats and route to them."""
@@ -294,7 +298,7 @@ class QuotaLimit(Section):
 
 
 class QuotasSection(Section):
-    """Token buckets per (caller, capability) on route requests (reach_broker/quotas.py)."""
+    """Token buckets per (caller, capability) on route requests (reach_broker/core/quotas.py)."""
 
     rate: Annotated[float, Meta(ge=0)] = 0.0
     """Route requests per second each caller may make for each capability (0: no quota
@@ -311,7 +315,7 @@ class QuotasSection(Section):
 
 
 class OutcomesSection(Section):
-    """What callers saw, folded into the delivery term (reach_broker/delivery.py)."""
+    """What callers saw, folded into the delivery term (reach_broker/core/delivery.py)."""
 
     enabled: bool = True
     """Follow ``<prefix>.outcome.*`` and score delivery by it."""
@@ -330,7 +334,7 @@ class OutcomesSection(Section):
 
 
 class RuleSection(Section):
-    """One capability's route rule in broker.toml (reach_broker/rules.py)."""
+    """One capability's route rule in broker.toml (reach_broker/core/rules.py)."""
 
     split: str | None = None
     """``version=1:95,2:5`` or ``TAG=a:90,b:10``."""

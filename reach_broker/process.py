@@ -4,13 +4,14 @@ Start, in order: an embedded ``nats-server`` when the config names no server (wi
 ``nats.auth_dir``: the DIR's ``server.conf``, operator mode; in a session of its own, so a
 terminal Ctrl-C reaches the broker only, which stops its clients before the server: the
 server dying first would leave them reconnecting), SIGINT/SIGTERM/SIGHUP handlers (SIGHUP:
-the terminal closed), the HTTP port (Prometheus ``/metrics`` and the web console,
-:mod:`reach_broker.console`), the :class:`~reach_broker.service.Broker`, then the console's
-feed on the running broker and (``a2a.port``) the A2A gateway (:mod:`reach_broker.a2a`).
+the terminal closed), the HTTP port (Prometheus ``/metrics``, the probes ``/healthz`` and
+``/readyz`` of :mod:`reach_broker.health` and the web console, :mod:`reach_broker.console`),
+the :class:`~reach_broker.service.broker.Broker`, then the console's feed on the running
+broker and (``a2a.port``) the A2A gateway (:mod:`reach_broker.interop.a2a`).
 Stop, the other way round: the gateway, the HTTP port (open pages are told goodbye), the
 broker (drains, leaves nothing in flight), then the embedded server. Should the
 process die without stopping (``kill -9``), the embedded server dies with it
-(:mod:`reach_broker.lifeline`).
+(:mod:`reach_broker.cluster.lifeline`).
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import os
 import signal
 from typing import Any
 
+from reach_broker.cluster.natsserver import NatsServer, NatsServerError, PortInUse
+
 from .config import Config
 from .logs import say
-from .natsserver import NatsServer, NatsServerError, PortInUse
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """What stops the process in order: Ctrl-C, ``kill``, and the terminal going away."""
@@ -54,6 +56,8 @@ async def serve(cfg: Config, *, stop: asyncio.Event | None = None) -> None:
     check_a2a(cfg)
     if cfg.nats.auth_dir:
         _use_auth_dir(cfg)
+    if not cfg.nats.url:
+        _use_context(cfg)
     server = await _embedded_server(cfg) if not cfg.nats.url else None
     try:
         if stop is None:
@@ -75,7 +79,8 @@ def check_a2a(cfg: Config) -> None:
         return
     if cfg.a2a.token is None:
         cfg.a2a.token = cfg.console.token
-    from .a2a.binding import binding_error
+    from reach_broker.interop.a2a.binding import binding_error
+
     from .extras import MissingExtra, require
 
     try:
@@ -85,6 +90,25 @@ def check_a2a(cfg: Config) -> None:
     why = binding_error(cfg.a2a)
     if why is not None:
         raise StartError(why)
+
+
+def _use_context(cfg: Config) -> None:
+    """A NATS context named by ``nats.context`` (``--context``) or ``NATS_CONTEXT`` that names
+    a server: the broker connects there instead of starting an embedded server. Otherwise the
+    embedded server's connection uses no context, not even the one selected in the ``nats``
+    CLI (its server is this process's own)."""
+    from reach_agent.connection import load_context
+
+    name = cfg.nats.context if cfg.nats.context is not None else os.environ.get("NATS_CONTEXT")
+    if name:
+        try:
+            ctx = load_context(name)
+        except ValueError as exc:
+            raise StartError(str(exc)) from None
+        if ctx.url:
+            cfg.nats.url, cfg.nats.context = ctx.url, name
+            return
+    cfg.nats.context = ""
 
 
 def _use_auth_dir(cfg: Config) -> None:
@@ -130,12 +154,13 @@ async def _embedded_server(cfg: Config) -> NatsServer:
 
 
 async def _run_broker(cfg: Config, stop: asyncio.Event) -> None:
-    from .console.port import HttpPort
-    from .metrics import Metrics
-    from .service import Broker
+    from reach_broker.console.port import HttpPort
+    from reach_broker.service.broker import Broker
+    from reach_broker.service.metrics import Metrics
 
     metrics = Metrics()
-    port = HttpPort(cfg, metrics.registry) if cfg.broker.metrics_port else None
+    broker = Broker(cfg, metrics=metrics)
+    port = HttpPort(cfg, metrics.registry, broker.not_ready) if cfg.broker.metrics_port else None
     if port is not None:
         try:
             await port.start()
@@ -146,7 +171,7 @@ async def _run_broker(cfg: Config, stop: asyncio.Event) -> None:
                 "(choose another with --metrics-port, 0 turns it off)"
             ) from None
     try:
-        await _serve_broker(cfg, stop, Broker(cfg, metrics=metrics), port)
+        await _serve_broker(cfg, stop, broker, port)
     finally:
         if port is not None:
             await port.stop()
@@ -162,7 +187,8 @@ async def _serve_broker(cfg: Config, stop: asyncio.Event, broker: Any, port: Any
     gateway = None
     try:
         if port is not None:
-            await port.attach(broker.ctx, broker.registry, broker.handlers.explainer)
+            await port.attach(broker.ctx, broker.registry, broker.handlers.explainer,
+                              broker.handlers.route_counts)  # fmt: skip
         where = f"; {port.describe()}" if port is not None else ""
         say(f"reach: broker {broker.broker_id} serving on {cfg.nats.url}{where}")
         gateway = await _a2a_gateway(cfg, broker) if cfg.a2a.port else None
@@ -178,7 +204,7 @@ async def _serve_broker(cfg: Config, stop: asyncio.Event, broker: Any, port: Any
 
 async def _a2a_gateway(cfg: Config, broker: Any) -> Any:
     """The A2A gateway of the running ``broker``, started and announced."""
-    from .a2a.gateway import A2AGateway
+    from reach_broker.interop.a2a.gateway import A2AGateway
 
     gateway = A2AGateway(cfg.a2a, nc=broker.nc, subjects=broker.subjects,
                          registry=broker.registry, router=broker.router, clock=broker.clock,

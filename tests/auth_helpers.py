@@ -17,7 +17,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 
 from reach_broker.auth import AuthDir
-from reach_broker.natsserver import find_binary
+from reach_broker.cluster.natsserver import find_binary
 
 from .conftest import wait_for
 

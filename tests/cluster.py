@@ -6,7 +6,7 @@
         await cluster.kill(leader)
         await cluster.wait_stream_leader(nc, "REACH_COMP", not_on={leader})
 
-The nodes are ``reach_broker.natscluster`` nodes (the same config as ``reach dev-cluster``:
+The nodes are ``reach_broker.cluster.natscluster`` nodes (the same config as ``reach dev-cluster``:
 APP/SYS accounts, advisories, JetStream) on free loopback ports, with their stores under the
 given directory; every process is stopped when the block ends.
 """
@@ -23,7 +23,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.js.errors import ServiceUnavailableError
 
-from reach_broker.natscluster import Cluster, launch
+from reach_broker.cluster.natscluster import Cluster, launch
 
 READY_TIMEOUT_S = 30.0
 FAILOVER_TIMEOUT_S = 30.0

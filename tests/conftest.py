@@ -11,10 +11,10 @@ import nats
 import pytest
 from nats.aio.client import Client as NATS
 
+from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.config import Config
-from reach_broker.metrics import Metrics
-from reach_broker.natsserver import NatsServer
-from reach_broker.service import Broker
+from reach_broker.service.broker import Broker
+from reach_broker.service.metrics import Metrics
 
 
 @pytest.fixture(autouse=True)

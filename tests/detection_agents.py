@@ -11,8 +11,8 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from reach_broker.records import AgentRecord, Transition
-from reach_broker.service import Broker
+from reach_broker.core.records import AgentRecord, Transition
+from reach_broker.service.broker import Broker
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -18,22 +18,28 @@ from a2a.utils.errors import InternalError, InvalidParamsError
 from a2a.utils.proto_utils import validate_proto_required_fields
 from google.protobuf.json_format import MessageToDict, ParseDict
 
-from reach_agent import errors
-from reach_agent.errors import (
+from reach_agent.wire import errors
+from reach_agent.wire.errors import (
     BizReject,
     InvalidCapability,
     NoReachableAgent,
     StreamBroken,
     TargetBusy,
 )
-from reach_agent.schema import Announce, Heartbeat
-from reach_broker.a2a import cards
-from reach_broker.a2a.binding import binding_error, is_loopback
-from reach_broker.a2a.handler import check_required, json_of, outcome_of, part_of, payload_of
+from reach_agent.wire.schema import Announce, Heartbeat
 from reach_broker.config import A2ASection, Config, ConfigError, a2a_token
-from reach_broker.registry import Registry
-from reach_broker.routing import Router
-from reach_broker.tokens import TokenSigner
+from reach_broker.core.registry import Registry
+from reach_broker.core.routing import Router
+from reach_broker.core.tokens import TokenSigner
+from reach_broker.interop.a2a import cards
+from reach_broker.interop.a2a.binding import binding_error, is_loopback
+from reach_broker.interop.a2a.handler import (
+    check_required,
+    json_of,
+    outcome_of,
+    part_of,
+    payload_of,
+)
 
 COMPAT_KEYS = ("url", "preferredTransport", "protocolVersion")
 WHERE = cards.Where(base_url="http://127.0.0.1:8080")

@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from reach_agent.subjects import Subjects
+from reach_agent.wire.subjects import Subjects
 from reach_broker.auth import (
     ROLES,
     AuthDir,
@@ -93,6 +93,7 @@ def test_agent_permissions() -> None:
         "reach.task.alpha.>",
         "reach.probe.alpha",
         "reach.reannounce.alpha",
+        "reach.cancel.alpha",
         "reach.event.*.alpha",
         "_INBOX.agent.alpha.>",
     ]
@@ -115,6 +116,7 @@ def test_caller_permissions() -> None:
         "reach.comp.>",
         "reach.probe.*",
         "reach.outcome.*",
+        "reach.cancel.*",
         "$JS.API.STREAM.MSG.GET.REACH_ACKS",
         "$JS.API.STREAM.INFO.REACH_ACKS",
         "$JS.API.STREAM.MSG.GET.KV_reach_claims",
@@ -131,6 +133,7 @@ def test_broker_permissions() -> None:
         "reach.probe.*",
         "reach.reannounce.*",
         "reach.task.>",
+        "reach.cancel.*",
         "reach.ack._broker.>",
         "_INBOX.>",
         "$JS.API.>",
@@ -155,6 +158,7 @@ def test_broker_permissions() -> None:
         "reach.ack.>",
         "reach.event.>",
         "reach.outcome.*",
+        "reach.cancel._broker",
         "$SRV.>",
         f"$SYS.ACCOUNT.{ACC}.CONNECT",
         f"$SYS.ACCOUNT.{ACC}.DISCONNECT",

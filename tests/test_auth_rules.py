@@ -9,9 +9,10 @@ import json
 import pytest
 
 from jetstream import ackreads, acks
-from reach_agent import grants, schema
-from reach_agent.durable import _Taken
-from reach_agent.subjects import BROKER_ACK_AUTHOR, Subjects, is_inbox
+from reach_agent import grants
+from reach_agent.client.durable import _Taken
+from reach_agent.wire import schema
+from reach_agent.wire.subjects import BROKER_ACK_AUTHOR, Subjects, is_inbox
 
 SUBJECTS = Subjects()
 

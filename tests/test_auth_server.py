@@ -17,15 +17,7 @@ import pytest
 from nats.errors import NoRespondersError
 from nats.js.api import StreamConfig
 
-from reach_broker.auth import (
-    AuthDir,
-    claims,
-    init,
-    issue_agent,
-    issue_caller,
-    push_account,
-    revoke,
-)
+from reach_broker.auth import AuthDir, claims, init, issue_agent, issue_caller, push_account, revoke
 from reach_broker.auth.claims import UserClaims
 
 from .auth_helpers import AuthServer, Inbox, auth_server, connect, violation

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-from reach_agent.breaker import Breaker, Breakers, verdict
-from reach_agent.config import BreakerConfig, ClientConfig
-from reach_agent.errors import BizReject, Draining, InternalError, Overloaded, TargetBusy, Timeout
+from reach_agent.client.breaker import Breaker, Breakers, verdict
+from reach_agent.client.config import BreakerConfig, ClientConfig
+from reach_agent.wire.errors import (
+    BizReject,
+    Draining,
+    InternalError,
+    Overloaded,
+    TargetBusy,
+    Timeout,
+)
 
 CFG = BreakerConfig()
 

@@ -20,7 +20,7 @@ from typing import Any
 import nats
 import pytest
 
-from reach_broker.natsserver import NatsServer, NatsServerError
+from reach_broker.cluster.natsserver import NatsServer, NatsServerError
 
 from .conftest import wait_for
 
@@ -311,7 +311,7 @@ def test_a_second_broker_on_a_busy_port_is_one_line(
 
 OWNER = """
 import sys, threading, time
-from reach_broker.natsserver import NatsServer
+from reach_broker.cluster.natsserver import NatsServer
 server = NatsServer(port=0, guard=sys.argv[1])
 if sys.argv[2] == "thread":  # started from a thread that then ends
     worker = threading.Thread(target=server.start)
@@ -368,7 +368,7 @@ def test_a_server_started_from_a_short_lived_thread_outlives_the_thread() -> Non
 
 
 def test_forks_from_worker_threads_happen_on_the_one_spawner_thread() -> None:
-    from reach_broker import lifeline
+    from reach_broker.cluster import lifeline
 
     where: list[str] = []
 

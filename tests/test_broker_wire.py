@@ -11,7 +11,7 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from jetstream.names import STREAM_NAMES
-from reach_broker.service import Broker
+from reach_broker.service.broker import Broker
 
 from .conftest import BrokerFactory, wait_for
 
@@ -336,10 +336,10 @@ async def test_a_burst_of_transitions_is_one_task_publishing_them_in_order(nc: N
     publishes them, in the order they were made (not one task an event)."""
     import time
 
-    from reach_agent.subjects import Subjects
-    from reach_broker.context import Fanout, Link, Tasks
-    from reach_broker.metrics import Metrics
-    from reach_broker.records import Transition
+    from reach_agent.wire.subjects import Subjects
+    from reach_broker.core.records import Transition
+    from reach_broker.service.context import Fanout, Link, Tasks
+    from reach_broker.service.metrics import Metrics
 
     got: list[str] = []
 

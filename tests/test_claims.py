@@ -1,6 +1,6 @@
 """A request id runs once across the fleet: claims in KV ``reach_claims``, real servers.
 
-The decision is pure (:func:`reach_agent.claiming.decide`); the rest runs against a real
+The decision is pure (:func:`reach_agent.agent.claiming.decide`); the rest runs against a real
 nats-server and broker, with in-process agents where nothing crashes and agent processes
 (``tests/agents/worker.py``, which log every handler start) where one is stalled or killed.
 """
@@ -25,12 +25,14 @@ from nats.aio.client import Client as NATS
 
 import reach_agent
 from jetstream.claims import ClaimStore, claim_key
+from jetstream.names import H_REQUEST_ID
 from jetstream.provision import load_definitions
-from reach_agent import ClientConfig, schema
-from reach_agent.claiming import decide
-from reach_agent.subjects import Subjects
-from reach_broker.natsserver import NatsServer, find_binary
-from reach_broker.service import Broker
+from reach_agent import ClientConfig
+from reach_agent.agent.claiming import decide
+from reach_agent.wire import schema
+from reach_agent.wire.subjects import Subjects
+from reach_broker.cluster.natsserver import NatsServer, find_binary
+from reach_broker.service.broker import Broker
 
 from .conftest import wait_for
 from .test_sdk_failover import EventLog, healthy, lines, worker
@@ -167,20 +169,22 @@ async def test_compensation_replay_of_a_completed_request_does_not_run_it_again(
         assert first == {"agent": "done-a", "n": 7}
         submitted = await client.submit("bill", {"n": 7}, request_id=rid)
         assert submitted == rid and submitted.duplicate is False
-        await wait_for(lambda: broker.replayer.claimed == 1, 10, what="the entry seen as claimed")
+        await wait_for(
+            lambda: broker.replayer.sender.claimed == 1, 10, what="the entry seen as claimed"
+        )
         record = await client.wait(rid, timeout=5)
         # A replay that raced the broker's own check reaches another agent: it answers the
         # stored result and does not run the handler either.
         await agents(slow_agent("done-b", "bill", runs))
         await wait_for(lambda: healthy(broker, "done-b"))
         raw = await nc.request("reach.task.done-b.bill", b'{"n": 7}', timeout=5,
-                               headers={schema.H_REQUEST_ID: rid})  # fmt: skip
+                               headers={H_REQUEST_ID: rid})  # fmt: skip
     assert (record.state, record.agent_id) == ("completed", "done-a")
     assert record.result == {"agent": "done-a", "n": 7}  # decoded, as wait() returns it
     assert (raw.headers or {}).get(schema.H_STATUS) == "completed"
     assert msgspec.json.decode(raw.data) == {"agent": "done-a", "n": 7}
     assert runs == [("done-a", rid)]
-    assert (broker.replayer.replayed, broker.replayer.claimed) == (0, 1)
+    assert (broker.replayer.sender.replayed, broker.replayer.sender.claimed) == (0, 1)
     assert broker.metrics.compensation_result["claimed"]._value.get() == 1
 
 
@@ -212,13 +216,13 @@ async def test_without_jetstream_claims_are_off_logged_once_and_the_process_wind
             break
         await asyncio.sleep(0.05)
     assert nc is not None
-    caplog.set_level(logging.WARNING, logger="reach_agent.claiming")
+    caplog.set_level(logging.WARNING, logger="reach_agent.agent.claiming")
     await agent.start(url)
     try:
         assert agent.tasks.claimer is not None and agent.tasks.claimer.enabled is False
         for _ in range(3):
             reply = await nc.request("reach.task.nojs.plain", b"{}", timeout=5,
-                                     headers={schema.H_REQUEST_ID: "same"})  # fmt: skip
+                                     headers={H_REQUEST_ID: "same"})  # fmt: skip
             assert msgspec.json.decode(reply.data) == {"agent": "nojs", "n": None}
     finally:
         await agent.stop(grace=1)
@@ -298,7 +302,7 @@ async def test_an_agent_stalled_before_it_claims_never_runs_the_request_its_retr
             nc = await nats.connect(nats_server.url)
             try:
                 task = SUBJECTS.task("stop-a", "pay")
-                hdrs = {schema.H_REQUEST_ID: later}
+                hdrs = {H_REQUEST_ID: later}
                 reply = await nc.request(task, b'{"n": 3}', timeout=15, headers=hdrs)
             finally:
                 await nc.close()

@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 from nats.aio.client import Client as NATS
 
-from reach_agent import schema
+from reach_agent.wire import schema
 from reach_broker.cli.common import CliError, parse_duration
 from reach_broker.cli.events import parse_since
 from reach_broker.cli.view import BrokerStats, Snapshot, render
-from reach_broker.natsserver import NatsServer
-from reach_broker.service import Broker
+from reach_broker.cluster.natsserver import NatsServer
+from reach_broker.service.broker import Broker
 
 from .conftest import BrokerFactory, wait_for
 
@@ -753,7 +753,8 @@ async def test_demo_runs_for_its_duration_and_leaves_no_process() -> None:
     assert set(started) == {"event", "nats_url", "pids", "logs", "broker_id", "console"}
     assert started["event"] == "started"
     assert set(started["pids"]) == DEMO_PIDS
-    assert ready == {"event": "ready", "agents": ["alpha", "beta", "gamma"]}
+    assert ready == {"event": "ready", "agents": ["alpha", "beta", "gamma"],
+                     "pids": started["pids"]}  # fmt: skip
     assert stopped["event"] == "stopped"
     assert stopped["reason"] == "duration"
     assert stopped["pids"] == started["pids"]
@@ -907,7 +908,7 @@ async def test_top_live_survives_a_server_restart(
 async def test_sigkill_of_the_demo_takes_every_child_along() -> None:
     import shutil
 
-    from reach_broker.natsserver import remove_stale_store_dirs
+    from reach_broker.cluster.natsserver import remove_stale_store_dirs
 
     from .test_broker_process import gone
 

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 from nats.aio.client import Client as NATS
 
-from reach_broker.natsserver import NatsServer
-from reach_broker.service import Broker
+from jetstream.names import H_REQUEST_ID
+from reach_broker.cluster.natsserver import NatsServer
+from reach_broker.service.broker import Broker
 
 from .conftest import BrokerFactory, wait_for
 from .test_cli import CLI, cli_env, reach
@@ -192,19 +193,19 @@ async def test_announce_announces_again_after_a_reconnect(
 async def test_announce_answers_the_protocol_errors(
     nats_server: NatsServer, nc: NATS, broker: Broker, announcer: Any
 ) -> None:
-    from reach_agent import schema
-    from reach_agent.errors import from_reply
+    from reach_agent.wire import schema
+    from reach_agent.wire.errors import from_reply
 
     agent = await announcer("--interval", "0.5")
     await agent.until("announced")
     subject = "reach.task.alpha.text_processing"
     rid = "7b0c5c1e-1d2e-4f00-8000-0000000000bb"
-    headers = {schema.H_REQUEST_ID: rid, schema.H_ACK_MODE: "received"}
+    headers = {H_REQUEST_ID: rid, schema.H_ACK_MODE: "received"}
     received = await nc.request(subject, b"{}", timeout=5, headers=headers)
     err = from_reply(received.headers, received.data)
     assert err is not None and err.code == "INVALID_REQUEST"
     assert received.headers is not None
-    assert received.headers[schema.H_REQUEST_ID] == rid
+    assert received.headers[H_REQUEST_ID] == rid
     assert schema.H_STATUS not in received.headers
     loop = await nc.request(
         subject, b"{}", timeout=5, headers={schema.H_HOPS: "alpha,b,alpha,alpha"}

@@ -11,16 +11,16 @@ from typing import Any
 import pytest
 from nats.aio.client import Client as NATS
 
-from reach_agent.schema import Announce, Event
+from reach_agent.wire.schema import Announce, Event
+from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.config import Config, ConfigError, console_token
 from reach_broker.console.app import Access, App, host_name, is_loopback
 from reach_broker.console.history import History
 from reach_broker.console.httpd import BadRequest, HttpServer, Request, parse_head
 from reach_broker.console.port import HttpPort
-from reach_broker.metrics import Metrics
-from reach_broker.natsserver import NatsServer
-from reach_broker.records import AgentRecord
-from reach_broker.service import Broker
+from reach_broker.core.records import AgentRecord
+from reach_broker.service.broker import Broker
+from reach_broker.service.metrics import Metrics
 
 from .conftest import BrokerFactory, fast_config, wait_for
 from .test_cli import QUIET, announce
@@ -29,7 +29,7 @@ TOKEN = "s3cret-token-0123456789"
 
 
 def record(agent_id: str, score: float = 100.0) -> AgentRecord:
-    from reach_broker.detector import ArrivalWindow
+    from reach_broker.core.detector import ArrivalWindow
 
     ann = Announce(agent_id=agent_id, capabilities=["summarize"], max_concurrency=4,
                    heartbeat_interval_ms=1000)  # fmt: skip
@@ -222,7 +222,7 @@ def test_the_token_by_query_bearer_or_cookie() -> None:
 
 
 async def test_the_token_in_the_address_becomes_a_cookie() -> None:
-    app = App(Metrics().registry, Access("0.0.0.0", TOKEN))
+    app = App(Metrics().registry, Access("0.0.0.0", TOKEN), lambda: None)
     resp = await app(req(f"/?token={TOKEN}", host="b:1"))
     assert resp.status == 303
     headers = dict(resp.headers)  # type: ignore[union-attr]
@@ -289,7 +289,7 @@ async def get(
 async def port() -> AsyncIterator[HttpPort]:
     cfg = Config()
     cfg.broker.metrics_port = 0  # HttpPort binds it as given: 0 asks for any free port
-    p = HttpPort(cfg, Metrics().registry)
+    p = HttpPort(cfg, Metrics().registry, lambda: "not running")
     await p.start()
     try:
         yield p
@@ -324,7 +324,9 @@ async def test_metrics_the_page_and_read_only(port: HttpPort) -> None:
 
 
 async def test_a_taken_port_is_an_oserror() -> None:
-    first = HttpServer("127.0.0.1", 0, App(Metrics().registry, Access("127.0.0.1", None)))
+    first = HttpServer(
+        "127.0.0.1", 0, App(Metrics().registry, Access("127.0.0.1", None), lambda: None)
+    )
     await first.start()
     try:
         second = HttpServer("127.0.0.1", first.port, first.handler)
@@ -367,7 +369,7 @@ class Sse:
 
 async def serve_port(broker: Broker) -> HttpPort:
     cfg = fast_config("unused")
-    p = HttpPort(cfg, broker.metrics.registry)
+    p = HttpPort(cfg, broker.metrics.registry, broker.not_ready)
     await p.start()
     await p.attach(broker.ctx, broker.registry, broker.handlers.explainer)
     return p
@@ -468,7 +470,7 @@ def test_a_bad_console_token_is_a_usage_error() -> None:
 async def test_the_timeline_starts_with_the_audit_history(
     nats_server: NatsServer, nc: NATS, broker_factory: BrokerFactory
 ) -> None:
-    from reach_agent import schema
+    from reach_agent.wire import schema
 
     broker = await broker_factory(**QUIET)  # it provisions REACH_AUDIT
     js = nc.jetstream()
@@ -492,7 +494,7 @@ async def test_the_timeline_starts_with_the_audit_history(
 
 def test_a_row_is_rebuilt_only_for_an_agent_heard_from() -> None:
     from reach_broker.console.views import Views
-    from reach_broker.explain import Explainer
+    from reach_broker.core.explain import Explainer
 
     from .test_routing import World
 

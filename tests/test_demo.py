@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from reach_broker.cli.demo import child_commands
-from reach_broker.natsserver import NatsServer
+from reach_broker.cluster.natsserver import NatsServer
 
 from .conftest import BrokerFactory
 from .test_broker_process import gone

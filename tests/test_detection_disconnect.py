@@ -11,11 +11,11 @@ import nats
 import pytest
 from nats.aio.client import Client as NATS
 
-from reach_agent.errors import NoReachableAgent
-from reach_agent.schema import RouteRequest
-from reach_broker.metrics import Metrics
-from reach_broker.natsserver import NatsServer
-from reach_broker.service import Broker
+from reach_agent.wire.errors import NoReachableAgent
+from reach_agent.wire.schema import RouteRequest
+from reach_broker.cluster.natsserver import NatsServer
+from reach_broker.service.broker import Broker
+from reach_broker.service.metrics import Metrics
 
 from .conftest import BrokerFactory, fast_config, wait_for
 from .detection_agents import Transitions, agents, spawn_agent, stop_agent
@@ -113,10 +113,10 @@ async def test_without_advisories_heartbeats_alone_detect_death(
     server.start()
     broker = Broker(fast_config(server.url), metrics=Metrics())
     try:
-        with caplog.at_level(logging.INFO, logger="reach_broker.advisories"):
+        with caplog.at_level(logging.INFO, logger="reach_broker.service.advisories"):
             await broker.start()
             await broker.advisories.reconcile()  # asking again does not repeat the warning
-        said = [r for r in caplog.records if r.name == "reach_broker.advisories"]
+        said = [r for r in caplog.records if r.name == "reach_broker.service.advisories"]
         assert [r.levelname for r in said] == ["WARNING"]
         assert said[0].getMessage().startswith("advisories.unavailable $SYS.REQ.ACCOUNT.$G.CONNZ"
                                                " not answered (NoRespondersError)")  # fmt: skip

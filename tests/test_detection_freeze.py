@@ -8,9 +8,9 @@ import signal
 
 from nats.aio.client import Client as NATS
 
-from reach_agent.errors import NoReachableAgent
-from reach_agent.schema import RouteRequest
-from reach_broker.natsserver import NatsServer
+from reach_agent.wire.errors import NoReachableAgent
+from reach_agent.wire.schema import RouteRequest
+from reach_broker.cluster.natsserver import NatsServer
 
 from .conftest import BrokerFactory, wait_for
 from .detection_agents import Transitions, agents

@@ -10,7 +10,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 
 from reach_agent.connection import flush_subscriptions
-from reach_broker.natsserver import NatsServer
+from reach_broker.cluster.natsserver import NatsServer
 
 from .conftest import BrokerFactory, wait_for
 from .detection_agents import Transitions, agents
@@ -73,7 +73,7 @@ async def test_a_thousand_probes_at_once_are_publishes_not_tasks(
     an entry in the prober's table, answered on its one inbox; no task, no future of its
     own. Answered, unanswered (a silent responder: timed out from the front of one queue)
     and no-responders are each counted once."""
-    from reach_agent.schema import Announce
+    from reach_agent.wire.schema import Announce
 
     # All in flight at once: the deaf ones' second probes (after a 0.5-1 s backoff) come
     # after the first round is counted.

@@ -6,12 +6,12 @@ import random
 
 import pytest
 
-from reach_agent.schema import Announce, Heartbeat
+from reach_agent.wire.schema import Announce, Heartbeat
 from reach_broker.config import Config, DetectionSection
-from reach_broker.detector import ArrivalWindow, Detector, phi, z_for_phi
-from reach_broker.records import Transition
-from reach_broker.registry import Registry
-from reach_broker.tokens import TokenSigner
+from reach_broker.core.detector import ArrivalWindow, Detector, phi, z_for_phi
+from reach_broker.core.records import Transition
+from reach_broker.core.registry import Registry
+from reach_broker.core.tokens import TokenSigner
 
 
 def registry(**detection: object) -> Registry:

@@ -1,4 +1,4 @@
-"""``reach dev-cluster`` (reach_broker.devcluster) as a real subprocess, the cluster configs
+"""``reach dev-cluster`` (reach_broker.cluster.devcluster) as a real subprocess, the cluster configs
 (configs/cluster/, rendered from one template and accepted by nats-server), and the compose
 file docker-compose.cluster.yml (its structure, and `docker compose config` where Docker is)."""
 
@@ -25,8 +25,8 @@ from nats.js.errors import NoStreamResponseError
 
 from jetstream.names import H_MSG_ID
 from reach_agent.connection import flush_subscriptions
-from reach_broker import devcluster
-from reach_broker.clusterconfig import (
+from reach_broker.cluster import devcluster
+from reach_broker.cluster.clusterconfig import (
     DOCKER_NODES,
     ClusterError,
     NodeConfig,
@@ -35,8 +35,8 @@ from reach_broker.clusterconfig import (
     render_config,
     shipped_configs,
 )
-from reach_broker.natscluster import _start_error, meta_leader
-from reach_broker.natsserver import find_binary
+from reach_broker.cluster.natscluster import _start_error, meta_leader
+from reach_broker.cluster.natsserver import find_binary
 
 from .cluster import nats_cluster
 from .conftest import wait_for
@@ -337,7 +337,7 @@ async def test_a_disconnect_advisory_reaches_every_node(tmp_path: Path) -> None:
 
 
 def _launcher(*args: str) -> list[str]:
-    return [sys.executable, "-m", "reach_broker.devcluster", *args]
+    return [sys.executable, "-m", "reach_broker.cluster.devcluster", *args]
 
 
 async def launch(*args: str) -> subprocess.CompletedProcess[str]:

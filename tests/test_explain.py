@@ -8,13 +8,13 @@ import random
 import msgspec
 import pytest
 
-from reach_agent import schema
-from reach_agent.errors import NoReachableAgent, Overloaded, to_reply
-from reach_agent.schema import Announce, RouteReply, RouteRequest
-from reach_broker import reasons
-from reach_broker.explain import DETAILS, MAX_EXCLUDED, Explainer
-from reach_broker.routing import Router
-from reach_broker.scoring import score, score_of, terms, weakest
+from reach_agent.wire import schema
+from reach_agent.wire.errors import NoReachableAgent, Overloaded, to_reply
+from reach_agent.wire.schema import Announce, RouteReply, RouteRequest
+from reach_broker.core import reasons
+from reach_broker.core.explain import DETAILS, MAX_EXCLUDED, Explainer
+from reach_broker.core.routing import Router
+from reach_broker.core.scoring import score, score_of, terms, weakest
 
 from .test_routing import CAP, World, recover
 

@@ -15,7 +15,7 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from reach_agent.connection import flush_subscriptions
-from reach_broker.natsserver import NatsServer
+from reach_broker.cluster.natsserver import NatsServer
 
 from .cluster import nats_cluster
 from .conftest import wait_for

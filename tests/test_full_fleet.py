@@ -22,10 +22,10 @@ import pytest
 from nats.aio.client import Client as NATS
 
 import reach_agent
-from reach_agent.config import ClientConfig
-from reach_agent.errors import Overloaded
-from reach_broker.natsserver import NatsServer
-from reach_broker.service import Broker
+from reach_agent.client.config import ClientConfig
+from reach_agent.wire.errors import Overloaded
+from reach_broker.cluster.natsserver import NatsServer
+from reach_broker.service.broker import Broker
 
 from .agents.procs import AgentProcess
 from .conftest import wait_for

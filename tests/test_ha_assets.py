@@ -16,10 +16,10 @@ import pytest
 from jetstream import compensation
 from jetstream.names import ACK_STREAM, COMP_STREAM, REGISTRY_BUCKET, STREAM_NAMES
 from jetstream.provision import NoPeers, ProvisionTimeout, ensure_stream
-from reach_agent.subjects import Subjects
+from reach_agent.wire.subjects import Subjects
 from reach_broker.config import Config
-from reach_broker.metrics import Metrics
-from reach_broker.service import Broker
+from reach_broker.service.broker import Broker
+from reach_broker.service.metrics import Metrics
 
 from .cluster import nats_cluster
 from .conftest import fast_config

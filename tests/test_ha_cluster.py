@@ -34,11 +34,11 @@ from nats.errors import NoRespondersError
 import reach_agent
 from jetstream import ackreads, compensation
 from jetstream.names import ACK_STREAM, COMP_STREAM, replay_consumer
-from reach_agent import schema
-from reach_agent.subjects import Subjects
-from reach_broker.clusterinfo import gather
-from reach_broker.metrics import Metrics
-from reach_broker.service import Broker
+from reach_agent.wire import schema
+from reach_agent.wire.subjects import Subjects
+from reach_broker.service.broker import Broker
+from reach_broker.service.clusterinfo import gather
+from reach_broker.service.metrics import Metrics
 
 from .cluster import NatsCluster, nats_cluster
 from .conftest import fast_config, wait_for
@@ -163,7 +163,8 @@ async def test_killing_the_compensation_leader_mid_replay_runs_every_task_once(
                     await asyncio.sleep(0.5)
                     missing = await all_acked()
                 assert missing == []
-                await wait_for(lambda: all(b.replayer.replayed + b.replayer.dispatches.already
+                await wait_for(lambda: all(b.replayer.sender.replayed
+                                           + b.replayer.sender.dispatches.already
                                            >= 0 for b in brokers), 1)  # fmt: skip
                 info = await js.stream_info(COMP_STREAM)
                 deadline = time.monotonic() + 30
@@ -174,8 +175,8 @@ async def test_killing_the_compensation_leader_mid_replay_runs_every_task_once(
             twice = sorted(rid for rid, n in ran.items() if n > 1)
             assert sorted(ran) == ids  # none lost, none unknown
             assert twice == []  # none ran twice
-            resent = sum(b.replayer.dispatches.resent_same for b in brokers)
-            already = sum(b.replayer.dispatches.already for b in brokers)
+            resent = sum(b.replayer.sender.dispatches.resent_same for b in brokers)
+            already = sum(b.replayer.sender.dispatches.already for b in brokers)
             print(f"ha.figure replay_leader_kill tasks={TASKS} lost=0 twice={len(twice)} "
                   f"leader={leader}->{new} failover_s={failover:.2f} drained_s={drained:.2f} "
                   f"resent_same={resent} already_acked={already}")  # fmt: skip

@@ -14,9 +14,9 @@ import pytest
 
 import reach_agent
 from jetstream.names import REGISTRY_STREAM
-from reach_agent.errors import Conflict
-from reach_agent.schema import RouteRequest
-from reach_broker.natsserver import NatsServer
+from reach_agent.wire.errors import Conflict
+from reach_agent.wire.schema import RouteRequest
+from reach_broker.cluster.natsserver import NatsServer
 
 from .agents.procs import AgentProcess
 from .conftest import BrokerFactory, wait_for

@@ -13,10 +13,10 @@ import nats
 from nats.aio.msg import Msg
 
 import reach_agent
-from reach_agent import schema
-from reach_broker.metrics import Metrics
-from reach_broker.natsserver import NatsServer
-from reach_broker.service import Broker
+from reach_agent.wire import schema
+from reach_broker.cluster.natsserver import NatsServer
+from reach_broker.service.broker import Broker
+from reach_broker.service.metrics import Metrics
 
 from .conftest import fast_config, wait_for
 from .detection_agents import Transitions

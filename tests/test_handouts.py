@@ -9,13 +9,13 @@ import random
 
 import pytest
 
-from reach_agent import schema
-from reach_agent.errors import NoReachableAgent, Overloaded
-from reach_agent.schema import Announce, Heartbeat, RouteRequest
+from reach_agent.wire import schema
+from reach_agent.wire.errors import NoReachableAgent, Overloaded
+from reach_agent.wire.schema import Announce, Heartbeat, RouteRequest
 from reach_broker.config import Config
-from reach_broker.registry import Registry
-from reach_broker.routing import Router
-from reach_broker.tokens import TokenSigner
+from reach_broker.core.registry import Registry
+from reach_broker.core.routing import Router
+from reach_broker.core.tokens import TokenSigner
 
 CAP = "summarize"
 DEFAULT = RouteRequest()

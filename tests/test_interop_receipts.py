@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 import reach_agent
-from reach_agent import schema
-from reach_broker.natsserver import NatsServer
-from reach_broker.service import Broker
+from reach_agent.wire import schema
+from reach_broker.cluster.natsserver import NatsServer
+from reach_broker.service.broker import Broker
 
 from .conftest import wait_for
 

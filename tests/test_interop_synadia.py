@@ -20,12 +20,12 @@ import pytest
 from nats.aio.client import Client as NATS
 
 import reach_agent
-from reach_agent import schema
-from reach_agent.errors import InternalError, TargetBusy, from_reply
-from reach_agent.subjects import Subjects
-from reach_broker.natsserver import NatsServer
-from reach_broker.service import Broker
-from reach_broker.synadiainfo import agent_id_of, capabilities_of
+from reach_agent.wire import schema
+from reach_agent.wire.errors import InternalError, TargetBusy, from_reply
+from reach_agent.wire.subjects import Subjects
+from reach_broker.cluster.natsserver import NatsServer
+from reach_broker.interop.synadiainfo import agent_id_of, capabilities_of
+from reach_broker.service.broker import Broker
 
 from .conftest import wait_for
 from .test_cli import reach
@@ -165,7 +165,7 @@ async def test_the_compensation_queue_delivers_to_a_synadia_agent_and_records_it
         rec = await client.wait(rid, 20)
         assert (rec.state, rec.agent_id, rec.capability) == ("completed", agent_id, "text.late")
         assert rec.result == "echo:queued"  # wait() decodes the result
-        assert broker.replayer.replayed == 1
+        assert broker.replayer.sender.replayed == 1
         # An entry the agent fails is recorded failed with its error.
         bad = await client.submit("text.late", "fail", ttl=60)
         rec = await client.wait(bad, 20)

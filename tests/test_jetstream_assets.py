@@ -14,15 +14,18 @@ from nats.js.errors import APIError
 
 from jetstream import ackreads, acks, audit, compensation
 from jetstream import wal as jwal
+from jetstream.names import H_REQUEST_ID
 from jetstream.provision import UnsafeChange, load_definitions, provision
-from reach_agent import Client, durable, schema
+from reach_agent import Client
+from reach_agent.client import durable
 from reach_agent.connection import connect_options
-from reach_agent.errors import CompensationFull, Timeout
 from reach_agent.metrics import ClientMetrics
-from reach_agent.subjects import Subjects
+from reach_agent.wire import schema
+from reach_agent.wire.errors import CompensationFull, Timeout
+from reach_agent.wire.subjects import Subjects
+from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.config import CompensationSection
-from reach_broker.natsserver import NatsServer
-from reach_broker.service import Broker
+from reach_broker.service.broker import Broker
 
 from .conftest import BrokerFactory, wait_for
 
@@ -164,7 +167,7 @@ async def test_full_queue_refuses_with_compensation_full_and_holds_exactly_the_b
     entries = await compensation.scan(nc, "nobody.serves", subjects=SUBJECTS)
     assert [e.request_id for e in entries] == list(ids)
     assert entries[4].priority == 1
-    assert entries[4].headers[schema.H_REQUEST_ID] == ids[4]
+    assert entries[4].headers[H_REQUEST_ID] == ids[4]
 
 
 async def test_client_counts_what_its_submits_became(
@@ -194,7 +197,7 @@ async def test_expired_entries_are_recorded_failed_and_removed(
     assert record.agent_id == broker.broker_id
     assert record.error is not None
     assert (record.error["code"], record.error["reason"]) == ("TIMEOUT", "expired")
-    await wait_for(lambda: broker.replayer.expired == 1, what="expired count")
+    await wait_for(lambda: broker.replayer.sender.expired == 1, what="expired count")
     for _ in range(100):  # the record is stored first, then the entry removed
         left = [e.request_id for e in await compensation.scan(nc, subjects=SUBJECTS)]
         if left == [keep]:

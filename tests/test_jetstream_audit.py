@@ -13,8 +13,8 @@ from nats.aio.client import Client as NATS
 from jetstream import audit
 from jetstream.names import AUDIT_STREAM
 from jetstream.provision import load_definitions, provision
-from reach_agent.subjects import Subjects
-from reach_broker.natsserver import NatsServer
+from reach_agent.wire.subjects import Subjects
+from reach_broker.cluster.natsserver import NatsServer
 
 from .conftest import wait_for
 

@@ -22,14 +22,14 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from jetstream import ackreads, acks, compensation
-from reach_agent import durable
-from reach_agent.agent import Agent
+from reach_agent.agent.agent import Agent
+from reach_agent.client import durable
 from reach_agent.connection import connect_options
-from reach_agent.schema import Announce
-from reach_agent.subjects import Subjects
-from reach_broker import snapshot
-from reach_broker.natsserver import NatsServer
-from reach_broker.service import Broker
+from reach_agent.wire.schema import Announce
+from reach_agent.wire.subjects import Subjects
+from reach_broker.cluster.natsserver import NatsServer
+from reach_broker.service import snapshot
+from reach_broker.service.broker import Broker
 
 from .conftest import BrokerFactory, wait_for
 from .test_broker_wire import announce, heartbeat
@@ -40,10 +40,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 AGENT_SCRIPT = """
 import asyncio, os, signal, sys
-from reach_agent.agent import Agent
+from reach_agent.agent.agent import Agent
 from jetstream.acks import AckWriter
 from reach_agent.connection import connect_options
-from reach_agent.subjects import Subjects
+from reach_agent.wire.subjects import Subjects
 
 url, agent_id, cap, log_path, wal_dir = sys.argv[1:6]
 delay = float(os.environ.get("TEST_DELAY", "0"))
@@ -193,7 +193,7 @@ async def test_tasks_queued_without_agent_run_exactly_once_when_one_starts(
     # Priority first: the five priority-1 entries (odd n) were replayed before the rest.
     assert {n % 2 for _, n in ran[:4]} == {1}
     await queue_drained(nc)
-    assert broker.replayer.replayed == 10
+    assert broker.replayer.sender.replayed == 10
     assert broker.metrics.compensation_result["replayed"]._value.get() == 10
     await wait_for(lambda: broker.metrics.ack_record_state["completed"]._value.get() >= 10)
     assert broker.metrics.ack_latency._sum.get() > 0
@@ -367,8 +367,10 @@ async def test_changed_agents_are_written_in_batches_one_round_trip_each(
     snap, reg = broker.snapshot, broker.registry
     n = 1000
     for i in range(n):  # straight into the registry: the flush loop is not woken
+        # On the broker's clock, heard from every minute: no state moves during the test.
         reg.announce(Announce(agent_id=f"burst{i}", capabilities=["text_processing"],
-                              max_concurrency=2, heartbeat_interval_ms=1000), 0.0, 0)  # fmt: skip
+                              max_concurrency=2, heartbeat_interval_ms=60_000),
+                     broker.clock(), 0)  # fmt: skip
     rounds, writes = snap.rounds, snap.writes
     snap._dirty = {f"burst{i}" for i in range(n)}
     await snap._flush()  # what the flush loop does 0.2 s after a change
@@ -398,7 +400,8 @@ async def test_unacknowledged_writes_stay_dirty_and_are_written_later(
     await js.delete_stream("KV_reach_registry")  # nothing answers the writes now
     for i in range(300):
         reg.announce(Announce(agent_id=f"lost{i}", capabilities=["text_processing"],
-                              max_concurrency=2, heartbeat_interval_ms=1000), 0.0, 0)  # fmt: skip
+                              max_concurrency=2, heartbeat_interval_ms=60_000),
+                     broker.clock(), 0)  # fmt: skip
     snap._dirty = {f"lost{i}" for i in range(300)}
     writes = snap.writes
     with pytest.raises(snapshot.WritesFailed, match="256 of 256 writes failed"):

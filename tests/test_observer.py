@@ -9,14 +9,14 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 
-from reach_agent.schema import Announce, Heartbeat
-from reach_agent.subjects import Subjects
+from reach_agent.wire.schema import Announce, Heartbeat
+from reach_agent.wire.subjects import Subjects
 from reach_broker.config import Config
-from reach_broker.context import BrokerContext, Fanout, Link
-from reach_broker.metrics import Metrics
-from reach_broker.observer import TRUST_S, Observer
-from reach_broker.registry import Registry
-from reach_broker.tokens import TokenSigner
+from reach_broker.core.registry import Registry
+from reach_broker.core.tokens import TokenSigner
+from reach_broker.service.context import BrokerContext, Fanout, Link
+from reach_broker.service.metrics import Metrics
+from reach_broker.service.observer import TRUST_S, Observer
 
 INTERVAL_MS = 1000  # suspect after 3 s of silence, offline after 6 s (fixed thresholds)
 

@@ -17,8 +17,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from reach_agent.metrics import AgentMetrics, ClientMetrics
 from reach_broker import config
-from reach_broker.metrics import Metrics
-from reach_broker.service import Broker
+from reach_broker.service.broker import Broker
+from reach_broker.service.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
@@ -258,7 +258,7 @@ def test_compose_services_and_image_inputs() -> None:
 
 
 def test_compose_runs_the_nats_server_version_of_the_tests() -> None:
-    from reach_broker.natsserver import find_binary
+    from reach_broker.cluster.natsserver import find_binary
 
     out = subprocess.run([find_binary(), "--version"], capture_output=True, text=True,
                          timeout=30, check=True).stdout  # fmt: skip
@@ -271,7 +271,7 @@ def test_compose_system_password_is_random_unless_set() -> None:
     a fresh password per start, the operator's when set, and the server accepts either."""
     import asyncio
 
-    from reach_broker.natsserver import NatsServer
+    from reach_broker.cluster.natsserver import NatsServer
 
     line = re.search(r"^        (export REACH_NATS_SYSTEM_PASSWORD=.*)$", COMPOSE.read_text(), re.M)
     assert line, "the nats service sets REACH_NATS_SYSTEM_PASSWORD before exec nats-server"

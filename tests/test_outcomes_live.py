@@ -12,10 +12,10 @@ from typing import Any
 from nats.aio.client import Client as NATS
 
 import reach_agent
-from reach_agent.config import ClientConfig
-from reach_agent.errors import NoReachableAgent, Timeout
-from reach_agent.schema import OutcomeSummary, encoder
-from reach_broker.natsserver import NatsServer
+from reach_agent.client.config import ClientConfig
+from reach_agent.wire.errors import NoReachableAgent, Timeout
+from reach_agent.wire.schema import OutcomeSummary, encoder
+from reach_broker.cluster.natsserver import NatsServer
 
 from .conftest import BrokerFactory, wait_for
 from .test_cli import QUIET

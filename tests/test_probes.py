@@ -7,15 +7,15 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 
-from reach_agent.schema import Announce
-from reach_agent.subjects import Subjects
+from reach_agent.wire.schema import Announce
+from reach_agent.wire.subjects import Subjects
 from reach_broker.config import Config
-from reach_broker.context import BrokerContext, Fanout
-from reach_broker.metrics import Metrics
-from reach_broker.probes import Prober
-from reach_broker.records import Transition
-from reach_broker.registry import Registry
-from reach_broker.tokens import TokenSigner
+from reach_broker.core.records import Transition
+from reach_broker.core.registry import Registry
+from reach_broker.core.tokens import TokenSigner
+from reach_broker.service.context import BrokerContext, Fanout
+from reach_broker.service.metrics import Metrics
+from reach_broker.service.probes import Prober
 
 
 class Clock:

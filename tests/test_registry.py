@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import random
 
-from reach_agent.schema import AGENT_STATES, Announce, Heartbeat
+from reach_agent.wire.schema import AGENT_STATES, Announce, Heartbeat
 from reach_broker.config import Config
-from reach_broker.probes import backoff_delay
-from reach_broker.records import Transition
-from reach_broker.registry import Registry
-from reach_broker.states import EVICTED, MOVES
-from reach_broker.tokens import TokenSigner
+from reach_broker.core.records import Transition
+from reach_broker.core.registry import Registry
+from reach_broker.core.states import EVICTED, MOVES
+from reach_broker.core.tokens import TokenSigner
+from reach_broker.service.probes import backoff_delay
 
 
 def make(*agents: str) -> tuple[Registry, dict[str, str]]:

@@ -7,7 +7,7 @@ import json
 
 from nats.aio.client import Client as NATS
 
-from reach_broker.natsserver import NatsServer
+from reach_broker.cluster.natsserver import NatsServer
 
 from .conftest import BrokerFactory, wait_for
 from .test_cli import QUIET, announce, reach

@@ -7,13 +7,13 @@ import random
 
 import pytest
 
-from reach_agent import schema
-from reach_agent.errors import NoReachableAgent, Overloaded
-from reach_agent.schema import Announce, Heartbeat, RouteReply, RouteRequest
+from reach_agent.wire import schema
+from reach_agent.wire.errors import NoReachableAgent, Overloaded
+from reach_agent.wire.schema import Announce, Heartbeat, RouteReply, RouteRequest
 from reach_broker.config import Config
-from reach_broker.registry import Registry
-from reach_broker.routing import Router
-from reach_broker.tokens import TokenSigner
+from reach_broker.core.registry import Registry
+from reach_broker.core.routing import Router
+from reach_broker.core.tokens import TokenSigner
 
 CAP = "summarize"
 
@@ -104,7 +104,7 @@ def test_panic_is_said_once_and_suspends_ejection(caplog: pytest.LogCaptureFixtu
     for agent_id in "bcd":
         w.reg.disconnected(agent_id, 1.0)
     w.set_score("a", 30.0)  # alone and poor: still routed rather than nothing
-    with caplog.at_level(logging.WARNING, logger="reach_broker.routing"):
+    with caplog.at_level(logging.WARNING, logger="reach_broker.core.routing"):
         for i in range(5):
             w.set_score("a", 30.0 + i)  # keep the index dirty: rebuilt every time
             assert w.route(1.0 + i) == ["a"]
@@ -124,7 +124,7 @@ def test_panic_with_no_healthy_agent_says_so(caplog: pytest.LogCaptureFixture) -
     w = World("ab")
     for agent_id in "ab":
         w.reg.disconnected(agent_id, 1.0)
-    with caplog.at_level(logging.WARNING, logger="reach_broker.routing"):
+    with caplog.at_level(logging.WARNING, logger="reach_broker.core.routing"):
         with pytest.raises(NoReachableAgent) as exc:
             w.route(1.0)
     assert exc.value.message == "none of the 2 agents with 'summarize' is healthy (2 suspect)"

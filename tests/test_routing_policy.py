@@ -9,17 +9,17 @@ import random
 import msgspec
 import pytest
 
-from reach_agent.errors import InvalidRequest, NoReachableAgent, Overloaded
-from reach_agent.schema import Announce, Heartbeat, OutcomeSummary, RouteRequest
-from reach_broker import reasons
+from reach_agent.wire.errors import InvalidRequest, NoReachableAgent, Overloaded
+from reach_agent.wire.schema import Announce, Heartbeat, OutcomeSummary, RouteRequest
 from reach_broker.config import Config, ConfigError, OutcomesSection, QuotaLimit, RuleSection
-from reach_broker.delivery import OUTLIER, UNANSWERED, DeliveryBook
-from reach_broker.explain import Explainer
-from reach_broker.quotas import ANONYMOUS, Quotas, caller_of
-from reach_broker.registry import Registry
-from reach_broker.routing import Router
-from reach_broker.rules import Rules, build, from_config, parse_split
-from reach_broker.tokens import TokenSigner
+from reach_broker.core import reasons
+from reach_broker.core.delivery import OUTLIER, UNANSWERED, DeliveryBook
+from reach_broker.core.explain import Explainer
+from reach_broker.core.quotas import ANONYMOUS, Quotas, caller_of
+from reach_broker.core.registry import Registry
+from reach_broker.core.routing import Router
+from reach_broker.core.rules import Rules, build, from_config, parse_split
+from reach_broker.core.tokens import TokenSigner
 
 CAP = "summarize"
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from reach_agent.schema import Announce, Heartbeat, RouteRequest
+from reach_agent.wire.schema import Announce, Heartbeat, RouteRequest
 from reach_broker.config import Config, ScoringSection
-from reach_broker.registry import Registry
-from reach_broker.routing import Router
-from reach_broker.scoring import Stats, latency_term, load_term, score, success_term
-from reach_broker.tokens import TokenSigner
+from reach_broker.core.registry import Registry
+from reach_broker.core.routing import Router
+from reach_broker.core.scoring import Stats, latency_term, load_term, score, success_term
+from reach_broker.core.tokens import TokenSigner
 
 CFG = ScoringSection()
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from reach_agent import schema
-from reach_agent.admission import admit
-from reach_agent.dedup import DedupCache
+from reach_agent.agent.admission import admit
+from reach_agent.agent.dedup import DedupCache
+from reach_agent.wire import schema
 
 
 def decide(headers: dict[str, str] | None = None, **kw: Any) -> Any:

@@ -19,10 +19,11 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 
 import reach_agent
-from reach_agent import schema
+from jetstream.names import H_REQUEST_ID
 from reach_agent.connection import flush_subscriptions
-from reach_broker.natsserver import NatsServer
-from reach_broker.service import Broker
+from reach_agent.wire import schema
+from reach_broker.cluster.natsserver import NatsServer
+from reach_broker.service.broker import Broker
 
 from .agents.procs import AgentProcess
 from .conftest import wait_for
@@ -75,7 +76,7 @@ async def test_design_agent_process_serves_call_and_plain_request(
         assert json.loads(reply.data) == {"chars": 5}
         assert reply.headers is not None
         assert reply.headers[schema.H_STATUS] == "completed"
-        assert uuid.UUID(reply.headers[schema.H_REQUEST_ID]).version == 4
+        assert uuid.UUID(reply.headers[H_REQUEST_ID]).version == 4
     finally:
         proc.stop()
     assert proc.proc.returncode is not None, proc.output()
@@ -108,14 +109,14 @@ async def test_receipt_then_result_on_the_same_reply_subject(agent_factory: Any,
     await agent_factory(agent)
     replies = await Replies().start(nc)
     await send(nc, "reach.task.r1.echo", {"a": 1}, replies,
-               **{schema.H_REQUEST_ID: "req-1", schema.H_RECEIPT: "1",
+               **{H_REQUEST_ID: "req-1", schema.H_RECEIPT: "1",
                   schema.H_TIMEOUT_MS: "5000"})  # fmt: skip
     await wait_for(lambda: len(replies.msgs) == 2, what="receipt and result")
     receipt, result = replies.msgs
     assert json.loads(receipt.data) == {"request_id": "req-1", "status": "received"}
     assert receipt.headers[schema.H_STATUS] == "received"
     assert json.loads(result.data) == {"got": {"a": 1}, "rid": "req-1", "left": True}
-    assert result.headers[schema.H_REQUEST_ID] == "req-1"
+    assert result.headers[H_REQUEST_ID] == "req-1"
     assert result.headers[schema.H_STATUS] == "completed"
 
 
@@ -133,11 +134,11 @@ async def test_full_agent_answers_target_busy_at_once_and_probe_never_waits(
     await agent_factory(agent)
     replies = await Replies().start(nc)
     for i in range(2):
-        await send(nc, "reach.task.busy1.slow", {}, replies, **{schema.H_REQUEST_ID: f"b{i}"})
+        await send(nc, "reach.task.busy1.slow", {}, replies, **{H_REQUEST_ID: f"b{i}"})
     await wait_for(lambda: agent.active == 2, what="two running")
     third = await nc.request("reach.task.busy1.slow", b"{}", timeout=2,
-                             headers={schema.H_REQUEST_ID: "b2"})  # fmt: skip
-    err = reach_agent.errors.from_reply(third.headers, third.data)
+                             headers={H_REQUEST_ID: "b2"})  # fmt: skip
+    err = reach_agent.wire.errors.from_reply(third.headers, third.data)
     assert err is not None and err.code == "TARGET_BUSY"
     assert third.headers["Nats-Service-Error-Code"] == "429"
     p50, oldest = agent.load_figures()
@@ -174,7 +175,7 @@ async def test_duplicate_request_id_joins_running_then_returns_first_result(
 
     await agent_factory(agent)
     first, second, third = [await Replies().start(nc) for _ in range(3)]
-    hdr = {schema.H_REQUEST_ID: "same-id"}
+    hdr = {H_REQUEST_ID: "same-id"}
     await send(nc, "reach.task.dup1.once", {}, first, **hdr)
     await wait_for(lambda: runs == ["same-id"], what="first run started")
     await send(nc, "reach.task.dup1.once", {}, second, **hdr)  # joins the running one
@@ -206,7 +207,7 @@ async def test_reject_loop_internal_and_bad_input_map_to_wire_codes(
     async def ask(body: bytes, **headers: str) -> reach_agent.ReachError | None:
         reply = await nc.request("reach.task.codes1.judge", body, timeout=2,
                                  headers=headers or None)  # fmt: skip
-        return reach_agent.errors.from_reply(reply.headers, reply.data)
+        return reach_agent.wire.errors.from_reply(reply.headers, reply.data)
 
     err = await ask(b'{"reject": true, "amount": 7}')
     assert err is not None and err.code == "BIZ_REJECT"
@@ -308,13 +309,13 @@ async def test_ack_sink_gets_received_and_completed_and_ack_mode_received_replie
     assert sink.started
     replies = await Replies().start(nc)
     await send(nc, "reach.task.ack1.calc", {"x": 21}, replies,
-               **{schema.H_REQUEST_ID: "a-1", schema.H_ACK_MODE: "received"})  # fmt: skip
+               **{H_REQUEST_ID: "a-1", schema.H_ACK_MODE: "received"})  # fmt: skip
     await send(nc, "reach.task.ack1.calc", {"x": -1}, replies,
-               **{schema.H_REQUEST_ID: "a-2"})  # fmt: skip
+               **{H_REQUEST_ID: "a-2"})  # fmt: skip
     await wait_for(lambda: len(sink.records) == 4, what="four ack records")
     await nc.flush()
     await asyncio.sleep(0.05)  # a stray second reply to a-1 would have arrived by now
-    assert [json.loads(m.data) for m in replies.msgs if m.headers[schema.H_REQUEST_ID] == "a-1"] \
+    assert [json.loads(m.data) for m in replies.msgs if m.headers[H_REQUEST_ID] == "a-1"] \
         == [{"request_id": "a-1", "status": "received"}]  # fmt: skip
     by = {(r.request_id, r.state): r for r in sink.records}
     assert set(by) == {("a-1", "received"), ("a-1", "completed"), ("a-2", "received"),
@@ -338,12 +339,12 @@ async def test_draining_agent_refuses_new_tasks_and_finishes_running_ones(
 
     await agent_factory(agent)
     replies = await Replies().start(nc)
-    await send(nc, "reach.task.drain1.slow", {}, replies, **{schema.H_REQUEST_ID: "d1"})
+    await send(nc, "reach.task.drain1.slow", {}, replies, **{H_REQUEST_ID: "d1"})
     await wait_for(lambda: agent.active == 1, what="running")
     stopping = asyncio.create_task(agent.stop(grace=10))
     await wait_for(lambda: agent.draining, what="draining")
     late = await nc.request("reach.task.drain1.slow", b"{}", timeout=2)
-    err = reach_agent.errors.from_reply(late.headers, late.data)
+    err = reach_agent.wire.errors.from_reply(late.headers, late.data)
     assert err is not None and err.code == "DRAINING"
     release.set()
     await asyncio.wait_for(stopping, 10)
@@ -425,7 +426,7 @@ async def test_duplicate_window_is_bounded_in_size_and_time(agent_factory: Any, 
 
     async def ask(rid: str) -> int:
         reply = await nc.request("reach.task.win1.count", b"{}", timeout=2,
-                                 headers={schema.H_REQUEST_ID: rid})  # fmt: skip
+                                 headers={H_REQUEST_ID: rid})  # fmt: skip
         return int(json.loads(reply.data))
 
     assert [await ask(r) for r in ("w1", "w2", "w3")] == [1, 2, 3]
@@ -448,11 +449,11 @@ async def test_task_cut_off_by_the_grace_period_answers_draining(
 
     await agent.start(nats_server.url)
     replies = await Replies().start(nc)
-    await send(nc, "reach.task.cut1.forever", {}, replies, **{schema.H_REQUEST_ID: "c-1"})
+    await send(nc, "reach.task.cut1.forever", {}, replies, **{H_REQUEST_ID: "c-1"})
     await wait_for(lambda: agent.active == 1, what="running")
     await asyncio.wait_for(agent.stop(grace=0.2), 10)
     await wait_for(lambda: len(replies.msgs) == 1, what="the cut-off reply")
-    err = reach_agent.errors.from_reply(replies.msgs[0].headers, replies.msgs[0].data)
+    err = reach_agent.wire.errors.from_reply(replies.msgs[0].headers, replies.msgs[0].data)
     assert err is not None and err.code == "DRAINING"
     assert err.message == "agent 'cut1' stopped before the task finished"
     assert (agent.active, agent.fail_total) == (0, 1)

@@ -11,9 +11,11 @@ from typing import Any
 import pytest
 from nats.aio.msg import Msg
 
-from reach_agent import schema
-from reach_agent.calls import Call, encode_payload
-from reach_agent.errors import (
+from jetstream.names import H_REQUEST_ID
+from reach_agent.client.calls import Call, encode_payload
+from reach_agent.client.routes import RouteCache
+from reach_agent.wire import schema
+from reach_agent.wire.errors import (
     BizReject,
     CompensationFull,
     Draining,
@@ -28,8 +30,7 @@ from reach_agent.errors import (
     from_reply,
     to_reply,
 )
-from reach_agent.retry import full_wait, merely_full, retryable, should_retry
-from reach_agent.routes import RouteCache
+from reach_agent.wire.retry import full_wait, merely_full, retryable, should_retry
 
 # --- the retry rule ---------------------------------------------------------------------
 
@@ -144,7 +145,7 @@ async def test_headers_of_a_call_and_of_each_attempt() -> None:
     c = call(ack_mode="received")
     # Outside any task a call starts a trace: a new traceparent, Reach-Trace-Id its trace id.
     traceparent = c.headers[schema.H_TRACEPARENT]
-    assert c.headers == {"x-custom": "v", schema.H_REQUEST_ID: "r-1", schema.H_RECEIPT: "1",
+    assert c.headers == {"x-custom": "v", H_REQUEST_ID: "r-1", schema.H_RECEIPT: "1",
                          schema.H_ACK_MODE: "received", schema.H_TRACEPARENT: traceparent,
                          schema.H_TRACE_ID: traceparent[3:35]}  # fmt: skip
     assert c.attempt_headers(c.deadline - 1.5)[schema.H_TIMEOUT_MS] == "1500"

@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 
 import reach_agent
-from reach_agent import BreakerConfig, ClientConfig, ClientMetrics, schema
-from reach_broker.natsserver import NatsServer
-from reach_broker.service import Broker
+from reach_agent import BreakerConfig, ClientConfig, ClientMetrics
+from reach_agent.wire import schema
+from reach_broker.cluster.natsserver import NatsServer
+from reach_broker.service.broker import Broker
 
 from .conftest import BrokerFactory, wait_for
 

@@ -15,12 +15,12 @@ import nats.errors
 import pytest
 
 import reach_agent
-from reach_agent import durable
+from reach_agent.client import durable
 from reach_agent.connection import Credentials, connect_options
 from reach_broker.auth import AuthDir, claims, init
 from reach_broker.auth.claims import User, UserClaims
-from reach_broker.metrics import Metrics
-from reach_broker.service import Broker
+from reach_broker.service.broker import Broker
+from reach_broker.service.metrics import Metrics
 
 from .agents.procs import AgentProcess
 from .auth_helpers import AuthServer

@@ -1,4 +1,4 @@
-"""Flows (reach_agent.flow): fan-outs with a partial threshold, critical steps and fallbacks,
+"""Flows (reach_agent.client.flow): fan-outs with a partial threshold, critical steps and fallbacks,
 step request ids under the parent's, recorded for ``reach ack --steps``. The decisions first
 over a scripted client (pure logic, no NATS), then real agents behind a real broker."""
 
@@ -12,11 +12,13 @@ from typing import Any
 import pytest
 
 import reach_agent
-from reach_agent import durable, schema, trace
-from reach_agent.errors import BizReject, ReachError, Timeout
-from reach_agent.flow import FanOut, Flow, fan_out
-from reach_broker.natsserver import NatsServer
-from reach_broker.service import Broker
+from reach_agent import trace
+from reach_agent.client import durable
+from reach_agent.client.flow import FanOut, Flow, fan_out
+from reach_agent.wire import schema
+from reach_agent.wire.errors import BizReject, ReachError, Timeout
+from reach_broker.cluster.natsserver import NatsServer
+from reach_broker.service.broker import Broker
 
 from .conftest import wait_for
 from .test_cli import reach

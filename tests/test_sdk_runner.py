@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 import reach_agent
-from reach_agent.runner import SDK_LOGGERS, default_logging
-from reach_broker.metrics import Metrics
-from reach_broker.natsserver import NatsServer
-from reach_broker.service import Broker
+from reach_agent.agent.runner import SDK_LOGGERS, default_logging
+from reach_broker.cluster.natsserver import NatsServer
+from reach_broker.service.broker import Broker
+from reach_broker.service.metrics import Metrics
 
 from .agents.procs import AgentProcess
 from .conftest import fast_config, wait_for
@@ -153,23 +153,25 @@ async def test_run_logs_announced_disconnected_reconnected_and_draining(tmp_path
             return [line.split(" ", 4)[-1] for line in p.output().splitlines()
                     if f" INFO reach_agent.{event}" in line]  # fmt: skip
 
-        await wait_for(lambda: said("presence agent.announced"), 20, what="announced line")
-        assert said("presence agent.announced") == [
+        await wait_for(lambda: said("agent.presence agent.announced"), 20, what="announced line")
+        assert said("agent.presence agent.announced") == [
             f"agent.announced agent=alpha broker={broker.broker_id}"
         ]
         await asyncio.to_thread(server.stop)
-        await wait_for(lambda: said("agent agent.disconnected"), 10, what="disconnected line")
+        await wait_for(lambda: said("agent.agent agent.disconnected"), 10, what="disconnected line")
         await asyncio.to_thread(server.start)
-        await wait_for(lambda: said("agent agent.reconnected"), 20, what="reconnected line")
-        assert said("agent agent.reconnected") == ["agent.reconnected agent=alpha: re-announcing"]
-        await wait_for(lambda: len(said("presence agent.announced")) == 2, 20, what="again")
+        await wait_for(lambda: said("agent.agent agent.reconnected"), 20, what="reconnected line")
+        assert said("agent.agent agent.reconnected") == [
+            "agent.reconnected agent=alpha: re-announcing"
+        ]
+        await wait_for(lambda: len(said("agent.presence agent.announced")) == 2, 20, what="again")
         proc.signal(signal.SIGTERM)
         assert await asyncio.to_thread(proc.wait, 20) == 0, proc.output()
-        assert said("runner agent.signal") == ["agent.signal agent=alpha: draining"]
-        assert said("agent agent.disconnected") == ["agent.disconnected agent=alpha"]
+        assert said("agent.runner agent.signal") == ["agent.signal agent=alpha: draining"]
+        assert said("agent.agent agent.disconnected") == ["agent.disconnected agent=alpha"]
         # Each line: "<date> <time> INFO <logger> <event> ...", the first the claims store's.
         first = proc.output().splitlines()[0].split(" ")
-        assert first[2:5] == ["INFO", "reach_agent.claiming", "claims.on"]
+        assert first[2:5] == ["INFO", "reach_agent.agent.claiming", "claims.on"]
     finally:
         if proc is not None:
             proc.stop()

@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 
 import reach_agent
-from reach_agent import schema, trace
-from reach_broker.natsserver import NatsServer
-from reach_broker.service import Broker
+from reach_agent import trace
+from reach_agent.wire import schema
+from reach_broker.cluster.natsserver import NatsServer
+from reach_broker.service.broker import Broker
 
 from .conftest import wait_for
 
@@ -103,7 +104,7 @@ async def test_a_to_b_to_a_chain_is_a_loop_without_headers_by_hand(
     client = reach_agent.Client(nats_server.url)
     app = logging.getLogger("app.trace_test")
     caplog.set_level(logging.INFO, logger="app.trace_test")
-    caplog.set_level(logging.DEBUG, logger="reach_agent.client")  # the handler's level too
+    caplog.set_level(logging.DEBUG, logger="reach_agent.client.client")  # the handler's level too
     caplog.handler.addFilter(trace.LogContext())
 
     def bouncing(agent_id: str, mine: str, other: str) -> reach_agent.Agent:

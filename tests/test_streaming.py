@@ -14,12 +14,13 @@ import pytest
 from nats.aio.client import Client as NATS
 
 import reach_agent
-from reach_agent import schema
-from reach_agent.calls import Call, StreamStart
-from reach_agent.errors import InternalError, StreamBroken
-from reach_agent.streaming import Joined, join, read
-from reach_broker.natsserver import NatsServer
-from reach_broker.service import Broker
+from reach_agent.client.calls import Call, StreamStart
+from reach_agent.client.streaming import read
+from reach_agent.wire import schema
+from reach_agent.wire.errors import InternalError, StreamBroken
+from reach_agent.wire.streams import Joined, join
+from reach_broker.cluster.natsserver import NatsServer
+from reach_broker.service.broker import Broker
 
 from .conftest import wait_for
 from .test_sdk_failover import healthy, lines, worker

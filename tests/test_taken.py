@@ -6,7 +6,7 @@ from __future__ import annotations
 import types
 
 from jetstream.compensation import Entry
-from reach_broker.taken import Taken
+from reach_broker.replay.taken import Taken
 
 
 class Told:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import msgspec
 
-from reach_agent.subjects import DEFAULT_PREFIX, Subjects
+from reach_agent.wire.subjects import DEFAULT_PREFIX, Subjects
 
 from . import claims, serverconf
 from . import tls as tls_certs
@@ -27,14 +27,7 @@ from .claims import (
 )
 from .files import private_dir, write_private, write_public
 from .identities import issue
-from .layout import (
-    APP_ACCOUNT_NAME,
-    OPERATOR_NAME,
-    SYS_USER,
-    SYSTEM_ACCOUNT_NAME,
-    AuthDir,
-    Meta,
-)
+from .layout import APP_ACCOUNT_NAME, OPERATOR_NAME, SYS_USER, SYSTEM_ACCOUNT_NAME, AuthDir, Meta
 
 # The system account publishes every account's connect/disconnect advisories on
 # $SYS.ACCOUNT.<account>.CONNECT|DISCONNECT and answers $SYS.REQ.ACCOUNT.<account>.CONNZ. It

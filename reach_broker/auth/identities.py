@@ -18,8 +18,8 @@ from typing import get_args
 
 import msgspec
 
-from reach_agent.schema import is_agent_id
-from reach_agent.subjects import Subjects
+from reach_agent.wire.schema import is_agent_id
+from reach_agent.wire.subjects import Subjects
 
 from . import claims
 from .claims import AuthError, UserClaims

@@ -4,7 +4,7 @@ nats-server enforces these: a publish outside ``publish`` (and not a permitted r
 dropped by the server and answered with ``-ERR 'Permissions Violation for Publish to "…"'``,
 a subscription outside ``subscribe`` likewise, before any reach process sees the message.
 
-Each cell names a subject the way :class:`reach_agent.subjects.Subjects` builds it (``Of``:
+Each cell names a subject the way :class:`reach_agent.wire.subjects.Subjects` builds it (``Of``:
 a builder applied to the identity's own name; ``Every``: a wildcard of the grammar), or is a
 subject outside reach's grammar (``Raw``: JetStream's API, the system account's services,
 the identity's private inbox). :func:`permissions` turns a row into the ``nats`` part of a
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 from jetstream.names import ACK_STREAM, CLAIMS_BUCKET, CLAIMS_STREAM
-from reach_agent.subjects import BROKER_ACK_AUTHOR, INBOX_ROOT, Subjects
+from reach_agent.wire.subjects import BROKER_ACK_AUTHOR, INBOX_ROOT, Subjects
 
 from .claims import Permission, ResponsePermission, User
 
@@ -87,7 +87,7 @@ streamed answer is one message per chunk), so the server keeps one entry per tas
 for the whole window: about ``tasks per second * window`` entries per agent connection.
 Lower it (``issue_agent(..., reply_window_s=...)``) where tasks are short and many."""
 
-# JetStream API subjects a caller needs to read ack records (reach_agent.durable's wait and
+# JetStream API subjects a caller needs to read ack records (reach_agent.client.durable's wait and
 # last reads, `reach ack`): the message get (it returns a record with its stored headers, so
 # a reader can tell a record from a copy) and the stream's info. No direct get: its answer is
 # the stored message itself, headers and all, published to whatever reply subject the
@@ -99,7 +99,7 @@ _ACK_READS = (
     Raw(f"$JS.API.STREAM.MSG.GET.{ACK_STREAM}"),
     Raw(f"$JS.API.STREAM.INFO.{ACK_STREAM}"),
 )
-# Claims (KV reach_claims, reach_agent.claiming): an agent creates and ends them with plain
+# Claims (KV reach_claims, reach_agent.agent.claiming): an agent creates and ends them with plain
 # JetStream publishes (compare-and-set by header) and reads them by message get; a caller
 # waiting on IN_PROGRESS reads them. Any agent of the account may write any claim: the
 # bucket trusts the account's agents (a forged claim can stall a request, not run it twice).
@@ -122,7 +122,14 @@ ROLES: dict[RoleName, Role] = {
             *_CLAIM_READS,
             *_ACK_READS,
         ),
-        subscribe=(Of("tasks_of"), Of("probe"), Of("reannounce"), Of("events_of"), INBOX),
+        subscribe=(
+            Of("tasks_of"),
+            Of("probe"),
+            Of("reannounce"),
+            Of("cancel"),
+            Of("events_of"),
+            INBOX,
+        ),
         # A task gets a receipt, then its result or one message per streamed chunk.
         responses=Responses(max_msgs=-1, ttl_s=AGENT_REPLY_WINDOW_S),
     ),
@@ -136,6 +143,7 @@ ROLES: dict[RoleName, Role] = {
             Every("all_comp"),
             Every("all_probes"),  # the client's liveness watch probes agents running its calls
             Every("all_outcomes"),  # what it saw of each agent it called (delivery term)
+            Every("all_cancels"),  # stop a request: its agent's, and the brokers' (`_broker`)
             *_ACK_READS,
             *_CLAIM_READS,
         ),
@@ -152,6 +160,7 @@ ROLES: dict[RoleName, Role] = {
             Every("all_probes"),
             Every("all_reannounces"),  # asks an agent it does not know to announce again
             Every("all_tasks"),
+            Every("all_cancels"),  # a cancel forwarded to the holder the caller did not ask
             OwnAcks(author=BROKER_ACK_AUTHOR),
             # Replies to announces, leaves, routes, `agents` and `$SRV` pings go to the
             # requester's inbox, whatever its prefix (a plain allow: no per-reply tracking).
@@ -182,6 +191,7 @@ ROLES: dict[RoleName, Role] = {
             Every("all_acks"),
             Every("all_events"),
             Every("all_outcomes"),
+            Every("cancel_broker"),  # a cancel no agent settled (queue group reach-broker)
             Raw("$SRV.>"),
             Raw("$SYS.ACCOUNT.{account}.CONNECT"),
             Raw("$SYS.ACCOUNT.{account}.DISCONNECT"),

@@ -3,7 +3,7 @@ its author: the agent (or ``_broker``) whose subject it was stored on, which onl
 may publish to under reach's credentials. Copies of stored messages and records whose body
 disagrees with their subject are left out (and logged).
 
-``--steps``: the request is a flow run (:mod:`reach_agent.flow`); its steps' records follow,
+``--steps``: the request is a flow run (:mod:`reach_agent.client.flow`); its steps' records follow,
 read at the step ids ``<REQUEST_ID>-1``, ``-2``, … until ``--gap`` ids in a row have none
 (a step that reached no agent has no record)."""
 
@@ -31,7 +31,7 @@ from .output import print_json, print_table, utc
 def add_parser(sub: Subcommands) -> None:
     p = sub.add_parser("ack", help=f"the durable ack record of a request id ({ACK_STREAM})")
     add_common(p)
-    p.add_argument("request_id")
+    p.add_argument("request_id", help="the request id (Reach-Request-Id) of the task")
     p.add_argument("--all", action="store_true", help="every record, not only the latest")
     p.add_argument("--agent", metavar="AGENT_ID", help="only the records this agent wrote")
     p.add_argument(
@@ -83,7 +83,7 @@ async def _ack(args: argparse.Namespace) -> int:
     from nats.errors import Error as NatsError
 
     from jetstream import ackreads, acks
-    from reach_agent.durable import attributed
+    from reach_agent.results import attributed
 
     try:
         acks.check_request_id(args.request_id)
@@ -136,7 +136,7 @@ async def _steps(nc: Any, args: argparse.Namespace, subs: Any) -> list[tuple[int
     """(step number, step request id, its latest attributed record) of a flow run's steps;
     a step without a record is left out, and ``--gap`` of them in a row end the list."""
     from jetstream import ackreads
-    from reach_agent.durable import attributed
+    from reach_agent.results import attributed
 
     out: list[tuple[int, str, Any]] = []
     n = misses = 0
@@ -161,7 +161,7 @@ def _show_steps(
 ) -> int:
     """The run's own latest record (when it has one: a flow inside a handler) and a row per
     step."""
-    from reach_agent.durable import attributed
+    from reach_agent.results import attributed
 
     own = [r for s in stored if (r := attributed(s)) is not None]
     if not own and not steps:

@@ -22,13 +22,14 @@ from typing import Any
 
 import msgspec
 
-from reach_agent import schema
+from jetstream.names import H_REQUEST_ID
 from reach_agent.connection import drain_or_close, flush_subscriptions
-from reach_agent.errors import Draining, InvalidRequest, LoopDetected, ReachError
-from reach_agent.errors import to_reply as error_reply
-from reach_agent.subjects import Subjects, is_inbox
+from reach_agent.wire import schema
+from reach_agent.wire.errors import Draining, InvalidRequest, LoopDetected, ReachError
+from reach_agent.wire.errors import to_reply as error_reply
+from reach_agent.wire.subjects import Subjects, is_inbox
+from reach_broker.logs import say
 
-from ..logs import say
 from .common import (
     EXIT_USAGE,
     CliError,
@@ -60,7 +61,7 @@ def add_parser(sub: Subcommands) -> None:
     p.add_argument("--max-concurrency", type=int, default=4, help="slots it announces (4)")
     p.add_argument("--interval", type=float, default=5.0,
                    help="seconds between heartbeats (default 5)")  # fmt: skip
-    p.add_argument("--region")
+    p.add_argument("--region", help="the region it announces")
     p.set_defaults(func=run)
 
 
@@ -183,9 +184,9 @@ class HandMadeAgent:
                     told = True
             else:
                 err = _error_of(msg)
-                if err is not None:
+                if err is not None:  # a refused start: one line, exit 1
                     raise CliError(f"the broker refused the announce: {err.code}: {err.message}",
-                                   EXIT_USAGE)  # fmt: skip
+                                   1, kind=err.code)  # fmt: skip
                 ack = schema.announce_ack_decoder.decode(msg.data)
                 self.token, self.seq = ack.token, 0
                 self.interval = ack.heartbeat_interval_ms / 1000
@@ -251,7 +252,7 @@ class HandMadeAgent:
                              "inbox", ignored=True)  # fmt: skip
             return
         hdrs = msg.headers or {}
-        rid = hdrs.get(schema.H_REQUEST_ID) or str(uuid.uuid4())
+        rid = hdrs.get(H_REQUEST_ID) or str(uuid.uuid4())
         cap = self.subjects.capability_of_task(msg.subject, self.agent_id)
         done = self.results.get(rid)
         if done is not None:  # a retry of a task already served: the same result, not rerun
@@ -264,7 +265,7 @@ class HandMadeAgent:
         except ReachError as err:
             self.fail_total += 1
             headers, body = error_reply(err)
-            await self.nc.publish(msg.reply, body, headers={**headers, schema.H_REQUEST_ID: rid})
+            await self.nc.publish(msg.reply, body, headers={**headers, H_REQUEST_ID: rid})
             self.say("task", f"task {rid} {cap}: refused {err.code} ({err.message})",
                      request_id=rid, capability=cap, error=err.code)  # fmt: skip
             return
@@ -297,11 +298,11 @@ class HandMadeAgent:
             raise InvalidRequest(f"task payload is not JSON ({exc})") from None
 
     async def _reply(self, msg: Any, rid: str, body: bytes, status: str) -> None:
-        headers = {schema.H_REQUEST_ID: rid, schema.H_STATUS: status}
+        headers = {H_REQUEST_ID: rid, schema.H_STATUS: status}
         await self.nc.publish(msg.reply, body, headers=headers)
 
 
 def _error_of(msg: Any) -> ReachError | None:
-    from reach_agent.errors import from_reply
+    from reach_agent.wire.errors import from_reply
 
     return from_reply(msg.headers, msg.data)

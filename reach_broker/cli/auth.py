@@ -36,11 +36,11 @@ def add_parser(sub: Subcommands) -> None:
 
     init = cmds.add_parser("init", help="create an auth DIR: keys, server.conf, broker.creds")
     _basics(init)
-    init.add_argument("dir", metavar="DIR")
+    init.add_argument("dir", metavar="DIR", help="the directory to create (must not exist)")
     init.add_argument("--tls", action="store_true",
                       help="also a local CA and a server certificate: the server requires "
                            "TLS (needs the 'cryptography' package: "
-                           "pip install 'reach[tls]')")  # fmt: skip
+                           "pip install 'nats-reach[tls]')")  # fmt: skip
     init.add_argument(
         "--force",
         action="store_true",
@@ -59,7 +59,7 @@ def add_parser(sub: Subcommands) -> None:
         issue = cmds.add_parser(role, help=f"issue DIR/{role}s/{what}.creds; prints its path")
         _basics(issue)
         _dir(issue)
-        issue.add_argument("name", metavar=what)
+        issue.add_argument("name", metavar=what, help=f"the {role}'s {what.lower()}")
         issue.add_argument(
             "--force",
             action="store_true",
@@ -97,7 +97,9 @@ def add_parser(sub: Subcommands) -> None:
         cmd.add_argument("--server", "-s", default=env_default("NATS_URL"),
                          help="the running server (env NATS_URL; default "
                               "nats://127.0.0.1:4222)")  # fmt: skip
-        cmd.add_argument("--timeout", type=float, default=float(env_default("REACH_TIMEOUT", 2)))
+        cmd.add_argument("--timeout", type=float, default=float(env_default("REACH_TIMEOUT", 2)),
+                         help="seconds to wait for the server (default 2; env "
+                              "REACH_TIMEOUT)")  # fmt: skip
         cmd.set_defaults(func=run_revoke if action == "revoke" else run_push)
 
 
@@ -105,8 +107,12 @@ def _basics(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", default=bool(env_default("REACH_JSON")),
                    help="machine-readable JSON output (env REACH_JSON)")  # fmt: skip
     p.add_argument("--log-format", choices=["text", "json"],
-                   default=env_default("REACH_LOG_FORMAT", "text"))  # fmt: skip
-    p.add_argument("--log-level", default=env_default("REACH_LOG_LEVEL", "info"))
+                   default=env_default("REACH_LOG_FORMAT", "text"),
+                   help="log lines on stderr as text or one JSON object each (env "
+                        "REACH_LOG_FORMAT)")  # fmt: skip
+    p.add_argument("--log-level", default=env_default("REACH_LOG_LEVEL", "info"),
+                   help="debug, info, warning or error (default info; env "
+                        "REACH_LOG_LEVEL)")  # fmt: skip
 
 
 def _dir(p: argparse.ArgumentParser) -> None:
@@ -115,7 +121,7 @@ def _dir(p: argparse.ArgumentParser) -> None:
 
 
 def _open(args: argparse.Namespace) -> Any:
-    from ..auth import AuthDir, AuthError
+    from reach_broker.auth import AuthDir, AuthError
 
     if not args.dir:
         raise CliError("--dir DIR is required (or set REACH_AUTH_DIR)", EXIT_USAGE)
@@ -132,7 +138,7 @@ def _identity(i: Any) -> dict[str, Any]:
 
 
 def run_init(args: argparse.Namespace) -> int:
-    from ..auth import AuthError, init
+    from reach_broker.auth import AuthError, init
 
     try:
         d = init(args.dir, tls=args.tls, force=args.force, prefix=args.prefix, host=args.host,
@@ -161,7 +167,7 @@ def run_init(args: argparse.Namespace) -> int:
 
 
 def run_issue(args: argparse.Namespace) -> int:
-    from ..auth import AuthError, issue
+    from reach_broker.auth import AuthError, issue
 
     d = _open(args)
     expires = parse_duration(args.expires, "--expires") if args.expires else None
@@ -177,7 +183,7 @@ def run_issue(args: argparse.Namespace) -> int:
 
 
 def run_list(args: argparse.Namespace) -> int:
-    from ..auth import list_identities
+    from reach_broker.auth import list_identities
 
     found = list_identities(_open(args))
     if args.json:
@@ -192,7 +198,7 @@ def run_list(args: argparse.Namespace) -> int:
 
 
 def run_revoke(args: argparse.Namespace) -> int:
-    from ..auth import AuthError, revoke
+    from reach_broker.auth import AuthError, revoke
 
     d = _open(args)
     try:
@@ -222,7 +228,7 @@ def run_push(args: argparse.Namespace) -> int:
 
 def _push(args: argparse.Namespace, d: Any, done: str) -> str:
     """Hand the server the DIR's account (``$SYS.REQ.CLAIMS.UPDATE``); its answer."""
-    from ..auth import AuthError, push_account
+    from reach_broker.auth import AuthError, push_account
 
     urls = servers(args)
     try:

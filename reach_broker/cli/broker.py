@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from .. import process
-from ..config import ConfigError, a2a_token, console_token, load
+from reach_broker import process
+from reach_broker.config import ConfigError, a2a_token, console_token, load
+
 from .common import (
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
@@ -40,7 +41,9 @@ def add_parser(sub: Subcommands) -> None:
     p.add_argument("--store-dir", default=env_default("REACH_STORE_DIR"),
                    help="JetStream store dir of the embedded server "
                         "(default: a temp dir)")  # fmt: skip
-    p.add_argument("--broker-id", default=env_default("REACH_BROKER_ID"))
+    p.add_argument("--broker-id", default=env_default("REACH_BROKER_ID"),
+                   help="this replica's id (default host-pid-random; env "
+                        "REACH_BROKER_ID)")  # fmt: skip
     p.add_argument("--console-token", default=env_default("REACH_CONSOLE_TOKEN"),
                    help="token of the web console; needed when --metrics-host is beyond "
                         "loopback (env REACH_CONSOLE_TOKEN)")  # fmt: skip
@@ -69,10 +72,12 @@ def run(args: argparse.Namespace) -> int:
         cfg.nats.url = args.server
     if args.creds:
         cfg.nats.creds = args.creds
+    if args.context:
+        cfg.nats.context = args.context
     if args.tls_ca:
         cfg.nats.tls_ca = args.tls_ca
     if args.auth:
-        from ..auth import AuthDir, AuthError
+        from reach_broker.auth import AuthDir, AuthError
 
         try:
             AuthDir.open(args.auth)

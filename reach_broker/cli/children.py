@@ -1,6 +1,6 @@
 """The child processes of ``reach demo``: started in sessions of their own (a terminal
 Ctrl-C reaches only the demo, which stops them in order), tied to the demo's life
-(:mod:`reach_broker.lifeline`), restartable under the same name, their output appended to
+(:mod:`reach_broker.cluster.lifeline`), restartable under the same name, their output appended to
 one log file per name."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from ..lifeline import Lifeline, spawn
+from reach_broker.cluster.lifeline import Lifeline, spawn
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ reading of durations.
 
 A command never builds connection options, subjects or messages of its own: the connection
 comes from :func:`connect` (through :func:`reach_agent.connection.connect_options`), subjects
-from :func:`subjects` (a :class:`reach_agent.subjects.Subjects`).
+from :func:`subjects` (a :class:`reach_agent.wire.subjects.Subjects`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ import urllib.parse
 import weakref
 from typing import Any
 
-from reach_agent.subjects import Subjects
-
-from ..process import STOP_SIGNALS
+from reach_agent.wire.subjects import Subjects
+from reach_broker.process import STOP_SIGNALS
 
 log = logging.getLogger("reach")
 
@@ -51,7 +50,7 @@ class CliError(Exception):
 
     @classmethod
     def of(cls, err: Any) -> CliError:
-        """A :class:`~reach_agent.errors.ReachError` (an error reply): exit code 1."""
+        """A :class:`~reach_agent.wire.errors.ReachError` (an error reply): exit code 1."""
         out = cls(f"{err.code}: {err.message}", 1, kind=err.code)
         out.detail = err.message
         return out
@@ -84,6 +83,10 @@ def add_common(
     """The options every command takes, each also from an environment variable."""
     p.add_argument("--server", "-s", default=env_default("NATS_URL"),
                    help="NATS server URL(s), comma-separated (env NATS_URL)")  # fmt: skip
+    p.add_argument("--context", default=env_default("NATS_CONTEXT"), metavar="NAME",
+                   help="a `nats` CLI context (~/.config/nats/context/NAME.json): its server "
+                        "and credentials fill what the other options leave unset (env "
+                        "NATS_CONTEXT; default the selected one)")  # fmt: skip
     p.add_argument("--creds", default=env_default("REACH_CREDS"),
                    help="NATS credentials file, e.g. from `reach auth` (env REACH_CREDS; "
                         "NATS_CREDS also works)")  # fmt: skip
@@ -97,8 +100,12 @@ def add_common(
     p.add_argument("--timeout", type=float, default=float(env_default("REACH_TIMEOUT", timeout)),
                    help=f"{timeout_help} (default {timeout:g}; env REACH_TIMEOUT)")  # fmt: skip
     p.add_argument("--log-format", choices=["text", "json"],
-                   default=env_default("REACH_LOG_FORMAT", "text"))  # fmt: skip
-    p.add_argument("--log-level", default=env_default("REACH_LOG_LEVEL", "info"))
+                   default=env_default("REACH_LOG_FORMAT", "text"),
+                   help="log lines on stderr as text or one JSON object each (env "
+                        "REACH_LOG_FORMAT)")  # fmt: skip
+    p.add_argument("--log-level", default=env_default("REACH_LOG_LEVEL", "info"),
+                   help="debug, info, warning or error (default info; env "
+                        "REACH_LOG_LEVEL)")  # fmt: skip
 
 
 def subjects(args: argparse.Namespace) -> Subjects:
@@ -112,8 +119,8 @@ def subjects(args: argparse.Namespace) -> Subjects:
 def capability(value: str, flag: str = "capability") -> str:
     """``value`` if it is a capability name (the wire schema's own check), else a usage
     error naming the flag and the value."""
-    from reach_agent.errors import InvalidCapability
-    from reach_agent.schema import check_capability
+    from reach_agent.wire.errors import InvalidCapability
+    from reach_agent.wire.schema import check_capability
 
     try:
         return check_capability(value, flag)
@@ -138,7 +145,7 @@ NATS_SCHEMES = ("nats", "tls", "ws", "wss")
 def servers(args: argparse.Namespace) -> list[str]:
     """The server URLs of ``--server``/``NATS_URL`` (default ``nats://127.0.0.1:4222``),
     each checked to be a NATS URL, or a usage error naming the bad one."""
-    from reach_agent.connection import server_list
+    from reach_agent.connection import Credentials, resolve, server_list
 
     if args.server is not None and not args.server.replace(",", "").strip():
         raise CliError(f"--server {args.server!r} names no NATS server (give nats://HOST:PORT, "
@@ -147,6 +154,11 @@ def servers(args: argparse.Namespace) -> list[str]:
         urls = server_list(args.server)
     except ValueError as exc:
         raise CliError(f"--server: {exc}", EXIT_USAGE) from None
+    if args.server is None:  # NATS_URL, else the NATS context's server, else localhost
+        try:
+            urls = resolve(None, Credentials(context=getattr(args, "context", None)))[0]
+        except ValueError as exc:
+            raise CliError(str(exc), EXIT_USAGE) from None
     for url in urls:
         parts = urllib.parse.urlsplit(url if "://" in url else f"nats://{url}")
         if parts.scheme not in NATS_SCHEMES:
@@ -170,7 +182,8 @@ def connection_options(
     from reach_agent.connection import Credentials, connect_options
 
     urls = urls or servers(args)
-    cred = Credentials(creds=args.creds, tls_ca=getattr(args, "tls_ca", None))
+    cred = Credentials(creds=args.creds, tls_ca=getattr(args, "tls_ca", None),
+                       context=getattr(args, "context", None))  # fmt: skip
     try:
         return connect_options(name, urls, cred, **overrides)
     except ValueError as exc:
@@ -320,7 +333,7 @@ async def exchange(nc: Any, subject: str, data: bytes, timeout_s: float) -> Any:
 
 def body_of(msg: Any) -> bytes:
     """A reply's body, or the CliError of the error reply it is."""
-    from reach_agent.errors import from_reply
+    from reach_agent.wire.errors import from_reply
 
     err = from_reply(msg.headers, msg.data)
     if err is not None:

@@ -35,11 +35,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from reach_agent.subjects import Subjects
+from reach_agent.wire.subjects import Subjects
+from reach_broker.cluster.natsserver import NatsServer, NatsServerError
+from reach_broker.demo import DEMO_AGENTS
+from reach_broker.logs import say
 
-from ..demo import DEMO_AGENTS
-from ..logs import say
-from ..natsserver import NatsServer, NatsServerError
 from .children import Children
 from .common import (
     EXIT_UNAVAILABLE,
@@ -176,7 +176,7 @@ class Demo:
     def secure(self, directory: Path) -> NatsServer:
         """``--auth``: an auth DIR with every credential of the demo, and its server (not
         started). The demo's own connection (view, readiness) uses the broker's credential."""
-        from ..auth import init, issue_agent, issue_caller
+        from reach_broker.auth import init, issue_agent, issue_caller
 
         d = init(directory, prefix=self.subs.prefix)
         self.agent_creds = {a: str(issue_agent(d, a)) for a in DEMO_AGENTS}
@@ -234,8 +234,12 @@ class Demo:
             try:
                 if not await self.until_ready(nc, stop):
                     return self.stopped("signal", calls)
-                self.emit({"event": "ready", "agents": list(DEMO_AGENTS)},
-                          f"{', '.join(DEMO_AGENTS)} healthy; calling")  # fmt: skip
+                pids = self.pids()
+                agents = ", ".join(f"{a} pid {pids[a]}" for a in DEMO_AGENTS if a in pids)
+                self.emit({"event": "ready", "agents": list(DEMO_AGENTS), "pids": pids},
+                          f"{', '.join(DEMO_AGENTS)} healthy; calling. Kill one to watch the "
+                          f"failover: {agents} (kill -9 PID; it comes back "
+                          f"{RESTART_DELAY_S:g}s later)")  # fmt: skip
                 return self.stopped(await self.live(nc, url, calls, stop), calls)
             finally:
                 if calls_nc is not nc:
@@ -286,7 +290,7 @@ class Demo:
 
     async def until_ready(self, nc: Any, stop: asyncio.Event) -> bool:
         """Until a broker lists every demo agent healthy."""
-        from reach_agent import schema
+        from reach_agent.wire import schema
 
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not stop.is_set():

@@ -6,7 +6,8 @@ import asyncio
 import contextlib
 from typing import Any
 
-from ..demo import PAYLOADS
+from reach_broker.demo import PAYLOADS
+
 from .children import STOP_GRACE_S
 
 

@@ -81,8 +81,8 @@ async def _events(args: argparse.Namespace, since: float | None) -> int:
     """Print the events from ``since`` seconds ago until caught up, or (``--follow``) until
     a signal; ``since`` None: live events only."""
     from jetstream import audit
-    from reach_agent import schema
     from reach_agent.connection import flush_subscriptions
+    from reach_agent.wire import schema
 
     stop = stop_on_signals()
     subs = subjects(args)

@@ -19,9 +19,9 @@ from typing import Any
 import msgspec
 
 from jetstream.names import RULES_BUCKET
-from reach_agent.errors import InvalidRequest
+from reach_agent.wire.errors import InvalidRequest
+from reach_broker.core.rules import RouteRule, build, decode_rule, describe, rule_encoder
 
-from ..rules import RouteRule, build, decode_rule, describe, rule_encoder
 from .common import (
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
@@ -42,7 +42,7 @@ def add_parser(sub: Subcommands) -> None:
     verbs = p.add_subparsers(dest="verb", required=True, metavar="VERB")
     s = verbs.add_parser("set", help="set (part of) a capability's rule")
     add_common(s)
-    s.add_argument("capability")
+    s.add_argument("capability", help="the capability the rule is for")
     s.add_argument("--split", metavar="KEY=V:W,...",
                    help="split traffic by version or a tag: version=1:95,2:5")  # fmt: skip
     s.add_argument("--require", action="append", metavar="TAG=VALUE",
@@ -52,11 +52,11 @@ def add_parser(sub: Subcommands) -> None:
     s.set_defaults(func=run)
     sh = verbs.add_parser("show", help="the stored rules (one capability, or all)")
     add_common(sh)
-    sh.add_argument("capability", nargs="?")
+    sh.add_argument("capability", nargs="?", help="one capability (default: every rule)")
     sh.set_defaults(func=run)
     c = verbs.add_parser("clear", help="remove a capability's stored rule")
     add_common(c)
-    c.add_argument("capability")
+    c.add_argument("capability", help="the capability whose rule goes")
     c.set_defaults(func=run)
 
 

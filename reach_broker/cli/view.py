@@ -26,10 +26,10 @@ from nats.errors import Error as NatsError
 from nats.micro.service import ServiceVerb, control_subject
 
 from jetstream import audit
-from reach_agent import schema
 from reach_agent.connection import flush_subscriptions
-from reach_agent.schema import AGENT_STATES, AgentView, Event
-from reach_agent.subjects import Subjects
+from reach_agent.wire import schema
+from reach_agent.wire.schema import AGENT_STATES, AgentView, Event
+from reach_agent.wire.subjects import Subjects
 
 from .common import EXIT_UNAVAILABLE, CliError, request
 from .output import AGENT_HEADER, agent_rows, format_event, format_table, print_json

@@ -16,19 +16,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Mapping
+from typing import Any
 
 import msgspec
 
 from jetstream import audit, compensation
 from jetstream.tasks import raise_if_cancelled
-from reach_agent import schema
 from reach_agent.aio import stop_loops
+from reach_agent.wire import schema
+from reach_broker import __version__
+from reach_broker.core.explain import Explainer
+from reach_broker.core.records import AgentRecord, Transition
+from reach_broker.core.registry import Registry
+from reach_broker.service.context import BrokerContext
 
-from .. import __version__
-from ..context import BrokerContext
-from ..explain import Explainer
-from ..records import AgentRecord, Transition
-from ..registry import Registry
+from .capseries import CapabilitySeries
 from .history import History
 from .views import CompensationView, QueueDepth, Views, event_view
 
@@ -46,6 +49,18 @@ RECENT_EVENTS = 100
 """Events a page gets when it connects (the timeline keeps ``console.events``)."""
 
 _json = msgspec.json.Encoder()
+
+
+class _AckHead(msgspec.Struct):
+    """What the latency charts read of an ack record (its result is skipped)."""
+
+    request_id: str
+    capability: str
+    state: str
+    at_ms: int
+
+
+_ack_head = msgspec.json.Decoder(_AckHead)
 
 
 def sse(kind: str, data: bytes) -> bytes:
@@ -73,8 +88,19 @@ class Watcher:
 class Feed:
     """History, audit follow and the pushes to watching pages."""
 
-    def __init__(self, ctx: BrokerContext, registry: Registry, explainer: Explainer) -> None:
+    def __init__(
+        self,
+        ctx: BrokerContext,
+        registry: Registry,
+        explainer: Explainer,
+        route_counts: Mapping[str, int] | None = None,
+    ) -> None:
         self.ctx = ctx
+        self.route_counts: Mapping[str, int] = {} if route_counts is None else route_counts
+        """The broker's route requests per capability (``Handlers.route_counts``)."""
+        self.capabilities = CapabilitySeries()
+        """Per capability: routes/s and call latency, 15 minutes (:mod:`.capseries`)."""
+        self._acks: Any = None
         self.registry = registry
         self.cfg = ctx.cfg.console
         self.history = History(self.cfg.sample_s, self.cfg.history_s, self.cfg.events,
@@ -93,6 +119,8 @@ class Feed:
             return
         self.ctx.fanout.listeners.append(self._on_transition)
         self.history.sample(self.ctx.wall_ms(), self.registry.agents)
+        self.capabilities.routes(self.route_counts, self.ctx.wall_ms())
+        await self._follow_acks()
         await self._follow_audit()
         self._tasks = [
             asyncio.create_task(self._sample_loop(), name="reach-console-sample"),
@@ -106,11 +134,30 @@ class Feed:
             self.ctx.fanout.listeners.remove(self._on_transition)
         await stop_loops(*self._tasks)
         self._tasks = []
+        if self._acks is not None:
+            with contextlib.suppress(Exception):
+                await self._acks.unsubscribe()
+            self._acks = None
         if self._follow is not None:
             await self._follow.stop()
             self._follow = None
         for w in list(self.watchers):
             w.queue.put_nowait(None)
+
+    async def _follow_acks(self) -> None:
+        """The agents' ack records (``<p>.ack.>``), for the call latency charts."""
+        try:
+            self._acks = await self.ctx.nc.subscribe(self.ctx.subjects.all_acks,
+                                                     cb=self._on_ack)  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - the console must not stop the broker
+            log.warning("console.no_acks error=%r: no call latency charts", exc)
+
+    async def _on_ack(self, msg: Any) -> None:
+        try:
+            head = _ack_head.decode(msg.data)
+        except msgspec.MsgspecError:
+            return
+        self.capabilities.ack(head.request_id, head.capability, head.state, head.at_ms)
 
     async def _follow_audit(self) -> None:
         nc, subjects = self.ctx.nc, self.ctx.subjects
@@ -193,7 +240,10 @@ class Feed:
             raise_if_cancelled()
             await asyncio.sleep(self.cfg.sample_s)
             try:
-                self.history.sample(self.ctx.wall_ms(), self.registry.agents)
+                wall_ms = self.ctx.wall_ms()
+                self.history.sample(wall_ms, self.registry.agents)
+                self.capabilities.routes(self.route_counts, wall_ms)
+                self.capabilities.expire(wall_ms)
             except Exception:  # noqa: BLE001 - the loop body never dies
                 log.exception("console.sample_failed")
 

@@ -27,9 +27,8 @@ from typing import NamedTuple
 
 import msgspec
 
-from reach_agent.schema import Event
-
-from ..records import AgentRecord
+from reach_agent.wire.schema import Event
+from reach_broker.core.records import AgentRecord
 
 TRANSITIONS = 16
 """Transitions kept per agent."""

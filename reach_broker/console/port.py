@@ -4,25 +4,29 @@ console attached once the broker runs, and stopped before the broker."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from ..config import Config
-from ..context import BrokerContext
-from ..explain import Explainer
-from ..registry import Registry
+from reach_broker.config import Config
+from reach_broker.core.explain import Explainer
+from reach_broker.core.registry import Registry
+from reach_broker.health import Readiness
+from reach_broker.service.context import BrokerContext
+
 from .app import Access, App
 from .feed import Feed
 from .httpd import HttpServer
 
 
 class HttpPort:
-    """``/metrics`` of ``registry`` on ``broker.metrics_host:metrics_port``, and the console."""
+    """``/metrics`` of ``registry`` on ``broker.metrics_host:metrics_port``, ``/healthz`` and
+    ``/readyz`` (``not_ready``: the broker's), and the console."""
 
-    def __init__(self, cfg: Config, registry: Any) -> None:
+    def __init__(self, cfg: Config, registry: Any, not_ready: Readiness) -> None:
         b, c = cfg.broker, cfg.console
         self.cfg = cfg
         self.access = Access(b.metrics_host, c.token, c.enabled)
-        self.app = App(registry, self.access)
+        self.app = App(registry, self.access, not_ready)
         self.server = HttpServer(b.metrics_host, b.metrics_port, self.app)
         self.feed: Feed | None = None
 
@@ -42,11 +46,18 @@ class HttpPort:
     async def start(self) -> None:
         await self.server.start()
 
-    async def attach(self, ctx: BrokerContext, registry: Registry, explainer: Explainer) -> None:
-        """The console's data, from a running broker's parts."""
+    async def attach(
+        self,
+        ctx: BrokerContext,
+        registry: Registry,
+        explainer: Explainer,
+        route_counts: Mapping[str, int] | None = None,
+    ) -> None:
+        """The console's data, from a running broker's parts (``route_counts``: its
+        handlers' route requests per capability, for the charts)."""
         if not self.access.enabled or self.feed is not None:
             return
-        feed = Feed(ctx, registry, explainer)
+        feed = Feed(ctx, registry, explainer, route_counts)
         await feed.start()
         self.feed = self.app.feed = feed
 

@@ -14,10 +14,10 @@ from typing import cast
 
 import msgspec
 
-from reach_agent.schema import AGENT_STATES, AgentExplain, Event, Exclusion, RouteRequest
+from reach_agent.wire.schema import AGENT_STATES, AgentExplain, Event, Exclusion, RouteRequest
+from reach_broker.core.explain import Explainer
+from reach_broker.core.registry import Registry
 
-from ..explain import Explainer
-from ..registry import Registry
 from .history import Entry, History, Samples
 
 RANKING_ROWS = 25

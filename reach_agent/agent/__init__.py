@@ -1,0 +1,1 @@
+"""The agent runtime: ``Agent`` and how it announces, admits, claims, runs and answers tasks."""

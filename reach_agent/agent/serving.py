@@ -1,0 +1,571 @@
+"""The agent's task side: admit each task, claim it, run its handler, reply, record its acks.
+
+Every task subscription callback only decides (:func:`~reach_agent.agent.admission.admit`) and
+acts on the decision — a cached reply, an error reply, or a run handed to an asyncio task —
+so the callback returns at once and the next message is read. The run first claims the
+request id fleet-wide (:mod:`~reach_agent.agent.claiming`; not for capabilities marked idempotent,
+nor without a claims bucket), and only a claim of its own makes it send the receipt and run
+the handler; otherwise it answers ``IN_PROGRESS`` or the stored result. The holder ends its
+claim before it replies. Handlers are ``async def`` (run on the loop), async generators
+(streamed, :mod:`~reach_agent.client.streaming`) or plain functions (run in a worker thread).
+
+A cancel (``<p>.cancel.<agent_id>``, :meth:`TaskServer.on_cancel`) of a request running here
+cancels its handler's asyncio task: the handler sees ``asyncio.CancelledError`` and may
+clean up; after ``cancel_grace`` seconds it is cancelled again. The run then ends as
+``CANCELLED`` whatever the handler did after the cancel: the claim ended ``failed`` (reason
+``cancelled``, so no retry or replay runs it again), the final ack record ``failed`` with
+``CANCELLED``, the slot free. A cancel that comes before the handler started (the claim's
+round trip) ends the run before it; one for a request not running here is remembered in
+the duplicate window, so a copy of the task arriving later is answered ``CANCELLED``.
+A plain function handler runs in a worker thread, which cannot be interrupted: its run
+ends at once, the thread finishes on its own and its result is dropped.
+
+The durable-ack hook (``ack_sink``) gets state ``received`` when a task is accepted (before
+the handler runs) and ``completed`` (``result`` = the reply body as ``msgspec.Raw``) or
+``failed`` (``error`` = ``{"code", "message"}``) when it ends, before the reply goes out.
+Exceptions it raises are logged, never fatal. With ``Reach-Ack-Mode: received`` the caller
+gets only the receipt; the result exists only through the sink (without a sink it is logged
+and dropped).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import deque
+from collections.abc import Sequence
+from typing import Protocol
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from jetstream.names import H_REQUEST_ID
+from reach_agent import otel, trace
+from reach_agent.aio import TaskSet, wait_event
+from reach_agent.metrics import AgentMetrics
+from reach_agent.otel import Spans
+from reach_agent.wire import schema
+from reach_agent.wire.errors import (
+    H_SERVICE_ERROR_CODE,
+    Cancelled,
+    Draining,
+    InternalError,
+    InvalidRequest,
+    ReachError,
+    to_reply,
+)
+from reach_agent.wire.subjects import Subjects, is_inbox
+
+from .admission import Admission, admit
+from .claiming import Claimer, Held
+from .dedup import DedupCache, Entry, Reply
+from .handling import Handler, HandlerKind, HandlerRunner
+from .task import Task
+
+log = trace.logger(__name__)
+
+
+_payload_decoder = msgspec.json.Decoder()
+
+
+class AckSink(Protocol):
+    """Receives an :class:`~reach_agent.wire.schema.AckRecord` per task state change."""
+
+    async def record(self, rec: schema.AckRecord) -> None: ...
+
+
+CANCEL_GRACE_S = 5.0
+"""How long a cancelled handler may clean up before it is cancelled again."""
+
+
+class Run:
+    """A request running on this agent: its asyncio task, how far it is (``claiming``,
+    ``handling`` — only then does a cancel interrupt it —, ``ending``: the handler is done),
+    and why it was cancelled."""
+
+    __slots__ = ("cancelled", "grace", "phase", "task")
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task[None] | None = None
+        self.phase = "claiming"
+        self.cancelled: str | None = None
+        """The cancel's reason, once cancelled."""
+        self.grace: asyncio.TimerHandle | None = None
+
+
+class TaskServer:
+    """The tasks of one agent: admission, execution, replies, ack records and load figures."""
+
+    def __init__(
+        self,
+        agent_id: str,
+        max_concurrency: int,
+        subjects: Subjects,
+        *,
+        dedup: DedupCache,
+        metrics: AgentMetrics | None,
+        ack_sink: AckSink | None,
+        spans: Spans | None = None,
+    ) -> None:
+        self.agent_id = agent_id
+        self.spans = spans
+        """OpenTelemetry spans of each run and claim (:mod:`.otel`; None: off)."""
+        self.max_concurrency = max_concurrency
+        self.subjects = subjects
+        self.dedup = dedup
+        self.metrics = metrics
+        self.ack_sink = ack_sink
+        self.handlers: dict[str, tuple[Handler, HandlerKind]] = {}
+        """capability → (handler, how it runs)."""
+        self.idempotent: set[str] = set()
+        """Capabilities whose duplicates are harmless: run without a fleet-wide claim."""
+        self.claimer: Claimer | None = None
+        """The fleet-wide claims (None: off, the duplicate window alone applies)."""
+        self.nc = NATS()  # the agent's connection, from subscribe()
+        self.runner = HandlerRunner(agent_id, max_concurrency)
+        self.draining = False
+        self.unready = False
+        """The service behind an adapter does not answer (:mod:`~reach_agent.agent.presence`'s
+        readiness check): reported ``draining``, tasks refused with ``DRAINING``."""
+        self.active = 0
+        self.ok_total = 0
+        self.fail_total = 0
+        self._subs: list[Subscription] = []
+        self._tasks = TaskSet()
+        self.cancel_grace = CANCEL_GRACE_S
+        self._runs: dict[str, Run] = {}
+        """request id → its run on this agent (what a cancel finds)."""
+        self._running: dict[str, float] = {}
+        # Durations of tasks finished since the last heartbeat: the broker smooths them
+        # (EWMA), so the freshest p50 lets it see a slowdown within a heartbeat or two.
+        self._durations: deque[float] = deque(maxlen=1024)
+        self._last_p50: int | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # --- lifecycle --------------------------------------------------------------------
+
+    async def subscribe(
+        self, nc: NATS, capabilities: Sequence[str], *, cancels: bool = True
+    ) -> None:
+        """One subscription per capability (``<p>.task.<agent_id>.<capability>``), and one
+        for cancels (``<p>.cancel.<agent_id>``, never behind task messages) unless
+        ``cancels`` is False (a credential issued before cancellation existed)."""
+        self.nc = nc
+        for cap in capabilities:
+            sub = await nc.subscribe(
+                self.subjects.task(self.agent_id, cap), cb=self.on_task, pending_msgs_limit=100_000
+            )
+            self._subs.append(sub)
+        if cancels:
+            await nc.subscribe(self.subjects.cancel(self.agent_id), cb=self.on_cancel)
+        await self.runner.subscribe(nc, self.handlers.values())
+
+    def forget_subscriptions(self) -> None:
+        """The connection is closed (or never served): its subscriptions are gone."""
+        self._subs = []
+        self.runner.forget()
+
+    async def drain(self, grace: float) -> None:
+        """Let in-flight tasks finish within ``grace`` seconds, then cancel the rest (they
+        answer DRAINING: retryable elsewhere with the same request id)."""
+        if self.active:
+            log.info("agent.draining agent=%s in_flight=%d grace=%.1fs", self.agent_id,
+                     self.active, grace)  # fmt: skip
+            await wait_event(self._idle, grace)
+            if self.active:
+                log.warning("agent.grace_expired agent=%s cancelling=%d", self.agent_id,
+                            self.active)  # fmt: skip
+        self._tasks.cancel()
+        await self._tasks.wait(1.0)
+
+    def close(self) -> None:
+        """After the connection closed: drop the subscriptions, end the worker threads."""
+        self._subs = []
+        self.runner.close()
+
+    # --- load figures (heartbeats and probe replies) ----------------------------------
+
+    def status(self) -> schema.AgentStatus:
+        if self.draining or self.unready:
+            return "draining"
+        return "busy" if self.active else "idle"
+
+    def queue_depth(self) -> int:
+        """Task messages received by the connection but not yet looked at."""
+        return sum(s.pending_msgs for s in self._subs)
+
+    def load_figures(self) -> tuple[int | None, int | None]:
+        """(median task duration ms of the tasks finished since the last heartbeat — else
+        the previous heartbeat's —, age ms of the oldest running task)."""
+        p50 = self._last_p50
+        if self._durations:
+            ordered = sorted(self._durations)
+            p50 = int(ordered[len(ordered) // 2])
+        oldest = None
+        if self._running:
+            oldest = int((time.monotonic() - min(self._running.values())) * 1000)
+        return p50, oldest
+
+    def take_load_figures(self) -> tuple[int | None, int | None]:
+        """:meth:`load_figures`, and start the next heartbeat's duration sample."""
+        p50, oldest = self.load_figures()
+        self._durations.clear()
+        self._last_p50 = p50
+        return p50, oldest
+
+    # --- a task arrives ---------------------------------------------------------------
+
+    async def on_task(self, msg: Msg) -> None:
+        """Decide at once and hand the work to a task: this callback must never block."""
+        capability = self.subjects.capability_of_task(msg.subject, self.agent_id)
+        reply = msg.reply
+        if reply and not is_inbox(reply):
+            # The server lets us answer any reply subject a caller names: answering one that
+            # is not an inbox would publish our receipt or result, with our rights, wherever
+            # the caller chose (another agent's subjects, the JetStream API).
+            self._count(capability, "bad_reply")
+            log.warning("agent.task_refused agent=%s capability=%s reason=reply subject %r is "
+                        "not an inbox", self.agent_id, capability, reply[:128])  # fmt: skip
+            return
+        hdrs = msg.headers or {}
+        request_id = hdrs.get(H_REQUEST_ID) or str(uuid.uuid4())
+        now = time.monotonic()
+        entry = self.dedup.lookup(request_id, now)
+        d = admit(hdrs, agent_id=self.agent_id, duplicate=entry is not None,
+                  draining=self.draining or self.unready, active=self.active,
+                  max_concurrency=self.max_concurrency, now=now)  # fmt: skip
+        if d.verdict == "run":
+            self.active += 1
+            self._idle.clear()
+            self._running[request_id] = now
+            entry = self.dedup.begin(request_id, now, self.active)
+            claim = self.claimer is not None and capability not in self.idempotent
+            if reply and d.receipt and not claim:
+                await self._send_receipt(reply, request_id)  # at once: nothing to claim
+            run = self._runs[request_id] = Run()
+            run.task = self._tasks.spawn(
+                self._run(msg, capability, request_id, entry, d, hdrs, claim, run), "reach-task"
+            )
+            return
+        self._count(capability, d.label)
+        if d.verdict == "refuse":
+            assert d.error is not None
+            if reply:
+                headers, body = to_reply(d.error)
+                headers[H_REQUEST_ID] = request_id
+                await self._publish(reply, body, headers)
+            return
+        assert entry is not None  # a duplicate
+        if reply and d.receipt:
+            await self._send_receipt(reply, request_id)
+        if reply and d.ack_mode != "received":
+            if entry.future.done():
+                headers, body = entry.future.result()
+                await self._publish(reply, body, headers)
+            else:
+                self._tasks.spawn(self._reply_when_done(entry, reply), "reach-dup")
+
+    async def _reply_when_done(self, entry: Entry, reply: str) -> None:
+        headers, body = await asyncio.shield(entry.future)
+        await self._publish(reply, body, headers)
+
+    async def _publish(self, subject: str, body: bytes, headers: dict[str, str]) -> None:
+        try:
+            await self.nc.publish(subject, body, headers=headers)
+        except Exception as exc:  # a reply that cannot go out is logged
+            log.warning("agent.reply_failed agent=%s subject=%s error=%r", self.agent_id,
+                        subject, exc)  # fmt: skip
+
+    async def _send_receipt(self, reply: str, request_id: str) -> None:
+        body = schema.encoder.encode(schema.Receipt(request_id=request_id))
+        await self._publish(reply, body, {H_REQUEST_ID: request_id,
+                                          schema.H_STATUS: "received"})  # fmt: skip
+
+    def _count(self, capability: str, result: str) -> None:
+        if self.metrics is not None:
+            self.metrics.tasks.labels(capability, result).inc()
+
+    # --- a cancel arrives -------------------------------------------------------------
+
+    async def on_cancel(self, msg: Msg) -> None:
+        """``<p>.cancel.<agent_id>``: cancel the request (:meth:`cancel`); answer with a
+        :class:`~reach_agent.wire.schema.CancelReply` when asked (to an inbox only)."""
+        reply = msg.reply
+        if reply and not is_inbox(reply):  # see on_task: answer inboxes only
+            log.warning("agent.cancel_refused agent=%s reason=reply subject %r is not an inbox",
+                        self.agent_id, reply[:128])  # fmt: skip
+            return
+        try:
+            req = schema.decode(schema.cancel_decoder, msg.data, "cancel")
+        except InvalidRequest as err:
+            if reply:
+                headers, body = to_reply(err)
+                await self._publish(reply, body, headers)
+            return
+        state = self.cancel(req.request_id, req.reason or "cancelled by its caller")
+        if reply:
+            answer = schema.CancelReply(request_id=req.request_id, state=state,
+                                        agent_id=self.agent_id)  # fmt: skip
+            await self._publish(reply, schema.encoder.encode(answer), {})
+
+    def cancel(self, request_id: str, reason: str) -> schema.CancelState:
+        """Cancel ``request_id`` on this agent: ``cancelled`` (running here: its handler is
+        interrupted, or never starts), ``finished`` (it ended here already) or ``unknown``
+        (remembered: a copy arriving later is answered ``CANCELLED``)."""
+        run = self._runs.get(request_id)
+        if run is not None and (run.phase != "ending" or run.cancelled is not None):
+            if run.cancelled is None:
+                run.cancelled = reason
+                log.info("task.cancel agent=%s request_id=%s reason=%s", self.agent_id,
+                         request_id, reason)  # fmt: skip
+                if run.phase == "handling":
+                    self._interrupt(run)
+            return "cancelled"
+        if run is not None:
+            return "finished"  # its handler is done: the result is on its way
+        now = time.monotonic()
+        entry = self.dedup.lookup(request_id, now)
+        if entry is not None:
+            done = entry.future.done() and entry.future.result()[0].get(H_SERVICE_ERROR_CODE)
+            return "cancelled" if done == str(Cancelled.status) else "finished"
+        entry = self.dedup.begin(request_id, now, self.active)
+        self.dedup.finish(entry, _cancelled_reply(request_id, self.agent_id, reason), now)
+        return "unknown"
+
+    def _interrupt(self, run: Run) -> None:
+        """Cancel the handler now, and again after the grace should it not have ended."""
+        assert run.task is not None
+        run.task.cancel()
+        run.grace = asyncio.get_running_loop().call_later(self.cancel_grace, self._overdue, run)
+
+    def _overdue(self, run: Run) -> None:
+        if run.phase == "handling" and run.task is not None and not run.task.done():
+            log.warning("task.cancel_overdue agent=%s: the handler did not end within %gs of "
+                        "its cancel; cancelled again", self.agent_id,
+                        self.cancel_grace)  # fmt: skip
+            run.task.cancel()
+
+    # --- a task runs ------------------------------------------------------------------
+
+    async def _run(
+        self,
+        msg: Msg,
+        capability: str,
+        request_id: str,
+        entry: Entry,
+        d: Admission,
+        hdrs: dict[str, str],
+        claim: bool,
+        run: Run,
+    ) -> None:
+        # This asyncio task's own context: the handler's sub-calls and log lines see it.
+        ctx = trace.TraceContext(request_id, self.agent_id, hdrs)
+        trace.CURRENT.set(ctx)
+        span = error = None
+        if self.spans is not None:
+            attributes = self._span_attributes(request_id, capability)
+            span = self.spans.start(f"reach.run {capability}", hdrs.get(schema.H_TRACEPARENT),
+                                    otel.SERVER, attributes)  # fmt: skip
+            ctx.parent = self.spans.traceparent(span)
+        try:
+            held = None
+            if claim:
+                assert self.claimer is not None
+                held, answer = await self._claim(ctx, request_id, capability)
+                if answer is not None:
+                    await self._answer(msg, capability, request_id, entry, d, answer)
+                    return
+                if msg.reply and d.receipt:
+                    await self._send_receipt(msg.reply, request_id)  # the claim is ours
+            error = await self._execute(msg, capability, request_id, entry, d, hdrs, held, run)
+        finally:
+            if self._runs.get(request_id) is run:
+                del self._runs[request_id]
+            if span is not None and self.spans is not None:
+                self.spans.end(span, error)
+            self._running.pop(request_id, None)
+            self.active -= 1
+            if self.active == 0:
+                self._idle.set()
+
+    def _span_attributes(self, request_id: str, capability: str) -> dict[str, str]:
+        return {"reach.request_id": request_id, "reach.capability": capability,
+                "reach.agent_id": self.agent_id}  # fmt: skip
+
+    async def _claim(
+        self, ctx: trace.TraceContext, request_id: str, capability: str
+    ) -> tuple[Held | None, tuple[str, Reply] | None]:
+        """The request id's claim (:meth:`Claimer.take`), in a ``reach.claim`` span when
+        spans are on."""
+        assert self.claimer is not None
+        if self.spans is None:
+            return await self.claimer.take(request_id, capability)
+        span = self.spans.start("reach.claim", ctx.parent, otel.INTERNAL,
+                                self._span_attributes(request_id, capability))  # fmt: skip
+        try:
+            held, answer = await self.claimer.take(request_id, capability)
+        except BaseException as exc:
+            self.spans.end(span, exc)
+            raise
+        self.spans.end(span, claim="ours" if answer is None else answer[0])
+        return held, answer
+
+    async def _answer(
+        self,
+        msg: Msg,
+        capability: str,
+        request_id: str,
+        entry: Entry,
+        d: Admission,
+        answer: tuple[str, Reply],
+    ) -> None:
+        """Reply for a task this agent does not run (its claim is another's, or failed)."""
+        label, (headers, body) = answer
+        self._count(capability, label)
+        self.dedup.finish(entry, (headers, body), time.monotonic())
+        if label != "duplicate":
+            self.dedup.forget(request_id, entry)  # it may change: ask the claim again
+        if not msg.reply:
+            return
+        if d.ack_mode == "received" and label == "duplicate":
+            await self._send_receipt(msg.reply, request_id)
+        else:
+            await self._publish(msg.reply, body, headers)
+
+    async def _execute(
+        self,
+        msg: Msg,
+        capability: str,
+        request_id: str,
+        entry: Entry,
+        d: Admission,
+        hdrs: dict[str, str],
+        held: Held | None,
+        run: Run,
+    ) -> ReachError | None:
+        """Run the handler and answer; the error the caller got (None: a result)."""
+        started = time.monotonic()
+        error: ReachError | None = None
+        headers: dict[str, str]
+        body = b""
+        wire: Reply | None = None  # what the reply subject gets instead (a stream's end)
+        try:
+            await self._record(request_id, capability, "received")
+            try:
+                payload = _payload_decoder.decode(msg.data) if msg.data else None
+            except msgspec.DecodeError as exc:
+                raise InvalidRequest(f"task payload: malformed JSON ({exc})") from None
+            task = Task(payload, request_id, capability, hdrs, d.deadline, self.agent_id)
+            stream_to = msg.reply if d.ack_mode != "received" else None
+            if run.cancelled is None:  # (cancelled while it was being claimed: not run)
+                run.phase = "handling"
+                try:
+                    body, wire = await self.runner.run(self.handlers[capability], task,
+                                                       stream_to)  # fmt: skip
+                finally:
+                    run.phase = "ending"
+                    if run.grace is not None:
+                        run.grace.cancel()
+            if run.cancelled is not None:  # whatever the handler made after the cancel
+                raise Cancelled(f"request_id {request_id!r} was cancelled on agent "
+                                f"{self.agent_id!r}: {run.cancelled}")  # fmt: skip
+        except ReachError as err:
+            error = err
+        except asyncio.CancelledError:
+            if run.cancelled is None:
+                # Grace expired during a drain: retryable elsewhere (same request id).
+                error = Draining(f"agent {self.agent_id!r} stopped before the task finished")
+                raise
+            # Our cancel: the run ends here, answered CANCELLED (the cancel is consumed).
+            current = asyncio.current_task()
+            while current is not None and current.cancelling():
+                current.uncancel()
+            error = Cancelled(f"request_id {request_id!r} was cancelled on agent "
+                              f"{self.agent_id!r}: {run.cancelled}")  # fmt: skip
+        except Exception as exc:  # a handler failure is the caller's answer
+            log.exception("task.failed agent=%s capability=%s request_id=%s", self.agent_id,
+                          capability, request_id)  # fmt: skip
+            error = InternalError(f"handler {capability!r} raised {type(exc).__name__}: {exc}")
+        finally:
+            run.phase = "ending"
+            now = time.monotonic()
+            self._durations.append((now - started) * 1000.0)
+            if error is None:
+                headers = {H_REQUEST_ID: request_id, schema.H_STATUS: "completed"}
+                self.ok_total += 1
+                self._count(capability, "ok")
+            else:
+                wire = None
+                headers, body = to_reply(error)
+                headers[H_REQUEST_ID] = request_id
+                if isinstance(error, Cancelled):
+                    # Neither a result nor the agent's failure: in neither total (brokers
+                    # read ok_total as "it finishes tasks": a hung handler the caller's
+                    # deadline cancelled did not).
+                    self._count(capability, "cancelled")
+                elif error.status < 500:
+                    self.ok_total += 1  # the agent did its job: the request was refused
+                    self._count(capability, "rejected")
+                else:
+                    self.fail_total += 1
+                    self._count(capability, "failed")
+            self.dedup.finish(entry, (headers, body), now)
+            confirm = None
+            if held is not None:
+                # Sent before the reply: the server has the claim's end before the result.
+                assert self.claimer is not None
+                confirm = await self.claimer.end(held, error)
+                if error is not None and error.retryable:
+                    self.dedup.forget(request_id, entry)
+            # The final record before the reply too: once a caller has the result, the ack
+            # writer's log has it, so a restarted agent can answer a repeat from the store.
+            if error is None:
+                await self._record(request_id, capability, "completed", result=msgspec.Raw(body))
+            else:
+                failure = {"code": error.code, "message": error.message}
+                await self._record(request_id, capability, "failed", error=failure)
+            if msg.reply and d.ack_mode != "received":
+                out_headers, out_body = wire or (headers, body)
+                await self._publish(msg.reply, out_body, out_headers)
+            elif d.ack_mode == "received" and self.ack_sink is None:
+                log.info("task.result_dropped agent=%s request_id=%s: ack mode 'received' "
+                         "and no ack sink", self.agent_id, request_id)  # fmt: skip
+            if confirm is not None:
+                await confirm()
+        return error
+
+    async def _record(
+        self,
+        request_id: str,
+        capability: str,
+        state: schema.AckState,
+        result: msgspec.Raw | None = None,
+        error: dict[str, str] | None = None,
+    ) -> None:
+        sink = self.ack_sink
+        if sink is None:
+            return
+        ctx = trace.CURRENT.get()  # this task's (set in _run): a flow step names its run
+        parent = ctx.headers.get(schema.H_PARENT_ID) if ctx is not None else None
+        rec = schema.AckRecord(
+            request_id=request_id, agent_id=self.agent_id, capability=capability, state=state,
+            at_ms=int(time.time() * 1000), result=result, error=error,
+            parent_request_id=parent,
+        )  # fmt: skip
+        try:
+            await sink.record(rec)
+        except Exception:  # the sink's trouble is not the caller's
+            log.exception("agent.ack_sink_failed agent=%s request_id=%s state=%s",
+                          self.agent_id, request_id, state)  # fmt: skip
+
+
+def _cancelled_reply(request_id: str, agent_id: str, reason: str) -> Reply:
+    """The reply a copy of a request cancelled before it came gets."""
+    headers, body = to_reply(Cancelled(f"request_id {request_id!r} was cancelled before it "
+                                       f"reached agent {agent_id!r}: {reason}"))  # fmt: skip
+    headers[H_REQUEST_ID] = request_id
+    return headers, body

@@ -1,0 +1,1 @@
+"""The caller: ``Client`` and how a call is routed, attempted, retried, streamed and waited for."""

@@ -1,0 +1,452 @@
+"""The caller side: route by capability, call with receipts, retry, break circuits.
+
+A call moves CREATED → SENT → ACKED → PROCESSING → FINISHED / TIMEOUT / FAILED:
+
+* SENT: the task goes to the first candidate (the broker's weighted order) whose breaker is
+  not open, with ``Reach-Receipt: 1`` and the same ``Reach-Request-Id`` on every attempt.
+* ACKED: the agent's receipt arrived within ``ack_timeout_s``. No receipt (or no
+  responders) means "not delivered": the next candidate is tried at once.
+* PROCESSING: wait for the result up to the call's deadline. If the broker reports the
+  agent ``offline``/``evicted``, or ``suspect`` and it does not answer our probe, the attempt
+  is abandoned as lost and retried elsewhere instead of waiting out the deadline.
+* Retries (at most ``retries``) follow :mod:`reach_agent.wire.retry`: error replies whose
+  ``ReachError.retryable`` is set (TIMEOUT, TARGET_BUSY, DRAINING, OVERLOADED), not delivered
+  and lost targets; never BIZ_REJECT or another error. A retry goes at once to a candidate
+  not tried yet; when every candidate was tried it waits an exponential, jittered backoff
+  that must fit inside the deadline.
+* Full is not failed: when the broker answers OVERLOADED (every candidate is full) or every
+  candidate answered TARGET_BUSY, the call waits the refusal's ``retry_after_ms`` (else
+  ``busy_wait_s``), jittered, and asks again — until the deadline, without counting retries.
+
+Every attempt of a call replies to its own subject under one client-wide inbox
+subscription (:class:`~reach_agent.wire.subjects.ReplyInbox`), so the receipt and the result are
+both received (``nc.request`` would keep only the first), and a late result of an earlier
+attempt still finishes the call.
+
+The parts: :mod:`~reach_agent.client.calls` (one call, and how an attempt ends),
+:mod:`~reach_agent.client.attemptloop` (the attempts of one call, until the retry rule says stop),
+:mod:`~reach_agent.client.attempts` (sending one attempt, and its bookkeeping),
+:mod:`~reach_agent.client.holder` (waiting for the holder of a claim, on ``IN_PROGRESS``),
+:mod:`~reach_agent.client.streaming` (streamed answers),
+:mod:`~reach_agent.client.routes` (route requests and their cache),
+:mod:`~reach_agent.client.liveness`
+(the watch over agents running our calls), :mod:`~reach_agent.client.breaker` (circuit breakers and
+what counts as a failure), :mod:`~reach_agent.wire.retry` (what is retried). This module wires
+them to NATS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from types import TracebackType
+from typing import Any, Unpack
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from jetstream import audit
+from jetstream.names import H_REQUEST_ID
+from reach_agent import otel, trace
+from reach_agent.aio import TaskSet
+from reach_agent.connection import (
+    CredentialOptions,
+    Credentials,
+    connect,
+    connect_options,
+    drain_or_close,
+    flush_subscriptions,
+)
+from reach_agent.metrics import ClientMetrics
+from reach_agent.wire import schema, streams
+from reach_agent.wire.errors import Forbidden, InternalError, InvalidRequest, ReachError
+from reach_agent.wire.subjects import ReplyInbox, Subjects
+
+from . import durable, streaming
+from .attemptloop import AttemptLoop
+from .attempts import Attempts
+from .breaker import Breakers
+from .calls import AckMode, Call, encode_payload
+from .cancel import Cancels
+from .config import ClientConfig
+from .holder import Holders
+from .liveness import Liveness
+from .outcomes import OutcomeBook, OutcomeReporter
+from .routes import Routes
+
+log = trace.logger(__name__)
+
+
+class Client:
+    """``async with Client() as c: await c.call("cap", payload)``.
+
+    ``servers`` defaults to ``NATS_URL`` or ``nats://127.0.0.1:4222``; pass ``nc`` to share
+    a connection you own. ``metrics`` (a :class:`ClientMetrics`) is off by default.
+    ``creds``, ``nkey_seed``, ``user``/``password``, ``token`` and ``tls_*`` are the
+    credentials of the client's own connection (unset: ``NATS_CREDS``, ... from the
+    environment; see :class:`~reach_agent.connection.Credentials`).
+    """
+
+    def __init__(
+        self,
+        servers: str | Sequence[str] | None = None,
+        config: ClientConfig | None = None,
+        metrics: ClientMetrics | None = None,
+        *,
+        name: str | None = None,
+        nc: NATS | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        **credentials: Unpack[CredentialOptions],
+    ) -> None:
+        self.credentials = Credentials(**credentials).check()
+        if nc is not None and self.credentials != Credentials():
+            raise ValueError("credentials apply to the client's own connection: not with nc=")
+        self.config = config or ClientConfig()
+        self.metrics = metrics
+        self.clock = clock
+        self.breakers = Breakers(self.config.breaker)
+        self.nc: NATS = nc if nc is not None else NATS()
+        self.subjects = Subjects(self.config.prefix)
+        self.routes = Routes(self.nc, self.subjects, self.config, metrics, clock)
+        self._tasks = TaskSet()
+        self.liveness = Liveness(self.nc, self.subjects, self.config, self._tasks)
+        self.holders = Holders(self.nc, poll_s=self.config.claim_poll_s, subjects=self.subjects)
+        """Calls waiting for the agent that holds their request id's claim."""
+        self.attempts = Attempts(self.nc, self.config, self.breakers, self.liveness, metrics,
+                                 clock)  # fmt: skip
+        self.loop = AttemptLoop(self.config, clock, self.breakers, lambda: self.routes,
+                                self.attempts, self.holders)  # fmt: skip
+        self._own_nc = nc is None
+        self._servers = servers
+        self._name = name or f"reach-client-{uuid.uuid4().hex[:8]}"
+        self.routes.caller = self._name
+        self.outcomes = OutcomeBook(self._name, clock())
+        """What this client saw of each agent, sent to the brokers (:mod:`.outcomes`)."""
+        self.attempts.outcomes = self.outcomes
+        self._reporter = OutcomeReporter(self.nc, self.subjects, self.outcomes,
+                                         self.config.outcome_interval_s, clock)  # fmt: skip
+        self._inbox = ReplyInbox("")  # the connection's own inbox, from start()
+        self._calls: dict[str, Call] = {}
+        self._subs: list[Subscription] = []
+        self._refresher: asyncio.Task[None] | None = None
+        self._ids = itertools.count(1)
+        self.takers = durable.Takers()
+        """Who took each recent call (its receipt's or result's agent): :meth:`wait` trusts."""
+        self.cancels = Cancels(self.nc, self.subjects, self._tasks)
+        """Cancels sent to the agents running this client's requests (:mod:`.cancel`)."""
+        self.spans = otel.spans("reach-client")
+        """OpenTelemetry spans of the calls (:mod:`.otel`): None unless
+        ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set and the extra ``otel`` installed."""
+        self._started = False
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        nc = self.nc
+        # Built first: a bad credentials setting raises before anything started.
+        options = (
+            connect_options(self._name, self._servers, self.credentials) if self._own_nc else {}
+        )
+        self._started = True
+        if self._own_nc:
+            try:
+                async with asyncio.timeout(self.config.connect_timeout_s):
+                    await connect(nc, {**options, "error_cb": self._on_error},
+                                  what=f"client {self._name!r}")  # fmt: skip
+            except Forbidden:
+                self._started = False
+                raise
+            except TimeoutError:
+                self._started = False
+                await nc.close()
+                raise ConnectionError(
+                    f"no NATS server answered at {options['servers']} within "
+                    f"{self.config.connect_timeout_s:g}s"
+                ) from None
+        self._inbox = ReplyInbox(nc.new_inbox())
+        self._subs = [
+            await nc.subscribe(self._inbox.wildcard, cb=self._on_reply,
+                               pending_msgs_limit=1_000_000),
+            await nc.subscribe(self.subjects.all_events, cb=self._on_event,
+                               pending_msgs_limit=1_000_000),
+        ]  # fmt: skip
+        await flush_subscriptions(nc)
+        self.liveness.start()
+        self._reporter.start()
+        self.routes.running = True
+        self._refresher = asyncio.create_task(self.routes.refresh_loop(),
+                                              name="reach-route-refresh")  # fmt: skip
+
+    async def stop(self) -> None:
+        if not self._started:
+            return
+        self._started = False
+        self.routes.running = False
+        self.liveness.close()
+        if self._refresher is not None:
+            self._refresher.cancel()
+            # Bounded: a cancel can be lost inside nc.request (3.11 wait_for race); the
+            # loop also ends by itself once the client is stopped.
+            await asyncio.wait({self._refresher}, timeout=2.0)
+        for call in self._calls.values():
+            call.close()
+        await self._reporter.stop()
+        self._tasks.cancel()
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # a closed connection must not block shutdown
+                log.debug("client.unsubscribe_failed", exc_info=True)
+        self._subs = []
+        if self._own_nc:
+            await drain_or_close(self.nc, 5.0)
+        if self.spans is not None:
+            await asyncio.to_thread(self.spans.flush)
+
+    async def __aenter__(self) -> Client:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+    async def _on_error(self, exc: Exception) -> None:
+        log.debug("client.nats_error error=%r", exc)
+
+    # --- routing ------------------------------------------------------------------------
+
+    async def route(
+        self,
+        capability: str,
+        limit: int | None = None,
+        *,
+        region: str | None = None,
+        tags: dict[str, str] | None = None,
+        sticky_key: str | None = None,
+        exclude: Sequence[str] | None = None,
+        allow_suspect: bool = False,
+        canary: str | None = None,
+        requires: Sequence[str] | None = None,
+        min_context_tokens: int | None = None,
+    ) -> list[schema.Candidate]:
+        """Ranked candidates for ``capability`` from a broker, best first: a look (a
+        ``peek``), so the broker does not count a task handed to the first; :meth:`call`
+        routes for real (``canary``, ``requires``, ``min_context_tokens``: see
+        docs/protocol.md, RouteRequest).
+
+        When no broker answers, the last answer for the same capability and filters is used
+        (minus agents that events since reported unhealthy, in weighted-random order);
+        without one, :class:`NoReachableAgent` is raised.
+        """
+        return await self.routes.route(capability, limit, region=region, tags=tags,
+                                       sticky_key=sticky_key, exclude=exclude,
+                                       allow_suspect=allow_suspect, peek=True, canary=canary,
+                                       requires=requires,
+                                       min_context_tokens=min_context_tokens)  # fmt: skip
+
+    async def _on_event(self, msg: Msg) -> None:
+        if audit.is_copy(msg, live=True):  # not an event a broker published
+            return
+        try:
+            ev = schema.event_decoder.decode(msg.data)
+        except msgspec.MsgspecError:
+            log.debug("client.event_undecodable subject=%s", msg.subject)
+            return
+        if ev.kind == "released":
+            if ev.request_id:
+                self.holders.released(ev.request_id)
+            return
+        if ev.kind in ("left", "evicted") or (ev.kind == "state" and ev.to != "healthy"):
+            self.routes.cache.drop_agent(ev.agent_id)
+        self.liveness.on_event(ev)
+
+    # --- calls --------------------------------------------------------------------------
+
+    async def _on_reply(self, msg: Msg) -> None:
+        call_id, attempt = self._inbox.parse(msg.subject)
+        call = self._calls.get(call_id)
+        if call is not None:
+            call.deliver(attempt, msg)
+
+    async def call(
+        self,
+        capability: str,
+        payload: Any = None,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 - the call's deadline, sent as Reach-Timeout-Ms
+        ack_mode: AckMode = "completed",
+        sticky_key: str | None = None,
+        request_id: str | None = None,
+        headers: dict[str, str] | None = None,
+        traceparent: str | None = None,
+        region: str | None = None,
+        tags: dict[str, str] | None = None,
+        canary: str | None = None,
+        requires: Sequence[str] | None = None,
+        min_context_tokens: int | None = None,
+    ) -> Any:
+        """Run ``payload`` on an agent with ``capability`` and return its decoded result.
+
+        The call waits ``clamp(max(timeout, hint), min_timeout_s, max_timeout_s)`` seconds,
+        ``hint`` being the ``timeout_hint_ms`` the chosen agent announced. With
+        ``ack_mode="received"`` the call returns the :class:`~reach_agent.wire.schema.Receipt`
+        once an agent has accepted the task; the result goes to ``REACH_ACKS``. A streaming
+        handler's answer comes joined (:func:`reach_agent.wire.streams.join`).
+        ``canary``, ``requires`` and ``min_context_tokens`` go to the route request
+        (docs/protocol.md, RouteRequest). Raises a :class:`~reach_agent.wire.errors.ReachError`
+        subclass carrying the wire code.
+        """
+        filters = {k: v for k, v in (("canary", canary), ("requires", requires),
+                                     ("min_context_tokens", min_context_tokens)) if v}  # fmt: skip
+        call = self.open_call(capability, payload, timeout, ack_mode, sticky_key, request_id,
+                              headers, traceparent, region, tags, 0, filters)  # fmt: skip
+        ok, error = False, None
+        try:
+            value = await self._run(call)
+            ok = True
+            return value
+        except asyncio.CancelledError:
+            self.cancels.tell(call, "the call was cancelled", everyone=True)
+            raise
+        except ReachError as exc:
+            error = exc
+            if self.clock() >= call.deadline:
+                self.cancels.tell(call, "the caller's deadline passed")
+            raise
+        finally:
+            self.close_call(call, ok, error)
+
+    def stream(
+        self,
+        capability: str,
+        payload: Any = None,
+        *,
+        timeout: float | None = None,
+        window: int = streams.DEFAULT_WINDOW,
+        **options: Any,
+    ) -> AsyncIterator[Any]:
+        """``async for chunk in client.stream(capability, payload)``: a streamed answer,
+        chunk by chunk, in order, at most ``window`` ahead of the reader; ``options`` as for
+        :meth:`call` (``sticky_key``, ``request_id``, ``headers``, ...). Implemented in
+        :func:`reach_agent.client.streaming.stream`."""
+        return streaming.stream(self, capability, payload, timeout=timeout, window=window,
+                                **options)  # fmt: skip
+
+    def open_call(
+        self,
+        capability: str,
+        payload: Any,
+        timeout: float | None,
+        ack_mode: AckMode,
+        sticky_key: str | None,
+        request_id: str | None,
+        headers: dict[str, str] | None,
+        traceparent: str | None,
+        region: str | None,
+        tags: dict[str, str] | None,
+        stream: int,
+        filters: dict[str, Any] | None = None,
+    ) -> Call:
+        """A new call, checked and registered for its replies."""
+        if not self._started:
+            raise InternalError("client is not started: use `async with Client() as client`")
+        schema.check_capability(capability)
+        if ack_mode not in ("completed", "received"):
+            raise InvalidRequest(f"ack_mode {ack_mode!r} is not 'completed' or 'received'")
+        t0 = self.clock()
+        call_id = format(next(self._ids), "x")
+        span = None
+        if self.spans is not None:
+            span = self._call_span(capability, traceparent, headers)
+            traceparent = self.spans.traceparent(span)
+        call = Call(
+            call_id, capability, encode_payload(payload), headers, request_id=request_id,
+            traceparent=traceparent, ack_mode=ack_mode,
+            deadline=t0 + self.config.clamp_timeout(timeout), region=region, tags=tags,
+            sticky_key=sticky_key, started=t0, timeout=timeout, stream=stream, filters=filters,
+        )  # fmt: skip
+        if span is not None:
+            span.set_attribute("reach.request_id", call.request_id)
+            call.span = span
+            call.span_headers = {schema.H_TRACEPARENT: traceparent or "",
+                                 H_REQUEST_ID: call.request_id}  # fmt: skip
+        self._calls[call_id] = call
+        return call
+
+    def _call_span(
+        self, capability: str, traceparent: str | None, headers: dict[str, str] | None
+    ) -> Any:
+        """The ``reach.call`` span: a child of the caller's ``traceparent``, else of the
+        task this call is made for (its run span), else of the current OpenTelemetry span."""
+        assert self.spans is not None
+        parent = traceparent or (headers or {}).get(schema.H_TRACEPARENT)
+        task = trace.CURRENT.get()
+        if not parent and task is not None:
+            parent = task.parent or task.headers.get(schema.H_TRACEPARENT)
+        return self.spans.start(f"reach.call {capability}", parent, otel.CLIENT,
+                                {"reach.capability": capability})  # fmt: skip
+
+    def close_call(self, call: Call, ok: bool, error: ReachError | None = None) -> None:
+        del self._calls[call.call_id]
+        if call.span is not None and self.spans is not None:
+            if not ok:
+                error = error or call.last_err or InternalError("the call did not complete")
+            self.spans.end(call.span, error, agent_id=call.taker or call.agent_id)
+        if call.taker is not None:
+            self.takers.remember(call.request_id, call.taker)
+        if self.metrics is not None:
+            self.metrics.duration.observe(self.clock() - call.started)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("call.done capability=%s request_id=%s result=%s", call.capability,
+                      call.request_id, "ok" if ok else "error")  # fmt: skip
+
+    async def _run(self, call: Call) -> Any:
+        """Attempts until one succeeds or the retry rule says stop (:class:`AttemptLoop`)."""
+        return await self.loop.run(call, self._inbox)
+
+    # --- durable (JetStream) ------------------------------------------------------------
+
+    async def submit(
+        self, capability: str, payload: Any, *, deliver: str = "eventually", **kw: Any
+    ) -> str:
+        """Hand a task over for delivery now or later (compensation queue); returns its
+        request id. Implemented in :mod:`reach_agent.client.durable`."""
+        kw.setdefault("prefix", self.config.prefix)
+        return await durable.submit(self, capability, payload, deliver=deliver, **kw)
+
+    async def wait(self, request_id: str, timeout: float,  # noqa: ASYNC109
+                   *, agent_id: str | None = None) -> schema.AckRecord:  # fmt: skip
+        """The final ack record of ``request_id`` (``completed`` or ``failed``, its ``result``
+        decoded) by the agent that took the task: ``agent_id``, this client's callee, or a
+        broker's word; raises ``Timeout`` after ``timeout`` seconds without one
+        (:func:`reach_agent.client.durable.wait`)."""
+        return await durable.wait(self, request_id, timeout, agent_id=agent_id,
+                                  prefix=self.config.prefix)  # fmt: skip
+
+    # --- cancellation -------------------------------------------------------------------
+
+    async def cancel(
+        self,
+        request_id: str,
+        *,
+        reason: str | None = None,
+        timeout: float = 2.0,  # noqa: ASYNC109 - how long the brokers may take to answer
+    ) -> schema.CancelReply:
+        """Cancel ``request_id`` wherever it is: this client's calls of it end with
+        ``CANCELLED`` at once; the agent running it is told (its handler sees
+        ``asyncio.CancelledError``, its final ack record says ``CANCELLED``); a request no
+        agent runs (queued, not yet sent, its agent ignoring cancels) is made final by a
+        broker, so no retry or replay runs it. Returns who settled it and how
+        (``cancelled``, or ``finished``: its result stands); raises ``Timeout`` when no
+        broker answered (:mod:`reach_agent.client.cancel`)."""
+        return await self.cancels.cancel(request_id, reason, timeout, self._calls.values())

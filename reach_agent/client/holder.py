@@ -1,0 +1,231 @@
+"""The caller's side of ``IN_PROGRESS``: wait for the agent holding the claim, not retry.
+
+An agent answers ``IN_PROGRESS`` (naming the holder) when another agent holds the request
+id's claim. Running the task again would run it twice, so the call waits instead
+(:func:`held`), fed by a :class:`HolderWatch`:
+
+* the holder's final ack record, on the holder's own ack subject of the request (subscribed
+  first, then read from ``REACH_ACKS``, so none is missed), attributed to the holder
+  (:func:`reach_agent.results.attributed`);
+* the claim itself, read every ``poll_s``: ``released`` (the broker declared the holder
+  offline before it finished) or gone means "try again" — as does the broker's
+  ``released`` event for the request id, which :class:`reach_agent.Client` hands to
+  :meth:`HolderWatch.released` at once.
+
+A late result of one of the call's own attempts (the holder was tried earlier) also ends
+the wait: it goes through the call's queue like every reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from typing import Any, Literal
+
+import msgspec
+from nats.aio.client import Client as NATS
+
+from jetstream import ackreads, acks
+from jetstream.claims import ClaimStore, ClaimsUnavailable, claim_key
+from jetstream.tasks import raise_if_cancelled
+from reach_agent import trace
+from reach_agent.results import attributed, result_location
+from reach_agent.wire import schema
+from reach_agent.wire.errors import InternalError, Timeout, error_for, from_reply
+from reach_agent.wire.subjects import Subjects
+
+from .calls import CANCELLED, CLOSED, LOST, Call, StreamStart, is_no_responders
+
+log = trace.logger(__name__)
+
+HeldEnd = Literal["ok", "error", "released", "timeout", "closed"]
+"""How waiting for a claim's holder ends: its result or error, the claim released (try
+again), the deadline, or the client closing."""
+
+_RELEASED = object()
+_result_decoder = msgspec.json.Decoder()
+
+
+class _Final:
+    """A holder's final ack record, delivered to a call waiting for it."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
+_UNKNOWN = schema.Claim(request_id="", agent_id="", instance="", capability="", state="running",
+                        at_ms=0)  # fmt: skip
+
+
+class HolderWatch:
+    """Feeds one waiting call with what its holder does."""
+
+    def __init__(
+        self, nc: NATS, store: ClaimStore, call: Call, *, poll_s: float, subjects: Subjects
+    ) -> None:
+        self.nc = nc
+        self.store = store
+        self.call = call
+        self.subjects = subjects
+        self.poll_s = poll_s
+        self._key = claim_key(call.request_id)
+        self._sub: Any = None
+        self._poller: asyncio.Task[None] | None = None
+        self._done = False
+
+    async def start(self) -> None:
+        """Look at the claim; subscribe to its result location; start polling."""
+        claim = await self._read()
+        if claim is None or claim.state == "released":
+            self.released()
+            return
+        if claim.agent_id:
+            subject = result_location(claim, self.subjects)
+
+            async def on_record(msg: Any) -> None:
+                stored = ackreads.attribute(msg.subject, msg.headers, msg.data, None,
+                                            self.subjects)  # fmt: skip
+                if isinstance(stored, ackreads.StoredAck):
+                    self._final(stored)
+
+            self._sub = await self.nc.subscribe(subject, cb=on_record)
+            with contextlib.suppress(Exception):  # the subscription still catches it
+                found = await ackreads.final_at(self.nc, subject, subjects=self.subjects)
+                if found is not None:
+                    self._final(found)
+        self._poller = asyncio.create_task(self._poll(), name="reach-holder-poll")
+
+    async def stop(self) -> None:
+        self._done = True
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.wait({self._poller}, timeout=2.0)
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+
+    def released(self) -> None:
+        """The claim was released (event or poll): the call tries again."""
+        if not self._done:
+            self._done = True
+            self.call.queue.put_nowait((self.call.attempt, _RELEASED))
+
+    def _final(self, stored: ackreads.StoredAck) -> None:
+        if stored.state in acks.FINAL_STATES and attributed(stored) is not None:
+            self._deliver(stored.data)
+
+    def _deliver(self, data: bytes) -> None:
+        if not self._done:
+            self._done = True
+            self.call.queue.put_nowait((self.call.attempt, _Final(data)))
+
+    async def _read(self) -> schema.Claim | None:
+        try:
+            stored = await self.store.get(self._key)
+        except ClaimsUnavailable as exc:
+            log.debug("holder.claim_unreadable request_id=%s error=%s", self.call.request_id, exc)
+            return _UNKNOWN  # not readable now: keep waiting
+        if stored is None:
+            return None
+        try:
+            return schema.claim_decoder.decode(stored.data)
+        except msgspec.MsgspecError:
+            return None
+
+    async def _poll(self) -> None:
+        while not self._done:
+            raise_if_cancelled()
+            await asyncio.sleep(self.poll_s)
+            claim = await self._read()
+            if claim is None or claim.state == "released":
+                self.released()
+            elif claim.state != "running" and claim.agent_id:
+                with contextlib.suppress(Exception):
+                    subject = result_location(claim, self.subjects)
+                    found = await ackreads.final_at(self.nc, subject, subjects=self.subjects)
+                    if found is not None:
+                        self._final(found)
+
+
+class Holders:
+    """One client's calls waiting for the holder of their request id's claim."""
+
+    def __init__(self, nc: NATS, *, poll_s: float, subjects: Subjects) -> None:
+        self.nc = nc
+        self.poll_s = poll_s
+        self.subjects = subjects
+        self.store = ClaimStore(nc)
+        self._waiting: dict[str, HolderWatch] = {}
+
+    def released(self, request_id: str) -> None:
+        """A broker's ``released`` event for ``request_id``."""
+        watch = self._waiting.get(request_id)
+        if watch is not None:
+            watch.released()
+
+    async def wait(
+        self, call: Call, holder: str, clock: Callable[[], float]
+    ) -> tuple[HeldEnd, Any]:
+        """Wait for the holder's answer to ``call`` (see :func:`held`)."""
+        watch = HolderWatch(self.nc, self.store, call, poll_s=self.poll_s,
+                            subjects=self.subjects)  # fmt: skip
+        self._waiting[call.request_id] = watch
+        log.info("call.in_progress request_id=%s holder=%s: waiting for its result",
+                 call.request_id, holder)  # fmt: skip
+        try:
+            await watch.start()
+            return await held(call, holder, clock)
+        finally:
+            if self._waiting.get(call.request_id) is watch:
+                del self._waiting[call.request_id]
+            await watch.stop()
+
+
+async def held(call: Call, holder: str, clock: Callable[[], float]) -> tuple[HeldEnd, Any]:
+    """Wait for the result of the agent ``holder`` that holds ``call``'s claim: a reply to
+    any attempt (a late one of ours), its final ack record, the claim's release, or the
+    deadline."""
+    while True:
+        try:
+            async with asyncio.timeout(max(call.deadline - clock(), 0.0)):
+                a, msg = await call.queue.get()
+        except TimeoutError:
+            return "timeout", Timeout(
+                f"request_id {call.request_id!r} was still running on agent {holder!r} "
+                "(it holds the claim) at the call's deadline"
+            )
+        if msg is CLOSED:
+            return "closed", InternalError("client closed while the call was in flight")
+        if msg is CANCELLED:
+            return "closed", call.cancelled
+        if msg is _RELEASED:
+            return "released", None
+        if msg is LOST:
+            continue  # the holder's liveness: its claim's release is what counts
+        if isinstance(msg, _Final):
+            call.taker = holder
+            rec = schema.decode_ack_record(msg.data)
+            if rec.state == "completed":
+                raw = bytes(rec.result) if rec.result is not None else b""
+                return "ok", _result_decoder.decode(raw) if raw else None
+            failure = rec.error or {}
+            return "error", error_for(failure.get("code", "INTERNAL"),
+                                      failure.get("message", ""))  # fmt: skip
+        hdrs = msg.headers
+        if is_no_responders(msg) or from_reply(hdrs, msg.data):
+            continue  # errors (another IN_PROGRESS, no responders) change nothing
+        status = hdrs.get(schema.H_STATUS) if hdrs else None
+        if status == "received" or (
+            status is None and schema.is_body_receipt(msg.data, call.request_id)
+        ):
+            continue
+        if status == "chunk" or (status == "completed" and schema.H_CHUNKS in hdrs):
+            if call.stream:
+                return "ok", StreamStart(a, msg)
+            continue
+        call.taker = call.agents.get(a, holder)
+        outcome, value = call.result(msg, holder)
+        return ("ok" if outcome == "ok" else "error"), value

@@ -1,0 +1,124 @@
+"""The client's watch over the agents running its calls.
+
+An attempt whose agent is gone is abandoned as ``lost`` (and retried elsewhere) instead of
+waiting out the call's deadline: at once when the broker reports the agent ``offline`` or
+``evicted``; after an unanswered probe when it reports it ``suspect`` (``liveness_check``);
+and, with no broker event at all (e.g. routing from the cache), when the agent does not
+answer the probe the client sends it every ``liveness_probe_s`` while calls wait on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any, Protocol
+
+from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from reach_agent.wire import schema
+from reach_agent.wire.subjects import Subjects
+
+from .calls import Call
+from .config import ClientConfig
+
+log = logging.getLogger(__name__)
+
+
+class Spawner(Protocol):
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> Any: ...
+
+
+class Liveness:
+    """Which calls wait on which agent, and the probes that find a dead one."""
+
+    def __init__(self, nc: NATS, subjects: Subjects, config: ClientConfig, tasks: Spawner) -> None:
+        self.nc = nc
+        self.subjects = subjects
+        self.config = config
+        self._tasks = tasks
+        self._calls: dict[str, dict[Call, None]] = {}
+        self._checking: set[str] = set()
+        self._watching: set[str] = set()
+        self._unprobed: set[str] = set()
+        """Agents not probed (events alone end their attempts)."""
+        self._running = False
+
+    def track(self, agent_id: str, call: Call, probe: bool = True) -> None:
+        """``call``'s current attempt runs on ``agent_id``; watch that agent (by probes too
+        unless ``probe`` is false: an agent that answers no reach probe, a Synadia one)."""
+        self._calls.setdefault(agent_id, {})[call] = None
+        if not probe:
+            self._unprobed.add(agent_id)
+            return
+        if self.config.liveness_probe_s > 0 and agent_id not in self._watching:
+            self._watching.add(agent_id)
+            self._tasks.spawn(self._watch(agent_id), f"reach-watch-{agent_id}")
+
+    def untrack(self, agent_id: str, call: Call) -> None:
+        calls = self._calls.get(agent_id)
+        if calls is not None:
+            calls.pop(call, None)
+            if not calls:
+                del self._calls[agent_id]
+                self._unprobed.discard(agent_id)
+
+    def start(self) -> None:
+        self._running = True
+
+    def close(self) -> None:
+        """The client stops: the watch loops end."""
+        self._running = False
+
+    def on_event(self, ev: schema.Event) -> None:
+        """A broker event: abandon, or check, the attempts on the agent it is about."""
+        agent = ev.agent_id
+        if agent not in self._calls:
+            return
+        if ev.kind == "evicted" or (ev.kind == "state" and ev.to == "offline"):
+            self.abort(agent, ev.reason)
+        elif ev.kind == "state" and ev.to == "suspect" and self.config.liveness_check:
+            if agent not in self._checking and agent not in self._unprobed:
+                self._checking.add(agent)
+                self._tasks.spawn(self._check(agent), f"reach-check-{agent}")
+
+    def abort(self, agent_id: str, reason: str) -> None:
+        """End every attempt running on ``agent_id`` as ``lost``."""
+        calls = self._calls.get(agent_id)
+        if not calls:
+            return
+        log.info("call.target_lost agent=%s calls=%d reason=%s", agent_id, len(calls), reason)
+        for call in calls:
+            call.lose()
+
+    async def _check(self, agent_id: str) -> None:
+        """Probe a suspect agent that runs our calls; no answer: abandon those attempts."""
+        try:
+            await self._probe(agent_id, 2 * self.config.ack_timeout_s, "suspect and probe")
+        finally:
+            self._checking.discard(agent_id)
+
+    async def _watch(self, agent_id: str) -> None:
+        """Probe an agent every ``liveness_probe_s`` while calls wait on it, so a death goes
+        noticed even when no broker reports it (e.g. while routing from the cache)."""
+        every = self.config.liveness_probe_s
+        try:
+            while self._running and self._calls.get(agent_id):
+                await asyncio.sleep(every)
+                if not self._calls.get(agent_id):
+                    break
+                await self._probe(agent_id, max(2 * self.config.ack_timeout_s, every),
+                                  "liveness probe")  # fmt: skip
+        finally:
+            self._watching.discard(agent_id)
+
+    async def _probe(self, agent_id: str, timeout_s: float, what: str) -> None:
+        """One probe; no answer (or no responders) abandons the attempts on ``agent_id``."""
+        try:
+            await self.nc.request(self.subjects.probe(agent_id), b"{}", timeout=timeout_s)
+        except (NatsTimeoutError, NoRespondersError) as exc:
+            self.abort(agent_id, f"{what} unanswered ({type(exc).__name__})")
+        except Exception:
+            log.debug("client.probe_failed agent=%s probe=%s", agent_id, what, exc_info=True)

@@ -1,0 +1,48 @@
+"""A request's result as agents and callers find it: where a claim's result is, and which
+stored ack record is believed.
+
+The agent answering a duplicate (:mod:`reach_agent.agent.claiming`), the caller waiting out
+another's claim (:mod:`reach_agent.client.holder`) and ``Client.wait``
+(:mod:`reach_agent.client.durable`) all read the holder's own record, so they share this one
+rule: the location follows from the holder (a claim naming another subject is not believed),
+and a record counts only when its body agrees with its subject.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from jetstream import ackreads
+from reach_agent import trace
+from reach_agent.wire import schema
+from reach_agent.wire.schema import AckRecord, decode_ack_record
+from reach_agent.wire.subjects import BROKER_ACK_AUTHOR, Subjects
+
+log = trace.logger(__name__)
+
+
+def result_location(claim: schema.Claim, subjects: Subjects) -> str:
+    """Where a claim's result is: its holder's ack subject of the request. A claim's own
+    ``ack_subject`` is written by whoever wrote the claim, so it is only compared."""
+    location = subjects.ack(claim.agent_id, claim.request_id)
+    if claim.ack_subject and claim.ack_subject != location:
+        log.warning("claims.foreign_location request_id=%s holder=%s ack_subject=%s: using %s",
+                    claim.request_id, claim.agent_id, claim.ack_subject, location)  # fmt: skip
+    return location
+
+
+def attributed(stored: ackreads.StoredAck) -> AckRecord | None:
+    """The record ``stored`` holds, if its body agrees with its subject: the same request id,
+    and (for an agent's record) the same agent id as the subject's author. Else None, logged."""
+    try:
+        rec = decode_ack_record(stored.data)
+    except msgspec.MsgspecError as exc:
+        log.warning("acks.ignored subject=%s reason=undecodable (%s)", stored.subject, exc)
+        return None
+    if rec.request_id != stored.request_id or (
+        stored.author != BROKER_ACK_AUTHOR and rec.agent_id != stored.author
+    ):
+        log.warning("acks.ignored subject=%s reason=body names %s/%s", stored.subject,
+                    rec.agent_id, rec.request_id)  # fmt: skip
+        return None
+    return rec

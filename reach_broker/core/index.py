@@ -1,0 +1,274 @@
+"""The capability indexes: per capability, its agents, a cached ranking and a hash ring.
+
+The registry tells an index what changed (:meth:`CapabilityIndex.add`, ``remove``,
+``state_changed``, ``score_changed``); the router asks it to :meth:`~CapabilityIndex.refresh`
+before a walk, which re-ranks only when something changed and at most every
+``rank_refresh_ms`` (score-only changes: every ``REORDER_FACTOR`` x that). Ranking applies the
+outlier and panic rules of :mod:`reach_broker.core.routing`. The ring (sticky keys) is rebuilt only
+when membership changes. Each routed member's reply entry is encoded once and kept until its
+score, load, state or announce changes, so a route reply re-encodes nothing of a steady fleet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+
+import msgspec
+
+from reach_agent.wire.schema import AgentState, Announce, Candidate, encoder
+from reach_broker.config import RoutingSection
+
+from .records import AgentRecord
+
+REORDER_FACTOR = 20
+"""Score-only changes (every heartbeat moves load) re-rank at most every 20 x rank_refresh_ms:
+a sort per capability per heartbeat burst costs O(n log n) and the walk re-checks state and
+load anyway, so a ranking a second old routes the same agents."""
+
+RETRY_AFTER_MIN_MS = 10
+RETRY_AFTER_MAX_MS = 1000
+RETRY_AFTER_DEFAULT_MS = 100
+"""The retry-after hint of an OVERLOADED reply: the capability's median task time (a slot
+is likely free by then), within these bounds; the default when no task time is known. A
+fleet over its in-flight ceiling answers the maximum."""
+
+_Encoded = tuple[float, float, AgentState, Announce, msgspec.Raw]
+"""A member's encoded candidate and the (score, load, state, announce) it was encoded from."""
+
+
+def hash64(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+def by_score(rec: AgentRecord) -> tuple[float, int, str]:
+    """Best score first; among equal scores the larger context headroom (then the id)."""
+    return (-rec.score, -rec.headroom, rec.agent_id)
+
+
+class CapabilityIndex:
+    """The agents of one capability, with a cached ranking and hash ring."""
+
+    __slots__ = (
+        "_built_at",
+        "_dirty",
+        "_encoded",
+        "_reorder",
+        "_ring",
+        "ejected",
+        "healthy",
+        "median_task_ms",
+        "members",
+        "name",
+        "panic",
+        "ranked",
+        "suspects",
+    )
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.members: dict[str, AgentRecord] = {}
+        self.ranked: list[AgentRecord] = []  # eligible healthy, best first
+        self.suspects: list[AgentRecord] = []
+        self.healthy = 0
+        self.ejected = 0
+        self.panic = False
+        self.median_task_ms: float | None = None
+        self._dirty = True  # membership or a state changed: re-rank within rank_refresh_ms
+        self._reorder = False  # only scores changed: re-rank within REORDER_FACTOR x that
+        self._built_at = float("-inf")
+        self._ring: tuple[list[int], list[AgentRecord]] | None = None  # None: rebuild
+        self._encoded: dict[str, _Encoded] = {}
+
+    # --- what the registry tells it ----------------------------------------------------------
+
+    def add(self, rec: AgentRecord) -> None:
+        self.members[rec.agent_id] = rec
+        self._dirty = True
+        self._ring = None
+
+    def remove(self, agent_id: str) -> None:
+        if self.members.pop(agent_id, None) is not None:
+            self._dirty = True
+            self._ring = None
+            self._encoded.pop(agent_id, None)
+
+    def state_changed(self) -> None:
+        """A member's state (or announce) changed: re-rank soon."""
+        self._dirty = True
+
+    def score_changed(self) -> None:
+        """Only a member's score moved: re-rank on the slower cadence."""
+        self._reorder = True
+
+    # --- what the router asks ----------------------------------------------------------------
+
+    def refresh(self, cfg: RoutingSection, now: float) -> bool:
+        """Re-rank if due; True when that moved the capability into or out of panic."""
+        age = now - self._built_at
+        refresh = cfg.rank_refresh_ms / 1000.0
+        if (self._dirty and age >= refresh) or (self._reorder and age >= REORDER_FACTOR * refresh):
+            was_panic = self.panic
+            self.rebuild(cfg, now)
+            return self.panic != was_panic
+        return False
+
+    def rebuild(self, cfg: RoutingSection, now: float) -> None:
+        """Re-rank members; keep at most ``max_eject_share`` of healthy ones out for score."""
+        healthy = [r for r in self.members.values() if r.state == "healthy"]
+        healthy.sort(key=by_score)
+        active = sum(1 for r in self.members.values() if r.state != "draining")
+        self.healthy = len(healthy)
+        # Panic: too few healthy among the agents that are meant to serve (draining ones
+        # have said goodbye). Then nothing is ejected for its score: route to what is left.
+        self.panic = active > 0 and self.healthy < cfg.panic_threshold * active
+        min_score = cfg.min_reach_score
+        eligible = [r for r in healthy if r.score >= min_score]
+        cap = 0 if self.panic else int(cfg.max_eject_share * len(healthy))
+        if len(healthy) - len(eligible) > cap:
+            # Too many would be ejected at once: keep the best of the low scorers in.
+            eligible = healthy[: len(healthy) - cap]
+        self.ranked = eligible
+        self.ejected = len(healthy) - len(eligible)
+        self.suspects = sorted(
+            (r for r in self.members.values() if r.state == "suspect"), key=by_score
+        )
+        self.median_task_ms = self.median(healthy)
+        self._dirty = False
+        self._reorder = False
+        self._built_at = now
+
+    def median(self, healthy: list[AgentRecord] | None = None) -> float | None:
+        """The capability's median task time: the lower median of the healthy members' task
+        EWMAs (with two agents the fast one sets the bar for the slow one). When none of them
+        has one, the suspects' instead: agents restored from the snapshot and not yet heard
+        from carry their history there, so the first heartbeats after a broker restart are
+        judged against the fleet's usual time, not against the bare tolerance floor."""
+        if healthy is None:
+            healthy = [r for r in self.members.values() if r.state == "healthy"]
+        durations = sorted(
+            r.stats.task_ewma_ms for r in healthy if r.stats.task_ewma_ms is not None
+        )
+        if not durations:
+            durations = sorted(
+                r.stats.task_ewma_ms
+                for r in self.members.values()
+                if r.state == "suspect" and r.stats.task_ewma_ms is not None
+            )
+        return durations[(len(durations) - 1) // 2] if durations else None
+
+    def retry_after_ms(self) -> int:
+        """How long a caller refused because every candidate is full should wait before
+        asking again (``retry_after_ms`` of OVERLOADED): the median task time, bounded."""
+        ms = self.median_task_ms
+        if ms is None:
+            return RETRY_AFTER_DEFAULT_MS
+        return min(max(round(ms), RETRY_AFTER_MIN_MS), RETRY_AFTER_MAX_MS)
+
+    def ring(self, vnodes: int) -> tuple[list[int], list[AgentRecord]]:
+        """The consistent-hash ring of every member: (sorted point hashes, their owners)."""
+        if self._ring is None:
+            points = sorted(
+                (hash64(f"{agent_id}#{i}"), rec)
+                for agent_id, rec in self.members.items()
+                for i in range(vnodes)
+            )
+            self._ring = [p[0] for p in points], [p[1] for p in points]
+        return self._ring
+
+    def encoded(self, rec: AgentRecord, subject_of: Callable[[str, str], str]) -> msgspec.Raw:
+        """``rec`` as this capability's JSON ``Candidate``, encoded again only when its
+        score, load, state or announce changed since the last time it was routed."""
+        hit = self._encoded.get(rec.agent_id)
+        if (
+            hit is not None
+            and hit[0] == rec.score
+            and hit[1] == rec.load
+            and hit[2] == rec.state
+            and hit[3] is rec.announce
+        ):
+            return hit[4]
+        raw = msgspec.Raw(encoder.encode(candidate(rec, subject_of(rec.agent_id, self.name))))
+        self._encoded[rec.agent_id] = (rec.score, rec.load, rec.state, rec.announce, raw)
+        return raw
+
+
+def candidate(rec: AgentRecord, subject: str) -> Candidate:
+    """``rec`` as a route candidate; ``subject`` is its task subject unless the record has
+    one of its own (a Synadia agent's prompt subject)."""
+    return Candidate(
+        agent_id=rec.agent_id,
+        subject=rec.subject or subject,
+        score=rec.score,
+        state=rec.state,
+        load=rec.load,
+        region=rec.region,
+        version=rec.version,
+        timeout_hint_ms=rec.timeout_hint_ms,
+        protocol=rec.protocol,
+    )
+
+
+class CapabilityIndexes(dict[str, CapabilityIndex]):
+    """Every capability's index, by name: kept by the registry, read by the router.
+
+    A ``dict`` so the route path's lookups stay plain dict lookups; the registry changes it
+    only through the methods below, which keep empty capabilities out.
+    """
+
+    def add(self, rec: AgentRecord) -> None:
+        """``rec`` joins the index of each of its capabilities."""
+        for cap in rec.capabilities:
+            self._index(cap).add(rec)
+
+    def discard(self, rec: AgentRecord) -> None:
+        """``rec`` leaves every index it is in."""
+        for cap in rec.capabilities:
+            self._unindex(cap, rec.agent_id)
+
+    def recapability(self, rec: AgentRecord, old: tuple[str, ...]) -> None:
+        """``rec`` re-announced: it had the capabilities ``old``, now ``rec.capabilities``."""
+        new = set(rec.capabilities)
+        for cap in set(old) - new:
+            self._unindex(cap, rec.agent_id)
+        for cap in new - set(old):
+            self._index(cap).add(rec)
+
+    def state_changed(self, rec: AgentRecord) -> None:
+        """``rec``'s state (or announce) changed: each of its indexes re-ranks soon."""
+        for cap in rec.capabilities:
+            idx = self.get(cap)
+            if idx is not None:
+                idx._dirty = True  # CapabilityIndex.state_changed, inline (same module)
+
+    def score_changed(self, rec: AgentRecord) -> None:
+        """Only ``rec``'s score moved (most heartbeats): re-rank on the slower cadence."""
+        for cap in rec.capabilities:
+            idx = self.get(cap)
+            if idx is not None:
+                idx._reorder = True  # CapabilityIndex.score_changed, inline (same module)
+
+    def update_medians(self) -> None:
+        """Every capability's median task time now, without re-ranking (after a restore)."""
+        for idx in self.values():
+            idx.median_task_ms = idx.median()
+
+    def peer_task_ms(self, rec: AgentRecord) -> float | None:
+        """Median task duration of the agent's (first) capability, as of the last ranking."""
+        if not rec.capabilities:
+            return None
+        idx = self.get(rec.capabilities[0])
+        return idx.median_task_ms if idx else None
+
+    def _index(self, cap: str) -> CapabilityIndex:
+        idx = self.get(cap)
+        if idx is None:
+            idx = self[cap] = CapabilityIndex(cap)
+        return idx
+
+    def _unindex(self, cap: str, agent_id: str) -> None:
+        idx = self.get(cap)
+        if idx is not None:
+            idx.remove(agent_id)
+            if not idx.members:
+                del self[cap]

@@ -1,0 +1,400 @@
+"""Synadia Agent Protocol agents, discovered and kept in the registry as reach agents.
+
+Nothing is asked of them: the broker reads what they already publish and answer.
+
+- **Discovery**: ``$SRV.INFO.agents`` at start and every ``synadia.sweep_interval_s`` (every
+  instance answers), and ``$SRV.INFO.agents.<instance_id>`` when a heartbeat comes from an
+  instance not known yet. Each instance becomes one reach agent (``synadiainfo.agent_id_of``),
+  registered through the broker's own announce path with ``agent_type: synadia-agents``, its
+  prompt subject as the task subject and capabilities = its agent token plus the service
+  metadata's ``capabilities``.
+- **Liveness**: their heartbeats (``agents.hb.*.*.*``, every 30 s) are fed to the registry as
+  heartbeats of that agent; probes go to their ``status`` endpoint (a reply naming another
+  instance of the same session falls back to ``$SRV.PING.agents.<instance_id>``, which only
+  this instance answers); a closed connection is seen at once: their connections are usually
+  unnamed, so the server's ``CONNZ`` (filtered on ``$SRV.PING.agents``, with subscription
+  details) tells which connection — (server, client id) — holds each instance's
+  ``$SRV.INFO.agents.<instance_id>``, and a DISCONNECT advisory of that connection suspects
+  its instances (the probe then settles them). A known instance without a connection in that
+  list is suspected too (the reconcile of :mod:`reach_broker.service.advisories`, for them).
+- An instance ``offline`` for ``synadia.forget_after_s`` is evicted; a restarted agent is a
+  new instance (a new micro service id) and one that only reconnected is found again on its
+  next heartbeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from reach_agent.connection import flush_subscriptions
+from reach_agent.wire.errors import InvalidRequest
+from reach_agent.wire.schema import PROTOCOL_SYNADIA, Announce, Heartbeat
+from reach_agent.wire.subjects import AGENTS
+from reach_broker.core.records import AgentRecord, Transition
+from reach_broker.core.registry import Registry
+from reach_broker.service.advisories import Advisories
+from reach_broker.service.clusterinfo import connz_subject, gather, server_of
+from reach_broker.service.context import BrokerContext
+from reach_broker.service.handlers import Handlers
+from reach_broker.service.probes import Prober, ProbeSend
+
+from . import synadiainfo
+
+log = logging.getLogger(__name__)
+
+LOOKUP_TIMEOUT_S = 1.0
+LOOKUP_AGAIN_S = 5.0
+"""An instance whose ``$SRV.INFO`` lookup failed is asked again at most this often."""
+LOCATE_DELAY_S = 0.05
+"""New instances are located (CONNZ) this long after their registration, together."""
+CONNZ_PAGE = 1024
+ConnKey = tuple[str, int]
+"""(server name, client id): one connection."""
+
+
+_encoder = msgspec.json.Encoder()
+
+
+class _Instance:
+    __slots__ = ("announce", "conn", "info", "interval_s")
+
+    def __init__(self, info: synadiainfo.ServiceInfo, announce: Announce, interval_s: int) -> None:
+        self.info = info
+        self.announce = announce
+        self.interval_s = interval_s
+        self.conn: ConnKey | None = None
+
+
+class SynadiaAgents:
+    """Broker component following the Synadia Agent Protocol agents of the account."""
+
+    def __init__(
+        self,
+        ctx: BrokerContext,
+        registry: Registry,
+        handlers: Handlers,
+        prober: Prober,
+        advisories: Advisories,
+    ) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.cfg.synadia
+        self.registry = registry
+        self.handlers = handlers
+        self.prober = prober
+        self.advisories = advisories
+        self.instances: dict[str, _Instance] = {}
+        """By reach agent id."""
+        self.by_instance: dict[str, str] = {}
+        """Micro service (instance) id → reach agent id."""
+        self.conns: dict[ConnKey, set[str]] = {}
+        self.located = 0
+        """CONNZ answers taken (tests wait on it)."""
+        self._lookups: dict[str, float] = {}
+        self._locate_due = False
+        self._sub: Any = None
+        self._loop: asyncio.Task[None] | None = None
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+        prober.probe_via = self.probe_via
+        advisories.closed_listeners.append(self.on_closed)
+        advisories.known_elsewhere = lambda: set(self.instances)
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._loop is not None or not self.cfg.enabled:
+            return
+        nc = self.ctx.nc
+        self.ctx.fanout.listeners.append(self._on_transition)
+        self._sub = await nc.subscribe(AGENTS.all_heartbeats, cb=self._on_heartbeat,
+                                       pending_msgs_limit=1_000_000)  # fmt: skip
+        await flush_subscriptions(nc)
+        with contextlib.suppress(Exception):
+            await self.sweep()
+        self._loop = asyncio.create_task(self._sweeps(), name="reach-synadia")
+
+    async def stop(self) -> None:
+        loop, self._loop = self._loop, None
+        if loop is None:
+            return
+        with contextlib.suppress(ValueError):
+            self.ctx.fanout.listeners.remove(self._on_transition)
+        for timer in self._timers.values():
+            timer.cancel()
+        self._timers.clear()
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+
+    async def _sweeps(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.sweep_interval_s)
+            try:
+                await self.sweep()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the loop never dies
+                log.exception("synadia.sweep_failed")
+
+    async def sweep(self) -> None:
+        """Discover every instance, then ask which connection holds which."""
+        await self.discover()
+        await self.locate()
+
+    # --- discovery ----------------------------------------------------------------------
+
+    async def discover(self) -> int:
+        """``$SRV.INFO.agents``: register every instance that answers; how many answered."""
+        try:
+            replies = await gather(self.ctx.nc, AGENTS.info, b"")
+        except NoRespondersError:
+            return 0
+        for msg in replies:
+            self._take(msg.data, None)
+        return len(replies)
+
+    async def _lookup(self, instance_id: str, interval_s: int) -> None:
+        """One instance's registration, asked because its heartbeat came first."""
+        try:
+            msg = await self.ctx.nc.request(AGENTS.info_of(instance_id), b"",
+                                            timeout=LOOKUP_TIMEOUT_S)  # fmt: skip
+        except (NatsTimeoutError, NoRespondersError) as exc:
+            log.info("synadia.lookup_unanswered instance=%s error=%s", instance_id,
+                     type(exc).__name__)  # fmt: skip
+            return
+        agent_id = self._take(msg.data, interval_s)
+        if agent_id is not None:
+            self._lookups.pop(instance_id, None)
+
+    def _take(self, data: bytes, interval_s: int | None) -> str | None:
+        """Register (or update) the instance a ``$SRV.INFO`` reply describes; its agent id,
+        None when it cannot be routed (dropped and counted, with why in the log)."""
+        try:
+            info = synadiainfo.info_decoder.decode(data)
+        except msgspec.MsgspecError as exc:
+            self.ctx.metrics.dropped.labels("synadia_info", "invalid").inc()
+            log.info("synadia.info_invalid error=%s", exc)
+            return None
+        if info.name != AGENTS.service:
+            return None  # another micro service answering $SRV.INFO (not ours to judge)
+        known = self.by_instance.get(info.id)
+        inst = self.instances.get(known) if known is not None else None
+        interval = interval_s or (inst.interval_s if inst else synadiainfo.DEFAULT_INTERVAL_S)
+        try:
+            ann, refused = synadiainfo.announce_of(
+                info, interval_s=interval, max_concurrency=self.cfg.max_concurrency
+            )
+        except InvalidRequest as exc:
+            self.ctx.metrics.dropped.labels("synadia_info", "unroutable").inc()
+            log.warning("synadia.unroutable %s", exc.message)
+            return None
+        for why in refused:
+            log.warning("synadia.capability_refused instance=%s %s (ignored)", info.id, why)
+        rec = self.registry.agents.get(ann.agent_id)
+        if inst is not None and rec is not None and inst.announce == ann:
+            if rec.state == "offline":
+                self.prober.request(ann.agent_id)  # it answers: settle it by a probe
+            return ann.agent_id
+        self.instances[ann.agent_id] = _Instance(info, ann, interval)
+        self.by_instance[info.id] = ann.agent_id
+        self._register(ann)
+        return ann.agent_id
+
+    def _register(self, ann: Announce) -> None:
+        self.handlers.apply_announce(ann)
+        self.ctx.metrics.synadia_agents.set(len(self.instances))
+        log.info("synadia.registered agent=%s capabilities=%s subject=%s", ann.agent_id,
+                 ",".join(ann.capabilities), ann.metadata["prompt"])  # fmt: skip
+        if not self._locate_due:
+            self._locate_due = True
+            asyncio.get_running_loop().call_later(LOCATE_DELAY_S, self._locate_soon)
+
+    def _locate_soon(self) -> None:
+        self._locate_due = False
+        if self._loop is not None:
+            self.ctx.spawn(self.locate(), "synadia-locate")
+
+    # --- heartbeats ---------------------------------------------------------------------
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        ctx = self.ctx
+        try:
+            beat = synadiainfo.beat_decoder.decode(msg.data)
+        except msgspec.MsgspecError:
+            ctx.metrics.dropped.labels("synadia_heartbeat", "invalid").inc()
+            return
+        agent_id = self.by_instance.get(beat.instance_id)
+        inst = self.instances.get(agent_id) if agent_id is not None else None
+        if inst is None or agent_id is None:
+            self._unknown(beat)
+            return
+        if beat.interval_s != inst.interval_s and beat.interval_s > 0:
+            # Registered before its first heartbeat said how often it beats.
+            inst.interval_s = beat.interval_s
+            ann = msgspec.structs.replace(
+                inst.announce, heartbeat_interval_ms=min(beat.interval_s, 3600) * 1000
+            )
+            inst.announce = ann  # fmt: skip
+            self._register(ann)
+            return
+        rec = self.registry.agents.get(agent_id)
+        if rec is None:  # evicted meanwhile: register it again
+            self._register(inst.announce)
+            return
+        hb = Heartbeat(agent_id=agent_id, token=rec.token, seq=max(rec.seq, 0) + 1,
+                       initial=rec.seq < 0)  # fmt: skip
+        result, transitions = self.registry.heartbeat(hb, ctx.clock(), ctx.wall_ms())
+        ctx.metrics.heartbeat_result[result].inc()
+        if transitions:
+            ctx.fanout.emit(transitions)
+
+    def _unknown(self, beat: synadiainfo.Beat) -> None:
+        """A heartbeat of an instance not known (yet): ask for its registration."""
+        now = self.ctx.clock()
+        asked = self._lookups.get(beat.instance_id)
+        if asked is not None and now - asked < LOOKUP_AGAIN_S:
+            return
+        self._lookups[beat.instance_id] = now
+        self.ctx.spawn(self._lookup(beat.instance_id, beat.interval_s), "synadia-lookup")
+
+    # --- connections --------------------------------------------------------------------
+
+    async def locate(self) -> None:
+        """Which connection holds each instance (CONNZ with subscription details); a known
+        instance held by none is suspected as a closed connection would be."""
+        account = self.advisories.account
+        if account is None or not self.instances:
+            return
+        judged = set(self.instances)  # only those known before the question
+        found: dict[str, ConnKey] = {}
+        offset = 0
+        while True:
+            body = _encoder.encode(
+                {
+                    "subscriptions_detail": True,
+                    "offset": offset,
+                    "limit": CONNZ_PAGE,
+                    "filter_subject": AGENTS.ping,
+                }
+            )
+            try:  # fmt: skip
+                replies = await gather(self.ctx.nc, connz_subject(account), body)
+            except NoRespondersError:
+                return
+            if not replies:
+                return
+            more = False
+            for msg in replies:
+                try:
+                    data = synadiainfo.connz_decoder.decode(msg.data).data
+                except msgspec.MsgspecError:
+                    return
+                if data is None:
+                    return
+                server = server_of(msg)
+                for conn in data.connections:
+                    for sub in conn.subscriptions_list_detail or ():
+                        instance = AGENTS.instance_of_info(sub.subject)
+                        agent_id = self.by_instance.get(instance or "")
+                        if agent_id is not None:
+                            found[agent_id] = (server, conn.cid)
+                more = more or len(data.connections) >= CONNZ_PAGE
+            if not more:
+                break
+            offset += CONNZ_PAGE
+        self.located += 1
+        self.conns = {}
+        for agent_id, key in found.items():
+            self.conns.setdefault(key, set()).add(agent_id)
+            inst = self.instances.get(agent_id)
+            if inst is not None:
+                inst.conn = key
+        now = self.ctx.clock()
+        out: list[Transition] = []
+        for agent_id in judged - found.keys():
+            out += self.registry.disconnected(agent_id, now, "no connection holds it (CONNZ)")
+        if out:
+            self.ctx.fanout.emit(out)
+
+    def on_closed(self, server: str, cid: int) -> None:
+        """A DISCONNECT advisory: the instances that connection held are suspect at once."""
+        agent_ids = self.conns.pop((server, cid), None)
+        if not agent_ids:
+            return
+        now = self.ctx.clock()
+        out: list[Transition] = []
+        for agent_id in agent_ids:
+            out += self.registry.disconnected(
+                agent_id, now, f"connection closed (client {cid} on {server})"
+            )
+        if out:
+            self.ctx.fanout.emit(out)
+
+    # --- probes -------------------------------------------------------------------------
+
+    def probe_via(self, rec: AgentRecord) -> ProbeSend | None:
+        """The probe of a Synadia instance: its status endpoint, else its micro ping."""
+        if rec.protocol != PROTOCOL_SYNADIA:
+            return None
+        meta = rec.announce.metadata
+        status, instance = meta.get("status", ""), meta.get("instance_id", "")
+        nc, clock = self.ctx.nc, self.ctx.clock
+
+        async def send(timeout_s: float) -> None:
+            t0 = clock()
+            msg = await nc.request(status, b"", timeout=timeout_s)
+            try:
+                if synadiainfo.status_decoder.decode(msg.data).instance_id == instance:
+                    return
+            except msgspec.MsgspecError:
+                pass  # an error frame: who answered is unknown
+            # Another instance of the session answered: ask this one alone.
+            await nc.request(AGENTS.ping_of(instance), b"",
+                             timeout=max(timeout_s - (clock() - t0), 0.05))  # fmt: skip
+
+        return send
+
+    # --- forgetting ---------------------------------------------------------------------
+
+    def _on_transition(self, t: Transition, rec: AgentRecord | None) -> None:
+        agent_id = t.agent_id
+        if agent_id not in self.instances:
+            return
+        timer = self._timers.pop(agent_id, None)
+        if timer is not None:
+            timer.cancel()
+        if t.kind == "evicted":
+            self._forget(agent_id)
+        elif t.to == "offline":
+            self._timers[agent_id] = asyncio.get_running_loop().call_later(
+                self.cfg.forget_after_s, self._evict, agent_id
+            )
+
+    def _evict(self, agent_id: str) -> None:
+        self._timers.pop(agent_id, None)
+        rec = self.registry.agents.get(agent_id)
+        if rec is not None and rec.state == "offline":
+            reason = f"offline for {self.cfg.forget_after_s:g}s (a Synadia agent instance)"
+            self.ctx.fanout.emit(self.registry.evict(agent_id, reason, self.ctx.clock()))
+
+    def _forget(self, agent_id: str) -> None:
+        inst = self.instances.pop(agent_id, None)
+        if inst is None:
+            return
+        self.by_instance.pop(inst.info.id, None)
+        if inst.conn is not None:
+            held = self.conns.get(inst.conn)
+            if held is not None:
+                held.discard(agent_id)
+                if not held:
+                    del self.conns[inst.conn]
+        self.ctx.metrics.synadia_agents.set(len(self.instances))

@@ -1,0 +1,2 @@
+"""The compensation replay: queued entries sent to agents again, held until their final ack
+record."""

@@ -1,0 +1,302 @@
+"""Compensation replay: queued tasks go to an agent as soon as one is reachable.
+
+A capability is replayed when an agent with it becomes ``healthy`` (a registry transition),
+when an entry is enqueued while one already is, and on every sweep while entries wait. A
+replay round takes every available entry of the capability through its shared durable
+consumer (so two replicas never hold the same entry), orders them by priority then age, and
+sends each as a task with its original ``Reach-Request-Id`` and ``Reach-Receipt: 1`` to an
+agent the broker's Router picks, at most ``replay_concurrency`` at once (scaled down by the
+slow-start share of a just-recovered agent; one entry's delivery is
+:mod:`reach_broker.replay.replaysend`'s). After the agent's receipt the entry is held
+(:mod:`reach_broker.replay.taken`) until the agent's final ack record, and given back to run
+elsewhere should the agent go offline first; if the broker dies, JetStream redelivers it
+after ``ack_wait_s``. An entry whose request id an agent has claimed (KV ``reach_claims``)
+as completed or failed is removed without being sent (``claimed``); one a live agent is
+running (its claim, or an ``IN_PROGRESS`` answer) is held as that agent's; one whose holder
+is offline waits a moment for the claim's release. The agents' own claims keep the handler
+from running twice regardless. A redelivered entry is also looked up in the dispatch
+markers (:mod:`reach_broker.replay.dispatch`): acked at once when its ack record is stored, else
+sent to the agent it went to.
+
+Expired entries (``Reach-Expires-Ms`` passed) are recorded on ``REACH_ACKS`` as ``failed``
+with ``error.reason = "expired"`` and removed: at replay, and by the periodic sweep for
+capabilities no agent serves. Every record the broker writes is its own
+(``reach.ack._broker.<request_id>``): besides those ``failed`` ones, a ``received`` naming the
+agent whose receipt it got, written before the entry is acked, so that ``Client.wait`` knows
+whose ack records to believe for a submitted task. The broker also watches ``reach.ack.>``
+for the ack metrics (:mod:`reach_broker.replay.ackwatch`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from nats.aio.msg import Msg
+
+from jetstream import compensation
+from jetstream.compensation import Entry
+from jetstream.names import H_EXPIRES_MS
+from jetstream.tasks import raise_if_cancelled
+from reach_agent.aio import stop_loops
+from reach_agent.wire.errors import ReachError
+from reach_agent.wire.schema import RouteRequest
+from reach_broker.core.records import AgentRecord, Transition
+from reach_broker.core.routing import Router
+from reach_broker.service.context import BrokerContext
+
+from .ackwatch import AckWatch
+from .replaysend import EntrySender, Outcome
+from .taken import Taken
+
+log = logging.getLogger(__name__)
+
+
+class Replayer:
+    """Broker component replaying ``REACH_COMPENSATION`` entries to reachable agents.
+    Started only when the server has JetStream."""
+
+    def __init__(
+        self,
+        ctx: BrokerContext,
+        router: Router,
+        claim_of: Callable[[str], Awaitable[tuple[str, str] | None]],
+        record_of: Callable[[str], AgentRecord | None] = lambda _: None,
+    ) -> None:
+        self.ctx = ctx
+        self.router = router
+        self.claim_of = claim_of
+        """A request id's claim: (holder, state), None when unclaimed."""
+        self.subjects = ctx.subjects
+        self.cfg = ctx.cfg.compensation
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._again: set[str] = set()
+        self._known: dict[str, int] = {}
+        self._consumers: dict[str, Any] = {}
+        self._next_expiry_ms = 0
+        self.acks = AckWatch(ctx)
+        """The ack metrics, fed by this component's ``<p>.ack.>`` subscription."""
+        self.taken = Taken(
+            self.cfg.ack_wait_s, claim_of, record_of, ctx.clock,
+            on_returned=ctx.metrics.compensation_result["requeued"].inc,
+        )  # fmt: skip
+        """Entries delivered and held until their taker's final record."""
+        self.acks.on_final = self.taken.done
+        self.sender = EntrySender(ctx, router, claim_of, record_of, self.taken, self.acks)
+        """Sends one entry (replaysend.py) and counts how each ended (``replayed``,
+        ``expired``, ``failed``, ``claimed``); its ``dispatches`` (dispatch.py) say where each
+        entry was sent, exactly once across a leader change."""
+        self._subs: list[Any] = []
+        self._sweeper: asyncio.Task[None] | None = None
+        self._route_req = RouteRequest(limit=3)
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._sweeper is not None:
+            return
+        self.ctx.fanout.listeners.append(self._on_transition)
+        limits = 1_000_000, 256 * 1024 * 1024
+        self._subs = [
+            await self.ctx.nc.subscribe(subject, cb=cb, pending_msgs_limit=limits[0],
+                                 pending_bytes_limit=limits[1])
+            for subject, cb in ((self.subjects.all_comp, self._on_enqueued),
+                                (self.subjects.all_acks, self.acks.on_ack))
+        ]  # fmt: skip
+        self._sweeper = asyncio.create_task(self._sweep_loop(), name="reach-replay-sweep")
+        self.taken.start()
+
+    async def stop(self) -> None:
+        if self._sweeper is None:
+            return
+        with contextlib.suppress(ValueError):
+            self.ctx.fanout.listeners.remove(self._on_transition)
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        await stop_loops(self._sweeper, *self._running.values())
+        await self.taken.stop()
+        self._sweeper = None
+        for psub in self._consumers.values():
+            with contextlib.suppress(Exception):
+                await psub.unsubscribe()
+        self._consumers.clear()
+
+    # --- triggers -----------------------------------------------------------------------
+
+    def _on_transition(self, t: Transition, rec: AgentRecord | None) -> None:
+        if t.to == "healthy" and rec is not None:
+            for cap in rec.capabilities:
+                if self._known.get(cap):
+                    self.kick(cap)
+        elif (t.to == "offline" or t.kind == "evicted") and self.taken.held_by(t.agent_id):
+            # A task only for an agent that holds entries: 1,000 agents going offline
+            # together are 1,000 look-ups, not 1,000 tasks.
+            self.ctx.spawn(self._taker_gone(t.agent_id), "replay-taker-gone")
+
+    async def _taker_gone(self, agent_id: str) -> None:
+        for cap in await self.taken.taker_gone(agent_id):
+            self._known[cap] = self._known.get(cap, 0) + 1
+            self.kick(cap)
+
+    async def _claimed_now(self, request_id: str) -> bool:
+        claim = await self.claim_of(request_id)
+        return claim is not None and claim[1] != "released"
+
+    async def _on_enqueued(self, msg: Msg) -> None:
+        cap = self.subjects.capability_of_comp(msg.subject)
+        self._known[cap] = self._known.get(cap, 0) + 1
+        expires = compensation.header_int(msg.headers or {}, H_EXPIRES_MS)
+        if expires and (not self._next_expiry_ms or expires < self._next_expiry_ms):
+            self._next_expiry_ms = expires
+        # The stream stores the entry about when this copy arrives: look a moment later.
+        asyncio.get_running_loop().call_later(0.05, self.kick, cap)
+
+    def kick(self, capability: str) -> None:
+        """Replay ``capability`` now (or once more after the running round)."""
+        if self._sweeper is None:
+            return
+        if capability in self._running:
+            self._again.add(capability)
+            return
+        if not self._routable(capability):
+            return
+        task = asyncio.create_task(self._replay(capability), name=f"replay-{capability}")
+        self._running[capability] = task
+
+    def _routable(self, capability: str) -> bool:
+        try:
+            self.router.choose(capability, self._route_req, self.ctx.clock())
+        except ReachError:
+            return False
+        return True
+
+    def _limit(self, capability: str) -> int:
+        """Replay concurrency, scaled by the best slow-start share among healthy agents."""
+        share = self.router.slow_start_share(capability, self.ctx.clock())
+        return max(1, round(self.cfg.replay_concurrency * share))
+
+    # --- a replay round -----------------------------------------------------------------
+
+    async def _replay(self, capability: str) -> None:
+        try:
+            while True:
+                raise_if_cancelled()
+                self._again.discard(capability)
+                if not self._routable(capability):
+                    return
+                entries = await self._fetch(capability)
+                if not entries:
+                    if capability in self._again:
+                        continue
+                    return
+                if await self._dispatch(capability, entries) == "stalled":
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - a failed round is retried by the next sweep
+            log.exception("replay.failed capability=%s", capability)
+        finally:
+            self._running.pop(capability, None)
+
+    async def _consumer(self, capability: str) -> Any:
+        psub = self._consumers.get(capability)
+        if psub is None:
+            psub = await compensation.ensure_consumer(
+                self.ctx.nc, capability, ack_wait_s=self.cfg.ack_wait_s,
+                max_ack_pending=self.cfg.max_entries, subjects=self.subjects,
+            )  # fmt: skip
+            self._consumers[capability] = psub
+        return psub
+
+    async def _fetch(self, capability: str) -> list[Entry]:
+        """Every entry of ``capability`` this replica can take now, by priority then age."""
+        entries = await compensation.take(await self._consumer(capability), self.subjects)
+        if entries is None:
+            self._known[capability] = 0
+            return []
+        return entries
+
+    async def _dispatch(self, capability: str, entries: list[Entry]) -> Outcome | None:
+        """Deliver ``entries`` in order, bounded; give back (nak) what was not started."""
+        held = {e.seq: e for e in entries}
+        keepalive = asyncio.create_task(self._keepalive(held))
+        inflight: set[asyncio.Task[Outcome]] = set()
+        stalled = False
+        try:
+            for e in entries:
+                while len(inflight) >= self._limit(capability):
+                    done, inflight = await asyncio.wait(
+                        inflight, return_when=asyncio.FIRST_COMPLETED
+                    )
+                    stalled = stalled or any(t.result() == "stalled" for t in done)
+                if stalled:
+                    break
+                held.pop(e.seq, None)
+                inflight.add(asyncio.create_task(self.sender.deliver(e)))
+            if inflight:
+                results = await asyncio.gather(*inflight)
+                stalled = stalled or "stalled" in results
+        finally:
+            keepalive.cancel()
+            for e in held.values():  # not started: free for the next round or replica
+                with contextlib.suppress(Exception):
+                    assert e.msg is not None
+                    await e.msg.nak()
+        return "stalled" if stalled else None
+
+    async def _keepalive(self, held: dict[int, Entry]) -> None:
+        """Tell JetStream the entries still waiting for a slot are being worked on."""
+        while True:
+            raise_if_cancelled()
+            await asyncio.sleep(self.cfg.ack_wait_s / 3)
+            for e in list(held.values()):
+                with contextlib.suppress(Exception):
+                    assert e.msg is not None
+                    await e.msg.in_progress()
+
+    # --- the sweep ----------------------------------------------------------------------
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            raise_if_cancelled()
+            try:
+                await self.sweep()
+            except asyncio.CancelledError:
+                raise
+            except TimeoutError:  # nats' too: a busy server or broker, not a bug
+                log.warning("replay.sweep_failed JetStream did not answer in time: swept "
+                            "again in %g s", self.cfg.sweep_interval_s)  # fmt: skip
+            except Exception:  # noqa: BLE001 - the loop never dies
+                log.exception("replay.sweep_failed")
+            await asyncio.sleep(self.cfg.sweep_interval_s)
+
+    async def sweep(self) -> None:
+        """Depth gauge; expired entries recorded and removed; waiting capabilities kicked."""
+        ctx = self.ctx
+        total, per = await compensation.depths(ctx.nc, self.subjects)
+        ctx.metrics.compensation_depth.set(total)
+        self._known = per
+        if total and self._next_expiry_ms <= ctx.wall_ms():
+            await self._expire_all()
+        for cap, n in per.items():
+            if n:
+                self.kick(cap)
+
+    async def _expire_all(self) -> None:
+        nc = self.ctx.nc
+        now_ms = self.ctx.wall_ms()
+        soonest = 0
+        limit = self.cfg.max_entries * 2
+        for e in await compensation.scan(nc, subjects=self.subjects, limit=limit):
+            if e.expired(now_ms):
+                if self.taken.holds(e.request_id) or await self._claimed_now(e.request_id):
+                    continue  # delivered and running (a replica holds it): not expired
+                await self.sender.record_expired(e)
+                await compensation.remove(nc, e.seq)
+            elif e.expires_at_ms and (not soonest or e.expires_at_ms < soonest):
+                soonest = e.expires_at_ms
+        self._next_expiry_ms = soonest or now_ms + int(self.cfg.default_ttl_s * 1000)

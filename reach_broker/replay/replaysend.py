@@ -1,0 +1,207 @@
+"""One compensation entry delivered: its claim looked up, its expiry, its dispatch marker,
+the route, the agent's receipt (or refusal), then held until the taker's final record.
+
+Its own module because sending one entry needs the router, the claims, the dispatch
+markers and the taken entries but nothing of the replay rounds (:mod:`reach_broker.replay.replay`:
+which capability, when, how many at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from typing import Literal, NamedTuple
+
+from nats.errors import NoRespondersError
+
+from jetstream.compensation import Entry
+from jetstream.names import H_REQUEST_ID
+from reach_agent.wire import schema
+from reach_agent.wire.errors import ReachError
+from reach_agent.wire.retry import retryable
+from reach_agent.wire.schema import RouteRequest
+from reach_agent.wire.subjects import BROKER_ACK_AUTHOR
+from reach_broker.core.records import AgentRecord
+from reach_broker.core.routing import Router
+from reach_broker.service.context import BrokerContext
+
+from .ackwatch import AckWatch
+from .brokeracks import record_failed, record_taker
+from .dispatch import MARKER_TTL_S, Dispatches
+from .synadiareplay import Prompts
+from .taken import Taken
+
+log = logging.getLogger("reach_broker.replay.replay")  # the replay.* lines keep their logger
+
+Outcome = Literal["replayed", "expired", "failed", "stalled", "claimed", "held", "deferred"]
+RELEASE_WAIT_S = 0.5
+"""Redelivery delay of an entry whose claim's holder is offline but not yet released."""
+
+
+class Target(NamedTuple):
+    """Where an entry goes (a route candidate's two fields the replayer reads)."""
+
+    agent_id: str
+    subject: str
+    protocol: str | None = None
+
+
+class EntrySender:
+    """Delivers the replay's entries one by one (:meth:`deliver`), and counts how each
+    ended."""
+
+    def __init__(
+        self,
+        ctx: BrokerContext,
+        router: Router,
+        claim_of: Callable[[str], Awaitable[tuple[str, str] | None]],
+        record_of: Callable[[str], AgentRecord | None],
+        taken: Taken,
+        acks: AckWatch,
+    ) -> None:
+        self.ctx = ctx
+        self.router = router
+        self.claim_of = claim_of
+        """A request id's claim: (holder, state), None when unclaimed."""
+        self.record_of = record_of
+        self.taken = taken
+        self.acks = acks
+        self.subjects = ctx.subjects
+        self.cfg = ctx.cfg.compensation
+        self.dispatches = Dispatches(ctx.nc, ctx.subjects, ctx.broker_id, record_of)
+        """Where each entry was sent: exactly once across a leader change (dispatch.py)."""
+        self.prompts = Prompts(ctx, taken.done)
+        """Entries for Synadia agents (they write no ack records: the broker does)."""
+        self.replayed = 0
+        self.expired = 0
+        self.failed = 0
+        self.claimed = 0  # entries an agent had claimed: removed, not sent
+        self._route_req = RouteRequest(limit=3)
+
+    async def deliver(self, e: Entry) -> Outcome:
+        """Deliver one entry; a JetStream asset electing a leader (a marker or ack that
+        times out, no responders) stalls the round: the entry comes back, and its marker
+        and ack records decide what its redelivery does."""
+        try:
+            return await self._send(e)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - retried by the next round or the sweep
+            log.info("replay.stalled request_id=%s error=%r", e.request_id, exc)
+            with contextlib.suppress(Exception):
+                assert e.msg is not None
+                await e.msg.nak()
+            return "stalled"
+
+    async def _send(self, e: Entry) -> Outcome:
+        ctx, router = self.ctx, self.router
+        assert e.msg is not None  # fetched entries carry their message
+        claim = await self.claim_of(e.request_id)  # first: a running task is not expired
+        if claim is not None and claim[1] != "released":
+            return await self._claimed(e, *claim)
+        if e.expired(ctx.wall_ms()):
+            await self.record_expired(e)
+            await e.msg.ack_sync()
+            return "expired"
+        headers = e.task_headers()
+        headers[H_REQUEST_ID] = e.request_id
+        headers[schema.H_RECEIPT] = "1"
+        only: str | None = None
+        if e.msg.metadata.num_delivered > 1 and claim is None:  # sent before? (a leader
+            # change, a dead replica; a released claim means its run did not finish)
+            done, only = await self.dispatches.redelivery(e.request_id)
+            if done:
+                await e.msg.ack_sync()
+                log.info("replay.already_delivered request_id=%s", e.request_id)
+                return "replayed"
+        give_up = ctx.clock() + self.cfg.ack_wait_s / 2
+        backoff = 0.05
+        ttl_s = (e.expires_at_ms - ctx.wall_ms()) / 1000.0 if e.expires_at_ms else MARKER_TTL_S
+        while True:
+            try:
+                candidates = (
+                    router.route(e.capability, self._route_req, ctx.clock())
+                    if only is None
+                    else [self._target(only, e.capability)]
+                )
+            except ReachError:
+                await e.msg.nak()
+                return "stalled"
+            for c in candidates:
+                sent_ms = ctx.wall_ms()
+                await self.dispatches.mark(e.request_id, c.agent_id, sent_ms, ttl_s)
+                try:  # a reach agent's receipt, or a Synadia agent's ack (its answer later)
+                    err, collect = await self.prompts.deliver(c, e, headers)
+                except (TimeoutError, NoRespondersError):
+                    log.info("replay.no_receipt request_id=%s agent=%s", e.request_id, c.agent_id)
+                    continue
+                if err is not None and err.code == "IN_PROGRESS":
+                    return await self._claimed(e, getattr(err, "holder", ""), "running")
+                if err is None:
+                    self.acks.sent(e.request_id, sent_ms)
+                    await record_taker(ctx, e, c.agent_id)
+                    await self.taken.hold(e, c.agent_id)  # removed at its final record
+                    if collect is not None:  # a Synadia agent: the broker records its answer
+                        ctx.spawn(collect(), f"synadia-replay-{e.request_id}")
+                    self.replayed += 1
+                    ctx.metrics.compensation_result["replayed"].inc()
+                    log.info("replay.delivered request_id=%s capability=%s agent=%s priority=%d",
+                             e.request_id, e.capability, c.agent_id, e.priority)  # fmt: skip
+                    return "replayed"
+                if retryable("error", err):  # not taken here, now: another agent, or later
+                    only = None  # a refusal (busy, draining) means it did not take it
+                    continue
+                # The agent refused the task itself (BIZ_REJECT, LOOP_DETECTED, ...): final.
+                await record_failed(ctx, e, c.agent_id, err.code, err.code.lower(), err.message)
+                await e.msg.ack_sync()
+                self.failed += 1
+                return "failed"
+            if ctx.clock() > give_up:
+                await e.msg.nak()
+                return "stalled"
+            await asyncio.sleep(backoff * (0.5 + random.random()))
+            backoff = min(backoff * 2, self.cfg.busy_retry_max_s)
+
+    def _target(self, agent_id: str, capability: str) -> Target:
+        """Where a redelivered entry goes: the agent it went to before."""
+        rec = self.record_of(agent_id)
+        if rec is not None and rec.subject is not None:
+            return Target(agent_id, rec.subject, rec.protocol)
+        return Target(agent_id, self.subjects.task(agent_id, capability))
+
+    async def _claimed(self, e: Entry, holder: str, state: str) -> Outcome:
+        """The request id is ``holder``'s already: not sent. A finished run's entry is
+        removed; a live holder's held until it finishes; an offline holder's given back a
+        moment, for its claim to be released."""
+        assert e.msg is not None
+        if state == "running":
+            if self.taken.alive(holder):
+                await self.taken.hold(e, holder)
+                log.info("replay.held request_id=%s holder=%s: running there",
+                         e.request_id, holder)  # fmt: skip
+                return "held"
+            await e.msg.nak(delay=RELEASE_WAIT_S)
+            return "deferred"
+        await e.msg.ack_sync()
+        self.claimed += 1
+        # A claim the broker holds is a cancel's (reach_broker.service.canceller).
+        result = "cancelled" if holder == BROKER_ACK_AUTHOR else "claimed"
+        self.ctx.metrics.compensation_result[result].inc()
+        log.info("replay.%s request_id=%s capability=%s holder=%s (%s): not sent again",
+                 result, e.request_id, e.capability, holder, state)  # fmt: skip
+        return "claimed"
+
+    async def record_expired(self, e: Entry) -> None:
+        ctx = self.ctx
+        waited_s = (ctx.wall_ms() - e.enqueued_ms) / 1000.0 if e.enqueued_ms else 0.0
+        await record_failed(
+            ctx, e, ctx.broker_id, "TIMEOUT", "expired",
+            f"queued for {waited_s:.1f}s on {self.subjects.comp(e.capability)}; expired before "
+            "an agent was reachable",
+        )  # fmt: skip
+        self.expired += 1
+        ctx.metrics.compensation_result["expired"].inc()
+        log.info("replay.expired request_id=%s capability=%s", e.request_id, e.capability)

@@ -1,0 +1,200 @@
+"""Replayed entries an agent has taken but not finished: held in the queue until it does.
+
+A replayed task's entry is not removed at the agent's receipt: the replica that delivered it
+holds it (un-acked, kept alive with ``in_progress`` every third of the consumer's
+``ack_wait``) until the taker's own final ack record (``completed`` or ``failed``) arrives on
+``<p>.ack.>``. Should the taker be declared ``offline`` (or evicted) first, the entry is
+given back (``nak``): its claim is released by then or shortly after
+(:mod:`reach_broker.service.releases`), and the redelivery runs the task once elsewhere. A submitted
+task thus completes at least once even when its agent dies mid-task. Should the replica
+itself die, JetStream redelivers its held entries after ``ack_wait`` to another replica,
+which holds them again while their claim says a live agent is running them. An entry held
+longer than ``ack_wait`` is checked against its claim at each keepalive, so a final record
+this replica missed (a leader change, an ack lost) never keeps it in the queue: removed once
+the claim says completed or failed (or there is no claim), given back once it is released or
+its holder is offline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, NamedTuple
+
+from jetstream.compensation import Entry
+from jetstream.tasks import raise_if_cancelled
+from reach_agent.aio import stop_loops
+
+log = logging.getLogger(__name__)
+
+EARLY_MAX = 4096
+"""Final records remembered for entries not held yet (the record can arrive on ``<p>.ack.>``
+before the receipt that makes the entry held is read)."""
+
+
+class _Held(NamedTuple):
+    entry: Entry
+    agent_id: str
+    since: float
+
+
+async def _no_claims(request_id: str) -> tuple[str, str] | None:
+    return None
+
+
+class Taken:
+    """The entries this replica delivered and holds until their taker finishes."""
+
+    def __init__(
+        self,
+        ack_wait_s: float,
+        claim_of: Callable[[str], Awaitable[tuple[str, str] | None]] = _no_claims,
+        record_of: Callable[[str], Any] = lambda _: None,
+        clock: Callable[[], float] = time.monotonic,
+        on_returned: Callable[[], object] = lambda: None,
+    ) -> None:
+        self.ack_wait_s = ack_wait_s
+        self.claim_of = claim_of
+        """A request id's claim (holder, state), None when unclaimed (the replay's)."""
+        self.record_of = record_of
+        self.clock = clock
+        self.on_returned = on_returned
+        """Told of each entry given back (``reach_compensation_total{result="requeued"}``)."""
+        self._held: dict[str, _Held] = {}
+        self._by_agent: dict[str, set[str]] = {}
+        self._early: dict[str, str] = {}
+        self._task: asyncio.Task[None] | None = None
+        self.finished = 0
+        """Entries removed at their taker's final record."""
+        self.returned = 0
+        """Entries given back because their taker went offline before finishing."""
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._keepalive(), name="reach-replay-taken")
+
+    async def stop(self) -> None:
+        """Stop the keepalive; held entries stay un-acked (redelivered after ``ack_wait``)."""
+        if self._task is not None:
+            await stop_loops(self._task)
+            self._task = None
+
+    async def hold(self, entry: Entry, agent_id: str) -> None:
+        """``agent_id`` runs ``entry``'s request: keep the entry until it finishes (removed
+        now when its final record came first)."""
+        rid = entry.request_id
+        if self._early.get(rid) == agent_id:
+            del self._early[rid]
+            await self._remove(entry)
+            return
+        old = self._held.get(rid)
+        if old is not None:
+            self._by_agent.get(old.agent_id, set()).discard(rid)
+        self._held[rid] = _Held(entry, agent_id, self.clock())
+        self._by_agent.setdefault(agent_id, set()).add(rid)
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._held
+
+    def held_by(self, agent_id: str) -> bool:
+        """Whether ``agent_id`` holds an entry (O(1): asked on every agent's way offline)."""
+        return agent_id in self._by_agent
+
+    async def done(self, request_id: str, author: str) -> bool:
+        """The final record of ``request_id`` by ``author`` arrived: remove the entry when
+        ``author`` is its taker (any other author's record is not the result)."""
+        held = self._held.get(request_id)
+        if held is None:
+            if len(self._early) >= EARLY_MAX:
+                self._early.pop(next(iter(self._early)))
+            self._early[request_id] = author
+            return False
+        if held.agent_id != author:
+            return False
+        self._forget(request_id)
+        await self._remove(held.entry)
+        return True
+
+    async def _remove(self, entry: Entry) -> None:
+        assert entry.msg is not None
+        try:  # a lost ack redelivers it, and its claim says it is done
+            await entry.msg.ack_sync()
+        except Exception as exc:  # noqa: BLE001
+            log.info("replay.taken_ack_failed request_id=%s error=%r", entry.request_id, exc)
+        self.finished += 1
+
+    async def taker_gone(self, agent_id: str) -> list[str]:
+        """``agent_id`` went offline: give back every entry it held unfinished; their
+        capabilities (to replay again)."""
+        caps: list[str] = []
+        for rid in list(self._by_agent.pop(agent_id, ())):
+            held = self._held.pop(rid, None)
+            if held is None:
+                continue
+            assert held.entry.msg is not None
+            with contextlib.suppress(Exception):  # else redelivered after ack_wait anyway
+                await held.entry.msg.nak()
+            self.returned += 1
+            self.on_returned()
+            caps.append(held.entry.capability)
+            log.warning("replay.taker_gone request_id=%s capability=%s agent=%s: queued "
+                        "again, to run elsewhere", rid, caps[-1], agent_id)  # fmt: skip
+        return caps
+
+    def _forget(self, request_id: str) -> None:
+        held = self._held.pop(request_id, None)
+        if held is not None:
+            rids = self._by_agent.get(held.agent_id)
+            if rids is not None:
+                rids.discard(request_id)
+                if not rids:
+                    del self._by_agent[held.agent_id]
+
+    async def _keepalive(self) -> None:
+        while True:
+            raise_if_cancelled()
+            await asyncio.sleep(self.ack_wait_s / 3)
+            old = self.clock() - self.ack_wait_s
+            for held in list(self._held.values()):
+                try:
+                    if held.since < old and not await self._still_running(held):
+                        continue
+                    assert held.entry.msg is not None
+                    await held.entry.msg.in_progress()
+                except Exception as exc:  # noqa: BLE001 - redelivered after ack_wait anyway
+                    log.debug("replay.keepalive_failed request_id=%s error=%r",
+                              held.entry.request_id, exc)  # fmt: skip
+
+    def alive(self, agent_id: str) -> bool:
+        """Whether the broker knows ``agent_id`` and does not hold it offline."""
+        rec = self.record_of(agent_id)
+        return rec is not None and rec.state != "offline"
+
+    async def _still_running(self, held: _Held) -> bool:
+        """Whether a long-held entry's claim still says its taker runs it; if not, the entry
+        is removed (finished, or no claim to go by) or given back (released, holder gone)."""
+        rid = held.entry.request_id
+        claim = await self.claim_of(rid)
+        if claim is not None and claim[1] == "running" and self.alive(claim[0]):
+            return True
+        if self._held.get(rid) is not held:
+            return False  # finished or given back meanwhile
+        self._forget(rid)
+        assert held.entry.msg is not None
+        if claim is None or claim[1] in ("completed", "failed"):
+            log.info("replay.taken_settled request_id=%s claim=%s: removed", rid,
+                     claim[1] if claim else "none")  # fmt: skip
+            await self._remove(held.entry)
+        else:
+            self.returned += 1
+            self.on_returned()
+            log.warning("replay.taken_returned request_id=%s claim=%s: queued again", rid,
+                        claim[1])  # fmt: skip
+            await held.entry.msg.nak()
+        return False

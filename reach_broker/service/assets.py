@@ -1,0 +1,116 @@
+"""The broker's JetStream assets at start: provisioned with their replica count, and the
+token secret all replicas share.
+
+``[jetstream] replicas`` sets ``num_replicas`` of every stream and of the KV bucket; unset,
+it is 3 when the server reports a cluster of three or more nodes
+(:func:`reach_broker.service.clusterinfo.cluster_size`), else 1. Provisioning
+(:mod:`jetstream.provision`) moves an existing asset to that count in place: the server
+copies its data to the new peers, nothing is re-created.
+
+Right after an R3 asset is created its Raft group elects a leader; until then a request on
+it may meet "no responders" or a timeout. The token secret is therefore read or created
+with a few retries rather than replaced by a random one at the first refusal, which would
+leave replicas unable to verify each other's tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+
+from nats.aio.client import Client as NATS
+
+from jetstream.names import COMP_STREAM, REGISTRY_BUCKET, STREAM_NAMES, TOKEN_SECRET_KEY
+from jetstream.provision import (
+    JetStreamUnavailable,
+    ProvisionTimeout,
+    load_definitions,
+    provision,
+)
+from reach_agent.wire.subjects import Subjects
+from reach_broker.config import Config
+
+from .clusterinfo import account_of, cluster_size
+
+log = logging.getLogger(__name__)
+
+PROVISION_TRIES = 5
+PROVISION_RETRY_S = 1.0
+SECRET_TRIES = 20
+SECRET_RETRY_S = 0.25
+
+
+async def replicas(nc: NATS, cfg: Config) -> int:
+    """``[jetstream] replicas``, else 3 on a cluster of three or more nodes, else 1."""
+    if cfg.jetstream.replicas is not None:
+        return cfg.jetstream.replicas
+    account = cfg.detection.advisory_account or await account_of(nc)
+    size = await cluster_size(nc, account)
+    n = 3 if size >= 3 else 1
+    log.info("jetstream.replicas %d (cluster of %d node(s); set [jetstream] replicas to "
+             "choose)", n, size)  # fmt: skip
+    return n
+
+
+async def provision_assets(nc: NATS, cfg: Config, subjects: Subjects) -> int | None:
+    """Create or update the JetStream assets (jetstream/definitions) before any use; the
+    replica count, or None when the server has no JetStream (the broker then runs without
+    snapshot and replay). A definition that would lose data if applied raises."""
+    try:
+        n = await replicas(nc, cfg)
+        overrides: dict[str, dict[str, object]] = {
+            name: {"num_replicas": n} for name in STREAM_NAMES
+        }
+        overrides[COMP_STREAM]["max_msgs"] = cfg.compensation.max_entries
+        defs = load_definitions(subjects, overrides)
+        for attempt in range(PROVISION_TRIES):
+            try:
+                await provision(nc, defs)  # it logs each stream created or updated, once
+                break
+            except ProvisionTimeout as exc:  # a cluster electing: provisioning is idempotent
+                if attempt == PROVISION_TRIES - 1:
+                    raise
+                log.warning("jetstream.provision_retry %s", exc)
+                await asyncio.sleep(PROVISION_RETRY_S)
+    except JetStreamUnavailable as exc:
+        log.warning("broker.no_jetstream %s: running without registry snapshot, "
+                    "compensation replay and durable acks", exc)  # fmt: skip
+        return None
+    return n
+
+
+async def token_secret(nc: NATS, cfg: Config, *, jetstream: bool) -> bytes:
+    """The configured secret, else one shared through JetStream KV by all replicas."""
+    if cfg.broker.token_secret:
+        return cfg.broker.token_secret.encode()
+    last: Exception | None = None
+    for _ in range(SECRET_TRIES if jetstream else 1):
+        try:
+            return await _shared_secret(nc)
+        except Exception as exc:  # noqa: BLE001 - an asset still electing: try again
+            last = exc
+            await asyncio.sleep(SECRET_RETRY_S)
+    log.warning(
+        "broker.token_secret no JetStream (%s): using a random secret; replicas will "
+        "not accept each other's tokens. Set broker.token_secret or REACH_TOKEN_SECRET.",
+        last,
+    )
+    return secrets.token_bytes(32)
+
+
+async def _shared_secret(nc: NATS) -> bytes:
+    js = nc.jetstream(timeout=2.0)
+    try:
+        kv = await js.key_value(REGISTRY_BUCKET)
+    except Exception:  # noqa: BLE001 - absent: create it (provisioning refines it)
+        kv = await js.create_key_value(bucket=REGISTRY_BUCKET, history=1)
+    fresh = secrets.token_hex(32).encode()
+    try:
+        await kv.create(TOKEN_SECRET_KEY, fresh)
+        return fresh
+    except Exception:  # noqa: BLE001 - another replica created it first (or a blip: retried)
+        entry = await kv.get(TOKEN_SECRET_KEY)
+        if not entry.value:
+            raise RuntimeError(f"{REGISTRY_BUCKET}/{TOKEN_SECRET_KEY} is empty") from None
+        return entry.value

@@ -1,0 +1,155 @@
+"""Who is who: re-announce on demand, and one live process per ``agent_id``.
+
+**Re-announce.** A heartbeat from an agent the broker does not know (it restarted without a
+usable snapshot, or its KV was emptied) or whose token it cannot verify (the shared secret
+changed) is answered by a :class:`~reach_agent.wire.schema.Reannounce` on
+``<p>.reannounce.<agent_id>``, at most once per :data:`REANNOUNCE_GAP_S` per agent; the SDK
+announces again at once, after a small jitter. So a fleet is routable again within about
+one heartbeat interval instead of its next scheduled announce (up to 10 minutes).
+
+**One live process.** An announce names its process with a random ``instance_id``. When a
+known agent announces with another instance id while the first looks alive (not offline, no
+disconnect seen), the broker asks: a probe of the agent id, every answer gathered for
+:data:`CONFLICT_PROBE_S`. If the first instance answers, the second announce is refused with
+``CONFLICT`` (409, naming the first one's instance, connection id and server), counted in
+``reach_announces_total{result="conflict"}`` and logged; otherwise (the first process
+crashed and this is its restart) it is accepted. A re-announce of the same instance, or an
+announce without an instance id (older SDKs, raw agents), is never checked. The check runs
+on a task of its own: announces keep flowing meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+from nats.aio.msg import Msg
+
+from reach_agent.wire import schema
+from reach_agent.wire.errors import Conflict, to_reply
+from reach_broker.core.records import AgentRecord
+from reach_broker.core.registry import Registry
+
+from .clusterinfo import gather
+from .context import BrokerContext
+from .handlers import Handlers
+
+log = logging.getLogger(__name__)
+
+REANNOUNCE_GAP_S = 1.0
+"""An agent is asked to re-announce at most this often."""
+REMEMBER_MAX = 100_000
+"""Agents remembered for the re-announce rate limit (then the memory is renewed)."""
+CONFLICT_PROBE_S = 0.5
+"""How long the answers to a contested agent id's probe are gathered."""
+
+
+class Identity:
+    """Broker component: the announce subscription's first stop, and re-announce requests."""
+
+    def __init__(self, ctx: BrokerContext, registry: Registry, handlers: Handlers) -> None:
+        self.ctx = ctx
+        self.registry = registry
+        self.handlers = handlers
+        self.endpoint = handlers.endpoints["announce"]
+        self.conflicts = 0
+        self._asked: dict[str, float] = {}
+        handlers.on_unknown = self.unknown
+
+    # --- re-announce on demand ------------------------------------------------------------
+
+    def unknown(self, agent_id: str) -> None:
+        """A heartbeat from an agent this broker cannot place: ask it to announce again."""
+        ctx = self.ctx
+        now = ctx.clock()
+        asked = self._asked
+        if now - asked.get(agent_id, -REANNOUNCE_GAP_S) < REANNOUNCE_GAP_S:
+            return
+        if len(asked) >= REMEMBER_MAX:
+            asked.clear()
+        asked[agent_id] = now
+        if not ctx.link.connected:
+            return
+        ctx.metrics.reannounce_requests.inc()
+        body = schema.encoder.encode(
+            schema.Reannounce(reason="unknown agent", broker_id=ctx.broker_id)
+        )
+        ctx.spawn(ctx.nc.publish(ctx.subjects.reannounce(agent_id), body), "reannounce")
+
+    # --- announces ------------------------------------------------------------------------
+
+    async def on_message(self, msg: Msg) -> None:
+        """Callback of the announce subscription."""
+        try:
+            ann = self.handlers.parse_announce(msg.subject, msg.data)
+        except Exception:  # noqa: BLE001 - answered (and counted) by the endpoint
+            await self.endpoint.on_message(msg)
+            return
+        rec = self.registry.agents.get(ann.agent_id)
+        if rec is not None and contested(rec, ann):
+            self.ctx.spawn(self._settle(msg, ann, rec.announce.instance_id or ""), "announce")
+            return
+        await self._apply(msg, ann)
+
+    async def _apply(self, msg: Msg, ann: schema.Announce) -> None:
+        try:
+            body = self.handlers.apply_announce(ann)
+        except Exception as exc:  # noqa: BLE001 - answered by failure(), never kills the sub
+            reply = self.endpoint.failure(msg.subject, exc)
+            if reply is not None and msg.reply:
+                await self.ctx.nc.publish(msg.reply, reply[0], headers=reply[1])
+            return
+        if msg.reply:
+            await self.ctx.nc.publish(msg.reply, body)
+
+    async def _settle(self, msg: Msg, ann: schema.Announce, first: str) -> None:
+        """Accept ``ann`` unless instance ``first`` of the agent still answers."""
+        holder = await self._live(ann.agent_id, first)
+        if holder is None:
+            await self._apply(msg, ann)
+            return
+        self.conflicts += 1
+        self.ctx.metrics.announce_result["conflict"].inc()
+        rec = self.registry.agents.get(ann.agent_id)
+        age = self.ctx.clock() - rec.last_seen if rec is not None else 0.0
+        err = Conflict(
+            f"agent_id {ann.agent_id!r} is live in another process: instance {first} on "
+            f"connection {ann.agent_id!r} (cid {holder.cid}) at server {holder.server}, last "
+            f"heard {age:.1f}s ago; stop that process or use another agent_id"
+        )
+        log.warning("announce.conflict agent=%s instance=%s holder=%s cid=%s server=%s",
+                    ann.agent_id, ann.instance_id, first, holder.cid, holder.server)  # fmt: skip
+        if msg.reply:
+            headers, body = to_reply(err)
+            await self.ctx.nc.publish(msg.reply, body, headers=headers)
+
+    async def _live(self, agent_id: str, instance_id: str) -> schema.ProbeReply | None:
+        """The probe answer of ``instance_id`` of ``agent_id``, if it answers."""
+        ctx = self.ctx
+        try:
+            wait = CONFLICT_PROBE_S
+            replies = await gather(ctx.nc, ctx.subjects.probe(agent_id), b"{}",
+                                   timeout_s=wait, quiet_s=wait)  # fmt: skip
+        except Exception:  # noqa: BLE001 - nobody answers: nobody holds it
+            return None
+        for msg in replies:
+            try:
+                reply = schema.probe_reply_decoder.decode(msg.data)
+            except msgspec.DecodeError:
+                continue
+            if reply.instance_id == instance_id:
+                return reply
+        return None
+
+
+def contested(rec: AgentRecord, ann: schema.Announce) -> bool:
+    """Whether ``ann`` may come from a second live process of ``rec``'s agent id: another
+    instance id, while the first is not known to be gone."""
+    first = rec.announce.instance_id
+    return (
+        first is not None
+        and ann.instance_id is not None
+        and ann.instance_id != first
+        and rec.state != "offline"
+        and not rec.disconnected
+    )

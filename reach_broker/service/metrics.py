@@ -1,0 +1,212 @@
+"""Prometheus metrics of the broker: one :class:`Metrics` object over a ``CollectorRegistry``.
+
+Children of labelled metrics that sit on hot paths are bound once here, so a heartbeat or a
+route request costs an ``inc()``/``observe()`` and no label lookup. Gauges that mirror the
+registry (agents by state) are read at scrape time by a collector, not updated per message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from reach_agent.wire.schema import AGENT_STATES
+
+HEARTBEAT_RESULTS = ("accepted", "stale", "forged", "invalid", "unknown")
+ROUTE_RESULTS = ("ok", "no_agent", "invalid", "overloaded", "error")
+ANNOUNCE_RESULTS = ("ok", "invalid", "error", "conflict")
+DROP_KINDS = ("announce", "heartbeat", "leave", "route", "agents", "advisory", "ack")
+"""``kind`` of ``reach_dropped_total``: the inbound subject family a refusal was on."""
+DROP_REASONS = ("invalid", "forbidden", "forged", "stale", "unknown", "no_token",
+                "stored_copy", "reply_subject", "name_mismatch", "error")  # fmt: skip
+"""``reason`` of ``reach_dropped_total`` (see docs/operations.md, Securing reach)."""
+
+ROUTE_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+
+
+class _StateCollector(Collector):
+    def __init__(self, counts: Callable[[], dict[str, int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        counts = self._counts()
+        agents = GaugeMetricFamily(
+            "reach_agents", "Registered agents by reach state", labels=["state"]
+        )
+        for state in AGENT_STATES:
+            agents.add_metric([state], counts.get(state, 0))
+        yield agents
+        unhealthy = sum(n for s, n in counts.items() if s in ("suspect", "offline", "recovering"))
+        yield GaugeMetricFamily(
+            "reach_agent_unhealthy",
+            "Agents that are suspect, offline or recovering",
+            value=unhealthy,
+        )
+
+    def describe(self) -> Iterable[GaugeMetricFamily]:
+        return []
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.route_requests = Counter(
+            "reach_route_requests_total", "Route requests by result", ["result"], registry=r
+        )
+        self.route_result = {k: self.route_requests.labels(k) for k in ROUTE_RESULTS}
+        self.route_duration = Histogram(
+            "reach_route_duration_seconds",
+            "Time to answer a route request inside the broker",
+            buckets=ROUTE_BUCKETS,
+            registry=r,
+        )
+        self.heartbeats = Counter(
+            "reach_heartbeats_total", "Heartbeats received by result", ["result"], registry=r
+        )
+        self.heartbeat_result = {k: self.heartbeats.labels(k) for k in HEARTBEAT_RESULTS}
+        self.announces = Counter(
+            "reach_announces_total", "Announce requests by result", ["result"], registry=r
+        )
+        self.announce_result = {k: self.announces.labels(k) for k in ANNOUNCE_RESULTS}
+        self.leaves = Counter(
+            "reach_leaves_total", "Leave requests by result", ["result"], registry=r
+        )
+        self.registry_changes = Counter(
+            "reach_registry_change_total",
+            "Registry transitions by event kind",
+            ["kind"],
+            registry=r,
+        )
+        self.state_changes = Counter(
+            "reach_state_transitions_total", "State transitions by target state", ["to"], registry=r
+        )
+        self.probes = Counter("reach_probes_total", "Probes sent by result", ["result"], registry=r)
+        self.probe_rtt = Histogram(
+            "reach_probe_rtt_seconds",
+            "Round trip of answered probes",
+            buckets=ROUTE_BUCKETS,
+            registry=r,
+        )
+        self.dropped = Counter(
+            "reach_dropped_messages_total",
+            "Messages dropped without a reply, by subject kind and reason",
+            ["kind", "reason"],
+            registry=r,
+        )
+        self.refused = Counter(
+            "reach_dropped_total",
+            "Inbound messages the broker refused (announces, heartbeats, leaves, requests, "
+            "advisories, ack records), by kind and reason",
+            ["kind", "reason"],
+            registry=r,
+        )
+        self.auth_enabled = Gauge(
+            "reach_auth_enabled",
+            "1 when the server requires credentials and the broker authenticated with a user "
+            "JWT (reach's roles apply); 0 in open mode, where anyone can act for any agent",
+            registry=r,
+        )
+        self.nats_errors = Counter(
+            "reach_nats_errors_total", "NATS client errors by kind", ["kind"], registry=r
+        )
+        self.panic = Gauge(
+            "reach_capability_panic", "1 while a capability has too few healthy agents",
+            ["capability"], registry=r,
+        )  # fmt: skip
+        self.advisories = Gauge(
+            "reach_disconnect_advisories", "1 when the server's disconnect advisories are seen",
+            registry=r,
+        )  # fmt: skip
+        # High availability (issue 13): the broker's doubt about its own link.
+        self.observer_suspect = Gauge(
+            "reach_observer_suspect",
+            "1 while the broker doubts its own view (too much of the fleet silent at once, or "
+            "its NATS link down) and holds every state",
+            registry=r,
+        )
+        self.observer_gaps = Counter(
+            "reach_observer_gaps_total",
+            "Outages of the broker's own NATS link (every agent's clock rebased after each)",
+            registry=r,
+        )
+        self.reannounce_requests = Counter(
+            "reach_reannounce_requests_total",
+            "Agents asked to announce again (heartbeat from an agent the broker does not know)",
+            registry=r,
+        )
+        self.synadia_agents = Gauge(
+            "reach_synadia_agents",
+            "Synadia Agent Protocol instances the broker follows (discovered on $SRV.INFO.agents)",
+            registry=r,
+        )
+        # JetStream (issue 4): compensation queue and durable acks.
+        self.compensation_depth = Gauge(
+            "reach_compensation_depth", "Entries in REACH_COMPENSATION (read periodically)",
+            registry=r,
+        )  # fmt: skip
+        self.compensation = Counter(
+            "reach_compensation_total",
+            "Compensation entries by result (replayed/expired/claimed/requeued/cancelled by "
+            "brokers; enqueued/refused by clients)",
+            ["result"],
+            registry=r,
+        )
+        self.compensation_result = {
+            k: self.compensation.labels(k)
+            for k in (
+                "enqueued",
+                "replayed",
+                "expired",
+                "refused",
+                "claimed",
+                "requeued",
+                "cancelled",
+            )
+        }
+        self.ack_records = Counter(
+            "reach_ack_records_total", "Ack records published on reach.ack.> by state",
+            ["state"], registry=r,
+        )  # fmt: skip
+        self.ack_record_state = {
+            k: self.ack_records.labels(k) for k in ("received", "completed", "failed")
+        }
+        self.claims_released = Counter(
+            "reach_claims_released_total",
+            "Running claims (KV reach_claims) released because their agent was declared "
+            "offline, so the request can run elsewhere",
+            registry=r,
+        )
+        self.ack_latency = Histogram(
+            "reach_ack_latency_seconds",
+            "Task sent (replay) or received (agent ack) to its completed/failed ack",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+            registry=r,
+        )
+
+        # Routing policy (issue 18): quotas, route rules, what callers saw.
+        self.quota_refused = Counter(
+            "reach_quota_refused_total",
+            "Route requests refused OVERLOADED for a caller's quota, by capability and caller "
+            "(callers not listed in quotas.callers are 'other')",
+            ["capability", "caller"], registry=r,
+        )  # fmt: skip
+        self.rule_changes = Counter(
+            "reach_rule_changes_total", "Route rule changes applied (KV reach_rules), by action",
+            ["action"], registry=r,
+        )  # fmt: skip
+        self.outcomes = Counter(
+            "reach_outcomes_total", "Caller outcome summaries (reach.outcome.*) by result",
+            ["result"], registry=r,
+        )  # fmt: skip
+        self.delivery_ejected = Gauge(
+            "reach_delivery_ejected",
+            "Agents whose delivery term is 0 (outlier or unanswered rule), by rule",
+            ["rule"], registry=r,
+        )  # fmt: skip
+
+    def watch_states(self, counts: Callable[[], dict[str, int]]) -> None:
+        self.registry.register(_StateCollector(counts))

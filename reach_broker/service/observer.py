@@ -1,0 +1,203 @@
+"""The observer that doubts itself first: the broker's own link to NATS, and what the broker
+concludes while that link may be what failed.
+
+A fleet does not go silent all at once; a broker's link does. Three rules follow:
+
+- **Disconnected, no deadlines.** While the broker's connection is down (nats-py's
+  ``disconnected_cb`` to ``reconnected_cb``) the tick does not run: nobody is judged on a
+  silence the broker could not hear. On reconnect every agent's clock is rebased
+  (:meth:`Registry.observer_gap`: shifted by the outage, plus one interval of grace) and the
+  server's connection list is reconciled (the advisories component).
+- **Too many at once, hold.** When more than ``detection.observer_suspect_share`` of the
+  fleet (not offline) would move for silence within one heartbeat interval — the ones due
+  this tick plus those moved for silence in the last interval — the broker suspects itself:
+  it logs it, sets ``reach_observer_suspect 1`` and holds those agents' states
+  (:meth:`Registry.expire` with ``max_silent``), and every later silence with them, until
+  its link is shown to work: a heartbeat arrives, the server answers ``CONNZ`` (the
+  reconcile then moves who has no connection), or a held agent's probe is answered either
+  way (a reply or "no responders"). Then the held deadlines run again, with the rule
+  suspended for :data:`TRUST_S` so they are not held a second time. A single agent never
+  makes the broker doubt itself.
+- **Behind its own input, no judgement.** A tick that runs more than :data:`STALL_S` later
+  than it was due means the broker's loop was held up (busy, or the process starved of
+  CPU): heartbeats that arrived meanwhile may still be unread in its socket. That tick
+  judges nobody; the next one, after they are read, does. Never two ticks in a row, so a
+  broker starved for good still judges every other tick.
+- **Nothing computed blind goes out later.** nats-py buffers publishes while it reconnects;
+  the fan-out publishes no event while :attr:`Link.connected` is false
+  (:class:`~reach_broker.service.context.Fanout`), and a probe whose round trip overlapped an outage
+  is not held against the agent (:attr:`Link.epoch`, read by the prober).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from reach_broker.core.records import Transition
+from reach_broker.core.registry import Registry
+
+from .advisories import Advisories
+from .context import BrokerContext, Link
+
+log = logging.getLogger(__name__)
+
+TRUST_S = 1.0
+"""After the link was shown to work, silence is believed (not held) for this long."""
+CONFIRM_EVERY_S = 1.0
+"""While suspecting itself, the broker asks for confirmation this often."""
+CONFIRM_PROBES = 8
+"""Held agents probed per confirmation round."""
+MIN_SILENT = 2
+"""Fewer agents than this going silent together never make the broker doubt itself."""
+STALL_S = 0.25
+"""A tick this much later than it was due judges nobody (the input that came meanwhile is
+read first)."""
+
+
+class Observer:
+    """The broker's self-doubt: the tick's gate, the hold, its release, the outage rebase."""
+
+    def __init__(self, ctx: BrokerContext, registry: Registry, advisories: Advisories) -> None:
+        self.ctx = ctx
+        self.link: Link = ctx.link
+        self.registry = registry
+        self.advisories = advisories
+        self.share = ctx.cfg.detection.observer_suspect_share
+        self.suspect = False
+        """True while the broker doubts its own view and holds states."""
+        self.suspected = 0
+        """Times the broker has suspected itself (for tests and the log)."""
+        self._since = 0.0
+        self._beats_at = 0
+        self._trusted_until = 0.0
+        self._next_confirm = 0.0
+        self._recent: collections.deque[float] = collections.deque()
+        """When each recent silence move stops counting (its time + the agent's interval)."""
+        self._confirming = False
+        self._stalled = False
+        self.stalls = 0
+        """Ticks that judged nobody because they ran late (the loop was held up)."""
+        ctx.metrics.observer_suspect.set(0)
+
+    # --- the tick -------------------------------------------------------------------------
+
+    def tick(self, now: float, due: float | None = None) -> list[Transition]:
+        """The deadlines that passed by ``now``, as far as the broker believes its ears
+        (``due``: when this tick was meant to run, if it was scheduled)."""
+        if not self.link.connected:
+            return []  # deaf: judge nobody (rebased on reconnect)
+        if due is not None and now - due > STALL_S and not self._stalled:
+            self._stalled = True  # held up: what came meanwhile is read before judging
+            self.stalls += 1
+            log.debug("observer.stalled late_s=%.3f: judging on the next tick", now - due)
+            return []
+        self._stalled = False
+        registry = self.registry
+        if self.suspect and registry.beats != self._beats_at:
+            self.release(now, "heartbeats flow again")
+        out = registry.expire(now, self._max_silent(now))
+        if registry.held and not self.suspect:
+            self._suspect_self(now, len(registry.held))
+        for agent_id in registry.silenced:
+            rec = registry.agents.get(agent_id)
+            self._recent.append(now + (rec.interval_s if rec is not None else 0.0))
+        if self.suspect and now >= self._next_confirm and not self._confirming:
+            self._next_confirm = now + CONFIRM_EVERY_S
+            self._confirming = True
+            self.ctx.spawn(self._confirm(), "observer-confirm")
+        return out
+
+    def _max_silent(self, now: float) -> int | None:
+        if self.suspect:
+            return 0  # every silence waits for the confirmation
+        if now < self._trusted_until or self.share >= 1.0:
+            return None
+        recent = self._recent
+        while recent and recent[0] <= now:
+            recent.popleft()
+        counts = self.registry.counts
+        fleet = sum(counts.values()) - counts["offline"]
+        allowed = max(math.floor(self.share * fleet), MIN_SILENT - 1)
+        return max(allowed - len(recent), 0)
+
+    def _suspect_self(self, now: float, held: int) -> None:
+        self.suspect = True
+        self.suspected += 1
+        self._since = now
+        self._beats_at = self.registry.beats
+        self._next_confirm = now
+        self.ctx.metrics.observer_suspect.set(1)
+        counts = self.registry.counts
+        log.warning(
+            "observer.suspect_self silent=%d fleet=%d share=%.2f: too much of the fleet went "
+            "silent at once; holding every state until heartbeats flow again or the server "
+            "confirms who is gone",
+            held + len(self._recent), sum(counts.values()) - counts["offline"], self.share,
+        )  # fmt: skip
+
+    def release(self, now: float, why: str) -> None:
+        """The link is shown to work: held deadlines run again (believed for TRUST_S)."""
+        if not self.suspect and not self.registry.held:
+            return
+        held = self.registry.release_held()
+        self._trusted_until = now + TRUST_S
+        if self.suspect:
+            self.suspect = False
+            self.ctx.metrics.observer_suspect.set(0)
+            log.warning("observer.trusted again after %.2fs: %s (%d held agents judged now)",
+                        now - self._since, why, held)  # fmt: skip
+
+    async def _confirm(self) -> None:
+        """Ask the servers: a CONNZ answer or a decided probe shows the link works."""
+        ctx = self.ctx
+        try:
+            answers = self.advisories.answers
+            await self.advisories.reconcile()
+            if self.advisories.answers > answers:
+                self.release(ctx.clock(), "the server's connection list answered")
+                return
+            for agent_id in list(self.registry.held)[:CONFIRM_PROBES]:
+                if not self.suspect:
+                    return
+                try:
+                    await ctx.nc.request(ctx.subjects.probe(agent_id), b"{}",
+                                         timeout=ctx.cfg.detection.probe_timeout_s)  # fmt: skip
+                except NatsTimeoutError:
+                    continue
+                except NoRespondersError:
+                    pass
+                self.release(ctx.clock(), f"a probe of {agent_id} was decided")
+                return
+        except Exception:  # noqa: BLE001 - confirmation is retried on the next round
+            log.debug("observer.confirm failed", exc_info=True)
+        finally:
+            self._confirming = False
+
+    # --- the link -------------------------------------------------------------------------
+
+    def lost(self, now: float) -> None:
+        """The broker's connection dropped: stop judging, withhold events."""
+        if self.link.connected:
+            self.link.lost(now)
+            self.ctx.metrics.observer_suspect.set(1)
+            log.warning("observer.link_lost: deadlines paused, events withheld until reconnect")
+
+    def regained(self, now: float) -> None:
+        """Reconnected: rebase every agent's clock over the outage, reconcile, trust again."""
+        if self.link.connected:
+            return
+        start = min(self.link.since, self._since) if self.suspect else self.link.since
+        self.link.regained(now)
+        self.registry.observer_gap(start, now)
+        self.ctx.metrics.observer_gaps.inc()
+        self.suspect = False
+        self._recent.clear()
+        self.ctx.metrics.observer_suspect.set(0)
+        log.warning("observer.link_regained after %.2fs: every agent's clock rebased",
+                    now - start)  # fmt: skip
+        self.advisories.on_reconnected()

@@ -1,0 +1,170 @@
+"""The claims of agents declared offline are released, so their requests can run elsewhere.
+
+An agent claims each request id in KV ``reach_claims`` before it runs it. If the agent
+dies holding a claim, nobody else may run the request until the claim is released, and
+only a broker may decide that the holder is gone: when a transition puts an agent
+``offline`` (or evicts it), the :class:`Releaser` compare-and-sets each claim that agent
+still holds as ``running`` to ``released`` and publishes an ``Event`` of kind ``released``
+on ``<prefix>.event.released.<agent_id>`` naming the request id. Callers waiting for that
+holder (``IN_PROGRESS``) then try again, and the next agent that gets the request takes the
+released claim over: the work runs at least once overall and never on two live agents at
+once (a holder declared offline while it still runs — a partition longer than the offline
+threshold — is the exception the protocol states).
+
+Which claims an agent holds is learnt by following the bucket (one ordered consumer,
+:func:`jetstream.claims.follow`) from ``claims.scan_window_s`` before the broker started:
+memory holds only the claims running now. Every replica does the same; the compare-and-set
+lets exactly one of them release a claim, and only that one publishes the event. A claim
+arriving for an agent already ``offline`` (the broker catching up after its start) is
+released on arrival.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from jetstream import claims
+from jetstream.claims import ClaimStore, ClaimsUnavailable
+from reach_agent.wire import schema
+from reach_agent.wire.schema import Claim, Event
+from reach_broker.core.records import AgentRecord, Transition
+
+from .context import BrokerContext
+
+log = logging.getLogger(__name__)
+
+RUNNING_MAX = 1_000_000
+"""Running claims remembered at most (the oldest are forgotten first beyond it)."""
+
+
+class Releaser:
+    """Broker component: knows the running claims per holder and releases those of agents
+    declared offline. Started only when the server has JetStream."""
+
+    def __init__(self, ctx: BrokerContext, state_of: Callable[[str], str | None]) -> None:
+        self.ctx = ctx
+        self.state_of = state_of
+        """The registry's state of an agent (None: unknown)."""
+        self.cfg = ctx.cfg.claims
+        self.store = ClaimStore(ctx.nc)
+        self.released = 0
+        self._running: dict[str, dict[str, tuple[int, Claim]]] = {}
+        """holder agent id → claim key → (revision, claim)."""
+        self._holder_of: dict[str, str] = {}
+        """claim key → the holder under which it is remembered."""
+        self._sub: Any = None
+
+    @property
+    def running(self) -> int:
+        return len(self._holder_of)
+
+    def held_by(self, agent_id: str) -> list[str]:
+        """The request ids ``agent_id`` holds running claims for (as far as known)."""
+        return [c.request_id for _, c in self._running.get(agent_id, {}).values()]
+
+    async def start(self) -> None:
+        if self._sub is not None or not self.cfg.release:
+            return
+        self.ctx.fanout.listeners.append(self._on_transition)
+        since = self.ctx.wall() - self.cfg.scan_window_s
+        self._sub = await claims.follow(self.ctx.nc, self._on_claim, since=since)
+
+    async def stop(self) -> None:
+        if self._sub is None:
+            return
+        with contextlib.suppress(ValueError):
+            self.ctx.fanout.listeners.remove(self._on_transition)
+        with contextlib.suppress(Exception):
+            await self._sub.unsubscribe()
+        self._sub = None
+
+    async def claim_of(self, request_id: str) -> tuple[str, str] | None:
+        """``request_id``'s claim as (holder, state: running, completed, failed or
+        released); None when it is unclaimed or the bucket cannot say now (the agents' own
+        claims decide then)."""
+        try:
+            stored = await self.store.get(claims.claim_key(request_id))
+        except ClaimsUnavailable:
+            return None
+        if stored is None:
+            return None
+        try:
+            claim = schema.claim_decoder.decode(stored.data)
+        except msgspec.MsgspecError:
+            return None
+        return claim.agent_id, claim.state
+
+    # --- what the bucket says -----------------------------------------------------------
+
+    async def _on_claim(self, key: str, revision: int, data: bytes) -> None:
+        try:
+            claim = schema.claim_decoder.decode(data)
+        except msgspec.MsgspecError:
+            log.warning("claims.undecodable key=%s revision=%d", key, revision)
+            return
+        old = self._holder_of.pop(key, None)
+        if old is not None:
+            held = self._running.get(old)
+            if held is not None:
+                held.pop(key, None)
+                if not held:
+                    del self._running[old]
+        if claim.state != "running":
+            return
+        if len(self._holder_of) >= RUNNING_MAX:
+            self._forget_oldest()
+        self._running.setdefault(claim.agent_id, {})[key] = (revision, claim)
+        self._holder_of[key] = claim.agent_id
+        if self.state_of(claim.agent_id) == "offline":
+            self.ctx.spawn(self.release(claim.agent_id, "it was offline when the broker "
+                                        "learnt of the claim"), "claims-release")  # fmt: skip
+
+    def _forget_oldest(self) -> None:
+        key = next(iter(self._holder_of))
+        holder = self._holder_of.pop(key)
+        held = self._running.get(holder, {})
+        held.pop(key, None)
+        if not held:
+            self._running.pop(holder, None)
+        log.warning("claims.forgotten key=%s holder=%s: more than %d running claims known",
+                    key, holder, RUNNING_MAX)  # fmt: skip
+
+    # --- releasing ----------------------------------------------------------------------
+
+    def _on_transition(self, t: Transition, rec: AgentRecord | None) -> None:
+        if (t.to == "offline" or t.kind == "evicted") and t.agent_id in self._running:
+            self.ctx.spawn(self.release(t.agent_id, t.reason), "claims-release")
+
+    async def release(self, agent_id: str, why: str) -> int:
+        """Release every running claim ``agent_id`` holds; returns how many this replica
+        released (another replica, or the holder finishing, may have been first)."""
+        done = 0
+        for key, (revision, claim) in list(self._running.get(agent_id, {}).items()):
+            reason = (f"claim of request {claim.request_id} released: holder {agent_id!r} "
+                      f"declared offline before finishing ({why})")  # fmt: skip
+            released = msgspec.structs.replace(claim, state="released", at_ms=self.ctx.wall_ms(),
+                                               reason=reason[:512])  # fmt: skip
+            try:
+                won = await self.store.swap(key, schema.encoder.encode(released), revision)
+            except ClaimsUnavailable as exc:
+                log.warning("claims.release_failed request_id=%s agent=%s error=%s",
+                            claim.request_id, agent_id, exc)  # fmt: skip
+                continue
+            if won is None:
+                continue  # it moved on: finished, taken over, or released by another replica
+            done += 1
+            self.released += 1
+            self.ctx.metrics.claims_released.inc()
+            log.info("claims.released request_id=%s agent=%s capability=%s reason=%s",
+                     claim.request_id, agent_id, claim.capability, why)  # fmt: skip
+            event = Event(kind="released", agent_id=agent_id, reason=reason,
+                          at_ms=self.ctx.wall_ms(), broker_id=self.ctx.broker_id,
+                          request_id=claim.request_id)  # fmt: skip
+            subject = self.ctx.subjects.event("released", agent_id)
+            self.ctx.spawn(self.ctx.nc.publish(subject, schema.encoder.encode(event)), "event")
+        return done

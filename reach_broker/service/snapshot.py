@@ -1,0 +1,291 @@
+"""The registry snapshot in KV ``reach_registry``: written as agents change, read at start.
+
+One key per agent (the agent id; broker-private keys start with ``_``, which no agent id
+does) holding the agent's last announce, state and task-time history (its task EWMA).
+Announces and transitions mark an agent dirty, and so does a task EWMA that moved by more
+than ``DRIFT`` since it was written (looked at every ``STATS_S``); a flush loop writes
+dirty agents at most every ``FLUSH_S`` and only when the stored value would change, so a
+steady fleet costs next to no writes. An evicted agent's key is deleted.
+
+Writes go out in batches of at most :data:`BATCH`: a batch's publishes are pipelined on
+the connection and their acknowledgements awaited together (one round trip a batch, so N
+changed agents cost ceil(N / BATCH) round trips, and never more than a batch in flight).
+A write not acknowledged within :data:`ACK_TIMEOUT_S` (or refused) leaves its agent dirty,
+as it leaves every agent of the later batches: the next round, a second later, writes them.
+
+At start, before probes and advisories run, every stored agent the broker has not heard
+from is restored as ``suspect`` (``offline``/``draining`` stay so) with its task EWMA:
+known to ``reach agents`` at once, routable as soon as its next heartbeat (or a probe
+answer) confirms it, and scored against the capability's usual task time rather than from
+nothing. A second replica therefore starts with the same registry without any agent
+re-announcing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import msgspec
+
+from jetstream.names import REGISTRY_BUCKET
+from jetstream.tasks import raise_if_cancelled
+from reach_agent.aio import stop_loops
+from reach_agent.wire import schema
+from reach_agent.wire.errors import InvalidRequest
+from reach_agent.wire.schema import AgentState, Announce
+from reach_broker.core.records import AgentRecord, Transition
+from reach_broker.core.registry import Registry
+
+from .context import BrokerContext
+
+log = logging.getLogger(__name__)
+
+FLUSH_S = 0.2
+BATCH = 256
+"""Writes in flight at once (one batch: published together, acknowledged together)."""
+ACK_TIMEOUT_S = 5.0
+"""A batch's acknowledgements are awaited this long."""
+RETRY_S = 1.0
+"""After a failed round, the next one waits this long."""
+STATS_S = 10.0
+"""How often the task EWMAs are compared with what the bucket holds."""
+DRIFT = 0.2
+"""A task EWMA is written again when it moved by more than this share."""
+
+
+class SnapshotEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """The value of one agent's key."""
+
+    announce: Announce
+    state: AgentState
+    last_seen_ms: int = 0
+    broker_id: str = ""
+    task_ms: float | None = None
+    """The agent's task EWMA (ms), the history its latency score is judged on."""
+
+
+_Written = tuple[Announce, AgentState, float | None]
+"""What the bucket holds of an agent: (announce, state, task EWMA)."""
+
+
+def drifted(written: float | None, now: float | None) -> bool:
+    """Whether a task EWMA moved enough since it was written to be written again."""
+    if now is None:
+        return False
+    return written is None or abs(now - written) > DRIFT * written
+
+
+_entry_decoder = msgspec.json.Decoder(SnapshotEntry)
+_SUBJECT = f"$KV.{REGISTRY_BUCKET}."
+_DELETE = {"KV-Operation": "DEL"}
+"""The headers of a KV delete (what nats-py's ``KeyValue.delete`` publishes)."""
+
+
+class WritesFailed(Exception):
+    """Some writes of a batch were refused or not acknowledged in time (their agents stay
+    dirty)."""
+
+
+class Snapshot:
+    """Broker component keeping KV ``reach_registry`` in step with the registry. Started
+    only when the server has JetStream."""
+
+    def __init__(self, ctx: BrokerContext, registry: Registry) -> None:
+        self.ctx = ctx
+        self.registry = registry
+        self.kv: Any = None
+        self.js: Any = None
+        self.restored = 0
+        self.writes = 0
+        """Writes (puts and deletes) acknowledged."""
+        self.rounds = 0
+        """Batches sent, each one round trip (its acknowledgements awaited together)."""
+        self.stats_every_s = STATS_S
+        self._dirty: set[str] = set()
+        # What the bucket holds per agent: the registry's own objects, so remembering costs
+        # a tuple and "unchanged" is decided before any encoding.
+        self._written: dict[str, _Written] = {}
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        if self._tasks:
+            return
+        self.js = self.ctx.nc.jetstream(timeout=ACK_TIMEOUT_S)
+        self.kv = await self.js.key_value(REGISTRY_BUCKET)
+        await self.restore()
+        self.ctx.fanout.listeners.append(self._on_transition)
+        self.ctx.fanout.announce_listeners.append(self._on_announce)
+        self._tasks = [
+            asyncio.create_task(self._flusher(), name="reach-snapshot"),
+            asyncio.create_task(self._stats_loop(), name="reach-snapshot-stats"),
+        ]
+
+    async def stop(self) -> None:
+        if not self._tasks:
+            return
+        with contextlib.suppress(ValueError):
+            self.ctx.fanout.listeners.remove(self._on_transition)
+        with contextlib.suppress(ValueError):
+            self.ctx.fanout.announce_listeners.remove(self._on_announce)
+        await stop_loops(*self._tasks)
+        self._tasks = []
+        with contextlib.suppress(Exception):
+            await self._flush()
+
+    # --- restore ------------------------------------------------------------------------
+
+    async def restore(self) -> int:
+        """Load every stored agent into the registry as not-yet-heard-from."""
+        watcher = await self.kv.watchall(ignore_deletes=True)
+        now, wall_ms = self.ctx.clock(), self.ctx.wall_ms()
+        count = 0
+        try:
+            while True:
+                entry = await watcher.updates(timeout=5.0)
+                if entry is None:  # initial values done
+                    break
+                if entry.key.startswith("_") or not entry.value:
+                    continue
+                try:
+                    snap = _entry_decoder.decode(entry.value)
+                    ann = schema.validate_announce(snap.announce, entry.key)
+                except (msgspec.MsgspecError, InvalidRequest) as exc:
+                    log.warning("snapshot.bad_entry key=%s error=%s", entry.key, exc)
+                    continue
+                self._written[entry.key] = (ann, snap.state, snap.task_ms)
+                rec = self.registry.restore(ann, snap.state, now, wall_ms, snap.task_ms)
+                count += rec is not None
+        finally:
+            with contextlib.suppress(Exception):
+                await watcher.stop()
+        self.registry.restored(now)
+        self.restored = count
+        log.info("snapshot.restored agents=%d bucket=%s", count, REGISTRY_BUCKET)
+        return count
+
+    # --- writing ------------------------------------------------------------------------
+
+    def _on_transition(self, t: Transition, rec: AgentRecord | None) -> None:
+        self._dirty.add(t.agent_id)
+        self._wake.set()
+
+    def _on_announce(self, rec: AgentRecord) -> None:
+        self._dirty.add(rec.agent_id)
+        self._wake.set()
+
+    def sweep_stats(self) -> int:
+        """Mark dirty every agent whose task EWMA drifted from the stored one; returns how
+        many (O(fleet), every ``stats_every_s``, never per message)."""
+        written = self._written
+        marked = 0
+        for agent_id, rec in self.registry.agents.items():
+            old = written.get(agent_id)
+            if old is not None and drifted(old[2], rec.stats.task_ewma_ms):
+                self._dirty.add(agent_id)
+                marked += 1
+        if marked:
+            self._wake.set()
+        return marked
+
+    async def _stats_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.stats_every_s)
+            try:
+                self.sweep_stats()
+            except Exception:  # noqa: BLE001 - the loop never dies
+                log.exception("snapshot.sweep_failed")
+
+    async def _flusher(self) -> None:
+        while True:
+            raise_if_cancelled()
+            await self._wake.wait()
+            await asyncio.sleep(FLUSH_S)  # coalesce a burst (and let the broker apply it)
+            self._wake.clear()
+            try:
+                await self._flush()
+            except WritesFailed as exc:  # dirty keys are retried
+                log.warning("snapshot.flush_failed %s: retried in %.0f s", exc, RETRY_S)
+            except Exception:  # noqa: BLE001 - the loop never dies; dirty keys are retried
+                log.exception("snapshot.flush_failed")
+            else:
+                continue
+            self._wake.set()
+            await asyncio.sleep(RETRY_S)
+
+    async def _flush(self) -> None:
+        """Write every dirty agent whose stored value would change, :data:`BATCH` at a time
+        (each batch encoded just before it is sent, so a burst never holds the loop for more
+        than a batch); on a failed batch its agents and every later one stay dirty."""
+        if not self._dirty:
+            return
+        dirty, self._dirty = list(self._dirty), set()
+        batch: list[tuple[str, _Written | None, bytes]] = []
+        for i, agent_id in enumerate(dirty):
+            write = self._write_of(agent_id)
+            if write is not None:
+                batch.append(write)
+            if len(batch) == BATCH or (batch and i == len(dirty) - 1):
+                try:
+                    await self._write(batch)
+                except BaseException:
+                    # This batch's and the later ones' agents are written next round (the
+                    # ones this batch did write are then unchanged: skipped).
+                    self._dirty.update(w[0] for w in batch)
+                    self._dirty.update(dirty[i + 1 :])
+                    raise
+                batch = []
+
+    def _write_of(self, agent_id: str) -> tuple[str, _Written | None, bytes] | None:
+        """What to write for ``agent_id``: (agent, what the bucket will hold or None for a
+        delete, value); None when the bucket already holds it."""
+        rec = self.registry.agents.get(agent_id)
+        if rec is None:
+            return (agent_id, None, b"") if agent_id in self._written else None
+        # last_seen_ms and broker_id alone are not worth a write, nor a small drift.
+        task_ms = rec.stats.task_ewma_ms
+        old = self._written.get(agent_id)
+        if old is not None and old[:2] == (rec.announce, rec.state):
+            if not drifted(old[2], task_ms):
+                return None
+        task_ms = None if task_ms is None else round(task_ms, 1)
+        value = schema.encoder.encode(
+            SnapshotEntry(announce=rec.announce, state=rec.state,
+                          last_seen_ms=rec.last_seen_wall_ms, broker_id=self.ctx.broker_id,
+                          task_ms=task_ms)
+        )  # fmt: skip
+        return agent_id, (rec.announce, rec.state, task_ms), value
+
+    async def _write(self, batch: list[tuple[str, _Written | None, bytes]]) -> None:
+        """One round trip: the batch's publishes pipelined, their acks awaited together."""
+        js, futures = self.js, []
+        try:
+            for agent_id, written, value in batch:
+                if written is None:
+                    futures.append(await js.publish_async(_SUBJECT + agent_id, headers=_DELETE))
+                else:
+                    futures.append(await js.publish_async(_SUBJECT + agent_id, value))
+            self.rounds += 1
+            if futures:
+                await asyncio.wait(futures, timeout=ACK_TIMEOUT_S)
+        finally:
+            for fut in futures:
+                fut.cancel()  # unacknowledged (or interrupted): no longer waited for
+        failed: list[str] = []
+        error: BaseException | None = None
+        for (agent_id, written, _), fut in zip(batch, futures, strict=True):
+            if fut.cancelled() or fut.exception() is not None:
+                failed.append(agent_id)
+                error = error or (None if fut.cancelled() else fut.exception())
+            elif written is None:
+                self._written.pop(agent_id, None)
+                self.writes += 1
+            else:
+                self._written[agent_id] = written
+                self.writes += 1
+        if failed:
+            why = "not acknowledged in time" if error is None else repr(error)
+            raise WritesFailed(f"{len(failed)} of {len(batch)} writes failed ({why})")
