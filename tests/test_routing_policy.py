@@ -341,3 +341,20 @@ def test_receipts_without_results_eject_after_n_calls_unless_the_agent_finishes_
         idle.add("d", _summary("liar", 50, timeouts=50), 1.0, finished=0, busy=False).rule is None
     )
     assert idle.judge("d", 2.0, finished=0, busy=True).rule == UNANSWERED
+
+
+def test_tasks_seen_running_count_even_after_their_deadlines_cancelled_them() -> None:
+    """The third unanswered call is reported after its deadline cancelled it on the agent
+    (whose heartbeats then report nothing running): the calls were in its hands while they
+    went unanswered, which the heartbeats showed at the first two reports."""
+    book = DeliveryBook(OutcomesSection(unanswered_after=3))
+    assert book.add("a", _summary("first", 1, timeouts=1), 1.0, finished=7, busy=True).rule is None
+    assert book.add("a", _summary("first", 1, timeouts=1), 2.0, finished=7, busy=True).rule is None
+    late = book.add("a", _summary("first", 1, timeouts=1), 3.0, finished=7, busy=False)
+    assert late.rule == UNANSWERED
+    # Reports of an agent never seen running anything are not enough (a caller lying).
+    never = DeliveryBook(OutcomesSection(unanswered_after=3))
+    for t in (1.0, 2.0, 3.0):
+        assert (
+            never.add("b", _summary("liar", 1, timeouts=1), t, finished=0, busy=False).rule is None
+        )

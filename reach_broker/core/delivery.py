@@ -16,11 +16,12 @@ an argument (pure):
 - **the unanswered rule**: at least ``unanswered_after`` (N, 3 by default) receipted calls
   without a result (lost + timeouts, any callers) in the window, while no caller got any
   answer from the agent, its heartbeats reported no finished task since the first of them
-  and they do report tasks running (``active`` > 0: the receipted tasks are still in its
-  hands): D = 0, for everyone, after at most N calls. The agent's own heartbeats corroborate
-  the callers: an agent that is merely slow still finishes tasks (its ``ok_total`` moves),
-  and an idle one runs nothing, so neither a caller with too short a deadline nor one that
-  makes reports up can eject it this way.
+  and they reported tasks running meanwhile (``active`` > 0 at a judgement since the first
+  of them: the receipted tasks were in its hands, even if their callers' deadlines have
+  cancelled them since): D = 0, for everyone, after at most N calls. The agent's own
+  heartbeats corroborate the callers: an agent that is merely slow still finishes tasks (its
+  ``ok_total`` moves), and an idle one runs nothing, so neither a caller with too short a
+  deadline nor one that makes reports up can eject it this way.
 
 The window slides: once the reports are a minute old, D returns to 1 (the agent is tried
 again, and judged afresh).
@@ -95,13 +96,17 @@ class Reports:
 class AgentOutcomes:
     """The reports about one agent: per caller, the summaries within the window."""
 
-    __slots__ = ("baseline", "by_caller", "verdict")
+    __slots__ = ("baseline", "busy", "by_caller", "verdict")
 
     def __init__(self) -> None:
         self.by_caller: dict[str, Reports] = {}
         self.baseline: int | None = None
         """The agent's finished tasks (heartbeat ok + fail) when the first unanswered call
         of the window was reported: if it moves, the agent is finishing tasks."""
+        self.busy = False
+        """Whether its heartbeats reported tasks running at a judgement since then: the
+        receipted calls were in its hands, even if their deadlines have since cancelled
+        them (the agent then reports none running by the time the last report comes)."""
         self.verdict = CLEAN
 
 
@@ -177,13 +182,16 @@ class DeliveryBook:
             return CLEAN
         if unanswered == 0:
             book.baseline = None
+            book.busy = False
             self._unanswered.discard(agent_id)
+        elif busy:
+            book.busy = True
         shares.sort(reverse=True)
         k = cfg.min_callers
         share = shares[k - 1] if len(shares) >= k else 0.0
         callers = len(book.by_caller)
         if (
-            unanswered >= cfg.unanswered_after and answers == 0 and busy
+            unanswered >= cfg.unanswered_after and answers == 0 and book.busy
             and book.baseline is not None and finished <= book.baseline
         ):  # fmt: skip
             verdict = Verdict(0.0, UNANSWERED, share, callers)
