@@ -16,6 +16,8 @@ compared with those after the broker started. Each block is counted where it was
 
 ``--rss`` runs without ``tracemalloc`` (whose own records would count) and gives the
 process's RSS growth per agent instead: what the allocator keeps, freed blocks included.
+``cpu_s`` is the process's CPU time from the first announce until the broker settled (the
+tool's own encoding included; compare it between checkouts with ``--rss``).
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             gc.collect()
             base = tracemalloc.take_snapshot() if tracemalloc.is_tracing() else None
             rss0 = rss_bytes(os.getpid()) if base is None else None
+            cpu0 = time.process_time()
             handlers = broker.handlers
             for i, (agent, body) in enumerate(zip(agents, bodies, strict=True)):
                 ack = schema.announce_ack_decoder.decode(
@@ -116,6 +119,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     if i % 256 == 255:
                         await asyncio.sleep(0)
             await settle(broker, feed)
+            cpu_s = time.process_time() - cpu0
             gc.collect()
             snap = tracemalloc.take_snapshot() if base is not None else None
             rss1 = rss_bytes(os.getpid()) if base is None else None
@@ -123,7 +127,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             await feed.stop()
             await broker.stop()
-    out: dict[str, Any] = {"agents": n, "beats": args.beats, "states": counts}
+    out: dict[str, Any] = {"agents": n, "beats": args.beats, "states": counts,
+                           "cpu_s": round(cpu_s, 2)}  # fmt: skip
     if rss0 is not None and rss1 is not None:
         out["rss_bytes_per_agent"] = round((rss1 - rss0) / n, 1)
     if snap is not None and base is not None:
