@@ -68,7 +68,10 @@ H_EXPIRES_MS = "Reach-Expires-Ms"
 """Compensation entry expiry (absolute Unix ms)."""
 H_ENQUEUED_MS = "Reach-Enqueued-Ms"
 """When a compensation entry was enqueued (Unix ms)."""
-QUEUE_HEADERS = (H_MSG_ID, H_PRIORITY, H_EXPIRES_MS, H_ENQUEUED_MS)
+H_BODY_DIGEST = "Reach-Body-Digest"
+"""The digest of a compensation entry's body (``reach_agent.wire.schema.body_digest``): the
+request id reused with another body is refused (IDEMPOTENCY_MISMATCH)."""
+QUEUE_HEADERS = (H_MSG_ID, H_PRIORITY, H_EXPIRES_MS, H_ENQUEUED_MS, H_BODY_DIGEST)
 """The queue's own headers, stripped before an entry is replayed as a task."""
 H_EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 """JetStream's compare-and-set: store only if the subject's last sequence is this (0: none),

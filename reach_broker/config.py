@@ -43,7 +43,10 @@ class NatsSection(Section):
     embedded_port: Annotated[int, Meta(ge=0, le=65535)] = 4222
     """Port of the embedded server (0: any free port)."""
     embedded_store_dir: str | None = None
-    """JetStream store dir of the embedded server (unset: a temp dir removed at exit)."""
+    """JetStream store dir of the embedded server, kept across restarts (unset:
+    ``reach-data`` in the current directory)."""
+    embedded_ephemeral: bool = False
+    """Give the embedded server a throwaway store instead (a temp dir removed at exit)."""
 
 
 class BrokerSection(Section):

@@ -38,9 +38,14 @@ def add_parser(sub: Subcommands) -> None:
     p.add_argument("--port", type=int, default=int_env("REACH_NATS_PORT"),
                    help="port of the embedded nats-server (default 4222; "
                         "0: any free port)")  # fmt: skip
-    p.add_argument("--store-dir", default=env_default("REACH_STORE_DIR"),
-                   help="JetStream store dir of the embedded server "
-                        "(default: a temp dir)")  # fmt: skip
+    store = p.add_mutually_exclusive_group()
+    store.add_argument("--store-dir", default=env_default("REACH_STORE_DIR"),
+                       help="JetStream store dir of the embedded server, kept across restarts "
+                            "(default ./reach-data; env REACH_STORE_DIR)")  # fmt: skip
+    store.add_argument("--ephemeral", action="store_true",
+                       default=env_default("REACH_EPHEMERAL") == "1",
+                       help="give the embedded server a throwaway store (a temp dir removed "
+                            "at exit; env REACH_EPHEMERAL=1)")  # fmt: skip
     p.add_argument("--broker-id", default=env_default("REACH_BROKER_ID"),
                    help="this replica's id (default host-pid-random; env "
                         "REACH_BROKER_ID)")  # fmt: skip
@@ -90,7 +95,9 @@ def run(args: argparse.Namespace) -> int:
         cfg.broker.metrics_host = args.metrics_host
     if args.port is not None:
         cfg.nats.embedded_port = args.port
-    if args.store_dir:
+    if args.ephemeral:
+        cfg.nats.embedded_ephemeral = True
+    elif args.store_dir:
         cfg.nats.embedded_store_dir = args.store_dir
     if args.broker_id:
         cfg.broker.broker_id = args.broker_id

@@ -107,8 +107,12 @@ class HttpAdapter:
             limits=httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=64)
         )
 
-    async def start(self, servers: str | list[str] | None = None) -> None:
-        await self.agent.start(servers)
+    async def start(
+        self, servers: str | list[str] | None = None, *, stop: asyncio.Event | None = None
+    ) -> None:
+        """Serve as the agent (see :meth:`reach_agent.Agent.start`: ``stop`` ends the wait
+        for a first server)."""
+        await self.agent.start(servers, stop=stop)
 
     async def stop(self, grace: float | None = None) -> None:
         try:

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from jetstream import acks
@@ -30,23 +31,58 @@ async def record_failed(
 
 async def record_taker(ctx: BrokerContext, e: Entry, agent_id: str) -> None:
     """``received`` by the broker: it handed the task to ``agent_id`` (whose own records
-    ``Client.wait`` then trusts). A failure is logged: the task was delivered anyway."""
+    ``Client.wait`` then trusts). Tried once now; should JetStream not take it, again in the
+    background until it does (the entry is held meanwhile: the task was delivered)."""
     rec = AckRecord(request_id=e.request_id, agent_id=agent_id, capability=e.capability,
                     state="received", at_ms=ctx.wall_ms())  # fmt: skip
+    msg_id = acks.ack_msg_id(BROKER_ACK_AUTHOR, rec.request_id, rec.state)
     try:
-        await publish(ctx, rec)
-    except Exception as exc:  # noqa: BLE001 - the entry is held regardless
-        log.warning("replay.taker_unrecorded request_id=%s agent=%s error=%r: wait() "
-                    "needs agent_id= for it", e.request_id, agent_id, exc)  # fmt: skip
+        await publish(ctx, rec, msg_id)
+    except Exception as exc:  # noqa: BLE001 - tried again below, never dropped
+        ctx.metrics.store_errors.labels("acks", "taker").inc()
+        log.warning("replay.taker_unrecorded request_id=%s agent=%s error=%r: trying again",
+                    e.request_id, agent_id, exc)  # fmt: skip
+        ctx.spawn(store(ctx, rec, "taker", msg_id, first_pause_s=RETRY_FIRST_S), "ack-retry")
 
 
-async def publish(ctx: BrokerContext, rec: AckRecord) -> None:
-    """One record of the broker's own (author ``_broker``)."""
+RETRY_FIRST_S = 0.1
+RETRY_MAX_S = 5.0
+"""First and longest pause between two tries of a broker record JetStream did not take."""
+
+
+async def store(
+    ctx: BrokerContext, rec: AckRecord, op: str, msg_id: str | None = None,
+    *, first_pause_s: float = 0.0,
+) -> None:  # fmt: skip
+    """Store one record of the broker's own, trying again until JetStream confirms it (each
+    failure counted as ``reach_store_errors_total{store="acks",op}``). Every try carries the
+    same message id, so a try whose answer was lost is not stored twice."""
+    msg_id = msg_id or acks.ack_msg_id(BROKER_ACK_AUTHOR, rec.request_id, rec.state)
+    pause = first_pause_s
+    while True:
+        if pause:
+            await asyncio.sleep(pause)
+        try:
+            await publish(ctx, rec, msg_id)
+            if pause:
+                log.info("acks.stored request_id=%s state=%s after a retry", rec.request_id,
+                         rec.state)  # fmt: skip
+            return
+        except Exception as exc:  # noqa: BLE001 - tried again until stored
+            ctx.metrics.store_errors.labels("acks", op).inc()
+            log.warning("acks.store_failed request_id=%s state=%s error=%r: trying again",
+                        rec.request_id, rec.state, exc)  # fmt: skip
+        pause = min(max(pause * 2, RETRY_FIRST_S), RETRY_MAX_S)
+
+
+async def publish(ctx: BrokerContext, rec: AckRecord, msg_id: str | None = None) -> None:
+    """One record of the broker's own (author ``_broker``), tried once: raises what the
+    publish raises."""
     js = ctx.nc.jetstream(timeout=2.0)
     rid = rec.request_id
     await acks.publish_record(
         js,
         ctx.subjects.ack(BROKER_ACK_AUTHOR, rid),
-        acks.ack_msg_id(BROKER_ACK_AUTHOR, rid, rec.state),
+        msg_id or acks.ack_msg_id(BROKER_ACK_AUTHOR, rid, rec.state),
         schema.encoder.encode(rec),
     )

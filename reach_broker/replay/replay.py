@@ -38,6 +38,7 @@ from typing import Any
 from nats.aio.msg import Msg
 
 from jetstream import compensation
+from jetstream.claims import ClaimsUnavailable
 from jetstream.compensation import Entry
 from jetstream.names import H_EXPIRES_MS
 from jetstream.tasks import raise_if_cancelled
@@ -47,6 +48,7 @@ from reach_agent.wire.schema import RouteRequest
 from reach_broker.core.records import AgentRecord, Transition
 from reach_broker.core.routing import Router
 from reach_broker.service.context import BrokerContext
+from reach_broker.service.releases import ClaimView
 
 from .ackwatch import AckWatch
 from .replaysend import EntrySender, Outcome
@@ -63,13 +65,14 @@ class Replayer:
         self,
         ctx: BrokerContext,
         router: Router,
-        claim_of: Callable[[str], Awaitable[tuple[str, str] | None]],
+        claim_of: Callable[[str], Awaitable[ClaimView | None]],
         record_of: Callable[[str], AgentRecord | None] = lambda _: None,
     ) -> None:
         self.ctx = ctx
         self.router = router
         self.claim_of = claim_of
-        """A request id's claim: (holder, state), None when unclaimed."""
+        """A request id's claim: (holder, state), None when unclaimed; raises
+        ``ClaimsUnavailable`` when the bucket cannot say."""
         self.subjects = ctx.subjects
         self.cfg = ctx.cfg.compensation
         self._running: dict[str, asyncio.Task[None]] = {}
@@ -142,8 +145,13 @@ class Replayer:
             self._known[cap] = self._known.get(cap, 0) + 1
             self.kick(cap)
 
-    async def _claimed_now(self, request_id: str) -> bool:
-        claim = await self.claim_of(request_id)
+    async def _claimed_now(self, request_id: str) -> bool | None:
+        """Whether an agent holds ``request_id``'s claim; None when the bucket cannot say
+        now (counted): the entry is then not expired on a guess, and looked at again."""
+        try:
+            claim = await self.claim_of(request_id)
+        except ClaimsUnavailable:
+            return None
         return claim is not None and claim[1] != "released"
 
     async def _on_enqueued(self, msg: Msg) -> None:
@@ -293,7 +301,12 @@ class Replayer:
         limit = self.cfg.max_entries * 2
         for e in await compensation.scan(nc, subjects=self.subjects, limit=limit):
             if e.expired(now_ms):
-                if self.taken.holds(e.request_id) or await self._claimed_now(e.request_id):
+                if self.taken.holds(e.request_id):
+                    continue  # delivered and running (this replica holds it): not expired
+                claimed = await self._claimed_now(e.request_id)
+                if claimed is None:
+                    soonest = now_ms  # unknown now: the next sweep looks again
+                if claimed is not False:
                     continue  # delivered and running (a replica holds it): not expired
                 await self.sender.record_expired(e)
                 await compensation.remove(nc, e.seq)

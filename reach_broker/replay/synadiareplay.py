@@ -124,11 +124,8 @@ class Prompts:
             result=None if err else msgspec.Raw(schema.encoder.encode(streams.join(chunks))),
             error={"code": err.code, "message": err.message} if err else None,
         )  # fmt: skip
-        try:
-            await brokeracks.publish(self.ctx, rec)
-        except Exception:  # noqa: BLE001 - a lost record is logged, never a crash
-            log.exception("replay.synadia_record_failed request_id=%s", request_id)
-            return  # the entry stays held: given back if the agent goes, else at its expiry
+        # Until stored: the answer exists nowhere else (their agents write no records).
+        await brokeracks.store(self.ctx, rec, "answer")
         log.info("replay.synadia_recorded request_id=%s agent=%s state=%s", request_id,
                  agent_id, rec.state)  # fmt: skip
         await self.on_done(request_id, agent_id)

@@ -32,7 +32,13 @@ from nats.micro.service import EndpointConfig, Service, ServiceConfig
 from jetstream.tasks import raise_if_cancelled
 from reach_agent import otel
 from reach_agent.aio import stop_loops
-from reach_agent.connection import Credentials, connect_options, drain_or_close, flush_subscriptions
+from reach_agent.connection import (
+    Credentials,
+    connect,
+    connect_options,
+    drain_or_close,
+    flush_subscriptions,
+)
 from reach_agent.wire.subjects import Subjects
 from reach_broker import __version__
 from reach_broker.config import Config
@@ -155,6 +161,7 @@ class Broker:
         self._subs: list[Any] = []
         self._loop_task: asyncio.Task[None] | None = None
         self._started = False
+        self._connected = False
         self._watching = False
         self._with_creds = bool(cfg.nats.creds)
         self.auth_enabled = False
@@ -164,14 +171,23 @@ class Broker:
 
     # --- lifecycle ----------------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def start(self, *, stop: asyncio.Event | None = None) -> None:
+        """Connect (waiting for a server as long as it takes, each failed attempt logged as
+        ``broker.connect_failed``; ``stop`` set meanwhile ends the wait with
+        :class:`~reach_agent.connection.NotConnected`), provision, start the components."""
         if self._started:
             return
         self._started = True
         if self._own_nc:
             options = self._connect_options()
             self._with_creds = bool(options.get("user_credentials"))
-            await self.nc.connect(**options)
+            try:
+                await connect(self.nc, options, what=f"broker {self.broker_id!r}", role="broker",
+                              stop=stop)  # fmt: skip
+            except BaseException:
+                self._started = False
+                raise
+        self._connected = True
         self._secure()
         self.replicas = await provision_assets(self.nc, self.cfg, self.subjects)
         self.jetstream_ok = self.replicas is not None
@@ -314,10 +330,12 @@ class Broker:
     async def _on_nats_error(self, exc: Exception) -> None:
         kind = "slow_consumer" if isinstance(exc, SlowConsumerError) else type(exc).__name__
         self.metrics.nats_errors.labels(kind).inc()
-        log.warning("broker.nats_error kind=%s error=%s", kind, exc)
+        if self._connected:  # before, the first connect's failures are said (rate-limited)
+            log.warning("broker.nats_error kind=%s error=%s", kind, exc)
 
     async def _on_disconnected(self) -> None:
-        if self._started:  # not during our own shutdown, where the drain closes it
+        if self._started and self._connected:  # not at our own shutdown (the drain closes
+            # it), nor when a first connect that never succeeded is called off
             log.warning("broker.nats_disconnected")
             self.observer.lost(self.clock())
 
