@@ -194,6 +194,25 @@ def test_silences_within_one_interval_add_up() -> None:
     assert len(reg.held) >= 1
 
 
+def test_a_late_tick_judges_nobody_the_next_one_does() -> None:
+    """The loop held up for 0.5 s: heartbeats that came meanwhile are read after the late
+    tick, before the next one judges."""
+    obs, reg, tokens, _ = observer(4, share=1.0)  # no hold: only the late tick's rule
+    assert obs.tick(3.0, due=2.5) == [] and obs.stalls == 1  # every deadline (3.0) passed
+    for i in range(2):
+        beat(reg, tokens, f"a{i}", 1, 3.01)  # read once the loop got round to it
+    moved = obs.tick(3.06, due=3.05)
+    assert sorted(t.agent_id for t in moved) == ["a2", "a3"]
+    assert {reg.agents[f"a{i}"].state for i in range(2)} == {"healthy"}
+
+
+def test_never_two_late_ticks_in_a_row_judge_nobody() -> None:
+    obs, _reg, _, _ = observer(2, share=1.0)
+    assert obs.tick(3.0, due=2.5) == []
+    assert len(obs.tick(3.6, due=3.1)) == 2  # late again: judged all the same
+    assert obs.stalls == 1
+
+
 def test_one_agent_never_makes_the_broker_doubt_itself() -> None:
     obs, _reg, _, _ = observer(1)
     assert [t.to for t in obs.tick(3.0)] == ["suspect"]

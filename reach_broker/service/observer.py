@@ -22,6 +22,11 @@ A fleet does not go silent all at once; a broker's link does. Three rules follow
   coming back, does not mean the others are heard yet). The held deadlines then run again,
   rebased, and are believed when they come (not held a second time). A single agent never
   makes the broker doubt itself.
+- **Behind its own input, no judgement.** A tick that runs more than :data:`STALL_S` later
+  than it was due means the broker's loop was held up (busy, or the process starved of
+  CPU): heartbeats that arrived meanwhile may still be unread in its socket. That tick
+  judges nobody; the next one, after they are read, does. Never two ticks in a row, so a
+  broker starved for good still judges every other tick.
 - **Nothing computed blind goes out later.** nats-py buffers publishes while it reconnects;
   the fan-out publishes no event while :attr:`Link.connected` is false
   (:class:`~reach_broker.service.context.Fanout`), and a probe whose round trip overlapped an outage
@@ -53,6 +58,9 @@ CONFIRM_PROBES = 8
 """Held agents probed per confirmation round."""
 MIN_SILENT = 2
 """Fewer agents than this going silent together never make the broker doubt itself."""
+STALL_S = 0.25
+"""A tick this much later than it was due judges nobody (the input that came meanwhile is
+read first)."""
 
 
 class Observer:
@@ -75,14 +83,24 @@ class Observer:
         self._recent: collections.deque[float] = collections.deque()
         """When each recent silence move stops counting (its time + the agent's interval)."""
         self._confirming = False
+        self._stalled = False
+        self.stalls = 0
+        """Ticks that judged nobody because they ran late (the loop was held up)."""
         ctx.metrics.observer_suspect.set(0)
 
     # --- the tick -------------------------------------------------------------------------
 
-    def tick(self, now: float) -> list[Transition]:
-        """The deadlines that passed by ``now``, as far as the broker believes its ears."""
+    def tick(self, now: float, due: float | None = None) -> list[Transition]:
+        """The deadlines that passed by ``now``, as far as the broker believes its ears
+        (``due``: when this tick was meant to run, if it was scheduled)."""
         if not self.link.connected:
             return []  # deaf: judge nobody (rebased on reconnect)
+        if due is not None and now - due > STALL_S and not self._stalled:
+            self._stalled = True  # held up: what came meanwhile is read before judging
+            self.stalls += 1
+            log.debug("observer.stalled late_s=%.3f: judging on the next tick", now - due)
+            return []
+        self._stalled = False
         registry = self.registry
         if self.suspect and registry.beats != self._beats_at:
             self.release(now, "heartbeats flow again")
