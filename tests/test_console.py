@@ -387,6 +387,10 @@ async def test_the_page_is_told_of_the_fleet_and_of_each_transition(
         feed = port.feed
         assert feed is not None
         beaten = feed.history.ticks  # samples from here on see the heartbeat's load
+        # The page's first push lists the events the feed holds: the registration reaches it
+        # through REACH_AUDIT (stored, then followed), after the heartbeat was counted.
+        await wait_for(lambda: [e.event.kind for e in feed.history.events] == ["registered"],
+                       what="alpha's registration in the console's timeline")  # fmt: skip
         sse = await Sse.open(port.server.port)
         try:
             hello = await sse.next("hello")
