@@ -4,10 +4,15 @@ loss of the node that held it, a leader change, its deletion).
 
 nats-py's ordered consumer promises as much, but rebuilds its consumer with
 ``deliver_policy=by_start_sequence`` while keeping the ``opt_start_time`` it was started with,
-which the server refuses ("consumer delivery policy is deliver by start sequence, but
-optional start time is also set"), and a creation that fails is only handed to the
-connection's error callback. A follow that started from a time (the broker's claims,
-``reach events --since``) stopped for good at the first node loss, and nothing said so.
+which the server refuses (``err_code`` 10094: "consumer delivery policy is deliver by start
+sequence, but optional start time is also set"; nats.go fixed the same in its #1341), and a
+creation that fails is only handed to the connection's error callback. A follow that started
+from a time (the broker's claims, ``reach events --since``) stopped for good at the first
+node loss, and nothing said so (loadtest.nemesis found it: a broker stopped learning claims
+after a NATS node was killed). Turning the time into a sequence before subscribing mends
+that reset (at the cost of a throwaway consumer per follow); the follower also
+says when and why a follow is lost, counts it for an alert, and notices a lost consumer after
+3 missed heartbeats of 1 s instead of nats-py's 2 of 5 s.
 
 :class:`Follower` owns its consumer instead, made as the ordered consumer makes its own
 (ephemeral, one replica in memory, no acks, flow control, idle heartbeats) and delivering to

@@ -28,6 +28,12 @@ RULES_BUCKET = "reach_rules"
 """KV bucket: one route rule per capability (key = the capability), watched by every broker."""
 RULES_STREAM = f"KV_{RULES_BUCKET}"
 """The stream behind :data:`RULES_BUCKET`."""
+A2A_TASKS_BUCKET = "reach_a2a_tasks"
+"""KV bucket of the A2A gateway's tasks: one key per task, ``<owner>.<task id>``
+(reach_broker/interop/a2a/tasks.py), kept as long as the ack records their results live in.
+Not among :data:`STREAM_NAMES`: a gateway provisions it when it starts."""
+A2A_TASKS_STREAM = f"KV_{A2A_TASKS_BUCKET}"
+"""The stream behind :data:`A2A_TASKS_BUCKET`."""
 STREAM_NAMES = (ACK_STREAM, COMP_STREAM, AUDIT_STREAM, REGISTRY_STREAM, CLAIMS_STREAM,
                 RULES_STREAM)  # fmt: skip
 """Every asset provisioned at broker start, in order."""

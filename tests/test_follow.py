@@ -294,6 +294,56 @@ async def test_the_audit_follow_from_a_time_goes_on_after_its_consumer_is_delete
         await follow_.stop()
 
 
+async def test_a_follow_from_a_time_starts_at_the_first_event_stored_at_or_after_it(
+    nc: NATS,
+) -> None:
+    """A start time picks the first message stored at or after it; a consumer lost before it
+    delivered anything is made again from that same time (a time alone, never beside a
+    sequence), so what was stored before it is still not delivered."""
+    await provision(nc, only(AUDIT_STREAM))
+    await publish(nc, "e1")
+    await asyncio.sleep(0.2)  # separates the stored times around `between`
+    between = time.time()
+    await asyncio.sleep(0.2)
+    await publish(nc, "e2")
+    await asyncio.sleep(0.2)
+    later = time.time()
+    follows: list[follow.Follower] = []
+    seen: dict[float, list[int]] = {}
+
+    async def start(when: float) -> api.ConsumerInfo:
+        seen[when] = []
+
+        async def cb(msg: Any) -> None:
+            seen[when].append(msg.metadata.sequence.stream)
+
+        f = follow.Follower(nc, cb, name="t", stream=AUDIT_STREAM, subject=SUBJECTS.all_events,
+                            start=follow.Start.at_time(when))  # fmt: skip
+        follows.append(f)
+        return await f.start()
+
+    try:
+        infos = [await start(when) for when in (between - 3600, between, later)]
+        assert [i.num_pending for i in infos] == [2, 1, 0]
+        assert [i.config.deliver_policy for i in infos] == [api.DeliverPolicy.BY_START_TIME] * 3
+        await wait_for(lambda: seen[between - 3600] == [1, 2] and seen[between] == [2],
+                       what="the events from each time")  # fmt: skip
+        idle = follows[2]
+        await delete_consumer(nc, AUDIT_STREAM, idle.consumer)
+        await wait_for(lambda: idle.rebuilds == 1 and idle.following, 10, what="the rebuild")
+        info = await nc.jetstream().consumer_info(AUDIT_STREAM, idle.consumer)
+        assert (info.config.deliver_policy, info.config.opt_start_seq) == (
+            api.DeliverPolicy.BY_START_TIME, None)  # fmt: skip
+        await publish(nc, "e3")
+        await wait_for(lambda: [len(s) for s in seen.values()] == [3, 2, 1],
+                       what="e3 to every follow")  # fmt: skip
+        assert list(seen.values()) == [[1, 2, 3], [2, 3], [3]]
+        assert idle.failures == 0
+    finally:
+        for f in follows:
+            await f.stop()
+
+
 # --- the broker's releases wait for a lost claims follow ------------------------------------
 
 
