@@ -3,7 +3,8 @@
 The broker follows KV ``reach_claims`` (a message per claim written: two or more per task
 call), ``reach_rules`` and the audit trail. :class:`jetstream.follow.Follower` replaced
 nats-py's ordered consumer there (which could not rebuild a follow started from a time).
-This has both read the same stored claims from a start time, on one embedded nats-server:
+This has both read the same stored claims, on one embedded nats-server (the follower from a
+start time, the ordered consumer from the sequence that time stands for):
 
 - timed (default): ``--messages`` claims, ``--rounds`` rounds alternating the two in one
   process; the client's CPU time per message (``time.process_time``: what the broker pays)
@@ -29,7 +30,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +51,8 @@ KINDS = ("ordered", "follower")
 HEARTBEAT_S = 30.0
 """Both follows' idle heartbeat. Long: no heartbeat is sent while messages flow anyway, and
 under valgrind a follow can go seconds without handling a message, which with a short one
-has the follower rebuild its consumer (a cost that is not per message) and nats-py's ordered
-consumer re-create its own with the start time still set, refused: it then never delivers
-again (seen here with 5 s, its default)."""
+has the follower rebuild its consumer and nats-py's ordered consumer re-create its own
+(costs that are not per message)."""
 
 Stop = Callable[[], Awaitable[None]]
 Run = Callable[[NATS, str, float, Callable[[Any], Awaitable[None]]], Awaitable[Stop]]
@@ -68,9 +67,13 @@ async def fill(nc: NATS, group: str, messages: int) -> None:
 
 
 async def ordered(nc: NATS, subject: str, since: float, cb: Any) -> Stop:
-    """nats-py's ordered consumer, as ``claims.follow`` used it."""
-    config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_TIME,
-                                opt_start_time=datetime.fromtimestamp(since, UTC))  # fmt: skip
+    """nats-py's ordered consumer, as ``claims.follow`` used it before the follower: from a
+    start sequence (the start time turned into one beforehand, as it was then; the stream
+    holds nothing older than ``since``, so 1). Never from the time itself: its reset would
+    ask for both, which the server refuses (10094), and it would never deliver again (seen
+    here under valgrind on a loaded machine)."""
+    config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+                                opt_start_seq=1)  # fmt: skip
     sub = await nc.jetstream().subscribe(subject, stream=CLAIMS_STREAM, cb=cb,
                                          ordered_consumer=True, config=config,
                                          idle_heartbeat=HEARTBEAT_S,
