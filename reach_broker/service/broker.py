@@ -356,9 +356,10 @@ class Broker:
         tick = self.cfg.detection.tick_s
         while True:
             raise_if_cancelled()
+            due = self.clock() + tick
             await asyncio.sleep(tick)
             try:
-                changes = self.observer.tick(self.clock())
+                changes = self.observer.tick(self.clock(), due)
                 if changes:
                     self.fanout.emit(changes)
             except Exception:  # noqa: BLE001 - the loop body never dies
