@@ -212,11 +212,11 @@ async def test_two_brokers_share_the_partitions_and_one_stopping_hands_its_own_o
 ) -> None:
     first = await broker_factory(fleet__lease_ttl_s=3.0)
     second = await broker_factory(fleet__lease_ttl_s=3.0)
-    owned = [first.tables.partitions.held, second.tables.partitions.held]
+    owned = [first.partitions.held, second.partitions.held]
     await wait_for(lambda: len(owned[0]) + len(owned[1]) == 32, what="every partition owned")
     assert set(owned[0]).isdisjoint(owned[1])
     await first.stop()
-    await wait_for(lambda: len(second.tables.partitions.held) == 32, timeout=5,
+    await wait_for(lambda: len(second.partitions.held) == 32, timeout=5,
                    what="the second broker owns every partition")  # fmt: skip
 
 

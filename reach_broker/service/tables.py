@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -32,6 +33,7 @@ from reach_agent.aio import stop_loops
 from reach_agent.routing.rules import Rule, rule_encoder
 from reach_agent.wire import schema
 from reach_agent.wire.schema import NO_RULE, Table, TableDelta, check_capability
+from reach_broker.config import FleetSection, RoutingSection
 from reach_broker.core.quotas import Quotas
 from reach_broker.core.records import AgentRecord, Transition
 from reach_broker.core.registry import Registry
@@ -40,7 +42,6 @@ from reach_broker.core.tables import Policy, TableBook
 
 from .context import BrokerContext
 from .handlers import Endpoint
-from .partitions import Partitions
 
 log = logging.getLogger(__name__)
 
@@ -57,18 +58,24 @@ DRIFT_STORE_FACTOR = 10
 class Tables:
     """This broker's share of the route tables, published (a broker component)."""
 
-    def __init__(self, ctx: BrokerContext, registry: Registry, router: Router,
-                 quotas: Quotas) -> None:  # fmt: skip
+    def __init__(
+        self, ctx: BrokerContext, registry: Registry, router: Router, quotas: Quotas,
+        cfg: FleetSection, routing: RoutingSection, *, jetstream: Callable[[], bool],
+        counts: Any, dropped: Any,
+    ) -> None:  # fmt: skip
         self.ctx = ctx
-        self.cfg = ctx.cfg.fleet
+        self.cfg = cfg
         self.registry = registry
         self.router = router
         self.quotas = quotas
-        self.book = TableBook(self.cfg.partitions, ctx.cfg.routing, self.policy)
-        self.partitions = Partitions(ctx, self.cfg, self._own, self._lose)
+        self.jetstream = jetstream
+        """Whether the server has JetStream (known once the broker has provisioned)."""
+        self.counts = counts
+        """``reach_tables_total{kind}``: deltas, requests, shares stored or not."""
+        self.book = TableBook(cfg.partitions, routing, self.policy)
         self.endpoint = Endpoint(
             "tables", self.answer, ctx, refused=None, failed=None,
-            dropped=lambda reason: ctx.metrics.dropped.labels("tables", reason),
+            dropped=lambda reason: dropped.labels("tables", reason),
         )  # fmt: skip
         self._rules: dict[str, tuple[Rule, msgspec.Raw]] = {}
         self._wake = asyncio.Event()
@@ -82,13 +89,12 @@ class Tables:
 
     # --- lifecycle ---------------------------------------------------------------------------
 
-    async def start(self, jetstream: bool) -> None:
+    async def start(self) -> None:
         if self._task is not None or not self.cfg.tables:
             return
-        self._jetstream = jetstream
+        self._jetstream = self.jetstream()
         nc, s = self.ctx.nc, self.ctx.subjects
         self._sub = await nc.subscribe(s.all_tables, cb=self.endpoint.on_message)
-        await self.partitions.start(jetstream)
         self._task = asyncio.create_task(self._loop(), name="reach-tables")
 
     async def stop(self) -> None:
@@ -102,7 +108,6 @@ class Tables:
             except NatsError:
                 pass
             self._sub = None
-        await self.partitions.stop()
 
     # --- what it is told ---------------------------------------------------------------------
 
@@ -123,13 +128,16 @@ class Tables:
             raw = known[1]
         return not self.quotas.enforced(capability), raw
 
-    def _own(self, p: int, epoch: int) -> None:
+    def own(self, p: int, epoch: int) -> None:
+        """Partition ``p`` is this broker's from now on (:mod:`.partitions` says): its shares
+        are made from the registry and published."""
         log.debug("tables.own partition=%d epoch=%d", p, epoch)
         deltas = self.book.own(p, epoch, self.registry.agents, self.ctx.clock())
         if deltas:
             self.ctx.spawn(self._send(deltas), "table")
 
-    def _lose(self, p: int) -> None:
+    def lose(self, p: int) -> None:
+        """Partition ``p`` is no longer this broker's: its shares are forgotten."""
         log.debug("tables.lose partition=%d", p)
         self.book.disown(p)
 
@@ -159,7 +167,7 @@ class Tables:
         encode = schema.encoder.encode
         for d in deltas:  # into the connection's buffer: one flush for the lot
             await nc.publish(s.table(d.partition, d.capability), encode(d))
-        self.ctx.metrics.tables.labels("delta").inc(len(deltas))
+        self.counts.labels("delta").inc(len(deltas))
 
     def _store(self, now: float) -> None:
         """Write changed shares to KV ``reach_tables``: one whose agents or their states
@@ -190,9 +198,9 @@ class Tables:
                 await self.ctx.nc.request(subject, b"", headers=_KV_DELETE, timeout=2.0)
             else:
                 await self.ctx.nc.request(subject, body, timeout=2.0)
-            self.ctx.metrics.tables.labels("stored").inc()
+            self.counts.labels("stored").inc()
         except NatsError as exc:
-            self.ctx.metrics.tables.labels("store_failed").inc()
+            self.counts.labels("store_failed").inc()
             log.debug("tables.store_failed subject=%s error=%s", subject, exc)
         finally:
             self._storing.discard(key)
@@ -227,7 +235,7 @@ class Tables:
         book, at_ms = self.book, self.ctx.wall_ms()
         owned = sorted(book.epochs)
         shares = [book.share(s.partition, capability, at_ms) for s in book.of(capability)]
-        self.ctx.metrics.tables.labels("request").inc()
+        self.counts.labels("request").inc()
         return schema.encoder.encode(Table(capability=capability, partitions=book.partitions,
                                            owned=owned, shares=shares,
                                            broker_id=self.ctx.broker_id))  # fmt: skip
