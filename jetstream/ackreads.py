@@ -218,7 +218,10 @@ class CatchUp:
     (request id, author) through one ordered consumer delivering headers only (the message
     id says author, request and state); it ends itself once caught up (nothing pending, or
     nothing delivered for ``CATCH_UP_IDLE_S``): a reader learns of later records as they are
-    published."""
+    published. Not a :class:`~jetstream.follow.Follower`: a catch-up has an end, and one
+    whose consumer is lost on the way ends early (what it did not tell is not known to the
+    reader: the broker's releaser then keeps those claims as running, which costs memory,
+    never a release: a release reads the record first)."""
 
     def __init__(self, nc: NATS, cb: Completed, *, since: float, subjects: StreamSubjects) -> None:
         self.nc = nc

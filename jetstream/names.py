@@ -38,6 +38,12 @@ TABLES_BUCKET = "reach_tables"
 wrote it, for callers that find no broker."""
 TABLES_STREAM = f"KV_{TABLES_BUCKET}"
 """The stream behind :data:`TABLES_BUCKET`."""
+A2A_TASKS_BUCKET = "reach_a2a_tasks"
+"""KV bucket of the A2A gateway's tasks: one key per task, ``<owner>.<task id>``
+(reach_broker/interop/a2a/tasks.py), kept as long as the ack records their results live in.
+Not among :data:`STREAM_NAMES`: a gateway provisions it when it starts."""
+A2A_TASKS_STREAM = f"KV_{A2A_TASKS_BUCKET}"
+"""The stream behind :data:`A2A_TASKS_BUCKET`."""
 STREAM_NAMES = (ACK_STREAM, COMP_STREAM, AUDIT_STREAM, REGISTRY_STREAM, CLAIMS_STREAM,
                 RULES_STREAM, PARTITIONS_STREAM, TABLES_STREAM)  # fmt: skip
 """Every asset provisioned at broker start, in order."""

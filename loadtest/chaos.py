@@ -2,15 +2,17 @@
 
     python -m loadtest.chaos --fault kill|freeze|latency [--hold 45] [--watch 60] \
         [--calls 1000 | --concurrency 8] [--agents 3] [--max-concurrency 64] \
-        [--heartbeat-ms 1000] [--sdk-agents] --report chaos-kill.json
+        [--heartbeat-ms 1000] [--sdk-agents] [--fleet 1000] --report chaos-kill.json
 
 Starts a ``nats-server`` (``configs/nats-server.conf``: advisories on), a broker in this
 process (default settings), ``--agents`` agents ``alpha``/``beta``/``gamma``/… as their own
 processes (``loadtest.chaos_agent``: 20 ms tasks, ``--max-concurrency`` slots each), and a
 caller through the SDK (``reach_agent.Client``): ``--calls`` calls at a steady rate over
 warm-up + hold + watch, or with ``--concurrency N`` N callers each calling back to back for
-the whole run (N calls always in flight). After the warm-up one fault hits ``alpha`` for
-``--hold`` seconds:
+the whole run (N calls always in flight). ``--fleet N`` makes the broker carry N agents in
+all: the rest are simulated (``loadtest.sim``, other capabilities, 1 s heartbeats), so the
+broker's heartbeat ingest and route-table publishing run at that fleet's size while the fault
+is measured. After the warm-up one fault hits ``alpha`` for ``--hold`` seconds:
 
 - ``kill``: SIGKILL; cleared by starting the agent again;
 - ``freeze``: SIGSTOP (alive to the kernel, silent on the bus — a partition as the bus sees
@@ -20,9 +22,9 @@ the whole run (N calls always in flight). After the warm-up one fault hits ``alp
 Measured (monotonic clock, polled every 10 ms from the broker's own routing):
 
 - ``switch_ms``: fault start → ``alpha`` no longer among the route candidates (no new tasks);
-- ``table_switch_ms``: fault start → ``alpha`` no longer among the candidates the caller's
-  own route table gives (the SDK routes its calls from it; the broker's change reaches it as
-  a table delta);
+- ``table_switch_ms``: fault start → ``alpha`` out of the caller's own route table (not
+  healthy there, or out of its ranking: ejected for its score); the SDK routes its calls from
+  it, and the broker's change reaches it as a table delta;
 - ``detect_ms``: fault start → first state change of ``alpha`` (kill/freeze);
 - ``routable_ms``: fault cleared → ``alpha`` routable again;
 - ``recover_ms``: fault cleared → ``alpha`` back at full share (its routing weight ≥ 90% of
@@ -60,6 +62,8 @@ from reach_broker.config import Config
 from reach_broker.core.records import AgentRecord, Transition
 from reach_broker.service.broker import Broker
 
+from .children import Children
+
 CAPABILITY = "summarize"
 NAMES = ("alpha", "beta", "gamma", "delta", "epsilon")
 VICTIM = "alpha"
@@ -81,6 +85,8 @@ class Run:
     agents: tuple[str, ...] = NAMES[:3]
     concurrency: int = 0
     """Callers calling back to back (0: ``calls`` at a steady rate instead)."""
+    fleet: int = 0
+    """Agents the broker carries in all (simulated ones fill up to it; 0: none simulated)."""
     t_fault: float = 0.0
     t_clear: float = 0.0
     switch_at: float | None = None
@@ -143,13 +149,16 @@ def victim_share(broker: Broker, now: float) -> tuple[bool, float] | None:
 
 
 def in_callers_table(client: Client) -> bool | None:
-    """Whether ``alpha`` is routable in the caller's own route table: there and healthy
-    (None: the caller routes through a broker, or holds no table yet)."""
+    """Whether ``alpha`` is routable in the caller's own route table: there, healthy and in
+    the ranking its last route used (not ejected for its score: the latency fault) (None: the
+    caller routes through a broker, or holds no table yet)."""
     routes = client.routes
     if not isinstance(routes, TableRoutes) or CAPABILITY not in routes.followed:
         return None
     m = routes.members.get(VICTIM)
-    return m is not None and m.state == "healthy"
+    if m is None or m.state != "healthy":
+        return False
+    return any(r is m for r in routes.followed[CAPABILITY].table.index.ranked)
 
 
 async def monitor(broker: Broker, client: Client, run: Run, stop: asyncio.Event) -> None:
@@ -291,6 +300,7 @@ def summarize(run: Run, command: str, broker_cfg: Config) -> dict[str, Any]:
         "setup": {
             "agents": list(run.agents),
             "concurrency": run.concurrency or None,
+            "fleet": max(run.fleet, len(run.agents)),
             "victim": VICTIM,
             "sdk_agents": run.sdk,
             "agent_args": run.agent_args,
@@ -330,7 +340,7 @@ def table(report: dict[str, Any]) -> str:
 async def main_async(args: argparse.Namespace, command: str) -> dict[str, Any]:
     run = Run(fault=args.fault, hold_s=args.hold, watch_s=args.watch, warmup_s=args.warmup,
               calls=args.calls, sdk=args.sdk_agents, agents=NAMES[: args.agents],
-              concurrency=args.concurrency,
+              concurrency=args.concurrency, fleet=args.fleet,
               agent_args=["--heartbeat-ms", str(args.heartbeat_ms), "--work-ms",
                           str(args.work_ms), "--max-concurrency",
                           str(args.max_concurrency)])  # fmt: skip
@@ -343,8 +353,23 @@ async def main_async(args: argparse.Namespace, command: str) -> dict[str, Any]:
     client: Client | None = None
     stop = asyncio.Event()
     mon: asyncio.Task[None] | None = None
+    children = Children()
     try:
         await broker.start()
+        simulated = run.fleet - len(run.agents)
+        if simulated > 0:
+            total_s = args.warmup + args.hold + args.watch + 300
+            sim = await children.sim("fleet", ["--server", server.url, "--interval", "1",
+                                               "--max-runtime", str(total_s)],
+                                     "--agents", str(simulated))  # fmt: skip
+            ready = await sim.wait_event("ready", 120)
+            if ready.get("announce_errors"):
+                raise RuntimeError(f"the simulated fleet did not announce: {ready}")
+            deadline = time.monotonic() + 60
+            while len(broker.registry.agents) < simulated:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the simulated fleet did not register within 60 s")
+                await asyncio.sleep(0.05)
 
         def on_transition(t: Transition, rec: AgentRecord | None) -> None:
             if t.agent_id == VICTIM and t.kind == "state":
@@ -358,7 +383,7 @@ async def main_async(args: argparse.Namespace, command: str) -> dict[str, Any]:
         need = cfg.detection.phi_min_samples + 1
         deadline = time.monotonic() + 30
         while any(len(reg.agents[a].window) < need for a in run.agents if a in reg.agents) or \
-                len(reg.agents) < len(run.agents):  # fmt: skip
+                any(a not in reg.agents for a in run.agents):  # fmt: skip
             if time.monotonic() > deadline:
                 raise RuntimeError("agents did not settle within 30 s")
             await asyncio.sleep(0.05)
@@ -383,6 +408,7 @@ async def main_async(args: argparse.Namespace, command: str) -> dict[str, Any]:
             await client.stop()
         for proc in run.procs.values():
             await reap(proc)
+        await children.stop_all()
         await broker.stop()
         await asyncio.to_thread(server.stop)
 
@@ -415,6 +441,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--max-concurrency", type=int, default=64, help="each agent's slots (64)")
     ap.add_argument("--heartbeat-ms", type=int, default=1000, help="agents' interval (1000)")
+    ap.add_argument(
+        "--fleet",
+        type=int,
+        default=0,
+        metavar="N",
+        help="agents the broker carries in all: simulated agents of other capabilities "
+        "fill up to N (0: none)",
+    )
     ap.add_argument("--work-ms", type=float, default=20.0, help="a normal task's time (20)")
     ap.add_argument(
         "--sdk-agents",

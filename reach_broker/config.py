@@ -14,7 +14,10 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from reach_agent.wire.schema import CAPABILITY_MAX_LEN, CAPABILITY_PATTERN
+
 Positive = Annotated[float, Meta(gt=0)]
+RootSkill = Annotated[str, Meta(pattern=CAPABILITY_PATTERN, max_length=CAPABILITY_MAX_LEN)]
 Share = Annotated[float, Meta(ge=0, le=1)]
 
 
@@ -255,6 +258,10 @@ class ConsoleSection(Section):
     """How often a watching page gets the fleet (and at once after a transition)."""
     max_agents: Annotated[int, Meta(ge=1)] = 500
     """Agents sent to the page, the least healthy first (the counts cover all)."""
+    chart_agents: Annotated[int, Meta(ge=0)] = 10_000
+    """Agents with a chart (samples kept) at most: the history's memory and its tick's work
+    are bounded by it whatever the fleet (beyond it a newcomer is charted once a charted
+    agent leaves)."""
 
 
 class A2ASection(Section):
@@ -270,6 +277,15 @@ class A2ASection(Section):
     call_timeout_s: Positive = 30.0
     """Deadline of a ``message/send`` the caller gives none for (message metadata
     ``timeout_s``); an agent's ``timeout_hint_ms`` still stretches it."""
+    root_skill: RootSkill | None = None
+    """A capability the origin stands for: ``/.well-known/agent-card.json`` is its card and
+    ``POST /`` its JSON-RPC endpoint, so an A2A client given only ``http://host:port`` talks
+    to it (unset: the origin is reach's own card, the skill named per message)."""
+    long_task_hint_s: Annotated[float, Meta(ge=0)] = 30.0
+    """A capability whose best agent announces a ``timeout_hint_ms`` of at least this is
+    answered with a ``Task`` (working) as soon as an agent takes a message, instead of
+    the result: the caller polls, subscribes to or cancels it (0: only when asked with
+    ``returnImmediately``)."""
 
 
 class SynadiaSection(Section):
@@ -349,8 +365,9 @@ class FleetSection(Section):
     """Load and score changes go out at most this often; a change of state (or a score
     across ``min_reach_score``) at once."""
     table_store_s: Annotated[float, Meta(ge=0.1, le=3600)] = 1.0
-    """A changed share is written to KV ``reach_tables`` (what a caller reads when no
-    broker answers) at most this often."""
+    """A share whose agents or their states changed is written to KV ``reach_tables`` (what
+    a caller reads when no broker answers) at most this often; one whose load or scores only
+    drifted at most every 10 x this (``service/tables.DRIFT_STORE_FACTOR``)."""
 
 
 class RuleSection(Section):

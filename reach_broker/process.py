@@ -237,7 +237,7 @@ async def _a2a_gateway(cfg: Config, broker: Any) -> Any:
 
     gateway = A2AGateway(cfg.a2a, nc=broker.nc, subjects=broker.subjects,
                          registry=broker.registry, router=broker.router, clock=broker.clock,
-                         wall=broker.wall)  # fmt: skip
+                         replicas=broker.replicas, wall=broker.wall)  # fmt: skip
     try:
         await gateway.start()
     except OSError as exc:

@@ -12,7 +12,7 @@ from nats.aio.client import Client as NATS
 import reach_agent
 from reach_agent.routing.table import RouteTable, TableMember, partition
 from reach_agent.wire import schema
-from reach_agent.wire.schema import TableDelta, TableEntry, TableRouting, TableShare
+from reach_agent.wire.schema import Table, TableDelta, TableEntry, TableRouting, TableShare
 from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.config import Config
 from reach_broker.core.registry import Registry
@@ -127,6 +127,31 @@ def test_a_copy_follows_deltas_and_says_when_one_does_not_follow() -> None:
     assert table.apply(unreadable, members, 4.0) and not table.local and table.rule is None
 
 
+def test_a_rule_travels_in_shares_and_deltas_and_its_absence_too() -> None:
+    """Off the wire: a share and a delta carrying a rule decode (a ``Raw | None`` field
+    decoded only ``null``: any rule made them undecodable, and callers kept the old rule)."""
+    split = msgspec.Raw(b'{"split_by":"version","split":{"1":90,"2":10}}')
+    share = TableShare(capability="x", partition=1, epoch=5, version=1, entries=[entry("a")],
+                       rule=split)  # fmt: skip
+    body = schema.encoder.encode(Table(capability="x", partitions=4, owned=[1], shares=[share]))
+    got = schema.table_decoder.decode(body).shares[0]
+    assert bytes(got.rule) == bytes(split)
+    members: dict[str, TableMember] = {}
+    table = RouteTable("x", TableRouting())
+    table.load(got, members, 0.0)
+    assert table.local and table.rule is not None and table.rule.stored.split == {"1": 90, "2": 10}
+    cleared = TableDelta(capability="x", partition=1, epoch=5, version=2, prev=1)
+    body = schema.encoder.encode(cleared)
+    assert b"rule" not in body
+    assert table.apply(schema.table_delta_decoder.decode(body), members, 1.0)
+    assert table.local and table.rule is None
+    quota = TableDelta(capability="x", partition=1, epoch=5, version=3, prev=2, local=False,
+                       rule=msgspec.Raw(b'{"quota_rate":1.0}'))  # fmt: skip
+    assert table.apply(schema.table_delta_decoder.decode(schema.encoder.encode(quota)),
+                       members, 2.0)  # fmt: skip
+    assert not table.local and table.rule is not None and table.rule.stored.quota_rate == 1.0
+
+
 # --- on NATS -------------------------------------------------------------------------------
 
 
@@ -187,9 +212,31 @@ async def test_two_brokers_share_the_partitions_and_one_stopping_hands_its_own_o
 ) -> None:
     first = await broker_factory(fleet__lease_ttl_s=3.0)
     second = await broker_factory(fleet__lease_ttl_s=3.0)
-    owned = [first.tables.partitions.held, second.tables.partitions.held]
+    owned = [first.partitions.held, second.partitions.held]
     await wait_for(lambda: len(owned[0]) + len(owned[1]) == 32, what="every partition owned")
     assert set(owned[0]).isdisjoint(owned[1])
     await first.stop()
-    await wait_for(lambda: len(second.tables.partitions.held) == 32, timeout=5,
+    await wait_for(lambda: len(second.partitions.held) == 32, timeout=5,
                    what="the second broker owns every partition")  # fmt: skip
+
+
+def test_a_share_says_whether_its_agents_moved_or_only_their_load() -> None:
+    """What decides how soon a share is stored again: a join, a leave or a state move makes
+    it ``moved``; a heartbeat that only moves load or score does not."""
+    reg, book = book_world()
+    announce(reg, "a", ["x"], 0.0)
+    book.own(book.partition_of("a"), 1, reg.agents, 0.0)
+    share = book.shares[(book.partition_of("a"), "x")]
+    assert share.moved  # new
+    share.moved = False
+    rec = reg.agents["a"]
+    rec.set_load(1, 0)
+    assert [len(d.upserts) for d in book.changes({"a"}, reg.agents.get, 1.0)] == [1]
+    assert not share.moved  # only its load
+    reg.disconnected("a", 2.0)  # suspect
+    assert [d.upserts[0].state for d in book.changes({"a"}, reg.agents.get, 2.0)] == ["suspect"]
+    assert share.moved
+    share.moved = False
+    announce(reg, "a", ["y"], 3.0)  # leaves x
+    book.changes({"a"}, reg.agents.get, 3.0)
+    assert share.moved and share.entries == {}

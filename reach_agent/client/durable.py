@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import msgspec
@@ -108,7 +108,7 @@ async def submit(
     hdrs = dict(headers or {})
     hdrs[H_REQUEST_ID] = rid
     nc = connection_of(client)
-    claim = await _claim(nc, rid) if request_id else None  # a fresh uuid4 was never used
+    claim = await read_claim(nc, rid) if request_id else None  # a fresh uuid4 was never used
     if claim is not None and claim.body_digest is not None and claim.body_digest != digest:
         _count(client, "mismatch")
         raise IdempotencyMismatch.reused(
@@ -252,7 +252,19 @@ async def wait(
     return _decoded(taken.answer)
 
 
-async def _claim(nc: NATS, request_id: str) -> schema.Claim | None:
+def final_of(stored: Iterable[ackreads.StoredAck], takers: Iterable[str]) -> AckRecord | None:
+    """The record :func:`wait` answers with among ``stored`` (one request's attributed
+    records, oldest first) when ``takers`` took it, its ``result`` decoded; None while there
+    is none (a reader that already holds the records: the A2A gateway's tasks)."""
+    taken = _Taken(set(takers))
+    for rec in stored:
+        if taken.accept(rec) is not None:
+            assert taken.answer is not None
+            return _decoded(taken.answer)
+    return None
+
+
+async def read_claim(nc: NATS, request_id: str) -> schema.Claim | None:
     """``request_id``'s claim, if the claims bucket has one and says so now (a bucket that
     cannot say is logged: the agents check the claim again anyway)."""
     try:
@@ -266,7 +278,7 @@ async def _claim(nc: NATS, request_id: str) -> schema.Claim | None:
 async def _claim_holder(nc: NATS, request_id: str) -> str | None:
     """The agent holding ``request_id``'s claim, if the claims bucket has one (its holder's
     records are the result; a released claim names nobody)."""
-    claim = await _claim(nc, request_id)
+    claim = await read_claim(nc, request_id)
     return claim.agent_id if claim is not None and claim.state != "released" else None
 
 

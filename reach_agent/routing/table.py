@@ -231,11 +231,13 @@ class RouteTable:
             if not m.capabilities:
                 del members[agent_id]
 
-    def _policy(self, local: bool, rule: msgspec.Raw | None) -> None:
+    def _policy(self, local: bool, rule: msgspec.Raw) -> None:
         """The capability's policy as its last share or delta says: a rule this caller
         cannot read (a newer broker's) makes it ask a broker instead."""
         self.local = local
-        raw = b"" if rule is None else bytes(rule)  # type: ignore[call-overload]
+        raw = bytes(rule)  # type: ignore[call-overload]
+        if raw == b"null":
+            raw = b""
         if raw == self.rule_raw:
             if self.rule is None and raw:
                 self.local = False  # still unreadable

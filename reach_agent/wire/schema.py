@@ -575,6 +575,12 @@ class TableRouting(Base, frozen=True):
     rank_refresh_ms: float = 50.0
 
 
+NO_RULE = msgspec.Raw()
+"""A table's ``rule`` when the capability has none (omitted on the wire). A ``Raw`` field is
+never ``Raw | None``: msgspec decodes that union only as ``null``, so a rule would make the
+whole share or delta undecodable."""
+
+
 class TableShare(Base, frozen=True):
     """One share of a capability's route table: its agents of one partition, as of
     ``version`` of its owner's ``epoch``, with what a caller routes them by."""
@@ -587,8 +593,9 @@ class TableShare(Base, frozen=True):
     local: bool = True
     """Whether callers may route this capability themselves (false: a quota applies to
     it, which only a broker enforces: ask ``<p>.route.<capability>``)."""
-    rule: msgspec.Raw | None = None
-    """The capability's route rule in force (``RouteRule`` JSON, as in KV ``reach_rules``)."""
+    rule: msgspec.Raw = NO_RULE
+    """The capability's route rule in force (``RouteRule`` JSON, as in KV ``reach_rules``;
+    absent: none)."""
     routing: TableRouting = TableRouting()
     at_ms: int = 0
     """When its owner made it (Unix ms)."""
@@ -607,7 +614,7 @@ class TableDelta(Base, frozen=True):
     upserts: list[TableEntry] = []
     removed: list[str] = []
     local: bool = True
-    rule: msgspec.Raw | None = None
+    rule: msgspec.Raw = NO_RULE
 
 
 class Table(Base, frozen=True):
@@ -690,6 +697,10 @@ H_SEQ = "Reach-Seq"
 """A chunk's sequence number (1, 2, ...); on a credit message, the last chunk consumed."""
 H_CHUNKS = "Reach-Chunks"
 """On the ``completed`` message that ends a stream: how many chunks it had."""
+H_HOLDER = "Reach-Holder"
+"""On a reply answered from another agent's claim (its stored final record): that agent,
+the holder, whose record the result is (the caller's ``wait`` believes it, not the agent
+that answered)."""
 H_CALLER = "Reach-Caller"
 """On a route request: who asks (the SDK's connection name; quotas are per caller). With the
 server enforcing identities the broker reads the caller from the private reply inbox."""

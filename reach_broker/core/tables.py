@@ -26,9 +26,9 @@ from reach_broker.config import RoutingSection
 
 from .records import AgentRecord
 
-Policy = tuple[bool, msgspec.Raw | None]
+Policy = tuple[bool, msgspec.Raw]
 """What a capability's shares say of it besides its agents: (callers may route it
-themselves, its route rule's JSON)."""
+themselves, its route rule's JSON, ``NO_RULE`` for none)."""
 
 
 def routing_of(cfg: RoutingSection) -> TableRouting:
@@ -81,7 +81,7 @@ def unchanged(entry: TableEntry, rec: AgentRecord, now: float, slow_start_s: flo
 class Share:
     """One share as last published: its entries by agent id and its version."""
 
-    __slots__ = ("capability", "entries", "partition", "stored", "version")
+    __slots__ = ("capability", "entries", "moved", "partition", "stored", "version")
 
     def __init__(self, capability: str, p: int) -> None:
         self.capability = capability
@@ -90,6 +90,9 @@ class Share:
         self.version = 0
         self.stored = -1
         """The version last written to the store (KV ``reach_tables``)."""
+        self.moved = True
+        """Since it was last stored, an agent joined or left it, one's state moved, or the
+        capability's policy did (not only load and score drift): store it soon."""
 
 
 class TableBook:
@@ -177,14 +180,18 @@ class TableBook:
                     self.entries[agent_id] = (entry, rec.announce)
             for cap in caps:
                 share = self._share(p, cap)
-                if share.entries.get(agent_id) != entry:
+                old = share.entries.get(agent_id)
+                if old != entry:
                     assert entry is not None
                     share.entries[agent_id] = entry
+                    if old is None or old.state != entry.state:
+                        share.moved = True
                     touched.setdefault((p, cap), ([], []))[0].append(entry)
             for cap in old_caps:
                 if cap not in caps:
                     gone = self.shares.get((p, cap))
                     if gone is not None and gone.entries.pop(agent_id, None) is not None:
+                        gone.moved = True
                         touched.setdefault((p, cap), ([], []))[1].append(agent_id)
             if rec is None:
                 self.caps.pop(agent_id, None)
@@ -204,7 +211,10 @@ class TableBook:
         for cap in {c for _, c in self.shares}:
             now = self.policy(cap)
             if self._policies.get(cap) != now:
-                deltas += [self._delta(p, c, [], []) for (p, c) in self.shares if c == cap]
+                for key, share in self.shares.items():
+                    if key[1] == cap:
+                        share.moved = True
+                        deltas.append(self._delta(key[0], cap, [], []))
         return deltas
 
     def _delta(self, p: int, cap: str, upserts: list[TableEntry], removed: list[str]) -> TableDelta:

@@ -59,6 +59,7 @@ from .identity import Identity
 from .metrics import Metrics
 from .observer import Observer
 from .outcomes import Outcomes
+from .partitions import Partitions
 from .probes import Prober
 from .releases import Releaser
 from .rulebook import Rulebook, from_config
@@ -159,8 +160,17 @@ class Broker:
         """``<p>.cancel._broker``: a cancelled request's claim made final, its entry unqueued."""
         self.rulebook = Rulebook(ctx, self.rules, self.quotas)
         self.outcomes = Outcomes(ctx, registry)
-        self.tables = Tables(ctx, registry, self.router, self.quotas)
+        m = self.metrics
+        self.tables = Tables(
+            ctx, registry, self.router, self.quotas, cfg.fleet, cfg.routing,
+            jetstream=lambda: self.jetstream_ok, counts=m.tables, dropped=m.dropped,
+        )  # fmt: skip
         """The route tables of the partitions this broker owns (callers route from them)."""
+        self.partitions = Partitions(
+            ctx, cfg.fleet, self.tables.own, self.tables.lose,
+            jetstream=lambda: self.jetstream_ok, owned=m.partitions_owned,
+        )  # fmt: skip
+        """The leases of the partitions this broker owns, told to the tables."""
         self.fanout.listeners.append(self.tables.on_transition)
         self._running: list[Component] = []
         self._service: Service | None = None
@@ -210,7 +220,9 @@ class Broker:
         )  # fmt: skip
         for component in self._running:
             await component.start()
-        await self.tables.start(self.jetstream_ok)  # after the snapshot: shares from it
+        await self.tables.start()  # after the snapshot: shares from it
+        if self.cfg.fleet.tables:
+            await self.partitions.start()  # each partition taken: its shares published
         await self._serve()
         self._loop_task = asyncio.create_task(self._tick_loop(), name="reach-broker-tick")
         self.serving = True
@@ -266,6 +278,7 @@ class Broker:
         if self._loop_task is not None:
             await stop_loops(self._loop_task)
         await self.tables.stop()
+        await self.partitions.stop()  # the leases handed back
         await self._tasks.settle(self.cfg.broker.shutdown_grace_s)
         for component in reversed(self._running):
             try:
@@ -358,9 +371,10 @@ class Broker:
         tick = self.cfg.detection.tick_s
         while True:
             raise_if_cancelled()
+            due = self.clock() + tick
             await asyncio.sleep(tick)
             try:
-                changes = self.observer.tick(self.clock())
+                changes = self.observer.tick(self.clock(), due)
                 if changes:
                     self.fanout.emit(changes)
             except Exception:  # noqa: BLE001 - the loop body never dies

@@ -82,7 +82,11 @@ class Link:
 class Fanout:
     """Where every registry change goes: published as an ``Event`` on
     ``<prefix>.event.<kind>.<agent_id>``, counted, logged, and handed to every listener
-    (probes, snapshot, replay; tests and the chaos run add their own)."""
+    (probes, snapshot, replay; tests and the chaos run add their own).
+
+    O(1) a transition: the event is encoded and queued, and one background task (spawned
+    when the queue was empty) publishes what is queued, in order, so a burst of n
+    transitions is one task and n publishes, not n tasks."""
 
     def __init__(
         self,
@@ -107,28 +111,39 @@ class Fanout:
         self._record_of = record_of
         self.listeners: list[TransitionListener] = []
         self.announce_listeners: list[AnnounceListener] = []
+        self._outbox: list[tuple[str, bytes]] = []
+        """Events made and not yet handed to the connection, oldest first."""
+        self._draining = False
+        """Whether a task publishing the outbox is under way."""
+        self._changes: dict[str, Any] = {}
+        """``reach_registry_changes_total`` and ``reach_state_changes_total`` children, by
+        label (a label look-up is a lock and a tuple: once per label, not per event)."""
 
     def emit(self, transitions: list[Transition]) -> None:
         """Publish events for ``transitions`` and tell the listeners."""
         at_ms = int(self._wall() * 1000)
         m = self._metrics
+        logs = log.isEnabledFor(logging.INFO)
         for t in transitions:
             event = Event(
                 kind=t.kind, agent_id=t.agent_id, reason=t.reason, at_ms=at_ms,
                 broker_id=self._broker_id, to=t.to, from_=t.from_,
             )  # fmt: skip
-            subject = self._subjects.event(t.kind, t.agent_id)
             if self.link.connected:
-                self._spawn(self._publish(subject, schema.encoder.encode(event)), "event")
+                if not self._draining:
+                    self._draining = True
+                    self._spawn(self._drain(), "event")
+                self._outbox.append(
+                    (self._subjects.event(t.kind, t.agent_id), schema.encoder.encode(event))
+                )
             else:  # nats-py would buffer it and send it after the fact: never
                 self.withheld += 1
                 m.dropped.labels("event", "link_down").inc()
-            m.registry_changes.labels(t.kind).inc()
-            if t.to is not None and t.kind != "registered":
-                m.state_changes.labels(t.to).inc()
-            log.info("agent.%s agent=%s%s%s reason=%s", t.kind, t.agent_id,
-                     "" if t.from_ is None else f" from={t.from_}",
-                     "" if t.to is None else f" to={t.to}", t.reason)  # fmt: skip
+            self._count(t)
+            if logs:
+                log.info("agent.%s agent=%s%s%s reason=%s", t.kind, t.agent_id,
+                         "" if t.from_ is None else f" from={t.from_}",
+                         "" if t.to is None else f" to={t.to}", t.reason)  # fmt: skip
             rec = self._record_of(t.agent_id)
             for listener in self.listeners:
                 try:
@@ -136,12 +151,38 @@ class Fanout:
                 except Exception:  # noqa: BLE001 - a listener never breaks the broker
                     log.exception("broker.listener failed transition=%s", t)
 
-    async def _publish(self, subject: str, body: bytes) -> None:
-        if self.link.connected:  # still: the link may have dropped since the emit
-            await self._nc.publish(subject, body)
-        else:
-            self.withheld += 1
-            self._metrics.dropped.labels("event", "link_down").inc()
+    def _count(self, t: Transition) -> None:
+        changes = self._changes
+        kind = changes.get(t.kind)
+        if kind is None:
+            kind = changes[t.kind] = self._metrics.registry_changes.labels(t.kind)
+        kind.inc()
+        if t.to is not None and t.kind != "registered":
+            state = changes.get("to:" + t.to)
+            if state is None:
+                state = changes["to:" + t.to] = self._metrics.state_changes.labels(t.to)
+            state.inc()
+
+    async def _drain(self) -> None:
+        """Publish the outbox, oldest first, until it is empty."""
+        try:
+            while self._outbox:
+                batch, self._outbox = self._outbox, []
+                for i, (subject, body) in enumerate(batch):
+                    if not self.link.connected:  # dropped since the emit: withheld
+                        self.withheld += len(batch) - i
+                        self._metrics.dropped.labels("event", "link_down").inc(len(batch) - i)
+                        break
+                    try:
+                        await self._nc.publish(subject, body)
+                    except Exception as exc:  # noqa: BLE001 - closed: counted, not raised
+                        lost = len(batch) - i + len(self._outbox)
+                        self._outbox = []
+                        self._metrics.dropped.labels("event", "error").inc(lost)
+                        log.warning("broker.events_not_published count=%d error=%r", lost, exc)
+                        return
+        finally:
+            self._draining = False
 
     def announced(self, rec: AgentRecord) -> None:
         """An announce was accepted (whether or not it moved a state)."""

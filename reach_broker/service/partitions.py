@@ -24,6 +24,7 @@ import contextlib
 import logging
 import secrets
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -61,22 +62,29 @@ class Partitions:
         cfg: FleetSection,
         on_own: Callable[[int, int], None],
         on_lose: Callable[[int], None],
+        *,
+        jetstream: Callable[[], bool],
+        owned: Any,
     ) -> None:
         self.ctx = ctx
         self.cfg = cfg
         self.on_own = on_own
         self.on_lose = on_lose
+        self.jetstream = jetstream
+        """Whether the server has JetStream (known once the broker has provisioned)."""
+        self.owned = owned
+        """``reach_partitions_owned``: the partitions this broker holds."""
         self.store = ClaimStore(ctx.nc, bucket=PARTITIONS_BUCKET,
                                 timeout_s=min(2.0, cfg.lease_ttl_s / 3))  # fmt: skip
         self.held: dict[int, tuple[int, int, float]] = {}
         """Each partition owned: (its epoch, the revision last written, when)."""
         self._task: asyncio.Task[None] | None = None
 
-    async def start(self, jetstream: bool) -> None:
+    async def start(self) -> None:
         """Take what is free (every partition, without JetStream), then keep the leases."""
         if self._task is not None:
             return
-        if not jetstream:
+        if not self.jetstream():
             epoch = secrets.randbits(31)
             for p in range(self.cfg.partitions):
                 self._own(p, epoch, 0)
@@ -140,12 +148,12 @@ class Partitions:
 
     def _own(self, p: int, epoch: int, revision: int) -> None:
         self.held[p] = (epoch, revision, self.ctx.clock())
-        self.ctx.metrics.partitions_owned.set(len(self.held))
+        self.owned.set(len(self.held))
         self.on_own(p, epoch)
 
     def _lose(self, p: int) -> None:
         del self.held[p]
-        self.ctx.metrics.partitions_owned.set(len(self.held))
+        self.owned.set(len(self.held))
         self.on_lose(p)
 
     async def _loop(self) -> None:

@@ -11,14 +11,17 @@ partitions this broker owns, :mod:`.partitions`. Here:
 - **Requests** on ``<prefix>.tables.<capability>`` (every broker answers, no queue group):
   the shares of the partitions this broker owns, with their epochs and versions (a newcomer's
   one request; a caller that saw a gap asks again).
-- **Snapshots** in KV ``reach_tables`` (key ``<partition>.<capability>``), a changed share at
-  most every ``[fleet] table_store_s``: what a caller reads when no broker answers.
+- **Snapshots** in KV ``reach_tables`` (key ``<partition>.<capability>``), a share whose
+  agents or their states changed at most every ``[fleet] table_store_s``, one whose load only
+  drifted at most every ``DRIFT_STORE_FACTOR`` x that: what a caller reads when no broker
+  answers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -29,7 +32,8 @@ from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
 from reach_agent.routing.rules import Rule, rule_encoder
 from reach_agent.wire import schema
-from reach_agent.wire.schema import Table, TableDelta, check_capability
+from reach_agent.wire.schema import NO_RULE, Table, TableDelta, check_capability
+from reach_broker.config import FleetSection, RoutingSection
 from reach_broker.core.quotas import Quotas
 from reach_broker.core.records import AgentRecord, Transition
 from reach_broker.core.registry import Registry
@@ -38,7 +42,6 @@ from reach_broker.core.tables import Policy, TableBook
 
 from .context import BrokerContext
 from .handlers import Endpoint
-from .partitions import Partitions
 
 log = logging.getLogger(__name__)
 
@@ -46,40 +49,52 @@ _KV_DELETE = {"KV-Operation": "DEL"}
 
 COALESCE_S = 0.01
 """After a transition the flush waits this long for whatever else moves at the same time."""
+DRIFT_STORE_FACTOR = 10
+"""A share whose agents' load or scores only drifted is written to KV at most every
+``DRIFT_STORE_FACTOR`` x ``table_store_s`` (10 s by default): its agents report a new
+``active`` at nearly every heartbeat, and each rewrite of the share is a JetStream write."""
 
 
 class Tables:
     """This broker's share of the route tables, published (a broker component)."""
 
-    def __init__(self, ctx: BrokerContext, registry: Registry, router: Router,
-                 quotas: Quotas) -> None:  # fmt: skip
+    def __init__(
+        self, ctx: BrokerContext, registry: Registry, router: Router, quotas: Quotas,
+        cfg: FleetSection, routing: RoutingSection, *, jetstream: Callable[[], bool],
+        counts: Any, dropped: Any,
+    ) -> None:  # fmt: skip
         self.ctx = ctx
-        self.cfg = ctx.cfg.fleet
+        self.cfg = cfg
         self.registry = registry
         self.router = router
         self.quotas = quotas
-        self.book = TableBook(self.cfg.partitions, ctx.cfg.routing, self.policy)
-        self.partitions = Partitions(ctx, self.cfg, self._own, self._lose)
+        self.jetstream = jetstream
+        """Whether the server has JetStream (known once the broker has provisioned)."""
+        self.counts = counts
+        """``reach_tables_total{kind}``: deltas, requests, shares stored or not."""
+        self.book = TableBook(cfg.partitions, routing, self.policy)
         self.endpoint = Endpoint(
             "tables", self.answer, ctx, refused=None, failed=None,
-            dropped=lambda reason: ctx.metrics.dropped.labels("tables", reason),
+            dropped=lambda reason: dropped.labels("tables", reason),
         )  # fmt: skip
         self._rules: dict[str, tuple[Rule, msgspec.Raw]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._sub: Any = None
         self._stored_at: dict[tuple[int, str], float] = {}
+        self._storing: set[tuple[int, str]] = set()
+        """Shares whose write to KV is out (the next waits for it: no pile-up on a slow
+        server)."""
         self._jetstream = False
 
     # --- lifecycle ---------------------------------------------------------------------------
 
-    async def start(self, jetstream: bool) -> None:
+    async def start(self) -> None:
         if self._task is not None or not self.cfg.tables:
             return
-        self._jetstream = jetstream
+        self._jetstream = self.jetstream()
         nc, s = self.ctx.nc, self.ctx.subjects
         self._sub = await nc.subscribe(s.all_tables, cb=self.endpoint.on_message)
-        await self.partitions.start(jetstream)
         self._task = asyncio.create_task(self._loop(), name="reach-tables")
 
     async def stop(self) -> None:
@@ -93,7 +108,6 @@ class Tables:
             except NatsError:
                 pass
             self._sub = None
-        await self.partitions.stop()
 
     # --- what it is told ---------------------------------------------------------------------
 
@@ -105,7 +119,7 @@ class Tables:
         """Whether callers may route ``capability`` themselves (no quota applies to it:
         only a broker enforces one), and its route rule's JSON."""
         rule = self.router.rules.get(capability)
-        raw = None
+        raw = NO_RULE
         if rule is not None:
             known = self._rules.get(capability)
             if known is None or known[0] is not rule:
@@ -114,13 +128,16 @@ class Tables:
             raw = known[1]
         return not self.quotas.enforced(capability), raw
 
-    def _own(self, p: int, epoch: int) -> None:
+    def own(self, p: int, epoch: int) -> None:
+        """Partition ``p`` is this broker's from now on (:mod:`.partitions` says): its shares
+        are made from the registry and published."""
         log.debug("tables.own partition=%d epoch=%d", p, epoch)
         deltas = self.book.own(p, epoch, self.registry.agents, self.ctx.clock())
         if deltas:
             self.ctx.spawn(self._send(deltas), "table")
 
-    def _lose(self, p: int) -> None:
+    def lose(self, p: int) -> None:
+        """Partition ``p`` is no longer this broker's: its shares are forgotten."""
         log.debug("tables.lose partition=%d", p)
         self.book.disown(p)
 
@@ -150,31 +167,43 @@ class Tables:
         encode = schema.encoder.encode
         for d in deltas:  # into the connection's buffer: one flush for the lot
             await nc.publish(s.table(d.partition, d.capability), encode(d))
-        self.ctx.metrics.tables.labels("delta").inc(len(deltas))
+        self.counts.labels("delta").inc(len(deltas))
 
     def _store(self, now: float) -> None:
-        """Write each changed share to KV ``reach_tables``, at most every table_store_s."""
+        """Write changed shares to KV ``reach_tables``: one whose agents or their states
+        moved at most every ``table_store_s``, one whose load or scores only drifted at most
+        every ``DRIFT_STORE_FACTOR`` x that (a caller reading the store corrects load with its
+        own count and the agents' answers), and never one whose last write is still out."""
         every = self.cfg.table_store_s
+        drift = every * DRIFT_STORE_FACTOR
         at_ms = self.ctx.wall_ms()
-        for (p, cap), share in self.book.shares.items():
-            if share.stored == share.version or now - self._stored_at.get((p, cap), -1e9) < every:
+        storing = self._storing
+        for key, share in self.book.shares.items():
+            if share.stored == share.version or key in storing:
+                continue
+            if now - self._stored_at.get(key, -1e9) < (every if share.moved else drift):
                 continue
             share.stored = share.version
-            self._stored_at[(p, cap)] = now
+            share.moved = False
+            self._stored_at[key] = now
+            storing.add(key)
+            p, cap = key
             body = schema.encoder.encode(self.book.share(p, cap, at_ms))
-            self.ctx.spawn(self._put(f"$KV.{TABLES_BUCKET}.{p}.{cap}", body, not share.entries),
-                           "table-store")  # fmt: skip
+            self.ctx.spawn(self._put(key, body, not share.entries), "table-store")
 
-    async def _put(self, subject: str, body: bytes, empty: bool) -> None:
+    async def _put(self, key: tuple[int, str], body: bytes, empty: bool) -> None:
+        subject = f"$KV.{TABLES_BUCKET}.{key[0]}.{key[1]}"
         try:
             if empty:
                 await self.ctx.nc.request(subject, b"", headers=_KV_DELETE, timeout=2.0)
             else:
                 await self.ctx.nc.request(subject, body, timeout=2.0)
-            self.ctx.metrics.tables.labels("stored").inc()
+            self.counts.labels("stored").inc()
         except NatsError as exc:
-            self.ctx.metrics.tables.labels("store_failed").inc()
+            self.counts.labels("store_failed").inc()
             log.debug("tables.store_failed subject=%s error=%s", subject, exc)
+        finally:
+            self._storing.discard(key)
 
     async def _loop(self) -> None:
         every = self.cfg.table_batch_ms / 1000.0
@@ -206,7 +235,7 @@ class Tables:
         book, at_ms = self.book, self.ctx.wall_ms()
         owned = sorted(book.epochs)
         shares = [book.share(s.partition, capability, at_ms) for s in book.of(capability)]
-        self.ctx.metrics.tables.labels("request").inc()
+        self.counts.labels("request").inc()
         return schema.encoder.encode(Table(capability=capability, partitions=book.partitions,
                                            owned=owned, shares=shares,
                                            broker_id=self.ctx.broker_id))  # fmt: skip
