@@ -234,28 +234,37 @@ class CatchUp:
         self._done = asyncio.Event()
         self._last = 0.0
 
-    async def start(self) -> None:
+    def start(self) -> None:
+        """Begin in the background: its owner's start never waits for it, nor fails with it
+        (a stream without a leader now is logged, and the catch-up given up)."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="reach-acks-catch-up")
+
+    async def _run(self) -> None:
         js = self.nc.jetstream()
         try:
             info = await js.stream_info(ACK_STREAM)
-        except NotFoundError:
+            if not info.state.messages:
+                return
+            start = datetime.fromtimestamp(max(self.since, 0.0), UTC)
+            config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_TIME,
+                                        opt_start_time=start, headers_only=True)  # fmt: skip
+            self._last = time.monotonic()
+            self._sub = await js.subscribe(self.subjects.all_acks, stream=ACK_STREAM,
+                                           cb=self._on_msg, ordered_consumer=True,
+                                           config=config, pending_msgs_limit=1_000_000)  # fmt: skip
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - no stream, no leader, a timeout: given up
+            log.warning("acks.catch_up_failed error=%r: records stored before this start are "
+                        "not read", exc)  # fmt: skip
             return
-        if not info.state.messages:
-            return
-        start = datetime.fromtimestamp(max(self.since, 0.0), UTC)
-        config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_TIME,
-                                    opt_start_time=start, headers_only=True)  # fmt: skip
-        self._last = time.monotonic()
-        self._sub = await js.subscribe(self.subjects.all_acks, stream=ACK_STREAM,
-                                       cb=self._on_msg, ordered_consumer=True, config=config,
-                                       pending_msgs_limit=1_000_000)  # fmt: skip
-        self._task = asyncio.create_task(self._end_when_caught_up(), name="reach-acks-catch-up")
+        await self._end_when_caught_up()
 
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
         await self._unsubscribe()
 
     async def _on_msg(self, msg: Any) -> None:

@@ -108,7 +108,7 @@ class Releaser:
         # records come through the ack watch, as they are published).
         self._catch_up = ackreads.CatchUp(self.ctx.nc, self.finished, since=since,
                                           subjects=self.ctx.subjects)  # fmt: skip
-        await self._catch_up.start()
+        self._catch_up.start()
 
     async def stop(self) -> None:
         if self.follower is None:
