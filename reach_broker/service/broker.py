@@ -205,11 +205,13 @@ class Broker:
         for component in self._running:
             await component.start()
         await self._serve()
+        # Restored agents are judged on silence from here on, when the broker can hear them.
+        regranted = self.registry.listening(self.clock())
         self._loop_task = asyncio.create_task(self._tick_loop(), name="reach-broker-tick")
         self.serving = True
         url = self.nc.connected_url
-        log.info("broker.started id=%s prefix=%s server=%s", self.broker_id,
-                 self.subjects.prefix, url.geturl() if url else None)  # fmt: skip
+        log.info("broker.started id=%s prefix=%s server=%s restored_unheard=%d", self.broker_id,
+                 self.subjects.prefix, url.geturl() if url else None, regranted)  # fmt: skip
 
     async def _serve(self) -> None:
         """Subscribe the handlers: plain subscriptions, then the Services endpoints."""
