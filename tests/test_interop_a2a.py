@@ -83,16 +83,12 @@ async def a2a_agent() -> AsyncIterator[Processes]:
 
 @pytest.fixture
 async def sidecar(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[Processes]:
-    """``reach adapt a2a`` processes; returns (process, the lines it printed at start).
-
-    Heartbeats every second: these tests are not about detection, and at 0.2 s a young
-    adapter is suspect after 0.48 s of silence (phi over its prior), which a loaded machine
-    gives a starting Python process; its calls then found no agent."""
+    """``reach adapt a2a`` processes; returns (process, the lines it printed at start)."""
     procs: list[asyncio.subprocess.Process] = []
 
     async def start(url: str, *extra: str, lines: int = 3) -> tuple[Any, list[str]]:
         proc = await asyncio.create_subprocess_exec(
-            *CLI, "adapt", "a2a", url, "-s", nats_server.url, "--interval", "1", *extra,
+            *CLI, "adapt", "a2a", url, "-s", nats_server.url, "--interval", "0.2", *extra,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             env={**cli_env(), "REACH_ACK_DIR": str(tmp_path / "acks")},
         )  # fmt: skip
