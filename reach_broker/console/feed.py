@@ -2,13 +2,14 @@
 pushes the fleet to the pages that watch, as server-sent events.
 
 Given the broker context, the registry and the explainer (never the broker). At start it
-reads the last ``console.events`` events of ``REACH_AUDIT`` and then follows it live through
-one ordered consumer (no gap, no duplicate; plain ``<prefix>.event.>`` when the server has
-no JetStream). It samples the fleet every ``console.sample_s`` for the per-agent charts. While
-at least one page watches, it encodes the fleet once every ``console.push_s`` (and about
-50 ms after any transition) and hands the same bytes to every page; every 5 s it reads the
-compensation queue's depth per capability and the age of each one's oldest entry. Nobody
-watching, it does no more than the sampling and the audit follow.
+reads the last ``console.events`` events of ``REACH_AUDIT`` and then follows it live
+(:class:`jetstream.follow.Follower`: no gap, no duplicate, also across a reconnect; plain
+``<prefix>.event.>`` when the server has no JetStream). It samples the fleet every
+``console.sample_s`` for the per-agent charts. While at least one page watches, it encodes
+the fleet once every ``console.push_s`` (and about 50 ms after any transition) and hands the
+same bytes to every page; every 5 s it reads the compensation queue's depth per capability
+and the age of each one's oldest entry. Nobody watching, it does no more than the sampling
+and the audit follow.
 """
 
 from __future__ import annotations
@@ -162,8 +163,10 @@ class Feed:
     async def _follow_audit(self) -> None:
         nc, subjects = self.ctx.nc, self.ctx.subjects
         try:
-            self._follow = await audit.follow_events(nc, self._on_stored, subjects=subjects,
-                                                     last=self.cfg.events)  # fmt: skip
+            self._follow = await audit.follow_events(
+                nc, self._on_stored, subjects=subjects, last=self.cfg.events,
+                metrics=self.ctx.metrics.follow("audit"),
+            )  # fmt: skip
             # The history is in before the first page can ask (or the trail went quiet).
             await self._follow.until_caught_up(HISTORY_QUIET_S)
             return

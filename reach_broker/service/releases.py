@@ -11,12 +11,16 @@ released claim over: the work runs at least once overall and never on two live a
 once (a holder declared offline while it still runs — a partition longer than the offline
 threshold — is the exception the protocol states).
 
-Which claims an agent holds is learnt by following the bucket (one ordered consumer,
-:func:`jetstream.claims.follow`) from ``claims.scan_window_s`` before the broker started:
-memory holds only the claims running now. Every replica does the same; the compare-and-set
-lets exactly one of them release a claim, and only that one publishes the event. A claim
-arriving for an agent already ``offline`` (the broker catching up after its start) is
-released on arrival.
+Which claims an agent holds is learnt by following the bucket (:func:`jetstream.claims.follow`,
+a :class:`~jetstream.follow.Follower`) from ``claims.scan_window_s`` before the broker
+started: memory holds only the claims running now. Every replica does the same; the
+compare-and-set lets exactly one of them release a claim, and only that one publishes the
+event. A claim arriving for an agent already ``offline`` is released on arrival: the broker
+catching up after its start, or after its follow lost its consumer (a node loss, a
+reconnect) and rebuilt it from the claim after the last one it had. While the follow is
+lost, claims written meanwhile are unknown here, so an agent declared offline then keeps
+them until the follow is back and delivers them; none is forgotten
+(``reach_follow_down{follow="claims"}`` is 1 meanwhile).
 """
 
 from __future__ import annotations
@@ -25,12 +29,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import msgspec
 
 from jetstream import claims
 from jetstream.claims import ClaimStore, ClaimsUnavailable
+from jetstream.follow import Follower
 from reach_agent.wire import schema
 from reach_agent.wire.schema import Claim, Event
 from reach_broker.core.records import AgentRecord, Transition
@@ -72,7 +77,8 @@ class Releaser:
         """holder agent id → claim key → (revision, claim)."""
         self._holder_of: dict[str, str] = {}
         """claim key → the holder under which it is remembered."""
-        self._sub: Any = None
+        self.follower: Follower | None = None
+        """The follow of ``reach_claims`` (None: not started)."""
 
     @property
     def running(self) -> int:
@@ -83,20 +89,20 @@ class Releaser:
         return [c.request_id for _, c in self._running.get(agent_id, {}).values()]
 
     async def start(self) -> None:
-        if self._sub is not None or not self.cfg.release:
+        if self.follower is not None or not self.cfg.release:
             return
-        self.ctx.fanout.listeners.append(self._on_transition)
         since = self.ctx.wall() - self.cfg.scan_window_s
-        self._sub = await claims.follow(self.ctx.nc, self._on_claim, since=since)
+        self.follower = await claims.follow(self.ctx.nc, self._on_claim, since=since,
+                                            metrics=self.ctx.metrics.follow("claims"))  # fmt: skip
+        self.ctx.fanout.listeners.append(self._on_transition)
 
     async def stop(self) -> None:
-        if self._sub is None:
+        if self.follower is None:
             return
         with contextlib.suppress(ValueError):
             self.ctx.fanout.listeners.remove(self._on_transition)
-        with contextlib.suppress(Exception):
-            await self._sub.unsubscribe()
-        self._sub = None
+        follower, self.follower = self.follower, None
+        await follower.stop()
 
     async def claim_of(self, request_id: str) -> ClaimView | None:
         """``request_id``'s claim (holder, state, body digest); None when it is unclaimed.
@@ -195,5 +201,5 @@ class Releaser:
 
     async def _release_later(self, agent_id: str, why: str, pause_s: float) -> None:
         await asyncio.sleep(pause_s)
-        if self._sub is not None and self.state_of(agent_id) in ("offline", None):
+        if self.follower is not None and self.state_of(agent_id) in ("offline", None):
             await self.release(agent_id, why, min(pause_s * 2, RELEASE_RETRY_MAX_S))
