@@ -15,6 +15,7 @@ The registry, router and components are built with the broker, so none is option
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -51,7 +52,7 @@ from reach_broker.interop.synadia import SynadiaAgents
 from reach_broker.replay.replay import Replayer
 
 from .advisories import Advisories
-from .assets import provision_assets, token_secret
+from .assets import START_RETRY_S, jetstream_not_ready, provision_assets, token_secret
 from .canceller import Canceller
 from .context import BrokerContext, Fanout, Link, Tasks, TransitionListener
 from .handlers import Handlers
@@ -203,30 +204,70 @@ class Broker:
                 raise
         self._connected = True
         self._secure()
+        if not self._watching:
+            self._watching = True
+            self.metrics.watch_states(lambda: self.registry.counts)
+        await self._start_components(stop)
+        await self._serve()
+        # Restored agents are judged on silence from here on, when the broker can hear them.
+        regranted = self.registry.listening(self.clock())
+        self._loop_task = asyncio.create_task(self._tick_loop(), name="reach-broker-tick")
+        self.serving = True
+        url = self.nc.connected_url
+        log.info("broker.started id=%s prefix=%s server=%s restored_unheard=%d", self.broker_id,
+                 self.subjects.prefix, url.geturl() if url else None, regranted)  # fmt: skip
+
+    async def _start_components(self, stop: asyncio.Event | None) -> None:
+        """Provision the JetStream assets, key the token signer, start the components;
+        while JetStream is not ready (:func:`~reach_broker.service.assets.jetstream_not_ready`:
+        a server just restarted, a cluster electing) each attempt is undone and tried again
+        after the next wait of ``START_RETRY_S``, logged as ``broker.jetstream_not_ready``.
+        The last error is raised when JetStream is still not ready, or ``stop`` is set."""
+        fanout = self.fanout
+        for attempt, wait in enumerate((*START_RETRY_S, None), start=1):
+            listeners = list(fanout.listeners), list(fanout.announce_listeners)
+            try:
+                await self._start_components_once()
+                return
+            except Exception as exc:
+                if wait is None or not jetstream_not_ready(exc):
+                    raise
+                log.warning("broker.jetstream_not_ready attempt=%d retry_in=%gs error=%s: %s",
+                            attempt, wait, type(exc).__name__, exc)  # fmt: skip
+                for component in reversed(self._running):
+                    try:
+                        await component.stop()
+                    except Exception:  # noqa: BLE001 - undone as far as it goes
+                        log.exception("broker.stop component=%s failed", type(component).__name__)
+                self._running = []
+                # A component that failed half-way may have left its listener behind.
+                fanout.listeners[:], fanout.announce_listeners[:] = listeners
+                if stop is None:
+                    await asyncio.sleep(wait)
+                else:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), wait)
+                    if stop.is_set():
+                        raise
+
+    async def _start_components_once(self) -> None:
         self.replicas = await provision_assets(self.nc, self.cfg, self.subjects)
         self.jetstream_ok = self.replicas is not None
         secret = await token_secret(self.nc, self.cfg, jetstream=self.jetstream_ok)
         self.registry.signer.set_secret(secret)
-        if not self._watching:
-            self._watching = True
-            self.metrics.watch_states(lambda: self.registry.counts)
-        self._running = (
-            [self.snapshot, self.rulebook, self.probes, self.advisories, self.synadia,
+        # The route tables after the snapshot and the rules (their first shares are made from
+        # both), then the partitions' leases (each partition taken: its shares published).
+        tables: list[Component] = [self.tables, self.partitions] if self.cfg.fleet.tables else []
+        components: list[Component] = (
+            [self.snapshot, self.rulebook, *tables, self.probes, self.advisories, self.synadia,
              self.outcomes, self.releaser, self.replayer, self.canceller]
             if self.jetstream_ok
-            else [self.probes, self.advisories, self.synadia, self.outcomes]
+            else [*tables, self.probes, self.advisories, self.synadia, self.outcomes]
         )  # fmt: skip
-        for component in self._running:
+        self._running = []
+        for component in components:
+            self._running.append(component)  # stopped (idempotent) should its start fail
             await component.start()
-        await self.tables.start()  # after the snapshot: shares from it
-        if self.cfg.fleet.tables:
-            await self.partitions.start()  # each partition taken: its shares published
-        await self._serve()
-        self._loop_task = asyncio.create_task(self._tick_loop(), name="reach-broker-tick")
-        self.serving = True
-        url = self.nc.connected_url
-        log.info("broker.started id=%s prefix=%s server=%s", self.broker_id,
-                 self.subjects.prefix, url.geturl() if url else None)  # fmt: skip
 
     async def _serve(self) -> None:
         """Subscribe the handlers: plain subscriptions, then the Services endpoints."""
@@ -275,8 +316,6 @@ class Broker:
         self._subs = []
         if self._loop_task is not None:
             await stop_loops(self._loop_task)
-        await self.tables.stop()
-        await self.partitions.stop()  # the leases handed back
         await self._tasks.settle(self.cfg.broker.shutdown_grace_s)
         for component in reversed(self._running):
             try:
