@@ -33,7 +33,7 @@ from .dispatch import MARKER_TTL_S, Dispatches
 from .synadiareplay import Prompts
 from .taken import Taken
 
-log = logging.getLogger("reach_broker.replay.replay")  # the replay.* lines keep their logger
+log = logging.getLogger(__name__)
 
 Outcome = Literal["replayed", "expired", "failed", "stalled", "claimed", "held", "deferred"]
 RELEASE_WAIT_S = 0.5
