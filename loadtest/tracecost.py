@@ -37,7 +37,7 @@ from reach_agent import trace
 from reach_agent.agent import serving
 from reach_agent.client import calls
 from reach_agent.wire import schema
-from reach_broker.service.broker import Broker
+from reach_broker.broker import Broker
 from reach_broker.service.metrics import Metrics
 
 from .local import local_stack

@@ -22,11 +22,11 @@ from google.protobuf import struct_pb2
 from google.protobuf.json_format import MessageToDict, ParseDict
 
 import reach_agent
+from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.config import A2ASection
 from reach_broker.interop.a2a.cards import AVAILABILITY_URI
 from reach_broker.interop.a2a.gateway import A2AGateway
-from reach_broker.service.broker import Broker
 
 from .agents.procs import AgentProcess
 from .conftest import wait_for

@@ -11,7 +11,7 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from jetstream.names import STREAM_NAMES
-from reach_broker.service.broker import Broker
+from reach_broker.broker import Broker
 
 from .conftest import BrokerFactory, wait_for
 

@@ -31,8 +31,8 @@ from reach_agent import ClientConfig
 from reach_agent.agent.claiming import decide
 from reach_agent.wire import schema
 from reach_agent.wire.subjects import Subjects
+from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer, find_binary
-from reach_broker.service.broker import Broker
 
 from .conftest import wait_for
 from .test_sdk_failover import EventLog, healthy, lines, worker

@@ -18,11 +18,11 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from reach_agent.wire import schema
+from reach_broker.broker import Broker
 from reach_broker.cli.common import CliError, parse_duration
 from reach_broker.cli.events import parse_since
 from reach_broker.cli.view import BrokerStats, Snapshot, render
 from reach_broker.cluster.natsserver import NatsServer
-from reach_broker.service.broker import Broker
 
 from .conftest import BrokerFactory, wait_for
 

@@ -17,8 +17,8 @@ from jetstream import compensation
 from jetstream.names import ACK_STREAM, COMP_STREAM, REGISTRY_BUCKET, STREAM_NAMES
 from jetstream.provision import NoPeers, ProvisionTimeout, ensure_stream
 from reach_agent.wire.subjects import Subjects
+from reach_broker.broker import Broker
 from reach_broker.config import Config
-from reach_broker.service.broker import Broker
 from reach_broker.service.metrics import Metrics
 
 from .cluster import nats_cluster

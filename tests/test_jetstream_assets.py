@@ -23,9 +23,9 @@ from reach_agent.metrics import ClientMetrics
 from reach_agent.wire import schema
 from reach_agent.wire.errors import CompensationFull, Timeout
 from reach_agent.wire.subjects import Subjects
+from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.config import CompensationSection
-from reach_broker.service.broker import Broker
 
 from .conftest import BrokerFactory, wait_for
 

@@ -15,8 +15,8 @@ import pytest
 
 import reach_agent
 from reach_agent.agent.runner import SDK_LOGGERS, default_logging
+from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
-from reach_broker.service.broker import Broker
 from reach_broker.service.metrics import Metrics
 
 from .agents.procs import AgentProcess

@@ -157,12 +157,12 @@ class EventStream:
 class App:
     """The HTTP port's handler: metrics always, the console when :class:`Access` allows."""
 
-    def __init__(self, registry: Any, access: Access) -> None:
+    def __init__(self, registry: Any, access: Access, feed: Feed | None = None) -> None:
         self.registry = registry
         """The Prometheus CollectorRegistry of /metrics."""
         self.access = access
-        self.feed: Feed | None = None
-        """The console's data, attached once the broker runs (until then: 503)."""
+        self.feed = feed
+        """The console's data (none: 503, as until the broker runs it)."""
         self.files = _static()
 
     async def __call__(self, req: Request) -> Response | Stream:
@@ -182,7 +182,7 @@ class App:
             return self.file(req.path.removeprefix("/static/"))
         feed = self.feed
         if req.path.startswith("/api/") or req.path == "/events":
-            if feed is None:
+            if feed is None or not feed.running:
                 return text(503, "the broker is starting", (*SECURITY, *NO_STORE))
             return self.api(feed, req)
         return text(404, f"no such page: {req.path}", SECURITY)

@@ -1,7 +1,9 @@
 """The console's broker component: it remembers (history), follows the audit trail, and
 pushes the fleet to the pages that watch, as server-sent events.
 
-Given the broker context, the registry and the explainer (never the broker). At start it
+Given the broker context, its config section, the registry and the explainer (never the
+broker), and started by the broker after its other components, when the HTTP port shows the
+console. It is told of every transition (one of the broker's consumers). At start it
 reads the last ``console.events`` events of ``REACH_AUDIT`` and then follows it live through
 one ordered consumer (no gap, no duplicate; plain ``<prefix>.event.>`` when the server has
 no JetStream). It samples the fleet every ``console.sample_s`` for the per-agent charts. While
@@ -24,6 +26,7 @@ from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
 from reach_agent.wire import schema
 from reach_broker import __version__
+from reach_broker.config import ConsoleSection
 from reach_broker.core.explain import Explainer
 from reach_broker.core.records import AgentRecord, Transition
 from reach_broker.core.registry import Registry
@@ -73,10 +76,12 @@ class Watcher:
 class Feed:
     """History, audit follow and the pushes to watching pages."""
 
-    def __init__(self, ctx: BrokerContext, registry: Registry, explainer: Explainer) -> None:
+    def __init__(
+        self, ctx: BrokerContext, registry: Registry, explainer: Explainer, cfg: ConsoleSection
+    ) -> None:
         self.ctx = ctx
         self.registry = registry
-        self.cfg = ctx.cfg.console
+        self.cfg = cfg
         self.history = History(self.cfg.sample_s, self.cfg.history_s, self.cfg.events)
         self.views = Views(registry, explainer, ctx.broker_id)
         self.watchers: set[Watcher] = set()
@@ -90,7 +95,6 @@ class Feed:
     async def start(self) -> None:
         if self._tasks:
             return
-        self.ctx.fanout.listeners.append(self._on_transition)
         self.history.sample(self.ctx.wall_ms(), self.registry.agents.values())
         await self._follow_audit()
         self._tasks = [
@@ -101,8 +105,6 @@ class Feed:
     async def stop(self) -> None:
         if not self._tasks:
             return
-        with contextlib.suppress(ValueError):
-            self.ctx.fanout.listeners.remove(self._on_transition)
         await stop_loops(*self._tasks)
         self._tasks = []
         if self._follow is not None:
@@ -172,8 +174,15 @@ class Feed:
 
     # --- inputs --------------------------------------------------------------------------------
 
-    def _on_transition(self, t: Transition, rec: AgentRecord | None) -> None:
-        self._dirty.set()  # O(1): the push loop does the work, and only when watched
+    @property
+    def running(self) -> bool:
+        """Started and not stopped: the pages may be served."""
+        return bool(self._tasks)
+
+    def on_transition(self, t: Transition, rec: AgentRecord | None) -> None:
+        """Consumer: the fleet is pushed soon (O(1): the push loop does the work, and only
+        when watched)."""
+        self._dirty.set()
 
     async def _on_stored(self, stored: audit.StoredEvent) -> None:
         try:

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import random
 from collections.abc import Awaitable, Callable
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from nats.errors import NoRespondersError
 
@@ -23,6 +23,7 @@ from reach_agent.wire import schema
 from reach_agent.wire.errors import ReachError
 from reach_agent.wire.retry import retryable
 from reach_agent.wire.schema import RouteRequest
+from reach_broker.config import CompensationSection
 from reach_broker.core.records import AgentRecord
 from reach_broker.core.routing import Router
 from reach_broker.service.context import BrokerContext
@@ -60,6 +61,8 @@ class EntrySender:
         record_of: Callable[[str], AgentRecord | None],
         taken: Taken,
         acks: AckWatch,
+        cfg: CompensationSection,
+        results: dict[str, Any],
     ) -> None:
         self.ctx = ctx
         self.router = router
@@ -69,10 +72,12 @@ class EntrySender:
         self.taken = taken
         self.acks = acks
         self.subjects = ctx.subjects
-        self.cfg = ctx.cfg.compensation
+        self.cfg = cfg
+        self._results = results
+        """``reach_compensation_total`` by result."""
         self.dispatches = Dispatches(ctx.nc, ctx.subjects, ctx.broker_id, record_of)
         """Where each entry was sent: exactly once across a leader change (dispatch.py)."""
-        self.prompts = Prompts(ctx, taken.done)
+        self.prompts = Prompts(ctx, cfg, taken.done)
         """Entries for Synadia agents (they write no ack records: the broker does)."""
         self.replayed = 0
         self.expired = 0
@@ -146,7 +151,7 @@ class EntrySender:
                     if collect is not None:  # a Synadia agent: the broker records its answer
                         ctx.spawn(collect(), f"synadia-replay-{e.request_id}")
                     self.replayed += 1
-                    ctx.metrics.compensation_result["replayed"].inc()
+                    self._results["replayed"].inc()
                     log.info("replay.delivered request_id=%s capability=%s agent=%s priority=%d",
                              e.request_id, e.capability, c.agent_id, e.priority)  # fmt: skip
                     return "replayed"
@@ -186,7 +191,7 @@ class EntrySender:
             return "deferred"
         await e.msg.ack_sync()
         self.claimed += 1
-        self.ctx.metrics.compensation_result["claimed"].inc()
+        self._results["claimed"].inc()
         log.info("replay.claimed request_id=%s capability=%s holder=%s (%s): not sent again",
                  e.request_id, e.capability, holder, state)  # fmt: skip
         return "claimed"
@@ -200,5 +205,5 @@ class EntrySender:
             "an agent was reachable",
         )  # fmt: skip
         self.expired += 1
-        ctx.metrics.compensation_result["expired"].inc()
+        self._results["expired"].inc()
         log.info("replay.expired request_id=%s capability=%s", e.request_id, e.capability)

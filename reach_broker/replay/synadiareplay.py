@@ -28,6 +28,7 @@ from reach_agent.connection import flush_subscriptions
 from reach_agent.wire import schema, streams
 from reach_agent.wire.errors import ReachError, Timeout, from_reply
 from reach_agent.wire.schema import PROTOCOL_SYNADIA
+from reach_broker.config import CompensationSection
 from reach_broker.service.context import BrokerContext
 
 from . import brokeracks
@@ -45,10 +46,13 @@ class Prompts:
     """Sends compensation entries to Synadia agents and records their answers."""
 
     def __init__(
-        self, ctx: BrokerContext, on_done: Callable[[str, str], Awaitable[object]]
+        self,
+        ctx: BrokerContext,
+        cfg: CompensationSection,
+        on_done: Callable[[str, str], Awaitable[object]],
     ) -> None:
         self.ctx = ctx
-        self.cfg = ctx.cfg.compensation
+        self.cfg = cfg
         self.on_done = on_done
         """Told (request id, agent id) once the agent's answer is recorded."""
 

@@ -1,35 +1,28 @@
 """What a broker component is handed instead of the broker: :class:`BrokerContext`.
 
-The probes, advisories, snapshot and replay each get one context (the connection, the
-clocks, metrics, subjects, a task spawner and the one transitions fan-out) and, beside it,
-exactly the collaborators they use (the registry, the router, the prober). None of them
-sees the broker, so each can be built and tested on its own.
+The context holds only what every component shares: the connection, the clocks, subjects,
+the broker's id, a task spawner, where transitions go (``emit``: the broker's one
+:class:`~reach_broker.service.fanout.Fanout`) and the broker's own :class:`Link`. Its own
+config section, its own metrics and exactly the collaborators it uses (the registry, the
+router, the prober) a component gets beside it, from the one place the broker is built
+(:mod:`reach_broker.broker`). None of them sees the broker, so each can be built and tested
+on its own.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.client import Client as NATS
 
-from reach_agent.wire import schema
-from reach_agent.wire.schema import Event
 from reach_agent.wire.subjects import Subjects
-from reach_broker.config import Config
-from reach_broker.core.records import AgentRecord, Transition
+from reach_broker.core.records import Transition
 
-from .metrics import Metrics
-
-log = logging.getLogger(__name__)
-
-TransitionListener = Callable[[Transition, AgentRecord | None], None]
-"""Told of every transition, with the agent's record (None once it is evicted)."""
-AnnounceListener = Callable[[AgentRecord], None]
-"""Told of every accepted announce, also one that changes no state."""
+Emit = Callable[[list[Transition]], None]
+"""Hands registry changes to the broker's pipeline (events, counts, log, consumers)."""
 
 
 class Tasks:
@@ -55,10 +48,11 @@ class Tasks:
 
 
 class Link:
-    """The broker's own link to NATS as its components see it (set by the observer from the
-    connection's callbacks)."""
+    """The broker's own link to NATS as its components see it: whether the server enforces
+    identities on it (set by the broker once connected), whether it is up (set by the
+    observer from the connection's callbacks)."""
 
-    __slots__ = ("connected", "epoch", "since")
+    __slots__ = ("connected", "epoch", "secured", "since")
 
     def __init__(self) -> None:
         self.connected = True
@@ -67,6 +61,13 @@ class Link:
         """Outages so far: a measurement spanning a change of epoch spans an outage."""
         self.since = 0.0
         """Monotonic time of the last loss or return."""
+        self.secured = False
+        """The server enforces identities and the broker authenticated with a user JWT
+        (``reach_auth_enabled``): reach's roles are the server's permissions."""
+
+    def opened(self, secured: bool) -> None:
+        """Connected: whether the server enforces identities on this link."""
+        self.secured = secured
 
     def lost(self, now: float) -> None:
         self.connected = False
@@ -79,89 +80,13 @@ class Link:
         self.since = now
 
 
-class Fanout:
-    """Where every registry change goes: published as an ``Event`` on
-    ``<prefix>.event.<kind>.<agent_id>``, counted, logged, and handed to every listener
-    (probes, snapshot, replay; tests and the chaos run add their own)."""
-
-    def __init__(
-        self,
-        nc: NATS,
-        subjects: Subjects,
-        metrics: Metrics,
-        broker_id: str,
-        wall: Callable[[], float],
-        spawn: Callable[[Awaitable[Any], str], None],
-        record_of: Callable[[str], AgentRecord | None],
-        link: Link | None = None,
-    ) -> None:
-        self._nc = nc
-        self.link = link or Link()
-        self.withheld = 0
-        """Events not published because the broker's link was down when they were made."""
-        self._subjects = subjects
-        self._metrics = metrics
-        self._broker_id = broker_id
-        self._wall = wall
-        self._spawn = spawn
-        self._record_of = record_of
-        self.listeners: list[TransitionListener] = []
-        self.announce_listeners: list[AnnounceListener] = []
-
-    def emit(self, transitions: list[Transition]) -> None:
-        """Publish events for ``transitions`` and tell the listeners."""
-        at_ms = int(self._wall() * 1000)
-        m = self._metrics
-        for t in transitions:
-            event = Event(
-                kind=t.kind, agent_id=t.agent_id, reason=t.reason, at_ms=at_ms,
-                broker_id=self._broker_id, to=t.to, from_=t.from_,
-            )  # fmt: skip
-            subject = self._subjects.event(t.kind, t.agent_id)
-            if self.link.connected:
-                self._spawn(self._publish(subject, schema.encoder.encode(event)), "event")
-            else:  # nats-py would buffer it and send it after the fact: never
-                self.withheld += 1
-                m.dropped.labels("event", "link_down").inc()
-            m.registry_changes.labels(t.kind).inc()
-            if t.to is not None and t.kind != "registered":
-                m.state_changes.labels(t.to).inc()
-            log.info("agent.%s agent=%s%s%s reason=%s", t.kind, t.agent_id,
-                     "" if t.from_ is None else f" from={t.from_}",
-                     "" if t.to is None else f" to={t.to}", t.reason)  # fmt: skip
-            rec = self._record_of(t.agent_id)
-            for listener in self.listeners:
-                try:
-                    listener(t, rec)
-                except Exception:  # noqa: BLE001 - a listener never breaks the broker
-                    log.exception("broker.listener failed transition=%s", t)
-
-    async def _publish(self, subject: str, body: bytes) -> None:
-        if self.link.connected:  # still: the link may have dropped since the emit
-            await self._nc.publish(subject, body)
-        else:
-            self.withheld += 1
-            self._metrics.dropped.labels("event", "link_down").inc()
-
-    def announced(self, rec: AgentRecord) -> None:
-        """An announce was accepted (whether or not it moved a state)."""
-        for listener in self.announce_listeners:
-            try:
-                listener(rec)
-            except Exception:  # noqa: BLE001 - a listener never breaks the broker
-                log.exception("broker.announce_listener failed agent=%s", rec.agent_id)
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BrokerContext:
     """The broker's shared parts, as one component sees them."""
 
-    cfg: Config
-    """The whole configuration (each component reads its own section)."""
     nc: NATS
     """The broker's connection (connected before any component starts)."""
     subjects: Subjects
-    metrics: Metrics
     broker_id: str
     clock: Callable[[], float]
     """Monotonic seconds: every deadline and duration."""
@@ -169,9 +94,9 @@ class BrokerContext:
     """Unix seconds: timestamps that leave the process."""
     spawn: Callable[[Awaitable[Any], str], None]
     """Run a short task in the background; the broker waits for it at stop."""
-    fanout: Fanout
-    """Where transitions go (:meth:`Fanout.emit`) and where to listen for them."""
-    link: Link = field(default_factory=Link)
+    emit: Emit
+    """Where the registry changes a component makes go (the broker's pipeline)."""
+    link: Link
     """The broker's own link: a measurement across its outage is not the agent's."""
 
     def wall_ms(self) -> int:

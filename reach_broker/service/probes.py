@@ -34,6 +34,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
+from reach_broker.config import DetectionSection
 from reach_broker.core.records import AgentRecord, Transition
 from reach_broker.core.registry import Registry
 
@@ -53,6 +54,9 @@ IDLE_WAKE_S = 1.0
 ProbeSend = Callable[[float], Awaitable[object]]
 """Probes one agent within the timeout given; raises nats' TimeoutError or NoRespondersError
 when unanswered."""
+ProbeVia = Callable[[AgentRecord], ProbeSend | None]
+"""How to probe an agent that is not probed on ``<p>.probe.<agent_id>`` (a Synadia agent:
+its status endpoint); None: the reach probe."""
 
 
 def backoff_delay(failures: int, cap_s: float, rng: random.Random) -> float:
@@ -65,11 +69,24 @@ class Prober:
     """The broker's probe scheduler: probes agents and hands the results to the registry."""
 
     def __init__(
-        self, ctx: BrokerContext, registry: Registry, rng: random.Random | None = None
+        self,
+        ctx: BrokerContext,
+        registry: Registry,
+        cfg: DetectionSection,
+        *,
+        results: Any,
+        rtt: Any,
+        probe_via: ProbeVia | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         self.ctx = ctx
         self.registry = registry
-        self.cfg = ctx.cfg.detection
+        self.cfg = cfg
+        self._results = results
+        """``reach_probes_total`` by result."""
+        self._rtt = rtt
+        """``reach_probe_rtt_seconds``."""
+        self.probe_via: ProbeVia = probe_via or (lambda rec: None)
         self.rng = rng or random.Random()
         self._heap: list[tuple[float, int, str]] = []
         self._gen: dict[str, int] = {}  # agent_id -> generation of its live heap entry
@@ -80,24 +97,18 @@ class Prober:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._probes: set[asyncio.Task[Any]] = set()
-        self.probe_via: Callable[[AgentRecord], ProbeSend | None] = lambda rec: None
-        """How to probe an agent that is not probed on ``<p>.probe.<agent_id>`` (a Synadia
-        agent: its status endpoint); None: the reach probe."""
 
     # --- lifecycle --------------------------------------------------------------------------
 
     async def start(self) -> None:
         if self._task is not None:
             return
-        self.ctx.fanout.listeners.append(self.on_transition)
         self._task = asyncio.create_task(self._loop(), name="reach-probes")
 
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is None:
             return
-        if self.on_transition in self.ctx.fanout.listeners:
-            self.ctx.fanout.listeners.remove(self.on_transition)
         await stop_loops(task, *self._probes)
 
     # --- scheduling -------------------------------------------------------------------------
@@ -126,7 +137,8 @@ class Prober:
         return next((at for at, g, a in self._heap if g == gen and a == agent_id), None)
 
     def on_transition(self, t: Transition, rec: AgentRecord | None) -> None:
-        """Listener: probe suspects and recoverers now; sample newcomers at a random phase."""
+        """Consumer: probe suspects and recoverers now; sample newcomers at a random phase
+        (only plans: while the prober is not running nothing is sent)."""
         if t.kind == "evicted" or rec is None:
             self.cancel(t.agent_id)
             return
@@ -211,9 +223,9 @@ class Prober:
         """Count one probe's outcome and hand it to the registry; whether it counts as ok."""
         ctx = self.ctx
         rtt = rtt_ms if ok else None
-        ctx.metrics.probes.labels(result).inc()
+        self._results.labels(result).inc()
         if rtt is not None:
-            ctx.metrics.probe_rtt.observe(rtt / 1000.0)
+            self._rtt.observe(rtt / 1000.0)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("probe.%s agent=%s rtt_ms=%s", result, agent_id, rtt)
         if sample and result == "no_responders":
@@ -223,7 +235,7 @@ class Prober:
             return True
         # Only a healthy agent's answer is an RTT sample: a suspect's (a freeze that just
         # ended, an answer late by the whole stall) says it lives, not what its latency is.
-        ctx.fanout.emit(self.registry.probe_result(agent_id, ok, rtt if sample else None, now))
+        ctx.emit(self.registry.probe_result(agent_id, ok, rtt if sample else None, now))
         return ok
 
     async def _probe(self, agent_id: str) -> None:
@@ -254,14 +266,14 @@ class Prober:
                 now = ctx.clock()
                 if epoch != ctx.link.epoch or not ctx.link.connected:
                     # The broker's own link dropped meanwhile: the outcome is not the agent's.
-                    ctx.metrics.probes.labels("link_down").inc()
+                    self._results.labels("link_down").inc()
                     ok = True
                 else:
                     ok = self._settle(agent_id, ok, result, sample, (now - t0) * 1000.0, now)
         except asyncio.CancelledError:
             raise
         except Exception:  # a failed probe never breaks the broker
-            ctx.metrics.probes.labels("error").inc()
+            self._results.labels("error").inc()
             log.exception("probe.failed agent=%s", agent_id)
         finally:
             self._inflight.discard(agent_id)

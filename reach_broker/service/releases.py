@@ -32,6 +32,7 @@ from jetstream import claims
 from jetstream.claims import ClaimStore, ClaimsUnavailable
 from reach_agent.wire import schema
 from reach_agent.wire.schema import Claim, Event
+from reach_broker.config import ClaimsSection
 from reach_broker.core.records import AgentRecord, Transition
 
 from .context import BrokerContext
@@ -46,11 +47,20 @@ class Releaser:
     """Broker component: knows the running claims per holder and releases those of agents
     declared offline. Started only when the server has JetStream."""
 
-    def __init__(self, ctx: BrokerContext, state_of: Callable[[str], str | None]) -> None:
+    def __init__(
+        self,
+        ctx: BrokerContext,
+        state_of: Callable[[str], str | None],
+        cfg: ClaimsSection,
+        *,
+        released: Any,
+    ) -> None:
         self.ctx = ctx
         self.state_of = state_of
         """The registry's state of an agent (None: unknown)."""
-        self.cfg = ctx.cfg.claims
+        self.cfg = cfg
+        self._released = released
+        """``reach_claims_released_total``."""
         self.store = ClaimStore(ctx.nc)
         self.released = 0
         self._running: dict[str, dict[str, tuple[int, Claim]]] = {}
@@ -70,15 +80,12 @@ class Releaser:
     async def start(self) -> None:
         if self._sub is not None or not self.cfg.release:
             return
-        self.ctx.fanout.listeners.append(self._on_transition)
         since = self.ctx.wall() - self.cfg.scan_window_s
         self._sub = await claims.follow(self.ctx.nc, self._on_claim, since=since)
 
     async def stop(self) -> None:
         if self._sub is None:
             return
-        with contextlib.suppress(ValueError):
-            self.ctx.fanout.listeners.remove(self._on_transition)
         with contextlib.suppress(Exception):
             await self._sub.unsubscribe()
         self._sub = None
@@ -136,7 +143,11 @@ class Releaser:
 
     # --- releasing ----------------------------------------------------------------------
 
-    def _on_transition(self, t: Transition, rec: AgentRecord | None) -> None:
+    def on_transition(self, t: Transition, rec: AgentRecord | None) -> None:
+        """Consumer: an agent declared offline (or evicted) has its claims released
+        (ignored while not running)."""
+        if self._sub is None:
+            return
         if (t.to == "offline" or t.kind == "evicted") and t.agent_id in self._running:
             self.ctx.spawn(self.release(t.agent_id, t.reason), "claims-release")
 
@@ -159,7 +170,7 @@ class Releaser:
                 continue  # it moved on: finished, taken over, or released by another replica
             done += 1
             self.released += 1
-            self.ctx.metrics.claims_released.inc()
+            self._released.inc()
             log.info("claims.released request_id=%s agent=%s capability=%s reason=%s",
                      claim.request_id, agent_id, claim.capability, why)  # fmt: skip
             event = Event(kind="released", agent_id=agent_id, reason=reason,

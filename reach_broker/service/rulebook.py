@@ -44,10 +44,12 @@ class Rulebook:
     """Broker component: follows ``reach_rules`` into the router's rules. Started only when
     the server has JetStream (``broker.toml``'s rules apply either way)."""
 
-    def __init__(self, ctx: BrokerContext, rules: Rules, quotas: Quotas) -> None:
+    def __init__(self, ctx: BrokerContext, rules: Rules, quotas: Quotas, *, changes: Any) -> None:
         self.ctx = ctx
         self.rules = rules
         self.quotas = quotas
+        self._changes = changes
+        """``reach_rule_changes_total`` by action."""
         self.applied = 0
         """Changes applied so far."""
         self.changed = asyncio.Event()
@@ -99,7 +101,6 @@ class Rulebook:
     def apply(self, capability: str, revision: int, data: bytes | None,
               audit: bool = True) -> str:  # fmt: skip
         """Apply one stored change; returns how it ended (``set``, ``cleared``, ``invalid``)."""
-        m = self.ctx.metrics
         if data is None:
             in_force = self.rules.unset(capability)
             action = "cleared"
@@ -110,7 +111,7 @@ class Rulebook:
             try:
                 rule = decode_rule(capability, data)
             except InvalidRequest as exc:
-                m.rule_changes.labels("invalid").inc()
+                self._changes.labels("invalid").inc()
                 log.warning("rules.invalid capability=%s revision=%d error=%s", capability,
                             revision, exc.message)  # fmt: skip
                 return "invalid"
@@ -119,7 +120,7 @@ class Rulebook:
             by = f" by {rule.updated_by}" if rule.updated_by else ""
             reason = f"{capability}: set {describe(rule)}{by}"
         self.quotas.changed(capability)
-        m.rule_changes.labels(action).inc()
+        self._changes.labels(action).inc()
         self.applied += 1
         self.changed.set()
         log.info("rules.%s capability=%s revision=%d %s", action, capability, revision, reason)
