@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, Unpack
 
 from nats.aio.client import Client as NATS
@@ -76,7 +76,9 @@ class Agent:
     :class:`~reach_agent.connection.Credentials`; ``token`` is the NATS auth token, not the
     broker's heartbeat token :attr:`token`). A file that does not exist is a ``ValueError``.
     ``permissions`` (what callers may ``require``) and ``context_window`` (tokens) are
-    announced; set :attr:`context_usage_pct` as the window fills.
+    announced; set :attr:`context_usage_pct` as the window fills. ``health``, an async
+    check (an adapter's backend), is asked before each heartbeat and probe answer: while it
+    says False the agent is silent, so brokers take it out of the routes.
     """
 
     def __init__(
@@ -106,6 +108,7 @@ class Agent:
         claim_timeout: float = 2.0,
         permissions: Iterable[str] = (),
         context_window: int | None = None,
+        health: Callable[[], Awaitable[bool]] | None = None,
         **credentials: Unpack[CredentialOptions],
     ) -> None:
         schema.check_agent_id(agent_id)
@@ -165,15 +168,19 @@ class Agent:
             context_window=context_window,
         )
         schema.validate_announce(self.announcement, agent_id)
+        self.ack_sink = ack_sink
+        """Where ack records go: the one given, else (``durable_acks``) the JetStream writer
+        made at the first start."""
         self.tasks = TaskServer(
             agent_id, max_concurrency, self.subjects, dedup=DedupCache(dedup_size, dedup_ttl),
-            metrics=metrics, ack_sink=ack_sink,
+            metrics=metrics,
         )  # fmt: skip
         """The task side: admission, claims, execution, replies, ack records."""
         self.tasks.idempotent |= idem
         self.presence = Presence(
             self.announcement, self.subjects, self.tasks,
             heartbeat_interval=heartbeat_interval, announce_refresh=announce_refresh,
+            health=health,
         )  # fmt: skip
         """Announce, heartbeats, probe answers, leave."""
         self.nc: NATS | None = None
@@ -185,14 +192,6 @@ class Agent:
         reconnect."""
 
     # --- what the parts know ------------------------------------------------------------
-
-    @property
-    def ack_sink(self) -> AckSink | None:
-        return self.tasks.ack_sink
-
-    @ack_sink.setter
-    def ack_sink(self, sink: AckSink | None) -> None:
-        self.tasks.ack_sink = sink
 
     @property
     def token(self) -> str | None:
@@ -344,13 +343,13 @@ class Agent:
         sink = self.ack_sink
         if sink is not None and hasattr(sink, "start"):
             await sink.start()
+        claimer = None
         if self.claims:
             claimer = Claimer(nc, self.agent_id, self.instance, self.subjects,
                               timeout_s=self.claim_timeout)  # fmt: skip
             await claimer.start()
-            self.tasks.claimer = claimer
         await self.presence.subscribe(nc)
-        await self.tasks.subscribe(nc, self.capabilities)
+        await self.tasks.subscribe(nc, self.capabilities, claimer=claimer, ack_sink=sink)
         await flush_subscriptions(nc)  # a refused SUB is reported before the PONG
         self.watch.check_subscriptions()
         self.presence.start()

@@ -46,6 +46,7 @@ class Presence:
         *,
         heartbeat_interval: float,
         announce_refresh: float,
+        health: Callable[[], Awaitable[bool]] | None = None,
     ) -> None:
         self.agent_id = announcement.agent_id
         self.announcement = announcement
@@ -70,7 +71,7 @@ class Presence:
         self._reannounce = asyncio.Event()
         self._hb_wake = asyncio.Event()
         self._loops: list[asyncio.Task[Any]] = []
-        self.health: Callable[[], Awaitable[bool]] | None = None
+        self.health = health
         """Asked before each heartbeat and probe answer when set (an adapter's backend
         check): while it says False the agent is silent — no heartbeat, no probe answer — so
         brokers take it out of the routes as they would a dead one, and back when it

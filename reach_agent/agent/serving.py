@@ -68,20 +68,21 @@ class TaskServer:
         *,
         dedup: DedupCache,
         metrics: AgentMetrics | None,
-        ack_sink: AckSink | None,
     ) -> None:
         self.agent_id = agent_id
         self.max_concurrency = max_concurrency
         self.subjects = subjects
         self.dedup = dedup
         self.metrics = metrics
-        self.ack_sink = ack_sink
+        self.ack_sink: AckSink | None = None
+        """Where ack records go (None: none are written), from :meth:`subscribe`."""
         self.handlers: dict[str, tuple[Handler, HandlerKind]] = {}
         """capability → (handler, how it runs)."""
         self.idempotent: set[str] = set()
         """Capabilities whose duplicates are harmless: run without a fleet-wide claim."""
         self.claimer: Claimer | None = None
-        """The fleet-wide claims (None: off, the duplicate window alone applies)."""
+        """The fleet-wide claims (None: off, the duplicate window alone applies), from
+        :meth:`subscribe`."""
         self.nc = NATS()  # the agent's connection, from subscribe()
         self.runner = HandlerRunner(agent_id, max_concurrency)
         self.draining = False
@@ -100,9 +101,19 @@ class TaskServer:
 
     # --- lifecycle --------------------------------------------------------------------
 
-    async def subscribe(self, nc: NATS, capabilities: Sequence[str]) -> None:
-        """One subscription per capability (``<p>.task.<agent_id>.<capability>``)."""
+    async def subscribe(
+        self,
+        nc: NATS,
+        capabilities: Sequence[str],
+        *,
+        claimer: Claimer | None,
+        ack_sink: AckSink | None,
+    ) -> None:
+        """One subscription per capability (``<p>.task.<agent_id>.<capability>``), served
+        on ``nc`` with the fleet-wide ``claimer`` and the ``ack_sink`` the agent started."""
         self.nc = nc
+        self.claimer = claimer
+        self.ack_sink = ack_sink
         for cap in capabilities:
             sub = await nc.subscribe(
                 self.subjects.task(self.agent_id, cap), cb=self.on_task, pending_msgs_limit=100_000

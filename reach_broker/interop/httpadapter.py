@@ -87,14 +87,13 @@ class HttpAdapter:
         self.agent = Agent(
             agent_id, [capability], max_concurrency, agent_type="http",
             timeout_hint=timeout_hint_ms / 1000 if timeout_hint_ms else None,
-            heartbeat_interval=heartbeat_interval, metadata={"url": url}, **agent_options,
+            heartbeat_interval=heartbeat_interval, metadata={"url": url},
+            health=self.healthy if health_url is not None else None, **agent_options,
         )  # fmt: skip
         self.agent.handler(capability)(self.forward)
         self.http = httpx.AsyncClient(
             limits=httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=64)
         )
-        if health_url is not None:
-            self.agent.presence.health = self.healthy
         self._health_timeout = min(HEALTH_TIMEOUT_S, heartbeat_interval)
 
     async def start(self, servers: str | list[str] | None = None) -> None:
