@@ -177,7 +177,8 @@ class AgentRecord:
         delta = active - self.active
         self.active = active
         self.queue_depth = queue_depth
-        self.load = self.busy = min(active / self.max_concurrency, 1.0)
+        load = active / self.max_concurrency
+        self.load = self.busy = load if load < 1.0 else 1.0
         return delta
 
     # --- hand-out accounting (the route path: O(1), this record only) ----------------------
