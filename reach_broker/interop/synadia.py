@@ -79,33 +79,18 @@ class _Instance:
 class SynadiaAgents:
     """Broker component following the Synadia Agent Protocol agents of the account."""
 
-    def __init__(
-        self,
-        ctx: BrokerContext,
-        registry: Registry,
-        handlers: Handlers,
-        prober: Prober,
-        account: Account,
-        cfg: SynadiaSection,
-        *,
-        instances: Any,
-        heartbeats: dict[str, Any],
-        dropped: Any,
-    ) -> None:
-        self.ctx = ctx
-        self.cfg = cfg
-        self.registry = registry
+    def __init__(self, ctx: BrokerContext, registry: Registry, handlers: Handlers,
+                 prober: Prober, account: Account, cfg: SynadiaSection, *, instances: Any,
+                 heartbeats: dict[str, Any], dropped: Any) -> None:  # fmt: skip
+        """``instances``: ``reach_synadia_agents``; ``heartbeats``: ``reach_heartbeats_total``
+        by result; ``dropped``: ``reach_dropped_messages_total``."""
+        self.ctx, self.cfg, self.registry = ctx, cfg, registry
         self.handlers = handlers
         self.prober = prober
         self.account = account
         """The account whose CONNZ tells which connection holds which instance (the
         advisories learn it)."""
-        self._instances = instances
-        """``reach_synadia_agents``."""
-        self._heartbeats = heartbeats
-        """``reach_heartbeats_total`` by result."""
-        self._dropped = dropped
-        """``reach_dropped_messages_total`` by kind and reason."""
+        self._instances, self._heartbeats, self._dropped = instances, heartbeats, dropped
         self.instances: dict[str, _Instance] = {}
         """By reach agent id."""
         self.by_instance: dict[str, str] = {}

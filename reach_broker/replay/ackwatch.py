@@ -36,14 +36,9 @@ _ack_times = msgspec.json.Decoder(_AckTimes)
 class AckWatch:
     """``reach_ack_records_total{state}`` and ``reach_ack_latency_seconds``."""
 
-    def __init__(
-        self,
-        ctx: BrokerContext,
-        metrics: ReplayMetrics,
-        on_final: Callable[[str, str], Awaitable[object]],
-    ) -> None:
-        self.ctx = ctx
-        self.metrics = metrics
+    def __init__(self, ctx: BrokerContext, metrics: ReplayMetrics,
+                 on_final: Callable[[str, str], Awaitable[object]]) -> None:  # fmt: skip
+        self.ctx, self.metrics = ctx, metrics
         self._sent_ms: dict[str, int] = {}
         self._received_ms: dict[str, int] = {}
         self.on_final = on_final

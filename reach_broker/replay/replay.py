@@ -61,22 +61,15 @@ class Replayer:
     """Broker component replaying ``REACH_COMPENSATION`` entries to reachable agents.
     Started only when the server has JetStream."""
 
-    def __init__(
-        self,
-        ctx: BrokerContext,
-        router: Router,
-        claim_of: Callable[[str], Awaitable[tuple[str, str] | None]],
-        record_of: Callable[[str], AgentRecord | None],
-        cfg: CompensationSection,
-        metrics: ReplayMetrics,
-    ) -> None:
-        self.ctx = ctx
+    def __init__(self, ctx: BrokerContext, router: Router,
+                 claim_of: Callable[[str], Awaitable[tuple[str, str] | None]],
+                 record_of: Callable[[str], AgentRecord | None], cfg: CompensationSection,
+                 metrics: ReplayMetrics) -> None:  # fmt: skip
+        self.ctx, self.cfg, self.metrics = ctx, cfg, metrics
         self.router = router
         self.claim_of = claim_of
         """A request id's claim: (holder, state), None when unclaimed."""
         self.subjects = ctx.subjects
-        self.cfg = cfg
-        self.metrics = metrics
         self._running: dict[str, asyncio.Task[None]] = {}
         self._again: set[str] = set()
         self._known: dict[str, int] = {}

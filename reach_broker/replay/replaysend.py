@@ -53,18 +53,12 @@ class EntrySender:
     """Delivers the replay's entries one by one (:meth:`deliver`), and counts how each
     ended."""
 
-    def __init__(
-        self,
-        ctx: BrokerContext,
-        router: Router,
-        claim_of: Callable[[str], Awaitable[tuple[str, str] | None]],
-        record_of: Callable[[str], AgentRecord | None],
-        taken: Taken,
-        acks: AckWatch,
-        cfg: CompensationSection,
-        results: dict[str, Any],
-    ) -> None:
-        self.ctx = ctx
+    def __init__(self, ctx: BrokerContext, router: Router,
+                 claim_of: Callable[[str], Awaitable[tuple[str, str] | None]],
+                 record_of: Callable[[str], AgentRecord | None], taken: Taken, acks: AckWatch,
+                 cfg: CompensationSection, results: dict[str, Any]) -> None:  # fmt: skip
+        """``results``: ``reach_compensation_total`` by result."""
+        self.ctx, self.cfg, self._results = ctx, cfg, results
         self.router = router
         self.claim_of = claim_of
         """A request id's claim: (holder, state), None when unclaimed."""
@@ -72,9 +66,6 @@ class EntrySender:
         self.taken = taken
         self.acks = acks
         self.subjects = ctx.subjects
-        self.cfg = cfg
-        self._results = results
-        """``reach_compensation_total`` by result."""
         self.dispatches = Dispatches(ctx.nc, ctx.subjects, ctx.broker_id, record_of)
         """Where each entry was sent: exactly once across a leader change (dispatch.py)."""
         self.prompts = Prompts(ctx, cfg, taken.done)

@@ -45,14 +45,9 @@ Collector = Callable[[], Awaitable[None]]
 class Prompts:
     """Sends compensation entries to Synadia agents and records their answers."""
 
-    def __init__(
-        self,
-        ctx: BrokerContext,
-        cfg: CompensationSection,
-        on_done: Callable[[str, str], Awaitable[object]],
-    ) -> None:
-        self.ctx = ctx
-        self.cfg = cfg
+    def __init__(self, ctx: BrokerContext, cfg: CompensationSection,
+                 on_done: Callable[[str, str], Awaitable[object]]) -> None:  # fmt: skip
+        self.ctx, self.cfg = ctx, cfg
         self.on_done = on_done
         """Told (request id, agent id) once the agent's answer is recorded."""
 

@@ -136,33 +136,19 @@ _encoder = msgspec.json.Encoder()
 class Advisories:
     """Subscribes to the advisories and reconciles the registry with the server's view."""
 
-    def __init__(
-        self,
-        ctx: BrokerContext,
-        registry: Registry,
-        prober: Prober,
-        account: Account,
-        cfg: DetectionSection,
-        *,
-        unnamed: Unnamed | None = None,
-        seen: Any,
-        dropped: Any,
-        refused: Any,
-    ) -> None:
-        self.ctx = ctx
+    def __init__(self, ctx: BrokerContext, registry: Registry, prober: Prober, account: Account,
+                 cfg: DetectionSection, *, unnamed: Unnamed | None = None, seen: Any,
+                 dropped: Any, refused: Any) -> None:  # fmt: skip
+        """``seen``: ``reach_disconnect_advisories``; ``dropped``, ``refused``:
+        ``reach_dropped_messages_total``, ``reach_dropped_total``."""
+        self.ctx, self.cfg = ctx, cfg
         self.registry = registry
         self.prober = prober
         self.account = account
         """The account whose advisories are followed (learnt at start)."""
-        self.cfg = cfg
         self.unnamed: Unnamed = unnamed or _NoneUnnamed()
         """Who follows the connections that are not named after an agent."""
-        self._seen = seen
-        """``reach_disconnect_advisories``: 1 once they are seen."""
-        self._dropped = dropped
-        """``reach_dropped_messages_total`` by kind and reason."""
-        self._refused = refused
-        """``reach_dropped_total`` by kind and reason."""
+        self._seen, self._dropped, self._refused = seen, dropped, refused
         self.available = False
         """True once the server answered CONNZ for our account (or an advisory arrived)."""
         self.disconnects = 0

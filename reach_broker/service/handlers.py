@@ -219,23 +219,12 @@ class Endpoint:
 class Handlers:
     """The broker's handlers over its registry and router."""
 
-    def __init__(
-        self,
-        ctx: BrokerContext,
-        registry: Registry,
-        router: Router,
-        quotas: Quotas,
-        explainer: Explainer,
-        metrics: HandlerMetrics,
-        *,
-        on_unknown: Callable[[str], None],
-        announced: Callable[[AgentRecord], None],
-    ) -> None:
-        self.ctx = ctx
-        self.registry = registry
-        self.router = router
-        self.quotas = quotas
-        self.explainer = explainer
+    def __init__(self, ctx: BrokerContext, registry: Registry, router: Router, quotas: Quotas,
+                 explainer: Explainer, metrics: HandlerMetrics, *,
+                 on_unknown: Callable[[str], None],
+                 announced: Callable[[AgentRecord], None]) -> None:  # fmt: skip
+        self.ctx, self.registry, self.router = ctx, registry, router
+        self.quotas, self.explainer = quotas, explainer
         self.metrics = m = metrics
         self.on_unknown = on_unknown
         """Told of a heartbeat from an agent this broker does not know (or whose token it

@@ -39,7 +39,7 @@ from reach_broker.core.records import Transition
 from reach_broker.core.registry import Registry
 
 from .advisories import Advisories
-from .context import BrokerContext, Link
+from .context import BrokerContext
 
 log = logging.getLogger(__name__)
 
@@ -56,26 +56,14 @@ MIN_SILENT = 2
 class Observer:
     """The broker's self-doubt: the tick's gate, the hold, its release, the outage rebase."""
 
-    def __init__(
-        self,
-        ctx: BrokerContext,
-        registry: Registry,
-        advisories: Advisories,
-        cfg: DetectionSection,
-        *,
-        suspect: Any,
-        gaps: Any,
-    ) -> None:
-        self.ctx = ctx
-        self.link: Link = ctx.link
+    def __init__(self, ctx: BrokerContext, registry: Registry, advisories: Advisories,
+                 cfg: DetectionSection, *, suspect: Any, gaps: Any) -> None:  # fmt: skip
+        """``suspect``, ``gaps``: ``reach_observer_suspect``, ``reach_observer_gaps_total``."""
+        self.ctx, self.link, self.cfg = ctx, ctx.link, cfg
         self.registry = registry
         self.advisories = advisories
-        self.cfg = cfg
         self.share = cfg.observer_suspect_share
-        self._suspect = suspect
-        """``reach_observer_suspect``: 1 while the broker doubts its own view."""
-        self._gaps = gaps
-        """``reach_observer_gaps_total``."""
+        self._suspect, self._gaps = suspect, gaps
         self.suspect = False
         """True while the broker doubts its own view and holds states."""
         self.suspected = 0

@@ -34,24 +34,13 @@ JUDGE_EVERY_S = 1.0
 class Outcomes:
     """Follows the callers' summaries into the registry's records."""
 
-    def __init__(
-        self,
-        ctx: BrokerContext,
-        registry: Registry,
-        cfg: OutcomesSection,
-        *,
-        summaries: Any,
-        ejected: Any,
-    ) -> None:
-        self.ctx = ctx
-        self.registry = registry
-        self.cfg = cfg
+    def __init__(self, ctx: BrokerContext, registry: Registry, cfg: OutcomesSection, *,
+                 summaries: Any, ejected: Any) -> None:  # fmt: skip
+        """``summaries``, ``ejected``: ``reach_outcomes_total``, ``reach_delivery_ejected``."""
+        self.ctx, self.registry, self.cfg = ctx, registry, cfg
         self.book = DeliveryBook(cfg)
-        self._result = {k: summaries.labels(k)
-                        for k in ("accepted", "invalid", "unknown")}  # fmt: skip
-        """``reach_outcomes_total`` by result."""
+        self._result = {k: summaries.labels(k) for k in ("accepted", "invalid", "unknown")}
         self._ejected = {rule: ejected.labels(rule) for rule in (OUTLIER, UNANSWERED)}
-        """``reach_delivery_ejected`` by rule."""
         self._sub: Any = None
         self._loop: asyncio.Task[None] | None = None
 

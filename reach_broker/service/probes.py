@@ -68,24 +68,12 @@ def backoff_delay(failures: int, cap_s: float, rng: random.Random) -> float:
 class Prober:
     """The broker's probe scheduler: probes agents and hands the results to the registry."""
 
-    def __init__(
-        self,
-        ctx: BrokerContext,
-        registry: Registry,
-        cfg: DetectionSection,
-        *,
-        results: Any,
-        rtt: Any,
-        probe_via: ProbeVia | None = None,
-        rng: random.Random | None = None,
-    ) -> None:
-        self.ctx = ctx
-        self.registry = registry
-        self.cfg = cfg
-        self._results = results
-        """``reach_probes_total`` by result."""
-        self._rtt = rtt
-        """``reach_probe_rtt_seconds``."""
+    def __init__(self, ctx: BrokerContext, registry: Registry, cfg: DetectionSection, *,
+                 results: Any, rtt: Any, probe_via: ProbeVia | None = None,
+                 rng: random.Random | None = None) -> None:  # fmt: skip
+        """``results``, ``rtt``: ``reach_probes_total``, ``reach_probe_rtt_seconds``."""
+        self.ctx, self.registry, self.cfg = ctx, registry, cfg
+        self._results, self._rtt = results, rtt
         self.probe_via: ProbeVia = probe_via or (lambda rec: None)
         self.rng = rng or random.Random()
         self._heap: list[tuple[float, int, str]] = []

@@ -47,20 +47,12 @@ class Releaser:
     """Broker component: knows the running claims per holder and releases those of agents
     declared offline. Started only when the server has JetStream."""
 
-    def __init__(
-        self,
-        ctx: BrokerContext,
-        state_of: Callable[[str], str | None],
-        cfg: ClaimsSection,
-        *,
-        released: Any,
-    ) -> None:
-        self.ctx = ctx
+    def __init__(self, ctx: BrokerContext, state_of: Callable[[str], str | None],
+                 cfg: ClaimsSection, *, released: Any) -> None:  # fmt: skip
+        """``released``: ``reach_claims_released_total``."""
+        self.ctx, self.cfg, self._released = ctx, cfg, released
         self.state_of = state_of
         """The registry's state of an agent (None: unknown)."""
-        self.cfg = cfg
-        self._released = released
-        """``reach_claims_released_total``."""
         self.store = ClaimStore(ctx.nc)
         self.released = 0
         self._running: dict[str, dict[str, tuple[int, Claim]]] = {}
@@ -84,11 +76,10 @@ class Releaser:
         self._sub = await claims.follow(self.ctx.nc, self._on_claim, since=since)
 
     async def stop(self) -> None:
-        if self._sub is None:
-            return
-        with contextlib.suppress(Exception):
-            await self._sub.unsubscribe()
-        self._sub = None
+        sub, self._sub = self._sub, None  # not running from here: transitions are ignored
+        if sub is not None:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
 
     async def claim_of(self, request_id: str) -> tuple[str, str] | None:
         """``request_id``'s claim as (holder, state: running, completed, failed or
