@@ -35,9 +35,10 @@ USER reach
 ENV NATS_URL=nats://nats:4222 \
     REACH_ACK_DIR=/var/lib/reach/acks
 EXPOSE 9464
-# The broker is healthy while its /metrics endpoint answers (the demo agents in the same
+# The broker is healthy while its /healthz endpoint answers (docs/operations.md, "Health
+# probes"; the demo agents in the same
 # image turn this off in docker-compose.nats.yml: they serve no metrics).
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
-    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:9464/metrics', timeout=2)"]
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:9464/healthz', timeout=2)"]
 ENTRYPOINT ["reach"]
 CMD ["broker", "--config", "/app/configs/broker.toml", "--metrics-port", "9464", "--metrics-host", "0.0.0.0"]

@@ -10,11 +10,13 @@ A record is durable in the log before it is published, so a crash between "handl
 Each process appends to its own ``acks-<pid>-<rand>.wal`` in the agent's directory and holds
 it with ``flock``. A file whose lock is free belongs to a process that died: :meth:`Wal.open`
 copies its pending lines into the new file, makes them durable and removes it. A torn last
-line (a crash mid-write) is ignored. This module knows files and lines, not NATS.
+line (a crash mid-write) is ignored. A close with nothing pending removes the file, and the
+directory when nothing else is in it. This module knows files and lines, not NATS.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import secrets
@@ -81,9 +83,15 @@ class Wal:
     def open(self) -> dict[str, Entry]:
         """Create and lock this process's file, adopt the files of dead processes; returns
         the pending records adopted (already copied into the new file, durably)."""
-        self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"acks-{os.getpid()}-{secrets.token_hex(3)}.wal"
-        self._fd, self.path, self.size = _locked(path, os.O_CREAT), path, 0
+        for attempt in range(3):
+            self.directory.mkdir(parents=True, exist_ok=True)
+            try:
+                self._fd, self.path, self.size = _locked(path, os.O_CREAT), path, 0
+                break
+            except FileNotFoundError:  # another process's close() took the empty dir away
+                if attempt == 2:
+                    raise
         adopted: dict[str, Entry] = {}
         for orphan in sorted(self.directory.glob("acks-*.wal")):
             if orphan != path:
@@ -113,7 +121,9 @@ class Wal:
         self._fd, self.size = fd, len(content)
 
     def close(self, *, remove: bool) -> None:
-        """Release the file (and its lock); ``remove`` deletes it (nothing is pending)."""
+        """Release the file (and its lock); ``remove`` deletes it (nothing is pending), and
+        the directory too when nothing else is left in it (a clean drain leaves no trace; a
+        file of another process of the agent, or anything else there, keeps it)."""
         if self._fd is None:
             return
         os.close(self._fd)
@@ -123,6 +133,8 @@ class Wal:
                 self.path.unlink()
             except OSError:
                 pass
+            with contextlib.suppress(OSError):  # not empty: someone else's, kept
+                self.directory.rmdir()
 
     def _append(self, line: bytes) -> None:
         if self._fd is None:

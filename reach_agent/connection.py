@@ -6,10 +6,13 @@ setting may be given explicitly or come from the environment, with the names the
 CLI uses: ``NATS_URL`` (comma-separated servers), ``NATS_CREDS`` (a credentials file: user
 JWT + nkey seed), ``NATS_NKEY`` (an nkey seed file), ``NATS_USER`` / ``NATS_PASSWORD``,
 ``NATS_TOKEN``, ``NATS_CA`` / ``NATS_CERT`` / ``NATS_KEY`` (TLS). An explicit value wins
-over the environment. A file that does not exist is a ``ValueError`` naming the setting and
-the path, at once, rather than a connect failure later. A credentials file also sets the
-connection's inbox prefix: the private ``_INBOX.<role>.<name>`` its user JWT lets it
-subscribe to (:mod:`reach_agent.grants`), or no reply would ever reach it.
+over the environment, and both win over a ``nats`` CLI context (:class:`NatsContext`): the
+one named by the ``context`` option or ``NATS_CONTEXT``, else the one selected in
+``context.txt``, read from ``$XDG_CONFIG_HOME/nats`` (default ``~/.config/nats``) with the
+field names the ``nats`` CLI writes. A file that does not exist is a ``ValueError`` naming
+the setting and the path, at once, rather than a connect failure later. A credentials file
+also sets the connection's inbox prefix: the private ``_INBOX.<role>.<name>`` its user JWT
+lets it subscribe to (:mod:`reach_agent.grants`), or no reply would ever reach it.
 
 Also here: the connection plumbing every reach process shares (:func:`flush_subscriptions`,
 :func:`drain_or_close`, the jittered reconnect handler).
@@ -36,6 +39,7 @@ log = logging.getLogger(__name__)
 DEFAULT_URL = "nats://127.0.0.1:4222"
 
 ENV = {
+    "context": "NATS_CONTEXT",
     "creds": "NATS_CREDS",
     "nkey_seed": "NATS_NKEY",
     "user": "NATS_USER",
@@ -54,6 +58,7 @@ class CredentialOptions(TypedDict, total=False):
     """The credential keywords of ``Agent(...)``, ``Client(...)`` and ``reach_agent.run()``:
     the fields of :class:`Credentials`."""
 
+    context: str | None
     creds: str | None
     nkey_seed: str | None
     user: str | None
@@ -62,11 +67,15 @@ class CredentialOptions(TypedDict, total=False):
     tls_ca: str | None
     tls_cert: str | None
     tls_key: str | None
+    inbox_prefix: str | None
 
 
 class Credentials(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Who a connection is and how it trusts the server. Every field is optional."""
 
+    context: str | None = None
+    """A ``nats`` CLI context (:class:`NatsContext`) whose settings fill what is left unset;
+    ``""``: none, not even the selected one."""
     creds: str | None = None
     """A NATS credentials file (user JWT and nkey seed), e.g. from ``reach auth agent``."""
     nkey_seed: str | None = None
@@ -83,6 +92,8 @@ class Credentials(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """Client certificate (PEM), for servers that verify clients; needs ``tls_key``."""
     tls_key: str | None = None
     """Private key (PEM) of ``tls_cert``."""
+    inbox_prefix: str | None = None
+    """Prefix of the connection's reply subjects (one a credentials file's grants name wins)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Credentials:
@@ -91,8 +102,10 @@ class Credentials(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         return cls(**{f: env[v] for f, v in ENV.items() if env.get(v)})
 
     def check(self) -> Credentials:
-        """Raise ``ValueError`` naming the setting for a file that does not exist, a
-        password without a user, or half a TLS key pair; returns ``self``."""
+        """Raise ``ValueError`` naming the setting for a file or a NATS context that does not
+        exist, a password without a user, or half a TLS key pair; returns ``self``."""
+        if self.context:
+            load_context(self.context)
         for field in _FILES:
             path = getattr(self, field)
             if path is not None and not Path(path).expanduser().is_file():
@@ -114,10 +127,114 @@ class Credentials(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         )  # fmt: skip
 
 
+class NatsContext(msgspec.Struct, frozen=True, kw_only=True):
+    """A ``nats`` CLI context: ``<config>/nats/context/<name>.json``, where ``<config>`` is
+    ``$XDG_CONFIG_HOME`` or ``~/.config``, as ``nats context save`` writes it (the field
+    names are the CLI's; those reach has no use for, such as ``jetstream_domain``, are
+    ignored). Empty means unset."""
+
+    description: str = ""
+    url: str = ""
+    """Server URL(s), comma-separated."""
+    token: str = ""
+    user: str = ""
+    password: str = ""
+    creds: str = ""
+    """A credentials file."""
+    nkey: str = ""
+    """A file holding an nkey seed."""
+    cert: str = ""
+    key: str = ""
+    ca: str = ""
+    inbox_prefix: str = ""
+
+    def credentials(self) -> Credentials:
+        """The context's settings as :class:`Credentials` (paths with ``~`` expanded)."""
+
+        def path(value: str) -> str | None:
+            return str(Path(value).expanduser()) if value else None
+
+        return Credentials(
+            creds=path(self.creds), nkey_seed=path(self.nkey), user=self.user or None,
+            password=self.password or None, token=self.token or None, tls_ca=path(self.ca),
+            tls_cert=path(self.cert), tls_key=path(self.key),
+            inbox_prefix=self.inbox_prefix or None,
+        )  # fmt: skip
+
+
+def context_dir(env: Mapping[str, str] | None = None) -> Path:
+    """Where the ``nats`` CLI keeps its contexts: ``$XDG_CONFIG_HOME/nats`` or
+    ``~/.config/nats``."""
+    env = os.environ if env is None else env
+    home = Path(env.get("HOME") or "~").expanduser()
+    return Path(env.get("XDG_CONFIG_HOME") or home / ".config") / "nats"
+
+
+def context_name(named: str | None, env: Mapping[str, str] | None = None) -> str | None:
+    """The context a connection uses: ``named`` (``""``: none), else ``NATS_CONTEXT``, else
+    the one selected in ``context.txt`` (``nats context select``); None: no context."""
+    env = os.environ if env is None else env
+    if named is not None:
+        return named or None
+    if env.get("NATS_CONTEXT"):
+        return env["NATS_CONTEXT"]
+    try:
+        selected = (context_dir(env) / "context.txt").read_text().strip()
+    except OSError:
+        return None
+    return selected or None
+
+
+def load_context(name: str, env: Mapping[str, str] | None = None) -> NatsContext:
+    """The context ``name``, or a ``ValueError`` naming it and its file."""
+    if not name or ".." in name or "/" in name:
+        raise ValueError(f"NATS context {name!r} is not a context name")
+    path = context_dir(env) / "context" / f"{name}.json"
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ValueError(f"NATS context {name!r} not found: no file {path} (set by the "
+                         "context option, --context or NATS_CONTEXT)") from None  # fmt: skip
+    except OSError as exc:
+        raise ValueError(f"NATS context {name!r}: cannot read {path}: {exc.strerror}") from None
+    try:
+        return msgspec.json.decode(data, type=NatsContext)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"NATS context {name!r}: {path} is not a context: {exc}") from None
+
+
+def resolve(
+    servers: str | Sequence[str] | None,
+    credentials: Credentials | None = None,
+    env: Mapping[str, str] | None = None,
+) -> tuple[list[str], Credentials]:
+    """The servers and credentials a connection uses, as the ``nats`` CLI decides them:
+    each setting given explicitly, else from its ``NATS_*`` variable, else from the context
+    (:func:`context_name`), else the default (``nats://127.0.0.1:4222``, no credentials).
+    A user or a client certificate set explicitly or in the environment takes its pair
+    (password, key) from there too, never from the context. The result names no context
+    any more (``context=""``): resolving it again changes nothing."""
+    cred = (credentials or Credentials()).over(Credentials.from_env(env))
+    url = servers if servers is not None else (os.environ if env is None else env).get("NATS_URL")
+    name = context_name(cred.context, env)
+    if name is not None:
+        ctx = load_context(name, env)
+        fill = ctx.credentials()
+        if cred.user is not None:
+            fill = msgspec.structs.replace(fill, user=None, password=None)
+        if cred.tls_cert is not None:
+            fill = msgspec.structs.replace(fill, tls_cert=None, tls_key=None)
+        cred = cred.over(fill)
+        if not url and ctx.url:
+            url = ctx.url
+    return server_list(url or DEFAULT_URL, env), msgspec.structs.replace(cred, context="")
+
+
 def server_list(
     servers: str | Sequence[str] | None, env: Mapping[str, str] | None = None
 ) -> list[str]:
-    """``servers`` as a list; ``None`` reads ``NATS_URL`` (comma-separated), else localhost."""
+    """``servers`` as a list; ``None`` reads ``NATS_URL`` (comma-separated), else localhost
+    (:func:`resolve` also reads the context)."""
     if servers is None:
         servers = (os.environ if env is None else env).get("NATS_URL") or DEFAULT_URL
     if isinstance(servers, str):
@@ -159,13 +276,15 @@ def connect_options(
     """Keyword arguments for nats-py ``connect()``: servers, name, credentials, TLS and the
     reconnect behaviour of a long-lived reach connection.
 
-    ``credentials`` override what the environment names (``NATS_CREDS``, …); ``overrides``
-    replace any option (a CLI command connects with ``allow_reconnect=False``, the broker
-    passes its callbacks and ping settings).
+    ``credentials`` override what the environment names (``NATS_CREDS``, …), both what the
+    ``nats`` CLI context names (:func:`resolve`); ``overrides`` replace any option (a CLI
+    command connects with ``allow_reconnect=False``, the broker passes its callbacks and
+    ping settings).
     """
-    cred = (credentials or Credentials()).over(Credentials.from_env(env)).check()
+    urls, cred = resolve(servers, credentials, env)
+    cred.check()
     opts: dict[str, Any] = {
-        "servers": server_list(servers, env),
+        "servers": urls,
         "name": name,
         "ping_interval": 2,
         "max_outstanding_pings": 2,
@@ -180,6 +299,8 @@ def connect_options(
         found = _grants(cred.creds)
         if found is not None and found.inbox_prefix is not None:
             opts["inbox_prefix"] = found.inbox_prefix
+    if cred.inbox_prefix is not None and "inbox_prefix" not in opts:
+        opts["inbox_prefix"] = cred.inbox_prefix
     if cred.nkey_seed is not None:
         opts["nkeys_seed"] = str(Path(cred.nkey_seed).expanduser())
     if cred.user is not None:
@@ -199,7 +320,7 @@ def credential_grants(
 ) -> tuple[str, grants.Grants] | None:
     """(the credentials file, what its user JWT allows), for the credentials a connection
     would use (``NATS_CREDS`` included); None without a credentials file."""
-    cred = (credentials or Credentials()).over(Credentials.from_env(env))
+    _, cred = resolve([DEFAULT_URL], credentials, env)
     if cred.creds is None:
         return None
     found = _grants(cred.creds)

@@ -35,12 +35,15 @@ class TraceContext:
     """The task being run: its request id, the agent running it and the headers it came
     with (the child headers of its sub-calls are computed from them, when there is one)."""
 
-    __slots__ = ("agent_id", "headers", "request_id", "steps")
+    __slots__ = ("agent_id", "headers", "parent", "request_id", "steps")
 
     def __init__(self, request_id: str, agent_id: str, headers: Mapping[str, str]) -> None:
         self.request_id = request_id
         self.agent_id = agent_id
         self.headers = headers
+        self.parent: str | None = None
+        """The ``traceparent`` of the task's run span when spans are on (:mod:`.otel`): its
+        sub-calls' spans are its children."""
         self.steps = 0
         """Flow steps begun for this task (:mod:`~reach_agent.client.flow`): their ids' numbers."""
 

@@ -35,6 +35,7 @@ from nats.micro import add_service
 from nats.micro.service import EndpointConfig, Service, ServiceConfig
 
 from jetstream.tasks import raise_if_cancelled
+from reach_agent import otel
 from reach_agent.aio import stop_loops
 from reach_agent.connection import Credentials, connect_options, drain_or_close, flush_subscriptions
 from reach_agent.wire.subjects import Subjects
@@ -139,6 +140,8 @@ class Broker:
             nc=self.nc, subjects=self.subjects, broker_id=self.broker_id, clock=clock,
             wall=wall, spawn=self._tasks.spawn, emit=self._emit, link=self.link,
         )  # fmt: skip
+        self.spans = otel.spans("reach-broker")
+        """OpenTelemetry spans of route requests (:mod:`reach_agent.otel`; None: off)."""
 
         # The parts on NATS, each before those that use it.
         self.snapshot = Snapshot(ctx, registry)
@@ -147,6 +150,7 @@ class Broker:
             ctx, registry, self.router, self.quotas, self.explainer, HandlerMetrics.of(m),
             on_unknown=self.reannouncer.unknown,  # a heartbeat it cannot place
             announced=self.snapshot.on_announce,  # an accepted announce, moved or not
+            spans=self.spans,
         )  # fmt: skip
         self.identity = Identity(ctx, registry, self.handlers,
                                  conflict=m.announce_result["conflict"])  # fmt: skip
@@ -174,7 +178,8 @@ class Broker:
         self.rulebook = Rulebook(ctx, self.rules, self.quotas, changes=m.rule_changes)
         self.outcomes = Outcomes(ctx, registry, cfg.outcomes, summaries=m.outcomes,
                                  ejected=m.delivery_ejected)  # fmt: skip
-        self.feed = Feed(ctx, registry, self.explainer, cfg.console) if console else None
+        self.feed = (Feed(ctx, registry, self.explainer, cfg.console, self.handlers.route_counts)
+                     if console else None)  # fmt: skip
         """The console's data (built when the HTTP port shows the console)."""
 
         # The pipeline: every transition is published as an event, counted, logged, then
@@ -219,6 +224,8 @@ class Broker:
         self._started = False
         self._watching = False
         self._with_creds = bool(cfg.nats.creds)
+        self.serving = False
+        """Started: assets provisioned, rules loaded, handlers subscribed (until :meth:`stop`)."""
 
     def _emit(self, transitions: list[Transition]) -> None:
         """Where a part hands the transitions it made: the pipeline (built after the parts,
@@ -248,6 +255,7 @@ class Broker:
             await component.start()
         await self._serve()
         self._loop_task = asyncio.create_task(self._tick_loop(), name="reach-broker-tick")
+        self.serving = True
         url = self.nc.connected_url
         log.info("broker.started id=%s prefix=%s server=%s", self.broker_id,
                  self.subjects.prefix, url.geturl() if url else None)  # fmt: skip
@@ -285,6 +293,7 @@ class Broker:
         if not self._started:
             return
         self._started = False
+        self.serving = False
         if self._service is not None:
             try:
                 await self._service.stop()
@@ -306,7 +315,26 @@ class Broker:
                 log.exception("broker.stop component=%s failed", type(component).__name__)
         if self._own_nc:
             await drain_or_close(self.nc, self.cfg.broker.shutdown_grace_s)
+        if self.spans is not None:
+            await asyncio.to_thread(self.spans.flush)
         log.info("broker.stopped id=%s", self.broker_id)
+
+    def not_ready(self) -> str | None:
+        """Why ``/readyz`` says 503 (:mod:`reach_broker.health`), or None: connected to NATS,
+        the JetStream assets provisioned, the rules loaded and the handlers subscribed."""
+        servers = self.cfg.nats.url or "NATS_URL / nats://127.0.0.1:4222"
+        if not self._started:
+            return "the broker is not running"
+        if not self.nc.is_connected:
+            if self.serving:
+                return f"disconnected from NATS (reconnecting to {servers})"
+            return f"not connected to NATS yet (connecting to {servers})"
+        if not self.serving:
+            return "starting: provisioning the JetStream assets and loading the route rules"
+        if not self.jetstream_ok:
+            return ("the NATS server has no JetStream: no claims, durable acks or compensation "
+                    "replay (start nats-server with -js)")  # fmt: skip
+        return None
 
     async def __aenter__(self) -> Broker:
         await self.start()
@@ -339,7 +367,8 @@ class Broker:
         localhost), ``nats.creds``, pings from the config, reconnecting forever every 0.5 s."""
         n = self.cfg.nats
         return connect_options(
-            f"reach-broker-{self.broker_id}", n.url, Credentials(creds=n.creds, tls_ca=n.tls_ca),
+            f"reach-broker-{self.broker_id}", n.url,
+            Credentials(creds=n.creds, tls_ca=n.tls_ca, context=n.context),
             ping_interval=n.ping_interval_s, max_outstanding_pings=n.max_outstanding_pings,
             max_reconnect_attempts=-1, reconnect_time_wait=0.5,
             reconnect_to_server_handler=None,  # nats-py's own: a steady 0.5 s between tries

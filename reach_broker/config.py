@@ -29,6 +29,10 @@ class NatsSection(Section):
     """Path of a NATS credentials file (``reach auth``: ``DIR/broker.creds``)."""
     tls_ca: str | None = None
     """CA certificate (PEM) the server's certificate must chain to; turns TLS on."""
+    context: str | None = None
+    """A ``nats`` CLI context (``~/.config/nats/context/NAME.json``) whose server and
+    credentials fill what ``url``, ``creds`` and ``tls_ca`` leave unset (``NATS_CONTEXT``
+    also names one); with a server of its own, no embedded server starts."""
     auth_dir: str | None = None
     """A ``reach auth init`` DIR: the embedded server runs ``DIR/server.conf`` and the broker
     connects with ``DIR/broker.creds`` (and ``DIR/tls/ca.pem`` with TLS)."""

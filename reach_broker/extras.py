@@ -1,4 +1,4 @@
-"""The optional extras (``pip install 'reach[a2a]'``, ``'reach[mcp]'``): whether one is
+"""The optional extras (``pip install 'nats-reach[a2a]'``, ``'nats-reach[mcp]'``): whether one is
 installed, and the one-line error naming it when it is not.
 
 The core install stays lean: a protocol SDK is imported only by the command that needs it,
@@ -38,5 +38,5 @@ def require(extra: str, what: str) -> None:
     if absent:
         raise MissingExtra(
             f"{what} needs the optional extra {extra!r} ({', '.join(absent)} not installed): "
-            f"pip install 'reach[{extra}]' (in a clone: pip install -e '.[{extra}]')"
+            f"pip install 'nats-reach[{extra}]' (in a clone: pip install -e '.[{extra}]')"
         )

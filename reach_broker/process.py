@@ -4,12 +4,13 @@ Start, in order: an embedded ``nats-server`` when the config names no server (wi
 ``nats.auth_dir``: the DIR's ``server.conf``, operator mode; in a session of its own, so a
 terminal Ctrl-C reaches the broker only, which stops its clients before the server: the
 server dying first would leave them reconnecting), SIGINT/SIGTERM/SIGHUP handlers (SIGHUP:
-the terminal closed), the HTTP port (Prometheus ``/metrics`` and the web console,
-:mod:`reach_broker.console`), the :class:`~reach_broker.broker.Broker` (built with the
-console's feed when the port shows the console, which it starts last), then (``a2a.port``)
-the A2A gateway (:mod:`reach_broker.interop.a2a`). Stop, the other way round: the gateway,
-the HTTP port (open pages are told goodbye), the broker (the feed first; drains, leaves
-nothing in flight), then the embedded server. Should the
+the terminal closed), the HTTP port (Prometheus ``/metrics``, the probes ``/healthz`` and
+``/readyz`` of :mod:`reach_broker.health` and the web console, :mod:`reach_broker.console`),
+the :class:`~reach_broker.broker.Broker` (built with the console's feed when the port shows
+the console, which it starts last), then (``a2a.port``) the A2A gateway
+(:mod:`reach_broker.interop.a2a`). Stop, the other way round: the gateway, the HTTP port (open
+pages are told goodbye), the broker (the feed first; drains, leaves nothing in flight), then
+the embedded server. Should the
 process die without stopping (``kill -9``), the embedded server dies with it
 (:mod:`reach_broker.cluster.lifeline`).
 """
@@ -56,6 +57,8 @@ async def serve(cfg: Config, *, stop: asyncio.Event | None = None) -> None:
     check_a2a(cfg)
     if cfg.nats.auth_dir:
         _use_auth_dir(cfg)
+    if not cfg.nats.url:
+        _use_context(cfg)
     server = await _embedded_server(cfg) if not cfg.nats.url else None
     try:
         if stop is None:
@@ -88,6 +91,25 @@ def check_a2a(cfg: Config) -> None:
     why = binding_error(cfg.a2a)
     if why is not None:
         raise StartError(why)
+
+
+def _use_context(cfg: Config) -> None:
+    """A NATS context named by ``nats.context`` (``--context``) or ``NATS_CONTEXT`` that names
+    a server: the broker connects there instead of starting an embedded server. Otherwise the
+    embedded server's connection uses no context, not even the one selected in the ``nats``
+    CLI (its server is this process's own)."""
+    from reach_agent.connection import load_context
+
+    name = cfg.nats.context if cfg.nats.context is not None else os.environ.get("NATS_CONTEXT")
+    if name:
+        try:
+            ctx = load_context(name)
+        except ValueError as exc:
+            raise StartError(str(exc)) from None
+        if ctx.url:
+            cfg.nats.url, cfg.nats.context = ctx.url, name
+            return
+    cfg.nats.context = ""
 
 
 def _use_auth_dir(cfg: Config) -> None:
@@ -140,7 +162,8 @@ async def _run_broker(cfg: Config, stop: asyncio.Event) -> None:
     metrics = Metrics()
     shown = bool(cfg.broker.metrics_port) and access_of(cfg).enabled
     broker = Broker(cfg, metrics=metrics, console=shown)
-    port = HttpPort(cfg, metrics.registry, broker.feed) if cfg.broker.metrics_port else None
+    port = (HttpPort(cfg, metrics.registry, broker.not_ready, broker.feed)
+            if cfg.broker.metrics_port else None)  # fmt: skip
     if port is not None:
         try:
             await port.start()

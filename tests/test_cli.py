@@ -753,7 +753,8 @@ async def test_demo_runs_for_its_duration_and_leaves_no_process() -> None:
     assert set(started) == {"event", "nats_url", "pids", "logs", "broker_id", "console"}
     assert started["event"] == "started"
     assert set(started["pids"]) == DEMO_PIDS
-    assert ready == {"event": "ready", "agents": ["alpha", "beta", "gamma"]}
+    assert ready == {"event": "ready", "agents": ["alpha", "beta", "gamma"],
+                     "pids": started["pids"]}  # fmt: skip
     assert stopped["event"] == "stopped"
     assert stopped["reason"] == "duration"
     assert stopped["pids"] == started["pids"]

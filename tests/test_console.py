@@ -139,7 +139,7 @@ def test_the_token_by_query_bearer_or_cookie() -> None:
 
 
 async def test_the_token_in_the_address_becomes_a_cookie() -> None:
-    app = App(Metrics().registry, Access("0.0.0.0", TOKEN))
+    app = App(Metrics().registry, Access("0.0.0.0", TOKEN), lambda: None)
     resp = await app(req(f"/?token={TOKEN}", host="b:1"))
     assert resp.status == 303
     headers = dict(resp.headers)  # type: ignore[union-attr]
@@ -206,7 +206,7 @@ async def get(
 async def port() -> AsyncIterator[HttpPort]:
     cfg = Config()
     cfg.broker.metrics_port = 0  # HttpPort binds it as given: 0 asks for any free port
-    p = HttpPort(cfg, Metrics().registry)
+    p = HttpPort(cfg, Metrics().registry, lambda: "not running")
     await p.start()
     try:
         yield p
@@ -241,7 +241,9 @@ async def test_metrics_the_page_and_read_only(port: HttpPort) -> None:
 
 
 async def test_a_taken_port_is_an_oserror() -> None:
-    first = HttpServer("127.0.0.1", 0, App(Metrics().registry, Access("127.0.0.1", None)))
+    first = HttpServer(
+        "127.0.0.1", 0, App(Metrics().registry, Access("127.0.0.1", None), lambda: None)
+    )
     await first.start()
     try:
         second = HttpServer("127.0.0.1", first.port, first.handler)
@@ -285,7 +287,7 @@ class Sse:
 async def serve_port(broker: Broker) -> HttpPort:
     """The port over a broker built with the console's feed (``console=True``)."""
     cfg = fast_config("unused")
-    p = HttpPort(cfg, broker.metrics.registry, broker.feed)
+    p = HttpPort(cfg, broker.metrics.registry, broker.not_ready, broker.feed)
     await p.start()
     return p
 

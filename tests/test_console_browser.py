@@ -139,3 +139,65 @@ def test_the_console_shows_the_fleet_and_a_failover_live(
     finally:
         d.quit()
         shutil.rmtree(tmp_path / "chromium", ignore_errors=True)
+
+
+async def _calls(url: str, n: int) -> None:
+    import reach_agent
+
+    async with reach_agent.Client(url) as client:
+        for i in range(n):
+            await client.call("text_processing", {"text": f"call {i}"}, timeout=10)
+
+
+def test_the_console_charts_calls_per_capability_and_an_agents_history(
+    fleet: tuple[str, dict[str, subprocess.Popen[str]]], nats_server: NatsServer, tmp_path: Path
+) -> None:
+    import asyncio
+
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    url, _ = fleet
+    d = browser(tmp_path / "chromium")
+    try:
+        d.get(url)
+        WebDriverWait(d, 30, poll_frequency=0.1).until(
+            lambda _: len(d.find_elements(By.CSS_SELECTOR, "#fleet tbody tr")) == 3
+        )
+        asyncio.run(_calls(nats_server.url, 40))
+
+        def points(kind: str, series: str) -> list[float]:
+            dots = d.find_elements(
+                By.CSS_SELECTOR, f'#calls svg[data-kind="{kind}"] circle.pt[data-series="{series}"]'
+            )
+            return [float(p.get_attribute("data-v")) for p in dots]
+
+        # The page asks every 5 s; the broker reads its route counts on its 5 s tick.
+        WebDriverWait(d, 30, poll_frequency=0.2).until(
+            lambda _: points("routes", "routes/s") and points("latency", "p50")
+        )
+        assert d.find_element(By.ID, "calls").get_attribute("data-capability") == (
+            "text_processing"
+        )
+        assert sum(points("routes", "routes/s")) > 0
+        p50, p99 = points("latency", "p50"), points("latency", "p99")
+        assert p50 and p99 and all(0 < a <= b for a, b in zip(p50, p99, strict=True))
+
+        d.find_element(By.CSS_SELECTOR, '#fleet tr[data-agent="alpha"]').click()
+        WebDriverWait(d, 10, poll_frequency=0.1).until(
+            lambda _: (
+                d.find_elements(By.CSS_SELECTOR, "#detail .timeline rect.seg")
+                and d.find_elements(By.CSS_SELECTOR, "#detail svg polyline")
+            )
+        )
+        segs = d.find_elements(By.CSS_SELECTOR, "#detail .timeline rect.seg")
+        assert segs[-1].get_attribute("data-state") == "healthy"
+        labels = d.find_element(By.ID, "detail").text
+        assert "score · last" in labels and "load · last" in labels and "states · last" in labels
+        REPORTS.mkdir(exist_ok=True)
+        shot = REPORTS / "console-charts.png"
+        assert d.save_screenshot(str(shot))
+        assert shot.stat().st_size > 10_000
+    finally:
+        d.quit()
+        shutil.rmtree(tmp_path / "chromium", ignore_errors=True)

@@ -110,12 +110,12 @@ def test_a_missing_extra_is_one_line_naming_it(
         process.check_a2a(cfg)
     assert str(a2a.value) == (
         "--a2a-port needs the optional extra 'a2a' (a2a-sdk not installed): pip install "
-        "'reach[a2a]' (in a clone: pip install -e '.[a2a]')"
+        "'nats-reach[a2a]' (in a clone: pip install -e '.[a2a]')"
     )
     assert main(["mcp"]) == 2
     assert capsys.readouterr().err == (
         "reach: reach mcp needs the optional extra 'mcp' (mcp not installed): pip install "
-        "'reach[mcp]' (in a clone: pip install -e '.[mcp]')\n"
+        "'nats-reach[mcp]' (in a clone: pip install -e '.[mcp]')\n"
     )
 
 

@@ -23,7 +23,7 @@ from reach_broker.cluster.natsserver import NatsServer
 from .conftest import wait_for
 from .test_cli import CLI, cli_env
 
-pytest.importorskip("httpx", reason="pip install -e '.[dev]' (reach[http])")
+pytest.importorskip("httpx", reason="pip install -e '.[dev]' (nats-reach[http])")
 
 TRACE = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 

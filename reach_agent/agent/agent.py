@@ -31,6 +31,7 @@ from typing import Any, Unpack
 
 from nats.aio.client import Client as NATS
 
+from reach_agent import otel
 from reach_agent.connection import (
     CredentialOptions,
     Credentials,
@@ -38,7 +39,7 @@ from reach_agent.connection import (
     connect_options,
     drain_or_close,
     flush_subscriptions,
-    server_list,
+    resolve,
 )
 from reach_agent.metrics import AgentMetrics
 from reach_agent.wire import schema
@@ -173,9 +174,10 @@ class Agent:
         made at the first start."""
         self.tasks = TaskServer(
             agent_id, max_concurrency, self.subjects, dedup=DedupCache(dedup_size, dedup_ttl),
-            metrics=metrics,
+            metrics=metrics, spans=otel.spans("reach-agent"),
         )  # fmt: skip
-        """The task side: admission, claims, execution, replies, ack records."""
+        """The task side: admission, claims, execution, replies, ack records (and, with
+        ``OTEL_EXPORTER_OTLP_ENDPOINT`` set, their spans: :mod:`.otel`)."""
         self.tasks.idempotent |= idem
         self.presence = Presence(
             self.announcement, self.subjects, self.tasks,
@@ -305,7 +307,7 @@ class Agent:
         if self.ack_sink is None and self.durable_acks:
             ackwriter.check_ack_dir(self.agent_id, self.ack_wal_dir)  # one clear error, now
         cred = self.credentials if credentials is None else credentials.over(self.credentials)
-        servers = server_list(servers)
+        servers, cred = resolve(servers, cred)  # explicit, NATS_* and the NATS context
         options = connect_options(self.agent_id, servers, cred)
         writes_acks = self.ack_sink is None and self.durable_acks
         self.watch.check_grants(cred, self.capabilities, writes_acks=writes_acks)
@@ -377,5 +379,7 @@ class Agent:
                 log.exception("agent.ack_sink_stop_failed agent=%s", self.agent_id)
         await drain_or_close(nc, 5.0)
         self.tasks.close()
+        if self.tasks.spans is not None:
+            await asyncio.to_thread(self.tasks.spans.flush)
         log.info("agent.stopped agent=%s ok=%d fail=%d", self.agent_id, self.ok_total,
                  self.fail_total)  # fmt: skip

@@ -143,7 +143,10 @@ class Presence:
                     return  # a cancel lost inside nc.request (3.11 wait_for race)
                 err = from_reply(reply.headers, reply.data)
                 if isinstance(err, Conflict):
-                    log.error("agent.conflict agent=%s: %s", self.agent_id, err.message)
+                    # At start, Agent.start raises it and its caller says it (one line);
+                    # later (a re-announce), this line is all there is.
+                    level = logging.ERROR if self.first_answer.is_set() else logging.DEBUG
+                    log.log(level, "agent.conflict agent=%s: %s", self.agent_id, err.message)
                     self.conflict = err
                     self.first_answer.set()
                     return  # another process is this agent: never announce over it

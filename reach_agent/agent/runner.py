@@ -17,6 +17,7 @@ from typing import Any, Unpack
 import nats.errors
 
 from reach_agent.connection import CredentialOptions, Credentials
+from reach_agent.wire.errors import ReachError
 
 from .agent import Agent
 
@@ -88,6 +89,9 @@ def run(
             try:
                 await agent.start(servers, cred)
                 break
+            except ReachError as exc:  # refused (CONFLICT, FORBIDDEN): one line, exit 1
+                raise SystemExit(f"reach: agent {agent.agent_id}: {exc.code}: {exc.message}"
+                                 ) from None  # fmt: skip
             except (nats.errors.Error, OSError, TimeoutError) as exc:
                 pause = delay * (0.5 + random.random())
                 log.warning("agent.connect_failed agent=%s error=%r retry_in=%.1fs",

@@ -32,9 +32,10 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from jetstream.names import H_REQUEST_ID
-from reach_agent import trace
+from reach_agent import otel, trace
 from reach_agent.aio import TaskSet, wait_event
 from reach_agent.metrics import AgentMetrics
+from reach_agent.otel import Spans
 from reach_agent.wire import schema
 from reach_agent.wire.errors import Draining, InternalError, InvalidRequest, ReachError, to_reply
 from reach_agent.wire.subjects import Subjects, is_inbox
@@ -68,8 +69,11 @@ class TaskServer:
         *,
         dedup: DedupCache,
         metrics: AgentMetrics | None,
+        spans: Spans | None = None,
     ) -> None:
         self.agent_id = agent_id
+        self.spans = spans
+        """OpenTelemetry spans of each run and claim (:mod:`.otel`; None: off)."""
         self.max_concurrency = max_concurrency
         self.subjects = subjects
         self.dedup = dedup
@@ -257,23 +261,54 @@ class TaskServer:
         claim: bool,
     ) -> None:
         # This asyncio task's own context: the handler's sub-calls and log lines see it.
-        trace.CURRENT.set(trace.TraceContext(request_id, self.agent_id, hdrs))
+        ctx = trace.TraceContext(request_id, self.agent_id, hdrs)
+        trace.CURRENT.set(ctx)
+        span = error = None
+        if self.spans is not None:
+            attributes = self._span_attributes(request_id, capability)
+            span = self.spans.start(f"reach.run {capability}", hdrs.get(schema.H_TRACEPARENT),
+                                    otel.SERVER, attributes)  # fmt: skip
+            ctx.parent = self.spans.traceparent(span)
         try:
             held = None
             if claim:
                 assert self.claimer is not None
-                held, answer = await self.claimer.take(request_id, capability)
+                held, answer = await self._claim(ctx, request_id, capability)
                 if answer is not None:
                     await self._answer(msg, capability, request_id, entry, d, answer)
                     return
                 if msg.reply and d.receipt:
                     await self._send_receipt(msg.reply, request_id)  # the claim is ours
-            await self._execute(msg, capability, request_id, entry, d, hdrs, held)
+            error = await self._execute(msg, capability, request_id, entry, d, hdrs, held)
         finally:
+            if span is not None and self.spans is not None:
+                self.spans.end(span, error)
             self._running.pop(request_id, None)
             self.active -= 1
             if self.active == 0:
                 self._idle.set()
+
+    def _span_attributes(self, request_id: str, capability: str) -> dict[str, str]:
+        return {"reach.request_id": request_id, "reach.capability": capability,
+                "reach.agent_id": self.agent_id}  # fmt: skip
+
+    async def _claim(
+        self, ctx: trace.TraceContext, request_id: str, capability: str
+    ) -> tuple[Held | None, tuple[str, Reply] | None]:
+        """The request id's claim (:meth:`Claimer.take`), in a ``reach.claim`` span when
+        spans are on."""
+        assert self.claimer is not None
+        if self.spans is None:
+            return await self.claimer.take(request_id, capability)
+        span = self.spans.start("reach.claim", ctx.parent, otel.INTERNAL,
+                                self._span_attributes(request_id, capability))  # fmt: skip
+        try:
+            held, answer = await self.claimer.take(request_id, capability)
+        except BaseException as exc:
+            self.spans.end(span, exc)
+            raise
+        self.spans.end(span, claim="ours" if answer is None else answer[0])
+        return held, answer
 
     async def _answer(
         self,
@@ -306,7 +341,8 @@ class TaskServer:
         d: Admission,
         hdrs: dict[str, str],
         held: Held | None,
-    ) -> None:
+    ) -> ReachError | None:
+        """Run the handler and answer; the error the caller got (None: a result)."""
         started = time.monotonic()
         error: ReachError | None = None
         headers: dict[str, str]
@@ -371,6 +407,7 @@ class TaskServer:
                          "and no ack sink", self.agent_id, request_id)  # fmt: skip
             if confirm is not None:
                 await confirm()
+        return error
 
     async def _record(
         self,

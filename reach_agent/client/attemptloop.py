@@ -66,7 +66,7 @@ class AttemptLoop:
                         capability, cfg.route_limit, region=call.region, tags=call.tags,
                         sticky_key=call.sticky_key,
                         exclude=[*blocked, *call.gone] if call.gone else blocked,
-                        deadline=call.deadline, **call.filters,
+                        deadline=call.deadline, headers=call.span_headers, **call.filters,
                     )  # fmt: skip
                 except NoReachableAgent as no_agent:
                     raise (call.last_err or no_agent) from None

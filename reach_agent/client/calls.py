@@ -105,6 +105,8 @@ class Call:
         "queue",
         "region",
         "retries",
+        "span",
+        "span_headers",
         "started",
         "sticky_key",
         "stream",
@@ -180,6 +182,11 @@ class Call:
         """The agent whose receipt or result ended an attempt: who took the task."""
         self.retries = 0
         self.last_err: ReachError | None = None
+        self.span: Any = None
+        """The call's OpenTelemetry span (:mod:`~reach_agent.otel`; None when spans are off)."""
+        self.span_headers: dict[str, str] | None = None
+        """What its route requests carry when spans are on: its ``traceparent`` and request
+        id, so the broker's route span joins the trace."""
 
     @property
     def request_id(self) -> str:

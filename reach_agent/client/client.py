@@ -52,7 +52,8 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from jetstream import audit
-from reach_agent import trace
+from jetstream.names import H_REQUEST_ID
+from reach_agent import otel, trace
 from reach_agent.aio import TaskSet
 from reach_agent.connection import (
     CredentialOptions,
@@ -64,7 +65,7 @@ from reach_agent.connection import (
 )
 from reach_agent.metrics import ClientMetrics
 from reach_agent.wire import schema, streams
-from reach_agent.wire.errors import Forbidden, InternalError, InvalidRequest
+from reach_agent.wire.errors import Forbidden, InternalError, InvalidRequest, ReachError
 from reach_agent.wire.subjects import ReplyInbox, Subjects
 
 from . import durable, streaming
@@ -136,6 +137,9 @@ class Client:
         self._ids = itertools.count(1)
         self.takers = durable.Takers()
         """Who took each recent call (its receipt's or result's agent): :meth:`wait` trusts."""
+        self.spans = otel.spans("reach-client")
+        """OpenTelemetry spans of the calls (:mod:`.otel`): None unless
+        ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set and the extra ``otel`` installed."""
         self._started = False
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -201,6 +205,8 @@ class Client:
         self._subs = []
         if self._own_nc:
             await drain_or_close(self.nc, 5.0)
+        if self.spans is not None:
+            await asyncio.to_thread(self.spans.flush)
 
     async def __aenter__(self) -> Client:
         await self.start()
@@ -301,13 +307,16 @@ class Client:
                                      ("min_context_tokens", min_context_tokens)) if v}  # fmt: skip
         call = self.open_call(capability, payload, timeout, ack_mode, sticky_key, request_id,
                               headers, traceparent, region, tags, 0, filters)  # fmt: skip
-        ok = False
+        ok, error = False, None
         try:
             value = await self._run(call)
             ok = True
             return value
+        except ReachError as exc:
+            error = exc
+            raise
         finally:
-            self.close_call(call, ok)
+            self.close_call(call, ok, error)
 
     def stream(
         self,
@@ -348,17 +357,43 @@ class Client:
             raise InvalidRequest(f"ack_mode {ack_mode!r} is not 'completed' or 'received'")
         t0 = self.clock()
         call_id = format(next(self._ids), "x")
+        span = None
+        if self.spans is not None:
+            span = self._call_span(capability, traceparent, headers)
+            traceparent = self.spans.traceparent(span)
         call = Call(
             call_id, capability, encode_payload(payload), headers, request_id=request_id,
             traceparent=traceparent, ack_mode=ack_mode,
             deadline=t0 + self.config.clamp_timeout(timeout), region=region, tags=tags,
             sticky_key=sticky_key, started=t0, timeout=timeout, stream=stream, filters=filters,
         )  # fmt: skip
+        if span is not None:
+            span.set_attribute("reach.request_id", call.request_id)
+            call.span = span
+            call.span_headers = {schema.H_TRACEPARENT: traceparent or "",
+                                 H_REQUEST_ID: call.request_id}  # fmt: skip
         self._calls[call_id] = call
         return call
 
-    def close_call(self, call: Call, ok: bool) -> None:
+    def _call_span(
+        self, capability: str, traceparent: str | None, headers: dict[str, str] | None
+    ) -> Any:
+        """The ``reach.call`` span: a child of the caller's ``traceparent``, else of the
+        task this call is made for (its run span), else of the current OpenTelemetry span."""
+        assert self.spans is not None
+        parent = traceparent or (headers or {}).get(schema.H_TRACEPARENT)
+        task = trace.CURRENT.get()
+        if not parent and task is not None:
+            parent = task.parent or task.headers.get(schema.H_TRACEPARENT)
+        return self.spans.start(f"reach.call {capability}", parent, otel.CLIENT,
+                                {"reach.capability": capability})  # fmt: skip
+
+    def close_call(self, call: Call, ok: bool, error: ReachError | None = None) -> None:
         del self._calls[call.call_id]
+        if call.span is not None and self.spans is not None:
+            if not ok:
+                error = error or call.last_err or InternalError("the call did not complete")
+            self.spans.end(call.span, error, agent_id=call.taker or call.agent_id)
         if call.taker is not None:
             self.takers.remember(call.request_id, call.taker)
         if self.metrics is not None:

@@ -153,9 +153,11 @@ class Routes:
         canary: str | None = None,
         requires: Sequence[str] | None = None,
         min_context_tokens: int | None = None,
+        headers: dict[str, str] | None = None,
     ) -> list[Candidate]:
         """:meth:`reach_agent.Client.route` (a ``peek``; ``Client.call``'s own routes are
-        not peeks: the broker counts the first candidate as handed the task). An
+        not peeks: the broker counts the first candidate as handed the task; ``headers``: a
+        call's trace, when spans are on). An
         ``OVERLOADED`` answer carrying ``retry_after_ms`` is waited out and asked again, up to
         ``max_retry_after_s`` in all and never past ``deadline`` (a call's)."""
         budget = self.clock() + self.config.max_retry_after_s
@@ -165,7 +167,7 @@ class Routes:
             try:
                 return await self._route(capability, limit, region, tags, sticky_key, exclude,
                                          allow_suspect, peek, canary,
-                                         requires, min_context_tokens)  # fmt: skip
+                                         requires, min_context_tokens, headers)  # fmt: skip
             except Overloaded as exc:
                 wait = (exc.retry_after_ms or 0) / 1000.0
                 if not exc.retry_after_ms or self.clock() + wait > budget:
@@ -187,6 +189,7 @@ class Routes:
         canary: str | None,
         requires: Sequence[str] | None,
         min_context_tokens: int | None,
+        headers: dict[str, str] | None = None,
     ) -> list[Candidate]:
         schema.check_capability(capability)
         if tags:
@@ -199,12 +202,15 @@ class Routes:
                                   allow_suspect=allow_suspect, peek=peek, canary=canary,
                                   requires=list(requires or ()),
                                   min_context_tokens=min_context_tokens)  # fmt: skip
+        hdrs = {schema.H_CALLER: self.caller} if self.caller else None
+        if headers:
+            hdrs = {**(hdrs or {}), **headers}
         try:
             reply = await self.nc.request(
                 self.subjects.route(capability),
                 schema.encoder.encode(req),
                 timeout=self.config.route_timeout_s,
-                headers={schema.H_CALLER: self.caller} if self.caller else None,
+                headers=hdrs,
             )
         except (NatsTimeoutError, NoRespondersError) as exc:
             why = "no broker responded" if isinstance(exc, NoRespondersError) else "timed out"

@@ -1,6 +1,6 @@
 """A local certificate authority and a server certificate for 127.0.0.1/localhost.
 
-Made with the ``cryptography`` package (the optional extra ``reach[tls]``): the standard,
+Made with the ``cryptography`` package (the optional extra ``nats-reach[tls]``): the standard,
 well-kept X.509 library for Python, portable where an ``openssl`` binary may be missing or
 differ in flags. ECDSA P-256 keys; the certificates carry the extensions strict verifiers
 (Python 3.13's default ``VERIFY_X509_STRICT``, Go's crypto/tls) insist on.
@@ -27,7 +27,7 @@ def _crypto() -> Any:
         import cryptography  # noqa: F401
     except ImportError:
         raise AuthError(
-            "TLS certificates need the 'cryptography' package: pip install 'reach[tls]'"
+            "TLS certificates need the 'cryptography' package: pip install 'nats-reach[tls]'"
         ) from None
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization

@@ -31,7 +31,7 @@ from .output import print_json, print_table, utc
 def add_parser(sub: Subcommands) -> None:
     p = sub.add_parser("ack", help=f"the durable ack record of a request id ({ACK_STREAM})")
     add_common(p)
-    p.add_argument("request_id")
+    p.add_argument("request_id", help="the request id (Reach-Request-Id) of the task")
     p.add_argument("--all", action="store_true", help="every record, not only the latest")
     p.add_argument("--agent", metavar="AGENT_ID", help="only the records this agent wrote")
     p.add_argument(

@@ -12,7 +12,16 @@ from reach_agent.wire import schema
 from reach_agent.wire.errors import ReachError
 from reach_broker.logs import say
 
-from .common import EXIT_USAGE, CliError, Subcommands, add_common, capability, stop_on_signals
+from .common import (
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    CliError,
+    Subcommands,
+    add_common,
+    capability,
+    env_default,
+    stop_on_signals,
+)
 
 
 def add_parser(sub: Subcommands) -> None:
@@ -31,6 +40,13 @@ def add_parser(sub: Subcommands) -> None:
                    help="how long a request usually may take (announced)")  # fmt: skip
     h.add_argument("--interval", type=float, default=5.0,
                    help="seconds between heartbeats (default 5)")  # fmt: skip
+    h.add_argument("--health-port", type=int, default=env_default("REACH_HEALTH_PORT"),
+                   metavar="PORT",
+                   help="serve /healthz and /readyz on this port, for an orchestrator's "
+                        "probes (default off; env REACH_HEALTH_PORT)")  # fmt: skip
+    h.add_argument("--health-host", default=env_default("REACH_HEALTH_HOST", "127.0.0.1"),
+                   help="address of --health-port (default 127.0.0.1; 0.0.0.0 in a pod; "
+                        "env REACH_HEALTH_HOST)")  # fmt: skip
     h.set_defaults(func=run)
 
 
@@ -60,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
     if args.timeout_hint_ms is not None and not 1 <= args.timeout_hint_ms <= 86_400_000:
         raise CliError(f"--timeout-hint-ms {args.timeout_hint_ms} is not within 1-86400000",
                        EXIT_USAGE)  # fmt: skip
+    if args.health_port is not None and not 0 <= args.health_port <= 65535:
+        raise CliError(f"--health-port {args.health_port} is not a port (0-65535)", EXIT_USAGE)
     if not 0.05 <= args.interval <= 3600:
         raise CliError(f"--interval {args.interval:g} is not within 0.05-3600 seconds", EXIT_USAGE)
     return asyncio.run(_adapt(args, cap, url, health))
@@ -75,13 +93,27 @@ async def _adapt(args: argparse.Namespace, cap: str, url: str, health: str | Non
         timeout_hint_ms=args.timeout_hint_ms, heartbeat_interval=args.interval,
         prefix=args.prefix, creds=args.creds,
     )  # fmt: skip
-    await adapter.start(args.server)
-    say(
-        f"adapting {args.agent_id} ({cap}) -> POST {url}" + (f", health {health}" if health else "")
-    )
+    probes = None
+    if args.health_port is not None:  # listening first: /healthz answers while connecting
+        from ..health import ProbePort
+
+        probes = ProbePort(args.health_host, args.health_port, adapter.not_ready)
+        try:
+            await probes.start()
+        except OSError as exc:
+            raise CliError(f"--health-port {args.health_port} on {args.health_host}: "
+                           f"{exc.strerror or exc}", EXIT_UNAVAILABLE) from None  # fmt: skip
+        say(f"probes on {probes.url}/healthz and /readyz")
     try:
-        await stop.wait()
+        await adapter.start(args.server)
+        say(f"adapting {args.agent_id} ({cap}) -> POST {url}"
+            + (f", health {health}" if health else ""))  # fmt: skip
+        try:
+            await stop.wait()
+        finally:
+            await adapter.stop()
+            say(f"stopped {args.agent_id} after {adapter.posts} requests")
     finally:
-        await adapter.stop()
-        say(f"stopped {args.agent_id} after {adapter.posts} requests")
+        if probes is not None:
+            await probes.stop()
     return 0

@@ -13,8 +13,9 @@ from .output import AGENT_HEADER, agent_rows, print_json, print_table
 def add_parser(sub: Subcommands) -> None:
     p = sub.add_parser("agents", help="list agents with state, score and load")
     add_common(p)
-    p.add_argument("--capability", "-C")
-    p.add_argument("--state", choices=["healthy", "suspect", "offline", "recovering", "draining"])
+    p.add_argument("--capability", "-C", help="only agents with this capability")
+    p.add_argument("--state", choices=["healthy", "suspect", "offline", "recovering", "draining"],
+                   help="only agents in this state")  # fmt: skip
     p.set_defaults(func=run)
 
 

@@ -61,7 +61,7 @@ def add_parser(sub: Subcommands) -> None:
     p.add_argument("--max-concurrency", type=int, default=4, help="slots it announces (4)")
     p.add_argument("--interval", type=float, default=5.0,
                    help="seconds between heartbeats (default 5)")  # fmt: skip
-    p.add_argument("--region")
+    p.add_argument("--region", help="the region it announces")
     p.set_defaults(func=run)
 
 
@@ -184,9 +184,9 @@ class HandMadeAgent:
                     told = True
             else:
                 err = _error_of(msg)
-                if err is not None:
+                if err is not None:  # a refused start: one line, exit 1
                     raise CliError(f"the broker refused the announce: {err.code}: {err.message}",
-                                   EXIT_USAGE)  # fmt: skip
+                                   1, kind=err.code)  # fmt: skip
                 ack = schema.announce_ack_decoder.decode(msg.data)
                 self.token, self.seq = ack.token, 0
                 self.interval = ack.heartbeat_interval_ms / 1000

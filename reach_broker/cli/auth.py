@@ -36,11 +36,11 @@ def add_parser(sub: Subcommands) -> None:
 
     init = cmds.add_parser("init", help="create an auth DIR: keys, server.conf, broker.creds")
     _basics(init)
-    init.add_argument("dir", metavar="DIR")
+    init.add_argument("dir", metavar="DIR", help="the directory to create (must not exist)")
     init.add_argument("--tls", action="store_true",
                       help="also a local CA and a server certificate: the server requires "
                            "TLS (needs the 'cryptography' package: "
-                           "pip install 'reach[tls]')")  # fmt: skip
+                           "pip install 'nats-reach[tls]')")  # fmt: skip
     init.add_argument(
         "--force",
         action="store_true",
@@ -59,7 +59,7 @@ def add_parser(sub: Subcommands) -> None:
         issue = cmds.add_parser(role, help=f"issue DIR/{role}s/{what}.creds; prints its path")
         _basics(issue)
         _dir(issue)
-        issue.add_argument("name", metavar=what)
+        issue.add_argument("name", metavar=what, help=f"the {role}'s {what.lower()}")
         issue.add_argument(
             "--force",
             action="store_true",
@@ -97,7 +97,9 @@ def add_parser(sub: Subcommands) -> None:
         cmd.add_argument("--server", "-s", default=env_default("NATS_URL"),
                          help="the running server (env NATS_URL; default "
                               "nats://127.0.0.1:4222)")  # fmt: skip
-        cmd.add_argument("--timeout", type=float, default=float(env_default("REACH_TIMEOUT", 2)))
+        cmd.add_argument("--timeout", type=float, default=float(env_default("REACH_TIMEOUT", 2)),
+                         help="seconds to wait for the server (default 2; env "
+                              "REACH_TIMEOUT)")  # fmt: skip
         cmd.set_defaults(func=run_revoke if action == "revoke" else run_push)
 
 
@@ -105,8 +107,12 @@ def _basics(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", default=bool(env_default("REACH_JSON")),
                    help="machine-readable JSON output (env REACH_JSON)")  # fmt: skip
     p.add_argument("--log-format", choices=["text", "json"],
-                   default=env_default("REACH_LOG_FORMAT", "text"))  # fmt: skip
-    p.add_argument("--log-level", default=env_default("REACH_LOG_LEVEL", "info"))
+                   default=env_default("REACH_LOG_FORMAT", "text"),
+                   help="log lines on stderr as text or one JSON object each (env "
+                        "REACH_LOG_FORMAT)")  # fmt: skip
+    p.add_argument("--log-level", default=env_default("REACH_LOG_LEVEL", "info"),
+                   help="debug, info, warning or error (default info; env "
+                        "REACH_LOG_LEVEL)")  # fmt: skip
 
 
 def _dir(p: argparse.ArgumentParser) -> None:

@@ -41,7 +41,9 @@ def add_parser(sub: Subcommands) -> None:
     p.add_argument("--store-dir", default=env_default("REACH_STORE_DIR"),
                    help="JetStream store dir of the embedded server "
                         "(default: a temp dir)")  # fmt: skip
-    p.add_argument("--broker-id", default=env_default("REACH_BROKER_ID"))
+    p.add_argument("--broker-id", default=env_default("REACH_BROKER_ID"),
+                   help="this replica's id (default host-pid-random; env "
+                        "REACH_BROKER_ID)")  # fmt: skip
     p.add_argument("--console-token", default=env_default("REACH_CONSOLE_TOKEN"),
                    help="token of the web console; needed when --metrics-host is beyond "
                         "loopback (env REACH_CONSOLE_TOKEN)")  # fmt: skip
@@ -70,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
         cfg.nats.url = args.server
     if args.creds:
         cfg.nats.creds = args.creds
+    if args.context:
+        cfg.nats.context = args.context
     if args.tls_ca:
         cfg.nats.tls_ca = args.tls_ca
     if args.auth:

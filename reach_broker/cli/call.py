@@ -28,12 +28,13 @@ DEFAULT_TIMEOUT_S = 30.0
 def add_parser(sub: Subcommands) -> None:
     p = sub.add_parser("call", help="call an agent by capability and print its result")
     add_common(p, timeout=DEFAULT_TIMEOUT_S, timeout_help="the call's deadline in seconds")
-    p.add_argument("capability")
+    p.add_argument("capability", help="the capability to call, e.g. text_processing")
     p.add_argument("payload", nargs="?", default="{}", metavar="JSON",
                    help="the task's payload as JSON (default {}; - reads stdin)")  # fmt: skip
     p.add_argument("--sticky-key", help="send every call with this key to the same agent")
-    p.add_argument("--region")
-    p.add_argument("--tag", action="append", metavar="K=V")
+    p.add_argument("--region", help="only agents announced in this region")
+    p.add_argument("--tag", action="append", metavar="K=V",
+                   help="only agents with this tag (repeatable: all must match)")  # fmt: skip
     p.add_argument("--request-id", help="the call's request id (a repeat gets the first result)")
     p.set_defaults(func=run)
 

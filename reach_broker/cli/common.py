@@ -83,6 +83,10 @@ def add_common(
     """The options every command takes, each also from an environment variable."""
     p.add_argument("--server", "-s", default=env_default("NATS_URL"),
                    help="NATS server URL(s), comma-separated (env NATS_URL)")  # fmt: skip
+    p.add_argument("--context", default=env_default("NATS_CONTEXT"), metavar="NAME",
+                   help="a `nats` CLI context (~/.config/nats/context/NAME.json): its server "
+                        "and credentials fill what the other options leave unset (env "
+                        "NATS_CONTEXT; default the selected one)")  # fmt: skip
     p.add_argument("--creds", default=env_default("REACH_CREDS"),
                    help="NATS credentials file, e.g. from `reach auth` (env REACH_CREDS; "
                         "NATS_CREDS also works)")  # fmt: skip
@@ -96,8 +100,12 @@ def add_common(
     p.add_argument("--timeout", type=float, default=float(env_default("REACH_TIMEOUT", timeout)),
                    help=f"{timeout_help} (default {timeout:g}; env REACH_TIMEOUT)")  # fmt: skip
     p.add_argument("--log-format", choices=["text", "json"],
-                   default=env_default("REACH_LOG_FORMAT", "text"))  # fmt: skip
-    p.add_argument("--log-level", default=env_default("REACH_LOG_LEVEL", "info"))
+                   default=env_default("REACH_LOG_FORMAT", "text"),
+                   help="log lines on stderr as text or one JSON object each (env "
+                        "REACH_LOG_FORMAT)")  # fmt: skip
+    p.add_argument("--log-level", default=env_default("REACH_LOG_LEVEL", "info"),
+                   help="debug, info, warning or error (default info; env "
+                        "REACH_LOG_LEVEL)")  # fmt: skip
 
 
 def subjects(args: argparse.Namespace) -> Subjects:
@@ -137,7 +145,7 @@ NATS_SCHEMES = ("nats", "tls", "ws", "wss")
 def servers(args: argparse.Namespace) -> list[str]:
     """The server URLs of ``--server``/``NATS_URL`` (default ``nats://127.0.0.1:4222``),
     each checked to be a NATS URL, or a usage error naming the bad one."""
-    from reach_agent.connection import server_list
+    from reach_agent.connection import Credentials, resolve, server_list
 
     if args.server is not None and not args.server.replace(",", "").strip():
         raise CliError(f"--server {args.server!r} names no NATS server (give nats://HOST:PORT, "
@@ -146,6 +154,11 @@ def servers(args: argparse.Namespace) -> list[str]:
         urls = server_list(args.server)
     except ValueError as exc:
         raise CliError(f"--server: {exc}", EXIT_USAGE) from None
+    if args.server is None:  # NATS_URL, else the NATS context's server, else localhost
+        try:
+            urls = resolve(None, Credentials(context=getattr(args, "context", None)))[0]
+        except ValueError as exc:
+            raise CliError(str(exc), EXIT_USAGE) from None
     for url in urls:
         parts = urllib.parse.urlsplit(url if "://" in url else f"nats://{url}")
         if parts.scheme not in NATS_SCHEMES:
@@ -169,7 +182,8 @@ def connection_options(
     from reach_agent.connection import Credentials, connect_options
 
     urls = urls or servers(args)
-    cred = Credentials(creds=args.creds, tls_ca=getattr(args, "tls_ca", None))
+    cred = Credentials(creds=args.creds, tls_ca=getattr(args, "tls_ca", None),
+                       context=getattr(args, "context", None))  # fmt: skip
     try:
         return connect_options(name, urls, cred, **overrides)
     except ValueError as exc:

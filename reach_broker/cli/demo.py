@@ -234,8 +234,12 @@ class Demo:
             try:
                 if not await self.until_ready(nc, stop):
                     return self.stopped("signal", calls)
-                self.emit({"event": "ready", "agents": list(DEMO_AGENTS)},
-                          f"{', '.join(DEMO_AGENTS)} healthy; calling")  # fmt: skip
+                pids = self.pids()
+                agents = ", ".join(f"{a} pid {pids[a]}" for a in DEMO_AGENTS if a in pids)
+                self.emit({"event": "ready", "agents": list(DEMO_AGENTS), "pids": pids},
+                          f"{', '.join(DEMO_AGENTS)} healthy; calling. Kill one to watch the "
+                          f"failover: {agents} (kill -9 PID; it comes back "
+                          f"{RESTART_DELAY_S:g}s later)")  # fmt: skip
                 return self.stopped(await self.live(nc, url, calls, stop), calls)
             finally:
                 if calls_nc is not nc:

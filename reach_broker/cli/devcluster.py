@@ -37,11 +37,15 @@ def add_parser(sub: Subcommands) -> None:
     p.add_argument("--background", action="store_true",
                    help="leave the cluster running and return once it is ready")  # fmt: skip
     p.add_argument("--stop", action="store_true", help="stop the cluster recorded in --dir")
-    p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--log-format", choices=["text", "json"], help=argparse.SUPPRESS,
-                   default=env_default("REACH_LOG_FORMAT", "text"))  # fmt: skip
+    p.add_argument("--json", action="store_true",
+                   help="accepted like every command's; the ready line is JSON anyway")  # fmt: skip
+    p.add_argument("--log-format", choices=["text", "json"],
+                   default=env_default("REACH_LOG_FORMAT", "text"),
+                   help="log lines on stderr as text or one JSON object each (env "
+                        "REACH_LOG_FORMAT)")  # fmt: skip
     p.add_argument("--log-level", default=env_default("REACH_LOG_LEVEL", "info"),
-                   help=argparse.SUPPRESS)  # fmt: skip
+                   help="debug, info, warning or error (default info; env "
+                        "REACH_LOG_LEVEL)")  # fmt: skip
     p.set_defaults(func=run)
 
 

@@ -1,5 +1,6 @@
-"""``reach mcp``: the MCP server (:mod:`reach_broker.interop.mcptools`) on stdio, or with ``--http
-PORT`` on streamable HTTP at ``http://127.0.0.1:PORT/mcp``. Needs the extra ``mcp``.
+"""``reach mcp``: the MCP server (:mod:`reach_broker.interop.mcptools`) on stdio, or with
+``--http PORT`` on streamable HTTP at ``http://127.0.0.1:PORT/mcp`` (with ``/healthz`` and
+``/readyz`` beside it, :mod:`reach_broker.health`). Needs the extra ``mcp``.
 
 stdout belongs to the protocol on stdio: every word of ours goes to stderr.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from typing import Any
 
 from .common import (
     EXIT_UNAVAILABLE,
@@ -74,7 +76,7 @@ async def _serve(args: argparse.Namespace) -> int:
         raise CliError(f"reach mcp: {exc}", EXIT_UNAVAILABLE) from None
     try:
         tools = Tools(client, call_timeout_s=args.call_timeout, request_timeout_s=args.timeout)
-        server = build_server(tools, __version__)
+        server = build_server(tools, __version__, not_ready=lambda: _not_ready(client))
         if args.http is None:
             await server.run_stdio_async()
         else:
@@ -82,3 +84,10 @@ async def _serve(args: argparse.Namespace) -> int:
     finally:
         await client.stop()
     return 0
+
+
+def _not_ready(client: Any) -> str | None:
+    """Why ``reach mcp --http``'s ``/readyz`` says 503, or None: its client is connected."""
+    if not client.nc.is_connected:
+        return "not connected to NATS (reconnecting)"
+    return None

@@ -15,13 +15,18 @@ from .output import print_json, print_table
 def add_parser(sub: Subcommands) -> None:
     p = sub.add_parser("route", help="ask for the candidates a caller would get")
     add_common(p)
-    p.add_argument("capability")
-    p.add_argument("--limit", "-n", type=int, default=3)
-    p.add_argument("--region")
-    p.add_argument("--tag", action="append", metavar="K=V")
-    p.add_argument("--sticky-key")
-    p.add_argument("--exclude", action="append", metavar="AGENT_ID")
-    p.add_argument("--allow-suspect", action="store_true")
+    p.add_argument("capability", help="the capability to route, e.g. text_processing")
+    p.add_argument("--limit", "-n", type=int, default=3,
+                   help="candidates to ask for (default 3)")  # fmt: skip
+    p.add_argument("--region", help="only agents announced in this region")
+    p.add_argument("--tag", action="append", metavar="K=V",
+                   help="only agents with this tag (repeatable: all must match)")  # fmt: skip
+    p.add_argument("--sticky-key",
+                   help="the same key gets the same agent while it stays healthy")  # fmt: skip
+    p.add_argument("--exclude", action="append", metavar="AGENT_ID",
+                   help="leave this agent out (repeatable)")  # fmt: skip
+    p.add_argument("--allow-suspect", action="store_true",
+                   help="also offer agents in state suspect")  # fmt: skip
     p.add_argument("--canary", metavar="VALUE", help="this arm of the capability's split rule")
     p.add_argument("--requires", action="append", metavar="PERMISSION",
                    help="a permission the agent must hold (repeatable)")  # fmt: skip

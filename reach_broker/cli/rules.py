@@ -42,7 +42,7 @@ def add_parser(sub: Subcommands) -> None:
     verbs = p.add_subparsers(dest="verb", required=True, metavar="VERB")
     s = verbs.add_parser("set", help="set (part of) a capability's rule")
     add_common(s)
-    s.add_argument("capability")
+    s.add_argument("capability", help="the capability the rule is for")
     s.add_argument("--split", metavar="KEY=V:W,...",
                    help="split traffic by version or a tag: version=1:95,2:5")  # fmt: skip
     s.add_argument("--require", action="append", metavar="TAG=VALUE",
@@ -52,11 +52,11 @@ def add_parser(sub: Subcommands) -> None:
     s.set_defaults(func=run)
     sh = verbs.add_parser("show", help="the stored rules (one capability, or all)")
     add_common(sh)
-    sh.add_argument("capability", nargs="?")
+    sh.add_argument("capability", nargs="?", help="one capability (default: every rule)")
     sh.set_defaults(func=run)
     c = verbs.add_parser("clear", help="remove a capability's stored rule")
     add_common(c)
-    c.add_argument("capability")
+    c.add_argument("capability", help="the capability whose rule goes")
     c.set_defaults(func=run)
 
 

@@ -1,4 +1,6 @@
-"""What the broker's HTTP port answers: ``/metrics`` (Prometheus, as before) and the console —
+"""What the broker's HTTP port answers: ``/metrics`` (Prometheus, as before), the probes
+``/healthz`` and ``/readyz`` (:mod:`reach_broker.health`; like ``/metrics``, no token) and the
+console —
 the page (``/``, ``/static/…``, shipped in the package: no CDN, no network), its JSON
 (``/api/…``) and its live stream (``/events``, server-sent events). Read-only: GET and HEAD.
 
@@ -21,11 +23,16 @@ import mimetypes
 from importlib import resources
 from typing import Any
 
+import msgspec
+
 from jetstream.tasks import raise_if_cancelled
 
+from .. import health
+from ..health import Readiness
 from .feed import Feed, Watcher
 from .httpd import Request, Response, Stream, text
 
+_json = msgspec.json.Encoder()
 COOKIE = "reach_console"
 PING_S = 15.0
 """A comment line on an idle event stream this often, so proxies and the browser keep it."""
@@ -157,10 +164,14 @@ class EventStream:
 class App:
     """The HTTP port's handler: metrics always, the console when :class:`Access` allows."""
 
-    def __init__(self, registry: Any, access: Access, feed: Feed | None = None) -> None:
+    def __init__(
+        self, registry: Any, access: Access, not_ready: Readiness, feed: Feed | None = None
+    ) -> None:
         self.registry = registry
         """The Prometheus CollectorRegistry of /metrics."""
         self.access = access
+        self.not_ready = not_ready
+        """The broker's readiness, for /readyz (:mod:`reach_broker.health`)."""
         self.feed = feed
         """The console's data (none: 503, as until the broker runs it)."""
         self.files = _static()
@@ -168,6 +179,8 @@ class App:
     async def __call__(self, req: Request) -> Response | Stream:
         if req.path == "/metrics":
             return self.metrics(req)
+        if req.path in health.PATHS:
+            return health.response(req.path, self.not_ready)
         refused = self.access.refusal(req)
         if refused is not None:
             return refused
@@ -202,6 +215,14 @@ class App:
             return self.json(feed.fleet_json())
         if path == "/api/events":
             return self.json(feed.events_json(feed.cfg.events))
+        if path == "/api/charts":
+            return self.json(_json.encode(feed.capabilities.index(feed.ctx.wall_ms())))
+        if path.startswith("/api/charts/"):
+            cap = path.removeprefix("/api/charts/")
+            chart = feed.capabilities.chart(cap, feed.ctx.wall_ms())
+            if chart is None:
+                return text(404, f"no chart of capability {cap!r}", SECURITY)
+            return self.json(_json.encode(chart))
         if path.startswith("/api/agents/"):
             body = feed.agent_json(path.removeprefix("/api/agents/"))
             if body is None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Mapping
+from typing import Any
 
 import msgspec
 
@@ -32,6 +34,7 @@ from reach_broker.core.records import AgentRecord, Transition
 from reach_broker.core.registry import Registry
 from reach_broker.service.context import BrokerContext
 
+from .capseries import CapabilitySeries
 from .history import History
 from .views import CompensationView, QueueDepth, Views, event_view
 
@@ -49,6 +52,18 @@ RECENT_EVENTS = 100
 """Events a page gets when it connects (the timeline keeps ``console.events``)."""
 
 _json = msgspec.json.Encoder()
+
+
+class _AckHead(msgspec.Struct):
+    """What the latency charts read of an ack record (its result is skipped)."""
+
+    request_id: str
+    capability: str
+    state: str
+    at_ms: int
+
+
+_ack_head = msgspec.json.Decoder(_AckHead)
 
 
 def sse(kind: str, data: bytes) -> bytes:
@@ -76,10 +91,15 @@ class Watcher:
 class Feed:
     """History, audit follow and the pushes to watching pages."""
 
-    def __init__(
-        self, ctx: BrokerContext, registry: Registry, explainer: Explainer, cfg: ConsoleSection
-    ) -> None:
+    def __init__(self, ctx: BrokerContext, registry: Registry, explainer: Explainer,
+                 cfg: ConsoleSection,
+                 route_counts: Mapping[str, int] | None = None) -> None:  # fmt: skip
         self.ctx = ctx
+        self.route_counts: Mapping[str, int] = {} if route_counts is None else route_counts
+        """The broker's route requests per capability (``Handlers.route_counts``)."""
+        self.capabilities = CapabilitySeries()
+        """Per capability: routes/s and call latency, 15 minutes (:mod:`.capseries`)."""
+        self._acks: Any = None
         self.registry = registry
         self.cfg = cfg
         self.history = History(self.cfg.sample_s, self.cfg.history_s, self.cfg.events)
@@ -96,6 +116,8 @@ class Feed:
         if self._tasks:
             return
         self.history.sample(self.ctx.wall_ms(), self.registry.agents.values())
+        self.capabilities.routes(self.route_counts, self.ctx.wall_ms())
+        await self._follow_acks()
         await self._follow_audit()
         self._tasks = [
             asyncio.create_task(self._sample_loop(), name="reach-console-sample"),
@@ -107,11 +129,30 @@ class Feed:
             return
         await stop_loops(*self._tasks)
         self._tasks = []
+        if self._acks is not None:
+            with contextlib.suppress(Exception):
+                await self._acks.unsubscribe()
+            self._acks = None
         if self._follow is not None:
             await self._follow.stop()
             self._follow = None
         for w in list(self.watchers):
             w.queue.put_nowait(None)
+
+    async def _follow_acks(self) -> None:
+        """The agents' ack records (``<p>.ack.>``), for the call latency charts."""
+        try:
+            self._acks = await self.ctx.nc.subscribe(self.ctx.subjects.all_acks,
+                                                     cb=self._on_ack)  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - the console must not stop the broker
+            log.warning("console.no_acks error=%r: no call latency charts", exc)
+
+    async def _on_ack(self, msg: Any) -> None:
+        try:
+            head = _ack_head.decode(msg.data)
+        except msgspec.MsgspecError:
+            return
+        self.capabilities.ack(head.request_id, head.capability, head.state, head.at_ms)
 
     async def _follow_audit(self) -> None:
         nc, subjects = self.ctx.nc, self.ctx.subjects
@@ -201,7 +242,10 @@ class Feed:
             raise_if_cancelled()
             await asyncio.sleep(self.cfg.sample_s)
             try:
-                self.history.sample(self.ctx.wall_ms(), self.registry.agents.values())
+                wall_ms = self.ctx.wall_ms()
+                self.history.sample(wall_ms, self.registry.agents.values())
+                self.capabilities.routes(self.route_counts, wall_ms)
+                self.capabilities.expire(wall_ms)
             except Exception:  # noqa: BLE001 - the loop body never dies
                 log.exception("console.sample_failed")
 

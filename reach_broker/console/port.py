@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from reach_broker.config import Config
+from reach_broker.health import Readiness
 
 from .app import Access, App
 from .feed import Feed
@@ -19,15 +20,18 @@ def access_of(cfg: Config) -> Access:
 
 
 class HttpPort:
-    """``/metrics`` of ``registry`` on ``broker.metrics_host:metrics_port``, and the console
-    over ``feed`` (the broker's, which it starts and stops)."""
+    """``/metrics`` of ``registry`` on ``broker.metrics_host:metrics_port``, ``/healthz`` and
+    ``/readyz`` (``not_ready``: the broker's), and the console over ``feed`` (the broker's,
+    which it starts and stops)."""
 
-    def __init__(self, cfg: Config, registry: Any, feed: Feed | None = None) -> None:
+    def __init__(
+        self, cfg: Config, registry: Any, not_ready: Readiness, feed: Feed | None = None
+    ) -> None:
         b = cfg.broker
         self.cfg = cfg
         self.access = access_of(cfg)
         self.feed = feed
-        self.app = App(registry, self.access, feed)
+        self.app = App(registry, self.access, not_ready, feed)
         self.server = HttpServer(b.metrics_host, b.metrics_port, self.app)
 
     @property

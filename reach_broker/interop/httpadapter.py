@@ -19,7 +19,7 @@ to the agent's URL as an HTTP POST:
 * a request id runs once: the fleet-wide claim and the duplicate window of the SDK answer a
   repeat with the first result, never a second POST.
 
-The HTTP client is httpx (the optional extra ``reach[http]``): well kept, async with a
+The HTTP client is httpx (the optional extra ``nats-reach[http]``): well kept, async with a
 connection pool, per-request timeouts, and no event-loop plumbing of its own.
 """
 
@@ -50,7 +50,7 @@ def missing_extra() -> str | None:
     try:
         import httpx  # noqa: F401
     except ImportError:
-        return "reach adapt http needs httpx: pip install 'reach[http]'"
+        return "reach adapt http needs httpx: pip install 'nats-reach[http]'"
     return None
 
 
@@ -104,6 +104,18 @@ class HttpAdapter:
             await self.agent.stop(grace)
         finally:
             await self.http.aclose()
+
+    def not_ready(self) -> str | None:
+        """Why the sidecar's ``/readyz`` says 503 (:mod:`reach_broker.health`), or None:
+        connected to NATS, announced to a broker that answered, not draining."""
+        agent = self.agent
+        if agent.nc is None or not agent.nc.is_connected:
+            return "not connected to NATS"
+        if agent.draining:
+            return "draining: it takes no new tasks"
+        if agent.token is None:
+            return "announced, but no broker has answered yet"
+        return None
 
     async def healthy(self) -> bool:
         """GET the health URL: a 2xx within the timeout."""

@@ -10,15 +10,29 @@ from typing import Annotated, Any
 from mcp.server import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from pydantic import Field
+from starlette.requests import Request
+from starlette.responses import Response as StarletteResponse
 
 from reach_agent.wire.errors import ReachError
+from reach_broker import health
+from reach_broker.health import Readiness
 
 from .mcptools import INSTRUCTIONS, Tools
 
 
-def build_server(tools: Tools, version: str) -> Any:
-    """The ``MCPServer`` with the three tools (needs the extra ``mcp``)."""
+def build_server(tools: Tools, version: str, *, not_ready: Readiness | None = None) -> Any:
+    """The ``MCPServer`` with the three tools (needs the extra ``mcp``); served over HTTP,
+    also ``/healthz`` and ``/readyz`` (``not_ready``: :mod:`reach_broker.health`)."""
     server = MCPServer("reach", version=version, instructions=INSTRUCTIONS, log_level="WARNING")
+    ready: Readiness = not_ready or (lambda: None)
+
+    for path in health.PATHS:
+
+        @server.custom_route(path, methods=["GET", "HEAD"], include_in_schema=False)
+        async def probe(request: Request) -> StarletteResponse:
+            status, body = health.answer(request.url.path, ready)
+            return StarletteResponse(body, status, media_type=health.JSON,
+                                     headers=dict(health.NO_STORE))  # fmt: skip
 
     async def guarded(coro: Any) -> dict[str, Any]:
         try:

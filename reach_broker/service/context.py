@@ -98,6 +98,8 @@ class BrokerContext:
     """Where the registry changes a component makes go (the broker's pipeline)."""
     link: Link
     """The broker's own link: a measurement across its outage is not the agent's."""
+    spans: Any = None
+    """OpenTelemetry spans of route requests (:mod:`reach_agent.otel`; None: off)."""
 
     def wall_ms(self) -> int:
         return int(self.wall() * 1000)

@@ -16,6 +16,7 @@ wherever the requester chose: an agent's task subject, the JetStream API).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -25,7 +26,7 @@ import msgspec
 from nats.aio.msg import Msg
 from nats.micro.request import Request
 
-from jetstream.names import H_STREAM
+from jetstream.names import H_REQUEST_ID, H_STREAM
 from reach_agent.wire import schema
 from reach_agent.wire.errors import (
     Forbidden,
@@ -36,6 +37,7 @@ from reach_agent.wire.errors import (
     to_reply,
 )
 from reach_agent.wire.schema import (
+    H_TRACEPARENT,
     MAX_BODY_BYTES,
     AnnounceAck,
     Ok,
@@ -99,6 +101,7 @@ class Endpoint:
         "_nc",
         "_refused",
         "_replies",
+        "_spans",
         "_timed",
         "caller_of",
         "name",
@@ -117,6 +120,7 @@ class Endpoint:
         timed: Any | None = None,
         dropped: Dropped | None = None,
         caller_of: Callable[[dict[str, str] | None, str | None], str] | None = None,
+        spans: Any = None,
     ) -> None:
         self.name = name
         self.caller_of = caller_of
@@ -135,6 +139,8 @@ class Endpoint:
         """A histogram of the time to answer, if any."""
         self._dropped = dropped
         """``reach_dropped_total{kind=<this endpoint>}`` by reason, if it counts there."""
+        self._spans = spans
+        """The route endpoint's OpenTelemetry spans (:mod:`reach_agent.otel`; None: off)."""
 
     def drop(self, reason: str, subject: str) -> None:
         """A message refused before its handler: counted and logged (at the refusal level)."""
@@ -199,6 +205,9 @@ class Endpoint:
         # respond() publishes to.
         if not self._admit(req.subject, req.headers, req._msg.reply):
             return
+        span = None
+        if self._spans is not None and req.headers and H_TRACEPARENT in req.headers:
+            span = self._span(req.subject, req.headers)
         t0 = time.perf_counter()
         try:
             if self.caller_of is not None:
@@ -210,10 +219,32 @@ class Endpoint:
             reply = self.failure(req.subject, exc)
             if reply is not None:
                 await req.respond(reply[0], headers=reply[1])
+            if span is not None:
+                self._end_span(span, None, exc)
         else:
             await req.respond(body or b"")
+            if span is not None:
+                self._end_span(span, body, None)
         if self._timed is not None:
             self._timed.observe(time.perf_counter() - t0)
+
+    def _span(self, subject: str, headers: dict[str, str]) -> Any:
+        """The ``reach.route`` span of a traced call's route request (a child of the call's
+        span, :mod:`reach_agent.otel`)."""
+        assert self._spans is not None
+        capability = subject.rpartition(".")[2]
+        return self._spans.start(f"reach.route {capability}", headers[H_TRACEPARENT], "server",
+                                 {"reach.capability": capability,
+                                  "reach.request_id": headers.get(H_REQUEST_ID, "")})  # fmt: skip
+
+    def _end_span(self, span: Any, body: bytes | None, exc: Exception | None) -> None:
+        """End a route span, naming the first candidate of the reply (or the error)."""
+        assert self._spans is not None
+        agent = None
+        if body:
+            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError, IndexError):
+                agent = schema.route_reply_decoder.decode(body).candidates[0].agent_id
+        self._spans.end(span, exc, agent_id=agent)
 
 
 class Handlers:
@@ -221,8 +252,8 @@ class Handlers:
 
     def __init__(self, ctx: BrokerContext, registry: Registry, router: Router, quotas: Quotas,
                  explainer: Explainer, metrics: HandlerMetrics, *,
-                 on_unknown: Callable[[str], None],
-                 announced: Callable[[AgentRecord], None]) -> None:  # fmt: skip
+                 on_unknown: Callable[[str], None], announced: Callable[[AgentRecord], None],
+                 spans: Any = None) -> None:  # fmt: skip
         self.ctx, self.registry, self.router = ctx, registry, router
         self.quotas, self.explainer = quotas, explainer
         self.metrics = m = metrics
@@ -247,6 +278,9 @@ class Handlers:
         self._hb_dropped = {r: m.refused.labels("heartbeat", r)
                             for r in ("forged", "stale", "unknown")}  # fmt: skip
         self._clock, self._wall, self._emit = ctx.clock, ctx.wall, ctx.emit
+        self.route_counts: dict[str, int] = {}
+        """Route requests answered per capability since start (the console's charts read
+        them on their tick; a capability is counted only once it has had agents)."""
         link = ctx.link
         # While the server enforces identities (link.secured) a leave must carry the agent's
         # token, since the server lets anyone's reply land on ``reach.leave.<id>``
@@ -278,6 +312,7 @@ class Handlers:
                 "route", self.route, ctx, refused=self._route_counter,
                 failed=m.route_result["error"], timed=m.route_duration, dropped=dropped("route"),
                 caller_of=lambda headers, reply: caller_of(headers, reply, link.secured),
+                spans=spans,
             ),
             "agents": Endpoint("agents", self.agents, ctx, refused=None, failed=None,
                                dropped=dropped("agents")),
@@ -382,6 +417,8 @@ class Handlers:
                 return body
         body = self.router.route_reply(capability, rreq, ctx.clock(), ctx.wall_ms())
         self._route_ok.inc()
+        counts = self.route_counts
+        counts[capability] = counts.get(capability, 0) + 1
         return body
 
     def agents(self, subject: str, data: bytes) -> bytes:

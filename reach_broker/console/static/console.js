@@ -9,8 +9,10 @@ const SVG = "http://www.w3.org/2000/svg";
 
 const view = {
   hello: null, fleet: null, events: [], comp: null, selected: null, detail: null,
-  detailTimer: null,
+  detailTimer: null, chartCap: null,
 };
+const STATE_COLORS = { healthy: "#1a7f37", suspect: "#b35900", offline: "#c8202d",
+  recovering: "#0969da", draining: "#7a4fd0", registered: "#8c959f" };
 
 function el(tag, attrs, ...kids) {
   const node = document.createElement(tag);
@@ -287,7 +289,9 @@ function renderDetail() {
       el("button", { class: "close", title: "close", onclick: () => select(a.agent_id), text: "×" })),
     el("div", { class: "terms" }, terms),
     el("div", { class: "figures" }, figures.map(([k, v]) => el("div", {}, el("b", { text: v }), k))),
+    timeline(d.transitions, a.state),
     chart("score", d.samples, d.samples.score, a.score, 100, "#0b5cad", ""),
+    chart("load", d.samples, d.samples.load, a.load ?? null, 1, "#8250df", ""),
     chart("task time", d.samples, d.samples.task_ms, e.task_ms ?? null, null, "#c26a00", " ms"),
     el("h2", { class: "sub" }, "Transitions"),
     d.transitions.length ? el("ul", { class: "transitions" }, d.transitions.slice().reverse().map((v) => el("li", {},
@@ -336,6 +340,123 @@ function chart(label, samples, values, current, fixedMax, color, unit) {
     svg);
 }
 
+// The agent's states over the kept window, from its transitions (the broker keeps the last
+// 16): one coloured stretch per state, the current one up to now.
+function timeline(transitions, current) {
+  const W = 320, H = 18;
+  const now = Date.now();
+  const span = (view.hello ? view.hello.history_s : 300) * 1000;
+  const moves = transitions.map((v) => v.event).filter((e) => e.to).sort((p, q) => p.at_ms - q.at_ms);
+  const stretches = [];
+  // Before its first kept transition the agent was in that one's "from" state; before its
+  // registration (no "from") it was not there at all.
+  let state = moves.length ? moves[0].from : current;
+  let since = now - span;
+  for (const m of moves) {
+    if (state && m.at_ms > since) stretches.push([state, since, m.at_ms]);
+    state = m.to;
+    since = Math.max(since, m.at_ms);
+  }
+  stretches.push([current || state, since, now]);
+  const x = (t) => W * Math.max(0, (t - (now - span)) / span);
+  const svg = document.createElementNS(SVG, "svg");
+  svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
+  svg.setAttribute("preserveAspectRatio", "none");
+  for (const [s, t0, t1] of stretches) {
+    const r = document.createElementNS(SVG, "rect");
+    const attrs = { x: x(t0).toFixed(1), y: 0, width: Math.max(1, x(t1) - x(t0)).toFixed(1), height: H,
+      fill: STATE_COLORS[s] || "#8c959f", class: "seg", "data-state": s };
+    for (const [k, v] of Object.entries(attrs)) r.setAttribute(k, v);
+    const title = document.createElementNS(SVG, "title");
+    title.textContent = `${s} from ${clock(t0)}`;
+    r.append(title);
+    svg.append(r);
+  }
+  return el("div", { class: "chart timeline" },
+    el("div", { class: "label" }, el("span", { text: `states · last ${Math.round(span / 60000)} min` }),
+      el("span", { text: `now ${current}` })),
+    svg);
+}
+
+// --- calls by capability: routes/s and latency p50/p99, 15 minutes ----------------------------
+
+async function loadCharts() {
+  let idx;
+  try {
+    const r = await fetch("/api/charts", { cache: "no-store" });
+    if (!r.ok) return;
+    idx = await r.json();
+  } catch (err) { return; }
+  const sel = document.getElementById("chart-cap");
+  const caps = idx.capabilities;
+  if (!caps.length) {
+    sel.replaceChildren();
+    document.getElementById("calls").replaceChildren(el("p", { class: "dim", text: "no route request yet" }));
+    return;
+  }
+  if (!view.chartCap || !caps.some(([c]) => c === view.chartCap)) view.chartCap = caps[0][0];
+  sel.replaceChildren(...caps.map(([c, n]) => el("option", { value: c, selected: c === view.chartCap, text: `${c} (${n} routes)` })));
+  sel.onchange = () => { view.chartCap = sel.value; loadCharts(); };
+  try {
+    const r = await fetch(`/api/charts/${encodeURIComponent(view.chartCap)}`, { cache: "no-store" });
+    if (!r.ok) return;
+    renderCharts(await r.json());
+  } catch (err) { /* the stream's status shows the broker is away */ }
+}
+
+function renderCharts(c) {
+  const box = document.getElementById("calls");
+  box.dataset.capability = c.capability;
+  const untimed = c.calls.every((n) => n === 0);
+  box.replaceChildren(
+    series("routes/s", c.at_ms, c.bucket_s, [{ name: "routes/s", values: c.routes_per_s, color: "#0b5cad" }], "", "routes"),
+    series("call latency", c.at_ms, c.bucket_s, [
+      { name: "p50", values: c.p50_ms, color: "#1a7f37" },
+      { name: "p99", values: c.p99_ms, color: "#c8202d" }], " ms", "latency"),
+    el("p", { class: "hint", text: untimed ? "latency: from agents' ack records (received → completed); none yet"
+      : "latency: from agents' ack records (received → completed), per 15 s" }));
+}
+
+function swatch(color) {
+  const i = el("i");
+  i.style.background = color; // CSSOM, allowed by the page's CSP
+  return i;
+}
+
+// A chart of bucketed values: one polyline per series, a point per bucket that has a value.
+function series(label, atMs, bucketS, lines, unit, kind) {
+  const W = 320, H = 64, pad = 4;
+  const step = bucketS * 1000;
+  const t0 = atMs[0], t1 = atMs[atMs.length - 1] + step;
+  const all = lines.flatMap((l) => l.values.filter((v) => v !== null));
+  const max = Math.max(1e-9, ...all) * 1.15;
+  const x = (t) => pad + (W - 2 * pad) * ((t + step / 2 - t0) / (t1 - t0));
+  const y = (v) => H - pad - (H - 2 * pad) * Math.min(1, v / max);
+  const svg = document.createElementNS(SVG, "svg");
+  svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
+  svg.setAttribute("preserveAspectRatio", "none");
+  svg.dataset.kind = kind;
+  for (const l of lines) {
+    const pts = l.values.map((v, i) => [atMs[i], v]).filter(([, v]) => v !== null);
+    if (!pts.length) continue;
+    const poly = document.createElementNS(SVG, "polyline");
+    poly.setAttribute("points", pts.map(([t, v]) => `${x(t).toFixed(1)},${y(v).toFixed(1)}`).join(" "));
+    for (const [k, v] of Object.entries({ fill: "none", stroke: l.color, "stroke-width": 1.5, "vector-effect": "non-scaling-stroke", "data-series": l.name })) poly.setAttribute(k, v);
+    svg.append(poly);
+    for (const [t, v] of pts) {
+      if (v === 0) continue;
+      const dot = document.createElementNS(SVG, "circle");
+      for (const [k, a] of Object.entries({ cx: x(t).toFixed(1), cy: y(v).toFixed(1), r: 1.6, fill: l.color, class: "pt", "data-series": l.name, "data-v": v })) dot.setAttribute(k, a);
+      svg.append(dot);
+    }
+  }
+  const now = lines.map((l) => { const v = [...l.values].reverse().find((z) => z !== null); return `${l.name} ${v === undefined ? "–" : fix(v, unit ? 0 : 2)}${unit}`; });
+  return el("div", { class: "chart" },
+    el("div", { class: "label" }, el("span", {}, label, lines.length > 1 ? lines.map((l) => el("span", { class: "legend" }, swatch(l.color), l.name)) : null),
+      el("span", { text: now.join(" · ") })),
+    svg);
+}
+
 // --- time goes by ---------------------------------------------------------------------------------
 
 setInterval(() => {
@@ -346,3 +467,5 @@ setInterval(() => {
 }, 1000);
 
 connect();
+loadCharts();
+setInterval(loadCharts, 5000);

@@ -52,7 +52,9 @@ class LocalRoutes(Routes):
         canary: str | None = None,
         requires: Sequence[str] | None = None,
         min_context_tokens: int | None = None,
+        headers: dict[str, str] | None = None,
     ) -> list[Candidate]:
+        """The broker's router, in process (``headers``, a call's trace, have no use here)."""
         check_capability(capability)
         pinned = PINNED.get()
         if pinned is not None:
