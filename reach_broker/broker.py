@@ -204,7 +204,9 @@ class Broker:
         # restores the registry before probes and advisories start (advisories reconcile
         # with the server's connection list); the Synadia agents come after the advisories
         # (their locate asks the CONNZ of the account the advisories learnt); claim
-        # releases and replay come last, the console's feed after everything it shows.
+        # releases and replay come last. The console's feed starts once the handlers are
+        # subscribed (it only shows; its audit catch-up must not hold up serving), and
+        # stops first.
         self.parts: tuple[tuple[Component, bool], ...] = (
             (self.snapshot, True),
             (self.rulebook, True),
@@ -214,9 +216,8 @@ class Broker:
             (self.outcomes, False),
             (self.releaser, True),
             (self.replayer, True),
-            *([(self.feed, False)] if self.feed is not None else []),
         )
-        """(part, needs JetStream), in start order."""
+        """(part, needs JetStream), in start order, before the handlers subscribe."""
         self._running: list[Component] = []
         self._service: Service | None = None
         self._subs: list[Any] = []
@@ -254,6 +255,9 @@ class Broker:
         for component in self._running:
             await component.start()
         await self._serve()
+        if self.feed is not None:
+            self._running.append(self.feed)
+            await self.feed.start()
         self._loop_task = asyncio.create_task(self._tick_loop(), name="reach-broker-tick")
         self.serving = True
         url = self.nc.connected_url

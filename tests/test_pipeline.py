@@ -54,8 +54,7 @@ def test_the_parts_start_in_order_and_those_on_jetstream_are_marked() -> None:
         ("Outcomes", False),
         ("Releaser", True),
         ("Replayer", True),
-        ("Feed", False),
-    ]
+    ]  # then the handlers subscribe, then the console's feed (when built) starts
 
 
 def test_collaborators_are_handed_in_at_construction() -> None:
