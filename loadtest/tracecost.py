@@ -32,15 +32,12 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
-import reach_agent
 from reach_agent import trace
 from reach_agent.agent import serving
 from reach_agent.client import calls
 from reach_agent.wire import schema
-from reach_broker.broker import Broker
-from reach_broker.service.metrics import Metrics
 
-from .local import local_stack
+from .local import echo_stack
 
 CAP = "tracecost"
 
@@ -94,36 +91,20 @@ def build_ns(n: int, nested: bool) -> float:
 
 
 async def loopback(rounds: int, n: int) -> dict[str, Any]:
-    with local_stack("reach-tracecost-") as (_, server, cfg):
-        broker = Broker(cfg, metrics=Metrics())
-        await broker.start()
-        agent = reach_agent.Agent("tc1", [CAP], durable_acks=False, claims=False)
-
-        @agent.handler(CAP)
-        async def echo(task: reach_agent.Task) -> int:
-            return 1
-
-        await agent.start(server.url)
-        try:
-            async with reach_agent.Client(server.url) as client:
-                for _ in range(50):  # warm: route cached, connections hot
-                    await client.call(CAP, {}, timeout=10)
-                per: dict[str, list[float]] = {"with": [], "without": []}
-                cpu: dict[str, list[float]] = {"with": [], "without": []}
-                for r in range(rounds):
-                    order = (True, False) if r % 2 == 0 else (False, True)
-                    for traced in order:
-                        key = "with" if traced else "without"
-                        with mode(traced):
-                            t0, c0 = time.perf_counter(), time.process_time()
-                            for _ in range(n):
-                                await client.call(CAP, {}, timeout=10)
-                            c1 = time.process_time()
-                            per[key].append(n / (time.perf_counter() - t0))
-                            cpu[key].append((c1 - c0) / n * 1e6)
-        finally:
-            await agent.stop(grace=1)
-            await broker.stop()
+    async with echo_stack("reach-tracecost-", CAP) as client:
+        per: dict[str, list[float]] = {"with": [], "without": []}
+        cpu: dict[str, list[float]] = {"with": [], "without": []}
+        for r in range(rounds):
+            order = (True, False) if r % 2 == 0 else (False, True)
+            for traced in order:
+                key = "with" if traced else "without"
+                with mode(traced):
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    for _ in range(n):
+                        await client.call(CAP, {}, timeout=10)
+                    c1 = time.process_time()
+                    per[key].append(n / (time.perf_counter() - t0))
+                    cpu[key].append((c1 - c0) / n * 1e6)
     ratios = [w / wo for w, wo in zip(per["with"], per["without"], strict=True)]
     return {
         "calls_per_s_with": round(statistics.median(per["with"]), 1),

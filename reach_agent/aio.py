@@ -24,11 +24,12 @@ class TaskSet:
     def __len__(self) -> int:
         return len(self._tasks)
 
-    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coro)
         task.set_name(name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def cancel(self) -> None:
         for t in list(self._tasks):

@@ -53,6 +53,7 @@ from reach_broker.interop.synadia import StatusProbes, SynadiaAgents
 from reach_broker.replay.replay import Replayer
 from reach_broker.service.advisories import Advisories
 from reach_broker.service.assets import provision_assets, token_secret
+from reach_broker.service.canceller import Canceller
 from reach_broker.service.clusterinfo import Account
 from reach_broker.service.context import BrokerContext, Link, Tasks
 from reach_broker.service.fanout import Consumer, Fanout
@@ -175,6 +176,9 @@ class Broker:
         )  # fmt: skip
         self.replayer = Replayer(ctx, self.router, self.releaser.claim_of, agents.get,
                                  cfg.compensation, ReplayMetrics.of(m))  # fmt: skip
+        self.canceller = Canceller(ctx, queue=QUEUE_GROUP,
+                                   cancelled=m.compensation_result["cancelled"])  # fmt: skip
+        """``<p>.cancel._broker``: a cancelled request's claim made final, its entry unqueued."""
         self.rulebook = Rulebook(ctx, self.rules, self.quotas, changes=m.rule_changes)
         self.outcomes = Outcomes(ctx, registry, cfg.outcomes, summaries=m.outcomes,
                                  ejected=m.delivery_ejected)  # fmt: skip
@@ -204,7 +208,7 @@ class Broker:
         # restores the registry before probes and advisories start (advisories reconcile
         # with the server's connection list); the Synadia agents come after the advisories
         # (their locate asks the CONNZ of the account the advisories learnt); claim
-        # releases and replay come last. The console's feed starts once the handlers are
+        # releases, replay and cancels come last. The console's feed starts once the handlers are
         # subscribed (it only shows; its audit catch-up must not hold up serving), and
         # stops first.
         self.parts: tuple[tuple[Component, bool], ...] = (
@@ -216,6 +220,7 @@ class Broker:
             (self.outcomes, False),
             (self.releaser, True),
             (self.replayer, True),
+            (self.canceller, True),
         )
         """(part, needs JetStream), in start order, before the handlers subscribe."""
         self._running: list[Component] = []

@@ -4,6 +4,7 @@ resolving cards and sending messages through the gateway's HTTP port."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -17,7 +18,7 @@ pytest.importorskip("a2a.client", reason="needs the extra 'a2a'")
 import httpx
 from a2a.client import A2ACardResolver, ClientConfig, ClientFactory
 from a2a.types import a2a_pb2 as pb
-from a2a.utils.errors import InternalError, InvalidParamsError
+from a2a.utils.errors import InternalError, InvalidParamsError, TaskNotCancelableError
 from google.protobuf import struct_pb2
 from google.protobuf.json_format import MessageToDict, ParseDict
 
@@ -192,6 +193,43 @@ async def test_a_streaming_handler_streams_through_the_gateway(
     assert events[-1].status_update.status.state == pb.TASK_STATE_COMPLETED
     [joined] = await send(http, card, text_message("a poem"))
     assert joined.message.parts[0].text == "roses are red"
+
+
+async def test_a2a_cancel_task_cancels_the_request(
+    broker: Broker, gateway: A2AGateway, agents: Agents, http: httpx.AsyncClient
+) -> None:
+    """``CancelTask`` of the task id (= the request id) reaches the agent running it; the
+    message waiting on it answers a ``CANCELED`` task."""
+    agent = reach_agent.Agent("slowpoke", ["slow"], max_concurrency=1, heartbeat_interval=0.1)
+    seen = asyncio.Event()
+
+    @agent.handler("slow")
+    async def slow(task: reach_agent.Task) -> Any:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            seen.set()
+            raise
+
+    await agents(agent)
+    await healthy(broker, "slowpoke")
+    card = await A2ACardResolver(http, gateway.url).get_agent_card()
+    client = ClientFactory(ClientConfig(streaming=False, httpx_client=http)).create(card)
+    waiting = asyncio.create_task(send(http, card, text_message("x", skill="slow",
+                                                                request_id="rid-a2a")))  # fmt: skip
+    await wait_for(lambda: agent.active == 1, 10, what="slowpoke runs it")
+    task = await client.cancel_task(pb.CancelTaskRequest(id="rid-a2a"))
+    assert (task.id, task.status.state) == ("rid-a2a", pb.TASK_STATE_CANCELED)
+    await asyncio.wait_for(seen.wait(), 5)
+    [event] = await asyncio.wait_for(waiting, 10)
+    assert event.task.status.state == pb.TASK_STATE_CANCELED
+    assert event.task.status.message.parts[0].text.startswith("CANCELLED: ")
+    # One that had finished: its result stands.
+    await agents(echo_agent("quick", "fast"))
+    await healthy(broker, "quick")
+    await send(http, card, text_message("y", skill="fast", request_id="rid-a2a-done"))
+    with pytest.raises(TaskNotCancelableError, match="already finished on agent quick"):
+        await client.cancel_task(pb.CancelTaskRequest(id="rid-a2a-done"))
 
 
 async def test_an_agents_own_endpoint_is_pinned_to_it(

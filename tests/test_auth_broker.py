@@ -317,6 +317,37 @@ async def test_a_submitted_task_is_waited_for_through_the_brokers_word(
             await asyncio.wait_for(beta.stop(grace=2), 20)
 
 
+async def test_cancels_pass_under_the_roles(
+    auth: AuthDir, server: AuthServer, broker: Broker
+) -> None:
+    """A caller's cancel reaches the agent running the request (``reach.cancel.ID``) and,
+    for a request nobody runs, a broker (``reach.cancel._broker``): the roles allow both."""
+    caller = str(auth.creds("caller", "ops"))
+    gate = Gate()
+    alpha = agent(auth, "alpha", gate)
+    await asyncio.wait_for(alpha.start(server.url), 20)
+    try:
+        await wait_for(lambda: healthy(broker, "alpha"), 10, what="alpha healthy")
+        async with reach_agent.Client(server.url, creds=caller) as client:
+            call = asyncio.create_task(client.call(CAP, {"n": 1}, request_id="rid-sec",
+                                                   timeout=30))  # fmt: skip
+            await wait_for(lambda: alpha.active == 1, 10, what="alpha runs it")
+            reply = await client.cancel("rid-sec")
+            assert (reply.state, reply.agent_id) == ("cancelled", "alpha")
+            with pytest.raises(reach_agent.Cancelled):
+                await asyncio.wait_for(call, 10)
+            await wait_for(lambda: alpha.active == 0, 10, what="alpha's slot free")
+            rec = await client.wait("rid-sec", 10)
+            assert (rec.agent_id, rec.error["code"]) == ("alpha", "CANCELLED")
+            queued = await client.submit("secure.nobody", {"n": 2})
+            reply = await client.cancel(queued)
+            assert (reply.state, reply.agent_id) == ("cancelled", "_broker")
+            assert not alpha.watch.violations
+    finally:
+        gate.open.set()
+        await asyncio.wait_for(alpha.stop(grace=2), 20)
+
+
 async def test_an_agent_with_another_agents_credentials_fails_at_start(
     auth: AuthDir, server: AuthServer
 ) -> None:

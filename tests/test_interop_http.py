@@ -1,13 +1,15 @@
 """HTTP agents through the sidecar: ``reach adapt http`` (a real process) in front of a small
 HTTP server of the test's own. Routed and called (request id, time left and ``traceparent``
 as headers), the same request id never POSTed twice, 429 → ``TARGET_BUSY`` and failover to a
-second agent, 400 → ``BIZ_REJECT``, a failing health URL → out of the routes and back."""
+second agent, 400 → ``BIZ_REJECT``, a failing health URL → out of the routes and back, a
+killed backend (no health URL) → out of the routes within 1.5 s."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -69,9 +71,10 @@ class Backend:
         self.thread.start()
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(5)
+        if self.thread.is_alive():
+            self.server.shutdown()
+            self.server.server_close()
+            self.thread.join(5)
 
     def runs_of(self, request_id: str) -> int:
         return sum(1 for h, _ in self.posts if h.get("Reach-Request-Id") == request_id)
@@ -192,7 +195,8 @@ async def test_a_failing_health_url_takes_it_out_of_the_routes(
     await sidecar("http-a", a, "--health", a.url + "/health")
     await wait_for(lambda: healthy(broker, "http-a"), 10, what="http-a healthy")
     a.health = 503
-    await wait_for(lambda: broker.registry.agents["http-a"].state in ("suspect", "offline"), 10,
+    # Checked every second, reported at once: out of the routes within 1.5 s.
+    await wait_for(lambda: broker.registry.agents["http-a"].state == "draining", 1.5,
                    what="http-a out of the routes")  # fmt: skip
     async with reach_agent.Client(nats_server.url) as client:
         with pytest.raises(reach_agent.wire.errors.NoReachableAgent):
@@ -200,3 +204,29 @@ async def test_a_failing_health_url_takes_it_out_of_the_routes(
         a.health = 200
         await wait_for(lambda: healthy(broker, "http-a"), 10, what="http-a back")
         assert await client.call("llm.chat", "hi", timeout=10) == {"by": "a", "echo": "hi"}
+
+
+async def test_a_dead_backend_leaves_the_routes_within_a_second_and_a_half(
+    broker: Broker, nats_server: NatsServer, backends: Callable[[str], Backend], sidecar: Sidecar
+) -> None:
+    """No health URL, no calls: the sidecar's TCP check finds the killed backend; the
+    heartbeat it sends at once reports it draining, and a call goes elsewhere."""
+    a, b = backends("a"), backends("b")
+    await sidecar("http-a", a, "--interval", "5")  # heartbeats alone would take ~8 s
+    await sidecar("http-b", b, "--interval", "5")
+    await wait_for(lambda: healthy(broker, "http-a") and healthy(broker, "http-b"), 10,
+                   what="both healthy")  # fmt: skip
+    a.close()
+    killed = time.monotonic()
+    await wait_for(
+        lambda: broker.registry.agents["http-a"].state == "draining",
+        1.5,
+        what="http-a out of the routes within 1.5 s of its backend's death",
+    )
+    took = time.monotonic() - killed
+    assert healthy(broker, "http-b")
+    async with reach_agent.Client(nats_server.url) as client:
+        [cand] = await client.route("llm.chat")
+        assert cand.agent_id == "http-b"
+        assert await client.call("llm.chat", "hi", timeout=10) == {"by": "b", "echo": "hi"}
+    print(f"http-a out of the routes {took:.3f}s after its backend died")

@@ -54,6 +54,7 @@ def test_the_parts_start_in_order_and_those_on_jetstream_are_marked() -> None:
         ("Outcomes", False),
         ("Releaser", True),
         ("Replayer", True),
+        ("Canceller", True),
     ]  # then the handlers subscribe, then the console's feed (when built) starts
 
 

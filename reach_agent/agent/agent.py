@@ -51,8 +51,8 @@ from .claiming import Claimer
 from .connwatch import ConnectionWatch
 from .dedup import DedupCache
 from .handling import Handler, kind_of
-from .presence import Presence
-from .serving import AckSink, TaskServer
+from .presence import READINESS_INTERVAL_S, Presence
+from .serving import CANCEL_GRACE_S, AckSink, TaskServer
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +77,12 @@ class Agent:
     :class:`~reach_agent.connection.Credentials`; ``token`` is the NATS auth token, not the
     broker's heartbeat token :attr:`token`). A file that does not exist is a ``ValueError``.
     ``permissions`` (what callers may ``require``) and ``context_window`` (tokens) are
-    announced; set :attr:`context_usage_pct` as the window fills. ``health``, an async
-    check (an adapter's backend), is asked before each heartbeat and probe answer: while it
-    says False the agent is silent, so brokers take it out of the routes.
+    announced; set :attr:`context_usage_pct` as the window fills. ``readiness`` (an
+    adapter's check of the service it fronts, ``async () -> bool``) is asked every
+    ``readiness_interval`` seconds: while it says False the agent reports ``draining`` and
+    refuses tasks with ``DRAINING`` (see :mod:`~reach_agent.agent.presence`). A cancelled
+    request's handler sees ``asyncio.CancelledError`` and has ``cancel_grace`` seconds to
+    clean up before it is cancelled again (see :mod:`~reach_agent.agent.serving`).
     """
 
     def __init__(
@@ -109,7 +112,9 @@ class Agent:
         claim_timeout: float = 2.0,
         permissions: Iterable[str] = (),
         context_window: int | None = None,
-        health: Callable[[], Awaitable[bool]] | None = None,
+        readiness: Callable[[], Awaitable[bool]] | None = None,
+        readiness_interval: float = READINESS_INTERVAL_S,
+        cancel_grace: float = CANCEL_GRACE_S,
         **credentials: Unpack[CredentialOptions],
     ) -> None:
         schema.check_agent_id(agent_id)
@@ -128,6 +133,10 @@ class Agent:
         unknown = sorted(idem - set(caps))
         if unknown:
             raise InvalidRequest(f"idempotent {unknown!r} are not among the capabilities {caps!r}")
+        if not cancel_grace >= 0:
+            raise InvalidRequest(f"cancel_grace {cancel_grace!r} must be 0 or more seconds")
+        if not readiness_interval > 0:
+            raise InvalidRequest(f"readiness_interval {readiness_interval!r} must be positive")
         if not claim_timeout > 0:
             raise InvalidRequest(f"claim_timeout {claim_timeout!r} must be a positive number")
         self.credentials = Credentials(**credentials).check()
@@ -174,7 +183,7 @@ class Agent:
         made at the first start."""
         self.tasks = TaskServer(
             agent_id, max_concurrency, self.subjects, dedup=DedupCache(dedup_size, dedup_ttl),
-            metrics=metrics, spans=otel.spans("reach-agent"),
+            metrics=metrics, spans=otel.spans("reach-agent"), cancel_grace=cancel_grace,
         )  # fmt: skip
         """The task side: admission, claims, execution, replies, ack records (and, with
         ``OTEL_EXPORTER_OTLP_ENDPOINT`` set, their spans: :mod:`.otel`)."""
@@ -182,7 +191,7 @@ class Agent:
         self.presence = Presence(
             self.announcement, self.subjects, self.tasks,
             heartbeat_interval=heartbeat_interval, announce_refresh=announce_refresh,
-            health=health,
+            readiness=readiness, readiness_interval=readiness_interval,
         )  # fmt: skip
         """Announce, heartbeats, probe answers, leave."""
         self.nc: NATS | None = None
@@ -351,10 +360,11 @@ class Agent:
                               timeout_s=self.claim_timeout)  # fmt: skip
             await claimer.start()
         await self.presence.subscribe(nc)
-        await self.tasks.subscribe(nc, self.capabilities, claimer=claimer, ack_sink=sink)
+        await self.tasks.subscribe(nc, self.capabilities, claimer=claimer, ack_sink=sink,
+                                   cancels=self.watch.takes_cancels)  # fmt: skip
         await flush_subscriptions(nc)  # a refused SUB is reported before the PONG
         self.watch.check_subscriptions()
-        self.presence.start()
+        await self.presence.start()
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain: answer DRAINING to new tasks, leave, finish in-flight tasks within

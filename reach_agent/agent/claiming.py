@@ -43,7 +43,7 @@ from jetstream.names import H_REQUEST_ID
 from reach_agent import trace
 from reach_agent.results import attributed, result_location
 from reach_agent.wire import schema
-from reach_agent.wire.errors import InProgress, ReachError, Timeout, error_for, to_reply
+from reach_agent.wire.errors import Cancelled, InProgress, ReachError, Timeout, error_for, to_reply
 from reach_agent.wire.subjects import Subjects
 
 from .dedup import Reply
@@ -240,14 +240,17 @@ class Claimer:
 
     async def end(self, held: Held, error: ReachError | None) -> Callable[[], Awaitable[None]]:
         """How a run ends its claim: ``completed``; ``released`` after a retryable error
-        (another agent may run it); else ``failed`` (a duplicate gets the stored error)."""
+        (another agent may run it); else ``failed`` (a duplicate gets the stored error;
+        reason ``cancelled`` for a cancelled run: no retry or replay runs it again)."""
         if error is None:
             return await self.finish(held, "completed")
         if error.retryable:
             return await self.finish(
                 held, "released", f"{self.agent_id} ended it with {error.code}"
             )
-        return await self.finish(held, "failed")
+        return await self.finish(
+            held, "failed", schema.CLAIM_CANCELLED if isinstance(error, Cancelled) else None
+        )
 
     async def answer(self, claimed: Claimed, request_id: str) -> Reply:
         """The reply to a request whose claim is someone else's (or already finished)."""

@@ -45,6 +45,9 @@ class ConnectionWatch:
         self.nc: NATS | None = None
         self.creds_file: str | None = None
         self.violations: list[grants.Violation] = []
+        self.takes_cancels = True
+        """Whether the credential allows subscribing to the agent's cancel subject (one
+        issued before cancellation existed does not: cancels are then not received)."""
         self.closed = asyncio.Event()
         """Set when the server closed the connection for good while serving (the credential
         was revoked or expired): :func:`reach_agent.run` then exits."""
@@ -60,11 +63,18 @@ class ConnectionWatch:
     ) -> None:
         """Fail now, naming the subject and the file, when the credentials cannot serve
         this agent (a credential issued for another agent id, a caller's)."""
+        self.takes_cancels = True
         found = credential_grants(cred)
         if found is None:
             return
         self.creds_file, allowed = found
         s, me = self.subjects, self.agent_id
+        if not allowed.may_subscribe(s.cancel(me)):
+            self.takes_cancels = False
+            log.warning("agent.cancels_off agent=%s creds=%s: the credential predates "
+                        "cancellation (it does not allow subscribing to %r): cancels of its "
+                        "requests are not received; re-issue it (`reach auth agent`)", me,
+                        self.creds_file, s.cancel(me))  # fmt: skip
         publish = [s.announce(me), s.heartbeat(me), s.leave(me)]
         if writes_acks:
             publish.append(s.ack(me, "request"))

@@ -4,6 +4,12 @@ Control traffic never waits behind business work: the announce and heartbeat loo
 asyncio tasks of their own and probes are answered on their own subscription. The figures
 a heartbeat or probe reply carries come from the agent's
 :class:`~reach_agent.agent.serving.TaskServer`.
+
+An agent that fronts another service (an adapter: ``reach adapt http``, ``reach adapt a2a``)
+hands in a *readiness* check: asked every ``readiness_interval`` (1 s), and when it says
+False the agent reports ``status: "draining"`` in a heartbeat sent at once (brokers take it
+out of the routes on that heartbeat) and refuses tasks with ``DRAINING`` (retryable
+elsewhere); when it says True again the agent announces again, which makes it ``healthy``.
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ log = logging.getLogger(__name__)
 
 _announce_ack_decoder = msgspec.json.Decoder(schema.AnnounceAck)
 
+READINESS_INTERVAL_S = 1.0
+"""How often an agent with a readiness check asks it (``Agent(readiness_interval=...)``)."""
+
 REANNOUNCE_JITTER_S = 0.5
 """Ceiling of the random delay before obeying a broker's re-announce request (a quarter of
 the heartbeat interval when that is shorter): a fleet asked at once does not answer at once."""
@@ -46,7 +55,8 @@ class Presence:
         *,
         heartbeat_interval: float,
         announce_refresh: float,
-        health: Callable[[], Awaitable[bool]] | None = None,
+        readiness: Callable[[], Awaitable[bool]] | None = None,
+        readiness_interval: float = READINESS_INTERVAL_S,
     ) -> None:
         self.agent_id = announcement.agent_id
         self.announcement = announcement
@@ -71,11 +81,10 @@ class Presence:
         self._reannounce = asyncio.Event()
         self._hb_wake = asyncio.Event()
         self._loops: list[asyncio.Task[Any]] = []
-        self.health = health
-        """Asked before each heartbeat and probe answer when set (an adapter's backend
-        check): while it says False the agent is silent — no heartbeat, no probe answer — so
-        brokers take it out of the routes as they would a dead one, and back when it
-        answers again."""
+        self.readiness = readiness
+        """The check of the service behind an adapter (None: always ready): asked every
+        ``readiness_interval`` seconds; False reports the agent ``draining`` at once."""
+        self.readiness_interval = readiness_interval
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -86,13 +95,24 @@ class Presence:
         await nc.subscribe(self.subjects.probe(self.agent_id), cb=self._on_probe)
         await nc.subscribe(self.subjects.reannounce(self.agent_id), cb=self._on_reannounce)
 
-    def start(self) -> None:
-        """Start announcing and heartbeating (after the subscriptions are in place)."""
+    async def start(self) -> None:
+        """Start announcing and heartbeating (after the subscriptions are in place); with a
+        readiness check, ask it once first, so a service that is down at start is never
+        reported ready."""
         me = self.agent_id
+        if self.readiness is not None:
+            self.tasks.unready = not await self._ready()
+            if self.tasks.unready:
+                log.warning("agent.not_ready agent=%s: the service behind it does not answer",
+                            me)  # fmt: skip
         self._loops = [
             asyncio.create_task(self._announce_loop(), name=f"reach-announce-{me}"),
             asyncio.create_task(self._heartbeat_loop(), name=f"reach-heartbeat-{me}"),
         ]
+        if self.readiness is not None:
+            self._loops.append(
+                asyncio.create_task(self._readiness_loop(), name=f"reach-readiness-{me}")
+            )
 
     def reannounce(self) -> None:
         """Announce again now (after a reconnect)."""
@@ -205,7 +225,7 @@ class Presence:
         subject = self.subjects.heartbeat(self.agent_id)
         while self._loops:
             self._hb_wake.clear()
-            if self.token is not None and (self.health is None or await self._healthy()):
+            if self.token is not None:
                 try:
                     await nc.publish(subject, schema.encoder.encode(self.heartbeat()))
                 except Exception as exc:  # the loop never dies
@@ -221,13 +241,40 @@ class Presence:
         log.info("agent.reannounce_requested agent=%s", self.agent_id)
         asyncio.get_running_loop().call_later(random.uniform(0, jitter), self._reannounce.set)
 
-    async def _healthy(self) -> bool:
-        assert self.health is not None
+    # --- readiness (an adapter's service) ---------------------------------------------
+
+    async def _ready(self) -> bool:
+        assert self.readiness is not None
         try:
-            return await self.health()
-        except Exception as exc:  # a failing check is an unhealthy answer, never a crash
-            log.debug("agent.health_failed agent=%s error=%r", self.agent_id, exc)
+            return await self.readiness()
+        except Exception as exc:  # a failing check is a "not ready", never a crash
+            log.debug("agent.readiness_failed agent=%s error=%r", self.agent_id, exc)
             return False
+
+    async def _readiness_loop(self) -> None:
+        """Ask the readiness check every ``readiness_interval``; report a change at once."""
+        while self._loops:
+            started = asyncio.get_running_loop().time()
+            ready = await self._ready()
+            if not self.tasks.draining:
+                self.set_ready(ready)
+            elapsed = asyncio.get_running_loop().time() - started
+            await asyncio.sleep(max(self.readiness_interval - elapsed, 0.0))
+
+    def set_ready(self, ready: bool) -> None:
+        """The service behind the agent answers (``True``) or not: not ready, the agent
+        reports ``draining`` in a heartbeat sent now and refuses tasks with ``DRAINING``;
+        ready again, it announces again (brokers make it ``healthy``)."""
+        if ready != self.tasks.unready:
+            return  # no change
+        self.tasks.unready = not ready
+        if ready:
+            log.warning("agent.ready agent=%s: the service behind it answers again", self.agent_id)
+            self._reannounce.set()
+        else:
+            log.warning("agent.not_ready agent=%s: the service behind it does not answer; "
+                        "reported draining", self.agent_id)  # fmt: skip
+            self._hb_wake.set()
 
     async def _on_probe(self, msg: Msg) -> None:
         if not msg.reply:
@@ -235,8 +282,6 @@ class Presence:
         if not is_inbox(msg.reply):  # see TaskServer.on_task: answer inboxes only
             log.warning("agent.probe_refused agent=%s reason=reply subject %r is not an inbox",
                         self.agent_id, msg.reply[:128])  # fmt: skip
-            return
-        if self.health is not None and not await self._healthy():
             return
         tasks = self.tasks
         info = self.nc._server_info or {}

@@ -9,6 +9,17 @@ the handler; otherwise it answers ``IN_PROGRESS`` or the stored result. The hold
 claim before it replies. Handlers are ``async def`` (run on the loop), async generators
 (streamed, :mod:`~reach_agent.client.streaming`) or plain functions (run in a worker thread).
 
+A cancel (``<p>.cancel.<agent_id>``, :meth:`TaskServer.on_cancel`) of a request running here
+cancels its handler's asyncio task: the handler sees ``asyncio.CancelledError`` and may
+clean up; after ``cancel_grace`` seconds it is cancelled again. The run then ends as
+``CANCELLED`` whatever the handler did after the cancel: the claim ended ``failed`` (reason
+``cancelled``, so no retry or replay runs it again), the final ack record ``failed`` with
+``CANCELLED``, the slot free. A cancel that comes before the handler started (the claim's
+round trip) ends the run before it; one for a request not running here is remembered in
+the duplicate window, so a copy of the task arriving later is answered ``CANCELLED``.
+A plain function handler runs in a worker thread, which cannot be interrupted: its run
+ends at once, the thread finishes on its own and its result is dropped.
+
 The durable-ack hook (``ack_sink``) gets state ``received`` when a task is accepted (before
 the handler runs) and ``completed`` (``result`` = the reply body as ``msgspec.Raw``) or
 ``failed`` (``error`` = ``{"code", "message"}``) when it ends, before the reply goes out.
@@ -37,7 +48,15 @@ from reach_agent.aio import TaskSet, wait_event
 from reach_agent.metrics import AgentMetrics
 from reach_agent.otel import Spans
 from reach_agent.wire import schema
-from reach_agent.wire.errors import Draining, InternalError, InvalidRequest, ReachError, to_reply
+from reach_agent.wire.errors import (
+    H_SERVICE_ERROR_CODE,
+    Cancelled,
+    Draining,
+    InternalError,
+    InvalidRequest,
+    ReachError,
+    to_reply,
+)
 from reach_agent.wire.subjects import Subjects, is_inbox
 
 from .admission import Admission, admit
@@ -58,6 +77,25 @@ class AckSink(Protocol):
     async def record(self, rec: schema.AckRecord) -> None: ...
 
 
+CANCEL_GRACE_S = 5.0
+"""How long a cancelled handler may clean up before it is cancelled again."""
+
+
+class Run:
+    """A request running on this agent: its asyncio task, how far it is (``claiming``,
+    ``handling`` — only then does a cancel interrupt it —, ``ending``: the handler is done),
+    and why it was cancelled."""
+
+    __slots__ = ("cancelled", "grace", "phase", "task")
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task[None] | None = None
+        self.phase = "claiming"
+        self.cancelled: str | None = None
+        """The cancel's reason, once cancelled."""
+        self.grace: asyncio.TimerHandle | None = None
+
+
 class TaskServer:
     """The tasks of one agent: admission, execution, replies, ack records and load figures."""
 
@@ -70,6 +108,7 @@ class TaskServer:
         dedup: DedupCache,
         metrics: AgentMetrics | None,
         spans: Spans | None = None,
+        cancel_grace: float = CANCEL_GRACE_S,
     ) -> None:
         self.agent_id = agent_id
         self.spans = spans
@@ -90,11 +129,17 @@ class TaskServer:
         self.nc = NATS()  # the agent's connection, from subscribe()
         self.runner = HandlerRunner(agent_id, max_concurrency)
         self.draining = False
+        self.unready = False
+        """The service behind an adapter does not answer (:mod:`~reach_agent.agent.presence`'s
+        readiness check): reported ``draining``, tasks refused with ``DRAINING``."""
         self.active = 0
         self.ok_total = 0
         self.fail_total = 0
         self._subs: list[Subscription] = []
         self._tasks = TaskSet()
+        self.cancel_grace = cancel_grace
+        self._runs: dict[str, Run] = {}
+        """request id → its run on this agent (what a cancel finds)."""
         self._running: dict[str, float] = {}
         # Durations of tasks finished since the last heartbeat: the broker smooths them
         # (EWMA), so the freshest p50 lets it see a slowdown within a heartbeat or two.
@@ -112,9 +157,12 @@ class TaskServer:
         *,
         claimer: Claimer | None,
         ack_sink: AckSink | None,
+        cancels: bool = True,
     ) -> None:
-        """One subscription per capability (``<p>.task.<agent_id>.<capability>``), served
-        on ``nc`` with the fleet-wide ``claimer`` and the ``ack_sink`` the agent started."""
+        """One subscription per capability (``<p>.task.<agent_id>.<capability>``), and one
+        for cancels (``<p>.cancel.<agent_id>``, never behind task messages) unless
+        ``cancels`` is False (a credential issued before cancellation existed); served on
+        ``nc`` with the fleet-wide ``claimer`` and the ``ack_sink`` the agent started."""
         self.nc = nc
         self.claimer = claimer
         self.ack_sink = ack_sink
@@ -123,6 +171,8 @@ class TaskServer:
                 self.subjects.task(self.agent_id, cap), cb=self.on_task, pending_msgs_limit=100_000
             )
             self._subs.append(sub)
+        if cancels:
+            await nc.subscribe(self.subjects.cancel(self.agent_id), cb=self.on_cancel)
         await self.runner.subscribe(nc, self.handlers.values())
 
     def forget_subscriptions(self) -> None:
@@ -151,7 +201,7 @@ class TaskServer:
     # --- load figures (heartbeats and probe replies) ----------------------------------
 
     def status(self) -> schema.AgentStatus:
-        if self.draining:
+        if self.draining or self.unready:
             return "draining"
         return "busy" if self.active else "idle"
 
@@ -197,7 +247,7 @@ class TaskServer:
         now = time.monotonic()
         entry = self.dedup.lookup(request_id, now)
         d = admit(hdrs, agent_id=self.agent_id, duplicate=entry is not None,
-                  draining=self.draining, active=self.active,
+                  draining=self.draining or self.unready, active=self.active,
                   max_concurrency=self.max_concurrency, now=now)  # fmt: skip
         if d.verdict == "run":
             self.active += 1
@@ -207,8 +257,10 @@ class TaskServer:
             claim = self.claimer is not None and capability not in self.idempotent
             if reply and d.receipt and not claim:
                 await self._send_receipt(reply, request_id)  # at once: nothing to claim
-            self._tasks.spawn(self._run(msg, capability, request_id, entry, d, hdrs, claim),
-                              "reach-task")  # fmt: skip
+            run = self._runs[request_id] = Run()
+            run.task = self._tasks.spawn(
+                self._run(msg, capability, request_id, entry, d, hdrs, claim, run), "reach-task"
+            )
             return
         self._count(capability, d.label)
         if d.verdict == "refuse":
@@ -248,6 +300,66 @@ class TaskServer:
         if self.metrics is not None:
             self.metrics.tasks.labels(capability, result).inc()
 
+    # --- a cancel arrives -------------------------------------------------------------
+
+    async def on_cancel(self, msg: Msg) -> None:
+        """``<p>.cancel.<agent_id>``: cancel the request (:meth:`cancel`); answer with a
+        :class:`~reach_agent.wire.schema.CancelReply` when asked (to an inbox only)."""
+        reply = msg.reply
+        if reply and not is_inbox(reply):  # see on_task: answer inboxes only
+            log.warning("agent.cancel_refused agent=%s reason=reply subject %r is not an inbox",
+                        self.agent_id, reply[:128])  # fmt: skip
+            return
+        try:
+            req = schema.decode(schema.cancel_decoder, msg.data, "cancel")
+        except InvalidRequest as err:
+            if reply:
+                headers, body = to_reply(err)
+                await self._publish(reply, body, headers)
+            return
+        state = self.cancel(req.request_id, req.reason or "cancelled by its caller")
+        if reply:
+            answer = schema.CancelReply(request_id=req.request_id, state=state,
+                                        agent_id=self.agent_id)  # fmt: skip
+            await self._publish(reply, schema.encoder.encode(answer), {})
+
+    def cancel(self, request_id: str, reason: str) -> schema.CancelState:
+        """Cancel ``request_id`` on this agent: ``cancelled`` (running here: its handler is
+        interrupted, or never starts), ``finished`` (it ended here already) or ``unknown``
+        (remembered: a copy arriving later is answered ``CANCELLED``)."""
+        run = self._runs.get(request_id)
+        if run is not None and (run.phase != "ending" or run.cancelled is not None):
+            if run.cancelled is None:
+                run.cancelled = reason
+                log.info("task.cancel agent=%s request_id=%s reason=%s", self.agent_id,
+                         request_id, reason)  # fmt: skip
+                if run.phase == "handling":
+                    self._interrupt(run)
+            return "cancelled"
+        if run is not None:
+            return "finished"  # its handler is done: the result is on its way
+        now = time.monotonic()
+        entry = self.dedup.lookup(request_id, now)
+        if entry is not None:
+            done = entry.future.done() and entry.future.result()[0].get(H_SERVICE_ERROR_CODE)
+            return "cancelled" if done == str(Cancelled.status) else "finished"
+        entry = self.dedup.begin(request_id, now, self.active)
+        self.dedup.finish(entry, _cancelled_reply(request_id, self.agent_id, reason), now)
+        return "unknown"
+
+    def _interrupt(self, run: Run) -> None:
+        """Cancel the handler now, and again after the grace should it not have ended."""
+        assert run.task is not None
+        run.task.cancel()
+        run.grace = asyncio.get_running_loop().call_later(self.cancel_grace, self._overdue, run)
+
+    def _overdue(self, run: Run) -> None:
+        if run.phase == "handling" and run.task is not None and not run.task.done():
+            log.warning("task.cancel_overdue agent=%s: the handler did not end within %gs of "
+                        "its cancel; cancelled again", self.agent_id,
+                        self.cancel_grace)  # fmt: skip
+            run.task.cancel()
+
     # --- a task runs ------------------------------------------------------------------
 
     async def _run(
@@ -259,6 +371,7 @@ class TaskServer:
         d: Admission,
         hdrs: dict[str, str],
         claim: bool,
+        run: Run,
     ) -> None:
         # This asyncio task's own context: the handler's sub-calls and log lines see it.
         ctx = trace.TraceContext(request_id, self.agent_id, hdrs)
@@ -279,8 +392,10 @@ class TaskServer:
                     return
                 if msg.reply and d.receipt:
                     await self._send_receipt(msg.reply, request_id)  # the claim is ours
-            error = await self._execute(msg, capability, request_id, entry, d, hdrs, held)
+            error = await self._execute(msg, capability, request_id, entry, d, hdrs, held, run)
         finally:
+            if self._runs.get(request_id) is run:
+                del self._runs[request_id]
             if span is not None and self.spans is not None:
                 self.spans.end(span, error)
             self._running.pop(request_id, None)
@@ -341,6 +456,7 @@ class TaskServer:
         d: Admission,
         hdrs: dict[str, str],
         held: Held | None,
+        run: Run,
     ) -> ReachError | None:
         """Run the handler and answer; the error the caller got (None: a result)."""
         started = time.monotonic()
@@ -356,18 +472,37 @@ class TaskServer:
                 raise InvalidRequest(f"task payload: malformed JSON ({exc})") from None
             task = Task(payload, request_id, capability, hdrs, d.deadline, self.agent_id)
             stream_to = msg.reply if d.ack_mode != "received" else None
-            body, wire = await self.runner.run(self.handlers[capability], task, stream_to)
+            if run.cancelled is None:  # (cancelled while it was being claimed: not run)
+                run.phase = "handling"
+                try:
+                    body, wire = await self.runner.run(self.handlers[capability], task,
+                                                       stream_to)  # fmt: skip
+                finally:
+                    run.phase = "ending"
+                    if run.grace is not None:
+                        run.grace.cancel()
+            if run.cancelled is not None:  # whatever the handler made after the cancel
+                raise Cancelled(f"request_id {request_id!r} was cancelled on agent "
+                                f"{self.agent_id!r}: {run.cancelled}")  # fmt: skip
         except ReachError as err:
             error = err
         except asyncio.CancelledError:
-            # Grace expired during a drain: retryable elsewhere (same request id).
-            error = Draining(f"agent {self.agent_id!r} stopped before the task finished")
-            raise
+            if run.cancelled is None:
+                # Grace expired during a drain: retryable elsewhere (same request id).
+                error = Draining(f"agent {self.agent_id!r} stopped before the task finished")
+                raise
+            # Our cancel: the run ends here, answered CANCELLED (the cancel is consumed).
+            current = asyncio.current_task()
+            while current is not None and current.cancelling():
+                current.uncancel()
+            error = Cancelled(f"request_id {request_id!r} was cancelled on agent "
+                              f"{self.agent_id!r}: {run.cancelled}")  # fmt: skip
         except Exception as exc:  # a handler failure is the caller's answer
             log.exception("task.failed agent=%s capability=%s request_id=%s", self.agent_id,
                           capability, request_id)  # fmt: skip
             error = InternalError(f"handler {capability!r} raised {type(exc).__name__}: {exc}")
         finally:
+            run.phase = "ending"
             now = time.monotonic()
             self._durations.append((now - started) * 1000.0)
             if error is None:
@@ -378,7 +513,12 @@ class TaskServer:
                 wire = None
                 headers, body = to_reply(error)
                 headers[H_REQUEST_ID] = request_id
-                if error.status < 500:
+                if isinstance(error, Cancelled):
+                    # Neither a result nor the agent's failure: in neither total (brokers
+                    # read ok_total as "it finishes tasks": a hung handler the caller's
+                    # deadline cancelled did not).
+                    self._count(capability, "cancelled")
+                elif error.status < 500:
                     self.ok_total += 1  # the agent did its job: the request was refused
                     self._count(capability, "rejected")
                 else:
@@ -432,3 +572,11 @@ class TaskServer:
         except Exception:  # the sink's trouble is not the caller's
             log.exception("agent.ack_sink_failed agent=%s request_id=%s state=%s",
                           self.agent_id, request_id, state)  # fmt: skip
+
+
+def _cancelled_reply(request_id: str, agent_id: str, reason: str) -> Reply:
+    """The reply a copy of a request cancelled before it came gets."""
+    headers, body = to_reply(Cancelled(f"request_id {request_id!r} was cancelled before it "
+                                       f"reached agent {agent_id!r}: {reason}"))  # fmt: skip
+    headers[H_REQUEST_ID] = request_id
+    return headers, body

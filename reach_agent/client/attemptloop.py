@@ -57,6 +57,8 @@ class AttemptLoop:
         candidates: list[schema.Candidate] = []
         while True:
             raise_if_cancelled()
+            if call.cancelled is not None:  # Client.cancel: no further attempt
+                raise call.cancelled
             target = self.attempts.next(candidates, call.tried, capability)
             if target is None:
                 # Everything we knew was tried (or is behind an open breaker): ask again.
@@ -104,6 +106,8 @@ class AttemptLoop:
             self.attempts.breaker_changed(target.agent_id, capability, change)
             if not allowed:
                 continue
+            if call.cancelled is not None:
+                raise call.cancelled
             outcome, value = await self.attempts.send(call, target, inbox)
             if outcome == "error" and isinstance(value, InProgress):
                 # Another agent holds the claim: its result is the answer, not a re-run.

@@ -15,7 +15,8 @@ attempt they answer; :meth:`Call.outcome` turns them into one
 * a result from this attempt or an earlier one → ``ok`` (the first result wins); for a
   streamed call, so is its first chunk (a :class:`StreamStart`, read on by
   :mod:`~reach_agent.client.streaming`);
-* :meth:`lose` (the agent died) → ``lost``; :meth:`close` (the client stops) → ``closed``.
+* :meth:`lose` (the agent died) → ``lost``; :meth:`close` (the client stops) → ``closed``;
+  :meth:`cancel` (``Client.cancel`` of its request id) → ``closed`` with ``CANCELLED``.
 
 An attempt to a Synadia Agent Protocol agent (``protocol: "synadia-agents"``) reads their
 prompt stream instead (:mod:`~reach_agent.client.prompting`): the leading ack is the receipt, waited
@@ -62,9 +63,10 @@ _receipt_decoder = msgspec.json.Decoder(schema.Receipt)
 
 _LOST = object()
 _CLOSED = object()
-LOST, CLOSED = _LOST, _CLOSED
-"""The markers :meth:`Call.lose` and :meth:`Call.close` put on the queue (for readers of a
-stream, which go on reading it after :meth:`Call.outcome`)."""
+_CANCELLED = object()
+LOST, CLOSED, CANCELLED = _LOST, _CLOSED, _CANCELLED
+"""The markers :meth:`Call.lose`, :meth:`Call.close` and :meth:`Call.cancel` put on the queue
+(for readers of a stream, which go on reading it after :meth:`Call.outcome`)."""
 _STATUS = "Status"  # nats-server's no-responders reply: Status: 503, no body
 
 
@@ -95,6 +97,7 @@ class Call:
         "attempt",
         "body",
         "call_id",
+        "cancelled",
         "capability",
         "deadline",
         "filters",
@@ -182,6 +185,8 @@ class Call:
         """The agent whose receipt or result ended an attempt: who took the task."""
         self.retries = 0
         self.last_err: ReachError | None = None
+        self.cancelled: ReachError | None = None
+        """The ``CANCELLED`` this call ends with, once ``Client.cancel`` cancelled it."""
         self.span: Any = None
         """The call's OpenTelemetry span (:mod:`~reach_agent.otel`; None when spans are off)."""
         self.span_headers: dict[str, str] | None = None
@@ -234,6 +239,21 @@ class Call:
         """The client is stopping: end the current attempt as ``closed``."""
         self.queue.put_nowait((self.attempt, _CLOSED))
 
+    def cancel(self, err: ReachError) -> None:
+        """``Client.cancel`` of the request id: the call ends with ``err`` (``CANCELLED``),
+        as soon as it reads its queue or starts its next attempt."""
+        if self.cancelled is None:
+            self.cancelled = err
+            self.queue.put_nowait((self.attempt, _CANCELLED))
+
+    def runners(self) -> set[str]:
+        """The agents that may be running the request for this call: every agent an
+        attempt went to, and the one that took it (a claim's holder)."""
+        out = set(self.agents.values())
+        if self.taker is not None:
+            out.add(self.taker)
+        return out
+
     # --- how the current attempt ends ---------------------------------------------------
 
     async def outcome(
@@ -261,6 +281,9 @@ class Call:
                 )
             if msg is _CLOSED:
                 return "closed", InternalError("client closed while the call was in flight")
+            if msg is _CANCELLED:
+                assert self.cancelled is not None
+                return "closed", self.cancelled
             current = a == n
             if msg is _LOST:
                 if current:
@@ -318,6 +341,9 @@ class Call:
                 )  # fmt: skip
             if msg is _CLOSED:
                 return "closed", InternalError("client closed while the call was in flight")
+            if msg is _CANCELLED:
+                assert self.cancelled is not None
+                return "closed", self.cancelled
             if msg is _LOST:
                 if a == n:
                     return "lost", Timeout(f"agent {agent!r} was lost while running the prompt")

@@ -73,6 +73,7 @@ from .attemptloop import AttemptLoop
 from .attempts import Attempts
 from .breaker import Breakers
 from .calls import AckMode, Call, encode_payload
+from .cancel import Cancels
 from .config import ClientConfig
 from .holder import Holders
 from .liveness import Liveness
@@ -137,6 +138,8 @@ class Client:
         self._ids = itertools.count(1)
         self.takers = durable.Takers()
         """Who took each recent call (its receipt's or result's agent): :meth:`wait` trusts."""
+        self.cancels = Cancels(self.nc, self.subjects, self._tasks)
+        """Cancels sent to the agents running this client's requests (:mod:`.cancel`)."""
         self.spans = otel.spans("reach-client")
         """OpenTelemetry spans of the calls (:mod:`.otel`): None unless
         ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set and the extra ``otel`` installed."""
@@ -312,8 +315,13 @@ class Client:
             value = await self._run(call)
             ok = True
             return value
+        except asyncio.CancelledError:
+            self.cancels.tell(call, "the call was cancelled", everyone=True)
+            raise
         except ReachError as exc:
             error = exc
+            if self.clock() >= call.deadline:
+                self.cancels.tell(call, "the caller's deadline passed")
             raise
         finally:
             self.close_call(call, ok, error)
@@ -424,3 +432,21 @@ class Client:
         (:func:`reach_agent.client.durable.wait`)."""
         return await durable.wait(self, request_id, timeout, agent_id=agent_id,
                                   prefix=self.config.prefix)  # fmt: skip
+
+    # --- cancellation -------------------------------------------------------------------
+
+    async def cancel(
+        self,
+        request_id: str,
+        *,
+        reason: str | None = None,
+        timeout: float = 2.0,  # noqa: ASYNC109 - how long the brokers may take to answer
+    ) -> schema.CancelReply:
+        """Cancel ``request_id`` wherever it is: this client's calls of it end with
+        ``CANCELLED`` at once; the agent running it is told (its handler sees
+        ``asyncio.CancelledError``, its final ack record says ``CANCELLED``); a request no
+        agent runs (queued, not yet sent, its agent ignoring cancels) is made final by a
+        broker, so no retry or replay runs it. Returns who settled it and how
+        (``cancelled``, or ``finished``: its result stands); raises ``Timeout`` when no
+        broker answered (:mod:`reach_agent.client.cancel`)."""
+        return await self.cancels.cancel(request_id, reason, timeout, self._calls.values())

@@ -35,7 +35,7 @@ from reach_agent.wire import schema
 from reach_agent.wire.errors import InternalError, Timeout, error_for, from_reply
 from reach_agent.wire.subjects import Subjects
 
-from .calls import CLOSED, LOST, Call, StreamStart, is_no_responders
+from .calls import CANCELLED, CLOSED, LOST, Call, StreamStart, is_no_responders
 
 log = trace.logger(__name__)
 
@@ -199,6 +199,8 @@ async def held(call: Call, holder: str, clock: Callable[[], float]) -> tuple[Hel
             )
         if msg is CLOSED:
             return "closed", InternalError("client closed while the call was in flight")
+        if msg is CANCELLED:
+            return "closed", call.cancelled
         if msg is _RELEASED:
             return "released", None
         if msg is LOST:

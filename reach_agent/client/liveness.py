@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 class Spawner(Protocol):
-    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None: ...
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> Any: ...
 
 
 class Liveness:

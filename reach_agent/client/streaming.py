@@ -18,12 +18,19 @@ from nats.aio.client import Client as NATS
 
 from reach_agent import trace
 from reach_agent.wire import schema
-from reach_agent.wire.errors import InternalError, InvalidRequest, StreamBroken, from_reply
+from reach_agent.wire.errors import (
+    InternalError,
+    InvalidRequest,
+    ReachError,
+    StreamBroken,
+    from_reply,
+)
 from reach_agent.wire.streams import MAX_WINDOW
 from reach_agent.wire.subjects import is_inbox
 
 from . import prompting
-from .calls import CLOSED, LOST, Call, StreamStart
+from .calls import CANCELLED, CLOSED, LOST, Call, StreamStart
+from .cancel import Cancels
 from .liveness import Liveness
 
 log = trace.logger(__name__)
@@ -124,6 +131,8 @@ async def _messages(
             ) from None  # fmt: skip
         if msg is CLOSED:
             raise InternalError("client closed while the stream was in flight")
+        if msg is CANCELLED and call.cancelled is not None:
+            raise call.cancelled  # Client.cancel: stops at the next chunk
         if msg is LOST:
             raise StreamBroken(
                 f"agent {agent!r} was lost mid-stream after {delivered()} chunks: not re-run "
@@ -139,6 +148,7 @@ class Caller(Protocol):
     nc: NATS
     liveness: Liveness
     clock: Callable[[], float]
+    cancels: Cancels
 
     def open_call(self, capability: str, payload: Any, timeout: float | None, ack_mode: Any,
                   sticky_key: str | None, request_id: str | None,
@@ -172,6 +182,8 @@ async def stream(
     call = client.open_call(capability, payload, timeout, "completed", sticky_key, request_id,
                             headers, traceparent, region, tags, window)  # fmt: skip
     ok = False
+    gave_up: str | None = None
+    everyone = False  # (a cancelled task: every agent it was sent to, see Cancels.tell)
     try:
         value = await client._run(call)
         if not isinstance(value, StreamStart):
@@ -190,5 +202,17 @@ async def stream(
                 if agent is not None:
                     client.liveness.untrack(agent, call)
         ok = True
+    except asyncio.CancelledError:
+        gave_up, everyone = "the stream was cancelled", True
+        raise
+    except GeneratorExit:
+        gave_up = "the stream's reader stopped"
+        raise
+    except ReachError:
+        if client.clock() >= call.deadline:
+            gave_up = "the caller's deadline passed"
+        raise
     finally:
+        if gave_up is not None:
+            client.cancels.tell(call, gave_up, everyone=everyone)
         client.close_call(call, ok)

@@ -80,6 +80,14 @@ class BizReject(RequestError):
     code = "BIZ_REJECT"
 
 
+class InputRequired(RequestError):
+    """The agent needs more from the caller to go on (an A2A agent's ``input-required``):
+    the message carries its question. reach has no second turn: send a new request."""
+
+    code = "INPUT_REQUIRED"
+    status = 422
+
+
 class InProgress(ReachError):
     """Another agent holds the request id's claim and is running it: wait for its result
     (the holder's ack record) instead of running it again."""
@@ -139,6 +147,14 @@ class CompensationFull(Unavailable):
     retryable = False
 
 
+class Cancelled(ReachError):
+    """The request was cancelled (``Client.cancel``, ``reach cancel``, a cancelled call, its
+    caller's deadline) before it finished; a cancelled request id never runs again."""
+
+    code = "CANCELLED"
+    status = 499  # the "client closed request" of nginx and gRPC's HTTP mapping
+
+
 class StreamBroken(ReachError):
     """A streamed answer ended before its ``completed``: the agent died, or a chunk went
     missing. ``delivered`` chunks reached the reader; it is never re-run silently."""
@@ -189,6 +205,7 @@ _BY_CODE: dict[str, type[ReachError]] = {
         LoopDetected,
         Conflict,
         BizReject,
+        InputRequired,
         InProgress,
         NoReachableAgent,
         Overloaded,
@@ -196,6 +213,7 @@ _BY_CODE: dict[str, type[ReachError]] = {
         Draining,
         Timeout,
         CompensationFull,
+        Cancelled,
         StreamBroken,
         FlowFailed,
         InternalError,

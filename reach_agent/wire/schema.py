@@ -277,7 +277,12 @@ class Claim(Base, frozen=True):
     ack_subject: str | None = None
     """The result location: the ``REACH_ACKS`` subject of the holder's final ack record."""
     reason: str | None = None
-    """Why it was released."""
+    """Why it was released; :data:`CLAIM_CANCELLED` on a ``failed`` claim a cancel ended."""
+
+
+CLAIM_CANCELLED = "cancelled"
+"""The ``reason`` of a claim ended by a cancel (state ``failed``; its result the holder's
+``failed`` record with ``CANCELLED``): no retry or replay runs the request again."""
 
 
 class _StoredAck(msgspec.Struct, kw_only=True):
@@ -394,6 +399,39 @@ class Reannounce(Base, frozen=True):
 
     reason: ShortText | None = None
     broker_id: str | None = None
+
+
+# --- caller → agent (or broker): cancellation ---------------------------------------------
+
+
+class Cancel(Base, frozen=True):
+    """``<p>.cancel.<agent_id>`` (the agent running the request) or ``<p>.cancel._broker``
+    (brokers: a request nobody runs): stop running ``request_id``, and never run it again."""
+
+    request_id: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,128}$")]
+    reason: ShortText | None = None
+    """Why (``deadline``, ``call cancelled``, or the canceller's words): in the error message."""
+    capability: Capability | None = None
+    """The request's capability, when the canceller knows it (a claim the broker makes)."""
+    holder: AgentId | None = None
+    """To a broker: the agent believed to run it, which did not answer the cancel."""
+
+
+CancelState = Literal["cancelled", "finished", "unknown"]
+
+
+class CancelReply(Base, frozen=True):
+    """The answer to a :class:`Cancel` sent as a request."""
+
+    request_id: str
+    state: CancelState
+    """``cancelled``: it was running (or queued, or not yet started) and will end as
+    ``CANCELLED``; ``finished``: it had already ended, its result stands; ``unknown``: not
+    running here (an agent remembers it for its duplicate window and answers a copy arriving
+    later ``CANCELLED``)."""
+    agent_id: str
+    """Who answered: the agent, or ``_broker``."""
+    detail: ShortText | None = None
 
 
 # --- caller → broker ----------------------------------------------------------------------
@@ -534,6 +572,8 @@ probe_reply_decoder = msgspec.json.Decoder(ProbeReply)
 event_decoder = msgspec.json.Decoder(Event)
 claim_decoder = msgspec.json.Decoder(Claim)
 outcome_decoder = msgspec.json.Decoder(OutcomeSummary)
+cancel_decoder = msgspec.json.Decoder(Cancel)
+cancel_reply_decoder = msgspec.json.Decoder(CancelReply)
 
 
 def decode(decoder: msgspec.json.Decoder[Any], data: bytes, what: str) -> Any:

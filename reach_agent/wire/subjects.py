@@ -18,6 +18,9 @@ sender names against the sender's permissions (see docs/protocol.md, "Reply subj
     <p>.route.<capability>           caller → one broker (queue group)
     <p>.agents                       CLI → one broker (queue group)
     <p>.task.<agent_id>.<capability> caller → agent (request-reply)
+    <p>.cancel.<agent_id>            caller/broker → agent: stop running a request
+    <p>.cancel._broker               caller → one broker (queue group): cancel a request
+                                     nobody runs (its claim made final, a queued entry removed)
     <p>.ack.<author>.<request_id>    agent (author: its id) or broker (``_broker``) → REACH_ACKS
     <p>.comp.<capability>            caller → REACH_COMPENSATION → broker
     <p>.event.<kind>.<agent_id>      broker → anyone; kept by REACH_AUDIT
@@ -46,6 +49,11 @@ valid agent id (those start with a letter or digit), so no agent can be taken fo
 nor the broker for an agent."""
 
 
+CANCEL_BROKER = BROKER_ACK_AUTHOR
+"""The holder token of ``<p>.cancel._broker``, where brokers take the cancel of a request no
+agent runs (not a valid agent id, so no agent subscribes there)."""
+
+
 RULES_AUTHOR = "_rules"
 """The agent-id token of route-rule events (``<p>.event.rule._rules``): no agent's id (those
 start with a letter or digit), so no agent's event subscription receives them."""
@@ -62,6 +70,7 @@ class Subjects:
     __slots__ = (
         "_ack",
         "_announce",
+        "_cancel",
         "_comp",
         "_cuts",
         "_event",
@@ -86,6 +95,7 @@ class Subjects:
         self._reannounce = f"{prefix}.reannounce."
         self._route = f"{prefix}.route."
         self._task = f"{prefix}.task."
+        self._cancel = f"{prefix}.cancel."
         self._ack = f"{prefix}.ack."
         self._comp = f"{prefix}.comp."
         self._event = f"{prefix}.event."
@@ -126,6 +136,15 @@ class Subjects:
 
     def task(self, agent_id: str, capability: str) -> str:
         return f"{self._task}{agent_id}.{capability}"
+
+    def cancel(self, agent_id: str) -> str:
+        """Where the agent ``agent_id`` takes cancels of the requests it runs."""
+        return self._cancel + agent_id
+
+    @property
+    def cancel_broker(self) -> str:
+        """Where brokers (queue group) take the cancel of a request no agent runs."""
+        return self._cancel + CANCEL_BROKER
 
     def ack(self, author: str, request_id: str) -> str:
         """The ack records of ``request_id`` written by ``author`` (an agent id, or
@@ -180,6 +199,11 @@ class Subjects:
     @property
     def all_tasks(self) -> str:
         return self._task + ">"
+
+    @property
+    def all_cancels(self) -> str:
+        """Every agent's cancel subject, and the brokers' (``<p>.cancel.*``)."""
+        return self._cancel + "*"
 
     @property
     def all_acks(self) -> str:

@@ -122,7 +122,14 @@ ROLES: dict[RoleName, Role] = {
             *_CLAIM_READS,
             *_ACK_READS,
         ),
-        subscribe=(Of("tasks_of"), Of("probe"), Of("reannounce"), Of("events_of"), INBOX),
+        subscribe=(
+            Of("tasks_of"),
+            Of("probe"),
+            Of("reannounce"),
+            Of("cancel"),
+            Of("events_of"),
+            INBOX,
+        ),
         # A task gets a receipt, then its result or one message per streamed chunk.
         responses=Responses(max_msgs=-1, ttl_s=AGENT_REPLY_WINDOW_S),
     ),
@@ -136,6 +143,7 @@ ROLES: dict[RoleName, Role] = {
             Every("all_comp"),
             Every("all_probes"),  # the client's liveness watch probes agents running its calls
             Every("all_outcomes"),  # what it saw of each agent it called (delivery term)
+            Every("all_cancels"),  # stop a request: its agent's, and the brokers' (`_broker`)
             *_ACK_READS,
             *_CLAIM_READS,
         ),
@@ -152,6 +160,7 @@ ROLES: dict[RoleName, Role] = {
             Every("all_probes"),
             Every("all_reannounces"),  # asks an agent it does not know to announce again
             Every("all_tasks"),
+            Every("all_cancels"),  # a cancel forwarded to the holder the caller did not ask
             OwnAcks(author=BROKER_ACK_AUTHOR),
             # Replies to announces, leaves, routes, `agents` and `$SRV` pings go to the
             # requester's inbox, whatever its prefix (a plain allow: no per-reply tracking).
@@ -182,6 +191,7 @@ ROLES: dict[RoleName, Role] = {
             Every("all_acks"),
             Every("all_events"),
             Every("all_outcomes"),
+            Every("cancel_broker"),  # a cancel no agent settled (queue group reach-broker)
             Raw("$SRV.>"),
             Raw("$SYS.ACCOUNT.{account}.CONNECT"),
             Raw("$SYS.ACCOUNT.{account}.DISCONNECT"),

@@ -1,5 +1,6 @@
-"""``reach adapt http``: a sidecar that makes an HTTP agent a reach agent
-(:mod:`reach_broker.interop.httpadapter`); it runs until Ctrl-C, then drains."""
+"""``reach adapt http`` and ``reach adapt a2a``: sidecars that make an HTTP agent
+(:mod:`reach_broker.interop.httpadapter`) or an A2A agent
+(:mod:`reach_broker.interop.a2aadapter`) a reach agent; each runs until Ctrl-C, then drains."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def add_parser(sub: Subcommands) -> None:
     h.add_argument("--capability", required=True, help="the capability it serves")
     h.add_argument("--url", required=True, help="where each task is POSTed")
     h.add_argument("--health", metavar="URL",
-                   help="GET before each heartbeat and probe; not 2xx: unrouted")  # fmt: skip
+                   help="GET every second; not 2xx within 0.5 s: out of the routes (without "
+                   "it: the last calls, else a TCP connection to --url's host)")  # fmt: skip
     h.add_argument("--max-concurrency", type=int, default=8,
                    help="requests in flight at most (default 8)")  # fmt: skip
     h.add_argument("--timeout-hint-ms", type=int,
@@ -48,6 +50,25 @@ def add_parser(sub: Subcommands) -> None:
                    help="address of --health-port (default 127.0.0.1; 0.0.0.0 in a pod; "
                         "env REACH_HEALTH_HOST)")  # fmt: skip
     h.set_defaults(func=run)
+    a = kinds.add_parser("a2a", help="an A2A agent: its card's skills as capabilities, tasks "
+                         "as A2A messages")  # fmt: skip
+    add_common(a)
+    a.add_argument("url", metavar="URL", help="the A2A agent's base URL (its card is at "
+                   "URL/.well-known/agent-card.json)")  # fmt: skip
+    a.add_argument("--agent-id", help="the reach agent id it announces (default: the card's "
+                   "name, e.g. echo-agent)")  # fmt: skip
+    a.add_argument("--skill", action="append", default=[], metavar="SKILL_ID",
+                   help="announce only this skill (repeatable; default: every skill)")  # fmt: skip
+    a.add_argument("--capability", action="append", default=[], metavar="SKILL_ID=NAME",
+                   help="announce a skill as this capability (repeatable; default: the skill "
+                   "id, sanitised)")  # fmt: skip
+    a.add_argument("--max-concurrency", type=int, default=8,
+                   help="tasks in flight at most (default 8)")  # fmt: skip
+    a.add_argument("--timeout-hint-ms", type=int,
+                   help="how long a task usually may take (announced)")  # fmt: skip
+    a.add_argument("--interval", type=float, default=5.0,
+                   help="seconds between heartbeats (default 5)")  # fmt: skip
+    a.set_defaults(func=run_a2a)
 
 
 def _url(value: str, flag: str) -> str:
@@ -55,6 +76,17 @@ def _url(value: str, flag: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise CliError(f"{flag} {value!r} is not an http:// or https:// URL", EXIT_USAGE)
     return value
+
+
+def _limits(args: argparse.Namespace) -> None:
+    if not 1 <= args.max_concurrency <= 100_000:
+        raise CliError(f"--max-concurrency {args.max_concurrency} is not within 1-100000",
+                       EXIT_USAGE)  # fmt: skip
+    if args.timeout_hint_ms is not None and not 1 <= args.timeout_hint_ms <= 86_400_000:
+        raise CliError(f"--timeout-hint-ms {args.timeout_hint_ms} is not within 1-86400000",
+                       EXIT_USAGE)  # fmt: skip
+    if not 0.05 <= args.interval <= 3600:
+        raise CliError(f"--interval {args.interval:g} is not within 0.05-3600 seconds", EXIT_USAGE)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,16 +102,9 @@ def run(args: argparse.Namespace) -> int:
     cap = capability(args.capability, "--capability")
     url = _url(args.url, "--url")
     health = _url(args.health, "--health") if args.health else None
-    if not 1 <= args.max_concurrency <= 100_000:
-        raise CliError(f"--max-concurrency {args.max_concurrency} is not within 1-100000",
-                       EXIT_USAGE)  # fmt: skip
-    if args.timeout_hint_ms is not None and not 1 <= args.timeout_hint_ms <= 86_400_000:
-        raise CliError(f"--timeout-hint-ms {args.timeout_hint_ms} is not within 1-86400000",
-                       EXIT_USAGE)  # fmt: skip
+    _limits(args)
     if args.health_port is not None and not 0 <= args.health_port <= 65535:
         raise CliError(f"--health-port {args.health_port} is not a port (0-65535)", EXIT_USAGE)
-    if not 0.05 <= args.interval <= 3600:
-        raise CliError(f"--interval {args.interval:g} is not within 0.05-3600 seconds", EXIT_USAGE)
     return asyncio.run(_adapt(args, cap, url, health))
 
 
@@ -116,4 +141,59 @@ async def _adapt(args: argparse.Namespace, cap: str, url: str, health: str | Non
     finally:
         if probes is not None:
             await probes.stop()
+    return 0
+
+
+def run_a2a(args: argparse.Namespace) -> int:
+    from reach_broker.interop.a2aadapter import missing_extra
+
+    why = missing_extra()
+    if why is not None:
+        raise CliError(why, EXIT_USAGE)
+    url = _url(args.url, "URL")
+    if args.agent_id is not None:
+        try:
+            schema.check_agent_id(args.agent_id, "--agent-id")
+        except ReachError as exc:
+            raise CliError(exc.message, EXIT_USAGE) from None
+    rename: dict[str, str] = {}
+    for item in args.capability:
+        skill, sep, name = item.partition("=")
+        if not sep or not skill:
+            raise CliError(f"--capability {item!r} is not SKILL_ID=NAME", EXIT_USAGE)
+        rename[skill] = capability(name, f"--capability {skill}=")
+    _limits(args)
+    return asyncio.run(_adapt_a2a(args, url, rename))
+
+
+async def _adapt_a2a(args: argparse.Namespace, url: str, rename: dict[str, str]) -> int:
+    from reach_broker.interop.a2aadapter import A2AAdapter
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+    stop = stop_on_signals()
+    try:
+        adapter = await A2AAdapter.connect(
+            url, agent_id=args.agent_id, skills=args.skill, rename=rename,
+            max_concurrency=args.max_concurrency, timeout_hint_ms=args.timeout_hint_ms,
+            heartbeat_interval=args.interval, prefix=args.prefix, creds=args.creds,
+        )  # fmt: skip
+    except ConnectionError as exc:
+        raise CliError(str(exc), EXIT_UNAVAILABLE) from None
+    except ReachError as exc:
+        raise CliError(exc.message, EXIT_USAGE) from None
+    try:
+        await adapter.start(args.server)
+    except BaseException:
+        await adapter.http.aclose()
+        raise
+    mode = "streaming" if adapter.streams else "not streaming"
+    say(f"adapting {adapter.agent_id} -> A2A {adapter.version} agent "
+        f"{adapter.card.name!r} at {url} ({mode})")  # fmt: skip
+    for skill, cap in adapter.mapping.items():
+        say(f"  skill {skill} -> capability {cap}")
+    try:
+        await stop.wait()
+    finally:
+        await adapter.stop()
+        say(f"stopped {adapter.agent_id} after {adapter.sent} messages")
     return 0

@@ -29,6 +29,7 @@ from . import (
     auth,
     broker,
     call,
+    cancel,
     demo,
     devcluster,
     events,
@@ -40,7 +41,7 @@ from . import (
 from .common import CliError
 from .output import print_json
 
-COMMANDS = (broker, agents, route, call, announce, adapt, top, events, demo, ack, auth,
+COMMANDS = (broker, agents, route, call, cancel, announce, adapt, top, events, demo, ack, auth,
             devcluster, mcp, rules)  # fmt: skip
 """The subcommands, in the order ``reach --help`` lists them."""
 

@@ -13,9 +13,13 @@ to the agent's URL as an HTTP POST:
   ``TIMEOUT`` (retryable: the caller tries another agent, the claim is handed back);
 * ``active`` is the sidecar's own count of forwarded requests in flight (the SDK's);
   ``--max-concurrency`` caps it (the SDK answers ``TARGET_BUSY`` beyond);
-* with ``--health URL``, each heartbeat and each probe answer first GETs it (2xx: healthy,
-  within ``HEALTH_TIMEOUT_S``); while it fails the sidecar is silent — no heartbeat, no probe
-  answer — so brokers take the agent out of the routes, and put it back once it answers;
+* the backend is checked every second (:meth:`HttpAdapter.ready`, the agent's readiness
+  check): with ``--health URL`` a GET answered 2xx within ``HEALTH_TIMEOUT_S``; without one,
+  the calls that ended since the last check (an HTTP answer of any status: up; only refused
+  or unreachable connections: down) or, when there were none, a TCP connection to the URL's
+  host and port. A backend found down makes the sidecar report ``draining`` in a heartbeat
+  sent at once, so brokers take it out of the routes within the second, and announce again
+  once it answers (see :mod:`reach_agent.agent.presence`);
 * a request id runs once: the fleet-wide claim and the duplicate window of the SDK answer a
   repeat with the first result, never a second POST.
 
@@ -25,8 +29,10 @@ connection pool, per-request timeouts, and no event-loop plumbing of its own.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -35,8 +41,9 @@ from reach_agent.wire.errors import BizReject, ReachError, TargetBusy, Timeout
 
 log = logging.getLogger(__name__)
 
-HEALTH_TIMEOUT_S = 2.0
-"""A health check slower than this (or the heartbeat interval, if shorter) fails."""
+HEALTH_TIMEOUT_S = 0.5
+"""A health check (the GET, or the TCP connection) slower than this fails: with the check
+every second, a backend that hangs is out of the routes within 1.5 s."""
 DEFAULT_TIMEOUT_S = 60.0
 """How long a POST may take when the task carries no deadline."""
 TRACEPARENT = "traceparent"
@@ -84,17 +91,21 @@ class HttpAdapter:
         self.health_url = health_url
         self.posts = 0
         """HTTP requests sent to ``url`` (tests count them)."""
+        self._answered = 0  # calls since the last check that got an HTTP answer (any status)
+        self._unreached = 0  # ... that found no backend (connection refused, unreachable)
+        parts = urlsplit(url)
+        self._address = (parts.hostname or "127.0.0.1",
+                         parts.port or (443 if parts.scheme == "https" else 80))  # fmt: skip
         self.agent = Agent(
             agent_id, [capability], max_concurrency, agent_type="http",
             timeout_hint=timeout_hint_ms / 1000 if timeout_hint_ms else None,
             heartbeat_interval=heartbeat_interval, metadata={"url": url},
-            health=self.healthy if health_url is not None else None, **agent_options,
+            readiness=self.ready, **agent_options,
         )  # fmt: skip
         self.agent.handler(capability)(self.forward)
         self.http = httpx.AsyncClient(
             limits=httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=64)
         )
-        self._health_timeout = min(HEALTH_TIMEOUT_S, heartbeat_interval)
 
     async def start(self, servers: str | list[str] | None = None) -> None:
         await self.agent.start(servers)
@@ -107,7 +118,9 @@ class HttpAdapter:
 
     def not_ready(self) -> str | None:
         """Why the sidecar's ``/readyz`` says 503 (:mod:`reach_broker.health`), or None:
-        connected to NATS, announced to a broker that answered, not draining."""
+        connected to NATS, announced to a broker that answered, not draining. (Its backend's
+        health is the brokers' business: a dead one is reported draining, out of the routes,
+        while the sidecar process itself stays ready.)"""
         agent = self.agent
         if agent.nc is None or not agent.nc.is_connected:
             return "not connected to NATS"
@@ -117,19 +130,46 @@ class HttpAdapter:
             return "announced, but no broker has answered yet"
         return None
 
-    async def healthy(self) -> bool:
+    async def ready(self) -> bool:
+        """Whether the backend answers (asked every second): the health URL when there is
+        one; else the calls since the last check, or a TCP connection when there were none."""
+        if self.health_url is not None:
+            return await self._health()
+        answered, unreached = self._answered, self._unreached
+        self._answered = self._unreached = 0
+        if answered or unreached:
+            return answered > 0
+        return await self._connects()
+
+    async def _health(self) -> bool:
         """GET the health URL: a 2xx within the timeout."""
         import httpx
 
         assert self.health_url is not None
         try:
-            resp = await self.http.get(self.health_url, timeout=self._health_timeout)
+            resp = await self.http.get(self.health_url, timeout=HEALTH_TIMEOUT_S)
         except httpx.HTTPError as exc:
             log.info("adapt.health_failed url=%s error=%s", self.health_url, type(exc).__name__)
             return False
         if not resp.is_success:
             log.info("adapt.health_failed url=%s status=%d", self.health_url, resp.status_code)
         return resp.is_success
+
+    async def _connects(self) -> bool:
+        """A TCP connection to the URL's host and port opens within the timeout."""
+        host, port = self._address
+        try:
+            async with asyncio.timeout(HEALTH_TIMEOUT_S):
+                _, writer = await asyncio.open_connection(host, port)
+        except (OSError, TimeoutError) as exc:
+            log.info("adapt.connect_failed url=%s error=%s", self.url, type(exc).__name__)
+            return False
+        writer.close()
+        try:
+            await writer.wait_closed()
+        except OSError:
+            pass
+        return True
 
     async def forward(self, task: Task) -> Any:
         """The task as an HTTP POST; its answer as the result or a reach error."""
@@ -149,10 +189,14 @@ class HttpAdapter:
         try:
             resp = await self.http.post(self.url, content=_encoder.encode(task.payload),
                                         headers=headers, timeout=timeout_s)  # fmt: skip
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            self._unreached += 1
+            raise Timeout(f"HTTP agent {self.url} unreachable: {type(exc).__name__}") from None
         except httpx.TimeoutException:
             raise Timeout(f"HTTP agent {self.url} did not answer within {timeout_s:.3f}s") from None
         except httpx.HTTPError as exc:
             raise Timeout(f"HTTP agent {self.url} unreachable: {type(exc).__name__}") from None
+        self._answered += 1
         if resp.is_success:
             return self._result(resp.content)
         raise error_of(resp.status_code, f"HTTP agent {self.url} answered {resp.status_code}: "

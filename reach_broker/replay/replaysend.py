@@ -23,6 +23,7 @@ from reach_agent.wire import schema
 from reach_agent.wire.errors import ReachError
 from reach_agent.wire.retry import retryable
 from reach_agent.wire.schema import RouteRequest
+from reach_agent.wire.subjects import BROKER_ACK_AUTHOR
 from reach_broker.config import CompensationSection
 from reach_broker.core.records import AgentRecord
 from reach_broker.core.routing import Router
@@ -182,9 +183,11 @@ class EntrySender:
             return "deferred"
         await e.msg.ack_sync()
         self.claimed += 1
-        self._results["claimed"].inc()
-        log.info("replay.claimed request_id=%s capability=%s holder=%s (%s): not sent again",
-                 e.request_id, e.capability, holder, state)  # fmt: skip
+        # A claim the broker holds is a cancel's (reach_broker.service.canceller).
+        result = "cancelled" if holder == BROKER_ACK_AUTHOR else "claimed"
+        self._results[result].inc()
+        log.info("replay.%s request_id=%s capability=%s holder=%s (%s): not sent again",
+                 result, e.request_id, e.capability, holder, state)  # fmt: skip
         return "claimed"
 
     async def record_expired(self, e: Entry) -> None:

@@ -156,14 +156,22 @@ class Metrics:
         )  # fmt: skip
         self.compensation = Counter(
             "reach_compensation_total",
-            "Compensation entries by result (replayed/expired/claimed/requeued by brokers; "
-            "enqueued/refused by clients)",
+            "Compensation entries by result (replayed/expired/claimed/requeued/cancelled by "
+            "brokers; enqueued/refused by clients)",
             ["result"],
             registry=r,
         )
         self.compensation_result = {
             k: self.compensation.labels(k)
-            for k in ("enqueued", "replayed", "expired", "refused", "claimed", "requeued")
+            for k in (
+                "enqueued",
+                "replayed",
+                "expired",
+                "refused",
+                "claimed",
+                "requeued",
+                "cancelled",
+            )
         }
         self.ack_records = Counter(
             "reach_ack_records_total", "Ack records published on reach.ack.> by state",

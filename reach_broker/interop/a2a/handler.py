@@ -8,9 +8,9 @@ failover, one request id — and answers:
 
 * the agent's result → a ``Message`` (role agent) whose one part is the result (a string as
   a text part, anything else as a data part), metadata ``request_id`` and ``capability``;
-* ``BIZ_REJECT`` → a ``Task`` in state ``REJECTED``; ``INTERNAL``, ``LOOP_DETECTED``,
-  ``STREAM_BROKEN`` (the agent took it and failed) → a ``Task`` in state ``FAILED``, its
-  status message ``CODE: message``;
+* ``BIZ_REJECT``, ``INPUT_REQUIRED`` → a ``Task`` in state ``REJECTED``; ``INTERNAL``,
+  ``LOOP_DETECTED``, ``STREAM_BROKEN`` (the agent took it and failed) → a ``Task`` in state
+  ``FAILED``, its status message ``CODE: message``;
 * nothing took it (``NO_REACHABLE_AGENT`` with the route's reason, ``OVERLOADED``,
   ``TIMEOUT``, ``TARGET_BUSY``, ...) → a JSON-RPC error ``-32603`` whose message is
   ``CODE: message`` and whose ``data`` carries ``code``; a bad request → ``-32602``.
@@ -19,6 +19,11 @@ failover, one request id — and answers:
 each chunk as an artifact update, then the ``COMPLETED`` status (the client's
 :meth:`~reach_agent.Client.stream`; a plain handler's result is one chunk). The gateway
 keeps no tasks: ``GetTask`` answers task-not-found.
+
+``CancelTask`` (0.3: ``tasks/cancel``) of a task id — the request id, as every ``Task`` the
+gateway answers names it — is :meth:`reach_agent.Client.cancel`: the agent running it is
+told, a message still waiting on it ends as a ``Task`` in state ``CANCELED``, and the
+answer is that ``CANCELED`` task; one that had finished is task-not-cancelable.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from a2a.utils.errors import (
     InternalError,
     InvalidParamsError,
     PushNotificationNotSupportedError,
+    TaskNotCancelableError,
     TaskNotFoundError,
 )
 from google.protobuf import struct_pb2
@@ -43,7 +49,15 @@ from google.protobuf.json_format import MessageToDict, ParseDict
 
 from reach_agent.client.client import Client
 from reach_agent.wire import errors
-from reach_agent.wire.errors import BizReject, LoopDetected, ReachError, RequestError, StreamBroken
+from reach_agent.wire.errors import (
+    BizReject,
+    Cancelled,
+    InputRequired,
+    LoopDetected,
+    ReachError,
+    RequestError,
+    StreamBroken,
+)
 
 from .local import PINNED
 
@@ -183,8 +197,10 @@ def outcome_of(err: ReachError, target: Target) -> pb.Task:
     """What a reach error answers: a ``Task`` when the agent took the request and refused
     or failed it; otherwise it is raised as the A2A error (:func:`a2a_error`)."""
     text = f"{err.code}: {err.message}"
-    if isinstance(err, BizReject):
+    if isinstance(err, BizReject | InputRequired):  # taken and refused (no second turn here)
         return target.task(pb.TASK_STATE_REJECTED, text)
+    if isinstance(err, Cancelled):
+        return target.task(pb.TASK_STATE_CANCELED, text)
     if isinstance(err, LoopDetected | StreamBroken | errors.InternalError):
         return target.task(pb.TASK_STATE_FAILED, text)
     raise a2a_error(err) from None
@@ -258,7 +274,9 @@ class GatewayHandler(RequestHandler):
                     yield self._chunk(target, chunk, index)
                     index += 1
         except ReachError as err:
-            state = pb.TASK_STATE_REJECTED if isinstance(err, BizReject) else pb.TASK_STATE_FAILED
+            state = (pb.TASK_STATE_REJECTED if isinstance(err, BizReject) else
+                     pb.TASK_STATE_CANCELED if isinstance(err, Cancelled) else
+                     pb.TASK_STATE_FAILED)  # fmt: skip
             yield self._status(target, state, f"{err.code}: {err.message}")
             return
         yield self._status(target, pb.TASK_STATE_COMPLETED, None)
@@ -284,8 +302,20 @@ class GatewayHandler(RequestHandler):
     async def on_list_tasks(self, params: Any, context: ServerCallContext) -> Any:
         return pb.ListTasksResponse()
 
-    async def on_cancel_task(self, params: Any, context: ServerCallContext) -> pb.Task | None:
-        return None
+    async def on_cancel_task(
+        self, params: pb.CancelTaskRequest, context: ServerCallContext
+    ) -> pb.Task | None:
+        """``CancelTask``: the request id's cancel (:meth:`reach_agent.Client.cancel`)."""
+        try:
+            reply = await self.client.cancel(params.id, reason="A2A CancelTask")
+        except ReachError as err:
+            raise a2a_error(err) from None
+        if reply.state == "finished":
+            raise TaskNotCancelableError(message=f"task {params.id} already finished on agent "
+                                         f"{reply.agent_id}")  # fmt: skip
+        status = pb.TaskStatus(state=pb.TASK_STATE_CANCELED)
+        meta = {"request_id": params.id, "cancelled_by": reply.agent_id}
+        return pb.Task(id=params.id, context_id=params.id, status=status, metadata=meta)
 
     async def on_subscribe_to_task(
         self, params: Any, context: ServerCallContext
