@@ -32,6 +32,7 @@ from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
 
 from .names import (
     COMP_STREAM,
+    H_BODY_DIGEST,
     H_ENQUEUED_MS,
     H_EXPIRES_MS,
     H_MSG_ID,
@@ -70,9 +71,13 @@ async def enqueue(
     headers: Mapping[str, str] | None = None,
     subjects: StreamSubjects,
     timeout_s: float = 2.0,
+    body_digest: str | None = None,
 ) -> EnqueueResult:
-    """Store one entry; raise QueueFull at the bound. ``duplicate`` when already queued."""
+    """Store one entry; raise QueueFull at the bound. ``duplicate`` when already queued (the
+    entry stored first is ``seq``: :func:`digest_at` reads its body's digest)."""
     hdrs = dict(headers or {})
+    if body_digest is not None:
+        hdrs[H_BODY_DIGEST] = body_digest
     hdrs[H_MSG_ID] = request_id
     hdrs[H_REQUEST_ID] = request_id
     hdrs[H_PRIORITY] = str(int(priority))
@@ -98,6 +103,17 @@ async def enqueue(
     return EnqueueResult(ack.seq, bool(ack.duplicate))
 
 
+async def digest_at(nc: NATS, seq: int, timeout_s: float = 2.0) -> str | None:
+    """The body digest of the entry stored at ``seq`` (a message get: its headers as
+    stored); None when it is gone (replayed and removed) or carries none."""
+    js = nc.jetstream(timeout=timeout_s)
+    try:
+        raw = await js.get_msg(COMP_STREAM, seq)
+    except NotFoundError:
+        return None
+    return (raw.headers or {}).get(H_BODY_DIGEST)
+
+
 # --- reading side (the broker) ----------------------------------------------------------
 
 
@@ -120,6 +136,12 @@ class Entry(NamedTuple):
 
     def expired(self, now_ms: int) -> bool:
         return 0 < self.expires_at_ms <= now_ms
+
+    @property
+    def body_digest(self) -> str | None:
+        """The digest of its body, as ``submit`` stamped it (None: a raw or older
+        publisher's entry)."""
+        return self.headers.get(H_BODY_DIGEST)
 
 
 def header_int(headers: Mapping[str, str], key: str, default: int = 0) -> int:

@@ -28,6 +28,12 @@ RULES_BUCKET = "reach_rules"
 """KV bucket: one route rule per capability (key = the capability), watched by every broker."""
 RULES_STREAM = f"KV_{RULES_BUCKET}"
 """The stream behind :data:`RULES_BUCKET`."""
+A2A_TASKS_BUCKET = "reach_a2a_tasks"
+"""KV bucket of the A2A gateway's tasks: one key per task, ``<owner>.<task id>``
+(reach_broker/interop/a2a/tasks.py), kept as long as the ack records their results live in.
+Not among :data:`STREAM_NAMES`: a gateway provisions it when it starts."""
+A2A_TASKS_STREAM = f"KV_{A2A_TASKS_BUCKET}"
+"""The stream behind :data:`A2A_TASKS_BUCKET`."""
 STREAM_NAMES = (ACK_STREAM, COMP_STREAM, AUDIT_STREAM, REGISTRY_STREAM, CLAIMS_STREAM,
                 RULES_STREAM)  # fmt: skip
 """Every asset provisioned at broker start, in order."""
@@ -68,7 +74,10 @@ H_EXPIRES_MS = "Reach-Expires-Ms"
 """Compensation entry expiry (absolute Unix ms)."""
 H_ENQUEUED_MS = "Reach-Enqueued-Ms"
 """When a compensation entry was enqueued (Unix ms)."""
-QUEUE_HEADERS = (H_MSG_ID, H_PRIORITY, H_EXPIRES_MS, H_ENQUEUED_MS)
+H_BODY_DIGEST = "Reach-Body-Digest"
+"""The digest of a compensation entry's body (``reach_agent.wire.schema.body_digest``): the
+request id reused with another body is refused (IDEMPOTENCY_MISMATCH)."""
+QUEUE_HEADERS = (H_MSG_ID, H_PRIORITY, H_EXPIRES_MS, H_ENQUEUED_MS, H_BODY_DIGEST)
 """The queue's own headers, stripped before an entry is replayed as a task."""
 H_EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 """JetStream's compare-and-set: store only if the subject's last sequence is this (0: none),

@@ -24,6 +24,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from .names import (
+    A2A_TASKS_STREAM,
     ACK_STREAM,
     AUDIT_STREAM,
     CLAIMS_STREAM,
@@ -77,6 +78,7 @@ def load_definitions(
     subjects: StreamSubjects | None = None,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
     directory: Path = DEFINITIONS_DIR,
+    names: Iterable[str] = STREAM_NAMES,
 ) -> list[dict[str, Any]]:
     """The definitions as dicts, with the subjects of ``subjects`` and ``overrides`` applied.
 
@@ -86,15 +88,17 @@ def load_definitions(
     replacing the file's (the broker sets ``REACH_COMPENSATION.max_msgs`` from
     ``compensation.max_entries`` this way). The claims bucket keeps its claims exactly as long
     as the ack records their results live in: its ``max_age`` is ``REACH_ACKS``'s (unless
-    ``overrides`` names it).
+    ``overrides`` names it); so does the A2A gateway's task bucket, when ``names`` (default:
+    the assets every broker provisions) asks for it.
     """
     own = (
         {ACK_STREAM: [subjects.all_acks], COMP_STREAM: [subjects.all_comp],
          AUDIT_STREAM: [subjects.all_events]}
         if subjects is not None else {}
     )  # fmt: skip
+    wanted = tuple(names)
     out = []
-    for name in STREAM_NAMES:
+    for name in (*wanted, ACK_STREAM):
         path = directory / f"{name}.json"
         try:
             cfg = json.loads(path.read_text())
@@ -105,8 +109,10 @@ def load_definitions(
         cfg.update((overrides or {}).get(name, {}))
         out.append(cfg)
     by_name = {cfg["name"]: cfg for cfg in out}
-    if "max_age" not in (overrides or {}).get(CLAIMS_STREAM, {}):
-        by_name[CLAIMS_STREAM]["max_age"] = by_name[ACK_STREAM]["max_age"]
+    ack = out.pop()  # read for its max_age; returned only when asked for
+    for follower in (CLAIMS_STREAM, A2A_TASKS_STREAM):
+        if follower in by_name and "max_age" not in (overrides or {}).get(follower, {}):
+            by_name[follower]["max_age"] = ack["max_age"]
     return out
 
 

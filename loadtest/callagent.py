@@ -112,7 +112,7 @@ class BenchAgent:
                 "ready",
                 agent_id=self.args.agent_id,
                 pid=os.getpid(),
-                claims=claimer is not None and claimer.enabled,
+                claims=claimer is not None and claimer.available,
             )
             commands = asyncio.create_task(self.commands(stop))
             stopped = asyncio.create_task(stop.wait())

@@ -125,7 +125,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             gateway = A2AGateway(
                 A2ASection(port=0), nc=broker.nc, subjects=broker.subjects,
                 registry=broker.registry, router=broker.router, clock=broker.clock,
-                wall=broker.wall,
+                replicas=broker.replicas, wall=broker.wall,
             )  # fmt: skip
             async with (
                 gateway,

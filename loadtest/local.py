@@ -1,7 +1,9 @@
 """A local stack for the in-process benchmarks (``once``, ``gateway``, ``tracecost``,
 ``callcost``): a ``nats-server`` with JetStream on a free loopback port, its store in a
 temporary directory removed after, and a broker ``Config`` pointed at it (no metrics port);
-and on it, :func:`echo_stack`: a broker, one echo agent and a warm client."""
+and on it, :func:`echo_stack`: a broker, one echo agent and a warm client. The server runs
+the shipped ``configs/nats-server.conf`` with the ``sync_interval`` asked for (the shipped
+``always``, or the server's default), rendered as ``loadtest.calls`` renders it."""
 
 from __future__ import annotations
 
@@ -16,13 +18,21 @@ from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.config import Config
 from reach_broker.service.metrics import Metrics
 
+from .calls import SYNC_MODES, server_config
+
 
 @contextlib.contextmanager
-def local_stack(prefix: str) -> Iterator[tuple[Path, NatsServer, Config]]:
+def local_stack(prefix: str, sync: str = "always") -> Iterator[tuple[Path, NatsServer, Config]]:
     """(the temporary directory, the running server, a broker config for it); the server is
-    stopped and the directory removed on the way out."""
+    stopped and the directory removed on the way out. ``sync``: JetStream's
+    ``sync_interval``, one of :data:`loadtest.calls.SYNC_MODES` (the shipped ``always``, or
+    the server's ``default``)."""
+    if sync not in SYNC_MODES:
+        raise ValueError(f"sync {sync!r} is not one of {', '.join(SYNC_MODES)}")
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
-        server = NatsServer(port=0, store_dir=Path(tmp) / "nats")
+        config = Path(tmp) / f"nats-server-sync-{sync}.conf"
+        config.write_text(server_config(sync))
+        server = NatsServer(port=0, store_dir=Path(tmp) / "nats", config=config)
         server.start()
         try:
             cfg = Config()

@@ -1,7 +1,7 @@
 """``python -m loadtest.once``: what a fleet-wide claim costs per call, and stream throughput.
 
     python -m loadtest.once [--calls 400] [--rounds 6] [--concurrency 1,16] \
-        [--chunks 20000] [--window 64] [--report once.json]
+        [--chunks 20000] [--window 64] [--sync always|default] [--report once.json]
 
 One ``nats-server`` (JetStream, file store), a broker, one agent and one client, all in
 this process on one uvloop loop. The agent serves two capabilities with the same trivial
@@ -33,6 +33,7 @@ import reach_agent
 from jetstream.claims import ClaimStore
 from reach_broker.broker import Broker
 
+from .calls import SYNC_MODES
 from .local import local_stack
 
 
@@ -72,7 +73,7 @@ async def calls(client: reach_agent.Client, cap: str, n: int, concurrency: int) 
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    with local_stack("reach-once-") as (tmp, server, cfg):
+    with local_stack("reach-once-", args.sync) as (tmp, server, cfg):
         async with Broker(cfg):
             agent = build_agent(server.url)
             agent.ack_wal_dir = str(Path(tmp) / "acks")
@@ -85,7 +86,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         await asyncio.sleep(0.05)
                 for cap in ("bench.claimed", "bench.idem"):  # warm-up
                     await calls(client, cap, 50, 4)
-                assert agent.tasks.claimer is not None and agent.tasks.claimer.enabled
+                assert agent.tasks.claimer is not None and agent.tasks.claimer.refused == 0
                 rounds: dict[str, dict[str, list[dict[str, float]]]] = {}
                 for conc in args.concurrency:
                     per = rounds.setdefault(str(conc), {"claimed": [], "idem": []})
@@ -104,7 +105,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                              window=args.window, timeout=300):  # fmt: skip
                     n += 1
                 stream_s = time.perf_counter() - t0
-    out: dict[str, Any] = {"calls_per_round": args.calls, "rounds": args.rounds,
+    out: dict[str, Any] = {"sync": args.sync, "calls_per_round": args.calls,
+                           "rounds": args.rounds,
                            "claim_create_us": statistics.median(creates) * 1e6}  # fmt: skip
     for conc, per in rounds.items():
         med = {k: statistics.median(r["median_us"] for r in v) for k, v in per.items()}
@@ -129,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", default="1,16", help="comma-separated calls in flight")
     p.add_argument("--chunks", type=int, default=20_000, help="chunks of the streamed answer")
     p.add_argument("--window", type=int, default=64, help="the stream's credit window")
+    p.add_argument("--sync", choices=SYNC_MODES, default="always",
+                   help="the server's JetStream fsync: the shipped sync_interval: always, or "
+                        "nats-server's default (every 2 min); run both, alternated, to see "
+                        "what always costs")  # fmt: skip
     p.add_argument("--report", default=None, help="write the figures as JSON here")
     args = p.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]

@@ -33,6 +33,7 @@ from typing import Any, TypedDict
 import msgspec
 
 from . import grants
+from .aio import stop_loops
 
 log = logging.getLogger(__name__)
 
@@ -346,34 +347,121 @@ def is_refusal(exc: BaseException) -> bool:
     return any(r in text for r in _REFUSALS)
 
 
-async def connect(nc: Any, options: dict[str, Any], *, what: str) -> None:
-    """``nc.connect(**options)``, except that the server refusing the credentials ends the
-    first connect at once with :class:`~reach_agent.wire.errors.Forbidden` naming ``what`` and the
-    credentials file, instead of retrying until a timeout that would blame the network."""
+class NotConnected(ConnectionError):
+    """The first connect was stopped (a signal, a shutdown) before any server accepted it."""
+
+
+CONNECT_LOG_EVERY_S = 2.0
+"""At most one ``<role>.connect_failed`` line per this many seconds (each says how many
+attempts failed so far): a first connect retries every ``reconnect_time_wait``."""
+
+
+class _FirstConnect:
+    """Says each failed attempt of a first connect (rate-limited), with the server tried."""
+
+    def __init__(self, nc: Any, role: str, what: str, name: str, servers: Sequence[str]) -> None:
+        self.nc = nc
+        self.role = role
+        self.what = what
+        self.name = name
+        self.servers = list(servers)
+        self.failures = 0
+        self.last_error: BaseException | None = None
+        self._said_at = float("-inf")
+
+    def failed(self, exc: BaseException) -> None:
+        self.failures += 1
+        self.last_error = exc
+        now = asyncio.get_running_loop().time()
+        if now - self._said_at < CONNECT_LOG_EVERY_S:
+            return
+        self._said_at = now
+        log.warning("%s.connect_failed %s=%s server=%s error=%s attempts=%d: no NATS server "
+                    "accepted the connection yet; trying again", self.role, self.role,
+                    self.name, self.server(), describe(exc), self.failures)  # fmt: skip
+
+    def server(self) -> str:
+        """The server the last attempt went to (nats-py tries its pool in turn)."""
+        pool = getattr(self.nc, "_server_pool", None) or []
+        tried = [s for s in pool if getattr(s, "last_attempt", None) is not None]
+        if tried:
+            uri = max(tried, key=lambda s: s.last_attempt).uri
+            return f"{uri.scheme}://{uri.hostname}:{uri.port}"
+        return ",".join(self.servers)
+
+    def never(self) -> NotConnected:
+        last = f"; last error: {describe(self.last_error)}" if self.last_error else ""
+        return NotConnected(
+            f"{self.what} never connected to {','.join(self.servers)}: stopped after "
+            f"{self.failures} failed attempt(s){last}"
+        )
+
+
+def describe(exc: BaseException) -> str:
+    """An exception as the one-line reason a connect failed."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+async def connect(
+    nc: Any,
+    options: dict[str, Any],
+    *,
+    what: str,
+    role: str = "agent",
+    stop: asyncio.Event | None = None,
+) -> None:
+    """``nc.connect(**options)`` for a long-lived connection (its first connect retries until
+    a server answers), except that:
+
+    - each failed attempt is logged as ``<role>.connect_failed <role>=<name> server=…
+      error=… attempts=N`` (at most every :data:`CONNECT_LOG_EVERY_S`), so a typo in ``NATS_URL`` or
+      a server not started yet is visible at once;
+    - ``stop`` being set (a signal handler's event) ends the wait at once with
+      :class:`NotConnected` (nats-py's ``connect()`` retries forever inside itself with
+      ``max_reconnect_attempts=-1``, so it is raced against ``stop``, never left to end);
+    - the server refusing the credentials ends it at once with
+      :class:`~reach_agent.wire.errors.Forbidden` naming ``what`` and the credentials file,
+      instead of retrying until a timeout that would blame the network."""
     from reach_agent.wire.errors import Forbidden
 
-    refused: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+    loop = asyncio.get_running_loop()
+    refused: asyncio.Future[BaseException] = loop.create_future()
     user_cb = options.get("error_cb")
+    first = _FirstConnect(nc, role, what, options.get("name") or "?", options.get("servers", []))
+    attempt: asyncio.Task[Any] | None = None
 
     async def on_error(exc: Exception) -> None:
-        if is_refusal(exc) and not refused.done() and not nc.is_connected:
-            refused.set_result(exc)
+        if attempt is not None and not attempt.done() and not nc.is_connected:
+            if is_refusal(exc) and not refused.done():
+                refused.set_result(exc)
+            elif not refused.done():
+                first.failed(exc)
         if user_cb is not None:
             await user_cb(exc)
 
-    attempt = asyncio.ensure_future(nc.connect(**{**options, "error_cb": on_error}))
+    attempt = asyncio.create_task(nc.connect(**{**options, "error_cb": on_error}))
+    stopped = asyncio.ensure_future(stop.wait()) if stop is not None else loop.create_future()
     try:
-        await asyncio.wait({attempt, refused}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        attempt.cancel()
+        await asyncio.wait({attempt, refused, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # cancelled (a timeout, a shutdown): the attempt ends too
+        await stop_loops(attempt)
         raise
+    finally:
+        stopped.cancel()
     if attempt.done():
         attempt.result()
+        if first.failures:
+            log.info("%s.connected %s=%s after %d failed attempt(s)", role, role, first.name,
+                     first.failures)  # fmt: skip
         return
-    attempt.cancel()
-    await asyncio.gather(attempt, return_exceptions=True)
+    # Cancelled again until it ends: a cancel that races the wait_for of nats-py's TCP
+    # connect completing is swallowed on 3.11, and its retry loop would go on for ever.
+    await stop_loops(attempt)
     with contextlib.suppress(Exception):
         await nc.close()
+    if not refused.done():
+        raise first.never()
     creds = options.get("user_credentials") or "(none)"
     raise Forbidden(f"{what}: the server at {', '.join(options.get('servers', []))} refused the "
                     f"credentials {creds}: {refused.result()}")  # fmt: skip

@@ -3,7 +3,8 @@
 ``ClientMetrics`` carries the names the field reports use for callers:
 ``reach_request_total{agent_id,result}``, ``reach_request_duration_seconds`` and
 ``reach_circuit_breaker_open{agent_id,capability}`` (0/1), plus
-``reach_compensation_total{result=enqueued|duplicate|refused}`` for ``submit()``.
+``reach_compensation_total{result=enqueued|duplicate|refused|unavailable|mismatch}`` for
+``submit()``.
 ``AgentMetrics`` counts what an agent did with the tasks it was handed. Labels are bounded
 (agent ids of the fleet, results, capabilities); never a request id.
 """
@@ -42,7 +43,8 @@ class ClientMetrics:
         self.compensation = Counter(
             "reach_compensation_total",
             "Compensation queue entries by result, as the caller saw them "
-            "(enqueued, duplicate, refused); the broker counts replayed and expired",
+            "(enqueued, duplicate, refused, unavailable, mismatch); the broker counts replayed "
+            "and expired",
             ["result"],
             registry=r,
         )
@@ -61,8 +63,18 @@ class AgentMetrics:
         self.tasks = Counter(
             "reach_agent_tasks_total",
             "Tasks by capability and result (ok, rejected, failed, busy, draining, duplicate, "
-            "in_progress, unclaimed, loop, invalid, bad_reply)",
+            "in_progress, unclaimed, mismatch, loop, invalid, bad_reply)",
             ["capability", "result"],
+            registry=self.registry,
+        )
+        self.store_errors = Counter(
+            "reach_agent_store_errors_total",
+            "Failures of the stores the agent's guarantees rest on, by store (claims: KV "
+            "reach_claims; acks: the ack sink) and operation (claim: a task refused "
+            "STORE_UNAVAILABLE; end: a claim's end retried; orphan: a claim stored although "
+            "unconfirmed, for a refused task, released; received: a task refused, its "
+            "'received' record not written; final: a final record not written)",
+            ["store", "op"],
             registry=self.registry,
         )
         self.nats_errors = Counter(

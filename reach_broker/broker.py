@@ -37,7 +37,13 @@ from nats.micro.service import EndpointConfig, Service, ServiceConfig
 from jetstream.tasks import raise_if_cancelled
 from reach_agent import otel
 from reach_agent.aio import stop_loops
-from reach_agent.connection import Credentials, connect_options, drain_or_close, flush_subscriptions
+from reach_agent.connection import (
+    Credentials,
+    connect,
+    connect_options,
+    drain_or_close,
+    flush_subscriptions,
+)
 from reach_agent.wire.subjects import Subjects
 from reach_broker import __version__
 from reach_broker.config import Config
@@ -53,6 +59,7 @@ from reach_broker.interop.synadia import StatusProbes, SynadiaAgents
 from reach_broker.replay.replay import Replayer
 from reach_broker.service.advisories import Advisories
 from reach_broker.service.assets import provision_assets, token_secret
+from reach_broker.service.brokeracks import BrokerAcks
 from reach_broker.service.canceller import Canceller
 from reach_broker.service.clusterinfo import Account
 from reach_broker.service.context import BrokerContext, Link, Tasks
@@ -172,11 +179,13 @@ class Broker:
                                  suspect=m.observer_suspect, gaps=m.observer_gaps)  # fmt: skip
         self.releaser = Releaser(
             ctx, lambda a: rec.state if (rec := agents.get(a)) is not None else None,
-            cfg.claims, released=m.claims_released,
+            cfg.claims, released=m.claims_released, store_errors=m.store_errors,
         )  # fmt: skip
+        self.records = BrokerAcks(ctx, store_errors=m.store_errors)
+        """The ack records the broker writes as itself (replay, Synadia answers, cancels)."""
         self.replayer = Replayer(ctx, self.router, self.releaser.claim_of, agents.get,
-                                 cfg.compensation, ReplayMetrics.of(m))  # fmt: skip
-        self.canceller = Canceller(ctx, queue=QUEUE_GROUP,
+                                 self.records, cfg.compensation, ReplayMetrics.of(m))  # fmt: skip
+        self.canceller = Canceller(ctx, self.records, queue=QUEUE_GROUP,
                                    cancelled=m.compensation_result["cancelled"])  # fmt: skip
         """``<p>.cancel._broker``: a cancelled request's claim made final, its entry unqueued."""
         self.rulebook = Rulebook(ctx, self.rules, self.quotas, changes=m.rule_changes)
@@ -228,6 +237,7 @@ class Broker:
         self._subs: list[Any] = []
         self._loop_task: asyncio.Task[None] | None = None
         self._started = False
+        self._connected = False
         self._watching = False
         self._with_creds = bool(cfg.nats.creds)
         self.serving = False
@@ -240,14 +250,23 @@ class Broker:
 
     # --- lifecycle ----------------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def start(self, *, stop: asyncio.Event | None = None) -> None:
+        """Connect (waiting for a server as long as it takes, each failed attempt logged as
+        ``broker.connect_failed``; ``stop`` set meanwhile ends the wait with
+        :class:`~reach_agent.connection.NotConnected`), provision, start the components."""
         if self._started:
             return
         self._started = True
         if self._own_nc:
             options = self._connect_options()
             self._with_creds = bool(options.get("user_credentials"))
-            await self.nc.connect(**options)
+            try:
+                await connect(self.nc, options, what=f"broker {self.broker_id!r}", role="broker",
+                              stop=stop)  # fmt: skip
+            except BaseException:
+                self._started = False
+                raise
+        self._connected = True
         self._secure()
         self.replicas = await provision_assets(self.nc, self.cfg, self.subjects)
         self.jetstream_ok = self.replicas is not None
@@ -329,8 +348,8 @@ class Broker:
         log.info("broker.stopped id=%s", self.broker_id)
 
     def not_ready(self) -> str | None:
-        """Why ``/readyz`` says 503 (:mod:`reach_broker.health`), or None: connected to NATS,
-        the JetStream assets provisioned, the rules loaded and the handlers subscribed."""
+        """Why ``/readyz`` says 503 (:mod:`reach_broker.console.health`), or None: connected to
+        NATS, the JetStream assets provisioned, the rules loaded and the handlers subscribed."""
         servers = self.cfg.nats.url or "NATS_URL / nats://127.0.0.1:4222"
         if not self._started:
             return "the broker is not running"
@@ -388,10 +407,12 @@ class Broker:
     async def _on_nats_error(self, exc: Exception) -> None:
         kind = "slow_consumer" if isinstance(exc, SlowConsumerError) else type(exc).__name__
         self.metrics.nats_errors.labels(kind).inc()
-        log.warning("broker.nats_error kind=%s error=%s", kind, exc)
+        if self._connected:  # before, the first connect's failures are said (rate-limited)
+            log.warning("broker.nats_error kind=%s error=%s", kind, exc)
 
     async def _on_disconnected(self) -> None:
-        if self._started:  # not during our own shutdown, where the drain closes it
+        if self._started and self._connected:  # not at our own shutdown (the drain closes
+            # it), nor when a first connect that never succeeded is called off
             log.warning("broker.nats_disconnected")
             self.observer.lost(self.clock())
 

@@ -14,7 +14,10 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from reach_agent.wire.schema import CAPABILITY_MAX_LEN, CAPABILITY_PATTERN
+
 Positive = Annotated[float, Meta(gt=0)]
+RootSkill = Annotated[str, Meta(pattern=CAPABILITY_PATTERN, max_length=CAPABILITY_MAX_LEN)]
 Share = Annotated[float, Meta(ge=0, le=1)]
 
 
@@ -43,7 +46,10 @@ class NatsSection(Section):
     embedded_port: Annotated[int, Meta(ge=0, le=65535)] = 4222
     """Port of the embedded server (0: any free port)."""
     embedded_store_dir: str | None = None
-    """JetStream store dir of the embedded server (unset: a temp dir removed at exit)."""
+    """JetStream store dir of the embedded server, kept across restarts (unset:
+    ``reach-data`` in the current directory)."""
+    embedded_ephemeral: bool = False
+    """Give the embedded server a throwaway store instead (a temp dir removed at exit)."""
 
 
 class BrokerSection(Section):
@@ -267,6 +273,15 @@ class A2ASection(Section):
     call_timeout_s: Positive = 30.0
     """Deadline of a ``message/send`` the caller gives none for (message metadata
     ``timeout_s``); an agent's ``timeout_hint_ms`` still stretches it."""
+    root_skill: RootSkill | None = None
+    """A capability the origin stands for: ``/.well-known/agent-card.json`` is its card and
+    ``POST /`` its JSON-RPC endpoint, so an A2A client given only ``http://host:port`` talks
+    to it (unset: the origin is reach's own card, the skill named per message)."""
+    long_task_hint_s: Annotated[float, Meta(ge=0)] = 30.0
+    """A capability whose best agent announces a ``timeout_hint_ms`` of at least this is
+    answered with a ``Task`` (working) as soon as an agent takes a message, instead of
+    the result: the caller polls, subscribes to or cancels it (0: only when asked with
+    ``returnImmediately``)."""
 
 
 class SynadiaSection(Section):

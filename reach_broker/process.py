@@ -1,18 +1,18 @@
 """The broker process: what ``reach broker`` runs, assembled in one place.
 
-Start, in order: an embedded ``nats-server`` when the config names no server (with
-``nats.auth_dir``: the DIR's ``server.conf``, operator mode; in a session of its own, so a
-terminal Ctrl-C reaches the broker only, which stops its clients before the server: the
-server dying first would leave them reconnecting), SIGINT/SIGTERM/SIGHUP handlers (SIGHUP:
-the terminal closed), the HTTP port (Prometheus ``/metrics``, the probes ``/healthz`` and
-``/readyz`` of :mod:`reach_broker.health` and the web console, :mod:`reach_broker.console`),
-the :class:`~reach_broker.broker.Broker` (built with the console's feed when the port shows
-the console, which it starts last), then (``a2a.port``) the A2A gateway
-(:mod:`reach_broker.interop.a2a`). Stop, the other way round: the gateway, the HTTP port (open
-pages are told goodbye), the broker (the feed first; drains, leaves nothing in flight), then
-the embedded server. Should the
-process die without stopping (``kill -9``), the embedded server dies with it
-(:mod:`reach_broker.cluster.lifeline`).
+Start, in order: an embedded ``nats-server`` when the config names no server (its
+JetStream store kept across restarts in ``./reach-data`` unless ``--store-dir`` or
+``--ephemeral`` say otherwise; with ``nats.auth_dir``: the DIR's ``server.conf`` and store,
+operator mode; in a session of its own, so a terminal Ctrl-C reaches the broker only, which
+stops its clients before the server: the server dying first would leave them reconnecting),
+SIGINT/SIGTERM/SIGHUP handlers (SIGHUP: the terminal closed), the HTTP port (Prometheus
+``/metrics``, the probes ``/healthz`` and ``/readyz`` of :mod:`reach_broker.console.health` and the
+web console, :mod:`reach_broker.console`), the :class:`~reach_broker.broker.Broker` (built
+with the console's feed when the port shows the console, which it starts last), then
+(``a2a.port``) the A2A gateway (:mod:`reach_broker.interop.a2a`). Stop, the other way round:
+the gateway, the HTTP port (open pages are told goodbye), the broker (the feed first;
+drains, leaves nothing in flight), then the embedded server. Should the process die without
+stopping (``kill -9``), the embedded server dies with it (:mod:`reach_broker.cluster.lifeline`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,16 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from pathlib import Path
 from typing import Any
 
-from reach_broker.cluster.natsserver import NatsServer, NatsServerError, PortInUse
+from reach_agent.connection import NotConnected
+from reach_broker.cluster.natsserver import (
+    NatsServer,
+    NatsServerError,
+    PortInUse,
+    StoreInUse,
+)
 
 from .config import Config
 from .logs import say
@@ -135,7 +142,7 @@ async def _embedded_server(cfg: Config) -> NatsServer:
                             store_dir=d.store_dir, config_store=True, tls=d.meta().tls,
                             new_session=True)  # fmt: skip
     else:
-        server = NatsServer(port=cfg.nats.embedded_port, store_dir=cfg.nats.embedded_store_dir,
+        server = NatsServer(port=cfg.nats.embedded_port, store_dir=store_dir(cfg),
                             new_session=True)  # fmt: skip
     try:
         await asyncio.to_thread(server.start)
@@ -145,13 +152,32 @@ async def _embedded_server(cfg: Config) -> NatsServer:
             "that one, choose another port with --port (0: any free port), or use the running "
             f"server with --server nats://{exc.host}:{exc.port}"
         ) from None
+    except StoreInUse as exc:
+        raise StartError(f"{exc}: stop that broker, or give this one another store with "
+                         "--store-dir DIR (or --ephemeral)") from None  # fmt: skip
     except NatsServerError as exc:
         raise StartError(f"embedded nats-server: {exc}") from None
     cfg.nats.url = server.url
     mode = f"; operator mode from {cfg.nats.auth_dir}" if cfg.nats.auth_dir else ""
+    kept = ("a throwaway temp dir, removed at exit" if cfg.nats.embedded_ephemeral and
+            not cfg.nats.auth_dir else "kept across restarts")  # fmt: skip
     say(f"reach: embedded nats-server listening on {server.url} "
-        f"(pid {server.pid}, JetStream store {server.store_dir}{mode})")  # fmt: skip
+        f"(pid {server.pid}, JetStream store {server.store_dir}: {kept}{mode})")  # fmt: skip
     return server
+
+
+DEFAULT_STORE_DIR = "reach-data"
+"""Where ``reach broker``'s embedded server keeps its JetStream store unless told otherwise:
+acks, claims, the compensation queue, the audit trail and the registry snapshot."""
+
+
+def store_dir(cfg: Config) -> Path | None:
+    """The embedded server's store: ``[nats] embedded_store_dir`` (``--store-dir``), else
+    ``./reach-data``, made absolute now (so the line printed at start names it); None, a
+    temp dir removed at exit, with ``embedded_ephemeral`` (``--ephemeral``)."""
+    if cfg.nats.embedded_ephemeral:
+        return None
+    return Path(cfg.nats.embedded_store_dir or DEFAULT_STORE_DIR).expanduser().resolve()
 
 
 async def _run_broker(cfg: Config, stop: asyncio.Event) -> None:
@@ -182,7 +208,9 @@ async def _run_broker(cfg: Config, stop: asyncio.Event) -> None:
 
 async def _serve_broker(cfg: Config, stop: asyncio.Event, broker: Any, port: Any) -> None:
     try:
-        await broker.start()
+        await broker.start(stop=stop)
+    except NotConnected as exc:  # a signal while no server had answered yet
+        raise StartError(str(exc)) from None
     except Exception as exc:
         raise StartError(
             f"cannot start the broker on {cfg.nats.url}: {exc or type(exc).__name__}"
@@ -208,7 +236,7 @@ async def _a2a_gateway(cfg: Config, broker: Any) -> Any:
 
     gateway = A2AGateway(cfg.a2a, nc=broker.nc, subjects=broker.subjects,
                          registry=broker.registry, router=broker.router, clock=broker.clock,
-                         wall=broker.wall)  # fmt: skip
+                         replicas=broker.replicas, wall=broker.wall)  # fmt: skip
     try:
         await gateway.start()
     except OSError as exc:

@@ -11,6 +11,7 @@ import nats
 import pytest
 from nats.aio.client import Client as NATS
 
+from jetstream.provision import load_definitions, provision
 from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.config import Config
@@ -23,6 +24,14 @@ def _ack_dir(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Agents' ack write-ahead files (REACH_ACK_DIR) go to the test's tmp dir, also in
     agent processes the test starts (they inherit the environment)."""
     monkeypatch.setenv("REACH_ACK_DIR", str(tmp_path / "acks"))
+
+
+@pytest.fixture(autouse=True)
+def _store_dir(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `reach broker` a test starts without --store-dir or --ephemeral keeps its JetStream
+    store in the test's tmp dir, never in ./reach-data of the directory pytest runs in."""
+    monkeypatch.setenv("REACH_STORE_DIR", str(tmp_path / "reach-data"))
+    monkeypatch.delenv("REACH_EPHEMERAL", raising=False)
 
 
 @pytest.fixture
@@ -43,6 +52,19 @@ async def nc(nats_server: NatsServer) -> AsyncIterator[NATS]:
         yield conn
     finally:
         await conn.close()
+
+
+@pytest.fixture
+async def provisioned(nats_server: NatsServer) -> NatsServer:
+    """The test server with the JetStream assets a broker creates at start (the claims
+    bucket among them), for tests that run agents without a broker: without the bucket an
+    agent refuses every claimed task (STORE_UNAVAILABLE)."""
+    conn = await nats.connect(nats_server.url, name="test-provision")
+    try:
+        await provision(conn, load_definitions())
+    finally:
+        await conn.close()
+    return nats_server
 
 
 def fast_config(url: str, **overrides: Any) -> Config:

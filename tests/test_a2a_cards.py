@@ -14,13 +14,15 @@ pytest.importorskip("a2a.types", reason="needs the extra 'a2a'")
 
 from a2a.compat.v0_3 import types as v03
 from a2a.types import a2a_pb2 as pb
-from a2a.utils.errors import InternalError, InvalidParamsError
+from a2a.utils.errors import ContentTypeNotSupportedError, InternalError, InvalidParamsError
 from a2a.utils.proto_utils import validate_proto_required_fields
 from google.protobuf.json_format import MessageToDict, ParseDict
 
 from reach_agent.wire import errors
 from reach_agent.wire.errors import (
     BizReject,
+    Cancelled,
+    InputRequired,
     InvalidCapability,
     NoReachableAgent,
     StreamBroken,
@@ -182,16 +184,19 @@ def test_payloads_of_messages() -> None:
     assert payload_of(message({"data": {"n": 4, "x": [1.5, 2]}})) == {"n": 4, "x": [1.5, 2]}
     assert payload_of(message({"text": "hello"}, {"text": "world"})) == {"text": "hello\nworld"}
     assert payload_of(message({"data": "just a string"})) == "just a string"
-    with pytest.raises(InvalidParamsError) as url_part:
-        payload_of(message({"url": "https://x/y.png"}))
+    assert payload_of(message({"text": "see"}, {"data": {"n": 1}}, {"text": "this"})) == {
+        "text": "see\nthis", "data": [{"n": 1}]}  # fmt: skip
+    assert payload_of(message({"data": 1}, {"data": 2})) == {"data": [1, 2]}
+    with pytest.raises(ContentTypeNotSupportedError) as url_part:
+        payload_of(message({"text": "look"}, {"url": "https://x/y.png", "mediaType": "image/png"}))
     assert url_part.value.message == (
-        "message.parts[0] is a url part: the gateway forwards text parts or one data part "
-        "(a JSON value)"
+        "message.parts[1] is a url part (image/png): the gateway forwards text and data parts "
+        "(text/plain, application/json) to reach agents"
     )
-    with pytest.raises(InvalidParamsError) as mixed:
-        payload_of(message({"data": {}}, {"text": "and"}))
-    assert mixed.value.message == (
-        "message has 1 data and 1 text parts: send one data part (the payload) or only text parts"
+    with pytest.raises(InvalidParamsError) as blank:
+        payload_of(message({}))
+    assert blank.value.message == (
+        "message.parts[0] is empty: a part holds text, data, raw bytes or a URL"
     )
     with pytest.raises(InvalidParamsError) as empty:
         payload_of(message())
@@ -220,30 +225,26 @@ def test_results_become_parts() -> None:
     assert json_of(MessageToDict(part_of({"n": 4, "f": 0.5}))["data"]) == {"n": 4, "f": 0.5}
 
 
-class _Target:
-    request_id = "r-1"
-
-    def task(self, state: Any, text: str | None = None) -> tuple[Any, str | None]:
-        return state, text
-
-
-def test_reach_errors_become_tasks_or_a2a_errors() -> None:
-    target: Any = _Target()
-    assert outcome_of(BizReject("text is empty"), target) == (
+def test_reach_errors_become_task_states_or_a2a_errors() -> None:
+    assert outcome_of(BizReject("text is empty")) == (
         pb.TASK_STATE_REJECTED, "BIZ_REJECT: text is empty")  # fmt: skip
-    assert outcome_of(errors.InternalError("handler raised ValueError: x"), target) == (
+    assert outcome_of(InputRequired("which language?")) == (
+        pb.TASK_STATE_INPUT_REQUIRED, "INPUT_REQUIRED: which language?")  # fmt: skip
+    assert outcome_of(Cancelled("by its caller")) == (
+        pb.TASK_STATE_CANCELED, "CANCELLED: by its caller")  # fmt: skip
+    assert outcome_of(errors.InternalError("handler raised ValueError: x")) == (
         pb.TASK_STATE_FAILED, "INTERNAL: handler raised ValueError: x")  # fmt: skip
-    assert outcome_of(StreamBroken("agent lost", delivered=2), target) == (
+    assert outcome_of(StreamBroken("agent lost", delivered=2)) == (
         pb.TASK_STATE_FAILED, "STREAM_BROKEN: agent lost")  # fmt: skip
     with pytest.raises(InternalError) as unreachable:
-        outcome_of(NoReachableAgent("no agent has the capability 'x'"), target)
+        outcome_of(NoReachableAgent("no agent has the capability 'x'"))
     assert unreachable.value.message == "NO_REACHABLE_AGENT: no agent has the capability 'x'"
     assert unreachable.value.data == {"code": "NO_REACHABLE_AGENT"}
     with pytest.raises(InternalError) as busy:
-        outcome_of(TargetBusy("agent at max_concurrency"), target)
+        outcome_of(TargetBusy("agent at max_concurrency"))
     assert busy.value.data == {"code": "TARGET_BUSY"}
     with pytest.raises(InvalidParamsError) as invalid:
-        outcome_of(InvalidCapability("capability 'A B' is not valid"), target)
+        outcome_of(InvalidCapability("capability 'A B' is not valid"))
     assert invalid.value.message == "INVALID_CAPABILITY: capability 'A B' is not valid"
 
 

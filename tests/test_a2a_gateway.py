@@ -18,7 +18,12 @@ pytest.importorskip("a2a.client", reason="needs the extra 'a2a'")
 import httpx
 from a2a.client import A2ACardResolver, ClientConfig, ClientFactory
 from a2a.types import a2a_pb2 as pb
-from a2a.utils.errors import InternalError, InvalidParamsError, TaskNotCancelableError
+from a2a.utils.errors import (
+    InternalError,
+    InvalidParamsError,
+    TaskNotCancelableError,
+    TaskNotFoundError,
+)
 from google.protobuf import struct_pb2
 from google.protobuf.json_format import MessageToDict, ParseDict
 
@@ -40,7 +45,7 @@ TOKEN = "a-test-token-0123456789"
 def make_gateway(broker: Broker, **cfg: Any) -> A2AGateway:
     return A2AGateway(A2ASection(port=0, **cfg), nc=broker.nc, subjects=broker.subjects,
                       registry=broker.registry, router=broker.router, clock=broker.clock,
-                      wall=broker.wall)  # fmt: skip
+                      replicas=broker.replicas, wall=broker.wall)  # fmt: skip
 
 
 @pytest.fixture
@@ -224,11 +229,17 @@ async def test_a2a_cancel_task_cancels_the_request(
     [event] = await asyncio.wait_for(waiting, 10)
     assert event.task.status.state == pb.TASK_STATE_CANCELED
     assert event.task.status.message.parts[0].text.startswith("CANCELLED: ")
-    # One that had finished: its result stands.
+    # The cancelled message is a task now (GetTask finds it); one answered with a Message
+    # never was.
+    got = await client.get_task(pb.GetTaskRequest(id="rid-a2a"))
+    assert got.status.state == pb.TASK_STATE_CANCELED
+    with pytest.raises(TaskNotCancelableError, match="task rid-a2a is already TASK_STATE_CANCELED"):
+        await client.cancel_task(pb.CancelTaskRequest(id="rid-a2a"))
     await agents(echo_agent("quick", "fast"))
     await healthy(broker, "quick")
-    await send(http, card, text_message("y", skill="fast", request_id="rid-a2a-done"))
-    with pytest.raises(TaskNotCancelableError, match="already finished on agent quick"):
+    [answer] = await send(http, card, text_message("y", skill="fast", request_id="rid-a2a-done"))
+    assert answer.HasField("message")
+    with pytest.raises(TaskNotFoundError, match="task rid-a2a-done not found"):
         await client.cancel_task(pb.CancelTaskRequest(id="rid-a2a-done"))
 
 

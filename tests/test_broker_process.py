@@ -101,7 +101,8 @@ def test_missing_nats_server_binary_is_a_clear_error(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "NATS_URL"}
     env["REACH_NATS_SERVER"] = str(tmp_path / "no-such-nats-server")
     out = subprocess.run(
-        [sys.executable, "-m", "reach_broker.cli", "broker", "--port", "0", "--metrics-port", "0"],
+        [sys.executable, "-m", "reach_broker.cli", "broker", "--port", "0", "--metrics-port", "0",
+         "--ephemeral"],
         capture_output=True, text=True, env=env, timeout=30,
     )  # fmt: skip
     assert out.returncode == 3
@@ -169,7 +170,7 @@ def test_busy_metrics_port_is_a_clear_error_and_stops_the_embedded_server(tmp_pa
 
 # --- the embedded server dies with its broker, however the broker ends -----------------------
 
-READY = re.compile(r"listening on (nats://\S+) \(pid (\d+), JetStream store (\S+)\)")
+READY = re.compile(r"listening on (nats://\S+) \(pid (\d+), JetStream store (\S+?): ([^;)]+)")
 
 
 def gone(pid: int) -> bool:
@@ -219,7 +220,9 @@ def read_until(stream: Any, needle: str, limit_s: float = 30.0) -> str:
 
 
 def broker_argv(*extra: str) -> list[str]:
-    return [sys.executable, "-m", "reach_broker", "broker", "--metrics-port", "0", *extra]
+    """``reach broker`` with a throwaway store (``--ephemeral``), unless ``extra`` names one."""
+    store = [] if "--store-dir" in extra else ["--ephemeral"]
+    return [sys.executable, "-m", "reach_broker", "broker", "--metrics-port", "0", *store, *extra]
 
 
 def clean_env() -> dict[str, str]:
@@ -235,6 +238,7 @@ def test_sigkill_of_the_broker_takes_its_server_along_and_the_next_start_cleans_
         assert ready, "the broker names its server's URL, PID and store"
         url, server_pid, store = ready.group(1), int(ready.group(2)), Path(ready.group(3))
         assert store.name.startswith(f"reach-nats-{proc.pid}-")
+        assert ready.group(4) == "a throwaway temp dir, removed at exit"
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         wait_gone(server_pid)
@@ -416,3 +420,109 @@ def test_system_account_password_is_per_start_unless_set(
     monkeypatch.setenv("REACH_NATS_SYSTEM_PASSWORD", "short")
     with pytest.raises(NatsServerError, match="REACH_NATS_SYSTEM_PASSWORD must be at least 12"):
         NatsServer(port=0).start()
+
+
+# --- durable by default: the store outlives the broker ------------------------------------
+
+
+def default_env() -> dict[str, str]:
+    """The environment of a user who set nothing: no server, no store options."""
+    drop = ("NATS_URL", "REACH_STORE_DIR", "REACH_EPHEMERAL")
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
+def start_default_broker(cwd: Path) -> tuple[subprocess.Popen[str], str, Path, str]:
+    """`reach broker` with default settings, run in ``cwd``: (proc, url, store, kept)."""
+    argv = [sys.executable, "-m", "reach_broker", "broker", "--metrics-port", "0", "--port", "0"]
+    proc = subprocess.Popen(argv, cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=default_env())  # fmt: skip
+    assert proc.stdout is not None
+    ready = READY.search(read_until(proc.stdout, "serving on"))
+    assert ready, "the broker names its server's URL, PID and store"
+    return proc, ready.group(1), Path(ready.group(3)), ready.group(4)
+
+
+def stop_broker(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+def serving(agent_id: str, capability: str, runs: list[str]) -> Any:
+    import reach_agent
+
+    agent = reach_agent.Agent(agent_id, [capability], heartbeat_interval=0.2)
+
+    @agent.handler(capability)
+    async def handle(task: reach_agent.Task) -> dict[str, Any]:
+        runs.append(task.request_id)
+        return {"by": agent_id, "n": task.payload["n"]}
+
+    return agent
+
+
+async def test_a_broker_restarted_with_default_settings_keeps_acks_and_queued_entries(
+    tmp_path: Path,
+) -> None:
+    import reach_agent
+
+    work = tmp_path / "work"
+    work.mkdir()
+    runs: list[str] = []
+    proc, url, store, kept = start_default_broker(work)
+    try:
+        assert (store, kept) == (work / "reach-data", "kept across restarts")
+        keeper = serving("keeper", "keep", runs)
+        async with keeper.serve(url), reach_agent.Client(url) as client:
+            acked = await client.call("keep", {"n": 1}, timeout=20)
+            assert acked == {"by": "keeper", "n": 1}
+            rid = runs[0]
+            assert (await client.wait(rid, timeout=10)).state == "completed"  # stored
+            queued = await client.submit("later", {"n": 2})
+    finally:
+        stop_broker(proc)
+    assert (store / "jetstream").is_dir()
+
+    proc, url, store_again, _ = start_default_broker(work)
+    try:
+        assert store_again == store
+        out = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-m", "reach_broker", "ack", rid, "--json",
+                             "--server", url], capture_output=True, text=True, timeout=60,
+            env=default_env(),
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        record = json.loads(out.stdout)
+        assert (record["request_id"], record["state"], record["agent_id"]) == (
+            rid, "completed", "keeper")  # fmt: skip
+        assert record["result"] == {"by": "keeper", "n": 1}
+        later = serving("later-a", "later", runs)
+        async with later.serve(url), reach_agent.Client(url) as client:
+            done = await client.wait(queued, timeout=30)  # replayed after the restart
+        assert (done.state, done.agent_id, done.result) == ("completed", "later-a",
+                                                            {"by": "later-a", "n": 2})  # fmt: skip
+    finally:
+        stop_broker(proc)
+    assert runs == [rid, queued]
+
+
+def test_a_second_broker_on_the_same_store_is_one_line(tmp_path: Path) -> None:
+    store = tmp_path / "shared"
+    first = subprocess.Popen(broker_argv("--port", "0", "--store-dir", str(store)),
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                             env=clean_env())  # fmt: skip
+    try:
+        assert first.stdout is not None
+        read_until(first.stdout, "serving on")
+        second = broker_argv("--port", "0", "--store-dir", str(store))
+        out = subprocess.run(second, capture_output=True, text=True, env=clean_env(), timeout=30)
+        assert out.returncode == 3
+        assert out.stderr == (
+            f"reach: JetStream store {store} is in use by another embedded nats-server (pid "
+            f"{first.pid}): stop that broker, or give this one another store with --store-dir "
+            "DIR (or --ephemeral)\n")  # fmt: skip
+    finally:
+        stop_broker(first)

@@ -112,9 +112,9 @@ async def test_client_cancel_interrupts_the_handler_frees_the_slot_and_sticks(
     assert (rec.state, rec.agent_id, rec.error["code"]) == ("failed", "sleeper-1", "CANCELLED")
     claim = await claim_of(nc, "rid-c1")
     assert (claim.state, claim.reason, claim.agent_id) == ("failed", "cancelled", "sleeper-1")
-    # A retry with the same request id is answered CANCELLED, never run again.
+    # A retry (the same request id and body) is answered CANCELLED, never run again.
     with pytest.raises(Cancelled):
-        await client.call("cancel.one", {"sleep": 0}, request_id="rid-c1", timeout=5)
+        await client.call("cancel.one", {"sleep": 30}, request_id="rid-c1", timeout=5)
     assert s.runs.count("rid-c1") == 1
     assert s.agent.active == 0
 

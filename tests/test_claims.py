@@ -13,6 +13,7 @@ import logging
 import signal
 import socket
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,17 +25,22 @@ import pytest
 from nats.aio.client import Client as NATS
 
 import reach_agent
-from jetstream.claims import ClaimStore, claim_key
+from jetstream import ackreads, acks, compensation
+from jetstream.claims import ClaimStore, ClaimsUnavailable, Stored, claim_key
 from jetstream.names import H_REQUEST_ID
-from jetstream.provision import load_definitions
+from jetstream.provision import load_definitions, provision
 from reach_agent import ClientConfig
-from reach_agent.agent.claiming import decide
+from reach_agent.agent.claiming import Claimer, decide
 from reach_agent.wire import schema
+from reach_agent.wire.errors import from_reply
+from reach_agent.wire.schema import decode_ack_record
 from reach_agent.wire.subjects import Subjects
 from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer, find_binary
+from reach_broker.service.metrics import Metrics
 
-from .conftest import wait_for
+from .conftest import fast_config, wait_for
+from .tcpproxy import TcpProxy
 from .test_sdk_failover import EventLog, healthy, lines, worker
 
 SUBJECTS = Subjects("reach")
@@ -104,6 +110,19 @@ def slow_agent(agent_id: str, cap: str, runs: list[tuple[str, str]], sleep: floa
 async def stored_claim(nc: NATS, request_id: str) -> schema.Claim | None:
     stored = await ClaimStore(nc).get(claim_key(request_id))
     return None if stored is None else schema.claim_decoder.decode(stored.data)
+
+
+async def claim_becomes(nc: NATS, request_id: str, state: str, limit_s: float = 15.0
+                        ) -> schema.Claim:  # fmt: skip
+    """The request id's claim once it is in ``state`` (read every 50 ms, at most
+    ``limit_s``)."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        claim = await stored_claim(nc, request_id)
+        if claim is not None and claim.state == state:
+            return claim
+        assert time.monotonic() < deadline, f"claim of {request_id} is {claim}, not {state}"
+        await asyncio.sleep(0.05)
 
 
 async def test_one_request_id_sent_to_two_agents_at_once_runs_once_and_both_get_its_result(
@@ -177,7 +196,8 @@ async def test_compensation_replay_of_a_completed_request_does_not_run_it_again(
         # stored result and does not run the handler either.
         await agents(slow_agent("done-b", "bill", runs))
         await wait_for(lambda: healthy(broker, "done-b"))
-        raw = await nc.request("reach.task.done-b.bill", b'{"n": 7}', timeout=5,
+        # The same body bytes as the SDK sent (a request id's body digest is of its bytes).
+        raw = await nc.request("reach.task.done-b.bill", b'{"n":7}', timeout=5,
                                headers={H_REQUEST_ID: rid})  # fmt: skip
     assert (record.state, record.agent_id) == ("completed", "done-a")
     assert record.result == {"agent": "done-a", "n": 7}  # decoded, as wait() returns it
@@ -203,12 +223,17 @@ def plain_server() -> Iterator[str]:
         proc.wait(10)
 
 
-async def test_without_jetstream_claims_are_off_logged_once_and_the_process_window_applies(
+def refusal_of(reply: Any) -> reach_agent.ReachError | None:
+    return from_reply(reply.headers, reply.data)
+
+
+async def test_without_jetstream_a_claimed_task_is_refused_retryably_never_run_and_logged_once(
     plain_server: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     url = plain_server
     runs: list[tuple[str, str]] = []
-    agent = slow_agent("nojs", "plain", runs, durable_acks=False)
+    metrics = reach_agent.AgentMetrics()
+    agent = slow_agent("nojs", "plain", runs, durable_acks=False, metrics=metrics)
     nc = None
     for _ in range(200):
         with contextlib.suppress(Exception):
@@ -219,18 +244,204 @@ async def test_without_jetstream_claims_are_off_logged_once_and_the_process_wind
     caplog.set_level(logging.WARNING, logger="reach_agent.agent.claiming")
     await agent.start(url)
     try:
-        assert agent.tasks.claimer is not None and agent.tasks.claimer.enabled is False
         for _ in range(3):
             reply = await nc.request("reach.task.nojs.plain", b"{}", timeout=5,
                                      headers={H_REQUEST_ID: "same"})  # fmt: skip
-            assert msgspec.json.decode(reply.data) == {"agent": "nojs", "n": None}
+            err = refusal_of(reply)
+            assert isinstance(err, reach_agent.StoreUnavailable)
+            assert (err.code, err.retryable, err.retry_after_ms) == ("STORE_UNAVAILABLE", True, 500)
+            assert (reply.headers or {})["Nats-Service-Error-Code"] == "503"
+            assert (reply.headers or {})[H_REQUEST_ID] == "same"
+            assert "the claims bucket 'reach_claims' does not exist on this server" in err.message
     finally:
         await agent.stop(grace=1)
         await nc.close()
-    assert runs == [("nojs", "same")]
-    off = [r for r in caplog.records if r.getMessage().startswith("claims.off")]
-    assert len(off) == 1
-    assert "duplicates are caught by this process's window only" in off[0].getMessage()
+    assert runs == []
+    assert metrics.store_errors.labels("claims", "claim")._value.get() == 3
+    assert metrics.tasks.labels("plain", "unclaimed")._value.get() == 3
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("claims.")]
+    assert len(said) == 1, said  # at start; the refusals within WARN_EVERY_S add no line
+    assert said[0].startswith("claims.unavailable agent=nojs bucket=reach_claims")
+    assert "never run unclaimed; run nats-server with JetStream (-js)" in said[0]
+
+
+async def test_agents_started_before_the_broker_never_run_one_request_id_twice(
+    nats_server: NatsServer, broker_factory: Any, agents: Any, nc: NATS
+) -> None:
+    runs: list[tuple[str, str]] = []
+    release = asyncio.Event()
+    early = {}
+    for name in ("early-a", "early-b"):
+        agent = reach_agent.Agent(name, ["early"], heartbeat_interval=0.1,
+                                  metrics=reach_agent.AgentMetrics())  # fmt: skip
+
+        @agent.handler("early")
+        async def handle(task: reach_agent.Task, name: str = name) -> dict[str, Any]:
+            runs.append((name, task.request_id))
+            await release.wait()
+            return {"agent": name}
+
+        early[name] = await agents(agent)
+    rid = str(uuid.uuid4())
+
+    async def both() -> list[Any]:
+        return [asyncio.ensure_future(nc.request(f"reach.task.{n}.early", b"{}", timeout=10,
+                                                 headers={H_REQUEST_ID: rid}))
+                for n in early]  # fmt: skip
+
+    before = await asyncio.wait_for(asyncio.gather(*await both()), 10)
+    assert [type(refusal_of(r)) for r in before] == [reach_agent.StoreUnavailable] * 2
+    assert runs == []
+    for agent in early.values():
+        assert agent.metrics.store_errors.labels("claims", "claim")._value.get() == 1
+
+    broker = await broker_factory()  # provisions reach_claims
+    await wait_for(lambda: healthy(broker, "early-a") and healthy(broker, "early-b"))
+    after = await both()
+    await wait_for(lambda: len(runs) == 1 and any(f.done() for f in after), 10,
+                   what="one run, and the other agent's answer")  # fmt: skip
+    holder = runs[0][0]
+    waiting = next(f for f in after if f.done())
+    err = refusal_of(waiting.result())
+    assert isinstance(err, reach_agent.InProgress) and err.holder == holder
+    release.set()
+    results = await asyncio.wait_for(asyncio.gather(*after), 10)
+    assert [msgspec.json.decode(r.data) for r in results if refusal_of(r) is None] == [
+        {"agent": holder}]  # fmt: skip
+    again = await asyncio.wait_for(asyncio.gather(*await both()), 10)
+    assert [msgspec.json.decode(r.data) for r in again] == [{"agent": holder}] * 2
+    assert runs == [(holder, rid)]
+
+
+async def test_an_sdk_call_refused_for_a_missing_bucket_is_asked_again_within_its_deadline(
+    nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS
+) -> None:
+    runs: list[tuple[str, str]] = []
+    metrics = reach_agent.AgentMetrics()
+    await agents(slow_agent("back-a", "back", runs, metrics=metrics))
+    await wait_for(lambda: healthy(broker, "back-a"))
+    await nc.jetstream().delete_stream("KV_reach_claims")  # the bucket is gone for a while
+    refused = metrics.store_errors.labels("claims", "claim")._value.get
+    rid = str(uuid.uuid4())
+    async with reach_agent.Client(nats_server.url) as client:
+        call = asyncio.ensure_future(client.call("back", {"n": 3}, request_id=rid, timeout=30))
+        await wait_for(lambda: refused() >= 2, 10, what="the call asked again after a refusal")
+        assert runs == [] and not call.done()
+        claims_def = [d for d in load_definitions() if d["name"] == "KV_reach_claims"]
+        await provision(nc, claims_def)
+        assert await asyncio.wait_for(call, 30) == {"agent": "back-a", "n": 3}
+    assert runs == [("back-a", rid)]
+    stored = await stored_claim(nc, rid)
+    assert stored is not None and (stored.agent_id, stored.state) == ("back-a", "completed")
+
+
+async def test_a_claim_end_the_store_did_not_confirm_is_retried_until_stored(
+    provisioned: NatsServer, nc: NATS, caplog: pytest.LogCaptureFixture
+) -> None:
+    release = asyncio.Event()
+    agent = reach_agent.Agent("ender", ["end"], heartbeat_interval=0.1, claim_timeout=0.5,
+                              durable_acks=False, metrics=reach_agent.AgentMetrics())  # fmt: skip
+
+    @agent.handler("end")
+    async def handle(task: reach_agent.Task) -> str:
+        await release.wait()
+        return "done"
+
+    caplog.set_level(logging.INFO, logger="reach_agent.agent.claiming")
+    async with TcpProxy.to_url(provisioned.url) as proxy:
+        await agent.start(proxy.url)
+        try:
+            rid = str(uuid.uuid4())
+            # No reply subject: a reply sent into the cut link is lost, which is not the point.
+            await nc.publish("reach.task.ender.end", b"{}", headers={H_REQUEST_ID: rid})
+            await wait_for(lambda: agent.active == 1, what="the run")
+            running = await stored_claim(nc, rid)
+            assert running is not None and running.state == "running"
+            await proxy.cut()  # the agent's link drops: its claim's end is not confirmed
+            release.set()
+            claimer = agent.tasks.claimer
+            assert claimer is not None
+            await wait_for(lambda: claimer.end_retries >= 1, 10, what="the end retried")
+            await proxy.restore()
+
+            await claim_becomes(nc, rid, "completed")
+            await wait_for(lambda: len(claimer._settling) == 0, 10, what="the retry done")
+        finally:
+            await agent.stop(grace=1)
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith(f"claims.end_retrying request_id={rid} state=completed") for m in said)
+    assert f"claims.end_stored request_id={rid} state=completed" in said
+    assert agent.metrics is not None
+    assert agent.metrics.store_errors.labels("claims", "end")._value.get() == claimer.end_retries
+
+
+async def test_a_release_the_bucket_did_not_take_is_tried_again_until_it_is(
+    nats_server: NatsServer, nc: NATS
+) -> None:
+    async with TcpProxy.to_url(nats_server.url) as proxy:
+        broker = Broker(fast_config(proxy.url), metrics=Metrics())
+        await broker.start()
+        try:
+            rid = str(uuid.uuid4())
+            ghost = schema.Claim(request_id=rid, agent_id="ghost", instance="i1",
+                                 capability="cap", state="running", at_ms=1)  # fmt: skip
+            await ClaimStore(nc).create(claim_key(rid), schema.encoder.encode(ghost))
+            await wait_for(lambda: broker.releaser.held_by("ghost") == [rid])
+            await proxy.cut()  # the broker's link is down: its release cannot be stored
+            failed = broker.metrics.store_errors.labels("claims", "release")._value.get
+            assert await broker.releaser.release("ghost", "gone in a test") == 0
+            assert failed() == 1
+            await proxy.restore()
+
+            await claim_becomes(nc, rid, "released")
+            await wait_for(lambda: broker.releaser.released == 1, what="counted as released")
+        finally:
+            await broker.stop()
+
+
+class LostAnswers(ClaimStore):
+    """The real bucket, with answers lost: ``creates`` creates are stored and then reported
+    unanswered (a PubAck lost in a leader election), ``gets`` reads fail."""
+
+    def __init__(self, nc: NATS, *, creates: int, gets: int) -> None:
+        super().__init__(nc)
+        self.creates, self.gets = creates, gets
+
+    async def create(self, key: str, data: bytes) -> tuple[bool, Stored]:
+        result = await super().create(key, data)
+        if self.creates:
+            self.creates -= 1
+            raise ClaimsUnavailable(f"JetStream did not confirm the claim {key!r} (test)")
+        return result
+
+    async def get(self, key: str) -> Stored | None:
+        if self.gets:
+            self.gets -= 1
+            raise ClaimsUnavailable(f"JetStream did not return the claim {key!r} (test)")
+        return await super().get(key)
+
+
+async def test_a_claim_stored_although_unconfirmed_is_run_or_released_never_left_running(
+    provisioned: NatsServer, nc: NATS
+) -> None:
+    metrics = reach_agent.AgentMetrics()
+    # Read back at once: the claim is ours, run it.
+    ours = Claimer(nc, "lossy", "i1", SUBJECTS, store=LostAnswers(nc, creates=1, gets=0))
+    claimed = await ours.claim("lost-1", "cap")
+    assert claimed.held is not None and claimed.held.claim.instance == "i1"
+    # Not readable either: refused, and released once it can be read.
+    refusing = Claimer(nc, "lossy", "i2", SUBJECTS, metrics=metrics,
+                       store=LostAnswers(nc, creates=1, gets=1))  # fmt: skip
+    with pytest.raises(ClaimsUnavailable):
+        await refusing.claim("lost-2", "cap")
+
+    claim = await claim_becomes(nc, "lost-2", "released")
+    assert claim.reason == "lossy refused the task: its claim was not confirmed"
+    await wait_for(lambda: metrics.store_errors.labels("claims", "orphan")._value.get() == 1)
+    await refusing.stop()
+    # Another agent takes a released claim over.
+    other = Claimer(nc, "other", "i3", SUBJECTS)
+    assert (await other.claim("lost-2", "cap")).held is not None
 
 
 # --- agent processes: stalls, restarts, deaths ------------------------------------------
@@ -411,3 +622,119 @@ async def test_a_broker_learns_running_claims_written_before_it_started_and_can_
     await wait_for(lambda: [e["request_id"] for e in events.events] == [rid], 5,
                    what="the released event")  # fmt: skip
     await wait_for(lambda: broker.releaser.held_by("ghost") == [], 5, what="claim forgotten")
+
+
+# --- idempotency keys are checked: one request id, one body ---------------------------------
+
+
+def body_of(reply: Any) -> Any:
+    return msgspec.json.decode(reply.data)
+
+
+async def test_a_request_id_reused_with_another_body_is_refused_never_answered_with_the_first(
+    nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS
+) -> None:
+    runs: list[tuple[str, str]] = []
+    await agents(slow_agent("idem-1", "pay", runs, metrics=reach_agent.AgentMetrics()))
+    await agents(slow_agent("idem-2", "pay", runs))
+    await wait_for(lambda: healthy(broker, "idem-1") and healthy(broker, "idem-2"))
+    rid = str(uuid.uuid4())
+    first, other = b'{"n":1}', b'{"n":2}'
+
+    async def ask(agent: str, body: bytes) -> Any:
+        return await nc.request(f"reach.task.{agent}.pay", body, timeout=5,
+                                headers={H_REQUEST_ID: rid})  # fmt: skip
+
+    assert body_of(await ask("idem-1", first)) == {"agent": "idem-1", "n": 1}
+    cases = [("idem-1", "per agent 'idem-1''s recent tasks"),  # its duplicate window
+             ("idem-2", "per its claim, held by agent 'idem-1'")]  # fmt: skip
+    for agent, seen in cases:
+        reply = await ask(agent, other)
+        err = refusal_of(reply)
+        assert isinstance(err, reach_agent.IdempotencyMismatch), (agent, err)
+        assert (err.code, err.status, err.retryable) == ("IDEMPOTENCY_MISMATCH", 422, False)
+        assert (reply.headers or {})["Nats-Service-Error-Code"] == "422"
+        assert err.message == (
+            f"request_id {rid!r} was already used with another body (body digest "
+            f"{schema.body_digest(first)[:12]}..., this body {schema.body_digest(other)[:12]}..., "
+            f"{seen}): a request id names one request; send a new body with a new request id"
+        )  # fmt: skip
+    # The first body again, on the other agent: its stored result, as before.
+    assert body_of(await ask("idem-2", first)) == {"agent": "idem-1", "n": 1}
+    assert runs == [("idem-1", rid)]
+    stored = await stored_claim(nc, rid)
+    assert stored is not None and stored.body_digest == schema.body_digest(first)
+    records = await ackreads.all_records(nc, rid, subjects=SUBJECTS, author="idem-1")
+    digests = {r.state: decode_ack_record(r.data).body_digest for r in records}
+    assert digests == {"received": schema.body_digest(first),
+                       "completed": schema.body_digest(first)}  # fmt: skip
+    # An SDK call reusing the request id with another payload gets the same refusal.
+    async with reach_agent.Client(nats_server.url) as client:
+        assert await client.call("pay", {"n": 1}, request_id=rid) == {"agent": "idem-1", "n": 1}
+        with pytest.raises(reach_agent.IdempotencyMismatch, match=f"request_id {rid!r} was"):
+            await client.call("pay", {"n": 2}, request_id=rid)
+    assert runs == [("idem-1", rid)]
+
+
+async def test_records_and_claims_without_a_digest_are_still_accepted(
+    provisioned: NatsServer, agents: Any, nc: NATS
+) -> None:
+    """A claim and an ack record written by an older agent (no body_digest): any body under
+    the request id gets the stored result, as before digests."""
+    runs: list[tuple[str, str]] = []
+    await agents(slow_agent("newer", "legacy", runs))
+    rid = str(uuid.uuid4())
+    old = schema.Claim(request_id=rid, agent_id="older", instance="i0", capability="legacy",
+                       state="completed", at_ms=1)  # fmt: skip
+    await ClaimStore(nc).create(claim_key(rid), schema.encoder.encode(old))
+    record = schema.AckRecord(request_id=rid, agent_id="older", capability="legacy",
+                              state="completed", at_ms=1, result=msgspec.Raw(b'"old"'))  # fmt: skip
+    await acks.publish_record(nc.jetstream(), SUBJECTS.ack("older", rid),
+                              acks.ack_msg_id("older", rid, "completed"),
+                              schema.encoder.encode(record))  # fmt: skip
+    reply = await nc.request("reach.task.newer.legacy", b'{"any":"body"}', timeout=5,
+                             headers={H_REQUEST_ID: rid})  # fmt: skip
+    assert refusal_of(reply) is None and body_of(reply) == "old"
+    assert runs == []
+
+
+async def test_submit_refuses_a_request_id_already_used_with_another_body(
+    nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS
+) -> None:
+    runs: list[tuple[str, str]] = []
+    await agents(slow_agent("sub-1", "ship", runs))
+    await wait_for(lambda: healthy(broker, "sub-1"))
+    metrics = reach_agent.ClientMetrics()
+    called, queued = str(uuid.uuid4()), str(uuid.uuid4())
+    async with reach_agent.Client(nats_server.url, metrics=metrics) as client:
+        await client.call("ship", {"n": 1}, request_id=called)
+        with pytest.raises(reach_agent.IdempotencyMismatch, match="per its claim"):
+            await client.submit("ship", {"n": 2}, request_id=called)  # the claim says n=1
+        first = await client.submit("nobody.ships", {"n": 3}, request_id=queued)
+        assert first.duplicate is False
+        again = await client.submit("nobody.ships", {"n": 3}, request_id=queued)
+        assert again.duplicate is True  # the same body: the entry already queued
+        with pytest.raises(reach_agent.IdempotencyMismatch, match="the compensation queue"):
+            await client.submit("nobody.ships", {"n": 4}, request_id=queued)
+    assert metrics.compensation.labels("mismatch")._value.get() == 2
+    left = await compensation.scan(nc, "nobody.ships", subjects=SUBJECTS)
+    assert [(e.request_id, msgspec.json.decode(e.data)) for e in left] == [(queued, {"n": 3})]
+    assert runs == [("sub-1", called)]
+
+
+async def test_a_queued_entry_whose_request_id_was_claimed_for_another_body_is_not_run(
+    nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS
+) -> None:
+    runs: list[tuple[str, str]] = []
+    await agents(slow_agent("rep-1", "mail", runs))
+    await wait_for(lambda: healthy(broker, "rep-1"))
+    rid = str(uuid.uuid4())
+    async with reach_agent.Client(nats_server.url) as client:
+        await client.call("mail", {"n": 1}, request_id=rid)
+    body = b'{"n":2}'  # queued past submit's check (a raw publisher, or a race)
+    await compensation.enqueue(nc, "mail", body, request_id=rid, expires_at_ms=0,
+                               subjects=SUBJECTS, body_digest=schema.body_digest(body))  # fmt: skip
+    mismatched = broker.metrics.compensation_result["mismatch"]._value.get
+    await wait_for(lambda: mismatched() == 1, 10, what="the entry seen as another request")
+    assert await compensation.scan(nc, "mail", subjects=SUBJECTS) == []
+    assert runs == [("rep-1", rid)]

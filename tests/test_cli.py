@@ -432,7 +432,7 @@ def fresh_broker() -> Iterator[str]:
     """`reach broker` just started, as a new user runs it (embedded server, empty streams)."""
     import subprocess
 
-    proc = subprocess.Popen([*CLI, "broker", "--port", "0", "--metrics-port", "0"],
+    proc = subprocess.Popen([*CLI, "broker", "--port", "0", "--metrics-port", "0", "--ephemeral"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env=cli_env())  # fmt: skip
     try:

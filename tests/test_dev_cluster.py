@@ -416,6 +416,10 @@ async def test_the_launcher_prints_one_line_and_sigterm_stops_every_node(
     try:
         jsz = {n.name: _get_json(n.monitor_url + "/jsz") for n in state.nodes}
         assert meta_leader(jsz) in {"n1", "n2", "n3"}
+        # every node's generated config fsyncs each acknowledged write
+        varz = {n.name: _get_json(n.monitor_url + "/varz") for n in state.nodes}
+        assert {k: v["jetstream"]["config"]["sync_always"] for k, v in varz.items()} == {
+            "n1": True, "n2": True, "n3": True}  # fmt: skip
         js = conns[0].jetstream(timeout=5)
         info = await js.add_stream(name="DEV_R3", subjects=["dev.r3.>"], num_replicas=3)
         assert info.config.num_replicas == 3

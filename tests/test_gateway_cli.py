@@ -82,7 +82,7 @@ def test_beyond_loopback_without_a_token_is_refused_in_one_line() -> None:
     env = {k: v for k, v in os.environ.items() if k not in UNSET}
     done = subprocess.run(
         [sys.executable, "-m", "reach_broker.cli", "broker", "--port", "0", "--metrics-port",
-         "0", "--a2a-port", "8080", "--a2a-host", "0.0.0.0"],
+         "0", "--ephemeral", "--a2a-port", "8080", "--a2a-host", "0.0.0.0"],
         capture_output=True, text=True, env=env, timeout=60,
     )  # fmt: skip
     assert (done.returncode, done.stdout) == (3, "")

@@ -30,6 +30,7 @@ import nats
 import nats.aio.client
 import pytest
 from nats.errors import NoRespondersError
+from nats.js.errors import ServiceUnavailableError
 
 import reach_agent
 from jetstream import ackreads, compensation
@@ -155,8 +156,11 @@ async def test_killing_the_compensation_leader_mid_replay_runs_every_task_once(
                     for rid in ids:
                         # The agent's completed record (the broker's own `received`, naming
                         # the agent it handed the task to, may be stored after it).
-                        recs = await ackreads.all_records(nc, rid, subjects=subjects,
-                                                          timeout_s=5.0)  # fmt: skip
+                        try:
+                            recs = await ackreads.all_records(nc, rid, subjects=subjects,
+                                                              timeout_s=5.0)  # fmt: skip
+                        except ServiceUnavailableError:  # the stream still settling its
+                            return ids  # leader after the kill: not known yet, read again
                         if not any(r.state == "completed" for r in recs):
                             missing.append(rid)
                     return missing

@@ -146,10 +146,13 @@ async def test_an_a2a_agent_is_routed_called_and_streamed(
         assert chunks == ["echo:", "hi"]
         # A data payload goes as a data part, and comes back as one chunk (joined: a list).
         assert await client.call("echo-text", {"n": 1}, timeout=10) == [{"echo": {"n": 1}}]
-        # The same request id again: the stored result, no second message to the agent.
-        assert await client.call("echo-text", "other", request_id="rid-call", timeout=10) == (
+        # The same request id and body again: the stored result, no second message to the
+        # agent; with another body, refused (a request id names one request).
+        assert await client.call("echo-text", "hello", request_id="rid-call", timeout=10) == (
             "echo:hello"
         )
+        with pytest.raises(reach_agent.IdempotencyMismatch, match="request_id 'rid-call'"):
+            await client.call("echo-text", "other", request_id="rid-call", timeout=10)
         seen = await agent.seen()
         assert [(s["message_id"], s["request_id"], s["skill"]) for s in seen[:2]] == [
             ("rid-call", "rid-call", "echo-text"),

@@ -153,8 +153,11 @@ async def test_an_http_agent_is_routed_and_called_and_a_request_id_runs_once(
         assert headers["Reach-Request-Id"] == "rid-1"
         assert headers["traceparent"] == TRACE
         assert 0 < int(headers["Reach-Timeout-Ms"]) <= 15000
-        # The same request id again, and twice at once: the first result, one POST.
-        assert await client.call("llm.chat", {"q": 2}, request_id="rid-1", timeout=10) == got
+        # The same request id again, and twice at once: the first result, one POST; with
+        # another body, refused (a request id names one request).
+        assert await client.call("llm.chat", {"q": 1}, request_id="rid-1", timeout=10) == got
+        with pytest.raises(reach_agent.IdempotencyMismatch, match="request_id 'rid-1'"):
+            await client.call("llm.chat", {"q": 2}, request_id="rid-1", timeout=10)
         both = await asyncio.gather(*(client.call("llm.chat", {"q": 3}, request_id="rid-2",
                                                   timeout=10) for _ in range(2)))  # fmt: skip
         assert both == [{"by": "a", "echo": {"q": 3}}] * 2

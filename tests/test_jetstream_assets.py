@@ -21,7 +21,7 @@ from reach_agent.client import durable
 from reach_agent.connection import connect_options
 from reach_agent.metrics import ClientMetrics
 from reach_agent.wire import schema
-from reach_agent.wire.errors import CompensationFull, Timeout
+from reach_agent.wire.errors import CompensationFull, StoreUnavailable, Timeout
 from reach_agent.wire.subjects import Subjects
 from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
@@ -186,6 +186,21 @@ async def test_client_counts_what_its_submits_became(
     assert counted == {"enqueued": 2, "duplicate": 1, "refused": 1}
 
 
+async def test_a_submit_before_any_broker_provisioned_the_queue_is_refused_retryably(
+    nats_server: NatsServer,
+) -> None:
+    metrics = ClientMetrics()
+    async with Client(nats_server.url, metrics=metrics) as client:
+        with pytest.raises(StoreUnavailable) as refused:
+            await client.submit("nobody.yet", {"n": 1}, request_id="early-1")
+    assert refused.value.retryable and refused.value.code == "STORE_UNAVAILABLE"
+    assert refused.value.message == (
+        "no JetStream stream REACH_COMPENSATION answers on reach.comp.nobody.yet (is a broker "
+        "with JetStream provisioned?); request_id 'early-1' may not be queued: submit it again "
+        "with the same request_id (a repeat is not stored twice)")  # fmt: skip
+    assert metrics.compensation.labels("unavailable")._value.get() == 1
+
+
 async def test_expired_entries_are_recorded_failed_and_removed(
     nc: NATS, broker_factory: BrokerFactory
 ) -> None:
@@ -206,6 +221,23 @@ async def test_expired_entries_are_recorded_failed_and_removed(
     assert left == [keep]
     assert broker.metrics.compensation_result["expired"]._value.get() == 1
     await wait_for(lambda: broker.metrics.compensation_depth._value.get() == 1, what="depth")
+
+
+async def test_an_entry_whose_claim_cannot_be_read_is_not_expired_on_a_guess(
+    nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    broker = await broker_factory(compensation__sweep_interval_s=0.1)
+    await nc.jetstream().delete_stream("KV_reach_claims")  # the claims cannot be read
+    rid = await durable.submit(nc, "nobody.claims", {"n": 1}, ttl=0.2)
+    lookups = broker.metrics.store_errors.labels("claims", "lookup")._value.get
+    await wait_for(lambda: lookups() >= 3, 10, what="sweeps that could not read the claim")
+    assert broker.replayer.sender.expired == 0  # it may be running somewhere: not expired blind
+    assert [e.request_id for e in await compensation.scan(nc, subjects=SUBJECTS)] == [rid]
+    claims_def = [d for d in load_definitions() if d["name"] == "KV_reach_claims"]
+    await provision(nc, claims_def)  # the bucket says "unclaimed" again: now it expires
+    record = await durable.wait(nc, rid, timeout=10)
+    assert (record.state, record.error and record.error["reason"]) == ("failed", "expired")
+    await wait_for(lambda: broker.replayer.sender.expired == 1, what="expired count")
 
 
 # --- acks -------------------------------------------------------------------------------------

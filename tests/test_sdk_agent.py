@@ -19,7 +19,9 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 
 import reach_agent
+from jetstream.claims import ClaimStore, claim_key
 from jetstream.names import H_REQUEST_ID
+from jetstream.provision import load_definitions, provision
 from reach_agent.connection import flush_subscriptions
 from reach_agent.wire import schema
 from reach_broker.broker import Broker
@@ -83,8 +85,10 @@ async def test_design_agent_process_serves_call_and_plain_request(
 
 
 @pytest.fixture
-async def agent_factory(nats_server: NatsServer) -> Any:
-    """In-process agents served on the test's loop; all drained at teardown."""
+async def agent_factory(provisioned: NatsServer) -> Any:
+    """In-process agents served on the test's loop (the server provisioned as a broker
+    would: agents claim each task); all drained at teardown."""
+    nats_server = provisioned
     agents: list[reach_agent.Agent] = []
 
     async def make(agent: reach_agent.Agent) -> reach_agent.Agent:
@@ -326,6 +330,63 @@ async def test_ack_sink_gets_received_and_completed_and_ack_mode_received_replie
     assert by[("a-1", "completed")].capability == "calc"
 
 
+class FailingSink(ListSink):
+    """Raises on the states named in ``failing`` (a full disk, a broken custom sink)."""
+
+    def __init__(self, failing: set[str]) -> None:
+        super().__init__()
+        self.failing = failing
+
+    async def record(self, rec: schema.AckRecord) -> None:
+        if rec.state in self.failing:
+            raise OSError(28, "No space left on device")
+        await super().record(rec)
+
+
+async def test_a_task_whose_received_record_fails_is_refused_retryably_and_never_run(
+    agent_factory: Any, nc: NATS
+) -> None:
+    runs: list[str] = []
+    metrics = reach_agent.AgentMetrics()
+    agent = reach_agent.Agent("sink1", ["calc"], heartbeat_interval=0.1, metrics=metrics,
+                              ack_sink=FailingSink({"received"}))  # fmt: skip
+
+    @agent.handler("calc")
+    async def calc(task: reach_agent.Task) -> int:
+        runs.append(task.request_id)
+        return 1
+
+    await agent_factory(agent)
+    reply = await nc.request("reach.task.sink1.calc", b"{}", timeout=5,
+                             headers={H_REQUEST_ID: "s-1"})  # fmt: skip
+    err = reach_agent.wire.errors.from_reply(reply.headers, reply.data)
+    assert isinstance(err, reach_agent.StoreUnavailable) and err.retryable
+    assert err.message == ("agent 'sink1' did not run request_id 's-1': its ack sink could not "
+                           "record 'received' (see the agent's log): ask again")  # fmt: skip
+    assert runs == []
+    stored = await ClaimStore(nc).get(claim_key("s-1"))
+    assert stored is not None
+    claim = schema.claim_decoder.decode(stored.data)
+    assert claim.state == "released"  # another agent may run it
+    assert metrics.store_errors.labels("acks", "received")._value.get() == 1
+
+
+async def test_a_final_record_the_sink_refuses_is_counted_and_the_reply_still_goes_out(
+    agent_factory: Any, nc: NATS
+) -> None:
+    metrics = reach_agent.AgentMetrics()
+    sink = FailingSink({"completed"})
+    agent = reach_agent.Agent("sink2", ["calc"], heartbeat_interval=0.1, metrics=metrics,
+                              ack_sink=sink)  # fmt: skip
+    agent.handler("calc")(lambda task: 2)
+    await agent_factory(agent)
+    reply = await nc.request("reach.task.sink2.calc", b"{}", timeout=5,
+                             headers={H_REQUEST_ID: "s-2"})  # fmt: skip
+    assert json.loads(reply.data) == 2
+    assert [(r.request_id, r.state) for r in sink.records] == [("s-2", "received")]
+    assert metrics.store_errors.labels("acks", "final")._value.get() == 1
+
+
 async def test_draining_agent_refuses_new_tasks_and_finishes_running_ones(
     agent_factory: Any, nc: NATS
 ) -> None:
@@ -394,6 +455,7 @@ async def test_run_waits_for_a_server_that_starts_later(tmp_path: Path) -> None:
         server.start()
         nc = await nats.connect(url)
         try:
+            await provision(nc, load_definitions())  # as the broker would: the claims bucket
             reply = None
             for _ in range(200):  # bounded: the agent retries every 0.5 s
                 try:
@@ -414,8 +476,10 @@ async def test_run_waits_for_a_server_that_starts_later(tmp_path: Path) -> None:
 
 async def test_duplicate_window_is_bounded_in_size_and_time(agent_factory: Any, nc: NATS) -> None:
     runs: list[str] = []
+    # The process's own window alone (claims=False): with claims a repeat outside the window
+    # is answered from the claim's stored result instead.
     agent = reach_agent.Agent("win1", ["count"], heartbeat_interval=0.1, dedup_size=2,
-                              dedup_ttl=0.3)  # fmt: skip
+                              dedup_ttl=0.3, claims=False)  # fmt: skip
 
     @agent.handler("count")
     async def count(task: reach_agent.Task) -> int:
@@ -439,8 +503,9 @@ async def test_duplicate_window_is_bounded_in_size_and_time(agent_factory: Any, 
 
 
 async def test_task_cut_off_by_the_grace_period_answers_draining(
-    nats_server: NatsServer, nc: NATS
+    provisioned: NatsServer, nc: NATS
 ) -> None:
+    nats_server = provisioned
     agent = reach_agent.Agent("cut1", ["forever"], heartbeat_interval=0.1)
 
     @agent.handler("forever")

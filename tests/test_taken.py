@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import types
 
+from jetstream.claims import ClaimsUnavailable
 from jetstream.compensation import Entry
 from reach_broker.replay.taken import Taken
 
@@ -38,6 +39,8 @@ async def test_a_long_held_entry_follows_its_claim() -> None:
     states = {"a": "healthy", "b": "offline"}
 
     async def claim_of(rid: str) -> tuple[str, str] | None:
+        if rid == "silent":
+            raise ClaimsUnavailable("JetStream did not return the claim within 2.0s")
         return claims.get(rid)
 
     def record_of(agent_id: str) -> object:
@@ -47,18 +50,20 @@ async def test_a_long_held_entry_follows_its_claim() -> None:
     taken = Taken(30.0, claim_of, record_of, clock=lambda: 100.0,
                   on_returned=lambda: given_back.append(1))  # fmt: skip
     told = {}
-    for rid in ("done", "runs", "freed", "gone", "unclaimed"):
+    for rid in ("done", "runs", "freed", "gone", "unclaimed", "silent"):
         e, told[rid] = entry(rid)
         await taken.hold(e, "b" if rid == "gone" else "a")
     running = {rid: await taken._still_running(taken._held[rid]) for rid in list(taken._held)}
+    # "silent": the bucket cannot say; held on, never removed or given back on a guess.
     assert running == {"done": False, "runs": True, "freed": False, "gone": False,
-                       "unclaimed": False}  # fmt: skip
+                       "unclaimed": False, "silent": True}  # fmt: skip
     assert {rid: m.said for rid, m in told.items()} == {
         "done": ["ack"],
         "runs": [],
         "freed": ["nak"],
         "gone": ["nak"],
         "unclaimed": ["ack"],
+        "silent": [],
     }
-    assert (len(taken), taken.finished, taken.returned, len(given_back)) == (1, 2, 2, 2)
-    assert taken.holds("runs")
+    assert (len(taken), taken.finished, taken.returned, len(given_back)) == (2, 2, 2, 2)
+    assert taken.holds("runs") and taken.holds("silent")

@@ -4,7 +4,8 @@ Pure (the clock is an argument), in the spirit of httpcore's connection pool: th
 subscription's callback asks :func:`admit` and then acts on the :class:`Admission` it gets —
 reply, refuse or start the run. The order of the checks is the contract::
 
-    duplicate Reach-Request-Id → the first result (or join the running one)
+    duplicate Reach-Request-Id → the first result (or join the running one); with another
+                                 body than the first: IDEMPOTENCY_MISMATCH
     draining                   → DRAINING
     Reach-Hops visits us > 3   → LOOP_DETECTED
     active == max_concurrency  → TARGET_BUSY
@@ -19,8 +20,16 @@ from collections.abc import Mapping
 from typing import Literal
 
 from jetstream.acks import REQUEST_ID_PATTERN
+from jetstream.names import H_REQUEST_ID
 from reach_agent.wire import schema
-from reach_agent.wire.errors import Draining, InvalidRequest, LoopDetected, ReachError, TargetBusy
+from reach_agent.wire.errors import (
+    Draining,
+    IdempotencyMismatch,
+    InvalidRequest,
+    LoopDetected,
+    ReachError,
+    TargetBusy,
+)
 
 from .task import LOOP_LIMIT
 
@@ -66,15 +75,23 @@ def admit(
     active: int,
     max_concurrency: int,
     now: float,
+    mismatch: tuple[str, str] | None = None,
 ) -> Admission:
     """Decide what to do with a task carrying ``headers``; ``duplicate`` says whether its
-    request id is in the duplicate window, ``active`` how many tasks run now."""
+    request id is in the duplicate window (``mismatch``: it is, with a body of another
+    digest: (the first's, this one's)), ``active`` how many tasks run now."""
     ack_mode = headers.get(schema.H_ACK_MODE, "completed")
     receipt = headers.get(schema.H_RECEIPT) == "1" or ack_mode == "received"
+    if duplicate and mismatch is not None:
+        rid = headers.get(H_REQUEST_ID, "")
+        err: ReachError = IdempotencyMismatch.reused(
+            rid, *mismatch, seen=f"agent {agent_id!r}'s recent tasks"
+        )
+        return Admission("refuse", "mismatch", ack_mode, receipt, err)
     if duplicate:
         return Admission("duplicate", "duplicate", ack_mode, receipt)
     if draining:
-        err: ReachError = Draining(f"agent {agent_id!r} is draining: send elsewhere")
+        err = Draining(f"agent {agent_id!r} is draining: send elsewhere")
         return Admission("refuse", "draining", ack_mode, receipt, err)
     hops = headers.get(schema.H_HOPS)
     if hops and hops.split(",").count(agent_id) >= LOOP_LIMIT:

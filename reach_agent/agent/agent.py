@@ -69,9 +69,11 @@ class Agent:
     waits for in-flight tasks; ``dedup_size``/``dedup_ttl`` bound the cache of recent
     results that makes a repeated request id answer with the first result (the duplicate
     window: 2 min by default). Across the fleet a request id runs once: each task is claimed
-    in KV ``reach_claims`` first (``claims=False`` turns that off; capabilities in
-    ``idempotent``, or handlers registered with ``idempotent=True``, skip it because their
-    duplicates are harmless; ``claim_timeout`` bounds the claim's round trip). ``creds``,
+    in KV ``reach_claims`` first, and refused (``STORE_UNAVAILABLE``, retryable) while the
+    bucket is missing or does not answer, never run unclaimed (``claims=False`` turns claims
+    off for the whole agent; capabilities in ``idempotent``, or handlers registered with
+    ``idempotent=True``, skip them because their duplicates are harmless; ``claim_timeout``
+    bounds the claim's round trip). ``creds``,
     ``nkey_seed``, ``user``/``password``, ``token``
     and ``tls_ca``/``tls_cert``/``tls_key`` are the connection's credentials (see
     :class:`~reach_agent.connection.Credentials`; ``token`` is the NATS auth token, not the
@@ -304,10 +306,17 @@ class Agent:
             await self.stop()
 
     async def start(
-        self, servers: str | Sequence[str] | None = None, credentials: Credentials | None = None
+        self,
+        servers: str | Sequence[str] | None = None,
+        credentials: Credentials | None = None,
+        *,
+        stop: asyncio.Event | None = None,
     ) -> None:
         """Connect, subscribe, start announcing. ``servers`` defaults to ``NATS_URL`` or
-        ``nats://127.0.0.1:4222``; ``credentials`` set here win over the agent's own."""
+        ``nats://127.0.0.1:4222``; ``credentials`` set here win over the agent's own. The
+        first connect waits for a server as long as it takes, logging each failed attempt
+        (``agent.connect_failed``); ``stop`` set meanwhile (a signal) ends the wait with
+        :class:`~reach_agent.connection.NotConnected`."""
         if self._started:
             return
         missing = [c for c in self.capabilities if c not in self.tasks.handlers]
@@ -323,7 +332,8 @@ class Agent:
         self.watch.violations.clear()
         self.tasks.draining = False
         nc = NATS()
-        await connect(nc, {**options, **self.watch.callbacks()}, what=f"agent {self.agent_id!r}")
+        await connect(nc, {**options, **self.watch.callbacks()}, what=f"agent {self.agent_id!r}",
+                      stop=stop)  # fmt: skip
         self.nc = self.watch.nc = nc
         try:
             await self._setup(nc, servers, cred)
@@ -357,7 +367,7 @@ class Agent:
         claimer = None
         if self.claims:
             claimer = Claimer(nc, self.agent_id, self.instance, self.subjects,
-                              timeout_s=self.claim_timeout)  # fmt: skip
+                              timeout_s=self.claim_timeout, metrics=self.metrics)  # fmt: skip
             await claimer.start()
         await self.presence.subscribe(nc)
         await self.tasks.subscribe(nc, self.capabilities, claimer=claimer, ack_sink=sink,
@@ -378,6 +388,8 @@ class Agent:
         self.tasks.draining = True
         await self.presence.leave()
         await self.tasks.drain(grace)
+        if self.tasks.claimer is not None:
+            await self.tasks.claimer.stop()  # claim ends the store has not confirmed yet
         await self.presence.stop()
         sink = self.ack_sink
         if sink is not None and hasattr(sink, "stop"):

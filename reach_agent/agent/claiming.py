@@ -13,10 +13,15 @@ create finds a claim decides with :func:`decide` (pure) what the stored claim me
 So an agent's first lookup for a request id, also right after a restart, is the claim and
 the ack store, not its memory. The holder ends its claim (``completed``/``failed``) ahead of
 its reply, or hands it back (``released``) when the task ended in a retryable error, so
-another agent may run it. Without JetStream or without the bucket (open dev mode) claims
-are off: the per-process duplicate window alone applies, logged once, re-checked every
-``recheck_s``. A claim store that exists but does not answer in time refuses the task with a
-retryable ``TIMEOUT`` rather than run it unclaimed.
+another agent may run it; an end the store did not confirm is retried until it is stored
+(or the claim moved on), so a finished run never leaves its claim ``running``.
+
+A claimed capability never runs unclaimed. While the bucket cannot be used — no JetStream,
+no ``reach_claims`` bucket yet (agents started before the broker that provisions it), a
+store that does not answer in time — every task is refused with ``STORE_UNAVAILABLE``
+(retryable: callers ask again within their deadline), counted, and logged with what to
+do (at most every ``WARN_EVERY_S``). Nothing is cached: the next task asks the store again,
+so claims work from the first task after the bucket appears.
 
 Claims go over the agent's own connection, not the ack writer's: the claim must be stored
 before the receipt leaves (the receipt means "this agent holds it"), and the ack writer's
@@ -30,6 +35,7 @@ NATS cannot claim at all (exactly when it could not reply either).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import Literal
@@ -41,25 +47,48 @@ from jetstream import ackreads
 from jetstream.claims import ClaimStore, ClaimsUnavailable, NoClaimsBucket, Stored, claim_key
 from jetstream.names import H_REQUEST_ID
 from reach_agent import trace
+from reach_agent.aio import TaskSet
+from reach_agent.metrics import AgentMetrics
 from reach_agent.results import attributed, result_location
 from reach_agent.wire import schema
-from reach_agent.wire.errors import Cancelled, InProgress, ReachError, Timeout, error_for, to_reply
+from reach_agent.wire.errors import (
+    Cancelled,
+    IdempotencyMismatch,
+    InProgress,
+    ReachError,
+    StoreUnavailable,
+    Timeout,
+    error_for,
+    to_reply,
+)
 from reach_agent.wire.subjects import Subjects
 
 from .dedup import Reply
 
 log = trace.logger(__name__)
 
-Verdict = Literal["take_over", "in_progress", "stored"]
+Verdict = Literal["take_over", "in_progress", "stored", "mismatch"]
 
 STORED_WAIT_S = 2.0
 """How long an agent waits for the final ack record of a claim that says it is finished
 (the holder ends its claim just before its ack writer stores the record)."""
+RETRY_AFTER_MS = 500
+"""The ``retry_after_ms`` of a ``STORE_UNAVAILABLE`` refusal: about a leader election."""
+WARN_EVERY_S = 30.0
+"""At most one ``claims.unavailable`` warning per this many seconds (with the count since)."""
+END_RETRY_MAX_S = 5.0
+"""The longest pause between two tries of a claim's end the store did not confirm."""
 
 
-def decide(claim: schema.Claim, *, agent_id: str, instance: str) -> Verdict:
+def decide(
+    claim: schema.Claim, *, agent_id: str, instance: str, digest: str | None = None
+) -> Verdict:
     """What a stored claim means to the agent ``agent_id`` (process ``instance``) that just
-    failed to create it."""
+    failed to create it for a body of ``digest``: a claim made for another body is another
+    request (``mismatch``), whatever its state; one without a digest (written before digests
+    were) is taken as this body's."""
+    if claim.body_digest is not None and digest is not None and claim.body_digest != digest:
+        return "mismatch"
     if claim.state == "released":
         return "take_over"
     if claim.state != "running":
@@ -107,88 +136,174 @@ class Claimer:
         subjects: Subjects,
         *,
         timeout_s: float = 2.0,
-        recheck_s: float = 30.0,
+        metrics: AgentMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        store: ClaimStore | None = None,
     ) -> None:
         self.nc = nc
-        self.store = ClaimStore(nc, timeout_s=timeout_s)
+        self.store = store if store is not None else ClaimStore(nc, timeout_s=timeout_s)
         self.agent_id = agent_id
         self.instance = instance
         self.subjects = subjects
-        self.recheck_s = recheck_s
+        self.metrics = metrics
         self.clock = clock
-        self.enabled = False
-        """Whether claims are taken (the bucket exists)."""
-        self._checked = float("-inf")
-        self._warned = False
+        self.refused = 0
+        """Tasks refused (``STORE_UNAVAILABLE``) because their claim could not be taken."""
+        self.end_retries = 0
+        """Tries of a claim's end after the store did not confirm the first."""
+        self._refused_since_warning = 0
+        self._warned_at = float("-inf")
+        self.available = False
+        """Whether the store answered the last look (the start's, or the last claim's):
+        informative only, every task asks the store again."""
+        self._settling = TaskSet()
 
     async def start(self) -> None:
-        """Look for the bucket once; without it claims are off until a later check."""
-        await self._check()
-
-    async def _check(self) -> None:
-        self._checked = self.clock()
+        """Look for the bucket once, to say at start what happens without it (nothing is
+        decided here: every task asks the store)."""
         try:
             found = await self.store.exists()
         except ClaimsUnavailable as exc:
-            log.warning("claims.check_failed agent=%s error=%s: trying again later",
-                        self.agent_id, exc)  # fmt: skip
+            self._warn(exc)
             return
-        self._turn(found)
-
-    def _turn(self, on: bool) -> None:
-        if on and not self.enabled:
+        if found:
+            self.available = True
             log.info("claims.on agent=%s bucket=%s", self.agent_id, self.store.bucket)
-            self._warned = False
-        elif not on and not self._warned:
-            self._warned = True
-            log.warning(
-                "claims.off agent=%s: no JetStream bucket %r on this server; duplicates are "
-                "caught by this process's window only (checked again every %gs)",
-                self.agent_id, self.store.bucket, self.recheck_s,
-            )  # fmt: skip
-        self.enabled = on
+        else:
+            self._warn(NoClaimsBucket(f"no JetStream or no {self.store.bucket} bucket on "
+                                      "this server"))  # fmt: skip
 
-    async def claim(self, request_id: str, capability: str) -> Claimed | None:
-        """Claim ``request_id``; None when claims are off (run under the local window only).
-        Raises ``ClaimsUnavailable`` when the store does not answer (refuse, retryably)."""
-        if not self.enabled:
-            if self.clock() - self._checked < self.recheck_s:
-                return None
-            await self._check()
-            if not self.enabled:
-                return None
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        """Give the claim ends still being retried ``timeout_s`` to be stored; any left is
+        logged (a broker releases it once this agent is declared gone)."""
+        if len(self._settling):
+            await self._settling.wait(timeout_s)
+        if len(self._settling):
+            log.error("claims.end_unsettled agent=%s count=%d: the store did not take these "
+                      "claims' ends before the agent stopped", self.agent_id,
+                      len(self._settling))  # fmt: skip
+            self._settling.cancel()
+
+    def _warn(self, exc: Exception) -> None:
+        """Say (at most every ``WARN_EVERY_S``) that claimed tasks are refused, and what
+        to do."""
+        self.available = False
+        now = self.clock()
+        if now - self._warned_at < WARN_EVERY_S:
+            return
+        self._warned_at = now
+        refused, self._refused_since_warning = self._refused_since_warning, 0
+        if isinstance(exc, NoClaimsBucket):
+            todo = (f"run nats-server with JetStream (-js) and start `reach broker` against "
+                    f"it (the broker creates {self.store.bucket!r}), or mark capabilities "
+                    "whose duplicates are harmless idempotent")  # fmt: skip
+        else:
+            todo = "check the server's JetStream (a cluster may be electing a leader)"
+        log.warning(
+            "claims.unavailable agent=%s bucket=%s error=%s refused=%d: tasks of claimed "
+            "capabilities are refused with STORE_UNAVAILABLE (retryable), never run "
+            "unclaimed; %s", self.agent_id, self.store.bucket, exc, refused, todo,
+        )  # fmt: skip
+
+    def refusal(self, exc: ClaimsUnavailable, request_id: str) -> StoreUnavailable:
+        """The refusal of a task whose claim could not be taken (counted and logged)."""
+        self.refused += 1
+        self._refused_since_warning += 1
+        if self.metrics is not None:
+            self.metrics.store_errors.labels("claims", "claim").inc()
+        self._warn(exc)
+        if isinstance(exc, NoClaimsBucket):
+            why = (f"the claims bucket {self.store.bucket!r} does not exist on this server "
+                   "(no JetStream, or no reach broker has provisioned it yet)")  # fmt: skip
+        else:
+            why = f"the claims bucket {self.store.bucket!r} did not answer ({exc})"
+        return StoreUnavailable(
+            f"agent {self.agent_id!r} did not run request_id {request_id!r}: {why}; a claimed "
+            "capability never runs unclaimed: ask again", retry_after_ms=RETRY_AFTER_MS,
+        )  # fmt: skip
+
+    async def claim(self, request_id: str, capability: str, digest: str | None = None) -> Claimed:
+        """Claim ``request_id`` for a body of ``digest``. Raises ``ClaimsUnavailable``
+        (``NoClaimsBucket``: there is no bucket) when the store cannot decide: the task is
+        then refused, never run."""
         key = claim_key(request_id)
         mine = schema.Claim(
             request_id=request_id, agent_id=self.agent_id, instance=self.instance,
             capability=capability, state="running", at_ms=int(time.time() * 1000),
-            ack_subject=self.subjects.ack(self.agent_id, request_id),
+            ack_subject=self.subjects.ack(self.agent_id, request_id), body_digest=digest,
         )  # fmt: skip
         data = schema.encoder.encode(mine)
         try:
             created, stored = await self.store.create(key, data)
-            for _ in range(4):
-                if created:
-                    return Claimed(Held(key, stored.revision, mine))
-                existing = _decode(stored)
-                verdict = decide(existing, agent_id=self.agent_id, instance=self.instance)
-                if verdict != "take_over":
-                    return Claimed(verdict=verdict, existing=existing)
-                revision = await self.store.swap(key, data, stored.revision)
-                if revision is not None:
-                    log.info("claims.taken_over request_id=%s from=%s/%s state=%s", request_id,
-                             existing.agent_id, existing.instance, existing.state)  # fmt: skip
-                    return Claimed(Held(key, revision, mine))
-                again = await self.store.get(key)  # it moved under us: look again
-                if again is None:
-                    created, stored = await self.store.create(key, data)
-                else:
-                    created, stored = False, again
         except NoClaimsBucket:
-            self._checked = self.clock()
-            self._turn(False)
-            return None
+            raise
+        except ClaimsUnavailable:  # no answer: the create may have been stored all the same
+            landed = await self._landed(key, data, request_id)
+            if landed is None:
+                raise
+            created, stored = True, landed
+        if not self.available:
+            self.available = True
+            log.info("claims.available agent=%s bucket=%s refused=%d", self.agent_id,
+                     self.store.bucket, self.refused)  # fmt: skip
+        for _ in range(4):
+            if created:
+                return Claimed(Held(key, stored.revision, mine))
+            existing = _decode(stored)
+            verdict = decide(existing, agent_id=self.agent_id, instance=self.instance,
+                             digest=digest)  # fmt: skip
+            if verdict != "take_over":
+                return Claimed(verdict=verdict, existing=existing)
+            revision = await self.store.swap(key, data, stored.revision)
+            if revision is not None:
+                log.info("claims.taken_over request_id=%s from=%s/%s state=%s", request_id,
+                         existing.agent_id, existing.instance, existing.state)  # fmt: skip
+                return Claimed(Held(key, revision, mine))
+            again = await self.store.get(key)  # it moved under us: look again
+            if again is None:
+                created, stored = await self.store.create(key, data)
+            else:
+                created, stored = False, again
         raise ClaimsUnavailable(f"claim {key!r} kept changing while being taken over")
+
+    async def _landed(self, key: str, data: bytes, request_id: str) -> Stored | None:
+        """After a create nobody confirmed: our claim, if the store has it (then it is ours
+        to run); None when it does not, or cannot say now — then, the task being refused, a
+        claim of ours stored after all would be left ``running`` for nobody, so it is looked
+        for again in the background and released (:meth:`_release_orphan`)."""
+        try:
+            stored = await self.store.get(key)
+        except ClaimsUnavailable:
+            self._settling.spawn(self._release_orphan(key, data, request_id), "reach-orphan")
+            return None
+        return stored if stored is not None and stored.data == data else None
+
+    async def _release_orphan(self, key: str, data: bytes, request_id: str) -> None:
+        """Release our create of ``key`` (exactly ``data``) if it was stored although its
+        task was refused; anything else under the key is left alone."""
+        pause = 0.1
+        while True:
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, END_RETRY_MAX_S)
+            try:
+                stored = await self.store.get(key)
+                if stored is None or stored.data != data:
+                    return  # it was not stored, or moved on (taken over, ended)
+                claim = _decode(stored)
+                released = msgspec.structs.replace(
+                    claim, state="released", at_ms=int(time.time() * 1000),
+                    reason=f"{self.agent_id} refused the task: its claim was not confirmed",
+                )  # fmt: skip
+                won = await self.store.swap(key, schema.encoder.encode(released), stored.revision)
+            except ClaimsUnavailable:
+                continue
+            if won is not None:
+                if self.metrics is not None:
+                    self.metrics.store_errors.labels("claims", "orphan").inc()
+                log.warning("claims.orphan_released request_id=%s agent=%s: a claim stored "
+                            "although the store never confirmed it, for a task this agent "
+                            "refused", request_id, self.agent_id)  # fmt: skip
+            return
 
     async def finish(
         self, held: Held, state: schema.ClaimState, reason: str | None = None
@@ -196,47 +311,90 @@ class Claimer:
         """End our claim as ``state`` (compare-and-set). On return the change is on the
         connection ahead of whatever is published next (the reply); await the returned
         function afterwards for the outcome: a claim that moved on (a broker released it
-        while we ran) is logged, never overwritten."""
+        while we ran) is logged, never overwritten; an end the store did not confirm is
+        retried in the background until it is stored or the claim moved on."""
         done = msgspec.structs.replace(held.claim, state=state, at_ms=int(time.time() * 1000),
                                        reason=reason)  # fmt: skip
-        request_id = held.claim.request_id
+        data = schema.encoder.encode(done)
         try:
-            confirm = await self.store.swap_soon(held.key, schema.encoder.encode(done),
-                                                 held.revision)  # fmt: skip
+            confirm = await self.store.swap_soon(held.key, data, held.revision)
         except ClaimsUnavailable as exc:
-            return _failed(request_id, state, exc)
+            return self._retry_end(held, data, state, exc)
 
         async def confirmed() -> None:
             try:
                 revision = await confirm()
             except ClaimsUnavailable as exc:
-                await _failed(request_id, state, exc)()
+                await self._retry_end(held, data, state, exc)()
                 return
             if revision is None:
-                log.warning("claims.lost request_id=%s agent=%s: the claim was released while "
-                            "the task ran (the agent was declared offline)", request_id,
-                            self.agent_id)  # fmt: skip
+                _lost(held, self.agent_id)
                 return
             held.revision = revision
 
         return confirmed
 
+    def _retry_end(
+        self, held: Held, data: bytes, state: str, exc: Exception
+    ) -> Callable[[], Awaitable[None]]:
+        async def retry() -> None:
+            log.warning("claims.end_retrying request_id=%s state=%s error=%s",
+                        held.claim.request_id, state, exc)  # fmt: skip
+            self._settling.spawn(self._settle(held, data, state), "reach-claim-end")
+
+        return retry
+
+    async def _settle(self, held: Held, data: bytes, state: str) -> None:
+        """Store our claim's end (``data``, ``state``) until the store takes it: read the
+        claim, and compare-and-set it while it is still ours and running (a try whose answer
+        was lost may have landed: then it is ours and ``state`` already)."""
+        pause = 0.1
+        while True:
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, END_RETRY_MAX_S)
+            self.end_retries += 1
+            if self.metrics is not None:
+                self.metrics.store_errors.labels("claims", "end").inc()
+            try:
+                stored = await self.store.get(held.key)
+                current = _decode(stored) if stored is not None else None
+                if current is None or current.instance != self.instance:
+                    _lost(held, self.agent_id)
+                    return
+                if current.state == state:
+                    log.info("claims.end_stored request_id=%s state=%s", held.claim.request_id,
+                             state)  # fmt: skip
+                    return
+                if current.state != "running":
+                    _lost(held, self.agent_id)
+                    return
+                assert stored is not None
+                revision = await self.store.swap(held.key, data, stored.revision)
+            except ClaimsUnavailable as exc:
+                log.info("claims.end_retry request_id=%s error=%s", held.claim.request_id, exc)
+                continue
+            if revision is not None:
+                held.revision = revision
+                log.info("claims.end_stored request_id=%s state=%s", held.claim.request_id,
+                         state)  # fmt: skip
+                return
+
     async def take(
-        self, request_id: str, capability: str
+        self, request_id: str, capability: str, digest: str | None = None
     ) -> tuple[Held | None, tuple[str, Reply] | None]:
-        """A task's claim as the run needs it: (our claim, or None when claims are off), or
-        the answer for a claim of another, labelled (``in_progress``, ``duplicate``, or
-        ``unclaimed``: the store did not answer, and the task is not run unclaimed)."""
+        """A task's claim as the run needs it: our claim, or the answer for a claim of
+        another, labelled (``in_progress``, ``duplicate``, ``mismatch``: the claim is for
+        another body, or ``unclaimed``: the store could not decide, and the task is refused
+        ``STORE_UNAVAILABLE``, never run unclaimed)."""
         try:
-            claimed = await self.claim(request_id, capability)
+            claimed = await self.claim(request_id, capability, digest)
         except ClaimsUnavailable as exc:
-            err = Timeout(f"agent {self.agent_id!r} could not claim request_id {request_id!r} "
-                          f"({exc}): not run unclaimed, try again")  # fmt: skip
-            return None, ("unclaimed", _error_reply(err, request_id))
-        if claimed is None or claimed.held is not None:
-            return (claimed.held if claimed else None), None
-        label = "in_progress" if claimed.verdict == "in_progress" else "duplicate"
-        return None, (label, await self.answer(claimed, request_id))
+            return None, ("unclaimed", _error_reply(self.refusal(exc, request_id), request_id))
+        if claimed.held is not None:
+            return claimed.held, None
+        label = claimed.verdict if claimed.verdict in ("in_progress", "mismatch") else "duplicate"
+        assert label is not None
+        return None, (label, await self.answer(claimed, request_id, digest))
 
     async def end(self, held: Held, error: ReachError | None) -> Callable[[], Awaitable[None]]:
         """How a run ends its claim: ``completed``; ``released`` after a retryable error
@@ -252,10 +410,15 @@ class Claimer:
             held, "failed", schema.CLAIM_CANCELLED if isinstance(error, Cancelled) else None
         )
 
-    async def answer(self, claimed: Claimed, request_id: str) -> Reply:
-        """The reply to a request whose claim is someone else's (or already finished)."""
+    async def answer(self, claimed: Claimed, request_id: str, digest: str | None = None) -> Reply:
+        """The reply to a request whose claim is someone else's (or already finished, or for
+        another body)."""
         existing = claimed.existing
         assert existing is not None
+        if claimed.verdict == "mismatch":
+            assert existing.body_digest is not None and digest is not None
+            return _error_reply(self._mismatch(request_id, existing.body_digest, digest,
+                                               existing.agent_id), request_id)  # fmt: skip
         if claimed.verdict == "in_progress":
             err: ReachError = InProgress(
                 f"request_id {request_id!r} is running on agent {existing.agent_id!r} "
@@ -280,6 +443,10 @@ class Claimer:
                 f"({location}): not run again"
             )
             return _error_reply(err, request_id)
+        if rec.body_digest is not None and digest is not None and rec.body_digest != digest:
+            # a claim written without a digest, its record with one: another body after all
+            return _error_reply(self._mismatch(request_id, rec.body_digest, digest,
+                                               existing.agent_id), request_id)  # fmt: skip
         if rec.state == "completed":
             body = bytes(rec.result) if rec.result is not None else b"null"
             return {H_REQUEST_ID: request_id, schema.H_STATUS: "completed"}, body
@@ -288,13 +455,18 @@ class Claimer:
             error_for(failure.get("code", "INTERNAL"), failure.get("message", "")), request_id
         )
 
+    def _mismatch(self, request_id: str, first: str, this: str, holder: str) -> ReachError:
+        log.warning("claims.mismatch request_id=%s holder=%s: reused with another body",
+                    request_id, holder)  # fmt: skip
+        return IdempotencyMismatch.reused(
+            request_id, first, this, seen=f"its claim, held by agent {holder!r}"
+        )
 
-def _failed(request_id: str, state: str, exc: Exception) -> Callable[[], Awaitable[None]]:
-    async def log_it() -> None:
-        log.warning("claims.finish_failed request_id=%s state=%s error=%s", request_id, state,
-                    exc)  # fmt: skip
 
-    return log_it
+def _lost(held: Held, agent_id: str) -> None:
+    log.warning("claims.lost request_id=%s agent=%s: the claim was released while the task "
+                "ran (the agent was declared offline)", held.claim.request_id,
+                agent_id)  # fmt: skip
 
 
 def _decode(stored: Stored) -> schema.Claim:

@@ -16,12 +16,14 @@ Reply = tuple[dict[str, str], bytes]
 
 
 class Entry:
-    """A request id seen recently: its running or finished reply."""
+    """A request id seen recently: its running or finished reply, and the digest of the
+    body it was run with (a repeat with another body is not that request)."""
 
-    __slots__ = ("expires", "future")
+    __slots__ = ("digest", "expires", "future")
 
-    def __init__(self, future: asyncio.Future[Reply]) -> None:
+    def __init__(self, future: asyncio.Future[Reply], digest: str | None = None) -> None:
         self.future = future
+        self.digest = digest
         self.expires = float("inf")  # set when the task finishes
 
 
@@ -44,10 +46,10 @@ class DedupCache:
             return None
         return entry
 
-    def begin(self, request_id: str, now: float, running: int) -> Entry:
-        """Remember a task that starts now; ``running`` tasks (this one included) are never
-        dropped to make room."""
-        entry = Entry(asyncio.get_running_loop().create_future())
+    def begin(self, request_id: str, now: float, running: int, digest: str | None = None) -> Entry:
+        """Remember a task that starts now (its body's ``digest``); ``running`` tasks (this
+        one included) are never dropped to make room."""
+        entry = Entry(asyncio.get_running_loop().create_future(), digest)
         seen = self._seen
         seen[request_id] = entry
         # Bounded: drop expired entries from the old end, then the oldest finished ones.

@@ -16,7 +16,7 @@ from typing import Any, Unpack
 
 import nats.errors
 
-from reach_agent.connection import CredentialOptions, Credentials
+from reach_agent.connection import CredentialOptions, Credentials, NotConnected
 from reach_agent.wire.errors import ReachError
 
 from .agent import Agent
@@ -71,8 +71,10 @@ def run(
     in-flight tasks finish within the agent's grace period, close. Blocks.
 
     ``servers`` defaults to ``NATS_URL`` or ``nats://127.0.0.1:4222``; uvloop is used when
-    available. While no server accepts the first connection it keeps trying (0.2 s doubling
-    to 10 s, jittered); a signal during that wait ends it. The credentials given here win
+    available. While no server accepts the first connection it keeps trying, logging each
+    failed attempt (``agent.connect_failed server=… error=…``, at most every 2 s); a signal
+    during that wait ends it at once: one line on stderr saying the agent never connected,
+    exit status 1. The credentials given here win
     over the agent's own; unset ones come from the environment (``NATS_CREDS``, ...). A
     file that does not exist is a ``ValueError`` at once. Without any logging configured
     by the application, the SDK's INFO lines go to stderr (:func:`default_logging`).
@@ -87,8 +89,10 @@ def run(
         delay = 0.2
         while True:  # no server yet: keep trying (backoff with jitter) until one answers
             try:
-                await agent.start(servers, cred)
+                await agent.start(servers, cred, stop=stop)
                 break
+            except NotConnected as exc:  # a signal while no server had answered yet
+                raise SystemExit(f"reach: {exc}") from None
             except ReachError as exc:  # refused (CONFLICT, FORBIDDEN): one line, exit 1
                 raise SystemExit(f"reach: agent {agent.agent_id}: {exc.code}: {exc.message}"
                                  ) from None  # fmt: skip
@@ -100,7 +104,8 @@ def run(
                     async with asyncio.timeout(pause):
                         await stop.wait()
                 if stop.is_set():
-                    return
+                    raise SystemExit(f"reach: agent {agent.agent_id!r} never started: stopped "
+                                     f"while retrying after {exc!r}") from None  # fmt: skip
                 delay = min(delay * 2, 10.0)
         try:
             stopping = asyncio.ensure_future(stop.wait())

@@ -3,11 +3,12 @@
 Every task subscription callback only decides (:func:`~reach_agent.agent.admission.admit`) and
 acts on the decision — a cached reply, an error reply, or a run handed to an asyncio task —
 so the callback returns at once and the next message is read. The run first claims the
-request id fleet-wide (:mod:`~reach_agent.agent.claiming`; not for capabilities marked idempotent,
-nor without a claims bucket), and only a claim of its own makes it send the receipt and run
-the handler; otherwise it answers ``IN_PROGRESS`` or the stored result. The holder ends its
-claim before it replies. Handlers are ``async def`` (run on the loop), async generators
-(streamed, :mod:`~reach_agent.client.streaming`) or plain functions (run in a worker thread).
+request id fleet-wide (:mod:`~reach_agent.agent.claiming`; not for capabilities marked
+idempotent, nor with ``claims=False``), and only a claim of its own makes it send the
+receipt and run the handler; otherwise it answers ``IN_PROGRESS``, the stored result, or —
+the store could not decide — ``STORE_UNAVAILABLE``. The holder ends its claim before it
+replies. Handlers are ``async def`` (run on the loop), async generators (streamed,
+:mod:`~reach_agent.client.streaming`) or plain functions (run in a worker thread).
 
 A cancel (``<p>.cancel.<agent_id>``, :meth:`TaskServer.on_cancel`) of a request running here
 cancels its handler's asyncio task: the handler sees ``asyncio.CancelledError`` and may
@@ -23,9 +24,11 @@ ends at once, the thread finishes on its own and its result is dropped.
 The durable-ack hook (``ack_sink``) gets state ``received`` when a task is accepted (before
 the handler runs) and ``completed`` (``result`` = the reply body as ``msgspec.Raw``) or
 ``failed`` (``error`` = ``{"code", "message"}``) when it ends, before the reply goes out.
-Exceptions it raises are logged, never fatal. With ``Reach-Ack-Mode: received`` the caller
-gets only the receipt; the result exists only through the sink (without a sink it is logged
-and dropped).
+A sink that raises on ``received`` refuses the task (``STORE_UNAVAILABLE``, retryable; the
+handler does not run: its result could not be made durable); one that raises on the final
+record is logged as an error and counted, and the reply still goes out (the handler ran).
+With ``Reach-Ack-Mode: received`` the caller gets only the receipt; the result exists only
+through the sink (without a sink it is logged and dropped).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from reach_agent.wire.errors import (
     InternalError,
     InvalidRequest,
     ReachError,
+    StoreUnavailable,
     to_reply,
 )
 from reach_agent.wire.subjects import Subjects, is_inbox
@@ -124,8 +128,8 @@ class TaskServer:
         self.idempotent: set[str] = set()
         """Capabilities whose duplicates are harmless: run without a fleet-wide claim."""
         self.claimer: Claimer | None = None
-        """The fleet-wide claims (None: off, the duplicate window alone applies), from
-        :meth:`subscribe`."""
+        """The fleet-wide claims (None: ``Agent(claims=False)``, the duplicate window alone
+        applies), from :meth:`subscribe`."""
         self.nc = NATS()  # the agent's connection, from subscribe()
         self.runner = HandlerRunner(agent_id, max_concurrency)
         self.draining = False
@@ -244,22 +248,27 @@ class TaskServer:
             return
         hdrs = msg.headers or {}
         request_id = hdrs.get(H_REQUEST_ID) or str(uuid.uuid4())
+        digest = schema.body_digest(msg.data)
         now = time.monotonic()
         entry = self.dedup.lookup(request_id, now)
+        mismatch = None
+        if entry is not None and entry.digest is not None and entry.digest != digest:
+            mismatch = entry.digest, digest
         d = admit(hdrs, agent_id=self.agent_id, duplicate=entry is not None,
                   draining=self.draining or self.unready, active=self.active,
-                  max_concurrency=self.max_concurrency, now=now)  # fmt: skip
+                  max_concurrency=self.max_concurrency, now=now, mismatch=mismatch)  # fmt: skip
         if d.verdict == "run":
             self.active += 1
             self._idle.clear()
             self._running[request_id] = now
-            entry = self.dedup.begin(request_id, now, self.active)
+            entry = self.dedup.begin(request_id, now, self.active, digest)
             claim = self.claimer is not None and capability not in self.idempotent
             if reply and d.receipt and not claim:
                 await self._send_receipt(reply, request_id)  # at once: nothing to claim
             run = self._runs[request_id] = Run()
             run.task = self._tasks.spawn(
-                self._run(msg, capability, request_id, entry, d, hdrs, claim, run), "reach-task"
+                self._run(msg, capability, request_id, entry, d, hdrs, claim, run, digest),
+                "reach-task",
             )
             return
         self._count(capability, d.label)
@@ -372,6 +381,7 @@ class TaskServer:
         hdrs: dict[str, str],
         claim: bool,
         run: Run,
+        digest: str,
     ) -> None:
         # This asyncio task's own context: the handler's sub-calls and log lines see it.
         ctx = trace.TraceContext(request_id, self.agent_id, hdrs)
@@ -386,13 +396,14 @@ class TaskServer:
             held = None
             if claim:
                 assert self.claimer is not None
-                held, answer = await self._claim(ctx, request_id, capability)
+                held, answer = await self._claim(ctx, request_id, capability, digest)
                 if answer is not None:
                     await self._answer(msg, capability, request_id, entry, d, answer)
                     return
                 if msg.reply and d.receipt:
                     await self._send_receipt(msg.reply, request_id)  # the claim is ours
-            error = await self._execute(msg, capability, request_id, entry, d, hdrs, held, run)
+            error = await self._execute(msg, capability, request_id, entry, d, hdrs, held, run,
+                                        digest)  # fmt: skip
         finally:
             if self._runs.get(request_id) is run:
                 del self._runs[request_id]
@@ -408,17 +419,17 @@ class TaskServer:
                 "reach.agent_id": self.agent_id}  # fmt: skip
 
     async def _claim(
-        self, ctx: trace.TraceContext, request_id: str, capability: str
+        self, ctx: trace.TraceContext, request_id: str, capability: str, digest: str
     ) -> tuple[Held | None, tuple[str, Reply] | None]:
-        """The request id's claim (:meth:`Claimer.take`), in a ``reach.claim`` span when
-        spans are on."""
+        """The request id's claim for a body of ``digest`` (:meth:`Claimer.take`), in a
+        ``reach.claim`` span when spans are on."""
         assert self.claimer is not None
         if self.spans is None:
-            return await self.claimer.take(request_id, capability)
+            return await self.claimer.take(request_id, capability, digest)
         span = self.spans.start("reach.claim", ctx.parent, otel.INTERNAL,
                                 self._span_attributes(request_id, capability))  # fmt: skip
         try:
-            held, answer = await self.claimer.take(request_id, capability)
+            held, answer = await self.claimer.take(request_id, capability, digest)
         except BaseException as exc:
             self.spans.end(span, exc)
             raise
@@ -457,6 +468,7 @@ class TaskServer:
         hdrs: dict[str, str],
         held: Held | None,
         run: Run,
+        digest: str,
     ) -> ReachError | None:
         """Run the handler and answer; the error the caller got (None: a result)."""
         started = time.monotonic()
@@ -465,7 +477,11 @@ class TaskServer:
         body = b""
         wire: Reply | None = None  # what the reply subject gets instead (a stream's end)
         try:
-            await self._record(request_id, capability, "received")
+            if not await self._record(request_id, capability, "received", digest):
+                raise StoreUnavailable(
+                    f"agent {self.agent_id!r} did not run request_id {request_id!r}: its ack "
+                    "sink could not record 'received' (see the agent's log): ask again"
+                )
             try:
                 payload = _payload_decoder.decode(msg.data) if msg.data else None
             except msgspec.DecodeError as exc:
@@ -535,10 +551,11 @@ class TaskServer:
             # The final record before the reply too: once a caller has the result, the ack
             # writer's log has it, so a restarted agent can answer a repeat from the store.
             if error is None:
-                await self._record(request_id, capability, "completed", result=msgspec.Raw(body))
+                await self._record(request_id, capability, "completed", digest,
+                                   result=msgspec.Raw(body))  # fmt: skip
             else:
                 failure = {"code": error.code, "message": error.message}
-                await self._record(request_id, capability, "failed", error=failure)
+                await self._record(request_id, capability, "failed", digest, error=failure)
             if msg.reply and d.ack_mode != "received":
                 out_headers, out_body = wire or (headers, body)
                 await self._publish(msg.reply, out_body, out_headers)
@@ -554,24 +571,31 @@ class TaskServer:
         request_id: str,
         capability: str,
         state: schema.AckState,
+        digest: str,
         result: msgspec.Raw | None = None,
         error: dict[str, str] | None = None,
-    ) -> None:
+    ) -> bool:
+        """Hand one record to the ack sink; False (logged, counted) when the sink raised."""
         sink = self.ack_sink
         if sink is None:
-            return
+            return True
         ctx = trace.CURRENT.get()  # this task's (set in _run): a flow step names its run
         parent = ctx.headers.get(schema.H_PARENT_ID) if ctx is not None else None
         rec = schema.AckRecord(
             request_id=request_id, agent_id=self.agent_id, capability=capability, state=state,
             at_ms=int(time.time() * 1000), result=result, error=error,
-            parent_request_id=parent,
+            parent_request_id=parent, body_digest=digest,
         )  # fmt: skip
         try:
             await sink.record(rec)
-        except Exception:  # the sink's trouble is not the caller's
+        except Exception:  # the caller learns it from the task's answer, never a crash
             log.exception("agent.ack_sink_failed agent=%s request_id=%s state=%s",
                           self.agent_id, request_id, state)  # fmt: skip
+            if self.metrics is not None:
+                op = "received" if state == "received" else "final"
+                self.metrics.store_errors.labels("acks", op).inc()
+            return False
+        return True
 
 
 def _cancelled_reply(request_id: str, agent_id: str, reason: str) -> Reply:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from reach_agent.wire.errors import Draining, ReachError, TargetBusy
+from reach_agent.wire.errors import Draining, ReachError, StoreUnavailable, TargetBusy
 from reach_agent.wire.retry import Outcome
 
 from .config import BreakerConfig
@@ -167,8 +167,8 @@ def verdict(outcome: Outcome, err: ReachError | None = None) -> bool | None:
     if outcome == "ok":
         return True
     if outcome == "error":
-        if err is None or isinstance(err, TargetBusy | Draining):
-            return None  # healthy but full or leaving
+        if err is None or isinstance(err, TargetBusy | Draining | StoreUnavailable):
+            return None  # healthy but full or leaving, or the shared store is not there
         return err.status < 500  # a refused request is a responsive agent
     if outcome == "closed":
         return None

@@ -58,6 +58,7 @@ from reach_agent.aio import TaskSet
 from reach_agent.connection import (
     CredentialOptions,
     Credentials,
+    NotConnected,
     connect,
     connect_options,
     drain_or_close,
@@ -147,7 +148,11 @@ class Client:
 
     # --- lifecycle ----------------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def start(self, *, stop: asyncio.Event | None = None) -> None:
+        """Connect (unless given a connection) and subscribe. Waits for a server at most
+        ``config.connect_timeout_s`` (``ConnectionError``), logging each failed attempt
+        (``client.connect_failed``); ``stop`` set meanwhile (a signal) ends the wait at once
+        (:class:`~reach_agent.connection.NotConnected`)."""
         if self._started:
             return
         nc = self.nc
@@ -160,8 +165,9 @@ class Client:
             try:
                 async with asyncio.timeout(self.config.connect_timeout_s):
                     await connect(nc, {**options, "error_cb": self._on_error},
-                                  what=f"client {self._name!r}")  # fmt: skip
-            except Forbidden:
+                                  what=f"client {self._name!r}", role="client",
+                                  stop=stop)  # fmt: skip
+            except (Forbidden, NotConnected):
                 self._started = False
                 raise
             except TimeoutError:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import msgspec
@@ -26,8 +26,14 @@ from jetstream.names import H_REQUEST_ID
 from reach_agent import trace
 from reach_agent.results import attributed
 from reach_agent.wire import schema
-from reach_agent.wire.errors import CompensationFull, InternalError, InvalidRequest, Timeout
-from reach_agent.wire.schema import AckRecord, check_capability, encoder
+from reach_agent.wire.errors import (
+    CompensationFull,
+    IdempotencyMismatch,
+    InvalidRequest,
+    StoreUnavailable,
+    Timeout,
+)
+from reach_agent.wire.schema import AckRecord, body_digest, check_capability, encoder
 from reach_agent.wire.subjects import BROKER_ACK_AUTHOR, DEFAULT_PREFIX, Subjects
 
 log = trace.logger(__name__)
@@ -75,8 +81,12 @@ async def submit(
 ) -> Submitted:
     """Queue a task for eventual delivery; returns its request id.
 
-    Raises ``CompensationFull`` when the queue is at its bound (nothing was stored),
-    ``InvalidRequest``/``InvalidCapability`` for bad arguments. Higher ``priority`` replays
+    Raises ``IdempotencyMismatch`` when ``request_id`` was already used with another body
+    (its claim, or the entry queued under it, says so: nothing new was stored),
+    ``CompensationFull`` when the queue is at its bound (nothing was stored),
+    ``StoreUnavailable`` (retryable) when no stream took it (none provisioned yet, or no
+    PubAck in time: submit again with the same request id), ``InvalidRequest``/
+    ``InvalidCapability`` for bad arguments. Higher ``priority`` replays
     first; ``ttl`` (seconds) is how long the entry may wait before it is recorded as
     ``failed`` with reason ``expired``.
     """
@@ -94,11 +104,19 @@ async def submit(
     except acks.InvalidRequestId as exc:
         raise InvalidRequest(str(exc)) from None
     data = bytes(payload) if isinstance(payload, bytes | bytearray) else encoder.encode(payload)
+    digest = body_digest(data)
     hdrs = dict(headers or {})
     hdrs[H_REQUEST_ID] = rid
+    nc = connection_of(client)
+    claim = await read_claim(nc, rid) if request_id else None  # a fresh uuid4 was never used
+    if claim is not None and claim.body_digest is not None and claim.body_digest != digest:
+        _count(client, "mismatch")
+        raise IdempotencyMismatch.reused(
+            rid, claim.body_digest, digest, seen=f"its claim, held by agent {claim.agent_id!r}"
+        )
     try:
         res = await compensation.enqueue(
-            connection_of(client),
+            nc,
             capability,
             data,
             request_id=rid,
@@ -106,13 +124,21 @@ async def submit(
             expires_at_ms=int((time.time() + ttl_s) * 1000),
             headers=hdrs,
             subjects=Subjects(prefix),
+            body_digest=digest,
         )
     except compensation.QueueFull as exc:
         _count(client, "refused")
         raise CompensationFull(f"{exc}; request_id {rid!r} was not queued") from None
-    except compensation.QueueError as exc:
-        raise InternalError(str(exc)) from None
+    except compensation.QueueError as exc:  # no stream (no broker yet), no PubAck in time
+        _count(client, "unavailable")
+        raise StoreUnavailable(f"{exc}; request_id {rid!r} may not be queued: submit it again "
+                               "with the same request_id (a repeat is not stored twice)",
+                               retry_after_ms=1000) from None  # fmt: skip
     if res.duplicate:
+        first = await compensation.digest_at(nc, res.seq)
+        if first is not None and first != digest:
+            _count(client, "mismatch")
+            raise IdempotencyMismatch.reused(rid, first, digest, seen="the compensation queue")
         log.info("submit.duplicate request_id=%s capability=%s seq=%d", rid, capability, res.seq)
     _count(client, "duplicate" if res.duplicate else "enqueued")
     return Submitted(rid, duplicate=res.duplicate, seq=res.seq)
@@ -226,15 +252,33 @@ async def wait(
     return _decoded(taken.answer)
 
 
+def final_of(stored: Iterable[ackreads.StoredAck], takers: Iterable[str]) -> AckRecord | None:
+    """The record :func:`wait` answers with among ``stored`` (one request's attributed
+    records, oldest first) when ``takers`` took it, its ``result`` decoded; None while there
+    is none (a reader that already holds the records: the A2A gateway's tasks)."""
+    taken = _Taken(set(takers))
+    for rec in stored:
+        if taken.accept(rec) is not None:
+            assert taken.answer is not None
+            return _decoded(taken.answer)
+    return None
+
+
+async def read_claim(nc: NATS, request_id: str) -> schema.Claim | None:
+    """``request_id``'s claim, if the claims bucket has one and says so now (a bucket that
+    cannot say is logged: the agents check the claim again anyway)."""
+    try:
+        stored = await ClaimStore(nc).get(claim_key(request_id))
+        return schema.claim_decoder.decode(stored.data) if stored is not None else None
+    except (ClaimsUnavailable, msgspec.MsgspecError) as exc:
+        log.info("claims.unreadable request_id=%s error=%s", request_id, exc)
+        return None
+
+
 async def _claim_holder(nc: NATS, request_id: str) -> str | None:
     """The agent holding ``request_id``'s claim, if the claims bucket has one (its holder's
     records are the result; a released claim names nobody)."""
-    try:
-        stored = await ClaimStore(nc).get(claim_key(request_id))
-        claim = schema.claim_decoder.decode(stored.data) if stored is not None else None
-    except (ClaimsUnavailable, msgspec.MsgspecError) as exc:
-        log.debug("wait.claim_unreadable request_id=%s error=%s", request_id, exc)
-        return None
+    claim = await read_claim(nc, request_id)
     return claim.agent_id if claim is not None and claim.state != "released" else None
 
 

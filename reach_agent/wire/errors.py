@@ -19,8 +19,10 @@ class ReachError(Exception):
     status = 500
     retryable = False
     full = False
-    """The refusal says only that every slot is taken now (``OVERLOADED``, ``TARGET_BUSY``):
-    a caller waits a moment and asks again, within its deadline, without counting a retry."""
+    """The refusal says only "not now": every slot is taken (``OVERLOADED``,
+    ``TARGET_BUSY``), or a store the guarantee needs is not there yet
+    (``STORE_UNAVAILABLE``): a caller waits a moment and asks again, within its deadline,
+    without counting a retry."""
     extra: dict[str, Any] | None = None
     """Members the error reply's body carries beside ``error`` (with ``explain``, a route's
     ``NO_REACHABLE_AGENT`` carries its ``explain``)."""
@@ -78,6 +80,26 @@ class BizReject(RequestError):
     """The handler refused the task on business grounds: never retried."""
 
     code = "BIZ_REJECT"
+
+
+class IdempotencyMismatch(RequestError):
+    """The request id was used before with another task body (its digest is stored with the
+    claim, the ack records and the queued entry): a request id names one request, so this
+    one is refused rather than answered with the other body's result. Never retried."""
+
+    code = "IDEMPOTENCY_MISMATCH"
+    status = 422
+
+    @classmethod
+    def reused(cls, request_id: str, first: str, this: str, seen: str) -> IdempotencyMismatch:
+        """The refusal of ``request_id`` sent with a body of digest ``this``, where ``seen``
+        (the claim, the duplicate window, the queue) holds it with a body of digest
+        ``first``."""
+        return cls(
+            f"request_id {request_id!r} was already used with another body (body digest "
+            f"{first[:12]}..., this body {this[:12]}..., per {seen}): a request id names one "
+            "request; send a new body with a new request id"
+        )
 
 
 class InputRequired(RequestError):
@@ -147,6 +169,20 @@ class CompensationFull(Unavailable):
     retryable = False
 
 
+class StoreUnavailable(Unavailable):
+    """A JetStream store a guarantee depends on is missing or not answering (the claims
+    bucket ``reach_claims``, the compensation queue): nothing ran and nothing was stored.
+    The message names the store and what to do; asked again after ``retry_after_ms``
+    within the caller's deadline, without counting a retry (like a full agent), because
+    the store usually comes back (a broker provisions it, a cluster elects a leader)."""
+
+    code = "STORE_UNAVAILABLE"
+    full = True
+
+    def __init__(self, message: str = "", *, retry_after_ms: int | None = None) -> None:
+        super().__init__(message, retry_after_ms=retry_after_ms)
+
+
 class Cancelled(ReachError):
     """The request was cancelled (``Client.cancel``, ``reach cancel``, a cancelled call, its
     caller's deadline) before it finished; a cancelled request id never runs again."""
@@ -205,6 +241,7 @@ _BY_CODE: dict[str, type[ReachError]] = {
         LoopDetected,
         Conflict,
         BizReject,
+        IdempotencyMismatch,
         InputRequired,
         InProgress,
         NoReachableAgent,
@@ -213,6 +250,7 @@ _BY_CODE: dict[str, type[ReachError]] = {
         Draining,
         Timeout,
         CompensationFull,
+        StoreUnavailable,
         Cancelled,
         StreamBroken,
         FlowFailed,

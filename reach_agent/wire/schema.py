@@ -9,13 +9,15 @@ cannot express, live in ``validate_*`` functions that raise :class:`InvalidReque
 In order: the vocabulary every Struct is built from (``Base``, the id and capability
 patterns and their one-value checks, the bounded field types, the literal states); an
 explained route's Structs (``RouteRequest.explain``); the task path's records that JetStream
-stores and the broker and SDK read back (receipt, ack record, event, claim); the
+stores and the broker and SDK read back (receipt, ack record, event, claim, and the body
+digest the ack record and claim carry); the
 control-plane messages (announce, heartbeat, route, agents, outcome summaries); the
 headers; the codecs; the cross-field validation.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Annotated, Any, Literal
 
@@ -187,6 +189,14 @@ class RouteExplain(Base, frozen=True):
 # --- the task path's records ------------------------------------------------------------
 
 
+def body_digest(body: bytes) -> str:
+    """The digest of a task body as sent (its bytes, not its meaning): the 32 hex digits of
+    BLAKE2b-128. Stored with a request id's claim and ack records (``body_digest``) and on
+    its compensation entry, so that the request id reused with another body is refused
+    (``IDEMPOTENCY_MISMATCH``) instead of answered with the first body's result."""
+    return hashlib.blake2b(body, digest_size=16).hexdigest()
+
+
 class Receipt(msgspec.Struct, frozen=True, kw_only=True):
     """Interim reply sent before the result when a task asks ``Reach-Receipt: 1``.
 
@@ -241,6 +251,9 @@ class AckRecord(Base, frozen=True):
     error: dict[str, str] | None = None
     parent_request_id: str | None = None
     """The flow run this request is a step of (the task's ``Reach-Parent-Id``)."""
+    body_digest: str | None = None
+    """:func:`body_digest` of the task body the record is about (absent in records written
+    before it existed)."""
 
 
 class Event(Base, frozen=True):
@@ -278,6 +291,10 @@ class Claim(Base, frozen=True):
     """The result location: the ``REACH_ACKS`` subject of the holder's final ack record."""
     reason: str | None = None
     """Why it was released; :data:`CLAIM_CANCELLED` on a ``failed`` claim a cancel ended."""
+    body_digest: str | None = None
+    """:func:`body_digest` of the body the holder runs: another body under the same request
+    id is refused ``IDEMPOTENCY_MISMATCH`` (absent in claims written before it existed:
+    accepted)."""
 
 
 CLAIM_CANCELLED = "cancelled"
@@ -297,6 +314,7 @@ class _StoredAck(msgspec.Struct, kw_only=True):
     result: msgspec.Raw = msgspec.Raw()
     error: dict[str, str] | None = None
     parent_request_id: str | None = None
+    body_digest: str | None = None
 
 
 _stored_ack_decoder = msgspec.json.Decoder(_StoredAck)
@@ -312,7 +330,8 @@ def decode_ack_record(data: bytes, *, decode_result: bool = False) -> AckRecord:
         result = _result_decoder.decode(result)
     return AckRecord(request_id=s.request_id, agent_id=s.agent_id, capability=s.capability,
                      state=s.state, at_ms=s.at_ms, result=result, error=s.error,
-                     parent_request_id=s.parent_request_id)  # fmt: skip
+                     parent_request_id=s.parent_request_id,
+                     body_digest=s.body_digest)  # fmt: skip
 
 
 # --- agent → broker ---------------------------------------------------------------------

@@ -231,7 +231,11 @@ def list_identities(directory: DirLike) -> list[Identity]:
         for path in sorted((d.revoked / role).glob("*.jwt")):
             user = claims.decode(path.read_text(), UserClaims)
             out.append(_identity(role, user, path, _revoked_at(revocations, user)))
-    return sorted(out, key=lambda i: (ROLE_NAMES.index(i.role), i.name, i.issued_at))
+    # Oldest first; within one second (issued_at is whole seconds) a revoked credential
+    # before a valid one, since a credential is revoked before or when it is replaced.
+    return sorted(
+        out, key=lambda i: (ROLE_NAMES.index(i.role), i.name, i.issued_at, i.revoked_at is None)
+    )
 
 
 def _revoked_at(revocations: dict[str, int], user: UserClaims) -> int | None:

@@ -9,6 +9,7 @@ import asyncio
 import logging
 from urllib.parse import urlsplit
 
+from reach_agent.connection import NotConnected
 from reach_agent.wire import schema
 from reach_agent.wire.errors import ReachError
 from reach_broker.logs import say
@@ -120,7 +121,7 @@ async def _adapt(args: argparse.Namespace, cap: str, url: str, health: str | Non
     )  # fmt: skip
     probes = None
     if args.health_port is not None:  # listening first: /healthz answers while connecting
-        from ..health import ProbePort
+        from ..console.health import ProbePort
 
         probes = ProbePort(args.health_host, args.health_port, adapter.not_ready)
         try:
@@ -130,7 +131,11 @@ async def _adapt(args: argparse.Namespace, cap: str, url: str, health: str | Non
                            f"{exc.strerror or exc}", EXIT_UNAVAILABLE) from None  # fmt: skip
         say(f"probes on {probes.url}/healthz and /readyz")
     try:
-        await adapter.start(args.server)
+        try:
+            await adapter.start(args.server, stop=stop)
+        except NotConnected as exc:  # a signal while no server had answered yet
+            await adapter.stop()
+            raise CliError(str(exc), EXIT_UNAVAILABLE) from None
         say(f"adapting {args.agent_id} ({cap}) -> POST {url}"
             + (f", health {health}" if health else ""))  # fmt: skip
         try:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from reach_agent.wire.errors import ReachError
+from reach_agent.wire.schema import check_capability
 from reach_broker import process
 from reach_broker.config import ConfigError, a2a_token, console_token, load
 
@@ -38,9 +40,14 @@ def add_parser(sub: Subcommands) -> None:
     p.add_argument("--port", type=int, default=int_env("REACH_NATS_PORT"),
                    help="port of the embedded nats-server (default 4222; "
                         "0: any free port)")  # fmt: skip
-    p.add_argument("--store-dir", default=env_default("REACH_STORE_DIR"),
-                   help="JetStream store dir of the embedded server "
-                        "(default: a temp dir)")  # fmt: skip
+    store = p.add_mutually_exclusive_group()
+    store.add_argument("--store-dir", default=env_default("REACH_STORE_DIR"),
+                       help="JetStream store dir of the embedded server, kept across restarts "
+                            "(default ./reach-data; env REACH_STORE_DIR)")  # fmt: skip
+    store.add_argument("--ephemeral", action="store_true",
+                       default=env_default("REACH_EPHEMERAL") == "1",
+                       help="give the embedded server a throwaway store (a temp dir removed "
+                            "at exit; env REACH_EPHEMERAL=1)")  # fmt: skip
     p.add_argument("--broker-id", default=env_default("REACH_BROKER_ID"),
                    help="this replica's id (default host-pid-random; env "
                         "REACH_BROKER_ID)")  # fmt: skip
@@ -56,6 +63,11 @@ def add_parser(sub: Subcommands) -> None:
     p.add_argument("--a2a-token", default=None,
                    help="bearer token the A2A gateway requires (16-256 characters; default "
                         "the console's token; env REACH_A2A_TOKEN)")  # fmt: skip
+    p.add_argument("--a2a-root-skill", default=env_default("REACH_A2A_ROOT_SKILL"),
+                   metavar="CAPABILITY",
+                   help="the A2A gateway's origin stands for this capability: its card at "
+                        "/.well-known/agent-card.json, its JSON-RPC at POST / (env "
+                        "REACH_A2A_ROOT_SKILL)")  # fmt: skip
     # --prefix (from add_common) overrides broker.toml only when given (or REACH_PREFIX).
     p.set_defaults(func=run, prefix=env_default("REACH_PREFIX"))
 
@@ -90,7 +102,9 @@ def run(args: argparse.Namespace) -> int:
         cfg.broker.metrics_host = args.metrics_host
     if args.port is not None:
         cfg.nats.embedded_port = args.port
-    if args.store_dir:
+    if args.ephemeral:
+        cfg.nats.embedded_ephemeral = True
+    elif args.store_dir:
         cfg.nats.embedded_store_dir = args.store_dir
     if args.broker_id:
         cfg.broker.broker_id = args.broker_id
@@ -110,6 +124,12 @@ def run(args: argparse.Namespace) -> int:
             cfg.a2a.token = a2a_token(args.a2a_token, "--a2a-token")
         except ConfigError as exc:
             raise CliError(str(exc), EXIT_USAGE) from None
+    if args.a2a_root_skill:
+        try:
+            check_capability(args.a2a_root_skill, "--a2a-root-skill")
+        except ReachError as exc:
+            raise CliError(exc.message, EXIT_USAGE) from None
+        cfg.a2a.root_skill = args.a2a_root_skill
     if args.prefix is not None:
         subjects(args)  # a bad prefix is a usage error naming it
         cfg.broker.prefix = args.prefix

@@ -220,6 +220,13 @@ def stop_on_signals() -> asyncio.Event:
     return stop
 
 
+def default_signals() -> None:
+    """Undo :func:`stop_on_signals`: the signals act as Python's defaults again."""
+    loop = asyncio.get_running_loop()
+    for sig in STOP_SIGNALS:
+        loop.remove_signal_handler(sig)
+
+
 async def connect(
     args: argparse.Namespace,
     name: str = "reach-cli",

@@ -1,6 +1,6 @@
 """``reach mcp``: the MCP server (:mod:`reach_broker.interop.mcptools`) on stdio, or with
 ``--http PORT`` on streamable HTTP at ``http://127.0.0.1:PORT/mcp`` (with ``/healthz`` and
-``/readyz`` beside it, :mod:`reach_broker.health`). Needs the extra ``mcp``.
+``/readyz`` beside it, :mod:`reach_broker.console.health`). Needs the extra ``mcp``.
 
 stdout belongs to the protocol on stdio: every word of ours goes to stderr.
 """
@@ -17,8 +17,10 @@ from .common import (
     CliError,
     Subcommands,
     add_common,
+    default_signals,
     env_default,
     servers,
+    stop_on_signals,
     subjects,
 )
 
@@ -70,10 +72,13 @@ async def _serve(args: argparse.Namespace) -> int:
                                     tls_ca=args.tls_ca)  # fmt: skip
     except ValueError as exc:  # a credentials file that does not exist
         raise CliError(str(exc), EXIT_USAGE) from None
+    stop = stop_on_signals()  # while connecting: a signal ends the wait with one line
     try:
-        await client.start()
+        await client.start(stop=stop)
     except (ConnectionError, OSError) as exc:
         raise CliError(f"reach mcp: {exc}", EXIT_UNAVAILABLE) from None
+    finally:
+        default_signals()  # serving: Ctrl-C and SIGTERM act as they always did
     try:
         tools = Tools(client, call_timeout_s=args.call_timeout, request_timeout_s=args.timeout)
         server = build_server(tools, __version__, not_ready=lambda: _not_ready(client))

@@ -80,8 +80,11 @@ ping_interval: "2s"
 ping_max: 2
 max_payload: 8MB
 
+# A write is fsynced on every replica that acknowledges it (the second line below; the
+# server's default fsyncs every 2 minutes). The cost: docs/operations.md, "Durability".
 jetstream {{
   store_dir: {store_dir}
+  sync_interval: always
   max_memory_store: 256MB
   max_file_store: 4GB
 }}

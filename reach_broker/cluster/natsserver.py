@@ -14,6 +14,7 @@ system user, and a password in the repository would be one everybody knows.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import re
@@ -42,11 +43,22 @@ SYSTEM_PASSWORD_ENV = "REACH_NATS_SYSTEM_PASSWORD"
 """Read by ``configs/nats-server.conf`` as the system account's password."""
 _PASSWORD_RE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{11,}")
 TMP_PREFIX = "reach-nats-"
+STORE_LOCK = "reach.lock"
+"""Held (``flock``) in a store dir that outlives the server, while a server runs on it."""
 _TMP_RE = re.compile(rf"{TMP_PREFIX}(\d+)-")
 
 
 class NatsServerError(RuntimeError):
     """The embedded server could not be found or started; the message says why."""
+
+
+class StoreInUse(NatsServerError):
+    """Another server of this machine runs on the store dir (two would corrupt it)."""
+
+    def __init__(self, store_dir: Path, holder: str) -> None:
+        super().__init__(f"JetStream store {store_dir} is in use by another embedded "
+                         f"nats-server ({holder})")  # fmt: skip
+        self.store_dir = store_dir
 
 
 class PortInUse(NatsServerError):
@@ -142,13 +154,14 @@ class NatsServer:
 
     ``port=0`` lets the server pick a free port (read back from its log, so there is no
     race between choosing a port and binding it). ``store_dir=None`` uses a temporary
-    directory removed on :meth:`stop`. ``config_store=True`` is for a config that turns
-    JetStream on with a store of its own (``reach auth init``'s ``DIR/server.conf``): the
-    launcher then passes neither ``-js`` nor ``-sd`` (the server refuses a second
-    ``store_dir``) and keeps its log in ``store_dir``; ``tls`` says the config requires TLS
-    (the URL is then ``tls://``). ``guard`` ties the server's life to this process
-    (:mod:`reach_broker.cluster.lifeline`; default: the platform's mechanism). Usable as a (sync or
-    async) context manager.
+    directory removed on :meth:`stop`; a given ``store_dir`` is kept, and locked while the
+    server runs (:class:`StoreInUse` for a second server on it). ``config_store=True`` is
+    for a config that turns JetStream on with a store of its own (``reach auth init``'s
+    ``DIR/server.conf``): the launcher then passes neither ``-js`` nor ``-sd`` (the server
+    refuses a second ``store_dir``) and keeps its log in ``store_dir``; ``tls`` says the
+    config requires TLS (the URL is then ``tls://``). ``guard`` ties the server's life to
+    this process (:mod:`reach_broker.cluster.lifeline`; default: the platform's mechanism).
+    Usable as a (sync or async) context manager.
     """
 
     def __init__(
@@ -183,6 +196,7 @@ class NatsServer:
         self.log_path: Path | None = None
         self.system_password: str | None = None
         """The system account's password while running with the shipped config."""
+        self._lock_fd: int | None = None
 
     @property
     def url(self) -> str:
@@ -204,7 +218,13 @@ class NatsServer:
             remove_stale_store_dirs()
             self._tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-"))
             self.store_dir = self._tmp
-        self.store_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.store_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise NatsServerError(f"JetStream store {self.store_dir}: cannot be created "
+                                  f"({exc.strerror or exc})") from None  # fmt: skip
+        if self._tmp is None:
+            self._lock_store()
         self.log_path = self.store_dir / "nats-server.log"
         self.log_path.write_bytes(b"")
         args = [binary]
@@ -239,6 +259,32 @@ class NatsServer:
         self.stop()
         raise NatsServerError(f"nats-server did not accept connections within {timeout} s")
 
+    def _lock_store(self) -> None:
+        """Hold ``store_dir/reach.lock`` while the server runs: nats-server does not lock its
+        store, and two servers on one store (two brokers started in the same directory)
+        would corrupt it. Released by the OS if this process dies."""
+        assert self.store_dir is not None
+        path = self.store_dir / STORE_LOCK
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise NatsServerError(f"JetStream store {self.store_dir}: cannot be written "
+                                  f"({exc.strerror or exc})") from None  # fmt: skip
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown pid"
+            os.close(fd)
+            raise StoreInUse(self.store_dir, f"pid {holder}") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._lock_fd = fd
+
+    def _unlock_store(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing releases the lock
+            self._lock_fd = None
+
     def _start_failure(self, stderr: str) -> NatsServerError:
         """The one-line reason the server exited at start (its log can be 20+ lines)."""
         text = self.log_path.read_text(errors="replace") if self.log_path else ""
@@ -266,6 +312,7 @@ class NatsServer:
         self._cleanup()
 
     def _cleanup(self) -> None:
+        self._unlock_store()
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
@@ -280,6 +327,7 @@ class NatsServer:
         self._lifeline.release()
         if proc is not None and proc.stderr is not None:
             proc.stderr.close()
+        self._unlock_store()
 
     def __enter__(self) -> NatsServer:
         self.start()

@@ -1,6 +1,6 @@
 """What the broker's HTTP port answers: ``/metrics`` (Prometheus, as before), the probes
-``/healthz`` and ``/readyz`` (:mod:`reach_broker.health`; like ``/metrics``, no token) and the
-console —
+``/healthz`` and ``/readyz`` (:mod:`reach_broker.console.health`; like ``/metrics``, no
+token) and the console —
 the page (``/``, ``/static/…``, shipped in the package: no CDN, no network), its JSON
 (``/api/…``) and its live stream (``/events``, server-sent events). Read-only: GET and HEAD.
 
@@ -27,9 +27,9 @@ import msgspec
 
 from jetstream.tasks import raise_if_cancelled
 
-from .. import health
-from ..health import Readiness
+from . import health
 from .feed import Feed, Watcher
+from .health import Readiness
 from .httpd import Request, Response, Stream, text
 
 _json = msgspec.json.Encoder()
@@ -171,7 +171,7 @@ class App:
         """The Prometheus CollectorRegistry of /metrics."""
         self.access = access
         self.not_ready = not_ready
-        """The broker's readiness, for /readyz (:mod:`reach_broker.health`)."""
+        """The broker's readiness, for /readyz (:mod:`reach_broker.console.health`)."""
         self.feed = feed
         """The console's data (none: 503, as until the broker runs it)."""
         self.files = _static()

@@ -7,10 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 from reach_broker.config import Config
-from reach_broker.health import Readiness
 
 from .app import Access, App
 from .feed import Feed
+from .health import Readiness
 from .httpd import HttpServer
 
 

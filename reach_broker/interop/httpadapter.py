@@ -107,8 +107,12 @@ class HttpAdapter:
             limits=httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=64)
         )
 
-    async def start(self, servers: str | list[str] | None = None) -> None:
-        await self.agent.start(servers)
+    async def start(
+        self, servers: str | list[str] | None = None, *, stop: asyncio.Event | None = None
+    ) -> None:
+        """Serve as the agent (see :meth:`reach_agent.Agent.start`: ``stop`` ends the wait
+        for a first server)."""
+        await self.agent.start(servers, stop=stop)
 
     async def stop(self, grace: float | None = None) -> None:
         try:
@@ -117,7 +121,7 @@ class HttpAdapter:
             await self.http.aclose()
 
     def not_ready(self) -> str | None:
-        """Why the sidecar's ``/readyz`` says 503 (:mod:`reach_broker.health`), or None:
+        """Why the sidecar's ``/readyz`` says 503 (:mod:`reach_broker.console.health`), or None:
         connected to NATS, announced to a broker that answered, not draining. (Its backend's
         health is the brokers' business: a dead one is reported draining, out of the routes,
         while the sidecar process itself stays ready.)"""

@@ -38,6 +38,7 @@ from typing import Any
 from nats.aio.msg import Msg
 
 from jetstream import compensation
+from jetstream.claims import ClaimsUnavailable
 from jetstream.compensation import Entry
 from jetstream.names import H_EXPIRES_MS
 from jetstream.tasks import raise_if_cancelled
@@ -47,8 +48,10 @@ from reach_agent.wire.schema import RouteRequest
 from reach_broker.config import CompensationSection
 from reach_broker.core.records import AgentRecord, Transition
 from reach_broker.core.routing import Router
+from reach_broker.service.brokeracks import BrokerAcks
 from reach_broker.service.context import BrokerContext
 from reach_broker.service.metrics import ReplayMetrics
+from reach_broker.service.releases import ClaimView
 
 from .ackwatch import AckWatch
 from .replaysend import EntrySender, Outcome
@@ -62,13 +65,14 @@ class Replayer:
     Started only when the server has JetStream."""
 
     def __init__(self, ctx: BrokerContext, router: Router,
-                 claim_of: Callable[[str], Awaitable[tuple[str, str] | None]],
-                 record_of: Callable[[str], AgentRecord | None], cfg: CompensationSection,
-                 metrics: ReplayMetrics) -> None:  # fmt: skip
+                 claim_of: Callable[[str], Awaitable[ClaimView | None]],
+                 record_of: Callable[[str], AgentRecord | None], records: BrokerAcks,
+                 cfg: CompensationSection, metrics: ReplayMetrics) -> None:  # fmt: skip
         self.ctx, self.cfg, self.metrics = ctx, cfg, metrics
         self.router = router
         self.claim_of = claim_of
-        """A request id's claim: (holder, state), None when unclaimed."""
+        """A request id's claim: (holder, state), None when unclaimed; raises
+        ``ClaimsUnavailable`` when the bucket cannot say."""
         self.subjects = ctx.subjects
         self._running: dict[str, asyncio.Task[None]] = {}
         self._again: set[str] = set()
@@ -82,8 +86,8 @@ class Replayer:
         """Entries delivered and held until their taker's final record."""
         self.acks = AckWatch(ctx, metrics, on_final=self.taken.done)
         """The ack metrics, fed by this component's ``<p>.ack.>`` subscription."""
-        self.sender = EntrySender(ctx, router, claim_of, record_of, self.taken, self.acks, cfg,
-                                  metrics.results)  # fmt: skip
+        self.sender = EntrySender(ctx, router, claim_of, record_of, self.taken, self.acks,
+                                  records, cfg, metrics.results)  # fmt: skip
         """Sends one entry (replaysend.py) and counts how each ended (``replayed``,
         ``expired``, ``failed``, ``claimed``); its ``dispatches`` (dispatch.py) say where each
         entry was sent, exactly once across a leader change."""
@@ -139,8 +143,13 @@ class Replayer:
             self._known[cap] = self._known.get(cap, 0) + 1
             self.kick(cap)
 
-    async def _claimed_now(self, request_id: str) -> bool:
-        claim = await self.claim_of(request_id)
+    async def _claimed_now(self, request_id: str) -> bool | None:
+        """Whether an agent holds ``request_id``'s claim; None when the bucket cannot say
+        now (counted): the entry is then not expired on a guess, and looked at again."""
+        try:
+            claim = await self.claim_of(request_id)
+        except ClaimsUnavailable:
+            return None
         return claim is not None and claim[1] != "released"
 
     async def _on_enqueued(self, msg: Msg) -> None:
@@ -287,7 +296,12 @@ class Replayer:
         limit = self.cfg.max_entries * 2
         for e in await compensation.scan(nc, subjects=self.subjects, limit=limit):
             if e.expired(now_ms):
-                if self.taken.holds(e.request_id) or await self._claimed_now(e.request_id):
+                if self.taken.holds(e.request_id):
+                    continue  # delivered and running (this replica holds it): not expired
+                claimed = await self._claimed_now(e.request_id)
+                if claimed is None:
+                    soonest = now_ms  # unknown now: the next sweep looks again
+                if claimed is not False:
                     continue  # delivered and running (a replica holds it): not expired
                 await self.sender.record_expired(e)
                 await compensation.remove(nc, e.seq)

@@ -27,17 +27,20 @@ from reach_agent.wire.subjects import BROKER_ACK_AUTHOR
 from reach_broker.config import CompensationSection
 from reach_broker.core.records import AgentRecord
 from reach_broker.core.routing import Router
+from reach_broker.service.brokeracks import BrokerAcks
 from reach_broker.service.context import BrokerContext
+from reach_broker.service.releases import ClaimView
 
 from .ackwatch import AckWatch
-from .brokeracks import record_failed, record_taker
 from .dispatch import MARKER_TTL_S, Dispatches
 from .synadiareplay import Prompts
 from .taken import Taken
 
 log = logging.getLogger(__name__)
 
-Outcome = Literal["replayed", "expired", "failed", "stalled", "claimed", "held", "deferred"]
+Outcome = Literal[
+    "replayed", "expired", "failed", "stalled", "claimed", "held", "deferred", "mismatch"
+]
 RELEASE_WAIT_S = 0.5
 """Redelivery delay of an entry whose claim's holder is offline but not yet released."""
 
@@ -55,21 +58,24 @@ class EntrySender:
     ended."""
 
     def __init__(self, ctx: BrokerContext, router: Router,
-                 claim_of: Callable[[str], Awaitable[tuple[str, str] | None]],
+                 claim_of: Callable[[str], Awaitable[ClaimView | None]],
                  record_of: Callable[[str], AgentRecord | None], taken: Taken, acks: AckWatch,
-                 cfg: CompensationSection, results: dict[str, Any]) -> None:  # fmt: skip
-        """``results``: ``reach_compensation_total`` by result."""
-        self.ctx, self.cfg, self._results = ctx, cfg, results
+                 records: BrokerAcks, cfg: CompensationSection,
+                 results: dict[str, Any]) -> None:  # fmt: skip
+        """``records``: the broker's own ack records; ``results``: ``reach_compensation_total``
+        by result."""
+        self.ctx, self.cfg, self._results, self.records = ctx, cfg, results, records
         self.router = router
         self.claim_of = claim_of
-        """A request id's claim: (holder, state), None when unclaimed."""
+        """A request id's claim: (holder, state), None when unclaimed; raises
+        ``ClaimsUnavailable`` when the bucket cannot say (the entry is given back: stalled)."""
         self.record_of = record_of
         self.taken = taken
         self.acks = acks
         self.subjects = ctx.subjects
         self.dispatches = Dispatches(ctx.nc, ctx.subjects, ctx.broker_id, record_of)
         """Where each entry was sent: exactly once across a leader change (dispatch.py)."""
-        self.prompts = Prompts(ctx, cfg, taken.done)
+        self.prompts = Prompts(ctx, cfg, taken.done, records)
         """Entries for Synadia agents (they write no ack records: the broker does)."""
         self.replayed = 0
         self.expired = 0
@@ -96,8 +102,10 @@ class EntrySender:
         ctx, router = self.ctx, self.router
         assert e.msg is not None  # fetched entries carry their message
         claim = await self.claim_of(e.request_id)  # first: a running task is not expired
-        if claim is not None and claim[1] != "released":
-            return await self._claimed(e, *claim)
+        if claim is not None and _reused(e, claim.body_digest):
+            return await self._mismatch(e, claim.holder)
+        if claim is not None and claim.state != "released":
+            return await self._claimed(e, claim.holder, claim.state)
         if e.expired(ctx.wall_ms()):
             await self.record_expired(e)
             await e.msg.ack_sync()
@@ -134,11 +142,13 @@ class EntrySender:
                 except (TimeoutError, NoRespondersError):
                     log.info("replay.no_receipt request_id=%s agent=%s", e.request_id, c.agent_id)
                     continue
+                if err is not None and err.code == "IDEMPOTENCY_MISMATCH":
+                    return await self._mismatch(e, c.agent_id)
                 if err is not None and err.code == "IN_PROGRESS":
                     return await self._claimed(e, getattr(err, "holder", ""), "running")
                 if err is None:
                     self.acks.sent(e.request_id, sent_ms)
-                    await record_taker(ctx, e, c.agent_id)
+                    await self.records.record_taker(e, c.agent_id)
                     await self.taken.hold(e, c.agent_id)  # removed at its final record
                     if collect is not None:  # a Synadia agent: the broker records its answer
                         ctx.spawn(collect(), f"synadia-replay-{e.request_id}")
@@ -151,7 +161,8 @@ class EntrySender:
                     only = None  # a refusal (busy, draining) means it did not take it
                     continue
                 # The agent refused the task itself (BIZ_REJECT, LOOP_DETECTED, ...): final.
-                await record_failed(ctx, e, c.agent_id, err.code, err.code.lower(), err.message)
+                await self.records.record_failed(e, c.agent_id, err.code, err.code.lower(),
+                                                 err.message)  # fmt: skip
                 await e.msg.ack_sync()
                 self.failed += 1
                 return "failed"
@@ -190,14 +201,33 @@ class EntrySender:
                  result, e.request_id, e.capability, holder, state)  # fmt: skip
         return "claimed"
 
+    async def _mismatch(self, e: Entry, holder: str) -> Outcome:
+        """The request id was claimed for another body: the entry is another request under a
+        used id. Removed without a run, counted and logged; no record is written (a
+        ``failed`` of the broker's would be final for whoever waits on the request id's
+        first body too)."""
+        assert e.msg is not None
+        await e.msg.ack_sync()
+        self._results["mismatch"].inc()
+        log.warning("replay.mismatch request_id=%s capability=%s holder=%s: the request id was "
+                    "already claimed for another body; the entry is removed, not run",
+                    e.request_id, e.capability, holder)  # fmt: skip
+        return "mismatch"
+
     async def record_expired(self, e: Entry) -> None:
         ctx = self.ctx
         waited_s = (ctx.wall_ms() - e.enqueued_ms) / 1000.0 if e.enqueued_ms else 0.0
-        await record_failed(
-            ctx, e, ctx.broker_id, "TIMEOUT", "expired",
+        await self.records.record_failed(
+            e, ctx.broker_id, "TIMEOUT", "expired",
             f"queued for {waited_s:.1f}s on {self.subjects.comp(e.capability)}; expired before "
             "an agent was reachable",
         )  # fmt: skip
         self.expired += 1
         self._results["expired"].inc()
         log.info("replay.expired request_id=%s capability=%s", e.request_id, e.capability)
+
+
+def _reused(e: Entry, claimed_for: str | None) -> bool:
+    """Whether ``e``'s body is another than the one its request id was claimed for (an
+    entry or a claim without a digest is given the benefit of the doubt)."""
+    return e.body_digest is not None and claimed_for is not None and e.body_digest != claimed_for

@@ -29,9 +29,8 @@ from reach_agent.wire import schema, streams
 from reach_agent.wire.errors import ReachError, Timeout, from_reply
 from reach_agent.wire.schema import PROTOCOL_SYNADIA
 from reach_broker.config import CompensationSection
+from reach_broker.service.brokeracks import BrokerAcks
 from reach_broker.service.context import BrokerContext
-
-from . import brokeracks
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +45,9 @@ class Prompts:
     """Sends compensation entries to Synadia agents and records their answers."""
 
     def __init__(self, ctx: BrokerContext, cfg: CompensationSection,
-                 on_done: Callable[[str, str], Awaitable[object]]) -> None:  # fmt: skip
-        self.ctx, self.cfg = ctx, cfg
+                 on_done: Callable[[str, str], Awaitable[object]],
+                 records: BrokerAcks) -> None:  # fmt: skip
+        self.ctx, self.cfg, self.records = ctx, cfg, records
         self.on_done = on_done
         """Told (request id, agent id) once the agent's answer is recorded."""
 
@@ -123,11 +123,8 @@ class Prompts:
             result=None if err else msgspec.Raw(schema.encoder.encode(streams.join(chunks))),
             error={"code": err.code, "message": err.message} if err else None,
         )  # fmt: skip
-        try:
-            await brokeracks.publish(self.ctx, rec)
-        except Exception:  # noqa: BLE001 - a lost record is logged, never a crash
-            log.exception("replay.synadia_record_failed request_id=%s", request_id)
-            return  # the entry stays held: given back if the agent goes, else at its expiry
+        # Until stored: the answer exists nowhere else (their agents write no records).
+        await self.records.store(rec, "answer")
         log.info("replay.synadia_recorded request_id=%s agent=%s state=%s", request_id,
                  agent_id, rec.state)  # fmt: skip
         await self.on_done(request_id, agent_id)

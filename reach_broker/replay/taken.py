@@ -24,9 +24,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
+from jetstream.claims import ClaimsUnavailable
 from jetstream.compensation import Entry
 from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
+from reach_broker.service.releases import ClaimView
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +43,7 @@ class _Held(NamedTuple):
     since: float
 
 
-async def _no_claims(request_id: str) -> tuple[str, str] | None:
+async def _no_claims(request_id: str) -> ClaimView | None:
     return None
 
 
@@ -51,14 +53,15 @@ class Taken:
     def __init__(
         self,
         ack_wait_s: float,
-        claim_of: Callable[[str], Awaitable[tuple[str, str] | None]] = _no_claims,
+        claim_of: Callable[[str], Awaitable[ClaimView | None]] = _no_claims,
         record_of: Callable[[str], Any] = lambda _: None,
         clock: Callable[[], float] = time.monotonic,
         on_returned: Callable[[], object] = lambda: None,
     ) -> None:
         self.ack_wait_s = ack_wait_s
         self.claim_of = claim_of
-        """A request id's claim (holder, state), None when unclaimed (the replay's)."""
+        """A request id's claim (holder, state), None when unclaimed (the replay's); raises
+        ``ClaimsUnavailable`` when the bucket cannot say."""
         self.record_of = record_of
         self.clock = clock
         self.on_returned = on_returned
@@ -176,7 +179,10 @@ class Taken:
         """Whether a long-held entry's claim still says its taker runs it; if not, the entry
         is removed (finished, or no claim to go by) or given back (released, holder gone)."""
         rid = held.entry.request_id
-        claim = await self.claim_of(rid)
+        try:
+            claim = await self.claim_of(rid)
+        except ClaimsUnavailable:  # cannot say now (counted): keep holding it, never a guess
+            return True
         if claim is not None and claim[1] == "running" and self.alive(claim[0]):
             return True
         if self._held.get(rid) is not held:

@@ -75,7 +75,10 @@ async def provision_assets(nc: NATS, cfg: Config, subjects: Subjects) -> int | N
                 await asyncio.sleep(PROVISION_RETRY_S)
     except JetStreamUnavailable as exc:
         log.warning("broker.no_jetstream %s: running without registry snapshot, "
-                    "compensation replay and durable acks", exc)  # fmt: skip
+                    "compensation replay, durable acks and the claims bucket reach_claims; "
+                    "agents refuse every task of a claimed capability (STORE_UNAVAILABLE) "
+                    "until it exists: run nats-server with JetStream (-js, or `reach broker` "
+                    "without --server) and restart the broker", exc)  # fmt: skip
         return None
     return n
 

@@ -30,6 +30,10 @@ DROP_REASONS = ("invalid", "forbidden", "forged", "stale", "unknown", "no_token"
                 "stored_copy", "reply_subject", "name_mismatch", "error")  # fmt: skip
 """``reason`` of ``reach_dropped_total`` (see docs/operations.md, Securing reach)."""
 
+COMPENSATION_RESULTS = ("enqueued", "replayed", "expired", "refused", "claimed", "requeued",
+                        "cancelled", "mismatch")  # fmt: skip
+"""``result`` of ``reach_compensation_total`` on the broker."""
+
 ROUTE_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 
 
@@ -156,23 +160,12 @@ class Metrics:
         )  # fmt: skip
         self.compensation = Counter(
             "reach_compensation_total",
-            "Compensation entries by result (replayed/expired/claimed/requeued/cancelled by "
-            "brokers; enqueued/refused by clients)",
+            "Compensation entries by result (replayed/expired/claimed/requeued/cancelled/"
+            "mismatch by brokers; enqueued/refused by clients)",
             ["result"],
             registry=r,
         )
-        self.compensation_result = {
-            k: self.compensation.labels(k)
-            for k in (
-                "enqueued",
-                "replayed",
-                "expired",
-                "refused",
-                "claimed",
-                "requeued",
-                "cancelled",
-            )
-        }
+        self.compensation_result = {k: self.compensation.labels(k) for k in COMPENSATION_RESULTS}
         self.ack_records = Counter(
             "reach_ack_records_total", "Ack records published on reach.ack.> by state",
             ["state"], registry=r,
@@ -186,6 +179,14 @@ class Metrics:
             "offline, so the request can run elsewhere",
             registry=r,
         )
+        self.store_errors = Counter(
+            "reach_store_errors_total",
+            "Claim reads and writes, and the broker's own ack records, that JetStream did not "
+            "take, by store and operation (claims/lookup: a compensation entry waits instead "
+            "of being sent, removed or expired on a guess; claims/release: a release tried "
+            "again; acks/taker, acks/answer: a record tried again until stored)",
+            ["store", "op"], registry=r,
+        )  # fmt: skip
         self.ack_latency = Histogram(
             "reach_ack_latency_seconds",
             "Task sent (replay) or received (agent ack) to its completed/failed ack",

@@ -21,10 +21,11 @@ released on arrival.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -39,8 +40,22 @@ from .context import BrokerContext
 
 log = logging.getLogger(__name__)
 
+
+class ClaimView(NamedTuple):
+    """What the replay needs of a request id's claim."""
+
+    holder: str
+    state: str
+    """``running``, ``completed``, ``failed`` or ``released``."""
+    body_digest: str | None = None
+    """The digest of the body it was claimed for (None: written before digests were)."""
+
+
 RUNNING_MAX = 1_000_000
 """Running claims remembered at most (the oldest are forgotten first beyond it)."""
+RELEASE_RETRY_S = 0.5
+RELEASE_RETRY_MAX_S = 10.0
+"""First and longest pause before a release the bucket did not take is tried again."""
 
 
 class Releaser:
@@ -48,9 +63,11 @@ class Releaser:
     declared offline. Started only when the server has JetStream."""
 
     def __init__(self, ctx: BrokerContext, state_of: Callable[[str], str | None],
-                 cfg: ClaimsSection, *, released: Any) -> None:  # fmt: skip
-        """``released``: ``reach_claims_released_total``."""
+                 cfg: ClaimsSection, *, released: Any, store_errors: Any) -> None:  # fmt: skip
+        """``released``, ``store_errors``: ``reach_claims_released_total``,
+        ``reach_store_errors_total``."""
         self.ctx, self.cfg, self._released = ctx, cfg, released
+        self._store_errors = store_errors
         self.state_of = state_of
         """The registry's state of an agent (None: unknown)."""
         self.store = ClaimStore(ctx.nc)
@@ -81,21 +98,23 @@ class Releaser:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
-    async def claim_of(self, request_id: str) -> tuple[str, str] | None:
-        """``request_id``'s claim as (holder, state: running, completed, failed or
-        released); None when it is unclaimed or the bucket cannot say now (the agents' own
-        claims decide then)."""
+    async def claim_of(self, request_id: str) -> ClaimView | None:
+        """``request_id``'s claim (holder, state, body digest); None when it is unclaimed.
+        Raises ``ClaimsUnavailable`` (counted) when the bucket cannot say now, or holds what
+        is not a claim: "unclaimed" is never a guess, since the replay sends, removes or
+        expires an entry on it."""
         try:
             stored = await self.store.get(claims.claim_key(request_id))
+            if stored is None:
+                return None
+            try:
+                claim = schema.claim_decoder.decode(stored.data)
+            except msgspec.MsgspecError as exc:
+                raise ClaimsUnavailable(f"claim of {request_id!r} is not a Claim ({exc})") from None
         except ClaimsUnavailable:
-            return None
-        if stored is None:
-            return None
-        try:
-            claim = schema.claim_decoder.decode(stored.data)
-        except msgspec.MsgspecError:
-            return None
-        return claim.agent_id, claim.state
+            self._store_errors.labels("claims", "lookup").inc()
+            raise
+        return ClaimView(claim.agent_id, claim.state, claim.body_digest)
 
     # --- what the bucket says -----------------------------------------------------------
 
@@ -142,10 +161,12 @@ class Releaser:
         if (t.to == "offline" or t.kind == "evicted") and t.agent_id in self._running:
             self.ctx.spawn(self.release(t.agent_id, t.reason), "claims-release")
 
-    async def release(self, agent_id: str, why: str) -> int:
+    async def release(self, agent_id: str, why: str, pause_s: float = RELEASE_RETRY_S) -> int:
         """Release every running claim ``agent_id`` holds; returns how many this replica
-        released (another replica, or the holder finishing, may have been first)."""
-        done = 0
+        released (another replica, or the holder finishing, may have been first). A release
+        the bucket did not take is tried again (after ``pause_s``, doubling) while the agent
+        stays gone: a claim left ``running`` would keep its request from ever running."""
+        done = failed = 0
         for key, (revision, claim) in list(self._running.get(agent_id, {}).items()):
             reason = (f"claim of request {claim.request_id} released: holder {agent_id!r} "
                       f"declared offline before finishing ({why})")  # fmt: skip
@@ -154,8 +175,11 @@ class Releaser:
             try:
                 won = await self.store.swap(key, schema.encoder.encode(released), revision)
             except ClaimsUnavailable as exc:
-                log.warning("claims.release_failed request_id=%s agent=%s error=%s",
-                            claim.request_id, agent_id, exc)  # fmt: skip
+                failed += 1
+                self._store_errors.labels("claims", "release").inc()
+                log.warning("claims.release_failed request_id=%s agent=%s error=%s: tried "
+                            "again in %.1fs", claim.request_id, agent_id, exc,
+                            pause_s)  # fmt: skip
                 continue
             if won is None:
                 continue  # it moved on: finished, taken over, or released by another replica
@@ -169,4 +193,11 @@ class Releaser:
                           request_id=claim.request_id)  # fmt: skip
             subject = self.ctx.subjects.event("released", agent_id)
             self.ctx.spawn(self.ctx.nc.publish(subject, schema.encoder.encode(event)), "event")
+        if failed:
+            self.ctx.spawn(self._release_later(agent_id, why, pause_s), "claims-release")
         return done
+
+    async def _release_later(self, agent_id: str, why: str, pause_s: float) -> None:
+        await asyncio.sleep(pause_s)
+        if self._sub is not None and self.state_of(agent_id) in ("offline", None):
+            await self.release(agent_id, why, min(pause_s * 2, RELEASE_RETRY_MAX_S))

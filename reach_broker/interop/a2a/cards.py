@@ -31,7 +31,8 @@ from reach_broker.core.routing import Router
 AVAILABILITY_URI = "urn:reach:a2a:availability:v1"
 """The availability extension of an agent's card (its ``params``: :class:`Availability`)."""
 FLEET_URI = "urn:reach:a2a:fleet:v1"
-"""The fleet extension of reach's own card (its ``params``: :class:`Fleet`)."""
+"""The fleet extension of reach's own card and of a capability's (its ``params``:
+:class:`Fleet`: the whole fleet's, or the capability's agents)."""
 PROTOCOL_VERSION = "1.0"
 """The A2A protocol version the cards and the JSON-RPC endpoints follow."""
 COMPAT_PROTOCOL_VERSION = "0.3"
@@ -250,6 +251,56 @@ def agent_cards(
 DEFAULT_ROUTE = RouteRequest()
 
 
+def reachable(router: Router, capability: str, now: float) -> bool:
+    """Whether a message for ``capability`` would be routed now (the router's own answer to
+    a default route request)."""
+    try:
+        router.choose(capability, DEFAULT_ROUTE, now)
+    except ReachError:
+        return False
+    return True
+
+
+def capability_card(
+    registry: Registry, router: Router, where: Where, capability: str, path: str,
+    version: str, now: float, wall_ms: int,
+) -> AgentCard:  # fmt: skip
+    """A capability's card (``/a2a/<capability>``, and the origin's with ``a2a.root_skill``):
+    one skill, answered by the best reachable of its agents; the fleet extension counts
+    them. The skill's description, tags and examples are its best agent's (announce
+    metadata, :func:`skill_hints`)."""
+    idx = registry.indexes.get(capability)
+    members = list(idx.members.values()) if idx is not None else []
+    best = idx.ranked[0] if idx is not None and idx.ranked else (members[0] if members else None)
+    hint = skill_hints(best.announce.metadata, capability) if best is not None else {}
+    healthy = idx.healthy if idx is not None else 0
+    by_state: dict[str, int] = {}
+    for rec in members:
+        by_state[rec.state] = by_state.get(rec.state, 0) + 1
+    live = reachable(router, capability, now)
+    fleet = Fleet(agents=len(members), by_state=by_state, skills_reachable=int(live),
+                  updated_at=iso_utc(wall_ms))  # fmt: skip
+    summary = (
+        f"{capability}: each message goes to the best reachable of its agents "
+        f"({healthy} of {len(members)} healthy), with receipts, retries and failover"
+    )
+    return where.card(
+        name=capability,
+        description=summary,
+        supported_interfaces=where.interfaces(path),
+        version=version,
+        capabilities=Capabilities(streaming=where.streaming, extensions=[Extension(
+            uri=FLEET_URI, description="the capability's agents as reach sees them now",
+            params=fleet)]),
+        skills=[Skill(
+            id=capability, name=capability,
+            description=hint.get("description") or summary,
+            tags=["reach", *(t for t in hint.get("tags", ()) if t != "reach")],
+            examples=hint.get("examples", []),
+        )],
+    )  # fmt: skip
+
+
 def reach_card(
     registry: Registry, router: Router, where: Where, version: str, now: float, wall_ms: int
 ) -> AgentCard:
@@ -258,9 +309,7 @@ def reach_card(
     skills = []
     for cap in sorted(registry.indexes):
         idx = registry.indexes[cap]
-        try:
-            router.choose(cap, DEFAULT_ROUTE, now)
-        except ReachError:
+        if not reachable(router, cap, now):
             continue
         skills.append(Skill(
             id=cap, name=cap, tags=["reach"],

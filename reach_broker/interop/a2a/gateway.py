@@ -31,6 +31,7 @@ from .app import Views, build_app
 from .binding import bind
 from .handler import GatewayHandler
 from .local import LocalRoutes
+from .tasks import Tasks, owner_of
 
 log = logging.getLogger(__name__)
 
@@ -50,19 +51,37 @@ class A2AGateway:
         registry: Registry,
         router: Router,
         clock: Callable[[], float],
+        replicas: int | None,
         wall: Callable[[], float] = time.time,
     ) -> None:
         self.cfg = cfg
+        self.replicas = replicas
+        """The broker's JetStream replica count (its task bucket's), None without JetStream."""
         self.client = Client(nc=nc, config=ClientConfig(prefix=subjects.prefix), clock=clock)
         self.client.routes = LocalRoutes(self.client, registry, router, clock)
         agents = registry.agents
+
+        def wall_ms() -> int:
+            return int(wall() * 1000)
+
+        def hint_of(capability: str, agent_id: str | None) -> int | None:
+            if agent_id is not None:
+                rec = agents.get(agent_id)
+            else:
+                idx = registry.indexes.get(capability)
+                rec = idx.ranked[0] if idx is not None and idx.ranked else None
+            return rec.timeout_hint_ms if rec is not None else None
+
+        self.tasks = Tasks(nc, subjects, owner_of(cfg.token), wall_ms)
         self.handler = GatewayHandler(
-            self.client, lambda a: rec.capabilities if (rec := agents.get(a)) else None,
-            cfg.call_timeout_s,
+            self.client, self.tasks,
+            lambda a: rec.capabilities if (rec := agents.get(a)) else None, hint_of,
+            default_timeout=cfg.call_timeout_s, long_task_hint_s=cfg.long_task_hint_s,
+            wall_ms=wall_ms,
         )  # fmt: skip
-        self.views = Views(registry, router, clock, lambda: int(wall() * 1000),
-                           version=__version__, public_url=cfg.public_url,
-                           token=cfg.token is not None)  # fmt: skip
+        self.views = Views(registry, router, clock, wall_ms, version=__version__,
+                           public_url=cfg.public_url, token=cfg.token is not None,
+                           root_skill=cfg.root_skill)  # fmt: skip
         self.port = cfg.port
         """The port listened on (the actual one once started, also when asked for 0)."""
         self._sock: socket.socket | None = None
@@ -83,7 +102,8 @@ class A2AGateway:
         sock = bind(self.cfg.host, self.cfg.port)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
-            build_app(self.views, self.handler, self.cfg.token, self.cfg.host), log_config=None,
+            build_app(self.views, self.handler, self.cfg.token, self.cfg.host,
+                      self.cfg.root_skill), log_config=None,
             log_level="warning", access_log=False, lifespan="off", server_header=False,
             timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
         )  # fmt: skip
@@ -92,6 +112,7 @@ class A2AGateway:
         server.lifespan = config.lifespan_class(config)
         await self.client.start()
         try:
+            await self.tasks.open(self.replicas)
             await server.startup(sockets=[sock])
         except BaseException:
             sock.close()
