@@ -30,6 +30,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js import api
 from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
+from . import ordered
 from .names import AUDIT_STREAM, H_STREAM, JS_NOT_ENABLED, StreamSubjects
 from .tasks import raise_if_cancelled
 
@@ -123,17 +124,18 @@ def is_copy(msg: Msg, *, live: bool) -> bool:
     return why is not None
 
 
-def _start_at(
-    state: api.StreamState, since_s: float | None, last: int | None
+async def _start_at(
+    js: Any, state: api.StreamState, subject: str, since_s: float | None, last: int | None
 ) -> api.ConsumerConfig:
-    """Where the ordered consumer starts: a stored time, the last ``last`` sequences, or all.
+    """Where the ordered consumer starts: the first event stored ``since_s`` ago, the last
+    ``last`` sequences, or all — always by sequence: a start time would break the
+    consumer's recreation (:mod:`jetstream.ordered`).
 
     By sequence rather than ``deliver_policy=new``, so an event stored between reading the
     stream state and creating the consumer is delivered, not skipped."""
     if since_s is not None:
         start = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=since_s)
-        return api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_TIME,
-                                  opt_start_time=start)  # fmt: skip
+        return await ordered.start_at(js, AUDIT_STREAM, subject, start)
     if last is not None:
         seq = max(state.first_seq, state.last_seq - max(last, 0) + 1, 1)
         return api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
@@ -162,12 +164,13 @@ async def follow_events(
     follow = Follow(cb)
     try:
         info = await js.stream_info(AUDIT_STREAM)
+        wanted = subject or subjects.all_events
         follow._sub = await js.subscribe(
-            subject or subjects.all_events,
+            wanted,
             stream=AUDIT_STREAM,
             cb=follow._on_stored,
             ordered_consumer=True,
-            config=_start_at(info.state, since_s, last),
+            config=await _start_at(js, info.state, wanted, since_s, last),
         )
         consumer = await follow._sub.consumer_info()
     except NotFoundError:

@@ -30,8 +30,8 @@ from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js import api
 
+from . import ordered
 from .names import (
     CLAIMS_BUCKET,
     CLAIMS_STREAM,
@@ -295,11 +295,10 @@ async def follow(nc: NATS, cb: ClaimCallback, *, since: float, bucket: str = CLA
             return
         await cb(msg.subject[cut:], msg.metadata.sequence.stream, msg.data)
 
+    js = nc.jetstream()
     start = datetime.fromtimestamp(max(since, 0.0), UTC)
-    config = api.ConsumerConfig(
-        deliver_policy=api.DeliverPolicy.BY_START_TIME, opt_start_time=start
-    )
-    return await nc.jetstream().subscribe(
+    config = await ordered.start_at(js, stream, pre + ">", start)  # by sequence: see there
+    return await js.subscribe(
         pre + ">", stream=stream, cb=on_msg, ordered_consumer=True, config=config,
         pending_msgs_limit=1_000_000,
     )  # fmt: skip

@@ -31,6 +31,8 @@ import logging
 import os
 import signal
 import sys
+import traceback
+from collections.abc import Awaitable
 from datetime import UTC, datetime
 
 from . import phases
@@ -65,6 +67,32 @@ class End(rpt.Figures, frozen=True, kw_only=True):
     loadavg_end: str
 
 
+class Progress:
+    """Which phase the run is in: what a failure is reported with."""
+
+    def __init__(self) -> None:
+        self.phase = "start"
+
+    def enter(self, phase: str) -> None:
+        self.phase = phase
+        log.info("%s", phase)
+
+
+def failure(phase: str, exc: BaseException) -> str:
+    """What failed, in which phase and where: the exception's type and text, and the
+    load tool's frames it came through (innermost last)."""
+    kind = type(exc)
+    name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
+    text = str(exc)
+    ours = [
+        f"{frame.filename.rsplit('/loadtest/', 1)[1]}:{frame.lineno} {frame.name}"
+        for frame in traceback.extract_tb(exc.__traceback__)[1:]  # [0]: where it was caught
+        if "/loadtest/" in frame.filename
+    ]
+    where = f" at {' < '.join(reversed(ours[-3:]))}" if ours else ""
+    return f"phase {phase!r}: {name}{': ' + text if text else ''}{where}"
+
+
 def settings(a: argparse.Namespace) -> Settings:
     return Settings(
         date_utc=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -75,53 +103,80 @@ def settings(a: argparse.Namespace) -> Settings:
     )  # fmt: skip
 
 
-async def run(a: argparse.Namespace, infra: Infra, parts: list[rpt.Figures]) -> None:
+async def run(
+    a: argparse.Namespace, infra: Infra, parts: list[rpt.Figures], progress: Progress
+) -> None:
     """The phases in order; each one's figures are appended to ``parts`` as it returns, so a
     run cut short still reports what it measured."""
+    progress.enter("setup")
     system = await infra.start()
     parts.append(system.setup)
+    progress.enter("register")
     fleet, registration = await phases.register(a, system, infra.children)
     parts.append(registration)
-    log.info("heartbeats only")
+    progress.enter("heartbeats only")
     hb_only = await phases.heartbeats_only(a, system)
     parts.append(hb_only)
+    progress.enter("route and echo rounds")
     parts.append(await load(a, system, infra.children, hb_only.broker_cpu_share_heartbeats))
     if a.reannounce:
-        log.info("re-announce storm")
+        progress.enter("re-announce storm")
         parts.append(await phases.reannounce(a, fleet))
     if fleet.victims:
+        progress.enter("kill")
         parts.append(await phases.kill(a, system, fleet))
+    progress.enter("accounting")
     parts.append(await phases.accounting(system, fleet))
     # Last: a storm may leave the broker behind for a while, which would blur the rest.
     if system.observer.metrics_url and a.storm_seconds > 0:
+        progress.enter("heartbeat storm")
         parts.append(await phases.storm(a, system, fleet))
     parts.append(End(loadavg_end=loadavg()))
+
+
+async def watched(run: Awaitable[None], budget_s: float, progress: Progress) -> str | None:
+    """Await ``run`` within ``budget_s``: None when it completed, else what cut it short,
+    logged. The watchdog's message only when the budget itself ran out; a wait inside a
+    phase that gave up (a ``TimeoutError``), a request nobody answered, any other error is
+    reported as what it is, with the phase and where."""
+    budget = asyncio.timeout(budget_s)
+    try:
+        async with budget:
+            await run
+    except TimeoutError as exc:
+        if not budget.expired():
+            failed = failure(progress.phase, exc)
+            log.error("failed in %s", failed)
+            return failed
+        log.warning("watchdog: the run exceeded --budget %g s in phase %r; partial report",
+                    budget_s, progress.phase)  # fmt: skip
+        return f"phase {progress.phase!r}: the run exceeded --budget {budget_s:g} s"
+    except Exception as exc:
+        failed = failure(progress.phase, exc)
+        log.error("failed in %s", failed)
+        return failed
+    return None
 
 
 async def amain(args: argparse.Namespace) -> int:
     head = settings(args)
     infra = Infra(args, Children())
     parts: list[rpt.Figures] = []
+    progress = Progress()
     task = asyncio.current_task()
     assert task is not None
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
     try:
-        await asyncio.wait_for(run(args, infra, parts), args.budget)
-        status = 0
-    except TimeoutError:
-        log.warning("watchdog: the run exceeded --budget %g s; partial report", args.budget)
-        status = 1
-    except Exception as exc:
-        log.error("failed: %r", exc)
-        status = 1
+        failed = await watched(run(args, infra, parts, progress), args.budget, progress)
     finally:
         pids = infra.pids()
         await infra.close()
-    report = rpt.assemble(head, parts, pids=pids, loadavg_end=loadavg(), complete=status == 0)
+    report = rpt.assemble(head, parts, pids=pids, loadavg_end=loadavg(), complete=failed is None,
+                          failure=failed)  # fmt: skip
     if args.report:
         rpt.write(report, args.report)
     print(report["summary"])
-    return status
+    return 0 if failed is None else 1
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

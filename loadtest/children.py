@@ -34,6 +34,11 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def _append(path: str) -> Any:
+    """``path`` opened for appending (the child gets its own copy of the descriptor)."""
+    return open(path, "ab")  # closed by the caller once the child has its copy
+
+
 class Child:
     """A subprocess we started: JSON lines on stdout, commands on stdin, ended by PID."""
 
@@ -43,14 +48,28 @@ class Child:
         self.pid = proc.pid
 
     @classmethod
-    async def start(cls, name: str, *argv: str, stdin: bool = False, quiet: bool = True) -> Child:
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL if quiet else None,
-            preexec_fn=_die_with_parent,
-        )
+    async def start(cls, name: str, *argv: str, stdin: bool = False, quiet: bool = True,
+                    log: str | None = None, err_log: str | None = None) -> Child:  # fmt: skip
+        """Start ``argv``; with ``log`` its stdout and stderr are appended to that file (and
+        :meth:`read_event` has nothing to read), with ``err_log`` its stderr alone."""
+        out: Any = asyncio.subprocess.PIPE
+        err: Any = asyncio.subprocess.DEVNULL if quiet else None
+        path = log or err_log
+        sink = _append(path) if path else None
+        try:
+            if sink is not None:
+                err = sink
+                out = sink if log else out
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                preexec_fn=_die_with_parent,
+            )
+        finally:
+            if sink is not None:
+                sink.close()
         return cls(name, proc)
 
     async def read_event(self, within: float) -> dict[str, Any]:
@@ -90,6 +109,7 @@ class Child:
             return
         with contextlib.suppress(ProcessLookupError):
             self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(signal.SIGCONT)  # a stopped child acts on it only now
         try:
             await asyncio.wait_for(self.proc.wait(), grace)
         except TimeoutError:
@@ -109,8 +129,10 @@ class Children:
     def __init__(self) -> None:
         self._all: list[Child] = []
 
-    async def spawn(self, name: str, *argv: str, stdin: bool = False, quiet: bool = True) -> Child:
-        child = await Child.start(name, *argv, stdin=stdin, quiet=quiet)
+    async def spawn(self, name: str, *argv: str, stdin: bool = False, quiet: bool = True,
+                    log: str | None = None, err_log: str | None = None) -> Child:  # fmt: skip
+        child = await Child.start(name, *argv, stdin=stdin, quiet=quiet, log=log,
+                                  err_log=err_log)  # fmt: skip
         self._all.append(child)
         return child
 

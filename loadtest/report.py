@@ -51,11 +51,13 @@ def assemble(
     pids: dict[str, int],
     loadavg_end: str,
     complete: bool,
+    failure: str | None = None,
 ) -> dict[str, Any]:
     """The report: the run's settings, every required key (null until a phase measures
     it), the figures of each phase that returned, the PIDs, targets, summary and status.
 
-    ``loadavg_end`` is used when no part carried it (a run cut short)."""
+    ``loadavg_end`` is used when no part carried it (a run cut short); ``failure`` says
+    what cut it short (the phase and the error, or the watchdog)."""
     r = figures(settings)
     for key in REQUIRED_KEYS:
         r.setdefault(key, None)
@@ -64,6 +66,8 @@ def assemble(
     r["pids"] = pids
     r.setdefault("loadavg_end", loadavg_end)
     r["targets"] = targets(r)
+    if failure is not None:
+        r["failure"] = failure
     r["summary"] = summary(r)
     r["status"] = "ok" if complete else "incomplete"
     return r
@@ -157,6 +161,8 @@ def summary(r: dict[str, Any]) -> str:
         f"{_fmt(r.get('kill_detection_silent_ms'), ' ms', 0)} with heartbeats stopped",
         "  targets:",
     ]
+    if r.get("failure"):
+        lines.insert(1, f"  INCOMPLETE, {r['failure']}")
     for name, t in (r.get("targets") or {}).items():
         mark = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
         note = f" ({t['note']})" if t.get("note") else ""

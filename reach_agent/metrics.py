@@ -63,7 +63,7 @@ class AgentMetrics:
         self.tasks = Counter(
             "reach_agent_tasks_total",
             "Tasks by capability and result (ok, rejected, failed, busy, draining, duplicate, "
-            "in_progress, unclaimed, mismatch, loop, invalid, bad_reply)",
+            "in_progress, unclaimed, unstored, mismatch, loop, invalid, bad_reply)",
             ["capability", "result"],
             registry=self.registry,
         )

@@ -211,6 +211,7 @@ class Broker:
             ),
             changes=m.registry_changes, states=m.state_changes,
             withheld=m.dropped.labels("event", "link_down"),
+            unsent=m.dropped.labels("event", "error"),
         )  # fmt: skip
 
         # The start order (stopped in reverse), and which parts need JetStream. The snapshot
@@ -427,9 +428,10 @@ class Broker:
         tick = self.cfg.detection.tick_s
         while True:
             raise_if_cancelled()
+            due = self.clock() + tick
             await asyncio.sleep(tick)
             try:
-                changes = self.observer.tick(self.clock())
+                changes = self.observer.tick(self.clock(), due)
                 if changes:
                     self.fanout.emit(changes)
             except Exception:  # noqa: BLE001 - the loop body never dies

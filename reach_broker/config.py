@@ -258,6 +258,10 @@ class ConsoleSection(Section):
     """How often a watching page gets the fleet (and at once after a transition)."""
     max_agents: Annotated[int, Meta(ge=1)] = 500
     """Agents sent to the page, the least healthy first (the counts cover all)."""
+    chart_agents: Annotated[int, Meta(ge=0)] = 10_000
+    """Agents with a chart (samples kept) at most: the history's memory and its tick's work
+    are bounded by it whatever the fleet (beyond it a newcomer is charted once a charted
+    agent leaves)."""
 
 
 class A2ASection(Section):

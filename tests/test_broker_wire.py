@@ -329,3 +329,52 @@ async def test_a_failing_handler_answers_internal_and_counts_it(
     monkeypatch.undo()
     again = await nc.request("reach.route.text_processing", b"", timeout=2)
     assert [c["agent_id"] for c in json.loads(again.data)["candidates"]] == ["a2"]
+
+
+async def test_a_burst_of_transitions_is_one_task_publishing_them_in_order(nc: NATS) -> None:
+    """Fanout.emit is O(1) a transition: a burst of 1,000 queues its events and one task
+    publishes them, in the order they were made (not one task an event)."""
+    import time
+
+    from reach_agent.wire.subjects import Subjects
+    from reach_broker.core.records import Transition
+    from reach_broker.service.context import BrokerContext, Link, Tasks
+    from reach_broker.service.fanout import Fanout
+    from reach_broker.service.metrics import Metrics
+
+    got: list[str] = []
+
+    async def on_event(msg: Any) -> None:
+        got.append(json.loads(msg.data)["agent_id"])
+
+    sub = await nc.subscribe("reach.event.>", cb=on_event)
+    await nc.flush()
+    tasks, spawned = Tasks(), []
+
+    def spawn(coro: Any, name: str) -> None:
+        spawned.append(name)
+        tasks.spawn(coro, name)
+
+    link, m = Link(), Metrics()
+    ctx = BrokerContext(nc=nc, subjects=Subjects(), broker_id="b1", clock=time.monotonic,
+                        wall=time.time, spawn=spawn, emit=lambda _: None, link=link)  # fmt: skip
+    fanout = Fanout(ctx, lambda _: None, consumers=(), changes=m.registry_changes,
+                    states=m.state_changes, withheld=m.dropped.labels("event", "link_down"),
+                    unsent=m.dropped.labels("event", "error"))  # fmt: skip
+    for i in range(1000):
+        fanout.emit([Transition("state", f"x{i}", "healthy", "suspect", "test")])
+    assert spawned == ["event"]
+    await tasks.settle(10.0)
+    await nc.flush()
+    await wait_for(lambda: len(got) == 1000, what="1,000 events")
+    assert got == [f"x{i}" for i in range(1000)]
+    # Made while the link is down: withheld, counted, never sent later.
+    link.lost(0.0)
+    fanout.emit([Transition("state", "late", "healthy", "suspect", "test")])
+    link.regained(1.0)
+    fanout.emit([Transition("state", "after", "healthy", "suspect", "test")])
+    await tasks.settle(10.0)
+    await nc.flush()
+    await wait_for(lambda: len(got) == 1001, what="the event made after the outage")
+    assert (got[-1], fanout.withheld, spawned) == ("after", 1, ["event", "event"])
+    await sub.unsubscribe()

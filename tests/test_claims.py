@@ -26,9 +26,11 @@ from nats.aio.client import Client as NATS
 
 import reach_agent
 from jetstream import ackreads, acks, compensation
+from jetstream.acks import ack_msg_id, publish_record
 from jetstream.claims import ClaimStore, ClaimsUnavailable, Stored, claim_key
 from jetstream.names import H_REQUEST_ID
 from jetstream.provision import load_definitions, provision
+from loadtest.tcpproxy import TcpProxy
 from reach_agent import ClientConfig
 from reach_agent.agent.claiming import Claimer, decide
 from reach_agent.wire import schema
@@ -40,7 +42,6 @@ from reach_broker.cluster.natsserver import NatsServer, find_binary
 from reach_broker.service.metrics import Metrics
 
 from .conftest import fast_config, wait_for
-from .tcpproxy import TcpProxy
 from .test_sdk_failover import EventLog, healthy, lines, worker
 
 SUBJECTS = Subjects("reach")
@@ -56,7 +57,9 @@ def claim(state: schema.ClaimState, agent: str = "alpha", instance: str = "i1") 
 def test_a_stored_claim_means_wait_answer_or_take_over() -> None:
     me = {"agent_id": "alpha", "instance": "i1"}
     assert decide(claim("running", "beta", "i9"), **me) == "in_progress"
-    assert decide(claim("running", "alpha", "i1"), **me) == "in_progress"  # ours, running
+    # ours, this very process: a create that landed while its answer was lost (this process
+    # runs nothing under the id: a copy of a task it runs never reaches the claim)
+    assert decide(claim("running", "alpha", "i1"), **me) == "take_over"
     assert decide(claim("running", "alpha", "i0"), **me) == "take_over"  # our dead predecessor
     assert decide(claim("released", "beta", "i9"), **me) == "take_over"
     assert decide(claim("completed", "beta", "i9"), **me) == "stored"
@@ -622,6 +625,105 @@ async def test_a_broker_learns_running_claims_written_before_it_started_and_can_
     await wait_for(lambda: [e["request_id"] for e in events.events] == [rid], 5,
                    what="the released event")  # fmt: skip
     await wait_for(lambda: broker.releaser.held_by("ghost") == [], 5, what="claim forgotten")
+
+
+async def test_a_finished_claim_whose_result_is_not_stored_yet_is_read_again_on_the_next_copy(
+    nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS
+) -> None:
+    """The holder ended its claim ``completed`` but its ack writer has not stored the record
+    yet (a stream leader election): the copy gets a retryable TIMEOUT, and that answer is
+    not remembered as the request's — the next copy reads the store again and gets the
+    result (found by loadtest.nemesis: an agent kept answering TIMEOUT from its duplicate
+    window for two minutes after the record was stored)."""
+    runs: list[tuple[str, str]] = []
+    metrics = reach_agent.AgentMetrics()
+    await agents(slow_agent("reader", "ledger", runs, metrics=metrics))
+    await wait_for(lambda: healthy(broker, "reader"))
+    rid = str(uuid.uuid4())
+    done = schema.Claim(request_id=rid, agent_id="ghost", instance="g1", capability="ledger",
+                        state="completed", at_ms=1,
+                        ack_subject=SUBJECTS.ack("ghost", rid))  # fmt: skip
+    created, _ = await ClaimStore(nc).create(claim_key(rid), schema.encoder.encode(done))
+    assert created
+    task = SUBJECTS.task("reader", "ledger")
+    first = await nc.request(task, b'{"n": 3}', headers={H_REQUEST_ID: rid}, timeout=10)
+    assert (first.headers or {}).get("Nats-Service-Error-Code") == "503"
+    assert msgspec.json.decode(first.data)["error"]["code"] == "TIMEOUT"
+    record = schema.AckRecord(request_id=rid, agent_id="ghost", capability="ledger",
+                              state="completed", at_ms=2,
+                              result=msgspec.Raw(b'{"agent":"ghost","n":3}'))  # fmt: skip
+    await publish_record(nc.jetstream(), SUBJECTS.ack("ghost", rid),
+                         ack_msg_id("ghost", rid, "completed"),
+                         schema.encoder.encode(record))  # fmt: skip
+    second = await nc.request(task, b'{"n": 3}', headers={H_REQUEST_ID: rid}, timeout=10)
+    assert (second.headers or {}).get(schema.H_STATUS) == "completed"
+    assert msgspec.json.decode(second.data) == {"agent": "ghost", "n": 3}
+    assert runs == []
+    sample = metrics.registry.get_sample_value
+    labels = {"capability": "ledger"}
+    assert sample("reach_agent_tasks_total", {**labels, "result": "unstored"}) == 1.0
+    assert sample("reach_agent_tasks_total", {**labels, "result": "duplicate"}) == 1.0
+
+
+async def test_a_caller_answered_from_another_agents_claim_waits_for_the_holders_record(
+    nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS
+) -> None:
+    """An agent answering a repeat with the holder's stored result names the holder
+    (``Reach-Holder``), and the caller's ``wait`` then believes the holder's record — not
+    the answering agent's, which never writes one (found by loadtest.nemesis: a submitted
+    task repeated with ``call`` and answered by another agent was never found by ``wait``)."""
+    runs: list[tuple[str, str]] = []
+    await agents(slow_agent("relay", "ledger2", runs))
+    await wait_for(lambda: healthy(broker, "relay"))
+    rid = str(uuid.uuid4())
+    done = schema.Claim(request_id=rid, agent_id="keeper", instance="k1", capability="ledger2",
+                        state="completed", at_ms=1,
+                        ack_subject=SUBJECTS.ack("keeper", rid))  # fmt: skip
+    assert (await ClaimStore(nc).create(claim_key(rid), schema.encoder.encode(done)))[0]
+    record = schema.AckRecord(request_id=rid, agent_id="keeper", capability="ledger2",
+                              state="completed", at_ms=2,
+                              result=msgspec.Raw(b'{"agent":"keeper","n":4}'))  # fmt: skip
+    await publish_record(nc.jetstream(), SUBJECTS.ack("keeper", rid),
+                         ack_msg_id("keeper", rid, "completed"),
+                         schema.encoder.encode(record))  # fmt: skip
+    async with reach_agent.Client(nats_server.url) as client:
+        assert await client.call("ledger2", {"n": 4}, request_id=rid, timeout=10) == {
+            "agent": "keeper", "n": 4}  # fmt: skip
+        assert client.takers.get(rid) == "keeper"
+        stored = await client.wait(rid, timeout=5)
+    assert (stored.agent_id, stored.state) == ("keeper", "completed")
+    assert stored.result == {"agent": "keeper", "n": 4}
+    assert runs == []
+    raw = await nc.request(SUBJECTS.task("relay", "ledger2"), b'{"n":4}',
+                           headers={H_REQUEST_ID: rid}, timeout=10)  # fmt: skip
+    assert (raw.headers or {}).get(schema.H_HOLDER) == "keeper"
+
+
+async def test_a_claim_this_process_created_without_seeing_the_answer_is_taken_over(
+    nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS
+) -> None:
+    """The agent's create of a claim landed but its PubAck was lost (a timeout: the task was
+    refused, retryably). The next copy finds a claim ``running`` under the agent's own id
+    and process, which runs nothing under that request id: it takes the claim over and runs
+    the task — instead of answering ``IN_PROGRESS`` naming itself to every copy, so that no
+    copy ever ran it (found by loadtest.nemesis: two calls answered 'still running on agent
+    a1' for 50 s after every fault had healed, with no run anywhere)."""
+    runs: list[tuple[str, str]] = []
+    agent = await agents(slow_agent("orphan", "ledger3", runs))
+    await wait_for(lambda: healthy(broker, "orphan"))
+    rid = str(uuid.uuid4())
+    lost = schema.Claim(request_id=rid, agent_id="orphan", instance=agent.instance,
+                        capability="ledger3", state="running", at_ms=1,
+                        ack_subject=SUBJECTS.ack("orphan", rid))  # fmt: skip
+    assert (await ClaimStore(nc).create(claim_key(rid), schema.encoder.encode(lost)))[0]
+    reply = await nc.request(SUBJECTS.task("orphan", "ledger3"), b'{"n": 5}',
+                             headers={H_REQUEST_ID: rid}, timeout=10)  # fmt: skip
+    assert msgspec.json.decode(reply.data) == {"agent": "orphan", "n": 5}
+    assert runs == [("orphan", rid)]
+    stored = await stored_claim(nc, rid)
+    assert stored is not None
+    assert (stored.agent_id, stored.instance, stored.state) == ("orphan", agent.instance,
+                                                                "completed")  # fmt: skip
 
 
 # --- idempotency keys are checked: one request id, one body ---------------------------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -54,23 +53,33 @@ def test_samples_are_a_bounded_ring_on_the_fleets_ticks() -> None:
     a.stats.task_ewma_ms = 120.0
     for tick in range(6):
         a.score = 90.0 + tick
-        h.sample(1000 * tick, [a] if tick < 3 else [a, b])
+        h.sample(1000 * tick, {"a": a} if tick < 3 else {"a": a, "b": b})
     s = h.samples("a")
     assert s.at_ms == [2000, 3000, 4000, 5000]  # the last 4 of 6 ticks
     assert s.score == [92.0, 93.0, 94.0, 95.0]
     assert (s.task_ms, s.load) == ([120.0] * 4, [0.0] * 4)
     assert h.samples("b").at_ms == [3000, 4000, 5000]  # b from its first tick on
-    assert len(h.series["a"].values) == 3 * 4
-    h.sample(6000, [b])  # a is gone from the registry: forgotten
+    assert len(h.series["a"].values) == 8 * 4  # 8 bytes a sample
+    h.sample(6000, {"b": b})  # a is gone from the registry: forgotten
     assert "a" not in h.series
     assert h.samples("a").at_ms == []
 
 
 def test_an_unmeasured_task_time_is_none() -> None:
     h = History(5.0, 10.0, 10)
-    h.sample(0, [record("a")])
+    h.sample(0, {"a": record("a")})
     assert h.samples("a").task_ms == [None]
-    assert math.isnan(h.series["a"].values[1])
+
+
+def test_samples_keep_what_the_page_shows() -> None:
+    """Score and load are kept in hundredths and ten-thousandths (the page shows two
+    decimals), the task time as a float32."""
+    h = History(5.0, 10.0, 10)
+    a = record("a", score=87.654321)
+    a.load, a.stats.task_ewma_ms = 0.3456, 1234.5678
+    h.sample(0, {"a": a})
+    s = h.samples("a")
+    assert (s.score, s.load, s.task_ms) == ([87.65], [0.35], [1234.57])
 
 
 def test_events_are_kept_bounded_and_a_replicas_copy_is_merged() -> None:
@@ -83,6 +92,80 @@ def test_events_are_kept_bounded_and_a_replicas_copy_is_merged() -> None:
         h.event(event(f"x{i}", 9000 + i))
     assert [e.event.agent_id for e in h.events] == ["x0", "x1", "x2"]
     assert [e.event.at_ms for e in h.transitions("a")] == [1000, 5000]
+
+
+def test_a_burst_of_transitions_costs_one_comparison_each_at_most() -> None:
+    """10,000 transitions within one second, each reported by two replicas (the copy right
+    after the original, as two brokers seeing the same heartbeats publish them): every copy
+    is found with one comparison, none of the originals needs any. A scan back over the
+    burst would compare each event with up to ``events`` entries (500 x 10,000 here)."""
+    h = History(5.0, 300.0, events=500)
+    n = 10_000
+    for i in range(n):
+        at = 1000 + i // 10  # 10,000 within 1,000 ms
+        assert h.event(event(f"a{i}", at, broker="b1")) is not None
+        assert h.event(event(f"a{i}", at + 3, broker="b2")) is None
+    assert h.compared == n
+    assert len(h.events) == 500 and len(h._latest) == 500  # the keys leave with the entries
+    assert all(e.brokers == ["b1", "b2"] for e in h.events)
+    # A third replica's copies, after the burst: those still in the timeline are found with
+    # one comparison each; one whose original has left the timeline is an entry of its own.
+    for i in range(n - 400, n):
+        assert h.event(event(f"a{i}", 1000 + i // 10 + 5, broker="b3")) is None
+    assert h.compared == n + 400
+    assert h.event(event("a0", 1005, broker="b3")) is not None
+    assert h.compared == n + 400
+    assert [e.brokers for e in h.events][-400:-1] == [["b1", "b2", "b3"]] * 399
+
+
+def test_an_event_seen_again_from_the_same_replica_or_later_is_a_move_of_its_own() -> None:
+    h = History(5.0, 10.0, events=10)
+    assert h.event(event("a", 1000, broker="b1")) is not None
+    assert h.event(event("a", 1500, broker="b1")) is not None  # the same broker: a new move
+    assert h.event(event("a", 1600, broker="b2")) is None  # merged into the newest
+    assert h.event(event("a", 3601, broker="b3")) is not None  # > 2 s after the newest
+    assert [e.brokers for e in h.events] == [["b1"], ["b1", "b2"], ["b3"]]
+    assert h.compared == 3
+
+
+def test_each_agent_keeps_its_last_transitions_only() -> None:
+    h = History(5.0, 10.0, events=5)
+    for i in range(40):
+        h.event(event("a", 10_000 * i, to="suspect" if i % 2 else "healthy"))
+    assert [e.event.at_ms for e in h.transitions("a")] == [10_000 * i for i in range(24, 40)]
+
+
+class CountingFleet(dict[str, AgentRecord]):
+    """The registry's agents, counting how many a tick looks at."""
+
+    looked = 0
+
+    def items(self):  # type: ignore[no-untyped-def]
+        for pair in super().items():
+            self.looked += 1
+            yield pair
+
+    def get(self, key, default=None):  # type: ignore[no-untyped-def]
+        self.looked += 1
+        return super().get(key, default)
+
+
+def test_charts_are_bounded_whatever_the_fleet() -> None:
+    h = History(5.0, 20.0, events=10, chart_agents=10)
+    fleet = CountingFleet((f"a{i}", record(f"a{i}")) for i in range(1000))
+    h.sample(0, fleet)
+    assert sorted(h.series) == sorted(f"a{i}" for i in range(10))  # the first ten charted
+    fleet.looked = 0
+    h.sample(5000, fleet)
+    assert fleet.looked == 10  # full: the charted agents alone, not the 1,000
+    del fleet["a3"]
+    fleet.looked = 0
+    h.sample(10_000, fleet)
+    assert fleet.looked == 10 and "a3" not in h.series and len(h.series) == 9
+    h.sample(15_000, fleet)  # room again: a newcomer is charted from this tick on
+    assert len(h.series) == 10 and h.samples("a10").at_ms == [15_000]
+    h.event(event("zz", 20_000))  # full: an event charts nobody new either
+    assert "zz" not in h.series
 
 
 def test_released_claims_of_one_agent_are_told_apart() -> None:
@@ -304,6 +387,10 @@ async def test_the_page_is_told_of_the_fleet_and_of_each_transition(
         feed = port.feed
         assert feed is not None
         beaten = feed.history.ticks  # samples from here on see the heartbeat's load
+        # The page's first push lists the events the feed holds: the registration reaches it
+        # through REACH_AUDIT (stored, then followed), after the heartbeat was counted.
+        await wait_for(lambda: [e.event.kind for e in feed.history.events] == ["registered"],
+                       what="alpha's registration in the console's timeline")  # fmt: skip
         sse = await Sse.open(port.server.port)
         try:
             hello = await sse.next("hello")

@@ -1,6 +1,6 @@
 """The fault helpers the HA tests stand on, against real servers: the N-node cluster
 (tests/cluster.py) forms, keeps an R3 stream through the SIGKILL of its leader and takes a
-restarted node back; the TCP proxy (tests/tcpproxy.py) forwards a nats-py connection, and
+restarted node back; the TCP proxy (loadtest/tcpproxy.py) forwards a nats-py connection, and
 its cut and blackhole do to that connection what a broken and a partitioned link do."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import nats
 import pytest
 from nats.aio.client import Client as NATS
 
+from loadtest.tcpproxy import TcpProxy
 from reach_agent.connection import flush_subscriptions
 from reach_broker.cluster.natsserver import NatsServer
 
 from .cluster import nats_cluster
 from .conftest import wait_for
-from .tcpproxy import TcpProxy
 
 # --- the cluster ----------------------------------------------------------------------------
 

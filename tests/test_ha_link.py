@@ -13,6 +13,7 @@ import nats
 from nats.aio.msg import Msg
 
 import reach_agent
+from loadtest.tcpproxy import TcpProxy
 from reach_agent.wire import schema
 from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
@@ -20,7 +21,6 @@ from reach_broker.service.metrics import Metrics
 
 from .conftest import fast_config, wait_for
 from .detection_agents import Transitions
-from .tcpproxy import TcpProxy
 
 CUT_S = 3.0
 AGENTS = 4

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import os
 import signal
@@ -20,14 +21,17 @@ from typing import Any
 
 import pytest
 from nats.aio.client import Client as NATS
+from nats.js.errors import KeyNotFoundError
 
 from jetstream import ackreads, acks, compensation
 from reach_agent.agent.agent import Agent
 from reach_agent.client import durable
 from reach_agent.connection import connect_options
+from reach_agent.wire.schema import Announce
 from reach_agent.wire.subjects import Subjects
 from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
+from reach_broker.service import snapshot
 
 from .conftest import BrokerFactory, wait_for
 from .test_broker_wire import announce, heartbeat
@@ -354,6 +358,71 @@ async def test_snapshot_writes_only_what_changed(nc: NATS, broker_factory: Broke
     await wait_for(lambda: broker.snapshot.writes == 2, what="second write")
     stored = json.loads((await kv.get("snapw")).value)
     assert (stored["announce"]["region"], stored["state"]) == ("us", "healthy")
+
+
+async def values_stored(kv: Any, keys: list[str]) -> int:
+    """How many of ``keys`` hold a value (one get each: nats-py's ``keys()`` can end before
+    the values it was sent are handed over, and say there are none)."""
+    n = 0
+    for key in keys:
+        with contextlib.suppress(KeyNotFoundError):
+            n += bool((await kv.get(key)).value)
+    return n
+
+
+async def test_changed_agents_are_written_in_batches_one_round_trip_each(
+    nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    """N changed agents cost ceil(N / BATCH) round trips (each batch's publishes pipelined,
+    their acknowledgements awaited together), not one request per agent."""
+    broker = await broker_factory()
+    snap, reg = broker.snapshot, broker.registry
+    n = 1000
+    for i in range(n):  # straight into the registry: the flush loop is not woken
+        # On the broker's clock, heard from every minute: no state moves during the test.
+        reg.announce(Announce(agent_id=f"burst{i}", capabilities=["text_processing"],
+                              max_concurrency=2, heartbeat_interval_ms=60_000),
+                     broker.clock(), 0)  # fmt: skip
+    rounds, writes = snap.rounds, snap.writes
+    snap._dirty = {f"burst{i}" for i in range(n)}
+    await snap._flush()  # what the flush loop does 0.2 s after a change
+    assert snapshot.BATCH == 256
+    assert (snap.rounds - rounds, snap.writes - writes) == (4, n)  # ceil(1000 / 256)
+    kv = await nc.jetstream().key_value("reach_registry")
+    assert await values_stored(kv, [f"burst{i}" for i in range(n)]) == n
+    stored = json.loads((await kv.get("burst7")).value)
+    assert (stored["announce"]["agent_id"], stored["state"]) == ("burst7", "healthy")
+    # 300 evicted: 300 deletes in 2 round trips; the 700 unchanged cost nothing.
+    for i in range(300):
+        reg.evict(f"burst{i}", "test")
+    snap._dirty = {f"burst{i}" for i in range(n)}
+    await snap._flush()
+    assert (snap.rounds - rounds, snap.writes - writes) == (6, n + 300)
+    assert await values_stored(kv, [f"burst{i}" for i in range(n)]) == 700
+
+
+async def test_unacknowledged_writes_stay_dirty_and_are_written_later(
+    nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    broker = await broker_factory()
+    snap, reg = broker.snapshot, broker.registry
+    js = nc.jetstream()
+    cfg = (await js.stream_info("KV_reach_registry")).config
+    await js.delete_stream("KV_reach_registry")  # nothing answers the writes now
+    for i in range(300):
+        reg.announce(Announce(agent_id=f"lost{i}", capabilities=["text_processing"],
+                              max_concurrency=2, heartbeat_interval_ms=60_000),
+                     broker.clock(), 0)  # fmt: skip
+    snap._dirty = {f"lost{i}" for i in range(300)}
+    writes = snap.writes
+    with pytest.raises(snapshot.WritesFailed, match="256 of 256 writes failed"):
+        await snap._flush()  # the first batch fails: it and the second stay dirty
+    assert snap.writes == writes and snap._dirty == {f"lost{i}" for i in range(300)}
+    await js.add_stream(cfg)  # the bucket is back
+    await snap._flush()
+    assert snap.writes == writes + 300 and not snap._dirty
+    kv = await js.key_value("reach_registry")
+    assert await values_stored(kv, [f"lost{i}" for i in range(300)]) == 300
 
 
 async def test_restarted_broker_keeps_task_history_and_scores_slow_agents_as_before(

@@ -148,3 +148,63 @@ def test_cpu_spans_leave_out_spans_that_could_not_be_read() -> None:
     assert spans.share() == 0.25
     assert spans.us_per(1000) == 1000.0
     assert spans.us_per(0) is None
+
+
+# --- what cut a run short ----------------------------------------------------------------
+
+
+async def test_an_inner_timeout_is_reported_as_one_with_its_phase_not_as_the_watchdog() -> None:
+    from loadtest.__main__ import Progress, watched
+    from loadtest.children import Child
+
+    child = await Child.start("silent", sys.executable, "-c", "import time; time.sleep(30)")
+    progress = Progress()
+    try:
+
+        async def run() -> None:
+            progress.enter("heartbeats only")
+            await child.read_event(0.05)  # a child that never answers: its wait gives up
+
+        failed = await watched(run(), 60.0, progress)
+    finally:
+        await child.kill()
+    assert failed is not None
+    assert failed.startswith("phase 'heartbeats only': TimeoutError at children.py:")
+    assert failed.endswith(" read_event")
+    assert "budget" not in failed
+
+
+async def test_no_responders_is_reported_as_what_it_is() -> None:
+    from nats.errors import NoRespondersError
+
+    from loadtest.__main__ import Progress, watched
+
+    progress = Progress()
+
+    async def run() -> None:
+        progress.enter("kill")
+        raise NoRespondersError
+
+    failed = await watched(run(), 60.0, progress)
+    assert (
+        failed
+        == "phase 'kill': nats.errors.NoRespondersError: nats: no responders available for request"
+    )
+
+
+async def test_the_watchdog_speaks_only_when_the_budget_ran_out() -> None:
+    import asyncio
+
+    from loadtest.__main__ import Progress, watched
+
+    progress = Progress()
+
+    async def run() -> None:
+        progress.enter("kill")
+        await asyncio.Event().wait()  # never ends by itself
+
+    assert await watched(run(), 0.05, progress) == "phase 'kill': the run exceeded --budget 0.05 s"
+    report = assemble(Figures(), [], pids={}, loadavg_end="0 0 0", complete=False,
+                      failure="phase 'kill': the run exceeded --budget 0.05 s")  # fmt: skip
+    assert report["failure"] == "phase 'kill': the run exceeded --budget 0.05 s"
+    assert "INCOMPLETE, phase 'kill': the run exceeded --budget 0.05 s" in report["summary"]

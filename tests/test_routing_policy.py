@@ -300,6 +300,25 @@ def test_the_outlier_rule_forgets_after_the_window() -> None:
     assert "a" not in book.agents
 
 
+def test_only_agents_whose_reports_left_the_window_are_judged_again() -> None:
+    """Judging the book as time passes touches the agents some of whose reports just left
+    the window, and those with unanswered calls, not every agent with reports."""
+    book = DeliveryBook(OutcomesSection(window_s=60.0))
+    for i in range(1000):
+        for caller in ("x", "y"):
+            book.add(f"a{i}", _summary(caller, 20, not_delivered=i % 3, ok=20 - i % 3),
+                     i / 100, finished=0, busy=True)  # fmt: skip
+    book.add("late", _summary("x", 20, timeouts=1, ok=19), 5.0, finished=3, busy=True)
+    assert book.ejected == {OUTLIER: 333, UNANSWERED: 0}  # 2 in 20 failed (10 % > 5 %)
+    assert book.due(59.0) == {"late"}  # nothing has left yet; "late" has an unanswered call
+    assert book.due(60.005) == {"a0", "late"}  # a0's two reports came at 0.0
+    assert book.due(65.0) == {f"a{i}" for i in range(1, 500)} | {"late"}
+    for agent_id in book.due(80.0) | {f"a{i}" for i in range(500)} | {"late"}:
+        book.judge(agent_id, 80.0, finished=0, busy=True)
+    assert (book.agents, book.ejected) == ({}, {OUTLIER: 0, UNANSWERED: 0})
+    assert book.due(80.0) == set()
+
+
 def test_receipts_without_results_eject_after_n_calls_unless_the_agent_finishes_tasks() -> None:
     cfg = OutcomesSection(unanswered_after=3)
     book = DeliveryBook(cfg)
@@ -322,3 +341,20 @@ def test_receipts_without_results_eject_after_n_calls_unless_the_agent_finishes_
         idle.add("d", _summary("liar", 50, timeouts=50), 1.0, finished=0, busy=False).rule is None
     )
     assert idle.judge("d", 2.0, finished=0, busy=True).rule == UNANSWERED
+
+
+def test_tasks_seen_running_count_even_after_their_deadlines_cancelled_them() -> None:
+    """The third unanswered call is reported after its deadline cancelled it on the agent
+    (whose heartbeats then report nothing running): the calls were in its hands while they
+    went unanswered, which the heartbeats showed at the first two reports."""
+    book = DeliveryBook(OutcomesSection(unanswered_after=3))
+    assert book.add("a", _summary("first", 1, timeouts=1), 1.0, finished=7, busy=True).rule is None
+    assert book.add("a", _summary("first", 1, timeouts=1), 2.0, finished=7, busy=True).rule is None
+    late = book.add("a", _summary("first", 1, timeouts=1), 3.0, finished=7, busy=False)
+    assert late.rule == UNANSWERED
+    # Reports of an agent never seen running anything are not enough (a caller lying).
+    never = DeliveryBook(OutcomesSection(unanswered_after=3))
+    for t in (1.0, 2.0, 3.0):
+        assert (
+            never.add("b", _summary("liar", 1, timeouts=1), t, finished=0, busy=False).rule is None
+        )

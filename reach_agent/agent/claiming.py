@@ -5,7 +5,8 @@ Before a handler runs, the agent creates the request id's claim in KV ``reach_cl
 create finds a claim decides with :func:`decide` (pure) what the stored claim means:
 
     released (its holder went offline)           → take it over (compare-and-set), run
-    running, held by this agent's earlier process → take it over (that process died), run
+    running, held by this agent's id              → take it over (its earlier process died,
+                                                    or this process's create landed unseen), run
     running, held by anyone else                  → IN_PROGRESS, naming the holder
     completed / failed                            → answer the stored result (the holder's
                                                     final ack record), never run again
@@ -93,8 +94,12 @@ def decide(
         return "take_over"
     if claim.state != "running":
         return "stored"
-    if claim.agent_id == agent_id and claim.instance != instance:
-        return "take_over"  # this agent's previous process died holding it
+    if claim.agent_id == agent_id:
+        # This agent's, running, yet this process runs nothing under the request id (a copy
+        # of a task it runs is answered from its duplicate window before it claims): its
+        # previous process died holding it, or this process's own create landed while its
+        # answer was lost (the task was refused retryably). Take it over.
+        return "take_over"
     return "in_progress"
 
 
@@ -383,18 +388,15 @@ class Claimer:
         self, request_id: str, capability: str, digest: str | None = None
     ) -> tuple[Held | None, tuple[str, Reply] | None]:
         """A task's claim as the run needs it: our claim, or the answer for a claim of
-        another, labelled (``in_progress``, ``duplicate``, ``mismatch``: the claim is for
-        another body, or ``unclaimed``: the store could not decide, and the task is refused
-        ``STORE_UNAVAILABLE``, never run unclaimed)."""
+        another, labelled as :meth:`answer` labels it, or ``unclaimed``: the store could not
+        decide, and the task is refused ``STORE_UNAVAILABLE``, never run unclaimed."""
         try:
             claimed = await self.claim(request_id, capability, digest)
         except ClaimsUnavailable as exc:
             return None, ("unclaimed", _error_reply(self.refusal(exc, request_id), request_id))
         if claimed.held is not None:
             return claimed.held, None
-        label = claimed.verdict if claimed.verdict in ("in_progress", "mismatch") else "duplicate"
-        assert label is not None
-        return None, (label, await self.answer(claimed, request_id, digest))
+        return None, await self.answer(claimed, request_id, digest)
 
     async def end(self, held: Held, error: ReachError | None) -> Callable[[], Awaitable[None]]:
         """How a run ends its claim: ``completed``; ``released`` after a retryable error
@@ -410,22 +412,28 @@ class Claimer:
             held, "failed", schema.CLAIM_CANCELLED if isinstance(error, Cancelled) else None
         )
 
-    async def answer(self, claimed: Claimed, request_id: str, digest: str | None = None) -> Reply:
+    async def answer(
+        self, claimed: Claimed, request_id: str, digest: str | None = None
+    ) -> tuple[str, Reply]:
         """The reply to a request whose claim is someone else's (or already finished, or for
-        another body)."""
+        another body), labelled: ``in_progress`` (``IN_PROGRESS``: it runs elsewhere),
+        ``mismatch`` (``IDEMPOTENCY_MISMATCH``: the request id was claimed for another body),
+        ``duplicate`` (the stored result: the request's answer for good) or ``unstored``
+        (finished, but its result could not be read in time: ``TIMEOUT``, retryable, and not
+        the request's answer — the next copy reads the store again)."""
         existing = claimed.existing
         assert existing is not None
         if claimed.verdict == "mismatch":
             assert existing.body_digest is not None and digest is not None
-            return _error_reply(self._mismatch(request_id, existing.body_digest, digest,
-                                               existing.agent_id), request_id)  # fmt: skip
+            refusal = self._mismatch(request_id, existing.body_digest, digest, existing.agent_id)
+            return "mismatch", _error_reply(refusal, request_id)
         if claimed.verdict == "in_progress":
             err: ReachError = InProgress(
                 f"request_id {request_id!r} is running on agent {existing.agent_id!r} "
                 f"(claimed at {existing.at_ms} ms): wait for its result",
                 holder=existing.agent_id,
             )
-            return _error_reply(err, request_id)
+            return "in_progress", _error_reply(err, request_id)
         # The result is the holder's own record: its location follows from the holder (a
         # claim naming another subject is not believed), and its author must be the holder.
         location = result_location(existing, self.subjects)
@@ -442,18 +450,22 @@ class Claimer:
                 f"{existing.agent_id!r}, but its result is not in REACH_ACKS "
                 f"({location}): not run again"
             )
-            return _error_reply(err, request_id)
+            return "unstored", _error_reply(err, request_id)
         if rec.body_digest is not None and digest is not None and rec.body_digest != digest:
             # a claim written without a digest, its record with one: another body after all
-            return _error_reply(self._mismatch(request_id, rec.body_digest, digest,
-                                               existing.agent_id), request_id)  # fmt: skip
+            err = self._mismatch(request_id, rec.body_digest, digest, existing.agent_id)
+            return "mismatch", _error_reply(err, request_id)
+        # Named, so the caller's wait believes the holder's record, not ours (we write none).
         if rec.state == "completed":
             body = bytes(rec.result) if rec.result is not None else b"null"
-            return {H_REQUEST_ID: request_id, schema.H_STATUS: "completed"}, body
+            return "duplicate", ({H_REQUEST_ID: request_id, schema.H_STATUS: "completed",
+                                  schema.H_HOLDER: existing.agent_id}, body)  # fmt: skip
         failure = rec.error or {}
-        return _error_reply(
+        headers, body = _error_reply(
             error_for(failure.get("code", "INTERNAL"), failure.get("message", "")), request_id
         )
+        headers[schema.H_HOLDER] = existing.agent_id
+        return "duplicate", (headers, body)
 
     def _mismatch(self, request_id: str, first: str, this: str, holder: str) -> ReachError:
         log.warning("claims.mismatch request_id=%s holder=%s: reused with another body",

@@ -313,8 +313,9 @@ class Call:
                         return "ok", msgspec.structs.replace(receipt, agent_id=agent)
                 continue
             # Only the agent an attempt was sent to can publish to that attempt's reply
-            # subject: it took the task.
-            self.taker = self.agents.get(a, agent)
+            # subject: it took the task — or answered its holder's stored result, naming it.
+            holder = hdrs.get(schema.H_HOLDER) if hdrs else None
+            self.taker = holder or self.agents.get(a, agent)
             if status == "chunk" or (status == "completed" and schema.H_CHUNKS in hdrs):
                 if self.stream:  # a stream began (late ones too: the claim allows one)
                     return "ok", StreamStart(a, msg)

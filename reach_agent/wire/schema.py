@@ -571,6 +571,10 @@ H_SEQ = "Reach-Seq"
 """A chunk's sequence number (1, 2, ...); on a credit message, the last chunk consumed."""
 H_CHUNKS = "Reach-Chunks"
 """On the ``completed`` message that ends a stream: how many chunks it had."""
+H_HOLDER = "Reach-Holder"
+"""On a reply answered from another agent's claim (its stored final record): that agent,
+the holder, whose record the result is (the caller's ``wait`` believes it, not the agent
+that answered)."""
 H_CALLER = "Reach-Caller"
 """On a route request: who asks (the SDK's connection name; quotas are per caller). With the
 server enforcing identities the broker reads the caller from the private reply inbox."""

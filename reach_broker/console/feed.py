@@ -102,7 +102,8 @@ class Feed:
         self._acks: Any = None
         self.registry = registry
         self.cfg = cfg
-        self.history = History(self.cfg.sample_s, self.cfg.history_s, self.cfg.events)
+        self.history = History(self.cfg.sample_s, self.cfg.history_s, self.cfg.events,
+                               self.cfg.chart_agents)  # fmt: skip
         self.views = Views(registry, explainer, ctx.broker_id)
         self.watchers: set[Watcher] = set()
         self.compensation = CompensationView(at_ms=0, available=False)
@@ -115,7 +116,7 @@ class Feed:
     async def start(self) -> None:
         if self._tasks:
             return
-        self.history.sample(self.ctx.wall_ms(), self.registry.agents.values())
+        self.history.sample(self.ctx.wall_ms(), self.registry.agents)
         self.capabilities.routes(self.route_counts, self.ctx.wall_ms())
         await self._follow_acks()
         await self._follow_audit()
@@ -243,7 +244,7 @@ class Feed:
             await asyncio.sleep(self.cfg.sample_s)
             try:
                 wall_ms = self.ctx.wall_ms()
-                self.history.sample(wall_ms, self.registry.agents.values())
+                self.history.sample(wall_ms, self.registry.agents)
                 self.capabilities.routes(self.route_counts, wall_ms)
                 self.capabilities.expire(wall_ms)
             except Exception:  # noqa: BLE001 - the loop body never dies

@@ -16,11 +16,12 @@ an argument (pure):
 - **the unanswered rule**: at least ``unanswered_after`` (N, 3 by default) receipted calls
   without a result (lost + timeouts, any callers) in the window, while no caller got any
   answer from the agent, its heartbeats reported no finished task since the first of them
-  and they do report tasks running (``active`` > 0: the receipted tasks are still in its
-  hands): D = 0, for everyone, after at most N calls. The agent's own heartbeats corroborate
-  the callers: an agent that is merely slow still finishes tasks (its ``ok_total`` moves),
-  and an idle one runs nothing, so neither a caller with too short a deadline nor one that
-  makes reports up can eject it this way.
+  and they reported tasks running meanwhile (``active`` > 0 at a judgement since the first
+  of them: the receipted tasks were in its hands, even if their callers' deadlines have
+  cancelled them since): D = 0, for everyone, after at most N calls. The agent's own
+  heartbeats corroborate the callers: an agent that is merely slow still finishes tasks (its
+  ``ok_total`` moves), and an idle one runs nothing, so neither a caller with too short a
+  deadline nor one that makes reports up can eject it this way.
 
 The window slides: once the reports are a minute old, D returns to 1 (the agent is tried
 again, and judged afresh).
@@ -65,25 +66,68 @@ class Verdict(NamedTuple):
 CLEAN = Verdict(1.0, None, 0.0, 0)
 
 
+class Reports:
+    """One caller's summaries about one agent within the window, with their sums kept as
+    they come and go (O(1) a summary, however many the window holds)."""
+
+    __slots__ = ("answers", "attempts", "failures", "seen", "unanswered")
+
+    def __init__(self) -> None:
+        self.seen: deque[Seen] = deque()
+        self.attempts = self.failures = self.unanswered = self.answers = 0
+
+    def add(self, seen: Seen) -> None:
+        self.seen.append(seen)
+        self.attempts += seen.attempts
+        self.failures += seen.failures
+        self.unanswered += seen.unanswered
+        self.answers += seen.answers
+
+    def drop_before(self, horizon: float) -> None:
+        q = self.seen
+        while q and q[0].at < horizon:
+            old = q.popleft()
+            self.attempts -= old.attempts
+            self.failures -= old.failures
+            self.unanswered -= old.unanswered
+            self.answers -= old.answers
+
+
 class AgentOutcomes:
     """The reports about one agent: per caller, the summaries within the window."""
 
-    __slots__ = ("baseline", "by_caller", "verdict")
+    __slots__ = ("baseline", "busy", "by_caller", "verdict")
 
     def __init__(self) -> None:
-        self.by_caller: dict[str, deque[Seen]] = {}
+        self.by_caller: dict[str, Reports] = {}
         self.baseline: int | None = None
         """The agent's finished tasks (heartbeat ok + fail) when the first unanswered call
         of the window was reported: if it moves, the agent is finishing tasks."""
+        self.busy = False
+        """Whether its heartbeats reported tasks running at a judgement since then: the
+        receipted calls were in its hands, even if their deadlines have since cancelled
+        them (the agent then reports none running by the time the last report comes)."""
         self.verdict = CLEAN
 
 
 class DeliveryBook:
-    """Every agent's reports and verdict."""
+    """Every agent's reports and verdict.
+
+    A summary costs O(callers of its agent) (the sums are kept per caller). Which agents to
+    judge again as time passes (:meth:`due`) costs O(1) a summary: every report leaves the
+    window ``window_s`` after it came, in the order they came, so one queue of (when, agent)
+    says whose reports have left; beside those, only the agents with unanswered calls in
+    the window (whose verdict also follows their heartbeats) are judged every round."""
 
     def __init__(self, cfg: OutcomesSection) -> None:
         self.cfg = cfg
         self.agents: dict[str, AgentOutcomes] = {}
+        self.ejected = {OUTLIER: 0, UNANSWERED: 0}
+        """Agents whose verdict is D = 0 by each rule, kept as verdicts change."""
+        self._leaving: deque[tuple[float, str]] = deque()
+        """(when a report leaves the window, its agent), in the order the reports came."""
+        self._unanswered: set[str] = set()
+        """The agents with unanswered calls in the window (a ``baseline``)."""
 
     def add(
         self, agent_id: str, s: OutcomeSummary, now: float, finished: int, busy: bool
@@ -95,10 +139,24 @@ class DeliveryBook:
             book = self.agents[agent_id] = AgentOutcomes()
         seen = Seen(now, s.attempts, s.not_delivered + s.lost + s.timeouts, s.lost + s.timeouts,
                     s.ok + s.rejected)  # fmt: skip
-        book.by_caller.setdefault(s.caller, deque()).append(seen)
+        reports = book.by_caller.get(s.caller)
+        if reports is None:
+            reports = book.by_caller[s.caller] = Reports()
+        reports.add(seen)
+        self._leaving.append((now + self.cfg.window_s, agent_id))
         if seen.unanswered and book.baseline is None:
             book.baseline = finished
+            self._unanswered.add(agent_id)
         return self.judge(agent_id, now, finished, busy)
+
+    def due(self, now: float) -> set[str]:
+        """The agents to judge again at ``now``: those some of whose reports have left the
+        window since, and those with unanswered calls in it."""
+        out = set()
+        leaving = self._leaving
+        while leaving and leaving[0][0] < now:
+            out.add(leaving.popleft()[1])
+        return out | self._unanswered
 
     def judge(self, agent_id: str, now: float, finished: int, busy: bool) -> Verdict:
         """The agent's verdict over the window ending ``now`` (old reports dropped)."""
@@ -110,28 +168,30 @@ class DeliveryBook:
         shares: list[float] = []
         unanswered = answers = 0
         for caller in list(book.by_caller):
-            q = book.by_caller[caller]
-            while q and q[0].at < horizon:
-                q.popleft()
-            if not q:
+            reports = book.by_caller[caller]
+            reports.drop_before(horizon)
+            if not reports.seen:
                 del book.by_caller[caller]
                 continue
-            attempts = sum(x.attempts for x in q)
-            if attempts >= cfg.min_attempts:
-                shares.append(sum(x.failures for x in q) / attempts)
-            unanswered += sum(x.unanswered for x in q)
-            answers += sum(x.answers for x in q)
+            if reports.attempts >= cfg.min_attempts:
+                shares.append(reports.failures / reports.attempts)
+            unanswered += reports.unanswered
+            answers += reports.answers
         if not book.by_caller:
-            del self.agents[agent_id]
+            self.forget(agent_id)
             return CLEAN
         if unanswered == 0:
             book.baseline = None
+            book.busy = False
+            self._unanswered.discard(agent_id)
+        elif busy:
+            book.busy = True
         shares.sort(reverse=True)
         k = cfg.min_callers
         share = shares[k - 1] if len(shares) >= k else 0.0
         callers = len(book.by_caller)
         if (
-            unanswered >= cfg.unanswered_after and answers == 0 and busy
+            unanswered >= cfg.unanswered_after and answers == 0 and book.busy
             and book.baseline is not None and finished <= book.baseline
         ):  # fmt: skip
             verdict = Verdict(0.0, UNANSWERED, share, callers)
@@ -139,8 +199,18 @@ class DeliveryBook:
             verdict = Verdict(0.0, OUTLIER, share, callers)
         else:
             verdict = Verdict(1.0 - share, None, share, callers)
-        book.verdict = verdict
+        self._set(book, verdict)
         return verdict
 
+    def _set(self, book: AgentOutcomes, verdict: Verdict) -> None:
+        if book.verdict.rule is not None:
+            self.ejected[book.verdict.rule] -= 1
+        if verdict.rule is not None:
+            self.ejected[verdict.rule] += 1
+        book.verdict = verdict
+
     def forget(self, agent_id: str) -> None:
-        self.agents.pop(agent_id, None)
+        book = self.agents.pop(agent_id, None)
+        self._unanswered.discard(agent_id)
+        if book is not None:
+            self._set(book, CLEAN)

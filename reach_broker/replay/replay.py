@@ -135,7 +135,9 @@ class Replayer:
             for cap in rec.capabilities:
                 if self._known.get(cap):
                     self.kick(cap)
-        elif t.to == "offline" or t.kind == "evicted":
+        elif (t.to == "offline" or t.kind == "evicted") and self.taken.held_by(t.agent_id):
+            # A task only for an agent that holds entries: 1,000 agents going offline
+            # together are 1,000 look-ups, not 1,000 tasks.
             self.ctx.spawn(self._taker_gone(t.agent_id), "replay-taker-gone")
 
     async def _taker_gone(self, agent_id: str) -> None:
@@ -273,6 +275,9 @@ class Replayer:
                 await self.sweep()
             except asyncio.CancelledError:
                 raise
+            except TimeoutError:  # nats' too: a busy server or broker, not a bug
+                log.warning("replay.sweep_failed JetStream did not answer in time: swept "
+                            "again in %g s", self.cfg.sweep_interval_s)  # fmt: skip
             except Exception:  # noqa: BLE001 - the loop never dies
                 log.exception("replay.sweep_failed")
             await asyncio.sleep(self.cfg.sweep_interval_s)

@@ -105,6 +105,10 @@ class Taken:
     def holds(self, request_id: str) -> bool:
         return request_id in self._held
 
+    def held_by(self, agent_id: str) -> bool:
+        """Whether ``agent_id`` holds an entry (O(1): asked on every agent's way offline)."""
+        return agent_id in self._by_agent
+
     async def done(self, request_id: str, author: str) -> bool:
         """The final record of ``request_id`` by ``author`` arrived: remove the entry when
         ``author`` is its taker (any other author's record is not the result)."""

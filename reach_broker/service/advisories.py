@@ -222,6 +222,12 @@ class Advisories:
                 replies, why = [], "NoRespondersError"
             else:
                 why = "TimeoutError"
+            if not replies and why == "TimeoutError":
+                # Slow is not missing: the server (or this broker) is busy; asked again at
+                # the next reconcile, and the advisories themselves may well flow.
+                log.warning("advisories.connz_timeout %s not answered within %g s: "
+                            "reconciled later", subject, REQUEST_TIMEOUT_S)  # fmt: skip
+                return None
             if not replies:
                 self._unavailable(f"{subject} not answered ({why})")
                 return None

@@ -15,9 +15,18 @@ A fleet does not go silent all at once; a broker's link does. Three rules follow
   (:meth:`Registry.expire` with ``max_silent``), and every later silence with them, until
   its link is shown to work: a heartbeat arrives, the server answers ``CONNZ`` (the
   reconcile then moves who has no connection), or a held agent's probe is answered either
-  way (a reply or "no responders"). Then the held deadlines run again, with the rule
-  suspended for :data:`TRUST_S` so they are not held a second time. A single agent never
+  way (a reply or "no responders"). Then the clocks are rebased over the doubt, as after an
+  outage: a broker whose server was stopped, or whose routes were down, heard nobody while
+  its connection stayed open, and the silence of the doubt is not held against anyone
+  (the first heartbeat heard, or a "no responders" from a server whose routes are still
+  coming back, does not mean the others are heard yet). The held deadlines then run again,
+  rebased, and are believed when they come (not held a second time). A single agent never
   makes the broker doubt itself.
+- **Behind its own input, no judgement.** A tick that runs more than :data:`STALL_S` later
+  than it was due means the broker's loop was held up (busy, or the process starved of
+  CPU): heartbeats that arrived meanwhile may still be unread in its socket. That tick
+  judges nobody; the next one, after they are read, does. Never two ticks in a row, so a
+  broker starved for good still judges every other tick.
 - **Nothing computed blind goes out later.** nats-py buffers publishes while it reconnects;
   the pipeline publishes no event while :attr:`Link.connected` is false
   (:class:`~reach_broker.service.fanout.Fanout`), and a probe whose round trip overlapped an outage
@@ -51,6 +60,9 @@ CONFIRM_PROBES = 8
 """Held agents probed per confirmation round."""
 MIN_SILENT = 2
 """Fewer agents than this going silent together never make the broker doubt itself."""
+STALL_S = 0.25
+"""A tick this much later than it was due judges nobody (the input that came meanwhile is
+read first)."""
 
 
 class Observer:
@@ -75,14 +87,24 @@ class Observer:
         self._recent: collections.deque[float] = collections.deque()
         """When each recent silence move stops counting (its time + the agent's interval)."""
         self._confirming = False
+        self._stalled = False
+        self.stalls = 0
+        """Ticks that judged nobody because they ran late (the loop was held up)."""
         suspect.set(0)
 
     # --- the tick -------------------------------------------------------------------------
 
-    def tick(self, now: float) -> list[Transition]:
-        """The deadlines that passed by ``now``, as far as the broker believes its ears."""
+    def tick(self, now: float, due: float | None = None) -> list[Transition]:
+        """The deadlines that passed by ``now``, as far as the broker believes its ears
+        (``due``: when this tick was meant to run, if it was scheduled)."""
         if not self.link.connected:
             return []  # deaf: judge nobody (rebased on reconnect)
+        if due is not None and now - due > STALL_S and not self._stalled:
+            self._stalled = True  # held up: what came meanwhile is read before judging
+            self.stalls += 1
+            log.debug("observer.stalled late_s=%.3f: judging on the next tick", now - due)
+            return []
+        self._stalled = False
         registry = self.registry
         if self.suspect and registry.beats != self._beats_at:
             self.release(now, "heartbeats flow again")
@@ -127,11 +149,25 @@ class Observer:
         )  # fmt: skip
 
     def release(self, now: float, why: str) -> None:
-        """The link is shown to work: held deadlines run again (believed for TRUST_S)."""
+        """The link is shown to work: held deadlines run again (believed for TRUST_S).
+
+        After a doubt, the silence the broker could not tell from its own deafness is held
+        against nobody: every clock is rebased over the doubt (silence before it still
+        counts, plus one interval of grace), and the held agents' rebased deadlines are
+        believed when they come (no second hold for the same silence)."""
         if not self.suspect and not self.registry.held:
             return
-        held = self.registry.release_held()
-        self._trusted_until = now + TRUST_S
+        registry = self.registry
+        if self.suspect:
+            ids = set(registry.held)
+            registry.observer_gap(self._since, now)
+            recs = [registry.agents[a] for a in ids if a in registry.agents]
+            until = max((r.offline_at for r in recs if r.state != "offline"), default=now)
+            held = len(ids)
+            self._trusted_until = max(now, until) + TRUST_S
+        else:
+            held = registry.release_held()
+            self._trusted_until = now + TRUST_S
         if self.suspect:
             self.suspect = False
             self._suspect.set(0)

@@ -4,7 +4,8 @@ Subscribes ``<prefix>.outcome.*`` on every replica (a plain subscription: each r
 the same book, as with heartbeats), decodes and checks each summary, hands it to the
 :class:`~reach_broker.core.delivery.DeliveryBook` and sets the agent's ``delivery`` — rescoring
 it, and re-ranking its capabilities at once when the verdict crosses 0 either way. Once a
-second the book is judged again, so reports older than the window stop counting.
+second the agents whose reports left the window since (and those with unanswered calls) are
+judged again, so reports older than the window stop counting.
 """
 
 from __future__ import annotations
@@ -81,18 +82,22 @@ class Outcomes:
         verdict = self.book.add(agent_id, summary, now, rec.ok_total + rec.fail_total,
                                 rec.active > 0)  # fmt: skip
         self._set(agent_id, verdict, now)
+        self._count()
         return verdict
 
     def judge_all(self, now: float) -> None:
-        """Every agent with reports judged again (the window slides)."""
+        """Every agent whose verdict may have moved since it was last judged: some of its
+        reports left the window, or it has unanswered calls (whose rule also reads its
+        heartbeats). Not the whole book: O(1) amortised a summary."""
         agents = self.registry.agents
-        for agent_id in list(self.book.agents):
+        for agent_id in self.book.due(now):
             rec = agents.get(agent_id)
             if rec is None:
                 self.book.forget(agent_id)
                 continue
             finished = rec.ok_total + rec.fail_total
             self._set(agent_id, self.book.judge(agent_id, now, finished, rec.active > 0), now)
+        self._count()
 
     def _set(self, agent_id: str, verdict: Verdict, now: float) -> None:
         rec = self.registry.agents.get(agent_id)
@@ -108,14 +113,9 @@ class Outcomes:
                             verdict.rule, verdict.share, verdict.callers)  # fmt: skip
             else:
                 log.info("delivery.restored agent=%s", agent_id)
-        self._count()
 
     def _count(self) -> None:
-        out = {OUTLIER: 0, UNANSWERED: 0}
-        for book in self.book.agents.values():
-            if book.verdict.rule is not None:
-                out[book.verdict.rule] += 1
-        for rule, n in out.items():
+        for rule, n in self.book.ejected.items():
             self._ejected[rule].set(n)
 
     async def _judge_loop(self) -> None:

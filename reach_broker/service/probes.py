@@ -18,17 +18,29 @@ silence that made it suspect (a frozen process answers when it thaws), not the n
 At most ``probe_concurrency`` probes are in flight; one agent is never probed twice at once.
 Scheduling is a heap keyed by due time with lazy deletion, so a heartbeat costs nothing here
 and a transition O(log n).
+
+A probe is one publish (``{}`` with a reply subject under the prober's own inbox, one
+subscription for all answers) and an entry in a table of waiting probes: no task, no
+future, no timer of its own. Every probe has the same timeout, so the waiting ones, in send
+order, are also in deadline order: the loop expires them from the front of one queue. The
+loop wakes for a probe due now (a suspect, a recoverer) at once and otherwise at most every
+:data:`TICK_S`, starting every probe due by then: at 10,000 agents (1,000 RTT samples a
+second) it runs about 100 times a second, not once a probe. (An agent probed some other
+way, :attr:`Prober.probe_via`, is probed in a task of its own.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import logging
 import random
+from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
+from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
@@ -51,12 +63,30 @@ SAMPLE_JITTER = 0.2
 IDLE_WAKE_S = 1.0
 """The scheduler loop re-checks at least this often even with nothing due."""
 
+TICK_S = 0.01
+"""Between two rounds of the loop at least this long, unless a probe is due at once: RTT
+samples due within it go out together."""
+
+NO_RESPONDERS = "503"
+"""The status header of the server's answer when nobody subscribes to the probe's subject."""
+
 ProbeSend = Callable[[float], Awaitable[object]]
 """Probes one agent within the timeout given; raises nats' TimeoutError or NoRespondersError
 when unanswered."""
 ProbeVia = Callable[[AgentRecord], ProbeSend | None]
 """How to probe an agent that is not probed on ``<p>.probe.<agent_id>`` (a Synadia agent:
 its status endpoint); None: the reach probe."""
+
+
+class Waiting(NamedTuple):
+    """A probe sent and not yet answered."""
+
+    agent_id: str
+    sent_at: float
+    epoch: int
+    """The broker's link epoch when it was sent (another one when it ends: not the agent's)."""
+    sample: bool
+    """Whether its answer is an RTT sample (the agent was healthy when probed)."""
 
 
 def backoff_delay(failures: int, cap_s: float, rng: random.Random) -> float:
@@ -73,7 +103,7 @@ class Prober:
                  rng: random.Random | None = None) -> None:  # fmt: skip
         """``results``, ``rtt``: ``reach_probes_total``, ``reach_probe_rtt_seconds``."""
         self.ctx, self.registry, self.cfg = ctx, registry, cfg
-        self._results, self._rtt = results, rtt
+        self._rtt = rtt
         self.probe_via: ProbeVia = probe_via or (lambda rec: None)
         self.rng = rng or random.Random()
         self._heap: list[tuple[float, int, str]] = []
@@ -81,16 +111,29 @@ class Prober:
         self._seq = 0
         self._inflight: set[str] = set()
         self._again: set[str] = set()
-        self._sem = asyncio.Semaphore(self.cfg.probe_concurrency)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._probes: set[asyncio.Task[Any]] = set()
+        self._sub: Any = None
+        self._inbox = ""
+        """``<an inbox of the connection>.``: a probe's reply subject is this + its token."""
+        self._tokens = 0
+        self._waiting: dict[str, Waiting] = {}
+        """Probes sent and not yet answered, by reply token."""
+        self._deadlines: deque[tuple[float, str]] = deque()
+        """(when it times out, token) of each probe sent, in send order: deadline order."""
+        outcomes = ("ok", "timeout", "no_responders", "link_down", "error")
+        self._results = {r: results.labels(r) for r in outcomes}
+        """``reach_probes_total``'s children, bound once."""
 
     # --- lifecycle --------------------------------------------------------------------------
 
     async def start(self) -> None:
         if self._task is not None:
             return
+        nc = self.ctx.nc
+        self._inbox = nc.new_inbox() + "."
+        self._sub = await nc.subscribe(self._inbox + "*", cb=self._on_answer)
         self._task = asyncio.create_task(self._loop(), name="reach-probes")
 
     async def stop(self) -> None:
@@ -98,6 +141,12 @@ class Prober:
         if task is None:
             return
         await stop_loops(task, *self._probes)
+        if self._sub is not None:
+            sub, self._sub = self._sub, None
+            with contextlib.suppress(Exception):  # a closed connection has nothing to undo
+                await sub.unsubscribe()
+        self._waiting.clear()
+        self._deadlines.clear()
 
     # --- scheduling -------------------------------------------------------------------------
 
@@ -177,9 +226,10 @@ class Prober:
             raise_if_cancelled()
             try:
                 now = self.ctx.clock()
+                self._expire(now)
                 limit = self.cfg.probe_concurrency
                 # Start a probe only when a slot is free: a burst of due probes (10,000
-                # newcomers, a reconnect) waits in the heap, not as thousands of tasks.
+                # newcomers, a reconnect) waits in the heap, not as thousands in flight.
                 while heap and heap[0][0] <= now and len(self._inflight) < limit:
                     _, gen, agent_id = heapq.heappop(heap)
                     if self._gen.get(agent_id) != gen:
@@ -188,22 +238,88 @@ class Prober:
                     if agent_id in self._inflight:
                         self._again.add(agent_id)  # probe again once the running one ends
                         continue
-                    self._inflight.add(agent_id)
-                    task = asyncio.create_task(self._probe(agent_id), name=f"probe-{agent_id}")
-                    self._probes.add(task)
-                    task.add_done_callback(self._probes.discard)
-                full = len(self._inflight) >= limit
-                wait = heap[0][0] - now if heap and not full else IDLE_WAKE_S
+                    await self._send(agent_id, now)
+                wait = IDLE_WAKE_S
+                if heap and len(self._inflight) < limit:
+                    wait = heap[0][0] - now
+                if self._deadlines:
+                    wait = min(wait, self._deadlines[0][0] - now)
                 self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), min(max(wait, 0.0), IDLE_WAKE_S))
-                except TimeoutError:
-                    pass
+                # At least a tick unless woken (a probe due now, a slot free again): what
+                # falls due meanwhile goes out in one round.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), min(max(wait, TICK_S), IDLE_WAKE_S))
             except asyncio.CancelledError:
                 raise
             except Exception:  # the loop body never dies
                 log.exception("probes.loop failed")
                 await asyncio.sleep(0.1)
+
+    async def _send(self, agent_id: str, now: float) -> None:
+        """Probe ``agent_id``: a publish, answered on our inbox (or a task for ``probe_via``)."""
+        rec = self.registry.agents.get(agent_id)
+        if rec is None:
+            return
+        self._inflight.add(agent_id)
+        sample = rec.state == "healthy"
+        via = self.probe_via(rec)
+        if via is not None:
+            task = asyncio.create_task(self._probe_via(agent_id, via, sample),
+                                       name=f"probe-{agent_id}")  # fmt: skip
+            self._probes.add(task)
+            task.add_done_callback(self._probes.discard)
+            return
+        ctx = self.ctx
+        self._tokens += 1
+        token = str(self._tokens)
+        self._waiting[token] = Waiting(agent_id, now, ctx.link.epoch, sample)
+        self._deadlines.append((now + self.cfg.probe_timeout_s, token))
+        try:
+            await ctx.nc.publish(ctx.subjects.probe(agent_id), b"{}", reply=self._inbox + token)
+        except Exception:  # noqa: BLE001 - a failed probe never breaks the broker
+            if self._waiting.pop(token, None) is not None:
+                self._results["error"].inc()
+                log.exception("probe.failed agent=%s", agent_id)
+                self._inflight.discard(agent_id)
+                self._after_probe(agent_id, False)
+
+    async def _on_answer(self, msg: Msg) -> None:
+        """An answer on our inbox: the agent's reply, or the server's "no responders"."""
+        w = self._waiting.pop(msg.subject[len(self._inbox) :], None)
+        if w is None:
+            return  # timed out already (a late answer is no sample)
+        if msg.headers and msg.headers.get("Status") == NO_RESPONDERS:
+            self._end(w, False, "no_responders", self.ctx.clock())
+        else:
+            self._end(w, True, "ok", self.ctx.clock())
+
+    def _expire(self, now: float) -> None:
+        """Every probe sent ``probe_timeout_s`` ago or more and still unanswered: timed out."""
+        deadlines, waiting = self._deadlines, self._waiting
+        while deadlines and deadlines[0][0] <= now:
+            w = waiting.pop(deadlines.popleft()[1], None)
+            if w is not None:
+                self._end(w, False, "timeout", now)
+
+    def _end(self, w: Waiting, ok: bool, result: str, now: float) -> None:
+        """A probe's outcome: counted, handed to the registry, the next one planned."""
+        link = self.ctx.link
+        try:
+            if w.epoch != link.epoch or not link.connected:
+                # The broker's own link dropped meanwhile: the outcome is not the agent's.
+                self._results["link_down"].inc()
+                ok = True
+            else:
+                ok = self._settle(w.agent_id, ok, result, w.sample, (now - w.sent_at) * 1000.0,
+                                  now)  # fmt: skip
+        except Exception:  # noqa: BLE001 - a failed probe never breaks the broker
+            self._results["error"].inc()
+            log.exception("probe.failed agent=%s", w.agent_id)
+        finally:
+            self._inflight.discard(w.agent_id)
+            if len(self._inflight) == self.cfg.probe_concurrency - 1:
+                self._wake.set()  # a slot is free again: the loop may start the next
+        self._after_probe(w.agent_id, ok)
 
     def _settle(
         self, agent_id: str, ok: bool, result: str, sample: bool, rtt_ms: float, now: float
@@ -211,7 +327,7 @@ class Prober:
         """Count one probe's outcome and hand it to the registry; whether it counts as ok."""
         ctx = self.ctx
         rtt = rtt_ms if ok else None
-        self._results.labels(result).inc()
+        self._results[result].inc()
         if rtt is not None:
             self._rtt.observe(rtt / 1000.0)
         if log.isEnabledFor(logging.DEBUG):
@@ -223,47 +339,30 @@ class Prober:
             return True
         # Only a healthy agent's answer is an RTT sample: a suspect's (a freeze that just
         # ended, an answer late by the whole stall) says it lives, not what its latency is.
-        ctx.emit(self.registry.probe_result(agent_id, ok, rtt if sample else None, now))
+        out = self.registry.probe_result(agent_id, ok, rtt if sample else None, now)
+        if out:
+            ctx.emit(out)
         return ok
 
-    async def _probe(self, agent_id: str) -> None:
+    async def _probe_via(self, agent_id: str, via: ProbeSend, sample: bool) -> None:
+        """A probe of an agent not probed on ``<p>.probe.<agent_id>``, in a task of its own."""
         ctx = self.ctx
-        registry = self.registry
-        ok = False
+        w = Waiting(agent_id, ctx.clock(), ctx.link.epoch, sample)
         try:
-            async with self._sem:
-                rec = registry.agents.get(agent_id)
-                if rec is None:
-                    return
-                sample = rec.state == "healthy"
-                epoch = ctx.link.epoch
-                via = self.probe_via(rec)
-                t0 = ctx.clock()
-                try:
-                    if via is None:
-                        await ctx.nc.request(
-                            ctx.subjects.probe(agent_id), b"{}", timeout=self.cfg.probe_timeout_s
-                        )
-                    else:
-                        await via(self.cfg.probe_timeout_s)
-                    ok, result = True, "ok"
-                except NatsTimeoutError:
-                    result = "timeout"
-                except NoRespondersError:
-                    result = "no_responders"
-                now = ctx.clock()
-                if epoch != ctx.link.epoch or not ctx.link.connected:
-                    # The broker's own link dropped meanwhile: the outcome is not the agent's.
-                    self._results.labels("link_down").inc()
-                    ok = True
-                else:
-                    ok = self._settle(agent_id, ok, result, sample, (now - t0) * 1000.0, now)
+            await via(self.cfg.probe_timeout_s)
+            ok, result = True, "ok"
+        except NatsTimeoutError:
+            ok, result = False, "timeout"
+        except NoRespondersError:
+            ok, result = False, "no_responders"
         except asyncio.CancelledError:
+            self._inflight.discard(agent_id)
             raise
         except Exception:  # a failed probe never breaks the broker
-            self._results.labels("error").inc()
+            self._results["error"].inc()
             log.exception("probe.failed agent=%s", agent_id)
-        finally:
             self._inflight.discard(agent_id)
-            self._wake.set()  # a slot is free: the loop may start the next due probe
-        self._after_probe(agent_id, ok)
+            self._wake.set()
+            self._after_probe(agent_id, False)
+            return
+        self._end(w, ok, result, ctx.clock())

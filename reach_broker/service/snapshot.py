@@ -7,6 +7,12 @@ than ``DRIFT`` since it was written (looked at every ``STATS_S``); a flush loop 
 dirty agents at most every ``FLUSH_S`` and only when the stored value would change, so a
 steady fleet costs next to no writes. An evicted agent's key is deleted.
 
+Writes go out in batches of at most :data:`BATCH`: a batch's publishes are pipelined on
+the connection and their acknowledgements awaited together (one round trip a batch, so N
+changed agents cost ceil(N / BATCH) round trips, and never more than a batch in flight).
+A write not acknowledged within :data:`ACK_TIMEOUT_S` (or refused) leaves its agent dirty,
+as it leaves every agent of the later batches: the next round, a second later, writes them.
+
 At start, before probes and advisories run, every stored agent the broker has not heard
 from is restored as ``suspect`` (``offline``/``draining`` stay so) with its task EWMA:
 known to ``reach agents`` at once, routable as soon as its next heartbeat (or a probe
@@ -38,6 +44,12 @@ from .context import BrokerContext
 log = logging.getLogger(__name__)
 
 FLUSH_S = 0.2
+BATCH = 256
+"""Writes in flight at once (one batch: published together, acknowledged together)."""
+ACK_TIMEOUT_S = 5.0
+"""A batch's acknowledgements are awaited this long."""
+RETRY_S = 1.0
+"""After a failed round, the next one waits this long."""
 STATS_S = 10.0
 """How often the task EWMAs are compared with what the bucket holds."""
 DRIFT = 0.2
@@ -67,6 +79,14 @@ def drifted(written: float | None, now: float | None) -> bool:
 
 
 _entry_decoder = msgspec.json.Decoder(SnapshotEntry)
+_SUBJECT = f"$KV.{REGISTRY_BUCKET}."
+_DELETE = {"KV-Operation": "DEL"}
+"""The headers of a KV delete (what nats-py's ``KeyValue.delete`` publishes)."""
+
+
+class WritesFailed(Exception):
+    """Some writes of a batch were refused or not acknowledged in time (their agents stay
+    dirty)."""
 
 
 class Snapshot:
@@ -77,8 +97,12 @@ class Snapshot:
         self.ctx = ctx
         self.registry = registry
         self.kv: Any = None
+        self.js: Any = None
         self.restored = 0
         self.writes = 0
+        """Writes (puts and deletes) acknowledged."""
+        self.rounds = 0
+        """Batches sent, each one round trip (its acknowledgements awaited together)."""
         self.stats_every_s = STATS_S
         self._dirty: set[str] = set()
         # What the bucket holds per agent: the registry's own objects, so remembering costs
@@ -90,7 +114,8 @@ class Snapshot:
     async def start(self) -> None:
         if self._tasks:
             return
-        self.kv = await self.ctx.nc.jetstream(timeout=5.0).key_value(REGISTRY_BUCKET)
+        self.js = self.ctx.nc.jetstream(timeout=ACK_TIMEOUT_S)
+        self.kv = await self.js.key_value(REGISTRY_BUCKET)
         await self.restore()
         self._tasks = [
             asyncio.create_task(self._flusher(), name="reach-snapshot"),
@@ -180,47 +205,85 @@ class Snapshot:
             self._wake.clear()
             try:
                 await self._flush()
+            except WritesFailed as exc:  # dirty keys are retried
+                log.warning("snapshot.flush_failed %s: retried in %.0f s", exc, RETRY_S)
             except Exception:  # noqa: BLE001 - the loop never dies; dirty keys are retried
                 log.exception("snapshot.flush_failed")
-                self._wake.set()
-                await asyncio.sleep(1.0)
+            else:
+                continue
+            self._wake.set()
+            await asyncio.sleep(RETRY_S)
 
     async def _flush(self) -> None:
+        """Write every dirty agent whose stored value would change, :data:`BATCH` at a time
+        (each batch encoded just before it is sent, so a burst never holds the loop for more
+        than a batch); on a failed batch its agents and every later one stay dirty."""
         if not self._dirty:
             return
-        dirty, self._dirty = self._dirty, set()
-        ops = []
-        for agent_id in dirty:
-            rec = self.registry.agents.get(agent_id)
-            if rec is None:
-                if agent_id in self._written:
-                    ops.append(self._delete(agent_id))
-                continue
-            # last_seen_ms and broker_id alone are not worth a write, nor a small drift.
-            task_ms = rec.stats.task_ewma_ms
-            old = self._written.get(agent_id)
-            if old is not None and old[:2] == (rec.announce, rec.state):
-                if not drifted(old[2], task_ms):
-                    continue
-            task_ms = None if task_ms is None else round(task_ms, 1)
-            value = schema.encoder.encode(
-                SnapshotEntry(announce=rec.announce, state=rec.state,
-                              last_seen_ms=rec.last_seen_wall_ms, broker_id=self.ctx.broker_id,
-                              task_ms=task_ms)
-            )  # fmt: skip
-            ops.append(self._put(agent_id, (rec.announce, rec.state, task_ms), value))
-        results = await asyncio.gather(*ops, return_exceptions=True)
-        failed = [r for r in results if isinstance(r, BaseException)]
+        dirty, self._dirty = list(self._dirty), set()
+        batch: list[tuple[str, _Written | None, bytes]] = []
+        for i, agent_id in enumerate(dirty):
+            write = self._write_of(agent_id)
+            if write is not None:
+                batch.append(write)
+            if len(batch) == BATCH or (batch and i == len(dirty) - 1):
+                try:
+                    await self._write(batch)
+                except BaseException:
+                    # This batch's and the later ones' agents are written next round (the
+                    # ones this batch did write are then unchanged: skipped).
+                    self._dirty.update(w[0] for w in batch)
+                    self._dirty.update(dirty[i + 1 :])
+                    raise
+                batch = []
+
+    def _write_of(self, agent_id: str) -> tuple[str, _Written | None, bytes] | None:
+        """What to write for ``agent_id``: (agent, what the bucket will hold or None for a
+        delete, value); None when the bucket already holds it."""
+        rec = self.registry.agents.get(agent_id)
+        if rec is None:
+            return (agent_id, None, b"") if agent_id in self._written else None
+        # last_seen_ms and broker_id alone are not worth a write, nor a small drift.
+        task_ms = rec.stats.task_ewma_ms
+        old = self._written.get(agent_id)
+        if old is not None and old[:2] == (rec.announce, rec.state):
+            if not drifted(old[2], task_ms):
+                return None
+        task_ms = None if task_ms is None else round(task_ms, 1)
+        value = schema.encoder.encode(
+            SnapshotEntry(announce=rec.announce, state=rec.state,
+                          last_seen_ms=rec.last_seen_wall_ms, broker_id=self.ctx.broker_id,
+                          task_ms=task_ms)
+        )  # fmt: skip
+        return agent_id, (rec.announce, rec.state, task_ms), value
+
+    async def _write(self, batch: list[tuple[str, _Written | None, bytes]]) -> None:
+        """One round trip: the batch's publishes pipelined, their acks awaited together."""
+        js, futures = self.js, []
+        try:
+            for agent_id, written, value in batch:
+                if written is None:
+                    futures.append(await js.publish_async(_SUBJECT + agent_id, headers=_DELETE))
+                else:
+                    futures.append(await js.publish_async(_SUBJECT + agent_id, value))
+            self.rounds += 1
+            if futures:
+                await asyncio.wait(futures, timeout=ACK_TIMEOUT_S)
+        finally:
+            for fut in futures:
+                fut.cancel()  # unacknowledged (or interrupted): no longer waited for
+        failed: list[str] = []
+        error: BaseException | None = None
+        for (agent_id, written, _), fut in zip(batch, futures, strict=True):
+            if fut.cancelled() or fut.exception() is not None:
+                failed.append(agent_id)
+                error = error or (None if fut.cancelled() else fut.exception())
+            elif written is None:
+                self._written.pop(agent_id, None)
+                self.writes += 1
+            else:
+                self._written[agent_id] = written
+                self.writes += 1
         if failed:
-            self._dirty |= dirty  # write them again on the next round
-            raise failed[0]
-
-    async def _put(self, agent_id: str, written: _Written, value: bytes) -> None:
-        await self.kv.put(agent_id, value)
-        self._written[agent_id] = written
-        self.writes += 1
-
-    async def _delete(self, agent_id: str) -> None:
-        await self.kv.delete(agent_id)
-        self._written.pop(agent_id, None)
-        self.writes += 1
+            why = "not acknowledged in time" if error is None else repr(error)
+            raise WritesFailed(f"{len(failed)} of {len(batch)} writes failed ({why})")

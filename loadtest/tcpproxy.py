@@ -1,4 +1,5 @@
-"""A loopback TCP proxy a test can cut: put it between a client and a nats-server.
+"""A loopback TCP proxy a test or a fault-injection run can cut: put it between a client and
+a nats-server.
 
     async with TcpProxy("127.0.0.1", server_port) as proxy:
         nc = await nats.connect(proxy.url)
@@ -15,16 +16,36 @@ dropped, and delivered on restore, as TCP would after a partition heals.
 In both, new connections are refused until the restore (the listening socket is closed and
 opened again on the same port). Accepting and then closing them would look more like a
 partition to the client, but nats-py leaks the socket of a reconnect that fails during the
-handshake (a ResourceWarning, an error under this suite's warning filter).
+handshake (a ResourceWarning, an error under the test suite's warning filter).
+
+``python -m loadtest.tcpproxy --links FILE`` runs named proxies in a process of their own,
+driven by one command a line on stdin (``loadtest.nemesis`` uses it, so proxying never
+competes with the run's own bookkeeping for its event loop):
+
+    add NAME HOST:PORT   → {"event": "add", "name": NAME, "port": P}   (a proxy to HOST:PORT)
+    cut OWNER            → {"event": "cut", "names": [...]}            (every NAME "OWNER.…")
+    stall OWNER          → {"event": "stall", "names": [...]}          (a blackhole)
+    restore OWNER        → {"event": "restore", "names": [...]}
+
+Each proxied connection's opening and end is a JSON line in FILE (``name``, ``link``,
+``ev``: open/close, ``t``: Unix time), so a run knows which server each owner was linked to
+when. EOF on stdin (or ``quit``) stops every proxy.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Literal
 
 State = Literal["open", "cut", "blackhole"]
+LinkEvent = Literal["open", "close"]
 _CHUNK = 65536
 
 
@@ -32,8 +53,11 @@ class TcpProxy:
     """Forwards every connection on ``host:port`` (0: a free port) to the upstream."""
 
     def __init__(self, upstream_host: str, upstream_port: int, *, host: str = "127.0.0.1",
-                 port: int = 0) -> None:  # fmt: skip
+                 port: int = 0,
+                 on_link: Callable[[LinkEvent, int], None] | None = None) -> None:  # fmt: skip
         self.upstream = (upstream_host, upstream_port)
+        self.on_link = on_link
+        """Told of each proxied connection's opening and end (its number: accept order)."""
         self.host = host
         self.port = port
         self.state: State = "open"
@@ -114,6 +138,7 @@ class TcpProxy:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.accepted += 1
+        link = self.accepted
         task = asyncio.current_task()
         assert task is not None
         self._links.add(task)
@@ -124,6 +149,8 @@ class TcpProxy:
             except OSError:
                 return
             self._writers.add(up_writer)
+            if self.on_link is not None:
+                self.on_link("open", link)
             try:
                 pumps = [asyncio.create_task(self._pump(reader, up_writer)),
                          asyncio.create_task(self._pump(up_reader, writer))]  # fmt: skip
@@ -135,6 +162,8 @@ class TcpProxy:
                     await asyncio.gather(*pumps, return_exceptions=True)
             finally:
                 self._close(up_writer)
+                if self.on_link is not None:
+                    self.on_link("close", link)
         finally:
             self._close(writer)
             self._links.discard(task)
@@ -164,3 +193,82 @@ class TcpProxy:
     def _close(self, writer: asyncio.StreamWriter) -> None:
         self._writers.discard(writer)
         writer.transport.abort()
+
+
+# --- named proxies in a process of their own ----------------------------------------------
+
+
+class Proxies:
+    """Named proxies, driven by commands (see the module doc); link events go to a file."""
+
+    def __init__(self, links_path: str) -> None:
+        self.proxies: dict[str, TcpProxy] = {}
+        self._links = os.open(links_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def _logger(self, name: str) -> Callable[[LinkEvent, int], None]:
+        def log(ev: LinkEvent, link: int) -> None:
+            line = {"name": name, "link": link, "ev": ev, "t": time.time()}
+            os.write(self._links, (json.dumps(line) + "\n").encode())
+
+        return log
+
+    def owned(self, owner: str) -> list[TcpProxy]:
+        return [p for n, p in self.proxies.items() if n.startswith(owner + ".")]
+
+    async def command(self, line: str) -> dict[str, object] | None:
+        """Do one command; its answer (None: not a command)."""
+        words = line.split()
+        if not words:
+            return None
+        match words:
+            case ["add", name, upstream]:
+                host, _, port = upstream.rpartition(":")
+                proxy = TcpProxy(host, int(port), on_link=self._logger(name))
+                self.proxies[name] = await proxy.start()
+                return {"event": "add", "name": name, "port": proxy.port}
+            case ["cut" | "stall" | "restore" as verb, owner]:
+                chosen = self.owned(owner)
+                for proxy in chosen:
+                    await {"cut": proxy.cut, "stall": proxy.blackhole,
+                           "restore": proxy.restore}[verb]()  # fmt: skip
+                names = sorted(n for n, p in self.proxies.items() if p in chosen)
+                return {"event": verb, "names": names}
+            case _:
+                return {"event": "error", "message": f"unknown command {line.strip()!r}"}
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(p.stop() for p in self.proxies.values()))
+        os.close(self._links)
+
+
+async def serve(links_path: str) -> None:
+    """Read commands on stdin until EOF or ``quit``; answer each on stdout."""
+    proxies = Proxies(links_path)
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    try:
+        while line := (await reader.readline()).decode():
+            if line.strip() == "quit":
+                break
+            answer = await proxies.command(line)
+            if answer is not None:
+                sys.stdout.write(json.dumps(answer) + "\n")
+                sys.stdout.flush()
+    finally:
+        await proxies.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m loadtest.tcpproxy",
+        description="named loopback TCP proxies, driven on stdin",
+    )
+    ap.add_argument("--links", required=True, help="JSON lines: each link's open and close")
+    args = ap.parse_args(argv)
+    asyncio.run(serve(args.links))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
