@@ -2,8 +2,9 @@
 
 One mechanism serves every reader: :func:`follow_events` hands a callback the stored events
 from a start point (a time, the last *n*, or the whole trail), oldest first, and then every
-event stored after them, through one ordered consumer, so there is neither a gap nor a
-duplicate between the history and the live tail. :func:`read_events` is the same read that
+event stored after them, through one :class:`~jetstream.follow.Follower`, so there is neither
+a gap nor a duplicate between the history and the live tail, nor after a reconnect or the
+loss of the node that held its consumer. :func:`read_events` is the same read that
 stops once it has caught up. :func:`live_events` is the live half alone, on the event
 subjects themselves: it needs no JetStream.
 
@@ -20,6 +21,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
@@ -30,7 +32,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js import api
 from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
-from . import ordered
+from .follow import ALL, UNCOUNTED, Follower, FollowMetrics, Start
 from .names import AUDIT_STREAM, H_STREAM, JS_NOT_ENABLED, StreamSubjects
 from .tasks import raise_if_cancelled
 
@@ -70,6 +72,8 @@ class Follow:
     def __init__(self, cb: EventCallback) -> None:
         self._cb = cb
         self._sub: Any = None
+        self.follower: Follower | None = None
+        """What reads the stored events (None for :func:`live_events`)."""
         self.caught_up = asyncio.Event()
         self.delivered = 0
         """Events handed to the callback so far."""
@@ -102,7 +106,10 @@ class Follow:
         return True
 
     async def stop(self) -> None:
-        """Stop the deliveries (the server removes the ordered consumer once unused)."""
+        """Stop the deliveries (the server removes the consumer once unused)."""
+        if self.follower is not None:
+            follower, self.follower = self.follower, None
+            await follower.stop()
         if self._sub is not None:
             sub, self._sub = self._sub, None
             with contextlib.suppress(Exception):  # a closed connection has nothing to undo
@@ -124,23 +131,16 @@ def is_copy(msg: Msg, *, live: bool) -> bool:
     return why is not None
 
 
-async def _start_at(
-    js: Any, state: api.StreamState, subject: str, since_s: float | None, last: int | None
-) -> api.ConsumerConfig:
-    """Where the ordered consumer starts: the first event stored ``since_s`` ago, the last
-    ``last`` sequences, or all — always by sequence: a start time would break the
-    consumer's recreation (:mod:`jetstream.ordered`).
+def _start_at(state: api.StreamState, since_s: float | None, last: int | None) -> Start:
+    """Where the follow starts: a stored time, the last ``last`` sequences, or all.
 
     By sequence rather than ``deliver_policy=new``, so an event stored between reading the
     stream state and creating the consumer is delivered, not skipped."""
     if since_s is not None:
-        start = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=since_s)
-        return await ordered.start_at(js, AUDIT_STREAM, subject, start)
+        return Start.at_time(time.time() - since_s)
     if last is not None:
-        seq = max(state.first_seq, state.last_seq - max(last, 0) + 1, 1)
-        return api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
-                                  opt_start_seq=seq)  # fmt: skip
-    return api.ConsumerConfig(deliver_policy=api.DeliverPolicy.ALL)
+        return Start.at_seq(max(state.first_seq, state.last_seq - max(last, 0) + 1, 1))
+    return ALL
 
 
 async def follow_events(
@@ -152,27 +152,26 @@ async def follow_events(
     last: int | None = None,
     subject: str | None = None,
     timeout_s: float = 2.0,
+    metrics: FollowMetrics = UNCOUNTED,
 ) -> Follow:
     """Hand ``cb`` the stored events, oldest first, then each event stored after them, until
     :meth:`Follow.stop` (or the connection closes). Callbacks run one at a time.
 
     The history starts ``since_s`` seconds ago, or at the last ``last`` events stored (0:
     none), or (neither) at the start of the trail. ``subject`` narrows the events (default:
-    every ``<prefix>.event.>``). Raises :class:`NoAuditStream` or :class:`NoJetStream`.
+    every ``<prefix>.event.>``). ``metrics`` counts the follow's losses and rebuilds (it is
+    named ``audit``). Raises :class:`NoAuditStream` or :class:`NoJetStream`.
     """
     js = nc.jetstream(timeout=timeout_s)
     follow = Follow(cb)
     try:
         info = await js.stream_info(AUDIT_STREAM)
-        wanted = subject or subjects.all_events
-        follow._sub = await js.subscribe(
-            wanted,
-            stream=AUDIT_STREAM,
-            cb=follow._on_stored,
-            ordered_consumer=True,
-            config=await _start_at(js, info.state, wanted, since_s, last),
-        )
-        consumer = await follow._sub.consumer_info()
+        follower = Follower(nc, follow._on_stored, name="audit", stream=AUDIT_STREAM,
+                            subject=subject or subjects.all_events,
+                            start=_start_at(info.state, since_s, last), metrics=metrics,
+                            timeout_s=timeout_s)  # fmt: skip
+        consumer = await follower.start()
+        follow.follower = follower
     except NotFoundError:
         await follow.stop()
         raise NoAuditStream(f"stream {AUDIT_STREAM} not found on this server") from None
@@ -186,7 +185,8 @@ async def follow_events(
         raise
     # Nothing delivered and nothing pending: the window is empty. (Delivered but not yet
     # handed over: the last of those, pending 0, sets it.)
-    if consumer.num_pending == 0 and consumer.delivered.consumer_seq == 0:
+    delivered = consumer.delivered.consumer_seq if consumer.delivered is not None else 0
+    if consumer.num_pending == 0 and delivered == 0:
         follow.caught_up.set()
     return follow
 

@@ -11,7 +11,7 @@ points to.
 This module works on bytes (the claim's JSON is :class:`reach_agent.wire.schema.Claim`, read and
 written above this floor). :class:`ClaimStore` talks to the bucket with plain requests (the
 JetStream publish and the message get), so a claim costs one round trip; :func:`follow` is the
-broker's ordered consumer over the bucket, from a start time.
+broker's read of the bucket from a start time, then live (:mod:`jetstream.follow`).
 """
 
 from __future__ import annotations
@@ -22,16 +22,16 @@ import hashlib
 import itertools
 import re
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
 import msgspec
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from . import ordered
+from .follow import UNCOUNTED, Follower, FollowMetrics, Start
 from .names import (
     CLAIMS_BUCKET,
     CLAIMS_STREAM,
@@ -282,23 +282,27 @@ ClaimCallback = Callable[[str, int, bytes], Awaitable[None]]
 """Told of every stored claim: (key, revision, JSON)."""
 
 
-async def follow(nc: NATS, cb: ClaimCallback, *, since: float, bucket: str = CLAIMS_BUCKET) -> Any:
-    """Every claim written since ``since`` (Unix seconds), then live, through one ordered
-    consumer (no gap, no duplicate; rebuilt by nats-py after a reconnect). Returns the
-    subscription (``unsubscribe()`` ends it)."""
+async def follow(
+    nc: NATS,
+    cb: ClaimCallback,
+    *,
+    since: float,
+    bucket: str = CLAIMS_BUCKET,
+    metrics: FollowMetrics = UNCOUNTED,
+) -> Follower:
+    """Every claim written since ``since`` (Unix seconds), then live, in order, each once,
+    through a :class:`~jetstream.follow.Follower` named ``claims`` (rebuilt after a reconnect,
+    a node loss or its deletion). Returns it started (``stop()`` ends it)."""
     stream = CLAIMS_STREAM if bucket == CLAIMS_BUCKET else f"KV_{bucket}"
     pre = f"$KV.{bucket}."
     cut = len(pre)
 
-    async def on_msg(msg: Any) -> None:
+    async def on_msg(msg: Msg) -> None:
         if (msg.headers or {}).get(_KV_OP) in _DELETED:
             return
         await cb(msg.subject[cut:], msg.metadata.sequence.stream, msg.data)
 
-    js = nc.jetstream()
-    start = datetime.fromtimestamp(max(since, 0.0), UTC)
-    config = await ordered.start_at(js, stream, pre + ">", start)  # by sequence: see there
-    return await js.subscribe(
-        pre + ">", stream=stream, cb=on_msg, ordered_consumer=True, config=config,
-        pending_msgs_limit=1_000_000,
-    )  # fmt: skip
+    follower = Follower(nc, on_msg, name="claims", stream=stream, subject=pre + ">",
+                        start=Start.at_time(since), metrics=metrics)  # fmt: skip
+    await follower.start()
+    return follower

@@ -1,21 +1,21 @@
 """The route-rules bucket ``reach_rules`` on bytes: one key per capability.
 
 Writers (``reach rules set|clear``) put and delete keys; every broker follows the bucket
-(:func:`follow`: the last value of each key, then every change, through one ordered consumer
-that nats-py rebuilds after a reconnect), so a change reaches every replica as soon as
-JetStream stores it. What a value means is the broker's (:mod:`reach_broker.core.rules`): this
-floor moves bytes.
+(:func:`follow`: the last value of each key, then every change, through a
+:class:`~jetstream.follow.Follower` that rebuilds its consumer after a reconnect, a node loss
+or its deletion), so a change reaches every replica as soon as JetStream stores it. What a
+value means is the broker's (:mod:`reach_broker.core.rules`): this floor moves bytes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from nats.aio.client import Client as NATS
-from nats.js import api
+from nats.aio.msg import Msg
 from nats.js.errors import NoKeysError, NotFoundError
 
+from .follow import UNCOUNTED, Follower, FollowMetrics, Start
 from .names import RULES_BUCKET, RULES_STREAM
 
 _KV_OP = "KV-Operation"
@@ -32,21 +32,22 @@ def rule_subject(capability: str) -> str:
     return _PRE + capability
 
 
-async def follow(nc: NATS, cb: RuleCallback) -> Any:
-    """Each capability's current rule, then every change, in order. Returns the subscription
-    (``unsubscribe()`` ends it)."""
+async def follow(nc: NATS, cb: RuleCallback, *, metrics: FollowMetrics = UNCOUNTED) -> Follower:
+    """Each capability's current rule, then every change, in order: a started
+    :class:`~jetstream.follow.Follower` named ``rules`` (``stop()`` ends it). The bucket keeps
+    one message per key, so a rebuild from the next sequence misses no key's last value."""
     cut = len(_PRE)
 
-    async def on_msg(msg: Any) -> None:
+    async def on_msg(msg: Msg) -> None:
         deleted = (msg.headers or {}).get(_KV_OP) in _DELETED
         md = msg.metadata
         await cb(msg.subject[cut:], md.sequence.stream, None if deleted else msg.data,
                  md.timestamp.timestamp())  # fmt: skip
 
-    config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT)
-    return await nc.jetstream().subscribe(
-        _PRE + ">", stream=RULES_STREAM, cb=on_msg, ordered_consumer=True, config=config
-    )
+    follower = Follower(nc, on_msg, name="rules", stream=RULES_STREAM, subject=_PRE + ">",
+                        start=Start.last_per_subject(), metrics=metrics)  # fmt: skip
+    await follower.start()
+    return follower
 
 
 async def stored(nc: NATS) -> int:

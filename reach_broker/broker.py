@@ -20,6 +20,7 @@ connection, the JetStream assets and the token secret, then starts the parts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -58,7 +59,12 @@ from reach_broker.core.tokens import TokenSigner
 from reach_broker.interop.synadia import StatusProbes, SynadiaAgents
 from reach_broker.replay.replay import Replayer
 from reach_broker.service.advisories import Advisories
-from reach_broker.service.assets import provision_assets, token_secret
+from reach_broker.service.assets import (
+    START_RETRY_S,
+    jetstream_not_ready,
+    provision_assets,
+    token_secret,
+)
 from reach_broker.service.brokeracks import BrokerAcks
 from reach_broker.service.canceller import Canceller
 from reach_broker.service.clusterinfo import Account
@@ -180,6 +186,7 @@ class Broker:
         self.releaser = Releaser(
             ctx, lambda a: rec.state if (rec := agents.get(a)) is not None else None,
             cfg.claims, released=m.claims_released, store_errors=m.store_errors,
+            follow=m.follow("claims"),
         )  # fmt: skip
         self.records = BrokerAcks(ctx, store_errors=m.store_errors)
         """The ack records the broker writes as itself (replay, Synadia answers, cancels)."""
@@ -188,10 +195,12 @@ class Broker:
         self.canceller = Canceller(ctx, self.records, queue=QUEUE_GROUP,
                                    cancelled=m.compensation_result["cancelled"])  # fmt: skip
         """``<p>.cancel._broker``: a cancelled request's claim made final, its entry unqueued."""
-        self.rulebook = Rulebook(ctx, self.rules, self.quotas, changes=m.rule_changes)
+        self.rulebook = Rulebook(ctx, self.rules, self.quotas, changes=m.rule_changes,
+                                 follow=m.follow("rules"))  # fmt: skip
         self.outcomes = Outcomes(ctx, registry, cfg.outcomes, summaries=m.outcomes,
                                  ejected=m.delivery_ejected)  # fmt: skip
-        self.feed = (Feed(ctx, registry, self.explainer, cfg.console, self.handlers.route_counts)
+        self.feed = (Feed(ctx, registry, self.explainer, cfg.console, self.handlers.route_counts,
+                          follow=m.follow("audit"))
                      if console else None)  # fmt: skip
         """The console's data (built when the HTTP port shows the console)."""
 
@@ -269,25 +278,61 @@ class Broker:
                 raise
         self._connected = True
         self._secure()
-        self.replicas = await provision_assets(self.nc, self.cfg, self.subjects)
-        self.jetstream_ok = self.replicas is not None
-        secret = await token_secret(self.nc, self.cfg, jetstream=self.jetstream_ok)
-        self.registry.signer.set_secret(secret)
         if not self._watching:
             self._watching = True
             self.metrics.watch_states(lambda: self.registry.counts)
-        self._running = [c for c, needs_js in self.parts if self.jetstream_ok or not needs_js]
-        for component in self._running:
-            await component.start()
+        await self._start_components(stop)
         await self._serve()
         if self.feed is not None:
             self._running.append(self.feed)
             await self.feed.start()
+        # Restored agents are judged on silence from here on, when the broker can hear them.
+        regranted = self.registry.listening(self.clock())
         self._loop_task = asyncio.create_task(self._tick_loop(), name="reach-broker-tick")
         self.serving = True
         url = self.nc.connected_url
-        log.info("broker.started id=%s prefix=%s server=%s", self.broker_id,
-                 self.subjects.prefix, url.geturl() if url else None)  # fmt: skip
+        log.info("broker.started id=%s prefix=%s server=%s restored_unheard=%d", self.broker_id,
+                 self.subjects.prefix, url.geturl() if url else None, regranted)  # fmt: skip
+
+    async def _start_components(self, stop: asyncio.Event | None) -> None:
+        """Provision the JetStream assets, key the token signer, start the components;
+        while JetStream is not ready (:func:`~reach_broker.service.assets.jetstream_not_ready`:
+        a server just restarted, a cluster electing) each attempt is undone and tried again
+        after the next wait of ``START_RETRY_S``, logged as ``broker.jetstream_not_ready``.
+        The last error is raised when JetStream is still not ready, or ``stop`` is set."""
+        for attempt, wait in enumerate((*START_RETRY_S, None), start=1):
+            try:
+                await self._start_components_once()
+                return
+            except Exception as exc:
+                if wait is None or not jetstream_not_ready(exc):
+                    raise
+                log.warning("broker.jetstream_not_ready attempt=%d retry_in=%gs error=%s: %s",
+                            attempt, wait, type(exc).__name__, exc)  # fmt: skip
+                for component in reversed(self._running):
+                    try:
+                        await component.stop()
+                    except Exception:  # noqa: BLE001 - undone as far as it goes
+                        log.exception("broker.stop component=%s failed", type(component).__name__)
+                self._running = []  # (consumers of parts not running ignore transitions)
+                if stop is None:
+                    await asyncio.sleep(wait)
+                else:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), wait)
+                    if stop.is_set():
+                        raise
+
+    async def _start_components_once(self) -> None:
+        self.replicas = await provision_assets(self.nc, self.cfg, self.subjects)
+        self.jetstream_ok = self.replicas is not None
+        secret = await token_secret(self.nc, self.cfg, jetstream=self.jetstream_ok)
+        self.registry.signer.set_secret(secret)
+        self._running = []
+        for component, needs_js in self.parts:
+            if self.jetstream_ok or not needs_js:
+                self._running.append(component)  # stopped (idempotent) should its start fail
+                await component.start()
 
     async def _serve(self) -> None:
         """Subscribe the handlers: plain subscriptions, then the Services endpoints."""

@@ -1,6 +1,6 @@
 """``reach events``: the audit trail from a time ago (``--since``), then live (``--follow``).
 
-History and the live tail come through :mod:`jetstream.audit` (one ordered consumer, so
+History and the live tail come through :mod:`jetstream.audit` (one follow, so
 nothing is missed or printed twice between them); ``--follow`` alone subscribes to the
 event subjects and needs no JetStream.
 """

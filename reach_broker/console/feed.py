@@ -4,13 +4,14 @@ pushes the fleet to the pages that watch, as server-sent events.
 Given the broker context, its config section, the registry and the explainer (never the
 broker), and started by the broker after its other components, when the HTTP port shows the
 console. It is told of every transition (one of the broker's consumers). At start it
-reads the last ``console.events`` events of ``REACH_AUDIT`` and then follows it live through
-one ordered consumer (no gap, no duplicate; plain ``<prefix>.event.>`` when the server has
-no JetStream). It samples the fleet every ``console.sample_s`` for the per-agent charts. While
-at least one page watches, it encodes the fleet once every ``console.push_s`` (and about
-50 ms after any transition) and hands the same bytes to every page; every 5 s it reads the
-compensation queue's depth per capability and the age of each one's oldest entry. Nobody
-watching, it does no more than the sampling and the audit follow.
+reads the last ``console.events`` events of ``REACH_AUDIT`` and then follows it live
+(:class:`jetstream.follow.Follower`: no gap, no duplicate, also across a reconnect; plain
+``<prefix>.event.>`` when the server has no JetStream). It samples the fleet every
+``console.sample_s`` for the per-agent charts. While at least one page watches, it encodes
+the fleet once every ``console.push_s`` (and about 50 ms after any transition) and hands the
+same bytes to every page; every 5 s it reads the compensation queue's depth per capability
+and the age of each one's oldest entry. Nobody watching, it does no more than the sampling
+and the audit follow.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 import msgspec
 
 from jetstream import audit, compensation
+from jetstream.follow import UNCOUNTED, FollowMetrics
 from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
 from reach_agent.wire import schema
@@ -92,9 +94,11 @@ class Feed:
     """History, audit follow and the pushes to watching pages."""
 
     def __init__(self, ctx: BrokerContext, registry: Registry, explainer: Explainer,
-                 cfg: ConsoleSection,
-                 route_counts: Mapping[str, int] | None = None) -> None:  # fmt: skip
+                 cfg: ConsoleSection, route_counts: Mapping[str, int] | None = None,
+                 follow: FollowMetrics = UNCOUNTED) -> None:  # fmt: skip
+        """``follow``: what the audit follow counts into."""
         self.ctx = ctx
+        self._follow_metrics = follow
         self.route_counts: Mapping[str, int] = {} if route_counts is None else route_counts
         """The broker's route requests per capability (``Handlers.route_counts``)."""
         self.capabilities = CapabilitySeries()
@@ -158,8 +162,10 @@ class Feed:
     async def _follow_audit(self) -> None:
         nc, subjects = self.ctx.nc, self.ctx.subjects
         try:
-            self._follow = await audit.follow_events(nc, self._on_stored, subjects=subjects,
-                                                     last=self.cfg.events)  # fmt: skip
+            self._follow = await audit.follow_events(
+                nc, self._on_stored, subjects=subjects, last=self.cfg.events,
+                metrics=self._follow_metrics,
+            )  # fmt: skip
             # The history is in before the first page can ask (or the trail went quiet).
             await self._follow.until_caught_up(HISTORY_QUIET_S)
             return

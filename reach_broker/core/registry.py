@@ -56,6 +56,9 @@ class Registry:
         until :meth:`release_held`."""
         self.silenced: list[str] = []
         """Agents the last :meth:`expire` moved for silence."""
+        self.unheard: list[str] = []
+        """Agents restored from the snapshot since the broker last began to listen: their
+        clocks start again at :meth:`listening`."""
 
     # --- queries ------------------------------------------------------------------------
 
@@ -278,11 +281,13 @@ class Registry:
         """An agent from the registry snapshot (KV reach_registry) this broker has not heard.
 
         It starts `suspect` (`offline` and `draining` stay so) and becomes routable only
-        when a heartbeat or probe answer confirms it; deadlines run from ``now`` as after a
-        missed heartbeat. Its task-time history (``task_ewma_ms``) is kept, so its score
-        does not start from nothing. No transition is returned: nothing changed in the
-        fleet. An agent already known (it announced first) is left alone and None is
-        returned. Call :meth:`restored` once the snapshot is read.
+        when a heartbeat or probe answer confirms it. Its silence is counted from ``now``
+        as after a missed heartbeat, and counted again from :meth:`listening`, when the
+        broker can first hear it; the gap until its first heartbeat is not a sample of its
+        rhythm. Its task-time history (``task_ewma_ms``) is kept, so its score does not
+        start from nothing. No transition is returned: nothing changed in the fleet. An
+        agent already known (it announced first) is left alone and None is returned. Call
+        :meth:`restored` once the snapshot is read.
         """
         if msg.agent_id in self.agents:
             return None
@@ -293,6 +298,7 @@ class Registry:
         rec.state_since = now
         rec.last_seen = now
         rec.last_seen_wall_ms = wall_ms
+        rec.resync = True  # restore -> first heartbeat is the broker's start, not a gap
         self.agents[rec.agent_id] = rec
         self.counts[to] += 1
         if to != "offline":
@@ -304,6 +310,7 @@ class Registry:
         else:
             suspect_s, offline_s = self.detector.deadlines(rec.window, rec.interval_s)
             self._schedule(rec, now + suspect_s, now + offline_s)
+            self.unheard.append(rec.agent_id)
         self.rescore(rec, now)
         return rec
 
@@ -385,6 +392,27 @@ class Registry:
             if rec is not None and rec.heap_at == math.inf:
                 self._push(rec, self._next_deadline(rec))
         return len(held)
+
+    def listening(self, now: float) -> int:
+        """The broker hears heartbeats from ``now`` on (its heartbeat subscription is live).
+
+        An agent restored since, and not heard from, gets its whole window again, counted
+        from ``now`` plus one heartbeat interval of grace (its next beat is due within one
+        interval, and a cluster takes a moment to carry the new subscription to every
+        node), as after the broker's own outage (:meth:`observer_gap`): a silence that began
+        before the broker could hear is not the agent's, and a start slowed by a busy
+        machine or a slow server takes seconds. O(restored), once per start. Returns how
+        many were given their window again."""
+        unheard, self.unheard = self.unheard, []
+        count = 0
+        for agent_id in unheard:
+            rec = self.agents.get(agent_id)
+            if rec is None or rec.state != "suspect":
+                continue  # heard since its restore (a heartbeat, announce or probe answer)
+            rec.last_seen = now
+            self._rearm(rec, now + rec.interval_s)
+            count += 1
+        return count
 
     def observer_gap(self, start: float, end: float) -> None:
         """The broker heard nothing from ``start`` to ``end`` (its own link was down): no

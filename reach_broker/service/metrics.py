@@ -187,6 +187,25 @@ class Metrics:
             "again; acks/taker, acks/answer: a record tried again until stored)",
             ["store", "op"], registry=r,
         )  # fmt: skip
+        # The broker's follows of JetStream (jetstream.follow): claims, rules, the console's
+        # audit trail. A lost consumer is rebuilt; until then what relies on it waits.
+        self.follow_rebuilds = Counter(
+            "reach_follow_rebuilds_total",
+            "Consumers of a follow (claims, rules, audit) made again after a loss, by why it "
+            "was lost (stall: heartbeats missed; gap: a message lost; reconnect; deleted)",
+            ["follow", "reason"], registry=r,
+        )  # fmt: skip
+        self.follow_rebuild_failures = Counter(
+            "reach_follow_rebuild_failures_total",
+            "Attempts to make a follow's lost consumer again that failed (each tried again "
+            "with backoff until one succeeds)",
+            ["follow"], registry=r,
+        )  # fmt: skip
+        self.follow_down = Gauge(
+            "reach_follow_down",
+            "1 while a follow (claims, rules, audit) has lost its consumer and delivers nothing",
+            ["follow"], registry=r,
+        )  # fmt: skip
         self.ack_latency = Histogram(
             "reach_ack_latency_seconds",
             "Task sent (replay) or received (agent ack) to its completed/failed ack",
@@ -217,6 +236,36 @@ class Metrics:
 
     def watch_states(self, counts: Callable[[], dict[str, int]]) -> None:
         self.registry.register(_StateCollector(counts))
+
+    def follow(self, name: str) -> FollowCounters:
+        """What the follow ``name`` (``claims``, ``rules``, ``audit``) counts into."""
+        return FollowCounters(self, name)
+
+
+class FollowCounters:
+    """:class:`jetstream.follow.FollowMetrics` on these metrics, for one follow."""
+
+    __slots__ = ("_down", "_failures", "_metrics", "_name")
+
+    def __init__(self, metrics: Metrics, name: str) -> None:
+        self._metrics = metrics
+        self._name = name
+        self._down = metrics.follow_down.labels(name)
+        self._failures = metrics.follow_rebuild_failures.labels(name)
+        self._down.set(0)
+
+    def lost(self, reason: str) -> None:
+        self._down.set(1)
+
+    def rebuilt(self, reason: str) -> None:
+        self._down.set(0)
+        self._metrics.follow_rebuilds.labels(self._name, reason).inc()
+
+    def failed(self) -> None:
+        self._failures.inc()
+
+    def stopped(self) -> None:
+        self._down.set(0)
 
 
 @dataclass(frozen=True, slots=True)

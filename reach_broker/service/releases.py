@@ -11,18 +11,21 @@ released claim over: the work runs at least once overall and never on two live a
 once (a holder declared offline while it still runs — a partition longer than the offline
 threshold — is the exception the protocol states).
 
-Which claims an agent holds is learnt by following the bucket (one ordered consumer,
-:func:`jetstream.claims.follow`) from ``claims.scan_window_s`` before the broker started:
-memory holds only the claims running now. Every replica does the same; the compare-and-set
-lets exactly one of them release a claim, and only that one publishes the event. A claim
-arriving for an agent already ``offline`` (the broker catching up after its start) is
-released on arrival.
+Which claims an agent holds is learnt by following the bucket (:func:`jetstream.claims.follow`,
+a :class:`~jetstream.follow.Follower`) from ``claims.scan_window_s`` before the broker
+started: memory holds only the claims running now. Every replica does the same; the
+compare-and-set lets exactly one of them release a claim, and only that one publishes the
+event. A claim arriving for an agent already ``offline`` is released on arrival: the broker
+catching up after its start, or after its follow lost its consumer (a node loss, a
+reconnect) and rebuilt it from the claim after the last one it had. While the follow is
+lost, claims written meanwhile are unknown here, so an agent declared offline then keeps
+them until the follow is back and delivers them; none is forgotten
+(``reach_follow_down{follow="claims"}`` is 1 meanwhile).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -31,6 +34,7 @@ import msgspec
 
 from jetstream import claims
 from jetstream.claims import ClaimStore, ClaimsUnavailable
+from jetstream.follow import UNCOUNTED, Follower, FollowMetrics
 from reach_agent.wire import schema
 from reach_agent.wire.schema import Claim, Event
 from reach_broker.config import ClaimsSection
@@ -63,10 +67,12 @@ class Releaser:
     declared offline. Started only when the server has JetStream."""
 
     def __init__(self, ctx: BrokerContext, state_of: Callable[[str], str | None],
-                 cfg: ClaimsSection, *, released: Any, store_errors: Any) -> None:  # fmt: skip
+                 cfg: ClaimsSection, *, released: Any, store_errors: Any,
+                 follow: FollowMetrics = UNCOUNTED) -> None:  # fmt: skip
         """``released``, ``store_errors``: ``reach_claims_released_total``,
-        ``reach_store_errors_total``."""
+        ``reach_store_errors_total``; ``follow``: what the claims follow counts into."""
         self.ctx, self.cfg, self._released = ctx, cfg, released
+        self._follow = follow
         self._store_errors = store_errors
         self.state_of = state_of
         """The registry's state of an agent (None: unknown)."""
@@ -76,7 +82,8 @@ class Releaser:
         """holder agent id → claim key → (revision, claim)."""
         self._holder_of: dict[str, str] = {}
         """claim key → the holder under which it is remembered."""
-        self._sub: Any = None
+        self.follower: Follower | None = None
+        """The follow of ``reach_claims`` (None: not started)."""
 
     @property
     def running(self) -> int:
@@ -87,16 +94,16 @@ class Releaser:
         return [c.request_id for _, c in self._running.get(agent_id, {}).values()]
 
     async def start(self) -> None:
-        if self._sub is not None or not self.cfg.release:
+        if self.follower is not None or not self.cfg.release:
             return
         since = self.ctx.wall() - self.cfg.scan_window_s
-        self._sub = await claims.follow(self.ctx.nc, self._on_claim, since=since)
+        self.follower = await claims.follow(self.ctx.nc, self._on_claim, since=since,
+                                            metrics=self._follow)  # fmt: skip
 
     async def stop(self) -> None:
-        sub, self._sub = self._sub, None  # not running from here: transitions are ignored
-        if sub is not None:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+        follower, self.follower = self.follower, None  # not running: transitions ignored
+        if follower is not None:
+            await follower.stop()
 
     async def claim_of(self, request_id: str) -> ClaimView | None:
         """``request_id``'s claim (holder, state, body digest); None when it is unclaimed.
@@ -156,7 +163,7 @@ class Releaser:
     def on_transition(self, t: Transition, rec: AgentRecord | None) -> None:
         """Consumer: an agent declared offline (or evicted) has its claims released
         (ignored while not running)."""
-        if self._sub is None:
+        if self.follower is None:
             return
         if (t.to == "offline" or t.kind == "evicted") and t.agent_id in self._running:
             self.ctx.spawn(self.release(t.agent_id, t.reason), "claims-release")
@@ -199,5 +206,5 @@ class Releaser:
 
     async def _release_later(self, agent_id: str, why: str, pause_s: float) -> None:
         await asyncio.sleep(pause_s)
-        if self._sub is not None and self.state_of(agent_id) in ("offline", None):
+        if self.follower is not None and self.state_of(agent_id) in ("offline", None):
             await self.release(agent_id, why, min(pause_s * 2, RELEASE_RETRY_MAX_S))

@@ -1,7 +1,8 @@
 """The live route rules: KV ``reach_rules`` followed, applied at once, every change audited.
 
 Every replica follows the bucket (:func:`jetstream.rules.follow`: each key's last value at
-start, then every change as JetStream stores it), so a ``reach rules set`` reaches all of
+start, then every change as JetStream stores it, through a follow that rebuilds its consumer
+after a node loss or a reconnect without missing a change), so a ``reach rules set`` reaches all of
 them within the time a stored message takes to be delivered (milliseconds, well under the
 second promised). Each change is applied to the router's :class:`~reach_broker.core.rules.Rules`
 and the quotas, and published as an ``Event`` of kind ``rule`` on
@@ -14,11 +15,11 @@ force stays.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Any
 
 from jetstream import rules as bucket
+from jetstream.follow import UNCOUNTED, Follower, FollowMetrics
 from jetstream.names import H_MSG_ID
 from reach_agent.wire import schema
 from reach_agent.wire.errors import InvalidRequest
@@ -44,8 +45,12 @@ class Rulebook:
     """Broker component: follows ``reach_rules`` into the router's rules. Started only when
     the server has JetStream (``broker.toml``'s rules apply either way)."""
 
-    def __init__(self, ctx: BrokerContext, rules: Rules, quotas: Quotas, *, changes: Any) -> None:
+    def __init__(self, ctx: BrokerContext, rules: Rules, quotas: Quotas, *, changes: Any,
+                 follow: FollowMetrics = UNCOUNTED) -> None:  # fmt: skip
+        """``changes``: ``reach_rule_changes_total``; ``follow``: what the rules follow
+        counts into."""
         self.ctx = ctx
+        self._follow = follow
         self.rules = rules
         self.quotas = quotas
         self._changes = changes
@@ -58,11 +63,12 @@ class Rulebook:
         """Stored changes delivered so far (valid or not)."""
         self._expected = 0
         self._caught_up = asyncio.Event()
-        self._sub: Any = None
+        self.follower: Follower | None = None
+        """The follow of ``reach_rules`` (None: not started)."""
         self._since = 0.0
 
     async def start(self) -> None:
-        if self._sub is not None:
+        if self.follower is not None:
             return
         self._since = self.ctx.wall() - AUDIT_CATCH_UP_S
         try:
@@ -71,7 +77,8 @@ class Rulebook:
             log.warning("rules.count_failed", exc_info=True)
             expected = 0
         self._expected = expected
-        self._sub = await bucket.follow(self.ctx.nc, self._on_change)
+        self.follower = await bucket.follow(self.ctx.nc, self._on_change,
+                                            metrics=self._follow)  # fmt: skip
         # The stored rules are in force before the broker answers its first route.
         if self.seen < expected:
             try:
@@ -81,11 +88,10 @@ class Rulebook:
                             expected, CATCH_UP_S)  # fmt: skip
 
     async def stop(self) -> None:
-        if self._sub is None:
+        if self.follower is None:
             return
-        with contextlib.suppress(Exception):
-            await self._sub.unsubscribe()
-        self._sub = None
+        follower, self.follower = self.follower, None
+        await follower.stop()
 
     async def _on_change(
         self, capability: str, revision: int, data: bytes | None, stored_at: float
