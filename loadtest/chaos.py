@@ -51,10 +51,10 @@ from typing import Any
 from reach_agent import Client, ReachError
 from reach_agent.wire.errors import NoReachableAgent, Overloaded
 from reach_agent.wire.schema import RouteRequest
+from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.config import Config
 from reach_broker.core.records import AgentRecord, Transition
-from reach_broker.service.broker import Broker
 
 CAPABILITY = "summarize"
 NAMES = ("alpha", "beta", "gamma", "delta", "epsilon")
@@ -306,18 +306,17 @@ async def main_async(args: argparse.Namespace, command: str) -> dict[str, Any]:
     cfg = Config()
     cfg.nats.url = server.url
     cfg.broker.metrics_port = 0
-    broker = Broker(cfg)
+
+    def on_transition(t: Transition, rec: AgentRecord | None) -> None:
+        if t.agent_id == VICTIM and t.kind == "state":
+            run.transitions.append((time.monotonic(), t.from_, t.to, t.reason))
+
+    broker = Broker(cfg, watchers=[on_transition])
     client: Client | None = None
     stop = asyncio.Event()
     mon: asyncio.Task[None] | None = None
     try:
         await broker.start()
-
-        def on_transition(t: Transition, rec: AgentRecord | None) -> None:
-            if t.agent_id == VICTIM and t.kind == "state":
-                run.transitions.append((time.monotonic(), t.from_, t.to, t.reason))
-
-        broker.listeners.append(on_transition)
         for agent_id in run.agents:
             run.procs[agent_id] = await spawn(server.url, agent_id, run)
         # Let phi learn each agent's rhythm before anything happens.

@@ -23,7 +23,7 @@ from jetstream.names import ACK_STREAM, AUDIT_STREAM
 from reach_agent.client import durable
 from reach_agent.wire import schema
 from reach_broker.auth import AuthDir, init, issue_agent, issue_caller
-from reach_broker.service.broker import Broker
+from reach_broker.broker import Broker
 from reach_broker.service.metrics import Metrics
 
 from .auth_helpers import AuthServer, Inbox, auth_server, connect, violation

@@ -30,7 +30,7 @@ TransitionKind = Literal["registered", "state", "left", "evicted"]
 
 
 class Transition(NamedTuple):
-    """One change of an agent: published as an ``Event``, handed to every listener."""
+    """One change of an agent: published as an ``Event``, handed to every consumer."""
 
     kind: TransitionKind
     agent_id: str
@@ -179,7 +179,8 @@ class AgentRecord:
         delta = active - self.active
         self.active = active
         self.queue_depth = queue_depth
-        self.load = self.busy = min(active / self.max_concurrency, 1.0)
+        load = active / self.max_concurrency
+        self.load = self.busy = load if load < 1.0 else 1.0
         return delta
 
     # --- hand-out accounting (the route path: O(1), this record only) ----------------------
