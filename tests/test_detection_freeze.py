@@ -21,8 +21,8 @@ HB = ["--heartbeat-ms", "300"]
 async def test_frozen_agent_leaves_the_routes_and_returns_on_sigcont(
     nats_server: NatsServer, nc: NATS, broker_factory: BrokerFactory
 ) -> None:
-    broker = await broker_factory()
-    seen = Transitions(broker)
+    seen = Transitions()
+    broker = await broker_factory(watchers=[seen])
     reg = broker.registry
 
     def routed() -> list[str]:
@@ -59,8 +59,8 @@ async def test_young_frozen_agent_leaves_within_2_5_intervals_and_returns(
 ) -> None:
     """An agent registered 2 s earlier (1 s heartbeats: too few samples of its own for phi)
     is judged on the prior built from its announced interval, like an old regular one."""
-    broker = await broker_factory()
-    seen = Transitions(broker)
+    seen = Transitions()
+    broker = await broker_factory(watchers=[seen])
     reg = broker.registry
     interval = 1.0
 

@@ -15,12 +15,12 @@ from nats.aio.msg import Msg
 
 from reach_agent.wire.schema import Announce, Event, Heartbeat
 from reach_agent.wire.subjects import AGENTS as SYNADIA_AGENTS
+from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.config import Config
 from reach_broker.core.records import Transition
 from reach_broker.core.registry import Registry
 from reach_broker.core.tokens import TokenSigner
-from reach_broker.service.broker import Broker
 from reach_broker.service.metrics import Metrics
 
 from .conftest import BrokerFactory, fast_config, wait_for
@@ -127,8 +127,9 @@ async def test_a_restarted_broker_declares_no_heartbeating_restored_agent_offlin
 
         await nc.subscribe("reach.event.state.*", cb=on_event)
         await nc.flush()
-        second = Broker(fast_config(nats_server.url, **overrides), metrics=Metrics())
-        seen = Transitions(second)
+        seen = Transitions()
+        second = Broker(fast_config(nats_server.url, **overrides), metrics=Metrics(),
+                        watchers=[seen])  # fmt: skip
         clock = second.clock
         await second.start()
         try:

@@ -27,9 +27,9 @@ from jetstream.provision import (
     ensure_stream,
 )
 from reach_agent.wire.subjects import Subjects
+from reach_broker.broker import Broker
 from reach_broker.config import Config
 from reach_broker.service.assets import jetstream_not_ready
-from reach_broker.service.broker import Broker
 from reach_broker.service.metrics import Metrics
 
 from .cluster import nats_cluster

@@ -22,7 +22,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +36,9 @@ from jetstream import ackreads, compensation
 from jetstream.names import ACK_STREAM, COMP_STREAM, replay_consumer
 from reach_agent.wire import schema
 from reach_agent.wire.subjects import Subjects
-from reach_broker.service.broker import Broker
+from reach_broker.broker import Broker
 from reach_broker.service.clusterinfo import gather
+from reach_broker.service.fanout import Consumer
 from reach_broker.service.metrics import Metrics
 
 from .cluster import ELECTING, NatsCluster, nats_cluster
@@ -64,13 +65,16 @@ def node_of(nc: Any) -> str:
     return str((nc._server_info or {}).get("server_name"))
 
 
-async def start_brokers(cluster: NatsCluster, **overrides: Any) -> list[Broker]:
-    """Two brokers, on n1 and n2 (each with the whole list, so either can fail over)."""
+async def start_brokers(
+    cluster: NatsCluster, watchers: Sequence[Consumer] = (), **overrides: Any
+) -> list[Broker]:
+    """Two brokers, on n1 and n2 (each with the whole list, so either can fail over), each
+    telling ``watchers`` of its transitions."""
     brokers = []
     for first in (0, 1):
         cfg = fast_config(",".join(rotated(cluster, first)), **overrides)
         cfg.broker.token_secret = "ha-test-secret"
-        broker = Broker(cfg, metrics=Metrics())
+        broker = Broker(cfg, metrics=Metrics(), watchers=watchers)
         await broker.start()
         brokers.append(broker)
     assert [node_of(b.nc) for b in brokers] == ["n1", "n2"]
@@ -193,7 +197,8 @@ async def test_killing_a_node_with_a_third_of_the_agents(tmp_path: Path, lost: s
     """n3 carries agents only; n1 also broker-1 and the caller, who fail over to n2."""
     async with nats_cluster(tmp_path / "cluster", nodes=3) as cluster:
         await cluster.wait_meta_leader()
-        brokers = await start_brokers(cluster)
+        seen = Transitions()
+        brokers = await start_brokers(cluster, watchers=[seen])
         caller = await nats.connect(cluster.urls, name="test-caller")
         assert node_of(caller) == "n1"
         ran: collections.Counter[str] = collections.Counter()
@@ -205,7 +210,7 @@ async def test_killing_a_node_with_a_third_of_the_agents(tmp_path: Path, lost: s
                 assert len(on_n3) == 3
                 await wait_for(lambda: all(b.registry.counts["healthy"] == 9 for b in brokers),
                                5, what="every agent healthy on both brokers")  # fmt: skip
-                seen = [Transitions(b) for b in brokers]
+                seen.items.clear()  # from here on
                 replies: list[tuple[float, set[str]]] = []
                 down: dict[str, float] = {}
                 back: dict[str, float] = {}
@@ -252,7 +257,7 @@ async def test_killing_a_node_with_a_third_of_the_agents(tmp_path: Path, lost: s
                 await asyncio.sleep(1.0)
                 stop.set()
                 await asyncio.gather(*tasks)
-                moved = [t for s in seen for t in s.items
+                moved = [t for t in seen.items
                          if t.agent_id in others and t.kind == "state"]  # fmt: skip
             after = [(t, ids) for t, ids in replies if t > t_kill]
             # The agents on the other nodes never leave healthy, nor any route reply.

@@ -1,15 +1,20 @@
-"""The broker process: its lifecycle, and the NATS wiring of the handlers.
+"""One broker replica, built and wired in this one place: :class:`Broker`.
+
+Everything the broker is made of is built here, in order, each part handed its own config
+section, its own metrics and exactly the collaborators it uses: the pure core (registry,
+rules, quotas, router, explainer), the message handlers, the components on NATS
+(:mod:`reach_broker.service`), the compensation replay (:mod:`reach_broker.replay`), the
+Synadia Agent Protocol agents (:mod:`reach_broker.interop.synadia`) and, when the HTTP port
+shows it, the console's feed (:mod:`reach_broker.console.feed`). Nothing registers itself and
+nothing is patched onto a built part: who is told of the registry's transitions, in which
+order, is the one list given to the :class:`~reach_broker.service.fanout.Fanout` below, and
+the order parts start in (and stop in, reversed) is the one list after it.
 
 Announce, heartbeat and leave are plain subscriptions on every replica (each derives the same
 state); route and ``agents`` are NATS Services API endpoints in queue group ``reach-broker``,
 so replicas share that load and ``nats micro ls`` lists the broker. What the messages do is
-:mod:`reach_broker.service.handlers`; every transition goes to the one fan-out
-(:class:`~reach_broker.service.context.Fanout`): an ``Event`` on
-``<prefix>.event.<kind>.<agent_id>``
-and the listeners (snapshot, compensation replay, probes).
-
-The registry, router and components are built with the broker, so none is optional; what
-:meth:`Broker.start` adds is the connection, the JetStream assets and the token secret.
+:mod:`reach_broker.service.handlers`. Building does no I/O; :meth:`Broker.start` adds the
+connection, the JetStream assets and the token secret, then starts the parts.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -44,28 +49,38 @@ from reach_agent.routing.rules import Rules
 from reach_agent.wire.subjects import Subjects
 from reach_broker import __version__
 from reach_broker.config import Config
+from reach_broker.console.feed import Feed
+from reach_broker.core.explain import Explainer
 from reach_broker.core.quotas import Quotas
+from reach_broker.core.records import Transition
 from reach_broker.core.registry import Registry
 from reach_broker.core.routing import Router
 from reach_broker.core.tokens import TokenSigner
-from reach_broker.interop.synadia import SynadiaAgents
+from reach_broker.interop.synadia import StatusProbes, SynadiaAgents
 from reach_broker.replay.replay import Replayer
-
-from .advisories import Advisories
-from .assets import START_RETRY_S, jetstream_not_ready, provision_assets, token_secret
-from .canceller import Canceller
-from .context import BrokerContext, Fanout, Link, Tasks, TransitionListener
-from .handlers import Handlers
-from .identity import Identity
-from .metrics import Metrics
-from .observer import Observer
-from .outcomes import Outcomes
-from .partitions import Partitions
-from .probes import Prober
-from .releases import Releaser
-from .rulebook import Rulebook, from_config
-from .snapshot import Snapshot
-from .tables import Tables
+from reach_broker.service.advisories import Advisories
+from reach_broker.service.assets import (
+    START_RETRY_S,
+    jetstream_not_ready,
+    provision_assets,
+    token_secret,
+)
+from reach_broker.service.brokeracks import BrokerAcks
+from reach_broker.service.canceller import Canceller
+from reach_broker.service.clusterinfo import Account
+from reach_broker.service.context import BrokerContext, Link, Tasks
+from reach_broker.service.fanout import Consumer, Fanout
+from reach_broker.service.handlers import Handlers
+from reach_broker.service.identity import Identity, Reannouncer
+from reach_broker.service.metrics import HandlerMetrics, Metrics, ReplayMetrics
+from reach_broker.service.observer import Observer
+from reach_broker.service.outcomes import Outcomes
+from reach_broker.service.partitions import Partitions
+from reach_broker.service.probes import Prober
+from reach_broker.service.releases import Releaser
+from reach_broker.service.rulebook import Rulebook, from_config
+from reach_broker.service.snapshot import Snapshot
+from reach_broker.service.tables import Tables
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +105,11 @@ def default_broker_id() -> str:
 
 
 class Broker:
-    """One broker replica. ``async with Broker(cfg) as b:`` runs it until the block ends."""
+    """One broker replica. ``async with Broker(cfg) as b:`` runs it until the block ends.
+
+    ``console``: build the console's feed (the process does when its HTTP port shows the
+    console). ``watchers``: told of every transition after the broker's own consumers (tests,
+    the chaos run)."""
 
     def __init__(
         self,
@@ -100,10 +119,12 @@ class Broker:
         nc: NATS | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        console: bool = False,
+        watchers: Sequence[Consumer] = (),
     ) -> None:
         self.cfg = cfg
         self.broker_id = cfg.broker.broker_id or default_broker_id()
-        self.metrics = metrics or Metrics()
+        self.metrics = m = metrics or Metrics()
         self.clock = clock
         self.wall = wall
         self.nc: NATS = nc if nc is not None else NATS()
@@ -112,54 +133,78 @@ class Broker:
         self.jetstream_ok = False
         self.replicas: int | None = None
         """Replicas of the JetStream assets (None: the server has no JetStream)."""
-        # The pure core first: the signer is keyed at start (the secret may live in KV).
-        self.registry = Registry(cfg, TokenSigner(b"", cfg.broker.token_max_age_s))
-        registry = self.registry
+
+        # The pure core: the signer is keyed at start (the secret may live in KV).
+        self.registry = registry = Registry(cfg, TokenSigner(b"", cfg.broker.token_max_age_s))
+        agents = registry.agents
         self.rules = Rules(from_config(cfg.rules))
         """Each capability's route rule in force: broker.toml's, then KV reach_rules'."""
         self.quotas = Quotas(cfg.quotas, self.rules)
         self.router = Router(
             cfg.routing, registry.indexes, self.subjects.task,
             inflight=lambda: registry.inflight, capacity=lambda: registry.capacity,
-            on_panic=lambda cap, on: self.metrics.panic.labels(cap).set(int(on)),
-            rules=self.rules,
+            on_panic=lambda cap, on: m.panic.labels(cap).set(int(on)), rules=self.rules,
         )  # fmt: skip
+        self.explainer = Explainer(self.router, cfg.scoring)
+
+        # What every component shares. Transitions go to the pipeline (self.fanout, built
+        # last: its consumers are the components below).
         self._tasks = Tasks()
         self.link = Link()
         """The broker's own link to NATS (the observer keeps it)."""
-        self.fanout = Fanout(self.nc, self.subjects, self.metrics, self.broker_id, wall,
-                             self._tasks.spawn, registry.agents.get, self.link)  # fmt: skip
-        self.listeners: list[TransitionListener] = self.fanout.listeners
-        """Told of every transition (``listeners.append(fn)``): fn(transition, record)."""
         ctx = BrokerContext(
-            cfg=cfg, nc=self.nc, subjects=self.subjects, metrics=self.metrics,
-            broker_id=self.broker_id, clock=clock, wall=wall, spawn=self._tasks.spawn,
-            fanout=self.fanout, link=self.link, spans=otel.spans("reach-broker"),
+            nc=self.nc, subjects=self.subjects, broker_id=self.broker_id, clock=clock,
+            wall=wall, spawn=self._tasks.spawn, emit=self._emit, link=self.link,
         )  # fmt: skip
-        self.ctx = ctx
-        """What a component is handed (the console's feed is one, started by the process)."""
-        self.handlers = Handlers(ctx, registry, self.router, self.quotas)
-        self.identity = Identity(ctx, registry, self.handlers)
-        # The snapshot restores the registry before probes and advisories start (advisories
-        # reconcile with the server's connection list); claim releases and replay come last.
-        # Snapshot, releases and replay need JetStream and start only with it.
+        self.spans = otel.spans("reach-broker")
+        """OpenTelemetry spans of route requests (:mod:`reach_agent.otel`; None: off)."""
+
+        # The parts on NATS, each before those that use it.
         self.snapshot = Snapshot(ctx, registry)
-        self.probes = Prober(ctx, registry)
-        self.advisories = Advisories(ctx, registry, self.probes)
-        self.observer = Observer(ctx, registry, self.advisories)
-        self.synadia = SynadiaAgents(ctx, registry, self.handlers, self.probes, self.advisories)
-        """Synadia Agent Protocol agents, discovered and followed (after the advisories: it
-        asks the server's CONNZ of the account they found)."""
-        agents = registry.agents
+        self.reannouncer = Reannouncer(ctx, asked=m.reannounce_requests)
+        self.handlers = Handlers(
+            ctx, registry, self.router, self.quotas, self.explainer, HandlerMetrics.of(m),
+            on_unknown=self.reannouncer.unknown,  # a heartbeat it cannot place
+            announced=self.snapshot.on_announce,  # an accepted announce, moved or not
+            spans=self.spans,
+        )  # fmt: skip
+        self.identity = Identity(ctx, registry, self.handlers,
+                                 conflict=m.announce_result["conflict"])  # fmt: skip
+        self.probes = Prober(ctx, registry, cfg.detection, results=m.probes, rtt=m.probe_rtt,
+                             probe_via=StatusProbes(self.nc, clock))  # fmt: skip
+        self.account = Account()
+        """The application account (the advisories learn it; the Synadia locate asks it)."""
+        self.synadia = SynadiaAgents(
+            ctx, registry, self.handlers, self.probes, self.account, cfg.synadia,
+            instances=m.synadia_agents, heartbeats=m.heartbeat_result, dropped=m.dropped,
+        )  # fmt: skip
+        """Synadia Agent Protocol agents, discovered and followed."""
+        self.advisories = Advisories(
+            ctx, registry, self.probes, self.account, cfg.detection, unnamed=self.synadia,
+            seen=m.advisories, dropped=m.dropped, refused=m.refused,
+        )  # fmt: skip
+        self.observer = Observer(ctx, registry, self.advisories, cfg.detection,
+                                 suspect=m.observer_suspect, gaps=m.observer_gaps)  # fmt: skip
         self.releaser = Releaser(
-            ctx, lambda a: rec.state if (rec := agents.get(a)) is not None else None
-        )
-        self.replayer = Replayer(ctx, self.router, self.releaser.claim_of, agents.get)
-        self.canceller = Canceller(ctx, queue=QUEUE_GROUP)
+            ctx, lambda a: rec.state if (rec := agents.get(a)) is not None else None,
+            cfg.claims, released=m.claims_released, store_errors=m.store_errors,
+            follow=m.follow("claims"),
+        )  # fmt: skip
+        self.records = BrokerAcks(ctx, store_errors=m.store_errors)
+        """The ack records the broker writes as itself (replay, Synadia answers, cancels)."""
+        self.replayer = Replayer(ctx, self.router, self.releaser.claim_of, agents.get,
+                                 self.records, cfg.compensation, ReplayMetrics.of(m))  # fmt: skip
+        self.canceller = Canceller(ctx, self.records, queue=QUEUE_GROUP,
+                                   cancelled=m.compensation_result["cancelled"])  # fmt: skip
         """``<p>.cancel._broker``: a cancelled request's claim made final, its entry unqueued."""
-        self.rulebook = Rulebook(ctx, self.rules, self.quotas)
-        self.outcomes = Outcomes(ctx, registry)
-        m = self.metrics
+        self.rulebook = Rulebook(ctx, self.rules, self.quotas, changes=m.rule_changes,
+                                 follow=m.follow("rules"))  # fmt: skip
+        self.outcomes = Outcomes(ctx, registry, cfg.outcomes, summaries=m.outcomes,
+                                 ejected=m.delivery_ejected)  # fmt: skip
+        self.feed = (Feed(ctx, registry, self.explainer, cfg.console, self.handlers.route_counts,
+                          follow=m.follow("audit"))
+                     if console else None)  # fmt: skip
+        """The console's data (built when the HTTP port shows the console)."""
         self.tables = Tables(
             ctx, registry, self.router, self.quotas, cfg.fleet, cfg.routing,
             jetstream=lambda: self.jetstream_ok, counts=m.tables, dropped=m.dropped,
@@ -170,7 +215,49 @@ class Broker:
             jetstream=lambda: self.jetstream_ok, owned=m.partitions_owned,
         )  # fmt: skip
         """The leases of the partitions this broker owns, told to the tables."""
-        self.fanout.listeners.append(self.tables.on_transition)
+
+        # The pipeline: every transition is published as an event, counted, logged, then
+        # handed to these consumers, in this order (a consumer whose part is not running
+        # ignores it).
+        self.fanout = Fanout(
+            ctx, agents.get,
+            consumers=(
+                self.snapshot.on_transition,  # the stored registry follows the change
+                self.probes.on_transition,  # suspect and recovering probed now, newcomers sampled
+                self.synadia.on_transition,  # an offline Synadia instance forgotten in time
+                self.releaser.on_transition,  # an offline holder's claims released
+                self.replayer.on_transition,  # healthy: its queue replayed; offline: held back
+                self.tables.on_transition,  # a state move in the route tables at once
+                *([self.feed.on_transition] if self.feed is not None else []),  # pushed to pages
+                *watchers,
+            ),
+            changes=m.registry_changes, states=m.state_changes,
+            withheld=m.dropped.labels("event", "link_down"),
+            unsent=m.dropped.labels("event", "error"),
+        )  # fmt: skip
+
+        # The start order (stopped in reverse), and which parts need JetStream. The snapshot
+        # restores the registry before probes and advisories start (advisories reconcile
+        # with the server's connection list); the Synadia agents come after the advisories
+        # (their locate asks the CONNZ of the account the advisories learnt); claim
+        # releases, replay and cancels come last. The route tables start after the snapshot and
+        # the rules (their first shares are made from both), then the partitions' leases (each
+        # partition taken: its shares published). The console's feed starts once the handlers are
+        # subscribed (it only shows; its audit catch-up must not hold up serving), and
+        # stops first.
+        self.parts: tuple[tuple[Component, bool], ...] = (
+            (self.snapshot, True),
+            (self.rulebook, True),
+            *(((self.tables, False), (self.partitions, False)) if cfg.fleet.tables else ()),
+            (self.probes, False),
+            (self.advisories, False),
+            (self.synadia, False),
+            (self.outcomes, False),
+            (self.releaser, True),
+            (self.replayer, True),
+            (self.canceller, True),
+        )
+        """(part, needs JetStream), in start order, before the handlers subscribe."""
         self._running: list[Component] = []
         self._service: Service | None = None
         self._subs: list[Any] = []
@@ -179,10 +266,13 @@ class Broker:
         self._connected = False
         self._watching = False
         self._with_creds = bool(cfg.nats.creds)
-        self.auth_enabled = False
-        """Whether the server enforces identities (see :meth:`_secure`)."""
         self.serving = False
         """Started: assets provisioned, rules loaded, handlers subscribed (until :meth:`stop`)."""
+
+    def _emit(self, transitions: list[Transition]) -> None:
+        """Where a part hands the transitions it made: the pipeline (built after the parts,
+        since they are its consumers)."""
+        self.fanout.emit(transitions)
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -209,6 +299,9 @@ class Broker:
             self.metrics.watch_states(lambda: self.registry.counts)
         await self._start_components(stop)
         await self._serve()
+        if self.feed is not None:
+            self._running.append(self.feed)
+            await self.feed.start()
         # Restored agents are judged on silence from here on, when the broker can hear them.
         regranted = self.registry.listening(self.clock())
         self._loop_task = asyncio.create_task(self._tick_loop(), name="reach-broker-tick")
@@ -223,9 +316,7 @@ class Broker:
         a server just restarted, a cluster electing) each attempt is undone and tried again
         after the next wait of ``START_RETRY_S``, logged as ``broker.jetstream_not_ready``.
         The last error is raised when JetStream is still not ready, or ``stop`` is set."""
-        fanout = self.fanout
         for attempt, wait in enumerate((*START_RETRY_S, None), start=1):
-            listeners = list(fanout.listeners), list(fanout.announce_listeners)
             try:
                 await self._start_components_once()
                 return
@@ -239,9 +330,7 @@ class Broker:
                         await component.stop()
                     except Exception:  # noqa: BLE001 - undone as far as it goes
                         log.exception("broker.stop component=%s failed", type(component).__name__)
-                self._running = []
-                # A component that failed half-way may have left its listener behind.
-                fanout.listeners[:], fanout.announce_listeners[:] = listeners
+                self._running = []  # (consumers of parts not running ignore transitions)
                 if stop is None:
                     await asyncio.sleep(wait)
                 else:
@@ -255,19 +344,11 @@ class Broker:
         self.jetstream_ok = self.replicas is not None
         secret = await token_secret(self.nc, self.cfg, jetstream=self.jetstream_ok)
         self.registry.signer.set_secret(secret)
-        # The route tables after the snapshot and the rules (their first shares are made from
-        # both), then the partitions' leases (each partition taken: its shares published).
-        tables: list[Component] = [self.tables, self.partitions] if self.cfg.fleet.tables else []
-        components: list[Component] = (
-            [self.snapshot, self.rulebook, *tables, self.probes, self.advisories, self.synadia,
-             self.outcomes, self.releaser, self.replayer, self.canceller]
-            if self.jetstream_ok
-            else [*tables, self.probes, self.advisories, self.synadia, self.outcomes]
-        )  # fmt: skip
         self._running = []
-        for component in components:
-            self._running.append(component)  # stopped (idempotent) should its start fail
-            await component.start()
+        for component, needs_js in self.parts:
+            if self.jetstream_ok or not needs_js:
+                self._running.append(component)  # stopped (idempotent) should its start fail
+                await component.start()
 
     async def _serve(self) -> None:
         """Subscribe the handlers: plain subscriptions, then the Services endpoints."""
@@ -324,13 +405,13 @@ class Broker:
                 log.exception("broker.stop component=%s failed", type(component).__name__)
         if self._own_nc:
             await drain_or_close(self.nc, self.cfg.broker.shutdown_grace_s)
-        if self.ctx.spans is not None:
-            await asyncio.to_thread(self.ctx.spans.flush)
+        if self.spans is not None:
+            await asyncio.to_thread(self.spans.flush)
         log.info("broker.stopped id=%s", self.broker_id)
 
     def not_ready(self) -> str | None:
-        """Why ``/readyz`` says 503 (:mod:`reach_broker.health`), or None: connected to NATS,
-        the JetStream assets provisioned, the rules loaded and the handlers subscribed."""
+        """Why ``/readyz`` says 503 (:mod:`reach_broker.console.health`), or None: connected to
+        NATS, the JetStream assets provisioned, the rules loaded and the handlers subscribed."""
         servers = self.cfg.nats.url or "NATS_URL / nats://127.0.0.1:4222"
         if not self._started:
             return "the broker is not running"
@@ -357,13 +438,13 @@ class Broker:
     def _secure(self) -> None:
         """Secured mode: the server requires every connection to authenticate and this broker
         authenticated with a user JWT (``--auth DIR``, ``--creds``): reach's roles are then the
-        server's permissions. Otherwise say once, loudly, what open mode means."""
+        server's permissions (``link.secured``). Otherwise say once, loudly, what open mode
+        means."""
         # nats-py keeps the server's INFO private; `auth_required` is the server's own word.
         info = getattr(self.nc, "_server_info", None) or {}
-        self.auth_enabled = bool(info.get("auth_required")) and self._with_creds
-        self.metrics.auth_enabled.set(int(self.auth_enabled))
-        self.handlers.require_leave_token = self.auth_enabled
-        if not self.auth_enabled:
+        self.link.opened(secured=bool(info.get("auth_required")) and self._with_creds)
+        self.metrics.auth_enabled.set(int(self.link.secured))
+        if not self.link.secured:
             log.warning(
                 "broker.open_mode: this NATS server lets anyone who can connect act for any "
                 "agent (announce or leave as it, publish its events, read every task). For "
