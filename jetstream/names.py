@@ -97,6 +97,9 @@ how a claim is created only once and changed only by whoever read its current re
 
 JS_NOT_ENABLED = 10039
 """``jetstream not enabled for account``."""
+JS_NOT_READY = 10008
+"""``JetStream system temporarily unavailable`` (503): a server just (re)started, or a
+cluster without a meta leader yet."""
 STREAM_NOT_FOUND = 10059
 STREAM_EXISTS = 10058
 """``stream name already in use``: another replica created it first."""

@@ -30,6 +30,7 @@ from .names import (
     CLAIMS_STREAM,
     COMP_STREAM,
     JS_NOT_ENABLED,
+    JS_NOT_READY,
     NO_SUITABLE_PEERS,
     STREAM_EXISTS,
     STREAM_NAMES,
@@ -62,6 +63,11 @@ class ProvisionTimeout(ProvisionError):
 class NoPeers(ProvisionTimeout):
     """No cluster peer could take a replica now (one still starting or rejoining): retried as
     a timeout is."""
+
+
+class NotReady(ProvisionTimeout):
+    """JetStream answered 503, temporarily unavailable (a server just restarted, a cluster
+    with no meta leader yet): retried as a timeout is."""
 
 
 class UnsafeChange(ProvisionError):
@@ -202,6 +208,8 @@ async def ensure_stream(nc: NATS, cfg: Mapping[str, Any], timeout_s: float = 5.0
     if err is not None:
         if err.get("err_code") == JS_NOT_ENABLED:
             raise JetStreamUnavailable(f"JetStream is not enabled for this account: {err}")
+        if err.get("err_code") == JS_NOT_READY:
+            raise NotReady(f"stream {name}: info failed: {err.get('description')}")
         if err.get("err_code") != STREAM_NOT_FOUND:
             raise ProvisionError(f"stream {name}: info failed: {err.get('description')}")
         resp = await _api(nc, f"STREAM.CREATE.{name}", dict(cfg), timeout_s)
@@ -209,6 +217,8 @@ async def ensure_stream(nc: NATS, cfg: Mapping[str, Any], timeout_s: float = 5.0
             # Another replica may have created it in between: then it is an update check.
             if resp["error"].get("err_code") == STREAM_EXISTS:
                 return await ensure_stream(nc, cfg, timeout_s)
+            if resp["error"].get("err_code") == JS_NOT_READY:
+                raise NotReady(f"stream {name}: create failed: {resp['error'].get('description')}")
             if resp["error"].get("err_code") == NO_SUITABLE_PEERS:
                 raise NoPeers(f"stream {name}: create failed: {resp['error'].get('description')}")
             raise ProvisionError(

@@ -57,10 +57,10 @@ from reach_agent import Client, ReachError
 from reach_agent.client.tables import TableRoutes
 from reach_agent.wire.errors import NoReachableAgent, Overloaded
 from reach_agent.wire.schema import RouteRequest
+from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.config import Config
 from reach_broker.core.records import AgentRecord, Transition
-from reach_broker.service.broker import Broker
 
 from .children import Children
 
@@ -349,7 +349,12 @@ async def main_async(args: argparse.Namespace, command: str) -> dict[str, Any]:
     cfg = Config()
     cfg.nats.url = server.url
     cfg.broker.metrics_port = 0
-    broker = Broker(cfg)
+
+    def on_transition(t: Transition, rec: AgentRecord | None) -> None:
+        if t.agent_id == VICTIM and t.kind == "state":
+            run.transitions.append((time.monotonic(), t.from_, t.to, t.reason))
+
+    broker = Broker(cfg, watchers=[on_transition])
     client: Client | None = None
     stop = asyncio.Event()
     mon: asyncio.Task[None] | None = None
@@ -371,11 +376,6 @@ async def main_async(args: argparse.Namespace, command: str) -> dict[str, Any]:
                     raise RuntimeError("the simulated fleet did not register within 60 s")
                 await asyncio.sleep(0.05)
 
-        def on_transition(t: Transition, rec: AgentRecord | None) -> None:
-            if t.agent_id == VICTIM and t.kind == "state":
-                run.transitions.append((time.monotonic(), t.from_, t.to, t.reason))
-
-        broker.listeners.append(on_transition)
         for agent_id in run.agents:
             run.procs[agent_id] = await spawn(server.url, agent_id, run)
         # Let phi learn each agent's rhythm before anything happens.

@@ -33,8 +33,8 @@ from typing import Any
 import uvloop
 
 import reach_agent
+from reach_broker.broker import Broker
 from reach_broker.config import A2ASection
-from reach_broker.service.broker import Broker
 
 from .local import local_stack
 

@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import reach_agent
+from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.config import Config
-from reach_broker.service.broker import Broker
 from reach_broker.service.metrics import Metrics
 
 from .calls import SYNC_MODES, server_config

@@ -37,8 +37,8 @@ import uvloop
 
 from reach_agent.wire import schema
 from reach_agent.wire.subjects import Subjects
+from reach_broker.broker import Broker
 from reach_broker.console.feed import Feed
-from reach_broker.service.broker import Broker
 
 from .local import local_stack
 from .procfs import rss_bytes
@@ -92,10 +92,10 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     clock = Clock()
     with local_stack("reach-memory-") as (_tmp, _server, cfg):
         cfg.routing.inflight_ceiling = 20 * n  # as python -m loadtest raises it
-        broker = Broker(cfg, clock=clock.monotonic, wall=clock.wall)
+        broker = Broker(cfg, clock=clock.monotonic, wall=clock.wall, console=True)
         await broker.start()
-        feed = Feed(broker.ctx, broker.registry, broker.handlers.explainer)
-        await feed.start()
+        feed = broker.feed
+        assert feed is not None  # console=True: the broker builds and starts its feed
         try:
             agents = fleet(n, cfg.broker.prefix)
             bodies = [schema.encoder.encode(a.announce(1000)) for a in agents]
@@ -125,7 +125,6 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             rss1 = rss_bytes(os.getpid()) if base is None else None
             counts = dict(broker.registry.counts)
         finally:
-            await feed.stop()
             await broker.stop()
     out: dict[str, Any] = {"agents": n, "beats": args.beats, "states": counts,
                            "cpu_s": round(cpu_s, 2)}  # fmt: skip

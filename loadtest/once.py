@@ -31,7 +31,7 @@ import uvloop
 
 import reach_agent
 from jetstream.claims import ClaimStore
-from reach_broker.service.broker import Broker
+from reach_broker.broker import Broker
 
 from .calls import SYNC_MODES
 from .local import local_stack

@@ -45,7 +45,7 @@ SLICE = """
 import asyncio, json, sys, time
 import reach_agent
 try:
-    from reach_broker.service.broker import Broker
+    from reach_broker.broker import Broker
     from reach_broker.service.metrics import Metrics
 except ImportError:  # a checkout from before the subpackages (issue 22)
     from reach_broker.service import Broker

@@ -28,12 +28,13 @@ from reach_agent.routing.rules import Rules, build
 from reach_agent.wire.schema import Announce, Heartbeat, RouteRequest
 from reach_agent.wire.subjects import Subjects
 from reach_broker.config import Config, QuotasSection
+from reach_broker.core.explain import Explainer
 from reach_broker.core.quotas import Quotas
 from reach_broker.core.registry import Registry
 from reach_broker.core.routing import Router
 from reach_broker.core.tokens import TokenSigner
 from reach_broker.service.handlers import Handlers
-from reach_broker.service.metrics import Metrics
+from reach_broker.service.metrics import HandlerMetrics, Metrics
 
 CAP = "summarize"
 
@@ -78,9 +79,10 @@ def policy_handlers(agents: int, rate: float | None = None) -> dict[str, Handler
         reg.heartbeat(hb, 0.5, 0)
     # Only what Handlers reads of its context (no connection: nothing is sent).
     clock = Clock(1.0 / (rate or 10.0 * agents))
-    ctx = types.SimpleNamespace(metrics=Metrics(), subjects=subjects, clock=clock,
-                                wall=lambda: 1000.0, wall_ms=lambda: 10**6, nc=None,
-                                spans=None)  # fmt: skip
+    ctx = types.SimpleNamespace(subjects=subjects, clock=clock, wall=lambda: 1000.0,
+                                wall_ms=lambda: 10**6, nc=None, emit=None,
+                                link=types.SimpleNamespace(secured=False))  # fmt: skip
+    metrics = HandlerMetrics.of(Metrics())
     ruled = Rules()
     ruled.put(CAP, build(split="version=1:95,2:5", require=["env=prod"]))
     unlimited = QuotasSection(rate=1e12, burst=10**12)  # a bucket taken from, never empty
@@ -92,7 +94,9 @@ def policy_handlers(agents: int, rate: float | None = None) -> dict[str, Handler
         ("rules_quota", ruled, unlimited),
     ):
         q = Quotas(quota or QuotasSection(), rules)
-        out[kind] = Handlers(ctx, reg, router(rules), q)  # type: ignore[arg-type]
+        r = router(rules)
+        out[kind] = Handlers(ctx, reg, r, q, Explainer(r, cfg.scoring), metrics,  # type: ignore[arg-type]
+                             on_unknown=lambda _: None, announced=lambda _: None)  # fmt: skip
     return out
 
 

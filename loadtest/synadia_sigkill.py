@@ -29,9 +29,9 @@ from synadia_ai.agents import Agents
 import reach_agent
 from reach_agent.wire.errors import NoReachableAgent
 from reach_agent.wire.schema import RouteRequest
+from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.config import Config
-from reach_broker.service.broker import Broker
 
 ROOT = Path(__file__).resolve().parent.parent
 CAP = "echo-bot"

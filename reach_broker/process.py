@@ -6,13 +6,13 @@ JetStream store kept across restarts in ``./reach-data`` unless ``--store-dir`` 
 operator mode; in a session of its own, so a terminal Ctrl-C reaches the broker only, which
 stops its clients before the server: the server dying first would leave them reconnecting),
 SIGINT/SIGTERM/SIGHUP handlers (SIGHUP: the terminal closed), the HTTP port (Prometheus
-``/metrics``, the probes ``/healthz`` and ``/readyz`` of :mod:`reach_broker.health` and the
-web console, :mod:`reach_broker.console`), the :class:`~reach_broker.service.broker.Broker`,
-then the console's feed on the running broker and (``a2a.port``) the A2A gateway
-(:mod:`reach_broker.interop.a2a`). Stop, the other way round: the gateway, the HTTP port
-(open pages are told goodbye), the broker (drains, leaves nothing in flight), then the
-embedded server. Should the process die without stopping (``kill -9``), the embedded server
-dies with it (:mod:`reach_broker.cluster.lifeline`).
+``/metrics``, the probes ``/healthz`` and ``/readyz`` of :mod:`reach_broker.console.health` and the
+web console, :mod:`reach_broker.console`), the :class:`~reach_broker.broker.Broker` (built
+with the console's feed when the port shows the console, which it starts last), then
+(``a2a.port``) the A2A gateway (:mod:`reach_broker.interop.a2a`). Stop, the other way round:
+the gateway, the HTTP port (open pages are told goodbye), the broker (the feed first;
+drains, leaves nothing in flight), then the embedded server. Should the process die without
+stopping (``kill -9``), the embedded server dies with it (:mod:`reach_broker.cluster.lifeline`).
 """
 
 from __future__ import annotations
@@ -181,13 +181,15 @@ def store_dir(cfg: Config) -> Path | None:
 
 
 async def _run_broker(cfg: Config, stop: asyncio.Event) -> None:
-    from reach_broker.console.port import HttpPort
-    from reach_broker.service.broker import Broker
+    from reach_broker.broker import Broker
+    from reach_broker.console.port import HttpPort, access_of
     from reach_broker.service.metrics import Metrics
 
     metrics = Metrics()
-    broker = Broker(cfg, metrics=metrics)
-    port = HttpPort(cfg, metrics.registry, broker.not_ready) if cfg.broker.metrics_port else None
+    shown = bool(cfg.broker.metrics_port) and access_of(cfg).enabled
+    broker = Broker(cfg, metrics=metrics, console=shown)
+    port = (HttpPort(cfg, metrics.registry, broker.not_ready, broker.feed)
+            if cfg.broker.metrics_port else None)  # fmt: skip
     if port is not None:
         try:
             await port.start()
@@ -215,9 +217,6 @@ async def _serve_broker(cfg: Config, stop: asyncio.Event, broker: Any, port: Any
         ) from None
     gateway = None
     try:
-        if port is not None:
-            await port.attach(broker.ctx, broker.registry, broker.handlers.explainer,
-                              broker.handlers.route_counts)  # fmt: skip
         where = f"; {port.describe()}" if port is not None else ""
         say(f"reach: broker {broker.broker_id} serving on {cfg.nats.url}{where}")
         gateway = await _a2a_gateway(cfg, broker) if cfg.a2a.port else None
@@ -227,7 +226,7 @@ async def _serve_broker(cfg: Config, stop: asyncio.Event, broker: Any, port: Any
         if gateway is not None:
             await gateway.stop()
         if port is not None:
-            await port.stop()  # the pages first: their streams end, the feed stops
+            await port.stop()  # the pages first: their streams end
         await broker.stop()
 
 

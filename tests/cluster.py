@@ -28,7 +28,7 @@ from reach_broker.cluster.natscluster import Cluster, launch
 READY_TIMEOUT_S = 30.0
 FAILOVER_TIMEOUT_S = 30.0
 """A stream's new leader after its old one is SIGKILLed (the Raft election takes 4-10 s)."""
-_ELECTING = (TimeoutError, NoRespondersError, ServiceUnavailableError)
+ELECTING = (TimeoutError, NoRespondersError, ServiceUnavailableError)
 """What a JetStream API request meets while the asset it names has no leader."""
 
 
@@ -83,7 +83,7 @@ class NatsCluster:
         does not exist is ``NotFoundError``."""
         try:
             info = await nc.jetstream(timeout=within).stream_info(stream)
-        except _ELECTING:
+        except ELECTING:
             return None
         return info.cluster.leader if info.cluster is not None else None
 
@@ -102,7 +102,7 @@ class NatsCluster:
         while True:
             try:
                 info = await nc.jetstream(timeout=1.0).stream_info(stream)
-            except _ELECTING:
+            except ELECTING:
                 info = None
             cl = info.cluster if info is not None else None
             if cl is not None and cl.leader and cl.leader not in not_on:

@@ -6,7 +6,7 @@ import asyncio
 import socket
 import subprocess
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import nats
@@ -14,9 +14,10 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from jetstream.provision import load_definitions, provision
+from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer, find_binary
 from reach_broker.config import Config
-from reach_broker.service.broker import Broker
+from reach_broker.service.fanout import Consumer
 from reach_broker.service.metrics import Metrics
 
 
@@ -91,8 +92,12 @@ async def broker_factory(nats_server: NatsServer) -> AsyncIterator[BrokerFactory
     """Start in-process brokers against the test server; all are stopped at teardown."""
     started: list[Broker] = []
 
-    async def make(**overrides: Any) -> Broker:
-        broker = Broker(fast_config(nats_server.url, **overrides), metrics=Metrics())
+    async def make(
+        *, console: bool = False, watchers: Sequence[Consumer] = (), **overrides: Any
+    ) -> Broker:
+        """A started broker; ``overrides`` are config keys (``section__field``)."""
+        broker = Broker(fast_config(nats_server.url, **overrides), metrics=Metrics(),
+                        console=console, watchers=watchers)  # fmt: skip
         await broker.start()
         started.append(broker)
         return broker

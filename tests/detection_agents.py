@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from reach_broker.core.records import AgentRecord, Transition
-from reach_broker.service.broker import Broker
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,13 +58,13 @@ async def agents(
 
 
 class Transitions:
-    """Records the broker's transitions (a listener) for assertions."""
+    """Records a broker's transitions for assertions: one of its watchers
+    (``Broker(cfg, watchers=[seen])``)."""
 
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self) -> None:
         self.items: list[Transition] = []
-        broker.listeners.append(self._on)
 
-    def _on(self, t: Transition, rec: AgentRecord | None) -> None:
+    def __call__(self, t: Transition, rec: AgentRecord | None) -> None:
         self.items.append(t)
 
     def of(self, agent_id: str) -> list[tuple[str | None, str | None, str]]:

@@ -14,7 +14,7 @@ import httpx
 from a2a.client import A2ACardResolver
 
 from reach_broker.auth import AuthDir
-from reach_broker.service.broker import Broker
+from reach_broker.broker import Broker
 
 from . import test_auth_broker as secured
 from .auth_helpers import AuthServer

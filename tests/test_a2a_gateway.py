@@ -28,11 +28,11 @@ from google.protobuf import struct_pb2
 from google.protobuf.json_format import MessageToDict, ParseDict
 
 import reach_agent
+from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.config import A2ASection
 from reach_broker.interop.a2a.cards import AVAILABILITY_URI
 from reach_broker.interop.a2a.gateway import A2AGateway
-from reach_broker.service.broker import Broker
 
 from .agents.procs import AgentProcess
 from .conftest import wait_for
@@ -206,10 +206,11 @@ async def test_a2a_cancel_task_cancels_the_request(
     """``CancelTask`` of the task id (= the request id) reaches the agent running it; the
     message waiting on it answers a ``CANCELED`` task."""
     agent = reach_agent.Agent("slowpoke", ["slow"], max_concurrency=1, heartbeat_interval=0.1)
-    seen = asyncio.Event()
+    running, seen = asyncio.Event(), asyncio.Event()
 
     @agent.handler("slow")
     async def slow(task: reach_agent.Task) -> Any:
+        running.set()
         try:
             await asyncio.sleep(30)
         except asyncio.CancelledError:
@@ -222,7 +223,9 @@ async def test_a2a_cancel_task_cancels_the_request(
     client = ClientFactory(ClientConfig(streaming=False, httpx_client=http)).create(card)
     waiting = asyncio.create_task(send(http, card, text_message("x", skill="slow",
                                                                 request_id="rid-a2a")))  # fmt: skip
-    await wait_for(lambda: agent.active == 1, 10, what="slowpoke runs it")
+    # Its handler running, not just admitted: a cancel that comes while the request is still
+    # being claimed stops it before its handler starts (the handler never sees it).
+    await asyncio.wait_for(running.wait(), 10)
     task = await client.cancel_task(pb.CancelTaskRequest(id="rid-a2a"))
     assert (task.id, task.status.state) == ("rid-a2a", pb.TASK_STATE_CANCELED)
     await asyncio.wait_for(seen.wait(), 5)

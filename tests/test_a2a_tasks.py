@@ -32,10 +32,10 @@ from google.protobuf.json_format import MessageToDict
 
 import reach_agent
 from jetstream.names import A2A_TASKS_STREAM
+from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.config import A2ASection
 from reach_broker.interop.a2a.gateway import A2AGateway
-from reach_broker.service.broker import Broker
 from reach_broker.service.metrics import Metrics
 
 from .agents.procs import AgentProcess
@@ -73,8 +73,9 @@ class Gate:
 
     def agent(self, agent_id: str, capability: str, *, hint: float | None = None,
               **options: Any) -> reach_agent.Agent:  # fmt: skip
-        agent = reach_agent.Agent(agent_id, [capability], max_concurrency=8,
-                                  heartbeat_interval=0.1, timeout_hint=hint, **options)  # fmt: skip
+        options.setdefault("heartbeat_interval", 0.1)
+        agent = reach_agent.Agent(agent_id, [capability], max_concurrency=8, timeout_hint=hint,
+                                  **options)  # fmt: skip
 
         @agent.handler(capability)
         async def held(task: reach_agent.Task) -> Any:
@@ -551,7 +552,10 @@ async def test_the_0_3_methods_answer_tasks_and_invalid_params_with_32602(
     broker: Broker, gateway: A2AGateway, agents: Agents, http: httpx.AsyncClient
 ) -> None:
     gate = Gate()
-    await agents(gate.agent("alpha", "summarize"))
+    # A heartbeat a second: the test sends its messages over a few seconds, and an agent
+    # beating every 0.1 s was judged suspect (NO_REACHABLE_AGENT, a final answer) whenever
+    # the test process was starved for 0.3 s (the full suite at load 10).
+    await agents(gate.agent("alpha", "summarize", heartbeat_interval=1.0))
     await healthy(broker, "alpha")
     url = f"{gateway.url}/a2a/summarize"
     msg = {"kind": "message", "messageId": "m-03", "role": "user",

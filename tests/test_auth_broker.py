@@ -26,7 +26,7 @@ from reach_agent.client.tables import TableRoutes
 from reach_agent.routing.rules import RouteRule, rule_encoder
 from reach_agent.wire import schema
 from reach_broker.auth import AuthDir, init, issue_agent, issue_caller
-from reach_broker.service.broker import Broker
+from reach_broker.broker import Broker
 from reach_broker.service.metrics import Metrics
 
 from .auth_helpers import AuthServer, Inbox, auth_server, connect, violation

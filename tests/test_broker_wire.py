@@ -11,7 +11,7 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from jetstream.names import STREAM_NAMES
-from reach_broker.service.broker import Broker
+from reach_broker.broker import Broker
 
 from .conftest import BrokerFactory, wait_for
 
@@ -338,7 +338,8 @@ async def test_a_burst_of_transitions_is_one_task_publishing_them_in_order(nc: N
 
     from reach_agent.wire.subjects import Subjects
     from reach_broker.core.records import Transition
-    from reach_broker.service.context import Fanout, Link, Tasks
+    from reach_broker.service.context import BrokerContext, Link, Tasks
+    from reach_broker.service.fanout import Fanout
     from reach_broker.service.metrics import Metrics
 
     got: list[str] = []
@@ -354,8 +355,12 @@ async def test_a_burst_of_transitions_is_one_task_publishing_them_in_order(nc: N
         spawned.append(name)
         tasks.spawn(coro, name)
 
-    link = Link()
-    fanout = Fanout(nc, Subjects(), Metrics(), "b1", time.time, spawn, lambda _: None, link)
+    link, m = Link(), Metrics()
+    ctx = BrokerContext(nc=nc, subjects=Subjects(), broker_id="b1", clock=time.monotonic,
+                        wall=time.time, spawn=spawn, emit=lambda _: None, link=link)  # fmt: skip
+    fanout = Fanout(ctx, lambda _: None, consumers=(), changes=m.registry_changes,
+                    states=m.state_changes, withheld=m.dropped.labels("event", "link_down"),
+                    unsent=m.dropped.labels("event", "error"))  # fmt: skip
     for i in range(1000):
         fanout.emit([Transition("state", f"x{i}", "healthy", "suspect", "test")])
     assert spawned == ["event"]

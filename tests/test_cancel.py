@@ -20,8 +20,8 @@ from jetstream.claims import ClaimStore, claim_key
 from reach_agent.client.config import ClientConfig
 from reach_agent.wire import schema
 from reach_agent.wire.errors import Cancelled, Timeout
+from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
-from reach_broker.service.broker import Broker
 
 from .conftest import wait_for
 from .test_cli import reach

@@ -35,8 +35,8 @@ from reach_agent.wire import schema
 from reach_agent.wire.errors import from_reply
 from reach_agent.wire.schema import decode_ack_record
 from reach_agent.wire.subjects import Subjects
+from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
-from reach_broker.service.broker import Broker
 from reach_broker.service.metrics import Metrics
 
 from .conftest import fast_config, wait_for

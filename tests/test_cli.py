@@ -12,17 +12,18 @@ import sys
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
 from nats.aio.client import Client as NATS
 
 from reach_agent.wire import schema
+from reach_broker.broker import Broker
 from reach_broker.cli.common import CliError, parse_duration
 from reach_broker.cli.events import parse_since
 from reach_broker.cli.view import BrokerStats, Snapshot, render
 from reach_broker.cluster.natsserver import NatsServer
-from reach_broker.service.broker import Broker
 
 from .conftest import BrokerFactory, wait_for
 
@@ -905,16 +906,20 @@ async def test_top_live_survives_a_server_restart(
 
 
 @pytest.mark.slow
-async def test_sigkill_of_the_demo_takes_every_child_along() -> None:
+async def test_sigkill_of_the_demo_takes_every_child_along(tmp_path: Path) -> None:
     import shutil
 
     from reach_broker.cluster.natsserver import remove_stale_store_dirs
 
     from .test_broker_process import gone
 
+    # Its own temp dir: any embedded server started on this machine meanwhile (another
+    # test's, another checkout's) removes the stale store dirs it finds in the shared one,
+    # and took this one first (the full suite, beside other runs).
+    env = {**cli_env(), "TMPDIR": str(tmp_path)}
     proc = await asyncio.create_subprocess_exec(
         *CLI, "demo", "--json", "--no-view", "--rate", "1",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, env=cli_env(),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, env=env,
     )  # fmt: skip
     assert proc.stdout is not None
     try:
@@ -933,7 +938,8 @@ async def test_sigkill_of_the_demo_takes_every_child_along() -> None:
     # What a SIGKILL cannot clean: the demo's log dir, and its server's store (which the
     # next start of any embedded server removes).
     shutil.rmtree(started["logs"])
-    assert str(proc.pid) in [p.name.split("-")[2] for p in remove_stale_store_dirs()]
+    removed = remove_stale_store_dirs(str(tmp_path))
+    assert [p.name.split("-")[2] for p in removed] == [str(proc.pid)]
 
 
 def test_render_shows_the_demos_notes_under_the_header() -> None:

@@ -14,8 +14,8 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from jetstream.names import H_REQUEST_ID
+from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
-from reach_broker.service.broker import Broker
 
 from .conftest import BrokerFactory, wait_for
 from .test_cli import CLI, cli_env, reach

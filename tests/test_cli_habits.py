@@ -17,9 +17,9 @@ import pytest
 import reach_agent
 from jetstream.acks import AckWriter
 from reach_agent.wire.subjects import Subjects
+from reach_broker.broker import Broker
 from reach_broker.cli.parser import build_parser, hoist
 from reach_broker.cluster.natsserver import NatsServer
-from reach_broker.service.broker import Broker
 
 from .conftest import wait_for
 from .test_cli import CLI, cli_env, reach

@@ -12,6 +12,7 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from reach_agent.wire.schema import Announce, Event
+from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.config import Config, ConfigError, console_token
 from reach_broker.console.app import Access, App, host_name, is_loopback
@@ -19,7 +20,6 @@ from reach_broker.console.history import History
 from reach_broker.console.httpd import BadRequest, HttpServer, Request, parse_head
 from reach_broker.console.port import HttpPort
 from reach_broker.core.records import AgentRecord
-from reach_broker.service.broker import Broker
 from reach_broker.service.metrics import Metrics
 
 from .conftest import BrokerFactory, fast_config, wait_for
@@ -314,7 +314,7 @@ async def test_metrics_the_page_and_read_only(port: HttpPort) -> None:
     status, headers, body = await get(n, "/", method="POST")
     assert (status, headers["Allow"], body) == (405, "GET, HEAD", b"POST not allowed: read-only\n")
     status, _, body = await get(n, "/api/fleet")
-    assert (status, body) == (503, b"the broker is starting\n")  # no feed attached yet
+    assert (status, body) == (503, b"the broker is starting\n")  # no feed runs here
     status, _, body = await get(n, "/nope")
     assert (status, body) == (404, b"no such page: /nope\n")
     status, _, _ = await get(n, "/static/../app.py")
@@ -368,17 +368,17 @@ class Sse:
 
 
 async def serve_port(broker: Broker) -> HttpPort:
+    """The port over a broker built with the console's feed (``console=True``)."""
     cfg = fast_config("unused")
-    p = HttpPort(cfg, broker.metrics.registry, broker.not_ready)
+    p = HttpPort(cfg, broker.metrics.registry, broker.not_ready, broker.feed)
     await p.start()
-    await p.attach(broker.ctx, broker.registry, broker.handlers.explainer)
     return p
 
 
 async def test_the_page_is_told_of_the_fleet_and_of_each_transition(
     nats_server: NatsServer, nc: NATS, broker_factory: BrokerFactory
 ) -> None:
-    broker = await broker_factory(**QUIET, console__sample_s=0.1)
+    broker = await broker_factory(**QUIET, console=True, console__sample_s=0.1)
     port = await serve_port(broker)
     try:
         await announce(nc, "alpha", ["summarize"], region="eu")
@@ -435,7 +435,7 @@ async def test_the_queue_depth_and_the_oldest_entry(
 ) -> None:
     from jetstream import compensation
 
-    broker = await broker_factory(**QUIET)
+    broker = await broker_factory(**QUIET, console=True)
     port = await serve_port(broker)
     try:
         for rid in ("r1", "r2"):
@@ -476,10 +476,11 @@ async def test_the_timeline_starts_with_the_audit_history(
 ) -> None:
     from reach_agent.wire import schema
 
-    broker = await broker_factory(**QUIET)  # it provisions REACH_AUDIT
+    await broker_factory(**QUIET)  # it provisions REACH_AUDIT
     js = nc.jetstream()
     old = event("ghost", 1_000, to="offline", broker="an-earlier-broker")
     await js.publish("reach.event.state.ghost", schema.encoder.encode(old))
+    broker = await broker_factory(**QUIET, console=True)  # its feed reads the history
     port = await serve_port(broker)
     try:
         sse = await Sse.open(port.server.port)

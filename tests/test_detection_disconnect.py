@@ -13,8 +13,8 @@ from nats.aio.client import Client as NATS
 
 from reach_agent.wire.errors import NoReachableAgent
 from reach_agent.wire.schema import RouteRequest
+from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
-from reach_broker.service.broker import Broker
 from reach_broker.service.metrics import Metrics
 
 from .conftest import BrokerFactory, fast_config, wait_for
@@ -26,10 +26,10 @@ SLOW_HB = ["--heartbeat-ms", "5000"]  # heartbeat deadlines ≥ 12 s: they canno
 async def test_sigkill_is_suspect_at_once_then_offline_then_recovers(
     nats_server: NatsServer, broker_factory: BrokerFactory
 ) -> None:
-    broker = await broker_factory()
-    seen = Transitions(broker)
+    seen = Transitions()
+    broker = await broker_factory(watchers=[seen])
     assert broker.advisories.available is True
-    assert broker.advisories.account == "APP"
+    assert broker.account.name == "APP"
     assert broker.metrics.advisories._value.get() == 1
     async with agents(nats_server.url, ("alpha", SLOW_HB), ("beta", SLOW_HB)) as procs:
         await wait_for(lambda: "alpha" in broker.registry.agents, 5, what="alpha registered")
@@ -59,9 +59,10 @@ async def test_sigkill_is_suspect_at_once_then_offline_then_recovers(
 
 
 async def test_reconcile_suspects_known_agents_without_a_connection(
-    nc: NATS, broker: Broker
+    nc: NATS, broker_factory: BrokerFactory
 ) -> None:
-    seen = Transitions(broker)
+    seen = Transitions()
+    broker = await broker_factory(watchers=[seen])
     # "ghost" announces through the test's own connection (named test-client): the broker
     # knows it, but no connection carries its name — as after a restore from a snapshot.
     reply = await nc.request("reach.announce.ghost", b'{"agent_id": "ghost", "capabilities":'
@@ -82,8 +83,8 @@ async def test_reconcile_suspects_known_agents_without_a_connection(
 async def test_connect_advisory_probes_an_offline_agent_at_once(
     nats_server: NatsServer, broker_factory: BrokerFactory
 ) -> None:
-    broker = await broker_factory()
-    seen = Transitions(broker)
+    seen = Transitions()
+    await broker_factory(watchers=[seen])
     proc = await spawn_agent(nats_server.url, "gamma", *SLOW_HB)
     try:
         os.kill(proc.pid, signal.SIGKILL)
@@ -111,7 +112,8 @@ async def test_without_advisories_heartbeats_alone_detect_death(
 ) -> None:
     server = NatsServer(config=None, store_dir=os.path.join(str(tmp_path), "plain"))
     server.start()
-    broker = Broker(fast_config(server.url), metrics=Metrics())
+    seen = Transitions()
+    broker = Broker(fast_config(server.url), metrics=Metrics(), watchers=[seen])
     try:
         with caplog.at_level(logging.INFO, logger="reach_broker.service.advisories"):
             await broker.start()
@@ -121,9 +123,8 @@ async def test_without_advisories_heartbeats_alone_detect_death(
         assert said[0].getMessage().startswith("advisories.unavailable $SYS.REQ.ACCOUNT.$G.CONNZ"
                                                " not answered (NoRespondersError)")  # fmt: skip
         assert "heartbeats alone" in said[0].getMessage()
-        assert (broker.advisories.account, broker.advisories.available) == ("$G", False)
+        assert (broker.account.name, broker.advisories.available) == ("$G", False)
         assert broker.metrics.advisories._value.get() == 0
-        seen = Transitions(broker)
         async with agents(server.url, ("delta", ["--heartbeat-ms", "200"])) as procs:
             await wait_for(lambda: "delta" in broker.registry.agents, 5, what="registered")
             os.kill(procs["delta"].pid, signal.SIGKILL)

@@ -19,8 +19,8 @@ from .detection_agents import Transitions, agents
 async def test_rtt_samples_reach_healthy_agents(
     nats_server: NatsServer, nc: NATS, broker_factory: BrokerFactory
 ) -> None:
-    broker = await broker_factory(detection__rtt_sample_interval_s=0.2)
-    seen = Transitions(broker)
+    seen = Transitions()
+    broker = await broker_factory(detection__rtt_sample_interval_s=0.2, watchers=[seen])
     reply = await nc.request("reach.announce.mute", json.dumps({
         "agent_id": "mute", "capabilities": ["summarize"], "max_concurrency": 2,
         "heartbeat_interval_ms": 60000}).encode(), 2)  # fmt: skip

@@ -35,8 +35,8 @@ from jetstream.claims import ClaimStore, ClaimsUnavailable, claim_key
 from jetstream.names import AUDIT_STREAM, CLAIMS_STREAM, RULES_STREAM
 from jetstream.provision import load_definitions, provision
 from reach_agent.wire import schema
+from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
-from reach_broker.service.broker import Broker
 from reach_broker.service.metrics import Metrics
 
 from .cluster import nats_cluster

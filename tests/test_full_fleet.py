@@ -24,8 +24,8 @@ from nats.aio.client import Client as NATS
 import reach_agent
 from reach_agent.client.config import ClientConfig
 from reach_agent.wire.errors import Overloaded
+from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
-from reach_broker.service.broker import Broker
 
 from .agents.procs import AgentProcess
 from .conftest import wait_for

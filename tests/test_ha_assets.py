@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -12,17 +13,27 @@ from pathlib import Path
 
 import nats
 import pytest
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.errors import ServiceUnavailableError
 
 from jetstream import compensation
 from jetstream.names import ACK_STREAM, COMP_STREAM, REGISTRY_BUCKET, STREAM_NAMES
-from jetstream.provision import NoPeers, ProvisionTimeout, ensure_stream
+from jetstream.provision import (
+    JetStreamUnavailable,
+    NoPeers,
+    NotReady,
+    ProvisionTimeout,
+    UnsafeChange,
+    ensure_stream,
+)
 from reach_agent.wire.subjects import Subjects
+from reach_broker.broker import Broker
 from reach_broker.config import Config
-from reach_broker.service.broker import Broker
+from reach_broker.service.assets import jetstream_not_ready
 from reach_broker.service.metrics import Metrics
 
 from .cluster import nats_cluster
-from .conftest import fast_config
+from .conftest import fast_config, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -124,3 +135,60 @@ async def test_a_stream_no_peer_can_take_is_no_peers_which_provisioning_retries(
             assert isinstance(exc.value, ProvisionTimeout)  # what the broker retries
         finally:
             await nc.close()
+
+
+async def test_a_broker_starting_while_jetstream_has_no_quorum_waits_for_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A node restarted while the other two are down knows no meta leader: its JetStream
+    API does not answer. A broker started on it tries again, each wait logged, and serves
+    once a second node is back, rather than failing its start."""
+    async with nats_cluster(tmp_path / "cluster", nodes=3) as cluster:
+        await cluster.wait_meta_leader()
+        for name in ("n2", "n3", "n1"):
+            await cluster.kill(name)
+        n1 = cluster.cluster.node("n1")
+        await asyncio.to_thread(n1.spawn)
+        await asyncio.to_thread(n1.wait_listening)
+        caplog.set_level(logging.WARNING, logger="reach_broker.service.broker")
+        broker = Broker(_config(cluster.url("n1")), metrics=Metrics())
+        starting = asyncio.create_task(broker.start())
+        try:
+
+            def retries() -> list[str]:
+                return [r.getMessage() for r in caplog.records
+                        if r.getMessage().startswith("broker.jetstream_not_ready")]  # fmt: skip
+
+            await wait_for(lambda: len(retries()) >= 2, 30, what="two retries")
+            assert not starting.done()
+            first = retries()[0]
+            assert first == (
+                "broker.jetstream_not_ready attempt=1 retry_in=0.5s error=ProvisionTimeout: "
+                "JetStream API STREAM.INFO.REACH_ACKS: no answer within 5.0s"
+            )
+            await cluster.restart("n2")
+            await asyncio.wait_for(asyncio.shield(starting), 40)
+            assert broker.serving is True
+            assert broker.jetstream_ok is True
+            assert broker.not_ready() is None
+        finally:
+            if not starting.done():
+                starting.cancel()
+                await asyncio.gather(starting, return_exceptions=True)
+            await broker.stop()
+
+
+def test_jetstream_not_ready_is_a_503_or_no_answer_never_no_jetstream_or_a_refusal() -> None:
+    """The errors the broker's start waits out: what JetStream says while it starts or
+    elects. "Not enabled" and a refused change are answers, and fail (or degrade) at once."""
+    unavailable = ServiceUnavailableError(
+        code=503, err_code=10008, description="JetStream system temporarily unavailable"
+    )
+    assert jetstream_not_ready(unavailable) is True
+    assert jetstream_not_ready(ServiceUnavailableError()) is True  # nats-py's "no responders"
+    assert jetstream_not_ready(NatsTimeoutError()) is True
+    assert jetstream_not_ready(NotReady("stream REACH_ACKS: info failed: ...")) is True
+    assert jetstream_not_ready(NoPeers("stream REACH_ACKS: create failed: ...")) is True
+    assert jetstream_not_ready(JetStreamUnavailable("not enabled")) is False
+    assert jetstream_not_ready(UnsafeChange("stream REACH_ACKS: refusing ...")) is False
+    assert jetstream_not_ready(ValueError("bad config")) is False

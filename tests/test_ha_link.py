@@ -15,8 +15,8 @@ from nats.aio.msg import Msg
 import reach_agent
 from loadtest.tcpproxy import TcpProxy
 from reach_agent.wire import schema
+from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
-from reach_broker.service.broker import Broker
 from reach_broker.service.metrics import Metrics
 
 from .conftest import fast_config, wait_for
@@ -42,9 +42,9 @@ async def test_a_cut_between_broker_and_server_condemns_nobody(
     nats_server: NatsServer, tmp_path: Path
 ) -> None:
     async with TcpProxy.to_url(nats_server.url) as proxy:
-        broker = Broker(fast_config(proxy.url), metrics=Metrics())
+        seen = Transitions()
+        broker = Broker(fast_config(proxy.url), metrics=Metrics(), watchers=[seen])
         await broker.start()
-        seen = Transitions(broker)
         watcher = await nats.connect(nats_server.url, name="test-watcher")
         events: list[schema.Event] = []
 

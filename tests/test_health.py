@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from reach_broker import process
+from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
-from reach_broker.service.broker import Broker
 from reach_broker.service.metrics import Metrics
 
 from .conftest import fast_config

@@ -11,8 +11,8 @@ from nats.aio.client import Client as NATS
 import reach_agent
 from reach_agent import ClientConfig, ClientMetrics
 from reach_agent.wire import schema
+from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
-from reach_broker.service.broker import Broker
 
 from .conftest import wait_for
 from .test_sdk_failover import healthy

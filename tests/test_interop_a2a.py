@@ -23,8 +23,8 @@ import httpx
 
 import reach_agent
 from reach_agent.wire.errors import BizReject, InputRequired, InternalError
+from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
-from reach_broker.service.broker import Broker
 
 from .conftest import wait_for
 from .test_cli import CLI, cli_env
@@ -225,15 +225,18 @@ async def test_a_card_that_is_not_there_is_one_line(
 
 
 @pytest.mark.parametrize("card", [("1.0",), ("0.3", "--no-streaming")], ids=["1.0-stream", "0.3"])
+@pytest.mark.parametrize("prompt", ["slow 30", "slow 30 late 1"], ids=["named", "unnamed"])
 async def test_a_cancel_is_forwarded_as_a2a_tasks_cancel(
     broker: Broker, nats_server: NatsServer, a2a_agent: Processes, sidecar: Processes,
-    card: tuple[str, ...],
+    card: tuple[str, ...], prompt: str,
 ) -> None:  # fmt: skip
+    """Also when the cancel comes before the agent named its task (``late 1``: the agent
+    has the message, the sidecar no task id yet): the sidecar waits for the name."""
     agent = await a2a_agent("--card", *card)
     await sidecar(agent.url, "--agent-id", "slow-a2a")
     await wait_for(lambda: state(broker, "slow-a2a") == "healthy", 10, what="slow-a2a healthy")
     async with reach_agent.Client(nats_server.url) as client:
-        call = asyncio.create_task(client.call("echo-text", "slow 30", request_id="rid-slow",
+        call = asyncio.create_task(client.call("echo-text", prompt, request_id="rid-slow",
                                                timeout=60))  # fmt: skip
 
         async def running() -> bool:

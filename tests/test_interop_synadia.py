@@ -23,9 +23,9 @@ import reach_agent
 from reach_agent.wire import schema
 from reach_agent.wire.errors import InternalError, TargetBusy, from_reply
 from reach_agent.wire.subjects import Subjects
+from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.interop.synadiainfo import agent_id_of, capabilities_of
-from reach_broker.service.broker import Broker
 
 from .conftest import wait_for
 from .test_cli import reach

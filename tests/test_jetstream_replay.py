@@ -29,9 +29,9 @@ from reach_agent.client import durable
 from reach_agent.connection import connect_options
 from reach_agent.wire.schema import Announce
 from reach_agent.wire.subjects import Subjects
+from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.service import snapshot
-from reach_broker.service.broker import Broker
 
 from .conftest import BrokerFactory, wait_for
 from .test_broker_wire import announce, heartbeat

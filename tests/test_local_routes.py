@@ -14,8 +14,8 @@ from jetstream import rules as rules_kv
 from reach_agent import ClientConfig, ClientMetrics
 from reach_agent.client.tables import TableRoutes
 from reach_agent.routing.rules import RouteRule, rule_encoder
+from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
-from reach_broker.service.broker import Broker
 
 from .conftest import BrokerFactory, wait_for
 from .detection_agents import agents as agent_procs

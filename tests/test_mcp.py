@@ -21,8 +21,8 @@ from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 
 from reach_agent.routing.reasons import EXCLUSIONS
+from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
-from reach_broker.service.broker import Broker
 
 from .agents.procs import AgentProcess
 from .conftest import wait_for

@@ -14,8 +14,8 @@ import pytest
 
 import reach_agent
 from reach_agent.connection import Credentials, NatsContext, connect_options, load_context
+from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
-from reach_broker.service.broker import Broker
 from reach_broker.service.metrics import Metrics
 
 from .conftest import fast_config, wait_for

@@ -12,9 +12,11 @@ from nats.aio.client import Client as NATS
 from reach_agent.wire.schema import Announce, Heartbeat
 from reach_agent.wire.subjects import Subjects
 from reach_broker.config import Config
+from reach_broker.core.records import Transition
 from reach_broker.core.registry import Registry
 from reach_broker.core.tokens import TokenSigner
-from reach_broker.service.context import BrokerContext, Fanout, Link
+from reach_broker.service.context import BrokerContext, Link
+from reach_broker.service.fanout import Fanout
 from reach_broker.service.metrics import Metrics
 from reach_broker.service.observer import TRUST_S, Observer
 
@@ -125,15 +127,19 @@ class _Ctx:
         self.spawned: list[str] = []
         cfg = fixed()
         cfg.detection.observer_suspect_share = share
-        self.metrics = Metrics()
-        nc = NATS()
-        subjects = Subjects()
+        self.cfg = cfg
+        self.metrics = m = Metrics()
         self.link = Link()
-        fanout = Fanout(nc, subjects, self.metrics, "b", lambda: 0.0, self.spawn,
-                        lambda _: None, self.link)  # fmt: skip
-        self.ctx = BrokerContext(cfg=cfg, nc=nc, subjects=subjects, metrics=self.metrics,
-                                 broker_id="b", clock=lambda: 0.0, wall=lambda: 0.0,
-                                 spawn=self.spawn, fanout=fanout, link=self.link)  # fmt: skip
+        self.ctx = BrokerContext(nc=NATS(), subjects=Subjects(), broker_id="b",
+                                 clock=lambda: 0.0, wall=lambda: 0.0, spawn=self.spawn,
+                                 emit=self.emit, link=self.link)  # fmt: skip
+        self.fanout = Fanout(self.ctx, lambda _: None, consumers=(), changes=m.registry_changes,
+                             states=m.state_changes,
+                             withheld=m.dropped.labels("event", "link_down"),
+                             unsent=m.dropped.labels("event", "error"))  # fmt: skip
+
+    def emit(self, transitions: list[Transition]) -> None:
+        self.fanout.emit(transitions)
 
     def spawn(self, coro: Awaitable[Any], name: str) -> None:
         self.spawned.append(name)
@@ -151,7 +157,10 @@ class _Advisories:
 def observer(n: int, share: float = 0.3) -> tuple[Observer, Registry, dict[str, str], _Ctx]:
     reg, tokens = make(n)
     c = _Ctx(share)
-    return Observer(c.ctx, reg, _Advisories()), reg, tokens, c  # type: ignore[arg-type]
+    m = c.metrics
+    obs = Observer(c.ctx, reg, _Advisories(), c.cfg.detection,  # type: ignore[arg-type]
+                   suspect=m.observer_suspect, gaps=m.observer_gaps)  # fmt: skip
+    return obs, reg, tokens, c
 
 
 def test_a_third_of_the_fleet_silent_at_once_makes_the_broker_doubt_itself() -> None:
@@ -244,10 +253,10 @@ def test_a_release_is_believed_for_a_while() -> None:
 def test_events_made_while_the_link_is_down_are_withheld() -> None:
     obs, reg, _, c = observer(1)
     obs.lost(0.5)
-    c.ctx.fanout.emit(reg.disconnected("a0", 0.6))
-    assert c.ctx.fanout.withheld == 1 and c.spawned == []
+    c.ctx.emit(reg.disconnected("a0", 0.6))
+    assert c.fanout.withheld == 1 and c.spawned == []
     obs.regained(0.7)
-    c.ctx.fanout.emit(reg.leave("a0", 0.8))
+    c.ctx.emit(reg.leave("a0", 0.8))
     assert c.spawned == ["event"]
 
 

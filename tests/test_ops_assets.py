@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from reach_agent.metrics import AgentMetrics, ClientMetrics
 from reach_broker import config
-from reach_broker.service.broker import Broker
+from reach_broker.broker import Broker
 from reach_broker.service.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -103,7 +103,7 @@ async def test_one_trace_holds_the_callers_the_brokers_and_the_agents_spans(
     receiver: Receiver, nats_server: NatsServer, broker_factory: BrokerFactory
 ) -> None:
     broker = await broker_factory()
-    assert broker.ctx.spans is not None
+    assert broker.spans is not None
     inner = reach_agent.Agent("inner-agent", ["inner"], heartbeat_interval=0.2)
     outer = reach_agent.Agent("outer-agent", ["outer"], heartbeat_interval=0.2)
     sub = reach_agent.Client(nats_server.url)
@@ -192,14 +192,14 @@ async def test_a_failed_call_is_an_error_span(
 PROBE = """
 import json, sys
 {block}
-import reach_agent, reach_broker.service.broker, reach_broker.cli
+import reach_agent, reach_broker.broker, reach_broker.cli
 from reach_broker.config import Config
 from reach_broker.service.metrics import Metrics
 client = reach_agent.Client()
 agent = reach_agent.Agent("a", ["c"])
-broker = reach_broker.service.broker.Broker(Config(), metrics=Metrics())
+broker = reach_broker.broker.Broker(Config(), metrics=Metrics())
 print(json.dumps({{"spans": [client.spans is None, agent.tasks.spans is None,
-                             broker.ctx.spans is None],
+                             broker.spans is None],
                   "imported": sorted(m for m in sys.modules if m.startswith("opentelemetry"))}}))
 """
 

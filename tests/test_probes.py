@@ -13,7 +13,7 @@ from reach_broker.config import Config
 from reach_broker.core.records import Transition
 from reach_broker.core.registry import Registry
 from reach_broker.core.tokens import TokenSigner
-from reach_broker.service.context import BrokerContext, Fanout
+from reach_broker.service.context import BrokerContext, Link
 from reach_broker.service.metrics import Metrics
 from reach_broker.service.probes import Prober
 
@@ -32,16 +32,21 @@ def make(**detection: Any) -> tuple[Prober, Registry, Clock]:
         setattr(cfg.detection, key, value)
     clock = Clock()
     reg = Registry(cfg, TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
-    nc, subjects, metrics = NATS(), Subjects(), Metrics()  # nothing is sent: never connected
+    metrics = Metrics()
 
     def spawn(coro: Any, name: str) -> None:
         raise AssertionError(f"nothing is spawned here ({name})")
 
-    fanout = Fanout(nc, subjects, metrics, "b1", lambda: 1_000_000.0, spawn, reg.agents.get)
-    ctx = BrokerContext(cfg=cfg, nc=nc, subjects=subjects, metrics=metrics, broker_id="b1",
-                        clock=clock, wall=lambda: 1_000_000.0, spawn=spawn,
-                        fanout=fanout)  # fmt: skip
-    return Prober(ctx, reg, rng=random.Random(4)), reg, clock
+    def emit(transitions: list[Transition]) -> None:
+        if transitions:
+            raise AssertionError(f"no transition is made here ({transitions})")
+
+    ctx = BrokerContext(nc=NATS(), subjects=Subjects(), broker_id="b1", clock=clock,
+                        wall=lambda: 1_000_000.0, spawn=spawn, emit=emit,
+                        link=Link())  # fmt: skip  # never connected: nothing is sent
+    prober = Prober(ctx, reg, cfg.detection, results=metrics.probes, rtt=metrics.probe_rtt,
+                    rng=random.Random(4))  # fmt: skip
+    return prober, reg, clock
 
 
 def register(prober: Prober, reg: Registry, agent_id: str, now: float) -> None:

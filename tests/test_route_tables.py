@@ -13,12 +13,12 @@ import reach_agent
 from reach_agent.routing.table import RouteTable, TableMember, partition
 from reach_agent.wire import schema
 from reach_agent.wire.schema import Table, TableDelta, TableEntry, TableRouting, TableShare
+from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.config import Config
 from reach_broker.core.registry import Registry
 from reach_broker.core.tables import TableBook
 from reach_broker.core.tokens import TokenSigner
-from reach_broker.service.broker import Broker
 
 from .conftest import BrokerFactory, wait_for
 from .test_sdk_failover import healthy

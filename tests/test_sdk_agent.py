@@ -24,8 +24,8 @@ from jetstream.names import H_REQUEST_ID
 from jetstream.provision import load_definitions, provision
 from reach_agent.connection import flush_subscriptions
 from reach_agent.wire import schema
+from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
-from reach_broker.service.broker import Broker
 
 from .agents.procs import AgentProcess
 from .conftest import wait_for

@@ -19,7 +19,7 @@ from reach_agent.client import durable
 from reach_agent.connection import Credentials, connect_options
 from reach_broker.auth import AuthDir, claims, init
 from reach_broker.auth.claims import User, UserClaims
-from reach_broker.service.broker import Broker
+from reach_broker.broker import Broker
 from reach_broker.service.metrics import Metrics
 
 from .agents.procs import AgentProcess

@@ -17,8 +17,8 @@ from reach_agent.client import durable
 from reach_agent.client.flow import FanOut, Flow, fan_out
 from reach_agent.wire import schema
 from reach_agent.wire.errors import BizReject, ReachError, Timeout
+from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
-from reach_broker.service.broker import Broker
 
 from .conftest import wait_for
 from .test_cli import reach

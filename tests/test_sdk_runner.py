@@ -15,8 +15,8 @@ import pytest
 
 import reach_agent
 from reach_agent.agent.runner import SDK_LOGGERS, default_logging
+from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
-from reach_broker.service.broker import Broker
 from reach_broker.service.metrics import Metrics
 
 from .agents.procs import AgentProcess
@@ -158,17 +158,17 @@ async def test_run_logs_announced_disconnected_reconnected_and_draining(tmp_path
             f"agent.announced agent=alpha broker={broker.broker_id}"
         ]
         await asyncio.to_thread(server.stop)
-        await wait_for(lambda: said("agent.agent agent.disconnected"), 10, what="disconnected line")
+        await wait_for(lambda: said("agent.connwatch agent.disconnected"), 10, what="disconnected")
         await asyncio.to_thread(server.start)
-        await wait_for(lambda: said("agent.agent agent.reconnected"), 20, what="reconnected line")
-        assert said("agent.agent agent.reconnected") == [
+        await wait_for(lambda: said("agent.connwatch agent.reconnected"), 20, what="reconnected")
+        assert said("agent.connwatch agent.reconnected") == [
             "agent.reconnected agent=alpha: re-announcing"
         ]
         await wait_for(lambda: len(said("agent.presence agent.announced")) == 2, 20, what="again")
         proc.signal(signal.SIGTERM)
         assert await asyncio.to_thread(proc.wait, 20) == 0, proc.output()
         assert said("agent.runner agent.signal") == ["agent.signal agent=alpha: draining"]
-        assert said("agent.agent agent.disconnected") == ["agent.disconnected agent=alpha"]
+        assert said("agent.connwatch agent.disconnected") == ["agent.disconnected agent=alpha"]
         # Each line: "<date> <time> INFO <logger> <event> ...", the first the claims store's.
         first = proc.output().splitlines()[0].split(" ")
         assert first[2:5] == ["INFO", "reach_agent.agent.claiming", "claims.on"]

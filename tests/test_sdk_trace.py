@@ -13,8 +13,8 @@ import pytest
 import reach_agent
 from reach_agent import trace
 from reach_agent.wire import schema
+from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
-from reach_broker.service.broker import Broker
 
 from .conftest import wait_for
 

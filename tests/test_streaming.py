@@ -19,8 +19,8 @@ from reach_agent.client.streaming import read
 from reach_agent.wire import schema
 from reach_agent.wire.errors import InternalError, StreamBroken
 from reach_agent.wire.streams import Joined, join
+from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
-from reach_broker.service.broker import Broker
 
 from .conftest import wait_for
 from .test_sdk_failover import healthy, lines, worker

@@ -180,14 +180,16 @@ class Agent:
             context_window=context_window,
         )
         schema.validate_announce(self.announcement, agent_id)
+        self.ack_sink = ack_sink
+        """Where ack records go: the one given, else (``durable_acks``) the JetStream writer
+        made at the first start."""
         self.tasks = TaskServer(
             agent_id, max_concurrency, self.subjects, dedup=DedupCache(dedup_size, dedup_ttl),
-            metrics=metrics, ack_sink=ack_sink, spans=otel.spans("reach-agent"),
+            metrics=metrics, spans=otel.spans("reach-agent"), cancel_grace=cancel_grace,
         )  # fmt: skip
         """The task side: admission, claims, execution, replies, ack records (and, with
         ``OTEL_EXPORTER_OTLP_ENDPOINT`` set, their spans: :mod:`.otel`)."""
         self.tasks.idempotent |= idem
-        self.tasks.cancel_grace = cancel_grace
         self.presence = Presence(
             self.announcement, self.subjects, self.tasks,
             heartbeat_interval=heartbeat_interval, announce_refresh=announce_refresh,
@@ -203,14 +205,6 @@ class Agent:
         reconnect."""
 
     # --- what the parts know ------------------------------------------------------------
-
-    @property
-    def ack_sink(self) -> AckSink | None:
-        return self.tasks.ack_sink
-
-    @ack_sink.setter
-    def ack_sink(self, sink: AckSink | None) -> None:
-        self.tasks.ack_sink = sink
 
     @property
     def token(self) -> str | None:
@@ -370,13 +364,14 @@ class Agent:
         sink = self.ack_sink
         if sink is not None and hasattr(sink, "start"):
             await sink.start()
+        claimer = None
         if self.claims:
             claimer = Claimer(nc, self.agent_id, self.instance, self.subjects,
                               timeout_s=self.claim_timeout, metrics=self.metrics)  # fmt: skip
             await claimer.start()
-            self.tasks.claimer = claimer
         await self.presence.subscribe(nc)
-        await self.tasks.subscribe(nc, self.capabilities, cancels=self.watch.takes_cancels)
+        await self.tasks.subscribe(nc, self.capabilities, claimer=claimer, ack_sink=sink,
+                                   cancels=self.watch.takes_cancels)  # fmt: skip
         await flush_subscriptions(nc)  # a refused SUB is reported before the PONG
         self.watch.check_subscriptions()
         await self.presence.start()

@@ -22,7 +22,7 @@ from reach_agent.metrics import AgentMetrics
 from reach_agent.wire.errors import Forbidden
 from reach_agent.wire.subjects import Subjects
 
-log = logging.getLogger("reach_agent.agent.agent")  # the agent.* lines keep their logger
+log = logging.getLogger(__name__)
 
 
 class ConnectionWatch:

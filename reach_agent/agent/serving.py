@@ -123,8 +123,8 @@ class TaskServer:
         *,
         dedup: DedupCache,
         metrics: AgentMetrics | None,
-        ack_sink: AckSink | None,
         spans: Spans | None = None,
+        cancel_grace: float = CANCEL_GRACE_S,
     ) -> None:
         self.agent_id = agent_id
         self.spans = spans
@@ -133,14 +133,15 @@ class TaskServer:
         self.subjects = subjects
         self.dedup = dedup
         self.metrics = metrics
-        self.ack_sink = ack_sink
+        self.ack_sink: AckSink | None = None
+        """Where ack records go (None: none are written), from :meth:`subscribe`."""
         self.handlers: dict[str, tuple[Handler, HandlerKind]] = {}
         """capability → (handler, how it runs)."""
         self.idempotent: set[str] = set()
         """Capabilities whose duplicates are harmless: run without a fleet-wide claim."""
         self.claimer: Claimer | None = None
         """The fleet-wide claims (None: ``Agent(claims=False)``, the duplicate window alone
-        applies)."""
+        applies), from :meth:`subscribe`."""
         self.nc = NATS()  # the agent's connection, from subscribe()
         self._js: Any = None
         """The agent connection's JetStream context (records sent ahead of replies)."""
@@ -154,7 +155,7 @@ class TaskServer:
         self.fail_total = 0
         self._subs: list[Subscription] = []
         self._tasks = TaskSet()
-        self.cancel_grace = CANCEL_GRACE_S
+        self.cancel_grace = cancel_grace
         self._runs: dict[str, Run] = {}
         """request id → its run on this agent (what a cancel finds)."""
         self._running: dict[str, float] = {}
@@ -168,13 +169,22 @@ class TaskServer:
     # --- lifecycle --------------------------------------------------------------------
 
     async def subscribe(
-        self, nc: NATS, capabilities: Sequence[str], *, cancels: bool = True
+        self,
+        nc: NATS,
+        capabilities: Sequence[str],
+        *,
+        claimer: Claimer | None,
+        ack_sink: AckSink | None,
+        cancels: bool = True,
     ) -> None:
         """One subscription per capability (``<p>.task.<agent_id>.<capability>``), and one
         for cancels (``<p>.cancel.<agent_id>``, never behind task messages) unless
-        ``cancels`` is False (a credential issued before cancellation existed)."""
+        ``cancels`` is False (a credential issued before cancellation existed); served on
+        ``nc`` with the fleet-wide ``claimer`` and the ``ack_sink`` the agent started."""
         self.nc = nc
         self._js = None
+        self.claimer = claimer
+        self.ack_sink = ack_sink
         for cap in capabilities:
             sub = await nc.subscribe(
                 self.subjects.task(self.agent_id, cap), cb=self.on_task, pending_msgs_limit=100_000

@@ -27,7 +27,7 @@ from .config import ClientConfig
 from .holder import Holders
 from .routes import RouteSource
 
-log = trace.logger("reach_agent.client.client")  # the call.retry lines keep their logger
+log = trace.logger(__name__)
 
 
 class AttemptLoop:

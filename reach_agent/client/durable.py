@@ -19,6 +19,9 @@ from typing import Any
 
 import msgspec
 from nats.aio.client import Client as NATS
+from nats.errors import ConnectionClosedError, NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.errors import ServiceUnavailableError
 
 from jetstream import ackreads, acks, compensation
 from jetstream.claims import ClaimStore, ClaimsUnavailable, claim_key
@@ -37,6 +40,10 @@ from reach_agent.wire.schema import AckRecord, body_digest, check_capability, en
 from reach_agent.wire.subjects import BROKER_ACK_AUTHOR, DEFAULT_PREFIX, Subjects
 
 log = trace.logger(__name__)
+
+STORE_ERRORS = (NatsTimeoutError, NoRespondersError, ConnectionClosedError, ServiceUnavailableError)
+"""What nats-py raises when the ack store does not answer (no answer in time, no responders,
+JetStream's 503 while it starts or elects, the connection closed): ``STORE_UNAVAILABLE``."""
 
 DEFAULT_TTL_S = 3600.0
 """Expiry of a queued entry when ``ttl`` is not given (the broker's default_ttl_s)."""
@@ -226,7 +233,8 @@ async def wait(
     A final record of the broker (``failed``: expired, or finally refused; ``completed`` or
     ``failed``: the answer of a Synadia agent, which writes none) is final too. Records of
     any other author, copies of stored messages and records whose body disagrees with their
-    subject are ignored. Raises ``Timeout`` when none is stored within ``timeout`` seconds.
+    subject are ignored. Raises ``Timeout`` when none is stored within ``timeout`` seconds,
+    ``StoreUnavailable`` (retryable) when ``REACH_ACKS`` cannot be read (:data:`STORE_ERRORS`).
     """
     takers = {agent_id} if agent_id else set()
     remembered = getattr(client, "takers", None)
@@ -243,6 +251,10 @@ async def wait(
                             subjects=Subjects(prefix), accept=taken.accept)  # fmt: skip
     except acks.InvalidRequestId as exc:
         raise InvalidRequest(str(exc)) from None
+    except STORE_ERRORS as exc:  # before TimeoutError: nats-py's timeout is one
+        raise StoreUnavailable(f"REACH_ACKS could not be read for request_id {request_id!r} "
+                               f"({type(exc).__name__}: {exc}): wait for it again",
+                               retry_after_ms=1000) from None  # fmt: skip
     except TimeoutError:
         who = f" by {', '.join(sorted(takers))}" if takers else " (no taker known yet)"
         raise Timeout(

@@ -121,7 +121,7 @@ async def _adapt(args: argparse.Namespace, cap: str, url: str, health: str | Non
     )  # fmt: skip
     probes = None
     if args.health_port is not None:  # listening first: /healthz answers while connecting
-        from ..health import ProbePort
+        from ..console.health import ProbePort
 
         probes = ProbePort(args.health_host, args.health_port, adapter.not_ready)
         try:

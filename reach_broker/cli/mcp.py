@@ -1,6 +1,6 @@
 """``reach mcp``: the MCP server (:mod:`reach_broker.interop.mcptools`) on stdio, or with
 ``--http PORT`` on streamable HTTP at ``http://127.0.0.1:PORT/mcp`` (with ``/healthz`` and
-``/readyz`` beside it, :mod:`reach_broker.health`). Needs the extra ``mcp``.
+``/readyz`` beside it, :mod:`reach_broker.console.health`). Needs the extra ``mcp``.
 
 stdout belongs to the protocol on stdio: every word of ours goes to stderr.
 """

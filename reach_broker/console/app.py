@@ -1,6 +1,6 @@
 """What the broker's HTTP port answers: ``/metrics`` (Prometheus, as before), the probes
-``/healthz`` and ``/readyz`` (:mod:`reach_broker.health`; like ``/metrics``, no token) and the
-console —
+``/healthz`` and ``/readyz`` (:mod:`reach_broker.console.health`; like ``/metrics``, no
+token) and the console —
 the page (``/``, ``/static/…``, shipped in the package: no CDN, no network), its JSON
 (``/api/…``) and its live stream (``/events``, server-sent events). Read-only: GET and HEAD.
 
@@ -27,9 +27,9 @@ import msgspec
 
 from jetstream.tasks import raise_if_cancelled
 
-from .. import health
-from ..health import Readiness
+from . import health
 from .feed import Feed, Watcher
+from .health import Readiness
 from .httpd import Request, Response, Stream, text
 
 _json = msgspec.json.Encoder()
@@ -164,14 +164,16 @@ class EventStream:
 class App:
     """The HTTP port's handler: metrics always, the console when :class:`Access` allows."""
 
-    def __init__(self, registry: Any, access: Access, not_ready: Readiness) -> None:
+    def __init__(
+        self, registry: Any, access: Access, not_ready: Readiness, feed: Feed | None = None
+    ) -> None:
         self.registry = registry
         """The Prometheus CollectorRegistry of /metrics."""
         self.access = access
         self.not_ready = not_ready
-        """The broker's readiness, for /readyz (:mod:`reach_broker.health`)."""
-        self.feed: Feed | None = None
-        """The console's data, attached once the broker runs (until then: 503)."""
+        """The broker's readiness, for /readyz (:mod:`reach_broker.console.health`)."""
+        self.feed = feed
+        """The console's data (none: 503, as until the broker runs it)."""
         self.files = _static()
 
     async def __call__(self, req: Request) -> Response | Stream:
@@ -193,7 +195,7 @@ class App:
             return self.file(req.path.removeprefix("/static/"))
         feed = self.feed
         if req.path.startswith("/api/") or req.path == "/events":
-            if feed is None:
+            if feed is None or not feed.running:
                 return text(503, "the broker is starting", (*SECURITY, *NO_STORE))
             return self.api(feed, req)
         return text(404, f"no such page: {req.path}", SECURITY)

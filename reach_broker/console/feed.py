@@ -1,7 +1,9 @@
 """The console's broker component: it remembers (history), follows the audit trail, and
 pushes the fleet to the pages that watch, as server-sent events.
 
-Given the broker context, the registry and the explainer (never the broker). At start it
+Given the broker context, its config section, the registry and the explainer (never the
+broker), and started by the broker after its other components, when the HTTP port shows the
+console. It is told of every transition (one of the broker's consumers). At start it
 reads the last ``console.events`` events of ``REACH_AUDIT`` and then follows it live
 (:class:`jetstream.follow.Follower`: no gap, no duplicate, also across a reconnect; plain
 ``<prefix>.event.>`` when the server has no JetStream). It samples the fleet every
@@ -23,10 +25,12 @@ from typing import Any
 import msgspec
 
 from jetstream import audit, compensation
+from jetstream.follow import UNCOUNTED, FollowMetrics
 from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
 from reach_agent.wire import schema
 from reach_broker import __version__
+from reach_broker.config import ConsoleSection
 from reach_broker.core.explain import Explainer
 from reach_broker.core.records import AgentRecord, Transition
 from reach_broker.core.registry import Registry
@@ -90,21 +94,19 @@ class Watcher:
 class Feed:
     """History, audit follow and the pushes to watching pages."""
 
-    def __init__(
-        self,
-        ctx: BrokerContext,
-        registry: Registry,
-        explainer: Explainer,
-        route_counts: Mapping[str, int] | None = None,
-    ) -> None:
+    def __init__(self, ctx: BrokerContext, registry: Registry, explainer: Explainer,
+                 cfg: ConsoleSection, route_counts: Mapping[str, int] | None = None,
+                 follow: FollowMetrics = UNCOUNTED) -> None:  # fmt: skip
+        """``follow``: what the audit follow counts into."""
         self.ctx = ctx
+        self._follow_metrics = follow
         self.route_counts: Mapping[str, int] = {} if route_counts is None else route_counts
         """The broker's route requests per capability (``Handlers.route_counts``)."""
         self.capabilities = CapabilitySeries()
         """Per capability: routes/s and call latency, 15 minutes (:mod:`.capseries`)."""
         self._acks: Any = None
         self.registry = registry
-        self.cfg = ctx.cfg.console
+        self.cfg = cfg
         self.history = History(self.cfg.sample_s, self.cfg.history_s, self.cfg.events,
                                self.cfg.chart_agents)  # fmt: skip
         self.views = Views(registry, explainer, ctx.broker_id)
@@ -119,7 +121,6 @@ class Feed:
     async def start(self) -> None:
         if self._tasks:
             return
-        self.ctx.fanout.listeners.append(self._on_transition)
         self.history.sample(self.ctx.wall_ms(), self.registry.agents)
         self.capabilities.routes(self.route_counts, self.ctx.wall_ms())
         await self._follow_acks()
@@ -132,8 +133,6 @@ class Feed:
     async def stop(self) -> None:
         if not self._tasks:
             return
-        with contextlib.suppress(ValueError):
-            self.ctx.fanout.listeners.remove(self._on_transition)
         await stop_loops(*self._tasks)
         self._tasks = []
         if self._acks is not None:
@@ -167,7 +166,7 @@ class Feed:
         try:
             self._follow = await audit.follow_events(
                 nc, self._on_stored, subjects=subjects, last=self.cfg.events,
-                metrics=self.ctx.metrics.follow("audit"),
+                metrics=self._follow_metrics,
             )  # fmt: skip
             # The history is in before the first page can ask (or the trail went quiet).
             await self._follow.until_caught_up(HISTORY_QUIET_S)
@@ -225,8 +224,15 @@ class Feed:
 
     # --- inputs --------------------------------------------------------------------------------
 
-    def _on_transition(self, t: Transition, rec: AgentRecord | None) -> None:
-        self._dirty.set()  # O(1): the push loop does the work, and only when watched
+    @property
+    def running(self) -> bool:
+        """Started and not stopped: the pages may be served."""
+        return bool(self._tasks)
+
+    def on_transition(self, t: Transition, rec: AgentRecord | None) -> None:
+        """Consumer: the fleet is pushed soon (O(1): the push loop does the work, and only
+        when watched)."""
+        self._dirty.set()
 
     async def _on_stored(self, stored: audit.StoredEvent) -> None:
         try:

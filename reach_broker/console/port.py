@@ -1,34 +1,38 @@
 """The broker's HTTP port as the process runs it: listening before the broker starts (so a
 taken port fails the start at once, with ``/metrics`` served from the first moment), the
-console attached once the broker runs, and stopped before the broker."""
+console's pages served once the broker runs its feed, and stopped before the broker."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from reach_broker.config import Config
-from reach_broker.core.explain import Explainer
-from reach_broker.core.registry import Registry
-from reach_broker.health import Readiness
-from reach_broker.service.context import BrokerContext
 
 from .app import Access, App
 from .feed import Feed
+from .health import Readiness
 from .httpd import HttpServer
+
+
+def access_of(cfg: Config) -> Access:
+    """Who may see the console on the port ``cfg`` describes (off: see :attr:`Access.why_off`)."""
+    return Access(cfg.broker.metrics_host, cfg.console.token, cfg.console.enabled)
 
 
 class HttpPort:
     """``/metrics`` of ``registry`` on ``broker.metrics_host:metrics_port``, ``/healthz`` and
-    ``/readyz`` (``not_ready``: the broker's), and the console."""
+    ``/readyz`` (``not_ready``: the broker's), and the console over ``feed`` (the broker's,
+    which it starts and stops)."""
 
-    def __init__(self, cfg: Config, registry: Any, not_ready: Readiness) -> None:
-        b, c = cfg.broker, cfg.console
+    def __init__(
+        self, cfg: Config, registry: Any, not_ready: Readiness, feed: Feed | None = None
+    ) -> None:
+        b = cfg.broker
         self.cfg = cfg
-        self.access = Access(b.metrics_host, c.token, c.enabled)
-        self.app = App(registry, self.access, not_ready)
+        self.access = access_of(cfg)
+        self.feed = feed
+        self.app = App(registry, self.access, not_ready, feed)
         self.server = HttpServer(b.metrics_host, b.metrics_port, self.app)
-        self.feed: Feed | None = None
 
     @property
     def base_url(self) -> str:
@@ -46,24 +50,6 @@ class HttpPort:
     async def start(self) -> None:
         await self.server.start()
 
-    async def attach(
-        self,
-        ctx: BrokerContext,
-        registry: Registry,
-        explainer: Explainer,
-        route_counts: Mapping[str, int] | None = None,
-    ) -> None:
-        """The console's data, from a running broker's parts (``route_counts``: its
-        handlers' route requests per capability, for the charts)."""
-        if not self.access.enabled or self.feed is not None:
-            return
-        feed = Feed(ctx, registry, explainer, route_counts)
-        await feed.start()
-        self.feed = self.app.feed = feed
-
     async def stop(self) -> None:
-        """Streams end, then the port closes, then the feed stops."""
+        """The open pages' streams end and the port closes (the broker stops the feed)."""
         await self.server.stop()
-        if self.feed is not None:
-            await self.feed.stop()
-            self.feed = self.app.feed = None

@@ -31,7 +31,7 @@ TransitionKind = Literal["registered", "state", "left", "evicted"]
 
 
 class Transition(NamedTuple):
-    """One change of an agent: published as an ``Event``, handed to every listener."""
+    """One change of an agent: published as an ``Event``, handed to every consumer."""
 
     kind: TransitionKind
     agent_id: str

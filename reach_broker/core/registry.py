@@ -59,6 +59,9 @@ class Registry:
         self.changed: set[str] = set()
         """Agents rescored, moved or evicted since the route tables last took this set
         (``service/tables.py`` swaps it for an empty one): what their shares may have to say."""
+        self.unheard: list[str] = []
+        """Agents restored from the snapshot since the broker last began to listen: their
+        clocks start again at :meth:`listening`."""
 
     # --- queries ------------------------------------------------------------------------
 
@@ -154,14 +157,7 @@ class Registry:
             # Idle (e.g. ejected for slowness, so no tasks): the verdict fades towards the
             # peers', so the agent is tried again rather than kept out on old evidence.
             rec.stats.idle(self.indexes.peer_task_ms(rec), cfg.ewma_alpha)
-        # Member.set_load, inline: the call costs 1 % of a heartbeat's instructions (730 of
-        # 72,000 at 1,000 agents, callgrind). The report replaces the hand-outs since.
-        active = hb.active
-        self.inflight += active - rec.active
-        rec.active = active
-        rec.queue_depth = hb.queue_depth
-        load = active / rec.max_concurrency
-        rec.load = rec.busy = load if load < 1.0 else 1.0
+        self.inflight += rec.set_load(hb.active, hb.queue_depth)  # replaces the hand-outs
         rec.oldest_task_ms = hb.oldest_task_ms
         if hb.context_usage_pct != rec.context_usage_pct:
             rec.set_context(hb.context_usage_pct)
@@ -174,8 +170,7 @@ class Registry:
             rec.recover_hbs += 1 if on_time else 0
             if rec.recover_hbs >= RECOVER_HEARTBEATS:
                 event = "heartbeats_on_time"
-        m = MOVES[rec.state].get(event)  # _fire() without the call: most beats move nothing
-        t = None if m is None else self._apply(rec, m, now)
+        t = self._fire(rec, event, now)
         self._seen(rec, now, wall_ms)
         self.rescore(rec, now)
         return "accepted", [] if t is None else [t]
@@ -289,11 +284,13 @@ class Registry:
         """An agent from the registry snapshot (KV reach_registry) this broker has not heard.
 
         It starts `suspect` (`offline` and `draining` stay so) and becomes routable only
-        when a heartbeat or probe answer confirms it; deadlines run from ``now`` as after a
-        missed heartbeat. Its task-time history (``task_ewma_ms``) is kept, so its score
-        does not start from nothing. No transition is returned: nothing changed in the
-        fleet. An agent already known (it announced first) is left alone and None is
-        returned. Call :meth:`restored` once the snapshot is read.
+        when a heartbeat or probe answer confirms it. Its silence is counted from ``now``
+        as after a missed heartbeat, and counted again from :meth:`listening`, when the
+        broker can first hear it; the gap until its first heartbeat is not a sample of its
+        rhythm. Its task-time history (``task_ewma_ms``) is kept, so its score does not
+        start from nothing. No transition is returned: nothing changed in the fleet. An
+        agent already known (it announced first) is left alone and None is returned. Call
+        :meth:`restored` once the snapshot is read.
         """
         if msg.agent_id in self.agents:
             return None
@@ -304,6 +301,7 @@ class Registry:
         rec.state_since = now
         rec.last_seen = now
         rec.last_seen_wall_ms = wall_ms
+        rec.resync = True  # restore -> first heartbeat is the broker's start, not a gap
         self.agents[rec.agent_id] = rec
         self.counts[to] += 1
         if to != "offline":
@@ -315,6 +313,7 @@ class Registry:
         else:
             suspect_s, offline_s = self.detector.deadlines(rec.window, rec.interval_s)
             self._schedule(rec, now + suspect_s, now + offline_s)
+            self.unheard.append(rec.agent_id)
         self.rescore(rec, now)
         return rec
 
@@ -399,6 +398,27 @@ class Registry:
                 self._push(rec, self._next_deadline(rec))
         return len(held)
 
+    def listening(self, now: float) -> int:
+        """The broker hears heartbeats from ``now`` on (its heartbeat subscription is live).
+
+        An agent restored since, and not heard from, gets its whole window again, counted
+        from ``now`` plus one heartbeat interval of grace (its next beat is due within one
+        interval, and a cluster takes a moment to carry the new subscription to every
+        node), as after the broker's own outage (:meth:`observer_gap`): a silence that began
+        before the broker could hear is not the agent's, and a start slowed by a busy
+        machine or a slow server takes seconds. O(restored), once per start. Returns how
+        many were given their window again."""
+        unheard, self.unheard = self.unheard, []
+        count = 0
+        for agent_id in unheard:
+            rec = self.agents.get(agent_id)
+            if rec is None or rec.state != "suspect":
+                continue  # heard since its restore (a heartbeat, announce or probe answer)
+            rec.last_seen = now
+            self._rearm(rec, now + rec.interval_s)
+            count += 1
+        return count
+
     def observer_gap(self, start: float, end: float) -> None:
         """The broker heard nothing from ``start`` to ``end`` (its own link was down): no
         agent is blamed for it. Every clock is shifted by the gap (silence before ``start``
@@ -429,11 +449,8 @@ class Registry:
         hint = rec.timeout_hint_ms
         oldest = rec.oldest_task_ms
         rec.stuck = stuck = bool(hint and oldest and oldest > cfg.stuck_factor * hint)
-        # The peer median only matters to an agent with a task EWMA (peer_task_ms inline).
-        peer = None
-        if rec.stats.task_ewma_ms is not None and rec.capabilities:
-            idx = self.indexes.get(rec.capabilities[0])
-            peer = idx.median_task_ms if idx else None
+        # The peer median only matters to an agent with a task EWMA.
+        peer = self.indexes.peer_task_ms(rec) if rec.stats.task_ewma_ms is not None else None
         new = score(
             rec.stats,
             cfg,
@@ -453,24 +470,18 @@ class Registry:
         rec.last_seen = now
         rec.last_seen_wall_ms = wall_ms
         rec.disconnected = False
-        if rec.state != "offline":  # _rearm(rec, now), inline (every heartbeat)
-            suspect_s, offline_s = self.detector.deadlines(rec.window, rec.interval_s)
-            self._schedule(rec, now + suspect_s, now + offline_s)
+        self._rearm(rec, now)
 
     def _rearm(self, rec: AgentRecord, base: float) -> None:
-        """Deadlines counted from ``base``, the last sign of life."""
-        suspect_s, offline_s = self.detector.deadlines(rec.window, rec.interval_s)
+        """Deadlines counted from ``base``, the last sign of life (none while offline)."""
         if rec.state != "offline":
+            suspect_s, offline_s = self.detector.deadlines(rec.window, rec.interval_s)
             self._schedule(rec, base + suspect_s, base + offline_s)
 
     def _schedule(self, rec: AgentRecord, suspect_at: float, offline_at: float) -> None:
         rec.suspect_at = suspect_at
         rec.offline_at = offline_at
-        state = rec.state  # _next_deadline(rec), inline (every heartbeat)
-        if state == "suspect":
-            at = offline_at
-        else:
-            at = rec.forget_at if state == "offline" else suspect_at
+        at = self._next_deadline(rec)
         if at >= rec.heap_at:
             # Every heartbeat moves the deadline later: keep the earlier live entry (expire()
             # re-arms from it when it fires) rather than push one heap entry per heartbeat.

@@ -28,6 +28,9 @@ client (JSON-RPC, 1.0's ``SendMessage`` or 0.3's ``message/send``, picked by the
   elsewhere); the caller's deadline → ``TIMEOUT`` too;
 * **cancellation**: a reach request cancelled while it runs (the SDK cancels the handler)
   is forwarded as A2A ``CancelTask`` (0.3: ``tasks/cancel``) for the task the agent made;
+  the agent's events are read by a task of their own (:class:`_Events`), so a cancel that
+  comes before the agent named its task waits for the name (``CANCEL_TIMEOUT_S``) and
+  cancels it, rather than leaving it running;
 * **load**: ``active`` in the heartbeats is the tasks in flight through the sidecar;
   ``max_concurrency`` caps them (``TARGET_BUSY`` beyond, without a request);
 * **health**: the card is fetched again every second (the agent's readiness check, within
@@ -337,10 +340,10 @@ class A2AAdapter:
     async def _send(self, task: Task, skill: str) -> Any:
         """``SendMessage`` (returning at once), then ``GetTask`` until the task ends."""
         request = self._request(task, skill, immediately=True)
-        running = _Running(self)
+        running = _Running(self, _Events(self.client.send_message(request)))
         try:
             async with self._deadline(task):
-                async for event in self.client.send_message(request):
+                async for event in running.events:
                     if event.HasField("message"):
                         return result_of([value_of(p) for p in event.message.parts])
                     running.task_id = event.task.id
@@ -354,14 +357,16 @@ class A2AAdapter:
                 raise InternalError(f"A2A agent {self.url} answered nothing")
         except BaseException as exc:
             raise await running.failed(exc) from None
+        finally:
+            await running.events.close()
 
     async def _stream(self, task: Task, skill: str) -> AsyncIterator[Any]:
         """``SendStreamingMessage``: each artifact part a chunk, until a final state."""
         request = self._request(task, skill, immediately=False)
-        running = _Running(self)
+        running = _Running(self, _Events(self.client.send_message(request)))
         try:
             async with self._deadline(task):
-                async for event in self.client.send_message(request):
+                async for event in running.events:
                     kind = event.WhichOneof("payload")
                     if kind == "message":
                         for part in event.message.parts:
@@ -397,6 +402,8 @@ class A2AAdapter:
                     await asyncio.sleep(wait)
         except BaseException as exc:
             raise await running.failed(exc) from None
+        finally:
+            await running.events.close()
 
     async def _get(self, task_id: str) -> pb.Task:
         from a2a.types import a2a_pb2 as pb
@@ -421,14 +428,80 @@ class A2AAdapter:
                      why, exc)  # fmt: skip
 
 
+class _Events:
+    """The agent's answer to one message (its events), read by a task of their own: a
+    cancel of the reach task does not break off the stream before the agent has named its
+    task, so that task can still be cancelled (:meth:`task_id`)."""
+
+    __slots__ = ("_queue", "_reader")
+
+    def __init__(self, source: AsyncIterator[Any]) -> None:
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._reader = asyncio.create_task(self._read(source), name="reach-a2a-events")
+
+    async def _read(self, source: AsyncIterator[Any]) -> None:
+        try:
+            async for event in source:
+                self._queue.put_nowait(event)
+        except Exception as exc:  # noqa: BLE001 - handed to the reader of the events
+            self._queue.put_nowait(exc)
+        self._queue.put_nowait(_END)
+
+    def __aiter__(self) -> _Events:
+        return self
+
+    async def __anext__(self) -> Any:
+        item = await self._queue.get()
+        if item is _END:
+            self._queue.put_nowait(_END)  # ended for every later read too
+            raise StopAsyncIteration
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    async def task_id(self, within: float) -> str | None:
+        """The task the agent names in its next events (waiting ``within`` seconds at most),
+        or None: how a cancel that came first finds what to cancel."""
+        try:
+            async with asyncio.timeout(within):
+                async for event in self:
+                    task_id = _task_id_of(event)
+                    if task_id:
+                        return task_id
+        except Exception:  # noqa: BLE001 - the agent ended, failed or took too long
+            return None
+        return None
+
+    async def close(self) -> None:
+        self._reader.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
+
+
+_END = object()
+"""The end of an agent's events."""
+
+
+def _task_id_of(event: Any) -> str:
+    """The task id an event of ``SendMessage`` or ``SendStreamingMessage`` names ("" if none)."""
+    kind = event.WhichOneof("payload")
+    if kind == "task":
+        return str(event.task.id)
+    if kind == "artifact_update":
+        return str(event.artifact_update.task_id)
+    if kind == "status_update":
+        return str(event.status_update.task_id)
+    return ""
+
+
 class _Running:
     """The A2A task one reach task made, and how it ends: the result, or a reach error —
     cancelling the A2A task when reach gives it up (cancelled, deadline, a question)."""
 
-    __slots__ = ("adapter", "task_id")
+    __slots__ = ("adapter", "events", "task_id")
 
-    def __init__(self, adapter: A2AAdapter) -> None:
+    def __init__(self, adapter: A2AAdapter, events: _Events) -> None:
         self.adapter = adapter
+        self.events = events
         self.task_id: str | None = None
 
     @staticmethod
@@ -460,9 +533,12 @@ class _Running:
             await adapter.cancel_remote(self.task_id, exc.code)  # no second turn: free it
         if isinstance(exc, ReachError):
             return exc
-        # Cancelled (the reach request was), the deadline, or a stream closed early.
-        if isinstance(exc, asyncio.CancelledError | TimeoutError | GeneratorExit) and self.task_id:
-            await adapter.cancel_remote(self.task_id, type(exc).__name__)
+        # Cancelled (the reach request was), the deadline, or a stream closed early; before
+        # the agent named its task, its name is waited for (bounded).
+        if isinstance(exc, asyncio.CancelledError | TimeoutError | GeneratorExit):
+            task_id = self.task_id or await self.events.task_id(CANCEL_TIMEOUT_S)
+            if task_id:
+                await adapter.cancel_remote(task_id, type(exc).__name__)
         if isinstance(exc, TimeoutError):
             return Timeout(f"A2A agent {adapter.url} did not finish within the caller's deadline")
         if not isinstance(exc, Exception):

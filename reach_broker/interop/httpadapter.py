@@ -121,7 +121,7 @@ class HttpAdapter:
             await self.http.aclose()
 
     def not_ready(self) -> str | None:
-        """Why the sidecar's ``/readyz`` says 503 (:mod:`reach_broker.health`), or None:
+        """Why the sidecar's ``/readyz`` says 503 (:mod:`reach_broker.console.health`), or None:
         connected to NATS, announced to a broker that answered, not draining. (Its backend's
         health is the brokers' business: a dead one is reported draining, out of the routes,
         while the sidecar process itself stays ready.)"""

@@ -14,15 +14,15 @@ from starlette.requests import Request
 from starlette.responses import Response as StarletteResponse
 
 from reach_agent.wire.errors import ReachError
-from reach_broker import health
-from reach_broker.health import Readiness
+from reach_broker.console import health
+from reach_broker.console.health import Readiness
 
 from .mcptools import INSTRUCTIONS, Tools
 
 
 def build_server(tools: Tools, version: str, *, not_ready: Readiness | None = None) -> Any:
     """The ``MCPServer`` with the three tools (needs the extra ``mcp``); served over HTTP,
-    also ``/healthz`` and ``/readyz`` (``not_ready``: :mod:`reach_broker.health`)."""
+    also ``/healthz`` and ``/readyz`` (``not_ready``: :mod:`reach_broker.console.health`)."""
     server = MCPServer("reach", version=version, instructions=INSTRUCTIONS, log_level="WARNING")
     ready: Readiness = not_ready or (lambda: None)
 

@@ -17,6 +17,8 @@ Nothing is asked of them: the broker reads what they already publish and answer.
   ``$SRV.INFO.agents.<instance_id>``, and a DISCONNECT advisory of that connection suspects
   its instances (the probe then settles them). A known instance without a connection in that
   list is suspected too (the reconcile of :mod:`reach_broker.service.advisories`, for them).
+  The prober is handed :class:`StatusProbes` and the advisories this component (as the
+  follower of unnamed connections) when the broker is built.
 - An instance ``offline`` for ``synadia.forget_after_s`` is evicted; a restarted agent is a
   new instance (a new micro service id) and one that only reconnected is found again on its
   next heartbeat.
@@ -27,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -38,10 +41,10 @@ from reach_agent.connection import flush_subscriptions
 from reach_agent.wire.errors import InvalidRequest
 from reach_agent.wire.schema import PROTOCOL_SYNADIA, Announce, Heartbeat
 from reach_agent.wire.subjects import AGENTS
+from reach_broker.config import SynadiaSection
 from reach_broker.core.records import AgentRecord, Transition
 from reach_broker.core.registry import Registry
-from reach_broker.service.advisories import Advisories
-from reach_broker.service.clusterinfo import connz_subject, gather, server_of
+from reach_broker.service.clusterinfo import Account, connz_subject, gather, server_of
 from reach_broker.service.context import BrokerContext
 from reach_broker.service.handlers import Handlers
 from reach_broker.service.probes import Prober, ProbeSend
@@ -76,20 +79,18 @@ class _Instance:
 class SynadiaAgents:
     """Broker component following the Synadia Agent Protocol agents of the account."""
 
-    def __init__(
-        self,
-        ctx: BrokerContext,
-        registry: Registry,
-        handlers: Handlers,
-        prober: Prober,
-        advisories: Advisories,
-    ) -> None:
-        self.ctx = ctx
-        self.cfg = ctx.cfg.synadia
-        self.registry = registry
+    def __init__(self, ctx: BrokerContext, registry: Registry, handlers: Handlers,
+                 prober: Prober, account: Account, cfg: SynadiaSection, *, instances: Any,
+                 heartbeats: dict[str, Any], dropped: Any) -> None:  # fmt: skip
+        """``instances``: ``reach_synadia_agents``; ``heartbeats``: ``reach_heartbeats_total``
+        by result; ``dropped``: ``reach_dropped_messages_total``."""
+        self.ctx, self.cfg, self.registry = ctx, cfg, registry
         self.handlers = handlers
         self.prober = prober
-        self.advisories = advisories
+        self.account = account
+        """The account whose CONNZ tells which connection holds which instance (the
+        advisories learn it)."""
+        self._instances, self._heartbeats, self._dropped = instances, heartbeats, dropped
         self.instances: dict[str, _Instance] = {}
         """By reach agent id."""
         self.by_instance: dict[str, str] = {}
@@ -102,9 +103,6 @@ class SynadiaAgents:
         self._sub: Any = None
         self._loop: asyncio.Task[None] | None = None
         self._timers: dict[str, asyncio.TimerHandle] = {}
-        prober.probe_via = self.probe_via
-        advisories.closed_listeners.append(self.on_closed)
-        advisories.known_elsewhere = lambda: set(self.instances)
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -112,7 +110,6 @@ class SynadiaAgents:
         if self._loop is not None or not self.cfg.enabled:
             return
         nc = self.ctx.nc
-        self.ctx.fanout.listeners.append(self._on_transition)
         self._sub = await nc.subscribe(AGENTS.all_heartbeats, cb=self._on_heartbeat,
                                        pending_msgs_limit=1_000_000)  # fmt: skip
         await flush_subscriptions(nc)
@@ -124,8 +121,6 @@ class SynadiaAgents:
         loop, self._loop = self._loop, None
         if loop is None:
             return
-        with contextlib.suppress(ValueError):
-            self.ctx.fanout.listeners.remove(self._on_transition)
         for timer in self._timers.values():
             timer.cancel()
         self._timers.clear()
@@ -181,7 +176,7 @@ class SynadiaAgents:
         try:
             info = synadiainfo.info_decoder.decode(data)
         except msgspec.MsgspecError as exc:
-            self.ctx.metrics.dropped.labels("synadia_info", "invalid").inc()
+            self._dropped.labels("synadia_info", "invalid").inc()
             log.info("synadia.info_invalid error=%s", exc)
             return None
         if info.name != AGENTS.service:
@@ -194,7 +189,7 @@ class SynadiaAgents:
                 info, interval_s=interval, max_concurrency=self.cfg.max_concurrency
             )
         except InvalidRequest as exc:
-            self.ctx.metrics.dropped.labels("synadia_info", "unroutable").inc()
+            self._dropped.labels("synadia_info", "unroutable").inc()
             log.warning("synadia.unroutable %s", exc.message)
             return None
         for why in refused:
@@ -211,7 +206,7 @@ class SynadiaAgents:
 
     def _register(self, ann: Announce) -> None:
         self.handlers.apply_announce(ann)
-        self.ctx.metrics.synadia_agents.set(len(self.instances))
+        self._instances.set(len(self.instances))
         log.info("synadia.registered agent=%s capabilities=%s subject=%s", ann.agent_id,
                  ",".join(ann.capabilities), ann.metadata["prompt"])  # fmt: skip
         if not self._locate_due:
@@ -230,7 +225,7 @@ class SynadiaAgents:
         try:
             beat = synadiainfo.beat_decoder.decode(msg.data)
         except msgspec.MsgspecError:
-            ctx.metrics.dropped.labels("synadia_heartbeat", "invalid").inc()
+            self._dropped.labels("synadia_heartbeat", "invalid").inc()
             return
         agent_id = self.by_instance.get(beat.instance_id)
         inst = self.instances.get(agent_id) if agent_id is not None else None
@@ -253,9 +248,9 @@ class SynadiaAgents:
         hb = Heartbeat(agent_id=agent_id, token=rec.token, seq=max(rec.seq, 0) + 1,
                        initial=rec.seq < 0)  # fmt: skip
         result, transitions = self.registry.heartbeat(hb, ctx.clock(), ctx.wall_ms())
-        ctx.metrics.heartbeat_result[result].inc()
+        self._heartbeats[result].inc()
         if transitions:
-            ctx.fanout.emit(transitions)
+            ctx.emit(transitions)
 
     def _unknown(self, beat: synadiainfo.Beat) -> None:
         """A heartbeat of an instance not known (yet): ask for its registration."""
@@ -271,7 +266,7 @@ class SynadiaAgents:
     async def locate(self) -> None:
         """Which connection holds each instance (CONNZ with subscription details); a known
         instance held by none is suspected as a closed connection would be."""
-        account = self.advisories.account
+        account = self.account.name
         if account is None or not self.instances:
             return
         judged = set(self.instances)  # only those known before the question
@@ -323,7 +318,12 @@ class SynadiaAgents:
         for agent_id in judged - found.keys():
             out += self.registry.disconnected(agent_id, now, "no connection holds it (CONNZ)")
         if out:
-            self.ctx.fanout.emit(out)
+            self.ctx.emit(out)
+
+    def followed(self) -> set[str]:
+        """The instances' agent ids: their connections are this component's to judge, not
+        the advisories' reconcile (they are usually unnamed)."""
+        return set(self.instances)
 
     def on_closed(self, server: str, cid: int) -> None:
         """A DISCONNECT advisory: the instances that connection held are suspect at once."""
@@ -337,37 +337,15 @@ class SynadiaAgents:
                 agent_id, now, f"connection closed (client {cid} on {server})"
             )
         if out:
-            self.ctx.fanout.emit(out)
-
-    # --- probes -------------------------------------------------------------------------
-
-    def probe_via(self, rec: AgentRecord) -> ProbeSend | None:
-        """The probe of a Synadia instance: its status endpoint, else its micro ping."""
-        if rec.protocol != PROTOCOL_SYNADIA:
-            return None
-        meta = rec.announce.metadata
-        status, instance = meta.get("status", ""), meta.get("instance_id", "")
-        nc, clock = self.ctx.nc, self.ctx.clock
-
-        async def send(timeout_s: float) -> None:
-            t0 = clock()
-            msg = await nc.request(status, b"", timeout=timeout_s)
-            try:
-                if synadiainfo.status_decoder.decode(msg.data).instance_id == instance:
-                    return
-            except msgspec.MsgspecError:
-                pass  # an error frame: who answered is unknown
-            # Another instance of the session answered: ask this one alone.
-            await nc.request(AGENTS.ping_of(instance), b"",
-                             timeout=max(timeout_s - (clock() - t0), 0.05))  # fmt: skip
-
-        return send
+            self.ctx.emit(out)
 
     # --- forgetting ---------------------------------------------------------------------
 
-    def _on_transition(self, t: Transition, rec: AgentRecord | None) -> None:
+    def on_transition(self, t: Transition, rec: AgentRecord | None) -> None:
+        """Consumer: an instance offline is evicted after ``synadia.forget_after_s``, an
+        evicted one forgotten (ignored while not running)."""
         agent_id = t.agent_id
-        if agent_id not in self.instances:
+        if self._loop is None or agent_id not in self.instances:
             return
         timer = self._timers.pop(agent_id, None)
         if timer is not None:
@@ -384,7 +362,7 @@ class SynadiaAgents:
         rec = self.registry.agents.get(agent_id)
         if rec is not None and rec.state == "offline":
             reason = f"offline for {self.cfg.forget_after_s:g}s (a Synadia agent instance)"
-            self.ctx.fanout.emit(self.registry.evict(agent_id, reason, self.ctx.clock()))
+            self.ctx.emit(self.registry.evict(agent_id, reason, self.ctx.clock()))
 
     def _forget(self, agent_id: str) -> None:
         inst = self.instances.pop(agent_id, None)
@@ -397,4 +375,34 @@ class SynadiaAgents:
                 held.discard(agent_id)
                 if not held:
                     del self.conns[inst.conn]
-        self.ctx.metrics.synadia_agents.set(len(self.instances))
+        self._instances.set(len(self.instances))
+
+
+class StatusProbes:
+    """How the prober reaches a Synadia instance (handed to it when the broker is built): its
+    status endpoint, else its micro ping; None for any other agent (the reach probe)."""
+
+    def __init__(self, nc: Any, clock: Callable[[], float]) -> None:
+        self.nc = nc
+        self.clock = clock
+
+    def __call__(self, rec: AgentRecord) -> ProbeSend | None:
+        if rec.protocol != PROTOCOL_SYNADIA:
+            return None
+        meta = rec.announce.metadata
+        status, instance = meta.get("status", ""), meta.get("instance_id", "")
+        nc, clock = self.nc, self.clock
+
+        async def send(timeout_s: float) -> None:
+            t0 = clock()
+            msg = await nc.request(status, b"", timeout=timeout_s)
+            try:
+                if synadiainfo.status_decoder.decode(msg.data).instance_id == instance:
+                    return
+            except msgspec.MsgspecError:
+                pass  # an error frame: who answered is unknown
+            # Another instance of the session answered: ask this one alone.
+            await nc.request(AGENTS.ping_of(instance), b"",
+                             timeout=max(timeout_s - (clock() - t0), 0.05))  # fmt: skip
+
+        return send

@@ -20,6 +20,7 @@ from nats.aio.msg import Msg
 from jetstream import ackreads
 from reach_agent.wire.subjects import BROKER_ACK_AUTHOR
 from reach_broker.service.context import BrokerContext
+from reach_broker.service.metrics import ReplayMetrics
 
 TRACK_MAX = 50_000
 """Request ids remembered for the ack latency histogram (oldest forgotten first)."""
@@ -37,16 +38,16 @@ _ack_times = msgspec.json.Decoder(_AckTimes)
 class AckWatch:
     """``reach_ack_records_total{state}`` and ``reach_ack_latency_seconds``."""
 
-    def __init__(
-        self, ctx: BrokerContext, on_completed: Callable[[str, str], None] | None = None
-    ) -> None:
-        self.ctx = ctx
+    def __init__(self, ctx: BrokerContext, metrics: ReplayMetrics,
+                 on_final: Callable[[str, str], Awaitable[object]],
+                 on_completed: Callable[[str, str], None] | None = None) -> None:  # fmt: skip
+        self.ctx, self.metrics = ctx, metrics
         self.on_completed = on_completed
         """Told of each attributed ``completed`` record: (request id, author) — the claims'
         releaser (the record ends a claim that stays ``running``)."""
         self._sent_ms: dict[str, int] = {}
         self._received_ms: dict[str, int] = {}
-        self.on_final: Callable[[str, str], Awaitable[object]] | None = None
+        self.on_final = on_final
         """Told of each attributed ``completed``/``failed`` record: (request id, author)."""
 
     def sent(self, request_id: str, at_ms: int) -> None:
@@ -58,19 +59,19 @@ class AckWatch:
         stored = ackreads.attribute(msg.subject, msg.headers, msg.data, None, self.ctx.subjects)
         if isinstance(stored, str):
             reason = "stored_copy" if "copy" in stored else "invalid"
-            self.ctx.metrics.refused.labels("ack", reason).inc()
+            self.metrics.refused.labels("ack", reason).inc()
             return
         state = stored.state
         if stored.author == BROKER_ACK_AUTHOR and state == "received":
             return  # the broker naming a task's taker: not an ack
-        counter = self.ctx.metrics.ack_record_state.get(state)
+        counter = self.metrics.ack_states.get(state)
         if counter is None:
             return
         counter.inc()
         rid = stored.request_id
         if state == "completed" and self.on_completed is not None:
             self.on_completed(rid, stored.author)
-        if state != "received" and self.on_final is not None:
+        if state != "received":
             await self.on_final(rid, stored.author)
         try:
             times = _ack_times.decode(msg.data)
@@ -84,7 +85,7 @@ class AckWatch:
         received = self._received_ms.pop(rid, times.received_ms)
         t0 = start if start is not None else received
         if t0 is not None and at_ms >= t0:
-            self.ctx.metrics.ack_latency.observe((at_ms - t0) / 1000.0)
+            self.metrics.ack_latency.observe((at_ms - t0) / 1000.0)
 
 
 def _remember(d: dict[str, int], key: str, value: int) -> None:

@@ -45,9 +45,12 @@ from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
 from reach_agent.wire.errors import ReachError
 from reach_agent.wire.schema import RouteRequest
+from reach_broker.config import CompensationSection
 from reach_broker.core.records import AgentRecord, Transition
 from reach_broker.core.routing import Router
+from reach_broker.service.brokeracks import BrokerAcks
 from reach_broker.service.context import BrokerContext
+from reach_broker.service.metrics import ReplayMetrics
 from reach_broker.service.releases import ClaimView
 
 from .ackwatch import AckWatch
@@ -61,36 +64,33 @@ class Replayer:
     """Broker component replaying ``REACH_COMPENSATION`` entries to reachable agents.
     Started only when the server has JetStream."""
 
-    def __init__(
-        self,
-        ctx: BrokerContext,
-        router: Router,
-        claim_of: Callable[[str], Awaitable[ClaimView | None]],
-        record_of: Callable[[str], AgentRecord | None] = lambda _: None,
-        finished: Callable[[str, str], None] | None = None,
-    ) -> None:
-        self.ctx = ctx
+    def __init__(self, ctx: BrokerContext, router: Router,
+                 claim_of: Callable[[str], Awaitable[ClaimView | None]],
+                 record_of: Callable[[str], AgentRecord | None], records: BrokerAcks,
+                 cfg: CompensationSection, metrics: ReplayMetrics,
+                 finished: Callable[[str, str], None] | None = None) -> None:  # fmt: skip
+        """``finished``: told of each completed record (the claims' releaser)."""
+        self.ctx, self.cfg, self.metrics = ctx, cfg, metrics
         self.router = router
         self.claim_of = claim_of
         """A request id's claim: (holder, state), None when unclaimed; raises
         ``ClaimsUnavailable`` when the bucket cannot say."""
         self.subjects = ctx.subjects
-        self.cfg = ctx.cfg.compensation
         self._running: dict[str, asyncio.Task[None]] = {}
         self._again: set[str] = set()
         self._known: dict[str, int] = {}
         self._consumers: dict[str, Any] = {}
         self._next_expiry_ms = 0
-        self.acks = AckWatch(ctx, on_completed=finished)
-        """The ack metrics, fed by this component's ``<p>.ack.>`` subscription; it tells
-        ``finished`` (the claims' releaser) of each completed record."""
         self.taken = Taken(
-            self.cfg.ack_wait_s, claim_of, record_of, ctx.clock,
-            on_returned=ctx.metrics.compensation_result["requeued"].inc,
+            cfg.ack_wait_s, claim_of, record_of, ctx.clock,
+            on_returned=metrics.results["requeued"].inc,
         )  # fmt: skip
         """Entries delivered and held until their taker's final record."""
-        self.acks.on_final = self.taken.done
-        self.sender = EntrySender(ctx, router, claim_of, record_of, self.taken, self.acks)
+        self.acks = AckWatch(ctx, metrics, on_final=self.taken.done, on_completed=finished)
+        """The ack metrics, fed by this component's ``<p>.ack.>`` subscription; it tells
+        ``finished`` (the claims' releaser) of each completed record."""
+        self.sender = EntrySender(ctx, router, claim_of, record_of, self.taken, self.acks,
+                                  records, cfg, metrics.results)  # fmt: skip
         """Sends one entry (replaysend.py) and counts how each ended (``replayed``,
         ``expired``, ``failed``, ``claimed``); its ``dispatches`` (dispatch.py) say where each
         entry was sent, exactly once across a leader change."""
@@ -103,7 +103,6 @@ class Replayer:
     async def start(self) -> None:
         if self._sweeper is not None:
             return
-        self.ctx.fanout.listeners.append(self._on_transition)
         limits = 1_000_000, 256 * 1024 * 1024
         self._subs = [
             await self.ctx.nc.subscribe(subject, cb=cb, pending_msgs_limit=limits[0],
@@ -117,8 +116,6 @@ class Replayer:
     async def stop(self) -> None:
         if self._sweeper is None:
             return
-        with contextlib.suppress(ValueError):
-            self.ctx.fanout.listeners.remove(self._on_transition)
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -132,7 +129,11 @@ class Replayer:
 
     # --- triggers -----------------------------------------------------------------------
 
-    def _on_transition(self, t: Transition, rec: AgentRecord | None) -> None:
+    def on_transition(self, t: Transition, rec: AgentRecord | None) -> None:
+        """Consumer: an agent turned healthy has its capabilities replayed, an offline one's
+        held entries are given back (ignored while not running)."""
+        if self._sweeper is None:
+            return
         if t.to == "healthy" and rec is not None:
             for cap in rec.capabilities:
                 if self._known.get(cap):
@@ -288,7 +289,7 @@ class Replayer:
         """Depth gauge; expired entries recorded and removed; waiting capabilities kicked."""
         ctx = self.ctx
         total, per = await compensation.depths(ctx.nc, self.subjects)
-        ctx.metrics.compensation_depth.set(total)
+        self.metrics.depth.set(total)
         self._known = per
         if total and self._next_expiry_ms <= ctx.wall_ms():
             await self._expire_all()

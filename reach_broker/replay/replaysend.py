@@ -13,7 +13,7 @@ import contextlib
 import logging
 import random
 from collections.abc import Awaitable, Callable
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from nats.errors import NoRespondersError
 
@@ -24,18 +24,19 @@ from reach_agent.wire.errors import ReachError
 from reach_agent.wire.retry import retryable
 from reach_agent.wire.schema import RouteRequest
 from reach_agent.wire.subjects import BROKER_ACK_AUTHOR
+from reach_broker.config import CompensationSection
 from reach_broker.core.records import AgentRecord
 from reach_broker.core.routing import Router
+from reach_broker.service.brokeracks import BrokerAcks
 from reach_broker.service.context import BrokerContext
 from reach_broker.service.releases import ClaimView
 
 from .ackwatch import AckWatch
-from .brokeracks import record_failed, record_taker
 from .dispatch import MARKER_TTL_S, Dispatches
 from .synadiareplay import Prompts
 from .taken import Taken
 
-log = logging.getLogger("reach_broker.replay.replay")  # the replay.* lines keep their logger
+log = logging.getLogger(__name__)
 
 Outcome = Literal[
     "replayed", "expired", "failed", "stalled", "claimed", "held", "deferred", "mismatch"
@@ -56,16 +57,14 @@ class EntrySender:
     """Delivers the replay's entries one by one (:meth:`deliver`), and counts how each
     ended."""
 
-    def __init__(
-        self,
-        ctx: BrokerContext,
-        router: Router,
-        claim_of: Callable[[str], Awaitable[ClaimView | None]],
-        record_of: Callable[[str], AgentRecord | None],
-        taken: Taken,
-        acks: AckWatch,
-    ) -> None:
-        self.ctx = ctx
+    def __init__(self, ctx: BrokerContext, router: Router,
+                 claim_of: Callable[[str], Awaitable[ClaimView | None]],
+                 record_of: Callable[[str], AgentRecord | None], taken: Taken, acks: AckWatch,
+                 records: BrokerAcks, cfg: CompensationSection,
+                 results: dict[str, Any]) -> None:  # fmt: skip
+        """``records``: the broker's own ack records; ``results``: ``reach_compensation_total``
+        by result."""
+        self.ctx, self.cfg, self._results, self.records = ctx, cfg, results, records
         self.router = router
         self.claim_of = claim_of
         """A request id's claim: (holder, state), None when unclaimed; raises
@@ -74,10 +73,9 @@ class EntrySender:
         self.taken = taken
         self.acks = acks
         self.subjects = ctx.subjects
-        self.cfg = ctx.cfg.compensation
         self.dispatches = Dispatches(ctx.nc, ctx.subjects, ctx.broker_id, record_of)
         """Where each entry was sent: exactly once across a leader change (dispatch.py)."""
-        self.prompts = Prompts(ctx, taken.done)
+        self.prompts = Prompts(ctx, cfg, taken.done, records)
         """Entries for Synadia agents (they write no ack records: the broker does)."""
         self.replayed = 0
         self.expired = 0
@@ -153,12 +151,12 @@ class EntrySender:
                 if err is not None and err.code == "IN_PROGRESS":
                     return await self._claimed(e, getattr(err, "holder", ""), "running")
                 if err is None:
-                    await record_taker(ctx, e, c.agent_id)
+                    await self.records.record_taker(e, c.agent_id)
                     await self.taken.hold(e, c.agent_id)  # removed at its final record
                     if collect is not None:  # a Synadia agent: the broker records its answer
                         ctx.spawn(collect(), f"synadia-replay-{e.request_id}")
                     self.replayed += 1
-                    ctx.metrics.compensation_result["replayed"].inc()
+                    self._results["replayed"].inc()
                     log.info("replay.delivered request_id=%s capability=%s agent=%s priority=%d",
                              e.request_id, e.capability, c.agent_id, e.priority)  # fmt: skip
                     return "replayed"
@@ -166,7 +164,8 @@ class EntrySender:
                     only = None  # a refusal (busy, draining) means it did not take it
                     continue
                 # The agent refused the task itself (BIZ_REJECT, LOOP_DETECTED, ...): final.
-                await record_failed(ctx, e, c.agent_id, err.code, err.code.lower(), err.message)
+                await self.records.record_failed(e, c.agent_id, err.code, err.code.lower(),
+                                                 err.message)  # fmt: skip
                 await e.msg.ack_sync()
                 self.failed += 1
                 return "failed"
@@ -200,7 +199,7 @@ class EntrySender:
         self.claimed += 1
         # A claim the broker holds is a cancel's (reach_broker.service.canceller).
         result = "cancelled" if holder == BROKER_ACK_AUTHOR else "claimed"
-        self.ctx.metrics.compensation_result[result].inc()
+        self._results[result].inc()
         log.info("replay.%s request_id=%s capability=%s holder=%s (%s): not sent again",
                  result, e.request_id, e.capability, holder, state)  # fmt: skip
         return "claimed"
@@ -212,7 +211,7 @@ class EntrySender:
         first body too)."""
         assert e.msg is not None
         await e.msg.ack_sync()
-        self.ctx.metrics.compensation_result["mismatch"].inc()
+        self._results["mismatch"].inc()
         log.warning("replay.mismatch request_id=%s capability=%s holder=%s: the request id was "
                     "already claimed for another body; the entry is removed, not run",
                     e.request_id, e.capability, holder)  # fmt: skip
@@ -221,13 +220,13 @@ class EntrySender:
     async def record_expired(self, e: Entry) -> None:
         ctx = self.ctx
         waited_s = (ctx.wall_ms() - e.enqueued_ms) / 1000.0 if e.enqueued_ms else 0.0
-        await record_failed(
-            ctx, e, ctx.broker_id, "TIMEOUT", "expired",
+        await self.records.record_failed(
+            e, ctx.broker_id, "TIMEOUT", "expired",
             f"queued for {waited_s:.1f}s on {self.subjects.comp(e.capability)}; expired before "
             "an agent was reachable",
         )  # fmt: skip
         self.expired += 1
-        ctx.metrics.compensation_result["expired"].inc()
+        self._results["expired"].inc()
         log.info("replay.expired request_id=%s capability=%s", e.request_id, e.capability)
 
 

@@ -28,9 +28,9 @@ from reach_agent.connection import flush_subscriptions
 from reach_agent.wire import schema, streams
 from reach_agent.wire.errors import ReachError, Timeout, from_reply
 from reach_agent.wire.schema import PROTOCOL_SYNADIA
+from reach_broker.config import CompensationSection
+from reach_broker.service.brokeracks import BrokerAcks
 from reach_broker.service.context import BrokerContext
-
-from . import brokeracks
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +44,10 @@ Collector = Callable[[], Awaitable[None]]
 class Prompts:
     """Sends compensation entries to Synadia agents and records their answers."""
 
-    def __init__(
-        self, ctx: BrokerContext, on_done: Callable[[str, str], Awaitable[object]]
-    ) -> None:
-        self.ctx = ctx
-        self.cfg = ctx.cfg.compensation
+    def __init__(self, ctx: BrokerContext, cfg: CompensationSection,
+                 on_done: Callable[[str, str], Awaitable[object]],
+                 records: BrokerAcks) -> None:  # fmt: skip
+        self.ctx, self.cfg, self.records = ctx, cfg, records
         self.on_done = on_done
         """Told (request id, agent id) once the agent's answer is recorded."""
 
@@ -125,7 +124,7 @@ class Prompts:
             error={"code": err.code, "message": err.message} if err else None,
         )  # fmt: skip
         # Until stored: the answer exists nowhere else (their agents write no records).
-        await brokeracks.store(self.ctx, rec, "answer")
+        await self.records.store(rec, "answer")
         log.info("replay.synadia_recorded request_id=%s agent=%s state=%s", request_id,
                  agent_id, rec.state)  # fmt: skip
         await self.on_done(request_id, agent_id)

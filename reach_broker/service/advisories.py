@@ -19,9 +19,9 @@ user may ask), or taken from ``detection.advisory_account``.
   time) only costs probes, never a wrong ``offline``.
 
 Connections that are not named after an agent (Synadia Agent Protocol agents, whose
-connections are usually unnamed) are matched by the components that know them: every
-DISCONNECT is also handed, as (server name, client id), to :attr:`Advisories.closed_listeners`,
-and the agents :attr:`Advisories.known_elsewhere` returns are left out of the reconcile.
+connections are usually unnamed) are matched by the component that knows them, handed in at
+construction (:class:`Unnamed`): every DISCONNECT is also handed to it as (server name,
+client id), and the agents it follows are left out of the reconcile.
 
 A server without the import answers ``CONNZ`` with no responders: the broker then says once
 in its log that it runs on heartbeats alone, and sets ``reach_disconnect_advisories`` to 0.
@@ -37,17 +37,17 @@ claims a known agent's name with another's JWT is ignored and counted
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
 from reach_agent.grants import jwt_name
+from reach_broker.config import DetectionSection
 from reach_broker.core.registry import Registry
 
-from .clusterinfo import account_of, connz_subject, gather, server_of
+from .clusterinfo import Account, connz_subject, gather, server_of
 from .context import BrokerContext
 from .probes import Prober
 
@@ -93,8 +93,23 @@ class _Advisory(msgspec.Struct):
     reason: str = ""
 
 
-ClosedListener = Callable[[str, int], None]
-"""Told of every closed connection: (server name, client id)."""
+class Unnamed(Protocol):
+    """The connections not named after an agent, followed by another component (the Synadia
+    Agent Protocol agents')."""
+
+    def on_closed(self, server: str, cid: int) -> None:
+        """A DISCONNECT: (server name, client id) of the connection that closed."""
+
+    def followed(self) -> set[str]:
+        """The agents whose connections it follows (not judged by name)."""
+
+
+class _NoneUnnamed:
+    def on_closed(self, server: str, cid: int) -> None:
+        return None
+
+    def followed(self) -> set[str]:
+        return set()
 
 
 class _Conn(msgspec.Struct):
@@ -121,11 +136,19 @@ _encoder = msgspec.json.Encoder()
 class Advisories:
     """Subscribes to the advisories and reconciles the registry with the server's view."""
 
-    def __init__(self, ctx: BrokerContext, registry: Registry, prober: Prober) -> None:
-        self.ctx = ctx
+    def __init__(self, ctx: BrokerContext, registry: Registry, prober: Prober, account: Account,
+                 cfg: DetectionSection, *, unnamed: Unnamed | None = None, seen: Any,
+                 dropped: Any, refused: Any) -> None:  # fmt: skip
+        """``seen``: ``reach_disconnect_advisories``; ``dropped``, ``refused``:
+        ``reach_dropped_messages_total``, ``reach_dropped_total``."""
+        self.ctx, self.cfg = ctx, cfg
         self.registry = registry
         self.prober = prober
-        self.account: str | None = None
+        self.account = account
+        """The account whose advisories are followed (learnt at start)."""
+        self.unnamed: Unnamed = unnamed or _NoneUnnamed()
+        """Who follows the connections that are not named after an agent."""
+        self._seen, self._dropped, self._refused = seen, dropped, refused
         self.available = False
         """True once the server answered CONNZ for our account (or an advisory arrived)."""
         self.disconnects = 0
@@ -133,10 +156,6 @@ class Advisories:
         """Servers that answered the last CONNZ (every node of a cluster)."""
         self.answers = 0
         """CONNZ lists obtained (the observer's proof that the broker's link works)."""
-        self.closed_listeners: list[ClosedListener] = []
-        """Told (server name, client id) of every DISCONNECT, named or not."""
-        self.known_elsewhere: Callable[[], set[str]] = set
-        """Agents whose connections another component follows (not judged by name)."""
         self._subs: list[Any] = []
         self._started = False
         self._said_unavailable = False
@@ -145,14 +164,13 @@ class Advisories:
         if self._started:
             return
         self._started = True
-        cfg = self.ctx.cfg.detection
-        self.ctx.metrics.advisories.set(0)
+        cfg = self.cfg
+        self._seen.set(0)
         if not cfg.advisories:
             log.info("advisories.disabled detection.advisories=false: heartbeats alone")
             return
         nc = self.ctx.nc
-        self.account = cfg.advisory_account or await account_of(nc)
-        acc = self.account or "*"
+        acc = await self.account.learn(nc, cfg.advisory_account) or "*"
         self._subs = [
             await nc.subscribe(disconnect_subject(acc), cb=self._on_disconnect),
             await nc.subscribe(connect_subject(acc), cb=self._on_connect),
@@ -180,19 +198,20 @@ class Advisories:
         names = await self._connection_names()
         if names is None:
             return 0
-        transitions = self.registry.reconcile(names | self.known_elsewhere(), self.ctx.clock())
+        transitions = self.registry.reconcile(names | self.unnamed.followed(), self.ctx.clock())
         if transitions:
             log.info("advisories.reconciled connected=%d suspect=%d", len(names), len(transitions))
-            self.ctx.fanout.emit(transitions)
+            self.ctx.emit(transitions)
         return len(transitions)
 
     async def _connection_names(self) -> set[str] | None:
         """Names of the account's live connections on every server that answers, or None
         when no server will say."""
-        if self.account is None:
+        account = self.account.name
+        if account is None:
             self._unavailable("account unknown ($SYS.REQ.USER.INFO did not answer)")
             return None
-        subject = connz_subject(self.account)
+        subject = connz_subject(account)
         names: set[str] = set()
         offset = 0
         for _ in range(CONNZ_MAX_PAGES):
@@ -242,8 +261,9 @@ class Advisories:
     def _available(self) -> None:
         if not self.available:
             self.available = True
-            self.ctx.metrics.advisories.set(1)
-            log.info("advisories.enabled account=%s: disconnects detected at once", self.account)
+            self._seen.set(1)
+            log.info("advisories.enabled account=%s: disconnects detected at once",
+                     self.account.name)  # fmt: skip
 
     def _unavailable(self, why: str) -> None:
         if not self._said_unavailable:
@@ -265,7 +285,7 @@ class Advisories:
         if not jwt or jwt_name(jwt) == name:
             return True
         if name in self.registry.agents:
-            self.ctx.metrics.refused.labels("advisory", "name_mismatch").inc()
+            self._refused.labels("advisory", "name_mismatch").inc()
             log.warning("advisories.name_mismatch connection=%s jwt_name=%s: not taken as the "
                         "agent's connection", name, jwt_name(jwt))  # fmt: skip
         return False
@@ -275,8 +295,8 @@ class Advisories:
         try:
             adv = _advisory_decoder.decode(msg.data)
         except msgspec.DecodeError:
-            self.ctx.metrics.dropped.labels("advisory", "invalid").inc()
-            self.ctx.metrics.refused.labels("advisory", "invalid").inc()
+            self._dropped.labels("advisory", "invalid").inc()
+            self._refused.labels("advisory", "invalid").inc()
             return None
         self._available()
         return adv
@@ -295,18 +315,17 @@ class Advisories:
         adv = self._advisory(msg)
         if adv is None:
             return
-        for listener in self.closed_listeners:
-            try:
-                listener(adv.server.name or adv.server.id, adv.client.id)
-            except Exception:  # noqa: BLE001 - a listener never breaks the broker
-                log.exception("advisories.listener failed cid=%d", adv.client.id)
+        try:
+            self.unnamed.on_closed(adv.server.name or adv.server.id, adv.client.id)
+        except Exception:  # noqa: BLE001 - it never breaks the broker
+            log.exception("advisories.unnamed failed cid=%d", adv.client.id)
         name = self._named(adv)
         if name is None:
             return
         transitions = self.registry.disconnected(name, self.ctx.clock())
         if transitions:
             self.disconnects += 1
-            self.ctx.fanout.emit(transitions)
+            self.ctx.emit(transitions)
 
     async def _on_connect(self, msg: Msg) -> None:
         name = self._client_name(msg)

@@ -11,6 +11,11 @@ Right after an R3 asset is created its Raft group elects a leader; until then a 
 it may meet "no responders" or a timeout. The token secret is therefore read or created
 with a few retries rather than replaced by a random one at the first refusal, which would
 leave replicas unable to verify each other's tokens.
+
+Right after a server (re)starts, or while a cluster has no meta leader, JetStream answers
+503 "temporarily unavailable" or not at all: the broker's start is then tried again after
+each wait of :data:`START_RETRY_S` (:func:`jetstream_not_ready` says which errors), and
+fails with the last error only when JetStream is still not ready after them all.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import logging
 import secrets
 
 from nats.aio.client import Client as NATS
+from nats.js.errors import ServiceUnavailableError
 
 from jetstream.names import (
     COMP_STREAM,
@@ -41,10 +47,21 @@ from .clusterinfo import account_of, cluster_size
 
 log = logging.getLogger(__name__)
 
-PROVISION_TRIES = 5
-PROVISION_RETRY_S = 1.0
 SECRET_TRIES = 20
 SECRET_RETRY_S = 0.25
+START_RETRY_S = (0.5, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0)
+"""The waits between start attempts while JetStream is not ready: 31.5 s in all (a
+restarted node rejoins and a meta leader is elected well within it, even on a busy
+machine), then the start fails."""
+
+
+def jetstream_not_ready(exc: BaseException) -> bool:
+    """Whether ``exc`` says JetStream is not ready yet rather than absent or refusing: its
+    503 (nats-py also raises it for "no responders" on the JetStream API once connected),
+    a request not answered in time, a provisioning timeout (:class:`NotReady`, no peer for
+    a replica yet). "Not enabled" (:class:`JetStreamUnavailable`) is not: the broker then
+    runs without JetStream, as it says."""
+    return isinstance(exc, (ServiceUnavailableError, TimeoutError, ProvisionTimeout))
 
 
 async def replicas(nc: NATS, cfg: Config) -> int:
@@ -71,15 +88,8 @@ async def provision_assets(nc: NATS, cfg: Config, subjects: Subjects) -> int | N
         overrides[COMP_STREAM]["max_msgs"] = cfg.compensation.max_entries
         overrides[PARTITIONS_STREAM]["max_age"] = int(cfg.fleet.lease_ttl_s * 1e9)
         defs = load_definitions(subjects, overrides)
-        for attempt in range(PROVISION_TRIES):
-            try:
-                await provision(nc, defs)  # it logs each stream created or updated, once
-                break
-            except ProvisionTimeout as exc:  # a cluster electing: provisioning is idempotent
-                if attempt == PROVISION_TRIES - 1:
-                    raise
-                log.warning("jetstream.provision_retry %s", exc)
-                await asyncio.sleep(PROVISION_RETRY_S)
+        # Idempotent: a timeout (a cluster electing) is tried again by the broker's start.
+        await provision(nc, defs)  # it logs each stream created or updated, once
     except JetStreamUnavailable as exc:
         log.warning("broker.no_jetstream %s: running without registry snapshot, "
                     "compensation replay, durable acks and the claims bucket reach_claims; "

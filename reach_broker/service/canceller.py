@@ -39,8 +39,8 @@ from reach_agent.wire.errors import Cancelled, InvalidRequest, ReachError, Timeo
 from reach_agent.wire.schema import CLAIM_CANCELLED as CANCELLED
 from reach_agent.wire.schema import AckRecord, Claim
 from reach_agent.wire.subjects import BROKER_ACK_AUTHOR, is_inbox
-from reach_broker.replay.brokeracks import publish
 
+from .brokeracks import BrokerAcks
 from .context import BrokerContext
 
 log = logging.getLogger(__name__)
@@ -54,9 +54,14 @@ SCAN_LIMIT = 100_000
 class Canceller:
     """Broker component answering ``<p>.cancel._broker``."""
 
-    def __init__(self, ctx: BrokerContext, *, queue: str) -> None:
+    def __init__(self, ctx: BrokerContext, records: BrokerAcks, *, queue: str,
+                 cancelled: Any) -> None:  # fmt: skip
+        """``records``: the broker's own ack records; ``cancelled``:
+        ``reach_compensation_total{result="cancelled"}``."""
         self.ctx = ctx
+        self.records = records
         self.queue = queue
+        self._cancelled = cancelled
         self.store = ClaimStore(ctx.nc)
         self._sub: Any = None
 
@@ -149,7 +154,7 @@ class Canceller:
             raise Timeout(f"the claims bucket did not answer ({exc}): cancel not recorded, "
                           "try again") from None  # fmt: skip
         error = Cancelled(f"request_id {rid!r} was cancelled: {req.reason or 'by its caller'}")
-        await publish(self.ctx, AckRecord(
+        await self.records.publish(AckRecord(
             request_id=rid, agent_id=self.ctx.broker_id, capability=req.capability or "",
             state="failed", at_ms=self.ctx.wall_ms(),
             error={"code": error.code, "reason": CANCELLED, "message": error.message},
@@ -193,7 +198,7 @@ class Canceller:
             for e in entries:
                 if e.request_id == request_id and await compensation.remove(ctx.nc, e.seq):
                     removed += 1
-                    ctx.metrics.compensation_result["cancelled"].inc()
+                    self._cancelled.inc()
         except Exception as exc:  # noqa: BLE001 - a replay round drops it by its claim
             log.info("cancel.unqueue_failed request_id=%s error=%r", request_id, exc)
         return removed

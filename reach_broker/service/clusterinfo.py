@@ -123,6 +123,23 @@ async def account_of(nc: NATS) -> str | None:
         return None
 
 
+class Account:
+    """The application account of the broker's connection, as the advisories learn it at
+    start (``detection.advisory_account``, else the server's answer): the account whose
+    advisories are followed and whose ``CONNZ`` is asked. Handed to the advisories, which
+    learn it, and to whoever asks the same servers (the Synadia agents' locate)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self) -> None:
+        self.name: str | None = None
+        """None until learnt, or when no server says."""
+
+    async def learn(self, nc: NATS, configured: str | None) -> str | None:
+        self.name = configured or await account_of(nc)
+        return self.name
+
+
 async def cluster_size(nc: NATS, account: str | None) -> int:
     """How many nodes the server's cluster has, as far as it tells (1: no cluster)."""
     info = nc._server_info or {}

@@ -1,7 +1,7 @@
 """The broker's inbound messages: one handler each, and one place their failures are answered.
 
 A handler (:class:`Handlers`) is synchronous: it decodes, validates, asks the registry or
-the router, hands transitions to the fan-out and returns the reply body (or None), raising
+the router, hands transitions to the broker's pipeline and returns the reply body (or None), raising
 a :class:`~reach_agent.wire.errors.ReachError` to refuse. :class:`Endpoint` runs it and sends the
 reply after the decision; :meth:`Endpoint.failure` is the one place an exception becomes an
 error reply (the NATS Services headers) and a count, as ``nats.micro``'s endpoint does.
@@ -48,10 +48,12 @@ from reach_agent.wire.schema import (
 from reach_agent.wire.subjects import is_inbox
 from reach_broker.core.explain import Explainer
 from reach_broker.core.quotas import Quotas, caller_of
+from reach_broker.core.records import AgentRecord
 from reach_broker.core.registry import Registry
 from reach_broker.core.routing import Router
 
 from .context import BrokerContext
+from .metrics import HandlerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +120,7 @@ class Endpoint:
         timed: Any | None = None,
         dropped: Dropped | None = None,
         caller_of: Callable[[dict[str, str] | None, str | None], str] | None = None,
+        spans: Any = None,
     ) -> None:
         self.name = name
         self.caller_of = caller_of
@@ -136,7 +139,7 @@ class Endpoint:
         """A histogram of the time to answer, if any."""
         self._dropped = dropped
         """``reach_dropped_total{kind=<this endpoint>}`` by reason, if it counts there."""
-        self._spans = ctx.spans if caller_of is not None else None
+        self._spans = spans
         """The route endpoint's OpenTelemetry spans (:mod:`reach_agent.otel`; None: off)."""
 
     def drop(self, reason: str, subject: str) -> None:
@@ -247,20 +250,25 @@ class Endpoint:
 class Handlers:
     """The broker's handlers over its registry and router."""
 
-    def __init__(
-        self, ctx: BrokerContext, registry: Registry, router: Router, quotas: Quotas | None = None
-    ) -> None:
-        self.ctx = ctx
-        self.registry = registry
-        self.router = router
-        self.quotas = quotas or Quotas(registry.cfg.quotas, router.rules)
-        self.explainer = Explainer(router, registry.cfg.scoring)
-        m = ctx.metrics
+    def __init__(self, ctx: BrokerContext, registry: Registry, router: Router, quotas: Quotas,
+                 explainer: Explainer, metrics: HandlerMetrics, *,
+                 on_unknown: Callable[[str], None], announced: Callable[[AgentRecord], None],
+                 spans: Any = None) -> None:  # fmt: skip
+        self.ctx, self.registry, self.router = ctx, registry, router
+        self.quotas, self.explainer = quotas, explainer
+        self.metrics = m = metrics
+        self.on_unknown = on_unknown
+        """Told of a heartbeat from an agent this broker does not know (or whose token it
+        cannot verify): the re-announce request (:mod:`reach_broker.service.identity`)."""
+        self.announced = announced
+        """Told of every accepted announce, also one that moves no state (the snapshot
+        stores what was announced)."""
         self._route_refused = {
             "NO_REACHABLE_AGENT": m.route_result["no_agent"],
             "OVERLOADED": m.route_result["overloaded"],
         }
         self._route_invalid = m.route_result["invalid"]
+        self._route_ok = m.route_result["ok"]
         self._hb_agent = ctx.subjects.heartbeat_parser()
         self._hb_decode = schema.heartbeat_decoder.decode
         self._heartbeat = registry.heartbeat
@@ -269,18 +277,17 @@ class Handlers:
         # storm must not cost a label lookup per message).
         self._hb_dropped = {r: m.refused.labels("heartbeat", r)
                             for r in ("forged", "stale", "unknown")}  # fmt: skip
-        self._clock, self._wall = ctx.clock, ctx.wall
+        self._clock, self._wall, self._emit = ctx.clock, ctx.wall, ctx.emit
         self.route_counts: dict[str, int] = {}
         """Route requests answered per capability since start (the console's charts read
         them on their tick; a capability is counted only once it has had agents)."""
-        self.require_leave_token = False
-        """Set while the server enforces identities (``reach_auth_enabled``): a leave must
-        then carry the agent's token, since the server lets anyone's reply land on
-        ``reach.leave.<id>`` (JetStream's acknowledgement of a publish decodes as a leave)."""
+        link = ctx.link
+        # While the server enforces identities (link.secured) a leave must carry the agent's
+        # token, since the server lets anyone's reply land on ``reach.leave.<id>``
+        # (JetStream's acknowledgement of a publish decodes as a leave), and a caller is
+        # named by its inbox.
+        self._link = link
         invalid_hb = m.heartbeat_result["invalid"]
-        self.on_unknown: Callable[[str], None] = lambda agent_id: None
-        """Told of a heartbeat from an agent this broker does not know (or whose token it
-        cannot verify): the re-announce request (:mod:`reach_broker.service.identity`)."""
 
         def dropped(kind: str) -> Dropped:
             return lambda reason: m.refused.labels(kind, reason)
@@ -304,8 +311,8 @@ class Handlers:
             "route": Endpoint(
                 "route", self.route, ctx, refused=self._route_counter,
                 failed=m.route_result["error"], timed=m.route_duration, dropped=dropped("route"),
-                caller_of=lambda headers, reply: caller_of(headers, reply,
-                                                           self.require_leave_token),
+                caller_of=lambda headers, reply: caller_of(headers, reply, link.secured),
+                spans=spans,
             ),
             "agents": Endpoint("agents", self.agents, ctx, refused=None, failed=None,
                                dropped=dropped("agents")),
@@ -334,10 +341,10 @@ class Handlers:
         ctx = self.ctx
         agent_id = ann.agent_id
         rec, transitions = self.registry.announce(ann, ctx.clock(), ctx.wall_ms())
-        ctx.metrics.announce_result["ok"].inc()
-        ctx.fanout.announced(rec)
+        self.metrics.announce_result["ok"].inc()
+        self.announced(rec)
         if transitions:
-            ctx.fanout.emit(transitions)
+            ctx.emit(transitions)
         ack = AnnounceAck(
             agent_id=agent_id, token=rec.token,
             heartbeat_interval_ms=int(rec.interval_s * 1000), broker_id=ctx.broker_id,
@@ -363,7 +370,7 @@ class Handlers:
             if result == "unknown" or result == "forged":
                 self.on_unknown(hb.agent_id)
         if transitions:
-            self.ctx.fanout.emit(transitions)
+            self._emit(transitions)
 
     def leave(self, subject: str, data: bytes) -> bytes:
         ctx = self.ctx
@@ -374,15 +381,15 @@ class Handlers:
             raise InvalidRequest(
                 f"agent_id {body.agent_id!r} in the body disagrees with the subject's {agent_id!r}"
             )
-        if body.token is None and self.require_leave_token:
+        if body.token is None and self._link.secured:
             raise NoToken(f"leave for agent_id {agent_id!r} carries no token (required while "
                           "the server enforces identities)")  # fmt: skip
         if body.token is not None and not self.registry.signer.verify(agent_id, body.token):
             raise Forbidden(f"token does not verify for agent_id {agent_id!r}")
         transitions = self.registry.leave(agent_id, ctx.clock(), body.reason or "leave")
-        ctx.metrics.leaves.labels("ok").inc()
+        self.metrics.leaves.labels("ok").inc()
         if transitions:
-            ctx.fanout.emit(transitions)
+            ctx.emit(transitions)
         return OK_REPLY
 
     def route(self, subject: str, data: bytes, caller: str = "") -> bytes:
@@ -394,7 +401,7 @@ class Handlers:
         if quotas.active:
             retry_after_ms = quotas.admit(caller, capability, ctx.clock())
             if retry_after_ms is not None:
-                ctx.metrics.quota_refused.labels(capability, quotas.label(caller)).inc()
+                self.metrics.quota_refused.labels(capability, quotas.label(caller)).inc()
                 raise Overloaded(
                     f"caller {caller!r} is over its quota for {capability!r}; retry in "
                     f"{retry_after_ms} ms", retry_after_ms=retry_after_ms,
@@ -406,10 +413,10 @@ class Handlers:
             )
             if rreq.explain:
                 body = self.explainer.route_reply(capability, rreq, ctx.clock(), ctx.wall_ms())
-                ctx.metrics.route_result["ok"].inc()
+                self._route_ok.inc()
                 return body
         body = self.router.route_reply(capability, rreq, ctx.clock(), ctx.wall_ms())
-        ctx.metrics.route_result["ok"].inc()
+        self._route_ok.inc()
         counts = self.route_counts
         counts[capability] = counts.get(capability, 0) + 1
         return body

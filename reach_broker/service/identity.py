@@ -21,6 +21,7 @@ on a task of its own: announces keep flowing meanwhile.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import msgspec
 from nats.aio.msg import Msg
@@ -44,19 +45,14 @@ CONFLICT_PROBE_S = 0.5
 """How long the answers to a contested agent id's probe are gathered."""
 
 
-class Identity:
-    """Broker component: the announce subscription's first stop, and re-announce requests."""
+class Reannouncer:
+    """Re-announce on demand: what the heartbeat handler does with an agent it cannot place."""
 
-    def __init__(self, ctx: BrokerContext, registry: Registry, handlers: Handlers) -> None:
+    def __init__(self, ctx: BrokerContext, *, asked: Any) -> None:
         self.ctx = ctx
-        self.registry = registry
-        self.handlers = handlers
-        self.endpoint = handlers.endpoints["announce"]
-        self.conflicts = 0
+        self._counter = asked
+        """``reach_reannounce_requests_total``."""
         self._asked: dict[str, float] = {}
-        handlers.on_unknown = self.unknown
-
-    # --- re-announce on demand ------------------------------------------------------------
 
     def unknown(self, agent_id: str) -> None:
         """A heartbeat from an agent this broker cannot place: ask it to announce again."""
@@ -70,13 +66,27 @@ class Identity:
         asked[agent_id] = now
         if not ctx.link.connected:
             return
-        ctx.metrics.reannounce_requests.inc()
+        self._counter.inc()
         body = schema.encoder.encode(
             schema.Reannounce(reason="unknown agent", broker_id=ctx.broker_id)
         )
         ctx.spawn(ctx.nc.publish(ctx.subjects.reannounce(agent_id), body), "reannounce")
 
-    # --- announces ------------------------------------------------------------------------
+
+class Identity:
+    """Broker component: the announce subscription's first stop (one live process per
+    agent id)."""
+
+    def __init__(
+        self, ctx: BrokerContext, registry: Registry, handlers: Handlers, *, conflict: Any
+    ) -> None:
+        self.ctx = ctx
+        self.registry = registry
+        self.handlers = handlers
+        self.endpoint = handlers.endpoints["announce"]
+        self.conflicts = 0
+        self._conflict = conflict
+        """``reach_announces_total{result="conflict"}``."""
 
     async def on_message(self, msg: Msg) -> None:
         """Callback of the announce subscription."""
@@ -109,7 +119,7 @@ class Identity:
             await self._apply(msg, ann)
             return
         self.conflicts += 1
-        self.ctx.metrics.announce_result["conflict"].inc()
+        self._conflict.inc()
         rec = self.registry.agents.get(ann.agent_id)
         age = self.ctx.clock() - rec.last_seen if rec is not None else 0.0
         err = Conflict(

@@ -1,13 +1,19 @@
 """Prometheus metrics of the broker: one :class:`Metrics` object over a ``CollectorRegistry``.
 
-Children of labelled metrics that sit on hot paths are bound once here, so a heartbeat or a
-route request costs an ``inc()``/``observe()`` and no label lookup. Gauges that mirror the
-registry (agents by state) are read at scrape time by a collector, not updated per message.
+Every metric's name, help and labels are here, once. A component is handed only what it
+counts (by the one place the broker is built, :mod:`reach_broker.broker`): a metric or two as
+arguments, or, for the handlers and the replay, a view of their own (:class:`HandlerMetrics`,
+:class:`ReplayMetrics`). Children of labelled metrics that sit on hot paths are bound once
+here, so a heartbeat or a route request costs an ``inc()``/``observe()`` and no label
+lookup. Gauges that mirror the registry (agents by state) are read at scrape time by a
+collector, not updated per message.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -270,3 +276,42 @@ class FollowCounters:
 
     def stopped(self) -> None:
         self._down.set(0)
+
+
+@dataclass(frozen=True, slots=True)
+class HandlerMetrics:
+    """What the message handlers count: results per inbound kind, refusals, route time."""
+
+    route_result: dict[str, Any]
+    route_duration: Histogram
+    quota_refused: Counter
+    heartbeat_result: dict[str, Any]
+    announce_result: dict[str, Any]
+    leaves: Counter
+    refused: Counter
+    """``reach_dropped_total``, by kind and reason."""
+
+    @classmethod
+    def of(cls, m: Metrics) -> HandlerMetrics:
+        return cls(m.route_result, m.route_duration, m.quota_refused, m.heartbeat_result,
+                   m.announce_result, m.leaves, m.refused)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayMetrics:
+    """What the compensation replay counts: how entries ended, the queue's depth, and the
+    ack records it watches."""
+
+    results: dict[str, Any]
+    """``reach_compensation_total`` by result."""
+    depth: Gauge
+    ack_states: dict[str, Any]
+    """``reach_ack_records_total`` by state."""
+    ack_latency: Histogram
+    refused: Counter
+    """``reach_dropped_total``, by kind and reason (unattributable ack records)."""
+
+    @classmethod
+    def of(cls, m: Metrics) -> ReplayMetrics:
+        return cls(m.compensation_result, m.compensation_depth, m.ack_record_state,
+                   m.ack_latency, m.refused)  # fmt: skip

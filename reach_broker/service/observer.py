@@ -28,8 +28,8 @@ A fleet does not go silent all at once; a broker's link does. Three rules follow
   judges nobody; the next one, after they are read, does. Never two ticks in a row, so a
   broker starved for good still judges every other tick.
 - **Nothing computed blind goes out later.** nats-py buffers publishes while it reconnects;
-  the fan-out publishes no event while :attr:`Link.connected` is false
-  (:class:`~reach_broker.service.context.Fanout`), and a probe whose round trip overlapped an outage
+  the pipeline publishes no event while :attr:`Link.connected` is false
+  (:class:`~reach_broker.service.fanout.Fanout`), and a probe whose round trip overlapped an outage
   is not held against the agent (:attr:`Link.epoch`, read by the prober).
 """
 
@@ -38,15 +38,17 @@ from __future__ import annotations
 import collections
 import logging
 import math
+from typing import Any
 
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
+from reach_broker.config import DetectionSection
 from reach_broker.core.records import Transition
 from reach_broker.core.registry import Registry
 
 from .advisories import Advisories
-from .context import BrokerContext, Link
+from .context import BrokerContext
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +68,14 @@ read first)."""
 class Observer:
     """The broker's self-doubt: the tick's gate, the hold, its release, the outage rebase."""
 
-    def __init__(self, ctx: BrokerContext, registry: Registry, advisories: Advisories) -> None:
-        self.ctx = ctx
-        self.link: Link = ctx.link
+    def __init__(self, ctx: BrokerContext, registry: Registry, advisories: Advisories,
+                 cfg: DetectionSection, *, suspect: Any, gaps: Any) -> None:  # fmt: skip
+        """``suspect``, ``gaps``: ``reach_observer_suspect``, ``reach_observer_gaps_total``."""
+        self.ctx, self.link, self.cfg = ctx, ctx.link, cfg
         self.registry = registry
         self.advisories = advisories
-        self.share = ctx.cfg.detection.observer_suspect_share
+        self.share = cfg.observer_suspect_share
+        self._suspect, self._gaps = suspect, gaps
         self.suspect = False
         """True while the broker doubts its own view and holds states."""
         self.suspected = 0
@@ -86,7 +90,7 @@ class Observer:
         self._stalled = False
         self.stalls = 0
         """Ticks that judged nobody because they ran late (the loop was held up)."""
-        ctx.metrics.observer_suspect.set(0)
+        suspect.set(0)
 
     # --- the tick -------------------------------------------------------------------------
 
@@ -135,7 +139,7 @@ class Observer:
         self._since = now
         self._beats_at = self.registry.beats
         self._next_confirm = now
-        self.ctx.metrics.observer_suspect.set(1)
+        self._suspect.set(1)
         counts = self.registry.counts
         log.warning(
             "observer.suspect_self silent=%d fleet=%d share=%.2f: too much of the fleet went "
@@ -166,7 +170,7 @@ class Observer:
             self._trusted_until = now + TRUST_S
         if self.suspect:
             self.suspect = False
-            self.ctx.metrics.observer_suspect.set(0)
+            self._suspect.set(0)
             log.warning("observer.trusted again after %.2fs: %s (%d held agents judged now)",
                         now - self._since, why, held)  # fmt: skip
 
@@ -184,7 +188,7 @@ class Observer:
                     return
                 try:
                     await ctx.nc.request(ctx.subjects.probe(agent_id), b"{}",
-                                         timeout=ctx.cfg.detection.probe_timeout_s)  # fmt: skip
+                                         timeout=self.cfg.probe_timeout_s)  # fmt: skip
                 except NatsTimeoutError:
                     continue
                 except NoRespondersError:
@@ -202,7 +206,7 @@ class Observer:
         """The broker's connection dropped: stop judging, withhold events."""
         if self.link.connected:
             self.link.lost(now)
-            self.ctx.metrics.observer_suspect.set(1)
+            self._suspect.set(1)
             log.warning("observer.link_lost: deadlines paused, events withheld until reconnect")
 
     def regained(self, now: float) -> None:
@@ -212,10 +216,10 @@ class Observer:
         start = min(self.link.since, self._since) if self.suspect else self.link.since
         self.link.regained(now)
         self.registry.observer_gap(start, now)
-        self.ctx.metrics.observer_gaps.inc()
+        self._gaps.inc()
         self.suspect = False
         self._recent.clear()
-        self.ctx.metrics.observer_suspect.set(0)
+        self._suspect.set(0)
         log.warning("observer.link_regained after %.2fs: every agent's clock rebased",
                     now - start)  # fmt: skip
         self.advisories.on_reconnected()

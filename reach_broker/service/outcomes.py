@@ -20,6 +20,7 @@ from nats.aio.msg import Msg
 from reach_agent.aio import stop_loops
 from reach_agent.wire.errors import ReachError
 from reach_agent.wire.schema import decode, is_agent_id, outcome_decoder, validate_outcome
+from reach_broker.config import OutcomesSection
 from reach_broker.core.delivery import OUTLIER, UNANSWERED, DeliveryBook, Verdict
 from reach_broker.core.registry import Registry
 
@@ -34,19 +35,18 @@ JUDGE_EVERY_S = 1.0
 class Outcomes:
     """Follows the callers' summaries into the registry's records."""
 
-    def __init__(self, ctx: BrokerContext, registry: Registry) -> None:
-        self.ctx = ctx
-        self.registry = registry
-        self.book = DeliveryBook(ctx.cfg.outcomes)
-        m = ctx.metrics
-        self._result = {k: m.outcomes.labels(k)
-                        for k in ("accepted", "invalid", "unknown")}  # fmt: skip
-        self._ejected = {rule: m.delivery_ejected.labels(rule) for rule in (OUTLIER, UNANSWERED)}
+    def __init__(self, ctx: BrokerContext, registry: Registry, cfg: OutcomesSection, *,
+                 summaries: Any, ejected: Any) -> None:  # fmt: skip
+        """``summaries``, ``ejected``: ``reach_outcomes_total``, ``reach_delivery_ejected``."""
+        self.ctx, self.registry, self.cfg = ctx, registry, cfg
+        self.book = DeliveryBook(cfg)
+        self._result = {k: summaries.labels(k) for k in ("accepted", "invalid", "unknown")}
+        self._ejected = {rule: ejected.labels(rule) for rule in (OUTLIER, UNANSWERED)}
         self._sub: Any = None
         self._loop: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        if self._sub is not None or not self.ctx.cfg.outcomes.enabled:
+        if self._sub is not None or not self.cfg.enabled:
             return
         self._sub = await self.ctx.nc.subscribe(self.ctx.subjects.all_outcomes,
                                                 cb=self.on_message)  # fmt: skip

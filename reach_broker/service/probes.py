@@ -46,6 +46,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
+from reach_broker.config import DetectionSection
 from reach_broker.core.records import AgentRecord, Transition
 from reach_broker.core.registry import Registry
 
@@ -72,6 +73,9 @@ NO_RESPONDERS = "503"
 ProbeSend = Callable[[float], Awaitable[object]]
 """Probes one agent within the timeout given; raises nats' TimeoutError or NoRespondersError
 when unanswered."""
+ProbeVia = Callable[[AgentRecord], ProbeSend | None]
+"""How to probe an agent that is not probed on ``<p>.probe.<agent_id>`` (a Synadia agent:
+its status endpoint); None: the reach probe."""
 
 
 class Waiting(NamedTuple):
@@ -94,12 +98,13 @@ def backoff_delay(failures: int, cap_s: float, rng: random.Random) -> float:
 class Prober:
     """The broker's probe scheduler: probes agents and hands the results to the registry."""
 
-    def __init__(
-        self, ctx: BrokerContext, registry: Registry, rng: random.Random | None = None
-    ) -> None:
-        self.ctx = ctx
-        self.registry = registry
-        self.cfg = ctx.cfg.detection
+    def __init__(self, ctx: BrokerContext, registry: Registry, cfg: DetectionSection, *,
+                 results: Any, rtt: Any, probe_via: ProbeVia | None = None,
+                 rng: random.Random | None = None) -> None:  # fmt: skip
+        """``results``, ``rtt``: ``reach_probes_total``, ``reach_probe_rtt_seconds``."""
+        self.ctx, self.registry, self.cfg = ctx, registry, cfg
+        self._rtt = rtt
+        self.probe_via: ProbeVia = probe_via or (lambda rec: None)
         self.rng = rng or random.Random()
         self._heap: list[tuple[float, int, str]] = []
         self._gen: dict[str, int] = {}  # agent_id -> generation of its live heap entry
@@ -117,12 +122,9 @@ class Prober:
         """Probes sent and not yet answered, by reply token."""
         self._deadlines: deque[tuple[float, str]] = deque()
         """(when it times out, token) of each probe sent, in send order: deadline order."""
-        self.probe_via: Callable[[AgentRecord], ProbeSend | None] = lambda rec: None
-        """How to probe an agent that is not probed on ``<p>.probe.<agent_id>`` (a Synadia
-        agent: its status endpoint); None: the reach probe."""
-        m = ctx.metrics
-        results = ("ok", "timeout", "no_responders", "link_down", "error")
-        self._results = {r: m.probes.labels(r) for r in results}
+        outcomes = ("ok", "timeout", "no_responders", "link_down", "error")
+        self._results = {r: results.labels(r) for r in outcomes}
+        """``reach_probes_total``'s children, bound once."""
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -132,15 +134,12 @@ class Prober:
         nc = self.ctx.nc
         self._inbox = nc.new_inbox() + "."
         self._sub = await nc.subscribe(self._inbox + "*", cb=self._on_answer)
-        self.ctx.fanout.listeners.append(self.on_transition)
         self._task = asyncio.create_task(self._loop(), name="reach-probes")
 
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is None:
             return
-        if self.on_transition in self.ctx.fanout.listeners:
-            self.ctx.fanout.listeners.remove(self.on_transition)
         await stop_loops(task, *self._probes)
         if self._sub is not None:
             sub, self._sub = self._sub, None
@@ -175,7 +174,8 @@ class Prober:
         return next((at for at, g, a in self._heap if g == gen and a == agent_id), None)
 
     def on_transition(self, t: Transition, rec: AgentRecord | None) -> None:
-        """Listener: probe suspects and recoverers now; sample newcomers at a random phase."""
+        """Consumer: probe suspects and recoverers now; sample newcomers at a random phase
+        (only plans: while the prober is not running nothing is sent)."""
         if t.kind == "evicted" or rec is None:
             self.cancel(t.agent_id)
             return
@@ -329,7 +329,7 @@ class Prober:
         rtt = rtt_ms if ok else None
         self._results[result].inc()
         if rtt is not None:
-            ctx.metrics.probe_rtt.observe(rtt / 1000.0)
+            self._rtt.observe(rtt / 1000.0)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("probe.%s agent=%s rtt_ms=%s", result, agent_id, rtt)
         if sample and result == "no_responders":
@@ -341,7 +341,7 @@ class Prober:
         # ended, an answer late by the whole stall) says it lives, not what its latency is.
         out = self.registry.probe_result(agent_id, ok, rtt if sample else None, now)
         if out:
-            ctx.fanout.emit(out)
+            ctx.emit(out)
         return ok
 
     async def _probe_via(self, agent_id: str, via: ProbeSend, sample: bool) -> None:

@@ -26,19 +26,19 @@ them until the follow is back and delivers them; none is forgotten
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import msgspec
 
 from jetstream import ackreads, claims
 from jetstream.claims import ClaimStore, ClaimsUnavailable
-from jetstream.follow import Follower
+from jetstream.follow import UNCOUNTED, Follower, FollowMetrics
 from reach_agent.results import ended_by_record
 from reach_agent.wire import schema
 from reach_agent.wire.schema import Claim, Event
+from reach_broker.config import ClaimsSection
 from reach_broker.core.records import AgentRecord, Transition
 
 from .context import BrokerContext
@@ -71,11 +71,16 @@ class Releaser:
     """Broker component: knows the running claims per holder and releases those of agents
     declared offline. Started only when the server has JetStream."""
 
-    def __init__(self, ctx: BrokerContext, state_of: Callable[[str], str | None]) -> None:
-        self.ctx = ctx
+    def __init__(self, ctx: BrokerContext, state_of: Callable[[str], str | None],
+                 cfg: ClaimsSection, *, released: Any, store_errors: Any,
+                 follow: FollowMetrics = UNCOUNTED) -> None:  # fmt: skip
+        """``released``, ``store_errors``: ``reach_claims_released_total``,
+        ``reach_store_errors_total``; ``follow``: what the claims follow counts into."""
+        self.ctx, self.cfg, self._released = ctx, cfg, released
+        self._follow = follow
+        self._store_errors = store_errors
         self.state_of = state_of
         """The registry's state of an agent (None: unknown)."""
-        self.cfg = ctx.cfg.claims
         self.store = ClaimStore(ctx.nc)
         self.released = 0
         self._running: dict[str, dict[str, tuple[int, Claim]]] = {}
@@ -101,8 +106,7 @@ class Releaser:
             return
         since = self.ctx.wall() - self.cfg.scan_window_s
         self.follower = await claims.follow(self.ctx.nc, self._on_claim, since=since,
-                                            metrics=self.ctx.metrics.follow("claims"))  # fmt: skip
-        self.ctx.fanout.listeners.append(self._on_transition)
+                                            metrics=self._follow)  # fmt: skip
         # The completed records of the same window: each ends a claim that stays ``running``
         # in the bucket, so the claims caught up above are not kept as running (later
         # records come through the ack watch, as they are published).
@@ -111,15 +115,12 @@ class Releaser:
         self._catch_up.start()
 
     async def stop(self) -> None:
-        if self.follower is None:
-            return
-        with contextlib.suppress(ValueError):
-            self.ctx.fanout.listeners.remove(self._on_transition)
+        follower, self.follower = self.follower, None  # not running: transitions ignored
         if self._catch_up is not None:
             await self._catch_up.stop()
             self._catch_up = None
-        follower, self.follower = self.follower, None
-        await follower.stop()
+        if follower is not None:
+            await follower.stop()
 
     async def claim_of(self, request_id: str) -> ClaimView | None:
         """``request_id``'s claim (holder, state, body digest); None when it is unclaimed.
@@ -138,7 +139,7 @@ class Releaser:
             if state == "running" and await self._ended(claim):
                 state = "completed"  # its holder's completed record ended it
         except ClaimsUnavailable:
-            self.ctx.metrics.store_errors.labels("claims", "lookup").inc()
+            self._store_errors.labels("claims", "lookup").inc()
             raise
         return ClaimView(claim.agent_id, state, claim.body_digest)
 
@@ -214,7 +215,11 @@ class Releaser:
 
     # --- releasing ----------------------------------------------------------------------
 
-    def _on_transition(self, t: Transition, rec: AgentRecord | None) -> None:
+    def on_transition(self, t: Transition, rec: AgentRecord | None) -> None:
+        """Consumer: an agent declared offline (or evicted) has its claims released
+        (ignored while not running)."""
+        if self.follower is None:
+            return
         if (t.to == "offline" or t.kind == "evicted") and t.agent_id in self._running:
             self.ctx.spawn(self.release(t.agent_id, t.reason), "claims-release")
 
@@ -236,7 +241,7 @@ class Releaser:
                 won = await self.store.swap(key, schema.encoder.encode(released), revision)
             except ClaimsUnavailable as exc:
                 failed += 1
-                self.ctx.metrics.store_errors.labels("claims", "release").inc()
+                self._store_errors.labels("claims", "release").inc()
                 log.warning("claims.release_failed request_id=%s agent=%s error=%s: tried "
                             "again in %.1fs", claim.request_id, agent_id, exc,
                             pause_s)  # fmt: skip
@@ -245,7 +250,7 @@ class Releaser:
                 continue  # it moved on: finished, taken over, or released by another replica
             done += 1
             self.released += 1
-            self.ctx.metrics.claims_released.inc()
+            self._released.inc()
             log.info("claims.released request_id=%s agent=%s capability=%s reason=%s",
                      claim.request_id, agent_id, claim.capability, why)  # fmt: skip
             event = Event(kind="released", agent_id=agent_id, reason=reason,

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 from jetstream import rules as bucket
-from jetstream.follow import Follower
+from jetstream.follow import UNCOUNTED, Follower, FollowMetrics
 from jetstream.names import H_MSG_ID
 from reach_agent.routing.rules import RouteRule, Rules, build, decode_rule, describe
 from reach_agent.wire import schema
@@ -58,10 +59,16 @@ class Rulebook:
     """Broker component: follows ``reach_rules`` into the router's rules. Started only when
     the server has JetStream (``broker.toml``'s rules apply either way)."""
 
-    def __init__(self, ctx: BrokerContext, rules: Rules, quotas: Quotas) -> None:
+    def __init__(self, ctx: BrokerContext, rules: Rules, quotas: Quotas, *, changes: Any,
+                 follow: FollowMetrics = UNCOUNTED) -> None:  # fmt: skip
+        """``changes``: ``reach_rule_changes_total``; ``follow``: what the rules follow
+        counts into."""
         self.ctx = ctx
+        self._follow = follow
         self.rules = rules
         self.quotas = quotas
+        self._changes = changes
+        """``reach_rule_changes_total`` by action."""
         self.applied = 0
         """Changes applied so far."""
         self.changed = asyncio.Event()
@@ -85,7 +92,7 @@ class Rulebook:
             expected = 0
         self._expected = expected
         self.follower = await bucket.follow(self.ctx.nc, self._on_change,
-                                            metrics=self.ctx.metrics.follow("rules"))  # fmt: skip
+                                            metrics=self._follow)  # fmt: skip
         # The stored rules are in force before the broker answers its first route.
         if self.seen < expected:
             try:
@@ -114,7 +121,6 @@ class Rulebook:
     def apply(self, capability: str, revision: int, data: bytes | None,
               audit: bool = True) -> str:  # fmt: skip
         """Apply one stored change; returns how it ended (``set``, ``cleared``, ``invalid``)."""
-        m = self.ctx.metrics
         if data is None:
             in_force = self.rules.unset(capability)
             action = "cleared"
@@ -125,7 +131,7 @@ class Rulebook:
             try:
                 rule = decode_rule(capability, data)
             except InvalidRequest as exc:
-                m.rule_changes.labels("invalid").inc()
+                self._changes.labels("invalid").inc()
                 log.warning("rules.invalid capability=%s revision=%d error=%s", capability,
                             revision, exc.message)  # fmt: skip
                 return "invalid"
@@ -134,7 +140,7 @@ class Rulebook:
             by = f" by {rule.updated_by}" if rule.updated_by else ""
             reason = f"{capability}: set {describe(rule)}{by}"
         self.quotas.changed(capability)
-        m.rule_changes.labels(action).inc()
+        self._changes.labels(action).inc()
         self.applied += 1
         self.changed.set()
         log.info("rules.%s capability=%s revision=%d %s", action, capability, revision, reason)

@@ -117,8 +117,6 @@ class Snapshot:
         self.js = self.ctx.nc.jetstream(timeout=ACK_TIMEOUT_S)
         self.kv = await self.js.key_value(REGISTRY_BUCKET)
         await self.restore()
-        self.ctx.fanout.listeners.append(self._on_transition)
-        self.ctx.fanout.announce_listeners.append(self._on_announce)
         self._tasks = [
             asyncio.create_task(self._flusher(), name="reach-snapshot"),
             asyncio.create_task(self._stats_loop(), name="reach-snapshot-stats"),
@@ -127,10 +125,6 @@ class Snapshot:
     async def stop(self) -> None:
         if not self._tasks:
             return
-        with contextlib.suppress(ValueError):
-            self.ctx.fanout.listeners.remove(self._on_transition)
-        with contextlib.suppress(ValueError):
-            self.ctx.fanout.announce_listeners.remove(self._on_announce)
         await stop_loops(*self._tasks)
         self._tasks = []
         with contextlib.suppress(Exception):
@@ -169,13 +163,17 @@ class Snapshot:
 
     # --- writing ------------------------------------------------------------------------
 
-    def _on_transition(self, t: Transition, rec: AgentRecord | None) -> None:
-        self._dirty.add(t.agent_id)
-        self._wake.set()
+    def on_transition(self, t: Transition, rec: AgentRecord | None) -> None:
+        """Consumer: the agent's key is written again (ignored while not running)."""
+        if self._tasks:
+            self._dirty.add(t.agent_id)
+            self._wake.set()
 
-    def _on_announce(self, rec: AgentRecord) -> None:
-        self._dirty.add(rec.agent_id)
-        self._wake.set()
+    def on_announce(self, rec: AgentRecord) -> None:
+        """An accepted announce, also one that moved no state: what it says is stored."""
+        if self._tasks:
+            self._dirty.add(rec.agent_id)
+            self._wake.set()
 
     def sweep_stats(self) -> int:
         """Mark dirty every agent whose task EWMA drifted from the stored one; returns how

@@ -80,6 +80,9 @@ class Tables:
         self._rules: dict[str, tuple[Rule, msgspec.Raw]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._storer: asyncio.Task[None] | None = None
+        self._to_store: list[tuple[tuple[int, str], bytes, bool]] = []
+        self._store_wake = asyncio.Event()
         self._sub: Any = None
         self._stored_at: dict[tuple[int, str], float] = {}
         self._storing: set[tuple[int, str]] = set()
@@ -96,12 +99,19 @@ class Tables:
         nc, s = self.ctx.nc, self.ctx.subjects
         self._sub = await nc.subscribe(s.all_tables, cb=self.endpoint.on_message)
         self._task = asyncio.create_task(self._loop(), name="reach-tables")
+        if self._jetstream:
+            self._storer = asyncio.create_task(self._store_loop(), name="reach-tables-store")
 
     async def stop(self) -> None:
         if self._task is None:
             return
         await stop_loops(self._task)
         self._task = None
+        if self._storer is not None:
+            await stop_loops(self._storer)
+            self._storer = None
+        self._to_store.clear()
+        self._storing.clear()
         if self._sub is not None:
             try:
                 await self._sub.unsubscribe()
@@ -189,7 +199,23 @@ class Tables:
             storing.add(key)
             p, cap = key
             body = schema.encoder.encode(self.book.share(p, cap, at_ms))
-            self.ctx.spawn(self._put(key, body, not share.entries), "table-store")
+            self._to_store.append((key, body, not share.entries))
+        if self._to_store:
+            self._store_wake.set()
+
+    async def _store_loop(self) -> None:
+        """Write the shares :meth:`_store` queued, one after another on this one task (no
+        task a write: a flush of 320 changed shares is 320 requests in a row)."""
+        while True:
+            raise_if_cancelled()
+            await self._store_wake.wait()
+            self._store_wake.clear()
+            batch, self._to_store = self._to_store, []
+            for key, body, empty in batch:
+                try:
+                    await self._put(key, body, empty)
+                except Exception:  # noqa: BLE001 - the loop body never dies
+                    log.exception("tables.store failed")
 
     async def _put(self, key: tuple[int, str], body: bytes, empty: bool) -> None:
         subject = f"$KV.{TABLES_BUCKET}.{key[0]}.{key[1]}"

@@ -6,6 +6,7 @@ routes under uvicorn), with no reach code in it.
 Skills ``Echo Text`` (id ``echo-text``) and ``summarize``. What a message's text asks:
 
 * ``slow N``: works N seconds, then completes ``done`` (a cancel ends it ``canceled``);
+  ``slow N late D``: the same, its task named only D seconds after the message came;
 * ``ask``: ``input-required`` with the question ``which language?``;
 * ``fail`` / ``reject``: the task ``failed`` / ``rejected`` with a status message;
 * ``direct``: answers with a ``Message`` (no task);
@@ -58,6 +59,9 @@ class Executor(AgentExecutor):
                      "skill": meta.get("skill"), "text": context.get_user_input()})  # fmt: skip
         text = context.get_user_input().strip()
         task_id, context_id = context.task_id or "", context.context_id or ""
+        words = text.split()
+        if "late" in words:  # the message is seen (SEEN) before its task is named
+            await asyncio.sleep(float(words[words.index("late") + 1]))
         if text == "direct":
             await event_queue.enqueue_event(pb.Message(
                 message_id=f"m-{task_id}", context_id=context_id, role=pb.ROLE_AGENT,

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import orjson
 
-from .console.httpd import HttpServer, Request, Response, Stream, text
+from .httpd import HttpServer, Request, Response, Stream, text
 
 HEALTHZ = "/healthz"
 READYZ = "/readyz"

@@ -1,0 +1,156 @@
+"""A broker restarted with its snapshot judges the agents it restored only on a silence it
+could hear: its start takes seconds between reading the snapshot and subscribing to
+heartbeats (the components start in between; starved of CPU, or waiting on a server, far
+longer), and that wait is not the agents' silence (the nemesis's offline_while_healthy).
+
+The rule, pure and on a fake clock: :meth:`Registry.listening` counts a restored agent's
+window again from when the broker can hear it, plus one interval of grace. Then the
+restart against a real nats-server, its start held up past the restored agents' window."""
+
+from __future__ import annotations
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from reach_agent.wire.schema import Announce, Event, Heartbeat
+from reach_agent.wire.subjects import AGENTS as SYNADIA_AGENTS
+from reach_broker.broker import Broker
+from reach_broker.cluster.natsserver import NatsServer
+from reach_broker.config import Config
+from reach_broker.core.records import Transition
+from reach_broker.core.registry import Registry
+from reach_broker.core.tokens import TokenSigner
+from reach_broker.service.metrics import Metrics
+
+from .conftest import BrokerFactory, fast_config, wait_for
+from .detection_agents import Transitions, agents
+
+OFFLINE_S = 3.0555205540326087
+"""A young agent's offline window at a 1 s interval: phi 16 over the prior of five 1 s
+samples (mean 1 s, std floored at 0.25 s), below the fixed 6 intervals."""
+
+
+def restored(*agent_ids: str) -> Registry:
+    """A registry that restored ``agent_ids`` (healthy in the snapshot, 1 s interval) at 0.0."""
+    reg = Registry(Config(), TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
+    for agent_id in agent_ids:
+        ann = Announce(agent_id=agent_id, capabilities=["summarize"], max_concurrency=4,
+                       heartbeat_interval_ms=1000)  # fmt: skip
+        assert reg.restore(ann, "healthy", 0.0, 0) is not None
+    reg.restored(0.0)
+    return reg
+
+
+def moves(ts: list[Transition]) -> list[tuple[str, str | None, str | None, str]]:
+    return [(t.agent_id, t.from_, t.to, t.reason) for t in ts]
+
+
+def beat(reg: Registry, agent_id: str, seq: int, now: float) -> list[Transition]:
+    hb = Heartbeat(agent_id=agent_id, token=reg.signer.issue(agent_id), seq=seq)
+    result, ts = reg.heartbeat(hb, now, 0)
+    assert result == "accepted"
+    return ts
+
+
+def test_a_restored_agent_is_judged_from_when_the_broker_listens_plus_an_interval() -> None:
+    reg = restored("alpha")
+    assert reg.agents["alpha"].state == "suspect"
+    # The start took 5 s (past the window counted from the restore): nobody is judged yet.
+    assert reg.listening(5.0) == 1
+    assert reg.expire(5.0) == []
+    assert reg.expire(5.0 + 1.0 + OFFLINE_S - 0.01) == []
+    assert moves(reg.expire(5.0 + 1.0 + OFFLINE_S + 0.01)) == [
+        ("alpha", "suspect", "offline", "no heartbeat for 4.07s (interval 1s)")
+    ]
+    assert reg.listening(20.0) == 0  # once per restore
+
+
+def test_the_first_heartbeat_after_listening_confirms_and_is_not_a_sample() -> None:
+    reg = restored("alpha")
+    reg.listening(5.0)
+    assert moves(beat(reg, "alpha", 1, 5.9)) == [
+        ("alpha", "suspect", "healthy", "heartbeat resumed")
+    ]
+    rec = reg.agents["alpha"]
+    assert len(rec.window) == 0  # restore -> first beat measured the broker's start
+    assert rec.resync is False
+    assert beat(reg, "alpha", 2, 6.9) == []
+    assert list(rec.window._samples) == [1.0]
+
+
+def test_an_agent_heard_before_the_broker_listens_keeps_its_own_clock() -> None:
+    reg = restored("alpha", "beta")
+    assert moves(beat(reg, "alpha", 1, 0.5)) == [
+        ("alpha", "suspect", "healthy", "heartbeat resumed")
+    ]
+    suspect_at = reg.agents["alpha"].suspect_at
+    assert reg.listening(5.0) == 1  # beta only
+    assert reg.agents["alpha"].suspect_at == suspect_at
+    assert reg.agents["beta"].last_seen == 5.0
+
+
+# --- the restart, against a real nats-server ------------------------------------------------
+
+HEARTBEAT_MS = 500
+"""The agents' interval: their window (1.53 s, phi over the prior) is shorter than the
+held-up start below."""
+AGENT_IDS = ("r1", "r2")
+
+
+async def never_answer(msg: Msg) -> None:
+    """A Synadia agent's service that takes the discovery request and never answers: the
+    restarted broker's start waits its whole 2 s between the restore and its heartbeat
+    subscription, as a start starved of CPU or waiting on a slow cluster does."""
+
+
+async def test_a_restarted_broker_declares_no_heartbeating_restored_agent_offline(
+    nats_server: NatsServer, nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    # share 1.0: the observer never holds, so a wrong offline shows rather than being held.
+    overrides = {"detection__observer_suspect_share": 1.0}
+    first = await broker_factory(**overrides)
+    specs = ((a, ["--heartbeat-ms", str(HEARTBEAT_MS)]) for a in AGENT_IDS)
+    async with agents(nats_server.url, *specs):
+        reg = first.registry
+        await wait_for(lambda: all(a in reg.agents and reg.agents[a].state == "healthy"
+                                   for a in AGENT_IDS), 10, what="agents healthy")  # fmt: skip
+        await wait_for(lambda: first.snapshot.writes >= len(AGENT_IDS), 10, what="snapshot")
+        await first.stop()
+
+        await nc.subscribe(SYNADIA_AGENTS.info, cb=never_answer)
+        await nc.flush()
+        events: list[Event] = []
+
+        async def on_event(msg: Msg) -> None:
+            events.append(msgspec.json.decode(msg.data, type=Event))
+
+        await nc.subscribe("reach.event.state.*", cb=on_event)
+        await nc.flush()
+        seen = Transitions()
+        second = Broker(fast_config(nats_server.url, **overrides), metrics=Metrics(),
+                        watchers=[seen])  # fmt: skip
+        clock = second.clock
+        await second.start()
+        try:
+            began = clock()
+            assert second.snapshot.restored == len(AGENT_IDS)
+            restored_at = min(r.state_since for r in second.registry.agents.values())
+            # The start was held up past the window counted from the restore.
+            assert began - restored_at > 1.6, began - restored_at
+            await wait_for(lambda: all(seen.of(a) for a in AGENT_IDS), 5, what="judged")
+            # Two more windows of 1.53 s: no heartbeating agent is declared offline (a
+            # starved agent process may still be suspected: that is detection at work).
+            deadline = clock() + 3.2
+            await wait_for(lambda: clock() >= deadline, 5)
+            for agent_id in AGENT_IDS:
+                moves = seen.of(agent_id)
+                assert moves[0] == ("suspect", "healthy", "heartbeat resumed"), moves
+                assert [m for m in moves if m[1] == "offline"] == [], moves
+            await wait_for(lambda: {e.agent_id for e in events} == set(AGENT_IDS), 5,
+                           what="events")  # fmt: skip
+            first_moves = {e.agent_id: (e.from_, e.to) for e in reversed(events)}
+            assert first_moves == dict.fromkeys(AGENT_IDS, ("suspect", "healthy"))
+            assert [e for e in events if e.to == "offline"] == []
+        finally:
+            await second.stop()
