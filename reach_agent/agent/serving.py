@@ -17,7 +17,9 @@ clean up; after ``cancel_grace`` seconds it is cancelled again. The run then end
 ``cancelled``, so no retry or replay runs it again), the final ack record ``failed`` with
 ``CANCELLED``, the slot free. A cancel that comes before the handler started (the claim's
 round trip) ends the run before it; one for a request not running here is remembered in
-the duplicate window, so a copy of the task arriving later is answered ``CANCELLED``.
+the duplicate window, so a copy of the task arriving later is answered ``CANCELLED`` —
+unless the request's claim says it finished (run by this agent's previous process, or by
+another): a finished request's result stands.
 A plain function handler runs in a worker thread, which cannot be interrupted: its run
 ends at once, the thread finishes on its own and its result is dropped.
 
@@ -298,11 +300,30 @@ class TaskServer:
         if reply and d.receipt:
             await self._send_receipt(reply, request_id)
         if reply and d.ack_mode != "received":
+            if entry.remembered and self.claimer is not None and capability not in self.idempotent:
+                self._tasks.spawn(self._answer_remembered(reply, request_id, entry, digest),
+                                  "reach-dup")  # fmt: skip
+                return
             if entry.future.done():
                 headers, body = entry.future.result()
                 await self._publish(reply, body, headers)
             else:
                 self._tasks.spawn(self._reply_when_done(entry, reply), "reach-dup")
+
+    async def _answer_remembered(
+        self, reply: str, request_id: str, entry: Entry, digest: str
+    ) -> None:
+        """A copy of a request this process was told to cancel while it did not run it: a
+        claim that says the request finished (run by this agent's previous process, say, or
+        by another) answers with its result, which stands; otherwise the cancel does
+        (``CANCELLED``)."""
+        assert self.claimer is not None
+        claimed = await self.claimer.final(request_id, digest)
+        if claimed is not None:
+            _, (headers, body) = await self.claimer.answer(claimed, request_id, digest)
+        else:
+            headers, body = await asyncio.shield(entry.future)
+        await self._publish(reply, body, headers)
 
     async def _reply_when_done(self, entry: Entry, reply: str) -> None:
         headers, body = await asyncio.shield(entry.future)
@@ -350,7 +371,8 @@ class TaskServer:
     def cancel(self, request_id: str, reason: str) -> schema.CancelState:
         """Cancel ``request_id`` on this agent: ``cancelled`` (running here: its handler is
         interrupted, or never starts), ``finished`` (it ended here already) or ``unknown``
-        (remembered: a copy arriving later is answered ``CANCELLED``)."""
+        (remembered: a copy arriving later is answered ``CANCELLED``, unless the request's
+        claim says it finished: then its result)."""
         run = self._runs.get(request_id)
         if run is not None and (run.phase != "ending" or run.cancelled is not None):
             if run.cancelled is None:
@@ -368,6 +390,7 @@ class TaskServer:
             done = entry.future.done() and entry.future.result()[0].get(H_SERVICE_ERROR_CODE)
             return "cancelled" if done == str(Cancelled.status) else "finished"
         entry = self.dedup.begin(request_id, now, self.active)
+        entry.remembered = True
         self.dedup.finish(entry, _cancelled_reply(request_id, self.agent_id, reason), now)
         return "unknown"
 
