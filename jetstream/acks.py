@@ -10,6 +10,12 @@ files of dead processes of the same agent (and its own earlier life) are replaye
 between "handler done" and "ack stored" loses nothing. Re-sends are harmless: the stream's
 duplicate window drops a second copy of the same id.
 
+**Folded records.** The sender waits ``linger_s`` (20 ms) after a record before sending what
+has come, so a short run's ``received`` and final record are often both unsent when the final
+one is written: then ``received`` is not sent at all (marked stored in the log) and the final
+record carries its time instead (``received_ms``): one JetStream write (a synced one, under
+``sync_interval: always``) per task where there were two.
+
 The ``tag`` is random, drawn once per record and kept in the write-ahead file: the server
 checks the subject a record is published to but never its headers, so a message id anyone
 could compute (``beta.<rid>.completed``) would let another agent store it first, on its own
@@ -119,6 +125,7 @@ class AckWriter:
         batch: int = 256,
         publish_timeout_s: float = 2.0,
         retry_max_s: float = 5.0,
+        linger_s: float = 0.02,
         compact_bytes: int = 1 << 20,
         after_wal: Callable[[str, str], None] | None = None,
     ) -> None:
@@ -131,6 +138,9 @@ class AckWriter:
         self.batch = batch
         self.publish_timeout_s = publish_timeout_s
         self.retry_max_s = retry_max_s
+        self.linger_s = linger_s
+        """How long the sender waits after a record for more (so a run's ``received`` and
+        final record go as one, and records go in batches)."""
         self.compact_bytes = compact_bytes
         self.after_wal = after_wal
         self.stored = 0
@@ -139,10 +149,16 @@ class AckWriter:
         self.dropped = 0
         """Records refused before the WAL (invalid request id), logged with the reason."""
         self.retries = 0
+        self.folded = 0
+        """``received`` records not sent: folded into their final record (``received_ms``)."""
         self.no_stream = False
         """True while the last attempt found no stream for reach.ack.> (none provisioned)."""
         self._wal = wal.Wal(self.wal_dir, fsync=fsync)
         self._pending: dict[str, wal.Entry] = {}
+        self._received: dict[str, tuple[str, int]] = {}
+        """request id → (message id, at_ms) of its ``received`` record not sent yet."""
+        self._sending: set[str] = set()
+        """Message ids of the batch being sent (too late to fold)."""
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -230,11 +246,26 @@ class AckWriter:
     # --- writing ----------------------------------------------------------------------
 
     async def record(self, rec: Any) -> None:
-        """The ``ack_sink`` hook: durable in the WAL on return, stored in JetStream soon."""
-        self.write(rec.request_id, rec.state, self._encoder.encode(rec))
+        """The ``ack_sink`` hook: durable in the WAL on return, stored in JetStream soon. A
+        final record whose ``received`` is still unsent takes its place (the record type's
+        ``received_ms`` gets its ``at_ms``; see the module docstring)."""
+        request_id, state = rec.request_id, rec.state
+        if state in FINAL_STATES:
+            unsent = self._received.pop(request_id, None)
+            if unsent is not None and unsent[0] in self._pending and unsent[0] not in self._sending:
+                rec = msgspec.structs.replace(rec, received_ms=unsent[1])
+                self.write(request_id, state, self._encoder.encode(rec))  # the final first
+                self._pending.pop(unsent[0])
+                self._wal.mark_stored([unsent[0]])
+                self.folded += 1
+                return
+        msg_id = self.write(request_id, state, self._encoder.encode(rec))
+        if state == "received" and msg_id is not None:
+            self._received[request_id] = (msg_id, rec.at_ms)
 
-    def write(self, request_id: str, state: str, data: bytes) -> None:
-        """Append one record to the WAL and queue it for sending."""
+    def write(self, request_id: str, state: str, data: bytes) -> str | None:
+        """Append one record to the WAL and queue it for sending; its message id (None:
+        refused, logged)."""
         if not self._wal.is_open:
             raise RuntimeError("AckWriter.write before start()")
         try:
@@ -242,7 +273,7 @@ class AckWriter:
         except InvalidRequestId as exc:
             self.dropped += 1
             log.warning("acks.dropped state=%s reason=%s", state, exc)
-            return
+            return None
         msg_id = ack_msg_id(self.author, request_id, state)
         entry = self._wal.add(msg_id, self.subjects.ack(self.author, request_id), data)
         if self.after_wal is not None:
@@ -250,6 +281,7 @@ class AckWriter:
         self._pending[msg_id] = entry
         self._idle.clear()
         self._wake.set()
+        return msg_id
 
     # --- sending ----------------------------------------------------------------------
 
@@ -258,12 +290,19 @@ class AckWriter:
         while True:
             raise_if_cancelled()
             await self._wake.wait()
+            if self.linger_s > 0:
+                await asyncio.sleep(self.linger_s)  # more may come: a fold, a fuller batch
             self._wake.clear()
             while self._pending:
                 batch = list(self._pending.items())[: self.batch]
-                results = await asyncio.gather(
-                    *(self._publish(msg_id, e) for msg_id, e in batch), return_exceptions=True
-                )
+                self._sending = {msg_id for msg_id, _ in batch}
+                try:
+                    results = await asyncio.gather(
+                        *(self._publish(msg_id, e) for msg_id, e in batch),
+                        return_exceptions=True,
+                    )
+                finally:
+                    self._sending = set()
                 done = [
                     msg_id for (msg_id, _), ok in zip(batch, results, strict=True) if ok is True
                 ]
@@ -272,6 +311,10 @@ class AckWriter:
                     for m in done:
                         self._pending.pop(m, None)
                     self.stored += len(done)
+                    if self._received:
+                        sent = set(done)
+                        for rid in [r for r, (m, _) in self._received.items() if m in sent]:
+                            del self._received[rid]
                 if len(done) < len(batch):
                     self.retries += len(batch) - len(done)
                     failure = next(r for r in results if r is not True)

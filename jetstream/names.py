@@ -28,6 +28,16 @@ RULES_BUCKET = "reach_rules"
 """KV bucket: one route rule per capability (key = the capability), watched by every broker."""
 RULES_STREAM = f"KV_{RULES_BUCKET}"
 """The stream behind :data:`RULES_BUCKET`."""
+PARTITIONS_BUCKET = "reach_partitions"
+"""KV bucket: one lease per partition of the fleet (key = the partition number), naming the
+broker that owns it; its ``max_age`` is the lease's time to live."""
+PARTITIONS_STREAM = f"KV_{PARTITIONS_BUCKET}"
+"""The stream behind :data:`PARTITIONS_BUCKET`."""
+TABLES_BUCKET = "reach_tables"
+"""KV bucket: each route-table share (key = ``<partition>.<capability>``) as its owner last
+wrote it, for callers that find no broker."""
+TABLES_STREAM = f"KV_{TABLES_BUCKET}"
+"""The stream behind :data:`TABLES_BUCKET`."""
 A2A_TASKS_BUCKET = "reach_a2a_tasks"
 """KV bucket of the A2A gateway's tasks: one key per task, ``<owner>.<task id>``
 (reach_broker/interop/a2a/tasks.py), kept as long as the ack records their results live in.
@@ -35,7 +45,7 @@ Not among :data:`STREAM_NAMES`: a gateway provisions it when it starts."""
 A2A_TASKS_STREAM = f"KV_{A2A_TASKS_BUCKET}"
 """The stream behind :data:`A2A_TASKS_BUCKET`."""
 STREAM_NAMES = (ACK_STREAM, COMP_STREAM, AUDIT_STREAM, REGISTRY_STREAM, CLAIMS_STREAM,
-                RULES_STREAM)  # fmt: skip
+                RULES_STREAM, PARTITIONS_STREAM, TABLES_STREAM)  # fmt: skip
 """Every asset provisioned at broker start, in order."""
 
 TOKEN_SECRET_KEY = "_broker.token_secret"

@@ -4,7 +4,7 @@ Writers (``reach rules set|clear``) put and delete keys; every broker follows th
 (:func:`follow`: the last value of each key, then every change, through a
 :class:`~jetstream.follow.Follower` that rebuilds its consumer after a reconnect, a node loss
 or its deletion), so a change reaches every replica as soon as JetStream stores it. What a
-value means is the broker's (:mod:`reach_broker.core.rules`): this floor moves bytes.
+value means is the broker's (:mod:`reach_agent.routing.rules`): this floor moves bytes.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ JSON lines on stdout: ``ready`` once the agent is started, then one line per com
 on stdin: ``flush`` waits (at most ``--flush-wait`` s) until the ack writer has stored every
 record written so far and answers how many were pending and how long it took; ``stats``
 flushes too and answers ``{"event": "stats", "runs": {capability: handler runs},
-"acks_stored": …, "acks_pending": …}``. It stops (draining the agent) on ``quit``, when
-stdin closes, on SIGTERM, or after ``--max-runtime``.
+"acks_stored": …, "acks_folded": …, "acks_pending": …}`` (``acks_folded``: ``received``
+records the writer folded into their final record instead of storing them). It stops
+(draining the agent) on ``quit``, when stdin closes, on SIGTERM, or after ``--max-runtime``.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class BenchAgent:
         sink = self.agent.ack_sink
         return {"runs": dict(self.runs), "acks_flushed": flushed["flushed"],
                 "acks_stored": sink.stored if isinstance(sink, AckWriter) else None,
+                "acks_folded": sink.folded if isinstance(sink, AckWriter) else None,
                 "acks_pending": flushed["pending_after"]}  # fmt: skip
 
     async def commands(self, stop: asyncio.Event) -> None:

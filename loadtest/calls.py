@@ -306,6 +306,7 @@ class Stack:
         return {
             "agent_runs": agent["runs"],
             "acks_written_by_agent": agent["acks_stored"],
+            "acks_folded_by_agent": agent.get("acks_folded"),
             "acks_pending_in_agent": agent["acks_pending"],
             "stream_messages": streams,
         }

@@ -2,15 +2,17 @@
 
     python -m loadtest.chaos --fault kill|freeze|latency [--hold 45] [--watch 60] \
         [--calls 1000 | --concurrency 8] [--agents 3] [--max-concurrency 64] \
-        [--heartbeat-ms 1000] [--sdk-agents] --report chaos-kill.json
+        [--heartbeat-ms 1000] [--sdk-agents] [--fleet 1000] --report chaos-kill.json
 
 Starts a ``nats-server`` (``configs/nats-server.conf``: advisories on), a broker in this
 process (default settings), ``--agents`` agents ``alpha``/``beta``/``gamma``/… as their own
 processes (``loadtest.chaos_agent``: 20 ms tasks, ``--max-concurrency`` slots each), and a
 caller through the SDK (``reach_agent.Client``): ``--calls`` calls at a steady rate over
 warm-up + hold + watch, or with ``--concurrency N`` N callers each calling back to back for
-the whole run (N calls always in flight). After the warm-up one fault hits ``alpha`` for
-``--hold`` seconds:
+the whole run (N calls always in flight). ``--fleet N`` makes the broker carry N agents in
+all: the rest are simulated (``loadtest.sim``, other capabilities, 1 s heartbeats), so the
+broker's heartbeat ingest and route-table publishing run at that fleet's size while the fault
+is measured. After the warm-up one fault hits ``alpha`` for ``--hold`` seconds:
 
 - ``kill``: SIGKILL; cleared by starting the agent again;
 - ``freeze``: SIGSTOP (alive to the kernel, silent on the bus — a partition as the bus sees
@@ -20,6 +22,9 @@ the whole run (N calls always in flight). After the warm-up one fault hits ``alp
 Measured (monotonic clock, polled every 10 ms from the broker's own routing):
 
 - ``switch_ms``: fault start → ``alpha`` no longer among the route candidates (no new tasks);
+- ``table_switch_ms``: fault start → ``alpha`` out of the caller's own route table (not
+  healthy there, or out of its ranking: ejected for its score); the SDK routes its calls from
+  it, and the broker's change reaches it as a table delta;
 - ``detect_ms``: fault start → first state change of ``alpha`` (kill/freeze);
 - ``routable_ms``: fault cleared → ``alpha`` routable again;
 - ``recover_ms``: fault cleared → ``alpha`` back at full share (its routing weight ≥ 90% of
@@ -49,12 +54,15 @@ from pathlib import Path
 from typing import Any
 
 from reach_agent import Client, ReachError
+from reach_agent.client.tables import TableRoutes
 from reach_agent.wire.errors import NoReachableAgent, Overloaded
 from reach_agent.wire.schema import RouteRequest
 from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.config import Config
 from reach_broker.core.records import AgentRecord, Transition
+
+from .children import Children
 
 CAPABILITY = "summarize"
 NAMES = ("alpha", "beta", "gamma", "delta", "epsilon")
@@ -77,13 +85,18 @@ class Run:
     agents: tuple[str, ...] = NAMES[:3]
     concurrency: int = 0
     """Callers calling back to back (0: ``calls`` at a steady rate instead)."""
+    fleet: int = 0
+    """Agents the broker carries in all (simulated ones fill up to it; 0: none simulated)."""
     t_fault: float = 0.0
     t_clear: float = 0.0
     switch_at: float | None = None
+    table_switch_at: float | None = None
     routable_at: float | None = None
     recover_at: float | None = None
     transitions: list[tuple[float, str | None, str | None, str]] = field(default_factory=list)
     results: list[tuple[int, float, float, str | None, str | None]] = field(default_factory=list)
+    errors: dict[int, str] = field(default_factory=dict)
+    """A failed call's error message, by call number."""
     procs: dict[str, asyncio.subprocess.Process] = field(default_factory=dict)
 
 
@@ -135,10 +148,26 @@ def victim_share(broker: Broker, now: float) -> tuple[bool, float] | None:
     return routable, (weights.get(VICTIM, 0.0) / total if total else 0.0)
 
 
-async def monitor(broker: Broker, run: Run, stop: asyncio.Event) -> None:
+def in_callers_table(client: Client) -> bool | None:
+    """Whether ``alpha`` is routable in the caller's own route table: there, healthy and in
+    the ranking its last route used (not ejected for its score: the latency fault) (None: the
+    caller routes through a broker, or holds no table yet)."""
+    routes = client.routes
+    if not isinstance(routes, TableRoutes) or CAPABILITY not in routes.followed:
+        return None
+    m = routes.members.get(VICTIM)
+    if m is None or m.state != "healthy":
+        return False
+    return any(r is m for r in routes.followed[CAPABILITY].table.index.ranked)
+
+
+async def monitor(broker: Broker, client: Client, run: Run, stop: asyncio.Event) -> None:
     even = 1.0 / len(run.agents)
     while not stop.is_set():
         now = time.monotonic()
+        if run.t_fault and now >= run.t_fault and run.table_switch_at is None:
+            if in_callers_table(client) is False:
+                run.table_switch_at = now
         seen = victim_share(broker, now)
         if seen is None:
             await asyncio.sleep(POLL_S)
@@ -161,6 +190,7 @@ async def call_one(client: Client, run: Run, i: int) -> None:
         run.results.append((i, t_send, time.monotonic(), result.get("agent"), None))
     except ReachError as err:
         run.results.append((i, t_send, time.monotonic(), None, err.code))
+        run.errors[i] = err.message
 
 
 async def caller(client: Client, run: Run, t0: float, rate: float) -> None:
@@ -241,7 +271,17 @@ def summarize(run: Run, command: str, broker_cfg: Config) -> dict[str, Any]:
         "calls": len(run.results),
         "failed_calls": len(failed),
         "failures_by_code": by_code,
+        "failures_at_ms": [
+            {
+                "sent_ms": ms(r[1], run.t_fault),
+                "ended_ms": ms(r[2], run.t_fault),
+                "code": r[4],
+                "message": run.errors.get(r[0]),
+            }
+            for r in failed[:20]
+        ],
         "switch_ms": ms(run.switch_at, run.t_fault),
+        "table_switch_ms": ms(run.table_switch_at, run.t_fault),
         "detect_ms": ms(detect, run.t_fault) if run.fault != "latency" else None,
         "last_task_sent_to_victim_ms": ms(last_victim, run.t_fault),
         "routable_ms": ms(run.routable_at, run.t_clear),
@@ -260,6 +300,7 @@ def summarize(run: Run, command: str, broker_cfg: Config) -> dict[str, Any]:
         "setup": {
             "agents": list(run.agents),
             "concurrency": run.concurrency or None,
+            "fleet": max(run.fleet, len(run.agents)),
             "victim": VICTIM,
             "sdk_agents": run.sdk,
             "agent_args": run.agent_args,
@@ -277,8 +318,10 @@ def table(report: dict[str, Any]) -> str:
     def cell(v: Any) -> str:
         return "-" if v is None else str(v)
 
-    head = ("fault", "calls", "failed", "switch_ms", "detect_ms", "routable_ms", "recover_ms")
+    head = ("fault", "calls", "failed", "switch_ms", "table_switch_ms", "last_to_victim_ms",
+            "detect_ms", "routable_ms", "recover_ms")  # fmt: skip
     row = (report["fault"], report["calls"], report["failed_calls"], report["switch_ms"],
+           report.get("table_switch_ms"), report["last_task_sent_to_victim_ms"],
            report["detect_ms"], report["routable_ms"], report["recover_ms"])  # fmt: skip
     widths = [max(len(h), len(cell(v))) for h, v in zip(head, row, strict=True)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)),
@@ -297,7 +340,7 @@ def table(report: dict[str, Any]) -> str:
 async def main_async(args: argparse.Namespace, command: str) -> dict[str, Any]:
     run = Run(fault=args.fault, hold_s=args.hold, watch_s=args.watch, warmup_s=args.warmup,
               calls=args.calls, sdk=args.sdk_agents, agents=NAMES[: args.agents],
-              concurrency=args.concurrency,
+              concurrency=args.concurrency, fleet=args.fleet,
               agent_args=["--heartbeat-ms", str(args.heartbeat_ms), "--work-ms",
                           str(args.work_ms), "--max-concurrency",
                           str(args.max_concurrency)])  # fmt: skip
@@ -315,8 +358,24 @@ async def main_async(args: argparse.Namespace, command: str) -> dict[str, Any]:
     client: Client | None = None
     stop = asyncio.Event()
     mon: asyncio.Task[None] | None = None
+    children = Children()
     try:
         await broker.start()
+        simulated = run.fleet - len(run.agents)
+        if simulated > 0:
+            total_s = args.warmup + args.hold + args.watch + 300
+            sim = await children.sim("fleet", ["--server", server.url, "--interval", "1",
+                                               "--max-runtime", str(total_s)],
+                                     "--agents", str(simulated))  # fmt: skip
+            ready = await sim.wait_event("ready", 120)
+            if ready.get("announce_errors"):
+                raise RuntimeError(f"the simulated fleet did not announce: {ready}")
+            deadline = time.monotonic() + 60
+            while len(broker.registry.agents) < simulated:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the simulated fleet did not register within 60 s")
+                await asyncio.sleep(0.05)
+
         for agent_id in run.agents:
             run.procs[agent_id] = await spawn(server.url, agent_id, run)
         # Let phi learn each agent's rhythm before anything happens.
@@ -324,13 +383,13 @@ async def main_async(args: argparse.Namespace, command: str) -> dict[str, Any]:
         need = cfg.detection.phi_min_samples + 1
         deadline = time.monotonic() + 30
         while any(len(reg.agents[a].window) < need for a in run.agents if a in reg.agents) or \
-                len(reg.agents) < len(run.agents):  # fmt: skip
+                any(a not in reg.agents for a in run.agents):  # fmt: skip
             if time.monotonic() > deadline:
                 raise RuntimeError("agents did not settle within 30 s")
             await asyncio.sleep(0.05)
         client = Client(server.url, name="chaos-caller")
         await client.start()
-        mon = asyncio.create_task(monitor(broker, run, stop))
+        mon = asyncio.create_task(monitor(broker, client, run, stop))
         total = args.warmup + args.hold + args.watch
         t0 = time.monotonic()
         if run.concurrency:
@@ -349,6 +408,7 @@ async def main_async(args: argparse.Namespace, command: str) -> dict[str, Any]:
             await client.stop()
         for proc in run.procs.values():
             await reap(proc)
+        await children.stop_all()
         await broker.stop()
         await asyncio.to_thread(server.stop)
 
@@ -381,6 +441,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--max-concurrency", type=int, default=64, help="each agent's slots (64)")
     ap.add_argument("--heartbeat-ms", type=int, default=1000, help="agents' interval (1000)")
+    ap.add_argument(
+        "--fleet",
+        type=int,
+        default=0,
+        metavar="N",
+        help="agents the broker carries in all: simulated agents of other capabilities "
+        "fill up to N (0: none)",
+    )
     ap.add_argument("--work-ms", type=float, default=20.0, help="a normal task's time (20)")
     ap.add_argument(
         "--sdk-agents",

@@ -24,6 +24,7 @@ import time
 import types
 from collections.abc import Callable
 
+from reach_agent.routing.rules import Rules, build
 from reach_agent.wire.schema import Announce, Heartbeat, RouteRequest
 from reach_agent.wire.subjects import Subjects
 from reach_broker.config import Config, QuotasSection
@@ -31,7 +32,6 @@ from reach_broker.core.explain import Explainer
 from reach_broker.core.quotas import Quotas
 from reach_broker.core.registry import Registry
 from reach_broker.core.routing import Router
-from reach_broker.core.rules import Rules, build
 from reach_broker.core.tokens import TokenSigner
 from reach_broker.service.handlers import Handlers
 from reach_broker.service.metrics import HandlerMetrics, Metrics

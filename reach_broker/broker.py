@@ -45,6 +45,7 @@ from reach_agent.connection import (
     drain_or_close,
     flush_subscriptions,
 )
+from reach_agent.routing.rules import Rules
 from reach_agent.wire.subjects import Subjects
 from reach_broker import __version__
 from reach_broker.config import Config
@@ -54,7 +55,6 @@ from reach_broker.core.quotas import Quotas
 from reach_broker.core.records import Transition
 from reach_broker.core.registry import Registry
 from reach_broker.core.routing import Router
-from reach_broker.core.rules import Rules, from_config
 from reach_broker.core.tokens import TokenSigner
 from reach_broker.interop.synadia import StatusProbes, SynadiaAgents
 from reach_broker.replay.replay import Replayer
@@ -75,10 +75,12 @@ from reach_broker.service.identity import Identity, Reannouncer
 from reach_broker.service.metrics import HandlerMetrics, Metrics, ReplayMetrics
 from reach_broker.service.observer import Observer
 from reach_broker.service.outcomes import Outcomes
+from reach_broker.service.partitions import Partitions
 from reach_broker.service.probes import Prober
 from reach_broker.service.releases import Releaser
-from reach_broker.service.rulebook import Rulebook
+from reach_broker.service.rulebook import Rulebook, from_config
 from reach_broker.service.snapshot import Snapshot
+from reach_broker.service.tables import Tables
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +205,16 @@ class Broker:
                           follow=m.follow("audit"))
                      if console else None)  # fmt: skip
         """The console's data (built when the HTTP port shows the console)."""
+        self.tables = Tables(
+            ctx, registry, self.router, self.quotas, cfg.fleet, cfg.routing,
+            jetstream=lambda: self.jetstream_ok, counts=m.tables, dropped=m.dropped,
+        )  # fmt: skip
+        """The route tables of the partitions this broker owns (callers route from them)."""
+        self.partitions = Partitions(
+            ctx, cfg.fleet, self.tables.own, self.tables.lose,
+            jetstream=lambda: self.jetstream_ok, owned=m.partitions_owned,
+        )  # fmt: skip
+        """The leases of the partitions this broker owns, told to the tables."""
 
         # The pipeline: every transition is published as an event, counted, logged, then
         # handed to these consumers, in this order (a consumer whose part is not running
@@ -215,6 +227,7 @@ class Broker:
                 self.synadia.on_transition,  # an offline Synadia instance forgotten in time
                 self.releaser.on_transition,  # an offline holder's claims released
                 self.replayer.on_transition,  # healthy: its queue replayed; offline: held back
+                self.tables.on_transition,  # a state move in the route tables at once
                 *([self.feed.on_transition] if self.feed is not None else []),  # pushed to pages
                 *watchers,
             ),
@@ -227,12 +240,15 @@ class Broker:
         # restores the registry before probes and advisories start (advisories reconcile
         # with the server's connection list); the Synadia agents come after the advisories
         # (their locate asks the CONNZ of the account the advisories learnt); claim
-        # releases, replay and cancels come last. The console's feed starts once the handlers are
+        # releases, replay and cancels come last. The route tables start after the snapshot and
+        # the rules (their first shares are made from both), then the partitions' leases (each
+        # partition taken: its shares published). The console's feed starts once the handlers are
         # subscribed (it only shows; its audit catch-up must not hold up serving), and
         # stops first.
         self.parts: tuple[tuple[Component, bool], ...] = (
             (self.snapshot, True),
             (self.rulebook, True),
+            *(((self.tables, False), (self.partitions, False)) if cfg.fleet.tables else ()),
             (self.probes, False),
             (self.advisories, False),
             (self.synadia, False),

@@ -348,8 +348,30 @@ class OutcomesSection(Section):
     result nor finished task from the agent meanwhile, after which it is out for everyone."""
 
 
+class FleetSection(Section):
+    """How the fleet is split into partitions, and the route tables their owners publish
+    (reach_broker/core/tables.py, service/tables.py, service/partitions.py)."""
+
+    partitions: Annotated[int, Meta(ge=1, le=4096)] = 32
+    """Partitions of the fleet (by the agent id's FNV-1a hash): each has one owner at a time,
+    which publishes its share of every capability's route table. Every broker of a
+    deployment must say the same."""
+    lease_ttl_s: Annotated[float, Meta(ge=1, le=600)] = 6.0
+    """A partition's lease (KV ``reach_partitions``) lapses this long after its owner last
+    renewed it (every third of it); another broker then takes the partition."""
+    tables: bool = True
+    """Publish route tables, so callers route locally (off: every call asks a broker)."""
+    table_batch_ms: Annotated[float, Meta(ge=10, le=10_000)] = 250.0
+    """Load and score changes go out at most this often; a change of state (or a score
+    across ``min_reach_score``) at once."""
+    table_store_s: Annotated[float, Meta(ge=0.1, le=3600)] = 1.0
+    """A share whose agents or their states changed is written to KV ``reach_tables`` (what
+    a caller reads when no broker answers) at most this often; one whose load or scores only
+    drifted at most every 10 x this (``service/tables.DRIFT_STORE_FACTOR``)."""
+
+
 class RuleSection(Section):
-    """One capability's route rule in broker.toml (reach_broker/core/rules.py)."""
+    """One capability's route rule in broker.toml (reach_agent/routing/rules.py)."""
 
     split: str | None = None
     """``version=1:95,2:5`` or ``TAG=a:90,b:10``."""
@@ -374,6 +396,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     a2a: A2ASection = msgspec.field(default_factory=A2ASection)
     synadia: SynadiaSection = msgspec.field(default_factory=SynadiaSection)
     quotas: QuotasSection = msgspec.field(default_factory=QuotasSection)
+    fleet: FleetSection = msgspec.field(default_factory=FleetSection)
     outcomes: OutcomesSection = msgspec.field(default_factory=OutcomesSection)
     rules: dict[str, RuleSection] = {}
     """Route rules by capability (``[rules."summarize"]``); KV reach_rules overrides them."""

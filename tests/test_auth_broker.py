@@ -19,8 +19,11 @@ from nats.js.errors import NotFoundError
 
 import reach_agent
 from jetstream import ackreads
+from jetstream import rules as rules_kv
 from jetstream.names import ACK_STREAM, AUDIT_STREAM
 from reach_agent.client import durable
+from reach_agent.client.tables import TableRoutes
+from reach_agent.routing.rules import RouteRule, rule_encoder
 from reach_agent.wire import schema
 from reach_broker.auth import AuthDir, init, issue_agent, issue_caller
 from reach_broker.broker import Broker
@@ -166,7 +169,7 @@ async def test_replies_the_server_lets_through_are_refused_by_reach(
         async with connect(server.url, caller, "ops", "_INBOX.caller.ops") as (ops, errors):
             js = ops.jetstream(timeout=5)
             acks_before = (await js.stream_info(ACK_STREAM)).state.messages
-            assert acks_before == 2  # beta's received and completed
+            assert acks_before == 1  # beta's completed (its received folded into it: one write)
             # JetStream's answers (a PubAck, a message get) land on reach.leave.beta; every
             # field of a leave is optional, so both decode as one, without a token.
             await ops.publish("reach.comp.nobody", b"{}", reply="reach.leave.beta")
@@ -346,6 +349,42 @@ async def test_cancels_pass_under_the_roles(
     finally:
         gate.open.set()
         await asyncio.wait_for(alpha.stop(grace=2), 20)
+
+
+def routes_answered(b: Broker) -> float:
+    return float(b.metrics.route_result["ok"]._value.get())
+
+
+async def test_a_caller_routes_from_its_table_under_its_role_until_a_quota_sends_it_to_a_broker(
+    auth: AuthDir, server: AuthServer, broker: Broker
+) -> None:
+    """Secured mode: the caller role may follow the route tables, so a call asks no broker;
+    a quota set live (KV ``reach_rules``) is said in the table (``local: false``) and the
+    caller's next calls ask a broker, which enforces it on the caller's verified identity."""
+    beta = agent(auth, "beta")
+    await asyncio.wait_for(beta.start(server.url), 20)
+    try:
+        await wait_for(lambda: healthy(broker, "beta"), 10, what="beta healthy")
+        caller = str(auth.creds("caller", "ops"))
+        async with reach_agent.Client(server.url, creds=caller) as client:
+            assert await client.call(CAP, {"n": 0}, timeout=10) == {"by": "beta", "got": {"n": 0}}
+            routes = client.routes
+            assert isinstance(routes, TableRoutes)
+            table = routes.followed[CAP].table
+            assert table.local is True
+            assert routes_answered(broker) == 0
+            quota = RouteRule(quota_rate=1.0, quota_burst=2)
+            async with connect(server.url, auth.broker_creds, "ops-rules",
+                               "_INBOX.broker.broker") as (nc, _):  # fmt: skip
+                await rules_kv.put(nc, CAP, rule_encoder.encode(quota))
+            await wait_for(lambda: table.local is False, 10, what="the table says: ask a broker")
+            for n in range(1, 4):  # a burst of 2: the third is refused once, waited out
+                got = await asyncio.wait_for(client.call(CAP, {"n": n}, timeout=10), 15)
+                assert got == {"by": "beta", "got": {"n": n}}
+        assert routes_answered(broker) == 3
+        assert broker.metrics.quota_refused.labels(CAP, "other")._value.get() == 1
+    finally:
+        await asyncio.wait_for(beta.stop(grace=2), 20)
 
 
 async def test_an_agent_with_another_agents_credentials_fails_at_start(

@@ -120,8 +120,12 @@ def test_caller_permissions() -> None:
         "$JS.API.STREAM.MSG.GET.REACH_ACKS",
         "$JS.API.STREAM.INFO.REACH_ACKS",
         "$JS.API.STREAM.MSG.GET.KV_reach_claims",
+        "reach.tables.>",
+        "$JS.API.STREAM.INFO.KV_reach_tables",
+        "$JS.API.STREAM.MSG.GET.KV_reach_tables",
     ]
-    assert user.sub.allow == ["reach.ack.>", "reach.event.>", "_INBOX.caller.ops.>"]
+    assert user.sub.allow == ["reach.ack.>", "reach.event.>", "reach.table.>",
+                              "_INBOX.caller.ops.>"]  # fmt: skip
     assert user.resp is not None
     assert (user.resp.max, user.resp.ttl) == (-1, 3660_000_000_000)
 
@@ -133,6 +137,7 @@ def test_broker_permissions() -> None:
         "reach.probe.*",
         "reach.reannounce.*",
         "reach.task.>",
+        "reach.table.>",
         "reach.cancel.*",
         "reach.ack._broker.>",
         "_INBOX.>",
@@ -158,6 +163,7 @@ def test_broker_permissions() -> None:
         "reach.ack.>",
         "reach.event.>",
         "reach.outcome.*",
+        "reach.tables.>",
         "reach.cancel._broker",
         "$SRV.>",
         f"$SYS.ACCOUNT.{ACC}.CONNECT",

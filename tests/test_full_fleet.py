@@ -46,7 +46,8 @@ async def callers(
     client: reach_agent.Client, rounds: int, *, after: Any = None
 ) -> tuple[list[str], list[Any], list[BaseException]]:
     """``CALLERS`` callers, ``rounds`` calls each, back to back (a 50 ms task each): the
-    request ids, the results and the errors, in the order the calls were made."""
+    request ids and their results (None for a call that failed), in the order the calls were
+    made, and the errors."""
     rids: list[str] = []
     results: list[Any] = []
     errors: list[BaseException] = []
@@ -54,10 +55,13 @@ async def callers(
     async def caller(c: int) -> None:
         for i in range(rounds):
             rid = str(uuid.uuid4())
+            # results[k] is rids[k]'s, however the calls of the callers interleave.
+            k = len(rids)
             rids.append(rid)
+            results.append(None)
             try:
-                results.append(await client.call(CAP, {"n": c * 1000 + i, "sleep": 0.05},
-                                                 request_id=rid, timeout=20))  # fmt: skip
+                results[k] = await client.call(CAP, {"n": c * 1000 + i, "sleep": 0.05},
+                                               request_id=rid, timeout=20)  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - every failure is counted, none expected
                 errors.append(exc)
             if after is not None:
@@ -155,8 +159,10 @@ async def test_a_full_fleet_answers_overloaded_with_the_hint_and_the_sdk_waits_i
     log = tmp_path / "solo.log"
     try:
         await wait_for(lambda: healthy(broker, "solo"), 30, what="solo healthy")
+        # A caller that asks the broker for each route (ClientConfig(local_routing=False),
+        # as every caller without route tables does): the broker's hand-outs and OVERLOADED.
         async with reach_agent.Client(nats_server.url, config=ClientConfig(
-                min_timeout_s=0.5, busy_wait_s=0.05)) as client:  # fmt: skip
+                min_timeout_s=0.5, busy_wait_s=0.05, local_routing=False)) as client:  # fmt: skip
             running = asyncio.create_task(client.call(CAP, {"sleep": 4}, timeout=20))
             await wait_for(lambda: len(lines(log, "start")) == 1, 10, what="solo busy")
             # Its one slot is taken (handed out by the broker, then reported): full.

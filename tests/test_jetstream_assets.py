@@ -46,9 +46,10 @@ async def test_provisioning_is_idempotent_and_matches_the_definitions(nc: NATS) 
         ("REACH_ACKS", "created"), ("REACH_COMPENSATION", "created"),
         ("REACH_AUDIT", "created"), ("KV_reach_registry", "created"),
         ("KV_reach_claims", "created"), ("KV_reach_rules", "created"),
+        ("KV_reach_partitions", "created"), ("KV_reach_tables", "created"),
     ]  # fmt: skip
     second = await provision(nc)
-    assert [o.action for o in second] == ["unchanged"] * 6
+    assert [o.action for o in second] == ["unchanged"] * 8
     acks_cfg = (await stream_info(nc, "REACH_ACKS"))["config"]
     assert acks_cfg["subjects"] == ["reach.ack.>"]
     assert acks_cfg["storage"] == "file"
@@ -262,6 +263,7 @@ async def test_ack_writer_stores_records_and_wait_returns_the_final_one(
         subjects=SUBJECTS,
     ) as writer:
         await writer.record(ack(rid, "received"))
+        assert await writer.flush(5)  # stored before the run ends: not folded (below)
         await writer.record(ack(rid, "completed"))
         assert await writer.flush(5)
         assert writer.stored == 2
@@ -278,6 +280,35 @@ async def test_ack_writer_stores_records_and_wait_returns_the_final_one(
     # Without anyone to say who took the request, no record is believed.
     with pytest.raises(Timeout, match="no taker known"):
         await durable.wait(nc, rid, timeout=0.3)
+
+
+async def test_a_short_runs_received_is_folded_into_its_final_record(
+    nc: NATS, broker: Broker, tmp_path: Path, nats_server
+) -> None:
+    """Both records unsent when the final one is written: one JetStream write, the final
+    record carrying the received time; a received already sent is not folded."""
+    short, long = str(uuid.uuid4()), str(uuid.uuid4())
+    async with acks.AckWriter(
+        tmp_path / "wal", author="a1", connect=connect_options("test-acks", nats_server.url),
+        subjects=SUBJECTS, linger_s=0.2,
+    ) as writer:  # fmt: skip
+        received = schema.AckRecord(request_id=short, agent_id="a1", capability="cap",
+                                    state="received", at_ms=7)  # fmt: skip
+        await writer.record(received)
+        await writer.record(ack(short, "completed"))
+        assert await writer.flush(5)
+        assert (writer.stored, writer.folded) == (1, 1)
+        await writer.record(ack(long, "received"))
+        assert await writer.flush(5)
+        await writer.record(ack(long, "completed"))
+        assert await writer.flush(5)
+        assert (writer.stored, writer.folded) == (3, 1)
+    [final] = await ackreads.all_records(nc, short, subjects=SUBJECTS)
+    record = schema.decode_ack_record(final.data)
+    assert (record.state, record.received_ms, record.at_ms) == ("completed", 7, 1)
+    states = [r.state for r in await ackreads.all_records(nc, long, subjects=SUBJECTS)]
+    assert states == ["received", "completed"]
+    assert not list((tmp_path / "wal").glob("*.wal"))  # the folded line is marked stored
 
 
 async def test_ack_writer_replays_an_orphaned_wal_and_resends_are_deduplicated(
@@ -353,6 +384,7 @@ async def test_reach_ack_cli_shows_the_stored_record(
         subjects=SUBJECTS,
     ) as writer:
         await writer.record(ack(rid, "received"))
+        assert await writer.flush(5)  # stored before the run ends: not folded
         await writer.record(schema.AckRecord(
             request_id=rid, agent_id="a1", capability="cap", state="completed", at_ms=5,
             result=msgspec.Raw(b'{"chars": 2}')))  # fmt: skip

@@ -20,9 +20,9 @@ pytest.importorskip("mcp.client", reason="needs the extra 'mcp'")
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 
+from reach_agent.routing.reasons import EXCLUSIONS
 from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
-from reach_broker.core.reasons import EXCLUSIONS
 
 from .agents.procs import AgentProcess
 from .conftest import wait_for

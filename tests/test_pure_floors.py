@@ -1,5 +1,6 @@
 """The pure floors do no I/O: no module of reach_agent/wire (the contract every language
-implements) nor of reach_broker/core (the broker's pure core) loads nats or asyncio."""
+implements), reach_agent/routing (the routing decision, the broker's and a caller's) nor of
+reach_broker/core (the broker's pure core) loads nats or asyncio."""
 
 from __future__ import annotations
 
@@ -32,9 +33,13 @@ def test_the_floors_hold_their_modules() -> None:
     assert {f"reach_agent.wire.{m}" for m in wire} <= set(modules_of("reach_agent.wire"))
     core = {"registry", "routing", "explain", "records", "states", "detector", "scoring"}
     assert {f"reach_broker.core.{m}" for m in core} <= set(modules_of("reach_broker.core"))
+    routing = {"member", "filters", "choice", "draws", "index", "rules", "reasons"}
+    assert {f"reach_agent.routing.{m}" for m in routing} <= set(modules_of("reach_agent.routing"))
 
 
-@pytest.mark.parametrize("package", ["reach_agent.wire", "reach_broker.core"])
+@pytest.mark.parametrize(
+    "package", ["reach_agent.wire", "reach_agent.routing", "reach_broker.core"]
+)
 def test_every_module_of_a_pure_floor_imports_neither_nats_nor_asyncio(package: str) -> None:
     """Each module imported in turn in a fresh interpreter, sys.modules read after each."""
     modules = modules_of(package)

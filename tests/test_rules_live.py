@@ -14,10 +14,10 @@ from nats.aio.client import Client as NATS
 
 from jetstream import audit
 from jetstream import rules as bucket
+from reach_agent.routing.rules import build, rule_encoder
 from reach_agent.wire import schema
 from reach_agent.wire.errors import Overloaded, from_reply
 from reach_broker.cluster.natsserver import NatsServer
-from reach_broker.core.rules import build, rule_encoder
 
 from .conftest import BrokerFactory, wait_for
 from .test_cli import QUIET, announce, reach

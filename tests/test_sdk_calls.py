@@ -99,10 +99,10 @@ def cand(agent_id: str, score: float = 1.0) -> schema.Candidate:
 def test_route_cache_falls_back_prunes_bounds_and_lists_stale_routes() -> None:
     now = [0.0]
     cache = RouteCache(2, lambda: now[0])
-    k1 = RouteCache.key("cap", None, {"b": "2", "a": "1"}, False)
+    k1 = RouteCache.key("cap", schema.Filters(tags={"b": "2", "a": "1"}))
     assert k1 == ("cap", None, (("a", "1"), ("b", "2")), False)
     cache.store(k1, [cand("x"), cand("y"), cand("z")], 3)
-    assert cache.fallback(RouteCache.key("other", None, None, False), 3, []) == []
+    assert cache.fallback(RouteCache.key("other", schema.NO_FILTERS), 3, []) == []
     picked = cache.fallback(k1, 2, ["y"], rand=lambda: 0.5)
     assert len(picked) == 2 and {c.agent_id for c in picked} <= {"x", "z"}
     cache.drop_agent("x")
@@ -112,7 +112,7 @@ def test_route_cache_falls_back_prunes_bounds_and_lists_stale_routes() -> None:
     assert [k for k, _ in cache.stale(10.0)] == [k1]
     now[0] = 400.0  # unused for 30 refresh periods: no longer refreshed
     assert cache.stale(10.0) == []
-    k2, k3 = (RouteCache.key(c, None, None, False) for c in ("c2", "c3"))
+    k2, k3 = (RouteCache.key(c, schema.NO_FILTERS) for c in ("c2", "c3"))
     cache.store(k2, [cand("a")], 1)
     cache.store(k3, [cand("b")], 1)  # size 2: the least recently stored (k1) goes
     assert [c.agent_id for r in cache.routes() for c in r.candidates] == ["a", "b"]
@@ -123,8 +123,7 @@ def test_route_cache_falls_back_prunes_bounds_and_lists_stale_routes() -> None:
 
 def call(ack_mode: Any = "completed", deadline_s: float = 5.0) -> Call:
     c = Call("1", "cap", b"{}", {"x-custom": "v"}, request_id="r-1", traceparent=None,
-             ack_mode=ack_mode, deadline=time.monotonic() + deadline_s, region=None,
-             tags=None, sticky_key=None)  # fmt: skip
+             ack_mode=ack_mode, deadline=time.monotonic() + deadline_s)  # fmt: skip
     c.attempt, c.agent_id = 2, "a1"
     return c
 

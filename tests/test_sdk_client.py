@@ -194,7 +194,7 @@ async def test_route_falls_back_to_cache_without_broker_and_events_prune_it(
         first = await client.route("cache_me", limit=5)
         assert sorted(c.agent_id for c in first) == ["k1", "k2"]
         await leaver.stop(grace=1)  # leave → `left` event → dropped from the cache
-        cache = client.routes.cache
+        cache = client.routes.broker.cache  # the broker-asked routes (a look asks a broker)
         await wait_for(
             lambda: [c.agent_id for r in cache.routes() for c in r.candidates] == ["k1"],
             what="k2 pruned from the cache by its event",

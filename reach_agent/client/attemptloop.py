@@ -25,7 +25,7 @@ from .breaker import Breakers
 from .calls import Call
 from .config import ClientConfig
 from .holder import Holders
-from .routes import Routes
+from .routes import RouteSource
 
 log = trace.logger(__name__)
 
@@ -38,7 +38,7 @@ class AttemptLoop:
         config: ClientConfig,
         clock: Callable[[], float],
         breakers: Breakers,
-        routes: Callable[[], Routes],
+        routes: RouteSource,
         attempts: Attempts,
         holders: Holders,
     ) -> None:
@@ -46,7 +46,6 @@ class AttemptLoop:
         self.clock = clock
         self.breakers = breakers
         self.routes = routes
-        """The client's routes, read per round: a gateway swaps them (``a2a.local``)."""
         self.attempts = attempts
         self.holders = holders
 
@@ -64,20 +63,23 @@ class AttemptLoop:
                 # Everything we knew was tried (or is behind an open breaker): ask again.
                 try:
                     blocked = self.breakers.blocked(capability, self.clock())
-                    candidates = await self.routes().route(
-                        capability, cfg.route_limit, region=call.region, tags=call.tags,
-                        sticky_key=call.sticky_key,
+                    candidates = await self.routes.route(
+                        capability, call.filters, limit=cfg.route_limit,
                         exclude=[*blocked, *call.gone] if call.gone else blocked,
-                        deadline=call.deadline, headers=call.span_headers, **call.filters,
+                        deadline=call.deadline, headers=call.span_headers,
                     )  # fmt: skip
                 except NoReachableAgent as no_agent:
                     raise (call.last_err or no_agent) from None
                 except ReachError as refused:
                     if not merely_full("error", refused):
                         raise
-                    # OVERLOADED: every candidate is full. Wait as told, then ask again.
-                    call.last_err = refused
-                    await call.wait_full(refused, self.config, self.clock)
+                    # OVERLOADED: every candidate is full. Wait as told, then ask again. (An
+                    # agent's own TARGET_BUSY, which made a table route find it full, stays
+                    # the call's error.)
+                    if call.last_err is None or not merely_full("error", call.last_err):
+                        call.last_err = refused
+                    await call.wait_full(refused, self.config, self.clock, call.last_err)
+                    candidates = []  # route again: the fleet moved while we waited
                     continue
                 nxt = self.attempts.next
                 target = nxt(candidates, call.tried, capability) or nxt(
@@ -91,8 +93,11 @@ class AttemptLoop:
             if call.attempt > 0 and target.agent_id in call.tried:
                 assert call.last_err is not None
                 if merely_full("error", call.last_err):
-                    # Every candidate answered TARGET_BUSY: a moment, then a new round.
+                    # Every candidate answered TARGET_BUSY: a moment, then a new round from a
+                    # new route (an agent of the old one may have died meanwhile).
                     await call.wait_full(call.last_err, self.config, self.clock)
+                    candidates = []
+                    continue
                 else:
                     # A retry to an agent we already tried: back off first, inside the
                     # deadline.

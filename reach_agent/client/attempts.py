@@ -29,6 +29,7 @@ from .calls import Call
 from .config import ClientConfig
 from .liveness import Liveness
 from .outcomes import OutcomeBook
+from .routes import RouteSource
 
 log = trace.logger(__name__)
 
@@ -44,8 +45,11 @@ class Attempts:
         liveness: Liveness,
         metrics: ClientMetrics | None,
         clock: Callable[[], float],
+        routes: RouteSource,
     ) -> None:
         self.nc = nc
+        self.routes = routes
+        """Told of each attempt sent and ended (a caller routing itself counts its load)."""
         self.config = config
         self.breakers = breakers
         self.liveness = liveness
@@ -87,12 +91,15 @@ class Attempts:
         self.liveness.track(agent, call, probe=not synadia)
         outcome: Outcome = "closed"
         value: Any = InternalError("client closed")
+        key = (call.call_id, call.attempt)
+        self.routes.sent(agent, key)
         try:
             await self.nc.publish(target.subject, body, headers=hdrs,
                                   reply=inbox.reply(call.call_id, call.attempt))  # fmt: skip
             outcome, value = await call.outcome(now, self.config.ack_timeout_s, self.clock)
             return outcome, value
         finally:
+            self.routes.ended(key, outcome == "error" and value.code == "TARGET_BUSY")
             self.liveness.untrack(agent, call)
             self.account(agent, call.capability, outcome, value)
 

@@ -106,14 +106,11 @@ class Call:
         "last_err",
         "protocol",
         "queue",
-        "region",
         "retries",
         "span",
         "span_headers",
         "started",
-        "sticky_key",
         "stream",
-        "tags",
         "taker",
         "timeout",
         "tried",
@@ -130,13 +127,10 @@ class Call:
         traceparent: str | None,
         ack_mode: AckMode,
         deadline: float,
-        region: str | None,
-        tags: dict[str, str] | None,
-        sticky_key: str | None,
+        filters: schema.Filters = schema.NO_FILTERS,
         started: float = 0.0,
         timeout: float | None = None,
         stream: int = 0,
-        filters: dict[str, Any] | None = None,
     ) -> None:
         self.call_id = call_id
         self.capability = capability
@@ -163,11 +157,8 @@ class Call:
         """The timeout the caller asked for (None: the configured default)."""
         self.stream = stream
         """Chunks taken ahead of credits when the answer is streamed (0: not streamed)."""
-        self.region = region
-        self.tags = tags
-        self.sticky_key = sticky_key
-        self.filters = filters or {}
-        """The route request's other filters (``canary``, ``requires``, ``min_context_tokens``)."""
+        self.filters = filters
+        """Who may take it: the filters of every route request it makes."""
         self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self.agent_id: str | None = None
         """The agent of the current attempt."""
@@ -210,15 +201,16 @@ class Call:
         return hdrs
 
     async def wait_full(
-        self, refused: ReachError, config: ClientConfig, clock: Callable[[], float]
-    ) -> None:
+        self, refused: ReachError, config: ClientConfig, clock: Callable[[], float],
+        error: ReachError | None = None,
+    ) -> None:  # fmt: skip
         """Every candidate is merely full (:func:`~reach_agent.wire.retry.merely_full`): wait the
         refusal's hint (or ``busy_wait_s``), jittered, then start a new round (every
-        candidate may be tried again); raise ``refused`` instead when the wait and one more
-        attempt would not fit the deadline."""
+        candidate may be tried again); raise ``error`` (default: ``refused``) instead when the
+        wait and one more attempt would not fit the deadline."""
         delay = full_wait(refused, config.busy_wait_s, config.backoff_max_s, random.random())
         if clock() + delay + min(config.ack_timeout_s, 0.05) > self.deadline:
-            raise refused
+            raise error or refused
         await asyncio.sleep(delay)
         self.tried.clear()
 

@@ -79,7 +79,8 @@ from .config import ClientConfig
 from .holder import Holders
 from .liveness import Liveness
 from .outcomes import OutcomeBook, OutcomeReporter
-from .routes import Routes
+from .routes import Routes, RouteSource
+from .tables import TableRoutes
 
 log = trace.logger(__name__)
 
@@ -91,7 +92,8 @@ class Client:
     a connection you own. ``metrics`` (a :class:`ClientMetrics`) is off by default.
     ``creds``, ``nkey_seed``, ``user``/``password``, ``token`` and ``tls_*`` are the
     credentials of the client's own connection (unset: ``NATS_CREDS``, ... from the
-    environment; see :class:`~reach_agent.connection.Credentials`).
+    environment; see :class:`~reach_agent.connection.Credentials`). ``routes``: where its
+    routes come from (default: a broker's ``<prefix>.route.<capability>``).
     """
 
     def __init__(
@@ -103,6 +105,7 @@ class Client:
         name: str | None = None,
         nc: NATS | None = None,
         clock: Callable[[], float] = time.monotonic,
+        routes: RouteSource | None = None,
         **credentials: Unpack[CredentialOptions],
     ) -> None:
         self.credentials = Credentials(**credentials).check()
@@ -114,19 +117,22 @@ class Client:
         self.breakers = Breakers(self.config.breaker)
         self.nc: NATS = nc if nc is not None else NATS()
         self.subjects = Subjects(self.config.prefix)
-        self.routes = Routes(self.nc, self.subjects, self.config, metrics, clock)
+        self._own_nc = nc is None
+        self._servers = servers
+        self._name = name or f"reach-client-{uuid.uuid4().hex[:8]}"
+        if routes is None:
+            broker = Routes(self.nc, self.subjects, self.config, metrics, clock,
+                            caller=self._name)  # fmt: skip
+            routes = TableRoutes(self.nc, self.subjects, self.config, broker, metrics, clock)
+        self.routes: RouteSource = routes
         self._tasks = TaskSet()
         self.liveness = Liveness(self.nc, self.subjects, self.config, self._tasks)
         self.holders = Holders(self.nc, poll_s=self.config.claim_poll_s, subjects=self.subjects)
         """Calls waiting for the agent that holds their request id's claim."""
         self.attempts = Attempts(self.nc, self.config, self.breakers, self.liveness, metrics,
-                                 clock)  # fmt: skip
-        self.loop = AttemptLoop(self.config, clock, self.breakers, lambda: self.routes,
-                                self.attempts, self.holders)  # fmt: skip
-        self._own_nc = nc is None
-        self._servers = servers
-        self._name = name or f"reach-client-{uuid.uuid4().hex[:8]}"
-        self.routes.caller = self._name
+                                 clock, self.routes)  # fmt: skip
+        self.loop = AttemptLoop(self.config, clock, self.breakers, self.routes, self.attempts,
+                                self.holders)  # fmt: skip
         self.outcomes = OutcomeBook(self._name, clock())
         """What this client saw of each agent, sent to the brokers (:mod:`.outcomes`)."""
         self.attempts.outcomes = self.outcomes
@@ -135,7 +141,6 @@ class Client:
         self._inbox = ReplyInbox("")  # the connection's own inbox, from start()
         self._calls: dict[str, Call] = {}
         self._subs: list[Subscription] = []
-        self._refresher: asyncio.Task[None] | None = None
         self._ids = itertools.count(1)
         self.takers = durable.Takers()
         """Who took each recent call (its receipt's or result's agent): :meth:`wait` trusts."""
@@ -187,21 +192,14 @@ class Client:
         await flush_subscriptions(nc)
         self.liveness.start()
         self._reporter.start()
-        self.routes.running = True
-        self._refresher = asyncio.create_task(self.routes.refresh_loop(),
-                                              name="reach-route-refresh")  # fmt: skip
+        await self.routes.start()
 
     async def stop(self) -> None:
         if not self._started:
             return
         self._started = False
-        self.routes.running = False
         self.liveness.close()
-        if self._refresher is not None:
-            self._refresher.cancel()
-            # Bounded: a cancel can be lost inside nc.request (3.11 wait_for race); the
-            # loop also ends by itself once the client is stopped.
-            await asyncio.wait({self._refresher}, timeout=2.0)
+        await self.routes.stop()
         for call in self._calls.values():
             call.close()
         await self._reporter.stop()
@@ -236,29 +234,30 @@ class Client:
         capability: str,
         limit: int | None = None,
         *,
+        filters: schema.Filters | None = None,
+        exclude: Sequence[str] | None = None,
         region: str | None = None,
         tags: dict[str, str] | None = None,
         sticky_key: str | None = None,
-        exclude: Sequence[str] | None = None,
         allow_suspect: bool = False,
         canary: str | None = None,
         requires: Sequence[str] | None = None,
         min_context_tokens: int | None = None,
     ) -> list[schema.Candidate]:
-        """Ranked candidates for ``capability`` from a broker, best first: a look (a
-        ``peek``), so the broker does not count a task handed to the first; :meth:`call`
-        routes for real (``canary``, ``requires``, ``min_context_tokens``: see
-        docs/protocol.md, RouteRequest).
+        """Ranked candidates for ``capability``, best first: a look (a ``peek``), so no task
+        is counted as handed to the first; :meth:`call` routes for real. The filters come as
+        one :class:`~reach_agent.wire.schema.Filters` or as its keywords (``canary``,
+        ``requires``, ``min_context_tokens``: see docs/protocol.md, RouteRequest).
 
         When no broker answers, the last answer for the same capability and filters is used
         (minus agents that events since reported unhealthy, in weighted-random order);
         without one, :class:`NoReachableAgent` is raised.
         """
-        return await self.routes.route(capability, limit, region=region, tags=tags,
-                                       sticky_key=sticky_key, exclude=exclude,
-                                       allow_suspect=allow_suspect, peek=True, canary=canary,
-                                       requires=requires,
-                                       min_context_tokens=min_context_tokens)  # fmt: skip
+        chosen = filters_of(filters, region=region, tags=tags, sticky_key=sticky_key,
+                            allow_suspect=allow_suspect, canary=canary, requires=requires,
+                            min_context_tokens=min_context_tokens)  # fmt: skip
+        return await self.routes.route(capability, chosen, limit=limit, exclude=exclude or (),
+                                       peek=True)  # fmt: skip
 
     async def _on_event(self, msg: Msg) -> None:
         if audit.is_copy(msg, live=True):  # not an event a broker published
@@ -273,7 +272,7 @@ class Client:
                 self.holders.released(ev.request_id)
             return
         if ev.kind in ("left", "evicted") or (ev.kind == "state" and ev.to != "healthy"):
-            self.routes.cache.drop_agent(ev.agent_id)
+            self.routes.agent_gone(ev.agent_id)
         self.liveness.on_event(ev)
 
     # --- calls --------------------------------------------------------------------------
@@ -291,10 +290,11 @@ class Client:
         *,
         timeout: float | None = None,  # noqa: ASYNC109 - the call's deadline, sent as Reach-Timeout-Ms
         ack_mode: AckMode = "completed",
-        sticky_key: str | None = None,
         request_id: str | None = None,
         headers: dict[str, str] | None = None,
         traceparent: str | None = None,
+        filters: schema.Filters | None = None,
+        sticky_key: str | None = None,
         region: str | None = None,
         tags: dict[str, str] | None = None,
         canary: str | None = None,
@@ -307,15 +307,17 @@ class Client:
         ``hint`` being the ``timeout_hint_ms`` the chosen agent announced. With
         ``ack_mode="received"`` the call returns the :class:`~reach_agent.wire.schema.Receipt`
         once an agent has accepted the task; the result goes to ``REACH_ACKS``. A streaming
-        handler's answer comes joined (:func:`reach_agent.wire.streams.join`).
-        ``canary``, ``requires`` and ``min_context_tokens`` go to the route request
-        (docs/protocol.md, RouteRequest). Raises a :class:`~reach_agent.wire.errors.ReachError`
-        subclass carrying the wire code.
+        handler's answer comes joined (:func:`reach_agent.wire.streams.join`). Who may take
+        it: ``filters`` (a :class:`~reach_agent.wire.schema.Filters`), or its keywords
+        (``sticky_key``, ``region``, ``tags``, ``canary``, ``requires``,
+        ``min_context_tokens``: docs/protocol.md, RouteRequest). Raises a
+        :class:`~reach_agent.wire.errors.ReachError` subclass carrying the wire code.
         """
-        filters = {k: v for k, v in (("canary", canary), ("requires", requires),
-                                     ("min_context_tokens", min_context_tokens)) if v}  # fmt: skip
-        call = self.open_call(capability, payload, timeout, ack_mode, sticky_key, request_id,
-                              headers, traceparent, region, tags, 0, filters)  # fmt: skip
+        chosen = filters_of(filters, sticky_key=sticky_key, region=region, tags=tags,
+                            canary=canary, requires=requires,
+                            min_context_tokens=min_context_tokens)  # fmt: skip
+        call = self.open_call(capability, payload, timeout, ack_mode, request_id, headers,
+                              traceparent, chosen)  # fmt: skip
         ok, error = False, None
         try:
             value = await self._run(call)
@@ -339,14 +341,20 @@ class Client:
         *,
         timeout: float | None = None,
         window: int = streams.DEFAULT_WINDOW,
-        **options: Any,
+        request_id: str | None = None,
+        headers: dict[str, str] | None = None,
+        traceparent: str | None = None,
+        filters: schema.Filters | None = None,
+        **filter_keywords: Any,
     ) -> AsyncIterator[Any]:
         """``async for chunk in client.stream(capability, payload)``: a streamed answer,
-        chunk by chunk, in order, at most ``window`` ahead of the reader; ``options`` as for
-        :meth:`call` (``sticky_key``, ``request_id``, ``headers``, ...). Implemented in
+        chunk by chunk, in order, at most ``window`` ahead of the reader; the other options
+        as for :meth:`call` (``filters`` or ``sticky_key``, ``region``, ...). Implemented in
         :func:`reach_agent.client.streaming.stream`."""
         return streaming.stream(self, capability, payload, timeout=timeout, window=window,
-                                **options)  # fmt: skip
+                                request_id=request_id, headers=headers,
+                                traceparent=traceparent,
+                                filters=filters_of(filters, **filter_keywords))  # fmt: skip
 
     def open_call(
         self,
@@ -354,14 +362,11 @@ class Client:
         payload: Any,
         timeout: float | None,
         ack_mode: AckMode,
-        sticky_key: str | None,
         request_id: str | None,
         headers: dict[str, str] | None,
         traceparent: str | None,
-        region: str | None,
-        tags: dict[str, str] | None,
-        stream: int,
-        filters: dict[str, Any] | None = None,
+        filters: schema.Filters,
+        stream: int = 0,
     ) -> Call:
         """A new call, checked and registered for its replies."""
         if not self._started:
@@ -378,8 +383,8 @@ class Client:
         call = Call(
             call_id, capability, encode_payload(payload), headers, request_id=request_id,
             traceparent=traceparent, ack_mode=ack_mode,
-            deadline=t0 + self.config.clamp_timeout(timeout), region=region, tags=tags,
-            sticky_key=sticky_key, started=t0, timeout=timeout, stream=stream, filters=filters,
+            deadline=t0 + self.config.clamp_timeout(timeout), filters=filters, started=t0,
+            timeout=timeout, stream=stream,
         )  # fmt: skip
         if span is not None:
             span.set_attribute("reach.request_id", call.request_id)
@@ -456,3 +461,21 @@ class Client:
         (``cancelled``, or ``finished``: its result stands); raises ``Timeout`` when no
         broker answered (:mod:`reach_agent.client.cancel`)."""
         return await self.cancels.cancel(request_id, reason, timeout, self._calls.values())
+
+
+def filters_of(given: schema.Filters | None, **keywords: Any) -> schema.Filters:
+    """The call's filters: ``given``, or made of the filter keywords that are set (not
+    both)."""
+    chosen = {k: v for k, v in keywords.items() if v}
+    if given is not None:
+        if chosen:
+            raise InvalidRequest(f"filters= and the filter keywords {sorted(chosen)} are given "
+                                 "together: give one")  # fmt: skip
+        return given
+    if not chosen:
+        return schema.NO_FILTERS
+    if "requires" in chosen:
+        chosen["requires"] = list(chosen["requires"])
+    if "tags" in chosen:
+        chosen["tags"] = dict(chosen["tags"])
+    return schema.Filters(**chosen)

@@ -92,6 +92,17 @@ class ClientConfig(_Config):
     """Cached routes older than this are refreshed in the background."""
     route_cache_size: Annotated[int, Meta(ge=1)] = 1024
     """Distinct (capability, filters) routes kept for fallback."""
+    local_routing: bool = True
+    """Route calls from the capabilities' route tables the brokers publish (the broker's own
+    decision, made here: no route request per call); a capability whose table says a quota
+    applies is still asked of a broker. Off: every call asks a broker."""
+    table_wait_s: Seconds = 0.5
+    """How long a table is waited for when a capability is first used (the brokers' answers,
+    then KV reach_tables); none by then: the call asks a broker."""
+    table_idle_s: Seconds = 60.0
+    """A table not used for this long is no longer followed."""
+    table_resync_s: Seconds = 30.0
+    """A followed table is asked for whole again this often (deltas lost to a reconnect)."""
     connect_timeout_s: Seconds = 10.0
     """How long ``Client.start`` waits for a NATS server before raising ``ConnectionError``
     (an agent, by contrast, waits for its server indefinitely)."""

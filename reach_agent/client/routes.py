@@ -1,10 +1,13 @@
 """The client's routes: route requests to a broker, and the cache that answers when none does.
 
-:class:`RouteCache` is pure, with the clock injected: the last broker answer per
-(capability, filters), refreshed in the background while it is used (:meth:`~RouteCache.stale`),
-losing an agent as soon as an event reports it unhealthy (:meth:`~RouteCache.drop_agent`),
-and answered in weighted-random order by score so that callers falling back at the same
-moment do not herd onto one agent. :class:`Routes` asks the broker and keeps the cache.
+A client asks its routes (:class:`RouteSource`: handed in at construction, by default
+:class:`Routes`) for the candidates of each attempt round, with the call's filters as one
+:class:`~reach_agent.wire.schema.Filters`. :class:`RouteCache` is pure, with the clock
+injected: the last broker answer per (capability, filters), refreshed in the background
+while it is used (:meth:`~RouteCache.stale`), losing an agent as soon as an event reports
+it unhealthy (:meth:`~RouteCache.drop_agent`), and answered in weighted-random order by
+score so that callers falling back at the same moment do not herd onto one agent.
+:class:`Routes` asks the broker and keeps the cache.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import asyncio
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
 
 from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
@@ -22,7 +26,7 @@ from reach_agent import trace
 from reach_agent.metrics import ClientMetrics
 from reach_agent.wire import schema
 from reach_agent.wire.errors import NoReachableAgent, Overloaded, ReachError, from_reply
-from reach_agent.wire.schema import Candidate
+from reach_agent.wire.schema import NO_FILTERS, Candidate, Filters
 from reach_agent.wire.subjects import Subjects
 
 from .config import ClientConfig
@@ -31,6 +35,37 @@ log = trace.logger(__name__)
 
 RouteKey = tuple[str, str | None, tuple[tuple[str, str], ...], bool]
 """(capability, region, sorted tags, allow_suspect)"""
+
+
+class RouteSource(Protocol):
+    """Where a client's routes come from: a broker (:class:`Routes`), or, for a gateway
+    inside the broker, its router in process."""
+
+    async def route(
+        self, capability: str, filters: Filters = NO_FILTERS, *, limit: int | None = None,
+        exclude: Sequence[str] = (), peek: bool = False, deadline: float | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> list[Candidate]:  # fmt: skip
+        """Candidates for ``capability`` under ``filters``, best first, none of ``exclude``;
+        ``peek``: a look, no task follows; ``deadline``: the call's (a wait for a full
+        fleet ends there); ``headers``: the call's trace, for a route request."""
+        ...
+
+    def agent_gone(self, agent_id: str) -> None:
+        """An event reported ``agent_id`` unhealthy or gone."""
+        ...
+
+    def sent(self, agent_id: str, attempt: object) -> None:
+        """``attempt`` (any key, unique while it runs) is being sent to ``agent_id``."""
+        ...
+
+    def ended(self, attempt: object, busy: bool) -> None:
+        """``attempt`` ended; ``busy``: its agent answered ``TARGET_BUSY``."""
+        ...
+
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+
 
 REFRESH_BATCH = 64
 """Most routes refreshed per round."""
@@ -59,10 +94,9 @@ class RouteCache:
         self._routes: OrderedDict[RouteKey, Route] = OrderedDict()
 
     @staticmethod
-    def key(
-        capability: str, region: str | None, tags: dict[str, str] | None, allow_suspect: bool
-    ) -> RouteKey:
-        return (capability, region, tuple(sorted((tags or {}).items())), allow_suspect)
+    def key(capability: str, filters: Filters) -> RouteKey:
+        return (capability, filters.region, tuple(sorted(filters.tags.items())),
+                filters.allow_suspect)  # fmt: skip
 
     def routes(self) -> Iterator[Route]:
         return iter(self._routes.values())
@@ -117,7 +151,8 @@ class RouteCache:
 
 
 class Routes:
-    """Route requests of one client (``<prefix>.route.<capability>``) and their cache."""
+    """Route requests of one client (``<prefix>.route.<capability>``) and their cache, kept
+    fresh in the background while it is used."""
 
     def __init__(
         self,
@@ -126,6 +161,7 @@ class Routes:
         config: ClientConfig,
         metrics: ClientMetrics | None,
         clock: Callable[[], float],
+        caller: str = "",
     ) -> None:
         self.nc = nc
         self.subjects = subjects
@@ -134,40 +170,56 @@ class Routes:
         self.cache = RouteCache(config.route_cache_size, clock)
         self.running = False
         """Set while the client runs; the refresh loop ends when it is cleared."""
-        self.caller = ""
+        self.caller = caller
         """This client's caller name (``Reach-Caller``: brokers keep quotas per caller)."""
         self.clock = clock
+        self._refresher: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self.running:
+            return
+        self.running = True
+        self._refresher = asyncio.create_task(self.refresh_loop(), name="reach-route-refresh")
+
+    async def stop(self) -> None:
+        self.running = False
+        if self._refresher is not None:
+            self._refresher.cancel()
+            # Bounded: a cancel can be lost inside nc.request (3.11 wait_for race); the
+            # loop also ends by itself once the client is stopped.
+            await asyncio.wait({self._refresher}, timeout=2.0)
+            self._refresher = None
+
+    def agent_gone(self, agent_id: str) -> None:
+        self.cache.drop_agent(agent_id)
+
+    def sent(self, agent_id: str, attempt: object) -> None:
+        """Nothing to count: the broker counted its pick as handed a task."""
+
+    def ended(self, attempt: object, busy: bool) -> None:
+        """Nothing counted."""
 
     async def route(
-        self,
-        capability: str,
-        limit: int | None = None,
-        *,
-        region: str | None = None,
-        tags: dict[str, str] | None = None,
-        sticky_key: str | None = None,
-        exclude: Sequence[str] | None = None,
-        allow_suspect: bool = False,
-        peek: bool = False,
-        deadline: float | None = None,
-        canary: str | None = None,
-        requires: Sequence[str] | None = None,
-        min_context_tokens: int | None = None,
+        self, capability: str, filters: Filters = NO_FILTERS, *, limit: int | None = None,
+        exclude: Sequence[str] = (), peek: bool = False, deadline: float | None = None,
         headers: dict[str, str] | None = None,
-    ) -> list[Candidate]:
+    ) -> list[Candidate]:  # fmt: skip
         """:meth:`reach_agent.Client.route` (a ``peek``; ``Client.call``'s own routes are
         not peeks: the broker counts the first candidate as handed the task; ``headers``: a
-        call's trace, when spans are on). An
-        ``OVERLOADED`` answer carrying ``retry_after_ms`` is waited out and asked again, up to
-        ``max_retry_after_s`` in all and never past ``deadline`` (a call's)."""
+        call's trace, when spans are on). An ``OVERLOADED`` answer carrying ``retry_after_ms``
+        is waited out and asked again, up to ``max_retry_after_s`` in all and never past
+        ``deadline`` (a call's)."""
+        schema.check_capability(capability)
+        if filters.tags:
+            schema.check_tags(filters.tags)
+        req = schema.route_request(filters, limit or self.config.route_limit, list(exclude),
+                                   peek=peek)  # fmt: skip
         budget = self.clock() + self.config.max_retry_after_s
         if deadline is not None:
             budget = min(budget, deadline)
         while True:
             try:
-                return await self._route(capability, limit, region, tags, sticky_key, exclude,
-                                         allow_suspect, peek, canary,
-                                         requires, min_context_tokens, headers)  # fmt: skip
+                return await self.ask(capability, req, headers)
             except Overloaded as exc:
                 wait = (exc.retry_after_ms or 0) / 1000.0
                 if not exc.retry_after_ms or self.clock() + wait > budget:
@@ -176,32 +228,11 @@ class Routes:
                          exc.retry_after_ms)  # fmt: skip
                 await asyncio.sleep(wait)
 
-    async def _route(
-        self,
-        capability: str,
-        limit: int | None,
-        region: str | None,
-        tags: dict[str, str] | None,
-        sticky_key: str | None,
-        exclude: Sequence[str] | None,
-        allow_suspect: bool,
-        peek: bool,
-        canary: str | None,
-        requires: Sequence[str] | None,
-        min_context_tokens: int | None,
-        headers: dict[str, str] | None = None,
+    async def ask(
+        self, capability: str, req: schema.RouteRequest, headers: dict[str, str] | None = None
     ) -> list[Candidate]:
-        schema.check_capability(capability)
-        if tags:
-            schema.check_tags(tags)
-        limit = limit or self.config.route_limit
-        key = RouteCache.key(capability, region, tags, allow_suspect)
-        excluded = list(exclude or ())
-        req = schema.RouteRequest(limit=limit, region=region, tags=dict(tags or {}),
-                                  sticky_key=sticky_key, exclude=excluded,
-                                  allow_suspect=allow_suspect, peek=peek, canary=canary,
-                                  requires=list(requires or ()),
-                                  min_context_tokens=min_context_tokens)  # fmt: skip
+        """One route request to a broker; when none answers, the cache's candidates."""
+        key = RouteCache.key(capability, req)
         hdrs = {schema.H_CALLER: self.caller} if self.caller else None
         if headers:
             hdrs = {**(hdrs or {}), **headers}
@@ -214,7 +245,7 @@ class Routes:
             )
         except (NatsTimeoutError, NoRespondersError) as exc:
             why = "no broker responded" if isinstance(exc, NoRespondersError) else "timed out"
-            pool = self.cache.fallback(key, limit, excluded)
+            pool = self.cache.fallback(key, req.limit, req.exclude)
             if not pool:
                 raise NoReachableAgent(
                     f"route request for capability {capability!r} {why} and no cached route is left"
@@ -225,12 +256,12 @@ class Routes:
             return pool
         err = from_reply(reply.headers, reply.data)
         if err is not None:
-            if isinstance(err, NoReachableAgent) and not excluded:
+            if isinstance(err, NoReachableAgent) and not req.exclude:
                 self.cache.forget(key)
             raise err
         candidates = schema.decode(schema.route_reply_decoder, reply.data, "route reply").candidates
-        if not excluded:
-            self.cache.store(key, candidates, limit)
+        if not req.exclude:
+            self.cache.store(key, candidates, req.limit)
         return candidates
 
     async def refresh_loop(self) -> None:
@@ -240,9 +271,9 @@ class Routes:
         while self.running:
             await asyncio.sleep(every / 2)
             for (cap, region, tags, allow_suspect), e in self.cache.stale(every):
+                filters = Filters(region=region, tags=dict(tags), allow_suspect=allow_suspect)
                 try:
-                    await self.route(cap, e.limit, region=region, tags=dict(tags),
-                                     allow_suspect=allow_suspect, peek=True)  # fmt: skip
+                    await self.route(cap, filters, limit=e.limit, peek=True)
                 except ReachError:
                     pass  # no broker or no agent: route() already updated or kept the cache
                 except Exception:  # the loop never dies

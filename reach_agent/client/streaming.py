@@ -151,9 +151,9 @@ class Caller(Protocol):
     cancels: Cancels
 
     def open_call(self, capability: str, payload: Any, timeout: float | None, ack_mode: Any,
-                  sticky_key: str | None, request_id: str | None,
-                  headers: dict[str, str] | None, traceparent: str | None, region: str | None,
-                  tags: dict[str, str] | None, stream: int) -> Call: ...  # fmt: skip
+                  request_id: str | None, headers: dict[str, str] | None,
+                  traceparent: str | None, filters: schema.Filters,
+                  stream: int = 0) -> Call: ...  # fmt: skip
     async def _run(self, call: Call) -> Any: ...
     def close_call(self, call: Call, ok: bool) -> None: ...
 
@@ -165,12 +165,10 @@ async def stream(
     *,
     timeout: float | None,  # noqa: ASYNC109 - the whole stream's deadline, as for call()
     window: int,
-    sticky_key: str | None = None,
     request_id: str | None = None,
     headers: dict[str, str] | None = None,
     traceparent: str | None = None,
-    region: str | None = None,
-    tags: dict[str, str] | None = None,
+    filters: schema.Filters = schema.NO_FILTERS,
 ) -> AsyncIterator[Any]:
     """:meth:`reach_agent.Client.stream`. Until the first chunk the call is routed and
     retried like ``call()``; after it nothing is retried: an agent lost mid-stream raises
@@ -179,8 +177,8 @@ async def stream(
     that result as the only chunk. The deadline covers the whole stream."""
     if not 1 <= window <= MAX_WINDOW:
         raise InvalidRequest(f"window {window!r} is not within 1..{MAX_WINDOW}")
-    call = client.open_call(capability, payload, timeout, "completed", sticky_key, request_id,
-                            headers, traceparent, region, tags, window)  # fmt: skip
+    call = client.open_call(capability, payload, timeout, "completed", request_id, headers,
+                            traceparent, filters, window)  # fmt: skip
     ok = False
     gave_up: str | None = None
     everyone = False  # (a cancelled task: every agent it was sent to, see Cancels.tell)

@@ -251,6 +251,10 @@ class AckRecord(Base, frozen=True):
     error: dict[str, str] | None = None
     parent_request_id: str | None = None
     """The flow run this request is a step of (the task's ``Reach-Parent-Id``)."""
+    received_ms: int | None = None
+    """On a final record: when the agent accepted the task, its ``received`` record folded
+    into this one (a writer that had not stored ``received`` yet when the run ended stores
+    one record instead of two)."""
     body_digest: str | None = None
     """:func:`body_digest` of the task body the record is about (absent in records written
     before it existed)."""
@@ -314,6 +318,7 @@ class _StoredAck(msgspec.Struct, kw_only=True):
     result: msgspec.Raw = msgspec.Raw()
     error: dict[str, str] | None = None
     parent_request_id: str | None = None
+    received_ms: int | None = None
     body_digest: str | None = None
 
 
@@ -331,7 +336,7 @@ def decode_ack_record(data: bytes, *, decode_result: bool = False) -> AckRecord:
     return AckRecord(request_id=s.request_id, agent_id=s.agent_id, capability=s.capability,
                      state=s.state, at_ms=s.at_ms, result=result, error=s.error,
                      parent_request_id=s.parent_request_id,
-                     body_digest=s.body_digest)  # fmt: skip
+                     received_ms=s.received_ms, body_digest=s.body_digest)  # fmt: skip
 
 
 # --- agent → broker ---------------------------------------------------------------------
@@ -456,20 +461,14 @@ class CancelReply(Base, frozen=True):
 # --- caller → broker ----------------------------------------------------------------------
 
 
-class RouteRequest(Base, frozen=True):
-    """``reach.route.<capability>``; an empty body means all defaults."""
+class Filters(Base, frozen=True):
+    """Who may take a call: the route request's filters, as a call carries them through
+    every route it asks (a :class:`RouteRequest` adds what changes per route)."""
 
-    limit: Annotated[int, Meta(ge=1, le=100)] = 3
     region: ShortText | None = None
     tags: Annotated[dict[str, ShortText], Meta(max_length=64)] = {}
     sticky_key: Annotated[str, Meta(max_length=1024)] | None = None
-    exclude: Annotated[list[AgentId], Meta(max_length=1000)] = []
     allow_suspect: bool = False
-    peek: bool = False
-    """A look, not a pick: no task will follow, so the broker does not count the answer's
-    first candidate as handed a task (``reach route``, ``Client.route``, cache refreshes)."""
-    explain: bool = False
-    """Ask for the reasons: each candidate's ``explain`` and the reply's ``explain``."""
     canary: ShortText | None = None
     """Take this arm of the capability's split rule (a ``version`` or tag value) instead of
     the weighted one; without a split rule, agents of this ``version``."""
@@ -478,6 +477,30 @@ class RouteRequest(Base, frozen=True):
     min_context_tokens: Annotated[int, Meta(ge=0, le=2**40)] | None = None
     """Candidates' context headroom, ``context_window x (1 - context_usage_pct / 100)``,
     must be at least this (an agent that announces no ``context_window`` has none)."""
+
+
+class RouteRequest(Filters, frozen=True):
+    """``reach.route.<capability>``; an empty body means all defaults."""
+
+    limit: Annotated[int, Meta(ge=1, le=100)] = 3
+    exclude: Annotated[list[AgentId], Meta(max_length=1000)] = []
+    peek: bool = False
+    """A look, not a pick: no task will follow, so the broker does not count the answer's
+    first candidate as handed a task (``reach route``, ``Client.route``, cache refreshes)."""
+    explain: bool = False
+    """Ask for the reasons: each candidate's ``explain`` and the reply's ``explain``."""
+
+
+NO_FILTERS = Filters()
+"""A call that asks nothing of its agent but the capability."""
+
+
+def route_request(
+    filters: Filters, limit: int, exclude: list[str] | None = None, *, peek: bool = False
+) -> RouteRequest:
+    """The route request of a call with ``filters``: ``limit`` candidates, not ``exclude``."""
+    return RouteRequest(limit=limit, exclude=exclude or [], peek=peek,
+                        **msgspec.structs.asdict(filters))  # fmt: skip
 
 
 class Candidate(Base, frozen=True):
@@ -501,6 +524,109 @@ class RouteReply(Base, frozen=True):
     candidates: list[Candidate]
     generated_at_ms: int
     explain: RouteExplain | None = None
+
+
+# --- route tables: broker (a share's owner) → callers -------------------------------------
+
+
+class TableEntry(Base, frozen=True):
+    """One agent in a capability's route table: what a caller needs to choose it (the
+    filters' inputs, its weight's, its load) and to reach it."""
+
+    agent_id: str
+    state: AgentState
+    score: float
+    max_concurrency: int
+    active: int = 0
+    """Tasks it reported running at its last heartbeat."""
+    queue_depth: int = 0
+    task_ms: float | None = None
+    """Its task time (the broker's EWMA, ms): how fast what it runs finishes."""
+    interval_ms: int = 1000
+    """Its heartbeat interval: how long a load report holds without a task time."""
+    slow_start_ms: int | None = None
+    """Milliseconds since it recovered, while it is slow-started (absent: not ramping up)."""
+    region: str | None = None
+    version: str | None = None
+    tags: dict[str, str] = {}
+    permissions: list[str] = []
+    context_window: int | None = None
+    context_usage_pct: float | None = None
+    timeout_hint_ms: int | None = None
+    protocol: str | None = None
+    """``reach`` (absent) or ``synadia-agents`` (as a route candidate's)."""
+    subject: str | None = None
+    """Its task subject when it is not ``<p>.task.<agent_id>.<capability>`` (a Synadia
+    agent's prompt subject)."""
+
+
+class TableRouting(Base, frozen=True):
+    """The brokers' ``[routing]`` settings a caller chooses with (as in broker.toml)."""
+
+    choice: Literal["weighted", "p2c", "ranked"] = "weighted"
+    pool_factor: int = 4
+    vnodes: int = 150
+    min_reach_score: float = 60.0
+    load_watermark: float = 0.85
+    slow_start_share: float = 0.2
+    slow_start_s: float = 30.0
+    max_eject_share: float = 0.5
+    panic_threshold: float = 0.5
+    rank_refresh_ms: float = 50.0
+
+
+NO_RULE = msgspec.Raw()
+"""A table's ``rule`` when the capability has none (omitted on the wire). A ``Raw`` field is
+never ``Raw | None``: msgspec decodes that union only as ``null``, so a rule would make the
+whole share or delta undecodable."""
+
+
+class TableShare(Base, frozen=True):
+    """One share of a capability's route table: its agents of one partition, as of
+    ``version`` of its owner's ``epoch``, with what a caller routes them by."""
+
+    capability: str
+    partition: int
+    epoch: int
+    version: int
+    entries: list[TableEntry] = []
+    local: bool = True
+    """Whether callers may route this capability themselves (false: a quota applies to
+    it, which only a broker enforces: ask ``<p>.route.<capability>``)."""
+    rule: msgspec.Raw = NO_RULE
+    """The capability's route rule in force (``RouteRule`` JSON, as in KV ``reach_rules``;
+    absent: none)."""
+    routing: TableRouting = TableRouting()
+    at_ms: int = 0
+    """When its owner made it (Unix ms)."""
+
+
+class TableDelta(Base, frozen=True):
+    """A share's change from ``prev`` to ``version`` (same ``epoch``): agents upserted (their
+    whole entry) and agents removed from the capability; ``local`` and ``rule`` as they are
+    now (as :class:`TableShare`'s)."""
+
+    capability: str
+    partition: int
+    epoch: int
+    version: int
+    prev: int
+    upserts: list[TableEntry] = []
+    removed: list[str] = []
+    local: bool = True
+    rule: msgspec.Raw = NO_RULE
+
+
+class Table(Base, frozen=True):
+    """``<p>.tables.<capability>``'s answer from one broker: the shares of the partitions it
+    owns (a partition it owns and has no share of has no agent of the capability)."""
+
+    capability: str
+    partitions: int
+    """How many partitions the fleet is split into (a share's ``partition`` is below it)."""
+    owned: list[int]
+    shares: list[TableShare] = []
+    broker_id: str | None = None
 
 
 class AgentView(Base, frozen=True):
@@ -595,6 +721,9 @@ probe_reply_decoder = msgspec.json.Decoder(ProbeReply)
 event_decoder = msgspec.json.Decoder(Event)
 claim_decoder = msgspec.json.Decoder(Claim)
 outcome_decoder = msgspec.json.Decoder(OutcomeSummary)
+table_decoder = msgspec.json.Decoder(Table)
+table_share_decoder = msgspec.json.Decoder(TableShare)
+table_delta_decoder = msgspec.json.Decoder(TableDelta)
 cancel_decoder = msgspec.json.Decoder(Cancel)
 cancel_reply_decoder = msgspec.json.Decoder(CancelReply)
 

@@ -26,6 +26,8 @@ sender names against the sender's permissions (see docs/protocol.md, "Reply subj
     <p>.event.<kind>.<agent_id>      broker → anyone; kept by REACH_AUDIT
     <p>.event.rule._rules            broker → anyone: a route rule set or cleared (audited)
     <p>.outcome.<agent_id>           caller → every broker: what it saw of the agent
+    <p>.table.<partition>.<capability>  broker (the share's owner) → callers: a route-table delta
+    <p>.tables.<capability>          caller → every broker: the route table now (request-reply)
 
 The Synadia Agent Protocol's subjects (theirs, never prefixed) are built by
 :class:`AgentsProtocol` (``AGENTS``): reach reads and calls those agents as they are.
@@ -80,6 +82,8 @@ class Subjects:
         "_probe",
         "_reannounce",
         "_route",
+        "_table",
+        "_tables",
         "_task",
         "prefix",
     )
@@ -100,6 +104,8 @@ class Subjects:
         self._comp = f"{prefix}.comp."
         self._event = f"{prefix}.event."
         self._outcome = f"{prefix}.outcome."
+        self._table = f"{prefix}.table."
+        self._tables = f"{prefix}.tables."
         # Parsers run per message (heartbeats): slice at precomputed lengths.
         self._cuts = (
             len(self._announce), len(self._hb), len(self._leave), len(self._probe),
@@ -166,6 +172,15 @@ class Subjects:
         """A caller's outcome summary of one agent."""
         return self._outcome + agent_id
 
+    def table(self, partition: int, capability: str) -> str:
+        """The deltas of one share of a capability's route table (its owner publishes)."""
+        return f"{self._table}{partition}.{capability}"
+
+    def tables(self, capability: str) -> str:
+        """Where a caller asks the brokers for a capability's route table (every broker
+        answers with the shares it owns)."""
+        return self._tables + capability
+
     # --- what subscribers listen on --------------------------------------------------------
 
     @property
@@ -228,6 +243,23 @@ class Subjects:
     @property
     def all_outcomes(self) -> str:
         return self._outcome + "*"
+
+    def table_of(self, capability: str) -> str:
+        """Every share's deltas of one capability's table (``<p>.table.*.<capability>``)."""
+        return f"{self._table}*.{capability}"
+
+    @property
+    def all_tables(self) -> str:
+        """Every table request (``<p>.tables.>``)."""
+        return self._tables + ">"
+
+    @property
+    def all_table_deltas(self) -> str:
+        """Every share's deltas of every capability (``<p>.table.>``)."""
+        return self._table + ">"
+
+    def capability_of_tables(self, subject: str) -> str:
+        return subject[len(self._tables) :]
 
     def events_of(self, agent_id: str) -> str:
         """Every event about one agent (``<p>.event.*.<agent_id>``)."""

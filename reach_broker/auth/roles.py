@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from jetstream.names import ACK_STREAM, CLAIMS_BUCKET, CLAIMS_STREAM
+from jetstream.names import ACK_STREAM, CLAIMS_BUCKET, CLAIMS_STREAM, TABLES_STREAM
 from reach_agent.wire.subjects import BROKER_ACK_AUTHOR, INBOX_ROOT, Subjects
 
 from .claims import Permission, ResponsePermission, User
@@ -108,6 +108,15 @@ _ACK_READS = (
 # request there: the stream is deleted (checked against a real server).
 _CLAIM_READS = (Raw(f"$JS.API.STREAM.MSG.GET.{CLAIMS_STREAM}"),)
 _CLAIM_WRITES = (Raw(f"$KV.{CLAIMS_BUCKET}.>"), Raw(f"$JS.API.STREAM.INFO.{CLAIMS_STREAM}"))
+# Route tables (reach_agent.client.tables): a caller asks the brokers for a capability's
+# table and follows its deltas; with no broker answering it reads the shares from KV
+# reach_tables (the stream's info lists the keys, a message get reads each). Only brokers
+# publish deltas and write the bucket.
+_TABLE_READS = (
+    Every("all_tables"),
+    Raw(f"$JS.API.STREAM.INFO.{TABLES_STREAM}"),
+    Raw(f"$JS.API.STREAM.MSG.GET.{TABLES_STREAM}"),
+)
 
 ROLES: dict[RoleName, Role] = {
     "agent": Role(
@@ -146,8 +155,9 @@ ROLES: dict[RoleName, Role] = {
             Every("all_cancels"),  # stop a request: its agent's, and the brokers' (`_broker`)
             *_ACK_READS,
             *_CLAIM_READS,
+            *_TABLE_READS,
         ),
-        subscribe=(Every("all_acks"), Every("all_events"), INBOX),
+        subscribe=(Every("all_acks"), Every("all_events"), Every("all_table_deltas"), INBOX),
         # Credits of a streamed answer go back to the chunks' reply subject (the agent's
         # inbox); the SDK sends them only to `_INBOX.` subjects.
         responses=Responses(max_msgs=-1, ttl_s=AGENT_REPLY_WINDOW_S),
@@ -160,6 +170,7 @@ ROLES: dict[RoleName, Role] = {
             Every("all_probes"),
             Every("all_reannounces"),  # asks an agent it does not know to announce again
             Every("all_tasks"),
+            Every("all_table_deltas"),  # the route tables of the partitions it owns
             Every("all_cancels"),  # a cancel forwarded to the holder the caller did not ask
             OwnAcks(author=BROKER_ACK_AUTHOR),
             # Replies to announces, leaves, routes, `agents` and `$SRV` pings go to the
@@ -191,6 +202,7 @@ ROLES: dict[RoleName, Role] = {
             Every("all_acks"),
             Every("all_events"),
             Every("all_outcomes"),
+            Every("all_tables"),
             Every("cancel_broker"),  # a cancel no agent settled (queue group reach-broker)
             Raw("$SRV.>"),
             Raw("$SYS.ACCOUNT.{account}.CONNECT"),

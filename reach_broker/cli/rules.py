@@ -19,8 +19,8 @@ from typing import Any
 import msgspec
 
 from jetstream.names import RULES_BUCKET
+from reach_agent.routing.rules import RouteRule, build, decode_rule, describe, rule_encoder
 from reach_agent.wire.errors import InvalidRequest
-from reach_broker.core.rules import RouteRule, build, decode_rule, describe, rule_encoder
 
 from .common import (
     EXIT_UNAVAILABLE,

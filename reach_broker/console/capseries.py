@@ -133,14 +133,20 @@ class CapabilitySeries:
             if n > seen and (ring := self._ring(capability)) is not None:
                 ring.routes[ring.slot(bucket)] += n - seen
 
-    def ack(self, request_id: str, capability: str, state: str, at_ms: int) -> None:
+    def ack(
+        self, request_id: str, capability: str, state: str, at_ms: int,
+        received_ms: int | None = None,
+    ) -> None:  # fmt: skip
         """An agent's ack record: a ``received`` starts timing the call (when there is
-        room), its ``completed`` or ``failed`` ends it. O(1)."""
+        room), its ``completed`` or ``failed`` ends it (or times it alone: a final record
+        its ``received`` was folded into carries ``received_ms``). O(1)."""
         if state == "received":
             if request_id not in self._pending and len(self._pending) < PENDING_MAX:
                 self._pending[request_id] = (capability, at_ms)
             return
         started = self._pending.pop(request_id, None)
+        if started is None and received_ms is not None:
+            started = (capability, received_ms)
         if started is None or started[0] != capability or at_ms < started[1]:
             return
         ring = self._ring(capability)

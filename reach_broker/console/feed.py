@@ -63,6 +63,7 @@ class _AckHead(msgspec.Struct):
     capability: str
     state: str
     at_ms: int
+    received_ms: int | None = None
 
 
 _ack_head = msgspec.json.Decoder(_AckHead)
@@ -157,7 +158,8 @@ class Feed:
             head = _ack_head.decode(msg.data)
         except msgspec.MsgspecError:
             return
-        self.capabilities.ack(head.request_id, head.capability, head.state, head.at_ms)
+        self.capabilities.ack(head.request_id, head.capability, head.state, head.at_ms,
+                              head.received_ms)  # fmt: skip
 
     async def _follow_audit(self) -> None:
         nc, subjects = self.ctx.nc, self.ctx.subjects

@@ -4,7 +4,7 @@ With ``RouteRequest.explain`` the decision is still :meth:`Router.choose`'s (it 
 it, with its randomness), and then explained: each candidate carries its score terms and its
 place in the routing (:class:`~reach_agent.wire.schema.AgentExplain`), and the reply's
 :class:`~reach_agent.wire.schema.RouteExplain` names every other agent of the capability with a
-reason code (:mod:`reach_broker.core.reasons`) and a sentence with the figures. Whether an agent
+reason code (:mod:`reach_agent.routing.reasons`) and a sentence with the figures. Whether an agent
 passes the filters is asked of the route walk itself, agent by agent
 (:meth:`Router.filtered_by`), so the explanation and the walk cannot disagree.
 
@@ -20,6 +20,10 @@ from typing import NamedTuple
 
 import msgspec
 
+from reach_agent.routing import filters
+from reach_agent.routing import reasons as r
+from reach_agent.routing.filters import Policy
+from reach_agent.routing.index import CapabilityIndex
 from reach_agent.wire.errors import NoReachableAgent, Overloaded
 from reach_agent.wire.schema import (
     AgentExplain,
@@ -33,10 +37,8 @@ from reach_agent.wire.schema import (
 )
 from reach_broker.config import RoutingSection, ScoringSection
 
-from . import reasons as r
-from .index import CapabilityIndex, candidate
 from .records import AgentRecord
-from .routing import Policy, Router
+from .routing import Router
 from .scoring import Terms, terms, weakest
 
 MAX_EXCLUDED = 100
@@ -64,7 +66,7 @@ class Case(NamedTuple):
 
     rec: AgentRecord
     req: RouteRequest
-    idx: CapabilityIndex
+    idx: CapabilityIndex[AgentRecord]
     cfg: RoutingSection
     now: float
     terms: Terms
@@ -75,86 +77,6 @@ class Case(NamedTuple):
     pool: int
     policy: Policy
     """The capability's rule and the split arm the walk was given."""
-
-
-def _state(c: Case) -> str:
-    rec = c.rec
-    since = f" for {max(c.now - rec.state_since, 0.0):.1f}s"
-    if rec.state == "suspect":
-        if not c.req.allow_suspect:
-            return f"suspect{since}: routed only with allow_suspect"
-        if c.walked == "healthy":
-            return f"suspect{since}: allow_suspect takes suspects only when no healthy one passes"
-    if rec.state == "healthy":  # changed since the ranking the walk read
-        return f"was {c.walked} at the last ranking"
-    return f"{rec.state}{since}"
-
-
-def _load(c: Case) -> str:
-    rec = c.rec
-    watermark = f"at or above the watermark {c.cfg.load_watermark:g}"
-    if rec.handed_at <= rec.last_seen and rec.busy == rec.load:  # as the agent reported it
-        return f"load {rec.active}/{rec.max_concurrency} = {rec.load:.2f}, {watermark}"
-    since = "and the routes handed out since" if rec.handed_at > rec.last_seen else "fading"
-    return (f"load {rec.busy:.2f} (reported {rec.active}/{rec.max_concurrency}, {since}), "
-            f"{watermark}")  # fmt: skip
-
-
-def _region(c: Case) -> str:
-    region = repr(c.rec.region) if c.rec.region is not None else "none"
-    return f"region {region}, the request asks {c.req.region!r}"
-
-
-def _tags(c: Case) -> str:
-    tags = c.rec.tags
-    for key, want in c.req.tags.items():
-        have = tags.get(key)
-        if have != want:
-            has = f"is {have!r}" if have is not None else "is missing"
-            return f"tag {key} {has}, the request asks {want!r}"
-    return "tags differ from the request's"
-
-
-def _required(c: Case) -> str:
-    rule = c.policy[0]
-    for key, want in rule.require if rule is not None else ():
-        if key not in c.req.tags and c.rec.tags.get(key) != want:
-            have = c.rec.tags.get(key)
-            has = f"is {have!r}" if have is not None else "is missing"
-            return f"tag {key} {has}; the capability's rule requires {want!r}"
-    return "lacks a tag the capability's rule requires"
-
-
-def _split(c: Case) -> str:
-    rule, arm = c.policy
-    if rule is None or not rule.listed:
-        return f"version {c.rec.version!r}, the request's canary asks {arm!r}"
-    key = rule.split_by
-    value = rule.value_of(c.rec)
-    if arm is None:
-        arms = ", ".join(sorted(rule.listed))
-        return f"{key} {value!r} is in no arm of the split ({arms})"
-    return f"{key} {value!r}; this request's split arm is {arm!r}"
-
-
-def _requires(c: Case) -> str:
-    missing = sorted(set(c.req.requires) - c.rec.permissions)
-    return f"lacks the permission(s) {', '.join(missing)} the request requires"
-
-
-def _context(c: Case) -> str:
-    rec = c.rec
-    if not rec.context_window:
-        return (f"announces no context_window; the request asks {c.req.min_context_tokens} "
-                "tokens of headroom")  # fmt: skip
-    used = rec.context_usage_pct or 0.0
-    return (f"context headroom {rec.headroom} tokens ({rec.context_window} x {100 - used:g}% "
-            f"free), below the request's min_context_tokens "
-            f"{c.req.min_context_tokens}")  # fmt: skip
-
-
-def _exclude(c: Case) -> str:
-    return "named in the request's exclude"
 
 
 def _score(c: Case) -> str:
@@ -190,15 +112,7 @@ def _draw(c: Case) -> str:
 
 
 DETAILS: dict[str, Callable[[Case], str]] = {
-    r.STATE: _state,
-    r.LOAD: _load,
-    r.REGION: _region,
-    r.TAGS: _tags,
-    r.REQUIRED: _required,
-    r.SPLIT: _split,
-    r.REQUIRES: _requires,
-    r.CONTEXT: _context,
-    r.EXCLUDE: _exclude,
+    **filters.DETAILS,
     r.SCORE: _score,
     r.UNRANKED: _unranked,
     r.POOL: _pool,
@@ -248,14 +162,14 @@ class Explainer:
         return encoder.encode(reply)
 
     def candidate(
-        self, rec: AgentRecord, idx: CapabilityIndex, now: float, subject: str,
+        self, rec: AgentRecord, idx: CapabilityIndex[AgentRecord], now: float, subject: str,
         ranks: dict[str, int],
     ) -> Candidate:  # fmt: skip
         """``rec`` as a candidate of ``idx``, with its explanation."""
         explain = self.agent(rec, now, rank=ranks.get(rec.agent_id, 0), kept=self.kept(rec, idx))
-        return msgspec.structs.replace(candidate(rec, subject), explain=explain)
+        return msgspec.structs.replace(rec.candidate(subject), explain=explain)
 
-    def kept(self, rec: AgentRecord, idx: CapabilityIndex) -> str | None:
+    def kept(self, rec: AgentRecord, idx: CapabilityIndex[AgentRecord]) -> str | None:
         """Why a routed agent is routed although a rule would keep it out, if it is."""
         if rec.state == "suspect":
             return r.ALLOW_SUSPECT
@@ -304,7 +218,11 @@ class Explainer:
         )  # fmt: skip
 
     def walk(
-        self, idx: CapabilityIndex, req: RouteRequest, now: float, policy: Policy | None = None
+        self,
+        idx: CapabilityIndex[AgentRecord],
+        req: RouteRequest,
+        now: float,
+        policy: Policy | None = None,
     ) -> Walk:
         """The walk of ``req`` over ``idx``, agent by agent: which filter each ranked agent
         (and each suspect, when the walk falls back to them) fails, and the pool it gathers
@@ -331,7 +249,9 @@ class Explainer:
                 failed[rec.agent_id] = router.filtered_by(rec, state, req, now, policy)
         return failed, passed
 
-    def reason(self, rec: AgentRecord, idx: CapabilityIndex, walk: Walk, pool: set[str]) -> str:
+    def reason(
+        self, rec: AgentRecord, idx: CapabilityIndex[AgentRecord], walk: Walk, pool: set[str]
+    ) -> str:
         """The reason code of an agent of ``idx`` that is not a candidate after ``walk``."""
         if rec.agent_id in pool:
             return r.DRAW
@@ -344,8 +264,8 @@ class Explainer:
         return r.UNRANKED
 
     def left_out(
-        self, idx: CapabilityIndex, req: RouteRequest, chosen: list[AgentRecord], now: float,
-        walk: Walk | None = None, limit: int = MAX_EXCLUDED,
+        self, idx: CapabilityIndex[AgentRecord], req: RouteRequest, chosen: list[AgentRecord],
+        now: float, walk: Walk | None = None, limit: int = MAX_EXCLUDED,
     ) -> tuple[dict[str, int], list[Exclusion]]:  # fmt: skip
         """Every agent of ``idx`` not ``chosen`` for ``req``: how many for each reason, and
         the first ``limit`` (best ranked, then best scored) with why."""
@@ -379,8 +299,8 @@ class Explainer:
         return counts, excluded
 
     def explanation(
-        self, idx: CapabilityIndex, req: RouteRequest, chosen: list[AgentRecord], now: float,
-        policy: Policy | None = None,
+        self, idx: CapabilityIndex[AgentRecord], req: RouteRequest, chosen: list[AgentRecord],
+        now: float, policy: Policy | None = None,
     ) -> RouteExplain:  # fmt: skip
         """How ``req`` was decided over ``idx``: every agent not ``chosen``, with why."""
         cfg = self.router.cfg

@@ -1,7 +1,7 @@
 """Per-caller quotas: a token bucket per (caller, capability) on route requests.
 
 A caller's limit for a capability is, first found: its own (``[quotas.per_caller.<name>]``),
-the capability's route rule (``quota_rate``/``quota_burst``, :mod:`reach_broker.core.rules`), the
+the capability's route rule (``quota_rate``/``quota_burst``, :mod:`reach_agent.routing.rules`), the
 default (``[quotas] rate``; 0 is none). A request over it is answered ``OVERLOADED`` (429)
 with ``retry_after_ms``: when the bucket holds a token again. Every other caller's buckets
 are untouched, so one caller swamping a capability does not starve the rest. Pure: the
@@ -18,11 +18,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from reach_agent.routing.rules import Rules
 from reach_agent.wire.schema import H_CALLER
 from reach_agent.wire.subjects import INBOX_ROOT
 from reach_broker.config import QuotaLimit, QuotasSection
-
-from .rules import Rules
 
 ANONYMOUS = "anonymous"
 """The caller of a request that names none (open mode, no ``Reach-Caller`` header)."""
@@ -97,6 +96,14 @@ class Quotas:
         if self.cfg.rate > 0:
             return QuotaLimit(rate=self.cfg.rate, burst=self.cfg.burst)
         return None
+
+    def enforced(self, capability: str) -> bool:
+        """Whether a quota may apply to some caller of ``capability`` (a default, a
+        caller's own limit, or the capability's rule): then only brokers route it."""
+        if self.cfg.rate > 0 or self.cfg.per_caller:
+            return True
+        rule = self.rules.get(capability)
+        return rule is not None and rule.stored.quota_rate is not None
 
     def admit(self, caller: str, capability: str, now: float) -> int | None:
         """None when ``caller`` may route ``capability`` now; else the ``retry_after_ms``."""

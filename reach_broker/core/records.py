@@ -12,6 +12,7 @@ from typing import Literal, NamedTuple
 
 import msgspec
 
+from reach_agent.routing.member import Member
 from reach_agent.wire.schema import (
     PROTOCOL_REACH,
     PROTOCOL_SYNADIA,
@@ -39,107 +40,58 @@ class Transition(NamedTuple):
     reason: str
 
 
-class AgentRecord:
-    """What the broker knows of one agent. Mutated only by the registry."""
+class AgentRecord(Member):
+    """What the broker knows of one agent: what the routing reads
+    (:class:`~reach_agent.routing.member.Member`) and what detection and scoring keep.
+    Mutated only by the registry (and the router's hand-out count)."""
 
     __slots__ = (
-        "active",
-        "agent_id",
         "announce",
-        "busy",
-        "capabilities",
-        "context_usage_pct",
-        "context_window",
         "deadline_gen",
         "delivery",
         "disconnected",
         "fail_total",
         "forget_at",
-        "full_until",
-        "handed",
-        "handed_at",
-        "headroom",
         "heap_at",
-        "interval_s",
-        "last_seen",
         "last_seen_wall_ms",
-        "load",
-        "max_concurrency",
         "offline_at",
         "ok_total",
         "oldest_task_ms",
-        "permissions",
         "probe_failures",
-        "protocol",
-        "queue_depth",
         "recover_hbs",
-        "recovered_at",
-        "region",
         "resync",
-        "score",
         "seq",
-        "state",
-        "state_since",
-        "stats",
         "status",
         "stuck",
-        "subject",
         "suspect_at",
-        "tags",
-        "timeout_hint_ms",
         "token",
-        "version",
-        "weight",
         "window",
     )
 
+    stats: Stats
+
     def __init__(self, msg: Announce, interval_s: float, window: ArrivalWindow) -> None:
-        self.agent_id = msg.agent_id
-        self.state: AgentState = "healthy"
-        self.state_since = 0.0
-        self.stats = Stats()
+        super().__init__(msg.agent_id, msg.max_concurrency, Stats())
         self.window = window
         self.seq = -1
         self.token = ""
-        self.last_seen = 0.0
         self.last_seen_wall_ms = 0
-        self.active = 0
-        self.queue_depth = 0
         self.ok_total = 0
         self.fail_total = 0
         self.oldest_task_ms: int | None = None
         self.status = "idle"
-        self.load = 0.0
-        """The load the agent last reported: ``active / max_concurrency``, at most 1."""
-        self.busy = 0.0
-        """The share of its slots this broker believes taken now: the reported load, plus the
-        routes this broker handed out since the last heartbeat, decaying over the agent's
-        task time (:meth:`handed_out`). Routing filters on it against the load watermark."""
-        self.handed = 0.0
-        self.handed_at = -math.inf
-        """Tasks believed in flight (reported and handed out) as of the last hand-out."""
-        self.full_until = -math.inf
-        """When an agent found full (:meth:`busy_at`) is next worth a look: until then a
-        route skips it at the cost of a comparison."""
-        self.score = 100.0
-        self.weight = 0.0
-        """Weight in the routing draw (see set_score), as of the last rescore: every input
-        that can make the agent routable (announce, heartbeat, probe answer) rescores."""
-        self.set_score(100.0)
         self.stuck = False
         self.suspect_at = 0.0
         self.offline_at = 0.0
         self.forget_at = 0.0
         self.deadline_gen = 0
         self.heap_at = math.inf  # due time of the live deadline entry (inf: none)
-        self.recovered_at: float | None = None
         self.recover_hbs = 0
         self.probe_failures = 0
         self.disconnected = False
         self.resync = False
         """The broker's own link was down since the last heartbeat: the next gap is not the
         agent's (no arrival sample, no missed beat)."""
-        self.context_usage_pct: float | None = None
         self.delivery = 1.0
         """The delivery term of the score: what callers saw
         (:mod:`reach_broker.service.outcomes`)."""
@@ -158,98 +110,11 @@ class AgentRecord:
         # announce handler refuses that agent_type): spoken to on its own prompt subject.
         foreign = msg.agent_type == PROTOCOL_SYNADIA
         self.protocol = PROTOCOL_SYNADIA if foreign else PROTOCOL_REACH
-        self.subject: str | None = msg.metadata.get("prompt") if foreign else None
-        """The task subject when it is not ``<p>.task.<agent_id>.<capability>``."""
+        self.subject = msg.metadata.get("prompt") if foreign else None
         # Most agents declare none: they share one empty set (a frozenset is 216 B).
         self.permissions = frozenset(msg.permissions) if msg.permissions else NO_PERMISSIONS
         self.context_window = msg.context_window
         self.set_context(self.context_usage_pct)
-
-    def set_context(self, usage_pct: float | None) -> None:
-        """The reported context usage, and the headroom it leaves:
-        ``context_window x (1 - usage / 100)`` tokens (0 without a ``context_window``)."""
-        self.context_usage_pct = usage_pct
-        window = self.context_window or 0
-        self.headroom = int(window * (1.0 - usage_pct / 100.0)) if usage_pct else window
-
-    def set_load(self, active: int, queue_depth: int) -> int:
-        """Record the agent's reported load (which replaces the hand-outs counted since the
-        last report); returns the change of ``active``. (Its ``weight`` follows at the next
-        :meth:`set_score`.)"""
-        delta = active - self.active
-        self.active = active
-        self.queue_depth = queue_depth
-        load = active / self.max_concurrency
-        self.load = self.busy = load if load < 1.0 else 1.0
-        return delta
-
-    # --- hand-out accounting (the route path: O(1), this record only) ----------------------
-
-    def handed_out(self, now: float) -> None:
-        """A route reply of this broker just named the agent first: count the task it is
-        about to get until a heartbeat reports it, so routes between two heartbeats do not
-        all go to an agent that looked idle at the last one. Each replica counts its own
-        hand-outs; the heartbeat's ``active`` counts everyone's. Not for an agent that
-        reports no ``active`` (a Synadia Agent Protocol agent): nothing would ever replace
-        the count."""
-        if self.protocol != PROTOCOL_REACH:
-            return
-        self.handed = self.in_flight(now) + 1.0
-        self.handed_at = now
-        self._set_busy(self.handed)
-
-    def busy_at(self, now: float, watermark: float) -> float:
-        """``busy`` as of ``now`` (kept): tasks finish, so an agent that looked full at its
-        last heartbeat or hand-out may have room again. Asked only of an agent that looks
-        full (the filter's second look), never per candidate. Still at or above
-        ``watermark``: ``full_until`` is set to when the estimate falls below it (without a
-        task time: to the next heartbeat, which says)."""
-        tasks = self.in_flight(now)
-        self._set_busy(tasks)
-        if self.busy >= watermark:
-            task_ms = self.stats.task_ewma_ms
-            if task_ms is None:
-                self.full_until = max(self.last_seen + self.interval_s, now)
-            else:
-                room = watermark * self.max_concurrency
-                tau = max(task_ms, 1.0) / 1000.0
-                self.full_until = now + tau * math.log(tasks / room) if tasks > room else now
-        return self.busy
-
-    def in_flight(self, now: float) -> float:
-        """Tasks believed running now: the reported ``active`` (as of the last heartbeat), or
-        the count at the last hand-out since, each fading with the agent's task time
-        (``exp(-elapsed / task EWMA)``: the steady-state count is then rate x task time, as
-        Little's law has it). Without a task time nothing fades: the count holds until the
-        next heartbeat reports ``active``."""
-        if self.handed_at > self.last_seen:
-            base, since = self.handed, self.handed_at
-        else:
-            base, since = float(self.active), self.last_seen
-        if base <= 0.0:
-            return 0.0
-        task_ms = self.stats.task_ewma_ms
-        if task_ms is None:
-            return base
-        return base * math.exp((since - now) * 1000.0 / (task_ms if task_ms > 1.0 else 1.0))
-
-    def _set_busy(self, tasks: float) -> None:
-        busy = tasks / self.max_concurrency
-        self.busy = busy = busy if busy < 1.0 else 1.0
-        score = self.score  # the weight follows, as in set_score
-        self.weight = (score if score > 1.0 else 1.0) * (1.0 - busy if busy < 0.95 else 0.05)
-
-    def set_score(self, score: float) -> bool:
-        """Record the score the registry computed from the current inputs (load among them)
-        and the agent's weight in the routing draw that follows: its score (at least 1) times
-        its free capacity (``1 - busy``, at least 0.05), kept here so a route request reads
-        it instead of computing it per candidate. False when the score did not move."""
-        load = self.busy
-        self.weight = (score if score > 1.0 else 1.0) * (1.0 - load if load < 0.95 else 0.05)
-        if score == self.score:
-            return False
-        self.score = score
-        return True
 
     def view(self, wall_ms_now: int, now: float) -> AgentView:
         return AgentView(

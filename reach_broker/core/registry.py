@@ -17,11 +17,11 @@ from __future__ import annotations
 import heapq
 import math
 
+from reach_agent.routing.index import CapabilityIndexes
 from reach_agent.wire.schema import AgentState, AgentView, Announce, Heartbeat
 from reach_broker.config import Config
 
 from .detector import Detector
-from .index import CapabilityIndexes
 from .records import AgentRecord, HeartbeatResult, Transition, TransitionKind
 from .scoring import score
 from .states import EVICTED, MOVES, SILENCE_EVENTS, Event, Move
@@ -40,7 +40,7 @@ class Registry:
         self.signer = signer
         self.detector = Detector(cfg.detection)
         self.agents: dict[str, AgentRecord] = {}
-        self.indexes = CapabilityIndexes()
+        self.indexes: CapabilityIndexes[AgentRecord] = CapabilityIndexes()
         self._deadlines: list[tuple[float, int, str]] = []
         self.inflight = 0  # Σ active over the fleet, kept incrementally
         self.capacity = 0
@@ -56,6 +56,9 @@ class Registry:
         until :meth:`release_held`."""
         self.silenced: list[str] = []
         """Agents the last :meth:`expire` moved for silence."""
+        self.changed: set[str] = set()
+        """Agents rescored, moved or evicted since the route tables last took this set
+        (``service/tables.py`` swaps it for an empty one): what their shares may have to say."""
         self.unheard: list[str] = []
         """Agents restored from the snapshot since the broker last began to listen: their
         clocks start again at :meth:`listening`."""
@@ -356,6 +359,7 @@ class Registry:
             self.capacity += rec.max_concurrency if frm == "offline" else -rec.max_concurrency
         rec.state = to
         rec.state_since = now
+        self.changed.add(rec.agent_id)
         if to == "suspect":
             rec.stats.outcome(False, self.cfg.scoring.liveness_window)  # one missed sign
         elif to == "recovering":
@@ -377,6 +381,7 @@ class Registry:
             self.capacity -= rec.max_concurrency
         self.inflight += rec.set_load(0, 0)
         del self.agents[rec.agent_id]
+        self.changed.add(rec.agent_id)
         self.indexes.discard(rec)
         rec.deadline_gen += 1
         return Transition("evicted", rec.agent_id, frm, None, reason)
@@ -439,6 +444,7 @@ class Registry:
     # --- score and clocks -----------------------------------------------------------------
 
     def rescore(self, rec: AgentRecord, now: float) -> None:
+        self.changed.add(rec.agent_id)
         cfg = self.cfg.scoring
         hint = rec.timeout_hint_ms
         oldest = rec.oldest_task_ms

@@ -25,9 +25,9 @@ from typing import Any
 import msgspec
 
 from reach_agent.client.client import Client
+from reach_agent.routing.reasons import EXCLUSIONS
 from reach_agent.wire import schema
 from reach_agent.wire.errors import InvalidRequest, NoReachableAgent, from_reply
-from reach_broker.core.reasons import EXCLUSIONS
 
 INSTRUCTIONS = """\
 reach makes a fleet of AI agents reachable by capability (a name such as "summarize" or

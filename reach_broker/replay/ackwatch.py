@@ -28,6 +28,8 @@ TRACK_MAX = 50_000
 
 class _AckTimes(msgspec.Struct):
     at_ms: int = 0
+    received_ms: int | None = None
+    """A final record's folded ``received`` (the agent stored one record, not two)."""
 
 
 _ack_times = msgspec.json.Decoder(_AckTimes)
@@ -65,14 +67,15 @@ class AckWatch:
         if state != "received":
             await self.on_final(rid, stored.author)
         try:
-            at_ms = _ack_times.decode(msg.data).at_ms
+            times = _ack_times.decode(msg.data)
         except msgspec.MsgspecError:
             return
+        at_ms = times.at_ms
         if state == "received":
             _remember(self._received_ms, rid, at_ms)
             return
         start = self._sent_ms.pop(rid, None)
-        received = self._received_ms.pop(rid, None)
+        received = self._received_ms.pop(rid, times.received_ms)
         t0 = start if start is not None else received
         if t0 is not None and at_ms >= t0:
             self.metrics.ack_latency.observe((at_ms - t0) / 1000.0)

@@ -27,7 +27,13 @@ import secrets
 from nats.aio.client import Client as NATS
 from nats.js.errors import ServiceUnavailableError
 
-from jetstream.names import COMP_STREAM, REGISTRY_BUCKET, STREAM_NAMES, TOKEN_SECRET_KEY
+from jetstream.names import (
+    COMP_STREAM,
+    PARTITIONS_STREAM,
+    REGISTRY_BUCKET,
+    STREAM_NAMES,
+    TOKEN_SECRET_KEY,
+)
 from jetstream.provision import (
     JetStreamUnavailable,
     ProvisionTimeout,
@@ -80,6 +86,7 @@ async def provision_assets(nc: NATS, cfg: Config, subjects: Subjects) -> int | N
             name: {"num_replicas": n} for name in STREAM_NAMES
         }
         overrides[COMP_STREAM]["max_msgs"] = cfg.compensation.max_entries
+        overrides[PARTITIONS_STREAM]["max_age"] = int(cfg.fleet.lease_ttl_s * 1e9)
         defs = load_definitions(subjects, overrides)
         # Idempotent: a timeout (a cluster electing) is tried again by the broker's start.
         await provision(nc, defs)  # it logs each stream created or updated, once

@@ -233,6 +233,16 @@ class Metrics:
             "Agents whose delivery term is 0 (outlier or unanswered rule), by rule",
             ["rule"], registry=r,
         )  # fmt: skip
+        self.partitions_owned = Gauge(
+            "reach_partitions_owned", "Partitions of the fleet whose lease this broker holds",
+            registry=r,
+        )  # fmt: skip
+        self.tables = Counter(
+            "reach_tables_total",
+            "Route-table work by kind: delta (published), request (a table asked for and "
+            "answered), stored (a share written to KV reach_tables), store_failed",
+            ["kind"], registry=r,
+        )  # fmt: skip
 
     def watch_states(self, counts: Callable[[], dict[str, int]]) -> None:
         self.registry.register(_StateCollector(counts))

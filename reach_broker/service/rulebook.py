@@ -4,7 +4,7 @@ Every replica follows the bucket (:func:`jetstream.rules.follow`: each key's las
 start, then every change as JetStream stores it, through a follow that rebuilds its consumer
 after a node loss or a reconnect without missing a change), so a ``reach rules set`` reaches all of
 them within the time a stored message takes to be delivered (milliseconds, well under the
-second promised). Each change is applied to the router's :class:`~reach_broker.core.rules.Rules`
+second promised). Each change is applied to the router's :class:`~reach_agent.routing.rules.Rules`
 and the quotas, and published as an ``Event`` of kind ``rule`` on
 ``<prefix>.event.rule._rules`` — the audit trail ``REACH_AUDIT`` keeps it. Every replica
 publishes it with the same ``Nats-Msg-Id`` (``rule.<capability>.<revision>``), so the trail
@@ -21,12 +21,13 @@ from typing import Any
 from jetstream import rules as bucket
 from jetstream.follow import UNCOUNTED, Follower, FollowMetrics
 from jetstream.names import H_MSG_ID
+from reach_agent.routing.rules import RouteRule, Rules, build, decode_rule, describe
 from reach_agent.wire import schema
 from reach_agent.wire.errors import InvalidRequest
-from reach_agent.wire.schema import Event
+from reach_agent.wire.schema import Event, check_capability
 from reach_agent.wire.subjects import RULES_AUTHOR
+from reach_broker.config import ConfigError, RuleSection
 from reach_broker.core.quotas import Quotas
-from reach_broker.core.rules import Rules, decode_rule, describe
 
 from .context import BrokerContext
 
@@ -39,6 +40,19 @@ AUDIT_CATCH_UP_S = 120.0
 """Changes stored this long before the broker started are audited again at start (the audit
 stream's duplicate window drops the copy if another replica did): a change made while no
 broker ran is still audited, one seen already is not stored twice."""
+
+
+def from_config(sections: dict[str, RuleSection]) -> dict[str, RouteRule]:
+    """broker.toml's ``[rules."<capability>"]`` as rules (the bucket's take their place
+    while set); ConfigError naming the key."""
+    out = {}
+    for cap, sec in sections.items():
+        try:
+            check_capability(cap, "rules key")
+            out[cap] = build(sec.split, sec.require, sec.quota)
+        except InvalidRequest as exc:
+            raise ConfigError(f"rules.{cap}: {exc.message}") from None
+    return out
 
 
 class Rulebook:

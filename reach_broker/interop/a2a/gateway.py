@@ -57,8 +57,9 @@ class A2AGateway:
         self.cfg = cfg
         self.replicas = replicas
         """The broker's JetStream replica count (its task bucket's), None without JetStream."""
-        self.client = Client(nc=nc, config=ClientConfig(prefix=subjects.prefix), clock=clock)
-        self.client.routes = LocalRoutes(self.client, registry, router, clock)
+        config = ClientConfig(prefix=subjects.prefix)
+        routes = LocalRoutes(registry, router, clock, subjects.task, config.route_limit)
+        self.client = Client(nc=nc, config=config, clock=clock, routes=routes)
         agents = registry.agents
 
         def wall_ms() -> int:

@@ -1,5 +1,5 @@
-"""The gateway's routes: its :class:`reach_agent.Client` asks the broker's own router in
-process instead of sending ``<prefix>.route.<capability>`` requests.
+"""The gateway's routes: its :class:`reach_agent.Client` is handed routes that ask the broker's
+own router in process instead of sending ``<prefix>.route.<capability>`` requests.
 
 The gateway runs inside the broker, so the routing decision is at hand: no round trip, no
 route cache to keep fresh, and no right to publish route requests needed for the broker's
@@ -13,11 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 
-from reach_agent.client.client import Client
-from reach_agent.client.routes import Routes
 from reach_agent.wire.errors import NoReachableAgent
-from reach_agent.wire.schema import Candidate, RouteRequest, check_capability, check_tags
-from reach_broker.core.index import candidate
+from reach_agent.wire.schema import NO_FILTERS, Candidate, Filters, check_capability, check_tags
+from reach_agent.wire.schema import route_request as make_request
 from reach_broker.core.registry import Registry
 from reach_broker.core.routing import Router
 
@@ -25,47 +23,53 @@ PINNED: ContextVar[str | None] = ContextVar("reach_a2a_pinned", default=None)
 """The agent the current call must go to (set around one call, or one stream's first chunk)."""
 
 
-class LocalRoutes(Routes):
-    """``client.routes`` of the gateway's client: the broker's :class:`Router` answers."""
+class LocalRoutes:
+    """The gateway client's routes (a ``RouteSource``, handed to its ``Client``): the
+    broker's :class:`Router` answers, in process."""
 
     def __init__(
-        self, client: Client, registry: Registry, router: Router, clock: Callable[[], float]
+        self,
+        registry: Registry,
+        router: Router,
+        clock: Callable[[], float],
+        task_subject: Callable[[str, str], str],
+        route_limit: int,
     ) -> None:
-        super().__init__(client.nc, client.subjects, client.config, None, clock)
         self.registry = registry
         self.router = router
         self.clock = clock
-        self._task = client.subjects.task
+        self.task_subject = task_subject
+        """The task subject of (agent_id, capability)."""
+        self.route_limit = route_limit
+
+    async def start(self) -> None:
+        """Nothing to start: every route is asked of the router."""
+
+    async def stop(self) -> None:
+        """Nothing to stop."""
+
+    def agent_gone(self, agent_id: str) -> None:
+        """Nothing kept: the router knows before the event is out."""
+
+    def sent(self, agent_id: str, attempt: object) -> None:
+        """Counted already: :meth:`route` hands the pick its task, as a route reply does."""
+
+    def ended(self, attempt: object, busy: bool) -> None:
+        """The agent's next heartbeat says."""
 
     async def route(
-        self,
-        capability: str,
-        limit: int | None = None,
-        *,
-        region: str | None = None,
-        tags: dict[str, str] | None = None,
-        sticky_key: str | None = None,
-        exclude: Sequence[str] | None = None,
-        allow_suspect: bool = False,
-        peek: bool = False,
-        deadline: float | None = None,
-        canary: str | None = None,
-        requires: Sequence[str] | None = None,
-        min_context_tokens: int | None = None,
+        self, capability: str, filters: Filters = NO_FILTERS, *, limit: int | None = None,
+        exclude: Sequence[str] = (), peek: bool = False, deadline: float | None = None,
         headers: dict[str, str] | None = None,
-    ) -> list[Candidate]:
+    ) -> list[Candidate]:  # fmt: skip
         """The broker's router, in process (``headers``, a call's trace, have no use here)."""
         check_capability(capability)
         pinned = PINNED.get()
         if pinned is not None:
             return [self._pinned(pinned, capability)]
-        if tags:
-            check_tags(tags)
-        req = RouteRequest(limit=limit or self.config.route_limit, region=region,
-                           tags=dict(tags or {}), sticky_key=sticky_key,
-                           exclude=list(exclude or ()), allow_suspect=allow_suspect,
-                           peek=peek, canary=canary, requires=list(requires or ()),
-                           min_context_tokens=min_context_tokens)  # fmt: skip
+        if filters.tags:
+            check_tags(filters.tags)
+        req = make_request(filters, limit or self.route_limit, list(exclude), peek=peek)
         now = self.clock()
         got = self.router.route(capability, req, now)
         if not peek:  # the gateway's call follows: count its pick, as a route reply does
@@ -83,7 +87,4 @@ class LocalRoutes(Routes):
                                    f"(it has {', '.join(rec.capabilities)})")  # fmt: skip
         if rec.state != "healthy":
             raise NoReachableAgent(f"agent {agent_id!r} is {rec.state}")
-        return candidate(rec, self._task(agent_id, capability))
-
-    async def refresh_loop(self) -> None:
-        """Nothing to refresh: every route is asked of the router."""
+        return rec.candidate(self.task_subject(agent_id, capability))

@@ -1,30 +1,34 @@
-"""How a route orders its pool once the walk has gathered it: the weighted draw (weight =
-score * free capacity * slow start, without replacement), power of two choices on expected
-completion time, and the slow-start factor of an agent just recovered. Pure: the caller
-gives the routing config, the clock and the random source."""
+"""How a route orders its pool once the walk has gathered it: the weighted draw (without
+replacement), power of two choices on expected completion time, and the slow-start factor of
+an agent just recovered. Pure: the caller gives the settings, the clock and the random
+source."""
 
 from __future__ import annotations
 
 import random as _random
 
-from reach_broker.config import RoutingSection
+from .member import M, Member
+from .settings import Settings
 
-from .records import AgentRecord
+
+def weight(rec: Member, now: float, cfg: Settings) -> float:
+    """``rec``'s weight in the draw: its score x free capacity (``Member.weight``) times its
+    slow-start factor."""
+    return rec.weight if rec.recovered_at is None else rec.weight * slow_start_factor(rec, now, cfg)
 
 
-def weighted(
-    pool: list[AgentRecord], limit: int, now: float, cfg: RoutingSection, rng: _random.Random
-) -> list[AgentRecord]:
-    """Weighted draw without replacement: weight = score * free capacity * slow start."""
-    # Hot path (every route): the record keeps its weight; slow start only when recovered.
+def weighted(pool: list[M], limit: int, now: float, cfg: Settings, rng: _random.Random) -> list[M]:
+    """Weighted draw without replacement (weights: :func:`weight`)."""
     random = rng.random
     pool = list(pool)
+    # weight(), inline: a call per pool member costs 3.7 % of a plain route's instructions
+    # (4,900 of 131,000 at 1,000 agents, callgrind). Slow start only for a recovered agent.
     weights = [
         r.weight if r.recovered_at is None else r.weight * slow_start_factor(r, now, cfg)
         for r in pool
     ]
     total = sum(weights)
-    chosen: list[AgentRecord] = []
+    chosen: list[M] = []
     while pool and len(chosen) < limit:
         x = random() * total
         last = len(pool) - 1
@@ -37,7 +41,7 @@ def weighted(
     return chosen
 
 
-def slow_start_factor(rec: AgentRecord, now: float, cfg: RoutingSection) -> float:
+def slow_start_factor(rec: Member, now: float, cfg: Settings) -> float:
     """``slow_start_share`` for ``slow_start_s`` after recovery, then a linear ramp."""
     span = cfg.slow_start_s
     if rec.recovered_at is None or span <= 0:
@@ -51,9 +55,7 @@ def slow_start_factor(rec: AgentRecord, now: float, cfg: RoutingSection) -> floa
     return share + (1.0 - share) * (age - span) / span
 
 
-def p2c(
-    pool: list[AgentRecord], limit: int, now: float, cfg: RoutingSection, rng: _random.Random
-) -> list[AgentRecord]:
+def p2c(pool: list[M], limit: int, now: float, cfg: Settings, rng: _random.Random) -> list[M]:
     """Power of two choices on expected completion time, then the rest by score.
 
     A slow-started agent's expected time is divided by its slow-start factor, so it wins its
@@ -69,7 +71,7 @@ def p2c(
     return [first, *[r for r in pool if r is not first][: limit - 1]]
 
 
-def expected_ms(rec: AgentRecord) -> float:
+def expected_ms(rec: Member) -> float:
     """The time ``rec`` would take to finish a task given now: its queue ahead, per slot."""
     per_task = rec.stats.task_ewma_ms or 1.0
     return (rec.active + rec.queue_depth + 1) * per_task / rec.max_concurrency

@@ -1,25 +1,21 @@
 """The capability indexes: per capability, its agents, a cached ranking and a hash ring.
 
-The registry tells an index what changed (:meth:`CapabilityIndex.add`, ``remove``,
-``state_changed``, ``score_changed``); the router asks it to :meth:`~CapabilityIndex.refresh`
-before a walk, which re-ranks only when something changed and at most every
+Its owner (the broker's registry, a caller's route tables) tells an index what changed
+(:meth:`CapabilityIndex.add`, ``remove``, ``state_changed``, ``score_changed``); the router
+asks it to :meth:`~CapabilityIndex.refresh` before a walk, which re-ranks only when something
+changed and at most every
 ``rank_refresh_ms`` (score-only changes: every ``REORDER_FACTOR`` x that). Ranking applies the
-outlier and panic rules of :mod:`reach_broker.core.routing`. The ring (sticky keys) is rebuilt only
-when membership changes. Each routed member's reply entry is encoded once and kept until its
-score, load, state or announce changes, so a route reply re-encodes nothing of a steady fleet.
+outlier and panic rules of :mod:`reach_agent.routing.choice`. The ring (sticky keys) is rebuilt
+only when membership changes.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from typing import Any, Generic
 
-import msgspec
-
-from reach_agent.wire.schema import AgentState, Announce, Candidate, encoder
-from reach_broker.config import RoutingSection
-
-from .records import AgentRecord
+from .member import M, Member
+from .settings import Settings
 
 REORDER_FACTOR = 20
 """Score-only changes (every heartbeat moves load) re-rank at most every 20 x rank_refresh_ms:
@@ -33,26 +29,22 @@ RETRY_AFTER_DEFAULT_MS = 100
 is likely free by then), within these bounds; the default when no task time is known. A
 fleet over its in-flight ceiling answers the maximum."""
 
-_Encoded = tuple[float, float, AgentState, Announce, msgspec.Raw]
-"""A member's encoded candidate and the (score, load, state, announce) it was encoded from."""
-
 
 def hash64(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
-def by_score(rec: AgentRecord) -> tuple[float, int, str]:
+def by_score(rec: Member) -> tuple[float, int, str]:
     """Best score first; among equal scores the larger context headroom (then the id)."""
     return (-rec.score, -rec.headroom, rec.agent_id)
 
 
-class CapabilityIndex:
+class CapabilityIndex(Generic[M]):
     """The agents of one capability, with a cached ranking and hash ring."""
 
     __slots__ = (
         "_built_at",
         "_dirty",
-        "_encoded",
         "_reorder",
         "_ring",
         "ejected",
@@ -62,14 +54,15 @@ class CapabilityIndex:
         "name",
         "panic",
         "ranked",
+        "replies",
         "suspects",
     )
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.members: dict[str, AgentRecord] = {}
-        self.ranked: list[AgentRecord] = []  # eligible healthy, best first
-        self.suspects: list[AgentRecord] = []
+        self.members: dict[str, M] = {}
+        self.ranked: list[M] = []  # eligible healthy, best first
+        self.suspects: list[M] = []
         self.healthy = 0
         self.ejected = 0
         self.panic = False
@@ -77,12 +70,14 @@ class CapabilityIndex:
         self._dirty = True  # membership or a state changed: re-rank within rank_refresh_ms
         self._reorder = False  # only scores changed: re-rank within REORDER_FACTOR x that
         self._built_at = float("-inf")
-        self._ring: tuple[list[int], list[AgentRecord]] | None = None  # None: rebuild
-        self._encoded: dict[str, _Encoded] = {}
+        self._ring: tuple[list[int], list[M]] | None = None  # None: rebuild
+        self.replies: dict[str, Any] = {}
+        """Kept by whoever answers routes from this index (the broker: each member's encoded
+        candidate); a member that leaves leaves it too."""
 
     # --- what the registry tells it ----------------------------------------------------------
 
-    def add(self, rec: AgentRecord) -> None:
+    def add(self, rec: M) -> None:
         self.members[rec.agent_id] = rec
         self._dirty = True
         self._ring = None
@@ -91,7 +86,7 @@ class CapabilityIndex:
         if self.members.pop(agent_id, None) is not None:
             self._dirty = True
             self._ring = None
-            self._encoded.pop(agent_id, None)
+            self.replies.pop(agent_id, None)
 
     def state_changed(self) -> None:
         """A member's state (or announce) changed: re-rank soon."""
@@ -103,7 +98,7 @@ class CapabilityIndex:
 
     # --- what the router asks ----------------------------------------------------------------
 
-    def refresh(self, cfg: RoutingSection, now: float) -> bool:
+    def refresh(self, cfg: Settings, now: float) -> bool:
         """Re-rank if due; True when that moved the capability into or out of panic."""
         age = now - self._built_at
         refresh = cfg.rank_refresh_ms / 1000.0
@@ -113,7 +108,7 @@ class CapabilityIndex:
             return self.panic != was_panic
         return False
 
-    def rebuild(self, cfg: RoutingSection, now: float) -> None:
+    def rebuild(self, cfg: Settings, now: float) -> None:
         """Re-rank members; keep at most ``max_eject_share`` of healthy ones out for score."""
         healthy = [r for r in self.members.values() if r.state == "healthy"]
         healthy.sort(key=by_score)
@@ -138,7 +133,7 @@ class CapabilityIndex:
         self._reorder = False
         self._built_at = now
 
-    def median(self, healthy: list[AgentRecord] | None = None) -> float | None:
+    def median(self, healthy: list[M] | None = None) -> float | None:
         """The capability's median task time: the lower median of the healthy members' task
         EWMAs (with two agents the fast one sets the bar for the slow one). When none of them
         has one, the suspects' instead: agents restored from the snapshot and not yet heard
@@ -165,7 +160,7 @@ class CapabilityIndex:
             return RETRY_AFTER_DEFAULT_MS
         return min(max(round(ms), RETRY_AFTER_MIN_MS), RETRY_AFTER_MAX_MS)
 
-    def ring(self, vnodes: int) -> tuple[list[int], list[AgentRecord]]:
+    def ring(self, vnodes: int) -> tuple[list[int], list[M]]:
         """The consistent-hash ring of every member: (sorted point hashes, their owners)."""
         if self._ring is None:
             points = sorted(
@@ -176,57 +171,26 @@ class CapabilityIndex:
             self._ring = [p[0] for p in points], [p[1] for p in points]
         return self._ring
 
-    def encoded(self, rec: AgentRecord, subject_of: Callable[[str, str], str]) -> msgspec.Raw:
-        """``rec`` as this capability's JSON ``Candidate``, encoded again only when its
-        score, load, state or announce changed since the last time it was routed."""
-        hit = self._encoded.get(rec.agent_id)
-        if (
-            hit is not None
-            and hit[0] == rec.score
-            and hit[1] == rec.load
-            and hit[2] == rec.state
-            and hit[3] is rec.announce
-        ):
-            return hit[4]
-        raw = msgspec.Raw(encoder.encode(candidate(rec, subject_of(rec.agent_id, self.name))))
-        self._encoded[rec.agent_id] = (rec.score, rec.load, rec.state, rec.announce, raw)
-        return raw
 
+class CapabilityIndexes(dict[str, CapabilityIndex[M]]):
+    """Every capability's index, by name: kept by its owner (the registry, a caller's
+    tables), read by the router.
 
-def candidate(rec: AgentRecord, subject: str) -> Candidate:
-    """``rec`` as a route candidate; ``subject`` is its task subject unless the record has
-    one of its own (a Synadia agent's prompt subject)."""
-    return Candidate(
-        agent_id=rec.agent_id,
-        subject=rec.subject or subject,
-        score=rec.score,
-        state=rec.state,
-        load=rec.load,
-        region=rec.region,
-        version=rec.version,
-        timeout_hint_ms=rec.timeout_hint_ms,
-        protocol=rec.protocol,
-    )
-
-
-class CapabilityIndexes(dict[str, CapabilityIndex]):
-    """Every capability's index, by name: kept by the registry, read by the router.
-
-    A ``dict`` so the route path's lookups stay plain dict lookups; the registry changes it
+    A ``dict`` so the route path's lookups stay plain dict lookups; the owner changes it
     only through the methods below, which keep empty capabilities out.
     """
 
-    def add(self, rec: AgentRecord) -> None:
+    def add(self, rec: M) -> None:
         """``rec`` joins the index of each of its capabilities."""
         for cap in rec.capabilities:
             self._index(cap).add(rec)
 
-    def discard(self, rec: AgentRecord) -> None:
+    def discard(self, rec: M) -> None:
         """``rec`` leaves every index it is in."""
         for cap in rec.capabilities:
             self._unindex(cap, rec.agent_id)
 
-    def recapability(self, rec: AgentRecord, old: tuple[str, ...]) -> None:
+    def recapability(self, rec: M, old: tuple[str, ...]) -> None:
         """``rec`` re-announced: it had the capabilities ``old``, now ``rec.capabilities``."""
         new = set(rec.capabilities)
         for cap in set(old) - new:
@@ -234,14 +198,14 @@ class CapabilityIndexes(dict[str, CapabilityIndex]):
         for cap in new - set(old):
             self._index(cap).add(rec)
 
-    def state_changed(self, rec: AgentRecord) -> None:
+    def state_changed(self, rec: M) -> None:
         """``rec``'s state (or announce) changed: each of its indexes re-ranks soon."""
         for cap in rec.capabilities:
             idx = self.get(cap)
             if idx is not None:
                 idx._dirty = True  # CapabilityIndex.state_changed, inline (same module)
 
-    def score_changed(self, rec: AgentRecord) -> None:
+    def score_changed(self, rec: M) -> None:
         """Only ``rec``'s score moved (most heartbeats): re-rank on the slower cadence."""
         for cap in rec.capabilities:
             idx = self.get(cap)
@@ -253,17 +217,18 @@ class CapabilityIndexes(dict[str, CapabilityIndex]):
         for idx in self.values():
             idx.median_task_ms = idx.median()
 
-    def peer_task_ms(self, rec: AgentRecord) -> float | None:
+    def peer_task_ms(self, rec: M) -> float | None:
         """Median task duration of the agent's (first) capability, as of the last ranking."""
         if not rec.capabilities:
             return None
         idx = self.get(rec.capabilities[0])
         return idx.median_task_ms if idx else None
 
-    def _index(self, cap: str) -> CapabilityIndex:
+    def _index(self, cap: str) -> CapabilityIndex[M]:
         idx = self.get(cap)
         if idx is None:
-            idx = self[cap] = CapabilityIndex(cap)
+            idx = CapabilityIndex(cap)
+            self[cap] = idx
         return idx
 
     def _unindex(self, cap: str, agent_id: str) -> None:

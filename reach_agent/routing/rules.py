@@ -15,7 +15,8 @@ JSON); :class:`Rule` the compiled one the route walk reads:
 - **require** ``env=prod``: agents without that tag value are never offered, unless the
   request asks for that tag itself (``RouteRequest.tags``).
 - **quota** ``rate[:burst]``: route requests per second per caller for this capability
-  (:mod:`reach_broker.core.quotas`).
+  (:mod:`reach_broker.core.quotas`): enforced by brokers only, so a caller routing from its
+  route table asks a broker for a capability whose rule sets one.
 """
 
 from __future__ import annotations
@@ -27,10 +28,9 @@ from msgspec import Meta
 
 from reach_agent.wire.errors import InvalidRequest
 from reach_agent.wire.schema import RouteRequest, check_capability, check_tags
-from reach_broker.config import ConfigError, RuleSection
 
 from .index import hash64
-from .records import AgentRecord
+from .member import Member
 
 VERSION = "version"
 """The split key that means the agent's announced ``version`` (any other key is a tag)."""
@@ -135,18 +135,6 @@ def build(
     return msgspec.structs.replace(rule, **changes)
 
 
-def from_config(sections: dict[str, RuleSection]) -> dict[str, RouteRule]:
-    """broker.toml's ``[rules."<capability>"]`` as rules; ConfigError naming the key."""
-    out = {}
-    for cap, sec in sections.items():
-        try:
-            check_capability(cap, "rules key")
-            out[cap] = build(sec.split, sec.require, sec.quota)
-        except InvalidRequest as exc:
-            raise ConfigError(f"rules.{cap}: {exc.message}") from None
-    return out
-
-
 def describe(rule: RouteRule) -> str:
     """The rule in the CLI's own words (``split version=1:95,2:5; require env=prod``)."""
     parts = []
@@ -215,7 +203,7 @@ class Rule:
         current[best] -= self.total
         return self.arms[best], True
 
-    def value_of(self, rec: AgentRecord) -> str | None:
+    def value_of(self, rec: Member) -> str | None:
         """``rec``'s value of the split key."""
         return rec.version if self.by_version else rec.tags.get(self.split_by or "")
 

@@ -1,0 +1,199 @@
+"""The routing decision: filter → rank → choose, over one capability's index.
+
+A capability's index keeps its members and a ranking (healthy members by score) that is
+rebuilt only when something changed and at most every ``rank_refresh_ms``
+(:mod:`reach_agent.routing.index`, which also applies the outlier and panic rules below); a
+route walks the ranking from the top (:mod:`reach_agent.routing.filters`) and stops once it
+has enough candidates, so its cost does not grow with the fleet. State is re-checked during
+the walk, so an agent that just went ``suspect`` is skipped at once even before the next
+rebuild. Sticky keys use a consistent-hash ring over all members (rebuilt only when
+membership changes) and walk past members that are not routable.
+
+Outliers: healthy agents scoring below ``min_reach_score`` are ejected, but never more than
+``max_eject_share`` of a capability's healthy agents at once (the best low scorers stay in).
+Panic: when fewer than ``panic_threshold`` of a capability's non-draining agents are healthy,
+the capability is in panic and nothing is ejected for its score: every healthy agent left is
+routed rather than none. Suspects stay opt-in (``allow_suspect``). Slow start: a recovered
+agent's weight is multiplied by ``slow_start_share`` for ``slow_start_s``, then ramps
+linearly to 1 over another ``slow_start_s`` (weighted choice; p2c divides its expected
+completion time by it).
+
+:meth:`Chooser.pick` is the decision, the same for the broker (``reach_broker.core.routing``
+answers ``<prefix>.route.<capability>`` with it) and for a caller routing from its route
+tables.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+from collections.abc import Callable
+from typing import Generic
+
+from reach_agent.wire.errors import NoReachableAgent, Overloaded
+from reach_agent.wire.schema import RouteRequest
+
+from . import draws
+from .filters import FILTERS, LOAD, NO_POLICY, Policy, Walk
+from .index import CapabilityIndex, hash64
+from .member import M
+from .rules import Rule
+from .settings import Settings
+
+HEALTHY = "healthy"
+SUSPECT = "suspect"
+
+
+class Chooser(Generic[M]):
+    """Chooses the agents of a route request from a capability's index."""
+
+    def __init__(
+        self,
+        cfg: Settings,
+        *,
+        rng: random.Random | None = None,
+        on_panic: Callable[[CapabilityIndex[M]], None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.rng = rng or random.Random()
+        self.on_panic = on_panic
+        """Told of a capability whose index entered or left panic (``idx.panic`` says which)."""
+        self.last_policy: Policy = NO_POLICY
+        """The policy the last :meth:`pick` walked with (the explanation walks it again)."""
+        self._last: tuple[RouteRequest | None, Rule | None, str | None, Walk] = (
+            None, None, None, Walk(RouteRequest()))  # fmt: skip
+
+    def pool_size(self, req: RouteRequest) -> int:
+        """How many agents that pass the filters the walk gathers for the choice."""
+        if self.cfg.choice == "ranked" and not req.sticky_key:
+            return req.limit
+        return req.limit * self.cfg.pool_factor
+
+    def refresh(self, idx: CapabilityIndex[M], now: float) -> None:
+        """Re-rank ``idx`` if due, as a route does (a panic change told)."""
+        if idx.refresh(self.cfg, now) and self.on_panic is not None:
+            self.on_panic(idx)
+
+    def pick(
+        self, idx: CapabilityIndex[M], req: RouteRequest, rule: Rule | None, now: float
+    ) -> list[M]:
+        """The agents chosen for ``req`` among ``idx``'s, best first, under the capability's
+        route ``rule``. Raises Overloaded or NoReachableAgent (saying why)."""
+        if not idx.members:
+            raise NoReachableAgent(f"no agent has the capability {idx.name!r}")
+        cfg = self.cfg
+        if idx.refresh(cfg, now) and self.on_panic is not None:
+            self.on_panic(idx)
+        limit = req.limit
+        want = self.pool_size(req)
+        watermark = cfg.load_watermark
+        if rule is not None:
+            arm, fallback = rule.arm(req)
+        else:
+            arm, fallback = req.canary, False
+        # The last request's walk again when it is the same request object under the same
+        # rule and arm (a broker's empty-body requests share one; a caller's retries do).
+        last = self._last
+        if last[0] is req and last[1] is rule and last[2] == arm:
+            walk = walked = last[3]
+        else:
+            walk = walked = Walk(req, (rule, arm))
+            self._last = (req, rule, arm, walk)
+        pool: list[M] = walk.passing(walk, idx.ranked, HEALTHY, want, now, watermark)
+        if not pool and arm is not None and fallback:
+            arm = None  # the arm drawn has no agent left: the split's other arms serve
+            walk = Walk(req, (rule, arm))
+            pool = walk.passing(walk, idx.ranked, HEALTHY, want, now, watermark)
+        if not pool and req.allow_suspect:
+            pool = walk.passing(walk, idx.suspects, SUSPECT, want, now, watermark)
+        self.last_policy = NO_POLICY if rule is None and arm is None else (rule, arm)
+        if not pool:
+            # Nothing passed: the same walks again, counting what kept each agent out.
+            why: dict[str, int] = {}
+            walked.counting(idx.ranked, HEALTHY, want, why, now, watermark)
+            if walk is not walked:
+                walk.counting(idx.ranked, HEALTHY, want, why, now, watermark)
+            if req.allow_suspect:
+                walk.counting(idx.suspects, SUSPECT, want, why, now, watermark)
+            if why.get(LOAD):  # some pass every filter but are full: wait, not elsewhere
+                raise Overloaded(self._nothing(idx, why), retry_after_ms=idx.retry_after_ms())
+            raise NoReachableAgent(self._nothing(idx, why))
+        if req.sticky_key:
+            first = self._sticky(idx, req.sticky_key, pool, walk, now)
+            rest = [r for r in pool if r is not first]
+            return [first, *rest[: limit - 1]]
+        if cfg.choice == "weighted":
+            return draws.weighted(pool, limit, now, cfg, self.rng)
+        if cfg.choice == "p2c":
+            return draws.p2c(pool, limit, now, cfg, self.rng)
+        return pool[:limit]
+
+    def passing(
+        self, recs: list[M], state: str, req: RouteRequest, now: float, policy: Policy = NO_POLICY
+    ) -> list[M]:
+        """Every agent of ``recs`` that passes the filters (the walk without a limit)."""
+        walk = Walk(req, policy)
+        passed: list[M] = walk.passing(walk, recs, state, len(recs), now, self.cfg.load_watermark)
+        return passed
+
+    def filtered_by(
+        self, rec: M, state: str, req: RouteRequest, now: float, policy: Policy = NO_POLICY
+    ) -> str | None:
+        """The reason code of the first filter ``rec`` fails when the walk wants ``state``;
+        None when it passes them all."""
+        return Walk(req, policy).first_failed(rec, state, now, self.cfg.load_watermark)
+
+    def weight(self, rec: M, now: float) -> float:
+        """``rec``'s weight in the draw: score x free capacity x slow start."""
+        return draws.weight(rec, now, self.cfg)
+
+    def slow_start_factor(self, rec: M, now: float) -> float:
+        """``slow_start_share`` for ``slow_start_s`` after recovery, then a linear ramp."""
+        return draws.slow_start_factor(rec, now, self.cfg)
+
+    def _nothing(self, idx: CapabilityIndex[M], why: dict[str, int]) -> str:
+        """Why nothing passed: the message of the refusal."""
+        capability, total = idx.name, len(idx.members)
+        if idx.healthy == 0:
+            states: dict[str, int] = {}
+            for rec in idx.members.values():
+                states[rec.state] = states.get(rec.state, 0) + 1
+            detail = ", ".join(f"{n} {s}" for s, n in sorted(states.items()))
+            return f"none of the {total} agents with {capability!r} is healthy ({detail})"
+        if not idx.ranked:
+            return (
+                f"all {idx.healthy} healthy agents with {capability!r} score below the "
+                f"minimum {self.cfg.min_reach_score}"
+            )
+        parts = []
+        if why.get(LOAD):
+            parts.append(f"{why[LOAD]} at or above the load watermark {self.cfg.load_watermark}")
+        # The filters' own codes, the state last (as it always said).
+        for code in [f.code for f in FILTERS[1:] if f.code != LOAD] + [FILTERS[0].code]:
+            if why.get(code):
+                parts.append(f"{why[code]} filtered by {code}")
+        detail = "; ".join(parts) or "none passed the filter"
+        return f"no reachable agent for {capability!r} among {total}: {detail}"
+
+    def _sticky(
+        self, idx: CapabilityIndex[M], key: str, pool: list[M], walk: Walk, now: float
+    ) -> M:
+        """The owner of ``key`` on the capability's ring: the first member from the key's
+        point on that is in the pool, or routable beyond it."""
+        keys, owners = idx.ring(self.cfg.vnodes)
+        start = bisect.bisect(keys, hash64(key))
+        eligible = {r.agent_id for r in pool}
+        n = len(keys)
+        cfg = self.cfg
+        for step in range(n):
+            owner = owners[(start + step) % n]
+            if owner.agent_id in eligible:
+                return owner
+            # A routable owner beyond the pool's size still wins: walk it through filters.
+            if (
+                owner.state == HEALTHY
+                and owner.score >= cfg.min_reach_score
+                and walk.first_failed(owner, HEALTHY, now, cfg.load_watermark) is None
+            ):
+                return owner
+        return pool[0]

@@ -1,0 +1,250 @@
+"""The route tables a broker publishes: each capability's agents as callers route them.
+
+A capability's table is the union of its shares, one per partition of the fleet
+(:func:`reach_agent.routing.table.partition`). A broker publishes the shares of the
+partitions it owns (``service/partitions.py``: a lease each) and only those.
+:class:`TableBook` keeps, per share, the entries as last published and its version within the
+owner's epoch; :meth:`TableBook.changes` turns the agents that changed since the last call (the
+registry's ``changed``) into one :class:`~reach_agent.wire.schema.TableDelta` per share that
+moved. Pure: the service publishes what it returns.
+
+A share holds every member of the capability in its partition, whatever its state (the
+ranking's panic rule counts them), as :func:`entry_of` makes it; an agent leaves a share when
+it is evicted or stops announcing the capability. A share emptied stays (its version goes on,
+so a caller's copy follows it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import msgspec
+
+from reach_agent.routing.table import partition
+from reach_agent.wire.schema import PROTOCOL_REACH, TableDelta, TableEntry, TableRouting, TableShare
+from reach_broker.config import RoutingSection
+
+from .records import AgentRecord
+
+Policy = tuple[bool, msgspec.Raw]
+"""What a capability's shares say of it besides its agents: (callers may route it
+themselves, its route rule's JSON, ``NO_RULE`` for none)."""
+
+
+def routing_of(cfg: RoutingSection) -> TableRouting:
+    """broker.toml's ``[routing]`` as the tables carry it."""
+    return TableRouting(
+        choice=cfg.choice, pool_factor=cfg.pool_factor, vnodes=cfg.vnodes,
+        min_reach_score=cfg.min_reach_score, load_watermark=cfg.load_watermark,
+        slow_start_share=cfg.slow_start_share, slow_start_s=cfg.slow_start_s,
+        max_eject_share=cfg.max_eject_share, panic_threshold=cfg.panic_threshold,
+        rank_refresh_ms=cfg.rank_refresh_ms,
+    )  # fmt: skip
+
+
+def entry_of(rec: AgentRecord, now: float, slow_start_s: float) -> TableEntry:
+    """``rec`` as a route-table entry at ``now``: its score to a tenth (a score that only
+    drifts does not make a new entry at every heartbeat)."""
+    slow = None
+    if rec.recovered_at is not None and now - rec.recovered_at < 2 * slow_start_s:
+        slow = int((now - rec.recovered_at) * 1000)
+    task_ms = rec.stats.task_ewma_ms
+    return TableEntry(
+        agent_id=rec.agent_id, state=rec.state, score=round(rec.score, 1),
+        max_concurrency=rec.max_concurrency, active=rec.active, queue_depth=rec.queue_depth,
+        task_ms=None if task_ms is None else round(task_ms, 1),
+        interval_ms=int(rec.interval_s * 1000), slow_start_ms=slow, region=rec.region,
+        version=rec.version, tags=rec.tags, permissions=sorted(rec.permissions),
+        context_window=rec.context_window, context_usage_pct=rec.context_usage_pct,
+        timeout_hint_ms=rec.timeout_hint_ms,
+        protocol=None if rec.protocol == PROTOCOL_REACH else rec.protocol, subject=rec.subject,
+    )  # fmt: skip
+
+
+def unchanged(entry: TableEntry, rec: AgentRecord, now: float, slow_start_s: float) -> bool:
+    """Whether :func:`entry_of` would make ``entry`` again for ``rec`` (its announce, and so
+    every field that only an announce sets, the same): a heartbeat that moved nothing the
+    tables say costs a few comparisons, not an entry."""
+    task_ms = rec.stats.task_ewma_ms
+    return (
+        entry.state == rec.state
+        and entry.active == rec.active
+        and entry.queue_depth == rec.queue_depth
+        and entry.score == round(rec.score, 1)
+        and entry.task_ms == (None if task_ms is None else round(task_ms, 1))
+        and entry.context_usage_pct == rec.context_usage_pct
+        and entry.slow_start_ms is None
+        and (rec.recovered_at is None or now - rec.recovered_at >= 2 * slow_start_s)
+    )
+
+
+class Share:
+    """One share as last published: its entries by agent id and its version."""
+
+    __slots__ = ("capability", "entries", "moved", "partition", "stored", "version")
+
+    def __init__(self, capability: str, p: int) -> None:
+        self.capability = capability
+        self.partition = p
+        self.entries: dict[str, TableEntry] = {}
+        self.version = 0
+        self.stored = -1
+        """The version last written to the store (KV ``reach_tables``)."""
+        self.moved = True
+        """Since it was last stored, an agent joined or left it, one's state moved, or the
+        capability's policy did (not only load and score drift): store it soon."""
+
+
+class TableBook:
+    """Every share this broker publishes, and what changed since it last said."""
+
+    def __init__(
+        self,
+        partitions: int,
+        routing: RoutingSection,
+        policy: Callable[[str], Policy],
+    ) -> None:
+        self.partitions = partitions
+        self.routing = routing
+        self.settings = routing_of(routing)
+        self.policy = policy
+        """A capability's (local, rule) now (quotas and rules are the broker's)."""
+        self.epochs: dict[int, int] = {}
+        """The partitions owned, each with its epoch (its lease's)."""
+        self.shares: dict[tuple[int, str], Share] = {}
+        self.caps: dict[str, tuple[str, ...]] = {}
+        """Each agent's capabilities as last published."""
+        self.entries: dict[str, tuple[TableEntry, object]] = {}
+        """Each agent's entry as last made, and the announce it was made from."""
+        self._partition: dict[str, int] = {}
+        self._policies: dict[str, Policy] = {}
+
+    def partition_of(self, agent_id: str) -> int:
+        p = self._partition.get(agent_id)
+        if p is None:
+            p = self._partition[agent_id] = partition(agent_id, self.partitions)
+        return p
+
+    # --- ownership ---------------------------------------------------------------------------
+
+    def own(
+        self, p: int, epoch: int, agents: dict[str, AgentRecord], now: float
+    ) -> list[TableDelta]:
+        """Partition ``p`` is this broker's from now on, in ``epoch``: its shares start
+        afresh from the registry's ``agents`` (O(fleet), once per lease taken)."""
+        self.disown(p)
+        self.epochs[p] = epoch
+        mine = [a for a in agents if self.partition_of(a) == p]
+        return self.changes(mine, agents.get, now)
+
+    def disown(self, p: int) -> None:
+        """Partition ``p`` is no longer this broker's: its shares are forgotten."""
+        self.epochs.pop(p, None)
+        for key in [k for k in self.shares if k[0] == p]:
+            del self.shares[key]
+        for agent_id in [a for a in self.caps if self.partition_of(a) == p]:
+            del self.caps[agent_id]
+            self.entries.pop(agent_id, None)
+
+    # --- changes ------------------------------------------------------------------------------
+
+    def changes(
+        self, changed: Iterable[str], record: Callable[[str], AgentRecord | None], now: float
+    ) -> list[TableDelta]:
+        """The deltas that take every share from what was last published to the agents
+        ``changed`` as ``record`` knows them now (None: evicted): one per share that moved,
+        its version advanced; agents of partitions not owned are skipped."""
+        slow_s = self.routing.slow_start_s
+        touched: dict[tuple[int, str], tuple[list[TableEntry], list[str]]] = {}
+        epochs = self.epochs
+        for agent_id in changed:
+            p = self.partition_of(agent_id)
+            if p not in epochs:
+                continue
+            rec = record(agent_id)
+            old_caps = self.caps.get(agent_id, ())
+            caps = rec.capabilities if rec is not None else ()
+            entry = None
+            if rec is not None:
+                last = self.entries.get(agent_id)
+                if (
+                    last is not None
+                    and last[1] is rec.announce
+                    and unchanged(last[0], rec, now, slow_s)
+                ):
+                    if caps == old_caps:
+                        continue  # nothing the tables say moved
+                    entry = last[0]
+                else:
+                    entry = entry_of(rec, now, slow_s)
+                    self.entries[agent_id] = (entry, rec.announce)
+            for cap in caps:
+                share = self._share(p, cap)
+                old = share.entries.get(agent_id)
+                if old != entry:
+                    assert entry is not None
+                    share.entries[agent_id] = entry
+                    if old is None or old.state != entry.state:
+                        share.moved = True
+                    touched.setdefault((p, cap), ([], []))[0].append(entry)
+            for cap in old_caps:
+                if cap not in caps:
+                    gone = self.shares.get((p, cap))
+                    if gone is not None and gone.entries.pop(agent_id, None) is not None:
+                        gone.moved = True
+                        touched.setdefault((p, cap), ([], []))[1].append(agent_id)
+            if rec is None:
+                self.caps.pop(agent_id, None)
+                self.entries.pop(agent_id, None)
+                self._partition.pop(agent_id, None)
+            else:
+                self.caps[agent_id] = caps
+        deltas = []
+        for (p, cap), (upserts, removed) in touched.items():
+            deltas.append(self._delta(p, cap, upserts, removed))
+        return deltas
+
+    def policies_changed(self) -> list[TableDelta]:
+        """A delta for every share of each capability whose policy (local, rule) moved since
+        it was last said (a rule set or cleared, a quota)."""
+        deltas = []
+        for cap in {c for _, c in self.shares}:
+            now = self.policy(cap)
+            if self._policies.get(cap) != now:
+                for key, share in self.shares.items():
+                    if key[1] == cap:
+                        share.moved = True
+                        deltas.append(self._delta(key[0], cap, [], []))
+        return deltas
+
+    def _delta(self, p: int, cap: str, upserts: list[TableEntry], removed: list[str]) -> TableDelta:
+        share = self._share(p, cap)  # an emptied share stays: its version goes on
+        prev = share.version
+        share.version = version = prev + 1
+        local, rule = self._policies[cap] = self.policy(cap)
+        return TableDelta(capability=cap, partition=p, epoch=self.epochs[p], version=version,
+                          prev=prev, upserts=upserts, removed=removed, local=local,
+                          rule=rule)  # fmt: skip
+
+    def _share(self, p: int, cap: str) -> Share:
+        share = self.shares.get((p, cap))
+        if share is None:
+            share = self.shares[(p, cap)] = Share(cap, p)
+        return share
+
+    # --- whole shares ---------------------------------------------------------------------------
+
+    def share(self, p: int, cap: str, at_ms: int) -> TableShare:
+        """The share of ``cap`` in partition ``p`` as last published (empty if none)."""
+        share = self.shares.get((p, cap))
+        local, rule = self.policy(cap)
+        return TableShare(
+            capability=cap, partition=p, epoch=self.epochs.get(p, 0),
+            version=share.version if share is not None else 0,
+            entries=list(share.entries.values()) if share is not None else [], local=local,
+            rule=rule, routing=self.settings, at_ms=at_ms,
+        )  # fmt: skip
+
+    def of(self, cap: str) -> list[Share]:
+        """The shares of ``cap`` this broker holds."""
+        return [s for (_, c), s in self.shares.items() if c == cap]

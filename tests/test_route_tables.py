@@ -1,0 +1,242 @@
+"""Route tables (issue 23): the shares a broker publishes of the partitions it leases, the
+whole table in one request, deltas that follow each other, and a caller's copy that sees a gap."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client as NATS
+
+import reach_agent
+from reach_agent.routing.table import RouteTable, TableMember, partition
+from reach_agent.wire import schema
+from reach_agent.wire.schema import Table, TableDelta, TableEntry, TableRouting, TableShare
+from reach_broker.broker import Broker
+from reach_broker.cluster.natsserver import NatsServer
+from reach_broker.config import Config
+from reach_broker.core.registry import Registry
+from reach_broker.core.tables import TableBook
+from reach_broker.core.tokens import TokenSigner
+
+from .conftest import BrokerFactory, wait_for
+from .test_sdk_failover import healthy
+
+
+def echo(agent_id: str, cap: str = "tab") -> reach_agent.Agent:
+    agent = reach_agent.Agent(agent_id, [cap], heartbeat_interval=0.1, max_concurrency=2)
+
+    @agent.handler(cap)
+    async def run(task: reach_agent.Task) -> Any:
+        return task.payload
+
+    return agent
+
+
+async def table_of(nc: NATS, capability: str) -> schema.Table:
+    reply = await nc.request(f"reach.tables.{capability}", b"", timeout=2)
+    return schema.decode(schema.table_decoder, reply.data, "table")
+
+
+# --- the partition hash --------------------------------------------------------------------
+
+
+def test_the_partition_is_nats_servers_fnv1a_32() -> None:
+    """The values nats-server's partition(32, 1) maps these tokens to (FNV-1a 32 mod 32)."""
+    assert partition("", 32) == 0x811C9DC5 % 32
+    assert partition("a", 32) == 0xE40C292C % 32
+    assert partition("foobar", 32) == 0xBF9CF968 % 32
+    assert {partition(f"agent-{i}", 8) for i in range(200)} == set(range(8))
+
+
+# --- the book: what a broker publishes -----------------------------------------------------
+
+
+def book_world() -> tuple[Registry, TableBook]:
+    cfg = Config()
+    reg = Registry(cfg, TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
+    book = TableBook(4, cfg.routing, lambda cap: (True, None))
+    return reg, book
+
+
+def announce(reg: Registry, agent_id: str, caps: list[str], now: float) -> None:
+    reg.announce(schema.Announce(agent_id=agent_id, capabilities=caps, max_concurrency=2,
+                                 heartbeat_interval_ms=1000), now, 0)  # fmt: skip
+
+
+def test_a_share_moves_version_by_version_and_a_new_owner_starts_an_epoch() -> None:
+    reg, book = book_world()
+    for a in ("a", "b", "c", "d", "e"):
+        announce(reg, a, ["x"], 0.0)
+    for p in range(4):
+        book.own(p, 10 + p, reg.agents, 0.0)
+    reg.changed.clear()
+    assert {a for s in book.of("x") for a in s.entries} == {"a", "b", "c", "d", "e"}
+    p = book.partition_of("c")
+    before = book.shares[(p, "x")].version
+    reg.disconnected("c", 1.0)  # suspect: a change of state
+    deltas = book.changes(reg.changed, reg.agents.get, 1.0)
+    assert [(d.partition, d.epoch, d.prev, d.version) for d in deltas] == [
+        (p, 10 + p, before, before + 1)]  # fmt: skip
+    assert [(e.agent_id, e.state) for e in deltas[0].upserts] == [("c", "suspect")]
+    assert book.changes({"c"}, reg.agents.get, 1.0) == []  # nothing new: no delta
+    announce(reg, "c", ["y"], 2.0)  # c leaves x for y
+    deltas = book.changes({"c"}, reg.agents.get, 2.0)
+    assert {(d.capability, tuple(d.removed), len(d.upserts)) for d in deltas} == {
+        ("x", ("c",), 0), ("y", (), 1)}  # fmt: skip
+    book.own(p, 99, reg.agents, 3.0)  # a new owner (here: a new lease) starts over
+    assert book.shares[(p, "y")].version == 1 and book.epochs[p] == 99
+    book.disown(p)
+    assert book.changes({"c"}, reg.agents.get, 4.0) == []  # not ours: not published
+
+
+# --- a caller's copy ---------------------------------------------------------------------------
+
+
+def entry(agent_id: str, **kw: Any) -> TableEntry:
+    return TableEntry(agent_id=agent_id, state=kw.pop("state", "healthy"), score=90.0,
+                      max_concurrency=2, **kw)  # fmt: skip
+
+
+def test_a_copy_follows_deltas_and_says_when_one_does_not_follow() -> None:
+    members: dict[str, TableMember] = {}
+    table = RouteTable("x", TableRouting())
+    table.load(TableShare(capability="x", partition=1, epoch=5, version=3,
+                          entries=[entry("a"), entry("b")]), members, 0.0)  # fmt: skip
+    assert set(table.index.members) == {"a", "b"} and table.local
+    nxt = TableDelta(capability="x", partition=1, epoch=5, version=4, prev=3,
+                     upserts=[entry("a", state="suspect")], removed=["b"])  # fmt: skip
+    assert table.apply(nxt, members, 1.0)
+    assert set(table.index.members) == {"a"} and members["a"].state == "suspect"
+    assert "b" not in members
+    assert table.apply(nxt, members, 1.0)  # a repeat is harmless
+    gap = TableDelta(capability="x", partition=1, epoch=5, version=6, prev=5)
+    assert not table.apply(gap, members, 2.0)
+    other_epoch = TableDelta(capability="x", partition=1, epoch=6, version=1, prev=0)
+    assert not table.apply(other_epoch, members, 2.0)
+    unknown_share = TableDelta(capability="x", partition=2, epoch=6, version=1, prev=0)
+    assert not table.apply(unknown_share, members, 2.0)
+    table.load(TableShare(capability="x", partition=1, epoch=6, version=1,
+                          entries=[entry("c")]), members, 3.0)  # fmt: skip
+    assert set(table.index.members) == {"c"} and set(members) == {"c"}
+    quota = TableDelta(capability="x", partition=1, epoch=6, version=2, prev=1, local=False)
+    assert table.apply(quota, members, 4.0) and not table.local
+    unreadable = TableDelta(capability="x", partition=1, epoch=6, version=3, prev=2,
+                            rule=msgspec.Raw(b'{"split_by": "version", "wat": 1}'))  # fmt: skip
+    assert table.apply(unreadable, members, 4.0) and not table.local and table.rule is None
+
+
+def test_a_rule_travels_in_shares_and_deltas_and_its_absence_too() -> None:
+    """Off the wire: a share and a delta carrying a rule decode (a ``Raw | None`` field
+    decoded only ``null``: any rule made them undecodable, and callers kept the old rule)."""
+    split = msgspec.Raw(b'{"split_by":"version","split":{"1":90,"2":10}}')
+    share = TableShare(capability="x", partition=1, epoch=5, version=1, entries=[entry("a")],
+                       rule=split)  # fmt: skip
+    body = schema.encoder.encode(Table(capability="x", partitions=4, owned=[1], shares=[share]))
+    got = schema.table_decoder.decode(body).shares[0]
+    assert bytes(got.rule) == bytes(split)
+    members: dict[str, TableMember] = {}
+    table = RouteTable("x", TableRouting())
+    table.load(got, members, 0.0)
+    assert table.local and table.rule is not None and table.rule.stored.split == {"1": 90, "2": 10}
+    cleared = TableDelta(capability="x", partition=1, epoch=5, version=2, prev=1)
+    body = schema.encoder.encode(cleared)
+    assert b"rule" not in body
+    assert table.apply(schema.table_delta_decoder.decode(body), members, 1.0)
+    assert table.local and table.rule is None
+    quota = TableDelta(capability="x", partition=1, epoch=5, version=3, prev=2, local=False,
+                       rule=msgspec.Raw(b'{"quota_rate":1.0}'))  # fmt: skip
+    assert table.apply(schema.table_delta_decoder.decode(schema.encoder.encode(quota)),
+                       members, 2.0)  # fmt: skip
+    assert not table.local and table.rule is not None and table.rule.stored.quota_rate == 1.0
+
+
+# --- on NATS -------------------------------------------------------------------------------
+
+
+async def test_a_newcomer_gets_the_whole_table_in_one_request(
+    nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS
+) -> None:
+    for a in ("t1", "t2", "t3"):
+        await agents(echo(a))
+    await wait_for(lambda: all(healthy(broker, a) for a in ("t1", "t2", "t3")))
+    await wait_for(lambda: broker.metrics.partitions_owned._value.get() == 32)
+    table = await table_of(nc, "tab")
+    assert (table.partitions, table.owned, table.broker_id) == (32, list(range(32)),
+                                                                broker.broker_id)  # fmt: skip
+    entries = {e.agent_id: e for s in table.shares for e in s.entries}
+    assert set(entries) == {"t1", "t2", "t3"}
+    assert {e.state for e in entries.values()} == {"healthy"}
+    assert all(s.partition == partition(e.agent_id, 32) for s in table.shares for e in s.entries)
+    assert all(s.epoch > 0 and s.version >= 1 and s.local for s in table.shares)
+    empty = await table_of(nc, "nobody.has.this")
+    assert (empty.owned, empty.shares) == (list(range(32)), [])
+
+
+async def test_a_leaving_agent_reaches_a_subscribed_caller_as_the_next_delta(
+    nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS
+) -> None:
+    agent = await agents(echo("going"))
+    await agents(echo("staying"))
+    await wait_for(lambda: healthy(broker, "going") and healthy(broker, "staying"))
+    deltas: asyncio.Queue[TableDelta] = asyncio.Queue()
+
+    async def on_delta(msg: Any) -> None:
+        deltas.put_nowait(schema.table_delta_decoder.decode(msg.data))
+
+    await nc.subscribe("reach.table.*.tab", cb=on_delta)
+    await nc.flush()
+    table = await table_of(nc, "tab")
+    held = {s.partition: (s.epoch, s.version) for s in table.shares}
+    p = partition("going", 32)
+    await agent.stop(grace=1)  # leave: draining, out of the routes
+    while True:
+        d = await asyncio.wait_for(deltas.get(), 5)
+        if d.partition != p:
+            continue
+        if d.version <= held[p][1]:
+            continue  # made before the table was read
+        assert (d.epoch, d.prev) == held[p]
+        held[p] = (d.epoch, d.version)
+        states = {e.agent_id: e.state for e in d.upserts}
+        # Out of the routes either way: draining, or already evicted (a draining agent that
+        # disconnects is; both may fall in one flush).
+        if states.get("going") == "draining" or "going" in d.removed:
+            assert "staying" not in d.removed
+            break
+
+
+async def test_two_brokers_share_the_partitions_and_one_stopping_hands_its_own_over(
+    broker_factory: BrokerFactory, nats_server: NatsServer
+) -> None:
+    first = await broker_factory(fleet__lease_ttl_s=3.0)
+    second = await broker_factory(fleet__lease_ttl_s=3.0)
+    owned = [first.partitions.held, second.partitions.held]
+    await wait_for(lambda: len(owned[0]) + len(owned[1]) == 32, what="every partition owned")
+    assert set(owned[0]).isdisjoint(owned[1])
+    await first.stop()
+    await wait_for(lambda: len(second.partitions.held) == 32, timeout=5,
+                   what="the second broker owns every partition")  # fmt: skip
+
+
+def test_a_share_says_whether_its_agents_moved_or_only_their_load() -> None:
+    """What decides how soon a share is stored again: a join, a leave or a state move makes
+    it ``moved``; a heartbeat that only moves load or score does not."""
+    reg, book = book_world()
+    announce(reg, "a", ["x"], 0.0)
+    book.own(book.partition_of("a"), 1, reg.agents, 0.0)
+    share = book.shares[(book.partition_of("a"), "x")]
+    assert share.moved  # new
+    share.moved = False
+    rec = reg.agents["a"]
+    rec.set_load(1, 0)
+    assert [len(d.upserts) for d in book.changes({"a"}, reg.agents.get, 1.0)] == [1]
+    assert not share.moved  # only its load
+    reg.disconnected("a", 2.0)  # suspect
+    assert [d.upserts[0].state for d in book.changes({"a"}, reg.agents.get, 2.0)] == ["suspect"]
+    assert share.moved
+    share.moved = False
+    announce(reg, "a", ["y"], 3.0)  # leaves x
+    book.changes({"a"}, reg.agents.get, 3.0)
+    assert share.moved and share.entries == {}
