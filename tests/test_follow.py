@@ -152,7 +152,8 @@ async def test_a_follow_from_a_time_goes_on_after_its_consumer_is_deleted_where_
         await wait_for(lambda: kept.seen == written, what="the stored claims")
         await delete_consumer(nc, CLAIMS_STREAM, follower.consumer)
         written += [await write(store, f"new-{i}") for i in range(3)]
-        await wait_for(lambda: len(kept.seen) >= len(written), 10, what="claims after")
+        await wait_for(lambda: len(kept.seen) >= len(written) and follower.rebuilds >= 1, 10,
+                       what="claims after, on the rebuilt consumer")  # fmt: skip
         assert kept.seen == written
         assert (follower.rebuilds, follower.failures) == (1, 0)
     finally:
@@ -178,7 +179,9 @@ async def test_a_deleted_consumer_is_made_again_from_the_next_claim_logged_and_c
         first = follower.consumer
         await delete_consumer(nc, CLAIMS_STREAM, first)
         written += [await write(store, f"k{i}") for i in range(3, 6)]
-        await wait_for(lambda: len(kept.seen) >= 6, 10, what="the claims written after")
+        # (the rebuild is counted once its consumer is made: its first deliveries may come first)
+        await wait_for(lambda: len(kept.seen) >= 6 and follower.rebuilds >= 1, 10,
+                       what="the claims written after, on the rebuilt consumer")  # fmt: skip
         assert kept.seen == written
         assert follower.consumer != first and follower.following is True
         assert (follower.rebuilds, follower.failures, follower.last) == (1, 0, written[-1][1])
@@ -266,7 +269,9 @@ async def test_the_rules_follow_goes_on_after_its_consumer_is_deleted(nc: NATS) 
         await delete_consumer(nc, RULES_STREAM, follower.consumer)
         second = await rules_bucket.put(nc, "b", b'{"v":2}')
         assert await rules_bucket.delete(nc, "a") is True
-        await wait_for(lambda: len(seen) >= 3, 10, what="the changes after")
+        # (the rebuild is counted once its consumer is made: its first deliveries may come first)
+        await wait_for(lambda: len(seen) >= 3 and follower.rebuilds >= 1, 10,
+                       what="the changes after, on the rebuilt consumer")  # fmt: skip
         assert [(c, d) for c, _, d in seen] == [("a", b'{"v":1}'), ("b", b'{"v":2}'), ("a", None)]
         assert seen[1][1] == second and follower.rebuilds == 1
     finally:
@@ -286,7 +291,9 @@ async def test_the_audit_follow_from_a_time_goes_on_after_its_consumer_is_delete
         assert follower is not None
         await delete_consumer(nc, AUDIT_STREAM, follower.consumer)
         await publish(nc, "e3", "e4")
-        await wait_for(lambda: len(kept.data) >= 4, 10, what="the events after")
+        # (the rebuild is counted once its consumer is made: its first deliveries may come first)
+        await wait_for(lambda: len(kept.data) >= 4 and follower.rebuilds >= 1, 10,
+                       what="the events after, on the rebuilt consumer")  # fmt: skip
         assert kept.data == [b"e1", b"e2", b"e3", b"e4"]
         assert [e.seq for e in kept.events] == [1, 2, 3, 4]
         assert follower.rebuilds == 1
@@ -374,6 +381,7 @@ async def test_a_claim_unknown_while_the_claims_follow_was_lost_is_released_once
     monkeypatch.setattr(follow, "STALL_HEARTBEATS", 3)
     released = await claim_becomes(nc, rid, "released", WITHIN_S)
     assert released.agent_id == "ghost"
+    await wait_for(lambda: follower.rebuilds >= 1, 5, what="the rebuild counted")
     assert follower.rebuilds == 1 and broker.releaser.released == 1
     assert broker.metrics.follow_rebuilds.labels("claims", "stall")._value.get() == 1
     await wait_for(lambda: broker.releaser.held_by("ghost") == [], 5, what="claim forgotten")

@@ -150,7 +150,7 @@ async def test_a_broker_starting_while_jetstream_has_no_quorum_waits_for_it(
         n1 = cluster.cluster.node("n1")
         await asyncio.to_thread(n1.spawn)
         await asyncio.to_thread(n1.wait_listening)
-        caplog.set_level(logging.WARNING, logger="reach_broker.service.broker")
+        caplog.set_level(logging.WARNING, logger="reach_broker.broker")
         broker = Broker(_config(cluster.url("n1")), metrics=Metrics())
         starting = asyncio.create_task(broker.start())
         try:

@@ -35,12 +35,13 @@ def test_the_consumers_of_transitions_in_their_order() -> None:
         broker.synadia.on_transition,
         broker.releaser.on_transition,
         broker.replayer.on_transition,
+        broker.tables.on_transition,
         broker.feed.on_transition,
         seen,
     )
     plain, seen = build(console=False)
     assert plain.feed is None
-    assert plain.fanout.consumers[-2:] == (plain.replayer.on_transition, seen)
+    assert plain.fanout.consumers[-2:] == (plain.tables.on_transition, seen)
 
 
 def test_the_parts_start_in_order_and_those_on_jetstream_are_marked() -> None:
@@ -48,6 +49,8 @@ def test_the_parts_start_in_order_and_those_on_jetstream_are_marked() -> None:
     assert [(type(part).__name__, js) for part, js in broker.parts] == [
         ("Snapshot", True),
         ("Rulebook", True),
+        ("Tables", False),
+        ("Partitions", False),
         ("Prober", False),
         ("Advisories", False),
         ("SynadiaAgents", False),
