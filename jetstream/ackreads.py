@@ -14,10 +14,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
 from nats.aio.client import Client as NATS
+from nats.js import api
 from nats.js.errors import NotFoundError
 
 from .acks import FINAL_STATES, check_request_id, parse_msg_id
@@ -178,6 +181,18 @@ async def final_at(
     return next((r for r in found if r.state in FINAL_STATES), None)
 
 
+async def completed_at(
+    nc: NATS, subject: str, *, subjects: StreamSubjects, timeout_s: float = 2.0
+) -> StoredAck | None:
+    """The first attributed ``completed`` record stored on exactly ``subject`` (a claim
+    holder's result location), or None: a ``running`` claim whose holder stored one is
+    finished (the record is the claim's end; docs/protocol.md, Claims)."""
+    author, request_id = subjects.ack_of(subject)
+    found = await all_records(nc, request_id, subjects=subjects, author=author,
+                              timeout_s=timeout_s)  # fmt: skip
+    return next((r for r in found if r.state == "completed"), None)
+
+
 async def wait_final_at(
     nc: NATS, subject: str, timeout_s: float, *, subjects: StreamSubjects
 ) -> StoredAck:
@@ -189,3 +204,90 @@ async def wait_final_at(
         return rec if rec.author == author and rec.state in FINAL_STATES else None
 
     return await wait_for(nc, request_id, timeout_s, subjects=subjects, accept=accept)
+
+
+Completed = Callable[[str, str], None]
+"""Told of a stored ``completed`` record: (request id, author)."""
+
+CATCH_UP_IDLE_S = 5.0
+"""A catch-up that delivers nothing for this long has nothing (more) to deliver."""
+
+
+class CatchUp:
+    """Every attributed ``completed`` record stored since a time, told to a callback
+    (request id, author) through one ordered consumer delivering headers only (the message
+    id says author, request and state); it ends itself once caught up (nothing pending, or
+    nothing delivered for ``CATCH_UP_IDLE_S``): a reader learns of later records as they are
+    published. Not a :class:`~jetstream.follow.Follower`: a catch-up has an end, and one
+    whose consumer is lost on the way ends early (what it did not tell is not known to the
+    reader: the broker's releaser then keeps those claims as running, which costs memory,
+    never a release: a release reads the record first)."""
+
+    def __init__(self, nc: NATS, cb: Completed, *, since: float, subjects: StreamSubjects) -> None:
+        self.nc = nc
+        self.cb = cb
+        self.since = since
+        self.subjects = subjects
+        self.told = 0
+        self._sub: Any = None
+        self._task: asyncio.Task[None] | None = None
+        self._done = asyncio.Event()
+        self._last = 0.0
+
+    def start(self) -> None:
+        """Begin in the background: its owner's start never waits for it, nor fails with it
+        (a stream without a leader now is logged, and the catch-up given up)."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="reach-acks-catch-up")
+
+    async def _run(self) -> None:
+        js = self.nc.jetstream()
+        try:
+            info = await js.stream_info(ACK_STREAM)
+            if not info.state.messages:
+                return
+            start = datetime.fromtimestamp(max(self.since, 0.0), UTC)
+            config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_TIME,
+                                        opt_start_time=start, headers_only=True)  # fmt: skip
+            self._last = time.monotonic()
+            self._sub = await js.subscribe(self.subjects.all_acks, stream=ACK_STREAM,
+                                           cb=self._on_msg, ordered_consumer=True,
+                                           config=config, pending_msgs_limit=1_000_000)  # fmt: skip
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - no stream, no leader, a timeout: given up
+            log.warning("acks.catch_up_failed error=%r: records stored before this start are "
+                        "not read", exc)  # fmt: skip
+            return
+        await self._end_when_caught_up()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self._unsubscribe()
+
+    async def _on_msg(self, msg: Any) -> None:
+        self._last = time.monotonic()
+        rec = attribute(msg.subject, msg.headers, b"", None, self.subjects)
+        if isinstance(rec, StoredAck) and rec.state == "completed":
+            self.told += 1
+            self.cb(rec.request_id, rec.author)
+        if msg.metadata.num_pending == 0:
+            self._done.set()
+
+    async def _end_when_caught_up(self) -> None:
+        while not self._done.is_set():
+            idle = CATCH_UP_IDLE_S - (time.monotonic() - self._last)
+            if idle <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._done.wait(), idle)
+        await self._unsubscribe()
+        log.info("acks.caught_up completed=%d", self.told)
+
+    async def _unsubscribe(self) -> None:
+        if self._sub is not None:
+            sub, self._sub = self._sub, None
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()

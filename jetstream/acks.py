@@ -16,6 +16,12 @@ one is written: then ``received`` is not sent at all (marked stored in the log) 
 record carries its time instead (``received_ms``): one JetStream write (a synced one, under
 ``sync_interval: always``) per task where there were two.
 
+**Records sent ahead.** An agent's ``completed`` record of a claimed run is its claim's end
+(docs/protocol.md, Claims): :meth:`AckWriter.record_ahead` writes it to the WAL and publishes
+it over the *agent's* connection, ahead of the reply on that connection, instead of leaving it
+to the sender; the agent checks its PubAck after the reply, and one not confirmed goes back
+to the sender. One synced write ends the run where a claim's end and a record were two.
+
 The ``tag`` is random, drawn once per record and kept in the write-ahead file: the server
 checks the subject a record is published to but never its headers, so a message id anyone
 could compute (``beta.<rid>.completed``) would let another agent store it first, on its own
@@ -29,12 +35,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import random
 import re
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -159,6 +166,9 @@ class AckWriter:
         """request id → (message id, at_ms) of its ``received`` record not sent yet."""
         self._sending: set[str] = set()
         """Message ids of the batch being sent (too late to fold)."""
+        self._ahead: set[str] = set()
+        """Message ids published by :meth:`record_ahead`, not confirmed yet: the sender
+        leaves them alone."""
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -249,19 +259,66 @@ class AckWriter:
         """The ``ack_sink`` hook: durable in the WAL on return, stored in JetStream soon. A
         final record whose ``received`` is still unsent takes its place (the record type's
         ``received_ms`` gets its ``at_ms``; see the module docstring)."""
+        self._add(rec)
+
+    async def record_ahead(self, rec: Any, js: Any) -> Callable[[], Awaitable[bool]] | None:
+        """:meth:`record` for a final record that must reach the server ahead of what the
+        caller publishes next (an agent's reply: the record ends the run's claim, see the
+        module docstring): in the WAL, then published at once over ``js`` — the JetStream
+        context of the caller's own connection — instead of by the sender. On return it is
+        in that connection's buffer, ahead of anything published after it. Await the
+        returned function after the reply: True once JetStream confirmed it; False when it
+        did not in time, or it could not be published at all (the sender then sends it: the
+        same message id, stored once). None when the record was refused (an invalid request
+        id, logged): it is not in the WAL, and the caller ends its claim the other way."""
+        msg_id = self._add(rec)
+        if msg_id is None:
+            return None
+        entry = self._pending[msg_id]
+        self._ahead.add(msg_id)
+        try:
+            answer = await js.publish_async(entry.subject, entry.data, headers={H_MSG_ID: msg_id})
+        except Exception as exc:  # a closed connection: the sender sends it
+            self._ahead.discard(msg_id)
+            self._wake.set()
+            log.info("acks.ahead_unsent msg_id=%s error=%r", msg_id, exc)
+            return _unsent
+
+        async def confirmed() -> bool:
+            try:
+                ack = await asyncio.wait_for(answer, self.publish_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - no PubAck: the sender tries again
+                log.info("acks.ahead_unconfirmed msg_id=%s error=%r", msg_id, exc)
+                self._ahead.discard(msg_id)
+                self.retries += 1
+                self._wake.set()
+                return False
+            self._ahead.discard(msg_id)
+            if ack.duplicate:
+                self.duplicates += 1
+            if msg_id in self._pending:
+                self._stored([msg_id])
+            return True
+
+        return confirmed
+
+    def _add(self, rec: Any) -> str | None:
+        """Append ``rec`` to the WAL and queue it (folding an unsent ``received`` into a
+        final record); its message id (None: refused, logged)."""
         request_id, state = rec.request_id, rec.state
         if state in FINAL_STATES:
             unsent = self._received.pop(request_id, None)
             if unsent is not None and unsent[0] in self._pending and unsent[0] not in self._sending:
                 rec = msgspec.structs.replace(rec, received_ms=unsent[1])
-                self.write(request_id, state, self._encoder.encode(rec))  # the final first
+                msg_id = self.write(request_id, state, self._encoder.encode(rec))  # final first
                 self._pending.pop(unsent[0])
                 self._wal.mark_stored([unsent[0]])
                 self.folded += 1
-                return
+                return msg_id
         msg_id = self.write(request_id, state, self._encoder.encode(rec))
         if state == "received" and msg_id is not None:
             self._received[request_id] = (msg_id, rec.at_ms)
+        return msg_id
 
     def write(self, request_id: str, state: str, data: bytes) -> str | None:
         """Append one record to the WAL and queue it for sending; its message id (None:
@@ -293,8 +350,14 @@ class AckWriter:
             if self.linger_s > 0:
                 await asyncio.sleep(self.linger_s)  # more may come: a fold, a fuller batch
             self._wake.clear()
-            while self._pending:
-                batch = list(self._pending.items())[: self.batch]
+            while True:
+                # The first ``batch`` pending records (not those sent ahead by their agent),
+                # without copying the rest: a backlog of n records is sent in n / batch
+                # slices, not n**2 / batch copies.
+                sendable = ((m, e) for m, e in self._pending.items() if m not in self._ahead)
+                batch = list(itertools.islice(sendable, self.batch))
+                if not batch:
+                    break
                 self._sending = {msg_id for msg_id, _ in batch}
                 try:
                     results = await asyncio.gather(
@@ -307,14 +370,7 @@ class AckWriter:
                     msg_id for (msg_id, _), ok in zip(batch, results, strict=True) if ok is True
                 ]
                 if done:
-                    self._wal.mark_stored(done)
-                    for m in done:
-                        self._pending.pop(m, None)
-                    self.stored += len(done)
-                    if self._received:
-                        sent = set(done)
-                        for rid in [r for r, (m, _) in self._received.items() if m in sent]:
-                            del self._received[rid]
+                    self._stored(done)
                 if len(done) < len(batch):
                     self.retries += len(batch) - len(done)
                     failure = next(r for r in results if r is not True)
@@ -335,12 +391,30 @@ class AckWriter:
             if not self._pending:
                 self._idle.set()
 
+    def _stored(self, done: list[str]) -> None:
+        """JetStream confirmed ``done``: marked stored in the WAL, no longer pending."""
+        self._wal.mark_stored(done)
+        for m in done:
+            self._pending.pop(m, None)
+            parsed = parse_msg_id(m)  # a stored ``received`` can no longer be folded
+            if parsed is not None and parsed.state == "received":
+                unsent = self._received.get(parsed.request_id)
+                if unsent is not None and unsent[0] == m:
+                    del self._received[parsed.request_id]
+        self.stored += len(done)
+        if not self._pending:
+            self._idle.set()
+
     async def _publish(self, msg_id: str, entry: wal.Entry) -> bool:
         assert self._nc is not None
         js = self._nc.jetstream(timeout=self.publish_timeout_s)
         if await publish_record(js, entry.subject, msg_id, entry.data):
             self.duplicates += 1
         return True
+
+
+async def _unsent() -> bool:
+    return False
 
 
 async def publish_record(js: Any, subject: str, msg_id: str, data: bytes) -> bool:

@@ -93,12 +93,13 @@ CLAIMED_PATH = (
     "claim_create",
     "claim_create_puback",
     "receipt",
-    "claim_end",
+    "ack_completed",
     "result",
     "end",
 )
 """The marks a claimed call passes in order (its critical path), routed from the caller's
-route table: no route request."""
+route table: no route request. Its ``completed`` record is the claim's end, sent ahead of
+the result (its PubAck is not waited for)."""
 IDEMPOTENT_PATH = ("start", "task", "receipt", "result", "end")
 ROUTED = {
     CLAIMED_PATH: (CLAIMED_PATH[0], "route_request", "route_reply", *CLAIMED_PATH[1:]),
@@ -114,9 +115,11 @@ OFF_PATH = (
     "ack_received_puback",
     "ack_completed",
     "ack_completed_puback",
+    "claim_end",
     "claim_end_puback",
 )
-"""Marks the call does not wait for (the ack writer's records, the claim end's PubAck)."""
+"""Marks the call does not wait for (the ack records and their PubAcks; a claim's end,
+written only for a run that ends in an error)."""
 
 HOPS: dict[tuple[str, str], str] = {
     ("start", "task"): "caller: call() → task sent (routed from its table)",
@@ -127,9 +130,9 @@ HOPS: dict[tuple[str, str], str] = {
     ("claim_create", "claim_create_puback"): "JetStream: claim create → PubAck (the claim write)",
     ("claim_create_puback", "receipt"): "agent: claim PubAck → receipt sent",
     ("task", "receipt"): "agent: task → receipt sent",
-    ("receipt", "claim_end"): "agent: receipt → claim end sent (record 'received' to the WAL, "
-    "handler)",
-    ("claim_end", "result"): "agent: claim end → result sent (record 'completed' to the WAL)",
+    ("receipt", "ack_completed"): "agent: receipt → completed record sent, the claim's end "
+    "(record 'received' to the WAL, handler)",
+    ("ack_completed", "result"): "agent: completed record → result sent",
     ("receipt", "result"): "agent: receipt → result sent (records to the WAL, handler)",
     ("result", "end"): "caller: result → call() returns",
     ("start", "request"): "caller: request() → on the wire",

@@ -11,6 +11,7 @@ and a record counts only when its body agrees with its subject.
 from __future__ import annotations
 
 import msgspec
+from nats.aio.client import Client as NATS
 
 from jetstream import ackreads
 from reach_agent import trace
@@ -46,3 +47,17 @@ def attributed(stored: ackreads.StoredAck) -> AckRecord | None:
                     rec.agent_id, rec.request_id)  # fmt: skip
         return None
     return rec
+
+
+async def ended_by_record(
+    nc: NATS, claim: schema.Claim, subjects: Subjects
+) -> tuple[ackreads.StoredAck, AckRecord] | None:
+    """The holder's ``completed`` record of ``claim``'s request, when stored: it ends the
+    claim whatever the claim's state says (an SDK agent's completed record of a claimed run
+    is the claim's end: the claim stays ``running``; docs/protocol.md, Claims). None when
+    there is none (the claim says how far the request got). Raises what the store raises."""
+    stored = await ackreads.completed_at(nc, result_location(claim, subjects), subjects=subjects)
+    if stored is None:
+        return None
+    rec = attributed(stored)
+    return (stored, rec) if rec is not None else None

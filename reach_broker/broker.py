@@ -193,7 +193,8 @@ class Broker:
         self.records = BrokerAcks(ctx, store_errors=m.store_errors)
         """The ack records the broker writes as itself (replay, Synadia answers, cancels)."""
         self.replayer = Replayer(ctx, self.router, self.releaser.claim_of, agents.get,
-                                 self.records, cfg.compensation, ReplayMetrics.of(m))  # fmt: skip
+                                 self.records, cfg.compensation, ReplayMetrics.of(m),
+                                 finished=self.releaser.finished)  # fmt: skip
         self.canceller = Canceller(ctx, self.records, queue=QUEUE_GROUP,
                                    cancelled=m.compensation_result["cancelled"])  # fmt: skip
         """``<p>.cancel._broker``: a cancelled request's claim made final, its entry unqueued."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any
@@ -13,7 +15,7 @@ from nats.aio.client import Client as NATS
 
 from jetstream.provision import load_definitions, provision
 from reach_broker.broker import Broker
-from reach_broker.cluster.natsserver import NatsServer
+from reach_broker.cluster.natsserver import NatsServer, find_binary
 from reach_broker.config import Config
 from reach_broker.service.fanout import Consumer
 from reach_broker.service.metrics import Metrics
@@ -147,3 +149,18 @@ async def wait_for(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
         await asyncio.sleep(interval)
+
+
+@pytest.fixture
+def plain_server() -> Iterator[str]:
+    """A nats-server without JetStream (open dev mode at its barest): its URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([find_binary(), "-a", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait(10)

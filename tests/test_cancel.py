@@ -227,6 +227,38 @@ async def test_a_finished_request_stays_finished(
     assert (rec.state, rec.result) == ("completed", {"done": "rid-done"})
 
 
+async def test_a_late_cancel_at_a_restarted_agent_leaves_the_finished_result_standing(
+    broker: Broker, agents: Agents, client: reach_agent.Client, nc: NATS
+) -> None:
+    """The caller's deadline passes just as its agent completes the request, and the agent's
+    process is restarted before the cancel reaches it: the new process remembers the
+    cancel (it never ran the request), yet the caller's retry gets the stored result — the
+    request's one final state — not CANCELLED (found by loadtest.nemesis: no_final_state)."""
+    first = await serving(broker, agents, "phoenix", "cancel.late")
+    assert await client.call("cancel.late", {"sleep": 0}, request_id="rid-late-done",
+                             timeout=5) == {"done": "rid-late-done"}  # fmt: skip
+    await first.agent.stop(grace=2)
+    again = Sleeper("phoenix", "cancel.late")
+    await agents(again.agent)
+    await wait_for(lambda: broker.registry.agents["phoenix"].state == "healthy", 5,
+                   what="phoenix back")  # fmt: skip
+    told = schema.Cancel(request_id="rid-late-done", reason="the caller's deadline passed")
+    answer = await nc.request(broker.subjects.cancel("phoenix"),
+                              schema.encoder.encode(told), timeout=5)  # fmt: skip
+    assert schema.decode(schema.cancel_reply_decoder, answer.data, "cancel reply").state == (
+        "unknown"
+    )
+    assert await client.call("cancel.late", {"sleep": 0}, request_id="rid-late-done",
+                             timeout=5) == {"done": "rid-late-done"}  # fmt: skip
+    assert again.runs == [] and first.runs == ["rid-late-done"]
+    # A request it never saw and nobody ran stays cancelled for it.
+    told = schema.Cancel(request_id="rid-never", reason="the caller's deadline passed")
+    await nc.request(broker.subjects.cancel("phoenix"), schema.encoder.encode(told), timeout=5)
+    with pytest.raises(Cancelled):
+        await client.call("cancel.late", {"sleep": 0}, request_id="rid-never", timeout=5)
+    assert again.runs == []
+
+
 async def test_reach_cancel_and_reach_ack(
     broker: Broker, agents: Agents, client: reach_agent.Client, nats_server: NatsServer
 ) -> None:

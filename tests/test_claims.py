@@ -11,11 +11,8 @@ import asyncio
 import contextlib
 import logging
 import signal
-import socket
-import subprocess
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +30,13 @@ from jetstream.provision import load_definitions, provision
 from loadtest.tcpproxy import TcpProxy
 from reach_agent import ClientConfig
 from reach_agent.agent.claiming import Claimer, decide
+from reach_agent.results import ended_by_record
 from reach_agent.wire import schema
 from reach_agent.wire.errors import from_reply
 from reach_agent.wire.schema import decode_ack_record
 from reach_agent.wire.subjects import Subjects
 from reach_broker.broker import Broker
-from reach_broker.cluster.natsserver import NatsServer, find_binary
+from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.service.metrics import Metrics
 
 from .conftest import fast_config, wait_for
@@ -115,6 +113,19 @@ async def stored_claim(nc: NATS, request_id: str) -> schema.Claim | None:
     return None if stored is None else schema.claim_decoder.decode(stored.data)
 
 
+async def ended_by(nc: NATS, request_id: str) -> tuple[str, str, str]:
+    """(holder, claim state, the author of the completed record that ends the claim) once
+    that record is stored (at most 10 s): an SDK agent's completed record of a claimed run is
+    the claim's end, and the claim stays ``running`` (docs/protocol.md, Claims)."""
+    claim = await stored_claim(nc, request_id)
+    assert claim is not None
+    subject = Subjects("reach").ack(claim.agent_id, request_id)
+    await ackreads.wait_final_at(nc, subject, 10, subjects=Subjects("reach"))
+    found = await ended_by_record(nc, claim, Subjects("reach"))
+    assert found is not None, f"no completed record of {claim.agent_id} ends {request_id}"
+    return claim.agent_id, claim.state, found[1].agent_id
+
+
 async def claim_becomes(nc: NATS, request_id: str, state: str, limit_s: float = 15.0
                         ) -> schema.Claim:  # fmt: skip
     """The request id's claim once it is in ``state`` (read every 50 ms, at most
@@ -149,9 +160,50 @@ async def test_one_request_id_sent_to_two_agents_at_once_runs_once_and_both_get_
     assert runs == [(holder, rid)]
     assert results == [{"agent": holder, "n": 1}, {"agent": holder, "n": 1}]
     stored = await stored_claim(nc, rid)
-    assert stored is not None
-    assert (stored.agent_id, stored.state, stored.ack_subject) == (
-        holder, "completed", f"reach.ack.{holder}.{rid}")  # fmt: skip
+    assert stored is not None and stored.ack_subject == f"reach.ack.{holder}.{rid}"
+    assert await ended_by(nc, rid) == (holder, "running", holder)
+
+
+async def test_a_completed_record_ends_its_claim_for_repeats_releases_and_cancels(
+    nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS
+) -> None:
+    runs: list[tuple[str, str]] = []
+    await agents(slow_agent("end-a", "file", runs))
+    await agents(slow_agent("end-b", "file", runs))
+    await wait_for(lambda: healthy(broker, "end-a") and healthy(broker, "end-b"))
+    rid = str(uuid.uuid4())
+    first = await nc.request("reach.task.end-a.file", b'{"n":2}', timeout=5,
+                             headers={H_REQUEST_ID: rid})  # fmt: skip
+    assert msgspec.json.decode(first.data) == {"agent": "end-a", "n": 2}
+    assert await ended_by(nc, rid) == ("end-a", "running", "end-a")
+    # Another agent answers the stored result: the record ended the claim.
+    again = await nc.request("reach.task.end-b.file", b'{"n":2}', timeout=5,
+                             headers={H_REQUEST_ID: rid})  # fmt: skip
+    assert (again.headers or {}).get(schema.H_STATUS) == "completed"
+    assert msgspec.json.decode(again.data) == {"agent": "end-a", "n": 2}
+    assert runs == [("end-a", rid)]
+    # The broker heard of the record: nothing of end-a's is left to release, and a release
+    # of end-a (declared gone) leaves the finished claim alone.
+    await wait_for(lambda: "end-a" not in broker.releaser._running, 10,
+                   what="the releaser forgot the finished claim")  # fmt: skip
+    assert broker.releaser.held_by("end-a") == []
+    # As if it had not heard (a record published while it was down): the release reads it.
+    claim = await stored_claim(nc, rid)
+    assert claim is not None
+    broker.releaser._running["end-a"] = {claim_key(rid): (1, claim)}
+    broker.releaser._holder_of[claim_key(rid)] = "end-a"
+    assert await broker.releaser.release("end-a", "a test") == 0
+    assert broker.releaser.held_by("end-a") == []
+    assert await ended_by(nc, rid) == ("end-a", "running", "end-a")
+    # A cancel the broker settles (its holder named, so not asked) is too late.
+    cancel = schema.Cancel(request_id=rid, reason="a test", holder="end-a")
+    reply = await nc.request(Subjects("reach").cancel_broker, schema.encoder.encode(cancel),
+                             timeout=5)  # fmt: skip
+    answer = schema.cancel_reply_decoder.decode(reply.data)
+    assert (answer.state, answer.agent_id) == ("finished", "end-a")
+    assert await ended_by(nc, rid) == ("end-a", "running", "end-a")
+    view = await broker.releaser.claim_of(rid)
+    assert view is not None and (view.holder, view.state) == ("end-a", "completed")
 
 
 async def test_an_idempotent_capability_runs_without_a_claim(
@@ -209,21 +261,6 @@ async def test_compensation_replay_of_a_completed_request_does_not_run_it_again(
     assert runs == [("done-a", rid)]
     assert (broker.replayer.sender.replayed, broker.replayer.sender.claimed) == (0, 1)
     assert broker.metrics.compensation_result["claimed"]._value.get() == 1
-
-
-@pytest.fixture
-def plain_server() -> Iterator[str]:
-    """A nats-server without JetStream (open dev mode at its barest): its URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([find_binary(), "-a", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    try:
-        yield f"nats://127.0.0.1:{port}"
-    finally:
-        proc.kill()
-        proc.wait(10)
 
 
 def refusal_of(reply: Any) -> reach_agent.ReachError | None:
@@ -334,8 +371,7 @@ async def test_an_sdk_call_refused_for_a_missing_bucket_is_asked_again_within_it
         await provision(nc, claims_def)
         assert await asyncio.wait_for(call, 30) == {"agent": "back-a", "n": 3}
     assert runs == [("back-a", rid)]
-    stored = await stored_claim(nc, rid)
-    assert stored is not None and (stored.agent_id, stored.state) == ("back-a", "completed")
+    assert await ended_by(nc, rid) == ("back-a", "running", "back-a")
 
 
 async def test_a_claim_end_the_store_did_not_confirm_is_retried_until_stored(
@@ -590,8 +626,7 @@ async def test_a_holder_killed_mid_task_is_released_once_offline_and_runs_once_e
         assert "declared offline before finishing" in released[0]["reason"]
         kinds = events.of("hold-a")
         assert kinds.index(("state", "suspect", "offline")) < kinds.index(("released", None, None))
-        final = await stored_claim(nc, rid)
-        assert final is not None and (final.agent_id, final.state) == ("hold-b", "completed")
+        assert await ended_by(nc, rid) == ("hold-b", "running", "hold-b")
         assert lines(log_a, "start") == [rid] and lines(log_a, "done") == []
         assert lines(tmp_path / "hold-b.log", "start") == [rid]
         assert lines(tmp_path / "hold-b.log", "done") == [rid]
@@ -625,6 +660,34 @@ async def test_a_broker_learns_running_claims_written_before_it_started_and_can_
     await wait_for(lambda: [e["request_id"] for e in events.events] == [rid], 5,
                    what="the released event")  # fmt: skip
     await wait_for(lambda: broker.releaser.held_by("ghost") == [], 5, what="claim forgotten")
+
+
+async def test_a_broker_started_later_does_not_keep_claims_their_completed_record_ended(
+    nc: NATS, broker_factory: Any
+) -> None:
+    from jetstream.provision import provision
+
+    await provision(nc)
+    done, running = str(uuid.uuid4()), str(uuid.uuid4())
+    for rid in (done, running):
+        claim = schema.Claim(request_id=rid, agent_id="ghost", instance="i1", capability="cap",
+                             state="running", at_ms=1,
+                             ack_subject=f"reach.ack.ghost.{rid}")  # fmt: skip
+        created, _ = await ClaimStore(nc).create(claim_key(rid), schema.encoder.encode(claim))
+        assert created is True
+    # ghost's completed record of one of them: that claim's end
+    record = schema.AckRecord(request_id=done, agent_id="ghost", capability="cap",
+                              state="completed", at_ms=2)  # fmt: skip
+    await acks.publish_record(nc.jetstream(), f"reach.ack.ghost.{done}",
+                              acks.ack_msg_id("ghost", done, "completed"),
+                              schema.encoder.encode(record))  # fmt: skip
+    broker = await broker_factory()
+    await wait_for(lambda: broker.releaser.held_by("ghost") == [running], 10,
+                   what="only the running claim kept")  # fmt: skip
+    assert await broker.releaser.release("ghost", "test") == 1
+    assert await ended_by(nc, done) == ("ghost", "running", "ghost")
+    released = await stored_claim(nc, running)
+    assert released is not None and released.state == "released"
 
 
 async def test_a_finished_claim_whose_result_is_not_stored_yet_is_read_again_on_the_next_copy(
@@ -721,9 +784,8 @@ async def test_a_claim_this_process_created_without_seeing_the_answer_is_taken_o
     assert msgspec.json.decode(reply.data) == {"agent": "orphan", "n": 5}
     assert runs == [("orphan", rid)]
     stored = await stored_claim(nc, rid)
-    assert stored is not None
-    assert (stored.agent_id, stored.instance, stored.state) == ("orphan", agent.instance,
-                                                                "completed")  # fmt: skip
+    assert stored is not None and (stored.agent_id, stored.instance) == ("orphan", agent.instance)
+    assert await ended_by(nc, rid) == ("orphan", "running", "orphan")  # its record ends it
 
 
 # --- idempotency keys are checked: one request id, one body ---------------------------------

@@ -8,6 +8,7 @@ import uuid
 from pathlib import Path
 
 import msgspec
+import nats
 import pytest
 from nats.aio.client import Client as NATS
 from nats.js.errors import APIError
@@ -309,6 +310,48 @@ async def test_a_short_runs_received_is_folded_into_its_final_record(
     states = [r.state for r in await ackreads.all_records(nc, long, subjects=SUBJECTS)]
     assert states == ["received", "completed"]
     assert not list((tmp_path / "wal").glob("*.wal"))  # the folded line is marked stored
+
+
+async def test_a_record_sent_ahead_goes_over_the_callers_connection_and_back_to_the_sender(
+    nc: NATS, broker: Broker, tmp_path: Path, nats_server: NatsServer, plain_server: str
+) -> None:
+    """``record_ahead``: the final record in the WAL, published on the caller's connection
+    (folding its unsent received), stored once confirmed; a record whose PubAck does not come
+    goes back to the sender, which stores it over its own connection, as does one that
+    could not be sent."""
+    ahead, lost, closed = (str(uuid.uuid4()) for _ in range(3))
+    async with acks.AckWriter(
+        tmp_path / "wal", author="a1", connect=connect_options("test-acks", nats_server.url),
+        subjects=SUBJECTS, linger_s=0.2, publish_timeout_s=0.5,
+    ) as writer:  # fmt: skip
+        await writer.record(schema.AckRecord(request_id=ahead, agent_id="a1", capability="cap",
+                                             state="received", at_ms=7))  # fmt: skip
+        confirm = await writer.record_ahead(ack(ahead, "completed"), nc.jetstream())
+        assert confirm is not None and writer.pending == 1
+        assert await confirm() is True
+        assert (writer.pending, writer.stored, writer.folded) == (0, 1, 1)
+        [final] = await ackreads.all_records(nc, ahead, subjects=SUBJECTS)
+        record = schema.decode_ack_record(final.data)
+        assert (final.author, record.state, record.received_ms) == ("a1", "completed", 7)
+
+        # A server without JetStream: no PubAck (no responders), the sender stores it.
+        elsewhere = await nats.connect(plain_server)
+        try:
+            confirm = await writer.record_ahead(ack(lost, "completed"), elsewhere.jetstream())
+            assert confirm is not None
+            assert await confirm() is False
+        finally:
+            await elsewhere.close()
+        # A closed connection: not sent at all, the sender stores it.
+        confirm = await writer.record_ahead(ack(closed, "completed"), elsewhere.jetstream())
+        assert confirm is not None
+        assert await confirm() is False
+        assert await writer.flush(5)
+        assert (writer.pending, writer.stored, writer.retries) == (0, 3, 1)
+    for rid in (lost, closed):
+        [stored] = await ackreads.all_records(nc, rid, subjects=SUBJECTS)
+        assert (stored.author, stored.state) == ("a1", "completed")
+    assert not list((tmp_path / "wal").glob("*.wal"))
 
 
 async def test_ack_writer_replays_an_orphaned_wal_and_resends_are_deduplicated(

@@ -89,10 +89,10 @@ def test_tiny_run_counts_every_request_exactly(tmp_path: Path) -> None:
         for traced in (claimed, idem, raw):
             assert (traced["calls"], traced["complete"], traced["errors"]) == (TRACE, TRACE, 0)
         assert raw["jetstream_writes_per_call"] == 0
-        # claim create, claim end, the final ack record (received folded into it: the
-        # sequential traced calls end long before the writer's linger); the idempotent
-        # call: that record only
-        assert claimed["jetstream_writes_per_call"] == 3
+        # claim create and the completed record, which is the claim's end (received folded
+        # into it: the sequential traced calls end long before the writer's linger); the
+        # idempotent call: that record only
+        assert claimed["jetstream_writes_per_call"] == 2
         assert idem["jetstream_writes_per_call"] == 1
         assert list(claimed["hops_us"]) == [
             hops.HOPS[pair] for pair in itertools.pairwise(hops.CLAIMED_PATH)
@@ -176,13 +176,10 @@ def _claimed_call_on_the_wire(rid: str) -> list[hops.Seen]:
         hops.Seen(2_000, key, "$JS.ACK.KV_reach_claims.x.1.1.1.1.0", {}),
         hops.Seen(2_500, "_INBOX.a.1", "", {}),
         hops.Seen(3_000, task_reply, "", {"Reach-Request-Id": rid, "Reach-Status": "received"}),
-        hops.Seen(3_010, key, "_INBOX.a.2", {"Nats-Expected-Last-Subject-Sequence": "5"}),
+        # the completed record (the claim's end, received folded in) ahead of the result
+        hops.Seen(3_010, s.ack("bench-agent", rid), "_INBOX.a.2", ack("completed")),
         hops.Seen(3_020, task_reply, "", {"Reach-Request-Id": rid, "Reach-Status": "completed"}),
-        hops.Seen(3_100, s.ack("bench-agent", rid), "_INBOX.w.1", ack("received")),
-        hops.Seen(3_110, s.ack("bench-agent", rid), "_INBOX.w.2", ack("completed")),
         hops.Seen(3_300, "_INBOX.a.2", "", {}),
-        hops.Seen(3_900, "_INBOX.w.1", "", {}),
-        hops.Seen(3_910, "_INBOX.w.2", "", {}),
     ]  # fmt: skip
 
 
@@ -194,14 +191,13 @@ def test_timeline_finds_each_mark_of_a_claimed_call() -> None:
     assert line == {
         "start": 0, "end": 2_200, "route_request": 100, "route_reply": 400, "task": 600,
         "claim_create": 900, "claim_create_puback": 1_500, "receipt": 2_000,
-        "claim_end": 2_010, "claim_end_puback": 2_300, "result": 2_020,
-        "ack_received": 2_100, "ack_received_puback": 2_900,
-        "ack_completed": 2_110, "ack_completed_puback": 2_910,
+        "ack_completed": 2_010, "ack_completed_puback": 2_300, "result": 2_020,
     }  # fmt: skip
     summary = hops.breakdown([line, line], hops.CLAIMED_PATH)
     assert summary["calls"] == summary["complete"] == 2
     assert summary["total_us"] == 2.2
-    assert summary["jetstream_writes_per_call"] == 4
+    assert summary["jetstream_writes_per_call"] == 2
+    assert summary["on_path_writes"] == ["claim_create_puback"]
     assert summary["hops_us"][hops.HOPS[("claim_create", "claim_create_puback")]] == 0.6
     assert summary["hops_us"][hops.HOPS[("result", "end")]] == 0.2  # 180 ns, in µs to one decimal
 

@@ -50,7 +50,7 @@ from jetstream.names import H_REQUEST_ID
 from reach_agent import trace
 from reach_agent.aio import TaskSet
 from reach_agent.metrics import AgentMetrics
-from reach_agent.results import attributed, result_location
+from reach_agent.results import attributed, ended_by_record, result_location
 from reach_agent.wire import schema
 from reach_agent.wire.errors import (
     Cancelled,
@@ -115,19 +115,22 @@ class Held:
 
 
 class Claimed:
-    """The result of claiming: ``held`` (ours: run it) or the stored claim and its verdict."""
+    """The result of claiming: ``held`` (ours: run it) or the stored claim and its verdict
+    (with the holder's ``completed`` record when that is what ended it)."""
 
-    __slots__ = ("existing", "held", "verdict")
+    __slots__ = ("existing", "held", "record", "verdict")
 
     def __init__(
         self,
         held: Held | None = None,
         verdict: Verdict | None = None,
         existing: schema.Claim | None = None,
+        record: schema.AckRecord | None = None,
     ) -> None:
         self.held = held
         self.verdict = verdict
         self.existing = existing
+        self.record = record
 
 
 class Claimer:
@@ -257,6 +260,12 @@ class Claimer:
             existing = _decode(stored)
             verdict = decide(existing, agent_id=self.agent_id, instance=self.instance,
                              digest=digest)  # fmt: skip
+            if verdict in ("take_over", "in_progress"):
+                # A claim left running (or released by a broker) whose holder stored its
+                # completed record is finished: the record is the claim's end.
+                ended = await self._ended(existing)
+                if ended is not None:
+                    return Claimed(verdict="stored", existing=existing, record=ended)
             if verdict != "take_over":
                 return Claimed(verdict=verdict, existing=existing)
             revision = await self.store.swap(key, data, stored.revision)
@@ -270,6 +279,41 @@ class Claimer:
             else:
                 created, stored = False, again
         raise ClaimsUnavailable(f"claim {key!r} kept changing while being taken over")
+
+    async def final(self, request_id: str, digest: str | None = None) -> Claimed | None:
+        """``request_id``'s claim, looked at and never written, when it says the request is
+        over — ``completed`` or ``failed``, ended by its holder's ``completed`` record, or
+        claimed for another body — as :meth:`claim` would find it (for :meth:`answer`);
+        None when there is no claim, it still runs, or the store cannot say now."""
+        try:
+            stored = await self.store.get(claim_key(request_id))
+            if stored is None:
+                return None
+            existing = _decode(stored)
+            verdict = decide(existing, agent_id=self.agent_id, instance=self.instance,
+                             digest=digest)  # fmt: skip
+            if verdict in ("take_over", "in_progress"):
+                ended = await self._ended(existing)
+                if ended is None:
+                    return None
+                return Claimed(verdict="stored", existing=existing, record=ended)
+        except ClaimsUnavailable as exc:
+            log.info("claims.unreadable request_id=%s error=%s", request_id, exc)
+            return None
+        return Claimed(verdict=verdict, existing=existing)
+
+    async def _ended(self, claim: schema.Claim) -> schema.AckRecord | None:
+        """The holder's ``completed`` record of ``claim``, if stored; ``ClaimsUnavailable``
+        when the ack store cannot say (never a guess: a take-over on a wrong "no" would run
+        a finished request again)."""
+        try:
+            found = await ended_by_record(self.nc, claim, self.subjects)
+        except Exception as exc:  # noqa: BLE001 - a timeout, no stream: cannot decide now
+            why = f"{type(exc).__name__}: {exc}"
+            raise ClaimsUnavailable(
+                f"the ack record of request {claim.request_id!r} could not be read: {why}"
+            ) from None
+        return found[1] if found is not None else None
 
     async def _landed(self, key: str, data: bytes, request_id: str) -> Stored | None:
         """After a create nobody confirmed: our claim, if the store has it (then it is ours
@@ -437,13 +481,14 @@ class Claimer:
         # The result is the holder's own record: its location follows from the holder (a
         # claim naming another subject is not believed), and its author must be the holder.
         location = result_location(existing, self.subjects)
-        rec = None
-        try:
-            stored = await ackreads.wait_final_at(self.nc, location, STORED_WAIT_S,
-                                                  subjects=self.subjects)  # fmt: skip
-            rec = attributed(stored)
-        except TimeoutError:
-            pass
+        rec = claimed.record
+        if rec is None:
+            try:
+                stored = await ackreads.wait_final_at(self.nc, location, STORED_WAIT_S,
+                                                      subjects=self.subjects)  # fmt: skip
+                rec = attributed(stored)
+            except TimeoutError:
+                pass
         if rec is None:
             err = Timeout(
                 f"request_id {request_id!r} already {existing.state} on agent "

@@ -19,12 +19,15 @@ class Entry:
     """A request id seen recently: its running or finished reply, and the digest of the
     body it was run with (a repeat with another body is not that request)."""
 
-    __slots__ = ("digest", "expires", "future")
+    __slots__ = ("digest", "expires", "future", "remembered")
 
     def __init__(self, future: asyncio.Future[Reply], digest: str | None = None) -> None:
         self.future = future
         self.digest = digest
         self.expires = float("inf")  # set when the task finishes
+        self.remembered = False
+        """A cancel of a request this process did not run, remembered (its reply
+        ``CANCELLED``): not the request's own answer when its claim says it finished."""
 
 
 class DedupCache:

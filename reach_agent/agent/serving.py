@@ -17,7 +17,9 @@ clean up; after ``cancel_grace`` seconds it is cancelled again. The run then end
 ``cancelled``, so no retry or replay runs it again), the final ack record ``failed`` with
 ``CANCELLED``, the slot free. A cancel that comes before the handler started (the claim's
 round trip) ends the run before it; one for a request not running here is remembered in
-the duplicate window, so a copy of the task arriving later is answered ``CANCELLED``.
+the duplicate window, so a copy of the task arriving later is answered ``CANCELLED`` —
+unless the request's claim says it finished (run by this agent's previous process, or by
+another): a finished request's result stands.
 A plain function handler runs in a worker thread, which cannot be interrupted: its run
 ends at once, the thread finishes on its own and its result is dropped.
 
@@ -37,8 +39,8 @@ import asyncio
 import time
 import uuid
 from collections import deque
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol, cast
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -79,6 +81,18 @@ class AckSink(Protocol):
     """Receives an :class:`~reach_agent.wire.schema.AckRecord` per task state change."""
 
     async def record(self, rec: schema.AckRecord) -> None: ...
+
+
+class AheadAckSink(AckSink, Protocol):
+    """An ack sink that can also publish a record at once over the agent's own connection
+    (``js``: its JetStream context), ahead of the reply (``jetstream.acks.AckWriter``): a
+    claimed run's ``completed`` record is then its claim's end. Returns the PubAck check to
+    await after the reply (True: stored; False: the sink stores it later), or None when it
+    did not take the record."""
+
+    async def record_ahead(
+        self, rec: schema.AckRecord, js: Any
+    ) -> Callable[[], Awaitable[bool]] | None: ...
 
 
 CANCEL_GRACE_S = 5.0
@@ -131,6 +145,8 @@ class TaskServer:
         """The fleet-wide claims (None: ``Agent(claims=False)``, the duplicate window alone
         applies), from :meth:`subscribe`."""
         self.nc = NATS()  # the agent's connection, from subscribe()
+        self._js: Any = None
+        """The agent connection's JetStream context (records sent ahead of replies)."""
         self.runner = HandlerRunner(agent_id, max_concurrency)
         self.draining = False
         self.unready = False
@@ -168,6 +184,7 @@ class TaskServer:
         ``cancels`` is False (a credential issued before cancellation existed); served on
         ``nc`` with the fleet-wide ``claimer`` and the ``ack_sink`` the agent started."""
         self.nc = nc
+        self._js = None
         self.claimer = claimer
         self.ack_sink = ack_sink
         for cap in capabilities:
@@ -283,11 +300,30 @@ class TaskServer:
         if reply and d.receipt:
             await self._send_receipt(reply, request_id)
         if reply and d.ack_mode != "received":
+            if entry.remembered and self.claimer is not None and capability not in self.idempotent:
+                self._tasks.spawn(self._answer_remembered(reply, request_id, entry, digest),
+                                  "reach-dup")  # fmt: skip
+                return
             if entry.future.done():
                 headers, body = entry.future.result()
                 await self._publish(reply, body, headers)
             else:
                 self._tasks.spawn(self._reply_when_done(entry, reply), "reach-dup")
+
+    async def _answer_remembered(
+        self, reply: str, request_id: str, entry: Entry, digest: str
+    ) -> None:
+        """A copy of a request this process was told to cancel while it did not run it: a
+        claim that says the request finished (run by this agent's previous process, say, or
+        by another) answers with its result, which stands; otherwise the cancel does
+        (``CANCELLED``)."""
+        assert self.claimer is not None
+        claimed = await self.claimer.final(request_id, digest)
+        if claimed is not None:
+            _, (headers, body) = await self.claimer.answer(claimed, request_id, digest)
+        else:
+            headers, body = await asyncio.shield(entry.future)
+        await self._publish(reply, body, headers)
 
     async def _reply_when_done(self, entry: Entry, reply: str) -> None:
         headers, body = await asyncio.shield(entry.future)
@@ -335,7 +371,8 @@ class TaskServer:
     def cancel(self, request_id: str, reason: str) -> schema.CancelState:
         """Cancel ``request_id`` on this agent: ``cancelled`` (running here: its handler is
         interrupted, or never starts), ``finished`` (it ended here already) or ``unknown``
-        (remembered: a copy arriving later is answered ``CANCELLED``)."""
+        (remembered: a copy arriving later is answered ``CANCELLED``, unless the request's
+        claim says it finished: then its result)."""
         run = self._runs.get(request_id)
         if run is not None and (run.phase != "ending" or run.cancelled is not None):
             if run.cancelled is None:
@@ -353,6 +390,7 @@ class TaskServer:
             done = entry.future.done() and entry.future.result()[0].get(H_SERVICE_ERROR_CODE)
             return "cancelled" if done == str(Cancelled.status) else "finished"
         entry = self.dedup.begin(request_id, now, self.active)
+        entry.remembered = True
         self.dedup.finish(entry, _cancelled_reply(request_id, self.agent_id, reason), now)
         return "unknown"
 
@@ -477,7 +515,8 @@ class TaskServer:
         body = b""
         wire: Reply | None = None  # what the reply subject gets instead (a stream's end)
         try:
-            if not await self._record(request_id, capability, "received", digest):
+            received = self._ack_record(request_id, capability, "received", digest)
+            if not await self._record(received):
                 raise StoreUnavailable(
                     f"agent {self.agent_id!r} did not run request_id {request_id!r}: its ack "
                     "sink could not record 'received' (see the agent's log): ask again"
@@ -541,21 +580,28 @@ class TaskServer:
                     self.fail_total += 1
                     self._count(capability, "failed")
             self.dedup.finish(entry, (headers, body), now)
-            confirm = None
-            if held is not None:
+            # The final record before the reply: once a caller has the result, the ack
+            # writer's log has it, so a restarted agent can answer a repeat from the store.
+            if error is None:
+                final = self._ack_record(request_id, capability, "completed", digest,
+                                         result=msgspec.Raw(body))  # fmt: skip
+            else:
+                failure = {"code": error.code, "message": error.message}
+                final = self._ack_record(request_id, capability, "failed", digest, error=failure)
+            confirm: Callable[[], Awaitable[object]] | None = None
+            if held is not None and error is None:
+                # The completed record is the claim's end (one synced write, not two): sent
+                # on this connection ahead of the reply, so the server has it first.
+                confirm = await self._record_ahead(final)
+            if held is not None and confirm is None:
                 # Sent before the reply: the server has the claim's end before the result.
                 assert self.claimer is not None
                 confirm = await self.claimer.end(held, error)
                 if error is not None and error.retryable:
                     self.dedup.forget(request_id, entry)
-            # The final record before the reply too: once a caller has the result, the ack
-            # writer's log has it, so a restarted agent can answer a repeat from the store.
-            if error is None:
-                await self._record(request_id, capability, "completed", digest,
-                                   result=msgspec.Raw(body))  # fmt: skip
-            else:
-                failure = {"code": error.code, "message": error.message}
-                await self._record(request_id, capability, "failed", digest, error=failure)
+                await self._record(final)
+            elif held is None:
+                await self._record(final)
             if msg.reply and d.ack_mode != "received":
                 out_headers, out_body = wire or (headers, body)
                 await self._publish(msg.reply, out_body, out_headers)
@@ -566,7 +612,7 @@ class TaskServer:
                 await confirm()
         return error
 
-    async def _record(
+    def _ack_record(
         self,
         request_id: str,
         capability: str,
@@ -574,28 +620,53 @@ class TaskServer:
         digest: str,
         result: msgspec.Raw | None = None,
         error: dict[str, str] | None = None,
-    ) -> bool:
-        """Hand one record to the ack sink; False (logged, counted) when the sink raised."""
-        sink = self.ack_sink
-        if sink is None:
-            return True
+    ) -> schema.AckRecord | None:
+        """One ack record of this run for the ack sink (None: no sink)."""
+        if self.ack_sink is None:
+            return None
         ctx = trace.CURRENT.get()  # this task's (set in _run): a flow step names its run
         parent = ctx.headers.get(schema.H_PARENT_ID) if ctx is not None else None
-        rec = schema.AckRecord(
+        return schema.AckRecord(
             request_id=request_id, agent_id=self.agent_id, capability=capability, state=state,
             at_ms=int(time.time() * 1000), result=result, error=error,
             parent_request_id=parent, body_digest=digest,
         )  # fmt: skip
+
+    async def _record(self, rec: schema.AckRecord | None) -> bool:
+        """Hand one record to the ack sink; False (logged, counted) when the sink raised."""
+        if rec is None or self.ack_sink is None:
+            return True
         try:
-            await sink.record(rec)
+            await self.ack_sink.record(rec)
         except Exception:  # the caller learns it from the task's answer, never a crash
-            log.exception("agent.ack_sink_failed agent=%s request_id=%s state=%s",
-                          self.agent_id, request_id, state)  # fmt: skip
-            if self.metrics is not None:
-                op = "received" if state == "received" else "final"
-                self.metrics.store_errors.labels("acks", op).inc()
+            self._sink_failed(rec)
             return False
         return True
+
+    async def _record_ahead(
+        self, rec: schema.AckRecord | None
+    ) -> Callable[[], Awaitable[object]] | None:
+        """A claimed run's ``completed`` record sent ahead of the reply on this connection
+        (:meth:`AheadAckSink.record_ahead`); the PubAck check to await after the reply, or
+        None when the sink cannot (another sink, one that raised, a record it refused): the
+        run then ends its claim itself."""
+        sink = self.ack_sink  # (hasattr: isinstance of a runtime Protocol costs ~20 µs)
+        if rec is None or not hasattr(sink, "record_ahead"):
+            return None
+        if self._js is None:
+            self._js = self.nc.jetstream()
+        try:
+            return await cast(AheadAckSink, sink).record_ahead(rec, self._js)
+        except Exception:  # the WAL refused it: the claim's end and the plain path
+            self._sink_failed(rec)
+            return None
+
+    def _sink_failed(self, rec: schema.AckRecord) -> None:
+        log.exception("agent.ack_sink_failed agent=%s request_id=%s state=%s",
+                      self.agent_id, rec.request_id, rec.state)  # fmt: skip
+        if self.metrics is not None:
+            op = "received" if rec.state == "received" else "final"
+            self.metrics.store_errors.labels("acks", op).inc()
 
 
 def _cancelled_reply(request_id: str, agent_id: str, reason: str) -> Reply:

@@ -39,15 +39,20 @@ class AckWatch:
     """``reach_ack_records_total{state}`` and ``reach_ack_latency_seconds``."""
 
     def __init__(self, ctx: BrokerContext, metrics: ReplayMetrics,
-                 on_final: Callable[[str, str], Awaitable[object]]) -> None:  # fmt: skip
+                 on_final: Callable[[str, str], Awaitable[object]],
+                 on_completed: Callable[[str, str], None] | None = None) -> None:  # fmt: skip
         self.ctx, self.metrics = ctx, metrics
+        self.on_completed = on_completed
+        """Told of each attributed ``completed`` record: (request id, author) — the claims'
+        releaser (the record ends a claim that stays ``running``)."""
         self._sent_ms: dict[str, int] = {}
         self._received_ms: dict[str, int] = {}
         self.on_final = on_final
         """Told of each attributed ``completed``/``failed`` record: (request id, author)."""
 
     def sent(self, request_id: str, at_ms: int) -> None:
-        """A replayed task was sent (and its receipt came back) at ``at_ms``."""
+        """A replayed task is being sent, at ``at_ms`` (a send not taken is overwritten by the
+        next)."""
         _remember(self._sent_ms, request_id, at_ms)
 
     async def on_ack(self, msg: Msg) -> None:
@@ -64,6 +69,8 @@ class AckWatch:
             return
         counter.inc()
         rid = stored.request_id
+        if state == "completed" and self.on_completed is not None:
+            self.on_completed(rid, stored.author)
         if state != "received":
             await self.on_final(rid, stored.author)
         try:

@@ -67,7 +67,9 @@ class Replayer:
     def __init__(self, ctx: BrokerContext, router: Router,
                  claim_of: Callable[[str], Awaitable[ClaimView | None]],
                  record_of: Callable[[str], AgentRecord | None], records: BrokerAcks,
-                 cfg: CompensationSection, metrics: ReplayMetrics) -> None:  # fmt: skip
+                 cfg: CompensationSection, metrics: ReplayMetrics,
+                 finished: Callable[[str, str], None] | None = None) -> None:  # fmt: skip
+        """``finished``: told of each completed record (the claims' releaser)."""
         self.ctx, self.cfg, self.metrics = ctx, cfg, metrics
         self.router = router
         self.claim_of = claim_of
@@ -84,8 +86,9 @@ class Replayer:
             on_returned=metrics.results["requeued"].inc,
         )  # fmt: skip
         """Entries delivered and held until their taker's final record."""
-        self.acks = AckWatch(ctx, metrics, on_final=self.taken.done)
-        """The ack metrics, fed by this component's ``<p>.ack.>`` subscription."""
+        self.acks = AckWatch(ctx, metrics, on_final=self.taken.done, on_completed=finished)
+        """The ack metrics, fed by this component's ``<p>.ack.>`` subscription; it tells
+        ``finished`` (the claims' releaser) of each completed record."""
         self.sender = EntrySender(ctx, router, claim_of, record_of, self.taken, self.acks,
                                   records, cfg, metrics.results)  # fmt: skip
         """Sends one entry (replaysend.py) and counts how each ended (``replayed``,

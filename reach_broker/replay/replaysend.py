@@ -137,6 +137,10 @@ class EntrySender:
             for c in candidates:
                 sent_ms = ctx.wall_ms()
                 await self.dispatches.mark(e.request_id, c.agent_id, sent_ms, ttl_s)
+                # Before the send: a claimed run's final record reaches the ack watch ahead
+                # of its receipt's processing here (it is the claim's end, sent before the
+                # reply). A send that is not taken is overwritten by the next one.
+                self.acks.sent(e.request_id, sent_ms)
                 try:  # a reach agent's receipt, or a Synadia agent's ack (its answer later)
                     err, collect = await self.prompts.deliver(c, e, headers)
                 except (TimeoutError, NoRespondersError):
@@ -147,7 +151,6 @@ class EntrySender:
                 if err is not None and err.code == "IN_PROGRESS":
                     return await self._claimed(e, getattr(err, "holder", ""), "running")
                 if err is None:
-                    self.acks.sent(e.request_id, sent_ms)
                     await self.records.record_taker(e, c.agent_id)
                     await self.taken.hold(e, c.agent_id)  # removed at its final record
                     if collect is not None:  # a Synadia agent: the broker records its answer

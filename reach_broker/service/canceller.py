@@ -33,6 +33,7 @@ from nats.aio.msg import Msg
 
 from jetstream import audit, compensation
 from jetstream.claims import ClaimStore, ClaimsUnavailable, NoClaimsBucket, claim_key
+from reach_agent.results import ended_by_record
 from reach_agent.wire import schema
 from reach_agent.wire.errors import Cancelled, InvalidRequest, ReachError, Timeout, to_reply
 from reach_agent.wire.schema import CLAIM_CANCELLED as CANCELLED
@@ -131,6 +132,11 @@ class Canceller:
                     return schema.CancelReply(request_id=rid, state=state,
                                               agent_id=claim.agent_id,
                                               detail=f"its claim is {claim.state}")  # fmt: skip
+                if claim.state == "running" and await self._ended(claim):
+                    return schema.CancelReply(request_id=rid, state="finished",
+                                              agent_id=claim.agent_id,
+                                              detail="its holder's completed record is "
+                                              "stored")  # fmt: skip
                 if claim.state == "running" and claim.agent_id != req.holder:
                     answer = await self._forward(claim.agent_id, req)
                     if answer is not None and answer.state in ("cancelled", "finished"):
@@ -160,6 +166,15 @@ class Canceller:
         log.info("cancel.recorded request_id=%s queued=%d guarded=%s", rid, removed, guarded)
         return schema.CancelReply(request_id=rid, state="cancelled", agent_id=BROKER_ACK_AUTHOR,
                                   detail=detail or None)  # fmt: skip
+
+    async def _ended(self, claim: Claim) -> bool:
+        """Whether the holder of a ``running`` claim stored its ``completed`` record: the
+        record is the claim's end (docs/protocol.md, Claims), so the cancel is too late."""
+        try:
+            return await ended_by_record(self.ctx.nc, claim, self.ctx.subjects) is not None
+        except Exception as exc:  # noqa: BLE001 - cannot say now: the caller asks again
+            raise ClaimsUnavailable(f"the ack record of {claim.request_id!r} could not be read "
+                                    f"({type(exc).__name__}: {exc})") from None  # fmt: skip
 
     async def _forward(self, holder: str, req: schema.Cancel) -> schema.CancelReply | None:
         """Ask the holder to stop; its answer, or None when it gives none in time."""

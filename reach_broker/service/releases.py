@@ -32,9 +32,10 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from jetstream import claims
+from jetstream import ackreads, claims
 from jetstream.claims import ClaimStore, ClaimsUnavailable
 from jetstream.follow import UNCOUNTED, Follower, FollowMetrics
+from reach_agent.results import ended_by_record
 from reach_agent.wire import schema
 from reach_agent.wire.schema import Claim, Event
 from reach_broker.config import ClaimsSection
@@ -57,6 +58,10 @@ class ClaimView(NamedTuple):
 
 RUNNING_MAX = 1_000_000
 """Running claims remembered at most (the oldest are forgotten first beyond it)."""
+COMPLETED_MAX = 100_000
+"""Completed records remembered at most while their claim has not come (oldest first out;
+one forgotten too early leaves its finished claim remembered as running: memory, never a
+release, which reads the record first)."""
 RELEASE_RETRY_S = 0.5
 RELEASE_RETRY_MAX_S = 10.0
 """First and longest pause before a release the bucket did not take is tried again."""
@@ -82,8 +87,11 @@ class Releaser:
         """holder agent id → claim key → (revision, claim)."""
         self._holder_of: dict[str, str] = {}
         """claim key → the holder under which it is remembered."""
+        self._completed: dict[str, str] = {}
+        """claim key → the author of a completed record heard of before its claim."""
         self.follower: Follower | None = None
         """The follow of ``reach_claims`` (None: not started)."""
+        self._catch_up: ackreads.CatchUp | None = None
 
     @property
     def running(self) -> int:
@@ -99,9 +107,18 @@ class Releaser:
         since = self.ctx.wall() - self.cfg.scan_window_s
         self.follower = await claims.follow(self.ctx.nc, self._on_claim, since=since,
                                             metrics=self._follow)  # fmt: skip
+        # The completed records of the same window: each ends a claim that stays ``running``
+        # in the bucket, so the claims caught up above are not kept as running (later
+        # records come through the ack watch, as they are published).
+        self._catch_up = ackreads.CatchUp(self.ctx.nc, self.finished, since=since,
+                                          subjects=self.ctx.subjects)  # fmt: skip
+        self._catch_up.start()
 
     async def stop(self) -> None:
         follower, self.follower = self.follower, None  # not running: transitions ignored
+        if self._catch_up is not None:
+            await self._catch_up.stop()
+            self._catch_up = None
         if follower is not None:
             await follower.stop()
 
@@ -118,10 +135,45 @@ class Releaser:
                 claim = schema.claim_decoder.decode(stored.data)
             except msgspec.MsgspecError as exc:
                 raise ClaimsUnavailable(f"claim of {request_id!r} is not a Claim ({exc})") from None
+            state = claim.state
+            if state == "running" and await self._ended(claim):
+                state = "completed"  # its holder's completed record ended it
         except ClaimsUnavailable:
             self._store_errors.labels("claims", "lookup").inc()
             raise
-        return ClaimView(claim.agent_id, claim.state, claim.body_digest)
+        return ClaimView(claim.agent_id, state, claim.body_digest)
+
+    async def _ended(self, claim: Claim) -> bool:
+        """Whether the holder stored its ``completed`` record of ``claim``'s request: an SDK
+        agent's completed record of a claimed run is the claim's end, and the claim stays
+        ``running`` (docs/protocol.md, Claims). ``ClaimsUnavailable`` when the ack store
+        cannot say (never a guess: a release on a wrong "no" lets a finished request run
+        again)."""
+        try:
+            return await ended_by_record(self.ctx.nc, claim, self.ctx.subjects) is not None
+        except Exception as exc:  # noqa: BLE001 - a timeout, no stream: cannot decide now
+            raise ClaimsUnavailable(
+                f"the ack record of request {claim.request_id!r} could "
+                f"not be read: {type(exc).__name__}: {exc}"
+            ) from None
+
+    def finished(self, request_id: str, author: str) -> None:
+        """``author`` stored its ``completed`` record of ``request_id``: a running claim it
+        holds is finished, nothing to release (told by the ack watch, which may hear of the
+        record before the claims' consumer delivers the claim: then the claim is not
+        remembered when it comes)."""
+        key = claims.claim_key(request_id)
+        if self._holder_of.get(key) != author:
+            if len(self._completed) >= COMPLETED_MAX:
+                del self._completed[next(iter(self._completed))]
+            self._completed[key] = author
+            return
+        del self._holder_of[key]
+        held = self._running.get(author)
+        if held is not None:
+            held.pop(key, None)
+            if not held:
+                del self._running[author]
 
     # --- what the bucket says -----------------------------------------------------------
 
@@ -139,6 +191,9 @@ class Releaser:
                 if not held:
                     del self._running[old]
         if claim.state != "running":
+            return
+        if self._completed.get(key) == claim.agent_id:
+            del self._completed[key]  # its completed record came first: it is finished
             return
         if len(self._holder_of) >= RUNNING_MAX:
             self._forget_oldest()
@@ -180,6 +235,9 @@ class Releaser:
             released = msgspec.structs.replace(claim, state="released", at_ms=self.ctx.wall_ms(),
                                                reason=reason[:512])  # fmt: skip
             try:
+                if await self._ended(claim):
+                    self.finished(claim.request_id, agent_id)  # it finished: not released
+                    continue
                 won = await self.store.swap(key, schema.encoder.encode(released), revision)
             except ClaimsUnavailable as exc:
                 failed += 1
