@@ -20,6 +20,7 @@ import pytest
 
 import reach_agent
 from reach_agent import otel
+from reach_agent.client.config import ClientConfig
 from reach_broker.cluster.natsserver import NatsServer
 
 from .conftest import BrokerFactory, wait_for
@@ -106,7 +107,11 @@ async def test_one_trace_holds_the_callers_the_brokers_and_the_agents_spans(
     assert broker.spans is not None
     inner = reach_agent.Agent("inner-agent", ["inner"], heartbeat_interval=0.2)
     outer = reach_agent.Agent("outer-agent", ["outer"], heartbeat_interval=0.2)
-    sub = reach_agent.Client(nats_server.url)
+    # Both callers ask the broker for each route (as a caller in another language, the CLI,
+    # or Client(local_routing=False) does): the broker's route span is in the trace. An SDK
+    # caller routing from its table has none (the next test).
+    asks = ClientConfig(local_routing=False)
+    sub = reach_agent.Client(nats_server.url, asks)
 
     @inner.handler("inner")
     async def run_inner(task: reach_agent.Task) -> Any:
@@ -124,7 +129,7 @@ async def test_one_trace_holds_the_callers_the_brokers_and_the_agents_spans(
         await wait_for(lambda: all((r := broker.registry.agents.get(a)) is not None
                                    and r.state == "healthy" for a in ids),
                        10, what="both agents healthy")  # fmt: skip
-        async with reach_agent.Client(nats_server.url) as client:
+        async with reach_agent.Client(nats_server.url, asks) as client:
             assert client.spans is not None
             result = await client.call("outer", {"x": 1}, timeout=10, request_id="rq-otel-1")
         assert result == {"outer": {"inner": {"x": 1}}}
@@ -171,6 +176,43 @@ async def test_one_trace_holds_the_callers_the_brokers_and_the_agents_spans(
     assert run["attrs"] == {"reach.capability": "outer", "reach.request_id": "rq-otel-1",
                             "reach.agent_id": "outer-agent"}  # fmt: skip
     assert sub_run["attrs"]["reach.agent_id"] == "inner-agent"
+    assert not any(s["error"] for s in receiver.spans)
+
+
+async def test_a_locally_routed_call_is_the_callers_span_and_the_agents(
+    receiver: Receiver, nats_server: NatsServer, broker_factory: BrokerFactory
+) -> None:
+    """The SDK caller routes from its route table: one hop, no broker on the call's path,
+    so the trace holds the call and the agent's run and claim, children of the call."""
+    broker = await broker_factory()
+    agent = reach_agent.Agent("local-agent", ["local"], heartbeat_interval=0.2)
+
+    @agent.handler("local")
+    async def run_local(task: reach_agent.Task) -> Any:
+        return task.payload
+
+    await agent.start(nats_server.url)
+    try:
+        await wait_for(lambda: (r := broker.registry.agents.get("local-agent")) is not None
+                       and r.state == "healthy", 10, what="the agent healthy")  # fmt: skip
+        async with reach_agent.Client(nats_server.url) as client:
+            assert await client.call("local", {"y": 2}, timeout=10, request_id="rq-otel-3") == {
+                "y": 2
+            }
+    finally:
+        await agent.stop(grace=1)
+
+    def named(name: str) -> dict[str, Any] | None:
+        return next((s for s in receiver.spans if s["name"] == name), None)
+
+    await wait_for(lambda: named("reach.call local") and named("reach.run local")
+                   and named("reach.claim"), 10, what="the call's spans")  # fmt: skip
+    call, run, claim = named("reach.call local"), named("reach.run local"), named("reach.claim")
+    assert call and run and claim
+    assert call["parent"] == "" and run["parent"] == call["id"] and claim["parent"] == run["id"]
+    assert {s["trace"] for s in receiver.spans} == {call["trace"]}
+    assert (call["service"], run["service"]) == ("reach-client", "reach-agent")
+    assert named("reach.route local") is None  # no broker asked
     assert not any(s["error"] for s in receiver.spans)
 
 
