@@ -23,6 +23,7 @@ from .common import (
     EXIT_USAGE,
     CliError,
     Subcommands,
+    add_log_options,
     env_default,
     parse_duration,
     servers,
@@ -106,13 +107,7 @@ def add_parser(sub: Subcommands) -> None:
 def _basics(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", default=bool(env_default("REACH_JSON")),
                    help="machine-readable JSON output (env REACH_JSON)")  # fmt: skip
-    p.add_argument("--log-format", choices=["text", "json"],
-                   default=env_default("REACH_LOG_FORMAT", "text"),
-                   help="log lines on stderr as text or one JSON object each (env "
-                        "REACH_LOG_FORMAT)")  # fmt: skip
-    p.add_argument("--log-level", default=env_default("REACH_LOG_LEVEL", "info"),
-                   help="debug, info, warning or error (default info; env "
-                        "REACH_LOG_LEVEL)")  # fmt: skip
+    add_log_options(p)
 
 
 def _dir(p: argparse.ArgumentParser) -> None:

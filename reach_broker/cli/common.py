@@ -99,6 +99,12 @@ def add_common(
                    help="subject prefix (env REACH_PREFIX)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=float(env_default("REACH_TIMEOUT", timeout)),
                    help=f"{timeout_help} (default {timeout:g}; env REACH_TIMEOUT)")  # fmt: skip
+    add_log_options(p)
+
+
+def add_log_options(p: argparse.ArgumentParser) -> None:
+    """``--log-format`` and ``--log-level``: every command has them, also those that take
+    no connection options (``reach auth``, ``reach dev-cluster``)."""
     p.add_argument("--log-format", choices=["text", "json"],
                    default=env_default("REACH_LOG_FORMAT", "text"),
                    help="log lines on stderr as text or one JSON object each (env "

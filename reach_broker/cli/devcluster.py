@@ -14,7 +14,7 @@ import argparse
 
 from reach_broker.cluster import devcluster
 
-from .common import EXIT_USAGE, CliError, Subcommands, env_default, int_env
+from .common import EXIT_USAGE, CliError, Subcommands, add_log_options, env_default, int_env
 
 
 def add_parser(sub: Subcommands) -> None:
@@ -39,13 +39,7 @@ def add_parser(sub: Subcommands) -> None:
     p.add_argument("--stop", action="store_true", help="stop the cluster recorded in --dir")
     p.add_argument("--json", action="store_true",
                    help="accepted like every command's; the ready line is JSON anyway")  # fmt: skip
-    p.add_argument("--log-format", choices=["text", "json"],
-                   default=env_default("REACH_LOG_FORMAT", "text"),
-                   help="log lines on stderr as text or one JSON object each (env "
-                        "REACH_LOG_FORMAT)")  # fmt: skip
-    p.add_argument("--log-level", default=env_default("REACH_LOG_LEVEL", "info"),
-                   help="debug, info, warning or error (default info; env "
-                        "REACH_LOG_LEVEL)")  # fmt: skip
+    add_log_options(p)
     p.set_defaults(func=run)
 
 
