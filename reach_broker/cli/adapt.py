@@ -37,12 +37,7 @@ def add_parser(sub: Subcommands) -> None:
     h.add_argument("--health", metavar="URL",
                    help="GET every second; not 2xx within 0.5 s: out of the routes (without "
                    "it: the last calls, else a TCP connection to --url's host)")  # fmt: skip
-    h.add_argument("--max-concurrency", type=int, default=8,
-                   help="requests in flight at most (default 8)")  # fmt: skip
-    h.add_argument("--timeout-hint-ms", type=int,
-                   help="how long a request usually may take (announced)")  # fmt: skip
-    h.add_argument("--interval", type=float, default=5.0,
-                   help="seconds between heartbeats (default 5)")  # fmt: skip
+    _agent_options(h, "requests")
     h.add_argument("--health-port", type=int, default=env_default("REACH_HEALTH_PORT"),
                    metavar="PORT",
                    help="serve /healthz and /readyz on this port, for an orchestrator's "
@@ -63,13 +58,18 @@ def add_parser(sub: Subcommands) -> None:
     a.add_argument("--capability", action="append", default=[], metavar="SKILL_ID=NAME",
                    help="announce a skill as this capability (repeatable; default: the skill "
                    "id, sanitised)")  # fmt: skip
-    a.add_argument("--max-concurrency", type=int, default=8,
-                   help="tasks in flight at most (default 8)")  # fmt: skip
-    a.add_argument("--timeout-hint-ms", type=int,
-                   help="how long a task usually may take (announced)")  # fmt: skip
-    a.add_argument("--interval", type=float, default=5.0,
-                   help="seconds between heartbeats (default 5)")  # fmt: skip
+    _agent_options(a, "tasks")
     a.set_defaults(func=run_a2a)
+
+
+def _agent_options(p: argparse.ArgumentParser, what: str) -> None:
+    """The announced agent's limits and heartbeat, checked by :func:`_limits`."""
+    p.add_argument("--max-concurrency", type=int, default=8,
+                   help=f"{what} in flight at most (default 8)")  # fmt: skip
+    p.add_argument("--timeout-hint-ms", type=int,
+                   help=f"how long one of its {what} usually takes (announced)")  # fmt: skip
+    p.add_argument("--interval", type=float, default=5.0,
+                   help="seconds between heartbeats (default 5)")  # fmt: skip
 
 
 def _url(value: str, flag: str) -> str:

@@ -61,7 +61,7 @@ from reach_agent.wire.errors import (
 )
 from reach_agent.wire.schema import check_agent_id, check_capability
 
-from .httpadapter import error_of
+from .httpadapter import answers, error_of
 
 if TYPE_CHECKING:
     import httpx
@@ -299,18 +299,10 @@ class A2AAdapter:
 
     async def ready(self) -> bool:
         """Whether the agent answers: its card, fetched within ``CARD_TIMEOUT_S``."""
-        import httpx
         from a2a.utils.constants import AGENT_CARD_WELL_KNOWN_PATH
 
-        try:
-            resp = await self.http.get(self.url + AGENT_CARD_WELL_KNOWN_PATH,
-                                       timeout=CARD_TIMEOUT_S)  # fmt: skip
-        except httpx.HTTPError as exc:
-            log.info("adapt.card_failed url=%s error=%s", self.url, type(exc).__name__)
-            return False
-        if not resp.is_success:
-            log.info("adapt.card_failed url=%s status=%d", self.url, resp.status_code)
-        return resp.is_success
+        card = self.url + AGENT_CARD_WELL_KNOWN_PATH
+        return await answers(self.http, card, CARD_TIMEOUT_S, "adapt.card_failed")
 
     # --- one task -------------------------------------------------------------------------
 

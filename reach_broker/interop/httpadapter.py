@@ -147,17 +147,8 @@ class HttpAdapter:
 
     async def _health(self) -> bool:
         """GET the health URL: a 2xx within the timeout."""
-        import httpx
-
         assert self.health_url is not None
-        try:
-            resp = await self.http.get(self.health_url, timeout=HEALTH_TIMEOUT_S)
-        except httpx.HTTPError as exc:
-            log.info("adapt.health_failed url=%s error=%s", self.health_url, type(exc).__name__)
-            return False
-        if not resp.is_success:
-            log.info("adapt.health_failed url=%s status=%d", self.health_url, resp.status_code)
-        return resp.is_success
+        return await answers(self.http, self.health_url, HEALTH_TIMEOUT_S, "adapt.health_failed")
 
     async def _connects(self) -> bool:
         """A TCP connection to the URL's host and port opens within the timeout."""
@@ -214,3 +205,18 @@ class HttpAdapter:
             return _decoder.decode(body)
         except msgspec.DecodeError:
             return body.decode("utf-8", "replace")
+
+
+async def answers(http: Any, url: str, timeout_s: float, failed: str) -> bool:
+    """Whether a GET of ``url`` on ``http`` (an ``httpx.AsyncClient``) answers 2xx within
+    ``timeout_s``; a failure is logged as ``failed`` (the adapters' health checks)."""
+    import httpx
+
+    try:
+        resp = await http.get(url, timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        log.info("%s url=%s error=%s", failed, url, type(exc).__name__)
+        return False
+    if not resp.is_success:
+        log.info("%s url=%s status=%d", failed, url, resp.status_code)
+    return bool(resp.is_success)
