@@ -259,10 +259,8 @@ class Call:
         acked = False
         while True:
             until = deadline if acked else ack_by
-            try:
-                async with asyncio.timeout(max(until - clock(), 0.0)):
-                    a, msg = await self.queue.get()
-            except TimeoutError:
+            got = await self.next_reply(until, clock)
+            if got is None:
                 if acked:
                     return "timeout", Timeout(
                         f"agent {agent!r} accepted the task but sent no result within the "
@@ -271,11 +269,10 @@ class Call:
                 return "not_delivered", Timeout(
                     f"not delivered: no receipt from agent {agent!r} within {ack_timeout_s:g}s"
                 )
-            if msg is _CLOSED:
-                return "closed", InternalError("client closed while the call was in flight")
-            if msg is _CANCELLED:
-                assert self.cancelled is not None
-                return "closed", self.cancelled
+            a, msg = got
+            closed = self._closed(msg)
+            if closed is not None:
+                return closed
             current = a == n
             if msg is _LOST:
                 if current:
@@ -315,6 +312,25 @@ class Call:
             # A result, from this attempt or a late one: the first result wins.
             return self.result(msg, agent)
 
+    async def next_reply(self, until: float, clock: Callable[[], float]) -> tuple[int, Any] | None:
+        """The next reply to any attempt (or a lost, closed or cancelled mark), with its
+        attempt; None once ``until`` on ``clock`` passes (asyncio.timeout, not wait_for: a
+        cancel here is never lost)."""
+        try:
+            async with asyncio.timeout(max(until - clock(), 0.0)):
+                return await self.queue.get()
+        except TimeoutError:
+            return None
+
+    def _closed(self, msg: Any) -> tuple[Outcome, Any] | None:
+        """The end a mark of this client's makes (it closed; ``Client.cancel``), else None."""
+        if msg is _CLOSED:
+            return "closed", InternalError("client closed while the call was in flight")
+        if msg is _CANCELLED:
+            assert self.cancelled is not None
+            return "closed", self.cancelled
+        return None
+
     async def _prompted(self, clock: Callable[[], float]) -> tuple[Outcome, Any]:
         """:meth:`outcome` of an attempt to a Synadia agent: its prompt stream (an earlier
         attempt's reach result still wins)."""
@@ -322,21 +338,18 @@ class Call:
         acked = False
         chunks: list[Any] = []
         while True:
-            try:
-                async with asyncio.timeout(max(self.deadline - clock(), 0.0)):
-                    a, msg = await self.queue.get()
-            except TimeoutError:
+            got = await self.next_reply(self.deadline, clock)
+            if got is None:
                 return "timeout", Timeout(
                     f"agent {agent!r} (synadia-agents) "
                     + ("sent no end of its answer" if acked else "did not acknowledge the "
                        "prompt (still busy with an earlier one, or gone)")
                     + " within the call's deadline"
                 )  # fmt: skip
-            if msg is _CLOSED:
-                return "closed", InternalError("client closed while the call was in flight")
-            if msg is _CANCELLED:
-                assert self.cancelled is not None
-                return "closed", self.cancelled
+            a, msg = got
+            closed = self._closed(msg)
+            if closed is not None:
+                return closed
             if msg is _LOST:
                 if a == n:
                     return "lost", Timeout(f"agent {agent!r} was lost while running the prompt")

@@ -189,14 +189,13 @@ async def held(call: Call, holder: str, clock: Callable[[], float]) -> tuple[Hel
     any attempt (a late one of ours), its final ack record, the claim's release, or the
     deadline."""
     while True:
-        try:
-            async with asyncio.timeout(max(call.deadline - clock(), 0.0)):
-                a, msg = await call.queue.get()
-        except TimeoutError:
+        got = await call.next_reply(call.deadline, clock)
+        if got is None:
             return "timeout", Timeout(
                 f"request_id {call.request_id!r} was still running on agent {holder!r} "
                 "(it holds the claim) at the call's deadline"
             )
+        a, msg = got
         if msg is CLOSED:
             return "closed", InternalError("client closed while the call was in flight")
         if msg is CANCELLED:

@@ -120,15 +120,14 @@ async def _messages(
     agent's loss or the client closing end it with an error (``delivered``: chunks so far)."""
     attempt, agent = start.attempt, call.agents.get(start.attempt)
     yield start.msg
-    while True:  # (asyncio.timeout, not wait_for: a cancel here is never lost)
-        try:
-            async with asyncio.timeout(max(call.deadline - clock(), 0.0)):
-                a, msg = await call.queue.get()
-        except TimeoutError:
+    while True:
+        got = await call.next_reply(call.deadline, clock)
+        if got is None:
             raise StreamBroken(
                 f"stream from agent {agent!r} did not complete by the call's deadline "
                 f"({delivered()} chunks delivered)", delivered=delivered(),
-            ) from None  # fmt: skip
+            )  # fmt: skip
+        a, msg = got
         if msg is CLOSED:
             raise InternalError("client closed while the stream was in flight")
         if msg is CANCELLED and call.cancelled is not None:
