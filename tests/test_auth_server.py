@@ -17,6 +17,7 @@ import pytest
 from nats.errors import NoRespondersError
 from nats.js.api import StreamConfig
 
+from reach_agent.connection import flush_subscriptions
 from reach_broker.auth import AuthDir, claims, init, issue_agent, issue_caller, push_account, revoke
 from reach_broker.auth.claims import UserClaims
 
@@ -63,7 +64,7 @@ async def test_agent_cannot_act_for_another_agent(auth: AuthDir, server: AuthSer
         seen = Inbox()
         for subject in ("reach.announce.*", "reach.hb.*", "reach.leave.*", "reach.event.>"):
             await broker.subscribe(subject, cb=seen.record)
-        await broker.flush()
+        await flush_subscriptions(broker)  # one flush() may overtake the SUBs (nats-py)
         beta_tasks = Inbox()
         await alpha.subscribe("reach.task.beta.>", cb=beta_tasks.record)
         forged = (
@@ -110,7 +111,7 @@ async def test_agent_uses_its_own_subjects(auth: AuthDir, server: AuthServer) ->
         seen = Inbox()
         for subject in ("reach.announce.*", "reach.hb.*", "reach.leave.*"):
             await broker.subscribe(subject, cb=seen.record)
-        await broker.flush()
+        await flush_subscriptions(broker)  # one flush() may overtake the SUBs (nats-py)
 
         async def on_task(msg: object) -> None:
             reply = msg.reply  # type: ignore[attr-defined]
@@ -185,7 +186,7 @@ async def test_caller_permissions(auth: AuthDir, server: AuthServer) -> None:
         seen = Inbox()
         for subject in ("reach.hb.*", "reach.announce.*", "reach.leave.*", "reach.event.>"):
             await broker.subscribe(subject, cb=seen.record)
-        await broker.flush()
+        await flush_subscriptions(broker)  # one flush() may overtake the SUBs (nats-py)
 
         refused = (
             "reach.hb.alpha",
