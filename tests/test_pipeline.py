@@ -51,6 +51,7 @@ def test_the_parts_start_in_order_and_those_on_jetstream_are_marked() -> None:
         ("Rulebook", True),
         ("Tables", False),
         ("Partitions", False),
+        ("Forwarder", True),
         ("Prober", False),
         ("Advisories", False),
         ("SynadiaAgents", False),
