@@ -80,6 +80,7 @@ from reach_broker.service.partitions import Partitions
 from reach_broker.service.probes import Prober
 from reach_broker.service.releases import Releaser
 from reach_broker.service.rulebook import Rulebook, from_config
+from reach_broker.service.shares import Shares
 from reach_broker.service.snapshot import Snapshot
 from reach_broker.service.tables import Tables
 
@@ -145,8 +146,11 @@ class Broker:
             cfg.routing, registry.indexes, self.subjects.task,
             inflight=lambda: registry.inflight, capacity=lambda: registry.capacity,
             on_panic=lambda cap, on: m.panic.labels(cap).set(int(on)), rules=self.rules,
+            foreign=lambda cap: self.shares.table_of(cap),  # built with the route tables
         )  # fmt: skip
-        self.explainer = Explainer(self.router, cfg.scoring)
+        self.explainer = Explainer(
+            self.router, cfg.scoring, coverage=lambda cap, seen: self.shares.coverage(cap, seen)
+        )
 
         # What every component shares. Transitions go to the pipeline (self.fanout, built
         # last: its consumers are the components below).
@@ -218,6 +222,8 @@ class Broker:
         )  # fmt: skip
         """The leases of the partitions this broker owns, told to the tables."""
         epochs = self.tables.book.epochs
+        self.shares = Shares(ctx, cfg.fleet, epochs)
+        """The other owners' shares of the route tables, followed (routes merge them)."""
         self.forwarder = Forwarder(
             ctx, cfg.fleet, self.handlers.endpoints["route"], self.handlers.route,
             owned=epochs.__contains__, owns_all=lambda: len(epochs) >= cfg.fleet.partitions,
@@ -253,14 +259,19 @@ class Broker:
         # releases, replay and cancels come last. The route tables start after the snapshot and
         # the rules (their first shares are made from both), then the partitions' leases (each
         # partition taken: its shares published), then the forwarder (route requests for a
-        # capability another broker owns go there). The console's feed starts once the handlers are
-        # subscribed (it only shows; its audit catch-up must not hold up serving), and
-        # stops first.
+        # capability another broker owns go there) and the other owners' shares followed. The
+        # console's feed starts once the handlers are subscribed (it only shows; its audit
+        # catch-up must not hold up serving), and stops first.
         self.parts: tuple[tuple[Component, bool], ...] = (
             (self.snapshot, True),
             (self.rulebook, True),
             *(
-                ((self.tables, False), (self.partitions, False), (self.forwarder, True))
+                (
+                    (self.tables, False),
+                    (self.partitions, False),
+                    (self.forwarder, True),
+                    (self.shares, False),
+                )
                 if cfg.fleet.tables
                 else ()
             ),

@@ -5,17 +5,37 @@ and a route lists the agents of every partition, whichever broker owns it."""
 
 from __future__ import annotations
 
+import asyncio
+import random
 import time
 from typing import Any
 
+import msgspec
+import pytest
 from nats.aio.client import Client as NATS
 
 import reach_agent
-from reach_agent.routing.table import partition
+from jetstream.claims import ClaimStore
+from jetstream.names import PARTITIONS_BUCKET
+from reach_agent.connection import flush_subscriptions
+from reach_agent.routing.table import RouteTable, TableMember, partition
 from reach_agent.wire import schema
-from reach_agent.wire.errors import from_reply
-from reach_agent.wire.schema import H_CALLER
+from reach_agent.wire.errors import NoReachableAgent, Overloaded, from_reply
+from reach_agent.wire.schema import (
+    H_CALLER,
+    Announce,
+    RouteRequest,
+    Table,
+    TableEntry,
+    TableRouting,
+    TableShare,
+)
 from reach_broker.broker import Broker
+from reach_broker.config import Config
+from reach_broker.core.registry import Registry
+from reach_broker.core.routing import Router
+from reach_broker.core.tokens import TokenSigner
+from reach_broker.service.partitions import Lease
 
 from .conftest import BrokerFactory, wait_for
 from .test_sdk_failover import healthy
@@ -31,6 +51,84 @@ def worker(agent_id: str, cap: str, *, slots: int = 100, every: float = 0.1) -> 
         return task.payload
 
     return agent
+
+
+# --- the merge, pure -----------------------------------------------------------------------
+
+
+class Merge:
+    """A broker's registry holding ``own`` and the other owners' share (partition 7) of
+    ``theirs``, routed with ``choice``."""
+
+    def __init__(self, own: str, theirs: str, *, choice: str = "ranked", slots: int = 4) -> None:
+        cfg = Config()
+        cfg.routing.rank_refresh_ms = 0
+        cfg.routing.inflight_share = 10.0
+        cfg.routing.choice = choice  # type: ignore[assignment]
+        self.reg = reg = Registry(cfg, TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1e6))
+        for agent_id in own:
+            ann = Announce(agent_id=agent_id, capabilities=["cap"], max_concurrency=slots,
+                           heartbeat_interval_ms=1000)  # fmt: skip
+            reg.announce(ann, 0.0, 0)
+        self.table = RouteTable("cap", TableRouting())
+        self.members: dict[str, TableMember] = {}
+        entries = [TableEntry(agent_id=a, state="healthy", score=80.0, max_concurrency=slots)
+                   for a in theirs]  # fmt: skip
+        self.table.load(TableShare(capability="cap", partition=7, epoch=1, version=1,
+                                   entries=entries), self.members, 0.0)  # fmt: skip
+        self.router = Router(cfg.routing, reg.indexes, lambda a, c: f"reach.task.{a}.{c}",
+                             inflight=lambda: reg.inflight, capacity=lambda: reg.capacity,
+                             rng=random.Random(5), foreign=lambda cap: self.table)  # fmt: skip
+
+    def route(self, req: RouteRequest, now: float = 1.0) -> list[str]:
+        body = self.router.route_reply("cap", req, now, 0)
+        return [c.agent_id for c in schema.route_reply_decoder.decode(body).candidates]
+
+
+@pytest.mark.parametrize("choice", ["ranked", "weighted", "p2c"])
+def test_a_route_merges_the_registry_and_the_other_owners_shares(choice: str) -> None:
+    m = Merge("ab", "cd", choice=choice)
+    assert set(m.route(RouteRequest(limit=10, peek=True))) == {"a", "b", "c", "d"}
+    assert len(m.route(RouteRequest(limit=3, peek=True))) == 3
+
+
+def test_an_agent_in_both_is_taken_from_the_share_and_its_hand_outs_counted_there() -> None:
+    # Until brokers ingest only what they own, the registry holds the other owners' agents
+    # too: the share's copy is the one routed (its owner's word), listed once.
+    m = Merge("ac", "c", slots=1)
+    req = RouteRequest(limit=10, exclude=["a"])
+    assert m.route(req) == ["c"]
+    assert m.members["c"].sent == 1 and m.reg.agents["c"].handed == 0.0
+    with pytest.raises(Overloaded):  # its one slot is handed out
+        m.route(req)
+
+
+def test_a_sticky_key_wins_the_same_agent_whichever_side_holds_it() -> None:
+    m = Merge("abcd", "efgh")
+    firsts = {m.route(RouteRequest(sticky_key=f"user-{i}", peek=True))[0] for i in range(40)}
+    assert firsts & set("abcd") and firsts & set("efgh")
+    again = {m.route(RouteRequest(sticky_key=f"user-{i}", peek=True))[0] for i in range(40)}
+    assert again == firsts
+
+
+def test_nothing_on_either_side_says_both_reasons() -> None:
+    m = Merge("a", "b")
+    with pytest.raises(NoReachableAgent) as exc:
+        m.route(RouteRequest(exclude=["a", "b"]))
+    assert exc.value.message == (
+        "this broker's partitions: no reachable agent for 'cap' among 1: 1 filtered by "
+        "exclude; the other owners' partitions: no reachable agent for 'cap' among 1: 1 "
+        "filtered by exclude"
+    )
+
+
+def test_without_shares_a_route_is_the_registrys_alone() -> None:
+    m = Merge("ab", "cd")
+    m.router.foreign = lambda cap: None
+    assert set(m.route(RouteRequest(limit=10, peek=True))) == {"a", "b"}
+
+
+# --- two brokers on NATS -------------------------------------------------------------------
 
 
 async def two_brokers(broker_factory: BrokerFactory, **overrides: Any) -> tuple[Broker, Broker]:
@@ -147,3 +245,109 @@ async def test_a_route_lists_the_agents_of_every_partition(
         assert {partition(a, P) for a in listed} == set(range(P))
     owned = [set(b.tables.book.epochs) for b in pair]
     assert owned[0] | owned[1] == set(range(P)) and owned[0].isdisjoint(owned[1])
+
+
+# --- another owner that is no broker -------------------------------------------------------
+
+
+class Ghost:
+    """The owner of partitions 4-7 without being a broker: it holds their leases (renewed
+    every second) and answers table requests with a share of one made-up agent each
+    (``ghost-<p>``, healthy); it takes no forwarded route request."""
+
+    OWNED = (4, 5, 6, 7)
+
+    def __init__(self, nc: NATS) -> None:
+        self.nc = nc
+        self.store = ClaimStore(nc, bucket=PARTITIONS_BUCKET)
+        self.revisions: dict[int, int] = {}
+        self.task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        lease = msgspec.json.encode(Lease(broker_id="ghost"))
+        for p in self.OWNED:
+            ours, stored = await self.store.create(str(p), lease)
+            assert ours
+            self.revisions[p] = stored.revision
+        await self.nc.subscribe("reach.tables.>", cb=self.answer)
+        await flush_subscriptions(self.nc)
+        self.task = asyncio.create_task(self.renew(lease))
+
+    async def renew(self, lease: bytes) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            for p in self.OWNED:
+                revision = await self.store.swap(str(p), lease, self.revisions[p])
+                assert revision is not None
+                self.revisions[p] = revision
+
+    async def answer(self, msg: Any) -> None:
+        cap = msg.subject.removeprefix("reach.tables.")
+        shares = [TableShare(capability=cap, partition=p, epoch=1, version=1, entries=[
+            TableEntry(agent_id=f"ghost-{p}", state="healthy", score=90.0, max_concurrency=4)])
+            for p in self.OWNED]  # fmt: skip
+        table = Table(capability=cap, partitions=P, owned=list(self.OWNED), shares=shares,
+                      broker_id="ghost")  # fmt: skip
+        await self.nc.publish(msg.reply, schema.encoder.encode(table))
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.wait({self.task})
+
+
+def capability_in(partitions: tuple[int, ...], stem: str) -> str:
+    return next(f"{stem}{i}" for i in range(1000) if partition(f"{stem}{i}", P) in partitions)
+
+
+async def test_a_route_merges_the_shares_of_another_owner_and_explain_says_what_it_saw(
+    provisioned: Any, broker_factory: BrokerFactory, agents: Any, nc: NATS
+) -> None:
+    ghost = Ghost(nc)
+    await ghost.start()
+    try:
+        broker = await broker_factory(fleet__partitions=P)
+        assert sorted(broker.tables.book.epochs) == [0, 1, 2, 3]
+        cap = capability_in((0, 1, 2, 3), "merged.")  # this broker's: answered here
+        await agents(worker("real-a", cap))
+        await wait_for(lambda: healthy(broker, "real-a"))
+        look = schema.encoder.encode(RouteRequest(peek=True, limit=100))
+        explain = schema.encoder.encode(RouteRequest(explain=True, limit=100))
+
+        async def route(body: bytes) -> schema.RouteReply:
+            msg = await nc.request(f"reach.route.{cap}", body, timeout=2)
+            assert from_reply(msg.headers, msg.data) is None
+            return schema.route_reply_decoder.decode(msg.data)
+
+        # The first request asks for the other owner's shares; until they come, the registry
+        # alone answers, and an explanation says which partitions it did not see.
+        first = await route(explain)
+        assert [c.agent_id for c in first.candidates] == ["real-a"]
+        assert first.explain is not None and first.explain.shared == 0
+        assert first.explain.unseen_partitions == sorted({4, 5, 6, 7} - {partition("real-a", P)})
+        await wait_for(lambda: cap in broker.shares.follower.followed
+                       and set(broker.shares.follower.followed[cap].table.shares) == {4, 5, 6, 7},
+                       what="the other owner's shares followed")  # fmt: skip
+        merged = await route(look)
+        assert {c.agent_id for c in merged.candidates} == {"real-a", "ghost-4", "ghost-5",
+                                                           "ghost-6", "ghost-7"}  # fmt: skip
+        explained = await route(explain)
+        assert explained.explain is not None
+        assert (explained.explain.shared, explained.explain.unseen_partitions) == (4, [])
+
+        # A capability of the other owner's partitions: forwarded to it; it takes none, so
+        # the request is refused, retryable, and counted.
+        theirs = capability_in(Ghost.OWNED, "theirs.")
+        p = partition(theirs, P)
+        await wait_for(lambda: broker.forwarder.owners.of[p] == "ghost",
+                       what="the owner read")  # fmt: skip
+        msg = await nc.request(f"reach.route.{theirs}", b"", timeout=2)
+        err = from_reply(msg.headers, msg.data)
+        assert err is not None and err.code == "OVERLOADED"
+        assert err.message == (
+            f"route requests for {theirs!r} are answered by the owner of partition {p} "
+            "(ghost), which is not there; retry in 2000 ms"
+        )
+        assert forwards(broker, "no_owner") == 1
+    finally:
+        await ghost.stop()

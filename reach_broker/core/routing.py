@@ -4,6 +4,14 @@ registry's capability indexes, then the encoded reply with its pick counted as h
 
 A capability that enters panic is logged once on entering (and on leaving), and
 ``on_panic`` is told (the broker sets ``reach_capability_panic{capability}``).
+
+With several brokers each holds the agents of the partitions it owns, and ``foreign`` gives
+the other owners' shares of a capability's table (:mod:`reach_broker.service.shares`):
+:meth:`Router.route_reply` then chooses from both (:meth:`Router.merged`): the same decision
+over each (the registry's index, the table's), an agent in both taken from the share (its
+owner's word), and the configured draw once more over the two picks (at most twice the
+limit: no work that grows with the fleet). Without ``foreign``, or while it has nothing, a
+route is what it always was.
 :meth:`Router.choose` is the decision; :meth:`Router.route` turns it into ``Candidate``s and
 :meth:`Router.route_reply` into the encoded reply the broker sends.
 """
@@ -17,9 +25,12 @@ from typing import Any
 
 import msgspec
 
+from reach_agent.routing import draws
 from reach_agent.routing.choice import Chooser
-from reach_agent.routing.index import CapabilityIndex, CapabilityIndexes
+from reach_agent.routing.index import CapabilityIndex, CapabilityIndexes, hash64
+from reach_agent.routing.member import Member
 from reach_agent.routing.rules import Rules
+from reach_agent.routing.table import RouteTable, TableMember
 from reach_agent.wire.errors import NoReachableAgent, Overloaded
 from reach_agent.wire.schema import (
     AgentState,
@@ -53,8 +64,14 @@ class Router(Chooser[AgentRecord]):
         on_panic: Callable[[str, bool], None] | None = None,
         rng: random.Random | None = None,
         rules: Rules | None = None,
+        foreign: Callable[[str], RouteTable | None] | None = None,
     ) -> None:
         super().__init__(cfg, rng=rng, on_panic=self._panic_changed)
+        self.foreign = foreign
+        """The other owners' shares of a capability's table (None: this broker's registry
+        is the whole fleet)."""
+        self.shares_chooser: Chooser[TableMember] = Chooser(cfg, rng=self.rng)
+        """The decision over a followed table (its own walk cache)."""
         self.cfg: RoutingSection = cfg
         self.indexes = indexes
         self.subject_of = subject_of
@@ -89,6 +106,9 @@ class Router(Chooser[AgentRecord]):
         reply is the broker's answer, so its first candidate is counted as handed a task
         (``AgentRecord.handed_out``) unless the request is a ``peek``; :meth:`route` and
         :meth:`choose` only look."""
+        table = self.foreign(capability) if self.foreign is not None else None
+        if table is not None:
+            return self._merged_reply(capability, req, now, generated_at_ms, table)
         idx, chosen = self.choose(capability, req, now)
         if not req.peek:  # the pick gets the task: count it until a heartbeat does
             chosen[0].handed_out(now)
@@ -98,12 +118,75 @@ class Router(Chooser[AgentRecord]):
                            generated_at_ms=generated_at_ms)  # fmt: skip
         return encoder.encode(reply)
 
-    def choose(
-        self, capability: str, req: RouteRequest, now: float
-    ) -> tuple[CapabilityIndex[AgentRecord], list[AgentRecord]]:
-        """The routing decision: the index of ``capability`` and the agents chosen, best
-        first. Raises Overloaded (over the in-flight ceiling, or all full) or
-        NoReachableAgent (saying why)."""
+    def _merged_reply(self, capability: str, req: RouteRequest, now: float,
+                      generated_at_ms: int, table: RouteTable) -> bytes:  # fmt: skip
+        """:meth:`route_reply` over this broker's agents and the other owners' shares."""
+        chosen = self.merged(capability, req, now, table)
+        if not req.peek:
+            chosen[0].handed_out(now)
+        idx = self.indexes.get(capability)
+        subject_of = self.subject_of
+        raws: Any = [
+            self.encoded(idx, r) if idx is not None and isinstance(r, AgentRecord)
+            else msgspec.Raw(encoder.encode(r.candidate(subject_of(r.agent_id, capability))))
+            for r in chosen
+        ]  # fmt: skip
+        reply = RouteReply(capability=capability, candidates=raws,
+                           generated_at_ms=generated_at_ms)  # fmt: skip
+        return encoder.encode(reply)
+
+    def merged(
+        self, capability: str, req: RouteRequest, now: float, table: RouteTable
+    ) -> list[Member]:
+        """The routing decision over this broker's agents and ``table`` (the other owners'
+        shares): each decided as a route alone would be, an agent in both taken from the
+        share, then the draw again over the two picks. Raises Overloaded or NoReachableAgent
+        when neither has an agent to give (their reasons joined)."""
+        self._check_ceiling()
+        rule = self.rules.get(capability) if self.rules else None
+        failures: list[tuple[str, NoReachableAgent | Overloaded]] = []
+        own: list[AgentRecord] = []
+        idx = self.indexes.get(capability)
+        if idx is not None:
+            try:
+                where = table.where
+                own = [r for r in self.pick(idx, req, rule, now) if r.agent_id not in where]
+            except (NoReachableAgent, Overloaded) as exc:
+                failures.append(("this broker's partitions", exc))
+        theirs: list[TableMember] = []
+        try:
+            theirs = self.shares_chooser.pick(table.index, req, rule, now)
+        except (NoReachableAgent, Overloaded) as exc:
+            failures.append(("the other owners' partitions", exc))
+        if not own and not theirs:
+            full = [e for _, e in failures if isinstance(e, Overloaded)]
+            if full:
+                raise full[0]
+            reasons = "; ".join(f"{where}: {e.message}" for where, e in failures)
+            raise NoReachableAgent(reasons or f"no agent has the capability {capability!r}")
+        if not own or not theirs:
+            return [*own, *theirs][: req.limit]
+        return self._draw(own, theirs, req, now)
+
+    def _draw(self, own: list[AgentRecord], theirs: list[TableMember], req: RouteRequest,
+              now: float) -> list[Member]:  # fmt: skip
+        """The configured choice once more over the two picks (at most twice the limit)."""
+        limit, cfg = req.limit, self.cfg
+        pool: list[Member] = [*own, *theirs]
+        if req.sticky_key:
+            # Each side's sticky owner first; between the two, the highest random weight
+            # (rendezvous hashing: the same winner whichever broker merges).
+            key = req.sticky_key
+            first = max((own[0], theirs[0]), key=lambda m: hash64(f"{key}#{m.agent_id}"))
+            rest = sorted((m for m in pool if m is not first), key=lambda m: -m.score)
+            return [first, *rest[: limit - 1]]
+        if cfg.choice == "weighted":
+            return draws.weighted(pool, limit, now, cfg, self.rng)
+        if cfg.choice == "p2c":
+            return draws.p2c(pool, limit, now, cfg, self.rng)
+        return sorted(pool, key=lambda m: (-m.score, m.agent_id))[:limit]
+
+    def _check_ceiling(self) -> None:
         inflight = self.inflight()
         ceiling = self.ceiling()
         if inflight > ceiling:
@@ -111,6 +194,14 @@ class Router(Chooser[AgentRecord]):
                 f"fleet in-flight tasks {inflight} exceed the ceiling {ceiling}",
                 retry_after_ms=self.cfg.overloaded_retry_after_ms,
             )
+
+    def choose(
+        self, capability: str, req: RouteRequest, now: float
+    ) -> tuple[CapabilityIndex[AgentRecord], list[AgentRecord]]:
+        """The routing decision: the index of ``capability`` and the agents chosen, best
+        first. Raises Overloaded (over the in-flight ceiling, or all full) or
+        NoReachableAgent (saying why)."""
+        self._check_ceiling()
         idx = self.indexes.get(capability)
         if idx is None:
             raise NoReachableAgent(f"no agent has the capability {capability!r}")
