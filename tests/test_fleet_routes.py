@@ -18,7 +18,7 @@ import reach_agent
 from jetstream.claims import ClaimStore
 from jetstream.names import PARTITIONS_BUCKET
 from reach_agent.connection import flush_subscriptions
-from reach_agent.routing.table import RouteTable, TableMember, partition
+from reach_agent.routing.table import RouteTable, SharedMember, TableMember, partition
 from reach_agent.wire import schema
 from reach_agent.wire.errors import NoReachableAgent, Overloaded, from_reply
 from reach_agent.wire.schema import (
@@ -70,9 +70,10 @@ class Merge:
             ann = Announce(agent_id=agent_id, capabilities=["cap"], max_concurrency=slots,
                            heartbeat_interval_ms=1000)  # fmt: skip
             reg.announce(ann, 0.0, 0)
-        self.table = RouteTable("cap", TableRouting())
+        self.table = RouteTable("cap", TableRouting(), SharedMember)
         self.members: dict[str, TableMember] = {}
-        entries = [TableEntry(agent_id=a, state="healthy", score=80.0, max_concurrency=slots)
+        score = next(iter(reg.agents.values())).score if own else 80.0  # the same for all
+        entries = [TableEntry(agent_id=a, state="healthy", score=score, max_concurrency=slots)
                    for a in theirs]  # fmt: skip
         self.table.load(TableShare(capability="cap", partition=7, epoch=1, version=1,
                                    entries=entries), self.members, 0.0)  # fmt: skip
@@ -92,13 +93,19 @@ def test_a_route_merges_the_registry_and_the_other_owners_shares(choice: str) ->
     assert len(m.route(RouteRequest(limit=3, peek=True))) == 3
 
 
+def test_the_two_pools_are_ranked_together_and_drawn_from_once() -> None:
+    # Equal scores: ranked by id across both sides, not one side's best then the other's.
+    m = Merge("bdf", "ace")
+    assert m.route(RouteRequest(limit=4, peek=True)) == ["a", "b", "c", "d"]
+
+
 def test_an_agent_in_both_is_taken_from_the_share_and_its_hand_outs_counted_there() -> None:
     # Until brokers ingest only what they own, the registry holds the other owners' agents
     # too: the share's copy is the one routed (its owner's word), listed once.
     m = Merge("ac", "c", slots=1)
     req = RouteRequest(limit=10, exclude=["a"])
     assert m.route(req) == ["c"]
-    assert m.members["c"].sent == 1 and m.reg.agents["c"].handed == 0.0
+    assert m.members["c"].handed == 1.0 and m.reg.agents["c"].handed == 0.0
     with pytest.raises(Overloaded):  # its one slot is handed out
         m.route(req)
 

@@ -193,8 +193,11 @@ class TableFollower:
         clock: Callable[[], float] = time.monotonic,
         *,
         skip: Callable[[int], bool] | None = None,
+        member: type[TableMember] = TableMember,
     ) -> None:
         self.nc = nc
+        self.member = member
+        """What the tables' agents are made as (a broker's count hand-outs as its own)."""
         self.subjects = subjects
         self.config = config
         self.clock = clock
@@ -233,7 +236,8 @@ class TableFollower:
         now = self.clock()
         f = self.followed.get(capability)
         if f is None:
-            f = self.followed[capability] = Followed(RouteTable(capability, TableRouting()), now)
+            table = RouteTable(capability, TableRouting(), self.member)
+            f = self.followed[capability] = Followed(table, now)
             try:
                 f.sub = await self.nc.subscribe(self.subjects.table_of(capability),
                                                 cb=self._on_delta)  # fmt: skip

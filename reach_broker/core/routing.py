@@ -25,9 +25,8 @@ from typing import Any
 
 import msgspec
 
-from reach_agent.routing import draws
 from reach_agent.routing.choice import Chooser
-from reach_agent.routing.index import CapabilityIndex, CapabilityIndexes, hash64
+from reach_agent.routing.index import CapabilityIndex, CapabilityIndexes, by_score, hash64
 from reach_agent.routing.member import Member
 from reach_agent.routing.rules import Rules
 from reach_agent.routing.table import RouteTable, TableMember
@@ -125,37 +124,55 @@ class Router(Chooser[AgentRecord]):
         if not req.peek:
             chosen[0].handed_out(now)
         idx = self.indexes.get(capability)
-        subject_of = self.subject_of
         raws: Any = [
             self.encoded(idx, r) if idx is not None and isinstance(r, AgentRecord)
-            else msgspec.Raw(encoder.encode(r.candidate(subject_of(r.agent_id, capability))))
+            else self._shared_encoded(table.index, r)
             for r in chosen
         ]  # fmt: skip
         reply = RouteReply(capability=capability, candidates=raws,
                            generated_at_ms=generated_at_ms)  # fmt: skip
         return encoder.encode(reply)
 
+    def _shared_encoded(self, idx: CapabilityIndex[TableMember], m: Member) -> msgspec.Raw:
+        """A followed share's member as its JSON ``Candidate``, encoded again only when its
+        score, load, state or entry changed (as :meth:`encoded` for the registry's)."""
+        entry = m.entry if isinstance(m, TableMember) else None
+        hit = idx.replies.get(m.agent_id)
+        if hit is not None and hit[0] == m.score and hit[1] == m.load and hit[2] == m.state \
+                and hit[3] is entry:  # fmt: skip
+            raw: msgspec.Raw = hit[4]
+            return raw
+        raw = msgspec.Raw(encoder.encode(m.candidate(self.subject_of(m.agent_id, idx.name))))
+        idx.replies[m.agent_id] = (m.score, m.load, m.state, entry, raw)
+        return raw
+
     def merged(
         self, capability: str, req: RouteRequest, now: float, table: RouteTable
     ) -> list[Member]:
         """The routing decision over this broker's agents and ``table`` (the other owners'
-        shares): each decided as a route alone would be, an agent in both taken from the
-        share, then the draw again over the two picks. Raises Overloaded or NoReachableAgent
-        when neither has an agent to give (their reasons joined)."""
+        shares): the pools each would draw from (an agent in both taken from the share),
+        ranked together, then one draw over the union (a sticky key: each side's owner, the
+        highest random weight of the two first). Raises Overloaded or NoReachableAgent when
+        neither has an agent to give (their reasons joined)."""
         self._check_ceiling()
         rule = self.rules.get(capability) if self.rules else None
         failures: list[tuple[str, NoReachableAgent | Overloaded]] = []
+        sticky = bool(req.sticky_key)
+        shares = self.shares_chooser
         own: list[AgentRecord] = []
         idx = self.indexes.get(capability)
         if idx is not None:
             try:
+                mine = self.pick(idx, req, rule, now) if sticky else self.gather(
+                    idx, req, rule, now)[0]  # fmt: skip
                 where = table.where
-                own = [r for r in self.pick(idx, req, rule, now) if r.agent_id not in where]
+                own = [r for r in mine if r.agent_id not in where]
             except (NoReachableAgent, Overloaded) as exc:
                 failures.append(("this broker's partitions", exc))
         theirs: list[TableMember] = []
         try:
-            theirs = self.shares_chooser.pick(table.index, req, rule, now)
+            theirs = (shares.pick(table.index, req, rule, now) if sticky
+                      else shares.gather(table.index, req, rule, now)[0])  # fmt: skip
         except (NoReachableAgent, Overloaded) as exc:
             failures.append(("the other owners' partitions", exc))
         if not own and not theirs:
@@ -164,27 +181,20 @@ class Router(Chooser[AgentRecord]):
                 raise full[0]
             reasons = "; ".join(f"{where}: {e.message}" for where, e in failures)
             raise NoReachableAgent(reasons or f"no agent has the capability {capability!r}")
-        if not own or not theirs:
-            return [*own, *theirs][: req.limit]
-        return self._draw(own, theirs, req, now)
-
-    def _draw(self, own: list[AgentRecord], theirs: list[TableMember], req: RouteRequest,
-              now: float) -> list[Member]:  # fmt: skip
-        """The configured choice once more over the two picks (at most twice the limit)."""
-        limit, cfg = req.limit, self.cfg
+        limit = req.limit
         pool: list[Member] = [*own, *theirs]
-        if req.sticky_key:
-            # Each side's sticky owner first; between the two, the highest random weight
-            # (rendezvous hashing: the same winner whichever broker merges).
-            key = req.sticky_key
-            first = max((own[0], theirs[0]), key=lambda m: hash64(f"{key}#{m.agent_id}"))
-            rest = sorted((m for m in pool if m is not first), key=lambda m: -m.score)
+        if sticky:
+            if own and theirs:  # rendezvous between the two sides' owners
+                key = req.sticky_key
+                first = max((own[0], theirs[0]), key=lambda m: hash64(f"{key}#{m.agent_id}"))
+            else:
+                first = pool[0]
+            rest = sorted((m for m in pool if m is not first), key=by_score)
             return [first, *rest[: limit - 1]]
-        if cfg.choice == "weighted":
-            return draws.weighted(pool, limit, now, cfg, self.rng)
-        if cfg.choice == "p2c":
-            return draws.p2c(pool, limit, now, cfg, self.rng)
-        return sorted(pool, key=lambda m: (-m.score, m.agent_id))[:limit]
+        if own and theirs:
+            pool.sort(key=by_score)
+            del pool[self.pool_size(req) :]
+        return self.draw(pool, limit, now)
 
     def _check_ceiling(self) -> None:
         inflight = self.inflight()

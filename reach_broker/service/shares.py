@@ -3,7 +3,9 @@ route answers cover the whole fleet (docs/protocol.md, "One owner per capability
 
 A broker holds the agents of the partitions it owns in its registry; for the others it follows
 their owners' shares with the caller's own follower
-(:class:`reach_agent.client.tables.TableFollower`, skipping the partitions this broker owns),
+(:class:`reach_agent.client.tables.TableFollower`, skipping the partitions this broker owns;
+its agents counting hand-outs as the registry's do,
+:class:`~reach_agent.routing.table.SharedMember`),
 from a capability's first route request on (that request is answered from the registry
 alone; its table is asked for meanwhile) until it goes unrouted for ``table_idle_s``. When
 the partitions this broker owns change, every table followed is asked for again. The router
@@ -23,7 +25,7 @@ from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
 from reach_agent.client.config import ClientConfig
 from reach_agent.client.tables import TableFollower
-from reach_agent.routing.table import RouteTable, partition
+from reach_agent.routing.table import RouteTable, SharedMember, partition
 from reach_broker.config import FleetSection
 
 from .context import BrokerContext
@@ -43,7 +45,7 @@ class Shares:
         self.owned = owned
         """The partitions this broker owns (its route tables' epochs): never followed."""
         self.follower = TableFollower(ctx.nc, ctx.subjects, ClientConfig(), ctx.clock,
-                                      skip=owned.__contains__)  # fmt: skip
+                                      skip=owned.__contains__, member=SharedMember)  # fmt: skip
         self._asking: set[str] = set()
         self._task: asyncio.Task[None] | None = None
         self._running = False
