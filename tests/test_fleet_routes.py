@@ -204,7 +204,10 @@ async def test_an_agents_slots_are_handed_out_once_by_two_brokers(
     pair = await two_brokers(broker_factory)
     # A long heartbeat interval: no report resets the brokers' hand-out count meanwhile.
     await agents(worker("four-slots", cap, slots=4, every=20.0))
-    await wait_for(lambda: all(healthy(b, "four-slots") for b in pair))
+    # Its first heartbeat (right after the announce) heard by both: none comes meanwhile.
+    await wait_for(lambda: all(healthy(b, "four-slots")
+                               and b.metrics.heartbeat_result["accepted"]._value.get() == 1
+                               for b in pair))  # fmt: skip
     await wait_owners_read(pair, cap)
     owner, other = owner_and_other(pair, cap)
     handed = overloaded = 0

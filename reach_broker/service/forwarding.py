@@ -20,16 +20,18 @@ false``: no leases are kept).
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
-from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.micro.request import Request
 
+from jetstream.tasks import raise_if_cancelled
+from reach_agent.aio import stop_loops
 from reach_agent.routing.table import partition
 from reach_agent.wire.errors import Overloaded, to_reply
 from reach_agent.wire.schema import H_CALLER
@@ -51,6 +53,20 @@ answered as the owner (``answered``)."""
 
 H_FORWARD = "Reach-Forward"
 """Set by an owner refusing a forward: ``not_owner`` (the partition is no longer its own)."""
+
+STATUS, NO_RESPONDERS = "Status", "503"
+"""What nats-server answers a request nobody subscribes to."""
+
+
+class Waiting(NamedTuple):
+    """A forward waiting for the owner's answer."""
+
+    req: Request
+    capability: str
+    partition: int
+    owner: str | None
+    deadline: float
+
 
 MAX_CAPABILITIES = 10_000
 """Capabilities whose partition is remembered (forgotten all at once beyond)."""
@@ -82,27 +98,41 @@ class Forwarder:
         self.active = False
         """Whether requests are forwarded at all (leases kept: JetStream and tables on)."""
         self._partition_of: dict[str, int] = {}
-        self._sub: Any = None
+        self._subs: list[Any] = []
+        self._inbox = ""
+        """This forwarder's inbox prefix: the owners' answers come to ``<inbox><token>``."""
+        self._tokens = itertools.count()
+        self._waiting: dict[str, Waiting] = {}
+        """Forwards sent and not answered yet, oldest first."""
+        self._expiry: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         if self.active or not (self.cfg.tables and self.jetstream()):
             return
         self.active = True
         await self.owners.start()
-        self._sub = await self.ctx.nc.subscribe(
-            self.ctx.subjects.forwards_to(self.token), cb=self.on_forward
-        )
+        nc = self.ctx.nc
+        self._inbox = nc.new_inbox() + "."
+        self._subs = [
+            await nc.subscribe(self.ctx.subjects.forwards_to(self.token), cb=self.on_forward),
+            await nc.subscribe(self._inbox + "*", cb=self._on_answer),
+        ]
+        self._expiry = asyncio.create_task(self._expire(), name="reach-forward-expiry")
 
     async def stop(self) -> None:
         if not self.active:
             return
         self.active = False
-        if self._sub is not None:
+        if self._expiry is not None:
+            await stop_loops(self._expiry)
+            self._expiry = None
+        for sub in self._subs:
             try:
-                await self._sub.unsubscribe()
+                await sub.unsubscribe()
             except NatsError:
                 pass
-            self._sub = None
+        self._subs = []
+        self._waiting.clear()
         await self.owners.stop()
 
     def owner_of(self, capability: str) -> tuple[int, str | None]:
@@ -133,42 +163,70 @@ class Forwarder:
         if not reply or not is_inbox(reply):
             await self.route.on_request(req)  # refused there, counted as dropped
             return
-        await self._forward(req, capability, p, owner)
-
-    async def _forward(self, req: Request, capability: str, p: int, owner: str | None) -> None:
+        if owner is None:
+            await self._refuse(Waiting(req, capability, p, owner, 0.0), "no_owner")
+            return
+        # Sent, not awaited: the endpoint's callback runs one request at a time, and the
+        # owner's answer comes to this forwarder's one inbox (:meth:`_on_answer`).
         headers = dict(req.headers) if req.headers else {}
-        headers[H_CALLER] = caller_of(req.headers, req._msg.reply, self.ctx.link.secured)
-        result = "no_owner"
-        if owner is not None:
-            subject = self.ctx.subjects.forward(owner, capability)
+        headers[H_CALLER] = caller_of(req.headers, reply, self.ctx.link.secured)
+        token = str(next(self._tokens))
+        self._waiting[token] = Waiting(req, capability, p, owner,
+                                       self.ctx.clock() + self.cfg.forward_timeout_s)  # fmt: skip
+        await self.ctx.nc.publish(self.ctx.subjects.forward(owner, capability), req.data,
+                                  reply=self._inbox + token, headers=headers)  # fmt: skip
+
+    async def _on_answer(self, msg: Msg) -> None:
+        """The owner's answer to a forward (or the server's: no responders), relayed."""
+        w = self._waiting.pop(msg.subject[len(self._inbox) :], None)
+        if w is None:
+            return  # refused already (too late)
+        headers = msg.headers
+        if headers and not msg.data:
+            if headers.get(STATUS) == NO_RESPONDERS:
+                await self._refuse(w, "no_owner")
+                return
+            if headers.get(H_FORWARD) == "not_owner":
+                await self._refuse(w, "not_owner")
+                return
+        self.results["ok"].inc()
+        await w.req.respond(msg.data, headers=headers)
+
+    async def _expire(self) -> None:
+        """Forwards not answered within ``forward_timeout_s`` refused (oldest first: they
+        all wait as long)."""
+        every = min(self.cfg.forward_timeout_s / 5, 0.05)
+        waiting = self._waiting
+        while True:
+            raise_if_cancelled()
+            await asyncio.sleep(every)
+            now = self.ctx.clock()
             try:
-                msg = await self.ctx.nc.request(subject, req.data, headers=headers,
-                                                timeout=self.cfg.forward_timeout_s)  # fmt: skip
-            except NoRespondersError:
-                result = "no_owner"
-            except (NatsTimeoutError, TimeoutError):
-                result = "timeout"
-            else:
-                if msg.headers and msg.headers.get(H_FORWARD) == "not_owner":
-                    result = "not_owner"
-                else:
-                    self.results["ok"].inc()
-                    await req.respond(msg.data, headers=msg.headers)
-                    return
+                while waiting:
+                    token, w = next(iter(waiting.items()))
+                    if w.deadline > now:
+                        break
+                    del waiting[token]
+                    await self._refuse(w, "timeout")
+            except Exception:  # noqa: BLE001 - the loop body never dies
+                log.exception("route.forward_expiry failed")
+
+    async def _refuse(self, w: Waiting, result: str) -> None:
+        """A forward that got no answer from the owner: refused, retryable, and counted."""
         self.results[result].inc()
         self.owners.stale()
         retry_ms = int(self.cfg.lease_ttl_s * 1000 / 3) if result != "timeout" else 100
         log.info("route.forward_failed capability=%s partition=%d owner=%s result=%s",
-                 capability, p, owner, result)  # fmt: skip
+                 w.capability, w.partition, w.owner, result)  # fmt: skip
         err = Overloaded(
-            f"route requests for {capability!r} are answered by the owner of partition {p} "
-            f"({owner or 'none known'}), which "
+            f"route requests for {w.capability!r} are answered by the owner of partition "
+            f"{w.partition} ({w.owner or 'none known'}), which "
             + ("did not answer in time" if result == "timeout" else
                "no longer owns it" if result == "not_owner" else "is not there")
             + f"; retry in {retry_ms} ms", retry_after_ms=retry_ms,
         )  # fmt: skip
-        headers_out, body = to_reply(err)
-        await req.respond(body, headers=headers_out)
+        headers, body = to_reply(err)
+        await w.req.respond(body, headers=headers)
 
     # --- the owner's side -----------------------------------------------------------------
 
