@@ -226,8 +226,9 @@ class Broker:
         """The other owners' shares of the route tables, followed (routes merge them)."""
         self.forwarder = Forwarder(
             ctx, cfg.fleet, self.handlers.endpoints["route"], self.handlers.route,
-            owned=epochs.__contains__, owns_all=lambda: len(epochs) >= cfg.fleet.partitions,
-            jetstream=lambda: self.jetstream_ok, forwards=m.route_forwards,
+            owned=epochs.__contains__, owns_all=self.shares.owns_all,
+            follow=self.shares.waiting, jetstream=lambda: self.jetstream_ok,
+            forwards=m.route_forwards,
         )  # fmt: skip
         """Route requests for a capability another broker owns, forwarded to it (quotas and
         hand-outs counted once)."""

@@ -293,6 +293,8 @@ class Ghost:
 
     async def answer(self, msg: Any) -> None:
         cap = msg.subject.removeprefix("reach.tables.")
+        if cap.startswith("silent."):
+            return  # a table it never answers (nor stores)
         shares = [TableShare(capability=cap, partition=p, epoch=1, version=1, entries=[
             TableEntry(agent_id=f"ghost-{p}", state="healthy", score=90.0, max_concurrency=4)])
             for p in self.OWNED]  # fmt: skip
@@ -329,21 +331,25 @@ async def test_a_route_merges_the_shares_of_another_owner_and_explain_says_what_
             assert from_reply(msg.headers, msg.data) is None
             return schema.route_reply_decoder.decode(msg.data)
 
-        # The first request asks for the other owner's shares; until they come, the registry
-        # alone answers, and an explanation says which partitions it did not see.
-        first = await route(explain)
-        assert [c.agent_id for c in first.candidates] == ["real-a"]
-        assert first.explain is not None and first.explain.shared == 0
-        assert first.explain.unseen_partitions == sorted({4, 5, 6, 7} - {partition("real-a", P)})
-        await wait_for(lambda: cap in broker.shares.follower.followed
-                       and set(broker.shares.follower.followed[cap].table.shares) == {4, 5, 6, 7},
-                       what="the other owner's shares followed")  # fmt: skip
+        # The first request waits for the other owner's shares (one round trip), then
+        # lists its agents with this broker's own; explained, it says what it did not explain.
         merged = await route(look)
         assert {c.agent_id for c in merged.candidates} == {"real-a", "ghost-4", "ghost-5",
                                                            "ghost-6", "ghost-7"}  # fmt: skip
         explained = await route(explain)
         assert explained.explain is not None
         assert (explained.explain.shared, explained.explain.unseen_partitions) == (4, [])
+
+        # A capability whose shares the other owner never gives: the registry answers, and
+        # an explanation names the partitions it could not see.
+        silent = capability_in((0, 1, 2, 3), "silent.")
+        await agents(worker("real-b", silent))
+        await wait_for(lambda: healthy(broker, "real-b"))
+        msg = await nc.request(f"reach.route.{silent}", explain, timeout=2)
+        alone = schema.route_reply_decoder.decode(msg.data)
+        assert [c.agent_id for c in alone.candidates] == ["real-b"]
+        assert alone.explain is not None and alone.explain.shared == 0
+        assert alone.explain.unseen_partitions == sorted({4, 5, 6, 7} - {partition("real-b", P)})
 
         # A capability of the other owner's partitions: forwarded to it; it takes none, so
         # the request is refused, retryable, and counted.

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, NamedTuple
 
 from nats.aio.msg import Msg
@@ -79,7 +79,8 @@ class Forwarder:
     def __init__(
         self, ctx: BrokerContext, cfg: FleetSection, route: Endpoint, handle: Handle, *,
         owned: Callable[[int], bool], owns_all: Callable[[], bool],
-        jetstream: Callable[[], bool], forwards: Any,
+        follow: Callable[[str], Awaitable[None] | None], jetstream: Callable[[], bool],
+        forwards: Any,
     ) -> None:  # fmt: skip
         self.ctx = ctx
         self.cfg = cfg
@@ -90,6 +91,9 @@ class Forwarder:
         self.owned = owned
         """Whether this broker owns partition ``p`` now (its route tables' word)."""
         self.owns_all = owns_all
+        self.follow = follow
+        """What a request this broker answers waits for first: the other owners' shares
+        of its capability, on its first request (:meth:`Shares.waiting`)."""
         self.jetstream = jetstream
         self.results = {r: forwards.labels(r) for r in FORWARD_RESULTS}
         """``reach_route_forwards_total`` by result."""
@@ -157,7 +161,11 @@ class Forwarder:
         capability = self.ctx.subjects.capability_of_route(req.subject)
         p, owner = self.owner_of(capability)
         if owner == self.token:
-            await self.route.on_request(req)
+            wait = self.follow(capability)
+            if wait is None:
+                await self.route.on_request(req)
+            else:  # not held up here: the endpoint's callback runs one request at a time
+                self.ctx.spawn(self._answer_after(wait, self.route.on_request(req)), "route")
             return
         reply = req._msg.reply  # nats.micro keeps it private; respond() publishes there
         if not reply or not is_inbox(reply):
@@ -243,6 +251,21 @@ class Forwarder:
             await self.ctx.nc.publish(msg.reply, b"", headers={H_FORWARD: "not_owner"})
             return
         self.results["answered"].inc()
+        wait = self.follow(capability)
+        if wait is None:
+            await self._answer_forward(msg, capability)
+        else:
+            self.ctx.spawn(self._answer_after(wait, self._answer_forward(msg, capability)),
+                           "route")  # fmt: skip
+
+    @staticmethod
+    async def _answer_after(wait: Awaitable[None], answer: Coroutine[Any, Any, None]) -> None:
+        """``answer`` once the other owners' shares are in (or could not be had)."""
+        await wait
+        await answer
+
+    async def _answer_forward(self, msg: Msg, capability: str) -> None:
+        subjects = self.ctx.subjects
         caller = (msg.headers or {}).get(H_CALLER) or ANONYMOUS
         subject = subjects.route(capability)
         try:

@@ -6,8 +6,8 @@ their owners' shares with the caller's own follower
 (:class:`reach_agent.client.tables.TableFollower`, skipping the partitions this broker owns;
 its agents counting hand-outs as the registry's do,
 :class:`~reach_agent.routing.table.SharedMember`),
-from a capability's first route request on (that request is answered from the registry
-alone; its table is asked for meanwhile) until it goes unrouted for ``table_idle_s``. When
+from a capability's first route request on (that request waits for them: one round trip,
+:meth:`Shares.waiting`) until it goes unrouted for ``table_idle_s``. When
 the partitions this broker owns change, every table followed is asked for again. The router
 merges the two (:meth:`reach_broker.core.routing.Router.route_reply`).
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Iterable, Mapping
 
 from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
@@ -31,6 +31,10 @@ from reach_broker.config import FleetSection
 from .context import BrokerContext
 
 log = logging.getLogger(__name__)
+
+WAIT_S = 0.2
+"""How long the other brokers' answers are waited for (twice that in all, the KV store read
+included): well below ``[fleet] forward_timeout_s``, since a forwarded request may wait."""
 
 OWNED_CHECK_S = 0.1
 """How often the partitions this broker owns are compared with those it followed under."""
@@ -44,7 +48,8 @@ class Shares:
         self.cfg = cfg
         self.owned = owned
         """The partitions this broker owns (its route tables' epochs): never followed."""
-        self.follower = TableFollower(ctx.nc, ctx.subjects, ClientConfig(), ctx.clock,
+        self.follower = TableFollower(ctx.nc, ctx.subjects, ClientConfig(table_wait_s=WAIT_S),
+                                      ctx.clock,
                                       skip=owned.__contains__, member=SharedMember)  # fmt: skip
         self._asking: set[str] = set()
         self._task: asyncio.Task[None] | None = None
@@ -68,6 +73,24 @@ class Shares:
 
     def owns_all(self) -> bool:
         return len(self.owned) >= self.cfg.partitions
+
+    def waiting(self, capability: str) -> Awaitable[None] | None:
+        """What a route request of ``capability`` should wait for before it is answered:
+        the other owners' shares, on the capability's first request (one round trip, at
+        most twice ``table_wait_s``); None when they are held, or were asked for and none
+        came (asked again in the background), or this broker owns every partition."""
+        if not self._running or self.owns_all():
+            return None
+        f = self.follower.followed.get(capability)
+        if f is not None and (f.table.shares or f.fetching is None):
+            return None
+        return self._first(capability)
+
+    async def _first(self, capability: str) -> None:
+        try:
+            await self.follower.table(capability)
+        except Exception:  # noqa: BLE001 - the request is answered with what there is
+            log.exception("shares.follow_failed capability=%s", capability)
 
     def table_of(self, capability: str) -> RouteTable | None:
         """The other owners' shares of ``capability`` as followed now; None when this broker
