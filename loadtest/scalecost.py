@@ -13,7 +13,11 @@ over, measured on ``loadtest.sim``'s agents (their announces as the snapshot sto
 - ``share_ms``: that partition's route-table shares made (``TableBook.own``: every
   capability's entries, as a new owner publishes them);
 - ``follow_ms``: those shares loaded into a follower's tables (``RouteTable.load`` of
-  ``SharedMember``s: what the other brokers and callers do with them).
+  ``SharedMember``s: what the other brokers and callers do with them), and
+  ``follow_bytes_per_agent`` (tracemalloc: what a follower holds an agent of them with);
+- with ``--kv``, ``kv_read_ms``: the partition's values read back from a JetStream KV bucket
+  by a watch (as ``Snapshot.restore`` reads ``reach_registry``), on a ``nats-server`` this
+  tool starts (file store, loopback): the I/O half of a takeover's restore.
 
 Each figure is the best of ``--rounds`` (the least disturbed by the rest of the machine).
 """
@@ -21,11 +25,15 @@ Each figure is the best of ``--rounds`` (the least disturbed by the rest of the 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import time
+import tracemalloc
 
 import msgspec
+import nats
+import uvloop
 
 from reach_agent.routing.table import RouteTable, SharedMember, TableMember, partition
 from reach_agent.wire import schema
@@ -36,6 +44,7 @@ from reach_broker.core.tables import TableBook
 from reach_broker.core.tokens import TokenSigner
 from reach_broker.service.snapshot import SnapshotEntry
 
+from .local import local_stack
 from .sim import CAPABILITIES, SimAgent
 
 _decode = msgspec.json.Decoder(SnapshotEntry).decode
@@ -66,11 +75,38 @@ def restore(cfg: Config, stored: list[tuple[str, bytes]]) -> tuple[float, Regist
     return time.perf_counter() - t0, reg
 
 
+def kv_read_ms(stored: list[tuple[str, bytes]], rounds: int) -> float:
+    """The best of ``rounds`` watches reading ``stored`` back from a KV bucket."""
+
+    async def run() -> float:
+        with local_stack("reach-scalecost-") as (_, server, _cfg):
+            nc = await nats.connect(server.url)
+            js = nc.jetstream()
+            kv = await js.create_key_value(bucket="scalecost", history=1)
+            for i in range(0, len(stored), 500):
+                await asyncio.gather(*(kv.put(k, v) for k, v in stored[i : i + 500]))
+            best = 1e9
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                watcher = await kv.watchall(ignore_deletes=True)
+                n = 0
+                while await watcher.updates(timeout=5.0) is not None:
+                    n += 1
+                await watcher.stop()
+                assert n == len(stored), n
+                best = min(best, (time.perf_counter() - t0) * 1000)
+            await nc.close()
+            return best
+
+    return uvloop.run(run())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--fleet", type=int, default=100_000)
     p.add_argument("--partitions", type=int, nargs="+", default=[8, 32])
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--kv", action="store_true", help="also time the KV read (a nats-server)")
     args = p.parse_args()
     cfg = Config()
     out: dict[str, object] = {"fleet": args.fleet}
@@ -78,7 +114,7 @@ def main() -> None:
         n = args.fleet // parts
         # One partition's agents: ids hashing to partition 0, as its owner would hold them.
         stored = [kv for kv in values(n * parts) if partition(kv[0], parts) == 0]
-        best = {"restore_ms": 1e9, "share_ms": 1e9, "follow_ms": 1e9}
+        best: dict[str, float] = {"restore_ms": 1e9, "share_ms": 1e9, "follow_ms": 1e9}
         for _ in range(args.rounds):
             took, reg = restore(cfg, stored)
             best["restore_ms"] = min(best["restore_ms"], took * 1000)
@@ -94,6 +130,17 @@ def main() -> None:
                 table = RouteTable(share.capability, TableRouting(), SharedMember)
                 table.load(share, members, 1.0)
             best["follow_ms"] = min(best["follow_ms"], (time.perf_counter() - t0) * 1000)
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        held: dict[str, TableMember] = {}
+        tables = []
+        for share in shares:
+            tables.append(RouteTable(share.capability, TableRouting(), SharedMember))
+            tables[-1].load(share, held, 1.0)
+        best["follow_bytes_per_agent"] = (tracemalloc.get_traced_memory()[0] - before) / len(stored)
+        tracemalloc.stop()
+        if args.kv:
+            best["kv_read_ms"] = kv_read_ms(stored, args.rounds)
         out[f"P={parts}"] = {"agents": len(stored),
                              **{k: round(v, 1) for k, v in best.items()}}  # fmt: skip
     print(json.dumps(out))
