@@ -367,3 +367,42 @@ async def test_a_route_merges_the_shares_of_another_owner_and_explain_says_what_
         assert forwards(broker, "no_owner") == 1
     finally:
         await ghost.stop()
+
+
+async def test_routes_stay_answered_while_a_stopping_owners_partitions_change_hands(
+    broker_factory: BrokerFactory, agents: Any, nc: NATS
+) -> None:
+    """The owner of every partition stops: until the other broker holds the leases, a route
+    request is answered or refused OVERLOADED (retryable) within a second, never left
+    unanswered; then the other broker answers every request itself."""
+    cap = "handover.cap"
+    first = await broker_factory(fleet__partitions=P, fleet__lease_ttl_s=3.0)
+    second = await broker_factory(fleet__partitions=P, fleet__lease_ttl_s=3.0)
+    assert first.shares.owns_all() and not second.tables.book.epochs
+    await agents(worker("handed", cap))
+    await wait_for(lambda: all(healthy(b, "handed") for b in (first, second)))
+    await wait_owners_read((first, second), cap)
+    outcomes: list[tuple[str, float]] = []
+    done = asyncio.Event()
+
+    async def ask() -> None:
+        while not done.is_set():
+            t0 = time.monotonic()
+            msg = await nc.request(f"reach.route.{cap}", b"", timeout=2)
+            err = from_reply(msg.headers, msg.data)
+            outcomes.append(("ok" if err is None else err.code, time.monotonic() - t0))
+            await asyncio.sleep(0.02)
+
+    asker = asyncio.create_task(ask())
+    try:
+        await asyncio.sleep(0.2)
+        await first.stop()
+        await wait_for(lambda: second.shares.owns_all(), 5, what="the second owns all")
+        seen = len(outcomes)
+        await wait_for(lambda: len(outcomes) >= seen + 10, 5, what="routes after the handover")
+    finally:
+        done.set()
+        await asyncio.wait_for(asker, 5)
+    assert {code for code, _ in outcomes} <= {"ok", "OVERLOADED"}
+    assert max(took for _, took in outcomes) < 1.0
+    assert [code for code, _ in outcomes[-10:]] == ["ok"] * 10

@@ -110,8 +110,9 @@ class Shares:
         """What an explanation of ``capability`` over ``explained`` (the registry's agents)
         leaves out: the agents of the other owners' shares followed, and the partitions
         neither owned by this broker, nor holding one of ``explained``, nor held as a share
-        (O(agents of the capability), as an explanation is)."""
-        if self.owns_all():
+        (O(agents of the capability), as an explanation is). Nothing without leases (route
+        tables off) or with every partition owned."""
+        if not self._running or self.owns_all():
             return 0, []
         table = self.table_of(capability)
         n = self.cfg.partitions
