@@ -43,7 +43,7 @@ from .test_sdk_failover import healthy
 P = 8
 
 
-def worker(agent_id: str, cap: str, *, slots: int = 100, every: float = 0.1) -> reach_agent.Agent:
+def worker(agent_id: str, cap: str, *, slots: int = 100, every: float = 1.0) -> reach_agent.Agent:
     agent = reach_agent.Agent(agent_id, [cap], heartbeat_interval=every, max_concurrency=slots)
 
     @agent.handler(cap)
@@ -153,9 +153,46 @@ def forwards(broker: Broker, result: str) -> float:
 
 
 def owner_and_other(pair: tuple[Broker, Broker], capability: str) -> tuple[Broker, Broker]:
+    """The broker that owns ``capability`` (its partition's lease), and the other."""
     p = partition(capability, P)
     first, second = pair
     return (first, second) if p in first.tables.book.epochs else (second, first)
+
+
+def holder(pair: tuple[Broker, Broker], agent_id: str) -> Broker:
+    """The broker that owns ``agent_id``'s partition (the one that surely ingests it, whether
+    or not every broker still ingests every agent)."""
+    return owner_and_other(pair, agent_id)[0]
+
+
+def held_healthy(pair: tuple[Broker, Broker], *agent_ids: str) -> bool:
+    return all(healthy(holder(pair, a), a) for a in agent_ids)
+
+
+def handouts(owner: Broker, agent_id: str) -> float:
+    """The hand-outs ``owner`` counts for ``agent_id``: on its registry's record, or on its
+    copy from the other owner's share."""
+    rec = owner.registry.agents.get(agent_id)
+    if rec is not None:
+        return rec.handed
+    return owner.shares.follower.members[agent_id].handed
+
+
+def share_settled(pair: tuple[Broker, Broker], capability: str, agent_id: str) -> bool:
+    """The capability's owner holds ``agent_id``'s share as its holder last made it (nothing
+    to wait for when the owner holds the agent's partition itself)."""
+    owner, other = owner_and_other(pair, capability)
+    p = partition(agent_id, P)
+    if p in owner.tables.book.epochs:
+        return True
+    share = other.tables.book.shares.get((p, capability))
+    followed = owner.shares.follower.followed.get(capability)
+    return (
+        share is not None
+        and followed is not None
+        and not other.registry.changed
+        and followed.table.shares.get(p) == (other.tables.book.epochs[p], share.version)
+    )
 
 
 async def wait_owners_read(pair: tuple[Broker, Broker], capability: str) -> None:
@@ -172,7 +209,7 @@ async def test_a_callers_quota_is_counted_once_by_two_brokers(
     cap = "quota.cap"
     pair = await two_brokers(broker_factory, quotas__rate=10.0, quotas__burst=10)
     await agents(worker("q-agent", cap))
-    await wait_for(lambda: all(healthy(b, "q-agent") for b in pair))
+    await wait_for(lambda: held_healthy(pair, "q-agent"))
     await wait_owners_read(pair, cap)
     owner, other = owner_and_other(pair, cap)
     peek = schema.encoder.encode(schema.RouteRequest(peek=True))
@@ -204,12 +241,24 @@ async def test_an_agents_slots_are_handed_out_once_by_two_brokers(
     pair = await two_brokers(broker_factory)
     # A long heartbeat interval: no report resets the brokers' hand-out count meanwhile.
     await agents(worker("four-slots", cap, slots=4, every=20.0))
-    # Its first heartbeat (right after the announce) heard by both: none comes meanwhile.
-    await wait_for(lambda: all(healthy(b, "four-slots")
-                               and b.metrics.heartbeat_result["accepted"]._value.get() == 1
-                               for b in pair))  # fmt: skip
+    # Its first heartbeat (right after the announce) heard by every broker that ingests it,
+    # and (when another broker owns its partition) in the share the capability's owner
+    # follows: no report resets a count meanwhile.
+    await wait_for(lambda: held_healthy(pair, "four-slots") and all(
+        b.metrics.heartbeat_result["accepted"]._value.get() == 1
+        for b in pair if "four-slots" in b.registry.agents))  # fmt: skip
     await wait_owners_read(pair, cap)
     owner, other = owner_and_other(pair, cap)
+    look = schema.encoder.encode(schema.RouteRequest(peek=True))
+    assert (
+        from_reply(
+            *(lambda m: (m.headers, m.data))(
+                await nc.request(f"reach.route.{cap}", look, timeout=2)
+            )
+        )
+        is None
+    )  # its shares followed
+    await wait_for(lambda: share_settled(pair, cap, "four-slots"))
     handed = overloaded = 0
     for _ in range(40):  # spread over both brokers by the queue group
         msg = await nc.request(f"reach.route.{cap}", b"", timeout=2)
@@ -223,7 +272,7 @@ async def test_an_agents_slots_are_handed_out_once_by_two_brokers(
             overloaded += 1
     assert (handed, overloaded) == (4, 36)
     assert forwards(other, "ok") > 0
-    assert owner.registry.agents["four-slots"].handed == 4.0
+    assert handouts(owner, "four-slots") == 4.0
 
 
 async def test_a_route_lists_the_agents_of_every_partition(
@@ -243,7 +292,7 @@ async def test_a_route_lists_the_agents_of_every_partition(
         n += 1
     for agent_id in ids.values():
         await agents(worker(agent_id, cap))
-    await wait_for(lambda: all(healthy(b, a) for b in pair for a in ids.values()))
+    await wait_for(lambda: held_healthy(pair, *ids.values()))
     await wait_owners_read(pair, cap)
     body = schema.encoder.encode(schema.RouteRequest(peek=True, limit=100))
     for _ in range(10):  # both brokers, by the queue group
@@ -376,12 +425,21 @@ async def test_routes_stay_answered_while_a_stopping_owners_partitions_change_ha
     request is answered or refused OVERLOADED (retryable) within a second, never left
     unanswered; then the other broker answers every request itself."""
     cap = "handover.cap"
-    first = await broker_factory(fleet__partitions=P, fleet__lease_ttl_s=3.0)
-    second = await broker_factory(fleet__partitions=P, fleet__lease_ttl_s=3.0)
-    assert first.shares.owns_all() and not second.tables.book.epochs
-    await agents(worker("handed", cap))
-    await wait_for(lambda: all(healthy(b, "handed") for b in (first, second)))
-    await wait_owners_read((first, second), cap)
+    pair = await two_brokers(broker_factory, fleet__lease_ttl_s=3.0)
+    first, second = owner_and_other(pair, cap)  # the first stops: the capability's owner
+    # An agent of a partition the first does not own, if the second owns any: it stays
+    # where it is (no restore at the handover).
+    agent_id = next(
+        (
+            f"handed-{i}"
+            for i in range(1000)
+            if partition(f"handed-{i}", P) in second.tables.book.epochs
+        ),
+        "handed",
+    )
+    await agents(worker(agent_id, cap))
+    await wait_for(lambda: held_healthy(pair, agent_id))
+    await wait_owners_read(pair, cap)
     outcomes: list[tuple[str, float]] = []
     done = asyncio.Event()
 
