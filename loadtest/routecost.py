@@ -61,7 +61,12 @@ def policy_handlers(agents: int, rate: float | None = None) -> dict[str, Handler
     ``rules`` (a split and a required tag), ``quota`` (a bucket per caller), ``rules_quota``;
     asked ``rate`` routes a second (default: ten per agent)."""
     cfg = Config()
-    reg = Registry(cfg, TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
+    reg = Registry(
+        cfg.detection,
+        cfg.scoring,
+        TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0),
+        interval_ms=cfg.broker.interval_ms,
+    )
     subjects = Subjects("reach")
 
     def router(rules: Rules) -> Router:

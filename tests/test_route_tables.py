@@ -55,7 +55,12 @@ def test_the_partition_is_nats_servers_fnv1a_32() -> None:
 
 def book_world() -> tuple[Registry, TableBook]:
     cfg = Config()
-    reg = Registry(cfg, TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
+    reg = Registry(
+        cfg.detection,
+        cfg.scoring,
+        TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0),
+        interval_ms=cfg.broker.interval_ms,
+    )
     book = TableBook(4, cfg.routing, lambda cap: (True, None))
     return reg, book
 
