@@ -459,19 +459,10 @@ class Registry:
         cfg = self.scoring
         hint = rec.timeout_hint_ms
         oldest = rec.oldest_task_ms
-        rec.stuck = stuck = bool(hint and oldest and oldest > cfg.stuck_factor * hint)
+        rec.stuck = bool(hint and oldest and oldest > cfg.stuck_factor * hint)
         # The peer median only matters to an agent with a task EWMA.
         peer = self.indexes.peer_task_ms(rec) if rec.stats.task_ewma_ms is not None else None
-        new = score(
-            rec.stats,
-            cfg,
-            active=rec.active,
-            queue_depth=rec.queue_depth,
-            max_concurrency=rec.max_concurrency,
-            stuck=stuck,
-            peer_task_ms=peer,
-            delivery=rec.delivery,
-        )
+        new = score(rec, cfg, peer)
         # The routing weight follows the score and load; if only the score moved, the
         # ranking is refreshed on a slower cadence (index.py).
         if rec.set_score(new):
