@@ -373,6 +373,10 @@ class FleetSection(Section):
     """A share whose agents or their states changed is written to KV ``reach_tables`` (what
     a caller reads when no broker answers) at most this often; one whose load or scores only
     drifted at most every 10 x this (``service/tables.DRIFT_STORE_FACTOR``)."""
+    forward_timeout_s: Annotated[float, Meta(gt=0, le=60)] = 0.5
+    """How long a broker waits for a capability's owner to answer a route request it
+    forwarded (service/forwarding.py) before refusing it ``OVERLOADED`` (retryable); below
+    the callers' route timeout (1 s by default) so the refusal reaches them."""
 
 
 class RuleSection(Section):

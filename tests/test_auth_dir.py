@@ -152,6 +152,7 @@ def test_broker_permissions() -> None:
         "$SRV.>",
         "reach.agents",
         "reach.route.>",
+        "reach.forward.>",
     ]
     assert user.sub.allow == [
         "reach.announce.*",
@@ -169,6 +170,7 @@ def test_broker_permissions() -> None:
         f"$SYS.ACCOUNT.{ACC}.CONNECT",
         f"$SYS.ACCOUNT.{ACC}.DISCONNECT",
         "_INBOX.broker.broker.>",
+        "reach.forward.>",
     ]
 
 

@@ -53,6 +53,8 @@ def test_the_parts_start_in_order_and_those_on_jetstream_are_marked() -> None:
         ("Rulebook", True),
         ("Tables", False),
         ("Partitions", False),
+        ("Forwarder", True),
+        ("Shares", False),
         ("Prober", False),
         ("Advisories", False),
         ("SynadiaAgents", False),

@@ -191,6 +191,7 @@ ROLES: dict[RoleName, Role] = {
             Raw("$SRV.>"),
             Every("agents"),
             Every("all_routes"),
+            Every("all_forwards"),  # a route request to its capability's owner (brokers only)
         ),
         subscribe=(
             Every("all_announces"),
@@ -208,6 +209,7 @@ ROLES: dict[RoleName, Role] = {
             Raw("$SYS.ACCOUNT.{account}.CONNECT"),
             Raw("$SYS.ACCOUNT.{account}.DISCONNECT"),
             INBOX,
+            Every("all_forwards"),  # route requests forwarded to the capability's owner
         ),
     ),
 }
