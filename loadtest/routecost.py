@@ -135,7 +135,12 @@ def merged_router(
         return reg, Router(cfg.routing, reg.indexes, subjects.task, inflight=lambda: reg.inflight,
                       capacity=lambda: reg.capacity, rng=random.Random(1),
                       foreign=lambda cap: None)  # fmt: skip
-    own = Registry(cfg, TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
+    own = Registry(
+        cfg.detection,
+        cfg.scoring,
+        TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0),
+        interval_ms=cfg.broker.interval_ms,
+    )
     table = RouteTable(CAP, TableRouting(), SharedMember)
     members: dict[str, TableMember] = {}
     shares: dict[int, list[TableEntry]] = {}
