@@ -73,7 +73,12 @@ def policy_handlers(agents: int, rate: float | None = None) -> dict[str, Handler
     ``rules`` (a split and a required tag), ``quota`` (a bucket per caller), ``rules_quota``;
     asked ``rate`` routes a second (default: ten per agent)."""
     cfg = Config()
-    reg = Registry(cfg, TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
+    reg = Registry(
+        cfg.detection,
+        cfg.scoring,
+        TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0),
+        interval_ms=cfg.broker.interval_ms,
+    )
     subjects = Subjects("reach")
 
     def router(rules: Rules) -> Router:
@@ -130,7 +135,12 @@ def merged_router(
         return reg, Router(cfg.routing, reg.indexes, subjects.task, inflight=lambda: reg.inflight,
                       capacity=lambda: reg.capacity, rng=random.Random(1),
                       foreign=lambda cap: None)  # fmt: skip
-    own = Registry(cfg, TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
+    own = Registry(
+        cfg.detection,
+        cfg.scoring,
+        TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0),
+        interval_ms=cfg.broker.interval_ms,
+    )
     table = RouteTable(CAP, TableRouting(), SharedMember)
     members: dict[str, TableMember] = {}
     shares: dict[int, list[TableEntry]] = {}

@@ -65,7 +65,12 @@ def values(n: int, seed: int = 7) -> list[tuple[str, bytes]]:
 
 
 def restore(cfg: Config, stored: list[tuple[str, bytes]]) -> tuple[float, Registry]:
-    reg = Registry(cfg, TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_800_000_000.0))
+    reg = Registry(
+        cfg.detection,
+        cfg.scoring,
+        TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_800_000_000.0),
+        interval_ms=cfg.broker.interval_ms,
+    )
     t0 = time.perf_counter()
     for key, value in stored:
         snap = _decode(value)

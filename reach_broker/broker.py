@@ -61,6 +61,7 @@ from reach_broker.replay.replay import Replayer
 from reach_broker.service.advisories import Advisories
 from reach_broker.service.assets import (
     START_RETRY_S,
+    Provisioning,
     jetstream_not_ready,
     provision_assets,
     token_secret,
@@ -136,8 +137,18 @@ class Broker:
         self.replicas: int | None = None
         """Replicas of the JetStream assets (None: the server has no JetStream)."""
 
+        self.provisioning = Provisioning(
+            replicas=cfg.jetstream.replicas, advisory_account=cfg.detection.advisory_account,
+            max_entries=cfg.compensation.max_entries, lease_ttl_s=cfg.fleet.lease_ttl_s,
+            token_secret=cfg.broker.token_secret,
+        )  # fmt: skip
+        """What the start provisions the JetStream assets and keys the token signer with."""
+
         # The pure core: the signer is keyed at start (the secret may live in KV).
-        self.registry = registry = Registry(cfg, TokenSigner(b"", cfg.broker.token_max_age_s))
+        self.registry = registry = Registry(
+            cfg.detection, cfg.scoring, TokenSigner(b"", cfg.broker.token_max_age_s),
+            interval_ms=cfg.broker.interval_ms,
+        )  # fmt: skip
         agents = registry.agents
         self.rules = Rules(from_config(cfg.rules))
         """Each capability's route rule in force: broker.toml's, then KV reach_rules'."""
@@ -367,9 +378,9 @@ class Broker:
                         raise
 
     async def _start_components_once(self) -> None:
-        self.replicas = await provision_assets(self.nc, self.cfg, self.subjects)
+        self.replicas = await provision_assets(self.nc, self.provisioning, self.subjects)
         self.jetstream_ok = self.replicas is not None
-        secret = await token_secret(self.nc, self.cfg, jetstream=self.jetstream_ok)
+        secret = await token_secret(self.nc, self.provisioning, jetstream=self.jetstream_ok)
         self.registry.signer.set_secret(secret)
         self._running = []
         for component, needs_js in self.parts:

@@ -72,6 +72,11 @@ class BrokerSection(Section):
     shutdown_grace_s: Positive = 5.0
     """How long shutdown waits for in-flight work before closing."""
 
+    @property
+    def interval_ms(self) -> tuple[int, int]:
+        """The heartbeat intervals an agent may announce: (shortest, longest), in ms."""
+        return self.min_heartbeat_interval_ms, self.max_heartbeat_interval_ms
+
 
 class DetectionSection(Section):
     suspect_after: Positive = 3.0

@@ -65,7 +65,12 @@ class Merge:
         cfg.routing.rank_refresh_ms = 0
         cfg.routing.inflight_share = 10.0
         cfg.routing.choice = choice  # type: ignore[assignment]
-        self.reg = reg = Registry(cfg, TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1e6))
+        self.reg = reg = Registry(
+            cfg.detection,
+            cfg.scoring,
+            TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1e6),
+            interval_ms=cfg.broker.interval_ms,
+        )
         for agent_id in own:
             ann = Announce(agent_id=agent_id, capabilities=["cap"], max_concurrency=slots,
                            heartbeat_interval_ms=1000)  # fmt: skip

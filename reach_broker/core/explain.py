@@ -203,9 +203,7 @@ class Explainer:
         peer = None
         if rec.stats.task_ewma_ms is not None:
             peer = self.router.indexes.peer_task_ms(rec)
-        return terms(rec.stats, self.scoring, active=rec.active, queue_depth=rec.queue_depth,
-                     max_concurrency=rec.max_concurrency, stuck=rec.stuck,
-                     peer_task_ms=peer, delivery=rec.delivery)  # fmt: skip
+        return terms(rec, self.scoring, peer)
 
     def brief(self, rec: AgentRecord) -> AgentExplain:
         """``rec``'s score terms and the weakest of them, nothing else (a list of agents)."""
