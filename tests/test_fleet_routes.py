@@ -31,6 +31,7 @@ from reach_agent.wire.schema import (
     TableShare,
 )
 from reach_broker.broker import Broker
+from reach_broker.cli.route import print_explain
 from reach_broker.config import Config
 from reach_broker.core.registry import Registry
 from reach_broker.core.routing import Router
@@ -393,6 +394,23 @@ async def test_a_route_merges_the_shares_of_another_owner_and_explain_says_what_
         explained = await route(explain)
         assert explained.explain is not None
         assert (explained.explain.shared, explained.explain.unseen_partitions) == (4, [])
+        assert {c.agent_id: c.explain is not None for c in explained.candidates} == {
+            "real-a": True, "ghost-4": False, "ghost-5": False, "ghost-6": False,
+            "ghost-7": False}  # the registry's explained, the shares' listed  # fmt: skip
+
+        # A capability this broker holds no agent of: the shares' agents, explained as such.
+        elsewhere = capability_in((0, 1, 2, 3), "elsewhere.")
+        msg = await nc.request(f"reach.route.{elsewhere}", explain, timeout=2)
+        assert from_reply(msg.headers, msg.data) is None
+        only = schema.route_reply_decoder.decode(msg.data)
+        assert {c.agent_id for c in only.candidates} == {"ghost-4", "ghost-5", "ghost-6",
+                                                         "ghost-7"}  # fmt: skip
+        assert only.explain is not None
+        assert (only.explain.members, only.explain.shared, only.explain.unseen_partitions) == (
+            0,
+            4,
+            [],
+        )
 
         # A capability whose shares the other owner never gives: the registry answers, and
         # an explanation names the partitions it could not see.
@@ -469,3 +487,21 @@ async def test_routes_stay_answered_while_a_stopping_owners_partitions_change_ha
     assert {code for code, _ in outcomes} <= {"ok", "OVERLOADED"}
     assert max(took for _, took in outcomes) < 1.0
     assert [code for code, _ in outcomes[-10:]] == ["ok"] * 10
+
+
+def test_reach_route_explain_says_what_it_did_not_explain(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    ex = schema.RouteExplain(members=0, healthy=0, ranked=0, choice="weighted",
+                             min_reach_score=60.0, load_watermark=0.85, shared=4,
+                             unseen_partitions=[5, 6])  # fmt: skip
+    shared = schema.Candidate(agent_id="ghost-4", subject="reach.task.ghost-4.cap", score=90.0,
+                              state="healthy", load=0.25)  # fmt: skip
+    print_explain("cap", ex, [shared])
+    out = capsys.readouterr().out
+    assert (
+        "other brokers' partitions: 4 agents routed from their shares, not explained one "
+        "by one; partitions not seen: 5, 6"
+    ) in out
+    row = next(line for line in out.splitlines() if "ghost-4" in line)
+    assert row.split() == ["1", "ghost-4", "healthy", "90.0", "0.25", *["-"] * 10]
