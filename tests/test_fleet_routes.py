@@ -505,3 +505,21 @@ def test_reach_route_explain_says_what_it_did_not_explain(
     ) in out
     row = next(line for line in out.splitlines() if "ghost-4" in line)
     assert row.split() == ["1", "ghost-4", "healthy", "90.0", "0.25", *["-"] * 10]
+
+
+async def test_a_lone_broker_that_lost_a_lease_still_answers(
+    broker_factory: BrokerFactory, agents: Any, nc: NATS
+) -> None:
+    """One broker, whose route tables stopped owning the capability's partition (as when
+    its lease's renewal failed): no other broker holds a lease, nobody else counts, so it
+    answers instead of refusing."""
+    cap = "lone.cap"
+    broker = await broker_factory(fleet__partitions=P)
+    await agents(worker("lone-a", cap))
+    await wait_for(lambda: healthy(broker, "lone-a"))
+    broker.tables.lose(partition(cap, P))
+    assert not broker.shares.owns_all()
+    msg = await nc.request(f"reach.route.{cap}", b"", timeout=2)
+    assert from_reply(msg.headers, msg.data) is None
+    assert schema.route_reply_decoder.decode(msg.data).candidates[0].agent_id == "lone-a"
+    assert forwards(broker, "no_owner") == 0

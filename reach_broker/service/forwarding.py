@@ -15,7 +15,8 @@ own count), the leases read again, and ``reach_route_forwards_total{result}`` co
 
 A broker that owns every partition (the single-broker default, a server without JetStream)
 answers every request itself, as before; so does one without route tables (``[fleet] tables =
-false``: no leases are kept).
+false``: no leases are kept), and one that lost a lease while no other broker held any (its
+renewal failed: nobody else counts).
 """
 
 from __future__ import annotations
@@ -172,7 +173,12 @@ class Forwarder:
             await self.route.on_request(req)  # refused there, counted as dropped
             return
         if owner is None:
-            await self._refuse(Waiting(req, capability, p, owner, 0.0), "no_owner")
+            if self.owners.alone(self.token):
+                # No other broker holds a lease (a lone broker whose lease lapsed while
+                # JetStream was slow): nobody else counts, so this broker answers.
+                await self.route.on_request(req)
+            else:
+                await self._refuse(Waiting(req, capability, p, owner, 0.0), "no_owner")
             return
         # Sent, not awaited: the endpoint's callback runs one request at a time, and the
         # owner's answer comes to this forwarder's one inbox (:meth:`_on_answer`).

@@ -56,6 +56,11 @@ class Owners:
             await stop_loops(self._task)
             self._task = None
 
+    def alone(self, token: str) -> bool:
+        """Whether no broker but ``token`` held a lease at the last read (O(P): asked only
+        when a partition has no known owner)."""
+        return all(o is None or o == token for o in self.of)
+
     def stale(self) -> None:
         """An owner read did not answer a forward: read the leases again now."""
         self._wake.set()
