@@ -174,8 +174,10 @@ class Forwarder:
             return
         if owner is None:
             if self.owners.alone(self.token):
-                # No other broker holds a lease (a lone broker whose lease lapsed while
-                # JetStream was slow): nobody else counts, so this broker answers.
+                # No other broker held a lease at the last read (a lone broker whose lease
+                # lapsed while JetStream was slow): nobody else counts, so this broker
+                # answers; the leases are read again now, in case one just joined.
+                self.owners.stale()
                 await self.route.on_request(req)
             else:
                 await self._refuse(Waiting(req, capability, p, owner, 0.0), "no_owner")
