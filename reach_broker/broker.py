@@ -72,6 +72,7 @@ from reach_broker.service.context import BrokerContext, Link, Tasks
 from reach_broker.service.fanout import Consumer, Fanout
 from reach_broker.service.handlers import Handlers
 from reach_broker.service.identity import Identity, Reannouncer
+from reach_broker.service.listing import AgentPages
 from reach_broker.service.metrics import HandlerMetrics, Metrics, ReplayMetrics
 from reach_broker.service.observer import Observer
 from reach_broker.service.outcomes import Outcomes
@@ -216,6 +217,13 @@ class Broker:
             jetstream=lambda: self.jetstream_ok, owned=m.partitions_owned,
         )  # fmt: skip
         """The leases of the partitions this broker owns, told to the tables."""
+        self.pages = AgentPages(
+            ctx, registry,
+            (lambda p: p in self.partitions.held) if cfg.fleet.tables else (lambda p: True),
+            dropped=lambda reason: m.refused.labels("agents", reason),
+        )  # fmt: skip
+        """``<p>.agents.<partition>``: pages of the partitions this broker owns (all of them
+        without the route tables' leases)."""
 
         # The pipeline: every transition is published as an event, counted, logged, then
         # handed to these consumers, in this order (a consumer whose part is not running
@@ -361,6 +369,7 @@ class Broker:
             await nc.subscribe(s.all_announces, cb=self.identity.on_message,
                                pending_msgs_limit=msgs, pending_bytes_limit=size),
             await nc.subscribe(s.all_leaves, cb=ep["leave"].on_message),
+            await nc.subscribe(s.all_agent_pages, cb=self.pages.endpoint.on_message),
         ]  # fmt: skip
         self._service = await add_service(
             nc,
