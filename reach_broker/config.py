@@ -160,7 +160,8 @@ class RoutingSection(Section):
     pool_factor: Annotated[int, Meta(ge=1, le=100)] = 4
     """The weighted sample is drawn from the best limit * pool_factor candidates."""
     vnodes: Annotated[int, Meta(ge=1, le=10_000)] = 150
-    """Virtual nodes per agent on the sticky_key consistent-hash ring."""
+    """Unused: sticky keys go by rendezvous hashing, which keeps no ring (accepted so older
+    files load; the route tables still carry it for callers of older SDKs)."""
     rank_refresh_ms: Annotated[float, Meta(ge=0)] = 50.0
     """A capability's ranking is rebuilt at most this often (state changes apply at once)."""
     slow_start_share: Share = 0.2
