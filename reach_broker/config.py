@@ -104,7 +104,11 @@ class DetectionSection(Section):
     probe_backoff_max_s: Positive = 60.0
     """Ceiling of the jittered exponential backoff between probes of a failing agent."""
     rtt_sample_interval_s: Annotated[float, Meta(ge=0)] = 10.0
-    """How often every healthy agent is probed for an RTT sample (0: never)."""
+    """How often every healthy agent is probed for an RTT sample (0: never), while the
+    probe budget allows it."""
+    probe_budget_per_s: Annotated[float, Meta(ge=0)] = 1000.0
+    """RTT samples sent per second at most, whatever the size of the fleet: N healthy agents
+    are sampled every max(rtt_sample_interval_s, N / budget) seconds, in turn (0: none)."""
     advisories: bool = True
     """Use the server's $SYS connect/disconnect advisories when the account exports them."""
     advisory_account: str | None = None

@@ -43,7 +43,7 @@ def test_a_key_keeps_its_agent_and_it_is_the_heaviest() -> None:
             idx.members.values(), key=lambda r: rendezvous(hash64(r.agent_id), hash64(k))
         )
         assert first[k] == heaviest.agent_id
-        assert [r.agent_id for r in idx.heaviest(k)] == [
+        assert [r.agent_id for _, r in idx.heaviest(k)] == [
             r.agent_id for r in idx.by_weight(k)[:STICKY_DEPTH]
         ]
 
@@ -91,9 +91,28 @@ def test_a_key_whose_agent_is_not_routable_goes_to_its_next_heaviest_and_comes_b
     assert owners(idx, [key])[key] == order[0].agent_id
 
 
-def test_an_index_remembers_a_bounded_number_of_keys_and_forgets_them_on_a_change() -> None:
-    idx = index(5)
-    owners(idx, [f"k{i}" for i in range(3000)])
+def test_an_index_remembers_a_bounded_number_of_keys_and_keeps_them_right_on_a_change() -> None:
+    idx = index(30)
+    keys = [f"k{i}" for i in range(3000)]
+    owners(idx, keys)
     assert len(idx.sticky) == STICKY_KEYS
+    remembered = list(idx.sticky)
+
+    def right() -> None:
+        for key in idx.sticky:
+            assert [r for _, r in idx.heaviest(key)] == idx.by_weight(key)[:STICKY_DEPTH]
+
+    idx.add(Member("agent-x", 10, TaskStats()))  # weighed against every key remembered
+    assert list(idx.sticky) == remembered
+    right()
+    idx.remove("agent-3")
+    assert 0 < len(remembered) - len(idx.sticky) < len(remembered)  # only its keys forgotten
+    right()
+    assert owners(idx, keys) == owners(index_without_3_with_x(), keys)
+
+
+def index_without_3_with_x() -> CapabilityIndex[Member]:
+    idx = index(30)
+    idx.remove("agent-3")
     idx.add(Member("agent-x", 10, TaskStats()))
-    assert idx.sticky == {}
+    return idx

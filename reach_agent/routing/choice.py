@@ -182,7 +182,7 @@ class Chooser(Generic[M]):
         in the pool, or routable beyond it; the next heaviest when it is neither. A key the
         index remembers costs a lookup, another one weighing every member once."""
         heaviest = idx.heaviest(key)
-        for rec in heaviest:
+        for _, rec in heaviest:
             if self._owns(rec, pool, walk, now):
                 return rec
         for rec in idx.by_weight(key)[len(heaviest) :]:

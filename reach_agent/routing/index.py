@@ -26,8 +26,9 @@ load anyway, so a ranking a second old routes the same agents."""
 STICKY_KEYS = 1024
 STICKY_DEPTH = 4
 """Sticky keys whose heaviest members (``STICKY_DEPTH`` of them) an index remembers (the most
-recent; forgotten when the membership changes): a key asked again costs a lookup, not a
-weighing of every member, also when its heaviest member is full for the moment."""
+recent): a key asked again costs a lookup, not a weighing of every member, also when its
+heaviest member is full for the moment. A member joining is weighed against each key
+remembered; a member leaving makes the keys it was among the heaviest of be weighed again."""
 
 RETRY_AFTER_MIN_MS = 10
 RETRY_AFTER_MAX_MS = 1000
@@ -35,6 +36,10 @@ RETRY_AFTER_DEFAULT_MS = 100
 """The retry-after hint of an OVERLOADED reply: the capability's median task time (a slot
 is likely free by then), within these bounds; the default when no task time is known. A
 fleet over its in-flight ceiling answers the maximum."""
+
+
+def _weight(pair: tuple[int, Any]) -> int:
+    return pair[0]  # tuples of equal weight are never compared further (members are not)
 
 
 def by_score(rec: Member) -> tuple[float, int, str]:
@@ -73,8 +78,9 @@ class CapabilityIndex(Generic[M]):
         self._dirty = True  # membership or a state changed: re-rank within rank_refresh_ms
         self._reorder = False  # only scores changed: re-rank within REORDER_FACTOR x that
         self._built_at = float("-inf")
-        self.sticky: dict[str, tuple[M, ...]] = {}
-        """Recent sticky keys and their heaviest members (:data:`STICKY_KEYS` at most)."""
+        self.sticky: dict[str, tuple[int, list[tuple[int, M]]]] = {}
+        """Recent sticky keys (:data:`STICKY_KEYS` at most): the key's hash, and its heaviest
+        members with their weights, heaviest first."""
         self.replies: dict[str, Any] = {}
         """Kept by whoever answers routes from this index (the broker: each member's encoded
         candidate); a member that leaves leaves it too."""
@@ -84,30 +90,43 @@ class CapabilityIndex(Generic[M]):
     def add(self, rec: M) -> None:
         self.members[rec.agent_id] = rec
         self._dirty = True
-        self.sticky.clear()
+        # The keys remembered stay right: the newcomer joins those it outweighs.
+        h, f, m = rec.hrw, FIBONACCI, M64
+        for k, owners in self.sticky.values():
+            w = ((h ^ k) * f) & m  # rendezvous(h, k)
+            if len(owners) < STICKY_DEPTH or w > owners[-1][0]:
+                owners.append((w, rec))
+                owners.sort(key=_weight, reverse=True)
+                del owners[STICKY_DEPTH:]
 
     def remove(self, agent_id: str) -> None:
         if self.members.pop(agent_id, None) is not None:
             self._dirty = True
-            self.sticky.clear()
+            # A key it was among the heaviest of is weighed again when next asked.
+            gone = [key for key, (_, owners) in self.sticky.items()
+                    if any(r.agent_id == agent_id for _, r in owners)]  # fmt: skip
+            for key in gone:
+                del self.sticky[key]
             self.replies.pop(agent_id, None)
 
     def state_changed(self) -> None:
         """A member's state (or announce) changed: re-rank soon."""
         self._dirty = True
 
-    def heaviest(self, key: str) -> tuple[M, ...]:
+    def heaviest(self, key: str) -> list[tuple[int, M]]:
         """The :data:`STICKY_DEPTH` members weighing most for the sticky ``key``
-        (rendezvous hashing), heaviest first; remembered until the membership changes."""
-        owners = self.sticky.get(key)
-        if owners is None:
-            k, f, m = hash64(key), FIBONACCI, M64
-            # rendezvous(r.hrw, k), inline: this runs once per member.
-            owners = tuple(heapq.nlargest(STICKY_DEPTH, self.members.values(),
-                                          key=lambda r: ((r.hrw ^ k) * f) & m))  # fmt: skip
-            if len(self.sticky) >= STICKY_KEYS:
-                del self.sticky[next(iter(self.sticky))]  # the oldest
-            self.sticky[key] = owners
+        (rendezvous hashing), heaviest first, with their weights; remembered, and kept right
+        as members come and go (a bounded cost per change, not a weighing per request)."""
+        held = self.sticky.get(key)
+        if held is not None:
+            return held[1]
+        k, f, m = hash64(key), FIBONACCI, M64
+        # rendezvous(r.hrw, k), inline: this runs once per member.
+        weighed = ((((r.hrw ^ k) * f) & m, r) for r in self.members.values())
+        owners = heapq.nlargest(STICKY_DEPTH, weighed, key=_weight)
+        if len(self.sticky) >= STICKY_KEYS:
+            del self.sticky[next(iter(self.sticky))]  # the oldest
+        self.sticky[key] = (k, owners)
         return owners
 
     def by_weight(self, key: str) -> list[M]:
