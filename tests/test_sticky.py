@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 
 from reach_agent.routing.choice import Chooser
-from reach_agent.routing.hashing import hash64, rendezvous
+from reach_agent.routing.hashing import M64, Lanes, hash64, rendezvous
 from reach_agent.routing.index import STICKY_DEPTH, STICKY_KEYS, CapabilityIndex
 from reach_agent.routing.member import Member, TaskStats
 from reach_agent.wire.schema import RouteRequest
@@ -116,3 +116,21 @@ def index_without_3_with_x() -> CapabilityIndex[Member]:
     idx.remove("agent-3")
     idx.add(Member("agent-x", 10, TaskStats()))
     return idx
+
+
+def test_lanes_weigh_every_agent_as_rendezvous_does() -> None:
+    hashes = [hash64(f"agent-{i}") for i in range(300)] + [0, M64, 1]
+    for key in ("", "user-1", "ключ"):
+        k = hash64(key)
+        assert Lanes(hashes).weights(k) == [rendezvous(h, k) for h in hashes]
+    assert Lanes([]).weights(5) == []
+
+
+def test_members_of_equal_weight_are_told_apart_as_the_slow_way_does() -> None:
+    idx = index(6)
+    twins = list(idx.members.values())[:2]
+    for rec in twins:
+        rec.hrw = 12345  # the same hash: the same weight for every key
+    idx._lanes = None
+    for key in KEYS[:50]:
+        assert [r for _, r in idx.heaviest(key)] == idx.by_weight(key)[:STICKY_DEPTH]

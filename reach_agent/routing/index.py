@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 from typing import Any, Generic
 
-from .hashing import FIBONACCI, M64, hash64, rendezvous
+from .hashing import FIBONACCI, M64, Lanes, hash64, rendezvous
 from .member import M, Member
 from .settings import Settings
 
@@ -53,6 +53,7 @@ class CapabilityIndex(Generic[M]):
     __slots__ = (
         "_built_at",
         "_dirty",
+        "_lanes",
         "_reorder",
         "ejected",
         "healthy",
@@ -78,6 +79,8 @@ class CapabilityIndex(Generic[M]):
         self._dirty = True  # membership or a state changed: re-rank within rank_refresh_ms
         self._reorder = False  # only scores changed: re-rank within REORDER_FACTOR x that
         self._built_at = float("-inf")
+        self._lanes: tuple[Lanes, list[M]] | None = None
+        """Every member's hash packed for weighing them all at once (None: pack again)."""
         self.sticky: dict[str, tuple[int, list[tuple[int, M]]]] = {}
         """Recent sticky keys (:data:`STICKY_KEYS` at most): the key's hash, and its heaviest
         members with their weights, heaviest first."""
@@ -90,6 +93,7 @@ class CapabilityIndex(Generic[M]):
     def add(self, rec: M) -> None:
         self.members[rec.agent_id] = rec
         self._dirty = True
+        self._lanes = None
         # The keys remembered stay right: the newcomer joins those it outweighs.
         h, f, m = rec.hrw, FIBONACCI, M64
         for k, owners in self.sticky.values():
@@ -102,6 +106,7 @@ class CapabilityIndex(Generic[M]):
     def remove(self, agent_id: str) -> None:
         if self.members.pop(agent_id, None) is not None:
             self._dirty = True
+            self._lanes = None
             # A key it was among the heaviest of is weighed again when next asked.
             gone = [key for key, (_, owners) in self.sticky.items()
                     if any(r.agent_id == agent_id for _, r in owners)]  # fmt: skip
@@ -120,10 +125,18 @@ class CapabilityIndex(Generic[M]):
         held = self.sticky.get(key)
         if held is not None:
             return held[1]
-        k, f, m = hash64(key), FIBONACCI, M64
-        # rendezvous(r.hrw, k), inline: this runs once per member.
-        weighed = ((((r.hrw ^ k) * f) & m, r) for r in self.members.values())
-        owners = heapq.nlargest(STICKY_DEPTH, weighed, key=_weight)
+        k = hash64(key)
+        if self._lanes is None:  # once per membership change that a new key follows
+            members = list(self.members.values())
+            self._lanes = (Lanes([r.hrw for r in members]), members)
+        lanes, members = self._lanes
+        weights = lanes.weights(k)
+        top = heapq.nlargest(STICKY_DEPTH, weights)
+        if len(set(top)) == len(top):
+            owners = [(w, members[weights.index(w)]) for w in top]
+        else:  # two members weigh the same (1 in 2^64): the slow way, the same answer
+            order = sorted(range(len(members)), key=weights.__getitem__, reverse=True)
+            owners = [(weights[i], members[i]) for i in order[:STICKY_DEPTH]]
         if len(self.sticky) >= STICKY_KEYS:
             del self.sticky[next(iter(self.sticky))]  # the oldest
         self.sticky[key] = (k, owners)
