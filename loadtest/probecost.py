@@ -32,7 +32,8 @@ def main() -> None:
     p.add_argument("--agents", type=int, default=50_000)
     args = p.parse_args()
     cfg = Config()
-    reg = Registry(cfg, TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
+    reg = Registry(cfg.detection, cfg.scoring, TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1e6),
+                   interval_ms=cfg.broker.interval_ms)  # fmt: skip
     metrics = Metrics()
 
     def nothing(*_: Any) -> None:

@@ -72,6 +72,11 @@ class BrokerSection(Section):
     shutdown_grace_s: Positive = 5.0
     """How long shutdown waits for in-flight work before closing."""
 
+    @property
+    def interval_ms(self) -> tuple[int, int]:
+        """The heartbeat intervals an agent may announce: (shortest, longest), in ms."""
+        return self.min_heartbeat_interval_ms, self.max_heartbeat_interval_ms
+
 
 class DetectionSection(Section):
     suspect_after: Positive = 3.0
@@ -373,6 +378,10 @@ class FleetSection(Section):
     """A share whose agents or their states changed is written to KV ``reach_tables`` (what
     a caller reads when no broker answers) at most this often; one whose load or scores only
     drifted at most every 10 x this (``service/tables.DRIFT_STORE_FACTOR``)."""
+    forward_timeout_s: Annotated[float, Meta(gt=0, le=60)] = 0.5
+    """How long a broker waits for a capability's owner to answer a route request it
+    forwarded (service/forwarding.py) before refusing it ``OVERLOADED`` (retryable); below
+    the callers' route timeout (1 s by default) so the refusal reaches them."""
 
 
 class RuleSection(Section):

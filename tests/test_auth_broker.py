@@ -370,7 +370,7 @@ async def test_a_caller_routes_from_its_table_under_its_role_until_a_quota_sends
             assert await client.call(CAP, {"n": 0}, timeout=10) == {"by": "beta", "got": {"n": 0}}
             routes = client.routes
             assert isinstance(routes, TableRoutes)
-            table = routes.followed[CAP].table
+            table = routes.follower.followed[CAP].table
             assert table.local is True
             assert routes_answered(broker) == 0
             quota = RouteRule(quota_rate=1.0, quota_burst=2)

@@ -154,6 +154,7 @@ def test_broker_permissions() -> None:
         "reach.agents",
         "reach.agents.*",
         "reach.route.>",
+        "reach.forward.>",
     ]
     assert user.sub.allow == [
         "reach.announce.*",
@@ -172,6 +173,7 @@ def test_broker_permissions() -> None:
         f"$SYS.ACCOUNT.{ACC}.CONNECT",
         f"$SYS.ACCOUNT.{ACC}.DISCONNECT",
         "_INBOX.broker.broker.>",
+        "reach.forward.>",
     ]
 
 

@@ -18,7 +18,7 @@ from reach_broker.config import Config, ConfigError, console_token
 from reach_broker.console.app import Access, App, host_name, is_loopback
 from reach_broker.console.history import History
 from reach_broker.console.httpd import BadRequest, HttpServer, Request, parse_head
-from reach_broker.console.port import HttpPort
+from reach_broker.console.port import HttpPort, access_of
 from reach_broker.core.records import AgentRecord
 from reach_broker.service.metrics import Metrics
 
@@ -289,7 +289,8 @@ async def get(
 async def port() -> AsyncIterator[HttpPort]:
     cfg = Config()
     cfg.broker.metrics_port = 0  # HttpPort binds it as given: 0 asks for any free port
-    p = HttpPort(cfg, Metrics().registry, lambda: "not running")
+    p = HttpPort(access_of(cfg.broker.metrics_host, cfg.console), cfg.broker.metrics_port,
+                 Metrics().registry, lambda: "not running")  # fmt: skip
     await p.start()
     try:
         yield p
@@ -370,7 +371,8 @@ class Sse:
 async def serve_port(broker: Broker) -> HttpPort:
     """The port over a broker built with the console's feed (``console=True``)."""
     cfg = fast_config("unused")
-    p = HttpPort(cfg, broker.metrics.registry, broker.not_ready, broker.feed)
+    p = HttpPort(access_of(cfg.broker.metrics_host, cfg.console), cfg.broker.metrics_port,
+                 broker.metrics.registry, broker.not_ready, broker.feed)  # fmt: skip
     await p.start()
     return p
 

@@ -31,7 +31,12 @@ def make(**detection: Any) -> tuple[Prober, Registry, Clock]:
     for key, value in detection.items():
         setattr(cfg.detection, key, value)
     clock = Clock()
-    reg = Registry(cfg, TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
+    reg = Registry(
+        cfg.detection,
+        cfg.scoring,
+        TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0),
+        interval_ms=cfg.broker.interval_ms,
+    )
     metrics = Metrics()
 
     def spawn(coro: Any, name: str) -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import Generic
+from typing import Generic, TypeVar
 
 from reach_agent.wire.errors import NoReachableAgent, Overloaded
 from reach_agent.wire.schema import RouteRequest
@@ -36,9 +36,11 @@ from reach_agent.wire.schema import RouteRequest
 from . import draws
 from .filters import FILTERS, LOAD, NO_POLICY, Policy, Walk
 from .index import CapabilityIndex
-from .member import M
+from .member import M, Member
 from .rules import Rule
 from .settings import Settings
+
+D = TypeVar("D", bound=Member)
 
 HEALTHY = "healthy"
 SUSPECT = "suspect"
@@ -79,12 +81,34 @@ class Chooser(Generic[M]):
     ) -> list[M]:
         """The agents chosen for ``req`` among ``idx``'s, best first, under the capability's
         route ``rule``. Raises Overloaded or NoReachableAgent (saying why)."""
+        pool, walk = self.gather(idx, req, rule, now)
+        if req.sticky_key:
+            first = self._sticky(idx, req.sticky_key, pool, walk, now)
+            rest = [r for r in pool if r is not first]
+            return [first, *rest[: req.limit - 1]]
+        return self.draw(pool, req.limit, now)
+
+    def draw(self, pool: list[D], limit: int, now: float) -> list[D]:
+        """``limit`` agents of ``pool`` (best ranked first) as ``choice`` says (any members:
+        a broker draws once over its own agents and the other owners' shares together)."""
+        cfg = self.cfg
+        if cfg.choice == "weighted":
+            return draws.weighted(pool, limit, now, cfg, self.rng)
+        if cfg.choice == "p2c":
+            return draws.p2c(pool, limit, now, cfg, self.rng)
+        return pool[:limit]
+
+    def gather(
+        self, idx: CapabilityIndex[M], req: RouteRequest, rule: Rule | None, now: float
+    ) -> tuple[list[M], Walk]:
+        """The pool :meth:`pick` chooses from (the agents that pass the filters, best ranked
+        first, up to :meth:`pool_size`) and the walk that gathered it. Raises Overloaded or
+        NoReachableAgent (saying why) when nobody passes."""
         if not idx.members:
             raise NoReachableAgent(f"no agent has the capability {idx.name!r}")
         cfg = self.cfg
         if idx.refresh(cfg, now) and self.on_panic is not None:
             self.on_panic(idx)
-        limit = req.limit
         want = self.pool_size(req)
         watermark = cfg.load_watermark
         if rule is not None:
@@ -118,15 +142,7 @@ class Chooser(Generic[M]):
             if why.get(LOAD):  # some pass every filter but are full: wait, not elsewhere
                 raise Overloaded(self._nothing(idx, why), retry_after_ms=idx.retry_after_ms())
             raise NoReachableAgent(self._nothing(idx, why))
-        if req.sticky_key:
-            first = self._sticky(idx, req.sticky_key, pool, walk, now)
-            rest = [r for r in pool if r is not first]
-            return [first, *rest[: limit - 1]]
-        if cfg.choice == "weighted":
-            return draws.weighted(pool, limit, now, cfg, self.rng)
-        if cfg.choice == "p2c":
-            return draws.p2c(pool, limit, now, cfg, self.rng)
-        return pool[:limit]
+        return pool, walk
 
     def passing(
         self, recs: list[M], state: str, req: RouteRequest, now: float, policy: Policy = NO_POLICY

@@ -184,6 +184,13 @@ class RouteExplain(Base, frozen=True):
     """Agents left out, by reason code: all of them, also beyond the ``excluded`` listed."""
     excluded: list[Exclusion] = []
     """The agents left out (at most 100: the best ranked and scored first), with why."""
+    shared: int = 0
+    """With several brokers: agents of the capability in the other owners' route-table shares
+    the answering broker follows (routed with the rest, not explained one by one)."""
+    unseen_partitions: list[int] = []
+    """With several brokers: partitions whose agents this explanation does not cover (owned by
+    another broker and none of their agents in the answering broker's registry): routed from
+    their owners' shares (``shared``), or not at all while no share of them is held."""
 
 
 # --- the task path's records ------------------------------------------------------------

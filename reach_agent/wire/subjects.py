@@ -29,6 +29,8 @@ sender names against the sender's permissions (see docs/protocol.md, "Reply subj
     <p>.outcome.<agent_id>           caller → every broker: what it saw of the agent
     <p>.table.<partition>.<capability>  broker (the share's owner) → callers: a route-table delta
     <p>.tables.<capability>          caller → every broker: the route table now (request-reply)
+    <p>.forward.<broker>.<capability>  broker → the capability's owner: a route request forwarded
+                                     with its caller (``Reach-Caller``; only brokers may publish)
 
 The Synadia Agent Protocol's subjects (theirs, never prefixed) are built by
 :class:`AgentsProtocol` (``AGENTS``): reach reads and calls those agents as they are.
@@ -62,6 +64,15 @@ RULES_AUTHOR = "_rules"
 start with a letter or digit), so no agent's event subscription receives them."""
 
 
+_NOT_IN_TOKEN = str.maketrans({c: "_" for c in ".*> \t\r\n"})
+
+
+def broker_token(broker_id: str) -> str:
+    """``broker_id`` as one subject token (``.``, ``*``, ``>`` and blanks become ``_``): where
+    route requests forwarded to that broker go (:meth:`Subjects.forward`)."""
+    return broker_id.translate(_NOT_IN_TOKEN)
+
+
 def is_inbox(subject: str) -> bool:
     """Whether ``subject`` is a reply subject reach answers (``_INBOX.…``)."""
     return subject.startswith(_INBOX_DOT)
@@ -77,6 +88,7 @@ class Subjects:
         "_comp",
         "_cuts",
         "_event",
+        "_forward",
         "_hb",
         "_leave",
         "_outcome",
@@ -109,6 +121,7 @@ class Subjects:
         self._table = f"{prefix}.table."
         self._tables = f"{prefix}.tables."
         self._pages = f"{prefix}.agents."
+        self._forward = f"{prefix}.forward."
         # Parsers run per message (heartbeats): slice at precomputed lengths.
         self._cuts = (
             len(self._announce), len(self._hb), len(self._leave), len(self._probe),
@@ -188,6 +201,16 @@ class Subjects:
         answers with the shares it owns)."""
         return self._tables + capability
 
+    def forward(self, broker: str, capability: str) -> str:
+        """A route request forwarded to the broker that owns the capability (``broker``: its
+        :func:`broker_token`)."""
+        return f"{self._forward}{broker}.{capability}"
+
+    def forwards_to(self, broker: str) -> str:
+        """Every route request forwarded to one broker (``<p>.forward.<broker>.>``: a
+        capability may have dots)."""
+        return f"{self._forward}{broker}.>"
+
     # --- what subscribers listen on --------------------------------------------------------
 
     @property
@@ -256,6 +279,11 @@ class Subjects:
     def all_outcomes(self) -> str:
         return self._outcome + "*"
 
+    @property
+    def all_forwards(self) -> str:
+        """Every forwarded route request (``<p>.forward.>``: brokers only)."""
+        return self._forward + ">"
+
     def table_of(self, capability: str) -> str:
         """Every share's deltas of one capability's table (``<p>.table.*.<capability>``)."""
         return f"{self._table}*.{capability}"
@@ -304,6 +332,10 @@ class Subjects:
 
     def capability_of_route(self, subject: str) -> str:
         return subject[self._cuts[4] :]
+
+    def capability_of_forward(self, subject: str) -> str:
+        """The capability of ``<p>.forward.<broker>.<capability>``."""
+        return subject[len(self._forward) :].partition(".")[2]
 
     def capability_of_task(self, subject: str, agent_id: str) -> str:
         """The capability of ``<p>.task.<agent_id>.<capability>`` for a known ``agent_id``."""

@@ -193,6 +193,7 @@ ROLES: dict[RoleName, Role] = {
             Every("agents"),
             Every("all_agent_pages"),  # pages of the fleet, each from its owner
             Every("all_routes"),
+            Every("all_forwards"),  # a route request to its capability's owner (brokers only)
         ),
         subscribe=(
             Every("all_announces"),
@@ -211,6 +212,7 @@ ROLES: dict[RoleName, Role] = {
             Raw("$SYS.ACCOUNT.{account}.CONNECT"),
             Raw("$SYS.ACCOUNT.{account}.DISCONNECT"),
             INBOX,
+            Every("all_forwards"),  # route requests forwarded to the capability's owner
         ),
     ),
 }

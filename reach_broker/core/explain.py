@@ -15,7 +15,7 @@ An explained request costs O(agents of the capability): it is for people (``reac
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 import msgspec
@@ -127,12 +127,22 @@ def _score_terms(t: Terms) -> ScoreTerms:
                       stuck=t.stuck, delivery=round(t.delivery, 4))  # fmt: skip
 
 
+Coverage = Callable[[str, Iterable[str]], tuple[int, list[int]]]
+"""(capability, the agent ids explained) -> (agents of the capability in the other owners'
+shares followed, the partitions neither owned nor seen in those agents), for
+``RouteExplain.shared`` and ``unseen_partitions``."""
+
+
 class Explainer:
     """Explained route replies and rankings over the router and the scoring settings."""
 
-    def __init__(self, router: Router, scoring: ScoringSection) -> None:
+    def __init__(self, router: Router, scoring: ScoringSection, *,
+                 coverage: Coverage | None = None) -> None:  # fmt: skip
         self.router = router
         self.scoring = scoring
+        self.coverage = coverage
+        """With several brokers: what an explanation does not cover (the other owners'
+        shares followed, the partitions not seen); None: the registry is the whole fleet."""
 
     def route_reply(
         self, capability: str, req: RouteRequest, now: float, generated_at_ms: int
@@ -146,8 +156,9 @@ class Explainer:
         except (NoReachableAgent, Overloaded) as exc:
             found = router.indexes.get(capability)
             if found is not None and found.members:
-                exc.extra = {"explain": self.explanation(found, req, [], now,
-                                                         router.last_policy)}  # fmt: skip
+                exc.extra = {"explain": self._covered(
+                    capability, found, self.explanation(found, req, [], now, router.last_policy)
+                )}  # fmt: skip
             raise
         ranks = {rec.agent_id: i for i, rec in enumerate(idx.ranked, 1)}
         subject_of = router.subject_of
@@ -157,9 +168,19 @@ class Explainer:
         ]
         reply = RouteReply(capability=capability, candidates=candidates,
                            generated_at_ms=generated_at_ms,
-                           explain=self.explanation(idx, req, chosen, now,
-                                                    router.last_policy))  # fmt: skip
+                           explain=self._covered(capability, idx, self.explanation(
+                               idx, req, chosen, now, router.last_policy)))  # fmt: skip
         return encoder.encode(reply)
+
+    def _covered(self, capability: str, idx: CapabilityIndex[AgentRecord],
+                 explain: RouteExplain) -> RouteExplain:  # fmt: skip
+        """``explain`` saying what it does not cover (with several brokers)."""
+        if self.coverage is None:
+            return explain
+        shared, unseen = self.coverage(capability, idx.members)
+        if not shared and not unseen:
+            return explain
+        return msgspec.structs.replace(explain, shared=shared, unseen_partitions=unseen)
 
     def candidate(
         self, rec: AgentRecord, idx: CapabilityIndex[AgentRecord], now: float, subject: str,
@@ -182,9 +203,7 @@ class Explainer:
         peer = None
         if rec.stats.task_ewma_ms is not None:
             peer = self.router.indexes.peer_task_ms(rec)
-        return terms(rec.stats, self.scoring, active=rec.active, queue_depth=rec.queue_depth,
-                     max_concurrency=rec.max_concurrency, stuck=rec.stuck,
-                     peer_task_ms=peer, delivery=rec.delivery)  # fmt: skip
+        return terms(rec, self.scoring, peer)
 
     def brief(self, rec: AgentRecord) -> AgentExplain:
         """``rec``'s score terms and the weakest of them, nothing else (a list of agents)."""

@@ -16,6 +16,10 @@ from collections.abc import Callable, Iterator
 
 from reach_agent.routing.table import partition
 from reach_agent.wire.errors import InvalidRequest
+from reach_broker.config import FleetSection
+
+DEFAULT_PARTITIONS = FleetSection().partitions
+"""``[fleet] partitions`` unless told (a registry built without the fleet's section)."""
 
 DEFAULT_LIMIT = 500
 """Agents in a page when the request does not say."""

@@ -19,10 +19,10 @@ import math
 
 from reach_agent.routing.index import CapabilityIndexes
 from reach_agent.wire.schema import AgentState, AgentView, Announce, Heartbeat
-from reach_broker.config import Config
+from reach_broker.config import DetectionSection, ScoringSection
 
 from .detector import Detector
-from .listing import Listing
+from .listing import DEFAULT_PARTITIONS, Listing
 from .records import AgentRecord, HeartbeatResult, Transition, TransitionKind
 from .scoring import score
 from .states import EVICTED, MOVES, SILENCE_EVENTS, Event, Move
@@ -36,13 +36,27 @@ class Registry:
     """All agents, their capability indexes, and the deadlines that move their states: the
     inputs and the moves they make, the counts and the views."""
 
-    def __init__(self, cfg: Config, signer: TokenSigner) -> None:
-        self.cfg = cfg
+    def __init__(
+        self,
+        detection: DetectionSection,
+        scoring: ScoringSection,
+        signer: TokenSigner,
+        *,
+        interval_ms: tuple[int, int],
+        partitions: int = DEFAULT_PARTITIONS,
+    ) -> None:
+        self.detection = detection
+        """When silence makes an agent suspect, then offline, then forgotten."""
+        self.scoring = scoring
+        """How the signs of life, results and task times make an agent's score."""
+        self.interval_ms = interval_ms
+        """The heartbeat intervals an agent may announce, (shortest, longest) in ms
+        (``broker.min/max_heartbeat_interval_ms``): others are clamped to them."""
         self.signer = signer
-        self.detector = Detector(cfg.detection)
+        self.detector = Detector(detection)
         self.agents: dict[str, AgentRecord] = {}
         self.indexes: CapabilityIndexes[AgentRecord] = CapabilityIndexes()
-        self.listing = Listing(cfg.fleet.partitions)
+        self.listing = Listing(partitions)
         """Every agent's id, sorted within its partition (``<p>.agents.<partition>`` pages)."""
         self._deadlines: list[tuple[float, int, str]] = []
         self.inflight = 0  # Σ active over the fleet, kept incrementally
@@ -69,10 +83,8 @@ class Registry:
     # --- queries ------------------------------------------------------------------------
 
     def interval_for(self, msg: Announce) -> float:
-        b = self.cfg.broker
-        ms = min(max(msg.heartbeat_interval_ms, b.min_heartbeat_interval_ms),
-                 b.max_heartbeat_interval_ms)  # fmt: skip
-        return ms / 1000.0
+        shortest, longest = self.interval_ms
+        return min(max(msg.heartbeat_interval_ms, shortest), longest) / 1000.0
 
     def views(
         self, wall_ms: int, now: float, capability: str | None = None, state: str | None = None
@@ -140,7 +152,7 @@ class Registry:
         if hb.seq <= rec.seq:
             return "stale", []
         rec.seq = hb.seq
-        cfg = self.cfg.scoring
+        cfg = self.scoring
         gap = now - rec.last_seen
         sample = not hb.initial
         if rec.resync:  # the first beat after the broker's own outage: the gap is not its
@@ -196,7 +208,7 @@ class Registry:
             assert rec is not None
             rec.disconnected = True
             # Probe timeout bounds the wait: no answer by then and the agent is offline.
-            self._schedule(rec, rec.suspect_at, now + self.cfg.detection.probe_timeout_s)
+            self._schedule(rec, rec.suspect_at, now + self.detection.probe_timeout_s)
         return [t]
 
     def reconcile(self, connected: set[str], now: float) -> list[Transition]:
@@ -215,12 +227,12 @@ class Registry:
         rec = self.agents.get(agent_id)
         if rec is None:
             return []
-        rec.stats.outcome(ok, self.cfg.scoring.liveness_window)
+        rec.stats.outcome(ok, self.scoring.liveness_window)
         if ok:
             rec.probe_failures = 0
             rec.disconnected = False
             if rtt_ms is not None:
-                rec.stats.rtt(rtt_ms, self.cfg.scoring.ewma_alpha)
+                rec.stats.rtt(rtt_ms, self.scoring.ewma_alpha)
             t = self._fire(rec, "probe_ok", now)
             self._rearm(rec, now)  # an answer is a sign of life
         else:
@@ -242,7 +254,7 @@ class Registry:
         """
         out: list[Transition] = []
         heap = self._deadlines
-        forget = self.cfg.detection.forget_after_s
+        forget = self.detection.forget_after_s
         due: list[tuple[AgentRecord, Event]] = []
         while heap and heap[0][0] <= now:
             _, gen, agent_id = heapq.heappop(heap)
@@ -313,7 +325,7 @@ class Registry:
         self.indexes.add(rec)
         self.listing.add(rec.agent_id)
         if to == "offline":
-            rec.forget_at = now + self.cfg.detection.forget_after_s
+            rec.forget_at = now + self.detection.forget_after_s
             self._push(rec, rec.forget_at)
         else:
             suspect_s, offline_s = self.detector.deadlines(rec.window, rec.interval_s)
@@ -366,7 +378,7 @@ class Registry:
         rec.state_since = now
         self.changed.add(rec.agent_id)
         if to == "suspect":
-            rec.stats.outcome(False, self.cfg.scoring.liveness_window)  # one missed sign
+            rec.stats.outcome(False, self.scoring.liveness_window)  # one missed sign
         elif to == "recovering":
             rec.recover_hbs = 0
         elif to == "healthy" and frm == "recovering":
@@ -374,7 +386,7 @@ class Registry:
         elif to == "offline":
             self.inflight += rec.set_load(0, 0)
             # Every way into offline (silence, probe, disconnect) starts the forget clock.
-            rec.forget_at = now + self.cfg.detection.forget_after_s
+            rec.forget_at = now + self.detection.forget_after_s
             self._push(rec, rec.forget_at)
         self.indexes.state_changed(rec)
         return Transition(kind, rec.agent_id, frm, to, reason)
@@ -451,22 +463,13 @@ class Registry:
 
     def rescore(self, rec: AgentRecord, now: float) -> None:
         self.changed.add(rec.agent_id)
-        cfg = self.cfg.scoring
+        cfg = self.scoring
         hint = rec.timeout_hint_ms
         oldest = rec.oldest_task_ms
-        rec.stuck = stuck = bool(hint and oldest and oldest > cfg.stuck_factor * hint)
+        rec.stuck = bool(hint and oldest and oldest > cfg.stuck_factor * hint)
         # The peer median only matters to an agent with a task EWMA.
         peer = self.indexes.peer_task_ms(rec) if rec.stats.task_ewma_ms is not None else None
-        new = score(
-            rec.stats,
-            cfg,
-            active=rec.active,
-            queue_depth=rec.queue_depth,
-            max_concurrency=rec.max_concurrency,
-            stuck=stuck,
-            peer_task_ms=peer,
-            delivery=rec.delivery,
-        )
+        new = score(rec, cfg, peer)
         # The routing weight follows the score and load; if only the score moved, the
         # ranking is refreshed on a slower cadence (index.py).
         if rec.set_score(new):
