@@ -78,3 +78,14 @@ def test_a_cursor_names_a_partition_of_the_fleet() -> None:
     for bad in ("4.x", "x.y", "3", "-1.a", ""):
         with pytest.raises(InvalidRequest, match="is not a cursor of this fleet"):
             parse_cursor(bad, 4)
+
+
+def test_a_partitions_ids_are_a_copy_in_order() -> None:
+    listing = Listing(2)
+    for a in ("c", "a", "b", "d"):
+        listing.add(a)
+    both = listing.ids(0) + listing.ids(1)
+    assert sorted(both) == ["a", "b", "c", "d"]
+    assert all(listing.ids(p) == sorted(listing.ids(p)) for p in (0, 1))
+    listing.ids(0).clear()  # the caller's copy
+    assert sorted(listing.ids(0) + listing.ids(1)) == ["a", "b", "c", "d"]

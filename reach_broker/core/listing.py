@@ -70,6 +70,10 @@ class Listing:
         if i < len(ids) and ids[i] == agent_id:
             del ids[i]
 
+    def ids(self, p: int) -> list[str]:
+        """Partition ``p``'s agent ids, in order (a copy: O(partition))."""
+        return list(self._ids[p])
+
     def count(self, p: int) -> int:
         """How many agents partition ``p`` holds."""
         return len(self._ids[p])
