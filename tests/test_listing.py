@@ -89,3 +89,13 @@ def test_a_partitions_ids_are_a_copy_in_order() -> None:
     assert all(listing.ids(p) == sorted(listing.ids(p)) for p in (0, 1))
     listing.ids(0).clear()  # the caller's copy
     assert sorted(listing.ids(0) + listing.ids(1)) == ["a", "b", "c", "d"]
+
+
+def test_a_partition_dropped_is_no_longer_listed() -> None:
+    listing = Listing(2)
+    for a in ("a", "b", "c", "d"):
+        listing.add(a)
+    p = listing.partition_of("a")
+    dropped = listing.drop(p)
+    assert "a" in dropped and listing.ids(p) == [] and listing.count(p) == 0
+    assert sorted(dropped + listing.ids(1 - p)) == ["a", "b", "c", "d"]

@@ -70,6 +70,11 @@ class Listing:
         if i < len(ids) and ids[i] == agent_id:
             del ids[i]
 
+    def drop(self, p: int) -> list[str]:
+        """Forget partition ``p``'s ids (another broker owns it now); the ids it held."""
+        ids, self._ids[p] = self._ids[p], []
+        return ids
+
     def ids(self, p: int) -> list[str]:
         """Partition ``p``'s agent ids, in order (a copy: O(partition))."""
         return list(self._ids[p])

@@ -93,9 +93,11 @@ class AgentPages:
             cap, state = req.capability, req.state
 
             def passes(agent_id: str) -> bool:
-                rec = agents[agent_id]
-                return (state is None or rec.state == state) and (
-                    cap is None or cap in rec.capabilities
+                rec = agents.get(agent_id)
+                return (
+                    rec is not None
+                    and (state is None or rec.state == state)
+                    and (cap is None or cap in rec.capabilities)
                 )
 
         ids, cursor = listing.page(p, after, limit, passes)
@@ -103,7 +105,10 @@ class AgentPages:
         views: list[msgspec.Raw] = []
         size, budget = 0, min(PAGE_BYTES, self.ctx.nc.max_payload // 2)
         for n, agent_id in enumerate(ids):
-            view = schema.encoder.encode(agents[agent_id].view(wall_ms, now))
+            rec = agents.get(agent_id)
+            if rec is None:
+                continue  # listed, no longer held (never, while the two are kept together)
+            view = schema.encoder.encode(rec.view(wall_ms, now))
             size += len(view) + 1
             if views and size > budget:
                 cursor = cursor_of(p, ids[n - 1])  # full: the next page goes on from here
