@@ -143,13 +143,19 @@ class TableBook:
     # --- ownership ---------------------------------------------------------------------------
 
     def own(
-        self, p: int, epoch: int, agents: dict[str, AgentRecord], now: float
+        self,
+        p: int,
+        epoch: int,
+        agents: dict[str, AgentRecord],
+        now: float,
+        ids: list[str] | None = None,
     ) -> list[TableDelta]:
         """Partition ``p`` is this broker's from now on, in ``epoch``: its shares start
-        afresh from the registry's ``agents`` (O(fleet), once per lease taken)."""
+        afresh from the registry's ``agents`` — those of ``ids`` (the partition's, from the
+        registry's listing: O(partition)), or every agent found in ``p`` (O(fleet))."""
         self.disown(p)
         self.epochs[p] = epoch
-        mine = [a for a in agents if self.partition_of(a) == p]
+        mine = ids if ids is not None else [a for a in agents if self.partition_of(a) == p]
         return self.changes(mine, agents.get, now)
 
     def disown(self, p: int) -> None:

@@ -237,6 +237,12 @@ class Metrics:
             "reach_partitions_owned", "Partitions of the fleet whose lease this broker holds",
             registry=r,
         )  # fmt: skip
+        self.route_forwards = Counter(
+            "reach_route_forwards_total",
+            "Route requests forwarded to their capability's owner, by result: ok (relayed), "
+            "timeout, no_owner, not_owner (refused, retryable); answered (received as owner)",
+            ["result"], registry=r,
+        )  # fmt: skip
         self.tables = Counter(
             "reach_tables_total",
             "Route-table work by kind: delta (published), request (a table asked for and "
