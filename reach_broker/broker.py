@@ -296,6 +296,7 @@ class Broker:
                 else ()
             ),
             (self.probes, False),
+            (self.pages, False),  # answers <p>.agents.<partition> for the partitions it owns
             (self.advisories, False),
             (self.synadia, False),
             (self.outcomes, False),
@@ -406,7 +407,6 @@ class Broker:
             await nc.subscribe(s.all_announces, cb=self.identity.on_message,
                                pending_msgs_limit=msgs, pending_bytes_limit=size),
             await nc.subscribe(s.all_leaves, cb=ep["leave"].on_message),
-            await nc.subscribe(s.all_agent_pages, cb=self.pages.endpoint.on_message),
         ]  # fmt: skip
         self._service = await add_service(
             nc,
