@@ -233,13 +233,13 @@ class Broker:
             jetstream=lambda: self.jetstream_ok, owned=m.partitions_owned,
         )  # fmt: skip
         """The leases of the partitions this broker owns, told to the tables."""
+        held = self.partitions.held
         self.pages = AgentPages(
-            ctx, registry,
-            (lambda p: p in self.partitions.held) if cfg.fleet.tables else (lambda p: True),
+            ctx, registry, lambda p: p in held or (not held and not cfg.fleet.tables),
             dropped=lambda reason: m.refused.labels("agents", reason),
         )  # fmt: skip
-        """``<p>.agents.<partition>``: pages of the partitions this broker owns (all of them
-        without the route tables' leases)."""
+        """``<p>.agents.<partition>``: pages of the partitions this broker owns (every one
+        when it leases none because the leases are off: ``[fleet] tables`` false)."""
         epochs = self.tables.book.epochs
         self.shares = Shares(ctx, cfg.fleet, epochs)
         """The other owners' shares of the route tables, followed (routes merge them)."""
