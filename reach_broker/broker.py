@@ -233,13 +233,13 @@ class Broker:
             jetstream=lambda: self.jetstream_ok, owned=m.partitions_owned,
         )  # fmt: skip
         """The leases of the partitions this broker owns, told to the tables."""
+        held = self.partitions.held
         self.pages = AgentPages(
-            ctx, registry,
-            (lambda p: p in self.partitions.held) if cfg.fleet.tables else (lambda p: True),
+            ctx, registry, lambda p: p in held or (not held and not cfg.fleet.tables),
             dropped=lambda reason: m.refused.labels("agents", reason),
         )  # fmt: skip
-        """``<p>.agents.<partition>``: pages of the partitions this broker owns (all of them
-        without the route tables' leases)."""
+        """``<p>.agents.<partition>``: pages of the partitions this broker owns (every one
+        when it leases none because the leases are off: ``[fleet] tables`` false)."""
         epochs = self.tables.book.epochs
         self.shares = Shares(ctx, cfg.fleet, epochs)
         """The other owners' shares of the route tables, followed (routes merge them)."""
@@ -296,6 +296,7 @@ class Broker:
                 else ()
             ),
             (self.probes, False),
+            (self.pages, False),  # answers <p>.agents.<partition> for the partitions it owns
             (self.advisories, False),
             (self.synadia, False),
             (self.outcomes, False),
@@ -406,7 +407,6 @@ class Broker:
             await nc.subscribe(s.all_announces, cb=self.identity.on_message,
                                pending_msgs_limit=msgs, pending_bytes_limit=size),
             await nc.subscribe(s.all_leaves, cb=ep["leave"].on_message),
-            await nc.subscribe(s.all_agent_pages, cb=self.pages.endpoint.on_message),
         ]  # fmt: skip
         self._service = await add_service(
             nc,

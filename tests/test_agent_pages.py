@@ -111,3 +111,16 @@ async def test_pages_filter_and_only_owners_answer(nc: NATS, broker_factory: Bro
     assert "page with limit and cursor on reach.agents.0" in await refusal(
         S.agents, b'{"limit": 10}'
     )
+
+
+async def test_without_leases_a_broker_answers_every_partition(
+    nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    broker = await broker_factory(**QUIET, fleet__tables=False)  # no leases taken
+    assert broker.partitions.held == {}
+    await simulate(nc, broker, 40)
+    pages = [pg async for pg in agent_pages(nc, S, limit=100)]
+    assert len(pages) == broker.cfg.fleet.partitions
+    assert sorted(a.agent_id for pg in pages for a in pg.agents) == [
+        f"sim-{i:05d}" for i in range(40)
+    ]
