@@ -74,6 +74,7 @@ from reach_broker.service.fanout import Consumer, Fanout
 from reach_broker.service.forwarding import Forwarder
 from reach_broker.service.handlers import Handlers
 from reach_broker.service.identity import Identity, Reannouncer
+from reach_broker.service.listing import AgentPages
 from reach_broker.service.metrics import HandlerMetrics, Metrics, ReplayMetrics
 from reach_broker.service.observer import Observer
 from reach_broker.service.outcomes import Outcomes
@@ -147,7 +148,7 @@ class Broker:
         # The pure core: the signer is keyed at start (the secret may live in KV).
         self.registry = registry = Registry(
             cfg.detection, cfg.scoring, TokenSigner(b"", cfg.broker.token_max_age_s),
-            interval_ms=cfg.broker.interval_ms,
+            interval_ms=cfg.broker.interval_ms, partitions=cfg.fleet.partitions,
         )  # fmt: skip
         agents = registry.agents
         self.rules = Rules(from_config(cfg.rules))
@@ -232,6 +233,13 @@ class Broker:
             jetstream=lambda: self.jetstream_ok, owned=m.partitions_owned,
         )  # fmt: skip
         """The leases of the partitions this broker owns, told to the tables."""
+        held = self.partitions.held
+        self.pages = AgentPages(
+            ctx, registry, lambda p: p in held or (not held and not cfg.fleet.tables),
+            dropped=lambda reason: m.refused.labels("agents", reason),
+        )  # fmt: skip
+        """``<p>.agents.<partition>``: pages of the partitions this broker owns (every one
+        when it leases none because the leases are off: ``[fleet] tables`` false)."""
         epochs = self.tables.book.epochs
         self.shares = Shares(ctx, cfg.fleet, epochs)
         """The other owners' shares of the route tables, followed (routes merge them)."""
@@ -288,6 +296,7 @@ class Broker:
                 else ()
             ),
             (self.probes, False),
+            (self.pages, False),  # answers <p>.agents.<partition> for the partitions it owns
             (self.advisories, False),
             (self.synadia, False),
             (self.outcomes, False),

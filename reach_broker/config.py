@@ -109,7 +109,11 @@ class DetectionSection(Section):
     probe_backoff_max_s: Positive = 60.0
     """Ceiling of the jittered exponential backoff between probes of a failing agent."""
     rtt_sample_interval_s: Annotated[float, Meta(ge=0)] = 10.0
-    """How often every healthy agent is probed for an RTT sample (0: never)."""
+    """How often every healthy agent is probed for an RTT sample (0: never), while the
+    probe budget allows it."""
+    probe_budget_per_s: Annotated[float, Meta(ge=0)] = 1000.0
+    """RTT samples sent per second at most, whatever the size of the fleet: N healthy agents
+    are sampled every max(rtt_sample_interval_s, N / budget) seconds, in turn (0: none)."""
     advisories: bool = True
     """Use the server's $SYS connect/disconnect advisories when the account exports them."""
     advisory_account: str | None = None
@@ -165,7 +169,8 @@ class RoutingSection(Section):
     pool_factor: Annotated[int, Meta(ge=1, le=100)] = 4
     """The weighted sample is drawn from the best limit * pool_factor candidates."""
     vnodes: Annotated[int, Meta(ge=1, le=10_000)] = 150
-    """Virtual nodes per agent on the sticky_key consistent-hash ring."""
+    """Unused: sticky keys go by rendezvous hashing, which keeps no ring (accepted so older
+    files load; the route tables still carry it for callers of older SDKs)."""
     rank_refresh_ms: Annotated[float, Meta(ge=0)] = 50.0
     """A capability's ranking is rebuilt at most this often (state changes apply at once)."""
     slow_start_share: Share = 0.2

@@ -112,6 +112,7 @@ def test_caller_permissions() -> None:
     assert user.pub.allow == [
         "reach.route.>",
         "reach.agents",
+        "reach.agents.*",
         "reach.task.>",
         "reach.comp.>",
         "reach.probe.*",
@@ -151,6 +152,7 @@ def test_broker_permissions() -> None:
         "$SYS.REQ.SERVER.PING.CONNZ",
         "$SRV.>",
         "reach.agents",
+        "reach.agents.*",
         "reach.route.>",
         "reach.forward.>",
     ]
@@ -160,6 +162,7 @@ def test_broker_permissions() -> None:
         "reach.leave.*",
         "reach.route.>",
         "reach.agents",
+        "reach.agents.*",
         "reach.comp.>",
         "reach.ack.>",
         "reach.event.>",

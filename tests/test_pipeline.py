@@ -56,6 +56,7 @@ def test_the_parts_start_in_order_and_those_on_jetstream_are_marked() -> None:
         ("Forwarder", True),
         ("Shares", False),
         ("Prober", False),
+        ("AgentPages", False),
         ("Advisories", False),
         ("SynadiaAgents", False),
         ("Outcomes", False),
@@ -102,7 +103,7 @@ def test_a_transition_reaches_every_consumer_and_parts_not_running_only_plan() -
     assert [(t.kind, t.agent_id, t.to) for t in seen.items] == [("registered", "alpha", "healthy")]
     assert broker.fanout.withheld == 1
     assert broker.metrics.registry_changes.labels("registered")._value.get() == 1
-    # Not started: the snapshot, releases and replay ignore it; the prober plans the
-    # newcomer's first RTT sample (it sends nothing until it runs).
+    # Not started: the snapshot, releases and replay ignore it; the prober takes the
+    # newcomer for its first RTT sample (it sends nothing until it runs).
     assert broker.snapshot.writes == 0 and not broker.snapshot._dirty
-    assert broker.probes.pending("alpha") is not None
+    assert list(broker.probes.sampler.newcomers) == ["alpha"]

@@ -536,9 +536,11 @@ class RouteReply(Base, frozen=True):
 # --- route tables: broker (a share's owner) → callers -------------------------------------
 
 
-class TableEntry(Base, frozen=True):
+class TableEntry(Base, frozen=True, gc=False):
     """One agent in a capability's route table: what a caller needs to choose it (the
-    filters' inputs, its weight's, its load) and to reach it."""
+    filters' inputs, its weight's, its load) and to reach it. Not tracked by the garbage
+    collector (16 B less an entry, a broker keeping one per agent): nothing it holds can
+    hold it."""
 
     agent_id: str
     state: AgentState
@@ -655,10 +657,31 @@ class AgentView(Base, frozen=True):
 
 
 class AgentsRequest(Base, frozen=True):
-    """``reach.agents``: optional filters; ``{}`` or empty lists everything."""
+    """``reach.agents`` and ``<p>.agents.<partition>``: optional filters; ``{}`` or empty
+    lists everything (a page of it on ``<p>.agents.<partition>``)."""
 
     capability: Capability | None = None
     state: AgentState | None = None
+    limit: Annotated[int, Meta(ge=1)] | None = None
+    """``<p>.agents.<partition>`` only: agents in the page (default 500, at most 5000)."""
+    cursor: ShortText | None = None
+    """``<p>.agents.<partition>`` only: where the page starts (the previous page's
+    ``cursor``; absent: the partition's first agent)."""
+
+
+class AgentsPage(Base, frozen=True):
+    """``<p>.agents.<partition>``'s answer, from the partition's owner: a page of its agents
+    sorted by id, and the cursor of the next page (absent: the whole fleet is listed)."""
+
+    agents: list[AgentView]
+    partition: int
+    partitions: int
+    """How many partitions the fleet is split into."""
+    cursor: str | None = None
+    """``"<partition>.<after>"``: ask ``<p>.agents.<partition>`` with it for the next page."""
+    count: int = 0
+    """Agents the partition holds now (all of them, whatever the filters)."""
+    broker_id: str | None = None
 
 
 class OutcomeSummary(Base, frozen=True):
@@ -724,6 +747,7 @@ route_reply_decoder = msgspec.json.Decoder(RouteReply)
 announce_ack_decoder = msgspec.json.Decoder(AnnounceAck)
 agents_request_decoder = msgspec.json.Decoder(AgentsRequest)
 agent_views_decoder = msgspec.json.Decoder(list[AgentView])
+agents_page_decoder = msgspec.json.Decoder(AgentsPage)
 probe_reply_decoder = msgspec.json.Decoder(ProbeReply)
 event_decoder = msgspec.json.Decoder(Event)
 claim_decoder = msgspec.json.Decoder(Claim)

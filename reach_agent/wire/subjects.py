@@ -16,7 +16,8 @@ sender names against the sender's permissions (see docs/protocol.md, "Reply subj
     <p>.probe.<agent_id>             broker/caller → agent (request-reply)
     <p>.reannounce.<agent_id>        broker → agent: announce again
     <p>.route.<capability>           caller → one broker (queue group)
-    <p>.agents                       CLI → one broker (queue group)
+    <p>.agents                       CLI → one broker (queue group): its whole registry
+    <p>.agents.<partition>           CLI/console → the partition's owner: a page of its agents
     <p>.task.<agent_id>.<capability> caller → agent (request-reply)
     <p>.cancel.<agent_id>            caller/broker → agent: stop running a request
     <p>.cancel._broker               caller → one broker (queue group): cancel a request
@@ -91,6 +92,7 @@ class Subjects:
         "_hb",
         "_leave",
         "_outcome",
+        "_pages",
         "_probe",
         "_reannounce",
         "_route",
@@ -118,6 +120,7 @@ class Subjects:
         self._outcome = f"{prefix}.outcome."
         self._table = f"{prefix}.table."
         self._tables = f"{prefix}.tables."
+        self._pages = f"{prefix}.agents."
         self._forward = f"{prefix}.forward."
         # Parsers run per message (heartbeats): slice at precomputed lengths.
         self._cuts = (
@@ -152,6 +155,10 @@ class Subjects:
     @property
     def agents(self) -> str:
         return f"{self.prefix}.agents"
+
+    def agent_page(self, partition: int) -> str:
+        """Where the owner of ``partition`` answers pages of its agents."""
+        return f"{self._pages}{partition}"
 
     def task(self, agent_id: str, capability: str) -> str:
         return f"{self._task}{agent_id}.{capability}"
@@ -230,6 +237,11 @@ class Subjects:
     def all_routes(self) -> str:
         return self._route + ">"
 
+    @property
+    def all_agent_pages(self) -> str:
+        """Every partition's page subject (``<p>.agents.*``)."""
+        return self._pages + "*"
+
     def tasks_of(self, agent_id: str) -> str:
         """Every task subject of one agent (``<p>.task.<agent_id>.>``)."""
         return f"{self._task}{agent_id}.>"
@@ -285,6 +297,9 @@ class Subjects:
     def all_table_deltas(self) -> str:
         """Every share's deltas of every capability (``<p>.table.>``)."""
         return self._table + ">"
+
+    def partition_of_agent_page(self, subject: str) -> str:
+        return subject[len(self._pages) :]
 
     def capability_of_tables(self, subject: str) -> str:
         return subject[len(self._tables) :]

@@ -148,6 +148,7 @@ ROLES: dict[RoleName, Role] = {
         publish=(
             Every("all_routes"),
             Every("agents"),
+            Every("all_agent_pages"),  # pages of the fleet, each from its owner
             Every("all_tasks"),
             Every("all_comp"),
             Every("all_probes"),  # the client's liveness watch probes agents running its calls
@@ -190,6 +191,7 @@ ROLES: dict[RoleName, Role] = {
             # so it may also ask what a caller asks.
             Raw("$SRV.>"),
             Every("agents"),
+            Every("all_agent_pages"),  # pages of the fleet, each from its owner
             Every("all_routes"),
             Every("all_forwards"),  # a route request to its capability's owner (brokers only)
         ),
@@ -199,6 +201,7 @@ ROLES: dict[RoleName, Role] = {
             Every("all_leaves"),
             Every("all_routes"),
             Every("agents"),
+            Every("all_agent_pages"),  # pages of the fleet, each from its owner
             Every("all_comp"),
             Every("all_acks"),
             Every("all_events"),

@@ -22,6 +22,7 @@ from reach_agent.wire.schema import AgentState, AgentView, Announce, Heartbeat
 from reach_broker.config import DetectionSection, ScoringSection
 
 from .detector import Detector
+from .listing import DEFAULT_PARTITIONS, Listing
 from .records import AgentRecord, HeartbeatResult, Transition, TransitionKind
 from .scoring import score
 from .states import EVICTED, MOVES, SILENCE_EVENTS, Event, Move
@@ -42,6 +43,7 @@ class Registry:
         signer: TokenSigner,
         *,
         interval_ms: tuple[int, int],
+        partitions: int = DEFAULT_PARTITIONS,
     ) -> None:
         self.detection = detection
         """When silence makes an agent suspect, then offline, then forgotten."""
@@ -54,6 +56,8 @@ class Registry:
         self.detector = Detector(detection)
         self.agents: dict[str, AgentRecord] = {}
         self.indexes: CapabilityIndexes[AgentRecord] = CapabilityIndexes()
+        self.listing = Listing(partitions)
+        """Every agent's id, sorted within its partition (``<p>.agents.<partition>`` pages)."""
         self._deadlines: list[tuple[float, int, str]] = []
         self.inflight = 0  # Σ active over the fleet, kept incrementally
         self.capacity = 0
@@ -115,6 +119,7 @@ class Registry:
             self.counts["healthy"] += 1
             self.capacity += rec.max_concurrency
             self.indexes.add(rec)
+            self.listing.add(rec.agent_id)
             out.append(Transition("registered", rec.agent_id, None, "healthy", "announced"))
         else:
             old_caps, old_slots = rec.capabilities, rec.max_concurrency
@@ -318,6 +323,7 @@ class Registry:
         if to != "offline":
             self.capacity += rec.max_concurrency
         self.indexes.add(rec)
+        self.listing.add(rec.agent_id)
         if to == "offline":
             rec.forget_at = now + self.detection.forget_after_s
             self._push(rec, rec.forget_at)
@@ -394,6 +400,7 @@ class Registry:
         del self.agents[rec.agent_id]
         self.changed.add(rec.agent_id)
         self.indexes.discard(rec)
+        self.listing.remove(rec.agent_id)
         rec.deadline_gen += 1
         return Transition("evicted", rec.agent_id, frm, None, reason)
 

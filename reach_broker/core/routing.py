@@ -27,7 +27,8 @@ from typing import Any
 import msgspec
 
 from reach_agent.routing.choice import Chooser
-from reach_agent.routing.index import CapabilityIndex, CapabilityIndexes, by_score, hash64
+from reach_agent.routing.hashing import hash64, rendezvous
+from reach_agent.routing.index import CapabilityIndex, CapabilityIndexes, by_score
 from reach_agent.routing.member import Member
 from reach_agent.routing.rules import Rules
 from reach_agent.routing.table import RouteTable, TableMember
@@ -186,9 +187,9 @@ class Router(Chooser[AgentRecord]):
         limit = req.limit
         pool: list[Member] = [*own, *theirs]
         if sticky:
-            if own and theirs:  # rendezvous between the two sides' owners
-                key = req.sticky_key
-                first = max((own[0], theirs[0]), key=lambda m: hash64(f"{key}#{m.agent_id}"))
+            if own and theirs:  # the heavier of the two sides' owners: the key's owner
+                k = hash64(req.sticky_key or "")
+                first = max((own[0], theirs[0]), key=lambda m: rendezvous(m.hrw, k))
             else:
                 first = pool[0]
             rest = sorted((m for m in pool if m is not first), key=by_score)

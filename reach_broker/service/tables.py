@@ -142,7 +142,10 @@ class Tables:
         """Partition ``p`` is this broker's from now on (:mod:`.partitions` says): its shares
         are made from the registry and published."""
         log.debug("tables.own partition=%d epoch=%d", p, epoch)
-        deltas = self.book.own(p, epoch, self.registry.agents, self.ctx.clock())
+        registry, book = self.registry, self.book
+        listing = registry.listing
+        ids = listing.ids(p) if listing.partitions == book.partitions else None  # O(partition)
+        deltas = book.own(p, epoch, registry.agents, self.ctx.clock(), ids)
         if deltas:
             self.ctx.spawn(self._send(deltas), "table")
 
