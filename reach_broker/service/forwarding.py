@@ -39,7 +39,7 @@ from nats.micro.request import Request
 
 from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
-from reach_agent.routing.index import hash64
+from reach_agent.routing.hashing import hash64
 from reach_agent.routing.table import partition
 from reach_agent.wire.errors import Overloaded, to_reply
 from reach_agent.wire.schema import H_CALLER
