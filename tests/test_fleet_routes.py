@@ -13,6 +13,8 @@ from typing import Any
 import msgspec
 import pytest
 from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 
 import reach_agent
 from jetstream.claims import ClaimStore
@@ -554,6 +556,21 @@ async def test_a_gone_owners_successor_stands_in_until_its_lease_lapses(
     await wait_for(lambda: held_healthy(pair, agent_id))
     await wait_owners_read(pair, cap)
     await owner.nc.close()  # its subscriptions gone with it, its leases left to lapse
+
+    async def owner_gone() -> bool:
+        """The server has let go of the owner's subscriptions (a request sent before that
+        would be lost with the connection, as any in flight to a process that dies)."""
+        try:
+            await nc.request(f"reach.forward.{owner.forwarder.token}.x", b"", timeout=1)
+        except NoRespondersError:
+            return True
+        except NatsTimeoutError:
+            pass
+        return False
+
+    deadline = time.monotonic() + 10
+    while not await owner_gone():
+        assert time.monotonic() < deadline, "the server kept the closed owner's subscriptions"
     answered = 0
     deadline = time.monotonic() + 20  # the lease lapses in 3 s, taken within a round more
     while not other.shares.owns_all():
