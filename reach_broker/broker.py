@@ -10,11 +10,12 @@ nothing is patched onto a built part: who is told of the registry's transitions,
 order, is the one list given to the :class:`~reach_broker.service.fanout.Fanout` below, and
 the order parts start in (and stop in, reversed) is the one list after it.
 
-Announce, heartbeat and leave are plain subscriptions on every replica (each derives the same
-state); route and ``agents`` are NATS Services API endpoints in queue group ``reach-broker``,
-so replicas share that load and ``nats micro ls`` lists the broker. What the messages do is
-:mod:`reach_broker.service.handlers`. Building does no I/O; :meth:`Broker.start` adds the
-connection, the JetStream assets and the token secret, then starts the parts.
+Announce, heartbeat and leave are heard by the owner of the agent's partition alone (the
+server maps them into partitions: :mod:`reach_broker.service.ingest`, ``.takeover``,
+``.partitions``); route and ``agents`` are NATS Services API endpoints in queue group
+``reach-broker``, so replicas share that load and ``nats micro ls`` lists the broker. What the
+messages do is :mod:`reach_broker.service.handlers`. Building does no I/O; :meth:`Broker.start`
+adds the connection, the JetStream assets and the token secret, then starts the parts.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ from reach_broker.service.context import BrokerContext, Link, Tasks
 from reach_broker.service.fanout import Consumer, Fanout
 from reach_broker.service.handlers import Handlers
 from reach_broker.service.identity import Identity, Reannouncer
+from reach_broker.service.ingest import Ingest
 from reach_broker.service.metrics import HandlerMetrics, Metrics, ReplayMetrics
 from reach_broker.service.observer import Observer
 from reach_broker.service.outcomes import Outcomes
@@ -81,16 +83,13 @@ from reach_broker.service.releases import Releaser
 from reach_broker.service.rulebook import Rulebook, from_config
 from reach_broker.service.snapshot import Snapshot
 from reach_broker.service.tables import Tables
+from reach_broker.service.takeover import Takeover
 
 log = logging.getLogger(__name__)
 
 QUEUE_GROUP = "reach-broker"
 SERVICE_NAME = "reach-broker"
 SERVICE_DESCRIPTION = "reach: routes tasks to reachable AI agents by capability"
-
-HEARTBEAT_PENDING = 1_000_000, 512 * 1024 * 1024
-"""Pending limits (messages, bytes) of the announce and heartbeat subscriptions: a storm of
-heartbeats must queue, not drop."""
 
 
 class Component(Protocol):
@@ -211,11 +210,25 @@ class Broker:
             jetstream=lambda: self.jetstream_ok, counts=m.tables, dropped=m.dropped,
         )  # fmt: skip
         """The route tables of the partitions this broker owns (callers route from them)."""
+        ep = self.handlers.endpoints
+        self.ingest = Ingest(
+            ctx, cfg.fleet.partitions, heartbeat=ep["heartbeat"].on_message,
+            announce=self.identity.on_message, leave=ep["leave"].on_message,
+            mapping=m.partition_mapping,
+        )  # fmt: skip
+        """The announces, heartbeats and leaves of the partitions this broker owns."""
+        tables = cfg.fleet.tables
+        self.takeover = Takeover(
+            ctx, registry, self.snapshot, self.ingest,
+            shares_own=self.tables.own if tables else lambda p, epoch: None,
+            shares_lose=self.tables.lose if tables else lambda p: None, took=m.takeovers,
+        )  # fmt: skip
+        """What the broker holds per partition: restored, heard, published; or dropped."""
         self.partitions = Partitions(
-            ctx, cfg.fleet, self.tables.own, self.tables.lose,
+            ctx, cfg.fleet, self.takeover.own, self.takeover.lose,
             jetstream=lambda: self.jetstream_ok, owned=m.partitions_owned,
         )  # fmt: skip
-        """The leases of the partitions this broker owns, told to the tables."""
+        """The leases of the partitions this broker owns, each taken over and handed over."""
 
         # The pipeline: every transition is published as an event, counted, logged, then
         # handed to these consumers, in this order (a consumer whose part is not running
@@ -249,7 +262,9 @@ class Broker:
         self.parts: tuple[tuple[Component, bool], ...] = (
             (self.snapshot, True),
             (self.rulebook, True),
-            *(((self.tables, False), (self.partitions, False)) if cfg.fleet.tables else ()),
+            *(((self.tables, False),) if cfg.fleet.tables else ()),
+            (self.ingest, False),
+            (self.partitions, False),
             (self.probes, False),
             (self.advisories, False),
             (self.synadia, False),
@@ -298,6 +313,7 @@ class Broker:
         if not self._watching:
             self._watching = True
             self.metrics.watch_states(lambda: self.registry.counts)
+            self.metrics.watch_partition_beats(self.ingest.beats)
         await self._start_components(stop)
         await self._serve()
         if self.feed is not None:
@@ -352,16 +368,8 @@ class Broker:
                 await component.start()
 
     async def _serve(self) -> None:
-        """Subscribe the handlers: plain subscriptions, then the Services endpoints."""
+        """Serve the Services endpoints (the agent subjects are the ingest's, per partition)."""
         nc, s, ep = self.nc, self.subjects, self.handlers.endpoints
-        msgs, size = HEARTBEAT_PENDING
-        self._subs = [
-            await nc.subscribe(s.all_heartbeats, cb=ep["heartbeat"].on_message,
-                               pending_msgs_limit=msgs, pending_bytes_limit=size),
-            await nc.subscribe(s.all_announces, cb=self.identity.on_message,
-                               pending_msgs_limit=msgs, pending_bytes_limit=size),
-            await nc.subscribe(s.all_leaves, cb=ep["leave"].on_message),
-        ]  # fmt: skip
         self._service = await add_service(
             nc,
             ServiceConfig(
@@ -422,6 +430,9 @@ class Broker:
             return f"not connected to NATS yet (connecting to {servers})"
         if not self.serving:
             return "starting: provisioning the JetStream assets and loading the route rules"
+        mismatch = self.ingest.not_ready()
+        if mismatch is not None:
+            return mismatch
         if not self.jetstream_ok:
             return ("the NATS server has no JetStream: no claims, durable acks or compensation "
                     "replay (start nats-server with -js)")  # fmt: skip
