@@ -111,7 +111,10 @@ class Errors:
 
 def violation(action: str, subject: str) -> str:
     """The error nats-py reports for a refused publish or subscription (it lowercases the
-    server's ``Permissions Violation for Publish to "<subject>"``, subject included)."""
+    server's ``Permissions Violation for Publish to "<subject>"``, subject included). An
+    agent subject published is checked, and named, as the server maps it (:func:`mapped`)."""
+    if action == "publish":
+        subject = mapped(subject)
     return f'nats: permissions violation for {action} to "{subject.lower()}"'
 
 
