@@ -243,6 +243,7 @@ async def kill(brokers: list[Broker], nc: Any, a: argparse.Namespace, p: int) ->
 
     sub = await nc.subscribe(f"{a.prefix}.event.>", cb=on_event)
     victim, survivors = brokers[-1], brokers[:-1]
+    took0 = [await b.metrics() for b in survivors]
     with contextlib.suppress(ProcessLookupError):
         victim.child.proc.send_signal(signal.SIGKILL)
     await victim.child.proc.wait()
@@ -261,7 +262,23 @@ async def kill(brokers: list[Broker], nc: Any, a: argparse.Namespace, p: int) ->
             int(sum(m.get(f'reach_agents{{state="{s}"}}', 0) for s in STATES)) for m in ms
         ],
         "healthy_after": [int(m.get('reach_agents{state="healthy"}', 0)) for m in ms],
-        "takeover_seconds_sum": [m.get("reach_partition_takeover_seconds_sum") for m in ms],
+        # Each partition taken over: restored from its snapshot keys, heard, published.
+        "partition_takeover_mean_s": [
+            round(
+                (m.get(f"{k}_sum", 0) - m0.get(f"{k}_sum", 0))
+                / max(m.get(f"{k}_count", 0) - m0.get(f"{k}_count", 0), 1),
+                3,
+            )
+            for m, m0 in zip(ms, took0, strict=True)
+            for k in ("reach_partition_takeover_seconds",)
+        ],
+        "partitions_taken_over": [
+            int(
+                m.get("reach_partition_takeover_seconds_count", 0)
+                - m0.get("reach_partition_takeover_seconds_count", 0)
+            )
+            for m, m0 in zip(ms, took0, strict=True)
+        ],
     }
 
 
