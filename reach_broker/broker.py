@@ -167,8 +167,11 @@ class Broker:
             announced=self.snapshot.on_announce,  # an accepted announce, moved or not
             spans=self.spans,
         )  # fmt: skip
-        self.identity = Identity(ctx, registry, self.handlers,
-                                 conflict=m.announce_result["conflict"])  # fmt: skip
+        self.identity = Identity(
+            ctx, registry, self.handlers, conflict=m.announce_result["conflict"],
+            # a restarted agent's old instance is gone: its claims released (built below)
+            replaced=lambda agent_id, instance: self.releaser.replaced(agent_id, instance),
+        )  # fmt: skip
         self.probes = Prober(ctx, registry, cfg.detection, results=m.probes, rtt=m.probe_rtt,
                              probe_via=StatusProbes(self.nc, clock))  # fmt: skip
         self.account = Account()
