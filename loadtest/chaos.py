@@ -153,12 +153,12 @@ def in_callers_table(client: Client) -> bool | None:
     the ranking its last route used (not ejected for its score: the latency fault) (None: the
     caller routes through a broker, or holds no table yet)."""
     routes = client.routes
-    if not isinstance(routes, TableRoutes) or CAPABILITY not in routes.followed:
+    if not isinstance(routes, TableRoutes) or CAPABILITY not in routes.follower.followed:
         return None
-    m = routes.members.get(VICTIM)
+    m = routes.follower.members.get(VICTIM)
     if m is None or m.state != "healthy":
         return False
-    return any(r is m for r in routes.followed[CAPABILITY].table.index.ranked)
+    return any(r is m for r in routes.follower.followed[CAPABILITY].table.index.ranked)
 
 
 async def monitor(broker: Broker, client: Client, run: Run, stop: asyncio.Event) -> None:

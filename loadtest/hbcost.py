@@ -56,7 +56,8 @@ def build(agents: int) -> tuple[Handlers, Any, list[tuple[str, str, bytes]], Met
     checkout has one, and one heartbeat per agent: (plain subject, mapped subject, body)."""
     cfg = Config()
     clock = Clock()
-    reg = Registry(cfg, TokenSigner(b"k" * 32, 3600))
+    reg = Registry(cfg.detection, cfg.scoring, TokenSigner(b"k" * 32, 3600),
+                   interval_ms=cfg.broker.interval_ms, partitions=P)  # fmt: skip
     m = Metrics()
     subjects = Subjects()
     from reach_agent.routing.rules import Rules

@@ -7,7 +7,11 @@ turn, ``--rounds`` times alternated: ``plain`` (an empty body, the SDK's), ``fil
 ``plain_over_peek`` is the cost of counting one), where the code has it ``explain``, and the
 routing policy of issue 18 over the same agents: ``rules`` (the capability's rule: a 95/5
 version split and a required tag), ``quota`` (a token bucket per caller, never empty) and
-``rules_quota`` (both). The broker's clock advances ``1 / --rate`` seconds per request
+``rules_quota`` (both), and issue 24's ``merged`` (the same agents split between this
+broker's registry, the partitions it owns, and the other owners' shares it follows: the
+route merges both; ``merged_over_plain``) with ``single`` (the plain route through a router
+that asks for other owners' shares and has none, as a broker owning every partition does).
+The broker's clock advances ``1 / --rate`` seconds per request
 (default: each agent is handed a task per its 100 ms task time, a tenth of its slots), so the
 hand-outs fade as they would in a fleet that keeps up. Each figure is the best round's
 microseconds per request (the least disturbed by whatever else the machine runs); the ratios
@@ -25,7 +29,15 @@ import types
 from collections.abc import Callable
 
 from reach_agent.routing.rules import Rules, build
-from reach_agent.wire.schema import Announce, Heartbeat, RouteRequest
+from reach_agent.routing.table import RouteTable, SharedMember, TableMember, partition
+from reach_agent.wire.schema import (
+    Announce,
+    Heartbeat,
+    RouteRequest,
+    TableEntry,
+    TableRouting,
+    TableShare,
+)
 from reach_agent.wire.subjects import Subjects
 from reach_broker.config import Config, QuotasSection
 from reach_broker.core.explain import Explainer
@@ -61,7 +73,12 @@ def policy_handlers(agents: int, rate: float | None = None) -> dict[str, Handler
     ``rules`` (a split and a required tag), ``quota`` (a bucket per caller), ``rules_quota``;
     asked ``rate`` routes a second (default: ten per agent)."""
     cfg = Config()
-    reg = Registry(cfg, TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
+    reg = Registry(
+        cfg.detection,
+        cfg.scoring,
+        TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0),
+        interval_ms=cfg.broker.interval_ms,
+    )
     subjects = Subjects("reach")
 
     def router(rules: Rules) -> Router:
@@ -87,6 +104,11 @@ def policy_handlers(agents: int, rate: float | None = None) -> dict[str, Handler
     ruled.put(CAP, build(split="version=1:95,2:5", require=["env=prod"]))
     unlimited = QuotasSection(rate=1e12, burst=10**12)  # a bucket taken from, never empty
     out = {}
+    for kind, foreign in (("merged", True), ("single", False)):
+        held, r = merged_router(cfg, reg, subjects, foreign)
+        out[kind] = Handlers(ctx, held, r, Quotas(QuotasSection(), Rules()),  # type: ignore[arg-type]
+                             Explainer(r, cfg.scoring), metrics,
+                             on_unknown=lambda _: None, announced=lambda _: None)  # fmt: skip
     for kind, rules, quota in (
         ("plain", Rules(), QuotasSection()),
         ("rules", ruled, None),
@@ -98,6 +120,48 @@ def policy_handlers(agents: int, rate: float | None = None) -> dict[str, Handler
         out[kind] = Handlers(ctx, reg, r, q, Explainer(r, cfg.scoring), metrics,  # type: ignore[arg-type]
                              on_unknown=lambda _: None, announced=lambda _: None)  # fmt: skip
     return out
+
+
+PARTITIONS = 32
+
+
+def merged_router(
+    cfg: Config, reg: Registry, subjects: Subjects, foreign: bool
+) -> tuple[Registry, Router]:
+    """A registry of the agents of ``reg`` in partitions 0-15 and a router over it and the
+    others as the other owners' shares (``foreign``); or ``reg`` and a router over it asking
+    for shares and getting none."""
+    if not foreign:
+        return reg, Router(cfg.routing, reg.indexes, subjects.task, inflight=lambda: reg.inflight,
+                      capacity=lambda: reg.capacity, rng=random.Random(1),
+                      foreign=lambda cap: None)  # fmt: skip
+    own = Registry(
+        cfg.detection,
+        cfg.scoring,
+        TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0),
+        interval_ms=cfg.broker.interval_ms,
+    )
+    table = RouteTable(CAP, TableRouting(), SharedMember)
+    members: dict[str, TableMember] = {}
+    shares: dict[int, list[TableEntry]] = {}
+    for rec in reg.agents.values():
+        p = partition(rec.agent_id, PARTITIONS)
+        if p < PARTITIONS // 2:
+            mine, _ = own.announce(rec.announce, 0.0, 0)
+            hb = Heartbeat(agent_id=rec.agent_id, token=mine.token, seq=1, active=rec.active,
+                           ok_total=1, task_ms_p50=int(rec.stats.task_ewma_ms or 100))  # fmt: skip
+            own.heartbeat(hb, 0.5, 0)
+        else:
+            shares.setdefault(p, []).append(TableEntry(
+                agent_id=rec.agent_id, state="healthy", score=rec.score,
+                max_concurrency=rec.max_concurrency, active=rec.active, task_ms=100.0,
+                region=rec.region, version=rec.version, tags=rec.tags))  # fmt: skip
+    for p, entries in shares.items():
+        table.load(TableShare(capability=CAP, partition=p, epoch=1, version=1, entries=entries),
+                   members, 0.0)  # fmt: skip
+    return own, Router(cfg.routing, own.indexes, subjects.task, inflight=lambda: own.inflight,
+                       capacity=lambda: own.capacity, rng=random.Random(1),
+                       foreign=lambda cap: table)  # fmt: skip
 
 
 def per_request_us(call: Callable[[], object], n: int) -> float:
@@ -125,7 +189,7 @@ def main() -> None:
     if "explain" in RouteRequest.__struct_fields__ and not args.no_explain:
         bodies["explain"] = json.dumps({"explain": True}).encode()
     kinds: dict[str, tuple[Handlers, bytes]] = {k: (h, b) for k, b in bodies.items()}
-    for kind in ("rules", "quota", "rules_quota"):
+    for kind in ("rules", "quota", "rules_quota", "merged", "single"):
         kinds[kind] = (hs[kind], b"")
     best: dict[str, float] = {}
     for _ in range(args.rounds):
@@ -144,7 +208,7 @@ def main() -> None:
     out["filtered_over_plain"] = round(best["filtered"] / best["plain"], 3)
     if "peek" in best:
         out["plain_over_peek"] = round(best["plain"] / best["peek"], 3)
-    for kind in ("rules", "quota", "rules_quota"):
+    for kind in ("rules", "quota", "rules_quota", "merged", "single"):
         out[f"{kind}_over_plain"] = round(best[kind] / best["plain"], 3)
     print(json.dumps(out))
 

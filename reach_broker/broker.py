@@ -62,6 +62,7 @@ from reach_broker.replay.replay import Replayer
 from reach_broker.service.advisories import Advisories
 from reach_broker.service.assets import (
     START_RETRY_S,
+    Provisioning,
     jetstream_not_ready,
     provision_assets,
     token_secret,
@@ -71,9 +72,11 @@ from reach_broker.service.canceller import Canceller
 from reach_broker.service.clusterinfo import Account
 from reach_broker.service.context import BrokerContext, Link, Tasks
 from reach_broker.service.fanout import Consumer, Fanout
+from reach_broker.service.forwarding import Forwarder
 from reach_broker.service.handlers import Handlers
 from reach_broker.service.identity import Identity, Reannouncer
 from reach_broker.service.ingest import Ingest
+from reach_broker.service.listing import AgentPages
 from reach_broker.service.metrics import HandlerMetrics, Metrics, ReplayMetrics
 from reach_broker.service.observer import Observer
 from reach_broker.service.outcomes import Outcomes
@@ -81,6 +84,7 @@ from reach_broker.service.partitions import Partitions
 from reach_broker.service.probes import Prober
 from reach_broker.service.releases import Releaser
 from reach_broker.service.rulebook import Rulebook, from_config
+from reach_broker.service.shares import Shares
 from reach_broker.service.snapshot import Snapshot
 from reach_broker.service.tables import Tables
 from reach_broker.service.takeover import Takeover
@@ -133,8 +137,18 @@ class Broker:
         self.replicas: int | None = None
         """Replicas of the JetStream assets (None: the server has no JetStream)."""
 
+        self.provisioning = Provisioning(
+            replicas=cfg.jetstream.replicas, advisory_account=cfg.detection.advisory_account,
+            max_entries=cfg.compensation.max_entries, lease_ttl_s=cfg.fleet.lease_ttl_s,
+            token_secret=cfg.broker.token_secret,
+        )  # fmt: skip
+        """What the start provisions the JetStream assets and keys the token signer with."""
+
         # The pure core: the signer is keyed at start (the secret may live in KV).
-        self.registry = registry = Registry(cfg, TokenSigner(b"", cfg.broker.token_max_age_s))
+        self.registry = registry = Registry(
+            cfg.detection, cfg.scoring, TokenSigner(b"", cfg.broker.token_max_age_s),
+            interval_ms=cfg.broker.interval_ms, partitions=cfg.fleet.partitions,
+        )  # fmt: skip
         agents = registry.agents
         self.rules = Rules(from_config(cfg.rules))
         """Each capability's route rule in force: broker.toml's, then KV reach_rules'."""
@@ -143,8 +157,11 @@ class Broker:
             cfg.routing, registry.indexes, self.subjects.task,
             inflight=lambda: registry.inflight, capacity=lambda: registry.capacity,
             on_panic=lambda cap, on: m.panic.labels(cap).set(int(on)), rules=self.rules,
+            foreign=lambda cap: self.shares.table_of(cap),  # built with the route tables
         )  # fmt: skip
-        self.explainer = Explainer(self.router, cfg.scoring)
+        self.explainer = Explainer(
+            self.router, cfg.scoring, coverage=lambda cap, seen: self.shares.coverage(cap, seen)
+        )
 
         # What every component shares. Transitions go to the pipeline (self.fanout, built
         # last: its consumers are the components below).
@@ -232,6 +249,23 @@ class Broker:
             jetstream=lambda: self.jetstream_ok, owned=m.partitions_owned,
         )  # fmt: skip
         """The leases of the partitions this broker owns, each taken over and handed over."""
+        self.pages = AgentPages(
+            ctx, registry, lambda p: p in self.partitions.held,
+            dropped=lambda reason: m.refused.labels("agents", reason),
+        )  # fmt: skip
+        """``<p>.agents.<partition>``: pages of the partitions this broker owns (all of them
+        without the route tables' leases)."""
+        epochs = self.tables.book.epochs
+        self.shares = Shares(ctx, cfg.fleet, epochs)
+        """The other owners' shares of the route tables, followed (routes merge them)."""
+        self.forwarder = Forwarder(
+            ctx, cfg.fleet, self.handlers.endpoints["route"], self.handlers.route,
+            owned=epochs.__contains__, owns_all=self.shares.owns_all,
+            follow=self.shares.waiting, jetstream=lambda: self.jetstream_ok,
+            forwards=m.route_forwards,
+        )  # fmt: skip
+        """Route requests for a capability another broker owns, forwarded to it (quotas and
+        hand-outs counted once)."""
 
         # The pipeline: every transition is published as an event, counted, logged, then
         # handed to these consumers, in this order (a consumer whose part is not running
@@ -259,15 +293,17 @@ class Broker:
         # (their locate asks the CONNZ of the account the advisories learnt); claim
         # releases, replay and cancels come last. The route tables start after the snapshot and
         # the rules (their first shares are made from both), then the partitions' leases (each
-        # partition taken: its shares published). The console's feed starts once the handlers are
-        # subscribed (it only shows; its audit catch-up must not hold up serving), and
-        # stops first.
+        # partition taken: its shares published), then the forwarder (route requests for a
+        # capability another broker owns go there) and the other owners' shares followed. The
+        # console's feed starts once the handlers are subscribed (it only shows; its audit
+        # catch-up must not hold up serving), and stops first.
         self.parts: tuple[tuple[Component, bool], ...] = (
             (self.snapshot, True),
             (self.rulebook, True),
             *(((self.tables, False),) if cfg.fleet.tables else ()),
             (self.ingest, False),
             (self.partitions, False),
+            *(((self.forwarder, True), (self.shares, False)) if cfg.fleet.tables else ()),
             (self.probes, False),
             (self.advisories, False),
             (self.synadia, False),
@@ -360,9 +396,9 @@ class Broker:
                         raise
 
     async def _start_components_once(self) -> None:
-        self.replicas = await provision_assets(self.nc, self.cfg, self.subjects)
+        self.replicas = await provision_assets(self.nc, self.provisioning, self.subjects)
         self.jetstream_ok = self.replicas is not None
-        secret = await token_secret(self.nc, self.cfg, jetstream=self.jetstream_ok)
+        secret = await token_secret(self.nc, self.provisioning, jetstream=self.jetstream_ok)
         self.registry.signer.set_secret(secret)
         self._running = []
         for component, needs_js in self.parts:
@@ -373,6 +409,7 @@ class Broker:
     async def _serve(self) -> None:
         """Serve the Services endpoints (the agent subjects are the ingest's, per partition)."""
         nc, s, ep = self.nc, self.subjects, self.handlers.endpoints
+        self._subs = [await nc.subscribe(s.all_agent_pages, cb=self.pages.endpoint.on_message)]
         self._service = await add_service(
             nc,
             ServiceConfig(
@@ -383,9 +420,12 @@ class Broker:
                 queue_group=QUEUE_GROUP,
             ),
         )
-        for name, subject in (("route", s.all_routes), ("agents", s.agents)):
+        for name, subject, handler in (
+            ("route", s.all_routes, self.forwarder.on_request),
+            ("agents", s.agents, ep["agents"].on_request),
+        ):
             await self._service.add_endpoint(
-                EndpointConfig(name=name, subject=subject, handler=ep[name].on_request,
+                EndpointConfig(name=name, subject=subject, handler=handler,
                                queue_group=QUEUE_GROUP)
             )  # fmt: skip
         await flush_subscriptions(nc)  # a single flush() may overtake the SUBs (nats-py)

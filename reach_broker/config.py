@@ -72,6 +72,11 @@ class BrokerSection(Section):
     shutdown_grace_s: Positive = 5.0
     """How long shutdown waits for in-flight work before closing."""
 
+    @property
+    def interval_ms(self) -> tuple[int, int]:
+        """The heartbeat intervals an agent may announce: (shortest, longest), in ms."""
+        return self.min_heartbeat_interval_ms, self.max_heartbeat_interval_ms
+
 
 class DetectionSection(Section):
     suspect_after: Positive = 3.0
@@ -104,7 +109,11 @@ class DetectionSection(Section):
     probe_backoff_max_s: Positive = 60.0
     """Ceiling of the jittered exponential backoff between probes of a failing agent."""
     rtt_sample_interval_s: Annotated[float, Meta(ge=0)] = 10.0
-    """How often every healthy agent is probed for an RTT sample (0: never)."""
+    """How often every healthy agent is probed for an RTT sample (0: never), while the
+    probe budget allows it."""
+    probe_budget_per_s: Annotated[float, Meta(ge=0)] = 1000.0
+    """RTT samples sent per second at most, whatever the size of the fleet: N healthy agents
+    are sampled every max(rtt_sample_interval_s, N / budget) seconds, in turn (0: none)."""
     advisories: bool = True
     """Use the server's $SYS connect/disconnect advisories when the account exports them."""
     advisory_account: str | None = None
@@ -160,7 +169,8 @@ class RoutingSection(Section):
     pool_factor: Annotated[int, Meta(ge=1, le=100)] = 4
     """The weighted sample is drawn from the best limit * pool_factor candidates."""
     vnodes: Annotated[int, Meta(ge=1, le=10_000)] = 150
-    """Virtual nodes per agent on the sticky_key consistent-hash ring."""
+    """Unused: sticky keys go by rendezvous hashing, which keeps no ring (accepted so older
+    files load; the route tables still carry it for callers of older SDKs)."""
     rank_refresh_ms: Annotated[float, Meta(ge=0)] = 50.0
     """A capability's ranking is rebuilt at most this often (state changes apply at once)."""
     slow_start_share: Share = 0.2
@@ -368,6 +378,10 @@ class FleetSection(Section):
     """A share whose agents or their states changed is written to KV ``reach_tables`` (what
     a caller reads when no broker answers) at most this often; one whose load or scores only
     drifted at most every 10 x this (``service/tables.DRIFT_STORE_FACTOR``)."""
+    forward_timeout_s: Annotated[float, Meta(gt=0, le=60)] = 0.5
+    """How long a broker waits for a capability's owner to answer a route request it
+    forwarded (service/forwarding.py) before refusing it ``OVERLOADED`` (retryable); below
+    the callers' route timeout (1 s by default) so the refusal reaches them."""
 
 
 class RuleSection(Section):

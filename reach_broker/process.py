@@ -186,9 +186,11 @@ async def _run_broker(cfg: Config, stop: asyncio.Event) -> None:
     from reach_broker.service.metrics import Metrics
 
     metrics = Metrics()
-    shown = bool(cfg.broker.metrics_port) and access_of(cfg).enabled
+    access = access_of(cfg.broker.metrics_host, cfg.console)
+    shown = bool(cfg.broker.metrics_port) and access.enabled
     broker = Broker(cfg, metrics=metrics, console=shown)
-    port = (HttpPort(cfg, metrics.registry, broker.not_ready, broker.feed)
+    port = (HttpPort(access, cfg.broker.metrics_port, metrics.registry, broker.not_ready,
+                     broker.feed)
             if cfg.broker.metrics_port else None)  # fmt: skip
     if port is not None:
         try:

@@ -50,7 +50,12 @@ WALL_MS = 1_796_000_000_123
 
 def fleet(*announces: Announce) -> tuple[Registry, Router]:
     cfg = Config()
-    reg = Registry(cfg, TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
+    reg = Registry(
+        cfg.detection,
+        cfg.scoring,
+        TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0),
+        interval_ms=cfg.broker.interval_ms,
+    )
     for ann in announces:
         reg.announce(ann, 0.0, WALL_MS - 500)
     router = Router(cfg.routing, reg.indexes, lambda a, c: f"reach.task.{a}.{c}",

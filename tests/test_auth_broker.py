@@ -392,7 +392,7 @@ async def test_a_caller_routes_from_its_table_under_its_role_until_a_quota_sends
             assert await client.call(CAP, {"n": 0}, timeout=10) == {"by": "beta", "got": {"n": 0}}
             routes = client.routes
             assert isinstance(routes, TableRoutes)
-            table = routes.followed[CAP].table
+            table = routes.follower.followed[CAP].table
             assert table.local is True
             assert routes_answered(broker) == 0
             quota = RouteRule(quota_rate=1.0, quota_burst=2)
@@ -526,3 +526,48 @@ async def _until_copied(js: Any, subject: str, timeout_s: float = 5.0) -> list[A
         if found or loop.time() > deadline:
             return found
         await asyncio.sleep(0.02)
+
+
+async def test_two_brokers_count_a_callers_quota_by_its_credential_and_only_brokers_forward(
+    auth: AuthDir, server: AuthServer
+) -> None:
+    """Secured mode, two brokers, P = 8: the broker that receives a route request for a
+    capability it does not own forwards it with the caller named by the private inbox, so
+    a ``Reach-Caller`` header naming someone else changes nothing; and a caller may not
+    publish on ``reach.forward.>`` (where a broker's word on the caller is trusted)."""
+    cfg = {"nats__creds": str(auth.broker_creds), "fleet__partitions": 8,
+           "quotas__rate": 0.1, "quotas__burst": 2}  # fmt: skip
+    pair = [Broker(fast_config(server.url, **cfg), metrics=Metrics()) for _ in range(2)]
+    for b in pair:
+        await asyncio.wait_for(b.start(), 20)
+    beta = agent(auth, "beta")
+    await asyncio.wait_for(beta.start(server.url), 20)
+    try:
+        p = pair[0].forwarder.owner_of(CAP)[0]
+        owner, other = pair if p in pair[0].tables.book.epochs else pair[::-1]
+        beta_p = owner.forwarder.owner_of("beta")[0]  # the partition of beta's id
+        beta_at = owner if beta_p in owner.tables.book.epochs else other
+        await wait_for(lambda: healthy(beta_at, "beta"), 10, what="beta healthy")
+        await wait_for(lambda: other.forwarder.owners.of[p] == owner.forwarder.token, 10,
+                       what="the owner read")  # fmt: skip
+        admitted = refused = 0
+        async with connect(server.url, auth.creds("caller", "ops"), "ops",
+                           "_INBOX.caller.ops") as (nc, errors):  # fmt: skip
+            for i in range(20):  # a new name each time: each would get a fresh bucket
+                msg = await nc.request(f"reach.route.{CAP}", b"", timeout=5,
+                                       headers={schema.H_CALLER: f"someone-{i}"})  # fmt: skip
+                if msg.headers and msg.headers.get("Nats-Service-Error-Code"):
+                    assert msg.headers["Nats-Service-Error-Code"] == "429", msg.headers
+                    refused += 1
+                else:
+                    admitted += 1
+            forward = f"reach.forward.{owner.forwarder.token}.{CAP}"
+            await nc.publish(forward, b"", headers={schema.H_CALLER: "someone-else"})
+            await errors.wait(violation("publish", forward))
+        assert (admitted, refused) == (2, 18)
+        assert other.metrics.route_forwards.labels("ok")._value.get() > 0
+        assert owner.metrics.quota_refused.labels(CAP, "other")._value.get() == 18
+    finally:
+        await asyncio.wait_for(beta.stop(grace=2), 20)
+        for b in reversed(pair):
+            await b.stop()

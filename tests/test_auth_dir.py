@@ -116,6 +116,7 @@ def test_caller_permissions() -> None:
     assert user.pub.allow == [
         "reach.route.>",
         "reach.agents",
+        "reach.agents.*",
         "reach.task.>",
         "reach.comp.>",
         "reach.probe.*",
@@ -157,7 +158,9 @@ def test_broker_permissions() -> None:
         "$SYS.REQ.SERVER.PING.CONNZ",
         "$SRV.>",
         "reach.agents",
+        "reach.agents.*",
         "reach.route.>",
+        "reach.forward.>",
     ]
     assert user.sub.allow == [
         "reach.part.>",
@@ -167,6 +170,7 @@ def test_broker_permissions() -> None:
         "reach.leave.*",
         "reach.route.>",
         "reach.agents",
+        "reach.agents.*",
         "reach.comp.>",
         "reach.ack.>",
         "reach.event.>",
@@ -177,6 +181,7 @@ def test_broker_permissions() -> None:
         f"$SYS.ACCOUNT.{ACC}.CONNECT",
         f"$SYS.ACCOUNT.{ACC}.DISCONNECT",
         "_INBOX.broker.broker.>",
+        "reach.forward.>",
     ]
 
 

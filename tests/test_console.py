@@ -18,7 +18,7 @@ from reach_broker.config import Config, ConfigError, console_token
 from reach_broker.console.app import Access, App, host_name, is_loopback
 from reach_broker.console.history import History
 from reach_broker.console.httpd import BadRequest, HttpServer, Request, parse_head
-from reach_broker.console.port import HttpPort
+from reach_broker.console.port import HttpPort, access_of
 from reach_broker.core.records import AgentRecord
 from reach_broker.service.metrics import Metrics
 
@@ -289,7 +289,8 @@ async def get(
 async def port() -> AsyncIterator[HttpPort]:
     cfg = Config()
     cfg.broker.metrics_port = 0  # HttpPort binds it as given: 0 asks for any free port
-    p = HttpPort(cfg, Metrics().registry, lambda: "not running")
+    p = HttpPort(access_of(cfg.broker.metrics_host, cfg.console), cfg.broker.metrics_port,
+                 Metrics().registry, lambda: "not running")  # fmt: skip
     await p.start()
     try:
         yield p
@@ -370,7 +371,8 @@ class Sse:
 async def serve_port(broker: Broker) -> HttpPort:
     """The port over a broker built with the console's feed (``console=True``)."""
     cfg = fast_config("unused")
-    p = HttpPort(cfg, broker.metrics.registry, broker.not_ready, broker.feed)
+    p = HttpPort(access_of(cfg.broker.metrics_host, cfg.console), cfg.broker.metrics_port,
+                 broker.metrics.registry, broker.not_ready, broker.feed)  # fmt: skip
     await p.start()
     return p
 
@@ -514,3 +516,60 @@ def test_a_row_is_rebuilt_only_for_an_agent_heard_from() -> None:
     assert a2 is not a1
     assert json.loads(bytes(a2))["active"] == 5  # type: ignore[arg-type]
     assert [c.reachable for c in second.capabilities] == [2]
+
+
+async def test_the_page_shows_who_owns_each_partition_and_pages_the_fleet(
+    nats_server: NatsServer, nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    broker = await broker_factory(**QUIET, console=True)
+    port = await serve_port(broker)
+    try:
+        ids = [f"agent-{i:03d}" for i in range(120)]
+        for agent_id in ids:
+            await announce(nc, agent_id, ["summarize"])
+        await wait_for(lambda: len(broker.registry.agents) == 120, what="120 agents")
+        status, _, body = await get(port.server.port, "/api/owners")
+        owners = json.loads(body)
+        assert status == 200
+        partitions = broker.cfg.fleet.partitions
+        assert (owners["partitions"], owners["brokers"]) == (
+            partitions,
+            {broker.broker_id: partitions},
+        )
+        assert [r["partition"] for r in owners["rows"]] == list(range(partitions))
+        assert {r["owner"] for r in owners["rows"]} == {broker.broker_id}
+        assert [r["agents"] for r in owners["rows"]] == broker.registry.listing.counts()
+        assert sum(r["agents"] for r in owners["rows"]) == 120
+        sse = await Sse.open(port.server.port)
+        try:
+            pushed = await sse.next("owners", 5.0)
+            if not pushed["partitions"]:  # the page's first copy predates the first ask
+                pushed = await sse.next("owners", 7.0)
+        finally:
+            sse.close()
+        assert pushed["rows"] == owners["rows"]
+
+        seen: list[str] = []
+        cursor = None
+        for _ in range(200):  # bounded: 120 agents in pages of 7 over 32 partitions
+            query = f"/api/agents?limit=7&cursor={cursor}" if cursor else "/api/agents?limit=7"
+            status, _, body = await get(port.server.port, query)
+            page = json.loads(body)
+            assert status == 200 and len(page["agents"]) <= 7
+            assert page["broker_id"] == broker.broker_id
+            seen += [a["agent_id"] for a in page["agents"]]
+            cursor = page.get("cursor")
+            if cursor is None:
+                break
+        assert sorted(seen) == ids and len(seen) == 120
+        status, _, body = await get(port.server.port, "/api/agents?limit=0")
+        assert (status, body) == (400, b"limit '0' is not a number from 1 to 5000\n")
+        status, _, body = await get(port.server.port, "/api/agents?cursor=99.x")
+        assert (status, json.loads(body)["error"]) == (
+            200,
+            "INVALID_REQUEST: partition '99' of "
+            "subject 'reach.agents.99' is not a "
+            "partition of this fleet (0 to 31)",
+        )
+    finally:
+        await port.stop()

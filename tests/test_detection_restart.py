@@ -33,7 +33,13 @@ samples (mean 1 s, std floored at 0.25 s), below the fixed 6 intervals."""
 
 def restored(*agent_ids: str) -> Registry:
     """A registry that restored ``agent_ids`` (healthy in the snapshot, 1 s interval) at 0.0."""
-    reg = Registry(Config(), TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
+    cfg = Config()
+    reg = Registry(
+        cfg.detection,
+        cfg.scoring,
+        TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0),
+        interval_ms=cfg.broker.interval_ms,
+    )
     for agent_id in agent_ids:
         ann = Announce(agent_id=agent_id, capabilities=["summarize"], max_concurrency=4,
                        heartbeat_interval_ms=1000)  # fmt: skip

@@ -19,7 +19,12 @@ def registry(**detection: object) -> Registry:
     cfg.broker.min_heartbeat_interval_ms = 50
     for key, value in detection.items():
         setattr(cfg.detection, key, value)
-    return Registry(cfg, TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
+    return Registry(
+        cfg.detection,
+        cfg.scoring,
+        TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0),
+        interval_ms=cfg.broker.interval_ms,
+    )
 
 
 class Agent:

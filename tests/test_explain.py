@@ -4,6 +4,7 @@ clock (the registry and router take ``now``)."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -254,11 +255,10 @@ def test_terms_multiply_out_to_the_score() -> None:
         t = explainer.terms(rec)
         assert score_of(t, w.cfg.scoring) == rec.score
         assert (weakest(t, w.cfg.scoring) is None) == (rec.score == 100.0)
-    stats = w.reg.agents["a"].stats
-    kw = {"active": 3, "queue_depth": 1, "max_concurrency": 4, "stuck": True}
-    assert score_of(terms(stats, w.cfg.scoring, **kw), w.cfg.scoring) == score(
-        stats, w.cfg.scoring, **kw
-    )
+    a = w.reg.agents["a"]
+    rec = SimpleNamespace(stats=a.stats, active=3, queue_depth=1, max_concurrency=4, stuck=True,
+                          delivery=0.5)  # fmt: skip
+    assert score_of(terms(rec, w.cfg.scoring), w.cfg.scoring) == score(rec, w.cfg.scoring)
 
 
 def test_the_explanation_agrees_with_the_walk() -> None:

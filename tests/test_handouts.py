@@ -28,7 +28,12 @@ class Fleet:
         # The fleet's in-flight ceiling (0.9 x the slots by default) is tested with the routing
         # policy; here the agents' own load decides.
         cfg.routing.inflight_share = 10.0
-        self.reg = Registry(cfg, TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
+        self.reg = Registry(
+            cfg.detection,
+            cfg.scoring,
+            TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0),
+            interval_ms=cfg.broker.interval_ms,
+        )
         reg = self.reg
         self.router = Router(cfg.routing, reg.indexes, lambda a, c: f"reach.task.{a}.{c}",
                              inflight=lambda: reg.inflight, capacity=lambda: reg.capacity,

@@ -53,7 +53,7 @@ async def test_a_fresh_agent_serves_20_sequential_calls_without_overloaded(
                 "n": n}  # fmt: skip
             took.append(time.monotonic() - t0)
         assert isinstance(client.routes, TableRoutes)
-        assert client.routes.followed["fresh.cap"].table.local
+        assert client.routes.follower.followed["fresh.cap"].table.local
     assert metrics.requests.labels("fresh", "ok")._value.get() == 20
     assert routes_answered(broker) == 0  # every call routed from the table: none asked
     # The bound: the stall this replaces took ~2 s (a heartbeat interval's wait).
@@ -70,7 +70,7 @@ async def test_a_caller_keeps_routing_from_its_table_with_every_broker_stopped(
             assert (await client.call("summarize", {}, timeout=5))["agent"] in ("alpha", "beta")
             routes = client.routes
             assert isinstance(routes, TableRoutes)
-            members = routes.members
+            members = routes.follower.members
             await wait_for(lambda: set(members) == {"alpha", "beta"}, what="both in the table")
             # A kill, learned through the table stream (the broker's advisory, then a delta).
             os.kill(procs["beta"].pid, signal.SIGKILL)
@@ -102,7 +102,7 @@ async def test_a_quota_sends_the_caller_back_to_the_broker(
             assert await client.call("quota.cap", {}, timeout=5) == "ok"
         routes = client.routes
         assert isinstance(routes, TableRoutes)
-        assert routes.followed["quota.cap"].table.local is False
+        assert routes.follower.followed["quota.cap"].table.local is False
     assert routes_answered(broker) == 3  # each call asked the broker, which keeps the quota
 
 
@@ -141,7 +141,7 @@ async def test_a_quota_set_live_reaches_the_table_and_the_caller_asks_a_broker(
         assert await client.call("livequota.cap", 0, timeout=5) == 0
         routes = client.routes
         assert isinstance(routes, TableRoutes)
-        table = routes.followed["livequota.cap"].table
+        table = routes.follower.followed["livequota.cap"].table
         assert table.local is True and routes_answered(broker) == 0
         quota = RouteRule(quota_rate=1.0, quota_burst=2)
         await rules_kv.put(nc, "livequota.cap", rule_encoder.encode(quota))
@@ -174,7 +174,7 @@ async def test_a_caller_routing_locally_keeps_the_split_the_canary_and_sticky_ke
     await wait_for(lambda: "split.cap" in broker.router.rules, what="the rule at the broker")
     async with reach_agent.Client(nats_server.url) as client:
         got = [await client.call("split.cap", n, timeout=5) for n in range(20)]
-        table = client.routes.followed["split.cap"].table  # type: ignore[attr-defined]
+        table = client.routes.follower.followed["split.cap"].table  # type: ignore[attr-defined]
         assert table.local and table.rule is not None and table.rule.stored == rule
         assert len([a for a in got if a != "sv2"]) == 18 and got.count("sv2") == 2
         assert [await client.call("split.cap", n, canary="2", timeout=5) for n in range(3)] == [

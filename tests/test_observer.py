@@ -32,7 +32,13 @@ def fixed() -> Config:
 
 
 def make(n: int) -> tuple[Registry, dict[str, str]]:
-    reg = Registry(fixed(), TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
+    cfg = fixed()
+    reg = Registry(
+        cfg.detection,
+        cfg.scoring,
+        TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0),
+        interval_ms=cfg.broker.interval_ms,
+    )
     tokens = {}
     for i in range(n):
         ann = Announce(agent_id=f"a{i}", capabilities=["summarize"], max_concurrency=4,

@@ -7,7 +7,9 @@ from __future__ import annotations
 from reach_agent.wire.schema import Announce
 from reach_broker.broker import Broker
 from reach_broker.config import Config
+from reach_broker.console.port import HttpPort, access_of
 from reach_broker.core.records import AgentRecord, Transition
+from reach_broker.service.assets import Provisioning
 from reach_broker.service.metrics import Metrics
 
 
@@ -52,6 +54,8 @@ def test_the_parts_start_in_order_and_those_on_jetstream_are_marked() -> None:
         ("Tables", False),
         ("Ingest", False),
         ("Partitions", False),
+        ("Forwarder", True),
+        ("Shares", False),
         ("Prober", False),
         ("Advisories", False),
         ("SynadiaAgents", False),
@@ -71,6 +75,23 @@ def test_collaborators_are_handed_in_at_construction() -> None:
     assert broker.replayer.acks.on_final == broker.replayer.taken.done
 
 
+def test_each_part_is_handed_its_own_config_sections() -> None:
+    broker, _ = build(console=True)
+    cfg = broker.cfg
+    reg = broker.registry
+    assert reg.detection is cfg.detection and reg.scoring is cfg.scoring
+    assert reg.interval_ms == (100, 300_000)  # broker.min/max_heartbeat_interval_ms
+    assert broker.provisioning == Provisioning(
+        replicas=None, advisory_account=None, max_entries=cfg.compensation.max_entries,
+        lease_ttl_s=cfg.fleet.lease_ttl_s, token_secret=None,
+    )  # fmt: skip
+    assert broker.feed is not None and broker.feed.cfg is cfg.console
+    port = HttpPort(access_of("127.0.0.1", cfg.console), 0, broker.metrics.registry,
+                    broker.not_ready, broker.feed)  # fmt: skip
+    assert port.access.host == "127.0.0.1" and port.access.enabled
+    assert (port.server.host, port.server.port) == ("127.0.0.1", 0)
+
+
 def test_a_transition_reaches_every_consumer_and_parts_not_running_only_plan() -> None:
     broker, seen = build(console=True)
     broker.link.lost(0.0)  # not connected: the event is withheld, nothing is published
@@ -82,7 +103,7 @@ def test_a_transition_reaches_every_consumer_and_parts_not_running_only_plan() -
     assert [(t.kind, t.agent_id, t.to) for t in seen.items] == [("registered", "alpha", "healthy")]
     assert broker.fanout.withheld == 1
     assert broker.metrics.registry_changes.labels("registered")._value.get() == 1
-    # Not started: the snapshot, releases and replay ignore it; the prober plans the
-    # newcomer's first RTT sample (it sends nothing until it runs).
+    # Not started: the snapshot, releases and replay ignore it; the prober takes the
+    # newcomer for its first RTT sample (it sends nothing until it runs).
     assert broker.snapshot.writes == 0 and not broker.snapshot._dirty
-    assert broker.probes.pending("alpha") is not None
+    assert list(broker.probes.sampler.newcomers) == ["alpha"]

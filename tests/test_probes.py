@@ -31,7 +31,12 @@ def make(**detection: Any) -> tuple[Prober, Registry, Clock]:
     for key, value in detection.items():
         setattr(cfg.detection, key, value)
     clock = Clock()
-    reg = Registry(cfg, TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
+    reg = Registry(
+        cfg.detection,
+        cfg.scoring,
+        TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0),
+        interval_ms=cfg.broker.interval_ms,
+    )
     metrics = Metrics()
 
     def spawn(coro: Any, name: str) -> None:
@@ -62,16 +67,52 @@ def feed(prober: Prober, reg: Registry, out: list[Transition]) -> None:
         prober.on_transition(t, reg.agents.get(t.agent_id))
 
 
-def test_newcomers_get_rtt_samples_at_random_phases_spread_over_the_interval() -> None:
+def sample_for(prober: Prober, reg: Registry, clock: Clock, seconds: float) -> list[str]:
+    """The RTT samples the prober's loop would send over ``seconds`` (ticks of 10 ms, no
+    probe in flight, every one answered at once)."""
+    sent: list[str] = []
+    for _ in range(round(seconds / 0.01)):
+        clock.now += 0.01
+        sent += prober.sampler.due(clock.now, reg.counts["healthy"], 64, prober._busy)
+    return sent
+
+
+def test_a_small_fleet_is_sampled_in_turn_every_interval_newcomers_first() -> None:
     prober, reg, clock = make(rtt_sample_interval_s=10.0)
-    for i in range(1000):
+    for i in range(50):
+        register(prober, reg, f"a{i:02d}", clock.now)
+    assert [prober.pending(f"a{i:02d}") for i in range(50)] == [None] * 50  # nothing planned
+    first = sample_for(prober, reg, clock, 10.0)
+    # The newcomers as they came, the first at once, then 5 a second (50 / 10 s).
+    assert first == [f"a{i:02d}" for i in range(50)]
+    register(prober, reg, "late", clock.now)
+    again = sample_for(prober, reg, clock, 10.5)  # 51 agents at 5.1 a second, and the newcomer
+    assert again[0] == "late"  # a newcomer before the rotation goes on
+    turn = again[1:52]  # then one turn of the rotation: every agent once, "late" too
+    assert len(again) >= 52 and sorted(turn) == sorted([f"a{i:02d}" for i in range(50)] + ["late"])
+
+
+def test_a_large_fleet_is_sampled_within_the_budget_and_every_agent_in_turn() -> None:
+    prober, reg, clock = make(rtt_sample_interval_s=10.0, probe_budget_per_s=200.0)
+    for i in range(5000):
+        register(prober, reg, f"a{i:04d}", clock.now)
+    prober.sampler.newcomers.clear()  # (as if sampled): the rotation alone
+    first = sample_for(prober, reg, clock, 1.0)
+    assert 199 <= len(first) <= 200  # 5000 / 10 s would be 500 a second: the budget says 200
+    rest = sample_for(prober, reg, clock, 24.1)
+    turn = (first + rest)[:5000]  # 5000 / 200 = 25 s: every agent once
+    assert len(first + rest) >= 5000 and len(set(turn)) == 5000
+
+
+def test_samples_pass_over_agents_not_healthy_or_being_probed() -> None:
+    prober, reg, clock = make(rtt_sample_interval_s=1.0)
+    for i in range(4):
         register(prober, reg, f"a{i}", clock.now)
-    due = [prober.pending(f"a{i}") for i in range(1000)]
-    assert all(d is not None and clock.now <= d < clock.now + 10.0 for d in due)
-    buckets = [0] * 10
-    for d in due:
-        buckets[int(d - clock.now)] += 1  # type: ignore[operator]
-    assert max(buckets) < 150 and min(buckets) > 50  # ~100 per second, never a burst
+    prober.sampler.newcomers.clear()
+    feed(prober, reg, reg.disconnected("a1", clock.now))  # suspect: probed from the heap
+    prober._inflight.add("a2")
+    got = sample_for(prober, reg, clock, 2.0)
+    assert set(got) == {"a0", "a3"}
 
 
 def test_suspects_and_recoverers_are_probed_now_offline_ones_with_backoff() -> None:
@@ -103,20 +144,19 @@ def test_failing_agent_backs_off_exponentially_to_the_cap() -> None:
     assert len(set(delays)) == 7  # jittered: no two agents would line up
 
 
-def test_healthy_answer_plans_the_next_rtt_sample_with_jitter() -> None:
+def test_a_healthy_answer_plans_nothing_the_rotation_samples_it_again() -> None:
     prober, reg, clock = make(rtt_sample_interval_s=10.0)
     register(prober, reg, "alpha", clock.now)
-    prober.cancel("alpha")
     feed(prober, reg, reg.probe_result("alpha", True, 1.2, clock.now))
     prober._after_probe("alpha", ok=True)
-    due = prober.pending("alpha")
-    assert due is not None and clock.now + 8.0 <= due <= clock.now + 12.0
+    assert prober.pending("alpha") is None
 
 
 def test_rtt_sampling_off_and_draining_agents_are_not_probed() -> None:
     prober, reg, clock = make(rtt_sample_interval_s=0.0)
     register(prober, reg, "alpha", clock.now)
     assert prober.pending("alpha") is None
+    assert sample_for(prober, reg, clock, 1.0) == []
     register(prober, reg, "beta", clock.now)
     feed(prober, reg, reg.disconnected("beta", clock.now))
     assert prober.pending("beta") == clock.now

@@ -15,7 +15,12 @@ from reach_broker.service.probes import backoff_delay
 
 def make(*agents: str) -> tuple[Registry, dict[str, str]]:
     cfg = Config()  # probe_timeout_s 3.0, heartbeat interval 1 s below
-    reg = Registry(cfg, TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
+    reg = Registry(
+        cfg.detection,
+        cfg.scoring,
+        TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0),
+        interval_ms=cfg.broker.interval_ms,
+    )
     tokens = {}
     for agent_id in agents:
         ann = Announce(agent_id=agent_id, capabilities=["summarize"], max_concurrency=4,

@@ -97,7 +97,9 @@ def test_the_route_cost_tool_times_every_kind_of_request() -> None:
     figures = json.loads(out.stdout)
     assert figures["agents"] == 3
     assert set(figures["us_per_request"]) == {"plain", "filtered", "peek", "explain", "rules",
-                                              "quota", "rules_quota"}  # fmt: skip
+                                              "quota", "rules_quota", "merged",
+                                              "single"}  # fmt: skip
     assert isinstance(figures["plain_over_peek"], float)
     assert isinstance(figures["explain_over_plain"], float)  # a timing: its size is not tested
     assert isinstance(figures["rules_quota_over_plain"], float)
+    assert isinstance(figures["merged_over_plain"], float)

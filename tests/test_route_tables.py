@@ -8,8 +8,10 @@ from typing import Any
 
 import msgspec
 from nats.aio.client import Client as NATS
+from nats.js.errors import KeyNotFoundError
 
 import reach_agent
+from jetstream.names import TABLES_BUCKET
 from reach_agent.routing.table import RouteTable, TableMember, partition
 from reach_agent.wire import schema
 from reach_agent.wire.schema import Table, TableDelta, TableEntry, TableRouting, TableShare
@@ -55,7 +57,12 @@ def test_the_partition_is_nats_servers_fnv1a_32() -> None:
 
 def book_world() -> tuple[Registry, TableBook]:
     cfg = Config()
-    reg = Registry(cfg, TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
+    reg = Registry(
+        cfg.detection,
+        cfg.scoring,
+        TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0),
+        interval_ms=cfg.broker.interval_ms,
+    )
     book = TableBook(4, cfg.routing, lambda cap: (True, None))
     return reg, book
 
@@ -172,6 +179,37 @@ async def test_a_newcomer_gets_the_whole_table_in_one_request(
     assert all(s.epoch > 0 and s.version >= 1 and s.local for s in table.shares)
     empty = await table_of(nc, "nobody.has.this")
     assert (empty.owned, empty.shares) == (list(range(32)), [])
+
+
+async def test_each_share_is_stored_in_kv_as_it_stands_when_written(
+    nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS
+) -> None:
+    for a in ("k1", "k2"):
+        await agents(echo(a, "kvtab"))
+    await wait_for(lambda: healthy(broker, "k1") and healthy(broker, "k2"))
+    kv = await nc.jetstream().key_value(TABLES_BUCKET)
+    stored: dict[str, schema.TableShare] = {}
+
+    async def read() -> bool:
+        for a in ("k1", "k2"):
+            try:
+                entry = await kv.get(f"{partition(a, 32)}.kvtab")
+            except KeyNotFoundError:
+                return False
+            assert entry.value is not None
+            stored[a] = schema.decode(schema.table_share_decoder, entry.value, "share")
+        return all(a in {e.agent_id for e in stored[a].entries} for a in ("k1", "k2"))
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5.0
+    while not await read():
+        assert loop.time() < deadline, f"both agents' shares in KV reach_tables: {stored}"
+        await asyncio.sleep(0.05)
+    for a, share in stored.items():
+        assert (share.capability, share.partition) == ("kvtab", partition(a, 32))
+        assert share.epoch > 0 and share.version >= 1
+        assert [e.state for e in share.entries if e.agent_id == a] == ["healthy"]
+        assert share.version <= broker.tables.book.shares[(share.partition, "kvtab")].version
 
 
 async def test_a_leaving_agent_reaches_a_subscribed_caller_as_the_next_delta(

@@ -25,7 +25,12 @@ class World:
         for key, value in routing.items():
             setattr(cfg.routing, key, value)
         self.cfg = cfg
-        self.reg = Registry(cfg, TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
+        self.reg = Registry(
+            cfg.detection,
+            cfg.scoring,
+            TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0),
+            interval_ms=cfg.broker.interval_ms,
+        )
         self.panics: list[tuple[str, bool]] = []
         reg = self.reg
         self.router = Router(cfg.routing, reg.indexes, lambda a, c: f"reach.task.{a}.{c}",

@@ -31,7 +31,12 @@ class Fleet:
         cfg = cfg or Config()
         cfg.routing.rank_refresh_ms = 0
         self.cfg = cfg
-        self.reg = Registry(cfg, TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
+        self.reg = Registry(
+            cfg.detection,
+            cfg.scoring,
+            TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0),
+            interval_ms=cfg.broker.interval_ms,
+        )
         reg = self.reg
         self.rules = Rules(from_config(cfg.rules))
         self.router = Router(cfg.routing, reg.indexes, lambda a, c: f"reach.task.{a}.{c}",

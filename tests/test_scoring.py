@@ -3,6 +3,9 @@ fake clock (heartbeats carrying task p50 and results, as the SDK sends them)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 
 from reach_agent.wire.schema import Announce, Heartbeat, RouteRequest
@@ -29,8 +32,15 @@ def stats(*, live: tuple[int, int] = (0, 0), ok: float = 0, fail: float = 0,
     return s
 
 
+def scored(stats: Stats, peer_task_ms: float | None = None, **inputs: Any) -> float:
+    """The score of an agent with ``stats`` and ``inputs`` (active, queue_depth,
+    max_concurrency, stuck; delivery 1 unless given)."""
+    rec = SimpleNamespace(stats=stats, delivery=1.0, **inputs)
+    return score(rec, CFG, peer_task_ms)
+
+
 def test_fresh_idle_agent_scores_100() -> None:
-    assert score(Stats(), CFG, active=0, queue_depth=0, max_concurrency=8, stuck=False) == 100.0
+    assert scored(Stats(), active=0, queue_depth=0, max_concurrency=8, stuck=False) == 100.0
 
 
 def test_worked_example_of_the_docstring() -> None:
@@ -39,21 +49,21 @@ def test_worked_example_of_the_docstring() -> None:
     assert latency_term(s, CFG, peer_task_ms=200.0) == 0.8
     assert load_term(2, 0, 8) == 0.8
     assert success_term(s, CFG.success_prior) == pytest.approx(101 / 105)
-    got = score(s, CFG, active=2, queue_depth=0, max_concurrency=8, stuck=False,
+    got = scored(s, active=2, queue_depth=0, max_concurrency=8, stuck=False,
                 peer_task_ms=200.0)  # fmt: skip
     assert got == 64.3
     slow = stats(live=(19, 1), ok=96, fail=4, task_ms=1600.0, rtt_ms=3.0)
-    assert score(slow, CFG, active=2, queue_depth=0, max_concurrency=8, stuck=False,
+    assert scored(slow, active=2, queue_depth=0, max_concurrency=8, stuck=False,
                  peer_task_ms=200.0) == 20.1  # fmt: skip
 
 
 def test_full_load_alone_keeps_an_agent_routable() -> None:
     s = stats(live=(20, 0), ok=100, task_ms=200.0, rtt_ms=2.0)
-    full = score(s, CFG, active=8, queue_depth=0, max_concurrency=8, stuck=False,
+    full = scored(s, active=8, queue_depth=0, max_concurrency=8, stuck=False,
                  peer_task_ms=200.0)  # fmt: skip
     assert full == 75.8
     assert full >= Config().routing.min_reach_score
-    queued = score(s, CFG, active=8, queue_depth=8, max_concurrency=8, stuck=False,
+    queued = scored(s, active=8, queue_depth=8, max_concurrency=8, stuck=False,
                    peer_task_ms=200.0)  # fmt: skip
     assert queued == 64.4  # 100 x (1/3)^0.4
 
@@ -70,12 +80,12 @@ def test_latency_within_tolerance_costs_nothing() -> None:
 def test_success_prior_keeps_one_early_failure_from_ejecting() -> None:
     one_of_two = stats(ok=1, fail=1)
     assert success_term(one_of_two, 5.0) == 6 / 7
-    assert score(one_of_two, CFG, active=0, queue_depth=0, max_concurrency=4, stuck=False) == 73.5
+    assert scored(one_of_two, active=0, queue_depth=0, max_concurrency=4, stuck=False) == 73.5
     assert success_term(one_of_two, 0.0) == 0.5
 
 
 def test_stuck_task_halves_the_score() -> None:
-    assert score(Stats(), CFG, active=1, queue_depth=0, max_concurrency=1, stuck=True) == 37.9
+    assert scored(Stats(), active=1, queue_depth=0, max_concurrency=1, stuck=True) == 37.9
 
 
 # --- over time, through the registry -------------------------------------------------------
@@ -88,7 +98,12 @@ class Fleet:
         cfg = Config()
         cfg.routing.rank_refresh_ms = 0
         self.cfg = cfg
-        self.reg = Registry(cfg, TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0))
+        self.reg = Registry(
+            cfg.detection,
+            cfg.scoring,
+            TokenSigner(b"k" * 32, 3600.0, wall=lambda: 1_000_000.0),
+            interval_ms=cfg.broker.interval_ms,
+        )
         reg = self.reg
         self.router = Router(cfg.routing, reg.indexes, lambda a, c: f"reach.task.{a}.{c}",
                              inflight=lambda: reg.inflight,

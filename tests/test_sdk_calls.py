@@ -99,9 +99,20 @@ def cand(agent_id: str, score: float = 1.0) -> schema.Candidate:
 def test_route_cache_falls_back_prunes_bounds_and_lists_stale_routes() -> None:
     now = [0.0]
     cache = RouteCache(2, lambda: now[0])
-    k1 = RouteCache.key("cap", schema.Filters(tags={"b": "2", "a": "1"}))
-    assert k1 == ("cap", None, (("a", "1"), ("b", "2")), False)
-    cache.store(k1, [cand("x"), cand("y"), cand("z")], 3)
+    f1 = schema.Filters(tags={"b": "2", "a": "1"})
+    k1 = RouteCache.key("cap", f1)
+    assert k1 == RouteCache.key("cap", schema.RouteRequest(tags={"a": "1", "b": "2"}, limit=7))
+    assert k1 == RouteCache.key("cap", schema.Filters(tags={"a": "1", "b": "2"}, sticky_key="k"))
+    # Every other filter tells routes apart (a cached route answers only its own filters).
+    for other in (schema.Filters(tags={"a": "1"}), schema.Filters(tags=f1.tags, region="eu"),
+                  schema.Filters(tags=f1.tags, canary="2"),
+                  schema.Filters(tags=f1.tags, requires=["pii"]),
+                  schema.Filters(tags=f1.tags, min_context_tokens=1),
+                  schema.Filters(tags=f1.tags, allow_suspect=True)):  # fmt: skip
+        assert RouteCache.key("cap", other) != k1, other
+    cache.store(
+        k1, schema.RouteRequest(tags=f1.tags, limit=3), [cand("x"), cand("y"), cand("z")], 3
+    )
     assert cache.fallback(RouteCache.key("other", schema.NO_FILTERS), 3, []) == []
     picked = cache.fallback(k1, 2, ["y"], rand=lambda: 0.5)
     assert len(picked) == 2 and {c.agent_id for c in picked} <= {"x", "z"}
@@ -109,12 +120,14 @@ def test_route_cache_falls_back_prunes_bounds_and_lists_stale_routes() -> None:
     assert [c.agent_id for r in cache.routes() for c in r.candidates] == ["y", "z"]
     assert cache.fallback(k1, 3, ["y", "z"]) == []
     now[0] = 10.0
-    assert [k for k, _ in cache.stale(10.0)] == [k1]
+    assert [(k, r.filters) for k, r in cache.stale(10.0)] == [(k1, f1)]  # asked again as f1
     now[0] = 400.0  # unused for 30 refresh periods: no longer refreshed
     assert cache.stale(10.0) == []
     k2, k3 = (RouteCache.key(c, schema.NO_FILTERS) for c in ("c2", "c3"))
-    cache.store(k2, [cand("a")], 1)
-    cache.store(k3, [cand("b")], 1)  # size 2: the least recently stored (k1) goes
+    cache.store(k2, schema.NO_FILTERS, [cand("a")], 1)
+    cache.store(
+        k3, schema.NO_FILTERS, [cand("b")], 1
+    )  # size 2: the least recently stored (k1) goes
     assert [c.agent_id for r in cache.routes() for c in r.candidates] == ["a", "b"]
 
 

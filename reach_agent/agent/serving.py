@@ -40,6 +40,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import msgspec
@@ -99,19 +100,27 @@ CANCEL_GRACE_S = 5.0
 """How long a cancelled handler may clean up before it is cancelled again."""
 
 
+@dataclass(slots=True, eq=False)
 class Run:
-    """A request running on this agent: its asyncio task, how far it is (``claiming``,
-    ``handling`` — only then does a cancel interrupt it —, ``ending``: the handler is done),
-    and why it was cancelled."""
+    """A request running on this agent: what it came with (its message, capability, request
+    id, headers and body digest; its admission, its duplicate-window entry, whether it is
+    claimed fleet-wide before the handler runs), its asyncio task, how far it is
+    (``claiming``, ``handling`` — only then does a cancel interrupt it —, ``ending``: the
+    handler is done), and why it was cancelled."""
 
-    __slots__ = ("cancelled", "grace", "phase", "task")
-
-    def __init__(self) -> None:
-        self.task: asyncio.Task[None] | None = None
-        self.phase = "claiming"
-        self.cancelled: str | None = None
-        """The cancel's reason, once cancelled."""
-        self.grace: asyncio.TimerHandle | None = None
+    msg: Msg
+    capability: str
+    request_id: str
+    headers: dict[str, str]
+    digest: str
+    admission: Admission
+    entry: Entry
+    claim: bool
+    task: asyncio.Task[None] | None = None
+    phase: str = "claiming"
+    cancelled: str | None = None
+    """The cancel's reason, once cancelled."""
+    grace: asyncio.TimerHandle | None = None
 
 
 class TaskServer:
@@ -282,11 +291,9 @@ class TaskServer:
             claim = self.claimer is not None and capability not in self.idempotent
             if reply and d.receipt and not claim:
                 await self._send_receipt(reply, request_id)  # at once: nothing to claim
-            run = self._runs[request_id] = Run()
-            run.task = self._tasks.spawn(
-                self._run(msg, capability, request_id, entry, d, hdrs, claim, run, digest),
-                "reach-task",
-            )
+            run = self._runs[request_id] = Run(msg, capability, request_id, hdrs, digest, d,
+                                               entry, claim)  # fmt: skip
+            run.task = self._tasks.spawn(self._run(run), "reach-task")
             return
         self._count(capability, d.label)
         if d.verdict == "refuse":
@@ -409,18 +416,12 @@ class TaskServer:
 
     # --- a task runs ------------------------------------------------------------------
 
-    async def _run(
-        self,
-        msg: Msg,
-        capability: str,
-        request_id: str,
-        entry: Entry,
-        d: Admission,
-        hdrs: dict[str, str],
-        claim: bool,
-        run: Run,
-        digest: str,
-    ) -> None:
+    def _cancelled(self, run: Run) -> Cancelled:
+        return Cancelled(f"request_id {run.request_id!r} was cancelled on agent "
+                         f"{self.agent_id!r}: {run.cancelled}")  # fmt: skip
+
+    async def _run(self, run: Run) -> None:
+        request_id, capability, hdrs = run.request_id, run.capability, run.headers
         # This asyncio task's own context: the handler's sub-calls and log lines see it.
         ctx = trace.TraceContext(request_id, self.agent_id, hdrs)
         trace.CURRENT.set(ctx)
@@ -432,16 +433,15 @@ class TaskServer:
             ctx.parent = self.spans.traceparent(span)
         try:
             held = None
-            if claim:
+            if run.claim:
                 assert self.claimer is not None
-                held, answer = await self._claim(ctx, request_id, capability, digest)
+                held, answer = await self._claim(ctx, run)
                 if answer is not None:
-                    await self._answer(msg, capability, request_id, entry, d, answer)
+                    await self._answer(run, answer)
                     return
-                if msg.reply and d.receipt:
-                    await self._send_receipt(msg.reply, request_id)  # the claim is ours
-            error = await self._execute(msg, capability, request_id, entry, d, hdrs, held, run,
-                                        digest)  # fmt: skip
+                if run.msg.reply and run.admission.receipt:
+                    await self._send_receipt(run.msg.reply, request_id)  # the claim is ours
+            error = await self._execute(run, held)
         finally:
             if self._runs.get(request_id) is run:
                 del self._runs[request_id]
@@ -457,11 +457,12 @@ class TaskServer:
                 "reach.agent_id": self.agent_id}  # fmt: skip
 
     async def _claim(
-        self, ctx: trace.TraceContext, request_id: str, capability: str, digest: str
+        self, ctx: trace.TraceContext, run: Run
     ) -> tuple[Held | None, tuple[str, Reply] | None]:
-        """The request id's claim for a body of ``digest`` (:meth:`Claimer.take`), in a
+        """The request id's claim for the run's body (:meth:`Claimer.take`), in a
         ``reach.claim`` span when spans are on."""
         assert self.claimer is not None
+        request_id, capability, digest = run.request_id, run.capability, run.digest
         if self.spans is None:
             return await self.claimer.take(request_id, capability, digest)
         span = self.spans.start("reach.claim", ctx.parent, otel.INTERNAL,
@@ -474,48 +475,32 @@ class TaskServer:
         self.spans.end(span, claim="ours" if answer is None else answer[0])
         return held, answer
 
-    async def _answer(
-        self,
-        msg: Msg,
-        capability: str,
-        request_id: str,
-        entry: Entry,
-        d: Admission,
-        answer: tuple[str, Reply],
-    ) -> None:
+    async def _answer(self, run: Run, answer: tuple[str, Reply]) -> None:
         """Reply for a task this agent does not run (its claim is another's, or failed)."""
         label, (headers, body) = answer
-        self._count(capability, label)
-        self.dedup.finish(entry, (headers, body), time.monotonic())
+        self._count(run.capability, label)
+        self.dedup.finish(run.entry, (headers, body), time.monotonic())
         if label != "duplicate":
-            self.dedup.forget(request_id, entry)  # it may change: ask the claim again
-        if not msg.reply:
+            self.dedup.forget(run.request_id, run.entry)  # it may change: ask the claim again
+        reply = run.msg.reply
+        if not reply:
             return
-        if d.ack_mode == "received" and label == "duplicate":
-            await self._send_receipt(msg.reply, request_id)
+        if run.admission.ack_mode == "received" and label == "duplicate":
+            await self._send_receipt(reply, run.request_id)
         else:
-            await self._publish(msg.reply, body, headers)
+            await self._publish(reply, body, headers)
 
-    async def _execute(
-        self,
-        msg: Msg,
-        capability: str,
-        request_id: str,
-        entry: Entry,
-        d: Admission,
-        hdrs: dict[str, str],
-        held: Held | None,
-        run: Run,
-        digest: str,
-    ) -> ReachError | None:
+    async def _execute(self, run: Run, held: Held | None) -> ReachError | None:
         """Run the handler and answer; the error the caller got (None: a result)."""
+        msg, capability, request_id, entry, d = (run.msg, run.capability, run.request_id,
+                                                 run.entry, run.admission)  # fmt: skip
         started = time.monotonic()
         error: ReachError | None = None
         headers: dict[str, str]
         body = b""
         wire: Reply | None = None  # what the reply subject gets instead (a stream's end)
         try:
-            received = self._ack_record(request_id, capability, "received", digest)
+            received = self._ack_record(run, "received")
             if not await self._record(received):
                 raise StoreUnavailable(
                     f"agent {self.agent_id!r} did not run request_id {request_id!r}: its ack "
@@ -525,7 +510,7 @@ class TaskServer:
                 payload = _payload_decoder.decode(msg.data) if msg.data else None
             except msgspec.DecodeError as exc:
                 raise InvalidRequest(f"task payload: malformed JSON ({exc})") from None
-            task = Task(payload, request_id, capability, hdrs, d.deadline, self.agent_id)
+            task = Task(payload, request_id, capability, run.headers, d.deadline, self.agent_id)
             stream_to = msg.reply if d.ack_mode != "received" else None
             if run.cancelled is None:  # (cancelled while it was being claimed: not run)
                 run.phase = "handling"
@@ -537,8 +522,7 @@ class TaskServer:
                     if run.grace is not None:
                         run.grace.cancel()
             if run.cancelled is not None:  # whatever the handler made after the cancel
-                raise Cancelled(f"request_id {request_id!r} was cancelled on agent "
-                                f"{self.agent_id!r}: {run.cancelled}")  # fmt: skip
+                raise self._cancelled(run)
         except ReachError as err:
             error = err
         except asyncio.CancelledError:
@@ -550,8 +534,7 @@ class TaskServer:
             current = asyncio.current_task()
             while current is not None and current.cancelling():
                 current.uncancel()
-            error = Cancelled(f"request_id {request_id!r} was cancelled on agent "
-                              f"{self.agent_id!r}: {run.cancelled}")  # fmt: skip
+            error = self._cancelled(run)
         except Exception as exc:  # a handler failure is the caller's answer
             log.exception("task.failed agent=%s capability=%s request_id=%s", self.agent_id,
                           capability, request_id)  # fmt: skip
@@ -583,11 +566,10 @@ class TaskServer:
             # The final record before the reply: once a caller has the result, the ack
             # writer's log has it, so a restarted agent can answer a repeat from the store.
             if error is None:
-                final = self._ack_record(request_id, capability, "completed", digest,
-                                         result=msgspec.Raw(body))  # fmt: skip
+                final = self._ack_record(run, "completed", result=msgspec.Raw(body))
             else:
                 failure = {"code": error.code, "message": error.message}
-                final = self._ack_record(request_id, capability, "failed", digest, error=failure)
+                final = self._ack_record(run, "failed", error=failure)
             confirm: Callable[[], Awaitable[object]] | None = None
             if held is not None and error is None:
                 # The completed record is the claim's end (one synced write, not two): sent
@@ -614,10 +596,8 @@ class TaskServer:
 
     def _ack_record(
         self,
-        request_id: str,
-        capability: str,
+        run: Run,
         state: schema.AckState,
-        digest: str,
         result: msgspec.Raw | None = None,
         error: dict[str, str] | None = None,
     ) -> schema.AckRecord | None:
@@ -627,9 +607,9 @@ class TaskServer:
         ctx = trace.CURRENT.get()  # this task's (set in _run): a flow step names its run
         parent = ctx.headers.get(schema.H_PARENT_ID) if ctx is not None else None
         return schema.AckRecord(
-            request_id=request_id, agent_id=self.agent_id, capability=capability, state=state,
-            at_ms=int(time.time() * 1000), result=result, error=error,
-            parent_request_id=parent, body_digest=digest,
+            request_id=run.request_id, agent_id=self.agent_id, capability=run.capability,
+            state=state, at_ms=int(time.time() * 1000), result=result, error=error,
+            parent_request_id=parent, body_digest=run.digest,
         )  # fmt: skip
 
     async def _record(self, rec: schema.AckRecord | None) -> bool:

@@ -33,8 +33,13 @@ from .config import ClientConfig
 
 log = trace.logger(__name__)
 
-RouteKey = tuple[str, str | None, tuple[tuple[str, str], ...], bool]
-"""(capability, region, sorted tags, allow_suspect)"""
+RouteKey = tuple[object, ...]
+"""(capability, then the value of every filter but the sticky key, which only orders: a dict
+as its sorted items, a list as a tuple)"""
+
+KEYED = tuple(name for name in Filters.__struct_fields__ if name != "sticky_key")
+"""The filters a cached route is kept by (all of :class:`~reach_agent.wire.schema.Filters`'
+fields, so a new filter is in the key without an edit here)."""
 
 
 class RouteSource(Protocol):
@@ -74,11 +79,14 @@ IDLE_FACTOR = 30
 
 
 class Route:
-    """One cached answer."""
+    """One cached answer, and the filters it answered (asked again when it grows stale)."""
 
-    __slots__ = ("candidates", "fetched_at", "limit", "used_at")
+    __slots__ = ("candidates", "fetched_at", "filters", "limit", "used_at")
 
-    def __init__(self, candidates: list[Candidate], limit: int, now: float) -> None:
+    def __init__(
+        self, filters: Filters, candidates: list[Candidate], limit: int, now: float
+    ) -> None:
+        self.filters = filters
         self.candidates = candidates
         self.limit = limit
         self.fetched_at = now
@@ -95,17 +103,19 @@ class RouteCache:
 
     @staticmethod
     def key(capability: str, filters: Filters) -> RouteKey:
-        return (capability, filters.region, tuple(sorted(filters.tags.items())),
-                filters.allow_suspect)  # fmt: skip
+        return (capability, *[_hashable(getattr(filters, name)) for name in KEYED])
 
     def routes(self) -> Iterator[Route]:
         return iter(self._routes.values())
 
-    def store(self, key: RouteKey, candidates: Sequence[Candidate], limit: int) -> None:
+    def store(
+        self, key: RouteKey, filters: Filters, candidates: Sequence[Candidate], limit: int
+    ) -> None:
         now = self.clock()
         entry = self._routes.get(key)
         if entry is None:
-            self._routes[key] = Route(list(candidates), limit, now)
+            own = Filters(**{name: getattr(filters, name) for name in Filters.__struct_fields__})
+            self._routes[key] = Route(own, list(candidates), limit, now)
             while len(self._routes) > self.size:
                 self._routes.popitem(last=False)
         else:
@@ -261,7 +271,7 @@ class Routes:
             raise err
         candidates = schema.decode(schema.route_reply_decoder, reply.data, "route reply").candidates
         if not req.exclude:
-            self.cache.store(key, candidates, req.limit)
+            self.cache.store(key, req, candidates, req.limit)
         return candidates
 
     async def refresh_loop(self) -> None:
@@ -270,11 +280,20 @@ class Routes:
         every = self.config.route_refresh_s
         while self.running:
             await asyncio.sleep(every / 2)
-            for (cap, region, tags, allow_suspect), e in self.cache.stale(every):
-                filters = Filters(region=region, tags=dict(tags), allow_suspect=allow_suspect)
+            for key, e in self.cache.stale(every):
+                cap = str(key[0])
                 try:
-                    await self.route(cap, filters, limit=e.limit, peek=True)
+                    await self.route(cap, e.filters, limit=e.limit, peek=True)
                 except ReachError:
                     pass  # no broker or no agent: route() already updated or kept the cache
                 except Exception:  # the loop never dies
                     log.exception("route.refresh_failed capability=%s", cap)
+
+
+def _hashable(value: object) -> object:
+    """A filter's value as part of a key: a dict as its sorted items, a list as a tuple."""
+    if isinstance(value, dict):
+        return tuple(sorted(value.items()))
+    if isinstance(value, list):
+        return tuple(value)
+    return value

@@ -1,5 +1,6 @@
 """The client's routes made here: it follows the route tables of the capabilities it calls
-and chooses with the broker's own code (docs/protocol.md, "Route tables").
+(:class:`TableFollower`, which a broker also uses for the shares other brokers own) and
+chooses with the broker's own code (docs/protocol.md, "Route tables").
 
 :class:`TableRoutes` is the client's default :class:`~reach_agent.client.routes.RouteSource`.
 A capability is followed on its first call (its deltas subscribed, then its table asked of
@@ -100,36 +101,25 @@ class TableRoutes:
         metrics: ClientMetrics | None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.nc = nc
         self.subjects = subjects
         self.config = config
         self.broker = broker
         """Route requests to a broker, and their cache."""
         self.metrics = metrics
         self.clock = clock
-        self.members: dict[str, TableMember] = {}
-        """Every agent of the tables followed (one per agent: its load counts every call)."""
-        self.followed: dict[str, Followed] = {}
+        self.follower = TableFollower(nc, subjects, config, clock)
+        """The tables of the capabilities this caller calls."""
         self.chooser: Chooser[TableMember] = Chooser(TableRouting())
-        self.partitions = 0
-        """The fleet's partitions, as the brokers last said (0: none said yet)."""
         self._sent: dict[object, tuple[TableMember, int]] = {}
-        self._loop: asyncio.Task[None] | None = None
 
     # --- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
         await self.broker.start()
-        if self._loop is None:
-            self._loop = asyncio.create_task(self._upkeep(), name="reach-tables")
+        await self.follower.start()
 
     async def stop(self) -> None:
-        if self._loop is not None:
-            self._loop.cancel()
-            await asyncio.wait({self._loop}, timeout=2.0)
-            self._loop = None
-        for cap in list(self.followed):
-            await self._unfollow(cap)
+        await self.follower.stop()
         await self.broker.stop()
 
     def agent_gone(self, agent_id: str) -> None:
@@ -149,7 +139,7 @@ class TableRoutes:
             return await self.broker.route(capability, filters, limit=limit, exclude=exclude,
                                            peek=True, deadline=deadline,
                                            headers=headers)  # fmt: skip
-        table = await self.table(capability)
+        table = await self.follower.table(capability) if self.config.local_routing else None
         if table is None or not table.local:
             return await self.broker.route(capability, filters, limit=limit, exclude=exclude,
                                            deadline=deadline, headers=headers)  # fmt: skip
@@ -171,7 +161,7 @@ class TableRoutes:
     def sent(self, agent_id: str, call: object) -> None:
         """Attempt ``call`` is being sent to ``agent_id``: counted on its load until it ends
         (:meth:`ended`) or the agent's next report counts it."""
-        m = self.members.get(agent_id)
+        m = self.follower.members.get(agent_id)
         if m is not None:
             m.handed_out(self.clock())
             self._sent[call] = (m, m.report)
@@ -187,17 +177,67 @@ class TableRoutes:
         if busy:
             m.refused(now)
 
-    # --- following ------------------------------------------------------------------------
+
+class TableFollower:
+    """The route tables of the capabilities asked for, followed (a caller's, for its own
+    routes; a broker's, for the shares of the partitions other brokers own).
+
+    ``skip``: partitions whose shares are not held (a broker holds its own partitions' agents
+    itself); their deltas are ignored and what the brokers answer of them is left out."""
+
+    def __init__(
+        self,
+        nc: NATS,
+        subjects: Subjects,
+        config: ClientConfig,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        skip: Callable[[int], bool] | None = None,
+        member: type[TableMember] = TableMember,
+    ) -> None:
+        self.nc = nc
+        self.member = member
+        """What the tables' agents are made as (a broker's count hand-outs as its own)."""
+        self.subjects = subjects
+        self.config = config
+        self.clock = clock
+        self.skip = skip
+        self.members: dict[str, TableMember] = {}
+        """Every agent of the tables followed (one per agent: its load counts every call)."""
+        self.followed: dict[str, Followed] = {}
+        self.partitions = 0
+        """The fleet's partitions, as the brokers last said (0: none said yet)."""
+        self._loop: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.create_task(self._upkeep(), name="reach-tables")
+
+    async def stop(self) -> None:
+        if self._loop is not None:
+            self._loop.cancel()
+            await asyncio.wait({self._loop}, timeout=2.0)
+            self._loop = None
+        for cap in list(self.followed):
+            await self._unfollow(cap)
+
+    def refetch(self) -> None:
+        """Ask for every table followed again (the partitions skipped changed)."""
+        skip = self.skip
+        for f in self.followed.values():
+            if skip is not None:
+                for p in [p for p in f.table.shares if skip(p)]:
+                    f.table.clear(p, self.members)
+            self._fetch(f)
 
     async def table(self, capability: str) -> RouteTable | None:
         """The table of ``capability`` (followed from now on), or None when none could be
         had within ``table_wait_s`` (a broker is asked meanwhile)."""
-        if not self.config.local_routing:
-            return None
         now = self.clock()
         f = self.followed.get(capability)
         if f is None:
-            f = self.followed[capability] = Followed(RouteTable(capability, TableRouting()), now)
+            table = RouteTable(capability, TableRouting(), self.member)
+            f = self.followed[capability] = Followed(table, now)
             try:
                 f.sub = await self.nc.subscribe(self.subjects.table_of(capability),
                                                 cb=self._on_delta)  # fmt: skip
@@ -242,6 +282,9 @@ class TableRoutes:
                 stored = await self._read_store(cap, covered)
                 shares += stored
                 covered |= {s.partition for s in stored}
+            skip = self.skip
+            if skip is not None:
+                shares = [s for s in shares if not skip(s.partition)]
             now = self.clock()
             table = f.table
             for share in shares:
@@ -334,7 +377,7 @@ class TableRoutes:
             log.debug("tables.delta_undecodable subject=%s", msg.subject)
             return
         f = self.followed.get(delta.capability)
-        if f is None:
+        if f is None or (self.skip is not None and self.skip(delta.partition)):
             return
         if f.fetching is not None:
             f.pending.append(delta)

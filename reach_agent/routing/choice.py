@@ -6,8 +6,9 @@ rebuilt only when something changed and at most every ``rank_refresh_ms``
 route walks the ranking from the top (:mod:`reach_agent.routing.filters`) and stops once it
 has enough candidates, so its cost does not grow with the fleet. State is re-checked during
 the walk, so an agent that just went ``suspect`` is skipped at once even before the next
-rebuild. Sticky keys use a consistent-hash ring over all members (rebuilt only when
-membership changes) and walk past members that are not routable.
+rebuild. A sticky key goes to its heaviest member by rendezvous (highest random weight)
+hashing over all members (:mod:`reach_agent.routing.hashing`), walking down the weights past
+members that are not routable.
 
 Outliers: healthy agents scoring below ``min_reach_score`` are ejected, but never more than
 ``max_eject_share`` of a capability's healthy agents at once (the best low scorers stay in).
@@ -25,20 +26,21 @@ tables.
 
 from __future__ import annotations
 
-import bisect
 import random
 from collections.abc import Callable
-from typing import Generic
+from typing import Generic, TypeVar
 
 from reach_agent.wire.errors import NoReachableAgent, Overloaded
 from reach_agent.wire.schema import RouteRequest
 
 from . import draws
 from .filters import FILTERS, LOAD, NO_POLICY, Policy, Walk
-from .index import CapabilityIndex, hash64
-from .member import M
+from .index import CapabilityIndex
+from .member import M, Member
 from .rules import Rule
 from .settings import Settings
+
+D = TypeVar("D", bound=Member)
 
 HEALTHY = "healthy"
 SUSPECT = "suspect"
@@ -79,12 +81,34 @@ class Chooser(Generic[M]):
     ) -> list[M]:
         """The agents chosen for ``req`` among ``idx``'s, best first, under the capability's
         route ``rule``. Raises Overloaded or NoReachableAgent (saying why)."""
+        pool, walk = self.gather(idx, req, rule, now)
+        if req.sticky_key:
+            first = self._sticky(idx, req.sticky_key, pool, walk, now)
+            rest = [r for r in pool if r is not first]
+            return [first, *rest[: req.limit - 1]]
+        return self.draw(pool, req.limit, now)
+
+    def draw(self, pool: list[D], limit: int, now: float) -> list[D]:
+        """``limit`` agents of ``pool`` (best ranked first) as ``choice`` says (any members:
+        a broker draws once over its own agents and the other owners' shares together)."""
+        cfg = self.cfg
+        if cfg.choice == "weighted":
+            return draws.weighted(pool, limit, now, cfg, self.rng)
+        if cfg.choice == "p2c":
+            return draws.p2c(pool, limit, now, cfg, self.rng)
+        return pool[:limit]
+
+    def gather(
+        self, idx: CapabilityIndex[M], req: RouteRequest, rule: Rule | None, now: float
+    ) -> tuple[list[M], Walk]:
+        """The pool :meth:`pick` chooses from (the agents that pass the filters, best ranked
+        first, up to :meth:`pool_size`) and the walk that gathered it. Raises Overloaded or
+        NoReachableAgent (saying why) when nobody passes."""
         if not idx.members:
             raise NoReachableAgent(f"no agent has the capability {idx.name!r}")
         cfg = self.cfg
         if idx.refresh(cfg, now) and self.on_panic is not None:
             self.on_panic(idx)
-        limit = req.limit
         want = self.pool_size(req)
         watermark = cfg.load_watermark
         if rule is not None:
@@ -118,15 +142,7 @@ class Chooser(Generic[M]):
             if why.get(LOAD):  # some pass every filter but are full: wait, not elsewhere
                 raise Overloaded(self._nothing(idx, why), retry_after_ms=idx.retry_after_ms())
             raise NoReachableAgent(self._nothing(idx, why))
-        if req.sticky_key:
-            first = self._sticky(idx, req.sticky_key, pool, walk, now)
-            rest = [r for r in pool if r is not first]
-            return [first, *rest[: limit - 1]]
-        if cfg.choice == "weighted":
-            return draws.weighted(pool, limit, now, cfg, self.rng)
-        if cfg.choice == "p2c":
-            return draws.p2c(pool, limit, now, cfg, self.rng)
-        return pool[:limit]
+        return pool, walk
 
     def passing(
         self, recs: list[M], state: str, req: RouteRequest, now: float, policy: Policy = NO_POLICY
@@ -178,22 +194,26 @@ class Chooser(Generic[M]):
     def _sticky(
         self, idx: CapabilityIndex[M], key: str, pool: list[M], walk: Walk, now: float
     ) -> M:
-        """The owner of ``key`` on the capability's ring: the first member from the key's
-        point on that is in the pool, or routable beyond it."""
-        keys, owners = idx.ring(self.cfg.vnodes)
-        start = bisect.bisect(keys, hash64(key))
-        eligible = {r.agent_id for r in pool}
-        n = len(keys)
-        cfg = self.cfg
-        for step in range(n):
-            owner = owners[(start + step) % n]
-            if owner.agent_id in eligible:
-                return owner
-            # A routable owner beyond the pool's size still wins: walk it through filters.
-            if (
-                owner.state == HEALTHY
-                and owner.score >= cfg.min_reach_score
-                and walk.first_failed(owner, HEALTHY, now, cfg.load_watermark) is None
-            ):
-                return owner
+        """The owner of ``key``: the member weighing most for it (rendezvous hashing) that is
+        in the pool, or routable beyond it; the next heaviest when it is neither. A key the
+        index remembers costs a lookup, another one weighing every member once."""
+        heaviest = idx.heaviest(key)
+        for _, rec in heaviest:
+            if self._owns(rec, pool, walk, now):
+                return rec
+        for rec in idx.by_weight(key)[len(heaviest) :]:
+            if self._owns(rec, pool, walk, now):
+                return rec
         return pool[0]
+
+    def _owns(self, rec: M, pool: list[M], walk: Walk, now: float) -> bool:
+        """Whether ``rec`` may take a sticky key: in the pool, or routable beyond its size
+        (walked through the filters)."""
+        if rec in pool:
+            return True
+        cfg = self.cfg
+        return (
+            rec.state == HEALTHY
+            and rec.score >= cfg.min_reach_score
+            and walk.first_failed(rec, HEALTHY, now, cfg.load_watermark) is None
+        )

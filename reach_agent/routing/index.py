@@ -1,19 +1,20 @@
-"""The capability indexes: per capability, its agents, a cached ranking and a hash ring.
+"""The capability indexes: per capability, its agents and a cached ranking.
 
 Its owner (the broker's registry, a caller's route tables) tells an index what changed
 (:meth:`CapabilityIndex.add`, ``remove``, ``state_changed``, ``score_changed``); the router
 asks it to :meth:`~CapabilityIndex.refresh` before a walk, which re-ranks only when something
 changed and at most every
 ``rank_refresh_ms`` (score-only changes: every ``REORDER_FACTOR`` x that). Ranking applies the
-outlier and panic rules of :mod:`reach_agent.routing.choice`. The ring (sticky keys) is rebuilt
-only when membership changes.
+outlier and panic rules of :mod:`reach_agent.routing.choice`. Sticky keys need nothing kept per
+capability: each member carries its id's hash (:mod:`reach_agent.routing.hashing`).
 """
 
 from __future__ import annotations
 
-import hashlib
+import heapq
 from typing import Any, Generic
 
+from .hashing import FIBONACCI, M64, Lanes, hash64, rendezvous
 from .member import M, Member
 from .settings import Settings
 
@@ -21,6 +22,13 @@ REORDER_FACTOR = 20
 """Score-only changes (every heartbeat moves load) re-rank at most every 20 x rank_refresh_ms:
 a sort per capability per heartbeat burst costs O(n log n) and the walk re-checks state and
 load anyway, so a ranking a second old routes the same agents."""
+
+STICKY_KEYS = 1024
+STICKY_DEPTH = 4
+"""Sticky keys whose heaviest members (``STICKY_DEPTH`` of them) an index remembers (the most
+recent): a key asked again costs a lookup, not a weighing of every member, also when its
+heaviest member is full for the moment. A member joining is weighed against each key
+remembered; a member leaving makes the keys it was among the heaviest of be weighed again."""
 
 RETRY_AFTER_MIN_MS = 10
 RETRY_AFTER_MAX_MS = 1000
@@ -30,8 +38,8 @@ is likely free by then), within these bounds; the default when no task time is k
 fleet over its in-flight ceiling answers the maximum."""
 
 
-def hash64(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+def _weight(pair: tuple[int, Any]) -> int:
+    return pair[0]  # tuples of equal weight are never compared further (members are not)
 
 
 def by_score(rec: Member) -> tuple[float, int, str]:
@@ -40,13 +48,13 @@ def by_score(rec: Member) -> tuple[float, int, str]:
 
 
 class CapabilityIndex(Generic[M]):
-    """The agents of one capability, with a cached ranking and hash ring."""
+    """The agents of one capability, with a cached ranking."""
 
     __slots__ = (
         "_built_at",
         "_dirty",
+        "_lanes",
         "_reorder",
-        "_ring",
         "ejected",
         "healthy",
         "median_task_ms",
@@ -55,6 +63,7 @@ class CapabilityIndex(Generic[M]):
         "panic",
         "ranked",
         "replies",
+        "sticky",
         "suspects",
     )
 
@@ -70,7 +79,11 @@ class CapabilityIndex(Generic[M]):
         self._dirty = True  # membership or a state changed: re-rank within rank_refresh_ms
         self._reorder = False  # only scores changed: re-rank within REORDER_FACTOR x that
         self._built_at = float("-inf")
-        self._ring: tuple[list[int], list[M]] | None = None  # None: rebuild
+        self._lanes: tuple[Lanes, list[M]] | None = None
+        """Every member's hash packed for weighing them all at once (None: pack again)."""
+        self.sticky: dict[str, tuple[int, list[tuple[int, M]]]] = {}
+        """Recent sticky keys (:data:`STICKY_KEYS` at most): the key's hash, and its heaviest
+        members with their weights, heaviest first."""
         self.replies: dict[str, Any] = {}
         """Kept by whoever answers routes from this index (the broker: each member's encoded
         candidate); a member that leaves leaves it too."""
@@ -80,17 +93,59 @@ class CapabilityIndex(Generic[M]):
     def add(self, rec: M) -> None:
         self.members[rec.agent_id] = rec
         self._dirty = True
-        self._ring = None
+        self._lanes = None
+        # The keys remembered stay right: the newcomer joins those it outweighs.
+        h, f, m = rec.hrw, FIBONACCI, M64
+        for k, owners in self.sticky.values():
+            w = ((h ^ k) * f) & m  # rendezvous(h, k)
+            if len(owners) < STICKY_DEPTH or w > owners[-1][0]:
+                owners.append((w, rec))
+                owners.sort(key=_weight, reverse=True)
+                del owners[STICKY_DEPTH:]
 
     def remove(self, agent_id: str) -> None:
         if self.members.pop(agent_id, None) is not None:
             self._dirty = True
-            self._ring = None
+            self._lanes = None
+            # A key it was among the heaviest of is weighed again when next asked.
+            gone = [key for key, (_, owners) in self.sticky.items()
+                    if any(r.agent_id == agent_id for _, r in owners)]  # fmt: skip
+            for key in gone:
+                del self.sticky[key]
             self.replies.pop(agent_id, None)
 
     def state_changed(self) -> None:
         """A member's state (or announce) changed: re-rank soon."""
         self._dirty = True
+
+    def heaviest(self, key: str) -> list[tuple[int, M]]:
+        """The :data:`STICKY_DEPTH` members weighing most for the sticky ``key``
+        (rendezvous hashing), heaviest first, with their weights; remembered, and kept right
+        as members come and go (a bounded cost per change, not a weighing per request)."""
+        held = self.sticky.get(key)
+        if held is not None:
+            return held[1]
+        k = hash64(key)
+        if self._lanes is None:  # once per membership change that a new key follows
+            members = list(self.members.values())
+            self._lanes = (Lanes([r.hrw for r in members]), members)
+        lanes, members = self._lanes
+        weights = lanes.weights(k)
+        top = heapq.nlargest(STICKY_DEPTH, weights)
+        if len(set(top)) == len(top):
+            owners = [(w, members[weights.index(w)]) for w in top]
+        else:  # two members weigh the same (1 in 2^64): the slow way, the same answer
+            order = sorted(range(len(members)), key=weights.__getitem__, reverse=True)
+            owners = [(weights[i], members[i]) for i in order[:STICKY_DEPTH]]
+        if len(self.sticky) >= STICKY_KEYS:
+            del self.sticky[next(iter(self.sticky))]  # the oldest
+        self.sticky[key] = (k, owners)
+        return owners
+
+    def by_weight(self, key: str) -> list[M]:
+        """Every member, heaviest first for the sticky ``key``."""
+        k = hash64(key)
+        return sorted(self.members.values(), key=lambda r: rendezvous(r.hrw, k), reverse=True)
 
     def score_changed(self) -> None:
         """Only a member's score moved: re-rank on the slower cadence."""
@@ -159,17 +214,6 @@ class CapabilityIndex(Generic[M]):
         if ms is None:
             return RETRY_AFTER_DEFAULT_MS
         return min(max(round(ms), RETRY_AFTER_MIN_MS), RETRY_AFTER_MAX_MS)
-
-    def ring(self, vnodes: int) -> tuple[list[int], list[M]]:
-        """The consistent-hash ring of every member: (sorted point hashes, their owners)."""
-        if self._ring is None:
-            points = sorted(
-                (hash64(f"{agent_id}#{i}"), rec)
-                for agent_id, rec in self.members.items()
-                for i in range(vnodes)
-            )
-            self._ring = [p[0] for p in points], [p[1] for p in points]
-        return self._ring
 
 
 class CapabilityIndexes(dict[str, CapabilityIndex[M]]):

@@ -15,6 +15,8 @@ from typing import Protocol, TypeVar
 
 from reach_agent.wire.schema import PROTOCOL_REACH, AgentState, Candidate
 
+from .hashing import hash64
+
 
 class TaskTime(Protocol):
     """What the routing reads of an agent's task history."""
@@ -56,6 +58,7 @@ class Member:
         "handed",
         "handed_at",
         "headroom",
+        "hrw",
         "interval_s",
         "last_seen",
         "load",
@@ -78,6 +81,8 @@ class Member:
 
     def __init__(self, agent_id: str, max_concurrency: int, stats: TaskTime) -> None:
         self.agent_id = agent_id
+        self.hrw = hash64(agent_id)
+        """Its id's hash: its weight for a sticky key is ``rendezvous(hrw, hash64(key))``."""
         self.capabilities: tuple[str, ...] = ()
         """The capabilities it is a member of (the indexes it is in)."""
         self.state: AgentState = "healthy"

@@ -29,7 +29,7 @@ from msgspec import Meta
 from reach_agent.wire.errors import InvalidRequest
 from reach_agent.wire.schema import RouteRequest, check_capability, check_tags
 
-from .index import hash64
+from .hashing import hash64
 from .member import Member
 
 VERSION = "version"

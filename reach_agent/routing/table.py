@@ -137,15 +137,31 @@ class TableMember(Member):
         self.weight = weight(self.score, 1.0)
 
 
+class SharedMember(TableMember):
+    """An agent of another owner's share as a broker counts it (a broker's route service
+    follows the other owners' shares): its hand-outs counted as the broker counts its own
+    agents' (:meth:`Member.handed_out`: fading with the task time, replaced by the next
+    report), since a broker does not see the calls it routes end."""
+
+    __slots__ = ()
+
+    handed_out = Member.handed_out  # type: ignore[assignment]
+    in_flight = Member.in_flight
+
+
 class RouteTable:
     """A caller's copy of one capability's route table: the union of its shares, each at its
     owner's ``(epoch, version)``; the members indexed and ranked as a broker ranks them."""
 
-    __slots__ = ("capability", "index", "local", "rule", "rule_raw", "settings", "shares",
-                 "where")  # fmt: skip
+    __slots__ = ("capability", "index", "local", "member", "rule", "rule_raw", "settings",
+                 "shares", "where")  # fmt: skip
 
-    def __init__(self, capability: str, settings: Settings) -> None:
+    def __init__(self, capability: str, settings: Settings,
+                 member: type[TableMember] = TableMember) -> None:  # fmt: skip
         self.capability = capability
+        self.member = member
+        """What its agents are made as (a caller's :class:`TableMember`, a broker's
+        :class:`SharedMember`)."""
         self.index: CapabilityIndex[TableMember] = CapabilityIndex(capability)
         self.shares: dict[int, tuple[int, int]] = {}
         """Each share held: partition → (epoch, version)."""
@@ -208,7 +224,7 @@ class RouteTable:
                 now: float) -> None:  # fmt: skip
         m = members.get(entry.agent_id)
         if m is None:
-            m = members[entry.agent_id] = TableMember(entry, now)
+            m = members[entry.agent_id] = self.member(entry, now)
             moved = 0
         else:
             moved = 0 if m.entry is entry else m.apply(entry, now)

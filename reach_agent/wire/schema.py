@@ -184,6 +184,13 @@ class RouteExplain(Base, frozen=True):
     """Agents left out, by reason code: all of them, also beyond the ``excluded`` listed."""
     excluded: list[Exclusion] = []
     """The agents left out (at most 100: the best ranked and scored first), with why."""
+    shared: int = 0
+    """With several brokers: agents of the capability in the other owners' route-table shares
+    the answering broker follows (routed with the rest, not explained one by one)."""
+    unseen_partitions: list[int] = []
+    """With several brokers: partitions whose agents this explanation does not cover (owned by
+    another broker and none of their agents in the answering broker's registry): routed from
+    their owners' shares (``shared``), or not at all while no share of them is held."""
 
 
 # --- the task path's records ------------------------------------------------------------
@@ -648,10 +655,31 @@ class AgentView(Base, frozen=True):
 
 
 class AgentsRequest(Base, frozen=True):
-    """``reach.agents``: optional filters; ``{}`` or empty lists everything."""
+    """``reach.agents`` and ``<p>.agents.<partition>``: optional filters; ``{}`` or empty
+    lists everything (a page of it on ``<p>.agents.<partition>``)."""
 
     capability: Capability | None = None
     state: AgentState | None = None
+    limit: Annotated[int, Meta(ge=1)] | None = None
+    """``<p>.agents.<partition>`` only: agents in the page (default 500, at most 5000)."""
+    cursor: ShortText | None = None
+    """``<p>.agents.<partition>`` only: where the page starts (the previous page's
+    ``cursor``; absent: the partition's first agent)."""
+
+
+class AgentsPage(Base, frozen=True):
+    """``<p>.agents.<partition>``'s answer, from the partition's owner: a page of its agents
+    sorted by id, and the cursor of the next page (absent: the whole fleet is listed)."""
+
+    agents: list[AgentView]
+    partition: int
+    partitions: int
+    """How many partitions the fleet is split into."""
+    cursor: str | None = None
+    """``"<partition>.<after>"``: ask ``<p>.agents.<partition>`` with it for the next page."""
+    count: int = 0
+    """Agents the partition holds now (all of them, whatever the filters)."""
+    broker_id: str | None = None
 
 
 class OutcomeSummary(Base, frozen=True):
@@ -717,6 +745,7 @@ route_reply_decoder = msgspec.json.Decoder(RouteReply)
 announce_ack_decoder = msgspec.json.Decoder(AnnounceAck)
 agents_request_decoder = msgspec.json.Decoder(AgentsRequest)
 agent_views_decoder = msgspec.json.Decoder(list[AgentView])
+agents_page_decoder = msgspec.json.Decoder(AgentsPage)
 probe_reply_decoder = msgspec.json.Decoder(ProbeReply)
 event_decoder = msgspec.json.Decoder(Event)
 claim_decoder = msgspec.json.Decoder(Claim)

@@ -16,7 +16,8 @@ sender names against the sender's permissions (see docs/protocol.md, "Reply subj
     <p>.probe.<agent_id>             broker/caller → agent (request-reply)
     <p>.reannounce.<agent_id>        broker → agent: announce again
     <p>.route.<capability>           caller → one broker (queue group)
-    <p>.agents                       CLI → one broker (queue group)
+    <p>.agents                       CLI → one broker (queue group): its whole registry
+    <p>.agents.<partition>           CLI/console → the partition's owner: a page of its agents
     <p>.task.<agent_id>.<capability> caller → agent (request-reply)
     <p>.cancel.<agent_id>            caller/broker → agent: stop running a request
     <p>.cancel._broker               caller → one broker (queue group): cancel a request
@@ -33,6 +34,8 @@ sender names against the sender's permissions (see docs/protocol.md, "Reply subj
     <p>.part.<n>.leave.<agent_id>    partition's owner subscribes to (:meth:`Subjects.mappings`)
     <p>.partcheck.<token>            broker → itself: is the server mapping, with which count?
     <p>.part.<n>.check.<token>       (the same mapping, for that question alone)
+    <p>.forward.<broker>.<capability>  broker → the capability's owner: a route request forwarded
+                                     with its caller (``Reach-Caller``; only brokers may publish)
 
 The Synadia Agent Protocol's subjects (theirs, never prefixed) are built by
 :class:`AgentsProtocol` (``AGENTS``): reach reads and calls those agents as they are.
@@ -63,6 +66,15 @@ RULES_AUTHOR = "_rules"
 start with a letter or digit), so no agent's event subscription receives them."""
 
 
+_NOT_IN_TOKEN = str.maketrans({c: "_" for c in ".*> \t\r\n"})
+
+
+def broker_token(broker_id: str) -> str:
+    """``broker_id`` as one subject token (``.``, ``*``, ``>`` and blanks become ``_``): where
+    route requests forwarded to that broker go (:meth:`Subjects.forward`)."""
+    return broker_id.translate(_NOT_IN_TOKEN)
+
+
 def is_inbox(subject: str) -> bool:
     """Whether ``subject`` is a reply subject reach answers (``_INBOX.…``)."""
     return subject.startswith(_INBOX_DOT)
@@ -78,9 +90,11 @@ class Subjects:
         "_comp",
         "_cuts",
         "_event",
+        "_forward",
         "_hb",
         "_leave",
         "_outcome",
+        "_pages",
         "_part",
         "_probe",
         "_reannounce",
@@ -110,6 +124,8 @@ class Subjects:
         self._table = f"{prefix}.table."
         self._tables = f"{prefix}.tables."
         self._part = f"{prefix}.part."
+        self._pages = f"{prefix}.agents."
+        self._forward = f"{prefix}.forward."
         # Parsers run per message (heartbeats): slice at precomputed lengths.
         self._cuts = (
             len(self._announce), len(self._hb), len(self._leave), len(self._probe),
@@ -143,6 +159,10 @@ class Subjects:
     @property
     def agents(self) -> str:
         return f"{self.prefix}.agents"
+
+    def agent_page(self, partition: int) -> str:
+        """Where the owner of ``partition`` answers pages of its agents."""
+        return f"{self._pages}{partition}"
 
     def task(self, agent_id: str, capability: str) -> str:
         return f"{self._task}{agent_id}.{capability}"
@@ -185,6 +205,16 @@ class Subjects:
         answers with the shares it owns)."""
         return self._tables + capability
 
+    def forward(self, broker: str, capability: str) -> str:
+        """A route request forwarded to the broker that owns the capability (``broker``: its
+        :func:`broker_token`)."""
+        return f"{self._forward}{broker}.{capability}"
+
+    def forwards_to(self, broker: str) -> str:
+        """Every route request forwarded to one broker (``<p>.forward.<broker>.>``: a
+        capability may have dots)."""
+        return f"{self._forward}{broker}.>"
+
     # --- what subscribers listen on --------------------------------------------------------
 
     @property
@@ -210,6 +240,11 @@ class Subjects:
     @property
     def all_routes(self) -> str:
         return self._route + ">"
+
+    @property
+    def all_agent_pages(self) -> str:
+        """Every partition's page subject (``<p>.agents.*``)."""
+        return self._pages + "*"
 
     def tasks_of(self, agent_id: str) -> str:
         """Every task subject of one agent (``<p>.task.<agent_id>.>``)."""
@@ -248,6 +283,11 @@ class Subjects:
     def all_outcomes(self) -> str:
         return self._outcome + "*"
 
+    @property
+    def all_forwards(self) -> str:
+        """Every forwarded route request (``<p>.forward.>``: brokers only)."""
+        return self._forward + ">"
+
     def table_of(self, capability: str) -> str:
         """Every share's deltas of one capability's table (``<p>.table.*.<capability>``)."""
         return f"{self._table}*.{capability}"
@@ -261,6 +301,9 @@ class Subjects:
     def all_table_deltas(self) -> str:
         """Every share's deltas of every capability (``<p>.table.>``)."""
         return self._table + ">"
+
+    def partition_of_agent_page(self, subject: str) -> str:
+        return subject[len(self._pages) :]
 
     def capability_of_tables(self, subject: str) -> str:
         return subject[len(self._tables) :]
@@ -355,6 +398,10 @@ class Subjects:
 
     def capability_of_route(self, subject: str) -> str:
         return subject[self._cuts[4] :]
+
+    def capability_of_forward(self, subject: str) -> str:
+        """The capability of ``<p>.forward.<broker>.<capability>``."""
+        return subject[len(self._forward) :].partition(".")[2]
 
     def capability_of_task(self, subject: str, agent_id: str) -> str:
         """The capability of ``<p>.task.<agent_id>.<capability>`` for a known ``agent_id``."""

@@ -153,6 +153,7 @@ ROLES: dict[RoleName, Role] = {
         publish=(
             Every("all_routes"),
             Every("agents"),
+            Every("all_agent_pages"),  # pages of the fleet, each from its owner
             Every("all_tasks"),
             Every("all_comp"),
             Every("all_probes"),  # the client's liveness watch probes agents running its calls
@@ -197,7 +198,9 @@ ROLES: dict[RoleName, Role] = {
             # so it may also ask what a caller asks.
             Raw("$SRV.>"),
             Every("agents"),
+            Every("all_agent_pages"),  # pages of the fleet, each from its owner
             Every("all_routes"),
+            Every("all_forwards"),  # a route request to its capability's owner (brokers only)
         ),
         subscribe=(
             # The server maps the agent subjects into partitions (docs/protocol.md,
@@ -210,6 +213,7 @@ ROLES: dict[RoleName, Role] = {
             Every("all_leaves"),
             Every("all_routes"),
             Every("agents"),
+            Every("all_agent_pages"),  # pages of the fleet, each from its owner
             Every("all_comp"),
             Every("all_acks"),
             Every("all_events"),
@@ -220,6 +224,7 @@ ROLES: dict[RoleName, Role] = {
             Raw("$SYS.ACCOUNT.{account}.CONNECT"),
             Raw("$SYS.ACCOUNT.{account}.DISCONNECT"),
             INBOX,
+            Every("all_forwards"),  # route requests forwarded to the capability's owner
         ),
     ),
 }

@@ -1,13 +1,26 @@
-"""``reach agents``: the fleet as one broker sees it (``<prefix>.agents``)."""
+"""``reach agents``: the whole fleet, paged through ``<prefix>.agents.<partition>`` (each
+partition answered by the broker that owns it)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import os
 
-from .common import Subcommands, add_common, ask, capability, subjects
+from .common import (
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    CliError,
+    Subcommands,
+    add_common,
+    capability,
+    connect,
+    subjects,
+)
 from .output import AGENT_HEADER, agent_rows, print_json, print_table
+
+PAGE_SIZE = 1000
+"""Agents asked per page (``--page-size``, ``REACH_PAGE_SIZE``)."""
 
 
 def add_parser(sub: Subcommands) -> None:
@@ -16,6 +29,10 @@ def add_parser(sub: Subcommands) -> None:
     p.add_argument("--capability", "-C", help="only agents with this capability")
     p.add_argument("--state", choices=["healthy", "suspect", "offline", "recovering", "draining"],
                    help="only agents in this state")  # fmt: skip
+    page_size = int(os.environ.get("REACH_PAGE_SIZE", PAGE_SIZE))
+    p.add_argument("--page-size", type=int, default=page_size,
+                   help=f"agents per page asked of each partition's owner (1-5000, default "
+                        f"{PAGE_SIZE}; env REACH_PAGE_SIZE)")  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -24,15 +41,39 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _agents(args: argparse.Namespace) -> int:
-    from reach_agent.wire import schema
+    from nats.errors import NoRespondersError
+    from nats.errors import TimeoutError as NatsTimeout
 
-    body: dict[str, str] = {}
-    if args.capability is not None:
-        body["capability"] = capability(args.capability, "--capability")
-    if args.state:
-        body["state"] = args.state
-    data = await ask(args, subjects(args).agents, json.dumps(body).encode())
-    views = schema.agent_views_decoder.decode(data)
+    from reach_agent.client.listing import agent_pages
+    from reach_agent.wire.errors import ReachError
+    from reach_agent.wire.schema import AgentView
+
+    cap = None if args.capability is None else capability(args.capability, "--capability")
+    if not 1 <= args.page_size <= 5000:
+        raise CliError(f"--page-size {args.page_size} is not within 1-5000", EXIT_USAGE)
+    s = subjects(args)
+    views: list[AgentView] = []
+    nc = await connect(args)
+    try:
+        pages = agent_pages(nc, s, capability=cap, state=args.state, limit=args.page_size,
+                            timeout_s=args.timeout)  # fmt: skip
+        async for page in pages:
+            views.extend(page.agents)
+    except NoRespondersError:
+        raise CliError(
+            f"no broker answers on {s.agent_page(0)} (is `reach broker` running on this "
+            "server?)", EXIT_UNAVAILABLE,
+        ) from None  # fmt: skip
+    except NatsTimeout:
+        raise CliError(
+            f"a partition's owner did not answer on {s.prefix}.agents.<partition> within "
+            f"{args.timeout}s (3 tries)", EXIT_UNAVAILABLE,
+        ) from None  # fmt: skip
+    except ReachError as err:
+        raise CliError.of(err) from None
+    finally:
+        await nc.close()
+    views.sort(key=lambda v: v.agent_id)
     if args.json:
         print_json(views)
         return 0

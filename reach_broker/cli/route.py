@@ -100,9 +100,17 @@ def print_explain(cap: str, ex: Any, candidates: list[Any]) -> None:
     print(f"{cap}: {ex.members} agents, {ex.healthy} healthy, {ex.ranked} ranked, "
           f"{ex.ejected} ejected; choice {ex.choice}, pool {ex.pool}; min score "
           f"{ex.min_reach_score:g}, load watermark {ex.load_watermark:g}{panic}")  # fmt: skip
+    if ex.shared or ex.unseen_partitions:
+        unseen = ", ".join(map(str, ex.unseen_partitions)) or "none"
+        print(f"other brokers' partitions: {ex.shared} agents routed from their shares, not "
+              f"explained one by one; partitions not seen: {unseen}")  # fmt: skip
     rows = []
     for i, c in enumerate(candidates, 1):
         e = c.explain
+        if e is None:  # an agent of another broker's share
+            rows.append((i, c.agent_id, c.state, f"{c.score:.1f}", f"{c.load:.2f}",
+                         *["-"] * 10))  # fmt: skip
+            continue
         t = e.terms
         rows.append((i, c.agent_id, c.state, f"{c.score:.1f}", f"{e.active}/{e.max_concurrency}",
                      f"{e.weight:.1f}", _f(e.slow_start), _f(t.liveness), _f(t.latency),

@@ -31,6 +31,7 @@ from . import health
 from .feed import Feed, Watcher
 from .health import Readiness
 from .httpd import Request, Response, Stream, text
+from .owners import owners, page
 
 _json = msgspec.json.Encoder()
 COOKIE = "reach_console"
@@ -197,6 +198,11 @@ class App:
         if req.path.startswith("/api/") or req.path == "/events":
             if feed is None or not feed.running:
                 return text(503, "the broker is starting", (*SECURITY, *NO_STORE))
+            if req.path == "/api/agents":
+                return await self.agents_page(feed, req)
+            if req.path == "/api/owners":  # asked now: who owns each partition, its agents
+                ctx = feed.ctx
+                return self.json(_json.encode(await owners(ctx.nc, ctx.subjects, ctx.wall_ms())))
             return self.api(feed, req)
         return text(404, f"no such page: {req.path}", SECURITY)
 
@@ -229,6 +235,15 @@ class App:
                 return text(404, f"no agent {path.removeprefix('/api/agents/')!r}", SECURITY)
             return self.json(body)
         return text(404, f"no such page: {path}", SECURITY)
+
+    async def agents_page(self, feed: Feed, req: Request) -> Response:
+        """``/api/agents?cursor=C&limit=N``: one page of the whole fleet, from the owner of
+        the cursor's partition (``<p>.agents.<partition>``; no cursor: the first page)."""
+        raw = req.query.get("limit", "100")
+        if not raw.isdigit() or not 1 <= int(raw) <= 5000:
+            return text(400, f"limit {raw[:20]!r} is not a number from 1 to 5000", SECURITY)
+        ctx = feed.ctx
+        return self.json(await page(ctx.nc, ctx.subjects, req.query.get("cursor"), int(raw)))
 
     @staticmethod
     def json(body: bytes) -> Response:

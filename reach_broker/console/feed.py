@@ -10,7 +10,8 @@ reads the last ``console.events`` events of ``REACH_AUDIT`` and then follows it 
 ``console.sample_s`` for the per-agent charts. While at least one page watches, it encodes
 the fleet once every ``console.push_s`` (and about 50 ms after any transition) and hands the
 same bytes to every page; every 5 s it reads the compensation queue's depth per capability
-and the age of each one's oldest entry. Nobody watching, it does no more than the sampling
+and the age of each one's oldest entry, and asks every partition's owner for its agent count
+(:mod:`.owners`). Nobody watching, it does no more than the sampling
 and the audit follow.
 """
 
@@ -38,6 +39,7 @@ from reach_broker.service.context import BrokerContext
 
 from .capseries import CapabilitySeries
 from .history import History
+from .owners import OwnersView, owners
 from .views import CompensationView, QueueDepth, Views, event_view
 
 log = logging.getLogger(__name__)
@@ -112,6 +114,8 @@ class Feed:
         self.views = Views(registry, explainer, ctx.broker_id)
         self.watchers: set[Watcher] = set()
         self.compensation = CompensationView(at_ms=0, available=False)
+        self.owners = OwnersView(at_ms=0, partitions=0, rows=[], brokers={})
+        """Each partition's owner and agent count, as last asked (with the compensation)."""
         self._dirty = asyncio.Event()
         self._follow: audit.Follow | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -207,7 +211,8 @@ class Feed:
         w = Watcher()
         for kind, data in (("hello", self.hello_json()), ("fleet", self.fleet_json()),
                            ("events", self.events_json()),
-                           ("compensation", _json.encode(self.compensation))):  # fmt: skip
+                           ("compensation", _json.encode(self.compensation)),
+                           ("owners", _json.encode(self.owners))):  # fmt: skip
             w.offer(sse(kind, data))
         self.watchers.add(w)
         self._dirty.set()  # the compensation poll runs soon for a first watcher
@@ -275,6 +280,8 @@ class Feed:
                     next_comp = now + COMPENSATION_EVERY_S
                     self.compensation = await self._compensation()
                     self._send(sse("compensation", _json.encode(self.compensation)))
+                    self.owners = await owners(self.ctx.nc, self.ctx.subjects, self.ctx.wall_ms())
+                    self._send(sse("owners", _json.encode(self.owners)))
             except Exception:  # noqa: BLE001 - the loop body never dies
                 log.exception("console.push_failed")
 

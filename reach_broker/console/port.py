@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from reach_broker.config import Config
+from reach_broker.config import ConsoleSection
 
 from .app import Access, App
 from .feed import Feed
@@ -14,25 +14,26 @@ from .health import Readiness
 from .httpd import HttpServer
 
 
-def access_of(cfg: Config) -> Access:
-    """Who may see the console on the port ``cfg`` describes (off: see :attr:`Access.why_off`)."""
-    return Access(cfg.broker.metrics_host, cfg.console.token, cfg.console.enabled)
+def access_of(host: str, console: ConsoleSection) -> Access:
+    """Who may see the console on a port bound to ``host`` (``broker.metrics_host``) with the
+    ``[console]`` section ``console`` (off: see :attr:`Access.why_off`)."""
+    return Access(host, console.token, console.enabled)
 
 
 class HttpPort:
-    """``/metrics`` of ``registry`` on ``broker.metrics_host:metrics_port``, ``/healthz`` and
-    ``/readyz`` (``not_ready``: the broker's), and the console over ``feed`` (the broker's,
-    which it starts and stops)."""
+    """``/metrics`` of ``registry`` on ``access.host:port`` (``broker.metrics_host`` and
+    ``metrics_port``), ``/healthz`` and ``/readyz`` (``not_ready``: the broker's), and the
+    console over ``feed`` (the broker's, which it starts and stops) to those ``access`` lets
+    in."""
 
     def __init__(
-        self, cfg: Config, registry: Any, not_ready: Readiness, feed: Feed | None = None
-    ) -> None:
-        b = cfg.broker
-        self.cfg = cfg
-        self.access = access_of(cfg)
+        self, access: Access, port: int, registry: Any, not_ready: Readiness,
+        feed: Feed | None = None,
+    ) -> None:  # fmt: skip
+        self.access = access
         self.feed = feed
-        self.app = App(registry, self.access, not_ready, feed)
-        self.server = HttpServer(b.metrics_host, b.metrics_port, self.app)
+        self.app = App(registry, access, not_ready, feed)
+        self.server = HttpServer(access.host, port, self.app)
 
     @property
     def base_url(self) -> str:

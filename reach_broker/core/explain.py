@@ -15,7 +15,7 @@ An explained request costs O(agents of the capability): it is for people (``reac
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 import msgspec
@@ -24,6 +24,7 @@ from reach_agent.routing import filters
 from reach_agent.routing import reasons as r
 from reach_agent.routing.filters import Policy
 from reach_agent.routing.index import CapabilityIndex
+from reach_agent.routing.table import RouteTable
 from reach_agent.wire.errors import NoReachableAgent, Overloaded
 from reach_agent.wire.schema import (
     AgentExplain,
@@ -127,27 +128,43 @@ def _score_terms(t: Terms) -> ScoreTerms:
                       stuck=t.stuck, delivery=round(t.delivery, 4))  # fmt: skip
 
 
+Coverage = Callable[[str, Iterable[str]], tuple[int, list[int]]]
+"""(capability, the agent ids explained) -> (agents of the capability in the other owners'
+shares followed, the partitions neither owned nor seen in those agents), for
+``RouteExplain.shared`` and ``unseen_partitions``."""
+
+
 class Explainer:
     """Explained route replies and rankings over the router and the scoring settings."""
 
-    def __init__(self, router: Router, scoring: ScoringSection) -> None:
+    def __init__(self, router: Router, scoring: ScoringSection, *,
+                 coverage: Coverage | None = None) -> None:  # fmt: skip
         self.router = router
         self.scoring = scoring
+        self.coverage = coverage
+        """With several brokers: what an explanation does not cover (the other owners'
+        shares followed, the partitions not seen); None: the registry is the whole fleet."""
 
     def route_reply(
         self, capability: str, req: RouteRequest, now: float, generated_at_ms: int
     ) -> bytes:
         """:meth:`Router.route_reply` with the explanation (a look: no hand-out counted).
         ``NO_REACHABLE_AGENT`` and ``OVERLOADED`` are still the errors they are, the body
-        carrying the ``explain`` beside ``error``."""
+        carrying the ``explain`` beside ``error``. With the other owners' shares followed
+        the decision is the merged one (:meth:`Router.merged`): their agents among the
+        candidates without an ``explain`` of their own, the registry's explained."""
         router = self.router
+        table = router.foreign(capability) if router.foreign is not None else None
+        if table is not None:
+            return self._merged_reply(capability, req, now, generated_at_ms, table)
         try:
             idx, chosen = router.choose(capability, req, now)
         except (NoReachableAgent, Overloaded) as exc:
             found = router.indexes.get(capability)
             if found is not None and found.members:
-                exc.extra = {"explain": self.explanation(found, req, [], now,
-                                                         router.last_policy)}  # fmt: skip
+                exc.extra = {"explain": self._covered(
+                    capability, found, self.explanation(found, req, [], now, router.last_policy)
+                )}  # fmt: skip
             raise
         ranks = {rec.agent_id: i for i, rec in enumerate(idx.ranked, 1)}
         subject_of = router.subject_of
@@ -157,9 +174,60 @@ class Explainer:
         ]
         reply = RouteReply(capability=capability, candidates=candidates,
                            generated_at_ms=generated_at_ms,
-                           explain=self.explanation(idx, req, chosen, now,
-                                                    router.last_policy))  # fmt: skip
+                           explain=self._covered(capability, idx, self.explanation(
+                               idx, req, chosen, now, router.last_policy)))  # fmt: skip
         return encoder.encode(reply)
+
+    def _merged_reply(self, capability: str, req: RouteRequest, now: float,
+                      generated_at_ms: int, table: RouteTable) -> bytes:  # fmt: skip
+        router = self.router
+        idx = router.indexes.get(capability)
+        try:
+            chosen = router.merged(capability, req, now, table)
+        except (NoReachableAgent, Overloaded) as exc:
+            exc.extra = {"explain": self._merged_explanation(capability, idx, req, [], now)}
+            raise
+        ranks = {rec.agent_id: i for i, rec in enumerate(idx.ranked, 1)} if idx else {}
+        subject_of = router.subject_of
+        candidates = [
+            self.candidate(r, idx, now, subject_of(r.agent_id, capability), ranks)
+            if idx is not None and isinstance(r, AgentRecord)
+            else r.candidate(subject_of(r.agent_id, capability))
+            for r in chosen
+        ]  # fmt: skip
+        own = [r for r in chosen if isinstance(r, AgentRecord)]
+        explain = self._merged_explanation(capability, idx, req, own, now)
+        reply = RouteReply(capability=capability, candidates=candidates,
+                           generated_at_ms=generated_at_ms, explain=explain)  # fmt: skip
+        return encoder.encode(reply)
+
+    def _merged_explanation(self, capability: str, idx: CapabilityIndex[AgentRecord] | None,
+                            req: RouteRequest, own: list[AgentRecord],
+                            now: float) -> RouteExplain:  # fmt: skip
+        """The registry's agents explained (none held: an empty explanation), saying what
+        it leaves out."""
+        if idx is not None:
+            return self._covered(capability, idx, self.explanation(
+                idx, req, own, now, self.router.last_policy))  # fmt: skip
+        cfg = self.router.cfg
+        empty = RouteExplain(members=0, healthy=0, ranked=0,
+                             choice="sticky" if req.sticky_key else cfg.choice,
+                             min_reach_score=cfg.min_reach_score,
+                             load_watermark=cfg.load_watermark)  # fmt: skip
+        if self.coverage is None:
+            return empty
+        shared, unseen = self.coverage(capability, ())
+        return msgspec.structs.replace(empty, shared=shared, unseen_partitions=unseen)
+
+    def _covered(self, capability: str, idx: CapabilityIndex[AgentRecord],
+                 explain: RouteExplain) -> RouteExplain:  # fmt: skip
+        """``explain`` saying what it does not cover (with several brokers)."""
+        if self.coverage is None:
+            return explain
+        shared, unseen = self.coverage(capability, idx.members)
+        if not shared and not unseen:
+            return explain
+        return msgspec.structs.replace(explain, shared=shared, unseen_partitions=unseen)
 
     def candidate(
         self, rec: AgentRecord, idx: CapabilityIndex[AgentRecord], now: float, subject: str,
@@ -182,9 +250,7 @@ class Explainer:
         peer = None
         if rec.stats.task_ewma_ms is not None:
             peer = self.router.indexes.peer_task_ms(rec)
-        return terms(rec.stats, self.scoring, active=rec.active, queue_depth=rec.queue_depth,
-                     max_concurrency=rec.max_concurrency, stuck=rec.stuck,
-                     peer_task_ms=peer, delivery=rec.delivery)  # fmt: skip
+        return terms(rec, self.scoring, peer)
 
     def brief(self, rec: AgentRecord) -> AgentExplain:
         """``rec``'s score terms and the weakest of them, nothing else (a list of agents)."""

@@ -18,11 +18,11 @@ import heapq
 import math
 
 from reach_agent.routing.index import CapabilityIndexes
-from reach_agent.routing.table import partition
 from reach_agent.wire.schema import AgentState, AgentView, Announce, Heartbeat
-from reach_broker.config import Config
+from reach_broker.config import DetectionSection, ScoringSection
 
 from .detector import Detector
+from .listing import DEFAULT_PARTITIONS, Listing
 from .records import AgentRecord, HeartbeatResult, Transition, TransitionKind
 from .scoring import score
 from .states import EVICTED, MOVES, SILENCE_EVENTS, Event, Move
@@ -36,12 +36,28 @@ class Registry:
     """All agents, their capability indexes, and the deadlines that move their states: the
     inputs and the moves they make, the counts and the views."""
 
-    def __init__(self, cfg: Config, signer: TokenSigner) -> None:
-        self.cfg = cfg
+    def __init__(
+        self,
+        detection: DetectionSection,
+        scoring: ScoringSection,
+        signer: TokenSigner,
+        *,
+        interval_ms: tuple[int, int],
+        partitions: int = DEFAULT_PARTITIONS,
+    ) -> None:
+        self.detection = detection
+        """When silence makes an agent suspect, then offline, then forgotten."""
+        self.scoring = scoring
+        """How the signs of life, results and task times make an agent's score."""
+        self.interval_ms = interval_ms
+        """The heartbeat intervals an agent may announce, (shortest, longest) in ms
+        (``broker.min/max_heartbeat_interval_ms``): others are clamped to them."""
         self.signer = signer
-        self.detector = Detector(cfg.detection)
+        self.detector = Detector(detection)
         self.agents: dict[str, AgentRecord] = {}
         self.indexes: CapabilityIndexes[AgentRecord] = CapabilityIndexes()
+        self.listing = Listing(partitions)
+        """Every agent's id, sorted within its partition (``<p>.agents.<partition>`` pages)."""
         self._deadlines: list[tuple[float, int, str]] = []
         self.inflight = 0  # Σ active over the fleet, kept incrementally
         self.capacity = 0
@@ -63,19 +79,15 @@ class Registry:
         self.unheard: list[str] = []
         """Agents restored from the snapshot since the broker last began to listen: their
         clocks start again at :meth:`listening`."""
-        self.partitions = cfg.fleet.partitions
-        self.by_partition: list[set[str]] = [set() for _ in range(self.partitions)]
-        """Each partition's agents (the partition an agent id hashes to: computed once, when
-        the agent enters the registry), so a partition handed over is dropped in
-        O(partition)."""
+        self.partitions = partitions
+        """``[fleet] partitions``: the listing keeps each partition's agents, so a partition
+        handed over is dropped in O(partition) (:meth:`drop`)."""
 
     # --- queries ------------------------------------------------------------------------
 
     def interval_for(self, msg: Announce) -> float:
-        b = self.cfg.broker
-        ms = min(max(msg.heartbeat_interval_ms, b.min_heartbeat_interval_ms),
-                 b.max_heartbeat_interval_ms)  # fmt: skip
-        return ms / 1000.0
+        shortest, longest = self.interval_ms
+        return min(max(msg.heartbeat_interval_ms, shortest), longest) / 1000.0
 
     def views(
         self, wall_ms: int, now: float, capability: str | None = None, state: str | None = None
@@ -107,10 +119,10 @@ class Registry:
             rec = AgentRecord(msg, interval, self.detector.new_window())
             rec.state_since = now
             self.agents[rec.agent_id] = rec
-            self.by_partition[partition(rec.agent_id, self.partitions)].add(rec.agent_id)
             self.counts["healthy"] += 1
             self.capacity += rec.max_concurrency
             self.indexes.add(rec)
+            self.listing.add(rec.agent_id)
             out.append(Transition("registered", rec.agent_id, None, "healthy", "announced"))
         else:
             old_caps, old_slots = rec.capabilities, rec.max_concurrency
@@ -143,7 +155,7 @@ class Registry:
         if hb.seq <= rec.seq:
             return "stale", []
         rec.seq = hb.seq
-        cfg = self.cfg.scoring
+        cfg = self.scoring
         gap = now - rec.last_seen
         sample = not hb.initial
         if rec.resync:  # the first beat after the broker's own outage: the gap is not its
@@ -199,7 +211,7 @@ class Registry:
             assert rec is not None
             rec.disconnected = True
             # Probe timeout bounds the wait: no answer by then and the agent is offline.
-            self._schedule(rec, rec.suspect_at, now + self.cfg.detection.probe_timeout_s)
+            self._schedule(rec, rec.suspect_at, now + self.detection.probe_timeout_s)
         return [t]
 
     def reconcile(self, connected: set[str], now: float) -> list[Transition]:
@@ -218,12 +230,12 @@ class Registry:
         rec = self.agents.get(agent_id)
         if rec is None:
             return []
-        rec.stats.outcome(ok, self.cfg.scoring.liveness_window)
+        rec.stats.outcome(ok, self.scoring.liveness_window)
         if ok:
             rec.probe_failures = 0
             rec.disconnected = False
             if rtt_ms is not None:
-                rec.stats.rtt(rtt_ms, self.cfg.scoring.ewma_alpha)
+                rec.stats.rtt(rtt_ms, self.scoring.ewma_alpha)
             t = self._fire(rec, "probe_ok", now)
             self._rearm(rec, now)  # an answer is a sign of life
         else:
@@ -245,7 +257,7 @@ class Registry:
         """
         out: list[Transition] = []
         heap = self._deadlines
-        forget = self.cfg.detection.forget_after_s
+        forget = self.detection.forget_after_s
         due: list[tuple[AgentRecord, Event]] = []
         while heap and heap[0][0] <= now:
             _, gen, agent_id = heapq.heappop(heap)
@@ -310,13 +322,13 @@ class Registry:
         rec.last_seen_wall_ms = wall_ms
         rec.resync = True  # restore -> first heartbeat is the broker's start, not a gap
         self.agents[rec.agent_id] = rec
-        self.by_partition[partition(rec.agent_id, self.partitions)].add(rec.agent_id)
         self.counts[to] += 1
         if to != "offline":
             self.capacity += rec.max_concurrency
         self.indexes.add(rec)
+        self.listing.add(rec.agent_id)
         if to == "offline":
-            rec.forget_at = now + self.cfg.detection.forget_after_s
+            rec.forget_at = now + self.detection.forget_after_s
             self._push(rec, rec.forget_at)
         else:
             suspect_s, offline_s = self.detector.deadlines(rec.window, rec.interval_s)
@@ -336,7 +348,7 @@ class Registry:
     def drop(self, p: int) -> int:
         """Forget partition ``p``'s agents, without a transition: they are not gone, another
         broker owns them now (O(partition)). Returns how many were dropped."""
-        ids, self.by_partition[p] = self.by_partition[p], set()
+        ids = self.listing.drop(p)
         for agent_id in ids:
             rec = self.agents.pop(agent_id, None)
             if rec is None:
@@ -387,7 +399,7 @@ class Registry:
         rec.state_since = now
         self.changed.add(rec.agent_id)
         if to == "suspect":
-            rec.stats.outcome(False, self.cfg.scoring.liveness_window)  # one missed sign
+            rec.stats.outcome(False, self.scoring.liveness_window)  # one missed sign
         elif to == "recovering":
             rec.recover_hbs = 0
         elif to == "healthy" and frm == "recovering":
@@ -395,7 +407,7 @@ class Registry:
         elif to == "offline":
             self.inflight += rec.set_load(0, 0)
             # Every way into offline (silence, probe, disconnect) starts the forget clock.
-            rec.forget_at = now + self.cfg.detection.forget_after_s
+            rec.forget_at = now + self.detection.forget_after_s
             self._push(rec, rec.forget_at)
         self.indexes.state_changed(rec)
         return Transition(kind, rec.agent_id, frm, to, reason)
@@ -407,9 +419,9 @@ class Registry:
             self.capacity -= rec.max_concurrency
         self.inflight += rec.set_load(0, 0)
         del self.agents[rec.agent_id]
-        self.by_partition[partition(rec.agent_id, self.partitions)].discard(rec.agent_id)
         self.changed.add(rec.agent_id)
         self.indexes.discard(rec)
+        self.listing.remove(rec.agent_id)
         rec.deadline_gen += 1
         return Transition("evicted", rec.agent_id, frm, None, reason)
 
@@ -477,22 +489,13 @@ class Registry:
 
     def rescore(self, rec: AgentRecord, now: float) -> None:
         self.changed.add(rec.agent_id)
-        cfg = self.cfg.scoring
+        cfg = self.scoring
         hint = rec.timeout_hint_ms
         oldest = rec.oldest_task_ms
-        rec.stuck = stuck = bool(hint and oldest and oldest > cfg.stuck_factor * hint)
+        rec.stuck = bool(hint and oldest and oldest > cfg.stuck_factor * hint)
         # The peer median only matters to an agent with a task EWMA.
         peer = self.indexes.peer_task_ms(rec) if rec.stats.task_ewma_ms is not None else None
-        new = score(
-            rec.stats,
-            cfg,
-            active=rec.active,
-            queue_depth=rec.queue_depth,
-            max_concurrency=rec.max_concurrency,
-            stuck=stuck,
-            peer_task_ms=peer,
-            delivery=rec.delivery,
-        )
+        new = score(rec, cfg, peer)
         # The routing weight follows the score and load; if only the score moved, the
         # ranking is refreshed on a slower cadence (index.py).
         if rec.set_score(new):

@@ -4,6 +4,14 @@ registry's capability indexes, then the encoded reply with its pick counted as h
 
 A capability that enters panic is logged once on entering (and on leaving), and
 ``on_panic`` is told (the broker sets ``reach_capability_panic{capability}``).
+
+With several brokers each holds the agents of the partitions it owns, and ``foreign`` gives
+the other owners' shares of a capability's table (:mod:`reach_broker.service.shares`):
+:meth:`Router.route_reply` then chooses from both (:meth:`Router.merged`): the same decision
+over each (the registry's index, the table's), an agent in both taken from the share (its
+owner's word), and the configured draw once more over the two picks (at most twice the
+limit: no work that grows with the fleet). Without ``foreign``, or while it has nothing, a
+route is what it always was.
 :meth:`Router.choose` is the decision; :meth:`Router.route` turns it into ``Candidate``s and
 :meth:`Router.route_reply` into the encoded reply the broker sends.
 """
@@ -18,8 +26,11 @@ from typing import Any
 import msgspec
 
 from reach_agent.routing.choice import Chooser
-from reach_agent.routing.index import CapabilityIndex, CapabilityIndexes
+from reach_agent.routing.hashing import hash64, rendezvous
+from reach_agent.routing.index import CapabilityIndex, CapabilityIndexes, by_score
+from reach_agent.routing.member import Member
 from reach_agent.routing.rules import Rules
+from reach_agent.routing.table import RouteTable, TableMember
 from reach_agent.wire.errors import NoReachableAgent, Overloaded
 from reach_agent.wire.schema import (
     AgentState,
@@ -53,8 +64,14 @@ class Router(Chooser[AgentRecord]):
         on_panic: Callable[[str, bool], None] | None = None,
         rng: random.Random | None = None,
         rules: Rules | None = None,
+        foreign: Callable[[str], RouteTable | None] | None = None,
     ) -> None:
         super().__init__(cfg, rng=rng, on_panic=self._panic_changed)
+        self.foreign = foreign
+        """The other owners' shares of a capability's table (None: this broker's registry
+        is the whole fleet)."""
+        self.shares_chooser: Chooser[TableMember] = Chooser(cfg, rng=self.rng)
+        """The decision over a followed table (its own walk cache)."""
         self.cfg: RoutingSection = cfg
         self.indexes = indexes
         self.subject_of = subject_of
@@ -89,6 +106,9 @@ class Router(Chooser[AgentRecord]):
         reply is the broker's answer, so its first candidate is counted as handed a task
         (``AgentRecord.handed_out``) unless the request is a ``peek``; :meth:`route` and
         :meth:`choose` only look."""
+        table = self.foreign(capability) if self.foreign is not None else None
+        if table is not None:
+            return self._merged_reply(capability, req, now, generated_at_ms, table)
         idx, chosen = self.choose(capability, req, now)
         if not req.peek:  # the pick gets the task: count it until a heartbeat does
             chosen[0].handed_out(now)
@@ -98,12 +118,86 @@ class Router(Chooser[AgentRecord]):
                            generated_at_ms=generated_at_ms)  # fmt: skip
         return encoder.encode(reply)
 
-    def choose(
-        self, capability: str, req: RouteRequest, now: float
-    ) -> tuple[CapabilityIndex[AgentRecord], list[AgentRecord]]:
-        """The routing decision: the index of ``capability`` and the agents chosen, best
-        first. Raises Overloaded (over the in-flight ceiling, or all full) or
-        NoReachableAgent (saying why)."""
+    def _merged_reply(self, capability: str, req: RouteRequest, now: float,
+                      generated_at_ms: int, table: RouteTable) -> bytes:  # fmt: skip
+        """:meth:`route_reply` over this broker's agents and the other owners' shares."""
+        chosen = self.merged(capability, req, now, table)
+        if not req.peek:
+            chosen[0].handed_out(now)
+        idx = self.indexes.get(capability)
+        raws: Any = [
+            self.encoded(idx, r) if idx is not None and isinstance(r, AgentRecord)
+            else self._shared_encoded(table.index, r)
+            for r in chosen
+        ]  # fmt: skip
+        reply = RouteReply(capability=capability, candidates=raws,
+                           generated_at_ms=generated_at_ms)  # fmt: skip
+        return encoder.encode(reply)
+
+    def _shared_encoded(self, idx: CapabilityIndex[TableMember], m: Member) -> msgspec.Raw:
+        """A followed share's member as its JSON ``Candidate``, encoded again only when its
+        score, load, state or entry changed (as :meth:`encoded` for the registry's)."""
+        entry = m.entry if isinstance(m, TableMember) else None
+        hit = idx.replies.get(m.agent_id)
+        if hit is not None and hit[0] == m.score and hit[1] == m.load and hit[2] == m.state \
+                and hit[3] is entry:  # fmt: skip
+            raw: msgspec.Raw = hit[4]
+            return raw
+        raw = msgspec.Raw(encoder.encode(m.candidate(self.subject_of(m.agent_id, idx.name))))
+        idx.replies[m.agent_id] = (m.score, m.load, m.state, entry, raw)
+        return raw
+
+    def merged(
+        self, capability: str, req: RouteRequest, now: float, table: RouteTable
+    ) -> list[Member]:
+        """The routing decision over this broker's agents and ``table`` (the other owners'
+        shares): the pools each would draw from (an agent in both taken from the share),
+        ranked together, then one draw over the union (a sticky key: each side's owner, the
+        highest random weight of the two first). Raises Overloaded or NoReachableAgent when
+        neither has an agent to give (their reasons joined)."""
+        self._check_ceiling()
+        rule = self.rules.get(capability) if self.rules else None
+        failures: list[tuple[str, NoReachableAgent | Overloaded]] = []
+        sticky = bool(req.sticky_key)
+        shares = self.shares_chooser
+        own: list[AgentRecord] = []
+        idx = self.indexes.get(capability)
+        if idx is not None:
+            try:
+                mine = self.pick(idx, req, rule, now) if sticky else self.gather(
+                    idx, req, rule, now)[0]  # fmt: skip
+                where = table.where
+                own = [r for r in mine if r.agent_id not in where]
+            except (NoReachableAgent, Overloaded) as exc:
+                failures.append(("this broker's partitions", exc))
+        theirs: list[TableMember] = []
+        try:
+            theirs = (shares.pick(table.index, req, rule, now) if sticky
+                      else shares.gather(table.index, req, rule, now)[0])  # fmt: skip
+        except (NoReachableAgent, Overloaded) as exc:
+            failures.append(("the other owners' partitions", exc))
+        if not own and not theirs:
+            full = [e for _, e in failures if isinstance(e, Overloaded)]
+            if full:
+                raise full[0]
+            reasons = "; ".join(f"{where}: {e.message}" for where, e in failures)
+            raise NoReachableAgent(reasons or f"no agent has the capability {capability!r}")
+        limit = req.limit
+        pool: list[Member] = [*own, *theirs]
+        if sticky:
+            if own and theirs:  # the heavier of the two sides' owners: the key's owner
+                k = hash64(req.sticky_key or "")
+                first = max((own[0], theirs[0]), key=lambda m: rendezvous(m.hrw, k))
+            else:
+                first = pool[0]
+            rest = sorted((m for m in pool if m is not first), key=by_score)
+            return [first, *rest[: limit - 1]]
+        if own and theirs:
+            pool.sort(key=by_score)
+            del pool[self.pool_size(req) :]
+        return self.draw(pool, limit, now)
+
+    def _check_ceiling(self) -> None:
         inflight = self.inflight()
         ceiling = self.ceiling()
         if inflight > ceiling:
@@ -111,6 +205,14 @@ class Router(Chooser[AgentRecord]):
                 f"fleet in-flight tasks {inflight} exceed the ceiling {ceiling}",
                 retry_after_ms=self.cfg.overloaded_retry_after_ms,
             )
+
+    def choose(
+        self, capability: str, req: RouteRequest, now: float
+    ) -> tuple[CapabilityIndex[AgentRecord], list[AgentRecord]]:
+        """The routing decision: the index of ``capability`` and the agents chosen, best
+        first. Raises Overloaded (over the in-flight ceiling, or all full) or
+        NoReachableAgent (saying why)."""
+        self._check_ceiling()
         idx = self.indexes.get(capability)
         if idx is None:
             raise NoReachableAgent(f"no agent has the capability {capability!r}")

@@ -42,19 +42,25 @@ def routing_of(cfg: RoutingSection) -> TableRouting:
     )  # fmt: skip
 
 
+NO_PERMISSIONS: list[str] = []
+"""The permissions of every entry whose agent announces none (one list, not one each)."""
+
+
 def entry_of(rec: AgentRecord, now: float, slow_start_s: float) -> TableEntry:
     """``rec`` as a route-table entry at ``now``: its score to a tenth (a score that only
-    drifts does not make a new entry at every heartbeat)."""
+    drifts does not make a new entry at every heartbeat; the registry's score is rounded so
+    already, and its float is shared)."""
     slow = None
     if rec.recovered_at is not None and now - rec.recovered_at < 2 * slow_start_s:
         slow = int((now - rec.recovered_at) * 1000)
     task_ms = rec.stats.task_ewma_ms
     return TableEntry(
-        agent_id=rec.agent_id, state=rec.state, score=round(rec.score, 1),
+        agent_id=rec.agent_id, state=rec.state, score=rec.score,
         max_concurrency=rec.max_concurrency, active=rec.active, queue_depth=rec.queue_depth,
         task_ms=None if task_ms is None else round(task_ms, 1),
         interval_ms=int(rec.interval_s * 1000), slow_start_ms=slow, region=rec.region,
-        version=rec.version, tags=rec.tags, permissions=sorted(rec.permissions),
+        version=rec.version, tags=rec.tags,
+        permissions=sorted(rec.permissions) if rec.permissions else NO_PERMISSIONS,
         context_window=rec.context_window, context_usage_pct=rec.context_usage_pct,
         timeout_hint_ms=rec.timeout_hint_ms,
         protocol=None if rec.protocol == PROTOCOL_REACH else rec.protocol, subject=rec.subject,
@@ -70,7 +76,7 @@ def unchanged(entry: TableEntry, rec: AgentRecord, now: float, slow_start_s: flo
         entry.state == rec.state
         and entry.active == rec.active
         and entry.queue_depth == rec.queue_depth
-        and entry.score == round(rec.score, 1)
+        and entry.score == rec.score
         and entry.task_ms == (None if task_ms is None else round(task_ms, 1))
         and entry.context_usage_pct == rec.context_usage_pct
         and entry.slow_start_ms is None
@@ -95,6 +101,20 @@ class Share:
         capability's policy did (not only load and score drift): store it soon."""
 
 
+class Known:
+    """What the book last said of one agent of a partition it owns: the partition, the
+    capabilities (the shares it is in), its entry and the announce that entry was made from
+    (one object an agent: its entry is shared by its shares, not copied)."""
+
+    __slots__ = ("announce", "caps", "entry", "partition")
+
+    def __init__(self, partition: int) -> None:
+        self.partition = partition
+        self.caps: tuple[str, ...] = ()
+        self.entry: TableEntry | None = None
+        self.announce: object = None
+
+
 class TableBook:
     """Every share this broker publishes, and what changed since it last said."""
 
@@ -112,29 +132,30 @@ class TableBook:
         self.epochs: dict[int, int] = {}
         """The partitions owned, each with its epoch (its lease's)."""
         self.shares: dict[tuple[int, str], Share] = {}
-        self.caps: dict[str, tuple[str, ...]] = {}
-        """Each agent's capabilities as last published."""
-        self.entries: dict[str, tuple[TableEntry, object]] = {}
-        """Each agent's entry as last made, and the announce it was made from."""
-        self._partition: dict[str, int] = {}
+        self.known: dict[str, Known] = {}
+        """Each agent of an owned partition, as last published."""
         self._policies: dict[str, Policy] = {}
 
     def partition_of(self, agent_id: str) -> int:
-        p = self._partition.get(agent_id)
-        if p is None:
-            p = self._partition[agent_id] = partition(agent_id, self.partitions)
-        return p
+        known = self.known.get(agent_id)
+        return known.partition if known is not None else partition(agent_id, self.partitions)
 
     # --- ownership ---------------------------------------------------------------------------
 
     def own(
-        self, p: int, epoch: int, agents: dict[str, AgentRecord], now: float
+        self,
+        p: int,
+        epoch: int,
+        agents: dict[str, AgentRecord],
+        now: float,
+        ids: list[str] | None = None,
     ) -> list[TableDelta]:
         """Partition ``p`` is this broker's from now on, in ``epoch``: its shares start
-        afresh from the registry's ``agents`` (O(fleet), once per lease taken)."""
+        afresh from the registry's ``agents`` — those of ``ids`` (the partition's, from the
+        registry's listing: O(partition)), or every agent found in ``p`` (O(fleet))."""
         self.disown(p)
         self.epochs[p] = epoch
-        mine = [a for a in agents if self.partition_of(a) == p]
+        mine = ids if ids is not None else [a for a in agents if self.partition_of(a) == p]
         return self.changes(mine, agents.get, now)
 
     def disown(self, p: int) -> None:
@@ -142,9 +163,8 @@ class TableBook:
         self.epochs.pop(p, None)
         for key in [k for k in self.shares if k[0] == p]:
             del self.shares[key]
-        for agent_id in [a for a in self.caps if self.partition_of(a) == p]:
-            del self.caps[agent_id]
-            self.entries.pop(agent_id, None)
+        for agent_id in [a for a, k in self.known.items() if k.partition == p]:
+            del self.known[agent_id]
 
     # --- changes ------------------------------------------------------------------------------
 
@@ -156,28 +176,33 @@ class TableBook:
         its version advanced; agents of partitions not owned are skipped."""
         slow_s = self.routing.slow_start_s
         touched: dict[tuple[int, str], tuple[list[TableEntry], list[str]]] = {}
-        epochs = self.epochs
+        epochs, known, partitions = self.epochs, self.known, self.partitions
         for agent_id in changed:
-            p = self.partition_of(agent_id)
+            k = known.get(agent_id)
+            p = k.partition if k is not None else partition(agent_id, partitions)
             if p not in epochs:
                 continue
             rec = record(agent_id)
-            old_caps = self.caps.get(agent_id, ())
+            if k is None:
+                if rec is None:
+                    continue  # never published
+                k = known[agent_id] = Known(p)
+            old_caps = k.caps
             caps = rec.capabilities if rec is not None else ()
             entry = None
             if rec is not None:
-                last = self.entries.get(agent_id)
+                last = k.entry
                 if (
                     last is not None
-                    and last[1] is rec.announce
-                    and unchanged(last[0], rec, now, slow_s)
+                    and k.announce is rec.announce
+                    and unchanged(last, rec, now, slow_s)
                 ):
                     if caps == old_caps:
                         continue  # nothing the tables say moved
-                    entry = last[0]
+                    entry = last
                 else:
-                    entry = entry_of(rec, now, slow_s)
-                    self.entries[agent_id] = (entry, rec.announce)
+                    entry = k.entry = entry_of(rec, now, slow_s)
+                    k.announce = rec.announce
             for cap in caps:
                 share = self._share(p, cap)
                 old = share.entries.get(agent_id)
@@ -194,11 +219,9 @@ class TableBook:
                         gone.moved = True
                         touched.setdefault((p, cap), ([], []))[1].append(agent_id)
             if rec is None:
-                self.caps.pop(agent_id, None)
-                self.entries.pop(agent_id, None)
-                self._partition.pop(agent_id, None)
+                del known[agent_id]
             else:
-                self.caps[agent_id] = caps
+                k.caps = caps
         deltas = []
         for (p, cap), (upserts, removed) in touched.items():
             deltas.append(self._delta(p, cap, upserts, removed))

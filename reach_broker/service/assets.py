@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from dataclasses import dataclass
 
 from nats.aio.client import Client as NATS
 from nats.js.errors import ServiceUnavailableError
@@ -41,7 +42,6 @@ from jetstream.provision import (
     provision,
 )
 from reach_agent.wire.subjects import Subjects
-from reach_broker.config import Config
 
 from .clusterinfo import account_of, cluster_size
 
@@ -55,6 +55,22 @@ restarted node rejoins and a meta leader is elected well within it, even on a bu
 machine), then the start fails."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class Provisioning:
+    """What the start-up reads of the config, each value from its own section."""
+
+    replicas: int | None
+    """``[jetstream] replicas`` (None: 3 on a cluster of three or more nodes, else 1)."""
+    advisory_account: str | None
+    """``[detection] advisory_account``: the account whose cluster is counted (None: ours)."""
+    max_entries: int
+    """``[compensation] max_entries``: the compensation stream's bound."""
+    lease_ttl_s: float
+    """``[fleet] lease_ttl_s``: the partition leases' max age."""
+    token_secret: str | None
+    """``[broker] token_secret`` (None: one shared through KV ``reach_registry``)."""
+
+
 def jetstream_not_ready(exc: BaseException) -> bool:
     """Whether ``exc`` says JetStream is not ready yet rather than absent or refusing: its
     503 (nats-py also raises it for "no responders" on the JetStream API once connected),
@@ -64,11 +80,11 @@ def jetstream_not_ready(exc: BaseException) -> bool:
     return isinstance(exc, (ServiceUnavailableError, TimeoutError, ProvisionTimeout))
 
 
-async def replicas(nc: NATS, cfg: Config) -> int:
+async def replicas(nc: NATS, plan: Provisioning) -> int:
     """``[jetstream] replicas``, else 3 on a cluster of three or more nodes, else 1."""
-    if cfg.jetstream.replicas is not None:
-        return cfg.jetstream.replicas
-    account = cfg.detection.advisory_account or await account_of(nc)
+    if plan.replicas is not None:
+        return plan.replicas
+    account = plan.advisory_account or await account_of(nc)
     size = await cluster_size(nc, account)
     n = 3 if size >= 3 else 1
     log.info("jetstream.replicas %d (cluster of %d node(s); set [jetstream] replicas to "
@@ -76,17 +92,17 @@ async def replicas(nc: NATS, cfg: Config) -> int:
     return n
 
 
-async def provision_assets(nc: NATS, cfg: Config, subjects: Subjects) -> int | None:
+async def provision_assets(nc: NATS, plan: Provisioning, subjects: Subjects) -> int | None:
     """Create or update the JetStream assets (jetstream/definitions) before any use; the
     replica count, or None when the server has no JetStream (the broker then runs without
     snapshot and replay). A definition that would lose data if applied raises."""
     try:
-        n = await replicas(nc, cfg)
+        n = await replicas(nc, plan)
         overrides: dict[str, dict[str, object]] = {
             name: {"num_replicas": n} for name in STREAM_NAMES
         }
-        overrides[COMP_STREAM]["max_msgs"] = cfg.compensation.max_entries
-        overrides[PARTITIONS_STREAM]["max_age"] = int(cfg.fleet.lease_ttl_s * 1e9)
+        overrides[COMP_STREAM]["max_msgs"] = plan.max_entries
+        overrides[PARTITIONS_STREAM]["max_age"] = int(plan.lease_ttl_s * 1e9)
         defs = load_definitions(subjects, overrides)
         # Idempotent: a timeout (a cluster electing) is tried again by the broker's start.
         await provision(nc, defs)  # it logs each stream created or updated, once
@@ -100,10 +116,10 @@ async def provision_assets(nc: NATS, cfg: Config, subjects: Subjects) -> int | N
     return n
 
 
-async def token_secret(nc: NATS, cfg: Config, *, jetstream: bool) -> bytes:
+async def token_secret(nc: NATS, plan: Provisioning, *, jetstream: bool) -> bytes:
     """The configured secret, else one shared through JetStream KV by all replicas."""
-    if cfg.broker.token_secret:
-        return cfg.broker.token_secret.encode()
+    if plan.token_secret:
+        return plan.token_secret.encode()
     last: Exception | None = None
     for _ in range(SECRET_TRIES if jetstream else 1):
         try:

@@ -425,7 +425,20 @@ class Handlers:
         if areq.capability is not None:
             check_capability(areq.capability)
         ctx = self.ctx
+        if areq.limit is not None or areq.cursor is not None:
+            raise InvalidRequest(
+                f"reach.agents lists the answering broker's agents in one reply: page with "
+                f"limit and cursor on {ctx.subjects.agent_page(0)} (see docs/protocol.md)"
+            )
         views = self.registry.views(
             ctx.wall_ms(), ctx.clock(), capability=areq.capability, state=areq.state
         )
-        return schema.encoder.encode(views)
+        body = schema.encoder.encode(views)
+        if len(body) > ctx.nc.max_payload:
+            # Past ~37,000 agents the list outgrows NATS' max payload: say so, not time out.
+            raise InvalidRequest(
+                f"{len(views)} agents make a {len(body)}-byte reply, above the server's "
+                f"max_payload {ctx.nc.max_payload}: page through "
+                f"{ctx.subjects.agent_page(0)} (see docs/protocol.md)"
+            )
+        return body

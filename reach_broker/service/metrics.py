@@ -271,6 +271,12 @@ class Metrics:
             "Time to take a partition over: its agents restored from its snapshot keys and "
             "its subjects heard", buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=r,
         )  # fmt: skip
+        self.route_forwards = Counter(
+            "reach_route_forwards_total",
+            "Route requests forwarded to their capability's owner, by result: ok (relayed), "
+            "timeout, no_owner, not_owner (refused, retryable); answered (received as owner)",
+            ["result"], registry=r,
+        )  # fmt: skip
         self.tables = Counter(
             "reach_tables_total",
             "Route-table work by kind: delta (published), request (a table asked for and "

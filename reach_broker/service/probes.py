@@ -7,17 +7,18 @@ Three reasons to probe, one schedule:
 - again with jittered exponential backoff while it keeps failing (``offline`` agents are
   re-probed at ``min(probe_backoff_max_s, 1 s * 2^(n-1)) * U(0.5, 1)``), so a fleet that
   comes back at once is not stormed;
-- an RTT sample of every healthy agent about every ``rtt_sample_interval_s``, each agent at
-  its own random phase (and ±20% jitter per round), so a fleet of N is sampled at a steady
-  N / interval per second instead of in O(fleet) bursts.
+- RTT samples of the healthy agents in turn, newcomers first, within a budget of
+  ``probe_budget_per_s`` a second (:mod:`reach_broker.core.sampling`): each agent about every
+  ``rtt_sample_interval_s`` while the fleet is small enough, else every ``healthy / budget``
+  seconds; nothing planned per healthy agent.
 
 Only those samples feed the agent's RTT EWMA (its latency score): the answer to a probe of
 a suspect, offline or recovering agent settles its state, but its round trip measures the
 silence that made it suspect (a frozen process answers when it thaws), not the network.
 
 At most ``probe_concurrency`` probes are in flight; one agent is never probed twice at once.
-Scheduling is a heap keyed by due time with lazy deletion, so a heartbeat costs nothing here
-and a transition O(log n).
+Probes of agents in trouble are a heap keyed by due time with lazy deletion, so a heartbeat
+costs nothing here and a transition O(log n); samples come from the rotation.
 
 A probe is one publish (``{}`` with a reply subject under the prober's own inbox, one
 subscription for all answers) and an entry in a table of waiting probes: no task, no
@@ -49,6 +50,7 @@ from reach_agent.aio import stop_loops
 from reach_broker.config import DetectionSection
 from reach_broker.core.records import AgentRecord, Transition
 from reach_broker.core.registry import Registry
+from reach_broker.core.sampling import Sampler
 
 from .context import BrokerContext
 
@@ -56,9 +58,6 @@ log = logging.getLogger(__name__)
 
 BACKOFF_BASE_S = 1.0
 """First retry delay of a failing agent (before jitter); doubles per consecutive failure."""
-
-SAMPLE_JITTER = 0.2
-"""RTT samples come every interval * U(1 - jitter, 1 + jitter)."""
 
 IDLE_WAKE_S = 1.0
 """The scheduler loop re-checks at least this often even with nothing due."""
@@ -106,6 +105,8 @@ class Prober:
         self._rtt = rtt
         self.probe_via: ProbeVia = probe_via or (lambda rec: None)
         self.rng = rng or random.Random()
+        self.sampler = Sampler(cfg, registry.listing, registry.agents)
+        """Which healthy agents get an RTT sample now (newcomers first, then in turn)."""
         self._heap: list[tuple[float, int, str]] = []
         self._gen: dict[str, int] = {}  # agent_id -> generation of its live heap entry
         self._seq = 0
@@ -186,10 +187,8 @@ class Prober:
             self.schedule(t.agent_id, now + self._backoff(rec))
         elif t.to == "draining":
             self.cancel(t.agent_id)
-        elif t.to == "healthy" and t.agent_id not in self._gen:
-            interval = self.cfg.rtt_sample_interval_s
-            if interval > 0:
-                self.schedule(t.agent_id, now + self.rng.uniform(0.0, interval))
+        elif t.kind == "registered":
+            self.sampler.joined(t.agent_id)  # sampled soon, before the rotation reaches it
 
     def _backoff(self, rec: AgentRecord) -> float:
         return backoff_delay(rec.probe_failures, self.cfg.probe_backoff_max_s, self.rng)
@@ -207,16 +206,12 @@ class Prober:
             return
         if agent_id in self._gen:
             return  # a transition already planned the next one
-        interval = self.cfg.rtt_sample_interval_s
         if rec.state == "draining":
             self.cancel(agent_id)
         elif not ok or rec.state in ("offline", "suspect", "recovering"):
             self.schedule(agent_id, now + self._backoff(rec))
-        elif interval > 0:
-            jitter = self.rng.uniform(1.0 - SAMPLE_JITTER, 1.0 + SAMPLE_JITTER)
-            self.schedule(agent_id, now + interval * jitter)
         else:
-            self.cancel(agent_id)
+            self.cancel(agent_id)  # healthy: the rotation samples it again in its turn
 
     # --- the loop ---------------------------------------------------------------------------
 
@@ -239,9 +234,17 @@ class Prober:
                         self._again.add(agent_id)  # probe again once the running one ends
                         continue
                     await self._send(agent_id, now)
+                healthy = self.registry.counts["healthy"]
+                free = limit - len(self._inflight)
+                if free > 0:
+                    for agent_id in self.sampler.due(now, healthy, free, self._busy):
+                        await self._send(agent_id, now)
                 wait = IDLE_WAKE_S
                 if heap and len(self._inflight) < limit:
                     wait = heap[0][0] - now
+                sample_in = self.sampler.wait(healthy)
+                if sample_in is not None and len(self._inflight) < limit:
+                    wait = min(wait, sample_in)
                 if self._deadlines:
                     wait = min(wait, self._deadlines[0][0] - now)
                 self._wake.clear()
@@ -254,6 +257,10 @@ class Prober:
             except Exception:  # the loop body never dies
                 log.exception("probes.loop failed")
                 await asyncio.sleep(0.1)
+
+    def _busy(self, agent_id: str) -> bool:
+        """Whether a probe of ``agent_id`` is in flight or planned (no sample of it now)."""
+        return agent_id in self._inflight or agent_id in self._gen
 
     async def _send(self, agent_id: str, now: float) -> None:
         """Probe ``agent_id``: a publish, answered on our inbox (or a task for ``probe_via``)."""

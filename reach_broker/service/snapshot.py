@@ -190,7 +190,7 @@ class Snapshot:
             return False
         return True
 
-    def forget(self, agent_ids: set[str]) -> None:
+    def forget(self, agent_ids: list[str]) -> None:
         """These agents are another broker's now (their partition was handed over): no
         longer written, nor deleted, by this one."""
         for agent_id in agent_ids:

@@ -81,7 +81,7 @@ class Tables:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._storer: asyncio.Task[None] | None = None
-        self._to_store: list[tuple[tuple[int, str], bytes, bool]] = []
+        self._to_store: list[tuple[int, str]] = []
         self._store_wake = asyncio.Event()
         self._sub: Any = None
         self._stored_at: dict[tuple[int, str], float] = {}
@@ -142,7 +142,10 @@ class Tables:
         """Partition ``p`` is this broker's from now on (:mod:`.partitions` says): its shares
         are made from the registry and published."""
         log.debug("tables.own partition=%d epoch=%d", p, epoch)
-        deltas = self.book.own(p, epoch, self.registry.agents, self.ctx.clock())
+        registry, book = self.registry, self.book
+        listing = registry.listing
+        ids = listing.ids(p) if listing.partitions == book.partitions else None  # O(partition)
+        deltas = book.own(p, epoch, registry.agents, self.ctx.clock(), ids)
         if deltas:
             self.ctx.spawn(self._send(deltas), "table")
 
@@ -186,34 +189,38 @@ class Tables:
         own count and the agents' answers), and never one whose last write is still out."""
         every = self.cfg.table_store_s
         drift = every * DRIFT_STORE_FACTOR
-        at_ms = self.ctx.wall_ms()
         storing = self._storing
         for key, share in self.book.shares.items():
             if share.stored == share.version or key in storing:
                 continue
             if now - self._stored_at.get(key, -1e9) < (every if share.moved else drift):
                 continue
-            share.stored = share.version
             share.moved = False
             self._stored_at[key] = now
             storing.add(key)
-            p, cap = key
-            body = schema.encoder.encode(self.book.share(p, cap, at_ms))
-            self._to_store.append((key, body, not share.entries))
+            self._to_store.append(key)
         if self._to_store:
             self._store_wake.set()
 
     async def _store_loop(self) -> None:
         """Write the shares :meth:`_store` queued, one after another on this one task (no
-        task a write: a flush of 320 changed shares is 320 requests in a row)."""
+        task a write: a flush of 320 changed shares is 320 requests in a row), each encoded
+        as it is written (one share's body alive at a time, not the whole queue's: 4.4 MB
+        at 10,000 agents)."""
         while True:
             raise_if_cancelled()
             await self._store_wake.wait()
             self._store_wake.clear()
             batch, self._to_store = self._to_store, []
-            for key, body, empty in batch:
+            for key in batch:
+                share = self.book.shares.get(key)
+                if share is None:  # its partition was lost meanwhile
+                    self._storing.discard(key)
+                    continue
+                share.stored = share.version
+                body = schema.encoder.encode(self.book.share(*key, self.ctx.wall_ms()))
                 try:
-                    await self._put(key, body, empty)
+                    await self._put(key, body, not share.entries)
                 except Exception:  # noqa: BLE001 - the loop body never dies
                     log.exception("tables.store failed")
 

@@ -109,7 +109,7 @@ class Takeover:
     async def _lose(self, p: int) -> None:
         self.shares_lose(p)
         await self.ingest.lose(p)
-        agents = self.registry.by_partition[p]
+        agents = self.registry.listing.ids(p)
         # What changed last is written before the keys are left to the next owner.
         if not await self.snapshot.flush_now(FLUSH_BEFORE_HANDOVER_S):
             log.warning("takeover.flush_failed partition=%d: the next owner may restore an "

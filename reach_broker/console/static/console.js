@@ -9,7 +9,7 @@ const SVG = "http://www.w3.org/2000/svg";
 
 const view = {
   hello: null, fleet: null, events: [], comp: null, selected: null, detail: null,
-  detailTimer: null, chartCap: null,
+  detailTimer: null, chartCap: null, owners: null, pageCursor: null,
 };
 const STATE_COLORS = { healthy: "#1a7f37", suspect: "#b35900", offline: "#c8202d",
   recovering: "#0969da", draining: "#7a4fd0", registered: "#8c959f" };
@@ -82,6 +82,7 @@ function connect() {
     if (view.selected) loadDetail();
   });
   es.addEventListener("compensation", (e) => { view.comp = JSON.parse(e.data); renderQueue(); });
+  es.addEventListener("owners", (e) => { view.owners = JSON.parse(e.data); renderOwners(); });
 }
 
 function renderWho() {
@@ -235,6 +236,44 @@ function renderQueue() {
       el("td", { class: "num", text: r.depth }),
       el("td", { class: "num", "data-ms": r.oldest_ms || "", text: r.oldest_ms ? ago(r.oldest_ms).replace(" ago", "") : "–" }))))));
 }
+
+// --- who owns what ----------------------------------------------------------------------------
+
+function renderOwners() {
+  const o = view.owners;
+  const box = document.getElementById("owners");
+  if (!o.partitions) { box.replaceChildren(el("p", { class: "dim", text: o.at_ms ? "no partition owner answered" : "…" })); return; }
+  const brokers = Object.entries(o.brokers).map(([b, n]) => `${b}: ${n}`).join(" · ");
+  document.getElementById("owners-count").textContent = `${o.partitions} partitions · ${brokers || "no owner"}`;
+  box.replaceChildren(el("table", { class: "queue owners" },
+    el("thead", {}, el("tr", {}, el("th", { class: "num", text: "Partition" }), el("th", { text: "Owner" }), el("th", { class: "num", text: "Agents" }))),
+    el("tbody", {}, o.rows.map((r) => el("tr", { "data-partition": r.partition },
+      el("td", { class: "num", text: r.partition }),
+      el("td", { class: "mono", text: r.owner || "none answered" }),
+      el("td", { class: "num", text: r.agents === null ? "–" : r.agents }))))));
+}
+
+// --- every agent, page by page -------------------------------------------------------------------
+
+async function loadPage(cursor) {
+  const q = cursor ? `?limit=100&cursor=${encodeURIComponent(cursor)}` : "?limit=100";
+  const r = await fetch(`/api/agents${q}`, { cache: "no-store" });
+  const page = await r.json();
+  const where = document.getElementById("pages-where");
+  const next = document.getElementById("pages-next");
+  if (page.error) { where.textContent = page.error; next.disabled = true; return; }
+  where.textContent = `partition ${page.partition} of ${page.partitions} (${page.count} agents) from ${page.broker_id || "?"}`;
+  view.pageCursor = page.cursor || null;
+  next.disabled = !view.pageCursor;
+  document.querySelector("#pages tbody").replaceChildren(...page.agents.map((a) => el("tr", { "data-agent": a.agent_id, onclick: () => select(a.agent_id) },
+    el("td", { class: "id", text: a.agent_id }), el("td", { class: "st" }, stateBadge(a.state)),
+    el("td", { class: "num sc", text: fix(a.score, 1) }), el("td", { class: "ld" }, bar(a.load, 1)),
+    el("td", { class: "cp", text: a.capabilities.join(", ") }), el("td", { class: "rg", text: a.region || "–" }),
+    el("td", { class: "vr", text: a.version || "–" }))));
+}
+
+document.getElementById("pages-first").addEventListener("click", () => loadPage(null));
+document.getElementById("pages-next").addEventListener("click", () => { if (view.pageCursor) loadPage(view.pageCursor); });
 
 // --- one agent ----------------------------------------------------------------------------------
 
@@ -468,4 +507,5 @@ setInterval(() => {
 
 connect();
 loadCharts();
+loadPage(null);
 setInterval(loadCharts, 5000);

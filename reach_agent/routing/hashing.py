@@ -1,0 +1,65 @@
+"""The hashes routing decides with, the same at a broker and at a caller (docs/protocol.md,
+"Sticky keys"): :func:`hash64` of a text, and :func:`rendezvous`, the weight of an agent for
+a sticky key (highest random weight: the key goes to the member weighing most), computed for
+many agents at once by :class:`Lanes`.
+
+Rendezvous hashing keeps one 64-bit hash per agent (its id's, computed once) where a
+consistent-hash ring kept ``vnodes`` points per agent and rebuilt them all on every
+membership change; a key still stays with its agent while the members stay, and when one
+leaves only the keys it held move (each to its own next-heaviest member).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+
+M64 = (1 << 64) - 1
+
+
+def hash64(text: str) -> int:
+    """The first 8 bytes of BLAKE2b (8-byte digest) of ``text``'s UTF-8, big-endian."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+FIBONACCI = 0x9E3779B97F4A7C15
+"""2^64 / the golden ratio, odd: multiplying by it modulo 2^64 spreads every bit of a value
+into the high bits (Fibonacci hashing)."""
+
+
+def rendezvous(agent_hash: int, key_hash: int) -> int:
+    """An agent's weight for a key: ``(agent_hash XOR key_hash) * FIBONACCI mod 2^64`` (both
+    :func:`hash64`s). The same agent and key always weigh the same, so a key's heaviest member
+    stays its heaviest while it is a member; over keys, each member is the heaviest as often
+    as any other. (:meth:`reach_agent.routing.index.CapabilityIndex.heaviest` computes it
+    inline: one call less per member.)"""
+    return ((agent_hash ^ key_hash) * FIBONACCI) & M64
+
+
+class Lanes:
+    """Many agents' hashes packed into one integer, 128 bits a lane, so that their weights for
+    a key are computed at once by a few big-integer operations (C speed) instead of a Python
+    loop: ``rendezvous(h, k)`` for every ``h``, in order. A 64-bit weight times FIBONACCI
+    fits its 128-bit lane, so no lane spills into the next."""
+
+    __slots__ = ("_mask", "_ones", "_packed", "n")
+
+    def __init__(self, hashes: list[int]) -> None:
+        self.n = n = len(hashes)
+        self._packed = int.from_bytes(b"".join(h.to_bytes(16, "little") for h in hashes), "little")
+        self._ones = int.from_bytes(_ONE_LANE * n, "little")
+        self._mask = int.from_bytes(_MASK_LANE * n, "little")
+
+    def weights(self, key_hash: int) -> list[int]:
+        """``[rendezvous(h, key_hash) for h in hashes]``."""
+        lanes = ((self._packed ^ (key_hash * self._ones)) * FIBONACCI) & self._mask
+        words = array("Q", lanes.to_bytes(16 * self.n, "little"))
+        if _BIG:
+            words.byteswap()
+        return words[::2].tolist()  # each lane's low 64 bits: its weight
+
+
+_ONE_LANE = (1).to_bytes(16, "little")
+_MASK_LANE = M64.to_bytes(16, "little")
+_BIG = sys.byteorder == "big"

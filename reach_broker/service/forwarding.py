@@ -1,0 +1,286 @@
+"""One broker answers each capability's route requests: its owner, so that quotas and
+hand-outs are counted once however many brokers share the fleet.
+
+A capability's owner is the owner of partition ``partition(capability, P)`` (the FNV-1a hash
+agent ids are partitioned by, :func:`reach_agent.routing.table.partition`): whoever holds that
+partition's lease. A route request reaches any broker (queue group ``reach-broker``); one that
+does not own the capability forwards it on ``<p>.forward.<owner>.<capability>`` with the
+caller it named (``Reach-Caller``: from the caller's private inbox in secured mode, where only
+brokers may publish on ``<p>.forward.>``) and relays the owner's reply, body and headers as
+they are. The owner answers a forwarded request as its own (quota, route, hand-out), or
+refuses it when the partition is no longer its own. A forward that finds no owner, no
+responder, a former owner or no answer within ``[fleet] forward_timeout_s`` is refused
+``OVERLOADED`` with ``retry_after_ms`` (a retryable refusal: never answered by a second broker's
+own count), the leases read again, and ``reach_route_forwards_total{result}`` counts it.
+
+A broker that owns every partition (the single-broker default, a server without JetStream)
+answers every request itself, as before; so does one without route tables (``[fleet] tables =
+false``: no leases are kept), and one that lost a lease while no other broker held any (its
+renewal failed: nobody else counts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, NamedTuple
+
+from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
+from nats.micro.request import Request
+
+from jetstream.tasks import raise_if_cancelled
+from reach_agent.aio import stop_loops
+from reach_agent.routing.table import partition
+from reach_agent.wire.errors import Overloaded, to_reply
+from reach_agent.wire.schema import H_CALLER
+from reach_agent.wire.subjects import broker_token, is_inbox
+from reach_broker.config import FleetSection
+from reach_broker.core.quotas import ANONYMOUS, MAX_CALLER_LEN, caller_of
+
+from .context import BrokerContext
+from .handlers import Endpoint, Handle
+from .owners import Owners
+
+log = logging.getLogger(__name__)
+
+FORWARD_RESULTS = ("ok", "timeout", "no_owner", "not_owner", "answered")
+"""``result`` of ``reach_route_forwards_total``: forwarded and relayed (``ok``); refused
+because the owner did not answer in time (``timeout``), none is known or it is gone
+(``no_owner``), or it no longer owns the capability (``not_owner``); a forward received and
+answered as the owner (``answered``)."""
+
+H_FORWARD = "Reach-Forward"
+"""Set by an owner refusing a forward: ``not_owner`` (the partition is no longer its own)."""
+
+STATUS, NO_RESPONDERS = "Status", "503"
+"""What nats-server answers a request nobody subscribes to."""
+
+
+class Waiting(NamedTuple):
+    """A forward waiting for the owner's answer."""
+
+    req: Request
+    capability: str
+    partition: int
+    owner: str | None
+    deadline: float
+
+
+MAX_CAPABILITIES = 10_000
+"""Capabilities whose partition is remembered (forgotten all at once beyond)."""
+
+
+class Forwarder:
+    """The route endpoint's front: answered here when this broker owns the capability, else
+    forwarded to the owner (a broker component)."""
+
+    def __init__(
+        self, ctx: BrokerContext, cfg: FleetSection, route: Endpoint, handle: Handle, *,
+        owned: Callable[[int], bool], owns_all: Callable[[], bool],
+        follow: Callable[[str], Awaitable[None] | None], jetstream: Callable[[], bool],
+        forwards: Any,
+    ) -> None:  # fmt: skip
+        self.ctx = ctx
+        self.cfg = cfg
+        self.route = route
+        """The local route endpoint (answers, counts and maps failures)."""
+        self.handle = handle
+        """The route handler: (subject, body, caller) -> reply body."""
+        self.owned = owned
+        """Whether this broker owns partition ``p`` now (its route tables' word)."""
+        self.owns_all = owns_all
+        self.follow = follow
+        """What a request this broker answers waits for first: the other owners' shares
+        of its capability, on its first request (:meth:`Shares.waiting`)."""
+        self.jetstream = jetstream
+        self.results = {r: forwards.labels(r) for r in FORWARD_RESULTS}
+        """``reach_route_forwards_total`` by result."""
+        self.owners = Owners(ctx, cfg, owns_all=owns_all)
+        self.token = broker_token(ctx.broker_id)
+        self.active = False
+        """Whether requests are forwarded at all (leases kept: JetStream and tables on)."""
+        self._partition_of: dict[str, int] = {}
+        self._subs: list[Any] = []
+        self._inbox = ""
+        """This forwarder's inbox prefix: the owners' answers come to ``<inbox><token>``."""
+        self._tokens = itertools.count()
+        self._waiting: dict[str, Waiting] = {}
+        """Forwards sent and not answered yet, oldest first."""
+        self._expiry: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self.active or not (self.cfg.tables and self.jetstream()):
+            return
+        self.active = True
+        await self.owners.start()
+        nc = self.ctx.nc
+        self._inbox = nc.new_inbox() + "."
+        self._subs = [
+            await nc.subscribe(self.ctx.subjects.forwards_to(self.token), cb=self.on_forward),
+            await nc.subscribe(self._inbox + "*", cb=self._on_answer),
+        ]
+        self._expiry = asyncio.create_task(self._expire(), name="reach-forward-expiry")
+
+    async def stop(self) -> None:
+        if not self.active:
+            return
+        self.active = False
+        if self._expiry is not None:
+            await stop_loops(self._expiry)
+            self._expiry = None
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except NatsError:
+                pass
+        self._subs = []
+        self._waiting.clear()
+        await self.owners.stop()
+
+    def owner_of(self, capability: str) -> tuple[int, str | None]:
+        """The partition of ``capability`` and its owner's token (this broker's own when it
+        owns it; None: nobody known)."""
+        p = self._partition_of.get(capability)
+        if p is None:
+            if len(self._partition_of) >= MAX_CAPABILITIES:
+                self._partition_of.clear()
+            p = self._partition_of[capability] = partition(capability, self.cfg.partitions)
+        if self.owned(p):
+            return p, self.token
+        return p, self.owners.of[p]
+
+    # --- the front of the route endpoint --------------------------------------------------
+
+    async def on_request(self, req: Request) -> None:
+        """The route endpoint's handler: answered here, or forwarded to the owner."""
+        if not self.active or self.owns_all():
+            await self.route.on_request(req)
+            return
+        capability = self.ctx.subjects.capability_of_route(req.subject)
+        p, owner = self.owner_of(capability)
+        if owner == self.token:
+            wait = self.follow(capability)
+            if wait is None:
+                await self.route.on_request(req)
+            else:  # not held up here: the endpoint's callback runs one request at a time
+                self.ctx.spawn(self._answer_after(wait, self.route.on_request(req)), "route")
+            return
+        reply = req._msg.reply  # nats.micro keeps it private; respond() publishes there
+        if not reply or not is_inbox(reply):
+            await self.route.on_request(req)  # refused there, counted as dropped
+            return
+        if owner is None:
+            if self.owners.alone(self.token):
+                # No other broker held a lease at the last read (a lone broker whose lease
+                # lapsed while JetStream was slow): nobody else counts, so this broker
+                # answers; the leases are read again now, in case one just joined.
+                self.owners.stale()
+                await self.route.on_request(req)
+            else:
+                await self._refuse(Waiting(req, capability, p, owner, 0.0), "no_owner")
+            return
+        # Sent, not awaited: the endpoint's callback runs one request at a time, and the
+        # owner's answer comes to this forwarder's one inbox (:meth:`_on_answer`).
+        headers = dict(req.headers) if req.headers else {}
+        headers[H_CALLER] = caller_of(req.headers, reply, self.ctx.link.secured)
+        token = str(next(self._tokens))
+        self._waiting[token] = Waiting(req, capability, p, owner,
+                                       self.ctx.clock() + self.cfg.forward_timeout_s)  # fmt: skip
+        await self.ctx.nc.publish(self.ctx.subjects.forward(owner, capability), req.data,
+                                  reply=self._inbox + token, headers=headers)  # fmt: skip
+
+    async def _on_answer(self, msg: Msg) -> None:
+        """The owner's answer to a forward (or the server's: no responders), relayed."""
+        w = self._waiting.pop(msg.subject[len(self._inbox) :], None)
+        if w is None:
+            return  # refused already (too late)
+        headers = msg.headers
+        if headers and not msg.data:
+            if headers.get(STATUS) == NO_RESPONDERS:
+                await self._refuse(w, "no_owner")
+                return
+            if headers.get(H_FORWARD) == "not_owner":
+                await self._refuse(w, "not_owner")
+                return
+        self.results["ok"].inc()
+        await w.req.respond(msg.data, headers=headers)
+
+    async def _expire(self) -> None:
+        """Forwards not answered within ``forward_timeout_s`` refused (oldest first: they
+        all wait as long)."""
+        every = min(self.cfg.forward_timeout_s / 5, 0.05)
+        waiting = self._waiting
+        while True:
+            raise_if_cancelled()
+            await asyncio.sleep(every)
+            now = self.ctx.clock()
+            try:
+                while waiting:
+                    token, w = next(iter(waiting.items()))
+                    if w.deadline > now:
+                        break
+                    del waiting[token]
+                    await self._refuse(w, "timeout")
+            except Exception:  # noqa: BLE001 - the loop body never dies
+                log.exception("route.forward_expiry failed")
+
+    async def _refuse(self, w: Waiting, result: str) -> None:
+        """A forward that got no answer from the owner: refused, retryable, and counted."""
+        self.results[result].inc()
+        self.owners.stale()
+        retry_ms = int(self.cfg.lease_ttl_s * 1000 / 3) if result != "timeout" else 100
+        log.info("route.forward_failed capability=%s partition=%d owner=%s result=%s",
+                 w.capability, w.partition, w.owner, result)  # fmt: skip
+        err = Overloaded(
+            f"route requests for {w.capability!r} are answered by the owner of partition "
+            f"{w.partition} ({w.owner or 'none known'}), which "
+            + ("did not answer in time" if result == "timeout" else
+               "no longer owns it" if result == "not_owner" else "is not there")
+            + f"; retry in {retry_ms} ms", retry_after_ms=retry_ms,
+        )  # fmt: skip
+        headers, body = to_reply(err)
+        await w.req.respond(body, headers=headers)
+
+    # --- the owner's side -----------------------------------------------------------------
+
+    async def on_forward(self, msg: Msg) -> None:
+        """A route request forwarded by another broker: answered as this broker's own (the
+        caller as the forwarder named it), or refused when the capability is not this
+        broker's now."""
+        if not msg.reply or not is_inbox(msg.reply):
+            return
+        subjects = self.ctx.subjects
+        capability = subjects.capability_of_forward(msg.subject)
+        if self.owner_of(capability)[1] != self.token:
+            self.results["not_owner"].inc()
+            await self.ctx.nc.publish(msg.reply, b"", headers={H_FORWARD: "not_owner"})
+            return
+        self.results["answered"].inc()
+        wait = self.follow(capability)
+        if wait is None:
+            await self._answer_forward(msg, capability)
+        else:
+            self.ctx.spawn(self._answer_after(wait, self._answer_forward(msg, capability)),
+                           "route")  # fmt: skip
+
+    @staticmethod
+    async def _answer_after(wait: Awaitable[None], answer: Coroutine[Any, Any, None]) -> None:
+        """``answer`` once the other owners' shares are in (or could not be had)."""
+        await wait
+        await answer
+
+    async def _answer_forward(self, msg: Msg, capability: str) -> None:
+        subjects = self.ctx.subjects
+        caller = (msg.headers or {}).get(H_CALLER) or ANONYMOUS
+        subject = subjects.route(capability)
+        try:
+            body = self.handle(subject, msg.data, caller[:MAX_CALLER_LEN])
+        except Exception as exc:  # noqa: BLE001 - answered by the endpoint's failure()
+            failed = self.route.failure(subject, exc)
+            if failed is not None:
+                await self.ctx.nc.publish(msg.reply, failed[0], headers=failed[1])
+            return
+        await self.ctx.nc.publish(msg.reply, body or b"")

@@ -1,0 +1,95 @@
+"""Who owns each partition of the fleet, as the leases in KV ``reach_partitions`` say: read,
+not held (holding them is :mod:`.partitions`).
+
+A broker that owns every partition (one broker alone, or no JetStream) reads nothing. Else
+every key is read every third of the lease's time to live (the rate at which owners renew
+them), and again at once when a forward finds the owner gone (:meth:`Owners.stale`): P small
+reads a round, whatever the size of the fleet. A key that is missing (lapsed) or handed back
+names no owner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import msgspec
+
+from jetstream.claims import ClaimStore, ClaimsUnavailable
+from jetstream.names import PARTITIONS_BUCKET
+from jetstream.tasks import raise_if_cancelled
+from reach_agent.aio import stop_loops
+from reach_agent.wire.subjects import broker_token
+from reach_broker.config import FleetSection
+
+from .context import BrokerContext
+from .partitions import Lease
+
+log = logging.getLogger(__name__)
+
+_lease = msgspec.json.Decoder(Lease)
+
+
+class Owners:
+    """Each partition's owner (its broker's subject token), read from the leases."""
+
+    def __init__(self, ctx: BrokerContext, cfg: FleetSection, *,
+                 owns_all: Callable[[], bool]) -> None:  # fmt: skip
+        self.ctx = ctx
+        self.cfg = cfg
+        self.owns_all = owns_all
+        """Whether this broker holds every lease (then nobody else's is read)."""
+        self.store = ClaimStore(ctx.nc, bucket=PARTITIONS_BUCKET,
+                                timeout_s=min(2.0, cfg.lease_ttl_s / 3))  # fmt: skip
+        self.of: list[str | None] = [None] * cfg.partitions
+        """Each partition's owner as last read (None: nobody, or not read yet)."""
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="reach-owners")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            await stop_loops(self._task)
+            self._task = None
+
+    def alone(self, token: str) -> bool:
+        """Whether no broker but ``token`` held a lease at the last read (O(P): asked only
+        when a partition has no known owner)."""
+        return all(o is None or o == token for o in self.of)
+
+    def stale(self) -> None:
+        """An owner read did not answer a forward: read the leases again now."""
+        self._wake.set()
+
+    async def read(self) -> None:
+        """Every partition's lease, read at once."""
+        await asyncio.gather(*(self._read(p) for p in range(self.cfg.partitions)))
+
+    async def _read(self, p: int) -> None:
+        try:
+            stored = await self.store.get(str(p))
+            owner = None if stored is None else _lease.decode(stored.data).broker_id
+        except (ClaimsUnavailable, msgspec.MsgspecError) as exc:
+            log.debug("owners.read_failed partition=%d error=%s", p, exc)
+            return  # the last read stands
+        self.of[p] = None if owner is None else broker_token(owner)
+
+    async def _loop(self) -> None:
+        every = self.cfg.lease_ttl_s / 3
+        while True:
+            raise_if_cancelled()
+            try:
+                if not self.owns_all():
+                    await self.read()
+            except Exception:  # noqa: BLE001 - the loop body never dies
+                log.exception("owners.read failed")
+            try:
+                async with asyncio.timeout(every):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
+            self._wake.clear()

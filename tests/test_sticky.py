@@ -1,0 +1,136 @@
+"""Sticky keys by rendezvous hashing (reach_agent.routing.hashing, index, choice), pure: a key
+keeps its agent, only the keys of an agent that leaves move, keys spread evenly, and a key
+whose agent cannot take it goes to its next heaviest."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from reach_agent.routing.choice import Chooser
+from reach_agent.routing.hashing import M64, Lanes, hash64, rendezvous
+from reach_agent.routing.index import STICKY_DEPTH, STICKY_KEYS, CapabilityIndex
+from reach_agent.routing.member import Member, TaskStats
+from reach_agent.wire.schema import RouteRequest
+from reach_broker.config import RoutingSection
+
+CFG = RoutingSection(rank_refresh_ms=0)
+KEYS = [f"user-{i}" for i in range(5000)]
+
+
+def index(n: int) -> CapabilityIndex[Member]:
+    idx: CapabilityIndex[Member] = CapabilityIndex("cap")
+    for i in range(n):
+        idx.add(Member(f"agent-{i}", 10, TaskStats()))
+    return idx
+
+
+def owners(idx: CapabilityIndex[Member], keys: list[str] = KEYS) -> dict[str, str]:
+    chooser: Chooser[Member] = Chooser(CFG)
+    return {
+        k: chooser.pick(idx, RouteRequest(sticky_key=k, limit=1), None, 1.0)[0].agent_id
+        for k in keys
+    }
+
+
+def test_a_key_keeps_its_agent_and_it_is_the_heaviest() -> None:
+    idx = index(50)
+    first = owners(idx)
+    assert owners(idx) == first  # asked again (remembered or not): the same agent
+    idx.sticky.clear()
+    assert owners(idx) == first
+    for k in KEYS[:200]:
+        heaviest = max(
+            idx.members.values(), key=lambda r: rendezvous(hash64(r.agent_id), hash64(k))
+        )
+        assert first[k] == heaviest.agent_id
+        assert [r.agent_id for _, r in idx.heaviest(k)] == [
+            r.agent_id for r in idx.by_weight(k)[:STICKY_DEPTH]
+        ]
+
+
+def test_only_the_keys_of_an_agent_that_leaves_move_and_a_newcomer_only_takes_keys() -> None:
+    idx = index(50)
+    before = owners(idx)
+    idx.remove("agent-7")
+    after = owners(idx)
+    moved = {k for k in KEYS if before[k] != after[k]}
+    assert moved == {k for k in KEYS if before[k] == "agent-7"}
+    assert 50 <= len(moved) <= 150  # its share: about 1/50 of 5000 keys
+    idx.add(Member("agent-new", 10, TaskStats()))
+    again = owners(idx)
+    taken = {k for k in KEYS if after[k] != again[k]}
+    assert taken and all(again[k] == "agent-new" for k in taken)
+
+
+def test_keys_spread_evenly_over_the_agents() -> None:
+    counts = Counter(owners(index(20), [f"k{i}" for i in range(20_000)]).values())
+    assert len(counts) == 20
+    assert min(counts.values()) >= 800 and max(counts.values()) <= 1200  # 1000 each, ±20 %
+
+
+def test_a_key_whose_agent_is_not_routable_goes_to_its_next_heaviest_and_comes_back() -> None:
+    idx = index(10)
+    key = "session-42"
+    order = idx.by_weight(key)
+    assert owners(idx, [key])[key] == order[0].agent_id
+    order[0].state = "suspect"
+    idx.state_changed()
+    assert owners(idx, [key])[key] == order[1].agent_id
+    order[1].busy = order[1].load = 1.0  # full: the next one
+    order[1].active = 10
+    assert owners(idx, [key])[key] == order[2].agent_id
+    for rec in order[:STICKY_DEPTH]:
+        rec.state = "suspect"
+    idx.state_changed()
+    assert owners(idx, [key])[key] == order[STICKY_DEPTH].agent_id  # beyond those remembered
+    for rec in order[:STICKY_DEPTH]:
+        rec.state = "healthy"
+    order[1].busy = order[1].load = 0.0
+    order[1].active = 0
+    idx.state_changed()
+    assert owners(idx, [key])[key] == order[0].agent_id
+
+
+def test_an_index_remembers_a_bounded_number_of_keys_and_keeps_them_right_on_a_change() -> None:
+    idx = index(30)
+    keys = [f"k{i}" for i in range(3000)]
+    owners(idx, keys)
+    assert len(idx.sticky) == STICKY_KEYS
+    remembered = list(idx.sticky)
+
+    def right() -> None:
+        for key in idx.sticky:
+            assert [r for _, r in idx.heaviest(key)] == idx.by_weight(key)[:STICKY_DEPTH]
+
+    idx.add(Member("agent-x", 10, TaskStats()))  # weighed against every key remembered
+    assert list(idx.sticky) == remembered
+    right()
+    idx.remove("agent-3")
+    assert 0 < len(remembered) - len(idx.sticky) < len(remembered)  # only its keys forgotten
+    right()
+    assert owners(idx, keys) == owners(index_without_3_with_x(), keys)
+
+
+def index_without_3_with_x() -> CapabilityIndex[Member]:
+    idx = index(30)
+    idx.remove("agent-3")
+    idx.add(Member("agent-x", 10, TaskStats()))
+    return idx
+
+
+def test_lanes_weigh_every_agent_as_rendezvous_does() -> None:
+    hashes = [hash64(f"agent-{i}") for i in range(300)] + [0, M64, 1]
+    for key in ("", "user-1", "ключ"):
+        k = hash64(key)
+        assert Lanes(hashes).weights(k) == [rendezvous(h, k) for h in hashes]
+    assert Lanes([]).weights(5) == []
+
+
+def test_members_of_equal_weight_are_told_apart_as_the_slow_way_does() -> None:
+    idx = index(6)
+    twins = list(idx.members.values())[:2]
+    for rec in twins:
+        rec.hrw = 12345  # the same hash: the same weight for every key
+    idx._lanes = None
+    for key in KEYS[:50]:
+        assert [r for _, r in idx.heaviest(key)] == idx.by_weight(key)[:STICKY_DEPTH]
