@@ -183,11 +183,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         fleet = await Fleet.spawn(children, a, server.url)
         await fleet.ready(120 + a.agents / 100)
 
-        async def healthy() -> bool:
+        async def registered() -> bool:
             ms = [await b.metrics() for b in brokers]
-            return sum(m.get('reach_agents{state="healthy"}', 0) for m in ms) >= a.agents
+            return (
+                sum(m.get(f'reach_agents{{state="{s}"}}', 0) for m in ms for s in STATES)
+                >= a.agents
+            )
 
-        report["register_s"] = round(await wait(healthy, 120 + a.agents / 200, "all healthy"), 2)
+        report["register_s"] = round(await wait(registered, 120 + a.agents / 100,
+                                                "every agent registered"), 2)  # fmt: skip
         routes = Routes(nc, a.prefix)
         routes.start()
         await asyncio.sleep(max(2.0, 2 * a.interval))  # records settle
@@ -206,6 +210,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         sent = sent1 - sent0
         got = [m.get(ACCEPTED, 0.0) - x for m, x in zip(ms, hb0, strict=True)]
         held = [int(sum(m.get(f'reach_agents{{state="{s}"}}', 0) for s in STATES)) for m in ms]
+        healthy = [int(m.get('reach_agents{state="healthy"}', 0)) for m in ms]
         rss1 = [b.rss() for b in brokers]
         report["measure"] = {
             "heartbeats_sent": sent,
@@ -213,6 +218,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "shares_pct": [round(100 * g / sent, 1) if sent else None for g in got],
             "partitions_owned": [int(m.get(OWNED, 0)) for m in ms],
             "agents_held": held,
+            "agents_healthy": healthy,
             "rss_mib": [round(r / 2**20, 1) if r else None for r in rss1],
             "rss_per_agent_bytes": [
                 round((r1 - r0) / h) if r0 and r1 and h else None

@@ -198,8 +198,10 @@ class Partitions:
             revision = await self.store.swap(str(p), mine, held[1])
         except ClaimsUnavailable as exc:
             log.debug("partitions.renew_failed partition=%d error=%s", p, exc)
-            if p in self.held and now - held[2] >= self.cfg.lease_ttl_s:
-                # Not renewed within its time: it may be someone else's by now.
+            if p in self.held and now - held[2] >= self.cfg.lease_ttl_s and self.live > 1:
+                # Not renewed within its time: it may be another broker's by now. (A broker
+                # alone keeps hearing it: nobody else would; its next renewal that gets
+                # through tells whether someone took it meanwhile.)
                 log.warning("partitions.lapsed partition=%d", p)
                 await self._lose(p)
             return
