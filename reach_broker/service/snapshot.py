@@ -57,6 +57,8 @@ RETRY_S = 1.0
 STATS_S = 10.0
 """How often the task EWMAs are compared with what the bucket holds."""
 DRIFT = 0.2
+WATCH_TRIES = 3
+"""Reads of a partition that came back empty while the bucket holds keys of it."""
 """A task EWMA is written again when it moved by more than this share."""
 
 
@@ -149,14 +151,38 @@ class Snapshot:
         JetStream (the snapshot not running)."""
         if not self._tasks:
             return []
-        watcher = await self.kv.watch(f"{self.registry.partitions}.{p}.*", ignore_deletes=True)
+        keys = f"{self.registry.partitions}.{p}.*"
+        for _ in range(WATCH_TRIES):
+            recs, seen = await self._restore_keys(keys)
+            # nats-py's watch can say "no more" before it hands over anything (its consumer
+            # counted nothing pending yet): a partition read as empty is asked again when
+            # the stream says it holds keys of it.
+            if seen or not await self._holds(keys):
+                break
+            log.info("snapshot.restore_empty partition=%d: the bucket holds keys of it; "
+                     "reading again", p)  # fmt: skip
+        self.registry.restored(self.ctx.clock(), recs)
+        self.restored += len(recs)
+        log.debug("snapshot.restored partition=%d agents=%d", p, len(recs))
+        return [rec.agent_id for rec in recs]
+
+    async def _holds(self, keys: str) -> bool:
+        """Whether the bucket's stream holds a message on any of ``keys``."""
+        info = await self.js.stream_info(f"KV_{REGISTRY_BUCKET}", subjects_filter=_SUBJECT + keys)
+        return bool(info.state.subjects)
+
+    async def _restore_keys(self, keys: str) -> tuple[list[AgentRecord], int]:
+        """Restore the agents stored under ``keys``: (those restored, entries seen)."""
+        watcher = await self.kv.watch(keys, ignore_deletes=True)
         now, wall_ms = self.ctx.clock(), self.ctx.wall_ms()
         recs: list[AgentRecord] = []
+        seen = 0
         try:
             while True:
                 entry = await watcher.updates(timeout=5.0)
                 if entry is None:  # initial values done
                     break
+                seen += 1
                 if not entry.value:
                     continue
                 agent_id = entry.key[entry.key.rfind(".") + 1 :]
@@ -173,10 +199,7 @@ class Snapshot:
         finally:
             with contextlib.suppress(Exception):
                 await watcher.stop()
-        self.registry.restored(now, recs)
-        self.restored += len(recs)
-        log.debug("snapshot.restored partition=%d agents=%d", p, len(recs))
-        return [rec.agent_id for rec in recs]
+        return recs, seen
 
     async def flush_now(self, timeout_s: float) -> bool:
         """Write what is dirty now (a partition is about to be handed over); whether it all
