@@ -151,8 +151,10 @@ async def two_brokers(broker_factory: BrokerFactory, **overrides: Any) -> tuple[
     """Two brokers of P partitions, every partition owned by one of them."""
     pair = (await broker_factory(fleet__partitions=P, **overrides),
             await broker_factory(fleet__partitions=P, **overrides))  # fmt: skip
-    await wait_for(lambda: sum(len(b.tables.book.epochs) for b in pair) == P,
-                   what="every partition owned")  # fmt: skip
+    # The first takes every partition, then hands half back once it counts the second
+    # (its next lease round): settled when each owns its fair share.
+    await wait_for(lambda: [len(b.tables.book.epochs) for b in pair] == [P // 2] * 2, 20,
+                   what="each owning half the partitions")  # fmt: skip
     return pair
 
 
@@ -380,8 +382,8 @@ async def test_a_route_merges_the_shares_of_another_owner_and_explain_says_what_
         broker = await broker_factory(fleet__partitions=P)
         assert sorted(broker.tables.book.epochs) == [0, 1, 2, 3]
         cap = capability_in((0, 1, 2, 3), "merged.")  # this broker's: answered here
-        await agents(worker("real-a", cap))
-        await wait_for(lambda: healthy(broker, "real-a"))
+        await agents(worker("real-a", cap))  # of partition 3: this broker's
+        await wait_for(lambda: healthy(broker, "real-a"), 15)
         look = schema.encoder.encode(RouteRequest(peek=True, limit=100))
         explain = schema.encoder.encode(RouteRequest(explain=True, limit=100))
 
@@ -429,13 +431,14 @@ async def test_a_route_merges_the_shares_of_another_owner_and_explain_says_what_
         # A capability whose shares the other owner never gives: the registry answers, and
         # an explanation names the partitions it could not see.
         silent = capability_in((0, 1, 2, 3), "silent.")
-        await agents(worker("real-b", silent))
-        await wait_for(lambda: healthy(broker, "real-b"))
+        # (an agent of this broker's partitions: each broker hears its own partitions' agents)
+        await agents(worker("real-c", silent))
+        await wait_for(lambda: healthy(broker, "real-c"))
         msg = await nc.request(f"reach.route.{silent}", explain, timeout=2)
         alone = schema.route_reply_decoder.decode(msg.data)
-        assert [c.agent_id for c in alone.candidates] == ["real-b"]
+        assert [c.agent_id for c in alone.candidates] == ["real-c"]
         assert alone.explain is not None and alone.explain.shared == 0
-        assert alone.explain.unseen_partitions == sorted({4, 5, 6, 7} - {partition("real-b", P)})
+        assert alone.explain.unseen_partitions == sorted({4, 5, 6, 7} - {partition("real-c", P)})
 
         # A capability of the other owner's partitions: forwarded to it; it never answers,
         # so the request is refused, retryable, and counted.
