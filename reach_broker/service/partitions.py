@@ -103,6 +103,8 @@ class Partitions:
         """Each partition owned: (its epoch, the revision last written, when)."""
         self.live = 1
         """Brokers present at the last round (this one among them)."""
+        self._counted_at = -math.inf
+        """When :attr:`live` was last counted."""
         self._kv: Any = None
         self._task: asyncio.Task[None] | None = None
 
@@ -174,6 +176,11 @@ class Partitions:
             batch, candidates = candidates[:need], candidates[need:]
             await asyncio.gather(*(self._take(p, mine) for p in batch))
 
+    def _alone(self, now: float) -> bool:
+        """Whether this broker counted itself alone within the lease's time to live (a count
+        that failed, or none yet, says nothing)."""
+        return self.live == 1 and now - self._counted_at < self.cfg.lease_ttl_s
+
     async def _count(self) -> None:
         """Write this broker's presence key, and count the keys present."""
         try:
@@ -187,6 +194,7 @@ class Partitions:
                 with contextlib.suppress(Exception):
                     await watcher.stop()
             self.live = max(live, 1)
+            self._counted_at = self.ctx.clock()
         except Exception as exc:  # noqa: BLE001 - the last count stands
             log.debug("partitions.count_failed error=%r", exc)
 
@@ -198,7 +206,7 @@ class Partitions:
             revision = await self.store.swap(str(p), mine, held[1])
         except ClaimsUnavailable as exc:
             log.debug("partitions.renew_failed partition=%d error=%s", p, exc)
-            if p in self.held and now - held[2] >= self.cfg.lease_ttl_s and self.live > 1:
+            if p in self.held and now - held[2] >= self.cfg.lease_ttl_s and not self._alone(now):
                 # Not renewed within its time: it may be another broker's by now. (A broker
                 # alone keeps hearing it: nobody else would; its next renewal that gets
                 # through tells whether someone took it meanwhile.)
