@@ -253,8 +253,7 @@ class Broker:
             ctx, registry, lambda p: p in self.partitions.held,
             dropped=lambda reason: m.refused.labels("agents", reason),
         )  # fmt: skip
-        """``<p>.agents.<partition>``: pages of the partitions this broker owns (all of them
-        without the route tables' leases)."""
+        """``<p>.agents.<partition>``: pages of the partitions this broker owns."""
         epochs = self.tables.book.epochs
         self.shares = Shares(ctx, cfg.fleet, epochs)
         """The other owners' shares of the route tables, followed (routes merge them)."""
@@ -305,6 +304,7 @@ class Broker:
             (self.partitions, False),
             *(((self.forwarder, True), (self.shares, False)) if cfg.fleet.tables else ()),
             (self.probes, False),
+            (self.pages, False),  # answers <p>.agents.<partition> for the partitions it owns
             (self.advisories, False),
             (self.synadia, False),
             (self.outcomes, False),
@@ -315,7 +315,6 @@ class Broker:
         """(part, needs JetStream), in start order, before the handlers subscribe."""
         self._running: list[Component] = []
         self._service: Service | None = None
-        self._subs: list[Any] = []
         self._loop_task: asyncio.Task[None] | None = None
         self._started = False
         self._connected = False
@@ -409,7 +408,6 @@ class Broker:
     async def _serve(self) -> None:
         """Serve the Services endpoints (the agent subjects are the ingest's, per partition)."""
         nc, s, ep = self.nc, self.subjects, self.handlers.endpoints
-        self._subs = [await nc.subscribe(s.all_agent_pages, cb=self.pages.endpoint.on_message)]
         self._service = await add_service(
             nc,
             ServiceConfig(
@@ -441,12 +439,6 @@ class Broker:
                 await self._service.stop()
             except Exception:  # noqa: BLE001 - a closed connection must not block shutdown
                 log.debug("broker.stop service already closed", exc_info=True)
-        for sub in self._subs:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # noqa: BLE001
-                log.debug("broker.stop unsubscribe failed", exc_info=True)
-        self._subs = []
         if self._loop_task is not None:
             await stop_loops(self._loop_task)
         await self._tasks.settle(self.cfg.broker.shutdown_grace_s)

@@ -312,9 +312,7 @@ async def test_a_missing_creds_file_says_so(nats_server: NatsServer, tmp_path: A
 @pytest.mark.parametrize("command", [["agents"], ["route", "tool_use"], ["top", "--once"]])
 async def test_no_broker_is_one_clear_line(nats_server: NatsServer, command: list[str]) -> None:
     code, out, err = await reach(*command, "-s", nats_server.url)
-    subject = {"agents": "reach.agents.0", "route": "reach.route.tool_use"}.get(
-        command[0], "reach.agents"
-    )
+    subject = "reach.agents.0" if command[0] != "route" else "reach.route.tool_use"
     assert (code, out) == (3, "")
     assert err == (f"reach: no broker answers on {subject} "
                    "(is `reach broker` running on this server?)\n")  # fmt: skip

@@ -57,6 +57,7 @@ def test_the_parts_start_in_order_and_those_on_jetstream_are_marked() -> None:
         ("Forwarder", True),
         ("Shares", False),
         ("Prober", False),
+        ("AgentPages", False),
         ("Advisories", False),
         ("SynadiaAgents", False),
         ("Outcomes", False),

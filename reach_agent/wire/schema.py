@@ -536,9 +536,11 @@ class RouteReply(Base, frozen=True):
 # --- route tables: broker (a share's owner) → callers -------------------------------------
 
 
-class TableEntry(Base, frozen=True):
+class TableEntry(Base, frozen=True, gc=False):
     """One agent in a capability's route table: what a caller needs to choose it (the
-    filters' inputs, its weight's, its load) and to reach it."""
+    filters' inputs, its weight's, its load) and to reach it. Not tracked by the garbage
+    collector (16 B less an entry, a broker keeping one per agent): nothing it holds can
+    hold it."""
 
     agent_id: str
     state: AgentState

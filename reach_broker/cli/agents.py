@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+from typing import TYPE_CHECKING, Any
 
 from .common import (
     EXIT_UNAVAILABLE,
@@ -18,6 +19,10 @@ from .common import (
     subjects,
 )
 from .output import AGENT_HEADER, agent_rows, print_json, print_table
+
+if TYPE_CHECKING:
+    from reach_agent.wire.schema import AgentView
+    from reach_agent.wire.subjects import Subjects
 
 PAGE_SIZE = 1000
 """Agents asked per page (``--page-size``, ``REACH_PAGE_SIZE``)."""
@@ -41,23 +46,44 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _agents(args: argparse.Namespace) -> int:
+    cap = None if args.capability is None else capability(args.capability, "--capability")
+    if not 1 <= args.page_size <= 5000:
+        raise CliError(f"--page-size {args.page_size} is not within 1-5000", EXIT_USAGE)
+    s = subjects(args)
+    nc = await connect(args)
+    try:
+        views = await fleet(nc, s, args.timeout, capability=cap, state=args.state,
+                            page_size=args.page_size)  # fmt: skip
+    finally:
+        await nc.close()
+    if args.json:
+        print_json(views)
+        return 0
+    print_table(agent_rows(views), AGENT_HEADER)
+    return 0
+
+
+async def fleet(
+    nc: Any,
+    s: Subjects,
+    timeout_s: float,
+    *,
+    capability: str | None = None,
+    state: Any = None,
+    page_size: int = PAGE_SIZE,
+) -> list[AgentView]:
+    """Every agent of the fleet, sorted by id: ``<prefix>.agents.<partition>`` paged, each
+    partition from its owner; a CliError saying why not."""
     from nats.errors import NoRespondersError
     from nats.errors import TimeoutError as NatsTimeout
 
     from reach_agent.client.listing import agent_pages
     from reach_agent.wire.errors import ReachError
-    from reach_agent.wire.schema import AgentView
 
-    cap = None if args.capability is None else capability(args.capability, "--capability")
-    if not 1 <= args.page_size <= 5000:
-        raise CliError(f"--page-size {args.page_size} is not within 1-5000", EXIT_USAGE)
-    s = subjects(args)
     views: list[AgentView] = []
-    nc = await connect(args)
     try:
-        pages = agent_pages(nc, s, capability=cap, state=args.state, limit=args.page_size,
-                            timeout_s=args.timeout)  # fmt: skip
-        async for page in pages:
+        async for page in agent_pages(nc, s, capability=capability, state=state,
+                                      limit=page_size, timeout_s=timeout_s):  # fmt: skip
             views.extend(page.agents)
     except NoRespondersError:
         raise CliError(
@@ -67,15 +93,9 @@ async def _agents(args: argparse.Namespace) -> int:
     except NatsTimeout:
         raise CliError(
             f"a partition's owner did not answer on {s.prefix}.agents.<partition> within "
-            f"{args.timeout}s (3 tries)", EXIT_UNAVAILABLE,
+            f"{timeout_s}s (3 tries)", EXIT_UNAVAILABLE,
         ) from None  # fmt: skip
     except ReachError as err:
         raise CliError.of(err) from None
-    finally:
-        await nc.close()
     views.sort(key=lambda v: v.agent_id)
-    if args.json:
-        print_json(views)
-        return 0
-    print_table(agent_rows(views), AGENT_HEADER)
-    return 0
+    return views

@@ -1,7 +1,8 @@
 """The live view of the fleet (``reach top``, and ``reach demo``'s screen), redrawn with plain
 ANSI codes (usable over SSH).
 
-Each refresh asks one broker for ``<prefix>.agents`` (states, scores, load) and every broker
+Each refresh pages through ``<prefix>.agents.<partition>`` (states, scores, load: each
+partition from its owner) and every broker
 for its NATS Services stats (``$SRV.STATS.reach-broker``: route requests, from which the
 route rate is the difference between two refreshes). Recent events are the last ones of
 ``REACH_AUDIT``, then the live ones through the same consumer (:mod:`jetstream.audit`; live
@@ -31,7 +32,8 @@ from reach_agent.wire import schema
 from reach_agent.wire.schema import AGENT_STATES, AgentView, Event
 from reach_agent.wire.subjects import Subjects
 
-from .common import EXIT_UNAVAILABLE, CliError, request
+from .agents import fleet
+from .common import EXIT_UNAVAILABLE, CliError
 from .output import AGENT_HEADER, agent_rows, format_event, format_table, print_json
 
 log = logging.getLogger(__name__)
@@ -132,8 +134,7 @@ class Fleet:
                                 route_requests=0, route_rate=None, events=list(self.events),
                                 error=f"{exc}; retrying")  # fmt: skip
         try:
-            data = await request(self.nc, self.subjects.agents, b"{}", self.timeout)
-            agents = schema.agent_views_decoder.decode(data)
+            agents = await fleet(self.nc, self.subjects, self.timeout)
         except CliError as exc:
             agents, error = [], str(exc)
         except Exception as exc:  # e.g. the connection closed: show it, go on

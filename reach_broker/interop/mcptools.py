@@ -4,12 +4,12 @@ and call one, with reach's routing, receipts, retries and failover underneath.
 Three tools over one :class:`reach_agent.Client` (the optional extra ``mcp``):
 
 * ``list_capabilities`` — every capability the fleet has, with how many agents hold it and
-  how many are healthy now (one ``<prefix>.agents`` request);
+  how many are healthy now (the fleet paged through ``<prefix>.agents.<partition>``);
 * ``find_agents(capability, limit, region?, tags?)`` — the agents reach would route to now,
   best first, and every other agent with the capability with its live state, score, load
   and why it is left out: one explained route request (``RouteRequest.explain``, the
-  broker's own decision and reasons) and one ``<prefix>.agents`` request (the last
-  heartbeats);
+  broker's own decision and reasons) and the capability's agents paged through
+  ``<prefix>.agents.<partition>`` (the last heartbeats);
 * ``call_agent(capability, payload, timeout_s?)`` — one task, routed and retried by reach;
   the agent's result, or a tool error ``CODE: message`` saying why not.
 
@@ -25,9 +25,10 @@ from typing import Any
 import msgspec
 
 from reach_agent.client.client import Client
+from reach_agent.client.listing import agent_pages
 from reach_agent.routing.reasons import EXCLUSIONS
 from reach_agent.wire import schema
-from reach_agent.wire.errors import InvalidRequest, NoReachableAgent, from_reply
+from reach_agent.wire.errors import InvalidRequest, NoReachableAgent, ReachError, from_reply
 
 INSTRUCTIONS = """\
 reach makes a fleet of AI agents reachable by capability (a name such as "summarize" or
@@ -35,6 +36,10 @@ reach makes a fleet of AI agents reachable by capability (a name such as "summar
 see which agents can do one thing right now (and why the others cannot), and call_agent to
 have it done: reach picks the best reachable agent, retries elsewhere if one is busy or
 dies, and returns that agent's result. You never address an agent yourself."""
+
+
+PAGE = 1000
+"""Agents asked per page of the fleet."""
 
 
 class Tools:
@@ -46,19 +51,21 @@ class Tools:
         self.request_timeout_s = request_timeout_s
 
     async def views(self, capability: str | None = None) -> list[schema.AgentView]:
-        """``<prefix>.agents`` (one broker's view of the fleet), filtered by capability."""
-        body = schema.AgentsRequest(capability=capability)
-        nc = self.client.nc
+        """The whole fleet (``<prefix>.agents.<partition>`` paged, each partition from its
+        owner), filtered by capability."""
+        subjects = self.client.subjects
+        views: list[schema.AgentView] = []
+        pages = agent_pages(self.client.nc, subjects, capability=capability, limit=PAGE,
+                            timeout_s=self.request_timeout_s)  # fmt: skip
         try:
-            msg = await nc.request(self.client.subjects.agents, schema.encoder.encode(body),
-                                   timeout=self.request_timeout_s)  # fmt: skip
+            async for page in pages:
+                views += page.agents
+        except ReachError:
+            raise
         except Exception as exc:  # noqa: BLE001 - no responders, timeout: one tool error
-            raise NoReachableAgent(f"no broker answered {self.client.subjects.agents} "
+            raise NoReachableAgent(f"no broker answered {subjects.prefix}.agents.<partition> "
                                    f"({type(exc).__name__})") from None  # fmt: skip
-        err = from_reply(msg.headers, msg.data)
-        if err is not None:
-            raise err
-        views: list[schema.AgentView] = schema.agent_views_decoder.decode(msg.data)
+        views.sort(key=lambda v: v.agent_id)  # as the one-reply list was
         return views
 
     async def list_capabilities(self) -> dict[str, Any]:

@@ -9,7 +9,9 @@ agents' views are: the page ends early, its cursor goes on from there.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -58,7 +60,21 @@ class AgentPages:
         """Whether this broker owns a partition now (its lease)."""
         self.endpoint = Endpoint("agent_page", self.page, ctx, refused=None, failed=None,
                                  dropped=dropped)  # fmt: skip
-        """Subscribed by the broker on ``<p>.agents.*``."""
+        """What ``<p>.agents.*`` is answered by."""
+        self._sub: Any = None
+
+    async def start(self) -> None:
+        """Answer on ``<p>.agents.*`` (every broker subscribes; only owners answer)."""
+        if self._sub is None:
+            ctx = self.ctx
+            self._sub = await ctx.nc.subscribe(ctx.subjects.all_agent_pages,
+                                               cb=self.endpoint.on_message)  # fmt: skip
+
+    async def stop(self) -> None:
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            with contextlib.suppress(Exception):  # a closed connection has nothing to undo
+                await sub.unsubscribe()
 
     def page(self, subject: str, data: bytes) -> bytes | None:
         """One page of the partition the subject names; None (no answer) from a broker that
