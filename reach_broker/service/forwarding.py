@@ -232,7 +232,13 @@ class Forwarder:
         successor = self.successor(w.capability, gone)
         if successor == self.token:
             self.results["stand_in"].inc()
-            await self.route.on_request(w.req)
+            # As an owner's own request: the other owners' shares first (a stand-in has
+            # most often never followed the capability, whose requests it forwarded).
+            wait = self.follow(w.capability)
+            if wait is None:
+                await self.route.on_request(w.req)
+            else:
+                self.ctx.spawn(self._answer_after(wait, self.route.on_request(w.req)), "route")
             return
         await self._send(w._replace(owner=successor, gone=gone))
 
