@@ -349,12 +349,14 @@ async def test_killing_one_broker_leaves_every_route_answered(tmp_path: Path) ->
                 # the dead owner's agents would look full at the broker standing in until the
                 # takeover: a hand-out is undone only by the owner's next load report, and a
                 # dead owner sends none (an agent without a task time stays full until then).
-                body = schema.encoder.encode(schema.RouteRequest(limit=3, peek=True))
+                body = schema.encoder.encode(schema.RouteRequest(limit=3, peek=True, explain=True))
                 replies: list[tuple[float, frozenset[str]]] = []
                 retried = 0
                 unanswered = 0
                 refused: list[tuple[float, str]] = []
                 t_kill = 0.0
+                suspects: list[tuple[float, frozenset[str]]] = []
+                """Replies short of an agent: when, and the agents they left out as suspect."""
 
                 async def route_once() -> frozenset[str] | None:
                     try:
@@ -366,7 +368,12 @@ async def test_killing_one_broker_leaves_every_route_answered(tmp_path: Path) ->
                         refused.append((round(time.monotonic() - (t_kill or 1e18), 3), err.code))
                         return None
                     got = schema.route_reply_decoder.decode(msg.data)
-                    return frozenset(c.agent_id for c in got.candidates)
+                    ids = frozenset(c.agent_id for c in got.candidates)
+                    if got.explain is not None and ids != everyone:
+                        suspects.append((time.monotonic(), frozenset(
+                            e.agent_id for e in got.explain.excluded
+                            if e.reason == "state" and e.state == "suspect")))  # fmt: skip
+                    return ids
 
                 everyone = frozenset(f"agent-{i}" for i in range(3))
                 # The partitions split between the two (the first broker up took them all and
@@ -380,11 +387,24 @@ async def test_killing_one_broker_leaves_every_route_answered(tmp_path: Path) ->
 
                 await wait_for_async(steady, {everyone}, 10)
                 refused.clear()
-                t_end = time.monotonic() + 4.0
-                while time.monotonic() < t_end:
-                    if not t_kill and time.monotonic() > t_end - 3.0:
+                suspects.clear()
+                owned_all = 0.0  # when broker-2 holds every partition (broker-1's leases lapsed)
+
+                async def takeover() -> None:
+                    nonlocal owned_all
+                    while await lease_split(caller) != [32]:  # noqa: ASYNC110 - polled KV
+                        await asyncio.sleep(0.1)
+                    owned_all = time.monotonic()
+
+                # Routed 1 s before the kill, through the takeover and 2 s after it.
+                t_start = time.monotonic()
+                watching: asyncio.Task[None] | None = None
+                while not owned_all or time.monotonic() < owned_all + 2.0:
+                    if not t_kill and time.monotonic() > t_start + 1.0:
                         procs[0][0].kill()  # SIGKILL broker-1
                         t_kill = time.monotonic()
+                        watching = asyncio.create_task(takeover())
+                    assert not t_kill or time.monotonic() < t_kill + 30, "no takeover in 30 s"
                     ids = await route_once()
                     if ids is None:
                         retried += 1
@@ -394,15 +414,27 @@ async def test_killing_one_broker_leaves_every_route_answered(tmp_path: Path) ->
                     else:
                         replies.append((time.monotonic(), ids))
                     await asyncio.sleep(0.01)
-            # Both replicas derive the same states: every reply, whoever answered, is the fleet.
-            assert {ids for _, ids in replies} == {everyone}
+                assert watching is not None
+                await watching
+            # Every reply, whoever answered, is the fleet: the dead owner's agents from its
+            # route-table shares until the takeover; then, taken over, each is suspect until
+            # the survivor hears its next heartbeat (docs/protocol.md, agent states): left out
+            # as suspect, and only around the takeover, never for any other reason.
+            short = [(round(t - t_kill, 3), ids) for t, ids in replies if ids != everyone]
+            assert len(short) == len(suspects)
+            for (_, ids), (t, left) in zip(short, suspects, strict=True):
+                assert ids | left == everyone and not ids & left
+                assert t_kill < t < owned_all + 1.0, (round(owned_all - t_kill, 3), short)
+            assert {ids for t, ids in replies if t > owned_all + 1.0} == {everyone}
             assert unanswered == 0
             gaps = [b - a for (a, _), (b, _) in itertools.pairwise(replies) if b > t_kill]
             after = sum(1 for t, _ in replies if t > t_kill)
             assert after > 50
             print(f"ha.figure broker_kill route_requests={len(replies)} after_kill={after} "
                   f"first_try_failures={retried} unanswered={unanswered} refused={refused} "
-                  f"max_gap_s={max(gaps):.3f}")  # fmt: skip
+                  f"max_gap_s={max(gaps):.3f} owned_all_s={owned_all - t_kill:.2f} "
+                  f"suspect_replies={len(short)} suspect_span_s="
+                  f"{(short[-1][0] - short[0][0]) if short else 0:.3f}")  # fmt: skip
         finally:
             await caller.close()
             for proc, log in procs:
