@@ -345,10 +345,9 @@ async def test_killing_one_broker_leaves_every_route_answered(tmp_path: Path) ->
                 assert time.monotonic() < deadline, "two brokers never answered $SRV.PING"
                 await asyncio.sleep(0.2)
             async with fleet(cluster, 3, ran):
-                # A look (peek): this caller sends no task, so no hand-out is counted. Counted,
-                # the dead owner's agents would look full at the broker standing in until the
-                # takeover: a hand-out is undone only by the owner's next load report, and a
-                # dead owner sends none (an agent without a task time stays full until then).
+                # A look (peek: this caller sends no task, so no hand-out is counted; hand-out
+                # accounting across brokers is tests/test_fleet_routes.py's); explain: a reply
+                # short of an agent says why it left it out.
                 body = schema.encoder.encode(schema.RouteRequest(limit=3, peek=True, explain=True))
                 replies: list[tuple[float, frozenset[str]]] = []
                 retried = 0
@@ -356,7 +355,7 @@ async def test_killing_one_broker_leaves_every_route_answered(tmp_path: Path) ->
                 refused: list[tuple[float, str]] = []
                 t_kill = 0.0
                 suspects: list[tuple[float, frozenset[str]]] = []
-                """Replies short of an agent: when, and the agents they left out as suspect."""
+                """Replies short of an agent: when, and those left out as suspect or unranked."""
 
                 async def route_once() -> frozenset[str] | None:
                     try:
@@ -372,7 +371,8 @@ async def test_killing_one_broker_leaves_every_route_answered(tmp_path: Path) ->
                     if got.explain is not None and ids != everyone:
                         suspects.append((time.monotonic(), frozenset(
                             e.agent_id for e in got.explain.excluded
-                            if e.reason == "state" and e.state == "suspect")))  # fmt: skip
+                            if (e.reason == "state" and e.state == "suspect")
+                            or e.reason == "unranked")))  # fmt: skip
                     return ids
 
                 everyone = frozenset(f"agent-{i}" for i in range(3))
@@ -418,8 +418,9 @@ async def test_killing_one_broker_leaves_every_route_answered(tmp_path: Path) ->
                 await watching
             # Every reply, whoever answered, is the fleet: the dead owner's agents from its
             # route-table shares until the takeover; then, taken over, each is suspect until
-            # the survivor hears its next heartbeat (docs/protocol.md, agent states): left out
-            # as suspect, and only around the takeover, never for any other reason.
+            # the survivor hears its next heartbeat (docs/protocol.md, agent states), and once
+            # healthy again unranked until the capability is ranked again (rank_refresh_ms):
+            # left out for these two reasons only, and only around the takeover.
             short = [(round(t - t_kill, 3), ids) for t, ids in replies if ids != everyone]
             assert len(short) == len(suspects)
             for (_, ids), (t, left) in zip(short, suspects, strict=True):
