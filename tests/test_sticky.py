@@ -10,6 +10,7 @@ from collections import Counter
 from reach_agent.routing.choice import Chooser
 from reach_agent.routing.hashing import (
     M64,
+    NEVER,
     SLOT_HASHES,
     SLOTS,
     Lanes,
@@ -180,6 +181,18 @@ def test_lanes_weigh_every_agent_as_rendezvous_does() -> None:
         k = hash64(key)
         assert Lanes(hashes).weights(k) == [rendezvous(h, k) for h in hashes]
     assert Lanes([]).weights(5) == []
+
+
+def test_lanes_find_the_lanes_at_or_above_their_floor_as_a_loop_does() -> None:
+    hashes = [hash64(f"slot-{i}") for i in range(500)] + [0, M64]
+    for key in ("a", "b", "ключ"):
+        h = hash64(key)
+        weights = [rendezvous(x, h) for x in hashes]
+        floors = [(0, weights[i], weights[i] + 1, NEVER, M64)[i % 5] for i in range(len(hashes))]
+        packed = int.from_bytes(b"".join(f.to_bytes(16, "little") for f in floors), "little")
+        found = Lanes(hashes).at_least(h, packed)
+        assert found == [i for i, w in enumerate(weights) if w >= floors[i]]
+        assert len(found) == sum(1 for i in range(len(hashes)) if i % 5 in (0, 1))
 
 
 def test_members_of_equal_weight_are_told_apart_as_the_slow_way_does() -> None:

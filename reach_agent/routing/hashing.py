@@ -86,7 +86,33 @@ class Lanes:
             words.byteswap()
         return words[::2].tolist()  # each lane's low 64 bits: its weight
 
+    def at_least(self, key_hash: int, floors: int) -> list[int]:
+        """The lanes whose weight for ``key_hash`` is at least their floor, in order:
+        ``[i for i, h in enumerate(hashes) if rendezvous(h, key_hash) >= floor[i]]``,
+        ``floors`` packed as the hashes are (one per 128-bit lane, each at most
+        :data:`NEVER`, which no weight reaches). Computed by big-integer operations: the
+        Python loop runs only over the lanes found."""
+        lanes = ((self._packed ^ (key_hash * self._ones)) * FIBONACCI) & self._mask
+        # 2^66 + weight - floor per lane: positive (no borrow from the next lane), and its
+        # bit 66 is set exactly when weight >= floor.
+        bits = (((lanes + (self._ones << 66)) - floors) >> 66) & self._ones
+        data = bits.to_bytes(16 * self.n, "little")
+        found = []
+        i = data.find(1)
+        while i >= 0:
+            found.append(i >> 4)
+            i = data.find(1, i + 16)
+        return found
+
+
+NEVER = 1 << 65
+"""A floor of :meth:`Lanes.at_least` that no weight (< 2^64) reaches."""
 
 _ONE_LANE = (1).to_bytes(16, "little")
 _MASK_LANE = M64.to_bytes(16, "little")
 _BIG = sys.byteorder == "big"
+
+
+SLOT_LANES = Lanes(SLOT_HASHES)
+"""Every slot's hash packed: ``SLOT_LANES.weights(agent_hash)`` is the agent's weight for
+each slot, in slot order (rendezvous is symmetric in its two hashes)."""

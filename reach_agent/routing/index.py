@@ -15,7 +15,16 @@ from __future__ import annotations
 import heapq
 from typing import Any, Generic
 
-from .hashing import FIBONACCI, M64, SLOT_BITS, SLOT_HASHES, Lanes, hash64, rendezvous
+from .hashing import (
+    NEVER,
+    SLOT_BITS,
+    SLOT_HASHES,
+    SLOT_LANES,
+    SLOTS,
+    Lanes,
+    hash64,
+    rendezvous,
+)
 from .member import M, Member
 from .settings import Settings
 
@@ -28,9 +37,11 @@ STICKY_DEPTH = 4
 """An index remembers, for each sticky-key slot asked (:data:`SLOTS` at most, so O(SLOTS x
 STICKY_DEPTH) per capability whatever its size), its ``STICKY_DEPTH`` heaviest members: any
 key of a slot asked before costs a lookup, also when its heaviest member is full for the
-moment. A member joining is weighed against each slot remembered (one weight each); a member
-leaving is struck from the slots it was among the heaviest of, and such a slot is weighed
-again when next asked (every member once). A slot never asked is weighed when first asked."""
+moment. A member joining or leaving is weighed for every slot at once (4,096 weights by a few
+big-integer operations, :meth:`~reach_agent.routing.hashing.Lanes.at_least`, against each
+slot's floor) and only the slots it enters or was listed in are walked; a slot that lost a
+listed member is weighed again when next asked (every member once). A slot never asked is
+weighed when first asked."""
 
 RETRY_AFTER_MIN_MS = 10
 RETRY_AFTER_MAX_MS = 1000
@@ -55,6 +66,8 @@ class CapabilityIndex(Generic[M]):
     __slots__ = (
         "_built_at",
         "_dirty",
+        "_floors",
+        "_floors_packed",
         "_lanes",
         "_reorder",
         "ejected",
@@ -89,6 +102,11 @@ class CapabilityIndex(Generic[M]):
         their weights, heaviest first; :data:`STICKY_DEPTH` of them, or every member when
         there are fewer, or fewer when some left (the heaviest remaining, weighed again
         when next asked)."""
+        self._floors: bytearray | None = None
+        """Per slot (16 bytes, little-endian, as :class:`Lanes` packs), the least weight a
+        member listed in it can have: the lightest listed's, 0 when every member is listed,
+        :data:`NEVER` for a slot not remembered (None: no slot remembered yet)."""
+        self._floors_packed: int | None = None  # _floors as one integer (None: pack again)
         self.weighed = 0
         """Weights computed for sticky keys so far (what a lookup, a join, a refill cost)."""
         self.replies: dict[str, Any] = {}
@@ -104,35 +122,59 @@ class CapabilityIndex(Generic[M]):
         self._lanes = None
         if not self.slots:
             return
-        # The slots remembered stay right: the newcomer joins those it outweighs.
-        h, f, m, hashes = rec.hrw, FIBONACCI, M64, SLOT_HASHES
-        for slot, owners in self.slots.items():
-            w = ((h ^ hashes[slot]) * f) & m  # rendezvous(h, the slot's hash)
+        # The slots remembered stay right: the newcomer joins those it outweighs (found among
+        # every slot at once: only those are walked).
+        h = rec.hrw
+        for slot in SLOT_LANES.at_least(h, self._packed_floors()):
+            owners = self.slots[slot]
+            w = rendezvous(h, SLOT_HASHES[slot])
             if w > owners[-1][0] or len(owners) == listed_all:
                 i = len(owners)
                 while i and owners[i - 1][0] < w:  # after those weighing as much (by_weight)
                     i -= 1
                 owners.insert(i, (w, rec))
                 del owners[STICKY_DEPTH:]
-        self.weighed += len(self.slots)
+            self._floor(slot, owners)
+        self.weighed += SLOTS
 
     def remove(self, agent_id: str) -> None:
         rec = self.members.pop(agent_id, None)
         if rec is not None:
             self._dirty = True
             self._lanes = None
-            # Struck from the slots it was among the heaviest of: the others stay right.
-            emptied = []
-            for slot, owners in self.slots.items():
+            self.replies.pop(agent_id, None)
+            if not self.slots:
+                return
+            # Struck from the slots it was among the heaviest of (those it weighs at least
+            # their floor for: found at once); the others stay right.
+            for slot in SLOT_LANES.at_least(rec.hrw, self._packed_floors()):
+                owners = self.slots[slot]
                 for i, (_, r) in enumerate(owners):
                     if r is rec:
                         del owners[i]
-                        if not owners:
-                            emptied.append(slot)
                         break
-            for slot in emptied:
-                del self.slots[slot]
-            self.replies.pop(agent_id, None)
+                if owners:
+                    self._floor(slot, owners)
+                else:
+                    del self.slots[slot]
+                    self._floor(slot, None)
+
+    def _floor(self, slot: int, owners: list[tuple[int, M]] | None) -> None:
+        """Set ``slot``'s floor from its listing (None: not remembered)."""
+        if self._floors is None:
+            self._floors = bytearray(NEVER.to_bytes(16, "little") * SLOTS)
+        if owners is None:
+            floor = NEVER
+        else:
+            floor = 0 if len(owners) == len(self.members) else owners[-1][0]
+        self._floors[16 * slot : 16 * slot + 16] = floor.to_bytes(16, "little")
+        self._floors_packed = None
+
+    def _packed_floors(self) -> int:
+        packed = self._floors_packed
+        if packed is None:
+            packed = self._floors_packed = int.from_bytes(self._floors or b"", "little")
+        return packed
 
     def state_changed(self) -> None:
         """A member's state (or announce) changed: re-rank soon."""
@@ -162,6 +204,7 @@ class CapabilityIndex(Generic[M]):
             owners = [(weights[i], members[i]) for i in order[:STICKY_DEPTH]]
         if owners:
             self.slots[slot] = owners
+            self._floor(slot, owners)
         return owners
 
     def by_weight(self, key: str) -> list[M]:
