@@ -20,9 +20,11 @@ the newcomer takes them at its next round. A broker that left or died stops coun
 presence key is gone (at once, or within the time to live), and its partitions are taken by
 the others as they fall free.
 
-The owner is told, and each step awaited (``on_own(partition, epoch)``: the partition's
-agents restored, its subjects heard, its route-table shares published: :mod:`.takeover`;
-``on_lose(partition)``: dropped). A partition whose taking fails is released at once.
+The owner is told (``on_own(partition, epoch)``: the partition's agents restored, its
+subjects heard, its route-table shares published: :mod:`.takeover`; ``on_lose(partition)``:
+dropped). A takeover runs on a task of its own, so the rounds renew every lease on time while
+partitions are restored (a restore of thousands of agents takes longer than a short lease);
+the first round's takeovers are awaited at start. A partition whose taking fails is released.
 """
 
 from __future__ import annotations
@@ -103,6 +105,10 @@ class Partitions:
         """Each partition owned: (its epoch, the revision last written, when)."""
         self.live = 1
         """Brokers present at the last round (this one among them)."""
+        self._pending: set[asyncio.Task[None]] = set()
+        """Takeovers under way."""
+        self._counted_at = -math.inf
+        """When :attr:`live` was last counted."""
         self._kv: Any = None
         self._task: asyncio.Task[None] | None = None
 
@@ -118,12 +124,15 @@ class Partitions:
             return
         if not self.jetstream():
             epoch = secrets.randbits(31)
-            await asyncio.gather(*(self._own(p, epoch, 0) for p in range(self.cfg.partitions)))
+            for p in range(self.cfg.partitions):
+                self._own(p, epoch, 0)
+            await self.settled()
             return
         self._kv = await self.ctx.nc.jetstream(timeout=self.store.timeout_s).key_value(
             PARTITIONS_BUCKET
         )
         await self.round()
+        await self.settled()
         log.info("partitions.owned count=%d of %d brokers=%d", len(self.held),
                  self.cfg.partitions, self.live)  # fmt: skip
         self._task = asyncio.create_task(self._loop(), name="reach-partitions")
@@ -135,6 +144,7 @@ class Partitions:
         if self._task is not None:
             await stop_loops(self._task)
             self._task = None
+            await self.settled()
             free = _encode(Lease(at_ms=self.ctx.wall_ms()))
             backs = [self.store.swap(str(p), free, rev) for p, (_, rev, _at) in self.held.items()]
             if self.ctx.link.connected:
@@ -174,6 +184,11 @@ class Partitions:
             batch, candidates = candidates[:need], candidates[need:]
             await asyncio.gather(*(self._take(p, mine) for p in batch))
 
+    def _alone(self, now: float) -> bool:
+        """Whether this broker counted itself alone within the lease's time to live (a count
+        that failed, or none yet, says nothing)."""
+        return self.live == 1 and now - self._counted_at < self.cfg.lease_ttl_s
+
     async def _count(self) -> None:
         """Write this broker's presence key, and count the keys present."""
         try:
@@ -187,6 +202,7 @@ class Partitions:
                 with contextlib.suppress(Exception):
                     await watcher.stop()
             self.live = max(live, 1)
+            self._counted_at = self.ctx.clock()
         except Exception as exc:  # noqa: BLE001 - the last count stands
             log.debug("partitions.count_failed error=%r", exc)
 
@@ -198,7 +214,7 @@ class Partitions:
             revision = await self.store.swap(str(p), mine, held[1])
         except ClaimsUnavailable as exc:
             log.debug("partitions.renew_failed partition=%d error=%s", p, exc)
-            if p in self.held and now - held[2] >= self.cfg.lease_ttl_s and self.live > 1:
+            if p in self.held and now - held[2] >= self.cfg.lease_ttl_s and not self._alone(now):
                 # Not renewed within its time: it may be another broker's by now. (A broker
                 # alone keeps hearing it: nobody else would; its next renewal that gets
                 # through tells whether someone took it meanwhile.)
@@ -219,11 +235,11 @@ class Partitions:
         try:
             ours, stored = await self.store.create(key, mine)
             if ours:
-                await self._own(p, stored.revision, stored.revision)
+                self._own(p, stored.revision, stored.revision)
             elif _lease.decode(stored.data).broker_id is None:  # handed back: take it
                 revision = await self.store.swap(key, mine, stored.revision)
                 if revision is not None:
-                    await self._own(p, revision, revision)
+                    self._own(p, revision, revision)
         except (ClaimsUnavailable, msgspec.MsgspecError) as exc:
             log.debug("partitions.take_failed partition=%d error=%s", p, exc)
 
@@ -238,15 +254,26 @@ class Partitions:
         except ClaimsUnavailable as exc:  # it lapses by itself
             log.debug("partitions.hand_back_failed partition=%d error=%s", p, exc)
 
-    async def _own(self, p: int, epoch: int, revision: int) -> None:
+    def _own(self, p: int, epoch: int, revision: int) -> None:
+        """Partition ``p`` is held: its takeover starts on a task of its own."""
         self.held[p] = (epoch, revision, self.ctx.clock())
         self.owned.set(len(self.held))
+        task = asyncio.create_task(self._take_over(p, epoch), name=f"reach-takeover-{p}")
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _take_over(self, p: int, epoch: int) -> None:
         try:
             await self.on_own(p, epoch)
         except Exception:  # noqa: BLE001 - not heard: not kept (its lease lapses)
             log.exception("partitions.own_failed partition=%d: released", p)
             if p in self.held:
                 await self._lose(p)
+
+    async def settled(self) -> None:
+        """Wait for the takeovers under way."""
+        while self._pending:
+            await asyncio.gather(*list(self._pending), return_exceptions=True)
 
     async def _lose(self, p: int) -> None:
         if self.held.pop(p, None) is None:
