@@ -35,7 +35,7 @@ import traceback
 from collections.abc import Awaitable
 from datetime import UTC, datetime
 
-from . import phases
+from . import brokers, phases
 from . import report as rpt
 from .children import Children
 from .infra import Infra
@@ -212,7 +212,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget", type=float, default=0.0,
                    help="hard limit on the whole run (s; default from the phases)")  # fmt: skip
     p.add_argument("--verbose", action="store_true", help="show the broker's log")
+    brokers.add_options(p)
     args = p.parse_args(argv)
+    if args.brokers:  # the partitioned run (loadtest/brokers.py): no victims, its own phases
+        args.kill_share = 0.0
+        if args.budget <= 0:
+            args.budget = 300 + 4 * args.measure + 20 * args.interval + args.agents / 50
     if args.budget <= 0:
         args.budget = (
             120
@@ -226,6 +231,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.brokers:
+        return brokers.main(args)
     # Progress on stderr, as "[loadtest 12:00:00] message"; the summary goes to stdout.
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("[loadtest %(asctime)s] %(message)s", "%H:%M:%S"))

@@ -313,7 +313,6 @@ class Monitor:
         self.beats: dict[str, list[float]] = collections.defaultdict(list)
         self.events: dict[tuple[Any, ...], history.Event] = {}
         self.conns: list[NATS] = []
-        self._hb = len(subjects.heartbeat(""))
 
     async def start(self, urls: list[str]) -> None:
         for i, url in enumerate(urls):
@@ -321,12 +320,15 @@ class Monitor:
                                     max_reconnect_attempts=-1, reconnect_time_wait=0.5,
                                     ping_interval=2, max_outstanding_pings=2,
                                     error_cb=_quiet)  # fmt: skip
+            # Plain (a server that does not map) and mapped (docs/protocol.md, "Partitioned
+            # ingest"): a heartbeat arrives on exactly one of them.
             await nc.subscribe(self.subjects.all_heartbeats, cb=self._on_beat)
+            await nc.subscribe(self.subjects.partition_heartbeats("*"), cb=self._on_beat)
             await nc.subscribe(self.subjects.all_events, cb=self._on_event)
             self.conns.append(nc)
 
     async def _on_beat(self, msg: Msg) -> None:
-        self.beats[msg.subject[self._hb :]].append(time.time())
+        self.beats[self.subjects.agent_of_heartbeat(msg.subject)].append(time.time())
 
     async def _on_event(self, msg: Msg) -> None:
         if audit.is_copy(msg, live=True):

@@ -117,7 +117,7 @@ def python_calls(tree: Path, small: int, large: int) -> float:
                                   capture_output=True, text=True, timeout=3600)  # fmt: skip
             if done.returncode != 0:
                 raise SystemExit(f"slice in {tree} failed:\n{done.stderr}")
-            counts.append(pstats.Stats(str(out)).total_calls)
+            counts.append(pstats.Stats(str(out)).total_calls)  # type: ignore[attr-defined]
     return (counts[1] - counts[0]) / (large - small)
 
 

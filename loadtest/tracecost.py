@@ -82,8 +82,7 @@ def build_ns(n: int, nested: bool) -> float:
         t0 = time.process_time()
         for i in range(n):
             c = calls.Call(str(i), CAP, b"{}", None, request_id=None, traceparent=None,
-                           ack_mode="completed", deadline=1e9, region=None, tags=None,
-                           sticky_key=None)  # fmt: skip
+                           ack_mode="completed", deadline=1e9)  # fmt: skip
             c.attempt_headers(0.0)
         return (time.process_time() - t0) / n * 1e9
     finally:

@@ -10,11 +10,12 @@ nothing is patched onto a built part: who is told of the registry's transitions,
 order, is the one list given to the :class:`~reach_broker.service.fanout.Fanout` below, and
 the order parts start in (and stop in, reversed) is the one list after it.
 
-Announce, heartbeat and leave are plain subscriptions on every replica (each derives the same
-state); route and ``agents`` are NATS Services API endpoints in queue group ``reach-broker``,
-so replicas share that load and ``nats micro ls`` lists the broker. What the messages do is
-:mod:`reach_broker.service.handlers`. Building does no I/O; :meth:`Broker.start` adds the
-connection, the JetStream assets and the token secret, then starts the parts.
+Announce, heartbeat and leave are heard by the owner of the agent's partition alone (the
+server maps them into partitions: :mod:`reach_broker.service.ingest`, ``.takeover``,
+``.partitions``); route and ``agents`` are NATS Services API endpoints in queue group
+``reach-broker``, so replicas share that load and ``nats micro ls`` lists the broker. What the
+messages do is :mod:`reach_broker.service.handlers`. Building does no I/O; :meth:`Broker.start`
+adds the connection, the JetStream assets and the token secret, then starts the parts.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ from reach_broker.service.fanout import Consumer, Fanout
 from reach_broker.service.forwarding import Forwarder
 from reach_broker.service.handlers import Handlers
 from reach_broker.service.identity import Identity, Reannouncer
+from reach_broker.service.ingest import Ingest
 from reach_broker.service.listing import AgentPages
 from reach_broker.service.metrics import HandlerMetrics, Metrics, ReplayMetrics
 from reach_broker.service.observer import Observer
@@ -85,16 +87,13 @@ from reach_broker.service.rulebook import Rulebook, from_config
 from reach_broker.service.shares import Shares
 from reach_broker.service.snapshot import Snapshot
 from reach_broker.service.tables import Tables
+from reach_broker.service.takeover import Takeover
 
 log = logging.getLogger(__name__)
 
 QUEUE_GROUP = "reach-broker"
 SERVICE_NAME = "reach-broker"
 SERVICE_DESCRIPTION = "reach: routes tasks to reachable AI agents by capability"
-
-HEARTBEAT_PENDING = 1_000_000, 512 * 1024 * 1024
-"""Pending limits (messages, bytes) of the announce and heartbeat subscriptions: a storm of
-heartbeats must queue, not drop."""
 
 
 class Component(Protocol):
@@ -185,8 +184,11 @@ class Broker:
             announced=self.snapshot.on_announce,  # an accepted announce, moved or not
             spans=self.spans,
         )  # fmt: skip
-        self.identity = Identity(ctx, registry, self.handlers,
-                                 conflict=m.announce_result["conflict"])  # fmt: skip
+        self.identity = Identity(
+            ctx, registry, self.handlers, conflict=m.announce_result["conflict"],
+            # a restarted agent's old instance is gone: its claims released (built below)
+            replaced=lambda agent_id, instance: self.releaser.replaced(agent_id, instance),
+        )  # fmt: skip
         self.probes = Prober(ctx, registry, cfg.detection, results=m.probes, rtt=m.probe_rtt,
                              probe_via=StatusProbes(self.nc, clock))  # fmt: skip
         self.account = Account()
@@ -228,18 +230,30 @@ class Broker:
             jetstream=lambda: self.jetstream_ok, counts=m.tables, dropped=m.dropped,
         )  # fmt: skip
         """The route tables of the partitions this broker owns (callers route from them)."""
+        ep = self.handlers.endpoints
+        self.ingest = Ingest(
+            ctx, cfg.fleet.partitions, heartbeat=ep["heartbeat"].on_message,
+            announce=self.identity.on_message, leave=ep["leave"].on_message,
+            mapping=m.partition_mapping,
+        )  # fmt: skip
+        """The announces, heartbeats and leaves of the partitions this broker owns."""
+        tables = cfg.fleet.tables
+        self.takeover = Takeover(
+            ctx, registry, self.snapshot, self.ingest,
+            shares_own=self.tables.own if tables else lambda p, epoch: None,
+            shares_lose=self.tables.lose if tables else lambda p: None, took=m.takeovers,
+        )  # fmt: skip
+        """What the broker holds per partition: restored, heard, published; or dropped."""
         self.partitions = Partitions(
-            ctx, cfg.fleet, self.tables.own, self.tables.lose,
+            ctx, cfg.fleet, self.takeover.own, self.takeover.lose,
             jetstream=lambda: self.jetstream_ok, owned=m.partitions_owned,
         )  # fmt: skip
-        """The leases of the partitions this broker owns, told to the tables."""
-        held = self.partitions.held
+        """The leases of the partitions this broker owns, each taken over and handed over."""
         self.pages = AgentPages(
-            ctx, registry, lambda p: p in held or (not held and not cfg.fleet.tables),
+            ctx, registry, lambda p: p in self.partitions.held,
             dropped=lambda reason: m.refused.labels("agents", reason),
         )  # fmt: skip
-        """``<p>.agents.<partition>``: pages of the partitions this broker owns (every one
-        when it leases none because the leases are off: ``[fleet] tables`` false)."""
+        """``<p>.agents.<partition>``: pages of the partitions this broker owns."""
         epochs = self.tables.book.epochs
         self.shares = Shares(ctx, cfg.fleet, epochs)
         """The other owners' shares of the route tables, followed (routes merge them)."""
@@ -285,16 +299,10 @@ class Broker:
         self.parts: tuple[tuple[Component, bool], ...] = (
             (self.snapshot, True),
             (self.rulebook, True),
-            *(
-                (
-                    (self.tables, False),
-                    (self.partitions, False),
-                    (self.forwarder, True),
-                    (self.shares, False),
-                )
-                if cfg.fleet.tables
-                else ()
-            ),
+            *(((self.tables, False),) if cfg.fleet.tables else ()),
+            (self.ingest, False),
+            (self.partitions, False),
+            *(((self.forwarder, True), (self.shares, False)) if cfg.fleet.tables else ()),
             (self.probes, False),
             (self.pages, False),  # answers <p>.agents.<partition> for the partitions it owns
             (self.advisories, False),
@@ -307,7 +315,6 @@ class Broker:
         """(part, needs JetStream), in start order, before the handlers subscribe."""
         self._running: list[Component] = []
         self._service: Service | None = None
-        self._subs: list[Any] = []
         self._loop_task: asyncio.Task[None] | None = None
         self._started = False
         self._connected = False
@@ -344,6 +351,7 @@ class Broker:
         if not self._watching:
             self._watching = True
             self.metrics.watch_states(lambda: self.registry.counts)
+            self.metrics.watch_partition_beats(self.ingest.beats)
         await self._start_components(stop)
         await self._serve()
         if self.feed is not None:
@@ -398,16 +406,8 @@ class Broker:
                 await component.start()
 
     async def _serve(self) -> None:
-        """Subscribe the handlers: plain subscriptions, then the Services endpoints."""
+        """Serve the Services endpoints (the agent subjects are the ingest's, per partition)."""
         nc, s, ep = self.nc, self.subjects, self.handlers.endpoints
-        msgs, size = HEARTBEAT_PENDING
-        self._subs = [
-            await nc.subscribe(s.all_heartbeats, cb=ep["heartbeat"].on_message,
-                               pending_msgs_limit=msgs, pending_bytes_limit=size),
-            await nc.subscribe(s.all_announces, cb=self.identity.on_message,
-                               pending_msgs_limit=msgs, pending_bytes_limit=size),
-            await nc.subscribe(s.all_leaves, cb=ep["leave"].on_message),
-        ]  # fmt: skip
         self._service = await add_service(
             nc,
             ServiceConfig(
@@ -439,12 +439,6 @@ class Broker:
                 await self._service.stop()
             except Exception:  # noqa: BLE001 - a closed connection must not block shutdown
                 log.debug("broker.stop service already closed", exc_info=True)
-        for sub in self._subs:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # noqa: BLE001
-                log.debug("broker.stop unsubscribe failed", exc_info=True)
-        self._subs = []
         if self._loop_task is not None:
             await stop_loops(self._loop_task)
         await self._tasks.settle(self.cfg.broker.shutdown_grace_s)
@@ -471,6 +465,9 @@ class Broker:
             return f"not connected to NATS yet (connecting to {servers})"
         if not self.serving:
             return "starting: provisioning the JetStream assets and loading the route rules"
+        mismatch = self.ingest.not_ready()
+        if mismatch is not None:
+            return mismatch
         if not self.jetstream_ok:
             return ("the NATS server has no JetStream: no claims, durable acks or compensation "
                     "replay (start nats-server with -js)")  # fmt: skip

@@ -16,6 +16,7 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 
+from reach_agent.routing.table import partition
 from reach_broker.auth import AuthDir
 from reach_broker.cluster.natsserver import find_binary
 
@@ -110,7 +111,10 @@ class Errors:
 
 def violation(action: str, subject: str) -> str:
     """The error nats-py reports for a refused publish or subscription (it lowercases the
-    server's ``Permissions Violation for Publish to "<subject>"``, subject included)."""
+    server's ``Permissions Violation for Publish to "<subject>"``, subject included). An
+    agent subject published is checked, and named, as the server maps it (:func:`mapped`)."""
+    if action == "publish":
+        subject = mapped(subject)
     return f'nats: permissions violation for {action} to "{subject.lower()}"'
 
 
@@ -154,8 +158,33 @@ async def connect(
         await nc.close()
 
 
+HEARD = "reach.part.>"
+"""Where the server delivers the agent subjects (mapped into partitions: `reach auth init`'s
+account JWT): what a broker subscribes to."""
+
+
+def unmapped(subject: str) -> str:
+    """``reach.part.<n>.<kind>.<agent_id>`` as the agent published it (``reach.<kind>.<id>``),
+    if ``n`` is the agent id's partition of 32; any other subject as it is."""
+    parts = subject.split(".")
+    if len(parts) == 5 and parts[:2] == ["reach", "part"]:
+        if parts[2] == str(partition(parts[4], 32)):
+            return f"reach.{parts[3]}.{parts[4]}"
+    return subject
+
+
+def mapped(subject: str) -> str:
+    """``reach.<kind>.<agent_id>`` (announce, hb, leave) as the server maps it, and checks
+    the publisher's rights on: ``reach.part.<n>.<kind>.<agent_id>``; any other as it is."""
+    parts = subject.split(".")
+    if len(parts) == 3 and parts[0] == "reach" and parts[1] in ("announce", "hb", "leave"):
+        return f"reach.part.{partition(parts[2], 32)}.{parts[1]}.{parts[2]}"
+    return subject
+
+
 class Inbox:
-    """Subjects (and messages) a subscription received, in order."""
+    """Subjects (and messages) a subscription received, in order (mapped agent subjects as
+    the agent published them: :func:`unmapped`)."""
 
     def __init__(self) -> None:
         self.msgs: list[Any] = []
@@ -165,7 +194,7 @@ class Inbox:
 
     @property
     def subjects(self) -> list[str]:
-        return [m.subject for m in self.msgs]
+        return [unmapped(m.subject) for m in self.msgs]
 
     async def wait(self, subject: str, timeout: float = 5.0) -> None:  # noqa: ASYNC109
         await wait_for(

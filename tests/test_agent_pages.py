@@ -77,24 +77,26 @@ async def test_reach_agents_pages_through_50000_agents(
 
 
 async def test_pages_filter_and_only_owners_answer(nc: NATS, broker_factory: BrokerFactory) -> None:
-    first = await broker_factory(**QUIET)
-    second = await broker_factory(**QUIET)  # the first holds every lease: this one owns none
-    assert len(first.partitions.held) == first.cfg.fleet.partitions
-    assert second.partitions.held == {}
-    await simulate(nc, first, 300, lambda i: ["odd" if i % 2 else "even"])
-    await wait_for(lambda: len(second.registry.agents) == 300)
+    brokers = [await broker_factory(**QUIET), await broker_factory(**QUIET)]
+    ids = await settled(nc, brokers, 300, lambda i: ["odd" if i % 2 else "even"])
 
     pages = [pg async for pg in agent_pages(nc, S, capability="odd", limit=7)]
     odd = sorted(a.agent_id for pg in pages for a in pg.agents)
-    assert odd == [f"sim-{i:05d}" for i in range(1, 300, 2)]
-    assert {pg.broker_id for pg in pages} == {first.broker_id}
+    assert odd == ids[1::2]
+    for pg in pages:
+        owner = owner_of(brokers, pg.partition)
+        assert owner is not None and pg.broker_id == owner.broker_id
     assert [pg.partition for pg in pages] == sorted(pg.partition for pg in pages)
-    assert {pg.partition for pg in pages} == set(range(first.cfg.fleet.partitions))
-    assert sum(first.registry.listing.counts()) == 300
+    assert {pg.partition for pg in pages} == set(range(brokers[0].cfg.fleet.partitions))
 
     # A broker that does not own a partition stays silent on its subject.
-    assert second.pages.page(S.agent_page(0), b"{}") is None
-    assert first.pages.page(S.agent_page(0), b"{}") is not None
+    silent = [(b, p) for b in brokers for p in range(b.cfg.fleet.partitions)
+              if p not in b.partitions.held]  # fmt: skip
+    assert silent
+    for b, p in silent:
+        assert b.pages.page(S.agent_page(p), b"{}") is None
+        owner = owner_of(brokers, p)
+        assert owner is not None and owner.pages.page(S.agent_page(p), b"{}") is not None
 
     async def refusal(subject: str, body: bytes) -> str:
         msg = await nc.request(subject, body, timeout=2)
@@ -113,14 +115,67 @@ async def test_pages_filter_and_only_owners_answer(nc: NATS, broker_factory: Bro
     )
 
 
-async def test_without_leases_a_broker_answers_every_partition(
+async def test_with_the_route_tables_off_a_lone_broker_answers_every_partition(
     nc: NATS, broker_factory: BrokerFactory
 ) -> None:
-    broker = await broker_factory(**QUIET, fleet__tables=False)  # no leases taken
-    assert broker.partitions.held == {}
+    """(Without the tables' leases it owns nothing by lease, and answers for every one.)"""
+    broker = await broker_factory(**QUIET, fleet__tables=False)
     await simulate(nc, broker, 40)
     pages = [pg async for pg in agent_pages(nc, S, limit=100)]
     assert len(pages) == broker.cfg.fleet.partitions
     assert sorted(a.agent_id for pg in pages for a in pg.agents) == [
         f"sim-{i:05d}" for i in range(40)
     ]
+
+
+async def test_two_brokers_each_page_comes_from_its_partitions_owner(
+    nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    """Whichever broker owns which partitions (one all of them, or each a share when ingest
+    is partitioned), each page comes from its partition's owner and the walk lists the whole
+    fleet once, through the real CLI too."""
+    brokers = [await broker_factory(**QUIET), await broker_factory(**QUIET)]
+    ids = await settled(nc, brokers, 300, lambda i: ["sim"])
+    pages = [pg async for pg in agent_pages(nc, S, limit=50)]
+    for pg in pages:
+        owner = owner_of(brokers, pg.partition)
+        assert owner is not None and pg.broker_id == owner.broker_id
+    assert sorted(a.agent_id for pg in pages for a in pg.agents) == ids
+    code, out, err = await reach("agents", "--json", "-s", brokers[0].cfg.nats.url)
+    assert (code, err) == (0, "")
+    assert [v["agent_id"] for v in json.loads(out)] == ids
+
+
+def owner_of(brokers: list[Broker], p: int) -> Broker | None:
+    """The one broker leasing partition ``p`` (None: none, or more than one)."""
+    owners = [b for b in brokers if p in b.partitions.held]
+    return owners[0] if len(owners) == 1 else None
+
+
+async def settled(
+    nc: NATS, brokers: list[Broker], n: int, caps: Callable[[int], list[str]]
+) -> list[str]:
+    """``n`` agents announced straight on NATS once every partition has one owner, and held
+    by the owner of their partition (every broker holds them all unless ingest is
+    partitioned); their ids."""
+    partitions = brokers[0].cfg.fleet.partitions
+    await wait_for(lambda: all(owner_of(brokers, p) is not None for p in range(partitions)),
+                   what="one owner for every partition")  # fmt: skip
+    ids = [f"sim-{i:05d}" for i in range(n)]
+    replies = await asyncio.gather(*(
+        nc.request(S.announce(a), schema.encoder.encode(schema.Announce(
+            agent_id=a, capabilities=caps(i), max_concurrency=4,
+            heartbeat_interval_ms=600_000)), timeout=10)
+        for i, a in enumerate(ids)
+    ))  # fmt: skip
+    assert all(r.headers is None for r in replies)
+    listing = brokers[0].registry.listing
+
+    def held_by_owners() -> bool:
+        owners = [owner_of(brokers, listing.partition_of(a)) for a in ids]
+        return all(
+            o is not None and a in o.registry.agents for a, o in zip(ids, owners, strict=True)
+        )
+
+    await wait_for(held_by_owners, what="every agent at its partition's owner")
+    return ids

@@ -171,12 +171,26 @@ async def test_replies_the_server_lets_through_are_refused_by_reach(
             acks_before = (await js.stream_info(ACK_STREAM)).state.messages
             assert acks_before == 1  # beta's completed (its received folded into it: one write)
             # JetStream's answers (a PubAck, a message get) land on reach.leave.beta; every
-            # field of a leave is optional, so both decode as one, without a token.
-            await ops.publish("reach.comp.nobody", b"{}", reply="reach.leave.beta")
-            await ops.publish(f"$JS.API.STREAM.MSG.GET.{ACK_STREAM}", b'{"seq":1}',
-                              reply="reach.leave.beta")  # fmt: skip
-            await wait_for(lambda: dropped(broker, "leave", "no_token") == 2, 5,
-                           what="two tokenless leaves refused")  # fmt: skip
+            # field of a leave is optional, so both decode as one, without a token. The server
+            # maps some answers into beta's partition (the broker hears those) and delivers
+            # others on the plain subject (no broker subscribes there while the server maps):
+            # every one the broker hears is refused.
+            async with connect(server.url, auth.broker_creds, "watch", "_INBOX.broker.broker") as (
+                watch,
+                _,
+            ):
+                seen = Inbox()
+                await watch.subscribe("reach.leave.*", cb=seen.record)
+                await watch.subscribe("reach.part.*.leave.*", cb=seen.record)
+                await watch.flush()
+                await ops.publish("reach.comp.nobody", b"{}", reply="reach.leave.beta")
+                await ops.publish(f"$JS.API.STREAM.MSG.GET.{ACK_STREAM}", b'{"seq":1}',
+                                  reply="reach.leave.beta")  # fmt: skip
+                await wait_for(lambda: seen.subjects == ["reach.leave.beta"] * 2, 5,
+                               what="both answers")  # fmt: skip
+            heard = sum(m.subject.startswith("reach.part.") for m in seen.msgs)
+            await wait_for(lambda: dropped(broker, "leave", "no_token") == heard, 5,
+                           what=f"the {heard} tokenless leaves it heard refused")  # fmt: skip
             # beta is asked to answer onto the JetStream API (a purge of the ack records).
             await ops.publish(f"reach.task.beta.{CAP}", b"{}",
                               reply=f"$JS.API.STREAM.PURGE.{ACK_STREAM}")  # fmt: skip
@@ -211,11 +225,19 @@ async def test_a_stored_copy_is_not_a_control_message(
             nc,
             _,
         ):
+            seen = Inbox()
+            await nc.subscribe("reach.leave.*", cb=seen.record)
+            await nc.subscribe("reach.part.*.leave.*", cb=seen.record)
+            await nc.flush()
             await nc.publish(f"$JS.API.DIRECT.GET.{AUDIT_STREAM}", b'{"seq":1}',
                              reply="reach.leave.beta")  # fmt: skip
             await nc.flush()
-        await wait_for(lambda: dropped(broker, "leave", "stored_copy") == 1, 5,
-                       what="the copy dropped")  # fmt: skip
+            # Delivered mapped into beta's partition (the broker hears it: dropped) or on the
+            # plain subject (no broker subscribes there while the server maps).
+            await wait_for(lambda: seen.subjects == ["reach.leave.beta"], 5, what="the copy")
+        heard = sum(m.subject.startswith("reach.part.") for m in seen.msgs)
+        await wait_for(lambda: dropped(broker, "leave", "stored_copy") == heard, 5,
+                       what="the copy dropped if heard")  # fmt: skip
         assert healthy(broker, "beta")
     finally:
         await asyncio.wait_for(beta.stop(grace=2), 20)

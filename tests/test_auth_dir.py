@@ -25,6 +25,7 @@ from reach_broker.auth import (
     revoke,
 )
 from reach_broker.auth.claims import AccountClaims, OperatorClaims, UserClaims
+from reach_broker.auth.layout import APP_ACCOUNT_NAME
 from reach_broker.auth.roles import permissions
 
 ACC = "ACCOUNTKEY"
@@ -88,6 +89,9 @@ def test_agent_permissions() -> None:
         "$JS.API.STREAM.MSG.GET.KV_reach_claims",
         "$JS.API.STREAM.MSG.GET.REACH_ACKS",
         "$JS.API.STREAM.INFO.REACH_ACKS",
+        "reach.part.*.announce.alpha",
+        "reach.part.*.hb.alpha",
+        "reach.part.*.leave.alpha",
     ]
     assert user.sub.allow == [
         "reach.task.alpha.>",
@@ -139,6 +143,8 @@ def test_broker_permissions() -> None:
         "reach.reannounce.*",
         "reach.task.>",
         "reach.table.>",
+        "reach.partcheck.*",
+        "reach.part.*.check.*",
         "reach.cancel.*",
         "reach.ack._broker.>",
         "_INBOX.>",
@@ -157,6 +163,8 @@ def test_broker_permissions() -> None:
         "reach.forward.>",
     ]
     assert user.sub.allow == [
+        "reach.part.>",
+        "reach.partcheck.*",
         "reach.announce.*",
         "reach.hb.*",
         "reach.leave.*",
@@ -326,3 +334,17 @@ def test_tls_init_makes_certificates(tmp_path: Path) -> None:
     assert stat.S_IMODE((d.tls_dir / "server-key.pem").stat().st_mode) == 0o600
     conf = d.server_conf.read_text()
     assert f'cert_file: "{d.tls_dir / "server.pem"}"' in conf
+
+
+def test_init_maps_the_agent_subjects_into_partitions(tmp_path: Path) -> None:
+    d = init(tmp_path / "auth", prefix="acme", partitions=8)
+    app = claims.decode(d.account_path(APP_ACCOUNT_NAME).read_text().strip(), AccountClaims)
+    mappings = app.nats.mappings
+    assert {src: [(m.subject, m.weight) for m in dst] for src, dst in mappings.items()} == {
+        "acme.announce.*": [("acme.part.{{partition(8,1)}}.announce.{{wildcard(1)}}", 100)],
+        "acme.hb.*": [("acme.part.{{partition(8,1)}}.hb.{{wildcard(1)}}", 100)],
+        "acme.leave.*": [("acme.part.{{partition(8,1)}}.leave.{{wildcard(1)}}", 100)],
+        "acme.partcheck.*": [("acme.part.{{partition(8,1)}}.check.{{wildcard(1)}}", 100)],
+    }
+    with pytest.raises(ValueError, match="partitions 0"):
+        init(tmp_path / "auth2", partitions=0)

@@ -21,7 +21,7 @@ from reach_agent.connection import flush_subscriptions
 from reach_broker.auth import AuthDir, claims, init, issue_agent, issue_caller, push_account, revoke
 from reach_broker.auth.claims import UserClaims
 
-from .auth_helpers import AuthServer, Inbox, auth_server, connect, violation
+from .auth_helpers import HEARD, AuthServer, Inbox, auth_server, connect, mapped, violation
 from .conftest import wait_for
 
 
@@ -62,7 +62,7 @@ async def test_agent_cannot_act_for_another_agent(auth: AuthDir, server: AuthSer
         ),
     ):
         seen = Inbox()
-        for subject in ("reach.announce.*", "reach.hb.*", "reach.leave.*", "reach.event.>"):
+        for subject in (HEARD, "reach.event.>"):
             await broker.subscribe(subject, cb=seen.record)
         await flush_subscriptions(broker)  # one flush() may overtake the SUBs (nats-py)
         beta_tasks = Inbox()
@@ -81,7 +81,7 @@ async def test_agent_cannot_act_for_another_agent(auth: AuthDir, server: AuthSer
         await seen.wait("reach.hb.alpha")
         assert seen.subjects == ["reach.hb.alpha"]
         for subject in forged:
-            await errors.wait(violation("publish", subject))
+            await errors.wait(violation("publish", mapped(subject)))
         await errors.wait(violation("subscription", "reach.task.beta.>"))
         # A task for beta does not reach alpha's refused subscription.
         async with connect(server.url, auth.creds("caller", "ops"), "ops", "_INBOX.caller.ops") as (
@@ -109,7 +109,7 @@ async def test_agent_uses_its_own_subjects(auth: AuthDir, server: AuthServer) ->
             StreamConfig(name="REACH_ACKS", subjects=["reach.ack.>"], allow_direct=True)
         )
         seen = Inbox()
-        for subject in ("reach.announce.*", "reach.hb.*", "reach.leave.*"):
+        for subject in (HEARD,):
             await broker.subscribe(subject, cb=seen.record)
         await flush_subscriptions(broker)  # one flush() may overtake the SUBs (nats-py)
 
@@ -184,7 +184,7 @@ async def test_caller_permissions(auth: AuthDir, server: AuthServer) -> None:
             await bjs.add_stream(StreamConfig(name=name, subjects=[subject], allow_direct=True))
         assert await store_ack(auth, server.url, "beta", "r1") == 1
         seen = Inbox()
-        for subject in ("reach.hb.*", "reach.announce.*", "reach.leave.*", "reach.event.>"):
+        for subject in (HEARD, "reach.event.>"):
             await broker.subscribe(subject, cb=seen.record)
         await flush_subscriptions(broker)  # one flush() may overtake the SUBs (nats-py)
 
@@ -200,7 +200,7 @@ async def test_caller_permissions(auth: AuthDir, server: AuthServer) -> None:
         tasks = Inbox()
         await ops.subscribe("reach.task.>", cb=tasks.record)
         for subject in refused:
-            await errors.wait(violation("publish", subject))
+            await errors.wait(violation("publish", mapped(subject)))
         await errors.wait(violation("subscription", "reach.task.>"))
         # Route (nobody answers here: the broker is not running), call, submit, wait.
         with pytest.raises(NoRespondersError):

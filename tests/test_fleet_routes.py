@@ -13,6 +13,8 @@ from typing import Any
 import msgspec
 import pytest
 from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 
 import reach_agent
 from jetstream.claims import ClaimStore
@@ -105,13 +107,14 @@ def test_the_two_pools_are_ranked_together_and_drawn_from_once() -> None:
     assert m.route(RouteRequest(limit=4, peek=True)) == ["a", "b", "c", "d"]
 
 
-def test_an_agent_in_both_is_taken_from_the_share_and_its_hand_outs_counted_there() -> None:
+def test_an_agent_in_both_is_taken_from_the_registry_and_its_hand_outs_counted_there() -> None:
     # Until brokers ingest only what they own, the registry holds the other owners' agents
-    # too: the share's copy is the one routed (its owner's word), listed once.
+    # too: its record is the one routed (as fresh as the share, and still moving when the
+    # share's owner dies), listed once.
     m = Merge("ac", "c", slots=1)
     req = RouteRequest(limit=10, exclude=["a"])
     assert m.route(req) == ["c"]
-    assert m.members["c"].handed == 1.0 and m.reg.agents["c"].handed == 0.0
+    assert m.reg.agents["c"].handed == 1.0 and m.members["c"].handed == 0.0
     with pytest.raises(Overloaded):  # its one slot is handed out
         m.route(req)
 
@@ -148,8 +151,10 @@ async def two_brokers(broker_factory: BrokerFactory, **overrides: Any) -> tuple[
     """Two brokers of P partitions, every partition owned by one of them."""
     pair = (await broker_factory(fleet__partitions=P, **overrides),
             await broker_factory(fleet__partitions=P, **overrides))  # fmt: skip
-    await wait_for(lambda: sum(len(b.tables.book.epochs) for b in pair) == P,
-                   what="every partition owned")  # fmt: skip
+    # The first takes every partition, then hands half back once it counts the second
+    # (its next lease round): settled when each owns its fair share.
+    await wait_for(lambda: [len(b.tables.book.epochs) for b in pair] == [P // 2] * 2, 20,
+                   what="each owning half the partitions")  # fmt: skip
     return pair
 
 
@@ -318,7 +323,7 @@ async def test_a_route_lists_the_agents_of_every_partition(
 class Ghost:
     """The owner of partitions 4-7 without being a broker: it holds their leases (renewed
     every second) and answers table requests with a share of one made-up agent each
-    (``ghost-<p>``, healthy); it takes no forwarded route request."""
+    (``ghost-<p>``, healthy); it takes forwarded route requests and never answers them."""
 
     OWNED = (4, 5, 6, 7)
 
@@ -335,6 +340,7 @@ class Ghost:
             assert ours
             self.revisions[p] = stored.revision
         await self.nc.subscribe("reach.tables.>", cb=self.answer)
+        await self.nc.subscribe("reach.forward.ghost.>")  # forwards taken, never answered
         await flush_subscriptions(self.nc)
         self.task = asyncio.create_task(self.renew(lease))
 
@@ -376,8 +382,8 @@ async def test_a_route_merges_the_shares_of_another_owner_and_explain_says_what_
         broker = await broker_factory(fleet__partitions=P)
         assert sorted(broker.tables.book.epochs) == [0, 1, 2, 3]
         cap = capability_in((0, 1, 2, 3), "merged.")  # this broker's: answered here
-        await agents(worker("real-a", cap))
-        await wait_for(lambda: healthy(broker, "real-a"))
+        await agents(worker("real-a", cap))  # of partition 3: this broker's
+        await wait_for(lambda: healthy(broker, "real-a"), 15)
         look = schema.encoder.encode(RouteRequest(peek=True, limit=100))
         explain = schema.encoder.encode(RouteRequest(explain=True, limit=100))
 
@@ -386,8 +392,14 @@ async def test_a_route_merges_the_shares_of_another_owner_and_explain_says_what_
             assert from_reply(msg.headers, msg.data) is None
             return schema.route_reply_decoder.decode(msg.data)
 
-        # The first request waits for the other owner's shares (one round trip), then
-        # lists its agents with this broker's own; explained, it says what it did not explain.
+        # The first request waits (a bounded while: 0.4 s) for the other owner's shares; once
+        # held, a route lists their agents with this broker's own; explained, it says what it
+        # did not explain.
+        first = await route(look)
+        assert "real-a" in {c.agent_id for c in first.candidates}
+        await wait_for(lambda: cap in broker.shares.follower.followed
+                       and set(broker.shares.follower.followed[cap].table.shares) == {4, 5, 6, 7},
+                       what="the other owner's shares followed")  # fmt: skip
         merged = await route(look)
         assert {c.agent_id for c in merged.candidates} == {"real-a", "ghost-4", "ghost-5",
                                                            "ghost-6", "ghost-7"}  # fmt: skip
@@ -400,6 +412,10 @@ async def test_a_route_merges_the_shares_of_another_owner_and_explain_says_what_
 
         # A capability this broker holds no agent of: the shares' agents, explained as such.
         elsewhere = capability_in((0, 1, 2, 3), "elsewhere.")
+        await nc.request(f"reach.route.{elsewhere}", look, timeout=2)  # its shares asked for
+        await wait_for(lambda: elsewhere in broker.shares.follower.followed
+                       and len(broker.shares.follower.followed[elsewhere].table.shares) == 4,
+                       what="the shares of the capability followed")  # fmt: skip
         msg = await nc.request(f"reach.route.{elsewhere}", explain, timeout=2)
         assert from_reply(msg.headers, msg.data) is None
         only = schema.route_reply_decoder.decode(msg.data)
@@ -415,16 +431,17 @@ async def test_a_route_merges_the_shares_of_another_owner_and_explain_says_what_
         # A capability whose shares the other owner never gives: the registry answers, and
         # an explanation names the partitions it could not see.
         silent = capability_in((0, 1, 2, 3), "silent.")
-        await agents(worker("real-b", silent))
-        await wait_for(lambda: healthy(broker, "real-b"))
+        # (an agent of this broker's partitions: each broker hears its own partitions' agents)
+        await agents(worker("real-c", silent))
+        await wait_for(lambda: healthy(broker, "real-c"))
         msg = await nc.request(f"reach.route.{silent}", explain, timeout=2)
         alone = schema.route_reply_decoder.decode(msg.data)
-        assert [c.agent_id for c in alone.candidates] == ["real-b"]
+        assert [c.agent_id for c in alone.candidates] == ["real-c"]
         assert alone.explain is not None and alone.explain.shared == 0
-        assert alone.explain.unseen_partitions == sorted({4, 5, 6, 7} - {partition("real-b", P)})
+        assert alone.explain.unseen_partitions == sorted({4, 5, 6, 7} - {partition("real-c", P)})
 
-        # A capability of the other owner's partitions: forwarded to it; it takes none, so
-        # the request is refused, retryable, and counted.
+        # A capability of the other owner's partitions: forwarded to it; it never answers,
+        # so the request is refused, retryable, and counted.
         theirs = capability_in(Ghost.OWNED, "theirs.")
         p = partition(theirs, P)
         await wait_for(lambda: broker.forwarder.owners.of[p] == "ghost",
@@ -434,9 +451,9 @@ async def test_a_route_merges_the_shares_of_another_owner_and_explain_says_what_
         assert err is not None and err.code == "OVERLOADED"
         assert err.message == (
             f"route requests for {theirs!r} are answered by the owner of partition {p} "
-            "(ghost), which is not there; retry in 2000 ms"
+            "(ghost), which did not answer in time; retry in 100 ms"
         )
-        assert forwards(broker, "no_owner") == 1
+        assert forwards(broker, "timeout") == 1
     finally:
         await ghost.stop()
 
@@ -523,3 +540,49 @@ async def test_a_lone_broker_that_lost_a_lease_still_answers(
     assert from_reply(msg.headers, msg.data) is None
     assert schema.route_reply_decoder.decode(msg.data).candidates[0].agent_id == "lone-a"
     assert forwards(broker, "no_owner") == 0
+
+
+async def test_a_gone_owners_successor_stands_in_until_its_lease_lapses(
+    broker_factory: BrokerFactory, agents: Any, nc: NATS
+) -> None:
+    """The capability's owner loses its connection (as in a crash: nothing handed back):
+    the server has no responder for it, so the other broker stands in at once instead of
+    refusing until the lease lapses; then it owns the partition."""
+    cap = "standin.cap"
+    pair = await two_brokers(broker_factory, fleet__lease_ttl_s=3.0)
+    owner, other = owner_and_other(pair, cap)
+    agent_id = next(
+        (f"kept-{i}" for i in range(1000) if partition(f"kept-{i}", P) in other.tables.book.epochs),
+        "kept",
+    )
+    await agents(worker(agent_id, cap))
+    await wait_for(lambda: held_healthy(pair, agent_id))
+    await wait_owners_read(pair, cap)
+    await owner.nc.close()  # its subscriptions gone with it, its leases left to lapse
+
+    async def owner_gone() -> bool:
+        """The server has let go of the owner's subscriptions (a request sent before that
+        would be lost with the connection, as any in flight to a process that dies)."""
+        try:
+            await nc.request(f"reach.forward.{owner.forwarder.token}.x", b"", timeout=1)
+        except NoRespondersError:
+            return True
+        except NatsTimeoutError:
+            pass
+        return False
+
+    deadline = time.monotonic() + 10
+    while not await owner_gone():
+        assert time.monotonic() < deadline, "the server kept the closed owner's subscriptions"
+    answered = 0
+    deadline = time.monotonic() + 20  # the lease lapses in 3 s, taken within a round more
+    while not other.shares.owns_all():
+        assert time.monotonic() < deadline, "the other broker never took the partitions"
+        msg = await nc.request(f"reach.route.{cap}", b"", timeout=2)
+        assert from_reply(msg.headers, msg.data) is None
+        answered += 1
+        await asyncio.sleep(0.05)
+    # Every request answered; those before the other broker held the capability's partition
+    # by standing in (the last few may fall between its taking that partition and the rest).
+    assert answered > 0 and forwards(other, "stand_in") >= 1
+    assert forwards(other, "no_owner") == 0

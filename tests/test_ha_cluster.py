@@ -192,6 +192,15 @@ async def test_killing_the_compensation_leader_mid_replay_runs_every_task_once(
             await stop_all(brokers)
 
 
+NEEDS_MERGED_ROUTES = pytest.mark.skip(
+    reason="issue 24: each broker holds its own partitions' agents and answers a route from "
+    "them; these tests ask every reply to list the whole fleet, which needs routes merged over "
+    "every owner's shares (the route service, lane route24). The partitioned takeover itself: "
+    "tests/test_partitioned_fleet.py"
+)
+
+
+@NEEDS_MERGED_ROUTES
 @pytest.mark.parametrize("lost", ["n3", "n1"])
 async def test_killing_a_node_with_a_third_of_the_agents(tmp_path: Path, lost: str) -> None:
     """n3 carries agents only; n1 also broker-1 and the caller, who fail over to n2."""
@@ -286,6 +295,7 @@ async def test_killing_a_node_with_a_third_of_the_agents(tmp_path: Path, lost: s
             await stop_all(brokers)
 
 
+@NEEDS_MERGED_ROUTES
 async def test_killing_one_broker_leaves_every_route_answered(tmp_path: Path) -> None:
     async with nats_cluster(tmp_path / "cluster", nodes=3) as cluster:
         await cluster.wait_meta_leader()

@@ -289,7 +289,7 @@ async def test_agent_killed_before_its_ack_was_stored_publishes_it_after_restart
 # --- 5: a second broker starts from the snapshot ----------------------------------------------
 
 
-async def test_second_broker_has_the_same_registry_without_re_announces(
+async def test_next_owner_has_the_same_registry_without_re_announces(
     nc: NATS, broker_factory: BrokerFactory
 ) -> None:
     b1 = await broker_factory()
@@ -315,19 +315,22 @@ async def test_second_broker_has_the_same_registry_without_re_announces(
         await wait_for(lambda: {a: w[1] for a, w in b1.snapshot._written.items()}
                        == {**dict.fromkeys(tokens, "healthy"), "snap4": "offline"},
                        timeout=10, what="the snapshot written")  # fmt: skip
+        held = {a: (r.state, r.capabilities, r.region) for a, r in b1.registry.agents.items()}
+        # b1 stops: it hands its partitions back, b2 takes every one over from its keys.
+        await b1.stop()
+        assert b1.registry.agents == {}  # dropped, not gone: no transition (b1 is stopped)
         b2 = await broker_factory()
         assert b2.snapshot.restored == 5
         assert b2.metrics.announce_result["ok"]._value.get() == 0
-        assert sorted(b2.registry.agents) == sorted(b1.registry.agents)
-        for agent_id, rec in b1.registry.agents.items():
+        assert sorted(b2.registry.agents) == sorted(held)
+        for agent_id, (_, capabilities, region) in held.items():
             other = b2.registry.agents[agent_id]
-            assert other.capabilities == rec.capabilities
-            assert other.region == rec.region
+            assert (other.capabilities, other.region) == (capabilities, region)
         assert b2.registry.agents["snap4"].state == "offline"
-        # Heard from again (heartbeats only, no announce): the same states as the first.
+        # Heard from again (heartbeats only, no announce): the same states as b1 held.
         await wait_for(
             lambda: {a: r.state for a, r in b2.registry.agents.items()}
-            == {a: r.state for a, r in b1.registry.agents.items()},
+            == {a: h[0] for a, h in held.items()},
             timeout=10, what="same states",
         )  # fmt: skip
         assert b2.metrics.announce_result["ok"]._value.get() == 0
@@ -346,17 +349,17 @@ async def test_snapshot_writes_only_what_changed(nc: NATS, broker_factory: Broke
     await announce(nc, "snapw", region="eu")
     await wait_for(lambda: broker.snapshot.writes == 1, what="first write")
     kv = await nc.jetstream().key_value("reach_registry")
-    first = await kv.get("snapw")
+    first = await kv.get(broker.snapshot.key("snapw"))
     # The same announce again (a reconnect): nothing stored changes, nothing is written.
     await announce(nc, "snapw", region="eu")
     assert broker.metrics.announce_result["ok"]._value.get() == 2  # replied, so applied
     await broker.snapshot._flush()  # what the flush loop would do next, without waiting
     assert broker.snapshot.writes == 1
-    assert (await kv.get("snapw")).revision == first.revision
+    assert (await kv.get(broker.snapshot.key("snapw"))).revision == first.revision
     # A changed announce is written once, with the new value.
     await announce(nc, "snapw", region="us")
     await wait_for(lambda: broker.snapshot.writes == 2, what="second write")
-    stored = json.loads((await kv.get("snapw")).value)
+    stored = json.loads((await kv.get(broker.snapshot.key("snapw"))).value)
     assert (stored["announce"]["region"], stored["state"]) == ("us", "healthy")
 
 
@@ -389,8 +392,8 @@ async def test_changed_agents_are_written_in_batches_one_round_trip_each(
     assert snapshot.BATCH == 256
     assert (snap.rounds - rounds, snap.writes - writes) == (4, n)  # ceil(1000 / 256)
     kv = await nc.jetstream().key_value("reach_registry")
-    assert await values_stored(kv, [f"burst{i}" for i in range(n)]) == n
-    stored = json.loads((await kv.get("burst7")).value)
+    assert await values_stored(kv, [snap.key(f"burst{i}") for i in range(n)]) == n
+    stored = json.loads((await kv.get(snap.key("burst7"))).value)
     assert (stored["announce"]["agent_id"], stored["state"]) == ("burst7", "healthy")
     # 300 evicted: 300 deletes in 2 round trips; the 700 unchanged cost nothing.
     for i in range(300):
@@ -398,7 +401,7 @@ async def test_changed_agents_are_written_in_batches_one_round_trip_each(
     snap._dirty = {f"burst{i}" for i in range(n)}
     await snap._flush()
     assert (snap.rounds - rounds, snap.writes - writes) == (6, n + 300)
-    assert await values_stored(kv, [f"burst{i}" for i in range(n)]) == 700
+    assert await values_stored(kv, [snap.key(f"burst{i}") for i in range(n)]) == 700
 
 
 async def test_unacknowledged_writes_stay_dirty_and_are_written_later(
@@ -422,7 +425,7 @@ async def test_unacknowledged_writes_stay_dirty_and_are_written_later(
     await snap._flush()
     assert snap.writes == writes + 300 and not snap._dirty
     kv = await js.key_value("reach_registry")
-    assert await values_stored(kv, [f"lost{i}" for i in range(300)]) == 300
+    assert await values_stored(kv, [snap.key(f"lost{i}") for i in range(300)]) == 300
 
 
 async def test_restarted_broker_keeps_task_history_and_scores_slow_agents_as_before(
@@ -456,7 +459,7 @@ async def test_restarted_broker_keeps_task_history_and_scores_slow_agents_as_bef
     kv = await nc.jetstream().key_value("reach_registry")
 
     async def stored_task_ms(agent_id: str) -> float | None:
-        return json.loads((await kv.get(agent_id)).value).get("task_ms")
+        return json.loads((await kv.get(b1.snapshot.key(agent_id))).value).get("task_ms")
 
     for _ in range(100):
         if [await stored_task_ms(a) for a in agents] == [500.0, 500.0]:

@@ -52,6 +52,7 @@ def test_the_parts_start_in_order_and_those_on_jetstream_are_marked() -> None:
         ("Snapshot", True),
         ("Rulebook", True),
         ("Tables", False),
+        ("Ingest", False),
         ("Partitions", False),
         ("Forwarder", True),
         ("Shares", False),

@@ -40,23 +40,26 @@ async def route(nc: NATS, body: dict[str, object] | None = None,
 async def test_a_rule_change_reaches_a_second_replica_within_a_second_and_is_audited(
     nats_server: NatsServer, nc: NATS, broker_factory: BrokerFactory
 ) -> None:
-    one = await broker_factory(**QUIET)
-    two = await broker_factory(**QUIET)
+    # `one` holds every partition throughout (it renews its leases every 200 s, so it never
+    # hands any to the replicas started later): the routes below are its answers.
+    one = await broker_factory(**QUIET, fleet__lease_ttl_s=600)
     await announce(nc, "prod-1", [CAP], tags={"env": "prod"})
     await announce(nc, "untagged", [CAP])
-    await wait_for(lambda: all(len(b.registry.agents) == 2 for b in (one, two)), what="both")
+    await wait_for(lambda: len(one.registry.agents) == 2, what="both agents")
     t0 = time.monotonic()
     code, out, err = await reach("rules", "set", CAP, "--require", "env=prod", "--json",
                                  "--server", nats_server.url)  # fmt: skip
     assert code == 0, err
     assert json.loads(out)["rule"]["require"] == {"env": "prod"}
-    # Both replicas follow the bucket; each applies it within a second of the write.
-    await wait_for(lambda: all(CAP in b.rules for b in (one, two)), timeout=5.0, what="rule")
+    await wait_for(lambda: CAP in one.rules, timeout=5.0, what="rule")
     applied_s = time.monotonic() - t0
-    for _ in range(20):  # the queue group spreads these over both replicas
+    for _ in range(20):
         assert await route(nc, {"limit": 3}) == ["prod-1"]
     assert await route(nc, {"tags": {"env": "prod"}}) == ["prod-1"]
-    # A change written to the bucket directly is in force on both replicas within a second.
+    # A second replica follows the bucket: the stored rule in force before it serves, and a
+    # change written to the bucket directly in force on both within a second.
+    two = await broker_factory(**QUIET)
+    assert CAP in two.rules and two.registry.agents == {}
     before = [b.rulebook.applied for b in (one, two)]
     rule = build(split="version=1:95,2:5", require=["env=prod"])
     await bucket.put(nc, CAP, rule_encoder.encode(rule))
@@ -82,10 +85,11 @@ async def test_a_rule_change_reaches_a_second_replica_within_a_second_and_is_aud
     code, out, _ = await reach("rules", "clear", CAP, "--server", nats_server.url)
     assert (code, out.strip()) == (0, f"{CAP}: rule cleared")
     await wait_for(lambda: all(CAP not in b.rules for b in (one, two)), what="cleared")
+    await two.stop()  # (it owns no partition: the route is `one`'s answer)
     assert sorted(await route(nc, {"limit": 3})) == ["prod-1", "untagged"]
     # The time is reported, not asserted beyond the contract's second (it includes a CLI
     # process start).
-    print(f"rule applied on both replicas {applied_s:.3f}s after `reach rules set` began")
+    print(f"rule applied {applied_s:.3f}s after `reach rules set` began")
 
 
 async def test_a_split_set_by_the_cli_holds_on_the_wire(

@@ -253,7 +253,7 @@ async def test_announce_heartbeats_and_leave_reach_the_broker(
     async def on_hb(msg: Any) -> None:
         beats.append(msgspec.json.decode(msg.data, type=schema.Heartbeat))
 
-    await nc.subscribe("reach.hb.hb1", cb=on_hb)
+    await nc.subscribe("reach.part.*.hb.hb1", cb=on_hb)  # as the server maps it
     await flush_subscriptions(nc)
     agent = reach_agent.Agent("hb1", ["echo"], heartbeat_interval=0.1, region="eu",
                               tags={"tier": "gold"}, version="1.0", timeout_hint=2.0)  # fmt: skip

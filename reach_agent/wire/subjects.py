@@ -29,6 +29,11 @@ sender names against the sender's permissions (see docs/protocol.md, "Reply subj
     <p>.outcome.<agent_id>           caller → every broker: what it saw of the agent
     <p>.table.<partition>.<capability>  broker (the share's owner) → callers: a route-table delta
     <p>.tables.<capability>          caller → every broker: the route table now (request-reply)
+    <p>.part.<n>.announce.<agent_id> the server's mapping of <p>.announce.<agent_id> (n: the
+    <p>.part.<n>.hb.<agent_id>       agent id's partition, ``partition()``): what the
+    <p>.part.<n>.leave.<agent_id>    partition's owner subscribes to (:meth:`Subjects.mappings`)
+    <p>.partcheck.<token>            broker → itself: is the server mapping, with which count?
+    <p>.part.<n>.check.<token>       (the same mapping, for that question alone)
     <p>.forward.<broker>.<capability>  broker → the capability's owner: a route request forwarded
                                      with its caller (``Reach-Caller``; only brokers may publish)
 
@@ -37,9 +42,6 @@ The Synadia Agent Protocol's subjects (theirs, never prefixed) are built by
 """
 
 from __future__ import annotations
-
-import operator
-from collections.abc import Callable
 
 DEFAULT_PREFIX = "reach"
 
@@ -93,6 +95,7 @@ class Subjects:
         "_leave",
         "_outcome",
         "_pages",
+        "_part",
         "_probe",
         "_reannounce",
         "_route",
@@ -120,6 +123,7 @@ class Subjects:
         self._outcome = f"{prefix}.outcome."
         self._table = f"{prefix}.table."
         self._tables = f"{prefix}.tables."
+        self._part = f"{prefix}.part."
         self._pages = f"{prefix}.agents."
         self._forward = f"{prefix}.forward."
         # Parsers run per message (heartbeats): slice at precomputed lengths.
@@ -304,25 +308,87 @@ class Subjects:
     def capability_of_tables(self, subject: str) -> str:
         return subject[len(self._tables) :]
 
+    # --- partitions (the server's subject mapping) -----------------------------------------
+
+    def partition_announces(self, partition: int | str) -> str:
+        """The announces of one partition as the server maps them (``<p>.part.<n>.announce.*``;
+        ``n`` may be ``*``)."""
+        return f"{self._part}{partition}.announce.*"
+
+    def partition_heartbeats(self, partition: int | str) -> str:
+        """The heartbeats of one partition as the server maps them (``<p>.part.<n>.hb.*``)."""
+        return f"{self._part}{partition}.hb.*"
+
+    def partition_leaves(self, partition: int | str) -> str:
+        """The leaves of one partition as the server maps them (``<p>.part.<n>.leave.*``)."""
+        return f"{self._part}{partition}.leave.*"
+
+    def mapped_announce(self, agent_id: str) -> str:
+        """``<p>.part.*.announce.<agent_id>``: what the server checks an agent's announce
+        against once it maps it (its publish right)."""
+        return f"{self._part}*.announce.{agent_id}"
+
+    def mapped_heartbeat(self, agent_id: str) -> str:
+        """``<p>.part.*.hb.<agent_id>``: the mapped heartbeat's publish right."""
+        return f"{self._part}*.hb.{agent_id}"
+
+    def mapped_leave(self, agent_id: str) -> str:
+        """``<p>.part.*.leave.<agent_id>``: the mapped leave's publish right."""
+        return f"{self._part}*.leave.{agent_id}"
+
+    @property
+    def all_partitioned(self) -> str:
+        """Every mapped subject (``<p>.part.>``): the brokers' subscribe right."""
+        return self._part + ">"
+
+    def partition_check(self, token: str) -> str:
+        """Where a broker asks whether the server maps, and with which partition count."""
+        return f"{self.prefix}.partcheck.{token}"
+
+    @property
+    def all_partition_checks(self) -> str:
+        """``<p>.partcheck.*``: where the check arrives when the server does not map."""
+        return f"{self.prefix}.partcheck.*"
+
+    @property
+    def mapped_checks(self) -> str:
+        """``<p>.part.*.check.*``: where the check arrives when the server maps."""
+        return f"{self._part}*.check.*"
+
+    def partition_of_mapped(self, subject: str) -> int:
+        """``n`` of a mapped subject ``<p>.part.<n>.<kind>.<token>``."""
+        return int(subject[len(self._part) :].partition(".")[0])
+
+    def mappings(self, partitions: int) -> dict[str, str]:
+        """The server's subject mappings of the agent subjects into ``partitions`` partitions
+        (source → destination, nats-server's ``partition()``: FNV-1a 32 of the agent id modulo
+        ``partitions``, as :func:`reach_agent.routing.table.partition` computes it)."""
+        p = self.prefix
+        out = {}
+        for kind in ("announce", "hb", "leave", "check"):
+            source = f"{p}.partcheck.*" if kind == "check" else f"{p}.{kind}.*"
+            into = f"{{{{partition({partitions},1)}}}}"
+            out[source] = f"{self._part}{into}.{kind}.{{{{wildcard(1)}}}}"
+        return out
+
     def events_of(self, agent_id: str) -> str:
         """Every event about one agent (``<p>.event.*.<agent_id>``)."""
         return f"{self._event}*.{agent_id}"
 
     # --- parsers (received subject → its variable part; no validation) ---------------------
 
+    # Announce, heartbeat and leave arrive plain (``<p>.hb.<id>``) or as the server maps them
+    # (``<p>.part.<n>.hb.<id>``): the agent id is the last token of either (no agent id
+    # holds a dot).
+
     def agent_of_announce(self, subject: str) -> str:
-        return subject[self._cuts[0] :]
+        return subject[subject.rfind(".") + 1 :]
 
     def agent_of_heartbeat(self, subject: str) -> str:
-        return subject[self._cuts[1] :]
-
-    def heartbeat_parser(self) -> Callable[[str], str]:
-        """:meth:`agent_of_heartbeat` as a C callable (``operator.itemgetter`` of the
-        slice), for the broker's hottest path: no Python frame per heartbeat."""
-        return operator.itemgetter(slice(self._cuts[1], None))
+        return subject[subject.rfind(".") + 1 :]
 
     def agent_of_leave(self, subject: str) -> str:
-        return subject[self._cuts[2] :]
+        return subject[subject.rfind(".") + 1 :]
 
     def agent_of_probe(self, subject: str) -> str:
         return subject[self._cuts[3] :]

@@ -24,6 +24,7 @@ from .claims import (
     OperatorClaims,
     User,
     UserClaims,
+    WeightedMapping,
 )
 from .files import private_dir, write_private, write_public
 from .identities import issue
@@ -87,15 +88,19 @@ def init(
     prefix: str = DEFAULT_PREFIX,
     host: str = "127.0.0.1",
     port: int = 4222,
+    partitions: int = 32,
 ) -> AuthDir:
     """Create the auth DIR ``directory`` (see :mod:`reach_broker.auth.layout`).
 
     Refuses a directory that exists and is not empty unless ``force``, which deletes it first
     (every credential issued from the old DIR stops working with a server using the new one).
     ``host``/``port`` go into ``server.conf``; ``prefix`` is the subject prefix the
-    permissions are written for.
+    permissions are written for; ``partitions`` the count the application account's subject
+    mappings split the agent subjects into (``[fleet] partitions`` of the brokers).
     """
-    Subjects(prefix)  # validates the prefix
+    subjects = Subjects(prefix)  # validates the prefix
+    if not 1 <= partitions <= 4096:
+        raise ValueError(f"partitions {partitions!r} must be within 1..4096 ([fleet] partitions)")
     root = Path(directory).expanduser().resolve()
     if tls:
         tls_certs.require()  # before anything is written
@@ -143,6 +148,10 @@ def init(
             name=APP_ACCOUNT_NAME,
             nats=Account(
                 imports=_advisory_imports(sys_pub, app_pub),
+                mappings={
+                    src: [WeightedMapping(subject=dst)]
+                    for src, dst in subjects.mappings(partitions).items()
+                },
                 # JetStream on, bounded by the server's own limits.
                 limits=AccountLimits.unlimited(jetstream=True),
                 description="reach: agents, callers and brokers",

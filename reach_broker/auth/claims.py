@@ -166,11 +166,21 @@ class AccountLimits(_Struct, kw_only=True):
         )
 
 
+class WeightedMapping(_Struct, kw_only=True):
+    """One destination of a subject mapping (``jwt.WeightedMapping``)."""
+
+    subject: str
+    weight: int = 100
+
+
 class Account(_Struct, kw_only=True):
     """The ``nats`` part of an account JWT."""
 
     imports: list[Import] = []
     exports: list[Export] = []
+    mappings: dict[str, list[WeightedMapping]] = {}
+    """Subject mappings the server applies to every message published in the account (the
+    agent subjects into partitions: ``Subjects.mappings``)."""
     limits: AccountLimits = msgspec.field(default_factory=AccountLimits)
     """Write :meth:`AccountLimits.unlimited` (or real limits): zeros limit to zero."""
     revocations: dict[str, int] = {}

@@ -130,6 +130,11 @@ ROLES: dict[RoleName, Role] = {
             *_CLAIM_WRITES,
             *_CLAIM_READS,
             *_ACK_READS,
+            # A server that maps the agent subjects into partitions (docs/protocol.md,
+            # "Partitions") checks the mapped subject: the agent's own, in any partition.
+            Of("mapped_announce"),
+            Of("mapped_heartbeat"),
+            Of("mapped_leave"),
         ),
         subscribe=(
             Of("tasks_of"),
@@ -172,6 +177,8 @@ ROLES: dict[RoleName, Role] = {
             Every("all_reannounces"),  # asks an agent it does not know to announce again
             Every("all_tasks"),
             Every("all_table_deltas"),  # the route tables of the partitions it owns
+            Every("all_partition_checks"),  # is the server mapping the agent subjects?
+            Every("mapped_checks"),  # (what the server checks once it maps the question)
             Every("all_cancels"),  # a cancel forwarded to the holder the caller did not ask
             OwnAcks(author=BROKER_ACK_AUTHOR),
             # Replies to announces, leaves, routes, `agents` and `$SRV` pings go to the
@@ -196,6 +203,11 @@ ROLES: dict[RoleName, Role] = {
             Every("all_forwards"),  # a route request to its capability's owner (brokers only)
         ),
         subscribe=(
+            # The server maps the agent subjects into partitions (docs/protocol.md,
+            # "Partitions"): the owner of a partition subscribes to its mapped subjects; the
+            # plain ones are where they arrive from a server that does not map.
+            Every("all_partitioned"),
+            Every("all_partition_checks"),
             Every("all_announces"),
             Every("all_heartbeats"),
             Every("all_leaves"),

@@ -54,6 +54,13 @@ def add_parser(sub: Subcommands) -> None:
         default=env_default("REACH_PREFIX", "reach"),
         help="subject prefix the permissions are written for (env REACH_PREFIX)",
     )
+    init.add_argument(
+        "--partitions",
+        type=int,
+        default=int(env_default("REACH_PARTITIONS", "32")),
+        help="partitions the account's subject mappings split the agents into; the brokers' "
+             "[fleet] partitions must say the same (env REACH_PARTITIONS; default 32)",
+    )  # fmt: skip
     init.set_defaults(func=run_init)
 
     for role, what in (("agent", "AGENT_ID"), ("caller", "NAME")):
@@ -137,7 +144,7 @@ def run_init(args: argparse.Namespace) -> int:
 
     try:
         d = init(args.dir, tls=args.tls, force=args.force, prefix=args.prefix, host=args.host,
-                 port=args.port)  # fmt: skip
+                 port=args.port, partitions=args.partitions)  # fmt: skip
     except (AuthError, ValueError) as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
     meta = d.meta()

@@ -13,9 +13,14 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from reach_agent.wire.subjects import Subjects
+from reach_broker.config import FleetSection
+
 from .natsserver import NatsServerError
 
 CLUSTER_NAME = "reach"
+PARTITIONS = FleetSection().partitions
+"""The partition count the nodes' subject mappings use: ``[fleet] partitions``' default."""
 
 
 class ClusterError(NatsServerError):
@@ -111,6 +116,11 @@ accounts {{
       {{stream: {{account: SYS, subject: "$SYS.ACCOUNT.APP.>"}}}}
       {{service: {{account: SYS, subject: "$SYS.REQ.ACCOUNT.APP.>"}}}}
     ]
+    # The fleet's partitions (docs/protocol.md, "Partitions"): the agent subjects mapped to
+    # reach.part.<n>.…, n the agent id's partition of {partitions} ([fleet] partitions).
+    mappings: {{
+{mappings}
+    }}
   }}
 }}
 system_account: SYS
@@ -137,7 +147,15 @@ def render_config(node: NodeConfig) -> str:
         routes="\n".join(f"    nats-route://{r}" for r in node.routes),
         sys_note=sys_note,
         sys_users=sys_users,
+        partitions=PARTITIONS,
+        mappings=render_mappings(Subjects().mappings(PARTITIONS), indent=6),
     )
+
+
+def render_mappings(mappings: dict[str, str], *, indent: int) -> str:
+    """The lines of an account's ``mappings`` block (source: destination, quoted)."""
+    pad = " " * indent
+    return "\n".join(f"{pad}{json.dumps(src)}: {json.dumps(dst)}" for src, dst in mappings.items())
 
 
 def plan(

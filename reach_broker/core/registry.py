@@ -79,6 +79,9 @@ class Registry:
         self.unheard: list[str] = []
         """Agents restored from the snapshot since the broker last began to listen: their
         clocks start again at :meth:`listening`."""
+        self.partitions = partitions
+        """``[fleet] partitions``: the listing keeps each partition's agents, so a partition
+        handed over is dropped in O(partition) (:meth:`drop`)."""
 
     # --- queries ------------------------------------------------------------------------
 
@@ -334,12 +337,30 @@ class Registry:
         self.rescore(rec, now)
         return rec
 
-    def restored(self, now: float) -> None:
+    def restored(self, now: float, agents: list[AgentRecord] | None = None) -> None:
         """The snapshot is read: each capability's median task time from the restored
-        history, and every score against it (O(fleet), once at start)."""
+        history, and every score against it: the ``agents`` restored (a partition taken
+        over: O(partition)), or every agent (None)."""
         self.indexes.update_medians()
-        for rec in self.agents.values():
+        for rec in self.agents.values() if agents is None else agents:
             self.rescore(rec, now)
+
+    def drop(self, p: int) -> int:
+        """Forget partition ``p``'s agents, without a transition: they are not gone, another
+        broker owns them now (O(partition)). Returns how many were dropped."""
+        ids = self.listing.drop(p)
+        for agent_id in ids:
+            rec = self.agents.pop(agent_id, None)
+            if rec is None:
+                continue
+            self.counts[rec.state] -= 1
+            if rec.state != "offline":
+                self.capacity -= rec.max_concurrency
+            self.inflight += rec.set_load(0, 0)
+            self.indexes.discard(rec)
+            rec.deadline_gen += 1  # its heap entries are stale from now on
+            self.held.discard(agent_id)
+        return len(ids)
 
     def _fire(
         self, rec: AgentRecord, event: Event, now: float, **details: object
@@ -416,7 +437,7 @@ class Registry:
                 self._push(rec, self._next_deadline(rec))
         return len(held)
 
-    def listening(self, now: float) -> int:
+    def listening(self, now: float, agents: list[str] | None = None) -> int:
         """The broker hears heartbeats from ``now`` on (its heartbeat subscription is live).
 
         An agent restored since, and not heard from, gets its whole window again, counted
@@ -425,8 +446,13 @@ class Registry:
         node), as after the broker's own outage (:meth:`observer_gap`): a silence that began
         before the broker could hear is not the agent's, and a start slowed by a busy
         machine or a slow server takes seconds. O(restored), once per start. Returns how
-        many were given their window again."""
-        unheard, self.unheard = self.unheard, []
+        many were given their window again.
+
+        ``agents``: only these (a partition taken over, restored and heard from ``now`` on:
+        the observer's self-doubt extended to a takeover, whose restore names its own agents:
+        :attr:`unheard` is then emptied, not to grow with every takeover); None: every agent
+        restored."""
+        unheard, self.unheard = self.unheard if agents is None else agents, []
         count = 0
         for agent_id in unheard:
             rec = self.agents.get(agent_id)

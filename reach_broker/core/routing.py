@@ -7,11 +7,12 @@ A capability that enters panic is logged once on entering (and on leaving), and
 
 With several brokers each holds the agents of the partitions it owns, and ``foreign`` gives
 the other owners' shares of a capability's table (:mod:`reach_broker.service.shares`):
-:meth:`Router.route_reply` then chooses from both (:meth:`Router.merged`): the same decision
-over each (the registry's index, the table's), an agent in both taken from the share (its
-owner's word), and the configured draw once more over the two picks (at most twice the
-limit: no work that grows with the fleet). Without ``foreign``, or while it has nothing, a
-route is what it always was.
+:meth:`Router.route_reply` then chooses from both (:meth:`Router.merged`): the pools each
+would draw from (the registry's index, the table's), an agent in both taken from the registry
+(a broker that ingests an agent has its own word on it, as fresh as its owner's, and counts
+its hand-outs there; a share of an owner that just died stops moving), ranked together, then
+one draw (at most twice the pool: no work that grows with the fleet). Without ``foreign``,
+or while it has nothing, a route is what it always was.
 :meth:`Router.choose` is the decision; :meth:`Router.route` turns it into ``Candidate``s and
 :meth:`Router.route_reply` into the encoded reply the broker sends.
 """
@@ -26,7 +27,7 @@ from typing import Any
 import msgspec
 
 from reach_agent.routing.choice import Chooser
-from reach_agent.routing.hashing import hash64, rendezvous
+from reach_agent.routing.hashing import rendezvous, slot_hash
 from reach_agent.routing.index import CapabilityIndex, CapabilityIndexes, by_score
 from reach_agent.routing.member import Member
 from reach_agent.routing.rules import Rules
@@ -151,10 +152,10 @@ class Router(Chooser[AgentRecord]):
         self, capability: str, req: RouteRequest, now: float, table: RouteTable
     ) -> list[Member]:
         """The routing decision over this broker's agents and ``table`` (the other owners'
-        shares): the pools each would draw from (an agent in both taken from the share),
-        ranked together, then one draw over the union (a sticky key: each side's owner, the
-        highest random weight of the two first). Raises Overloaded or NoReachableAgent when
-        neither has an agent to give (their reasons joined)."""
+        shares): the pools each would draw from (an agent in both taken from the registry,
+        which ingests it), ranked together, then one draw over the union (a sticky key: each
+        side's owner, the highest random weight of the two first). Raises Overloaded or
+        NoReachableAgent when neither has an agent to give (their reasons joined)."""
         self._check_ceiling()
         rule = self.rules.get(capability) if self.rules else None
         failures: list[tuple[str, NoReachableAgent | Overloaded]] = []
@@ -164,16 +165,17 @@ class Router(Chooser[AgentRecord]):
         idx = self.indexes.get(capability)
         if idx is not None:
             try:
-                mine = self.pick(idx, req, rule, now) if sticky else self.gather(
+                own = self.pick(idx, req, rule, now) if sticky else self.gather(
                     idx, req, rule, now)[0]  # fmt: skip
-                where = table.where
-                own = [r for r in mine if r.agent_id not in where]
             except (NoReachableAgent, Overloaded) as exc:
                 failures.append(("this broker's partitions", exc))
         theirs: list[TableMember] = []
         try:
             theirs = (shares.pick(table.index, req, rule, now) if sticky
                       else shares.gather(table.index, req, rule, now)[0])  # fmt: skip
+            if idx is not None:  # an agent this broker ingests itself: its own record
+                held = idx.members
+                theirs = [m for m in theirs if m.agent_id not in held]
         except (NoReachableAgent, Overloaded) as exc:
             failures.append(("the other owners' partitions", exc))
         if not own and not theirs:
@@ -186,7 +188,7 @@ class Router(Chooser[AgentRecord]):
         pool: list[Member] = [*own, *theirs]
         if sticky:
             if own and theirs:  # the heavier of the two sides' owners: the key's owner
-                k = hash64(req.sticky_key or "")
+                k = slot_hash(req.sticky_key or "")
                 first = max((own[0], theirs[0]), key=lambda m: rendezvous(m.hrw, k))
             else:
                 first = pool[0]

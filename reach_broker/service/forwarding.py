@@ -8,10 +8,16 @@ does not own the capability forwards it on ``<p>.forward.<owner>.<capability>`` 
 caller it named (``Reach-Caller``: from the caller's private inbox in secured mode, where only
 brokers may publish on ``<p>.forward.>``) and relays the owner's reply, body and headers as
 they are. The owner answers a forwarded request as its own (quota, route, hand-out), or
-refuses it when the partition is no longer its own. A forward that finds no owner, no
-responder, a former owner or no answer within ``[fleet] forward_timeout_s`` is refused
-``OVERLOADED`` with ``retry_after_ms`` (a retryable refusal: never answered by a second broker's
-own count), the leases read again, and ``reach_route_forwards_total{result}`` counts it.
+refuses it when the partition is no longer its own. A forward that finds no owner, a former
+owner or no answer within ``[fleet] forward_timeout_s`` is refused ``OVERLOADED`` with
+``retry_after_ms`` (a retryable refusal: never answered by a second broker's own count while
+the owner may still be counting), the leases read again, and
+``reach_route_forwards_total{result}`` counts it. An owner the server has no responder for is
+gone (its connection closed: a crash, SIGKILL), its counts with it, while its lease has not
+lapsed yet: its successor stands in (the highest random weight of (capability, broker) among
+the other lease holders last read and the forwarder itself; the same at every broker that
+read the same leases), answering here or forwarded there with ``Reach-Stand-In: <gone>``,
+until a new owner holds the partition; counted ``stand_in``.
 
 A broker that owns every partition (the single-broker default, a server without JetStream)
 answers every request itself, as before; so does one without route tables (``[fleet] tables =
@@ -33,6 +39,7 @@ from nats.micro.request import Request
 
 from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
+from reach_agent.routing.hashing import hash64
 from reach_agent.routing.table import partition
 from reach_agent.wire.errors import Overloaded, to_reply
 from reach_agent.wire.schema import H_CALLER
@@ -46,11 +53,15 @@ from .owners import Owners
 
 log = logging.getLogger(__name__)
 
-FORWARD_RESULTS = ("ok", "timeout", "no_owner", "not_owner", "answered")
+FORWARD_RESULTS = ("ok", "timeout", "no_owner", "not_owner", "answered", "stand_in")
 """``result`` of ``reach_route_forwards_total``: forwarded and relayed (``ok``); refused
-because the owner did not answer in time (``timeout``), none is known or it is gone
-(``no_owner``), or it no longer owns the capability (``not_owner``); a forward received and
-answered as the owner (``answered``)."""
+because the owner did not answer in time (``timeout``), none is known (or it and its
+successor are gone: ``no_owner``), or it no longer owns the capability (``not_owner``); a
+forward received and answered as the owner (``answered``); a request answered for a gone
+owner by its successor (``stand_in``)."""
+
+H_STAND_IN = "Reach-Stand-In"
+"""On a forward to a gone owner's successor: the gone owner (its subject token)."""
 
 H_FORWARD = "Reach-Forward"
 """Set by an owner refusing a forward: ``not_owner`` (the partition is no longer its own)."""
@@ -67,6 +78,8 @@ class Waiting(NamedTuple):
     partition: int
     owner: str | None
     deadline: float
+    gone: str | None = None
+    """Set when ``owner`` stands in for this gone owner (a second no-responders: refused)."""
 
 
 MAX_CAPABILITIES = 10_000
@@ -182,15 +195,46 @@ class Forwarder:
             else:
                 await self._refuse(Waiting(req, capability, p, owner, 0.0), "no_owner")
             return
-        # Sent, not awaited: the endpoint's callback runs one request at a time, and the
-        # owner's answer comes to this forwarder's one inbox (:meth:`_on_answer`).
+        await self._send(Waiting(req, capability, p, owner, 0.0))
+
+    async def _send(self, w: Waiting) -> None:
+        """Forward ``w`` to ``w.owner``: sent, not awaited (the endpoint's callback runs one
+        request at a time); the answer comes to this forwarder's one inbox
+        (:meth:`_on_answer`)."""
+        req = w.req
         headers = dict(req.headers) if req.headers else {}
-        headers[H_CALLER] = caller_of(req.headers, reply, self.ctx.link.secured)
+        headers[H_CALLER] = caller_of(req.headers, req._msg.reply, self.ctx.link.secured)
+        if w.gone is not None:
+            headers[H_STAND_IN] = w.gone
+        owner = w.owner or ""  # (never None here: a forward has an owner)
         token = str(next(self._tokens))
-        self._waiting[token] = Waiting(req, capability, p, owner,
-                                       self.ctx.clock() + self.cfg.forward_timeout_s)  # fmt: skip
-        await self.ctx.nc.publish(self.ctx.subjects.forward(owner, capability), req.data,
+        self._waiting[token] = w._replace(deadline=self.ctx.clock() + self.cfg.forward_timeout_s)
+        await self.ctx.nc.publish(self.ctx.subjects.forward(owner, w.capability), req.data,
                                   reply=self._inbox + token, headers=headers)  # fmt: skip
+
+    def successor(self, capability: str, gone: str) -> str:
+        """Who stands in for ``gone`` (an owner whose connection the server no longer has)
+        on ``capability``: among this broker and the other lease holders last read, the
+        highest random weight of (capability, broker) — the same choice at every broker
+        that read the same leases."""
+        others = {o for o in self.owners.of if o is not None and o != gone}
+        others.add(self.token)
+        return max(others, key=lambda t: hash64(f"{capability}#{t}"))
+
+    async def _stand_in(self, w: Waiting) -> None:
+        """``w.owner`` is gone (no responders: its connection is closed, its counts with
+        it) and its lease not yet lapsed: its successor answers, this broker or the one it
+        forwards to; a successor gone too is refused."""
+        gone = w.owner
+        if w.gone is not None or gone is None:
+            await self._refuse(w, "no_owner")
+            return
+        successor = self.successor(w.capability, gone)
+        if successor == self.token:
+            self.results["stand_in"].inc()
+            await self.route.on_request(w.req)
+            return
+        await self._send(w._replace(owner=successor, gone=gone))
 
     async def _on_answer(self, msg: Msg) -> None:
         """The owner's answer to a forward (or the server's: no responders), relayed."""
@@ -200,7 +244,7 @@ class Forwarder:
         headers = msg.headers
         if headers and not msg.data:
             if headers.get(STATUS) == NO_RESPONDERS:
-                await self._refuse(w, "no_owner")
+                await self._stand_in(w)
                 return
             if headers.get(H_FORWARD) == "not_owner":
                 await self._refuse(w, "not_owner")
@@ -254,11 +298,14 @@ class Forwarder:
             return
         subjects = self.ctx.subjects
         capability = subjects.capability_of_forward(msg.subject)
-        if self.owner_of(capability)[1] != self.token:
+        gone = (msg.headers or {}).get(H_STAND_IN)
+        mine = (self.owner_of(capability)[1] == self.token if gone is None
+                else self.successor(capability, gone) == self.token)  # fmt: skip
+        if not mine:
             self.results["not_owner"].inc()
             await self.ctx.nc.publish(msg.reply, b"", headers={H_FORWARD: "not_owner"})
             return
-        self.results["answered"].inc()
+        self.results["stand_in" if gone is not None else "answered"].inc()
         wait = self.follow(capability)
         if wait is None:
             await self._answer_forward(msg, capability)

@@ -270,7 +270,6 @@ class Handlers:
         }
         self._route_invalid = m.route_result["invalid"]
         self._route_ok = m.route_result["ok"]
-        self._hb_agent = ctx.subjects.heartbeat_parser()
         self._hb_decode = schema.heartbeat_decoder.decode
         self._heartbeat = registry.heartbeat
         self._hb_result = m.heartbeat_result
@@ -361,7 +360,7 @@ class Handlers:
             hb = self._hb_decode(data)
         except msgspec.MsgspecError:
             hb = decode(schema.heartbeat_decoder, data, "heartbeat")  # raises, naming why
-        agent_id = self._hb_agent(subject)
+        agent_id = subject[subject.rfind(".") + 1 :]  # plain or mapped: the last token
         if hb.agent_id != agent_id:
             schema.validate_heartbeat(hb, agent_id)  # raises, naming both
         result, transitions = self._heartbeat(hb, self._clock(), int(self._wall() * 1000))

@@ -21,6 +21,7 @@ on a task of its own: announces keep flowing meanwhile.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -78,9 +79,14 @@ class Identity:
     agent id)."""
 
     def __init__(
-        self, ctx: BrokerContext, registry: Registry, handlers: Handlers, *, conflict: Any
-    ) -> None:
+        self, ctx: BrokerContext, registry: Registry, handlers: Handlers, *, conflict: Any,
+        replaced: Callable[[str, str], None] = lambda agent_id, instance: None,
+    ) -> None:  # fmt: skip
         self.ctx = ctx
+        self.replaced = replaced
+        """Told when an announce of a new instance is accepted over a known one of the same
+        agent id (the first process is gone: it crashed and this is its restart): (agent id,
+        the new instance). The releaser frees what the old instance held."""
         self.registry = registry
         self.handlers = handlers
         self.endpoint = handlers.endpoints["announce"]
@@ -99,9 +105,10 @@ class Identity:
         if rec is not None and contested(rec, ann):
             self.ctx.spawn(self._settle(msg, ann, rec.announce.instance_id or ""), "announce")
             return
-        await self._apply(msg, ann)
+        await self._apply(msg, ann, None if rec is None else rec.announce.instance_id)
 
-    async def _apply(self, msg: Msg, ann: schema.Announce) -> None:
+    async def _apply(self, msg: Msg, ann: schema.Announce, before: str | None) -> None:
+        """Register ``ann`` and answer; ``before``: the instance the registry knew."""
         try:
             body = self.handlers.apply_announce(ann)
         except Exception as exc:  # noqa: BLE001 - answered by failure(), never kills the sub
@@ -109,6 +116,8 @@ class Identity:
             if reply is not None and msg.reply:
                 await self.ctx.nc.publish(msg.reply, reply[0], headers=reply[1])
             return
+        if before is not None and ann.instance_id is not None and ann.instance_id != before:
+            self.replaced(ann.agent_id, ann.instance_id)
         if msg.reply:
             await self.ctx.nc.publish(msg.reply, body)
 
@@ -116,7 +125,7 @@ class Identity:
         """Accept ``ann`` unless instance ``first`` of the agent still answers."""
         holder = await self._live(ann.agent_id, first)
         if holder is None:
-            await self._apply(msg, ann)
+            await self._apply(msg, ann, first)
             return
         self.conflicts += 1
         self._conflict.inc()

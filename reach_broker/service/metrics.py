@@ -129,6 +129,28 @@ class _RouteCollector(Collector):
         return []
 
 
+class _PartitionBeats(Collector):
+    """``reach_partition_heartbeats_total{partition}`` from the ingest's own counts (a list
+    item incremented per heartbeat: no lock, no label lookup on the hot path)."""
+
+    def __init__(self, counts: list[int]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        beats = CounterMetricFamily(
+            "reach_partition_heartbeats",
+            "Heartbeats received per partition this broker owns or owned (any result; "
+            "reach_heartbeats_total counts them by result)", labels=["partition"],
+        )  # fmt: skip
+        for p, n in enumerate(self._counts):
+            if n:
+                beats.add_metric([str(p)], n)
+        yield beats
+
+    def describe(self) -> Iterable[CounterMetricFamily]:
+        return []
+
+
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -301,10 +323,23 @@ class Metrics:
             "reach_partitions_owned", "Partitions of the fleet whose lease this broker holds",
             registry=r,
         )  # fmt: skip
+        self.partition_mapping = Gauge(
+            "reach_partition_mapping",
+            "How this broker hears the agent subjects (1 for the mode in force): mapped (the "
+            "server maps them into partitions: each owner hears its own), plain (no mapping: "
+            "every broker hears all and keeps its own), mismatch (the server's partition "
+            "count differs from [fleet] partitions: not ready)", ["mode"], registry=r,
+        )  # fmt: skip
+        self.takeovers = Histogram(
+            "reach_partition_takeover_seconds",
+            "Time to take a partition over: its agents restored from its snapshot keys and "
+            "its subjects heard", buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=r,
+        )  # fmt: skip
         self.route_forwards = Counter(
             "reach_route_forwards_total",
             "Route requests forwarded to their capability's owner, by result: ok (relayed), "
-            "timeout, no_owner, not_owner (refused, retryable); answered (received as owner)",
+            "timeout, no_owner, not_owner (refused, retryable); answered (received as owner); "
+            "stand_in (answered for a gone owner)",
             ["result"], registry=r,
         )  # fmt: skip
         self.tables = Counter(
@@ -316,6 +351,10 @@ class Metrics:
 
     def watch_states(self, counts: Callable[[], dict[str, int]]) -> None:
         self.registry.register(_StateCollector(counts))
+
+    def watch_partition_beats(self, counts: list[int]) -> None:
+        """``reach_partition_heartbeats_total``: the ingest's counts, read at each scrape."""
+        self.registry.register(_PartitionBeats(counts))
 
     def follow(self, name: str) -> FollowCounters:
         """What the follow ``name`` (``claims``, ``rules``, ``audit``) counts into."""

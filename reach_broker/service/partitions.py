@@ -12,9 +12,19 @@ for the partition carries it, so a reader can tell one owner's versions from the
 Without JetStream there is nothing to lease: the broker owns every partition (a deployment
 without JetStream runs one broker).
 
-The owner is told (``on_own(partition, epoch)``, ``on_lose(partition)``); the route tables
-(:mod:`reach_broker.service.tables`) publish the shares of what it owns. Issue 24's
-partitioned ingest will follow the same leases.
+**Fair shares.** Every broker announces its presence in the same bucket (key
+``_b.<broker_id>``, renewed every round, aging out with the leases' time to live, deleted at a
+clean stop) and holds at most its fair share, ``ceil(partitions / live brokers)``: it takes
+free partitions only up to it, and hands back what it holds beyond it (a broker joined), so
+the newcomer takes them at its next round. A broker that left or died stops counting once its
+presence key is gone (at once, or within the time to live), and its partitions are taken by
+the others as they fall free.
+
+The owner is told (``on_own(partition, epoch)``: the partition's agents restored, its
+subjects heard, its route-table shares published: :mod:`.takeover`; ``on_lose(partition)``:
+dropped). A takeover runs on a task of its own, so the rounds renew every lease on time while
+partitions are restored (a restore of thousands of agents takes longer than a short lease);
+the first round's takeovers are awaited at start. A partition whose taking fails is released.
 """
 
 from __future__ import annotations
@@ -22,8 +32,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import re
 import secrets
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -48,20 +60,33 @@ class Lease(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 HAND_BACK_S = 1.0
 """How long a stopping broker spends handing its leases back (they lapse anyway)."""
+PRESENCE = "_b."
+"""The presence keys' prefix (``_b.<broker_id>``): never a partition's key."""
 
 _lease = msgspec.json.Decoder(Lease)
 _encode = msgspec.json.Encoder().encode
 
 
+def presence_key(broker_id: str) -> str:
+    """The presence key of ``broker_id`` (characters a key may not hold become ``_``)."""
+    return PRESENCE + re.sub(r"[^-_=a-zA-Z0-9]", "_", broker_id)
+
+
+def fair_share(partitions: int, live: int) -> int:
+    """The most partitions one of ``live`` brokers holds."""
+    return math.ceil(partitions / max(live, 1))
+
+
 class Partitions:
-    """This broker's leases: taken, renewed, handed back; the owner told of each change."""
+    """This broker's leases: taken up to its fair share, renewed, handed back; the owner told
+    of each change."""
 
     def __init__(
         self,
         ctx: BrokerContext,
         cfg: FleetSection,
-        on_own: Callable[[int, int], None],
-        on_lose: Callable[[int], None],
+        on_own: Callable[[int, int], Awaitable[None]],
+        on_lose: Callable[[int], Awaitable[None]],
         *,
         jetstream: Callable[[], bool],
         owned: Any,
@@ -78,60 +103,136 @@ class Partitions:
                                 timeout_s=min(2.0, cfg.lease_ttl_s / 3))  # fmt: skip
         self.held: dict[int, tuple[int, int, float]] = {}
         """Each partition owned: (its epoch, the revision last written, when)."""
+        self.live = 1
+        """Brokers present at the last round (this one among them)."""
+        self._pending: set[asyncio.Task[None]] = set()
+        """Takeovers under way."""
+        self._counted_at = -math.inf
+        """When :attr:`live` was last counted."""
+        self._kv: Any = None
         self._task: asyncio.Task[None] | None = None
 
+    @property
+    def share(self) -> int:
+        """This broker's fair share of the partitions now."""
+        return fair_share(self.cfg.partitions, self.live)
+
     async def start(self) -> None:
-        """Take what is free (every partition, without JetStream), then keep the leases."""
+        """Take up to a fair share of what is free (every partition, without JetStream), then
+        keep the leases."""
         if self._task is not None:
             return
         if not self.jetstream():
             epoch = secrets.randbits(31)
             for p in range(self.cfg.partitions):
                 self._own(p, epoch, 0)
+            await self.settled()
             return
+        self._kv = await self.ctx.nc.jetstream(timeout=self.store.timeout_s).key_value(
+            PARTITIONS_BUCKET
+        )
         await self.round()
-        log.info("partitions.owned count=%d of %d", len(self.held), self.cfg.partitions)
+        await self.settled()
+        log.info("partitions.owned count=%d of %d brokers=%d", len(self.held),
+                 self.cfg.partitions, self.live)  # fmt: skip
         self._task = asyncio.create_task(self._loop(), name="reach-partitions")
 
     async def stop(self) -> None:
-        """Stop renewing and hand every lease back (so another broker takes them at once),
-        within a second in all: a lease not handed back lapses by itself."""
+        """Stop renewing, leave (the presence key deleted) and hand every lease back (so
+        another broker takes them at once), within a second in all: a lease not handed back
+        lapses by itself."""
         if self._task is not None:
             await stop_loops(self._task)
             self._task = None
+            await self.settled()
             free = _encode(Lease(at_ms=self.ctx.wall_ms()))
             backs = [self.store.swap(str(p), free, rev) for p, (_, rev, _at) in self.held.items()]
-            if backs and self.ctx.link.connected:
+            if self.ctx.link.connected:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(HAND_BACK_S):
+                        with contextlib.suppress(Exception):
+                            await self._kv.delete(presence_key(self.ctx.broker_id))
                         await asyncio.gather(*backs, return_exceptions=True)
             for back in backs:
                 back.close()  # those never awaited (the link was down)
         for p in list(self.held):
-            self._lose(p)
+            await self._lose(p)
 
     async def round(self) -> None:
-        """Renew every lease held, take every partition that is free: all at once (one
-        round trip for the lot, so a busy broker still renews well within the time to live)."""
+        """Say this broker is present and count the brokers; renew every lease held (all at
+        once: one round trip for the lot, so a busy broker still renews well within the time
+        to live); hand back what exceeds the fair share, or take free partitions up to it."""
         mine = _encode(Lease(broker_id=self.ctx.broker_id, at_ms=self.ctx.wall_ms()))
-        await asyncio.gather(*(self._keep(p, mine) for p in range(self.cfg.partitions)))
+        await self._count()
+        await asyncio.gather(*(self._renew(p, mine) for p in list(self.held)))
+        share = self.share
+        excess = len(self.held) - share
+        if excess > 0:
+            back = sorted(self.held)[-excess:]
+            log.info("partitions.hand_back partitions=%s brokers=%d share=%d", back, self.live,
+                     share)  # fmt: skip
+            free = _encode(Lease(at_ms=self.ctx.wall_ms()))
+            await asyncio.gather(*(self._hand_back(p, free) for p in back))
+            return
+        unheld = [p for p in range(self.cfg.partitions) if p not in self.held]
+        if not unheld:
+            return
+        start = secrets.randbelow(len(unheld))  # brokers starting together try different ones
+        candidates = unheld[start:] + unheld[:start]
+        while candidates and len(self.held) < share:
+            need = share - len(self.held)
+            batch, candidates = candidates[:need], candidates[need:]
+            await asyncio.gather(*(self._take(p, mine) for p in batch))
 
-    async def _keep(self, p: int, mine: bytes) -> None:
-        """Renew partition ``p``'s lease if held, else take it if free."""
-        key = str(p)
-        held = self.held.get(p)
+    def _alone(self, now: float) -> bool:
+        """Whether this broker counted itself alone within the lease's time to live (a count
+        that failed, or none yet, says nothing)."""
+        return self.live == 1 and now - self._counted_at < self.cfg.lease_ttl_s
+
+    async def _count(self) -> None:
+        """Write this broker's presence key, and count the keys present."""
+        try:
+            await self._kv.put(presence_key(self.ctx.broker_id), b"")
+            watcher = await self._kv.watch(PRESENCE + "*", ignore_deletes=True)
+            live = 0
+            try:
+                while (entry := await watcher.updates(timeout=self.store.timeout_s)) is not None:
+                    live += entry.value is not None
+            finally:
+                with contextlib.suppress(Exception):
+                    await watcher.stop()
+            self.live = max(live, 1)
+            self._counted_at = self.ctx.clock()
+        except Exception as exc:  # noqa: BLE001 - the last count stands
+            log.debug("partitions.count_failed error=%r", exc)
+
+    async def _renew(self, p: int, mine: bytes) -> None:
+        """Renew partition ``p``'s lease."""
+        held = self.held[p]
         now = self.ctx.clock()
         try:
-            if held is not None:
-                revision = await self.store.swap(key, mine, held[1])
-                if p not in self.held:
-                    return  # handed back meanwhile (stop)
-                if revision is None:  # it lapsed and someone took it
-                    log.warning("partitions.lost partition=%d", p)
-                    self._lose(p)
-                else:
-                    self.held[p] = (held[0], revision, now)
-                return
+            revision = await self.store.swap(str(p), mine, held[1])
+        except ClaimsUnavailable as exc:
+            log.debug("partitions.renew_failed partition=%d error=%s", p, exc)
+            if p in self.held and now - held[2] >= self.cfg.lease_ttl_s and not self._alone(now):
+                # Not renewed within its time: it may be another broker's by now. (A broker
+                # alone keeps hearing it: nobody else would; its next renewal that gets
+                # through tells whether someone took it meanwhile.)
+                log.warning("partitions.lapsed partition=%d", p)
+                await self._lose(p)
+            return
+        if p not in self.held:
+            return  # handed back meanwhile (stop)
+        if revision is None:  # it lapsed and someone took it
+            log.warning("partitions.lost partition=%d", p)
+            await self._lose(p)
+        else:
+            self.held[p] = (held[0], revision, now)
+
+    async def _take(self, p: int, mine: bytes) -> None:
+        """Take partition ``p`` if free (never written, lapsed, or handed back)."""
+        key = str(p)
+        try:
             ours, stored = await self.store.create(key, mine)
             if ours:
                 self._own(p, stored.revision, stored.revision)
@@ -140,21 +241,45 @@ class Partitions:
                 if revision is not None:
                     self._own(p, revision, revision)
         except (ClaimsUnavailable, msgspec.MsgspecError) as exc:
-            log.debug("partitions.round_failed partition=%d error=%s", p, exc)
-            if held is not None and p in self.held and now - held[2] >= self.cfg.lease_ttl_s:
-                # Not renewed within its time: it may be someone else's by now.
-                log.warning("partitions.lapsed partition=%d", p)
-                self._lose(p)
+            log.debug("partitions.take_failed partition=%d error=%s", p, exc)
+
+    async def _hand_back(self, p: int, free: bytes) -> None:
+        """Give partition ``p`` up (beyond the fair share): dropped here, then marked free."""
+        held = self.held.get(p)
+        if held is None:
+            return
+        await self._lose(p)
+        try:
+            await self.store.swap(str(p), free, held[1])
+        except ClaimsUnavailable as exc:  # it lapses by itself
+            log.debug("partitions.hand_back_failed partition=%d error=%s", p, exc)
 
     def _own(self, p: int, epoch: int, revision: int) -> None:
+        """Partition ``p`` is held: its takeover starts on a task of its own."""
         self.held[p] = (epoch, revision, self.ctx.clock())
         self.owned.set(len(self.held))
-        self.on_own(p, epoch)
+        task = asyncio.create_task(self._take_over(p, epoch), name=f"reach-takeover-{p}")
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
 
-    def _lose(self, p: int) -> None:
-        del self.held[p]
+    async def _take_over(self, p: int, epoch: int) -> None:
+        try:
+            await self.on_own(p, epoch)
+        except Exception:  # noqa: BLE001 - not heard: not kept (its lease lapses)
+            log.exception("partitions.own_failed partition=%d: released", p)
+            if p in self.held:
+                await self._lose(p)
+
+    async def settled(self) -> None:
+        """Wait for the takeovers under way."""
+        while self._pending:
+            await asyncio.gather(*list(self._pending), return_exceptions=True)
+
+    async def _lose(self, p: int) -> None:
+        if self.held.pop(p, None) is None:
+            return
         self.owned.set(len(self.held))
-        self.on_lose(p)
+        await self.on_lose(p)
 
     async def _loop(self) -> None:
         every = self.cfg.lease_ttl_s / 3

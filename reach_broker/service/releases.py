@@ -223,13 +223,27 @@ class Releaser:
         if (t.to == "offline" or t.kind == "evicted") and t.agent_id in self._running:
             self.ctx.spawn(self.release(t.agent_id, t.reason), "claims-release")
 
-    async def release(self, agent_id: str, why: str, pause_s: float = RELEASE_RETRY_S) -> int:
-        """Release every running claim ``agent_id`` holds; returns how many this replica
-        released (another replica, or the holder finishing, may have been first). A release
-        the bucket did not take is tried again (after ``pause_s``, doubling) while the agent
-        stays gone: a claim left ``running`` would keep its request from ever running."""
+    def replaced(self, agent_id: str, instance: str) -> None:
+        """A new process of ``agent_id`` (``instance``) was accepted over an old one: the
+        old one is gone, as if declared offline, so the claims its instances hold are
+        released (not the new one's)."""
+        if self.follower is None:
+            return
+        if any(c.instance != instance for _, c in self._running.get(agent_id, {}).values()):
+            why = f"a new process of it announced (instance {instance})"
+            self.ctx.spawn(self.release(agent_id, why, keep=instance), "claims-release")
+
+    async def release(self, agent_id: str, why: str, pause_s: float = RELEASE_RETRY_S, *,
+                      keep: str | None = None) -> int:  # fmt: skip
+        """Release every running claim ``agent_id`` holds (but those of instance ``keep``);
+        returns how many this replica released (another replica, or the holder finishing,
+        may have been first). A release the bucket did not take is tried again (after
+        ``pause_s``, doubling) while the agent stays gone: a claim left ``running`` would
+        keep its request from ever running."""
         done = failed = 0
         for key, (revision, claim) in list(self._running.get(agent_id, {}).items()):
+            if keep is not None and claim.instance == keep:
+                continue
             reason = (f"claim of request {claim.request_id} released: holder {agent_id!r} "
                       f"declared offline before finishing ({why})")  # fmt: skip
             released = msgspec.structs.replace(claim, state="released", at_ms=self.ctx.wall_ms(),

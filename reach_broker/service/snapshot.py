@@ -1,24 +1,27 @@
 """The registry snapshot in KV ``reach_registry``: written as agents change, read at start.
 
-One key per agent (the agent id; broker-private keys start with ``_``, which no agent id
-does) holding the agent's last announce, state and task-time history (its task EWMA).
-Announces and transitions mark an agent dirty, and so does a task EWMA that moved by more
-than ``DRIFT`` since it was written (looked at every ``STATS_S``); a flush loop writes
-dirty agents at most every ``FLUSH_S`` and only when the stored value would change, so a
-steady fleet costs next to no writes. An evicted agent's key is deleted.
+One key per agent (``<partitions>.<partition>.<agent_id>``: a partition taken over reads its
+own keys alone; broker-private keys start with ``_``, which no key of an agent does) holding
+the agent's last announce, state and task-time history (its task EWMA). Announces and
+transitions mark an agent dirty, and so does a task EWMA that moved by more than ``DRIFT``
+since it was written (looked at every ``STATS_S``); a flush loop writes dirty agents at most
+every ``FLUSH_S`` and only when the stored value would change, so a steady fleet costs next
+to no writes. An evicted agent's key is deleted.
 
-Writes go out in batches of at most :data:`BATCH`: a batch's publishes are pipelined on
-the connection and their acknowledgements awaited together (one round trip a batch, so N
-changed agents cost ceil(N / BATCH) round trips, and never more than a batch in flight).
-A write not acknowledged within :data:`ACK_TIMEOUT_S` (or refused) leaves its agent dirty,
-as it leaves every agent of the later batches: the next round, a second later, writes them.
+Writes go out in batches of at most :data:`BATCH`: a batch's publishes are pipelined on the
+connection and their acknowledgements awaited together (one round trip a batch, so N changed
+agents cost ceil(N / BATCH) round trips, and never more than a batch in flight). A write not
+acknowledged within :data:`ACK_TIMEOUT_S` (or refused) leaves its agent dirty, as it leaves
+every agent of the later batches: the next round, a second later, writes them.
 
-At start, before probes and advisories run, every stored agent the broker has not heard
-from is restored as ``suspect`` (``offline``/``draining`` stay so) with its task EWMA:
-known to ``reach agents`` at once, routable as soon as its next heartbeat (or a probe
-answer) confirms it, and scored against the capability's usual task time rather than from
-nothing. A second replica therefore starts with the same registry without any agent
-re-announcing.
+When the broker takes a partition (at start, or over from another broker), before it hears
+the partition's subjects, every stored agent of it the broker has not heard from is restored
+as ``suspect`` (``offline``/``draining`` stay so) with its task EWMA: known to ``reach
+agents`` at once, routable as soon as its next heartbeat (or a probe answer) confirms it,
+and scored against the capability's usual task time rather than from nothing. A broker
+taking a partition over therefore holds its agents without any of them re-announcing. A
+partition handed over is forgotten (:meth:`Snapshot.forget`): its keys are the new owner's
+to write.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import msgspec
 from jetstream.names import REGISTRY_BUCKET
 from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
+from reach_agent.routing.table import partition
 from reach_agent.wire import schema
 from reach_agent.wire.errors import InvalidRequest
 from reach_agent.wire.schema import AgentState, Announce
@@ -53,6 +57,8 @@ RETRY_S = 1.0
 STATS_S = 10.0
 """How often the task EWMAs are compared with what the bucket holds."""
 DRIFT = 0.2
+WATCH_TRIES = 3
+"""Reads of a partition that came back empty while the bucket holds keys of it."""
 """A task EWMA is written again when it moved by more than this share."""
 
 
@@ -112,11 +118,12 @@ class Snapshot:
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
+        """Open the bucket and start writing; each partition is restored when it is taken
+        (:meth:`restore_partition`)."""
         if self._tasks:
             return
         self.js = self.ctx.nc.jetstream(timeout=ACK_TIMEOUT_S)
         self.kv = await self.js.key_value(REGISTRY_BUCKET)
-        await self.restore()
         self._tasks = [
             asyncio.create_task(self._flusher(), name="reach-snapshot"),
             asyncio.create_task(self._stats_loop(), name="reach-snapshot-stats"),
@@ -130,36 +137,88 @@ class Snapshot:
         with contextlib.suppress(Exception):
             await self._flush()
 
+    def key(self, agent_id: str) -> str:
+        """The key of ``agent_id``: ``<partitions>.<partition>.<agent_id>`` (a partition is
+        read alone; another partition count reads nothing written under this one)."""
+        count = self.registry.partitions
+        return f"{count}.{partition(agent_id, count)}.{agent_id}"
+
     # --- restore ------------------------------------------------------------------------
 
-    async def restore(self) -> int:
-        """Load every stored agent into the registry as not-yet-heard-from."""
-        watcher = await self.kv.watchall(ignore_deletes=True)
+    async def restore_partition(self, p: int) -> list[str]:
+        """Load partition ``p``'s stored agents into the registry as not-yet-heard-from
+        (O(partition): its keys alone are read); returns the ids restored. Nothing without
+        JetStream (the snapshot not running)."""
+        if not self._tasks:
+            return []
+        keys = f"{self.registry.partitions}.{p}.*"
+        for _ in range(WATCH_TRIES):
+            recs, seen = await self._restore_keys(keys)
+            # nats-py's watch can say "no more" before it hands over anything (its consumer
+            # counted nothing pending yet): a partition read as empty is asked again when
+            # the stream says it holds keys of it.
+            if seen or not await self._holds(keys):
+                break
+            log.info("snapshot.restore_empty partition=%d: the bucket holds keys of it; "
+                     "reading again", p)  # fmt: skip
+        self.registry.restored(self.ctx.clock(), recs)
+        self.restored += len(recs)
+        log.debug("snapshot.restored partition=%d agents=%d", p, len(recs))
+        return [rec.agent_id for rec in recs]
+
+    async def _holds(self, keys: str) -> bool:
+        """Whether the bucket's stream holds a message on any of ``keys``."""
+        info = await self.js.stream_info(f"KV_{REGISTRY_BUCKET}", subjects_filter=_SUBJECT + keys)
+        return bool(info.state.subjects)
+
+    async def _restore_keys(self, keys: str) -> tuple[list[AgentRecord], int]:
+        """Restore the agents stored under ``keys``: (those restored, entries seen)."""
+        watcher = await self.kv.watch(keys, ignore_deletes=True)
         now, wall_ms = self.ctx.clock(), self.ctx.wall_ms()
-        count = 0
+        recs: list[AgentRecord] = []
+        seen = 0
         try:
             while True:
                 entry = await watcher.updates(timeout=5.0)
                 if entry is None:  # initial values done
                     break
-                if entry.key.startswith("_") or not entry.value:
+                seen += 1
+                if not entry.value:
                     continue
+                agent_id = entry.key[entry.key.rfind(".") + 1 :]
                 try:
                     snap = _entry_decoder.decode(entry.value)
-                    ann = schema.validate_announce(snap.announce, entry.key)
+                    ann = schema.validate_announce(snap.announce, agent_id)
                 except (msgspec.MsgspecError, InvalidRequest) as exc:
                     log.warning("snapshot.bad_entry key=%s error=%s", entry.key, exc)
                     continue
-                self._written[entry.key] = (ann, snap.state, snap.task_ms)
+                self._written[agent_id] = (ann, snap.state, snap.task_ms)
                 rec = self.registry.restore(ann, snap.state, now, wall_ms, snap.task_ms)
-                count += rec is not None
+                if rec is not None:
+                    recs.append(rec)
         finally:
             with contextlib.suppress(Exception):
                 await watcher.stop()
-        self.registry.restored(now)
-        self.restored = count
-        log.info("snapshot.restored agents=%d bucket=%s", count, REGISTRY_BUCKET)
-        return count
+        return recs, seen
+
+    async def flush_now(self, timeout_s: float) -> bool:
+        """Write what is dirty now (a partition is about to be handed over); whether it all
+        went out within ``timeout_s`` (True when the snapshot is not running)."""
+        if not self._tasks:
+            return True
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._flush()
+        except Exception:  # noqa: BLE001 - the dirty keys stay dirty
+            return False
+        return True
+
+    def forget(self, agent_ids: list[str]) -> None:
+        """These agents are another broker's now (their partition was handed over): no
+        longer written, nor deleted, by this one."""
+        for agent_id in agent_ids:
+            self._written.pop(agent_id, None)
+            self._dirty.discard(agent_id)
 
     # --- writing ------------------------------------------------------------------------
 
@@ -263,9 +322,10 @@ class Snapshot:
         try:
             for agent_id, written, value in batch:
                 if written is None:
-                    futures.append(await js.publish_async(_SUBJECT + agent_id, headers=_DELETE))
+                    futures.append(await js.publish_async(_SUBJECT + self.key(agent_id),
+                                                          headers=_DELETE))  # fmt: skip
                 else:
-                    futures.append(await js.publish_async(_SUBJECT + agent_id, value))
+                    futures.append(await js.publish_async(_SUBJECT + self.key(agent_id), value))
             self.rounds += 1
             if futures:
                 await asyncio.wait(futures, timeout=ACK_TIMEOUT_S)

@@ -1,0 +1,297 @@
+"""``python -m loadtest --brokers N``: N broker processes over one nats-server, each owning a
+share of the fleet's partitions.
+
+Starts a ``nats-server`` from the shipped ``configs/nats-server.conf`` (its partition count
+set to ``--partitions``, so the server maps the agent subjects), N ``reach broker`` processes
+(``[fleet] partitions``, ``lease_ttl_s`` from the options) and the simulated agents
+(:mod:`loadtest.sim`, ``--sim-procs`` processes). Then:
+
+1. settle: every partition owned, no broker above ``ceil(P / N)``;
+2. register: every agent announced and counted healthy by the brokers together;
+3. measure ``--measure`` seconds: each broker's ``reach_heartbeats_total{result="accepted"}``
+   growth and its share of the sum (the sims' own count of heartbeats sent over the same
+   window, paused and flushed at both ends, is the fleet's total), each broker's RSS and its
+   RSS per agent it holds (over its RSS before the agents came);
+4. with ``--kill``: SIGKILL of the last broker; the time until the others own every partition
+   again, ``offline`` events seen afterwards (there must be none), the agents each survivor
+   then holds.
+
+Route requests (``reach.route.<capability>``, one every 100 ms, 1 s timeout each) run from
+registration to the end: answered, unanswered, and the longest time from an unanswered
+request to the next answered one. The report is one JSON object on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import nats
+
+from reach_broker.cluster.natsserver import NatsServer
+
+from .children import Children, free_port
+from .fleet import Fleet
+from .observe import scrape
+from .procfs import loadavg, rss_bytes
+from .sim import CAPABILITIES
+
+ROOT = Path(__file__).resolve().parent.parent
+OWNED = "reach_partitions_owned"
+ACCEPTED = 'reach_heartbeats_total{result="accepted"}'
+STATES = ("healthy", "suspect", "offline", "recovering", "draining")
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--brokers",
+        type=int,
+        default=0,
+        help="run N broker processes over one server (this module); 0: one broker",
+    )
+    p.add_argument("--partitions", type=int, default=32, help="[fleet] partitions (--brokers)")
+    p.add_argument("--lease-ttl", type=float, default=6.0, help="[fleet] lease_ttl_s (--brokers)")
+    p.add_argument(
+        "--measure",
+        type=float,
+        default=20.0,
+        help="seconds the heartbeat shares are measured over (--brokers)",
+    )
+    p.add_argument("--kill", action="store_true",
+                   help="SIGKILL the last broker and time the takeover (--brokers)")  # fmt: skip
+
+
+class Broker:
+    def __init__(self, name: str, child: Any, metrics_port: int) -> None:
+        self.name = name
+        self.child = child
+        self.url = f"http://127.0.0.1:{metrics_port}/metrics"
+
+    async def metrics(self) -> dict[str, float]:
+        try:
+            return await asyncio.to_thread(scrape, self.url)
+        except OSError:
+            return {}
+
+    def rss(self) -> int | None:
+        return rss_bytes(self.child.pid) if self.child.alive() else None
+
+
+def server_config(tmp: Path, partitions: int) -> Path:
+    """The shipped server config, mapping into ``partitions``."""
+    text = (ROOT / "configs" / "nats-server.conf").read_text()
+    conf = tmp / "nats-server.conf"
+    conf.write_text(text.replace("partition(32,1)", f"partition({partitions},1)"))
+    return conf
+
+
+async def wait(predicate: Any, within: float, what: str, every: float = 0.2) -> float:
+    """Poll the async ``predicate`` until true; the seconds it took."""
+    t0 = time.monotonic()
+    while not await predicate():
+        if time.monotonic() - t0 > within:
+            raise RuntimeError(f"timed out after {within}s waiting for {what}")
+        await asyncio.sleep(every)
+    return time.monotonic() - t0
+
+
+class Routes:
+    """A route request every 100 ms (1 s timeout), from start to stop."""
+
+    def __init__(self, nc: Any, prefix: str) -> None:
+        self.nc = nc
+        self.prefix = prefix
+        self.sent: list[tuple[float, bool]] = []
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def _one(self, capability: str) -> None:
+        t0 = time.monotonic()
+        try:
+            await self.nc.request(f"{self.prefix}.route.{capability}", b"", timeout=1.0)
+        except Exception:  # noqa: BLE001 - an unanswered request is what is counted
+            self.sent.append((t0, False))
+        else:
+            self.sent.append((t0, True))
+
+    async def _loop(self) -> None:
+        pending = []
+        i = 0
+        while not self._stop.is_set():
+            pending.append(asyncio.create_task(self._one(CAPABILITIES[i % 3])))
+            i += 1
+            await asyncio.sleep(0.1)
+        await asyncio.gather(*pending)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        if self._task is not None:
+            await self._task
+        sent = sorted(self.sent)
+        lost = [t for t, ok in sent if not ok]
+        outage = 0.0
+        for t in lost:
+            nxt = next((u for u, ok in sent if ok and u > t), None)
+            outage = max(outage, (nxt - t) if nxt is not None else math.inf)
+        return {"routes_sent": len(sent), "routes_unanswered": len(lost),
+                "route_outage_max_s": round(outage, 3)}  # fmt: skip
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    a = args
+    n, p = a.brokers, a.partitions
+    tmp = Path(tempfile.mkdtemp(prefix="reach-brokers-"))
+    server = NatsServer(port=0, store_dir=tmp / "nats", config=server_config(tmp, p))
+    server.start()
+    children = Children()
+    report: dict[str, Any] = {
+        "brokers": n, "partitions": p, "agents": a.agents, "interval_s": a.interval,
+        "lease_ttl_s": a.lease_ttl, "loadavg_start": loadavg(), "host_cores": os.cpu_count(),
+    }  # fmt: skip
+    nc = await nats.connect(server.url, name="loadtest-brokers")
+    try:
+        brokers = []
+        for i in range(n):
+            conf = tmp / f"b{i}.toml"
+            fleet_section = f"[fleet]\npartitions = {p}\nlease_ttl_s = {a.lease_ttl}\n"
+            conf.write_text(f'[broker]\nbroker_id = "b{i}"\n' + fleet_section)
+            port = free_port()
+            child = await children.broker(server.url, a.prefix, port, str(conf),
+                                          verbose=a.verbose)  # fmt: skip
+            brokers.append(Broker(f"b{i}", child, port))
+        share = math.ceil(p / n)
+
+        async def settled() -> bool:
+            owned = [(await b.metrics()).get(OWNED, -1.0) for b in brokers]
+            return min(owned) >= 0 and sum(owned) == p and max(owned) <= share
+
+        report["settle_s"] = round(await wait(settled, 60 + 10 * a.lease_ttl, "the split"), 2)
+        rss0 = [b.rss() for b in brokers]
+
+        fleet = await Fleet.spawn(children, a, server.url)
+        await fleet.ready(120 + a.agents / 100)
+
+        async def registered() -> bool:
+            ms = [await b.metrics() for b in brokers]
+            return (
+                sum(m.get(f'reach_agents{{state="{s}"}}', 0) for m in ms for s in STATES)
+                >= a.agents
+            )
+
+        report["register_s"] = round(await wait(registered, 120 + a.agents / 100,
+                                                "every agent registered"), 2)  # fmt: skip
+        routes = Routes(nc, a.prefix)
+        routes.start()
+        await asyncio.sleep(max(2.0, 2 * a.interval))  # records settle
+
+        # Measure: the sims paused (flushed) at both ends, so their count and the brokers'
+        # cover the same heartbeats.
+        sent0 = await fleet.heartbeats_sent()
+        await asyncio.sleep(0.5)
+        hb0 = [(await b.metrics()).get(ACCEPTED, 0.0) for b in brokers]
+        await fleet.resume()
+        await asyncio.sleep(a.measure)
+        sent1 = await fleet.heartbeats_sent()
+        await asyncio.sleep(1.0)  # the last ones handled
+        ms = [await b.metrics() for b in brokers]
+        await fleet.resume()
+        sent = sent1 - sent0
+        got = [m.get(ACCEPTED, 0.0) - x for m, x in zip(ms, hb0, strict=True)]
+        held = [int(sum(m.get(f'reach_agents{{state="{s}"}}', 0) for s in STATES)) for m in ms]
+        healthy = [int(m.get('reach_agents{state="healthy"}', 0)) for m in ms]
+        rss1 = [b.rss() for b in brokers]
+        report["measure"] = {
+            "heartbeats_sent": sent,
+            "heartbeats_counted": int(sum(got)),
+            "shares_pct": [round(100 * g / sent, 1) if sent else None for g in got],
+            "partitions_owned": [int(m.get(OWNED, 0)) for m in ms],
+            "agents_held": held,
+            "agents_healthy": healthy,
+            "rss_mib": [round(r / 2**20, 1) if r else None for r in rss1],
+            "rss_per_agent_bytes": [
+                round((r1 - r0) / h) if r0 and r1 and h else None
+                for r0, r1, h in zip(rss0, rss1, held, strict=True)
+            ],
+        }
+        if a.kill:
+            report["kill"] = await kill(brokers, nc, a, p)
+        report.update(await routes.stop())
+        report["loadavg_end"] = loadavg()
+        return report
+    finally:
+        await children.stop_all()
+        with contextlib.suppress(Exception):
+            await nc.close()
+        server.stop()
+
+
+async def kill(brokers: list[Broker], nc: Any, a: argparse.Namespace, p: int) -> dict[str, Any]:
+    """SIGKILL the last broker; how long until the others own every partition, and whether
+    any agent went offline meanwhile."""
+    offline: list[str] = []
+
+    async def on_event(msg: Any) -> None:
+        with contextlib.suppress(ValueError):
+            if json.loads(msg.data).get("to") == "offline":
+                offline.append(msg.subject)
+
+    sub = await nc.subscribe(f"{a.prefix}.event.>", cb=on_event)
+    victim, survivors = brokers[-1], brokers[:-1]
+    took0 = [await b.metrics() for b in survivors]
+    with contextlib.suppress(ProcessLookupError):
+        victim.child.proc.send_signal(signal.SIGKILL)
+    await victim.child.proc.wait()
+
+    async def owned() -> bool:
+        return sum([(await b.metrics()).get(OWNED, 0) for b in survivors]) == p
+
+    took = await wait(owned, 120, "the survivors owning every partition", every=0.05)
+    await asyncio.sleep(max(3.0, 3 * a.interval))  # heard over several heartbeats
+    ms = [await b.metrics() for b in survivors]
+    await sub.unsubscribe()
+    return {
+        "takeover_s": round(took, 2),
+        "offline_events": len(offline),
+        "agents_held_after": [
+            int(sum(m.get(f'reach_agents{{state="{s}"}}', 0) for s in STATES)) for m in ms
+        ],
+        "healthy_after": [int(m.get('reach_agents{state="healthy"}', 0)) for m in ms],
+        # Each partition taken over: restored from its snapshot keys, heard, published.
+        "partition_takeover_mean_s": [
+            round(
+                (m.get(f"{k}_sum", 0) - m0.get(f"{k}_sum", 0))
+                / max(m.get(f"{k}_count", 0) - m0.get(f"{k}_count", 0), 1),
+                3,
+            )
+            for m, m0 in zip(ms, took0, strict=True)
+            for k in ("reach_partition_takeover_seconds",)
+        ],
+        "partitions_taken_over": [
+            int(
+                m.get("reach_partition_takeover_seconds_count", 0)
+                - m0.get("reach_partition_takeover_seconds_count", 0)
+            )
+            for m, m0 in zip(ms, took0, strict=True)
+        ],
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    report = asyncio.run(run(args))
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.report:
+        Path(args.report).write_text(text + "\n")
+    return 0

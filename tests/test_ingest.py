@@ -1,0 +1,86 @@
+"""How a broker hears the agent subjects: the check of the server's mapping (its tokens tell
+every other partition count), and the three modes on real servers: ``mapped`` (the shipped
+config), ``plain`` (a bare nats-server), ``mismatch`` (the shipped config, another count)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import nats
+from nats.aio.client import Client as NATS
+
+from reach_agent.routing.table import partition
+from reach_broker.broker import Broker
+from reach_broker.service.ingest import check_tokens
+from reach_broker.service.metrics import Metrics
+
+from .conftest import BrokerFactory, fast_config, wait_for
+
+
+def test_the_check_tokens_tell_every_other_partition_count() -> None:
+    for count in (1, 2, 7, 8, 32, 100):
+        tokens = check_tokens(count, "salt")
+        assert all(partition(t, count) == count - 1 for t in tokens)
+        for other in range(1, 400):
+            if other != count:
+                assert any(partition(t, other) != count - 1 for t in tokens), (count, other)
+
+
+async def announce_and_beat(nc: NATS, agent_id: str) -> None:
+    body = {"agent_id": agent_id, "capabilities": ["ing"], "max_concurrency": 1,
+            "heartbeat_interval_ms": 1000}  # fmt: skip
+    reply = await nc.request(f"reach.announce.{agent_id}", json.dumps(body).encode(), timeout=5)
+    token = json.loads(reply.data)["token"]
+    hb = {"agent_id": agent_id, "token": token, "seq": 1}
+    await nc.publish(f"reach.hb.{agent_id}", json.dumps(hb).encode())
+    await nc.flush()
+
+
+def mode_gauge(broker: Broker) -> dict[str, float]:
+    g = broker.metrics.partition_mapping
+    return {m: g.labels(m)._value.get() for m in ("mapped", "plain", "mismatch")}
+
+
+def beats(broker: Broker) -> float:
+    value: float = broker.metrics.heartbeat_result["accepted"]._value.get()
+    return value
+
+
+async def test_mapped_on_the_shipped_config(broker: Broker, nc: NATS) -> None:
+    assert broker.ingest.mode == "mapped"
+    assert mode_gauge(broker) == {"mapped": 1.0, "plain": 0.0, "mismatch": 0.0}
+    await announce_and_beat(nc, "ing-mapped")
+    await wait_for(lambda: beats(broker) == 1, what="the heartbeat")
+    p = partition("ing-mapped", 32)
+    assert broker.ingest.beats[p] == 1 and sum(broker.ingest.beats) == 1
+    assert broker.not_ready() is None
+
+
+async def test_plain_on_a_server_that_does_not_map(plain_server: str) -> None:
+    broker = Broker(fast_config(plain_server), metrics=Metrics())
+    await broker.start()
+    nc: Any = await nats.connect(plain_server)
+    try:
+        assert broker.ingest.mode == "plain"
+        assert mode_gauge(broker) == {"mapped": 0.0, "plain": 1.0, "mismatch": 0.0}
+        await announce_and_beat(nc, "ing-plain")
+        await wait_for(lambda: beats(broker) == 1, what="the heartbeat")
+        assert broker.ingest.beats[partition("ing-plain", 32)] == 1
+    finally:
+        await nc.close()
+        await broker.stop()
+
+
+async def test_a_mismatch_is_refused_visibly_and_no_agent_is_mispartitioned(
+    broker_factory: BrokerFactory, nc: NATS
+) -> None:
+    broker = await broker_factory(fleet__partitions=8)  # the server maps into 32
+    assert broker.ingest.mode == "mismatch"
+    assert mode_gauge(broker) == {"mapped": 0.0, "plain": 0.0, "mismatch": 1.0}
+    reason = broker.not_ready()
+    assert reason is not None and "[fleet] partitions = 8" in reason
+    await announce_and_beat(nc, "ing-mismatch")
+    await wait_for(lambda: beats(broker) == 1, what="the heartbeat")
+    # Counted in the agent's partition by the broker's own count, not the server's.
+    assert broker.ingest.beats[partition("ing-mismatch", 8)] == 1
