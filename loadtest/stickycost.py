@@ -9,13 +9,16 @@ in turn, ``--rounds`` times: ``plain`` (an empty body: the yardstick of the same
 another joins every ``--churn-every`` requests: a membership change). Each figure is the
 best round's microseconds per request. ``bytes_per_agent`` is what the registry and its
 index hold per agent once a sticky route has been answered (tracemalloc; the process's own
-baseline subtracted). Run it from two checkouts (``PYTHONPATH=<checkout>``) to compare a
-change with its parent, alternated.
+baseline subtracted). With ``--warm-slots`` a key of each of the 4,096 sticky-key slots
+(docs/protocol.md, "Sticky keys") is asked first, not timed, and ``bytes_per_agent_warm`` is
+what is held then: a capability's slots all remembered, its steady state. Run it from two
+checkouts (``PYTHONPATH=<checkout>``) to compare a change with its parent, alternated.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import time
 import tracemalloc
@@ -33,6 +36,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--batch", type=int, default=2000, help="requests per kind and round")
     p.add_argument("--churn-every", type=int, default=100)
+    p.add_argument("--warm-slots", action="store_true",
+                   help="ask a key of every sticky-key slot first (not timed)")  # fmt: skip
     args = p.parse_args()
 
     tracemalloc.start()
@@ -41,6 +46,11 @@ def main() -> None:
     keys = [f'{{"sticky_key":"user-{i}"}}'.encode() for i in range(500)]
     h.route(SUBJECT, keys[0], "caller-1")  # the first sticky route (a ring was built here)
     held = tracemalloc.get_traced_memory()[0] - base
+    held_warm = None
+    if args.warm_slots:
+        for key in slot_keys():
+            h.route(SUBJECT, key, "caller-1")
+        held_warm = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
 
     reg, now = h.registry, [1.0]
@@ -84,7 +94,22 @@ def main() -> None:
         "us_per_request": {k: round(v, 2) for k, v in best.items()},
         "sticky_again_over_plain": round(best["sticky_again"] / best["plain"], 3),
         "bytes_per_agent": round(held / args.agents),
+        **({} if held_warm is None else
+           {"bytes_per_agent_warm": round(held_warm / args.agents)}),
     }))  # fmt: skip
+
+
+def slot_keys() -> list[bytes]:
+    """A route body for one key of each of the 4,096 slots (the top 12 bits of the key's
+    blake2b-64), computed here so the same keys are asked of a checkout without slots."""
+    bodies: dict[int, bytes] = {}
+    i = 0
+    while len(bodies) < 4096:
+        key = f"slot-{i}"
+        digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+        bodies.setdefault(int.from_bytes(digest, "big") >> 52, f'{{"sticky_key":"{key}"}}'.encode())
+        i += 1
+    return list(bodies.values())
 
 
 if __name__ == "__main__":

@@ -268,10 +268,10 @@ class ConsoleSection(Section):
     """How often a watching page gets the fleet (and at once after a transition)."""
     max_agents: Annotated[int, Meta(ge=1)] = 500
     """Agents sent to the page, the least healthy first (the counts cover all)."""
-    chart_agents: Annotated[int, Meta(ge=0)] = 10_000
+    chart_agents: Annotated[int, Meta(ge=0)] = 1_000
     """Agents with a chart (samples kept) at most: the history's memory and its tick's work
-    are bounded by it whatever the fleet (beyond it a newcomer is charted once a charted
-    agent leaves)."""
+    are bounded by it whatever the fleet (beyond it the charts are a sample: the first agents
+    seen, then each agent a viewer opens, taking the ring opened least recently)."""
 
 
 class A2ASection(Section):

@@ -213,7 +213,7 @@ async def test_two_replicas_same_state_route_answered_once(
     await wait_for(lambda: len(replies) >= 20, 3, what="20 replies")
     await asyncio.sleep(0.2)  # give a duplicate reply time to arrive, then count exactly
     assert len(replies) == 20
-    served = [b.metrics.route_result[r]._value.get() for b in (b1, b2)
+    served = [b.metrics.route_result[r].value for b in (b1, b2)
               for r in ("ok", "no_agent")]  # fmt: skip
     assert sum(served) == 20
 
@@ -291,9 +291,9 @@ async def test_bad_heartbeats_are_dropped_and_counted(nc: NATS, broker: Broker) 
 
 
 FAILURE_COUNTERS: dict[str, Any] = {
-    "route": lambda m: m.route_result["error"],
-    "announce": lambda m: m.announce_result["error"],
-    "leave": lambda m: m.leaves.labels("error"),
+    "route": lambda m: m.route_result["error"].value,
+    "announce": lambda m: m.announce_result["error"]._value.get(),
+    "leave": lambda m: m.leaves.labels("error")._value.get(),
 }
 
 
@@ -327,7 +327,7 @@ async def test_a_failing_handler_answers_internal_and_counts_it(
         "code": "INTERNAL", "message": f"{name} failed: RuntimeError('boom')"
     }  # fmt: skip
     if name in FAILURE_COUNTERS:  # reach.agents has no counter
-        assert FAILURE_COUNTERS[name](broker.metrics)._value.get() == 1
+        assert FAILURE_COUNTERS[name](broker.metrics) == 1
     monkeypatch.undo()
     again = await nc.request("reach.route.text_processing", b"", timeout=2)
     assert [c["agent_id"] for c in json.loads(again.data)["candidates"]] == ["a2"]

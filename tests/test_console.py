@@ -168,6 +168,36 @@ def test_charts_are_bounded_whatever_the_fleet() -> None:
     assert "zz" not in h.series
 
 
+def test_beyond_the_bound_a_viewer_gets_the_chart_of_the_agent_it_opens() -> None:
+    h = History(5.0, 20.0, events=10, chart_agents=3)
+    fleet = {f"a{i}": record(f"a{i}") for i in range(5)}
+    h.sample(0, fleet)
+    assert list(h.series) == ["a0", "a1", "a2"]
+    h.watch("a4")  # full: the ring charted first (a0) goes to it
+    assert list(h.series) == ["a1", "a2", "a4"] and h.samples("a4").at_ms == []
+    h.sample(5000, fleet)
+    assert h.samples("a4").at_ms == [5000] and h.samples("a0").at_ms == []
+    h.watch("a1")  # charted: only moved to the back of the order rings are given away in
+    h.watch("a3")
+    assert list(h.series) == ["a4", "a1", "a3"]
+    assert h.samples("a1").at_ms == [0, 5000]
+    h.sample(10_000, fleet)
+    assert h.samples("a3").at_ms == [10_000]
+
+
+def test_an_agent_without_a_chart_shows_its_transitions_from_the_timeline() -> None:
+    h = History(5.0, 20.0, events=10, chart_agents=1)
+    h.event(event("x", 1000))
+    h.event(event("y", 2000))
+    h.event(event("y", 3000, to="healthy"))
+    assert list(h.series) == ["x"]  # full: y has no ring, its transitions are the timeline's
+    assert [e.event.at_ms for e in h.transitions("y")] == [2000, 3000]
+    h.watch("y")
+    assert list(h.series) == ["y"] and h.transitions("x") == [h.events[0]]
+    h.event(event("y", 4000))
+    assert [e.event.at_ms for e in h.transitions("y")] == [2000, 3000, 4000]
+
+
 def test_released_claims_of_one_agent_are_told_apart() -> None:
     h = History(5.0, 10.0, events=10)
     for broker, rid in (("b1", "r1"), ("b2", "r2"), ("b2", "r1")):

@@ -39,7 +39,7 @@ CALLERS = 6
 
 
 def routes(broker: Broker, result: str) -> float:
-    return broker.metrics.route_result[result]._value.get()
+    return broker.metrics.route_result[result].value
 
 
 async def callers(

@@ -7,8 +7,8 @@ route walks the ranking from the top (:mod:`reach_agent.routing.filters`) and st
 has enough candidates, so its cost does not grow with the fleet. State is re-checked during
 the walk, so an agent that just went ``suspect`` is skipped at once even before the next
 rebuild. A sticky key goes to its heaviest member by rendezvous (highest random weight)
-hashing over all members (:mod:`reach_agent.routing.hashing`), walking down the weights past
-members that are not routable.
+hashing of the key's slot over all members (:mod:`reach_agent.routing.hashing`), walking
+down the weights past members that are not routable.
 
 Outliers: healthy agents scoring below ``min_reach_score`` are ejected, but never more than
 ``max_eject_share`` of a capability's healthy agents at once (the best low scorers stay in).
@@ -196,7 +196,7 @@ class Chooser(Generic[M]):
     ) -> M:
         """The owner of ``key``: the member weighing most for it (rendezvous hashing) that is
         in the pool, or routable beyond it; the next heaviest when it is neither. A key the
-        index remembers costs a lookup, another one weighing every member once."""
+        index's slot remembers costs a lookup (any key of a slot asked before)."""
         heaviest = idx.heaviest(key)
         for _, rec in heaviest:
             if self._owns(rec, pool, walk, now):

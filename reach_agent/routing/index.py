@@ -5,8 +5,9 @@ Its owner (the broker's registry, a caller's route tables) tells an index what c
 asks it to :meth:`~CapabilityIndex.refresh` before a walk, which re-ranks only when something
 changed and at most every
 ``rank_refresh_ms`` (score-only changes: every ``REORDER_FACTOR`` x that). Ranking applies the
-outlier and panic rules of :mod:`reach_agent.routing.choice`. Sticky keys need nothing kept per
-capability: each member carries its id's hash (:mod:`reach_agent.routing.hashing`).
+outlier and panic rules of :mod:`reach_agent.routing.choice`. Sticky keys: each member carries
+its id's hash (:mod:`reach_agent.routing.hashing`) and each index the heaviest members of the
+slots asked (at most :data:`~reach_agent.routing.hashing.SLOTS` of them).
 """
 
 from __future__ import annotations
@@ -14,7 +15,16 @@ from __future__ import annotations
 import heapq
 from typing import Any, Generic
 
-from .hashing import FIBONACCI, M64, Lanes, hash64, rendezvous
+from .hashing import (
+    NEVER,
+    SLOT_BITS,
+    SLOT_HASHES,
+    SLOT_LANES,
+    SLOTS,
+    Lanes,
+    hash64,
+    rendezvous,
+)
 from .member import M, Member
 from .settings import Settings
 
@@ -23,12 +33,15 @@ REORDER_FACTOR = 20
 a sort per capability per heartbeat burst costs O(n log n) and the walk re-checks state and
 load anyway, so a ranking a second old routes the same agents."""
 
-STICKY_KEYS = 1024
 STICKY_DEPTH = 4
-"""Sticky keys whose heaviest members (``STICKY_DEPTH`` of them) an index remembers (the most
-recent): a key asked again costs a lookup, not a weighing of every member, also when its
-heaviest member is full for the moment. A member joining is weighed against each key
-remembered; a member leaving makes the keys it was among the heaviest of be weighed again."""
+"""An index remembers, for each sticky-key slot asked (:data:`SLOTS` at most, so O(SLOTS x
+STICKY_DEPTH) per capability whatever its size), its ``STICKY_DEPTH`` heaviest members: any
+key of a slot asked before costs a lookup, also when its heaviest member is full for the
+moment. A member joining or leaving is weighed for every slot at once (4,096 weights by a few
+big-integer operations, :meth:`~reach_agent.routing.hashing.Lanes.at_least`, against each
+slot's floor) and only the slots it enters or was listed in are walked; a slot that lost a
+listed member is weighed again when next asked (every member once). A slot never asked is
+weighed when first asked."""
 
 RETRY_AFTER_MIN_MS = 10
 RETRY_AFTER_MAX_MS = 1000
@@ -53,6 +66,8 @@ class CapabilityIndex(Generic[M]):
     __slots__ = (
         "_built_at",
         "_dirty",
+        "_floors",
+        "_floors_packed",
         "_lanes",
         "_reorder",
         "ejected",
@@ -63,8 +78,9 @@ class CapabilityIndex(Generic[M]):
         "panic",
         "ranked",
         "replies",
-        "sticky",
+        "slots",
         "suspects",
+        "weighed",
     )
 
     def __init__(self, name: str) -> None:
@@ -81,9 +97,18 @@ class CapabilityIndex(Generic[M]):
         self._built_at = float("-inf")
         self._lanes: tuple[Lanes, list[M]] | None = None
         """Every member's hash packed for weighing them all at once (None: pack again)."""
-        self.sticky: dict[str, tuple[int, list[tuple[int, M]]]] = {}
-        """Recent sticky keys (:data:`STICKY_KEYS` at most): the key's hash, and its heaviest
-        members with their weights, heaviest first."""
+        self.slots: dict[int, list[tuple[int, M]]] = {}
+        """Sticky-key slots asked (:data:`SLOTS` at most): the slot's heaviest members with
+        their weights, heaviest first; :data:`STICKY_DEPTH` of them, or every member when
+        there are fewer, or fewer when some left (the heaviest remaining, weighed again
+        when next asked)."""
+        self._floors: bytearray | None = None
+        """Per slot (16 bytes, little-endian, as :class:`Lanes` packs), the least weight a
+        member listed in it can have: the lightest listed's, 0 when every member is listed,
+        :data:`NEVER` for a slot not remembered (None: no slot remembered yet)."""
+        self._floors_packed: int | None = None  # _floors as one integer (None: pack again)
+        self.weighed = 0
+        """Weights computed for sticky keys so far (what a lookup, a join, a refill cost)."""
         self.replies: dict[str, Any] = {}
         """Kept by whoever answers routes from this index (the broker: each member's encoded
         candidate); a member that leaves leaves it too."""
@@ -91,60 +116,100 @@ class CapabilityIndex(Generic[M]):
     # --- what the registry tells it ----------------------------------------------------------
 
     def add(self, rec: M) -> None:
+        listed_all = len(self.members)  # a slot listing that many lists every member
         self.members[rec.agent_id] = rec
         self._dirty = True
         self._lanes = None
-        # The keys remembered stay right: the newcomer joins those it outweighs.
-        h, f, m = rec.hrw, FIBONACCI, M64
-        for k, owners in self.sticky.values():
-            w = ((h ^ k) * f) & m  # rendezvous(h, k)
-            if len(owners) < STICKY_DEPTH or w > owners[-1][0]:
-                owners.append((w, rec))
-                owners.sort(key=_weight, reverse=True)
+        if not self.slots:
+            return
+        # The slots remembered stay right: the newcomer joins those it outweighs (found among
+        # every slot at once: only those are walked).
+        h = rec.hrw
+        for slot in SLOT_LANES.at_least(h, self._packed_floors()):
+            owners = self.slots[slot]
+            w = rendezvous(h, SLOT_HASHES[slot])
+            if w > owners[-1][0] or len(owners) == listed_all:
+                i = len(owners)
+                while i and owners[i - 1][0] < w:  # after those weighing as much (by_weight)
+                    i -= 1
+                owners.insert(i, (w, rec))
                 del owners[STICKY_DEPTH:]
+            self._floor(slot, owners)
+        self.weighed += SLOTS
 
     def remove(self, agent_id: str) -> None:
-        if self.members.pop(agent_id, None) is not None:
+        rec = self.members.pop(agent_id, None)
+        if rec is not None:
             self._dirty = True
             self._lanes = None
-            # A key it was among the heaviest of is weighed again when next asked.
-            gone = [key for key, (_, owners) in self.sticky.items()
-                    if any(r.agent_id == agent_id for _, r in owners)]  # fmt: skip
-            for key in gone:
-                del self.sticky[key]
             self.replies.pop(agent_id, None)
+            if not self.slots:
+                return
+            # Struck from the slots it was among the heaviest of (those it weighs at least
+            # their floor for: found at once); the others stay right.
+            for slot in SLOT_LANES.at_least(rec.hrw, self._packed_floors()):
+                owners = self.slots[slot]
+                for i, (_, r) in enumerate(owners):
+                    if r is rec:
+                        del owners[i]
+                        break
+                if owners:
+                    self._floor(slot, owners)
+                else:
+                    del self.slots[slot]
+                    self._floor(slot, None)
+
+    def _floor(self, slot: int, owners: list[tuple[int, M]] | None) -> None:
+        """Set ``slot``'s floor from its listing (None: not remembered)."""
+        if self._floors is None:
+            self._floors = bytearray(NEVER.to_bytes(16, "little") * SLOTS)
+        if owners is None:
+            floor = NEVER
+        else:
+            floor = 0 if len(owners) == len(self.members) else owners[-1][0]
+        self._floors[16 * slot : 16 * slot + 16] = floor.to_bytes(16, "little")
+        self._floors_packed = None
+
+    def _packed_floors(self) -> int:
+        packed = self._floors_packed
+        if packed is None:
+            packed = self._floors_packed = int.from_bytes(self._floors or b"", "little")
+        return packed
 
     def state_changed(self) -> None:
         """A member's state (or announce) changed: re-rank soon."""
         self._dirty = True
 
     def heaviest(self, key: str) -> list[tuple[int, M]]:
-        """The :data:`STICKY_DEPTH` members weighing most for the sticky ``key``
-        (rendezvous hashing), heaviest first, with their weights; remembered, and kept right
-        as members come and go (a bounded cost per change, not a weighing per request)."""
-        held = self.sticky.get(key)
-        if held is not None:
-            return held[1]
-        k = hash64(key)
-        if self._lanes is None:  # once per membership change that a new key follows
+        """The :data:`STICKY_DEPTH` members weighing most for the sticky ``key`` (rendezvous
+        hashing of its slot), heaviest first, with their weights: a lookup in its slot, kept
+        right as members come and go; the slot is weighed (every member once) only when
+        first asked or after one of its heaviest left."""
+        slot = hash64(key) >> (64 - SLOT_BITS)
+        owners = self.slots.get(slot)
+        if owners is not None and len(owners) >= min(STICKY_DEPTH, len(self.members)):
+            return owners
+        k = SLOT_HASHES[slot]
+        if self._lanes is None:  # once per membership change that a slot's weighing follows
             members = list(self.members.values())
             self._lanes = (Lanes([r.hrw for r in members]), members)
         lanes, members = self._lanes
         weights = lanes.weights(k)
+        self.weighed += len(weights)
         top = heapq.nlargest(STICKY_DEPTH, weights)
         if len(set(top)) == len(top):
             owners = [(w, members[weights.index(w)]) for w in top]
         else:  # two members weigh the same (1 in 2^64): the slow way, the same answer
             order = sorted(range(len(members)), key=weights.__getitem__, reverse=True)
             owners = [(weights[i], members[i]) for i in order[:STICKY_DEPTH]]
-        if len(self.sticky) >= STICKY_KEYS:
-            del self.sticky[next(iter(self.sticky))]  # the oldest
-        self.sticky[key] = (k, owners)
+        if owners:
+            self.slots[slot] = owners
+            self._floor(slot, owners)
         return owners
 
     def by_weight(self, key: str) -> list[M]:
-        """Every member, heaviest first for the sticky ``key``."""
-        k = hash64(key)
+        """Every member, heaviest first for the sticky ``key`` (its slot's hash)."""
+        k = SLOT_HASHES[hash64(key) >> (64 - SLOT_BITS)]
         return sorted(self.members.values(), key=lambda r: rendezvous(r.hrw, k), reverse=True)
 
     def score_changed(self) -> None:

@@ -82,7 +82,7 @@ class Member:
     def __init__(self, agent_id: str, max_concurrency: int, stats: TaskTime) -> None:
         self.agent_id = agent_id
         self.hrw = hash64(agent_id)
-        """Its id's hash: its weight for a sticky key is ``rendezvous(hrw, hash64(key))``."""
+        """Its id's hash: its weight for a sticky key is ``rendezvous(hrw, slot_hash(key))``."""
         self.capabilities: tuple[str, ...] = ()
         """The capabilities it is a member of (the indexes it is in)."""
         self.state: AgentState = "healthy"

@@ -194,7 +194,10 @@ class Feed:
         ctx = self.ctx
         detail = self.views.agent(agent_id, self.history, self.cfg.sample_s, ctx.clock(),
                                   ctx.wall_ms())  # fmt: skip
-        return None if detail is None else _json.encode(detail)
+        if detail is None:
+            return None
+        self.history.watch(agent_id)  # a viewer looks: charted from the next tick, if not yet
+        return _json.encode(detail)
 
     def events_json(self, n: int = RECENT_EVENTS) -> bytes:
         entries = list(self.history.events)[-n:]

@@ -7,8 +7,11 @@ ring of tick times. A ring holds 8 bytes a sample (:data:`SAMPLE`: the score and
 in hundredths and ten-thousandths, as exact as the page shows them, the task time a
 float32): with its record about 0.55 KiB an agent for 60 samples (5 minutes at 5 s), plus
 its last transitions (a list of at most :data:`TRANSITIONS` timeline entries). At most
-``chart_agents`` agents have a ring: a tick costs O(min(fleet, chart_agents)), and beyond
-that bound newcomers are charted only as charted agents leave.
+``chart_agents`` agents have a ring (1,000 by default): a tick costs O(min(fleet,
+chart_agents)) and the rings' memory is bounded whatever the fleet. Beyond that bound the
+charts are a sample: the first agents seen, then whoever a viewer asks for
+(:meth:`History.watch`: the ring asked for least recently goes to it), and an agent without
+a ring shows its transitions still in the timeline.
 
 An event costs O(1): a replica's copy of a transition is found by the transition's key in a
 dict of the timeline's entries (kept exactly as long as the entry is in the timeline), not
@@ -81,7 +84,7 @@ class History:
     """The console's memory of the fleet."""
 
     def __init__(
-        self, sample_s: float, history_s: float, events: int, chart_agents: int = 10_000
+        self, sample_s: float, history_s: float, events: int, chart_agents: int = 1_000
     ) -> None:
         self.capacity = max(2, math.ceil(history_s / sample_s))
         self.chart_agents = chart_agents
@@ -90,6 +93,7 @@ class History:
         """Samples taken so far (the next tick's number)."""
         self._tick_ms = array("d", [0.0]) * self.capacity
         self.series: dict[str, Series] = {}
+        """The rings, the one a viewer asked for least recently (or charted first) first."""
         self.events: deque[Entry] = deque(maxlen=events)
         self._latest: dict[Key, Entry] = {}
         """The newest timeline entry of each transition key (only entries still in the
@@ -135,6 +139,22 @@ class History:
             for agent_id in [a for a in series if a not in agents]:
                 del series[agent_id]
         self.ticks += 1
+
+    def watch(self, agent_id: str) -> None:
+        """A viewer asks for ``agent_id``'s chart: its ring, if it has one, is the last to be
+        given away; if not, it gets one from the next tick on, taken from the agent asked for
+        least recently when all ``chart_agents`` are in use (that agent's samples are lost:
+        the charts beyond the bound are a sample). O(1)."""
+        series = self.series
+        s = series.pop(agent_id, None)
+        if s is None:
+            if self.chart_agents <= 0:
+                return
+            if len(series) >= self.chart_agents:
+                del series[next(iter(series))]
+            s = Series(self.capacity, -1)
+            s.transitions = self.transitions(agent_id) or None
+        series[agent_id] = s
 
     def samples(self, agent_id: str) -> Samples:
         """``agent_id``'s samples over the kept window, oldest first (empty when unknown)."""
@@ -195,5 +215,9 @@ class History:
         return entry
 
     def transitions(self, agent_id: str) -> list[Entry]:
+        """``agent_id``'s last transitions: its own list while it has a ring, else those still
+        in the timeline (O(events), asked by a viewer only)."""
         s = self.series.get(agent_id)
-        return list(s.transitions) if s is not None and s.transitions is not None else []
+        if s is not None and s.transitions is not None:
+            return list(s.transitions)
+        return [e for e in self.events if e.event.agent_id == agent_id][-TRANSITIONS:]

@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 
 from reach_agent.routing.choice import Chooser
-from reach_agent.routing.hashing import hash64, rendezvous
+from reach_agent.routing.hashing import rendezvous, slot_hash
 from reach_agent.routing.index import CapabilityIndex, CapabilityIndexes, by_score
 from reach_agent.routing.member import Member
 from reach_agent.routing.rules import Rules
@@ -188,7 +188,7 @@ class Router(Chooser[AgentRecord]):
         pool: list[Member] = [*own, *theirs]
         if sticky:
             if own and theirs:  # the heavier of the two sides' owners: the key's owner
-                k = hash64(req.sticky_key or "")
+                k = slot_hash(req.sticky_key or "")
                 first = max((own[0], theirs[0]), key=lambda m: rendezvous(m.hrw, k))
             else:
                 first = pool[0]

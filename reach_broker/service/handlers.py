@@ -201,22 +201,23 @@ class Endpoint:
 
     async def on_request(self, req: Request) -> None:
         """Handler of a NATS Services endpoint (route, agents)."""
-        # nats.micro's Request keeps the message private; its reply subject is what
-        # respond() publishes to.
-        if not self._admit(req.subject, req.headers, req._msg.reply):
+        # nats.micro's Request keeps the message private (its properties read it again at
+        # every use); its reply subject is what respond() publishes to.
+        msg = req._msg
+        subject, headers = msg.subject, msg.headers
+        if not self._admit(subject, headers, msg.reply):
             return
         span = None
-        if self._spans is not None and req.headers and H_TRACEPARENT in req.headers:
-            span = self._span(req.subject, req.headers)
+        if self._spans is not None and headers and H_TRACEPARENT in headers:
+            span = self._span(subject, headers)
         t0 = time.perf_counter()
         try:
             if self.caller_of is not None:
-                caller = self.caller_of(req.headers, req._msg.reply)
-                body = self._handle(req.subject, req.data, caller)
+                body = self._handle(subject, msg.data, self.caller_of(headers, msg.reply))
             else:
-                body = self._handle(req.subject, req.data)
+                body = self._handle(subject, msg.data)
         except Exception as exc:  # noqa: BLE001 - answered by failure(), never kills the sub
-            reply = self.failure(req.subject, exc)
+            reply = self.failure(subject, exc)
             if reply is not None:
                 await req.respond(reply[0], headers=reply[1])
             if span is not None:
