@@ -273,10 +273,16 @@ class Releaser:
             subject = self.ctx.subjects.event("released", agent_id)
             self.ctx.spawn(self.ctx.nc.publish(subject, schema.encoder.encode(event)), "event")
         if failed:
-            self.ctx.spawn(self._release_later(agent_id, why, pause_s), "claims-release")
+            self.ctx.spawn(self._release_later(agent_id, why, pause_s, keep), "claims-release")
         return done
 
-    async def _release_later(self, agent_id: str, why: str, pause_s: float) -> None:
+    async def _release_later(self, agent_id: str, why: str, pause_s: float,
+                             keep: str | None) -> None:  # fmt: skip
+        """Try a release the bucket did not take again: while the agent stays gone, or, for
+        an old process replaced by ``keep``, in any case (the new process being healthy does
+        not bring the old one's claims back)."""
         await asyncio.sleep(pause_s)
-        if self.follower is not None and self.state_of(agent_id) in ("offline", None):
-            await self.release(agent_id, why, min(pause_s * 2, RELEASE_RETRY_MAX_S))
+        if self.follower is None:
+            return
+        if keep is not None or self.state_of(agent_id) in ("offline", None):
+            await self.release(agent_id, why, min(pause_s * 2, RELEASE_RETRY_MAX_S), keep=keep)
