@@ -224,6 +224,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 round((r1 - r0) / h) if r0 and r1 and h else None
                 for r0, r1, h in zip(rss0, rss1, held, strict=True)
             ],
+            # The same growth over the whole fleet: what each broker pays per agent of the
+            # fleet (it holds its partitions' agents and follows the others' shares).
+            "rss_per_fleet_agent_bytes": [
+                round((r1 - r0) / a.agents) if r0 and r1 else None
+                for r0, r1 in zip(rss0, rss1, strict=True)
+            ],
         }
         if a.kill:
             report["kill"] = await kill(brokers, nc, a, p)
