@@ -76,6 +76,16 @@ carries it is a *copy* of something stored, published by the server to whatever 
 the requester named. reach drops control messages, events and ack records that carry it."""
 H_SUBJECT = "Nats-Subject"
 """The original subject of such a copy."""
+H_NUM_PENDING = "Nats-Num-Pending"
+"""On a batched direct get's answers: how many messages of the request are left after this one
+(on its end-of-batch status, after the page)."""
+H_LAST_SEQUENCE = "Nats-Last-Sequence"
+"""On a batched direct get's end-of-batch status: the stream sequence of the page's last
+message (the next page starts after it)."""
+H_STATUS = "Status"
+"""Where nats-py puts a status message's code (``204`` end of batch, ``404``, ``503``)."""
+H_KV_OPERATION = "KV-Operation"
+"""On a KV bucket's message: ``DEL`` or ``PURGE`` for a deleted key (absent on a value)."""
 H_REQUEST_ID = "Reach-Request-Id"
 """The task's request id (also a task header of the wire contract)."""
 H_PRIORITY = "Reach-Priority"

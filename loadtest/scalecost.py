@@ -8,16 +8,16 @@ over, measured on ``loadtest.sim``'s agents (their announces as the snapshot sto
 - ``restore_ms``: ``fleet / P`` snapshot values (``SnapshotEntry`` JSON, as in KV
   ``reach_registry``) decoded, validated and restored into a registry
   (``Registry.restore``), then ``Registry.restored`` (medians, scores) — the CPU of a
-  takeover's restore, without the KV read (a watch delivering those values; see the KV
-  figure in docs/scale.md);
+  takeover's restore, without the KV read (see the KV figures in docs/scale.md);
 - ``share_ms``: that partition's route-table shares made (``TableBook.own``: every
   capability's entries, as a new owner publishes them);
 - ``follow_ms``: those shares loaded into a follower's tables (``RouteTable.load`` of
   ``SharedMember``s: what the other brokers and callers do with them), and
   ``follow_bytes_per_agent`` (tracemalloc: what a follower holds an agent of them with);
 - with ``--kv``, ``kv_read_ms``: the partition's values read back from a JetStream KV bucket
-  by a watch (as ``Snapshot.restore`` reads ``reach_registry``), on a ``nats-server`` this
-  tool starts (file store, loopback): the I/O half of a takeover's restore.
+  by a watch (``Snapshot.restore_partition``'s fallback read; its batched direct get, and
+  the whole restore both ways, are ``loadtest.restorecost``'s), on a ``nats-server`` this
+  tool starts (file store, loopback).
 
 Each figure is the best of ``--rounds`` (the least disturbed by the rest of the machine).
 """

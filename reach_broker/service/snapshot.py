@@ -22,6 +22,14 @@ and scored against the capability's usual task time rather than from nothing. A 
 taking a partition over therefore holds its agents without any of them re-announcing. A
 partition handed over is forgotten (:meth:`Snapshot.forget`): its keys are the new owner's
 to write.
+
+The partition's keys are read by JetStream's batched direct get (:mod:`jetstream.directget`:
+a page of :data:`~jetstream.directget.BATCH` keys a round trip, no consumer), or, where the
+stream does not answer one (no ``allow_direct``, a server before 2.11), by a KV watch (an
+ordered push consumer: its read takes twice as long). A direct get may be answered by any
+replica of the bucket's stream, one a few writes behind its leader; the keys a takeover reads
+were written before the partition was handed back or its lease lapsed (as a rule a lease
+round earlier), and an agent missing from them is asked to announce again when it is heard.
 """
 
 from __future__ import annotations
@@ -33,7 +41,8 @@ from typing import Any
 
 import msgspec
 
-from jetstream.names import REGISTRY_BUCKET
+from jetstream import directget
+from jetstream.names import H_KV_OPERATION, REGISTRY_BUCKET, REGISTRY_STREAM
 from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
 from reach_agent.routing.table import partition
@@ -57,9 +66,9 @@ RETRY_S = 1.0
 STATS_S = 10.0
 """How often the task EWMAs are compared with what the bucket holds."""
 DRIFT = 0.2
-WATCH_TRIES = 3
-"""Reads of a partition that came back empty while the bucket holds keys of it."""
 """A task EWMA is written again when it moved by more than this share."""
+WATCH_TRIES = 3
+"""Reads of a partition by watch that came back empty while the bucket holds keys of it."""
 
 
 class SnapshotEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -86,7 +95,7 @@ def drifted(written: float | None, now: float | None) -> bool:
 
 _entry_decoder = msgspec.json.Decoder(SnapshotEntry)
 _SUBJECT = f"$KV.{REGISTRY_BUCKET}."
-_DELETE = {"KV-Operation": "DEL"}
+_DELETE = {H_KV_OPERATION: "DEL"}
 """The headers of a KV delete (what nats-py's ``KeyValue.delete`` publishes)."""
 
 
@@ -110,6 +119,11 @@ class Snapshot:
         self.rounds = 0
         """Batches sent, each one round trip (its acknowledgements awaited together)."""
         self.stats_every_s = STATS_S
+        self.direct_batch = directget.BATCH
+        """Keys a page of a partition's direct read asks for."""
+        self.reads = {"direct": 0, "watch": 0}
+        """Partitions read by batched direct get, and by KV watch (the stream answers no
+        direct get)."""
         self._dirty: set[str] = set()
         # What the bucket holds per agent: the registry's own objects, so remembering costs
         # a tuple and "unchanged" is decided before any encoding.
@@ -152,8 +166,55 @@ class Snapshot:
         if not self._tasks:
             return []
         keys = f"{self.registry.partitions}.{p}.*"
+        try:
+            stored = await directget.values(self.ctx.nc, REGISTRY_STREAM, _SUBJECT + keys,
+                                            batch=self.direct_batch,
+                                            timeout_s=ACK_TIMEOUT_S)  # fmt: skip
+        except directget.DirectGetUnavailable as exc:
+            log.debug("snapshot.read partition=%d by=watch: no direct get (%s)", p, exc)
+            self.reads["watch"] += 1
+            stored = await self._watch_partition(p, keys)
+        else:
+            log.debug("snapshot.read partition=%d by=direct values=%d", p, len(stored))
+            self.reads["direct"] += 1
+        latest: dict[str, SnapshotEntry] = {}
+        for value in stored:
+            snap = self._entry(value, p)
+            if snap is not None:  # a key read twice (written again meanwhile): its later value
+                latest[snap.announce.agent_id] = snap
+        now, wall_ms = self.ctx.clock(), self.ctx.wall_ms()
+        recs: list[AgentRecord] = []
+        for agent_id, snap in latest.items():
+            self._written[agent_id] = (snap.announce, snap.state, snap.task_ms)
+            rec = self.registry.restore(snap.announce, snap.state, now, wall_ms, snap.task_ms)
+            if rec is not None:
+                recs.append(rec)
+        self.registry.restored(now, recs)
+        self.restored += len(recs)
+        log.debug("snapshot.restored partition=%d agents=%d", p, len(recs))
+        return [rec.agent_id for rec in recs]
+
+    def _entry(self, value: bytes, p: int) -> SnapshotEntry | None:
+        """A stored value of partition ``p``, decoded and checked (None: a bad entry, logged).
+        The agent is the one its announce names (a direct read hands out no keys), which must
+        be of partition ``p``."""
+        try:
+            snap = _entry_decoder.decode(value)
+            agent_id = snap.announce.agent_id
+            schema.validate_announce(snap.announce, agent_id)
+            count = self.registry.partitions
+            if partition(agent_id, count) != p:
+                raise InvalidRequest(f"agent {agent_id!r} is of partition "
+                                     f"{partition(agent_id, count)}, not {p}")  # fmt: skip
+        except (msgspec.MsgspecError, InvalidRequest) as exc:
+            log.warning("snapshot.bad_entry partition=%d value=%.80r error=%s", p, value, exc)
+            return None
+        return snap
+
+    async def _watch_partition(self, p: int, keys: str) -> list[bytes]:
+        """The values stored under ``keys``, read by KV watch."""
         for _ in range(WATCH_TRIES):
-            recs, seen = await self._restore_keys(keys)
+            stored, seen = await self._watch_keys(keys)
             # nats-py's watch can say "no more" before it hands over anything (its consumer
             # counted nothing pending yet): a partition read as empty is asked again when
             # the stream says it holds keys of it.
@@ -161,21 +222,18 @@ class Snapshot:
                 break
             log.info("snapshot.restore_empty partition=%d: the bucket holds keys of it; "
                      "reading again", p)  # fmt: skip
-        self.registry.restored(self.ctx.clock(), recs)
-        self.restored += len(recs)
-        log.debug("snapshot.restored partition=%d agents=%d", p, len(recs))
-        return [rec.agent_id for rec in recs]
+        return stored
 
     async def _holds(self, keys: str) -> bool:
         """Whether the bucket's stream holds a message on any of ``keys``."""
-        info = await self.js.stream_info(f"KV_{REGISTRY_BUCKET}", subjects_filter=_SUBJECT + keys)
+        info = await self.js.stream_info(REGISTRY_STREAM, subjects_filter=_SUBJECT + keys)
         return bool(info.state.subjects)
 
-    async def _restore_keys(self, keys: str) -> tuple[list[AgentRecord], int]:
-        """Restore the agents stored under ``keys``: (those restored, entries seen)."""
+    async def _watch_keys(self, keys: str) -> tuple[list[bytes], int]:
+        """The values stored under ``keys`` by KV watch, deleted keys left out: (the values,
+        entries seen)."""
         watcher = await self.kv.watch(keys, ignore_deletes=True)
-        now, wall_ms = self.ctx.clock(), self.ctx.wall_ms()
-        recs: list[AgentRecord] = []
+        stored: list[bytes] = []
         seen = 0
         try:
             while True:
@@ -183,23 +241,12 @@ class Snapshot:
                 if entry is None:  # initial values done
                     break
                 seen += 1
-                if not entry.value:
-                    continue
-                agent_id = entry.key[entry.key.rfind(".") + 1 :]
-                try:
-                    snap = _entry_decoder.decode(entry.value)
-                    ann = schema.validate_announce(snap.announce, agent_id)
-                except (msgspec.MsgspecError, InvalidRequest) as exc:
-                    log.warning("snapshot.bad_entry key=%s error=%s", entry.key, exc)
-                    continue
-                self._written[agent_id] = (ann, snap.state, snap.task_ms)
-                rec = self.registry.restore(ann, snap.state, now, wall_ms, snap.task_ms)
-                if rec is not None:
-                    recs.append(rec)
+                if entry.value:
+                    stored.append(entry.value)
         finally:
             with contextlib.suppress(Exception):
                 await watcher.stop()
-        return recs, seen
+        return stored, seen
 
     async def flush_now(self, timeout_s: float) -> bool:
         """Write what is dirty now (a partition is about to be handed over); whether it all

@@ -1,0 +1,172 @@
+"""A partition's restore from KV ``reach_registry`` on a real nats-server: its own stored
+agents exactly (not another partition's, not a deleted or purged key, not a bad entry), read
+by batched direct get over several pages, or by KV watch where the stream answers no direct
+get; and an older bucket without ``allow_direct`` is given it by the provisioner."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import pytest
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from jetstream import directget
+from jetstream.names import REGISTRY_BUCKET, REGISTRY_STREAM
+from jetstream.provision import load_definitions, provision
+from reach_agent.routing.table import partition
+from reach_agent.wire import schema
+from reach_agent.wire.schema import AgentState, Announce
+from reach_agent.wire.subjects import Subjects
+from reach_broker.config import Config
+from reach_broker.core.registry import Registry
+from reach_broker.core.tokens import TokenSigner
+from reach_broker.service.context import BrokerContext, Link, Tasks
+from reach_broker.service.snapshot import Snapshot, SnapshotEntry
+
+P = 4
+"""Partitions of the test's fleet; partition 1 is the one restored."""
+BATCH = 7
+"""Keys a direct-read page asks for: partition 1's 30 stored values take 5 pages."""
+
+
+def ids_of(p: int, n: int) -> list[str]:
+    """The first ``n`` ids ``agent-<i>`` of partition ``p``."""
+    out: list[str] = []
+    i = 0
+    while len(out) < n:
+        if partition(f"agent-{i}", P) == p:
+            out.append(f"agent-{i}")
+        i += 1
+    return out
+
+
+def value(agent_id: str, state: AgentState = "healthy", task_ms: float = 120.0) -> bytes:
+    ann = Announce(agent_id=agent_id, capabilities=["restore_cap"], max_concurrency=2,
+                   heartbeat_interval_ms=1000)  # fmt: skip
+    entry = SnapshotEntry(announce=ann, state=state, last_seen_ms=1, broker_id="old",
+                          task_ms=task_ms)  # fmt: skip
+    return schema.encoder.encode(entry)
+
+
+def snapshot_of(nc: NATS) -> Snapshot:
+    cfg = Config()
+    reg = Registry(cfg.detection, cfg.scoring, TokenSigner(b"k" * 32, 3600.0),
+                   interval_ms=cfg.broker.interval_ms, partitions=P)  # fmt: skip
+    ctx = BrokerContext(nc=nc, subjects=Subjects(), broker_id="new", clock=time.monotonic,
+                        wall=time.time, spawn=Tasks().spawn, emit=lambda _: None,
+                        link=Link())  # fmt: skip
+    snap = Snapshot(ctx, reg)
+    snap.direct_batch = BATCH
+    return snap
+
+
+async def fill(nc: NATS) -> tuple[set[str], str]:
+    """Partition 1's agents among others': (the ids its restore must give back, the one
+    written twice)."""
+    kv = await nc.jetstream().key_value(REGISTRY_BUCKET)
+    mine, others = ids_of(1, 32), [*ids_of(0, 10), *ids_of(2, 10), *ids_of(3, 10)]
+    for i, agent_id in enumerate(mine):  # interleaved with the other partitions' keys
+        await kv.put(f"{P}.1.{agent_id}", value(agent_id))
+        if i < len(others):
+            other = others[i]
+            await kv.put(f"{P}.{partition(other, P)}.{other}", value(other))
+    # The same agents under another partition count: not this fleet's keys.
+    for agent_id in mine[:5]:
+        await kv.put(f"8.1.{agent_id}", value(agent_id))
+    await kv.put("_broker.token_secret", b"secret")
+    await kv.put(f"{P}.1.{mine[0]}", value(mine[0], "draining", 250.0))  # written again
+    await kv.delete(f"{P}.1.{mine[1]}")
+    await kv.delete(f"{P}.1.{mine[2]}")
+    await kv.purge(f"{P}.1.{mine[3]}")
+    await kv.put(f"{P}.1.{mine[4]}", b"not json")  # bad entries: logged, skipped
+    await kv.put(f"{P}.1.{mine[5]}", value(others[-1]))  # an agent of partition 3
+    return {mine[0], *mine[6:]}, mine[0]
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "watch"])
+async def test_a_partition_restores_exactly_its_own_stored_agents(
+    nc: NATS, direct: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    defs = load_definitions(names=(REGISTRY_STREAM,),
+                            overrides={REGISTRY_STREAM: {"allow_direct": direct}})  # fmt: skip
+    await provision(nc, defs)
+    expected, rewritten = await fill(nc)
+    requests: list[Msg] = []
+
+    async def seen(msg: Msg) -> None:
+        requests.append(msg)
+
+    # The direct gets the restore sends (the server's responder is a queue group beside this
+    # one; without a responder this one would be the request's only, and no 503 would come).
+    tap = await nc.subscribe(f"$JS.API.DIRECT.GET.{REGISTRY_STREAM}", cb=seen) if direct else None
+    await nc.flush()
+    snap = snapshot_of(nc)
+    await snap.start()
+    try:
+        with caplog.at_level(logging.DEBUG, "reach_broker.service.snapshot"):
+            restored = await snap.restore_partition(1)
+    finally:
+        await snap.stop()
+        if tap is not None:
+            await tap.unsubscribe()
+    assert sorted(restored) == sorted(expected)
+    assert sorted(snap.registry.agents) == sorted(expected)
+    assert snap.restored == len(expected) == 27
+    assert snap.reads == {"direct": 1 if direct else 0, "watch": 0 if direct else 1}
+    again = snap.registry.agents[rewritten]
+    assert (again.state, again.stats.task_ewma_ms) == ("draining", 250.0)  # its later value
+    assert {r.state for a, r in snap.registry.agents.items() if a != rewritten} == {"suspect"}
+    assert sorted(snap._written) == sorted(expected)
+    messages = [r.getMessage() for r in caplog.records]
+    bad = sorted(m.split(" error=")[1] for m in messages if m.startswith("snapshot.bad_entry"))
+    assert len(bad) == 2, bad
+    assert bad[0].startswith("JSON is malformed")
+    assert bad[1].endswith("is of partition 3, not 1")
+    read = [m for m in messages if m.startswith("snapshot.read ")]
+    if direct:
+        assert read == ["snapshot.read partition=1 by=direct values=29"]
+        # 32 messages in the partition's keys (27 agents, 2 bad entries, 3 delete and purge
+        # markers), 7 a page: 5 pages at least, each after the last.
+        pages = [json.loads(m.data) for m in requests]
+        assert len(pages) >= 5, pages
+        assert [p.get("seq", 0) for p in pages] == sorted({p.get("seq", 0) for p in pages})
+        assert {(p["next_by_subj"], p["batch"], p["no_hdr"]) for p in pages} == {
+            (f"$KV.{REGISTRY_BUCKET}.{P}.1.*", BATCH, True)
+        }
+    else:
+        assert read == ["snapshot.read partition=1 by=watch: no direct get (status 503)"]
+
+
+async def test_a_stream_without_direct_get_says_so(nc: NATS) -> None:
+    defs = load_definitions(names=(REGISTRY_STREAM,),
+                            overrides={REGISTRY_STREAM: {"allow_direct": False}})  # fmt: skip
+    await provision(nc, defs)
+    with pytest.raises(directget.DirectGetUnavailable, match=r"^status 503$"):
+        await directget.values(nc, REGISTRY_STREAM, f"$KV.{REGISTRY_BUCKET}.>", batch=BATCH)
+
+
+async def test_an_empty_partition_is_one_request(nc: NATS) -> None:
+    await provision(nc, load_definitions(names=(REGISTRY_STREAM,)))
+    kv = await nc.jetstream().key_value(REGISTRY_BUCKET)
+    agent_id = ids_of(2, 1)[0]
+    await kv.put(f"{P}.2.{agent_id}", value(agent_id))
+    snap = snapshot_of(nc)
+    await snap.start()
+    try:
+        assert await snap.restore_partition(1) == []
+    finally:
+        await snap.stop()
+    assert snap.reads == {"direct": 1, "watch": 0}
+
+
+async def test_an_older_bucket_is_given_direct_get_by_the_provisioner(nc: NATS) -> None:
+    old = load_definitions(names=(REGISTRY_STREAM,),
+                           overrides={REGISTRY_STREAM: {"allow_direct": False}})  # fmt: skip
+    await provision(nc, old)
+    [outcome] = await provision(nc, load_definitions(names=(REGISTRY_STREAM,)))
+    assert (outcome.action, outcome.changes) == ("updated", ("allow_direct: false -> true",))
+    info = await nc.request(f"$JS.API.STREAM.INFO.{REGISTRY_STREAM}", b"", timeout=2)
+    assert json.loads(info.data)["config"]["allow_direct"] is True
