@@ -223,11 +223,36 @@ class Partitions:
             return
         if p not in self.held:
             return  # handed back meanwhile (stop)
+        if revision is None:
+            try:
+                revision = await self._landed_after_all(p, mine)
+            except ClaimsUnavailable as exc:  # the next round tries again
+                log.debug("partitions.renew_failed partition=%d error=%s", p, exc)
+                return
+            if p not in self.held:
+                return
         if revision is None:  # it lapsed and someone took it
             log.warning("partitions.lost partition=%d", p)
             await self._lose(p)
         else:
             self.held[p] = (held[0], revision, now)
+
+    async def _landed_after_all(self, p: int, mine: bytes) -> int | None:
+        """A renewal of ``p`` found another revision than the one it last confirmed: when
+        the lease stored still names this broker, it is one of this broker's own renewals,
+        whose confirmation timed out here while the server wrote it (a busy JetStream), and
+        the lease is renewed again over it (its new revision); None when another broker's."""
+        stored = await self.store.get(str(p))
+        if stored is None:
+            return None
+        try:
+            if _lease.decode(stored.data).broker_id != self.ctx.broker_id:
+                return None
+        except msgspec.MsgspecError:
+            return None
+        log.info("partitions.renewal_landed partition=%d revision=%d: a renewal whose "
+                 "confirmation timed out was written after all", p, stored.revision)  # fmt: skip
+        return await self.store.swap(str(p), mine, stored.revision)
 
     async def _take(self, p: int, mine: bytes) -> None:
         """Take partition ``p`` if free (never written, lapsed, or handed back)."""

@@ -1,0 +1,50 @@
+"""A partition's lease renewed through a busy JetStream (a real nats-server): a renewal whose
+confirmation timed out at the broker but which the server wrote after all is the broker's own,
+and the partition is kept; a lease another broker wrote is lost."""
+
+from __future__ import annotations
+
+import msgspec
+from nats.aio.client import Client as NATS
+
+from jetstream.names import PARTITIONS_BUCKET
+from reach_broker.service.partitions import Lease
+
+from .conftest import BrokerFactory
+
+
+async def test_a_renewal_the_server_wrote_after_its_timeout_keeps_the_partition(
+    nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    # Rounds every 200 s: the test drives the one that matters.
+    b = await broker_factory(fleet__lease_ttl_s=600)
+    assert len(b.partitions.held) == 32
+    kv = await nc.jetstream().key_value(PARTITIONS_BUCKET)
+    epoch, revision, _ = b.partitions.held[5]
+    # What the server holds after one of b's renewals timed out at b and was written anyway.
+    late = await kv.update("5", msgspec.json.encode(Lease(broker_id=b.broker_id, at_ms=1)),
+                           last=revision)  # fmt: skip
+    await b.partitions.round()
+    assert 5 in b.partitions.held
+    assert len(b.partitions.held) == 32
+    stored = await kv.get("5")
+    assert stored.revision is not None and stored.value is not None
+    assert stored.revision > late
+    assert b.partitions.held[5][:2] == (epoch, stored.revision)
+    assert msgspec.json.decode(stored.value, type=Lease).broker_id == b.broker_id
+
+
+async def test_a_lease_another_broker_wrote_is_lost(
+    nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    b = await broker_factory(fleet__lease_ttl_s=600)
+    assert len(b.partitions.held) == 32
+    kv = await nc.jetstream().key_value(PARTITIONS_BUCKET)
+    _, revision, _ = b.partitions.held[5]
+    theirs = await kv.update("5", msgspec.json.encode(Lease(broker_id="another", at_ms=1)),
+                             last=revision)  # fmt: skip
+    await b.partitions.round()
+    assert sorted(b.partitions.held) == [p for p in range(32) if p != 5]
+    stored = await kv.get("5")
+    assert stored.revision == theirs and stored.value is not None
+    assert msgspec.json.decode(stored.value, type=Lease).broker_id == "another"
