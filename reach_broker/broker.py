@@ -247,6 +247,7 @@ class Broker:
         self.partitions = Partitions(
             ctx, cfg.fleet, self.takeover.own, self.takeover.lose,
             jetstream=lambda: self.jetstream_ok, owned=m.partitions_owned,
+            follow=m.follow("presence"),
         )  # fmt: skip
         """The leases of the partitions this broker owns, each taken over and handed over."""
         self.pages = AgentPages(

@@ -151,8 +151,8 @@ async def two_brokers(broker_factory: BrokerFactory, **overrides: Any) -> tuple[
     """Two brokers of P partitions, every partition owned by one of them."""
     pair = (await broker_factory(fleet__partitions=P, **overrides),
             await broker_factory(fleet__partitions=P, **overrides))  # fmt: skip
-    # The first takes every partition, then hands half back once it counts the second
-    # (its next lease round): settled when each owns its fair share.
+    # The first takes every partition, then hands half back once it sees the second's
+    # presence, and the second takes them: settled when each owns its fair share.
     await wait_for(lambda: [len(b.tables.book.epochs) for b in pair] == [P // 2] * 2, 20,
                    what="each owning half the partitions")  # fmt: skip
     return pair
@@ -315,6 +315,23 @@ async def test_a_route_lists_the_agents_of_every_partition(
         assert {partition(a, P) for a in listed} == set(range(P))
     owned = [set(b.tables.book.epochs) for b in pair]
     assert owned[0] | owned[1] == set(range(P)) and owned[0].isdisjoint(owned[1])
+
+
+async def test_a_broker_joining_or_leaving_rebalances_the_partitions_at_once(
+    broker_factory: BrokerFactory,
+) -> None:
+    """Lease rounds 200 s apart (``lease_ttl_s`` 600): the second broker gets half the
+    partitions, and the first all of them back once the second stops, well before any round
+    would (each broker follows the others' presence keys and rebalances when one joins, hands
+    partitions back or leaves)."""
+    first = await broker_factory(fleet__partitions=P, fleet__lease_ttl_s=600)
+    assert len(first.tables.book.epochs) == P
+    second = await broker_factory(fleet__partitions=P, fleet__lease_ttl_s=600)
+    await wait_for(lambda: [len(b.tables.book.epochs) for b in (first, second)] == [P // 2] * 2,
+                   10, what="each owning half the partitions")  # fmt: skip
+    await second.stop()
+    await wait_for(lambda: len(first.tables.book.epochs) == P, 10,
+                   what="the first owning every partition again")  # fmt: skip
 
 
 # --- another owner that is no broker -------------------------------------------------------
