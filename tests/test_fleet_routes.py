@@ -119,6 +119,26 @@ def test_an_agent_in_both_is_taken_from_the_registry_and_its_hand_outs_counted_t
         m.route(req)
 
 
+def test_an_agent_of_another_owner_whose_load_never_moves_sheds_the_hand_outs() -> None:
+    """A broker counts its hand-outs of another owner's agent until the agent's next report,
+    which it sees only when the report moved the share (nothing else is published): without
+    a task time each counts one to two heartbeat intervals (1 s here), not for good."""
+    m = Merge("", "c", slots=4)  # the share loaded at 0.0
+    req = RouteRequest(limit=1)
+    assert [m.route(req, now=1.0) for _ in range(4)] == [["c"]] * 4
+    for now in (1.5, 2.0, 2.9):  # its four slots handed out: full until two intervals on
+        with pytest.raises(Overloaded):
+            m.route(req, now=now)
+    assert m.members["c"].in_flight(2.9) == 4.0
+    assert m.members["c"].in_flight(3.0) == 0.0
+    assert m.route(req, now=3.0) == ["c"]
+    # A report (a delta of its entry) replaces the count at once, as the registry's do.
+    entry = TableEntry(agent_id="c", state="healthy", score=80.0, max_concurrency=4, active=1)
+    assert m.table.apply(schema.TableDelta(capability="cap", partition=7, epoch=1, version=2,
+                                           prev=1, upserts=[entry]), m.members, 3.1)  # fmt: skip
+    assert m.members["c"].in_flight(3.1) == 1.0
+
+
 def test_a_sticky_key_wins_the_same_agent_whichever_side_holds_it() -> None:
     m = Merge("abcd", "efgh")
     firsts = {m.route(RouteRequest(sticky_key=f"user-{i}", peek=True))[0] for i in range(40)}
