@@ -256,7 +256,7 @@ class Broker:
         )  # fmt: skip
         """``<p>.agents.<partition>``: pages of the partitions this broker owns."""
         epochs = self.tables.book.epochs
-        self.shares = Shares(ctx, cfg.fleet, epochs)
+        self.shares = Shares(ctx, cfg.fleet, epochs, counts=m.tables)
         """The other owners' shares of the route tables, followed (routes merge them)."""
         self.forwarder = Forwarder(
             ctx, cfg.fleet, self.handlers.endpoints["route"], self.handlers.route,

@@ -369,6 +369,8 @@ class Ghost:
         self.store = ClaimStore(nc, bucket=PARTITIONS_BUCKET)
         self.revisions: dict[int, int] = {}
         self.task: asyncio.Task[None] | None = None
+        self.answering = True
+        """False: it answers no table request (yet)."""
 
     async def start(self) -> None:
         lease = msgspec.json.encode(Lease(broker_id="ghost"))
@@ -391,7 +393,7 @@ class Ghost:
 
     async def answer(self, msg: Any) -> None:
         cap = msg.subject.removeprefix("reach.tables.")
-        if cap.startswith("silent."):
+        if cap.startswith("silent.") or not self.answering:
             return  # a table it never answers (nor stores)
         shares = [TableShare(capability=cap, partition=p, epoch=1, version=1, entries=[
             TableEntry(agent_id=f"ghost-{p}", state="healthy", score=90.0, max_concurrency=4)])
@@ -491,6 +493,40 @@ async def test_a_route_merges_the_shares_of_another_owner_and_explain_says_what_
             "(ghost), which did not answer in time; retry in 100 ms"
         )
         assert forwards(broker, "timeout") == 1
+    finally:
+        await ghost.stop()
+
+
+async def test_shares_another_owner_did_not_give_are_asked_for_again(
+    provisioned: Any, broker_factory: BrokerFactory, nc: NATS
+) -> None:
+    """The other owner does not answer a capability's first table request, and KV holds
+    none of its shares: the broker answers without them and asks again (1 s later, then
+    doubling), so its routes list the other owner's agents once it answers; meanwhile
+    ``reach_tables_total{kind="unseen"}`` counts the tables asked for again."""
+    ghost = Ghost(nc)
+    ghost.answering = False
+    await ghost.start()
+    try:
+        broker = await broker_factory(fleet__partitions=P)
+        cap = capability_in((0, 1, 2, 3), "late.")  # this broker's: answered here
+        look = schema.encoder.encode(RouteRequest(peek=True, limit=100))
+        msg = await nc.request(f"reach.route.{cap}", look, timeout=2)
+        err = from_reply(msg.headers, msg.data)
+        assert err is not None and err.code == "NO_REACHABLE_AGENT"
+        followed = broker.shares.follower.followed[cap]
+        assert (followed.table.shares, followed.asked_again) == ({}, 1)
+        unseen = broker.metrics.tables.labels("unseen")
+        assert unseen._value.get() == 1.0
+        ghost.answering = True
+        await wait_for(lambda: set(followed.table.shares) == {4, 5, 6, 7}, 5,
+                       what="the other owner's shares followed")  # fmt: skip
+        msg = await nc.request(f"reach.route.{cap}", look, timeout=2)
+        assert from_reply(msg.headers, msg.data) is None
+        listed = {c.agent_id for c in schema.route_reply_decoder.decode(msg.data).candidates}
+        assert listed == {"ghost-4", "ghost-5", "ghost-6", "ghost-7"}
+        assert followed.asked_again == 0 and followed.retry is None
+        assert unseen._value.get() == 1.0  # seen at the first fetch asked again
     finally:
         await ghost.stop()
 

@@ -347,7 +347,9 @@ class Metrics:
         self.tables = Counter(
             "reach_tables_total",
             "Route-table work by kind: delta (published), request (a table asked for and "
-            "answered), stored (a share written to KV reach_tables), store_failed",
+            "answered), stored (a share written to KV reach_tables), store_failed, unseen (a "
+            "table of the other owners' shares asked for again: partitions neither answered "
+            "for nor stored)",
             ["kind"], registry=r,
         )  # fmt: skip
 
