@@ -178,7 +178,8 @@ class Follower:
     ) -> None:
         self.nc = nc
         self.name = name
-        """What the logs and the metrics call this follow (``claims``, ``rules``, ``audit``)."""
+        """What the logs and the metrics call this follow (``claims``, ``rules``,
+        ``presence``, ``audit``)."""
         self.stream = stream
         self.subject = subject
         self.start_at = start

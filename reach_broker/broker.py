@@ -247,6 +247,7 @@ class Broker:
         self.partitions = Partitions(
             ctx, cfg.fleet, self.takeover.own, self.takeover.lose,
             jetstream=lambda: self.jetstream_ok, owned=m.partitions_owned,
+            follow=m.follow("presence"),
         )  # fmt: skip
         """The leases of the partitions this broker owns, each taken over and handed over."""
         self.pages = AgentPages(
@@ -255,7 +256,7 @@ class Broker:
         )  # fmt: skip
         """``<p>.agents.<partition>``: pages of the partitions this broker owns."""
         epochs = self.tables.book.epochs
-        self.shares = Shares(ctx, cfg.fleet, epochs)
+        self.shares = Shares(ctx, cfg.fleet, epochs, counts=m.tables)
         """The other owners' shares of the route tables, followed (routes merge them)."""
         self.forwarder = Forwarder(
             ctx, cfg.fleet, self.handlers.endpoints["route"], self.handlers.route,

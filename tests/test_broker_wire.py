@@ -11,6 +11,7 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from jetstream.names import STREAM_NAMES
+from reach_agent.routing.table import partition
 from reach_broker.broker import Broker
 
 from .conftest import BrokerFactory, wait_for
@@ -185,22 +186,25 @@ async def test_leave_drains_and_stops_routes(nc: NATS, broker: Broker) -> None:
 async def test_two_replicas_same_state_route_answered_once(
     nc: NATS, broker_factory: BrokerFactory
 ) -> None:
-    # b1 owns every partition throughout (it renews every 200 s: it hands none to b2 within
-    # the test); b2 owns none, so it hears nothing of delta.
-    b1 = await broker_factory(fleet__lease_ttl_s=600)
+    # b1 takes every partition, and hands half to b2 as soon as it sees it join: each then
+    # hears only its own partitions' agents (the other nothing of delta).
+    b1 = await broker_factory()
     b2 = await broker_factory()
-    assert (len(b1.partitions.held), len(b2.partitions.held)) == (32, 0)
+    await wait_for(lambda: (len(b1.partitions.held), len(b2.partitions.held)) == (16, 16),
+                   what="each replica owning half the partitions")  # fmt: skip
+    owner, other = (b1, b2) if partition("delta", 32) in b1.partitions.held else (b2, b1)
     ack = await announce(nc, "delta")
     for seq in range(1, 4):
         await heartbeat(nc, "delta", ack["token"], seq, active=1)
-    await wait_for(lambda: b1.metrics.heartbeat_result["accepted"]._value.get() == 3)
-    r1 = b1.registry.agents["delta"]
-    assert (r1.state, r1.seq, r1.active) == ("healthy", 3, 1)
-    assert b2.metrics.heartbeat_result["accepted"]._value.get() == 0
-    assert b2.registry.agents == {}
+    await wait_for(lambda: owner.metrics.heartbeat_result["accepted"]._value.get() == 3)
+    rec = owner.registry.agents["delta"]
+    assert (rec.state, rec.seq, rec.active) == ("healthy", 3, 1)
+    assert other.metrics.heartbeat_result["accepted"]._value.get() == 0
+    assert other.registry.agents == {}
 
-    # Route requests go to one replica each: count replies on a raw inbox. Peeks: no task
-    # follows, so neither replica counts delta as handed 20 tasks (it has 4 slots).
+    # Route requests go to one replica each (the capability's owner answers, the other
+    # forwards to it): count replies on a raw inbox. Peeks: no task follows, so neither
+    # replica counts delta as handed 20 tasks (it has 4 slots).
     inbox = nc.new_inbox()
     replies: list[Any] = []
 

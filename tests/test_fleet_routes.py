@@ -119,6 +119,26 @@ def test_an_agent_in_both_is_taken_from_the_registry_and_its_hand_outs_counted_t
         m.route(req)
 
 
+def test_an_agent_of_another_owner_whose_load_never_moves_sheds_the_hand_outs() -> None:
+    """A broker counts its hand-outs of another owner's agent until the agent's next report,
+    which it sees only when the report moved the share (nothing else is published): without
+    a task time each counts one to two heartbeat intervals (1 s here), not for good."""
+    m = Merge("", "c", slots=4)  # the share loaded at 0.0
+    req = RouteRequest(limit=1)
+    assert [m.route(req, now=1.0) for _ in range(4)] == [["c"]] * 4
+    for now in (1.5, 2.0, 2.9):  # its four slots handed out: full until two intervals on
+        with pytest.raises(Overloaded):
+            m.route(req, now=now)
+    assert m.members["c"].in_flight(2.9) == 4.0
+    assert m.members["c"].in_flight(3.0) == 0.0
+    assert m.route(req, now=3.0) == ["c"]
+    # A report (a delta of its entry) replaces the count at once, as the registry's do.
+    entry = TableEntry(agent_id="c", state="healthy", score=80.0, max_concurrency=4, active=1)
+    assert m.table.apply(schema.TableDelta(capability="cap", partition=7, epoch=1, version=2,
+                                           prev=1, upserts=[entry]), m.members, 3.1)  # fmt: skip
+    assert m.members["c"].in_flight(3.1) == 1.0
+
+
 def test_a_sticky_key_wins_the_same_agent_whichever_side_holds_it() -> None:
     m = Merge("abcd", "efgh")
     firsts = {m.route(RouteRequest(sticky_key=f"user-{i}", peek=True))[0] for i in range(40)}
@@ -151,8 +171,8 @@ async def two_brokers(broker_factory: BrokerFactory, **overrides: Any) -> tuple[
     """Two brokers of P partitions, every partition owned by one of them."""
     pair = (await broker_factory(fleet__partitions=P, **overrides),
             await broker_factory(fleet__partitions=P, **overrides))  # fmt: skip
-    # The first takes every partition, then hands half back once it counts the second
-    # (its next lease round): settled when each owns its fair share.
+    # The first takes every partition, then hands half back once it sees the second's
+    # presence, and the second takes them: settled when each owns its fair share.
     await wait_for(lambda: [len(b.tables.book.epochs) for b in pair] == [P // 2] * 2, 20,
                    what="each owning half the partitions")  # fmt: skip
     return pair
@@ -317,6 +337,23 @@ async def test_a_route_lists_the_agents_of_every_partition(
     assert owned[0] | owned[1] == set(range(P)) and owned[0].isdisjoint(owned[1])
 
 
+async def test_a_broker_joining_or_leaving_rebalances_the_partitions_at_once(
+    broker_factory: BrokerFactory,
+) -> None:
+    """Lease rounds 200 s apart (``lease_ttl_s`` 600): the second broker gets half the
+    partitions, and the first all of them back once the second stops, well before any round
+    would (each broker follows the others' presence keys and rebalances when one joins, hands
+    partitions back or leaves)."""
+    first = await broker_factory(fleet__partitions=P, fleet__lease_ttl_s=600)
+    assert len(first.tables.book.epochs) == P
+    second = await broker_factory(fleet__partitions=P, fleet__lease_ttl_s=600)
+    await wait_for(lambda: [len(b.tables.book.epochs) for b in (first, second)] == [P // 2] * 2,
+                   10, what="each owning half the partitions")  # fmt: skip
+    await second.stop()
+    await wait_for(lambda: len(first.tables.book.epochs) == P, 10,
+                   what="the first owning every partition again")  # fmt: skip
+
+
 # --- another owner that is no broker -------------------------------------------------------
 
 
@@ -332,6 +369,8 @@ class Ghost:
         self.store = ClaimStore(nc, bucket=PARTITIONS_BUCKET)
         self.revisions: dict[int, int] = {}
         self.task: asyncio.Task[None] | None = None
+        self.answering = True
+        """False: it answers no table request (yet)."""
 
     async def start(self) -> None:
         lease = msgspec.json.encode(Lease(broker_id="ghost"))
@@ -354,7 +393,7 @@ class Ghost:
 
     async def answer(self, msg: Any) -> None:
         cap = msg.subject.removeprefix("reach.tables.")
-        if cap.startswith("silent."):
+        if cap.startswith("silent.") or not self.answering:
             return  # a table it never answers (nor stores)
         shares = [TableShare(capability=cap, partition=p, epoch=1, version=1, entries=[
             TableEntry(agent_id=f"ghost-{p}", state="healthy", score=90.0, max_concurrency=4)])
@@ -454,6 +493,40 @@ async def test_a_route_merges_the_shares_of_another_owner_and_explain_says_what_
             "(ghost), which did not answer in time; retry in 100 ms"
         )
         assert forwards(broker, "timeout") == 1
+    finally:
+        await ghost.stop()
+
+
+async def test_shares_another_owner_did_not_give_are_asked_for_again(
+    provisioned: Any, broker_factory: BrokerFactory, nc: NATS
+) -> None:
+    """The other owner does not answer a capability's first table request, and KV holds
+    none of its shares: the broker answers without them and asks again (1 s later, then
+    doubling), so its routes list the other owner's agents once it answers; meanwhile
+    ``reach_tables_total{kind="unseen"}`` counts the tables asked for again."""
+    ghost = Ghost(nc)
+    ghost.answering = False
+    await ghost.start()
+    try:
+        broker = await broker_factory(fleet__partitions=P)
+        cap = capability_in((0, 1, 2, 3), "late.")  # this broker's: answered here
+        look = schema.encoder.encode(RouteRequest(peek=True, limit=100))
+        msg = await nc.request(f"reach.route.{cap}", look, timeout=2)
+        err = from_reply(msg.headers, msg.data)
+        assert err is not None and err.code == "NO_REACHABLE_AGENT"
+        followed = broker.shares.follower.followed[cap]
+        assert (followed.table.shares, followed.asked_again) == ({}, 1)
+        unseen = broker.metrics.tables.labels("unseen")
+        assert unseen._value.get() == 1.0
+        ghost.answering = True
+        await wait_for(lambda: set(followed.table.shares) == {4, 5, 6, 7}, 5,
+                       what="the other owner's shares followed")  # fmt: skip
+        msg = await nc.request(f"reach.route.{cap}", look, timeout=2)
+        assert from_reply(msg.headers, msg.data) is None
+        listed = {c.agent_id for c in schema.route_reply_decoder.decode(msg.data).candidates}
+        assert listed == {"ghost-4", "ghost-5", "ghost-6", "ghost-7"}
+        assert followed.asked_again == 0 and followed.retry is None
+        assert unseen._value.get() == 1.0  # seen at the first fetch asked again
     finally:
         await ghost.stop()
 

@@ -12,9 +12,12 @@ from nats.js.errors import KeyNotFoundError
 
 import reach_agent
 from jetstream.names import TABLES_BUCKET
+from reach_agent.client.config import ClientConfig
+from reach_agent.client.tables import TableFollower
 from reach_agent.routing.table import RouteTable, TableMember, partition
 from reach_agent.wire import schema
 from reach_agent.wire.schema import Table, TableDelta, TableEntry, TableRouting, TableShare
+from reach_agent.wire.subjects import Subjects
 from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.config import Config
@@ -278,3 +281,48 @@ def test_a_share_says_whether_its_agents_moved_or_only_their_load() -> None:
     announce(reg, "a", ["y"], 3.0)  # leaves x
     book.changes({"a"}, reg.agents.get, 3.0)
     assert share.moved and share.entries == {}
+
+
+async def test_a_new_owners_delta_that_comes_during_a_fetch_has_the_table_asked_again(
+    nats_server: NatsServer, nc: NATS
+) -> None:
+    """A fetch answered with the old owner's share of partition 5 (epoch 1), while the new
+    owner's first delta (epoch 2) came in the meantime: the delta does not follow what was
+    fetched, so the table is asked for again (not the delta dropped, the old share held
+    until the next resync), and the new owner's share is held."""
+    entry = TableEntry(agent_id="moved", state="healthy", score=90.0, max_concurrency=4)
+
+    def table(epoch: int, version: int) -> bytes:
+        share = TableShare(capability="handover", partition=5, epoch=epoch, version=version,
+                           entries=[entry])  # fmt: skip
+        return schema.encoder.encode(Table(capability="handover", partitions=8,
+                                           owned=list(range(8)), shares=[share],
+                                           broker_id="fake"))  # fmt: skip
+
+    asked = 0
+
+    async def answer(msg: Any) -> None:
+        nonlocal asked
+        asked += 1
+        if asked == 1:  # the handover happens while the first answer is on its way
+            delta = TableDelta(capability="handover", partition=5, epoch=2, version=2, prev=1,
+                               upserts=[entry])  # fmt: skip
+            await nc.publish("reach.table.5.handover", schema.encoder.encode(delta))
+            await nc.flush()
+            await asyncio.sleep(0.05)
+            await nc.publish(msg.reply, table(1, 3))
+        else:
+            await nc.publish(msg.reply, table(2, 2))
+
+    await nc.subscribe("reach.tables.handover", cb=answer)
+    await nc.flush()
+    follower = TableFollower(nc, Subjects(), ClientConfig(table_wait_s=1.0))
+    await follower.start()
+    try:
+        held = await follower.table("handover")
+        assert held is not None
+        await wait_for(lambda: held.shares == {5: (2, 2)}, 5,
+                       what="the new owner's share held")  # fmt: skip
+        assert asked == 2
+    finally:
+        await follower.stop()

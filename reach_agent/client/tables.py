@@ -75,7 +75,8 @@ _msg_get = msgspec.json.Decoder(_MsgGet)
 class Followed:
     """One capability followed: its table, its deltas' subscription, when it was used."""
 
-    __slots__ = ("fetching", "pending", "resync", "sub", "synced_at", "table", "used_at")
+    __slots__ = ("asked_again", "fetching", "pending", "resync", "retry", "sub", "synced_at",
+                 "table", "used_at")  # fmt: skip
 
     def __init__(self, table: RouteTable, now: float) -> None:
         self.table = table
@@ -87,6 +88,10 @@ class Followed:
         self.pending: list[schema.TableDelta] = []
         self.resync = False
         """A gap was seen while a fetch ran: fetch again after it."""
+        self.asked_again = 0
+        """Fetches in a row that left partitions unseen (``unseen``, a broker's shares)."""
+        self.retry: asyncio.TimerHandle | None = None
+        """The next of those fetches, scheduled."""
 
 
 class TableRoutes:
@@ -194,6 +199,8 @@ class TableFollower:
         *,
         skip: Callable[[int], bool] | None = None,
         member: type[TableMember] = TableMember,
+        unseen: Callable[[str, list[int], int], None] | None = None,
+        partitions: int = 0,
     ) -> None:
         self.nc = nc
         self.member = member
@@ -205,8 +212,14 @@ class TableFollower:
         self.members: dict[str, TableMember] = {}
         """Every agent of the tables followed (one per agent: its load counts every call)."""
         self.followed: dict[str, Followed] = {}
-        self.partitions = 0
+        self.partitions = partitions
         """The fleet's partitions, as the brokers last said (0: none said yet)."""
+        self.unseen = unseen
+        """Told ``(capability, partitions, fetches)`` when a table was fetched and partitions
+        not skipped are unseen (no broker answered as their owner, KV holds no share of
+        them): the table is then asked for again after ``REFETCH_S``, doubling up to
+        ``table_resync_s``, until none is (then told once with no partition). None: a
+        caller's follower, which asks again only a table holding no share at all."""
         self._loop: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -262,6 +275,8 @@ class TableFollower:
             return
         if f.fetching is not None:
             f.fetching.cancel()
+        if f.retry is not None:
+            f.retry.cancel()
         f.table.drop(self.members)
         if f.sub is not None:
             with contextlib.suppress(NatsError):
@@ -276,12 +291,14 @@ class TableFollower:
 
     async def _fetched(self, f: Followed) -> bool:
         cap = f.table.capability
+        seen: set[int] = set()
         try:
             shares, covered = await self._ask(cap)
             if not covered or len(covered) < self.partitions:
                 stored = await self._read_store(cap, covered)
                 shares += stored
                 covered |= {s.partition for s in stored}
+            seen = covered
             skip = self.skip
             if skip is not None:
                 shares = [s for s in shares if not skip(s.partition)]
@@ -292,8 +309,10 @@ class TableFollower:
             for p in covered - {s.partition for s in shares}:
                 table.clear(p, self.members)
             for delta in f.pending:
-                if delta.epoch == table.shares.get(delta.partition, (None, 0))[0]:
-                    table.apply(delta, self.members, now)
+                if not table.apply(delta, self.members, now):
+                    # Made after what was fetched, and not following it (a new owner's
+                    # share, one the answers said nothing of, a gap): the table again.
+                    f.resync = True
             return bool(shares or covered)
         except Exception:  # noqa: BLE001 - a fetch never breaks the client
             log.exception("tables.fetch_failed capability=%s", cap)
@@ -302,9 +321,34 @@ class TableFollower:
             f.synced_at = self.clock()
             f.pending = []
             f.fetching = None
-            if f.resync and self.followed.get(cap) is f:
-                f.resync = False
-                self._fetch(f)
+            if self.followed.get(cap) is f:
+                if f.resync:
+                    f.resync = False
+                    self._fetch(f)
+                elif self.unseen is not None:
+                    self._ask_again_if_unseen(f, seen)
+
+    def _ask_again_if_unseen(self, f: Followed, seen: set[int]) -> None:
+        """After a fetch: the partitions neither skipped nor ``seen`` (answered for by their
+        owner, or read from KV) told, and the table asked for again later (see
+        :attr:`unseen`)."""
+        assert self.unseen is not None
+        skip = self.skip
+        unseen = [p for p in range(self.partitions)
+                  if p not in seen and (skip is None or not skip(p))]  # fmt: skip
+        if f.retry is not None:
+            f.retry.cancel()
+            f.retry = None
+        cap = f.table.capability
+        if not unseen:
+            if f.asked_again:
+                f.asked_again = 0
+                self.unseen(cap, [], 0)
+            return
+        wait = min(REFETCH_S * 2**f.asked_again, self.config.table_resync_s)
+        f.asked_again += 1
+        self.unseen(cap, unseen, f.asked_again)
+        f.retry = asyncio.get_running_loop().call_later(wait, self._fetch, f)
 
     async def _ask(self, capability: str) -> tuple[list[TableShare], set[int]]:
         """The brokers' answers to ``<p>.tables.<capability>`` until their ``owned`` cover

@@ -141,12 +141,52 @@ class SharedMember(TableMember):
     """An agent of another owner's share as a broker counts it (a broker's route service
     follows the other owners' shares): its hand-outs counted as the broker counts its own
     agents' (:meth:`Member.handed_out`: fading with the task time, replaced by the next
-    report), since a broker does not see the calls it routes end."""
+    report), since a broker does not see the calls it routes end.
 
-    __slots__ = ()
+    The agent's next report is only seen when it changed what the share says (the owner
+    publishes nothing else): a report that did not, said the load the share holds. So
+    without a task time (nothing fades) a hand-out counts for one to two of the agent's
+    heartbeat intervals (:meth:`_roll`), by when the agent has reported it, running (a
+    changed ``active``, which the owner publishes and which replaces the count) or ended.
+    Counted until the next published report instead, the hand-outs of an agent whose load
+    never moved added up until it looked full for good (the owner of a capability routed
+    every 12 ms lost each of the other owner's agents from its routes after about 14 picks
+    of it)."""
 
-    handed_out = Member.handed_out  # type: ignore[assignment]
-    in_flight = Member.in_flight
+    __slots__ = ("_before", "_window", "_window_at")
+
+    def apply(self, entry: TableEntry, now: float) -> int:
+        moved = super().apply(entry, now)
+        # A report: no hand-out counted beyond it. Without a task time, the hand-outs of the
+        # current window (begun at _window_at) and of the window before it count.
+        self._window_at = now
+        self._window = 0
+        self._before = 0
+        return moved
+
+    def handed_out(self, now: float) -> None:
+        Member.handed_out(self, now)
+        if self.stats.task_ewma_ms is None and self.protocol == PROTOCOL_REACH:
+            self._window += 1
+
+    def in_flight(self, now: float) -> float:
+        """As :meth:`Member.in_flight` with a task time; without one, the ``active`` the
+        share says plus the hand-outs of the current window and the one before."""
+        if self.stats.task_ewma_ms is not None:
+            return Member.in_flight(self, now)
+        self._roll(now)
+        return float(self.active + self._window + self._before)
+
+    def _roll(self, now: float) -> None:
+        """A heartbeat interval after the current window began, a new one begins: the
+        window before is forgotten (its hand-outs at least one interval old), the current
+        one becomes it (both forgotten after two intervals)."""
+        elapsed = now - self._window_at
+        interval = self.interval_s
+        if elapsed >= interval:
+            self._before = self._window if elapsed < 2 * interval else 0
+            self._window = 0
+            self._window_at = now
 
 
 class RouteTable:

@@ -277,8 +277,9 @@ class Metrics:
         # audit trail. A lost consumer is rebuilt; until then what relies on it waits.
         self.follow_rebuilds = Counter(
             "reach_follow_rebuilds_total",
-            "Consumers of a follow (claims, rules, audit) made again after a loss, by why it "
-            "was lost (stall: heartbeats missed; gap: a message lost; reconnect; deleted)",
+            "Consumers of a follow (claims, rules, presence, audit) made again after a loss, by "
+            "why it was lost (stall: heartbeats missed; gap: a message lost; reconnect; "
+            "deleted)",
             ["follow", "reason"], registry=r,
         )  # fmt: skip
         self.follow_rebuild_failures = Counter(
@@ -289,7 +290,8 @@ class Metrics:
         )  # fmt: skip
         self.follow_down = Gauge(
             "reach_follow_down",
-            "1 while a follow (claims, rules, audit) has lost its consumer and delivers nothing",
+            "1 while a follow (claims, rules, presence, audit) has lost its consumer and "
+            "delivers nothing",
             ["follow"], registry=r,
         )  # fmt: skip
         self.ack_latency = Histogram(
@@ -345,7 +347,9 @@ class Metrics:
         self.tables = Counter(
             "reach_tables_total",
             "Route-table work by kind: delta (published), request (a table asked for and "
-            "answered), stored (a share written to KV reach_tables), store_failed",
+            "answered), stored (a share written to KV reach_tables), store_failed, unseen (a "
+            "table of the other owners' shares asked for again: partitions neither answered "
+            "for nor stored)",
             ["kind"], registry=r,
         )  # fmt: skip
 
@@ -357,7 +361,8 @@ class Metrics:
         self.registry.register(_PartitionBeats(counts))
 
     def follow(self, name: str) -> FollowCounters:
-        """What the follow ``name`` (``claims``, ``rules``, ``audit``) counts into."""
+        """What the follow ``name`` (``claims``, ``rules``, ``presence``, ``audit``) counts
+        into."""
         return FollowCounters(self, name)
 
 

@@ -15,10 +15,18 @@ without JetStream runs one broker).
 **Fair shares.** Every broker announces its presence in the same bucket (key
 ``_b.<broker_id>``, renewed every round, aging out with the leases' time to live, deleted at a
 clean stop) and holds at most its fair share, ``ceil(partitions / live brokers)``: it takes
-free partitions only up to it, and hands back what it holds beyond it (a broker joined), so
-the newcomer takes them at its next round. A broker that left or died stops counting once its
-presence key is gone (at once, or within the time to live), and its partitions are taken by
-the others as they fall free.
+free partitions only up to it, and hands back what it holds beyond it (a broker joined). A
+broker that left or died stops counting once its presence key is gone (at once, or within the
+time to live), and its partitions are taken by the others as they fall free.
+
+**Rebalancing at once.** Every broker follows the presence keys (a
+:class:`~jetstream.follow.Follower` named ``presence``) and runs a round at once, instead of
+at its next one, when another broker's key appears (it joined), is deleted (it stopped, its
+leases handed back first) or is written with the partitions it just handed back
+(``{"freed": [...]}``, right after a hand-back). So a broker joining gets its share within a
+few round trips, not two rounds (up to ``2/3 lease_ttl_s``, the handed-back partitions
+without an owner for up to a third of it: neither heard nor routed to, the route requests of
+their capabilities refused); each such round is logged (``partitions.rebalance``).
 
 The owner is told (``on_own(partition, epoch)``: the partition's agents restored, its
 subjects heard, its route-table shares published: :mod:`.takeover`; ``on_lose(partition)``:
@@ -39,11 +47,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
+from nats.aio.msg import Msg
 
 from jetstream.claims import ClaimStore, ClaimsUnavailable
-from jetstream.names import PARTITIONS_BUCKET
+from jetstream.follow import UNCOUNTED, Follower, FollowMetrics, Start
+from jetstream.names import PARTITIONS_BUCKET, PARTITIONS_STREAM
 from jetstream.tasks import raise_if_cancelled
-from reach_agent.aio import stop_loops
+from reach_agent.aio import stop_loops, wait_event
 from reach_broker.config import FleetSection
 
 from .context import BrokerContext
@@ -58,10 +68,20 @@ class Lease(msgspec.Struct, kw_only=True, omit_defaults=True):
     at_ms: int = 0
 
 
+class Presence(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A presence key's value when it says more than "here" (an empty value): the partitions
+    its broker just handed back (the others take them at once)."""
+
+    freed: list[int] = []
+
+
 HAND_BACK_S = 1.0
 """How long a stopping broker spends handing its leases back (they lapse anyway)."""
 PRESENCE = "_b."
 """The presence keys' prefix (``_b.<broker_id>``): never a partition's key."""
+_KV_PRE = f"$KV.{PARTITIONS_BUCKET}."
+_KV_OP = "KV-Operation"
+_DELETED = ("DEL", "PURGE")
 
 _lease = msgspec.json.Decoder(Lease)
 _encode = msgspec.json.Encoder().encode
@@ -90,6 +110,7 @@ class Partitions:
         *,
         jetstream: Callable[[], bool],
         owned: Any,
+        follow: FollowMetrics = UNCOUNTED,
     ) -> None:
         self.ctx = ctx
         self.cfg = cfg
@@ -111,6 +132,13 @@ class Partitions:
         """When :attr:`live` was last counted."""
         self._kv: Any = None
         self._task: asyncio.Task[None] | None = None
+        self._follow = follow
+        """``reach_follow_*{follow="presence"}``: the presence keys' follow."""
+        self._presence: Follower | None = None
+        self._seen: dict[str, float] = {}
+        """The other brokers' presence keys followed, and when each was last written."""
+        self._wake = asyncio.Event()
+        """Set when another broker joined, left or handed partitions back: a round now."""
 
     @property
     def share(self) -> int:
@@ -131,6 +159,7 @@ class Partitions:
         self._kv = await self.ctx.nc.jetstream(timeout=self.store.timeout_s).key_value(
             PARTITIONS_BUCKET
         )
+        await self._follow_presence()
         await self.round()
         await self.settled()
         log.info("partitions.owned count=%d of %d brokers=%d", len(self.held),
@@ -141,6 +170,9 @@ class Partitions:
         """Stop renewing, leave (the presence key deleted) and hand every lease back (so
         another broker takes them at once), within a second in all: a lease not handed back
         lapses by itself."""
+        if self._presence is not None:
+            await self._presence.stop()
+            self._presence = None
         if self._task is not None:
             await stop_loops(self._task)
             self._task = None
@@ -150,9 +182,11 @@ class Partitions:
             if self.ctx.link.connected:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(HAND_BACK_S):
+                        # The leases first: the others take them as they see the presence
+                        # key go.
+                        await asyncio.gather(*backs, return_exceptions=True)
                         with contextlib.suppress(Exception):
                             await self._kv.delete(presence_key(self.ctx.broker_id))
-                        await asyncio.gather(*backs, return_exceptions=True)
             for back in backs:
                 back.close()  # those never awaited (the link was down)
         for p in list(self.held):
@@ -173,6 +207,11 @@ class Partitions:
                      share)  # fmt: skip
             free = _encode(Lease(at_ms=self.ctx.wall_ms()))
             await asyncio.gather(*(self._hand_back(p, free) for p in back))
+            try:  # the others take them at once (they follow the presence keys)
+                await self._kv.put(presence_key(self.ctx.broker_id),
+                                   _encode(Presence(freed=back)))  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - taken at their next round instead
+                log.debug("partitions.freed_unsaid error=%r", exc)
             return
         unheld = [p for p in range(self.cfg.partitions) if p not in self.held]
         if not unheld:
@@ -307,11 +346,49 @@ class Partitions:
         await self.on_lose(p)
 
     async def _loop(self) -> None:
+        """A round every third of the lease's time to live, and at once when woken."""
         every = self.cfg.lease_ttl_s / 3
         while True:
             raise_if_cancelled()
-            await asyncio.sleep(every)
+            await wait_event(self._wake, every)
+            self._wake.clear()
             try:
                 await self.round()
             except Exception:  # noqa: BLE001 - the loop body never dies
                 log.exception("partitions.round failed")
+
+    # --- the other brokers' presence -----------------------------------------------------------
+
+    async def _follow_presence(self) -> None:
+        """Follow the presence keys (the last of each, then every change); without it (the
+        server refused the consumer) the rounds alone rebalance, a third of the lease's time
+        to live apart."""
+        follower = Follower(self.ctx.nc, self._on_presence, name="presence",
+                            stream=PARTITIONS_STREAM, subject=f"{_KV_PRE}{PRESENCE}*",
+                            start=Start.last_per_subject(), metrics=self._follow,
+                            timeout_s=self.store.timeout_s)  # fmt: skip
+        try:
+            await follower.start()
+        except Exception as exc:  # noqa: BLE001 - the rounds still rebalance
+            log.warning("partitions.presence_unfollowed error=%r: brokers joining or leaving "
+                        "are seen at the next round only", exc)  # fmt: skip
+            return
+        self._presence = follower
+
+    async def _on_presence(self, msg: Msg) -> None:
+        """Another broker's presence key written or deleted: wake a round when it joined
+        (a key not written within the lease's time to live), left, or freed partitions."""
+        key = msg.subject[len(_KV_PRE) :]
+        if key == presence_key(self.ctx.broker_id):
+            return
+        now = self.ctx.clock()
+        if (msg.headers or {}).get(_KV_OP) in _DELETED:
+            reason = "left" if self._seen.pop(key, None) is not None else None
+        else:
+            last = self._seen.get(key)
+            self._seen[key] = now
+            reason = ("joined" if last is None or now - last > self.cfg.lease_ttl_s
+                      else "freed" if msg.data else None)  # fmt: skip
+        if reason is not None:
+            log.info("partitions.rebalance reason=%s broker=%s", reason, key[len(PRESENCE) :])
+            self._wake.set()

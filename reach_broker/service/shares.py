@@ -8,8 +8,12 @@ its agents counting hand-outs as the registry's do,
 :class:`~reach_agent.routing.table.SharedMember`),
 from a capability's first route request on (that request waits for them: one round trip,
 :meth:`Shares.waiting`) until it goes unrouted for ``table_idle_s``. When
-the partitions this broker owns change, every table followed is asked for again. The router
-merges the two (:meth:`reach_broker.core.routing.Router.route_reply`).
+the partitions this broker owns change, every table followed is asked for again. A table
+fetched with partitions unseen (neither owned here, nor answered for by their owner, nor
+stored in KV ``reach_tables``: their agents are not routed) is asked for again 1 s later,
+doubling up to ``table_resync_s``, until none is: logged (``shares.unseen``,
+``shares.seen``) and counted (``reach_tables_total{kind="unseen"}``). The router merges the
+two (:meth:`reach_broker.core.routing.Router.route_reply`).
 
 A broker that owns every partition (one broker alone, a server without JetStream) follows
 nothing: its registry is the whole fleet.
@@ -20,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Iterable, Mapping
+from typing import Any
 
 from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
@@ -43,14 +48,18 @@ OWNED_CHECK_S = 0.1
 class Shares:
     """The other owners' shares of the route tables, followed (a broker component)."""
 
-    def __init__(self, ctx: BrokerContext, cfg: FleetSection, owned: Mapping[int, int]) -> None:
+    def __init__(self, ctx: BrokerContext, cfg: FleetSection, owned: Mapping[int, int], *,
+                 counts: Any) -> None:  # fmt: skip
         self.ctx = ctx
         self.cfg = cfg
         self.owned = owned
         """The partitions this broker owns (its route tables' epochs): never followed."""
+        self.asked_again = counts.labels("unseen")
+        """``reach_tables_total{kind="unseen"}``: tables asked for again, partitions unseen."""
         self.follower = TableFollower(ctx.nc, ctx.subjects, ClientConfig(table_wait_s=WAIT_S),
-                                      ctx.clock,
-                                      skip=owned.__contains__, member=SharedMember)  # fmt: skip
+                                      ctx.clock, skip=owned.__contains__, member=SharedMember,
+                                      unseen=self._unseen,
+                                      partitions=cfg.partitions)  # fmt: skip
         self._asking: set[str] = set()
         self._task: asyncio.Task[None] | None = None
         self._running = False
@@ -77,8 +86,9 @@ class Shares:
     def waiting(self, capability: str) -> Awaitable[None] | None:
         """What a route request of ``capability`` should wait for before it is answered:
         the other owners' shares, on the capability's first request (one round trip, at
-        most twice ``table_wait_s``); None when they are held, or were asked for and none
-        came (asked again in the background), or this broker owns every partition."""
+        most twice ``table_wait_s``); None when they are held, or were asked for and some
+        did not come (asked again in the background: :meth:`_unseen`), or this broker owns
+        every partition."""
         if not self._running or self.owns_all():
             return None
         f = self.follower.followed.get(capability)
@@ -122,6 +132,21 @@ class Shares:
             seen.update(table.shares)
         return (len(table.where) if table is not None else 0,
                 [p for p in range(n) if p not in seen])  # fmt: skip
+
+    def _unseen(self, capability: str, partitions: list[int], fetches: int) -> None:
+        """The follower fetched ``capability``'s table ``fetches`` times in a row leaving
+        ``partitions`` unseen, and asks again (none left: seen again)."""
+        if not partitions:
+            log.info("shares.seen capability=%s: every partition answered for again",
+                     capability)  # fmt: skip
+            return
+        self.asked_again.inc()
+        if fetches == 1:
+            log.info("shares.unseen capability=%s partitions=%s: routed without their agents, "
+                     "asked again", capability, partitions)  # fmt: skip
+        else:
+            log.debug("shares.unseen capability=%s partitions=%s fetches=%d", capability,
+                      partitions, fetches)  # fmt: skip
 
     async def _ask(self, capability: str) -> None:
         try:
