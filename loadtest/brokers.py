@@ -39,6 +39,7 @@ import nats
 
 from reach_broker.cluster.natsserver import NatsServer
 
+from . import calls
 from .children import Children, free_port
 from .fleet import Fleet
 from .observe import scrape
@@ -68,6 +69,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--kill", action="store_true",
                    help="SIGKILL the last broker and time the takeover (--brokers)")  # fmt: skip
+    p.add_argument("--server-sync", choices=("always", "default"), default="always",
+                   help="JetStream's sync_interval (--brokers): always, as the shipped config, "
+                   "or the server's default (fsync every 2 minutes)")  # fmt: skip
 
 
 class Broker:
@@ -86,11 +90,13 @@ class Broker:
         return rss_bytes(self.child.pid) if self.child.alive() else None
 
 
-def server_config(tmp: Path, partitions: int) -> Path:
-    """The shipped server config, mapping into ``partitions``."""
+def server_config(tmp: Path, partitions: int, sync: str = "always") -> Path:
+    """The shipped server config, mapping into ``partitions``, JetStream's ``sync_interval``
+    as ``sync`` says (:func:`loadtest.calls.server_config`)."""
     text = (ROOT / "configs" / "nats-server.conf").read_text()
     conf = tmp / "nats-server.conf"
-    conf.write_text(text.replace("partition(32,1)", f"partition({partitions},1)"))
+    mapped = text.replace("partition(32,1)", f"partition({partitions},1)")
+    conf.write_text(calls.server_config(sync, mapped))
     return conf
 
 
@@ -153,12 +159,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     a = args
     n, p = a.brokers, a.partitions
     tmp = Path(tempfile.mkdtemp(prefix="reach-brokers-"))
-    server = NatsServer(port=0, store_dir=tmp / "nats", config=server_config(tmp, p))
+    server = NatsServer(port=0, store_dir=tmp / "nats",
+                        config=server_config(tmp, p, a.server_sync))  # fmt: skip
     server.start()
     children = Children()
     report: dict[str, Any] = {
         "brokers": n, "partitions": p, "agents": a.agents, "interval_s": a.interval,
-        "lease_ttl_s": a.lease_ttl, "loadavg_start": loadavg(), "host_cores": os.cpu_count(),
+        "lease_ttl_s": a.lease_ttl, "server_sync": a.server_sync, "loadavg_start": loadavg(),
+        "host_cores": os.cpu_count(),
     }  # fmt: skip
     nc = await nats.connect(server.url, name="loadtest-brokers")
     try:
