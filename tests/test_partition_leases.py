@@ -1,6 +1,7 @@
 """A partition's lease renewed through a busy JetStream (a real nats-server): a renewal whose
 confirmation timed out at the broker but which the server wrote after all is the broker's own,
-and the partition is kept; a lease another broker wrote is lost."""
+and the partition is kept; a lease another broker wrote is lost; a read of the leases from
+before a partition was handed back does not make its old owner answer for it."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import msgspec
 from nats.aio.client import Client as NATS
 
 from jetstream.names import PARTITIONS_BUCKET
+from reach_agent.routing.table import partition
 from reach_broker.service.partitions import Lease
 
-from .conftest import BrokerFactory
+from .conftest import BrokerFactory, wait_for
 
 
 async def test_a_renewal_the_server_wrote_after_its_timeout_keeps_the_partition(
@@ -48,3 +50,20 @@ async def test_a_lease_another_broker_wrote_is_lost(
     stored = await kv.get("5")
     assert stored.revision == theirs and stored.value is not None
     assert msgspec.json.decode(stored.value, type=Lease).broker_id == "another"
+
+
+async def test_a_stale_read_naming_this_broker_is_not_taken_for_ownership(
+    broker_factory: BrokerFactory,
+) -> None:
+    b1 = await broker_factory(fleet__lease_ttl_s=600)
+    b2 = await broker_factory(fleet__lease_ttl_s=600)
+    await wait_for(lambda: (len(b1.partitions.held), len(b2.partitions.held)) == (16, 16), 5,
+                   what="the two brokers' fair shares")  # fmt: skip
+    capability = next(c for c in (f"cap{i}" for i in range(100))
+                      if partition(c, 32) in b2.partitions.held)  # fmt: skip
+    p = partition(capability, 32)
+    # What b1 read of the leases before it handed p back.
+    b1.forwarder.owners.of[p] = b1.forwarder.token
+    b1.forwarder.owners._wake.clear()
+    assert b1.forwarder.owner_of(capability) == (p, None)
+    assert b1.forwarder.owners._wake.is_set()  # read again at once

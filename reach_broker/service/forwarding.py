@@ -163,7 +163,13 @@ class Forwarder:
             p = self._partition_of[capability] = partition(capability, self.cfg.partitions)
         if self.owned(p):
             return p, self.token
-        return p, self.owners.of[p]
+        owner = self.owners.of[p]
+        if owner == self.token:
+            # A read from before this broker lost or handed back the partition: it does not
+            # answer for it (it no longer holds its agents); the leases are read again.
+            self.owners.stale()
+            return p, None
+        return p, owner
 
     # --- the front of the route endpoint --------------------------------------------------
 
