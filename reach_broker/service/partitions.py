@@ -265,8 +265,11 @@ class Partitions:
             log.debug("partitions.count_failed error=%r", exc)
 
     async def _renew(self, p: int, mine: bytes) -> None:
-        """Renew partition ``p``'s lease."""
-        held = self.held[p]
+        """Renew partition ``p``'s lease (unless handed back meanwhile: the hand-backs run
+        beside the renewals)."""
+        held = self.held.get(p)
+        if held is None:
+            return
         now = self.ctx.clock()
         try:
             revision = await self.store.swap(str(p), mine, held[1])
