@@ -11,6 +11,7 @@ fleet is ``loadtest.sim``'s (:func:`loadtest.memory.fleet`): every agent announc
 The figure is the process's CPU time over the heartbeats handled, the broker's loops
 included; the cost of making a heartbeat body (the tool's own) is printed beside it.
 ``--profile FILE``: the measured seconds under cProfile (slower; for where, not how much).
+``--no-tables``: the broker publishes no route tables (what they cost, by difference).
 Run it from two checkouts, alternated, to compare.
 """
 
@@ -39,6 +40,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     n = args.agents
     with local_stack("reach-steady-") as (_tmp, _server, cfg):
         cfg.routing.inflight_ceiling = 20 * n  # as python -m loadtest raises it
+        cfg.fleet.tables = args.tables
         broker = Broker(cfg)
         await broker.start()
         try:
@@ -100,6 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agents", type=int, default=10_000)
     p.add_argument("--seconds", type=float, default=6.0, help="measured (after 3 s warm-up)")
     p.add_argument("--profile", help="cProfile the measured seconds into this file")
+    p.add_argument(
+        "--no-tables",
+        dest="tables",
+        action="store_false",
+        help="no route tables published ([fleet] tables = false): their share",
+    )
     args = p.parse_args(argv)
     print(json.dumps(uvloop.run(measure(args)), indent=2))
     return 0
