@@ -101,12 +101,67 @@ def test_a_share_moves_version_by_version_and_a_new_owner_starts_an_epoch() -> N
     assert book.changes({"c"}, reg.agents.get, 4.0) == []  # not ours: not published
 
 
+def test_a_heartbeat_that_moves_only_the_load_goes_out_as_a_load_not_an_entry() -> None:
+    """An agent of two capabilities whose heartbeat moved its ``active``: each share's delta
+    carries one ``TableLoad`` (no entry), the share holds the entry with the new figures, and
+    the next delta of a real change carries the whole entry again."""
+    reg, book = book_world()
+    announce(reg, "a", ["x", "y"], 0.0)
+    p = book.partition_of("a")
+    book.own(p, 1, reg.agents, 0.0)
+    reg.changed.clear()
+    before = book.shares[(p, "x")].entries["a"]
+    reg.agents["a"].set_load(2, 1)
+    deltas = book.changes({"a"}, reg.agents.get, 1.0)
+    score = reg.agents["a"].score
+    assert sorted((d.capability, d.upserts, d.removed, d.loads) for d in deltas) == [
+        ("x", [], [], [schema.TableLoad("a", 2, 1, score)]),
+        ("y", [], [], [schema.TableLoad("a", 2, 1, score)]),
+    ]
+    held = book.shares[(p, "x")].entries["a"]
+    assert held is book.shares[(p, "y")].entries["a"]  # one entry for both shares
+    assert (held.active, held.queue_depth, held.state) == (2, 1, "healthy")
+    assert msgspec.structs.replace(held, active=0, queue_depth=0) == before
+    assert book.changes({"a"}, reg.agents.get, 1.5) == []  # nothing moved since
+    reg.disconnected("a", 2.0)
+    deltas = book.changes({"a"}, reg.agents.get, 2.0)
+    assert [(d.loads, [(e.state, e.active) for e in d.upserts]) for d in deltas] == [
+        ([], [("suspect", 2)])] * 2  # fmt: skip
+
+
 # --- a caller's copy ---------------------------------------------------------------------------
 
 
+def test_a_copy_applies_loads_to_the_entries_it_holds() -> None:
+    """A load replaces the figures of the entry held (once for an agent of two tables: the
+    second table's copy of the same load is no new report); a load for an agent the table
+    does not hold says the copy missed something (ask again)."""
+    members: dict[str, TableMember] = {}
+    x, y = RouteTable("x", TableRouting()), RouteTable("y", TableRouting())
+    for table in (x, y):
+        table.load(TableShare(capability=table.capability, partition=1, epoch=5, version=3,
+                              entries=[entry("a", tags={"gpu": "a100"})]), members,
+                   0.0)  # fmt: skip
+    a = members["a"]
+    reports = a.report
+    load = schema.TableLoad("a", 1, 0, 80.0, 120.0)
+    for table in (x, y):
+        assert table.apply(TableDelta(capability=table.capability, partition=1, epoch=5,
+                                      version=4, prev=3, loads=[load]), members,
+                           1.0)  # fmt: skip
+    assert (a.active, a.score, a.stats.task_ewma_ms, a.tags) == (1, 80.0, 120.0, {"gpu": "a100"})
+    assert a.entry == entry("a", tags={"gpu": "a100"}, active=1, score=80.0, task_ms=120.0)
+    assert a.report == reports + 1
+    assert x.shares[1] == (5, 4) and y.shares[1] == (5, 4)
+    stray = TableDelta(capability="x", partition=1, epoch=5, version=5, prev=4,
+                       loads=[schema.TableLoad("b", 1, 0, 80.0)])  # fmt: skip
+    assert not x.apply(stray, members, 2.0)
+    assert x.shares[1] == (5, 4)
+
+
 def entry(agent_id: str, **kw: Any) -> TableEntry:
-    return TableEntry(agent_id=agent_id, state=kw.pop("state", "healthy"), score=90.0,
-                      max_concurrency=2, **kw)  # fmt: skip
+    return TableEntry(agent_id=agent_id, state=kw.pop("state", "healthy"),
+                      score=kw.pop("score", 90.0), max_concurrency=2, **kw)  # fmt: skip
 
 
 def test_a_copy_follows_deltas_and_says_when_one_does_not_follow() -> None:
@@ -272,7 +327,8 @@ def test_a_share_says_whether_its_agents_moved_or_only_their_load() -> None:
     share.moved = False
     rec = reg.agents["a"]
     rec.set_load(1, 0)
-    assert [len(d.upserts) for d in book.changes({"a"}, reg.agents.get, 1.0)] == [1]
+    assert [(len(d.upserts), len(d.loads)) for d in book.changes({"a"}, reg.agents.get, 1.0)] == [
+        (0, 1)]  # fmt: skip
     assert not share.moved  # only its load
     reg.disconnected("a", 2.0)  # suspect
     assert [d.upserts[0].state for d in book.changes({"a"}, reg.agents.get, 2.0)] == ["suspect"]

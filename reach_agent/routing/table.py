@@ -23,7 +23,7 @@ import math
 import msgspec
 
 from reach_agent.wire.errors import InvalidRequest
-from reach_agent.wire.schema import PROTOCOL_REACH, TableDelta, TableEntry, TableShare
+from reach_agent.wire.schema import PROTOCOL_REACH, TableDelta, TableEntry, TableShare, with_load
 
 from .index import CapabilityIndex
 from .member import Member, TaskStats, weight
@@ -230,7 +230,8 @@ class RouteTable:
 
     def apply(self, delta: TableDelta, members: dict[str, TableMember], now: float) -> bool:
         """Apply ``delta`` if it follows what the table holds of its share; False when it
-        does not (a gap, another epoch, or a share not held yet): ask for the share."""
+        does not (a gap, another epoch, a share not held yet, or a load for an agent the
+        table lacks): ask for the share."""
         held = self.shares.get(delta.partition)
         if held is None:
             return False
@@ -242,6 +243,13 @@ class RouteTable:
             self._remove(agent_id, members)
         for entry in delta.upserts:
             self._upsert(entry, delta.partition, members, now)
+        for load in delta.loads:
+            m = members.get(load.agent_id)
+            if m is None or load.agent_id not in self.where:
+                return False  # a load for an agent this copy lacks: it missed something
+            entry = with_load(m.entry, load)
+            if entry is not m.entry:  # else: applied from another capability's delta
+                self._upsert(entry, delta.partition, members, now)
         self.shares[delta.partition] = (delta.epoch, delta.version)
         self._policy(delta.local, delta.rule)
         return True

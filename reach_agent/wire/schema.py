@@ -590,6 +590,37 @@ never ``Raw | None``: msgspec decodes that union only as ``null``, so a rule wou
 whole share or delta undecodable."""
 
 
+class TableLoad(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """An agent's load and score in a :class:`TableDelta`, when nothing else of its entry
+    moved (most heartbeats): ``[agent_id, active, queue_depth, score, task_ms,
+    context_usage_pct]``, each as in :class:`TableEntry` (``null``: absent; the last two may
+    be left out). A few dozen bytes instead of the whole entry: the broker makes, and every
+    follower decodes, one per agent a second at a 1 s heartbeat."""
+
+    agent_id: str
+    active: int
+    queue_depth: int
+    score: float
+    task_ms: float | None = None
+    context_usage_pct: float | None = None
+
+
+def with_load(entry: TableEntry, load: TableLoad) -> TableEntry:
+    """``entry`` with ``load``'s figures (``entry`` itself when they are its own)."""
+    if (
+        entry.active == load.active
+        and entry.queue_depth == load.queue_depth
+        and entry.score == load.score
+        and entry.task_ms == load.task_ms
+        and entry.context_usage_pct == load.context_usage_pct
+    ):
+        return entry
+    return msgspec.structs.replace(
+        entry, active=load.active, queue_depth=load.queue_depth, score=load.score,
+        task_ms=load.task_ms, context_usage_pct=load.context_usage_pct,
+    )  # fmt: skip
+
+
 class TableShare(Base, frozen=True):
     """One share of a capability's route table: its agents of one partition, as of
     ``version`` of its owner's ``epoch``, with what a caller routes them by."""
@@ -612,8 +643,8 @@ class TableShare(Base, frozen=True):
 
 class TableDelta(Base, frozen=True):
     """A share's change from ``prev`` to ``version`` (same ``epoch``): agents upserted (their
-    whole entry) and agents removed from the capability; ``local`` and ``rule`` as they are
-    now (as :class:`TableShare`'s)."""
+    whole entry), agents removed from the capability and agents whose load alone moved
+    (``loads``); ``local`` and ``rule`` as they are now (as :class:`TableShare`'s)."""
 
     capability: str
     partition: int
@@ -624,6 +655,9 @@ class TableDelta(Base, frozen=True):
     removed: list[str] = []
     local: bool = True
     rule: msgspec.Raw = NO_RULE
+    loads: list[TableLoad] = []
+    """Agents of the share whose load or score alone moved: their entry as held, with these
+    figures."""
 
 
 class Table(Base, frozen=True):

@@ -6,7 +6,9 @@ partitions it owns (``service/partitions.py``: a lease each) and only those.
 :class:`TableBook` keeps, per share, the entries as last published and its version within the
 owner's epoch; :meth:`TableBook.changes` turns the agents that changed since the last call (the
 registry's ``changed``) into one :class:`~reach_agent.wire.schema.TableDelta` per share that
-moved. Pure: the service publishes what it returns.
+moved: an agent whose load or score alone moved as a
+:class:`~reach_agent.wire.schema.TableLoad`, any other change as its whole entry. Pure: the
+service publishes what it returns.
 
 A share holds every member of the capability in its partition, whatever its state (the
 ranking's panic rule counts them), as :func:`entry_of` makes it; an agent leaves a share when
@@ -21,7 +23,15 @@ from collections.abc import Callable, Iterable
 import msgspec
 
 from reach_agent.routing.table import partition
-from reach_agent.wire.schema import PROTOCOL_REACH, TableDelta, TableEntry, TableRouting, TableShare
+from reach_agent.wire.schema import (
+    PROTOCOL_REACH,
+    TableDelta,
+    TableEntry,
+    TableLoad,
+    TableRouting,
+    TableShare,
+    with_load,
+)
 from reach_broker.config import RoutingSection
 
 from .records import AgentRecord
@@ -113,6 +123,17 @@ class Known(msgspec.Struct, gc=False):
     announce: object = None
 
 
+class _Touched:
+    """What one share's next delta says: entries upserted, agents removed, loads."""
+
+    __slots__ = ("loads", "removed", "upserts")
+
+    def __init__(self) -> None:
+        self.upserts: list[TableEntry] = []
+        self.removed: list[str] = []
+        self.loads: list[TableLoad] = []
+
+
 class TableBook:
     """Every share this broker publishes, and what changed since it last said."""
 
@@ -171,10 +192,12 @@ class TableBook:
     ) -> list[TableDelta]:
         """The deltas that take every share from what was last published to the agents
         ``changed`` as ``record`` knows them now (None: evicted): one per share that moved,
-        its version advanced; agents of partitions not owned are skipped."""
+        its version advanced; agents of partitions not owned are skipped. An agent whose load
+        or score alone moved (its announce, capabilities, state and slow start as published)
+        goes out as a :class:`~reach_agent.wire.schema.TableLoad`, not its whole entry."""
         slow_s = self.routing.slow_start_s
-        touched: dict[tuple[int, str], tuple[list[TableEntry], list[str]]] = {}
-        epochs, known, partitions = self.epochs, self.known, self.partitions
+        touched: dict[tuple[int, str], _Touched] = {}
+        epochs, known, partitions, shares = self.epochs, self.known, self.partitions, self.shares
         for agent_id in changed:
             k = known.get(agent_id)
             p = k.partition if k is not None else partition(agent_id, partitions)
@@ -193,37 +216,65 @@ class TableBook:
                 if (
                     last is not None
                     and k.announce is rec.announce
+                    and last.state == rec.state
+                    and caps == old_caps
+                    and last.slow_start_ms is None
+                    and (rec.recovered_at is None or now - rec.recovered_at >= 2 * slow_s)
+                ):
+                    # Most heartbeats: at most the load moved (the hot path, inline).
+                    task_ms = rec.stats.task_ewma_ms
+                    if task_ms is not None:
+                        task_ms = round(task_ms, 1)
+                    load = TableLoad(agent_id, rec.active, rec.queue_depth, rec.score, task_ms,
+                                     rec.context_usage_pct)  # fmt: skip
+                    entry = with_load(last, load)
+                    if entry is last:
+                        continue  # nothing the tables say moved
+                    k.entry = entry
+                    for cap in caps:
+                        key = (p, cap)
+                        shares[key].entries[agent_id] = entry
+                        t = touched.get(key)
+                        if t is None:
+                            t = touched[key] = _Touched()
+                        t.loads.append(load)
+                    continue
+                if (
+                    last is not None
+                    and k.announce is rec.announce
                     and unchanged(last, rec, now, slow_s)
                 ):
-                    if caps == old_caps:
-                        continue  # nothing the tables say moved
-                    entry = last
+                    entry = last  # only its capabilities moved
                 else:
                     entry = k.entry = entry_of(rec, now, slow_s)
                     k.announce = rec.announce
             for cap in caps:
                 share = self._share(p, cap)
                 old = share.entries.get(agent_id)
-                if old != entry:
+                if old is not entry:
                     assert entry is not None
                     share.entries[agent_id] = entry
                     if old is None or old.state != entry.state:
                         share.moved = True
-                    touched.setdefault((p, cap), ([], []))[0].append(entry)
+                    t = touched.get((p, cap))
+                    if t is None:
+                        t = touched[(p, cap)] = _Touched()
+                    t.upserts.append(entry)
             for cap in old_caps:
                 if cap not in caps:
                     gone = self.shares.get((p, cap))
                     if gone is not None and gone.entries.pop(agent_id, None) is not None:
                         gone.moved = True
-                        touched.setdefault((p, cap), ([], []))[1].append(agent_id)
+                        t = touched.get((p, cap))
+                        if t is None:
+                            t = touched[(p, cap)] = _Touched()
+                        t.removed.append(agent_id)
             if rec is None:
                 del known[agent_id]
             else:
                 k.caps = caps
-        deltas = []
-        for (p, cap), (upserts, removed) in touched.items():
-            deltas.append(self._delta(p, cap, upserts, removed))
-        return deltas
+        return [self._delta(p, cap, t.upserts, t.removed, t.loads)
+                for (p, cap), t in touched.items()]  # fmt: skip
 
     def policies_changed(self) -> list[TableDelta]:
         """A delta for every share of each capability whose policy (local, rule) moved since
@@ -238,14 +289,17 @@ class TableBook:
                         deltas.append(self._delta(key[0], cap, [], []))
         return deltas
 
-    def _delta(self, p: int, cap: str, upserts: list[TableEntry], removed: list[str]) -> TableDelta:
+    def _delta(
+        self, p: int, cap: str, upserts: list[TableEntry], removed: list[str],
+        loads: list[TableLoad] | None = None,
+    ) -> TableDelta:  # fmt: skip
         share = self._share(p, cap)  # an emptied share stays: its version goes on
         prev = share.version
         share.version = version = prev + 1
         local, rule = self._policies[cap] = self.policy(cap)
         return TableDelta(capability=cap, partition=p, epoch=self.epochs[p], version=version,
                           prev=prev, upserts=upserts, removed=removed, local=local,
-                          rule=rule)  # fmt: skip
+                          rule=rule, loads=loads or [])  # fmt: skip
 
     def _share(self, p: int, cap: str) -> Share:
         share = self.shares.get((p, cap))
