@@ -456,6 +456,10 @@ class Broker:
         self._started = False
         self.serving = False
         await self._stop_serving()
+        # The forwards sent to this broker answered while it still owns its partitions, and
+        # its own forwards answered by their owners or refused (issue 24: a stopping owner
+        # leaves no route request unanswered).
+        await self.forwarder.drain()
         if self._loop_task is not None:
             await stop_loops(self._loop_task)
         await self._tasks.settle(self.cfg.broker.shutdown_grace_s)
