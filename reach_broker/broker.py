@@ -44,6 +44,7 @@ from reach_agent.connection import (
     connect,
     connect_options,
     drain_or_close,
+    drain_subscription,
     flush_subscriptions,
 )
 from reach_agent.routing.rules import Rules
@@ -429,17 +430,36 @@ class Broker:
             )  # fmt: skip
         await flush_subscriptions(nc)  # a single flush() may overtake the SUBs (nats-py)
 
+    async def _stop_serving(self) -> None:
+        """Stop the Services endpoints, answering every request the server already sent
+        them. nats.micro's ``Service.stop()`` unsubscribes its endpoints, discarding the
+        requests queued for them (a route request sent as the broker stopped went
+        unanswered): they are drained first, then the service stopped without them."""
+        service = self._service
+        if service is None:
+            return
+        endpoints = service._endpoints  # nats.micro keeps its endpoints private
+        grace = self.cfg.broker.shutdown_grace_s
+        await asyncio.gather(*(drain_subscription(self.nc, ep._subscription, grace)
+                               for ep in endpoints if ep._subscription is not None))  # fmt: skip
+        service._endpoints = []  # drained: its stop() would unsubscribe them again
+        try:
+            await service.stop()
+        except Exception:  # noqa: BLE001 - a closed connection must not block shutdown
+            log.debug("broker.stop service already closed", exc_info=True)
+
     async def stop(self) -> None:
-        """Stop taking work, drain subscriptions, let in-flight probes end, close."""
+        """Stop taking work (every request already delivered answered), let in-flight
+        work end, stop the parts, close."""
         if not self._started:
             return
         self._started = False
         self.serving = False
-        if self._service is not None:
-            try:
-                await self._service.stop()
-            except Exception:  # noqa: BLE001 - a closed connection must not block shutdown
-                log.debug("broker.stop service already closed", exc_info=True)
+        await self._stop_serving()
+        # The forwards sent to this broker answered while it still owns its partitions, and
+        # its own forwards answered by their owners or refused (issue 24: a stopping owner
+        # leaves no route request unanswered).
+        await self.forwarder.drain()
         if self._loop_task is not None:
             await stop_loops(self._loop_task)
         await self._tasks.settle(self.cfg.broker.shutdown_grace_s)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -22,7 +23,7 @@ from jetstream.names import PARTITIONS_BUCKET
 from reach_agent.connection import flush_subscriptions
 from reach_agent.routing.table import RouteTable, SharedMember, TableMember, partition
 from reach_agent.wire import schema
-from reach_agent.wire.errors import NoReachableAgent, Overloaded, from_reply
+from reach_agent.wire.errors import NoReachableAgent, Overloaded, ReachError, from_reply
 from reach_agent.wire.schema import (
     H_CALLER,
     Announce,
@@ -493,6 +494,54 @@ async def test_a_route_merges_the_shares_of_another_owner_and_explain_says_what_
             "(ghost), which did not answer in time; retry in 100 ms"
         )
         assert forwards(broker, "timeout") == 1
+    finally:
+        await ghost.stop()
+
+
+async def test_a_stopping_broker_answers_the_route_requests_it_forwarded(
+    provisioned: Any, broker_factory: BrokerFactory, nc: NATS
+) -> None:
+    """Route requests forwarded to an owner that never answers (the ghost) while the broker
+    stops: one still waiting when the forwarder stops is refused at once, counted
+    ``stopped``; a broker that stops gracefully waits for its forwards' answers, refusing
+    them at their deadline. Either way refused, retryable, never dropped unanswered."""
+    ghost = Ghost(nc)
+    await ghost.start()
+    seen: list[str] = []
+
+    async def taken(msg: Any) -> None:
+        seen.append(msg.subject)
+
+    await nc.subscribe("reach.forward.ghost.>", cb=taken)
+    await flush_subscriptions(nc)
+    try:
+        broker = await broker_factory(fleet__partitions=P, fleet__forward_timeout_s=2.0)
+        theirs = capability_in(Ghost.OWNED, "stopping.")
+        p = partition(theirs, P)
+        await wait_for(lambda: broker.forwarder.owners.of[p] == "ghost",
+                       what="the owner read")  # fmt: skip
+
+        async def ask_while(stop: Callable[[], Awaitable[None]]) -> ReachError | None:
+            asked = asyncio.ensure_future(nc.request(f"reach.route.{theirs}", b"", timeout=5))
+            await wait_for(lambda: len(seen) == 1, what="the forward at the owner")
+            seen.clear()
+            await stop()
+            msg = await asyncio.wait_for(asked, 5)
+            return from_reply(msg.headers, msg.data)
+
+        err = await ask_while(broker.forwarder.stop)  # as when a start is undone
+        assert err is not None and err.code == "OVERLOADED" and err.retry_after_ms == 100
+        assert err.message == (
+            f"route requests for {theirs!r} are answered by the owner of partition {p} "
+            "(ghost), which had not answered when this broker stopped; retry in 100 ms"
+        )
+        assert (forwards(broker, "stopped"), forwards(broker, "timeout")) == (1, 0)
+
+        await broker.forwarder.start()
+        err = await ask_while(broker.stop)
+        assert err is not None and err.code == "OVERLOADED" and err.retry_after_ms == 100
+        assert err.message.endswith("(ghost), which did not answer in time; retry in 100 ms")
+        assert (forwards(broker, "stopped"), forwards(broker, "timeout")) == (1, 1)
     finally:
         await ghost.stop()
 

@@ -17,7 +17,10 @@ gone (its connection closed: a crash, SIGKILL), its counts with it, while its le
 lapsed yet: its successor stands in (the highest random weight of (capability, broker) among
 the other lease holders last read and the forwarder itself; the same at every broker that
 read the same leases), answering here or forwarded there with ``Reach-Stand-In: <gone>``,
-until a new owner holds the partition; counted ``stand_in``.
+until a new owner holds the partition; counted ``stand_in``. A broker that stops
+(:meth:`Forwarder.drain`, before its parts stop) answers the forwards the server already sent
+it while it still owns their partitions, and waits for the answers to its own forwards; one
+still unanswered at its stop is refused ``OVERLOADED`` too, counted ``stopped``.
 
 A broker that owns every partition (the single-broker default, a server without JetStream)
 answers every request itself, as before; so does one without route tables (``[fleet] tables =
@@ -38,7 +41,8 @@ from nats.errors import Error as NatsError
 from nats.micro.request import Request
 
 from jetstream.tasks import raise_if_cancelled
-from reach_agent.aio import stop_loops
+from reach_agent.aio import stop_loops, wait_event
+from reach_agent.connection import drain_subscription
 from reach_agent.routing.hashing import hash64
 from reach_agent.routing.table import partition
 from reach_agent.wire.errors import Overloaded, to_reply
@@ -53,12 +57,21 @@ from .owners import Owners
 
 log = logging.getLogger(__name__)
 
-FORWARD_RESULTS = ("ok", "timeout", "no_owner", "not_owner", "answered", "stand_in")
+FORWARD_RESULTS = ("ok", "timeout", "no_owner", "not_owner", "stopped", "answered", "stand_in")
 """``result`` of ``reach_route_forwards_total``: forwarded and relayed (``ok``); refused
 because the owner did not answer in time (``timeout``), none is known (or it and its
-successor are gone: ``no_owner``), or it no longer owns the capability (``not_owner``); a
-forward received and answered as the owner (``answered``); a request answered for a gone
-owner by its successor (``stand_in``)."""
+successor are gone: ``no_owner``), it no longer owns the capability (``not_owner``), or this
+broker stopped before the owner answered (``stopped``); a forward received and answered as
+the owner (``answered``); a request answered for a gone owner by its successor
+(``stand_in``)."""
+
+REFUSED = {
+    "timeout": "did not answer in time",
+    "not_owner": "no longer owns it",
+    "no_owner": "is not there",
+    "stopped": "had not answered when this broker stopped",
+}
+"""Why a forward was refused, as its error message says it."""
 
 H_STAND_IN = "Reach-Stand-In"
 """On a forward to a gone owner's successor: the gone owner (its subject token)."""
@@ -81,6 +94,9 @@ class Waiting(NamedTuple):
     gone: str | None = None
     """Set when ``owner`` stands in for this gone owner (a second no-responders: refused)."""
 
+
+EXPIRY_S = 0.05
+"""The longest between two looks at the forwards waiting (refused once overdue)."""
 
 MAX_CAPABILITIES = 10_000
 """Capabilities whose partition is remembered (forgotten all at once beyond)."""
@@ -116,12 +132,17 @@ class Forwarder:
         self.active = False
         """Whether requests are forwarded at all (leases kept: JetStream and tables on)."""
         self._partition_of: dict[str, int] = {}
-        self._subs: list[Any] = []
+        self._forwards: Any = None
+        """The subscription to the forwards sent to this broker (as their owner)."""
+        self._answers: Any = None
+        """The subscription to the owners' answers to this broker's forwards."""
         self._inbox = ""
         """This forwarder's inbox prefix: the owners' answers come to ``<inbox><token>``."""
         self._tokens = itertools.count()
         self._waiting: dict[str, Waiting] = {}
         """Forwards sent and not answered yet, oldest first."""
+        self._answered = asyncio.Event()
+        """Set when a forward waiting is answered or refused (what :meth:`drain` waits on)."""
         self._expiry: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -131,11 +152,25 @@ class Forwarder:
         await self.owners.start()
         nc = self.ctx.nc
         self._inbox = nc.new_inbox() + "."
-        self._subs = [
-            await nc.subscribe(self.ctx.subjects.forwards_to(self.token), cb=self.on_forward),
-            await nc.subscribe(self._inbox + "*", cb=self._on_answer),
-        ]
+        self._forwards = await nc.subscribe(self.ctx.subjects.forwards_to(self.token),
+                                            cb=self.on_forward)  # fmt: skip
+        self._answers = await nc.subscribe(self._inbox + "*", cb=self._on_answer)
         self._expiry = asyncio.create_task(self._expire(), name="reach-forward-expiry")
+
+    async def drain(self) -> None:
+        """Stop taking forwards, answering every one the server already sent (this broker
+        still owns its partitions: the broker drains before its parts stop), then wait for
+        this broker's own forwards to be answered, or refused at their deadline (at most
+        ``forward_timeout_s``): a stopping broker leaves no route request unanswered. Called
+        once the route endpoint has stopped (no forward of its own is sent after)."""
+        if not self.active or self._forwards is None:
+            return
+        forwards, self._forwards = self._forwards, None
+        await drain_subscription(self.ctx.nc, forwards, self.cfg.forward_timeout_s)
+        deadline = self.ctx.clock() + self.cfg.forward_timeout_s + EXPIRY_S
+        while self._waiting and (left := deadline - self.ctx.clock()) > 0:
+            self._answered.clear()
+            await wait_event(self._answered, left)
 
     async def stop(self) -> None:
         if not self.active:
@@ -144,13 +179,22 @@ class Forwarder:
         if self._expiry is not None:
             await stop_loops(self._expiry)
             self._expiry = None
-        for sub in self._subs:
+        for sub in (self._forwards, self._answers):
+            if sub is None:
+                continue
             try:
                 await sub.unsubscribe()
             except NatsError:
                 pass
-        self._subs = []
-        self._waiting.clear()
+        self._forwards = self._answers = None
+        # Forwards still waiting (the broker stopped without draining: a start undone): no
+        # answer can come now; refused, retryable, so their callers ask another broker.
+        waiting, self._waiting = self._waiting, {}
+        for w in waiting.values():
+            try:
+                await self._refuse(w, "stopped")
+            except NatsError:  # the connection is gone: nothing can be answered
+                break
         await self.owners.stop()
 
     def owner_of(self, capability: str) -> tuple[int, str | None]:
@@ -253,6 +297,7 @@ class Forwarder:
         w = self._waiting.pop(msg.subject[len(self._inbox) :], None)
         if w is None:
             return  # refused already (too late)
+        self._answered.set()
         headers = msg.headers
         if headers and not msg.data:
             if headers.get(STATUS) == NO_RESPONDERS:
@@ -267,7 +312,7 @@ class Forwarder:
     async def _expire(self) -> None:
         """Forwards not answered within ``forward_timeout_s`` refused (oldest first: they
         all wait as long)."""
-        every = min(self.cfg.forward_timeout_s / 5, 0.05)
+        every = min(self.cfg.forward_timeout_s / 5, EXPIRY_S)
         waiting = self._waiting
         while True:
             raise_if_cancelled()
@@ -279,6 +324,7 @@ class Forwarder:
                     if w.deadline > now:
                         break
                     del waiting[token]
+                    self._answered.set()
                     await self._refuse(w, "timeout")
             except Exception:  # noqa: BLE001 - the loop body never dies
                 log.exception("route.forward_expiry failed")
@@ -287,15 +333,15 @@ class Forwarder:
         """A forward that got no answer from the owner: refused, retryable, and counted."""
         self.results[result].inc()
         self.owners.stale()
-        retry_ms = int(self.cfg.lease_ttl_s * 1000 / 3) if result != "timeout" else 100
+        # A slow or stopping owner: another broker, or the owner, may answer at once; no
+        # owner: the leases settle within a third of their time to live.
+        retry_ms = 100 if result in ("timeout", "stopped") else int(self.cfg.lease_ttl_s * 1000 / 3)
         log.info("route.forward_failed capability=%s partition=%d owner=%s result=%s",
                  w.capability, w.partition, w.owner, result)  # fmt: skip
         err = Overloaded(
             f"route requests for {w.capability!r} are answered by the owner of partition "
-            f"{w.partition} ({w.owner or 'none known'}), which "
-            + ("did not answer in time" if result == "timeout" else
-               "no longer owns it" if result == "not_owner" else "is not there")
-            + f"; retry in {retry_ms} ms", retry_after_ms=retry_ms,
+            f"{w.partition} ({w.owner or 'none known'}), which {REFUSED[result]}; retry in "
+            f"{retry_ms} ms", retry_after_ms=retry_ms,
         )  # fmt: skip
         headers, body = to_reply(err)
         await w.req.respond(body, headers=headers)

@@ -340,8 +340,8 @@ class Metrics:
         self.route_forwards = Counter(
             "reach_route_forwards_total",
             "Route requests forwarded to their capability's owner, by result: ok (relayed), "
-            "timeout, no_owner, not_owner (refused, retryable); answered (received as owner); "
-            "stand_in (answered for a gone owner)",
+            "timeout, no_owner, not_owner, stopped (refused, retryable); answered (received as "
+            "owner); stand_in (answered for a gone owner)",
             ["result"], registry=r,
         )  # fmt: skip
         self.tables = Counter(
