@@ -16,12 +16,14 @@ every agent of the later batches: the next round, a second later, writes them.
 
 When the broker takes a partition (at start, or over from another broker), before it hears
 the partition's subjects, every stored agent of it the broker has not heard from is restored
-as ``suspect`` (``offline``/``draining`` stay so) with its task EWMA: known to ``reach
-agents`` at once, routable as soon as its next heartbeat (or a probe answer) confirms it,
-and scored against the capability's usual task time rather than from nothing. A broker
-taking a partition over therefore holds its agents without any of them re-announcing. A
-partition handed over is forgotten (:meth:`Snapshot.forget`): its keys are the new owner's
-to write.
+in the state the bucket holds, with its task EWMA: known to ``reach agents`` at once, routed
+as its state says, and scored against the capability's usual task time rather than from
+nothing. Its first heartbeat then confirms that state: the bucket already holds it, so a
+takeover of N agents that all heartbeat on costs no write and no event (only an agent whose
+state truly moves afterwards, e.g. one silent through its window, is written and announced).
+A broker taking a partition over therefore holds its agents without any of them
+re-announcing. A partition handed over is forgotten (:meth:`Snapshot.forget`): its keys are
+the new owner's to write.
 
 The partition's keys are read by JetStream's batched direct get (:mod:`jetstream.directget`:
 a page of :data:`~jetstream.directget.BATCH` keys a round trip, no consumer), or, where the

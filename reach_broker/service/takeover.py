@@ -4,14 +4,15 @@ The registry holds the agents of the partitions this broker owns, and nothing el
 lease is taken (:mod:`.partitions` says ``own``), the partition is taken in this order:
 
 1. its agents are restored from its own snapshot keys (O(partition):
-   :meth:`~reach_broker.service.snapshot.Snapshot.restore_partition`), each ``suspect`` and
-   not yet heard from;
+   :meth:`~reach_broker.service.snapshot.Snapshot.restore_partition`), each in the state its
+   key holds (its owner changed, not the agent: its first heartbeat confirms that state
+   without a transition, an event or a snapshot write) and not yet heard from;
 2. its subjects are heard (:meth:`~reach_broker.service.ingest.Ingest.own`: on return the
    subscriptions are live at the server);
 3. every restored agent gets its whole silence window again, counted from that moment
    (:meth:`~reach_broker.core.registry.Registry.listening`): a silence that began before this
-   broker could hear the agent is not the agent's, so no agent goes offline because its owner
-   changed (the observer's self-doubt, extended to a takeover);
+   broker could hear the agent is not the agent's, so no agent goes suspect or offline because
+   its owner changed (the observer's self-doubt, extended to a takeover);
 4. its route-table shares are published (:mod:`.tables`).
 
 When a lease is lost (``lose``), in reverse: shares forgotten, subjects no longer heard, the
