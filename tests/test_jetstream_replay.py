@@ -15,11 +15,10 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import nats
 import pytest
 from nats.aio.client import Client as NATS
 from nats.js.errors import KeyNotFoundError
@@ -34,7 +33,7 @@ from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.service import snapshot
 
-from .conftest import BrokerFactory, wait_for
+from .conftest import BrokerFactory, connections_named, leases_aged_out, wait_for
 from .test_broker_wire import announce, heartbeat
 
 SUBJECTS = Subjects()
@@ -290,20 +289,6 @@ async def test_agent_killed_before_its_ack_was_stored_publishes_it_after_restart
 # --- 5: a second broker starts from the snapshot ----------------------------------------------
 
 
-@contextlib.asynccontextmanager
-async def connections_named(url: str, *agent_ids: str) -> AsyncIterator[None]:
-    """A connection named after each agent, as an agent's own is (the protocol asks it): the
-    raw agents here beat over the test's client, and a broker starting from the snapshot
-    asks the server which agents it restored have a connection (those without one are
-    suspected and probed at once)."""
-    conns = [await nats.connect(url, name=a) for a in agent_ids]
-    try:
-        yield
-    finally:
-        for conn in conns:
-            await conn.close()
-
-
 async def test_next_owner_has_the_same_registry_without_re_announces(
     nc: NATS, broker_factory: BrokerFactory, nats_server: NatsServer
 ) -> None:
@@ -453,13 +438,15 @@ async def test_unacknowledged_writes_stay_dirty_and_are_written_later(
 
 
 async def test_restarted_broker_keeps_task_history_and_scores_slow_agents_as_before(
-    nc: NATS, broker_factory: BrokerFactory, nats_server: NatsServer
+    nc: NATS, broker_factory: BrokerFactory
 ) -> None:
     """Agents whose tasks take 500 ms (above the 250 ms tolerance floor, fine against peers
     that take as long): before the history was kept, the first heartbeats after a restart
     scored them 50 against the bare floor and half of them were out of the routes until the
-    next re-rank, ~10 s later. Now the snapshot holds each agent's task EWMA."""
-    b1 = await broker_factory()
+    next re-rank, ~10 s later. Now the snapshot holds each agent's task EWMA. The restart is
+    cold (the broker alone, started after its leases aged out): the agents are restored
+    ``suspect``, so the capability's median comes from their history until they are heard."""
+    b1 = await broker_factory(fleet__lease_ttl_s=2.0)
     agents = ("slow1", "slow2")
     # A 5 s interval: no heartbeat is late while the test waits for writes and restarts.
     tokens = {a: (await announce(nc, a, heartbeat_interval_ms=5000))["token"] for a in agents}
@@ -491,17 +478,19 @@ async def test_restarted_broker_keeps_task_history_and_scores_slow_agents_as_bef
         await asyncio.sleep(0.05)
     assert [await stored_task_ms(a) for a in agents] == [500.0, 500.0]
 
-    await b1.stop()  # the restart
-    async with connections_named(nats_server.url, *agents):
-        b2 = await broker_factory()
-        assert b2.snapshot.restored == 2
-        restored = [b2.registry.agents[a] for a in agents]
-        assert [(r.state, r.stats.task_ewma_ms) for r in restored] == [("healthy", 500.0)] * 2
-        assert b2.registry.indexes["text_processing"].median_task_ms == 500.0
-        await beat(50)  # heard from again: more 500 ms tasks
-        await wait_for(lambda: not any(r.resync for r in restored), what="heard again")
-        assert [r.state for r in restored] == ["healthy", "healthy"]
-        assert [r.score for r in restored] == [100.0, 100.0]
-        reply = await nc.request("reach.route.text_processing", b'{"limit": 2}', timeout=2)
+    await b1.stop()  # the restart, after an outage longer than the leases' time to live
+    await leases_aged_out(nc)
+    b2 = await broker_factory(fleet__lease_ttl_s=2.0)
+    assert (b2.partitions.cold, b2.snapshot.restored) == (32, 2)
+    restored = [b2.registry.agents[a] for a in agents]
+    assert [(r.state, r.stats.task_ewma_ms) for r in restored] == [("suspect", 500.0)] * 2
+    assert b2.registry.indexes["text_processing"].median_task_ms == 500.0
+    # Not routed before they are heard (nobody heard them through the outage).
+    reply = await nc.request("reach.route.text_processing", b'{"limit": 2}', timeout=2)
+    assert json.loads(reply.data)["error"]["code"] == "NO_REACHABLE_AGENT"
+    await beat(50)  # heard from again: more 500 ms tasks
+    await wait_for(lambda: all(r.state == "healthy" for r in restored), what="healthy again")
+    assert [r.score for r in restored] == [100.0, 100.0]
+    reply = await nc.request("reach.route.text_processing", b'{"limit": 2}', timeout=2)
     got = sorted(c["agent_id"] for c in json.loads(reply.data)["candidates"])
     assert got == list(agents)

@@ -2,12 +2,16 @@
 
 Two brokers of P partitions share N agents; one of them goes (stopped: its leases handed
 back; or its connection lost: its leases left to lapse), and the other takes its
-partitions, restoring their agents from the snapshot in the state it holds. Every taken
+partitions, warm, restoring their agents from the snapshot in the state it holds. Every taken
 agent but K heartbeats on: each is confirmed by its first heartbeat, with no snapshot write
 and no event. The K that fall silent at the takeover go ``suspect`` then ``offline`` at the
 new owner, with their events and snapshot writes, as any silent agent does. Counted in the
 streams themselves (``KV_reach_registry``'s and ``REACH_AUDIT``'s messages after the
 takeover), not timed.
+
+A lone broker restarted is warm only when it takes the leases its previous run handed back
+(at once); started alone after they aged out (an outage), it is cold: its agents restored
+``suspect``, refused to routes until heard.
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ from jetstream.names import AUDIT_STREAM, REGISTRY_BUCKET, REGISTRY_STREAM
 from reach_agent.routing.table import partition
 from reach_agent.wire import schema
 from reach_broker.broker import Broker
+from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.service.snapshot import SnapshotEntry
 
-from .conftest import BrokerFactory, wait_for
+from .conftest import BrokerFactory, connections_named, leases_aged_out, wait_for
 
 P = 8
 N = 200
@@ -39,11 +44,14 @@ INTERVAL_MS = 500
 
 
 class Fleet:
-    """N raw agents on one connection: announced, a heartbeat each every interval, probes
-    answered; those :meth:`silence`d neither beat nor answer."""
+    """Raw agents (N unless told) on one connection: announced, a heartbeat each every
+    interval, probes answered; those :meth:`silence`d neither beat nor answer."""
 
-    def __init__(self, nc: NATS) -> None:
+    def __init__(self, nc: NATS, agents: list[str] = AGENTS,
+                 interval_ms: int = INTERVAL_MS) -> None:  # fmt: skip
         self.nc = nc
+        self.agents = agents
+        self.interval_ms = interval_ms
         self.tokens: dict[str, str] = {}
         self.silent: set[str] = set()
         self.seq = 0
@@ -57,9 +65,9 @@ class Fleet:
                 await self.nc.publish(msg.reply, schema.encoder.encode(reply))
 
         await self.nc.subscribe("reach.probe.*", cb=on_probe)
-        for agent_id in AGENTS:
+        for agent_id in self.agents:
             body = {"agent_id": agent_id, "capabilities": [CAPABILITY], "max_concurrency": 4,
-                    "heartbeat_interval_ms": INTERVAL_MS}  # fmt: skip
+                    "heartbeat_interval_ms": self.interval_ms}  # fmt: skip
             reply = await self.nc.request(f"reach.announce.{agent_id}",
                                           json.dumps(body).encode(), timeout=5)  # fmt: skip
             self.tokens[agent_id] = json.loads(reply.data)["token"]
@@ -67,6 +75,10 @@ class Fleet:
 
     def silence(self, agent_ids: list[str]) -> None:
         self.silent.update(agent_ids)
+
+    def hear(self) -> None:
+        """Every agent beats and answers again."""
+        self.silent.clear()
 
     async def _beat(self) -> None:
         while True:
@@ -76,7 +88,7 @@ class Fleet:
                     hb = {"agent_id": agent_id, "token": token, "seq": self.seq}
                     await self.nc.publish(f"reach.hb.{agent_id}", json.dumps(hb).encode())
             await self.nc.flush()
-            await asyncio.sleep(INTERVAL_MS / 1000)
+            await asyncio.sleep(self.interval_ms / 1000)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -188,3 +200,65 @@ async def test_a_takeover_writes_and_announces_only_what_changed(
     assert set(written) <= set(expected)
     assert survivor.snapshot.writes - writes == len(written)
     assert [state_of(survivor, a) for a in heartbeating] == ["healthy"] * len(heartbeating)
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["handed-back", "cold"])
+async def test_a_lone_broker_restarted_keeps_stored_states_only_when_warm(
+    broker_factory: BrokerFactory, nc: NATS, nats_server: NatsServer, warm: bool
+) -> None:
+    """A lone broker stopped, then started again: at once (its leases handed back: warm), its
+    agents are restored healthy as stored, routed before they are heard, and heard again
+    without an event; after its leases aged out (alone after an outage: cold), each is
+    restored ``suspect``, refused to routes until heard, then made healthy by its first
+    heartbeat, with its event. The agents hold connections named after them, so the CONNZ
+    reconcile at the start finds them all."""
+    agents = AGENTS[:20]
+    ttl = 2.0
+    first = await broker_factory(fleet__partitions=P, fleet__lease_ttl_s=ttl)
+    fleet = Fleet(nc, agents, interval_ms=1000)
+    async with connections_named(nats_server.url, *agents):
+        await fleet.start()
+        try:
+            await wait_for(lambda: sorted(a for a, r in first.registry.agents.items()
+                                          if r.state == "healthy" and not r.resync) == agents
+                           and not first.snapshot._dirty, 10,
+                           what="every agent healthy and written")  # fmt: skip
+            await first.stop()
+            # Neither beats nor probe answers until the checks before they are heard are done
+            # (their windows, 1 s of grace plus 2.4 s, outlast them).
+            fleet.silence(agents)
+            if not warm:
+                await leases_aged_out(nc)
+            events: list[schema.Event] = []
+
+            async def on_event(msg: Msg) -> None:
+                events.append(msgspec.json.decode(msg.data, type=schema.Event))
+
+            await nc.subscribe("reach.event.>", cb=on_event)
+            await nc.flush()
+            before = await last_seq(nc, AUDIT_STREAM)
+            second = await broker_factory(fleet__partitions=P, fleet__lease_ttl_s=ttl)
+            assert second.partitions.cold == (0 if warm else P)
+            restored = {a: (r.state, r.resync) for a, r in second.registry.agents.items()}
+            assert restored == dict.fromkeys(agents, ("healthy" if warm else "suspect", True))
+            body = json.dumps({"limit": len(agents)}).encode()
+            reply = json.loads((await nc.request(f"reach.route.{CAPABILITY}", body,
+                                                 timeout=2)).data)  # fmt: skip
+            if warm:
+                assert sorted(c["agent_id"] for c in reply["candidates"]) == agents
+            else:
+                assert reply["error"]["code"] == "NO_REACHABLE_AGENT"
+            fleet.hear()
+            recs = second.registry.agents
+            await wait_for(lambda: all(recs[a].state == "healthy" and not recs[a].resync
+                                       for a in agents), 10, what="every agent heard")  # fmt: skip
+            await asyncio.sleep(2.0)  # every agent beats twice more
+            await nc.flush()
+            # Counted while the agents' connections are open (closing them is a disconnect).
+            got = sorted((e.agent_id, e.from_, e.to, e.reason) for e in events)
+            audited = await last_seq(nc, AUDIT_STREAM) - before
+        finally:
+            await fleet.stop()
+    expected = [] if warm else [(a, "suspect", "healthy", "heartbeat resumed") for a in agents]
+    assert got == expected
+    assert audited == len(expected)

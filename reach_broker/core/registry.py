@@ -299,32 +299,37 @@ class Registry:
         now: float,
         wall_ms: int,
         task_ewma_ms: float | None = None,
+        *,
+        warm: bool,
     ) -> AgentRecord | None:
         """An agent from the registry snapshot (KV reach_registry) this broker has not heard.
 
-        It keeps the state the snapshot holds (``state``): a partition taken over, or a
-        broker started again, changes who hears the agent, not the agent, so its first
-        heartbeat confirms that state without a transition, an event or a snapshot write
-        (a ``healthy`` agent is routed as one from here). Its silence is counted from
-        ``now`` and counted again from :meth:`listening`, when the broker can first hear it:
-        one that stays silent through that whole window moves as any silent agent does
-        (``healthy`` -> ``suspect`` -> ``offline``), with its events. The gap until its
-        first heartbeat is not a sample of its rhythm (``resync``, which also marks it not
-        heard since its restore). Its task-time history (``task_ewma_ms``) is kept, so its
-        score does not start from nothing. No transition is returned: nothing changed in
-        the fleet. An agent already known (it announced first) is left alone and None is
+        ``warm`` (its partition held by a live broker until moments ago: taken over while
+        other brokers are present, or handed back): it keeps the state the snapshot holds
+        (``state``), since its owner changed, not the agent; its first heartbeat confirms that
+        state without a transition, an event or a snapshot write (a ``healthy`` agent is
+        routed as one from here). Cold (this broker's own start, alone: nobody heard the
+        agent meanwhile, perhaps for a long outage): it starts ``suspect`` (``offline`` and
+        ``draining`` stay so) and becomes routable only when a heartbeat or probe answer
+        confirms it. Either way its silence is counted from ``now`` and counted again from
+        :meth:`listening`, when the broker can first hear it: one that stays silent through
+        that whole window moves as any silent agent does, with its events. The gap until
+        its first heartbeat is not a sample of its rhythm (``resync``, which also marks it
+        not heard since its restore). Its task-time history (``task_ewma_ms``) is kept, so
+        its score does not start from nothing. No transition is returned: nothing changed
+        in the fleet. An agent already known (it announced first) is left alone and None is
         returned. Call :meth:`restored` once the snapshot is read.
         """
         if msg.agent_id in self.agents:
             return None
         rec = AgentRecord(msg, self.interval_for(msg), self.detector.new_window())
         rec.stats.task_ewma_ms = task_ewma_ms
-        to: AgentState = state
+        to: AgentState = state if warm or state in ("offline", "draining") else "suspect"
         rec.state = to
         rec.state_since = now
         rec.last_seen = now
         rec.last_seen_wall_ms = wall_ms
-        rec.resync = True  # not heard since the restore: its first beat's gap is not its
+        rec.resync = True  # not heard since the restore: its first beat's gap is not a sample
         self.agents[rec.agent_id] = rec
         self.counts[to] += 1
         if to != "offline":
