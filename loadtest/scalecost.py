@@ -75,7 +75,7 @@ def restore(cfg: Config, stored: list[tuple[str, bytes]]) -> tuple[float, Regist
     for key, value in stored:
         snap = _decode(value)
         ann = schema.validate_announce(snap.announce, key)
-        reg.restore(ann, snap.state, 1.0, 1_800_000_000_000, snap.task_ms)
+        reg.restore(ann, snap.state, 1.0, 1_800_000_000_000, snap.task_ms, warm=True)
     reg.restored(1.0)
     return time.perf_counter() - t0, reg
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import subprocess
 import time
@@ -13,6 +14,7 @@ import nats
 import pytest
 from nats.aio.client import Client as NATS
 
+from jetstream.names import PARTITIONS_STREAM
 from jetstream.provision import load_definitions, provision
 from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer, find_binary
@@ -149,6 +151,33 @@ async def wait_for(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
         await asyncio.sleep(interval)
+
+
+@contextlib.asynccontextmanager
+async def connections_named(url: str, *agent_ids: str) -> AsyncIterator[None]:
+    """A connection named after each agent, as an agent's own is (the protocol asks it): raw
+    agents beating over a test's client, and a broker starting from the snapshot asks the
+    server which agents it restored have a connection (a warm restore's agents without one
+    are suspected and probed at once)."""
+    conns = [await nats.connect(url, name=a) for a in agent_ids]
+    try:
+        yield
+    finally:
+        for conn in conns:
+            await conn.close()
+
+
+async def leases_aged_out(nc: NATS, timeout: float = 10.0) -> None:  # noqa: ASYNC109
+    """Wait until KV ``reach_partitions`` holds nothing: every lease, handed back or not, and
+    every presence key aged out, as after an outage longer than the leases' time to live. A
+    broker starting now is alone, and takes its partitions cold."""
+    js = nc.jetstream()
+    deadline = time.monotonic() + timeout
+    while (held := (await js.stream_info(PARTITIONS_STREAM)).state.messages) != 0:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s: {held} leases or presence "
+                                 "keys left")  # fmt: skip
+        await asyncio.sleep(0.05)
 
 
 @pytest.fixture

@@ -424,10 +424,10 @@ async def test_killing_one_broker_leaves_every_route_answered(tmp_path: Path) ->
                 assert watching is not None
                 await watching
             # Every reply, whoever answered, is the fleet: the dead owner's agents from its
-            # route-table shares until the takeover; then, taken over, each is suspect until
-            # the survivor hears its next heartbeat (docs/protocol.md, agent states), and once
-            # healthy again unranked until the capability is ranked again (rank_refresh_ms):
-            # left out for these two reasons only, and only around the takeover.
+            # route-table shares until the takeover; then, taken over, restored healthy as the
+            # snapshot holds them (docs/protocol.md, restored agents), unranked at most until
+            # the capability is ranked again (rank_refresh_ms): left out as unranked (or as
+            # suspect, were one to fall silent meanwhile) only, and only around the takeover.
             short = [(round(t - t_kill, 3), ids) for t, ids in replies if ids != everyone]
             assert len(short) == len(suspects)
             for (_, ids), (t, left) in zip(short, suspects, strict=True):

@@ -33,7 +33,7 @@ from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.service import snapshot
 
-from .conftest import BrokerFactory, wait_for
+from .conftest import BrokerFactory, connections_named, leases_aged_out, wait_for
 from .test_broker_wire import announce, heartbeat
 
 SUBJECTS = Subjects()
@@ -290,12 +290,14 @@ async def test_agent_killed_before_its_ack_was_stored_publishes_it_after_restart
 
 
 async def test_next_owner_has_the_same_registry_without_re_announces(
-    nc: NATS, broker_factory: BrokerFactory
+    nc: NATS, broker_factory: BrokerFactory, nats_server: NatsServer
 ) -> None:
     b1 = await broker_factory()
     tokens = {}
     for i in range(5):
         tokens[f"snap{i}"] = (await announce(nc, f"snap{i}", region=f"r{i}"))["token"]
+    live = contextlib.AsyncExitStack()
+    await live.enter_async_context(connections_named(nats_server.url, *list(tokens)[:4]))
     seq = 0
     stop = asyncio.Event()
 
@@ -326,19 +328,26 @@ async def test_next_owner_has_the_same_registry_without_re_announces(
         for agent_id, (_, capabilities, region) in held.items():
             other = b2.registry.agents[agent_id]
             assert (other.capabilities, other.region) == (capabilities, region)
-        assert b2.registry.agents["snap4"].state == "offline"
-        # Heard from again (heartbeats only, no announce): the same states as b1 held.
-        await wait_for(
-            lambda: {a: r.state for a, r in b2.registry.agents.items()}
-            == {a: h[0] for a, h in held.items()},
-            timeout=10, what="same states",
-        )  # fmt: skip
+        # The states b1 held, from the snapshot; heard from again (heartbeats only, no
+        # announce), each confirmed without a move.
+        assert {a: r.state for a, r in b2.registry.agents.items()} == {
+            a: h[0] for a, h in held.items()
+        }
+        await wait_for(lambda: not any(b2.registry.agents[a].resync for a in list(tokens)[:4]),
+                       timeout=10, what="heard again")  # fmt: skip
+        assert {a: r.state for a, r in b2.registry.agents.items()} == {
+            a: h[0] for a, h in held.items()
+        }
+        changes = b2.metrics.registry_changes
+        kinds = ("state", "registered", "left", "evicted")
+        assert [changes.labels(k)._value.get() for k in kinds] == [0, 0, 0, 0]  # no move
         assert b2.metrics.announce_result["ok"]._value.get() == 0
         reply = await nc.request("reach.route.text_processing", b'{"limit": 10}', timeout=2)
         assert len(json.loads(reply.data)["candidates"]) == 4
     finally:
         stop.set()
         await beater
+        await live.aclose()
     # The token secret key lives in the same bucket and is not an agent.
     assert b2.registry.signer is not None
     assert "_broker.token_secret" not in b2.registry.agents
@@ -434,8 +443,10 @@ async def test_restarted_broker_keeps_task_history_and_scores_slow_agents_as_bef
     """Agents whose tasks take 500 ms (above the 250 ms tolerance floor, fine against peers
     that take as long): before the history was kept, the first heartbeats after a restart
     scored them 50 against the bare floor and half of them were out of the routes until the
-    next re-rank, ~10 s later. Now the snapshot holds each agent's task EWMA."""
-    b1 = await broker_factory()
+    next re-rank, ~10 s later. Now the snapshot holds each agent's task EWMA. The restart is
+    cold (the broker alone, started after its leases aged out): the agents are restored
+    ``suspect``, so the capability's median comes from their history until they are heard."""
+    b1 = await broker_factory(fleet__lease_ttl_s=2.0)
     agents = ("slow1", "slow2")
     # A 5 s interval: no heartbeat is late while the test waits for writes and restarts.
     tokens = {a: (await announce(nc, a, heartbeat_interval_ms=5000))["token"] for a in agents}
@@ -467,12 +478,16 @@ async def test_restarted_broker_keeps_task_history_and_scores_slow_agents_as_bef
         await asyncio.sleep(0.05)
     assert [await stored_task_ms(a) for a in agents] == [500.0, 500.0]
 
-    await b1.stop()  # the restart
-    b2 = await broker_factory()
-    assert b2.snapshot.restored == 2
+    await b1.stop()  # the restart, after an outage longer than the leases' time to live
+    await leases_aged_out(nc)
+    b2 = await broker_factory(fleet__lease_ttl_s=2.0)
+    assert (b2.partitions.cold, b2.snapshot.restored) == (32, 2)
     restored = [b2.registry.agents[a] for a in agents]
     assert [(r.state, r.stats.task_ewma_ms) for r in restored] == [("suspect", 500.0)] * 2
     assert b2.registry.indexes["text_processing"].median_task_ms == 500.0
+    # Not routed before they are heard (nobody heard them through the outage).
+    reply = await nc.request("reach.route.text_processing", b'{"limit": 2}', timeout=2)
+    assert json.loads(reply.data)["error"]["code"] == "NO_REACHABLE_AGENT"
     await beat(50)  # heard from again: more 500 ms tasks
     await wait_for(lambda: all(r.state == "healthy" for r in restored), what="healthy again")
     assert [r.score for r in restored] == [100.0, 100.0]

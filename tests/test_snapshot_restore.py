@@ -86,9 +86,10 @@ async def fill(nc: NATS) -> tuple[set[str], str]:
     return {mine[0], *mine[6:]}, mine[0]
 
 
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "watch"])
 async def test_a_partition_restores_exactly_its_own_stored_agents(
-    nc: NATS, direct: bool, caplog: pytest.LogCaptureFixture
+    nc: NATS, direct: bool, warm: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     defs = load_definitions(names=(REGISTRY_STREAM,),
                             overrides={REGISTRY_STREAM: {"allow_direct": direct}})  # fmt: skip
@@ -107,7 +108,7 @@ async def test_a_partition_restores_exactly_its_own_stored_agents(
     await snap.start()
     try:
         with caplog.at_level(logging.DEBUG, "reach_broker.service.snapshot"):
-            restored = await snap.restore_partition(1)
+            restored = await snap.restore_partition(1, warm=warm)
     finally:
         await snap.stop()
         if tap is not None:
@@ -118,7 +119,9 @@ async def test_a_partition_restores_exactly_its_own_stored_agents(
     assert snap.reads == {"direct": 1 if direct else 0, "watch": 0 if direct else 1}
     again = snap.registry.agents[rewritten]
     assert (again.state, again.stats.task_ewma_ms) == ("draining", 250.0)  # its later value
-    assert {r.state for a, r in snap.registry.agents.items() if a != rewritten} == {"suspect"}
+    # Not yet heard from: warm, each in the state stored (healthy); cold, suspect.
+    others = [r for a, r in snap.registry.agents.items() if a != rewritten]
+    assert {(r.state, r.resync) for r in others} == {("healthy" if warm else "suspect", True)}
     assert sorted(snap._written) == sorted(expected)
     messages = [r.getMessage() for r in caplog.records]
     bad = sorted(m.split(" error=")[1] for m in messages if m.startswith("snapshot.bad_entry"))
@@ -156,7 +159,7 @@ async def test_an_empty_partition_is_one_request(nc: NATS) -> None:
     snap = snapshot_of(nc)
     await snap.start()
     try:
-        assert await snap.restore_partition(1) == []
+        assert await snap.restore_partition(1, warm=True) == []
     finally:
         await snap.stop()
     assert snap.reads == {"direct": 1, "watch": 0}

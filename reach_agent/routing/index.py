@@ -256,9 +256,10 @@ class CapabilityIndex(Generic[M]):
     def median(self, healthy: list[M] | None = None) -> float | None:
         """The capability's median task time: the lower median of the healthy members' task
         EWMAs (with two agents the fast one sets the bar for the slow one). When none of them
-        has one, the suspects' instead: agents restored from the snapshot and not yet heard
-        from carry their history there, so the first heartbeats after a broker restart are
-        judged against the fleet's usual time, not against the bare tolerance floor."""
+        has one, the suspects' instead: agents restored from the snapshot at a cold start (a
+        broker's own, alone) and not yet heard from carry their history there, so the first
+        heartbeats after such a restart are judged against the fleet's usual time, not
+        against the bare tolerance floor."""
         if healthy is None:
             healthy = [r for r in self.members.values() if r.state == "healthy"]
         durations = sorted(

@@ -299,28 +299,37 @@ class Registry:
         now: float,
         wall_ms: int,
         task_ewma_ms: float | None = None,
+        *,
+        warm: bool,
     ) -> AgentRecord | None:
         """An agent from the registry snapshot (KV reach_registry) this broker has not heard.
 
-        It starts `suspect` (`offline` and `draining` stay so) and becomes routable only
-        when a heartbeat or probe answer confirms it. Its silence is counted from ``now``
-        as after a missed heartbeat, and counted again from :meth:`listening`, when the
-        broker can first hear it; the gap until its first heartbeat is not a sample of its
-        rhythm. Its task-time history (``task_ewma_ms``) is kept, so its score does not
-        start from nothing. No transition is returned: nothing changed in the fleet. An
-        agent already known (it announced first) is left alone and None is returned. Call
-        :meth:`restored` once the snapshot is read.
+        ``warm`` (its partition held by a live broker until moments ago: taken over while
+        other brokers are present, or handed back): it keeps the state the snapshot holds
+        (``state``), since its owner changed, not the agent; its first heartbeat confirms that
+        state without a transition, an event or a snapshot write (a ``healthy`` agent is
+        routed as one from here). Cold (this broker's own start, alone: nobody heard the
+        agent meanwhile, perhaps for a long outage): it starts ``suspect`` (``offline`` and
+        ``draining`` stay so) and becomes routable only when a heartbeat or probe answer
+        confirms it. Either way its silence is counted from ``now`` and counted again from
+        :meth:`listening`, when the broker can first hear it: one that stays silent through
+        that whole window moves as any silent agent does, with its events. The gap until
+        its first heartbeat is not a sample of its rhythm (``resync``, which also marks it
+        not heard since its restore). Its task-time history (``task_ewma_ms``) is kept, so
+        its score does not start from nothing. No transition is returned: nothing changed
+        in the fleet. An agent already known (it announced first) is left alone and None is
+        returned. Call :meth:`restored` once the snapshot is read.
         """
         if msg.agent_id in self.agents:
             return None
         rec = AgentRecord(msg, self.interval_for(msg), self.detector.new_window())
         rec.stats.task_ewma_ms = task_ewma_ms
-        to: AgentState = state if state in ("offline", "draining") else "suspect"
+        to: AgentState = state if warm or state in ("offline", "draining") else "suspect"
         rec.state = to
         rec.state_since = now
         rec.last_seen = now
         rec.last_seen_wall_ms = wall_ms
-        rec.resync = True  # restore -> first heartbeat is the broker's start, not a gap
+        rec.resync = True  # not heard since the restore: its first beat's gap is not a sample
         self.agents[rec.agent_id] = rec
         self.counts[to] += 1
         if to != "offline":
@@ -440,13 +449,14 @@ class Registry:
     def listening(self, now: float, agents: list[str] | None = None) -> int:
         """The broker hears heartbeats from ``now`` on (its heartbeat subscription is live).
 
-        An agent restored since, and not heard from, gets its whole window again, counted
-        from ``now`` plus one heartbeat interval of grace (its next beat is due within one
-        interval, and a cluster takes a moment to carry the new subscription to every
-        node), as after the broker's own outage (:meth:`observer_gap`): a silence that began
-        before the broker could hear is not the agent's, and a start slowed by a busy
-        machine or a slow server takes seconds. O(restored), once per start. Returns how
-        many were given their window again.
+        An agent restored since, not heard from (no heartbeat since: ``resync``) and not
+        ``offline``, gets its whole window again, counted from ``now`` plus one heartbeat
+        interval of grace (its next beat is due within one interval, and a cluster takes a
+        moment to carry the new subscription to every node), as after the broker's own
+        outage (:meth:`observer_gap`): a silence that began before the broker could hear is
+        not the agent's, and a start slowed by a busy machine or a slow server takes
+        seconds. O(restored), once per start. Returns how many were given their window
+        again.
 
         ``agents``: only these (a partition taken over, restored and heard from ``now`` on:
         the observer's self-doubt extended to a takeover, whose restore names its own agents:
@@ -456,8 +466,8 @@ class Registry:
         count = 0
         for agent_id in unheard:
             rec = self.agents.get(agent_id)
-            if rec is None or rec.state != "suspect":
-                continue  # heard since its restore (a heartbeat, announce or probe answer)
+            if rec is None or not rec.resync or rec.state == "offline":
+                continue  # heard since its restore (its clock is its own), or dropped
             rec.last_seen = now
             self._rearm(rec, now + rec.interval_s)
             count += 1

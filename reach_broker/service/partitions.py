@@ -28,11 +28,21 @@ few round trips, not two rounds (up to ``2/3 lease_ttl_s``, the handed-back part
 without an owner for up to a third of it: neither heard nor routed to, the route requests of
 their capabilities refused); each such round is logged (``partitions.rebalance``).
 
-The owner is told (``on_own(partition, epoch)``: the partition's agents restored, its
+The owner is told (``on_own(partition, epoch, warm)``: the partition's agents restored, its
 subjects heard, its route-table shares published: :mod:`.takeover`; ``on_lose(partition)``:
 dropped). A takeover runs on a task of its own, so the rounds renew every lease on time while
 partitions are restored (a restore of thousands of agents takes longer than a short lease);
 the first round's takeovers are awaited at start. A partition whose taking fails is released.
+
+**Warm or cold.** A partition taken is *warm* when a live broker held it until moments ago,
+so its agents were heard until then and keep the states stored for them: every take after
+this broker's start (the partition lapsed or was handed back under a running fleet), a take
+at its start while another broker's presence key is counted, and any partition handed back
+(its lease names no owner: written within the lease's time to live, since the bucket ages
+every value out). It is *cold* at this broker's own start while it counts no other broker
+(it is alone: a single broker, or the first of a fleet after an outage, the leases aged out;
+a count that failed counts none): nobody heard the agents meanwhile, perhaps for hours, so
+they are restored ``suspect`` and routed only once heard.
 """
 
 from __future__ import annotations
@@ -105,7 +115,7 @@ class Partitions:
         self,
         ctx: BrokerContext,
         cfg: FleetSection,
-        on_own: Callable[[int, int], Awaitable[None]],
+        on_own: Callable[[int, int, bool], Awaitable[None]],
         on_lose: Callable[[int], Awaitable[None]],
         *,
         jetstream: Callable[[], bool],
@@ -126,6 +136,8 @@ class Partitions:
         """Each partition owned: (its epoch, the revision last written, when)."""
         self.live = 1
         """Brokers present at the last round (this one among them)."""
+        self.cold = 0
+        """Partitions taken cold (at this broker's start, alone: their agents ``suspect``)."""
         self._pending: set[asyncio.Task[None]] = set()
         """Takeovers under way."""
         self._counted_at = -math.inf
@@ -155,17 +167,17 @@ class Partitions:
         if not self.jetstream():
             epoch = secrets.randbits(31)
             for p in range(self.cfg.partitions):
-                self._own(p, epoch, 0)
+                self._own(p, epoch, 0, warm=False)  # alone, by definition
             await self.settled()
             return
         self._kv = await self.ctx.nc.jetstream(timeout=self.store.timeout_s).key_value(
             PARTITIONS_BUCKET
         )
         await self._follow_presence()
-        await self.round()
+        await self.round(starting=True)
         await self.settled()
-        log.info("partitions.owned count=%d of %d brokers=%d", len(self.held),
-                 self.cfg.partitions, self.live)  # fmt: skip
+        log.info("partitions.owned count=%d of %d brokers=%d cold=%d", len(self.held),
+                 self.cfg.partitions, self.live, self.cold)  # fmt: skip
         self._task = asyncio.create_task(self._loop(), name="reach-partitions")
 
     async def stop(self) -> None:
@@ -197,13 +209,16 @@ class Partitions:
         for p in list(self.held):
             await self._lose(p)
 
-    async def round(self) -> None:
+    async def round(self, *, starting: bool = False) -> None:
         """Say this broker is present and count the brokers while every lease held is
         renewed (all at once: one round trip for the lot, not held up by the count, so a busy
         broker still renews well within the time to live); hand back what exceeds the fair
-        share, or take free partitions up to it."""
+        share, or take free partitions up to it (``starting``: this broker's start, whose
+        takes are cold when it counted no other broker just now)."""
+        began = self.ctx.clock()
         mine = await self.renew()
-        await self.balance(mine)
+        others = self.live > 1 and self._counted_at >= began
+        await self.balance(mine, warm=not starting or others)
 
     async def renew(self) -> bytes:
         """Say this broker is present and count the brokers while every lease held is renewed;
@@ -215,9 +230,10 @@ class Partitions:
         await asyncio.gather(self._count(), *(self._renew(p, mine) for p in list(self.held)))
         return mine
 
-    async def balance(self, mine: bytes) -> None:
+    async def balance(self, mine: bytes, *, warm: bool) -> None:
         """Hand back what exceeds the fair share, or take free partitions up to it (the lease
-        value ``mine``)."""
+        value ``mine``; ``warm``: their agents keep their stored states, as a handed-back
+        partition's always do)."""
         share = self.share
         excess = len(self.held) - share
         if excess > 0:
@@ -240,7 +256,7 @@ class Partitions:
         while candidates and len(self.held) < share:
             need = share - len(self.held)
             batch, candidates = candidates[:need], candidates[need:]
-            await asyncio.gather(*(self._take(p, mine) for p in batch))
+            await asyncio.gather(*(self._take(p, mine, warm) for p in batch))
 
     def _alone(self, now: float) -> bool:
         """Whether this broker counted itself alone within the lease's time to live (a count
@@ -315,17 +331,17 @@ class Partitions:
                  "confirmation timed out was written after all", p, stored.revision)  # fmt: skip
         return await self.store.swap(str(p), mine, stored.revision)
 
-    async def _take(self, p: int, mine: bytes) -> None:
-        """Take partition ``p`` if free (never written, lapsed, or handed back)."""
+    async def _take(self, p: int, mine: bytes, warm: bool) -> None:
+        """Take partition ``p`` if free (never written, lapsed, or handed back: then warm)."""
         key = str(p)
         try:
             ours, stored = await self.store.create(key, mine)
             if ours:
-                self._own(p, stored.revision, stored.revision)
+                self._own(p, stored.revision, stored.revision, warm=warm)
             elif _lease.decode(stored.data).broker_id is None:  # handed back: take it
                 revision = await self.store.swap(key, mine, stored.revision)
                 if revision is not None:
-                    self._own(p, revision, revision)
+                    self._own(p, revision, revision, warm=True)
         except (ClaimsUnavailable, msgspec.MsgspecError) as exc:
             log.debug("partitions.take_failed partition=%d error=%s", p, exc)
 
@@ -340,17 +356,18 @@ class Partitions:
         except ClaimsUnavailable as exc:  # it lapses by itself
             log.debug("partitions.hand_back_failed partition=%d error=%s", p, exc)
 
-    def _own(self, p: int, epoch: int, revision: int) -> None:
+    def _own(self, p: int, epoch: int, revision: int, *, warm: bool) -> None:
         """Partition ``p`` is held: its takeover starts on a task of its own."""
         self.held[p] = (epoch, revision, self.ctx.clock())
         self.owned.set(len(self.held))
-        task = asyncio.create_task(self._take_over(p, epoch), name=f"reach-takeover-{p}")
+        self.cold += not warm
+        task = asyncio.create_task(self._take_over(p, epoch, warm), name=f"reach-takeover-{p}")
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _take_over(self, p: int, epoch: int) -> None:
+    async def _take_over(self, p: int, epoch: int, warm: bool) -> None:
         try:
-            await self.on_own(p, epoch)
+            await self.on_own(p, epoch, warm)
         except Exception:  # noqa: BLE001 - not heard: not kept (its lease lapses)
             log.exception("partitions.own_failed partition=%d: released", p)
             if p in self.held:
@@ -392,7 +409,7 @@ class Partitions:
 
     async def _balance(self, mine: bytes) -> None:
         try:
-            await self.balance(mine)
+            await self.balance(mine, warm=True)  # after the start: a live broker held them
         except Exception:  # noqa: BLE001 - the next round balances again
             log.exception("partitions.balance failed")
 

@@ -16,12 +16,18 @@ every agent of the later batches: the next round, a second later, writes them.
 
 When the broker takes a partition (at start, or over from another broker), before it hears
 the partition's subjects, every stored agent of it the broker has not heard from is restored
-as ``suspect`` (``offline``/``draining`` stay so) with its task EWMA: known to ``reach
-agents`` at once, routable as soon as its next heartbeat (or a probe answer) confirms it,
-and scored against the capability's usual task time rather than from nothing. A broker
-taking a partition over therefore holds its agents without any of them re-announcing. A
-partition handed over is forgotten (:meth:`Snapshot.forget`): its keys are the new owner's
-to write.
+with its task EWMA: known to ``reach agents`` at once, and scored against the capability's
+usual task time rather than from nothing. A **warm** takeover (the partition held by a live
+broker until moments ago: taken while other brokers are present, or handed back) keeps the
+state the bucket holds, routed as it says; the agent's first heartbeat then confirms it: the
+bucket already holds it, so a takeover of N agents that all heartbeat on costs no write and no
+event (only an agent whose state truly moves afterwards, e.g. one silent through its window,
+is written and announced). A **cold** one (the broker's own start, alone: perhaps after a
+long outage, in which any agent may have died) restores each as ``suspect`` (``offline``/
+``draining`` stay so), routable only once its next heartbeat (or a probe answer) confirms it.
+A broker taking a partition over therefore holds its agents without any of them
+re-announcing. A partition handed over is forgotten (:meth:`Snapshot.forget`): its keys are
+the new owner's to write.
 
 The partition's keys are read by JetStream's batched direct get (:mod:`jetstream.directget`:
 a page of :data:`~jetstream.directget.BATCH` keys a round trip, no consumer), or, where the
@@ -159,10 +165,11 @@ class Snapshot:
 
     # --- restore ------------------------------------------------------------------------
 
-    async def restore_partition(self, p: int) -> list[str]:
+    async def restore_partition(self, p: int, *, warm: bool) -> list[str]:
         """Load partition ``p``'s stored agents into the registry as not-yet-heard-from
-        (O(partition): its keys alone are read); returns the ids restored. Nothing without
-        JetStream (the snapshot not running)."""
+        (O(partition): its keys alone are read), each in its stored state when ``warm``,
+        else ``suspect`` (:meth:`~reach_broker.core.registry.Registry.restore`); returns the
+        ids restored. Nothing without JetStream (the snapshot not running)."""
         if not self._tasks:
             return []
         keys = f"{self.registry.partitions}.{p}.*"
@@ -186,7 +193,8 @@ class Snapshot:
         recs: list[AgentRecord] = []
         for agent_id, snap in latest.items():
             self._written[agent_id] = (snap.announce, snap.state, snap.task_ms)
-            rec = self.registry.restore(snap.announce, snap.state, now, wall_ms, snap.task_ms)
+            rec = self.registry.restore(snap.announce, snap.state, now, wall_ms, snap.task_ms,
+                                        warm=warm)  # fmt: skip
             if rec is not None:
                 recs.append(rec)
         self.registry.restored(now, recs)

@@ -4,14 +4,18 @@ The registry holds the agents of the partitions this broker owns, and nothing el
 lease is taken (:mod:`.partitions` says ``own``), the partition is taken in this order:
 
 1. its agents are restored from its own snapshot keys (O(partition):
-   :meth:`~reach_broker.service.snapshot.Snapshot.restore_partition`), each ``suspect`` and
-   not yet heard from;
+   :meth:`~reach_broker.service.snapshot.Snapshot.restore_partition`), not yet heard from:
+   at a **warm** takeover (``warm``, as :mod:`.partitions` tells it: the partition was held
+   by a live broker until moments ago) each in the state its key holds (its owner changed,
+   not the agent: its first heartbeat confirms that state without a transition, an event or
+   a snapshot write); at a **cold** start (this broker's own, alone: nobody heard the agents
+   meanwhile) each ``suspect``, routable once heard (``offline``/``draining`` stay so);
 2. its subjects are heard (:meth:`~reach_broker.service.ingest.Ingest.own`: on return the
    subscriptions are live at the server);
 3. every restored agent gets its whole silence window again, counted from that moment
    (:meth:`~reach_broker.core.registry.Registry.listening`): a silence that began before this
-   broker could hear the agent is not the agent's, so no agent goes offline because its owner
-   changed (the observer's self-doubt, extended to a takeover);
+   broker could hear the agent is not the agent's, so no agent goes offline (nor, warm,
+   suspect) because its owner changed (the observer's self-doubt, extended to a takeover);
 4. its route-table shares are published (:mod:`.tables`).
 
 When a lease is lost (``lose``), in reverse: shares forgotten, subjects no longer heard, the
@@ -61,9 +65,10 @@ class Takeover:
         """``reach_partition_takeover_seconds``."""
         self._last: dict[int, Awaitable[None]] = {}
 
-    async def own(self, p: int, epoch: int) -> None:
-        """Take partition ``p`` (the module docstring's steps); returns once it is heard."""
-        await self._after(p, self._own(p, epoch))
+    async def own(self, p: int, epoch: int, warm: bool) -> None:
+        """Take partition ``p`` (the module docstring's steps; ``warm``: its agents keep their
+        stored states); returns once it is heard."""
+        await self._after(p, self._own(p, epoch, warm))
 
     async def lose(self, p: int) -> None:
         """Hand partition ``p`` over: dropped without a transition."""
@@ -89,11 +94,11 @@ class Takeover:
                 pass
         await step
 
-    async def _own(self, p: int, epoch: int) -> None:
+    async def _own(self, p: int, epoch: int, warm: bool) -> None:
         clock = self.ctx.clock
         t0 = clock()
         try:
-            restored = await self.snapshot.restore_partition(p)
+            restored = await self.snapshot.restore_partition(p, warm=warm)
         except Exception as exc:  # noqa: BLE001 - its agents re-announce on demand instead
             log.warning("takeover.restore_failed partition=%d error=%r: its agents are asked to "
                         "announce again as they are heard", p, exc)  # fmt: skip
@@ -103,8 +108,9 @@ class Takeover:
         regranted = self.registry.listening(now, restored)
         self.shares_own(p, epoch)
         self.took.observe(now - t0)
-        log.debug("takeover.owned partition=%d epoch=%d restored=%d regranted=%d seconds=%.3f",
-                 p, epoch, len(restored), regranted, now - t0)  # fmt: skip
+        log.debug("takeover.owned partition=%d epoch=%d warm=%s restored=%d regranted=%d "
+                  "seconds=%.3f", p, epoch, warm, len(restored), regranted,
+                  now - t0)  # fmt: skip
 
     async def _lose(self, p: int) -> None:
         self.shares_lose(p)

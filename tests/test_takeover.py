@@ -1,0 +1,264 @@
+"""A takeover costs JetStream writes for what changed, not for what was taken.
+
+Two brokers of P partitions share N agents; one of them goes (stopped: its leases handed
+back; or its connection lost: its leases left to lapse), and the other takes its
+partitions, warm, restoring their agents from the snapshot in the state it holds. Every taken
+agent but K heartbeats on: each is confirmed by its first heartbeat, with no snapshot write
+and no event. The K that fall silent at the takeover go ``suspect`` then ``offline`` at the
+new owner, with their events and snapshot writes, as any silent agent does. Counted in the
+streams themselves (``KV_reach_registry``'s and ``REACH_AUDIT``'s messages after the
+takeover), not timed.
+
+A lone broker restarted is warm only when it takes the leases its previous run handed back
+(at once); started alone after they aged out (an outage), it is cold: its agents restored
+``suspect``, refused to routes until heard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+import msgspec
+import pytest
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from jetstream.names import AUDIT_STREAM, REGISTRY_BUCKET, REGISTRY_STREAM
+from reach_agent.routing.table import partition
+from reach_agent.wire import schema
+from reach_broker.broker import Broker
+from reach_broker.cluster.natsserver import NatsServer
+from reach_broker.service.snapshot import SnapshotEntry
+
+from .conftest import BrokerFactory, connections_named, leases_aged_out, wait_for
+
+P = 8
+N = 200
+K = 4
+"""Agents of the partitions taken over that fall silent at the takeover."""
+AGENTS = [f"tk-{i:03d}" for i in range(N)]
+CAPABILITY = "tk_cap"
+INTERVAL_MS = 500
+
+
+class Fleet:
+    """Raw agents (N unless told) on one connection: announced, a heartbeat each every
+    interval, probes answered; those :meth:`silence`d neither beat nor answer."""
+
+    def __init__(self, nc: NATS, agents: list[str] = AGENTS,
+                 interval_ms: int = INTERVAL_MS) -> None:  # fmt: skip
+        self.nc = nc
+        self.agents = agents
+        self.interval_ms = interval_ms
+        self.tokens: dict[str, str] = {}
+        self.silent: set[str] = set()
+        self.seq = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        async def on_probe(msg: Msg) -> None:
+            agent_id = msg.subject.rsplit(".", 1)[1]
+            if agent_id not in self.silent:
+                reply = schema.ProbeReply(agent_id=agent_id, active=0, seq=self.seq)
+                await self.nc.publish(msg.reply, schema.encoder.encode(reply))
+
+        await self.nc.subscribe("reach.probe.*", cb=on_probe)
+        for agent_id in self.agents:
+            body = {"agent_id": agent_id, "capabilities": [CAPABILITY], "max_concurrency": 4,
+                    "heartbeat_interval_ms": self.interval_ms}  # fmt: skip
+            reply = await self.nc.request(f"reach.announce.{agent_id}",
+                                          json.dumps(body).encode(), timeout=5)  # fmt: skip
+            self.tokens[agent_id] = json.loads(reply.data)["token"]
+        self._task = asyncio.create_task(self._beat())
+
+    def silence(self, agent_ids: list[str]) -> None:
+        self.silent.update(agent_ids)
+
+    def hear(self) -> None:
+        """Every agent beats and answers again."""
+        self.silent.clear()
+
+    async def _beat(self) -> None:
+        while True:
+            self.seq += 1
+            for agent_id, token in self.tokens.items():
+                if agent_id not in self.silent:
+                    hb = {"agent_id": agent_id, "token": token, "seq": self.seq}
+                    await self.nc.publish(f"reach.hb.{agent_id}", json.dumps(hb).encode())
+            await self.nc.flush()
+            await asyncio.sleep(self.interval_ms / 1000)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+
+async def last_seq(nc: NATS, stream: str) -> int:
+    info = await nc.jetstream().stream_info(stream)
+    return int(info.state.last_seq)
+
+
+def state_of(broker: Broker, agent_id: str) -> str | None:
+    rec = broker.registry.agents.get(agent_id)
+    return None if rec is None else rec.state
+
+
+@pytest.mark.parametrize("how", ["stopped", "lapsed"])
+async def test_a_takeover_writes_and_announces_only_what_changed(
+    broker_factory: BrokerFactory, nc: NATS, how: str
+) -> None:
+    survivor = await broker_factory(fleet__partitions=P, fleet__lease_ttl_s=3.0)
+    victim = await broker_factory(fleet__partitions=P, fleet__lease_ttl_s=3.0)
+    pair = (survivor, victim)
+    await wait_for(lambda: [len(b.tables.book.epochs) for b in pair] == [P // 2] * 2, 20,
+                   what="each owning half the partitions")  # fmt: skip
+    fleet = Fleet(nc)
+    await fleet.start()
+    try:
+
+        def settled() -> bool:
+            held = sorted(a for b in pair for a, r in b.registry.agents.items()
+                          if r.state == "healthy" and not r.resync)  # fmt: skip
+            return held == AGENTS and not any(b.snapshot._dirty for b in pair)
+
+        await wait_for(settled, 20, interval=0.1, what="every agent healthy at its owner")
+        await wait_for(lambda: survivor.snapshot.writes + victim.snapshot.writes == N, 10,
+                       interval=0.1, what="every agent's key written once")  # fmt: skip
+        stored = await last_seq(nc, REGISTRY_STREAM)
+        await asyncio.sleep(2 * INTERVAL_MS / 1000)  # every agent beats twice more
+        taken = [a for a in AGENTS if partition(a, P) in victim.tables.book.epochs]
+        silent = taken[:K]
+        events: list[schema.Event] = []
+
+        async def on_event(msg: Msg) -> None:
+            events.append(msgspec.json.decode(msg.data, type=schema.Event))
+
+        await nc.subscribe("reach.event.>", cb=on_event)
+        written: list[tuple[str, str]] = []
+        """Every snapshot write, as it goes to the bucket: (agent, state stored)."""
+
+        async def on_write(msg: Msg) -> None:
+            entry = msgspec.json.decode(msg.data, type=SnapshotEntry)
+            written.append((entry.announce.agent_id, entry.state))
+
+        await nc.subscribe(f"$KV.{REGISTRY_BUCKET}.>", cb=on_write)
+        await nc.flush()
+        before = {s: await last_seq(nc, s) for s in (REGISTRY_STREAM, AUDIT_STREAM)}
+        assert before[REGISTRY_STREAM] == stored  # nothing written while the fleet beat on
+        writes = survivor.snapshot.writes
+        if how == "stopped":
+            await victim.stop()
+        else:
+            await victim.nc.close()  # its leases left to lapse, nothing handed back
+        fleet.silence(silent)
+
+        heartbeating = [a for a in AGENTS if a not in silent]
+
+        def taken_over() -> bool:
+            recs = survivor.registry.agents
+            return (
+                len(survivor.tables.book.epochs) == P
+                and all(a in recs and recs[a].state == "healthy" and not recs[a].resync
+                        for a in heartbeating)
+                and [state_of(survivor, a) for a in silent] == ["offline"] * K
+            )  # fmt: skip
+
+        await wait_for(taken_over, 30, interval=0.1,
+                       what="every partition taken, every beating agent heard, the silent "
+                            "ones offline")  # fmt: skip
+        await wait_for(lambda: not survivor.snapshot._dirty, 5, what="the snapshot flushed")
+        expected = [(a, s) for a in silent for s in ("suspect", "offline")]
+
+        async def audited() -> int:
+            return await last_seq(nc, AUDIT_STREAM) - before[AUDIT_STREAM]
+
+        deadline = asyncio.get_running_loop().time() + 10
+        while await audited() < len(expected):
+            assert asyncio.get_running_loop().time() < deadline, await audited()
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(2 * INTERVAL_MS / 1000)  # every agent beats twice more
+        await nc.flush()
+    finally:
+        await fleet.stop()
+    # What changed: each silent agent's two moves, at the new owner; the others' first
+    # heartbeats under it confirmed them without a transition.
+    assert await audited() == len(expected)
+    got = sorted((e.agent_id, e.to) for e in events)
+    assert got == sorted(expected)
+    assert {(e.kind, e.broker_id) for e in events} == {("state", survivor.broker_id)}
+    moved = {a: tuple((e.from_, e.to) for e in events if e.agent_id == a) for a in silent}
+    assert moved == dict.fromkeys(silent, (("healthy", "suspect"), ("suspect", "offline")))
+    # Written: the silent agents' keys alone, each last as offline (a suspect written
+    # before it went offline, unless both fell in one flush).
+    assert await last_seq(nc, REGISTRY_STREAM) - before[REGISTRY_STREAM] == len(written)
+    assert {a for a, _ in written} == set(silent), written
+    assert {a: s for a, s in written} == dict.fromkeys(silent, "offline")
+    assert set(written) <= set(expected)
+    assert survivor.snapshot.writes - writes == len(written)
+    assert [state_of(survivor, a) for a in heartbeating] == ["healthy"] * len(heartbeating)
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["handed-back", "cold"])
+async def test_a_lone_broker_restarted_keeps_stored_states_only_when_warm(
+    broker_factory: BrokerFactory, nc: NATS, nats_server: NatsServer, warm: bool
+) -> None:
+    """A lone broker stopped, then started again: at once (its leases handed back: warm), its
+    agents are restored healthy as stored, routed before they are heard, and heard again
+    without an event; after its leases aged out (alone after an outage: cold), each is
+    restored ``suspect``, refused to routes until heard, then made healthy by its first
+    heartbeat, with its event. The agents hold connections named after them, so the CONNZ
+    reconcile at the start finds them all."""
+    agents = AGENTS[:20]
+    ttl = 2.0
+    first = await broker_factory(fleet__partitions=P, fleet__lease_ttl_s=ttl)
+    fleet = Fleet(nc, agents, interval_ms=1000)
+    async with connections_named(nats_server.url, *agents):
+        await fleet.start()
+        try:
+            await wait_for(lambda: sorted(a for a, r in first.registry.agents.items()
+                                          if r.state == "healthy" and not r.resync) == agents
+                           and not first.snapshot._dirty, 10,
+                           what="every agent healthy and written")  # fmt: skip
+            await first.stop()
+            # Neither beats nor probe answers until the checks before they are heard are done
+            # (their windows, 1 s of grace plus 2.4 s, outlast them).
+            fleet.silence(agents)
+            if not warm:
+                await leases_aged_out(nc)
+            events: list[schema.Event] = []
+
+            async def on_event(msg: Msg) -> None:
+                events.append(msgspec.json.decode(msg.data, type=schema.Event))
+
+            await nc.subscribe("reach.event.>", cb=on_event)
+            await nc.flush()
+            before = await last_seq(nc, AUDIT_STREAM)
+            second = await broker_factory(fleet__partitions=P, fleet__lease_ttl_s=ttl)
+            assert second.partitions.cold == (0 if warm else P)
+            restored = {a: (r.state, r.resync) for a, r in second.registry.agents.items()}
+            assert restored == dict.fromkeys(agents, ("healthy" if warm else "suspect", True))
+            body = json.dumps({"limit": len(agents)}).encode()
+            reply = json.loads((await nc.request(f"reach.route.{CAPABILITY}", body,
+                                                 timeout=2)).data)  # fmt: skip
+            if warm:
+                assert sorted(c["agent_id"] for c in reply["candidates"]) == agents
+            else:
+                assert reply["error"]["code"] == "NO_REACHABLE_AGENT"
+            fleet.hear()
+            recs = second.registry.agents
+            await wait_for(lambda: all(recs[a].state == "healthy" and not recs[a].resync
+                                       for a in agents), 10, what="every agent heard")  # fmt: skip
+            await asyncio.sleep(2.0)  # every agent beats twice more
+            await nc.flush()
+            # Counted while the agents' connections are open (closing them is a disconnect).
+            got = sorted((e.agent_id, e.from_, e.to, e.reason) for e in events)
+            audited = await last_seq(nc, AUDIT_STREAM) - before
+        finally:
+            await fleet.stop()
+    expected = [] if warm else [(a, "suspect", "healthy", "heartbeat resumed") for a in agents]
+    assert got == expected
+    assert audited == len(expected)
