@@ -12,13 +12,16 @@ set to ``--partitions``, so the server maps the agent subjects), N ``reach broke
    growth and its share of the sum (the sims' own count of heartbeats sent over the same
    window, paused and flushed at both ends, is the fleet's total), each broker's RSS and its
    RSS per agent it holds (over its RSS before the agents came);
-4. with ``--kill``: SIGKILL of the last broker; the time until the others own every partition
+4. with ``--kill``, once the snapshot (KV ``reach_registry``) holds as many keys as there are
+   agents (``snapshot_complete_s``: the wait after the measure): SIGKILL of the last broker;
+   the time until the others own every partition
    again, ``offline`` events seen afterwards (there must be none), the agents each survivor
    then holds.
 
 Route requests (``reach.route.<capability>``, one every 100 ms, 1 s timeout each) run from
 registration to the end: answered, unanswered, and the longest time from an unanswered
-request to the next answered one. The report is one JSON object on stdout.
+request to the next answered one (and the same from the kill on: ``..._after_kill``). The
+report is one JSON object on stdout.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from typing import Any
 
 import nats
 
+from jetstream.names import REGISTRY_STREAM
 from reach_broker.cluster.natsserver import NatsServer
 
 from . import calls
@@ -117,6 +121,8 @@ class Routes:
         self.nc = nc
         self.prefix = prefix
         self.sent: list[tuple[float, bool]] = []
+        self.killed_at: float | None = None
+        """When the broker was killed (the figures from then on are reported apart)."""
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -146,13 +152,21 @@ class Routes:
         if self._task is not None:
             await self._task
         sent = sorted(self.sent)
+        out = self._figures(sent, "")
+        if self.killed_at is not None:
+            out |= self._figures([(t, ok) for t, ok in sent if t >= self.killed_at],
+                                 "_after_kill")  # fmt: skip
+        return out
+
+    @staticmethod
+    def _figures(sent: list[tuple[float, bool]], suffix: str) -> dict[str, Any]:
         lost = [t for t, ok in sent if not ok]
         outage = 0.0
         for t in lost:
             nxt = next((u for u, ok in sent if ok and u > t), None)
             outage = max(outage, (nxt - t) if nxt is not None else math.inf)
-        return {"routes_sent": len(sent), "routes_unanswered": len(lost),
-                "route_outage_max_s": round(outage, 3)}  # fmt: skip
+        return {f"routes_sent{suffix}": len(sent), f"routes_unanswered{suffix}": len(lost),
+                f"route_outage_max_s{suffix}": round(outage, 3)}  # fmt: skip
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -240,6 +254,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             ],
         }
         if a.kill:
+            # The kill comes in a steady state: once the snapshot holds the fleet (at 100,000
+            # agents with a synced write each, registering is written for tens of seconds
+            # after the agents are counted; an agent missing there is restored by no one).
+            js = nc.jetstream(timeout=5.0)
+
+            async def stored() -> bool:
+                info = await js.stream_info(REGISTRY_STREAM)
+                return info.state.messages >= a.agents
+
+            report["snapshot_complete_s"] = round(
+                await wait(stored, 120 + a.agents / 500, "the snapshot holding the fleet"), 2
+            )
+            routes.killed_at = time.monotonic()
             report["kill"] = await kill(brokers, nc, a, p)
         report.update(await routes.stop())
         report["loadavg_end"] = loadavg()
