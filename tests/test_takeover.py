@@ -25,7 +25,7 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from jetstream.names import AUDIT_STREAM, REGISTRY_BUCKET, REGISTRY_STREAM
+from jetstream.names import AUDIT_STREAM, PARTITIONS_STREAM, REGISTRY_BUCKET, REGISTRY_STREAM
 from reach_agent.routing.table import partition
 from reach_agent.wire import schema
 from reach_broker.broker import Broker
@@ -262,3 +262,39 @@ async def test_a_lone_broker_restarted_keeps_stored_states_only_when_warm(
     expected = [] if warm else [(a, "suspect", "healthy", "heartbeat resumed") for a in agents]
     assert got == expected
     assert audited == len(expected)
+
+
+async def test_a_lone_broker_that_lost_every_lease_takes_them_back_cold(
+    broker_factory: BrokerFactory, nc: NATS
+) -> None:
+    """A lone broker whose every lease vanished under it (here purged; in the field, aged
+    out while its link to NATS was down, when nobody heard its agents) drops its partitions
+    and takes them again alone, holding none: cold, as at a cold start. Each agent is restored
+    ``suspect`` and its first heartbeat makes it ``healthy`` with its event; a warm take
+    (another broker present, or partitions of its own held) would have made none."""
+    agents = AGENTS[:20]
+    broker = await broker_factory(fleet__partitions=P, fleet__lease_ttl_s=2.0)
+    assert broker.partitions.cold == P  # its own start, alone
+    fleet = Fleet(nc, agents, interval_ms=1000)
+    await fleet.start()
+    try:
+        recs = broker.registry.agents
+        await wait_for(lambda: sorted(a for a, r in recs.items()
+                                      if r.state == "healthy" and not r.resync) == agents,
+                       10, what="every agent healthy")  # fmt: skip
+        events: list[schema.Event] = []
+
+        async def on_event(msg: Msg) -> None:
+            events.append(msgspec.json.decode(msg.data, type=schema.Event))
+
+        await nc.subscribe("reach.event.>", cb=on_event)
+        await nc.flush()
+        await nc.jetstream().purge_stream(PARTITIONS_STREAM)  # every lease at once
+        await wait_for(lambda: broker.partitions.cold == 2 * P and len(broker.partitions.held)
+                       == P, 10, what="every partition taken back, cold")  # fmt: skip
+        await wait_for(lambda: len(events) >= len(agents), 10, what="an event per agent")
+        await nc.flush()
+        got = sorted((e.agent_id, e.from_, e.to, e.reason) for e in events)
+    finally:
+        await fleet.stop()
+    assert got == [(a, "suspect", "healthy", "heartbeat resumed") for a in agents]

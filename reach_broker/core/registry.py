@@ -305,11 +305,13 @@ class Registry:
         """An agent from the registry snapshot (KV reach_registry) this broker has not heard.
 
         ``warm`` (its partition held by a live broker until moments ago: taken over while
-        other brokers are present, or handed back): it keeps the state the snapshot holds
+        other brokers are present or by a broker holding partitions of its own, or handed
+        back): it keeps the state the snapshot holds
         (``state``), since its owner changed, not the agent; its first heartbeat confirms that
         state without a transition, an event or a snapshot write (a ``healthy`` agent is
-        routed as one from here). Cold (this broker's own start, alone: nobody heard the
-        agent meanwhile, perhaps for a long outage): it starts ``suspect`` (``offline`` and
+        routed as one from here). Cold (alone, holding no partition: this broker's start, or
+        every lease lost while its link was down; nobody heard the agent meanwhile, perhaps
+        for a long outage): it starts ``suspect`` (``offline`` and
         ``draining`` stay so) and becomes routable only when a heartbeat or probe answer
         confirms it. Either way its silence is counted from ``now`` and counted again from
         :meth:`listening`, when the broker can first hear it: one that stays silent through

@@ -35,14 +35,15 @@ partitions are restored (a restore of thousands of agents takes longer than a sh
 the first round's takeovers are awaited at start. A partition whose taking fails is released.
 
 **Warm or cold.** A partition taken is *warm* when a live broker held it until moments ago,
-so its agents were heard until then and keep the states stored for them: every take after
-this broker's start (the partition lapsed or was handed back under a running fleet), a take
-at its start while another broker's presence key is counted, and any partition handed back
-(its lease names no owner: written within the lease's time to live, since the bucket ages
-every value out). It is *cold* at this broker's own start while it counts no other broker
-(it is alone: a single broker, or the first of a fleet after an outage, the leases aged out;
-a count that failed counts none): nobody heard the agents meanwhile, perhaps for hours, so
-they are restored ``suspect`` and routed only once heard.
+so its agents were heard until then and keep the states stored for them: a take while
+another broker's presence key is counted, a take by a broker that still holds partitions of
+its own (it was hearing all along: a lease lapsed or handed back under a running fleet), and
+any partition handed back (its lease names no owner: written within the lease's time to
+live, since the bucket ages every value out). It is *cold* when this broker counts no other
+broker and holds no partition when it takes (it is alone: a single broker's start, the first
+of a fleet's after an outage, or a lone broker whose every lease lapsed while its link was
+down; a count that failed counts none): nobody heard the agents meanwhile, perhaps for hours,
+so they are restored ``suspect`` and routed only once heard.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ class Partitions:
         self.live = 1
         """Brokers present at the last round (this one among them)."""
         self.cold = 0
-        """Partitions taken cold (at this broker's start, alone: their agents ``suspect``)."""
+        """Partitions taken cold (alone, holding none: their agents ``suspect``)."""
         self._pending: set[asyncio.Task[None]] = set()
         """Takeovers under way."""
         self._counted_at = -math.inf
@@ -174,7 +175,7 @@ class Partitions:
             PARTITIONS_BUCKET
         )
         await self._follow_presence()
-        await self.round(starting=True)
+        await self.round()
         await self.settled()
         log.info("partitions.owned count=%d of %d brokers=%d cold=%d", len(self.held),
                  self.cfg.partitions, self.live, self.cold)  # fmt: skip
@@ -209,16 +210,22 @@ class Partitions:
         for p in list(self.held):
             await self._lose(p)
 
-    async def round(self, *, starting: bool = False) -> None:
+    async def round(self) -> None:
         """Say this broker is present and count the brokers while every lease held is
         renewed (all at once: one round trip for the lot, not held up by the count, so a busy
         broker still renews well within the time to live); hand back what exceeds the fair
-        share, or take free partitions up to it (``starting``: this broker's start, whose
-        takes are cold when it counted no other broker just now)."""
+        share, or take free partitions up to it: cold when it counted no other broker just
+        now and holds none after the renewals (its start, or every lease lost)."""
         began = self.ctx.clock()
         mine = await self.renew()
+        await self.balance(mine, warm=self._warm(began))
+
+    def _warm(self, began: float) -> bool:
+        """Whether what a round begun at ``began`` takes is warm: it counted another broker
+        present, or this broker still holds partitions after its renewals (it was hearing
+        all along). Alone and holding none, nobody heard the agents meanwhile: cold."""
         others = self.live > 1 and self._counted_at >= began
-        await self.balance(mine, warm=not starting or others)
+        return others or bool(self.held)
 
     async def renew(self) -> bytes:
         """Say this broker is present and count the brokers while every lease held is renewed;
@@ -397,19 +404,20 @@ class Partitions:
             started = self.ctx.clock()
             try:
                 mine = await self.renew()
+                warm = self._warm(started)
                 # The hand-backs and takes on a task of their own: taking after a broker
                 # died tries every partition not held, a write and a read each, and on a
                 # busy JetStream that took longer than a lease's time to live, the next
                 # renewals waiting behind it. One at a time.
                 if self._balancing is None or self._balancing.done():
-                    balancing = self._balance(mine)
+                    balancing = self._balance(mine, warm)
                     self._balancing = asyncio.create_task(balancing, name="reach-balance")
             except Exception:  # noqa: BLE001 - the loop body never dies
                 log.exception("partitions.round failed")
 
-    async def _balance(self, mine: bytes) -> None:
+    async def _balance(self, mine: bytes, warm: bool) -> None:
         try:
-            await self.balance(mine, warm=True)  # after the start: a live broker held them
+            await self.balance(mine, warm=warm)
         except Exception:  # noqa: BLE001 - the next round balances again
             log.exception("partitions.balance failed")
 

@@ -18,12 +18,14 @@ When the broker takes a partition (at start, or over from another broker), befor
 the partition's subjects, every stored agent of it the broker has not heard from is restored
 with its task EWMA: known to ``reach agents`` at once, and scored against the capability's
 usual task time rather than from nothing. A **warm** takeover (the partition held by a live
-broker until moments ago: taken while other brokers are present, or handed back) keeps the
+broker until moments ago: taken while other brokers are present or by a broker holding
+partitions of its own, or handed back) keeps the
 state the bucket holds, routed as it says; the agent's first heartbeat then confirms it: the
 bucket already holds it, so a takeover of N agents that all heartbeat on costs no write and no
 event (only an agent whose state truly moves afterwards, e.g. one silent through its window,
-is written and announced). A **cold** one (the broker's own start, alone: perhaps after a
-long outage, in which any agent may have died) restores each as ``suspect`` (``offline``/
+is written and announced). A **cold** one (alone, holding no partition: the broker's own
+start, or every lease lost while its link was down; perhaps after a long outage, in which
+any agent may have died) restores each as ``suspect`` (``offline``/
 ``draining`` stay so), routable only once its next heartbeat (or a probe answer) confirms it.
 A broker taking a partition over therefore holds its agents without any of them
 re-announcing. A partition handed over is forgotten (:meth:`Snapshot.forget`): its keys are

@@ -8,8 +8,9 @@ lease is taken (:mod:`.partitions` says ``own``), the partition is taken in this
    at a **warm** takeover (``warm``, as :mod:`.partitions` tells it: the partition was held
    by a live broker until moments ago) each in the state its key holds (its owner changed,
    not the agent: its first heartbeat confirms that state without a transition, an event or
-   a snapshot write); at a **cold** start (this broker's own, alone: nobody heard the agents
-   meanwhile) each ``suspect``, routable once heard (``offline``/``draining`` stay so);
+   a snapshot write); at a **cold** take (alone, holding no partition: this broker's start, or
+   every lease lost while its link was down; nobody heard the agents meanwhile) each
+   ``suspect``, routable once heard (``offline``/``draining`` stay so);
 2. its subjects are heard (:meth:`~reach_broker.service.ingest.Ingest.own`: on return the
    subscriptions are live at the server);
 3. every restored agent gets its whole silence window again, counted from that moment
