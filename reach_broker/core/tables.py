@@ -77,21 +77,23 @@ def entry_of(rec: AgentRecord, now: float, slow_start_s: float) -> TableEntry:
     )  # fmt: skip
 
 
-def unchanged(entry: TableEntry, rec: AgentRecord, now: float, slow_start_s: float) -> bool:
-    """Whether :func:`entry_of` would make ``entry`` again for ``rec`` (its announce, and so
-    every field that only an announce sets, the same): a heartbeat that moved nothing the
-    tables say costs a few comparisons, not an entry."""
-    task_ms = rec.stats.task_ewma_ms
+def same_shape(entry: TableEntry, rec: AgentRecord, now: float, slow_start_s: float) -> bool:
+    """Whether :func:`entry_of` would make ``entry`` again for ``rec`` but for its load
+    figures (:func:`load_of`), given that ``rec``'s announce, and so every field that only an
+    announce sets, is the one ``entry`` was made from: its state, and no slow start."""
     return (
         entry.state == rec.state
-        and entry.active == rec.active
-        and entry.queue_depth == rec.queue_depth
-        and entry.score == rec.score
-        and entry.task_ms == (None if task_ms is None else round(task_ms, 1))
-        and entry.context_usage_pct == rec.context_usage_pct
         and entry.slow_start_ms is None
         and (rec.recovered_at is None or now - rec.recovered_at >= 2 * slow_start_s)
     )
+
+
+def load_of(rec: AgentRecord) -> TableLoad:
+    """``rec``'s load figures as its entry carries them (task time to a tenth)."""
+    task_ms = rec.stats.task_ewma_ms
+    return TableLoad(rec.agent_id, rec.active, rec.queue_depth, rec.score,
+                     None if task_ms is None else round(task_ms, 1),
+                     rec.context_usage_pct)  # fmt: skip
 
 
 class Share:
@@ -216,35 +218,23 @@ class TableBook:
                 if (
                     last is not None
                     and k.announce is rec.announce
-                    and last.state == rec.state
-                    and caps == old_caps
-                    and last.slow_start_ms is None
-                    and (rec.recovered_at is None or now - rec.recovered_at >= 2 * slow_s)
+                    and same_shape(last, rec, now, slow_s)
                 ):
-                    # Most heartbeats: at most the load moved (the hot path, inline).
-                    task_ms = rec.stats.task_ewma_ms
-                    if task_ms is not None:
-                        task_ms = round(task_ms, 1)
-                    load = TableLoad(agent_id, rec.active, rec.queue_depth, rec.score, task_ms,
-                                     rec.context_usage_pct)  # fmt: skip
+                    load = load_of(rec)
                     entry = with_load(last, load)
-                    if entry is last:
-                        continue  # nothing the tables say moved
-                    k.entry = entry
-                    for cap in caps:
-                        key = (p, cap)
-                        shares[key].entries[agent_id] = entry
-                        t = touched.get(key)
-                        if t is None:
-                            t = touched[key] = _Touched()
-                        t.loads.append(load)
-                    continue
-                if (
-                    last is not None
-                    and k.announce is rec.announce
-                    and unchanged(last, rec, now, slow_s)
-                ):
-                    entry = last  # only its capabilities moved
+                    if caps == old_caps:  # most heartbeats: at most the load moved
+                        if entry is last:
+                            continue  # nothing the tables say moved
+                        k.entry = entry
+                        for cap in caps:
+                            key = (p, cap)
+                            shares[key].entries[agent_id] = entry
+                            t = touched.get(key)
+                            if t is None:
+                                t = touched[key] = _Touched()
+                            t.loads.append(load)
+                        continue
+                    k.entry = entry  # its capabilities moved: whole entries below
                 else:
                     entry = k.entry = entry_of(rec, now, slow_s)
                     k.announce = rec.announce
