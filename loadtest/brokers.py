@@ -15,8 +15,9 @@ set to ``--partitions``, so the server maps the agent subjects), N ``reach broke
 4. with ``--kill``, once the snapshot (KV ``reach_registry``) holds as many keys as there are
    agents (``snapshot_complete_s``: the wait after the measure): SIGKILL of the last broker;
    the time until the others own every partition
-   again, ``offline`` events seen afterwards (there must be none), the agents each survivor
-   then holds.
+   again, ``offline`` events seen afterwards (there must be none; by reason, ``disconnect``
+   when the server's advisory for a simulator's connection caused them), the agents each
+   survivor then holds.
 
 Route requests (``reach.route.<capability>``, one every 100 ms, 1 s timeout each) run from
 registration to the end: answered, unanswered, and the longest time from an unanswered
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import math
@@ -281,12 +283,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 async def kill(brokers: list[Broker], nc: Any, a: argparse.Namespace, p: int) -> dict[str, Any]:
     """SIGKILL the last broker; how long until the others own every partition, and whether
     any agent went offline meanwhile."""
-    offline: list[str] = []
+    offline: collections.Counter[str] = collections.Counter()
+    """``offline`` events seen, by reason (``disconnect``: the server's advisory for the
+    agent's connection; silence otherwise): which one tells the broker from the fleet."""
 
     async def on_event(msg: Any) -> None:
         with contextlib.suppress(ValueError):
-            if json.loads(msg.data).get("to") == "offline":
-                offline.append(msg.subject)
+            event = json.loads(msg.data)
+            if event.get("to") == "offline":
+                offline[str(event.get("reason"))] += 1
 
     sub = await nc.subscribe(f"{a.prefix}.event.>", cb=on_event)
     victim, survivors = brokers[-1], brokers[:-1]
@@ -304,7 +309,8 @@ async def kill(brokers: list[Broker], nc: Any, a: argparse.Namespace, p: int) ->
     await sub.unsubscribe()
     return {
         "takeover_s": round(took, 2),
-        "offline_events": len(offline),
+        "offline_events": sum(offline.values()),
+        "offline_reasons": dict(offline),
         "agents_held_after": [
             int(sum(m.get(f'reach_agents{{state="{s}"}}', 0) for s in STATES)) for m in ms
         ],
