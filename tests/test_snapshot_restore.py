@@ -24,6 +24,7 @@ from reach_broker.config import Config
 from reach_broker.core.registry import Registry
 from reach_broker.core.tokens import TokenSigner
 from reach_broker.service.context import BrokerContext, Link, Tasks
+from reach_broker.service.metrics import Metrics
 from reach_broker.service.snapshot import Snapshot, SnapshotEntry
 
 P = 4
@@ -58,7 +59,7 @@ def snapshot_of(nc: NATS) -> Snapshot:
     ctx = BrokerContext(nc=nc, subjects=Subjects(), broker_id="new", clock=time.monotonic,
                         wall=time.time, spawn=Tasks().spawn, emit=lambda _: None,
                         link=Link())  # fmt: skip
-    snap = Snapshot(ctx, reg)
+    snap = Snapshot(ctx, reg, read_by=Metrics().snapshot_reads)
     snap.direct_batch = BATCH
     return snap
 
@@ -117,6 +118,9 @@ async def test_a_partition_restores_exactly_its_own_stored_agents(
     assert sorted(snap.registry.agents) == sorted(expected)
     assert snap.restored == len(expected) == 27
     assert snap.reads == {"direct": 1 if direct else 0, "watch": 0 if direct else 1}
+    exported = {s.labels["by"]: s.value for s in snap.read_by.collect()[0].samples
+                if s.name == "reach_snapshot_reads_total"}  # fmt: skip
+    assert exported == ({"direct": 1.0} if direct else {"watch": 1.0})
     again = snap.registry.agents[rewritten]
     assert (again.state, again.stats.task_ewma_ms) == ("draining", 250.0)  # its later value
     # Not yet heard from: warm, each in the state stored (healthy); cold, suspect.

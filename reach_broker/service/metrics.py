@@ -337,6 +337,12 @@ class Metrics:
             "Time to take a partition over: its agents restored from its snapshot keys and "
             "its subjects heard", buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=r,
         )  # fmt: skip
+        self.snapshot_reads = Counter(
+            "reach_snapshot_reads_total",
+            "Partitions restored from KV reach_registry, by how they were read: direct (batched "
+            "direct get) or watch (a KV watch: the stream answers no direct get, slower)",
+            ["by"], registry=r,
+        )  # fmt: skip
         self.route_forwards = Counter(
             "reach_route_forwards_total",
             "Route requests forwarded to their capability's owner, by result: ok (relayed), "
