@@ -361,7 +361,8 @@ async def test_a_broker_joining_or_leaving_rebalances_the_partitions_at_once(
 class Ghost:
     """The owner of partitions 4-7 without being a broker: it holds their leases (renewed
     every second) and answers table requests with a share of one made-up agent each
-    (``ghost-<p>``, healthy); it takes forwarded route requests and never answers them."""
+    (``ghost-<p>``, healthy), or with none for a capability named ``empty.*`` (it holds no
+    agent of it); it takes forwarded route requests and never answers them."""
 
     OWNED = (4, 5, 6, 7)
 
@@ -398,7 +399,7 @@ class Ghost:
             return  # a table it never answers (nor stores)
         shares = [TableShare(capability=cap, partition=p, epoch=1, version=1, entries=[
             TableEntry(agent_id=f"ghost-{p}", state="healthy", score=90.0, max_concurrency=4)])
-            for p in self.OWNED]  # fmt: skip
+            for p in self.OWNED if not cap.startswith("empty.")]  # fmt: skip
         table = Table(capability=cap, partitions=P, owned=list(self.OWNED), shares=shares,
                       broker_id="ghost")  # fmt: skip
         await self.nc.publish(msg.reply, schema.encoder.encode(table))
@@ -479,6 +480,22 @@ async def test_a_route_merges_the_shares_of_another_owner_and_explain_says_what_
         assert [c.agent_id for c in alone.candidates] == ["real-c"]
         assert alone.explain is not None and alone.explain.shared == 0
         assert alone.explain.unseen_partitions == sorted({4, 5, 6, 7} - {partition("real-c", P)})
+
+        # A capability the other owner answers for with no agent: its partitions were seen
+        # (empty), not unseen.
+        empty = capability_in((0, 1, 2, 3), "empty.")
+        real_e = capability_in((0, 1, 2, 3), "real-e")  # an agent of this broker's partitions
+        await agents(worker(real_e, empty))
+        await wait_for(lambda: healthy(broker, real_e))
+        await nc.request(f"reach.route.{empty}", look, timeout=2)  # its shares asked for
+        await wait_for(lambda: empty in broker.shares.follower.followed
+                       and broker.shares.follower.followed[empty].covered == set(range(P)),
+                       what="both owners' answers taken (the other's: no share)")  # fmt: skip
+        msg = await nc.request(f"reach.route.{empty}", explain, timeout=2)
+        bare = schema.route_reply_decoder.decode(msg.data)
+        assert [c.agent_id for c in bare.candidates] == [real_e]
+        assert bare.explain is not None
+        assert (bare.explain.shared, bare.explain.unseen_partitions) == (0, [])
 
         # A capability of the other owner's partitions: forwarded to it; it never answers,
         # so the request is refused, retryable, and counted.

@@ -75,8 +75,8 @@ _msg_get = msgspec.json.Decoder(_MsgGet)
 class Followed:
     """One capability followed: its table, its deltas' subscription, when it was used."""
 
-    __slots__ = ("asked_again", "fetching", "pending", "resync", "retry", "sub", "synced_at",
-                 "table", "used_at")  # fmt: skip
+    __slots__ = ("asked_again", "covered", "fetching", "pending", "resync", "retry", "sub",
+                 "synced_at", "table", "used_at")  # fmt: skip
 
     def __init__(self, table: RouteTable, now: float) -> None:
         self.table = table
@@ -92,6 +92,9 @@ class Followed:
         """Fetches in a row that left partitions unseen (``unseen``, a broker's shares)."""
         self.retry: asyncio.TimerHandle | None = None
         """The next of those fetches, scheduled."""
+        self.covered: set[int] = set()
+        """The partitions the last fetch saw answered for by their owner or read from the
+        store, with a share of the capability or none (no agent of it there)."""
 
 
 class TableRoutes:
@@ -298,7 +301,7 @@ class TableFollower:
                 stored = await self._read_store(cap, covered)
                 shares += stored
                 covered |= {s.partition for s in stored}
-            seen = covered
+            seen = f.covered = covered
             skip = self.skip
             if skip is not None:
                 shares = [s for s in shares if not skip(s.partition)]

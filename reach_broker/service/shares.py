@@ -119,19 +119,22 @@ class Shares:
     def coverage(self, capability: str, explained: Iterable[str]) -> tuple[int, list[int]]:
         """What an explanation of ``capability`` over ``explained`` (the registry's agents)
         leaves out: the agents of the other owners' shares followed, and the partitions
-        neither owned by this broker, nor holding one of ``explained``, nor held as a share
-        (O(agents of the capability), as an explanation is). Nothing without leases (route
-        tables off) or with every partition owned."""
+        neither owned by this broker, nor holding one of ``explained``, nor held as a share,
+        nor answered for without one at the last fetch (their owner holds no agent of the
+        capability). O(agents of the capability), as an explanation is. Nothing without
+        leases (route tables off) or with every partition owned."""
         if not self._running or self.owns_all():
             return 0, []
-        table = self.table_of(capability)
+        self.table_of(capability)  # followed from now on, if it was not
+        f = self.follower.followed.get(capability)
         n = self.cfg.partitions
         seen = set(self.owned)
         seen.update(partition(agent_id, n) for agent_id in explained)
-        if table is not None:
-            seen.update(table.shares)
-        return (len(table.where) if table is not None else 0,
-                [p for p in range(n) if p not in seen])  # fmt: skip
+        if f is None:
+            return 0, [p for p in range(n) if p not in seen]
+        seen.update(f.covered)  # answered for with no agent of the capability: seen empty
+        seen.update(f.table.shares)
+        return len(f.table.where), [p for p in range(n) if p not in seen]
 
     def _unseen(self, capability: str, partitions: list[int], fetches: int) -> None:
         """The follower fetched ``capability``'s table ``fetches`` times in a row leaving
