@@ -6,6 +6,7 @@ and a route lists the agents of every partition, whichever broker owns it."""
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -138,6 +139,21 @@ def test_an_agent_of_another_owner_whose_load_never_moves_sheds_the_hand_outs() 
     assert m.table.apply(schema.TableDelta(capability="cap", partition=7, epoch=1, version=2,
                                            prev=1, upserts=[entry]), m.members, 3.1)  # fmt: skip
     assert m.members["c"].in_flight(3.1) == 1.0
+
+
+def test_an_agent_of_another_owner_with_a_task_time_whose_load_never_moves_keeps_it() -> None:
+    """With a task time, a broker's copy fades the reported ``active`` from the agent's last
+    heartbeat interval, as the owner's registry fades it from each heartbeat (an unmoved
+    report is not published): not towards idle once a task time has passed since the last
+    published report. Its own hand-outs count on top while they are more."""
+    c = SharedMember(TableEntry(agent_id="c", state="healthy", score=80.0, max_concurrency=4,
+                                active=3, task_ms=100.0, interval_ms=1000), 0.0)  # fmt: skip
+    assert c.in_flight(0.25) == c.in_flight(5.25) == 3.0 * math.exp(-2.5)  # not 3 e^-52.5
+    c.handed_out(5.25)
+    assert c.in_flight(5.25) == 3.0 * math.exp(-2.5) + 1.0
+    assert c.in_flight(5.5) == (3.0 * math.exp(-2.5) + 1.0) * math.exp(-2.5)
+    # A task time on, the hand-out faded below the heartbeat's count: the report's holds.
+    assert c.in_flight(6.25) == 3.0 * math.exp(-2.5)
 
 
 def test_a_sticky_key_wins_the_same_agent_whichever_side_holds_it() -> None:

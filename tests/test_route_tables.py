@@ -4,6 +4,7 @@ whole table in one request, deltas that follow each other, and a caller's copy t
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any
 
 import msgspec
@@ -157,6 +158,19 @@ def test_a_copy_applies_loads_to_the_entries_it_holds() -> None:
                        loads=[schema.TableLoad("b", 1, 0, 80.0)])  # fmt: skip
     assert not x.apply(stray, members, 2.0)
     assert x.shares[1] == (5, 4)
+
+
+def test_a_copy_fades_an_unmoved_load_from_the_agents_last_heartbeat_not_its_last_report() -> None:
+    """An owner publishes a report only when it moved the share: an agent with a task time
+    heard at every heartbeat saying the same ``active`` is not published again, and a copy
+    fades that ``active`` from the last heartbeat interval since the report (as the owner
+    does from the heartbeat itself), not towards idle; this caller's calls sent count on
+    top, unfaded."""
+    a = TableMember(entry("a", active=2, task_ms=100.0, interval_ms=1000), 0.0)
+    assert a.heard_at(0.25) == 0.0 and a.heard_at(5.25) == 5.0
+    assert a.in_flight(0.25) == a.in_flight(5.25) == 2.0 * math.exp(-2.5)  # not 2 e^-52.5
+    a.handed_out(5.25)
+    assert a.in_flight(5.25) == 2.0 * math.exp(-2.5) + 1.0
 
 
 def entry(agent_id: str, **kw: Any) -> TableEntry:

@@ -44,6 +44,12 @@ M = TypeVar("M", bound="Member")
 """A kind of member (the broker's records, a caller's table entries)."""
 
 
+def faded(tasks: float, elapsed_s: float, task_ms: float) -> float:
+    """``tasks`` running ``elapsed_s`` ago, as many as still run now if each takes the task
+    time ``task_ms`` on average: ``tasks x exp(-elapsed / task time)``."""
+    return tasks * math.exp(-elapsed_s * 1000.0 / (task_ms if task_ms > 1.0 else 1.0))
+
+
 class Member:
     """One agent as the routing sees it. Set by its owner (the registry, a route table)."""
 
@@ -201,7 +207,7 @@ class Member:
         task_ms = self.stats.task_ewma_ms
         if task_ms is None:
             return base
-        return base * math.exp((since - now) * 1000.0 / (task_ms if task_ms > 1.0 else 1.0))
+        return faded(base, now - since, task_ms)
 
     def _set_busy(self, tasks: float) -> None:
         busy = tasks / self.max_concurrency

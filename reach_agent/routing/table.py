@@ -26,7 +26,7 @@ from reach_agent.wire.errors import InvalidRequest
 from reach_agent.wire.schema import PROTOCOL_REACH, TableDelta, TableEntry, TableShare, with_load
 
 from .index import CapabilityIndex
-from .member import Member, TaskStats, weight
+from .member import Member, TaskStats, faded, weight
 from .rules import Rule, decode_rule
 from .settings import Settings
 
@@ -100,13 +100,29 @@ class TableMember(Member):
 
     def in_flight(self, now: float) -> float:
         """Its last reported ``active`` (less this caller's calls it counted that ended
-        since), fading with its task time (as at a broker), plus this caller's calls sent
-        since that report and still running."""
+        since), fading with its task time from its last heartbeat (as at a broker:
+        :meth:`heard_at`), plus this caller's calls sent since that report and still
+        running."""
         base = float(self.active - self.ended if self.active > self.ended else 0)
         task_ms = self.stats.task_ewma_ms
         if base > 0.0 and task_ms is not None:
-            base *= math.exp((self.last_seen - now) * 1000.0 / (task_ms if task_ms > 1.0 else 1.0))
+            base = faded(base, now - self.heard_at(now), task_ms)
         return base + self.sent
+
+    def heard_at(self, now: float) -> float:
+        """When its owner last heard it report its load, as far as the tables tell: the last
+        report applied, or the last whole heartbeat interval since. An owner publishes a
+        report only when it moved what the share says, so an agent heard saying the same
+        load again is not published, and a routable one is heard every interval (silent,
+        its owner would publish its move to ``suspect``). Counted from the last report
+        instead, the ``active`` of an agent whose load never moved faded towards idle in
+        every copy, though its owner heard it at every heartbeat (a broker's registry fades
+        it from the last heartbeat)."""
+        since = self.last_seen
+        interval = self.interval_s
+        if interval > 0.0 and now - since >= interval:
+            since += (now - since) // interval * interval
+        return since
 
     def handed_out(self, now: float) -> None:
         """This caller is sending it a task."""
@@ -170,10 +186,20 @@ class SharedMember(TableMember):
             self._window += 1
 
     def in_flight(self, now: float) -> float:
-        """As :meth:`Member.in_flight` with a task time; without one, the ``active`` the
-        share says plus the hand-outs of the current window and the one before."""
-        if self.stats.task_ewma_ms is not None:
-            return Member.in_flight(self, now)
+        """With a task time, the last report's ``active`` fading from the agent's last
+        heartbeat (:meth:`TableMember.heard_at`: a report that did not move the share is not
+        published), or, when this broker handed it tasks since that report, the count at the
+        last hand-out fading from then (:meth:`Member.in_flight`) if that is more; without
+        one, the ``active`` the share says plus the hand-outs of the current window and the
+        one before."""
+        task_ms = self.stats.task_ewma_ms
+        if task_ms is not None:
+            active = self.active
+            heard = faded(float(active), now - self.heard_at(now), task_ms) if active > 0 else 0.0
+            if self.handed_at > self.last_seen:
+                handed = Member.in_flight(self, now)
+                return handed if handed > heard else heard
+            return heard
         self._roll(now)
         return float(self.active + self._window + self._before)
 
