@@ -40,7 +40,7 @@ from reach_broker.config import Config
 from reach_broker.core.registry import Registry
 from reach_broker.core.routing import Router
 from reach_broker.core.tokens import TokenSigner
-from reach_broker.service.partitions import Lease
+from reach_broker.service.partitions import Lease, presence_key
 
 from .conftest import BrokerFactory, wait_for
 from .test_sdk_failover import healthy
@@ -382,10 +382,14 @@ class Ghost:
 
     OWNED = (4, 5, 6, 7)
 
-    def __init__(self, nc: NATS) -> None:
+    def __init__(self, nc: NATS, *, present: bool = False) -> None:
         self.nc = nc
         self.store = ClaimStore(nc, bucket=PARTITIONS_BUCKET)
         self.revisions: dict[int, int] = {}
+        """The leases it renews, at the revision it holds."""
+        self.present = present
+        """Whether it also keeps a presence key (a broker counting it holds half the
+        partitions at most, so it takes none of the ghost's)."""
         self.task: asyncio.Task[None] | None = None
         self.answering = True
         """False: it answers no table request (yet)."""
@@ -399,15 +403,27 @@ class Ghost:
         await self.nc.subscribe("reach.tables.>", cb=self.answer)
         await self.nc.subscribe("reach.forward.ghost.>")  # forwards taken, never answered
         await flush_subscriptions(self.nc)
+        if self.present:
+            await self.nc.jetstream().publish(f"$KV.{PARTITIONS_BUCKET}.{presence_key('ghost')}",
+                                              b"")  # fmt: skip
         self.task = asyncio.create_task(self.renew(lease))
 
     async def renew(self, lease: bytes) -> None:
         while True:
             await asyncio.sleep(1.0)
-            for p in self.OWNED:
+            for p in list(self.revisions):
                 revision = await self.store.swap(str(p), lease, self.revisions[p])
                 assert revision is not None
                 self.revisions[p] = revision
+            if self.present:
+                await self.nc.jetstream().publish(
+                    f"$KV.{PARTITIONS_BUCKET}.{presence_key('ghost')}", b""
+                )
+
+    async def hand_back(self, p: int) -> None:
+        """Partition ``p`` handed back (a lease naming no owner), no longer renewed."""
+        revision = self.revisions.pop(p)
+        assert await self.store.swap(str(p), msgspec.json.encode(Lease()), revision) is not None
 
     async def answer(self, msg: Any) -> None:
         cap = msg.subject.removeprefix("reach.tables.")
@@ -695,6 +711,54 @@ async def test_a_lone_broker_that_lost_a_lease_still_answers(
     assert from_reply(msg.headers, msg.data) is None
     assert schema.route_reply_decoder.decode(msg.data).candidates[0].agent_id == "lone-a"
     assert forwards(broker, "no_owner") == 0
+
+
+async def test_a_refusal_asks_to_retry_soon_while_a_partition_changes_hands(
+    provisioned: Any, broker_factory: BrokerFactory, nc: NATS
+) -> None:
+    """The owner of a forwarded request's partition says it is no longer: refused, retry in
+    100 ms (the partition changes hands: the leases are read again now); a lease handed
+    back likewise; a lease lapsed (its owner died) in a third of the lease's time to live,
+    when the others' next round takes it."""
+    ghost = Ghost(nc, present=True)
+    await ghost.start()
+    try:
+        broker = await broker_factory(fleet__partitions=P)
+        assert sorted(broker.tables.book.epochs) == [0, 1, 2, 3]  # its fair half
+        theirs = capability_in(Ghost.OWNED, "moving.")
+        p = partition(theirs, P)
+        await wait_for(lambda: broker.forwarder.owners.of[p] == "ghost",
+                       what="the owner read")  # fmt: skip
+
+        async def refusal() -> ReachError:
+            msg = await nc.request(f"reach.route.{theirs}", b"", timeout=2)
+            err = from_reply(msg.headers, msg.data)
+            assert err is not None and err.code == "OVERLOADED"
+            return err
+
+        async def not_mine(msg: Any) -> None:
+            await nc.publish(msg.reply, b"", headers={"Reach-Forward": "not_owner"})
+
+        former = await nc.subscribe("reach.forward.ghost.>", cb=not_mine)
+        await flush_subscriptions(nc)
+        assert (await refusal()).retry_after_ms == 100
+        assert (forwards(broker, "not_owner"), forwards(broker, "timeout")) == (1, 0)
+        await former.unsubscribe()
+
+        await ghost.hand_back(p)
+        await broker.forwarder.owners.read()
+        assert (broker.forwarder.owners.of[p], broker.forwarder.owners.freed) == (None, {p})
+        assert (await refusal()).retry_after_ms == 100
+
+        await nc.jetstream().publish(f"$KV.{PARTITIONS_BUCKET}.{p}", b"",
+                                     headers={"KV-Operation": "PURGE"})  # fmt: skip
+        await broker.forwarder.owners.read()
+        assert (broker.forwarder.owners.of[p], broker.forwarder.owners.freed) == (None, set())
+        assert (await refusal()).retry_after_ms == 2000  # lease_ttl_s 6.0 / 3
+        assert forwards(broker, "no_owner") == 2
+        assert sorted(broker.tables.book.epochs) == [0, 1, 2, 3]  # it took none of them
+    finally:
+        await ghost.stop()
 
 
 async def test_a_gone_owners_successor_stands_in_until_its_lease_lapses(

@@ -57,6 +57,9 @@ from .owners import Owners
 
 log = logging.getLogger(__name__)
 
+RETRY_SOON_MS = 100
+"""``retry_after_ms`` of a refusal while a partition changes hands or its owner is slow (a
+hand-back is taken within 60-110 ms on loopback)."""
 FORWARD_RESULTS = ("ok", "timeout", "no_owner", "not_owner", "stopped", "answered", "stand_in")
 """``result`` of ``reach_route_forwards_total``: forwarded and relayed (``ok``); refused
 because the owner did not answer in time (``timeout``), none is known (or it and its
@@ -333,9 +336,15 @@ class Forwarder:
         """A forward that got no answer from the owner: refused, retryable, and counted."""
         self.results[result].inc()
         self.owners.stale()
-        # A slow or stopping owner: another broker, or the owner, may answer at once; no
-        # owner: the leases settle within a third of their time to live.
-        retry_ms = 100 if result in ("timeout", "stopped") else int(self.cfg.lease_ttl_s * 1000 / 3)
+        # Soon: a slow or stopping owner (another broker, or the owner, may answer at once),
+        # a former owner or a lease handed back (the partition changes hands: the brokers
+        # rebalance at once, and the leases are read again now). Else (a lease lapsed, its
+        # owner dead; a stand-in gone too): the others take it at their next round, within a
+        # third of the lease's time to live.
+        soon = result in ("timeout", "stopped", "not_owner") or (
+            result == "no_owner" and w.partition in self.owners.freed
+        )
+        retry_ms = RETRY_SOON_MS if soon else int(self.cfg.lease_ttl_s * 1000 / 3)
         log.info("route.forward_failed capability=%s partition=%d owner=%s result=%s",
                  w.capability, w.partition, w.owner, result)  # fmt: skip
         err = Overloaded(

@@ -44,6 +44,9 @@ class Owners:
                                 timeout_s=min(2.0, cfg.lease_ttl_s / 3))  # fmt: skip
         self.of: list[str | None] = [None] * cfg.partitions
         """Each partition's owner as last read (None: nobody, or not read yet)."""
+        self.freed: set[int] = set()
+        """The partitions whose lease was handed back at the last read (a value naming no
+        owner: the brokers take it within moments, rebalancing at once), not lapsed."""
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -77,6 +80,10 @@ class Owners:
             log.debug("owners.read_failed partition=%d error=%s", p, exc)
             return  # the last read stands
         self.of[p] = None if owner is None else broker_token(owner)
+        if stored is not None and owner is None:
+            self.freed.add(p)
+        else:
+            self.freed.discard(p)
 
     async def _loop(self) -> None:
         every = self.cfg.lease_ttl_s / 3
