@@ -8,7 +8,7 @@ from __future__ import annotations
 import msgspec
 from nats.aio.client import Client as NATS
 
-from jetstream.names import PARTITIONS_BUCKET
+from jetstream.names import PARTITIONS_BUCKET, PARTITIONS_STREAM
 from reach_agent.routing.table import partition
 from reach_broker.service.partitions import Lease
 
@@ -67,3 +67,15 @@ async def test_a_stale_read_naming_this_broker_is_not_taken_for_ownership(
     b1.forwarder.owners._wake.clear()
     assert b1.forwarder.owner_of(capability) == (p, None)
     assert b1.forwarder.owners._wake.is_set()  # read again at once
+
+
+async def test_a_lease_shorter_than_the_default_duplicate_window_is_provisioned(
+    nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    """``[fleet] lease_ttl_s`` may be 1 s: the bucket's duplicate window is cut to its max
+    age (the server refuses a longer one: "duplicates window can not be larger then max
+    age"), and the broker starts holding every partition."""
+    b = await broker_factory(fleet__lease_ttl_s=1.0)
+    assert len(b.partitions.held) == 32
+    info = await nc.jetstream().stream_info(PARTITIONS_STREAM)
+    assert (info.config.max_age, info.config.duplicate_window) == (1.0, 1.0)

@@ -102,7 +102,13 @@ async def provision_assets(nc: NATS, plan: Provisioning, subjects: Subjects) -> 
             name: {"num_replicas": n} for name in STREAM_NAMES
         }
         overrides[COMP_STREAM]["max_msgs"] = plan.max_entries
-        overrides[PARTITIONS_STREAM]["max_age"] = int(plan.lease_ttl_s * 1e9)
+        # The leases age out with their time to live; the server refuses a duplicate window
+        # longer than the max age (a lease of less than 2 s), and leases need none beyond it.
+        lease_ns = int(plan.lease_ttl_s * 1e9)
+        overrides[PARTITIONS_STREAM] |= {
+            "max_age": lease_ns,
+            "duplicate_window": min(lease_ns, 2_000_000_000),
+        }
         defs = load_definitions(subjects, overrides)
         # Idempotent: a timeout (a cluster electing) is tried again by the broker's start.
         await provision(nc, defs)  # it logs each stream created or updated, once
