@@ -191,6 +191,7 @@ class Broker:
             replaced=lambda agent_id, instance: self.releaser.replaced(agent_id, instance),
         )  # fmt: skip
         self.probes = Prober(ctx, registry, cfg.detection, results=m.probes, rtt=m.probe_rtt,
+                             sampled_every=m.rtt_sample_every,
                              probe_via=StatusProbes(self.nc, clock))  # fmt: skip
         self.account = Account()
         """The application account (the advisories learn it; the Synadia locate asks it)."""

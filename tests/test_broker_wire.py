@@ -384,3 +384,14 @@ async def test_a_burst_of_transitions_is_one_task_publishing_them_in_order(nc: N
     await wait_for(lambda: len(got) == 1001, what="the event made after the outage")
     assert (got[-1], fanout.withheld, spawned) == ("after", 1, ["event", "event"])
     await sub.unsubscribe()
+
+
+async def test_the_rtt_sample_interval_is_exported(nc: NATS, broker_factory: BrokerFactory) -> None:
+    """``reach_rtt_sample_interval_seconds``: 0 with no healthy agent, then how often each
+    healthy agent gets an RTT sample (the interval, the budget allowing)."""
+    broker = await broker_factory(detection__rtt_sample_interval_s=7.0)
+    every = broker.metrics.rtt_sample_every
+    await wait_for(lambda: broker.probes._healthy == 0, what="the prober's first round")
+    assert every._value.get() == 0.0
+    await announce(nc, "sampled-a", heartbeat_interval_ms=30_000)  # healthy throughout
+    await wait_for(lambda: every._value.get() == 7.0, what="the interval of one healthy agent")

@@ -82,6 +82,7 @@ def test_a_small_fleet_is_sampled_in_turn_every_interval_newcomers_first() -> No
     for i in range(50):
         register(prober, reg, f"a{i:02d}", clock.now)
     assert [prober.pending(f"a{i:02d}") for i in range(50)] == [None] * 50  # nothing planned
+    assert prober.sampler.every(50) == 10.0  # reach_rtt_sample_interval_seconds
     first = sample_for(prober, reg, clock, 10.0)
     # The newcomers as they came, the first at once, then 5 a second (50 / 10 s).
     assert first == [f"a{i:02d}" for i in range(50)]
@@ -97,6 +98,7 @@ def test_a_large_fleet_is_sampled_within_the_budget_and_every_agent_in_turn() ->
     for i in range(5000):
         register(prober, reg, f"a{i:04d}", clock.now)
     prober.sampler.newcomers.clear()  # (as if sampled): the rotation alone
+    assert prober.sampler.every(5000) == 25.0  # 5000 / 200 a second, not the 10 s interval
     first = sample_for(prober, reg, clock, 1.0)
     assert 199 <= len(first) <= 200  # 5000 / 10 s would be 500 a second: the budget says 200
     rest = sample_for(prober, reg, clock, 24.1)
@@ -157,6 +159,7 @@ def test_rtt_sampling_off_and_draining_agents_are_not_probed() -> None:
     register(prober, reg, "alpha", clock.now)
     assert prober.pending("alpha") is None
     assert sample_for(prober, reg, clock, 1.0) == []
+    assert prober.sampler.every(1) == 0.0
     register(prober, reg, "beta", clock.now)
     feed(prober, reg, reg.disconnected("beta", clock.now))
     assert prober.pending("beta") == clock.now

@@ -337,6 +337,13 @@ class Metrics:
             "Time to take a partition over: its agents restored from its snapshot keys and "
             "its subjects heard", buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=r,
         )  # fmt: skip
+        self.rtt_sample_every = Gauge(
+            "reach_rtt_sample_interval_seconds",
+            "How often each healthy agent this broker holds gets an RTT sample: "
+            "[detection] rtt_sample_interval_s while probe_budget_per_s allows it, else "
+            "healthy agents / probe_budget_per_s (0: sampling off, or no healthy agent)",
+            registry=r,
+        )  # fmt: skip
         self.snapshot_reads = Counter(
             "reach_snapshot_reads_total",
             "Partitions restored from KV reach_registry, by how they were read: direct (batched "

@@ -98,11 +98,17 @@ class Prober:
     """The broker's probe scheduler: probes agents and hands the results to the registry."""
 
     def __init__(self, ctx: BrokerContext, registry: Registry, cfg: DetectionSection, *,
-                 results: Any, rtt: Any, probe_via: ProbeVia | None = None,
+                 results: Any, rtt: Any, sampled_every: Any = None,
+                 probe_via: ProbeVia | None = None,
                  rng: random.Random | None = None) -> None:  # fmt: skip
-        """``results``, ``rtt``: ``reach_probes_total``, ``reach_probe_rtt_seconds``."""
+        """``results``, ``rtt``, ``sampled_every``: ``reach_probes_total``,
+        ``reach_probe_rtt_seconds``, ``reach_rtt_sample_interval_seconds`` (None: not
+        exported)."""
         self.ctx, self.registry, self.cfg = ctx, registry, cfg
         self._rtt = rtt
+        self._sampled_every = sampled_every
+        self._healthy = -1
+        """The healthy count ``sampled_every`` was last set for (set again when it moves)."""
         self.probe_via: ProbeVia = probe_via or (lambda rec: None)
         self.rng = rng or random.Random()
         self.sampler = Sampler(cfg, registry.listing, registry.agents)
@@ -235,6 +241,9 @@ class Prober:
                         continue
                     await self._send(agent_id, now)
                 healthy = self.registry.counts["healthy"]
+                if healthy != self._healthy and self._sampled_every is not None:
+                    self._healthy = healthy
+                    self._sampled_every.set(self.sampler.every(healthy))
                 free = limit - len(self._inflight)
                 if free > 0:
                     for agent_id in self.sampler.due(now, healthy, free, self._busy):
