@@ -12,15 +12,16 @@ node loss, and nothing said so (loadtest.nemesis found it: a broker stopped lear
 after a NATS node was killed). Turning the time into a sequence before subscribing mends
 that reset (at the cost of a throwaway consumer per follow); the follower also
 says when and why a follow is lost, counts it for an alert, and notices a lost consumer after
-3 missed heartbeats of 1 s instead of nats-py's 2 of 5 s.
+3 missed heartbeats of 1 s instead of nats-py's 2 of 5 s (waiting longer while stalls come
+one after another: :class:`StallRule`).
 
 :class:`Follower` owns its consumer instead, made as the ordered consumer makes its own
 (ephemeral, one replica in memory, no acks, flow control, idle heartbeats) and delivering to
 an inbox of its own. It remembers the stream sequence of the last message it took and
 rebuilds the consumer from the next one when
 
-- the idle heartbeats stop (``STALL_HEARTBEATS`` intervals with nothing: the consumer was
-  deleted, or its server is gone);
+- the idle heartbeats stop (``STALL_HEARTBEATS`` intervals with nothing, more after stalls
+  in a row: the consumer was deleted, or its server is gone);
 - a consumer sequence is skipped, on a delivery or in a heartbeat's ``Nats-Last-Consumer``
   (a message was lost: a reconnect, a slow-consumer drop);
 - the connection was lost (the consumer may have gone with its server; messages sent
@@ -44,6 +45,7 @@ import collections
 import contextlib
 import functools
 import logging
+import math
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -63,7 +65,12 @@ HEARTBEAT_S = 1.0
 """The consumer's idle heartbeat: the server sends one when it had nothing to deliver for so
 long (one small message per second per follow)."""
 STALL_HEARTBEATS = 3
-"""Heartbeat intervals without any message before the consumer counts as lost."""
+"""Heartbeat intervals without any message before the consumer counts as lost (the first
+time: see :class:`StallRule`)."""
+STALL_CALM_S = 60.0
+"""A stall this long after the last one counts as the first again."""
+STALL_MAX_S = 30.0
+"""The longest silence a stall waits for, however many came in a row."""
 RETRY_FIRST_S = 0.25
 RETRY_MAX_S = 5.0
 """First and longest pause between two failed rebuilds (doubling, jittered)."""
@@ -83,6 +90,48 @@ _GONE = ("404", "409")
 
 MsgCallback = Callable[[Msg], Awaitable[None]]
 """Handed each stored message (``msg.metadata`` has its stream sequence, time, pending)."""
+
+
+class StallRule:
+    """How long a follow may hear nothing before its consumer counts as lost.
+
+    ``STALL_HEARTBEATS`` heartbeat intervals, doubled at each stall that comes within
+    ``STALL_CALM_S`` of the one before (up to ``STALL_MAX_S``), the first again after a calm
+    that long. A server so busy that its idle heartbeats come seconds late would otherwise
+    be asked for a new consumer every few seconds by every follow (a hundred rebuilds a
+    run, seen under 100,000 agents' snapshot writes), each one more request to the server
+    that is behind; a lost consumer is then noticed later, and each stall says how long the
+    next one waits (``follow.lost``). A skipped sequence or a reconnect is not a silence:
+    it is acted on at once, whatever this says."""
+
+    __slots__ = ("_last", "doublings", "heartbeat_s")
+
+    def __init__(self, heartbeat_s: float) -> None:
+        self.heartbeat_s = heartbeat_s
+        self.doublings = 0
+        """Stalls in a row, each within ``STALL_CALM_S`` of the one before, after the first."""
+        self._last = -math.inf
+
+    @property
+    def after(self) -> float:
+        """The silence (seconds) that counts as a stall now."""
+        base = STALL_HEARTBEATS * self.heartbeat_s
+        if not self.doublings:
+            return base
+        return min(base * 2.0 ** min(self.doublings, 16), max(STALL_MAX_S, base))
+
+    def stalled(self, silent: float, now: float) -> bool:
+        """Whether ``silent`` seconds without a message is a stall at ``now``."""
+        if self.doublings and now - self._last > STALL_CALM_S:
+            self.doublings = 0
+        return silent > self.after
+
+    def lost(self, now: float) -> None:
+        """A stall was declared at ``now``: the next one waits twice as long if it comes
+        within ``STALL_CALM_S``."""
+        if now - self._last <= STALL_CALM_S:
+            self.doublings += 1
+        self._last = now
 
 
 class Start(NamedTuple):
@@ -205,6 +254,7 @@ class Follower:
         self._dseq = 0  # its last consumer sequence received
         self._sub: Any = None
         self._seen = 0.0  # monotonic time of its last message (data, heartbeat, control)
+        self.stall = StallRule(heartbeat_s)
         self._reconnects = 0
         # Taken, not yet handed over: at most what the server sends before flow control
         # waits for our answer. (A deque and a wake-up future: a tenth cheaper per message
@@ -326,12 +376,15 @@ class Follower:
                          self.name, self.stream, self._taken)  # fmt: skip
                 return
             if self._why is None:
-                silent = time.monotonic() - self._seen
+                now = time.monotonic()
+                silent = now - self._seen
                 if not self.nc.is_connected or self.nc.stats["reconnects"] != self._reconnects:
                     self._lose("reconnect", "the connection to the server was lost")
-                elif silent > STALL_HEARTBEATS * self.heartbeat_s:
+                elif self.stall.stalled(silent, now):
+                    self.stall.lost(now)
                     self._lose("stall", f"nothing heard for {silent:.1f}s (heartbeat every "
-                                        f"{self.heartbeat_s:g}s)")  # fmt: skip
+                                        f"{self.heartbeat_s:g}s; the next stall after "
+                                        f"{self.stall.after:g}s)")  # fmt: skip
                 else:
                     continue
             await self._rebuild()

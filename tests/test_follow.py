@@ -160,6 +160,23 @@ async def test_a_follow_from_a_time_goes_on_after_its_consumer_is_deleted_where_
         await follower.stop()
 
 
+def test_stalls_in_a_row_are_waited_for_longer_and_a_calm_starts_over() -> None:
+    """A follow's consumer counts as lost after 3 heartbeats of silence; each stall within a
+    minute of the one before doubles that, up to 30 s; a calm minute starts over."""
+    rule = follow.StallRule(1.0)
+    assert (rule.after, rule.stalled(3.0, 100.0), rule.stalled(3.1, 100.0)) == (3.0, False, True)
+    afters = []
+    for now in (100.0, 104.0, 111.0, 124.0, 149.0, 180.0, 211.0):
+        assert rule.stalled(rule.after + 0.1, now)
+        rule.lost(now)
+        afters.append(rule.after)
+    assert afters == [3.0, 6.0, 12.0, 24.0, 30.0, 30.0, 30.0]
+    assert not rule.stalled(29.9, 271.0)  # 60 s after the last: not yet calm
+    assert rule.stalled(3.1, 271.1) and rule.after == 3.0  # calm: the first again
+    rule.lost(271.1)
+    assert rule.after == 3.0
+
+
 # --- the consumer deleted, a message lost, the server restarted ------------------------------
 
 
