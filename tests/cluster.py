@@ -21,6 +21,7 @@ from pathlib import Path
 
 from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
+from nats.js.api import PubAck
 from nats.js.errors import ServiceUnavailableError
 
 from reach_broker.cluster.natscluster import Cluster, launch
@@ -28,6 +29,9 @@ from reach_broker.cluster.natscluster import Cluster, launch
 READY_TIMEOUT_S = 30.0
 FAILOVER_TIMEOUT_S = 30.0
 """A stream's new leader after its old one is SIGKILLed (the Raft election takes 4-10 s)."""
+REQUEST_TIMEOUT_S = 5.0
+"""One JetStream request to a stream that has a leader: what an answer may take on two noisy
+cores (a publish's ack)."""
 ELECTING = (TimeoutError, NoRespondersError, ServiceUnavailableError)
 """What a JetStream API request meets while the asset it names has no leader."""
 
@@ -97,7 +101,11 @@ class NatsCluster:
         within: float = FAILOVER_TIMEOUT_S,
     ) -> str:
         """Wait until ``stream`` has a leader outside ``not_on``; with ``current`` also until
-        every replica is current. Returns the leader's name."""
+        every replica is current. Returns the leader's name.
+
+        A new leader answers STREAM.INFO as soon as its Raft node leads, before the stream's
+        monitor has run the leader change that subscribes it to the stream's subjects: a
+        publish right after this returns can meet no responders (:meth:`publish`)."""
         deadline = time.monotonic() + within
         while True:
             try:
@@ -113,6 +121,37 @@ class NatsCluster:
                     f"stream {stream} has no leader outside {sorted(not_on)} "
                     f"(current={current}) after {within} s; last: {cl}"
                 )
+            await asyncio.sleep(0.05)
+
+    async def publish(
+        self,
+        nc: NATS,
+        subject: str,
+        payload: bytes,
+        *,
+        msg_id: str,
+        within: float = FAILOVER_TIMEOUT_S,
+    ) -> PubAck:
+        """Publish ``payload`` to a stream's ``subject`` once, through a failover: the ack.
+
+        Right after an election the new leader answers STREAM.INFO (:meth:`wait_stream_leader`)
+        before the stream's monitor has run its leader change and subscribed the subjects, and
+        the subscription reaches the server ``nc`` is on over a route after that: a publish in
+        between meets no responders (nothing stored). So it is sent again on an electing error
+        until ``within``, each try with the same ``Nats-Msg-Id``: a try that timed out but was
+        stored is not stored twice (the stream's duplicate window; the ack of the try that is
+        answered carries the first one's sequence, ``duplicate`` set)."""
+        deadline = time.monotonic() + within
+        js = nc.jetstream(timeout=REQUEST_TIMEOUT_S)
+        while True:
+            try:
+                return await js.publish(subject, payload, headers={"Nats-Msg-Id": msg_id})
+            except ELECTING as exc:
+                if time.monotonic() > deadline:
+                    raise AssertionError(
+                        f"no stream took {subject} (Nats-Msg-Id {msg_id}) within {within} s: "
+                        f"{exc!r}"
+                    ) from exc
             await asyncio.sleep(0.05)
 
 
