@@ -31,7 +31,7 @@ FAILOVER_TIMEOUT_S = 30.0
 """A stream's new leader after its old one is SIGKILLed (the Raft election takes 4-10 s)."""
 REQUEST_TIMEOUT_S = 5.0
 """One JetStream request to a stream that has a leader: what an answer may take on two noisy
-cores (a publish's ack)."""
+cores (a publish's ack, :meth:`NatsCluster.stream_leader`'s STREAM.INFO)."""
 ELECTING = (TimeoutError, NoRespondersError, ServiceUnavailableError)
 """What a JetStream API request meets while the asset it names has no leader."""
 
@@ -81,10 +81,13 @@ class NatsCluster:
         cluster is ready again."""
         return await asyncio.to_thread(self.cluster.restart, name, within)
 
-    async def stream_leader(self, nc: NATS, stream: str, within: float = 1.0) -> str | None:
+    async def stream_leader(
+        self, nc: NATS, stream: str, within: float = REQUEST_TIMEOUT_S
+    ) -> str | None:
         """The node leading ``stream`` (``$JS.API.STREAM.INFO``'s ``cluster.leader``), or
         ``None`` while it has none (the request times out during an election); a stream that
-        does not exist is ``NotFoundError``."""
+        does not exist is ``NotFoundError``. A leader slower to answer than ``within`` is
+        taken for none."""
         try:
             info = await nc.jetstream(timeout=within).stream_info(stream)
         except ELECTING:
