@@ -71,7 +71,9 @@ async def test_r3_stream_survives_the_sigkill_of_its_leader(tmp_path: Path) -> N
             assert not cluster.running(leader)
             successor = await cluster.wait_stream_leader(nc, "HELPERS_FAILOVER", not_on={leader})
             assert successor in set(cluster.names) - {leader}
-            ack = await js.publish("helpers.failover.50", b"50")
+            # the successor answers STREAM.INFO before it takes publishes: sent again on no
+            # responders, under one Nats-Msg-Id so that it is stored once
+            ack = await cluster.publish(nc, "helpers.failover.50", b"50", msg_id="failover-50")
             assert (ack.stream, ack.seq) == ("HELPERS_FAILOVER", 51)
             info = await js.stream_info("HELPERS_FAILOVER")
             assert (info.state.first_seq, info.state.last_seq, info.state.messages) == (1, 51, 51)
@@ -83,12 +85,17 @@ async def test_r3_stream_survives_the_sigkill_of_its_leader(tmp_path: Path) -> N
             old_url = cluster.url(leader)
             await cluster.restart(leader)
             assert cluster.url(leader) == old_url
-            await cluster.wait_stream_leader(nc, "HELPERS_FAILOVER", current=True)
-            info = await js.stream_info("HELPERS_FAILOVER")
+            info = await cluster.wait_stream_info(nc, "HELPERS_FAILOVER", current=True)
             assert info.cluster is not None
             peers = {info.cluster.leader} | {p.name for p in info.cluster.replicas or []}
             assert peers == set(cluster.names)
             assert all(p.current for p in info.cluster.replicas or [])
+            assert (info.state.first_seq, info.state.last_seq, info.state.messages) == (1, 51, 51)
+            # its own store, not the leader's answer: current is "in its log", applied a moment
+            # later
+            state = await cluster.wait_stored(leader, "HELPERS_FAILOVER", 51)
+            assert (state["first_seq"], state["last_seq"], state["messages"]) == (1, 51, 51)
+            # STREAM.INFO asked of the rejoined server: the leader answers, through its routes
             direct = await nats.connect(old_url, name="rejoined")
             try:
                 assert (
