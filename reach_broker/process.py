@@ -5,7 +5,9 @@ JetStream store kept across restarts in ``./reach-data`` unless ``--store-dir`` 
 ``--ephemeral`` say otherwise; with ``nats.auth_dir``: the DIR's ``server.conf`` and store,
 operator mode; in a session of its own, so a terminal Ctrl-C reaches the broker only, which
 stops its clients before the server: the server dying first would leave them reconnecting),
-SIGINT/SIGTERM/SIGHUP handlers (SIGHUP: the terminal closed), the HTTP port (Prometheus
+SIGINT/SIGTERM/SIGHUP handlers (SIGHUP: the terminal closed) and the frozen heap
+(:mod:`reach_broker.heap`: full garbage collections walk only what came since the last), the
+HTTP port (Prometheus
 ``/metrics``, the probes ``/healthz`` and ``/readyz`` of :mod:`reach_broker.console.health` and the
 web console, :mod:`reach_broker.console`), the :class:`~reach_broker.broker.Broker` (built
 with the console's feed when the port shows the console, which it starts last), then
@@ -18,6 +20,7 @@ stopping (``kill -9``), the embedded server dies with it (:mod:`reach_broker.clu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from pathlib import Path
@@ -32,6 +35,7 @@ from reach_broker.cluster.natsserver import (
 )
 
 from .config import Config
+from .heap import FrozenHeap
 from .logs import say
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -68,12 +72,14 @@ async def serve(cfg: Config, *, stop: asyncio.Event | None = None) -> None:
         _use_context(cfg)
     server = await _embedded_server(cfg) if not cfg.nats.url else None
     try:
-        if stop is None:
-            stop = asyncio.Event()
-            loop = asyncio.get_running_loop()
-            for sig in STOP_SIGNALS:
-                loop.add_signal_handler(sig, stop.set)
-        await _run_broker(cfg, stop)
+        with contextlib.ExitStack() as process:
+            if stop is None:  # the process is this broker's: its signals, its heap
+                stop = asyncio.Event()
+                loop = asyncio.get_running_loop()
+                for sig in STOP_SIGNALS:
+                    loop.add_signal_handler(sig, stop.set)
+                process.enter_context(FrozenHeap(loop).installed())
+            await _run_broker(cfg, stop)
     finally:
         if server is not None:
             await asyncio.to_thread(server.stop)
