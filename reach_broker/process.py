@@ -72,13 +72,13 @@ async def serve(cfg: Config, *, stop: asyncio.Event | None = None) -> None:
         _use_context(cfg)
     server = await _embedded_server(cfg) if not cfg.nats.url else None
     try:
-        with contextlib.ExitStack() as process:
+        with contextlib.ExitStack() as whole:
             if stop is None:  # the process is this broker's: its signals, its heap
                 stop = asyncio.Event()
                 loop = asyncio.get_running_loop()
                 for sig in STOP_SIGNALS:
                     loop.add_signal_handler(sig, stop.set)
-                process.enter_context(FrozenHeap(loop).installed())
+                whole.enter_context(FrozenHeap(loop).installed())
             await _run_broker(cfg, stop)
     finally:
         if server is not None:
