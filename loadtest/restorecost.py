@@ -48,6 +48,7 @@ from reach_broker.config import Config
 from reach_broker.core.registry import Registry
 from reach_broker.core.tokens import TokenSigner
 from reach_broker.service.context import BrokerContext, Link, Tasks
+from reach_broker.service.metrics import Metrics
 from reach_broker.service.snapshot import Snapshot, SnapshotEntry
 
 from .local import local_stack
@@ -107,7 +108,8 @@ async def restore_once(nc: NATS, partitions: int, batch: int) -> tuple[float, in
     ctx = BrokerContext(nc=nc, subjects=Subjects(), broker_id="restorecost",
                         clock=time.monotonic, wall=time.time, spawn=Tasks().spawn,
                         emit=lambda _: None, link=Link())  # fmt: skip
-    snap = Snapshot(ctx, reg)
+    counted = Metrics().snapshot_reads
+    snap = Snapshot(ctx, reg, reads=counted)
     snap.direct_batch = batch
     await snap.start()
     try:
@@ -116,7 +118,7 @@ async def restore_once(nc: NATS, partitions: int, batch: int) -> tuple[float, in
         took = time.perf_counter() - t0
     finally:
         await snap.stop()
-    return took, len(ids), snap.reads
+    return took, len(ids), {by: int(counted.labels(by)._value.get()) for by in ("direct", "watch")}
 
 
 async def read_once(nc: NATS, read: str, keys: str, batch: int) -> tuple[float, int]:

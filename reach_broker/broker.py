@@ -177,7 +177,7 @@ class Broker:
         """OpenTelemetry spans of route requests (:mod:`reach_agent.otel`; None: off)."""
 
         # The parts on NATS, each before those that use it.
-        self.snapshot = Snapshot(ctx, registry, read_by=m.snapshot_reads)
+        self.snapshot = Snapshot(ctx, registry, reads=m.snapshot_reads)
         self.reannouncer = Reannouncer(ctx, asked=m.reannounce_requests)
         self.handlers = Handlers(
             ctx, registry, self.router, self.quotas, self.explainer, HandlerMetrics.of(m),

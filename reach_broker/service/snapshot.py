@@ -116,11 +116,10 @@ class Snapshot:
     """Broker component keeping KV ``reach_registry`` in step with the registry. Started
     only when the server has JetStream."""
 
-    def __init__(self, ctx: BrokerContext, registry: Registry, *, read_by: Any = None) -> None:
+    def __init__(self, ctx: BrokerContext, registry: Registry, *, reads: Any) -> None:
+        """``reads``: ``reach_snapshot_reads_total{by}``."""
         self.ctx = ctx
         self.registry = registry
-        self.read_by = read_by
-        """``reach_snapshot_reads_total{by}`` (None: not exported), as :attr:`reads`."""
         self.kv: Any = None
         self.js: Any = None
         self.restored = 0
@@ -131,7 +130,7 @@ class Snapshot:
         self.stats_every_s = STATS_S
         self.direct_batch = directget.BATCH
         """Keys a page of a partition's direct read asks for."""
-        self.reads = {"direct": 0, "watch": 0}
+        self._reads = {by: reads.labels(by) for by in ("direct", "watch")}
         """Partitions read by batched direct get, and by KV watch (the stream answers no
         direct get)."""
         self._dirty: set[str] = set()
@@ -183,11 +182,11 @@ class Snapshot:
                                             timeout_s=ACK_TIMEOUT_S)  # fmt: skip
         except directget.DirectGetUnavailable as exc:
             log.debug("snapshot.read partition=%d by=watch: no direct get (%s)", p, exc)
-            self._read("watch")
+            self._reads["watch"].inc()
             stored = await self._watch_partition(p, keys)
         else:
             log.debug("snapshot.read partition=%d by=direct values=%d", p, len(stored))
-            self._read("direct")
+            self._reads["direct"].inc()
         latest: dict[str, SnapshotEntry] = {}
         for value in stored:
             snap = self._entry(value, p)
@@ -205,11 +204,6 @@ class Snapshot:
         self.restored += len(recs)
         log.debug("snapshot.restored partition=%d agents=%d", p, len(recs))
         return [rec.agent_id for rec in recs]
-
-    def _read(self, by: str) -> None:
-        self.reads[by] += 1
-        if self.read_by is not None:
-            self.read_by.labels(by).inc()
 
     def _entry(self, value: bytes, p: int) -> SnapshotEntry | None:
         """A stored value of partition ``p``, decoded and checked (None: a bad entry, logged).
