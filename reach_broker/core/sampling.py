@@ -62,13 +62,10 @@ class Sampler:
         return min(self.cfg.probe_budget_per_s, healthy / interval)
 
     def every(self, healthy: int) -> float:
-        """How often each of ``healthy`` agents is sampled, in seconds: every
-        ``rtt_sample_interval_s`` while the budget allows, else every ``healthy / budget``
+        """How often each of ``healthy`` agents is sampled at :meth:`rate`, in seconds
         (0.0: sampling is off, or there is nothing to sample)."""
-        interval, budget = self.cfg.rtt_sample_interval_s, self.cfg.probe_budget_per_s
-        if interval <= 0 or budget <= 0 or healthy <= 0:
-            return 0.0
-        return max(interval, healthy / budget)
+        rate = self.rate(healthy)
+        return healthy / rate if rate > 0 else 0.0
 
     def due(self, now: float, healthy: int, free: int, busy: Callable[[str], bool]) -> list[str]:
         """The healthy agents to sample at ``now``: at most ``free`` (probe slots free) and
