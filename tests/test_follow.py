@@ -260,7 +260,10 @@ async def test_a_follow_goes_on_after_its_server_restarts_on_the_same_store(
                 await asyncio.to_thread(server.kill)
                 await asyncio.to_thread(server.start)  # same port, same store
                 written += [await write(store, f"r{i}") for i in range(3, 6)]
-                await wait_for(lambda: len(kept.seen) >= 6, WITHIN_S, what="claims after")
+                # (the rebuild is counted once its consumer is made: its first deliveries
+                # may come first)
+                await wait_for(lambda: len(kept.seen) >= 6 and follower.rebuilds >= 1,
+                               WITHIN_S, what="claims after, on the rebuilt consumer")  # fmt: skip
                 assert kept.seen == written
                 assert follower.rebuilds >= 1 and follower.following is True
             finally:
