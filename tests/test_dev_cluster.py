@@ -31,6 +31,7 @@ from reach_broker.cluster.clusterconfig import (
     ClusterError,
     NodeConfig,
     PortInUse,
+    free_ports,
     plan,
     render_config,
     shipped_configs,
@@ -142,6 +143,23 @@ def test_plan_lays_out_ports_from_a_base() -> None:
         plan(3, 62000, Path("/d"))
     with pytest.raises(ClusterError, match="nodes must be at least 1, got 0"):
         plan(0, None, Path("/d"))
+
+
+def test_free_ports_are_below_the_range_outgoing_connections_take_theirs_from() -> None:
+    # A node restarted on its ports must find them free: no outgoing connection made while
+    # it was down can have taken one as its local port.
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = free_ports(30)
+    assert len(set(ports)) == 30
+    assert all(1024 <= p < low for p in ports), (ports, low)
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        with socket.create_connection(srv.getsockname()) as out:
+            assert low <= out.getsockname()[1] <= high  # the kernel's own choice, in its range
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
 
 
 def test_a_start_failure_names_the_port_and_its_role() -> None:

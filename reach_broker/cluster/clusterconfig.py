@@ -9,6 +9,7 @@ cluster block. :func:`plan` lays out the nodes and their ports.
 from __future__ import annotations
 
 import json
+import random
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -195,12 +196,45 @@ def plan(
     ]
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+"""The ports the kernel hands out itself: to a bind to port 0 and to every outgoing
+connection."""
+CHOSEN_PORTS = 10_000
+"""How many ports below the ephemeral range :func:`free_ports` chooses among."""
+
+
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct ports free right now (all held open together while chosen)."""
-    socks = [socket.socket() for _ in range(count)]
+    """``count`` distinct ports free right now (all held open together while chosen).
+
+    They are chosen below the kernel's ephemeral range, which no outgoing connection takes
+    a local port from: a node killed and restarted on its ports (``Cluster.restart``) finds
+    them free again, where a port from a bind to port 0 could meanwhile have become the
+    local end of some connection. Without a readable range (not Linux), port 0 it is."""
     try:
-        for s in socks:
-            s.bind((host, 0))
+        low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    socks: list[socket.socket] = []
+    try:
+        if low - CHOSEN_PORTS < 1024:
+            for _ in range(count):
+                socks.append(s := socket.socket())
+                s.bind((host, 0))
+        else:
+            candidates = random.sample(range(low - CHOSEN_PORTS, low), CHOSEN_PORTS)
+            for port in candidates:
+                if len(socks) == count:
+                    break
+                s = socket.socket()
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    s.close()
+                    continue
+                socks.append(s)
+            if len(socks) < count:
+                raise OSError(f"fewer than {count} free ports on {host} in "
+                              f"{low - CHOSEN_PORTS}-{low - 1}")  # fmt: skip
         return [int(s.getsockname()[1]) for s in socks]
     finally:
         for s in socks:
