@@ -21,9 +21,11 @@ client before the first of them. The watch then says "no more" before handing an
 and the values come after that marker, to nobody: a partition restored that way held none of
 its agents (``loadtest.restorecost``: 0 of 200 keys read, now and then).
 
-Empty payloads (KV delete and purge markers) are left out, as :func:`directget.values` leaves
-them out. No message for ``timeout_s`` before the end (the server stalled, the consumer
-could not be made again) raises :class:`ReadStalled`: a read never ends short in silence.
+:func:`messages` hands over the messages themselves (a KV delete or purge marker among them,
+told by its ``KV-Operation`` header); :func:`values` their payloads, empty ones (those
+markers) left out, as :func:`directget.values` leaves them out. No message for ``timeout_s``
+before the end (the server stalled, the consumer could not be made again) raises
+:class:`ReadStalled`: a read never ends short in silence.
 """
 
 from __future__ import annotations
@@ -51,15 +53,21 @@ async def values(
     """The payloads last stored in ``stream`` on each subject of ``subjects`` (a filter,
     wildcards allowed), in stream order, empty ones left out. ``name``: what the follow's
     logs call it."""
-    got: list[bytes] = []
-    taken = 0
+    stored = await messages(nc, stream, subjects, name=name, timeout_s=timeout_s)
+    return [msg.data for msg in stored if msg.data]
+
+
+async def messages(
+    nc: NATS, stream: str, subjects: str, *, name: str = "last-values",
+    timeout_s: float = TIMEOUT_S,
+) -> list[Msg]:  # fmt: skip
+    """The message last stored in ``stream`` on each subject of ``subjects``, in stream
+    order (as :func:`values`, markers included)."""
+    got: list[Msg] = []
     end = asyncio.Event()
 
     async def take(msg: Msg) -> None:
-        nonlocal taken
-        taken += 1
-        if msg.data:
-            got.append(msg.data)
+        got.append(msg)
         if msg.metadata.num_pending == 0:
             end.set()
 
@@ -71,12 +79,12 @@ async def values(
         if made.num_pending == 0 and delivered == 0:
             return got  # nothing stored on the filter
         while not end.is_set():
-            before = taken
+            before = len(got)
             try:
                 await asyncio.wait_for(end.wait(), timeout_s)
             except TimeoutError:
-                if taken == before:
-                    raise ReadStalled(f"{taken} of {made.num_pending} messages of {subjects} "
+                if len(got) == before:
+                    raise ReadStalled(f"{len(got)} of {made.num_pending} messages of {subjects} "
                                       f"read, none for {timeout_s:g} s") from None  # fmt: skip
     finally:
         await follower.stop()
