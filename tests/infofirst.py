@@ -14,8 +14,8 @@ or altering one):
   delivery inbox is subscribed, then the consumer is made or asked about: the server starts
   no delivery the proxy could see before it knows what comes next);
 - a ``$JS.API.CONSUMER.INFO`` request, and everything the client sends after it, until a
-  delivery with nothing pending after it (the ack reply's pending count 0) came from the
-  server: the server has then made every delivery before it answers;
+  delivery of that consumer with nothing pending after it (the ack reply's pending count 0)
+  came from the server: the server has then made every delivery before it answers;
 - the deliveries (messages with a ``$JS.ACK.`` reply) from that request on, until the client's
   next operation after the answer: they follow what the client did with the answer. (A
   client that waits for them in silence gets them with its next ``PING``.)
@@ -34,12 +34,14 @@ _INFO_REQUEST = b"$JS.API.CONSUMER.INFO."
 _ACK = b"$JS.ACK."
 
 
-def pending_of(reply: bytes) -> int:
-    """The pending count of a delivery's ack reply (``$JS.ACK.<stream>.<consumer>.<delivered>
-    .<stream seq>.<consumer seq>.<time>.<pending>``, or the longer form with domain and
-    account hash ahead and a token behind)."""
+def delivery_of(reply: bytes) -> tuple[bytes, int]:
+    """(consumer, pending count) of a delivery's ack reply (``$JS.ACK.<stream>.<consumer>.
+    <delivered>.<stream seq>.<consumer seq>.<time>.<pending>``, or the longer form with
+    domain and account hash ahead and a token behind)."""
     tokens = reply.split(b".")
-    return int(tokens[8] if len(tokens) == 9 else tokens[10])
+    if len(tokens) == 9:
+        return tokens[3], int(tokens[8])
+    return tokens[5], int(tokens[10])
 
 
 async def _frame(
@@ -66,8 +68,8 @@ class _Link:
         self.to_client = to_client
         self.asking: bytes | None = None
         """The reply subject of a consumer info request held or not yet answered."""
-        self.sent_all = asyncio.Event()
-        """A delivery with nothing pending after it came since that request."""
+        self.sent_all: dict[bytes, asyncio.Event] = {}
+        """Per consumer: a delivery with nothing pending after it came."""
         self.holding = False
         """Deliveries are held: from that request until the client's next operation after
         its answer."""
@@ -143,10 +145,11 @@ class InfoFirstProxy:
                     continue
                 out, subs = b"".join(subs), []
                 if op == b"PUB" and words[1].startswith(_INFO_REQUEST) and len(words) == 4:
-                    link.asking, link.sent_all, link.holding = words[2], asyncio.Event(), True
+                    link.asking, link.holding = words[2], True
                     dst.write(out)
                     await dst.drain()
-                    await link.sent_all.wait()
+                    consumer = words[1].rsplit(b".", 1)[1]
+                    await link.sent_all.setdefault(consumer, asyncio.Event()).wait()
                     out = b""
                 dst.write(out + frame)
                 await dst.drain()
@@ -157,14 +160,16 @@ class InfoFirstProxy:
             while True:
                 frame, words = await _frame(src, _SERVER_SIZED)
                 op = words[0].upper() if words else b""
-                if op in (b"MSG", b"HMSG") and link.holding:
+                if op in (b"MSG", b"HMSG"):
                     reply = words[3] if len(words) == (5 if op == b"MSG" else 6) else b""
                     if reply.startswith(_ACK):
-                        if link.asking is not None and pending_of(reply) == 0:
-                            link.sent_all.set()
-                        link.held.append(frame)
-                        continue
-                    if words[1] == link.asking:
+                        consumer, pending = delivery_of(reply)
+                        if pending == 0:
+                            link.sent_all.setdefault(consumer, asyncio.Event()).set()
+                        if link.holding:
+                            link.held.append(frame)
+                            continue
+                    elif words[1] == link.asking:
                         link.asking, link.answered = None, True
                 dst.write(frame)
                 await dst.drain()
