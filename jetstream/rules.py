@@ -13,8 +13,9 @@ from collections.abc import Awaitable, Callable
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.js.errors import NoKeysError, NotFoundError
+from nats.js.errors import NotFoundError
 
+from . import lastvalues
 from .follow import UNCOUNTED, Follower, FollowMetrics, Start
 from .names import RULES_BUCKET, RULES_STREAM
 
@@ -74,18 +75,10 @@ async def delete(nc: NATS, capability: str) -> bool:
 
 
 async def read_all(nc: NATS) -> dict[str, bytes]:
-    """Every stored rule: capability → JSON."""
-    kv = await nc.jetstream().key_value(RULES_BUCKET)
-    out: dict[str, bytes] = {}
-    try:
-        keys = await kv.keys()
-    except NoKeysError:  # an empty bucket
-        return out
-    for key in keys:
-        try:
-            entry = await kv.get(key)
-        except NotFoundError:  # deleted meanwhile
-            continue
-        if entry.value:
-            out[key] = entry.value
-    return out
+    """Every stored rule: capability → JSON. Read by :mod:`jetstream.lastvalues`, not
+    nats-py's ``KeyValue.keys``, whose watch can end before its first key: ``reach rules
+    set`` would then build on no rule and overwrite the stored one's other parts."""
+    cut = len(_PRE)
+    stored = await lastvalues.messages(nc, RULES_STREAM, _PRE + ">", name="rules-read")
+    return {msg.subject[cut:]: msg.data for msg in stored
+            if msg.data and (msg.headers or {}).get(_KV_OP) not in _DELETED}  # fmt: skip

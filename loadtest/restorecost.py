@@ -1,4 +1,4 @@
-"""``python -m loadtest.restorecost``: a partition's restore, by direct get and by KV watch.
+"""``python -m loadtest.restorecost``: a partition's restore, by direct get and by watch.
 
     python -m loadtest.restorecost [--agents 3125] [--partitions 32] [--others 31]
                                    [--rounds 5] [--batch 1024]
@@ -13,11 +13,12 @@ whole takeover restore (keys read, decoded, validated, restored, ``Registry.rest
 - ``direct``: the bucket's stream has ``allow_direct`` (the definition): the keys are read
   by batched direct get, ``--batch`` a page;
 - ``watch``: the stream's ``allow_direct`` turned off for the round, so the restore falls
-  back to its KV watch (the read before direct get).
+  back to a consumer of the keys' last values (``lastvalues.values``; until 2026-12-05 a
+  nats-py KV watch, which now and then read none: see :mod:`jetstream.lastvalues`).
 
 The two alternate, round by round (the stream updated between them; which read ran is
 checked on the snapshot's counters, and that every agent came back). After each restore the
-same read runs alone, without the restore (``directget.values``; a nats-py KV watch):
+same read runs alone, without the restore (``directget.values``; ``lastvalues.values``):
 ``*_read``. Printed: one JSON line, the best and the median of each (ms) and the ratios
 (watch / direct). The fill is written with the server's default ``sync_interval`` (a read
 does not depend on it).
@@ -37,7 +38,7 @@ import nats
 import uvloop
 from nats.aio.client import Client as NATS
 
-from jetstream import directget
+from jetstream import directget, lastvalues
 from jetstream.directget import BATCH
 from jetstream.names import REGISTRY_BUCKET, REGISTRY_STREAM
 from jetstream.provision import load_definitions, provision
@@ -124,17 +125,11 @@ async def restore_once(nc: NATS, partitions: int, batch: int) -> tuple[float, in
 async def read_once(nc: NATS, read: str, keys: str, batch: int) -> tuple[float, int]:
     """The partition's values read alone, no restore: (seconds, values)."""
     t0 = time.perf_counter()
+    subjects = f"$KV.{REGISTRY_BUCKET}.{keys}"
     if read == "direct":
-        got = len(await directget.values(nc, REGISTRY_STREAM, f"$KV.{REGISTRY_BUCKET}.{keys}",
-                                         batch=batch))  # fmt: skip
+        got = len(await directget.values(nc, REGISTRY_STREAM, subjects, batch=batch))
     else:
-        watcher = await (await nc.jetstream().key_value(REGISTRY_BUCKET)).watch(
-            keys, ignore_deletes=True
-        )
-        got = 0
-        while await watcher.updates(timeout=5.0) is not None:
-            got += 1
-        await watcher.stop()
+        got = len(await lastvalues.values(nc, REGISTRY_STREAM, subjects))
     return time.perf_counter() - t0, got
 
 

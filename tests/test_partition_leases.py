@@ -1,18 +1,29 @@
 """A partition's lease renewed through a busy JetStream (a real nats-server): a renewal whose
 confirmation timed out at the broker but which the server wrote after all is the broker's own,
 and the partition is kept; a lease another broker wrote is lost; a read of the leases from
-before a partition was handed back does not make its old owner answer for it."""
+before a partition was handed back does not make its old owner answer for it; the brokers
+present are counted also when the server answers a consumer info before the keys it sent."""
 
 from __future__ import annotations
 
+import time
+
 import msgspec
+import nats
 from nats.aio.client import Client as NATS
 
 from jetstream.names import PARTITIONS_BUCKET, PARTITIONS_STREAM
+from jetstream.provision import load_definitions, provision
 from reach_agent.routing.table import partition
-from reach_broker.service.partitions import Lease
+from reach_agent.wire.subjects import Subjects
+from reach_broker.cluster.natsserver import NatsServer
+from reach_broker.config import Config
+from reach_broker.service.context import BrokerContext, Link, Tasks
+from reach_broker.service.metrics import Metrics
+from reach_broker.service.partitions import Lease, Partitions, presence_key
 
 from .conftest import BrokerFactory, wait_for
+from .infofirst import InfoFirstProxy
 
 
 async def test_a_renewal_the_server_wrote_after_its_timeout_keeps_the_partition(
@@ -79,3 +90,40 @@ async def test_a_lease_shorter_than_the_default_duplicate_window_is_provisioned(
     assert len(b.partitions.held) == 32
     info = await nc.jetstream().stream_info(PARTITIONS_STREAM)
     assert (info.config.max_age, info.config.duplicate_window) == (1.0, 1.0)
+
+
+async def test_the_brokers_present_are_counted_when_the_info_overtakes_their_keys(
+    nats_server: NatsServer, nc: NATS
+) -> None:
+    """Two other brokers' presence keys: a broker starting counts three, and takes its fair
+    share of the 32 free partitions, 11 (nats-py's KV watch, which the count read by, could
+    say "no more" before the first key when the server answered its consumer info first:
+    the broker then counted itself alone and took all 32, cold)."""
+    await provision(nc, load_definitions(names=(PARTITIONS_STREAM,)))
+    kv = await nc.jetstream().key_value(PARTITIONS_BUCKET)
+    for other in ("other-1", "other-2"):
+        await kv.put(presence_key(other), b"")
+    taken: list[tuple[int, bool]] = []
+
+    async def own(p: int, epoch: int, warm: bool) -> None:
+        taken.append((p, warm))
+
+    async def lose(p: int) -> None:
+        pass
+
+    cfg = Config()
+    async with InfoFirstProxy(nats_server.port) as proxy:
+        proxied = await nats.connect(proxy.url, name="test-proxied")
+        ctx = BrokerContext(nc=proxied, subjects=Subjects(), broker_id="counting",
+                            clock=time.monotonic, wall=time.time, spawn=Tasks().spawn,
+                            emit=lambda _: None, link=Link())  # fmt: skip
+        parts = Partitions(ctx, cfg.fleet, own, lose, jetstream=lambda: True,
+                           owned=Metrics().partitions_owned)  # fmt: skip
+        try:
+            await parts.start()
+            assert parts.live == 3
+            assert len(parts.held) == len(taken) == 11
+            assert {warm for _, warm in taken} == {True}  # others present: warm
+        finally:
+            await parts.stop()
+            await proxied.close()

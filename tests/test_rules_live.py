@@ -1,7 +1,8 @@
 """Live route rules and quotas on a real nats-server: ``reach rules`` writes KV reach_rules,
 two broker replicas apply the change within a second, the change is audited once in
 REACH_AUDIT; required tags and splits hold on the wire; a caller over its quota gets
-OVERLOADED with retry_after_ms while another is served; the in-flight ceiling answers."""
+OVERLOADED with retry_after_ms while another is served; the in-flight ceiling answers; the
+stored rules are read whole also when the server answers a consumer info before them."""
 
 from __future__ import annotations
 
@@ -14,12 +15,15 @@ from nats.aio.client import Client as NATS
 
 from jetstream import audit
 from jetstream import rules as bucket
+from jetstream.names import RULES_STREAM
+from jetstream.provision import load_definitions, provision
 from reach_agent.routing.rules import build, rule_encoder
 from reach_agent.wire import schema
 from reach_agent.wire.errors import Overloaded, from_reply
 from reach_broker.cluster.natsserver import NatsServer
 
 from .conftest import BrokerFactory, wait_for
+from .infofirst import InfoFirstProxy
 from .test_broker_wire import heartbeat
 from .test_cli import QUIET, announce, reach
 
@@ -188,3 +192,24 @@ async def test_the_inflight_ceiling_is_reached_and_answered(
         assert await route(nc, {"limit": 1}) == ["b"]
     finally:
         await extra.close()
+
+
+async def test_the_stored_rules_are_read_whole_when_the_info_overtakes_them(
+    nats_server: NatsServer, nc: NATS
+) -> None:
+    """``reach rules set`` builds on the stored rule (read_all): nats-py's ``KeyValue.keys``
+    said there was none when the server answered its consumer info before the keys, and the
+    set then overwrote the rule's other parts."""
+    await provision(nc, load_definitions(names=(RULES_STREAM,)))
+    stored = {cap: rule_encoder.encode(build(None, [f"env={cap}"], None))
+              for cap in ("alpha", "beta", "gamma")}  # fmt: skip
+    for cap, data in stored.items():
+        await bucket.put(nc, cap, data)
+    await bucket.delete(nc, "beta")
+    async with InfoFirstProxy(nats_server.port) as proxy:
+        proxied = await nats.connect(proxy.url, name="test-proxied")
+        try:
+            assert await bucket.read_all(proxied) == {"alpha": stored["alpha"],
+                                                      "gamma": stored["gamma"]}  # fmt: skip
+        finally:
+            await proxied.close()

@@ -1,7 +1,9 @@
 """A partition's restore from KV ``reach_registry`` on a real nats-server: its own stored
 agents exactly (not another partition's, not a deleted or purged key, not a bad entry), read
-by batched direct get over several pages, or by KV watch where the stream answers no direct
-get; and an older bucket without ``allow_direct`` is given it by the provisioner."""
+by batched direct get over several pages, or by a consumer of the keys' last values where the
+stream answers no direct get (also when the server answers a consumer info before the values
+it sent: nats-py's KV watch then read none); and an older bucket without ``allow_direct`` is
+given it by the provisioner."""
 
 from __future__ import annotations
 
@@ -9,23 +11,28 @@ import json
 import logging
 import time
 
+import msgspec
+import nats
 import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from jetstream import directget
+from jetstream import directget, lastvalues
 from jetstream.names import REGISTRY_BUCKET, REGISTRY_STREAM
 from jetstream.provision import load_definitions, provision
 from reach_agent.routing.table import partition
 from reach_agent.wire import schema
 from reach_agent.wire.schema import AgentState, Announce
 from reach_agent.wire.subjects import Subjects
+from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.config import Config
 from reach_broker.core.registry import Registry
 from reach_broker.core.tokens import TokenSigner
 from reach_broker.service.context import BrokerContext, Link, Tasks
 from reach_broker.service.metrics import Metrics
 from reach_broker.service.snapshot import Snapshot, SnapshotEntry
+
+from .infofirst import InfoFirstProxy
 
 P = 4
 """Partitions of the test's fleet; partition 1 is the one restored."""
@@ -179,3 +186,72 @@ async def test_an_older_bucket_is_given_direct_get_by_the_provisioner(nc: NATS) 
     assert (outcome.action, outcome.changes) == ("updated", ("allow_direct: false -> true",))
     info = await nc.request(f"$JS.API.STREAM.INFO.{REGISTRY_STREAM}", b"", timeout=2)
     assert json.loads(info.data)["config"]["allow_direct"] is True
+
+
+async def test_a_restore_without_direct_get_reads_every_key_when_the_info_overtakes_them(
+    nats_server: NatsServer, nc: NATS
+) -> None:
+    """The server's answer to a consumer info may say that nothing is pending and reach the
+    client before the values the consumer already sent (made certain by the proxy; seen now
+    and then by loadtest.restorecost): the restore still reads every key."""
+    defs = load_definitions(names=(REGISTRY_STREAM,),
+                            overrides={REGISTRY_STREAM: {"allow_direct": False}})  # fmt: skip
+    await provision(nc, defs)
+    expected, _ = await fill(nc)
+    async with InfoFirstProxy(nats_server.port) as proxy:
+        proxied = await nats.connect(proxy.url, name="test-proxied")
+        try:
+            snap = snapshot_of(proxied)
+            await snap.start()
+            try:
+                restored = await snap.restore_partition(1, warm=True)
+            finally:
+                await snap.stop()
+        finally:
+            await proxied.close()
+    assert sorted(restored) == sorted(expected)
+    assert reads(snap) == {"direct": 0.0, "watch": 1.0}
+
+
+async def test_nats_py_kv_watch_ends_before_its_values_when_the_info_overtakes_them(
+    nats_server: NatsServer, nc: NATS
+) -> None:
+    """Why the restore does not read by nats-py's KV watch (nats-py 2.16.0): it takes the
+    end of the initial values from a consumer info asked after subscribing; answered
+    ``num_pending`` 0 before the values arrive, it says "no more" first and hands the
+    values over after that marker. (Should nats-py learn the end another way, this fails:
+    the proxy's reordering is then harmless to it.)"""
+    await provision(nc, load_definitions(names=(REGISTRY_STREAM,)))
+    expected, _ = await fill(nc)
+    async with InfoFirstProxy(nats_server.port) as proxy:
+        proxied = await nats.connect(proxy.url, name="test-proxied")
+        try:
+            kv = await proxied.jetstream().key_value(REGISTRY_BUCKET)
+            watcher = await kv.watch(f"{P}.1.*", ignore_deletes=True)
+            first = await watcher.updates(timeout=5.0)
+            await proxied.flush()  # the client speaks again: the values come
+            after: list[bytes] = []
+            while len(after) < 29:  # every value of the partition, bad entries included
+                entry = await watcher.updates(timeout=5.0)
+                assert entry is not None
+                after.append(entry.value)
+            await watcher.stop()
+        finally:
+            await proxied.close()
+    assert first is None
+    assert proxy.reordered == 1
+    stored = [msgspec.json.decode(v, type=SnapshotEntry) for v in after if v != b"not json"]
+    assert expected < {entry.announce.agent_id for entry in stored}  # and one of partition 3
+
+
+async def test_the_last_values_of_an_empty_filter_are_none(nc: NATS) -> None:
+    await provision(nc, load_definitions(names=(REGISTRY_STREAM,)))
+    kv = await nc.jetstream().key_value(REGISTRY_BUCKET)
+    agent_id = ids_of(2, 1)[0]
+    await kv.put(f"{P}.2.{agent_id}", value(agent_id))
+    subjects = f"$KV.{REGISTRY_BUCKET}.{P}.1.*"
+    assert await lastvalues.values(nc, REGISTRY_STREAM, subjects, timeout_s=2.0) == []
+    subjects = f"$KV.{REGISTRY_BUCKET}.{P}.2.*"
+    assert await lastvalues.values(nc, REGISTRY_STREAM, subjects, timeout_s=2.0) == [
+        value(agent_id)
+    ]

@@ -347,7 +347,8 @@ class Metrics:
         self.snapshot_reads = Counter(
             "reach_snapshot_reads_total",
             "Partitions restored from KV reach_registry, by how they were read: direct (batched "
-            "direct get) or watch (a KV watch: the stream answers no direct get, slower)",
+            "direct get) or watch (a consumer of the keys' last values, what a KV watch reads: "
+            "the stream answers no direct get, slower)",
             ["by"], registry=r,
         )  # fmt: skip
         self.route_forwards = Counter(

@@ -60,6 +60,7 @@ from typing import Any
 import msgspec
 from nats.aio.msg import Msg
 
+from jetstream import lastvalues
 from jetstream.claims import ClaimStore, ClaimsUnavailable
 from jetstream.follow import UNCOUNTED, Follower, FollowMetrics, Start
 from jetstream.names import PARTITIONS_BUCKET, PARTITIONS_STREAM
@@ -274,14 +275,12 @@ class Partitions:
         """Write this broker's presence key, and count the keys present."""
         try:
             await self._kv.put(presence_key(self.ctx.broker_id), b"")
-            watcher = await self._kv.watch(PRESENCE + "*", ignore_deletes=True)
-            live = 0
-            try:
-                while (entry := await watcher.updates(timeout=self.store.timeout_s)) is not None:
-                    live += entry.value is not None
-            finally:
-                with contextlib.suppress(Exception):
-                    await watcher.stop()
+            # Not nats-py's KV watch: it can end before its first key (jetstream/lastvalues.py),
+            # which counted this broker alone in a running fleet.
+            stored = await lastvalues.messages(self.ctx.nc, PARTITIONS_STREAM,
+                                               f"{_KV_PRE}{PRESENCE}*", name="presence-count",
+                                               timeout_s=self.store.timeout_s)  # fmt: skip
+            live = sum((msg.headers or {}).get(_KV_OP) not in _DELETED for msg in stored)
             self.live = max(live, 1)
             self._counted_at = self.ctx.clock()
         except Exception as exc:  # noqa: BLE001 - the last count stands

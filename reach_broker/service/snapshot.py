@@ -33,8 +33,11 @@ the new owner's to write.
 
 The partition's keys are read by JetStream's batched direct get (:mod:`jetstream.directget`:
 a page of :data:`~jetstream.directget.BATCH` keys a round trip, no consumer), or, where the
-stream does not answer one (no ``allow_direct``, a server before 2.11), by a KV watch (an
-ordered push consumer: its read takes twice as long). A direct get may be answered by any
+stream does not answer one (no ``allow_direct``, a server before 2.11), by a consumer of the
+keys' last values (:mod:`jetstream.lastvalues`, what a KV watch reads, ending where the server
+says nothing is left; its read takes longer). Either read hands over every key stored or
+raises: a takeover never holds a partition read short (the takeover says so, and its agents
+are asked to announce again as they are heard). A direct get may be answered by any
 replica of the bucket's stream, one a few writes behind its leader; the keys a takeover reads
 were written before the partition was handed back or its lease lapsed (as a rule a lease
 round earlier), and an agent missing from them is asked to announce again when it is heard.
@@ -49,7 +52,7 @@ from typing import Any
 
 import msgspec
 
-from jetstream import directget
+from jetstream import directget, lastvalues
 from jetstream.names import H_KV_OPERATION, REGISTRY_BUCKET, REGISTRY_STREAM
 from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
@@ -75,8 +78,6 @@ STATS_S = 10.0
 """How often the task EWMAs are compared with what the bucket holds."""
 DRIFT = 0.2
 """A task EWMA is written again when it moved by more than this share."""
-WATCH_TRIES = 3
-"""Reads of a partition by watch that came back empty while the bucket holds keys of it."""
 
 
 class SnapshotEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -131,8 +132,8 @@ class Snapshot:
         self.direct_batch = directget.BATCH
         """Keys a page of a partition's direct read asks for."""
         self._reads = {by: reads.labels(by) for by in ("direct", "watch")}
-        """Partitions read by batched direct get, and by KV watch (the stream answers no
-        direct get)."""
+        """Partitions read by batched direct get, and by watch (a consumer of the keys' last
+        values: the stream answers no direct get)."""
         self._dirty: set[str] = set()
         # What the bucket holds per agent: the registry's own objects, so remembering costs
         # a tuple and "unchanged" is decided before any encoding.
@@ -183,7 +184,8 @@ class Snapshot:
         except directget.DirectGetUnavailable as exc:
             log.debug("snapshot.read partition=%d by=watch: no direct get (%s)", p, exc)
             self._reads["watch"].inc()
-            stored = await self._watch_partition(p, keys)
+            stored = await lastvalues.values(self.ctx.nc, REGISTRY_STREAM, _SUBJECT + keys,
+                                             name="snapshot", timeout_s=ACK_TIMEOUT_S)  # fmt: skip
         else:
             log.debug("snapshot.read partition=%d by=direct values=%d", p, len(stored))
             self._reads["direct"].inc()
@@ -221,43 +223,6 @@ class Snapshot:
             log.warning("snapshot.bad_entry partition=%d value=%.80r error=%s", p, value, exc)
             return None
         return snap
-
-    async def _watch_partition(self, p: int, keys: str) -> list[bytes]:
-        """The values stored under ``keys``, read by KV watch."""
-        for _ in range(WATCH_TRIES):
-            stored, seen = await self._watch_keys(keys)
-            # nats-py's watch can say "no more" before it hands over anything (its consumer
-            # counted nothing pending yet): a partition read as empty is asked again when
-            # the stream says it holds keys of it.
-            if seen or not await self._holds(keys):
-                break
-            log.info("snapshot.restore_empty partition=%d: the bucket holds keys of it; "
-                     "reading again", p)  # fmt: skip
-        return stored
-
-    async def _holds(self, keys: str) -> bool:
-        """Whether the bucket's stream holds a message on any of ``keys``."""
-        info = await self.js.stream_info(REGISTRY_STREAM, subjects_filter=_SUBJECT + keys)
-        return bool(info.state.subjects)
-
-    async def _watch_keys(self, keys: str) -> tuple[list[bytes], int]:
-        """The values stored under ``keys`` by KV watch, deleted keys left out: (the values,
-        entries seen)."""
-        watcher = await self.kv.watch(keys, ignore_deletes=True)
-        stored: list[bytes] = []
-        seen = 0
-        try:
-            while True:
-                entry = await watcher.updates(timeout=5.0)
-                if entry is None:  # initial values done
-                    break
-                seen += 1
-                if entry.value:
-                    stored.append(entry.value)
-        finally:
-            with contextlib.suppress(Exception):
-                await watcher.stop()
-        return stored, seen
 
     async def flush_now(self, timeout_s: float) -> bool:
         """Write what is dirty now (a partition is about to be handed over); whether it all

@@ -54,8 +54,8 @@ from nats.aio.client import Client as NATS
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
-from jetstream import ackreads
-from jetstream.names import A2A_TASKS_BUCKET, A2A_TASKS_STREAM
+from jetstream import ackreads, lastvalues
+from jetstream.names import A2A_TASKS_BUCKET, A2A_TASKS_STREAM, H_KV_OPERATION
 from jetstream.provision import ensure_stream, load_definitions
 from reach_agent.client import durable
 from reach_agent.wire.schema import AckRecord, Claim
@@ -85,9 +85,6 @@ READS_AT_ONCE = 16
 RECORD_GRACE_MS = 30_000
 """How long after a request's claim ended its final ack record may still be on its way
 (the agent's write-ahead log publishes it)."""
-WATCH_GONE_S = 2.0
-"""The server removes a listing's consumer this long after the listing ended (nats-py's
-watch leaves it behind otherwise, for 5 minutes)."""
 CHANGE_TRIES = 8
 """Compare-and-set attempts on one record before a change gives up."""
 
@@ -350,17 +347,19 @@ class Tasks:
 
     async def all(self) -> list[TaskRecord]:
         """Every record of this owner (the bucket's subject filter ``<owner>.>``)."""
-        watcher = await self._kv().watch(f"{self.owner}.>", ignore_deletes=True,
-                                         inactive_threshold=WATCH_GONE_S)  # fmt: skip
+        self._kv()  # raises when this gateway keeps no tasks
+        # Not nats-py's KV watch: it can end before its first key (jetstream/lastvalues.py).
+        pre = f"$KV.{A2A_TASKS_BUCKET}."
+        stored = await lastvalues.messages(self.nc, A2A_TASKS_STREAM, f"{pre}{self.owner}.>",
+                                           name="a2a-tasks", timeout_s=5.0)  # fmt: skip
         out: list[TaskRecord] = []
-        try:
-            while (entry := await watcher.updates(timeout=5.0)) is not None:
-                try:
-                    out.append(_decoder.decode(entry.value or b""))
-                except msgspec.MsgspecError as exc:
-                    log.warning("a2a.task_unreadable key=%s error=%s", entry.key, exc)
-        finally:
-            await watcher.stop()
+        for msg in stored:
+            if not msg.data or (msg.headers or {}).get(H_KV_OPERATION) in ("DEL", "PURGE"):
+                continue
+            try:
+                out.append(_decoder.decode(msg.data))
+            except msgspec.MsgspecError as exc:
+                log.warning("a2a.task_unreadable key=%s error=%s", msg.subject[len(pre) :], exc)
         return out
 
     # --- turns, from their ack records ------------------------------------------------
