@@ -195,11 +195,21 @@ class Broker:
                              probe_via=StatusProbes(self.nc, clock))  # fmt: skip
         self.account = Account()
         """The application account (the advisories learn it; the Synadia locate asks it)."""
+        ep = self.handlers.endpoints
+        self.ingest = Ingest(
+            ctx, cfg.fleet.partitions, heartbeat=ep["heartbeat"].on_message,
+            announce=self.identity.on_message, leave=ep["leave"].on_message,
+            mapping=m.partition_mapping,
+        )  # fmt: skip
+        """The announces, heartbeats and leaves of the partitions this broker owns."""
         self.synadia = SynadiaAgents(
             ctx, registry, self.handlers, self.probes, self.account, cfg.synadia,
+            owns=self.ingest.hears,  # their subjects are not partitioned: each broker holds
+            # the instances of the partitions it hears, from their restore until handed over
             instances=m.synadia_agents, heartbeats=m.heartbeat_result, dropped=m.dropped,
         )  # fmt: skip
-        """Synadia Agent Protocol agents, discovered and followed."""
+        """Synadia Agent Protocol agents, discovered and followed (those of the partitions
+        this broker owns held)."""
         self.advisories = Advisories(
             ctx, registry, self.probes, self.account, cfg.detection, unnamed=self.synadia,
             seen=m.advisories, dropped=m.dropped, refused=m.refused,
@@ -232,13 +242,6 @@ class Broker:
             jetstream=lambda: self.jetstream_ok, counts=m.tables, dropped=m.dropped,
         )  # fmt: skip
         """The route tables of the partitions this broker owns (callers route from them)."""
-        ep = self.handlers.endpoints
-        self.ingest = Ingest(
-            ctx, cfg.fleet.partitions, heartbeat=ep["heartbeat"].on_message,
-            announce=self.identity.on_message, leave=ep["leave"].on_message,
-            mapping=m.partition_mapping,
-        )  # fmt: skip
-        """The announces, heartbeats and leaves of the partitions this broker owns."""
         tables = cfg.fleet.tables
         self.takeover = Takeover(
             ctx, registry, self.snapshot, self.ingest,

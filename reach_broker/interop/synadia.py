@@ -22,6 +22,22 @@ Nothing is asked of them: the broker reads what they already publish and answer.
 - An instance ``offline`` for ``synadia.forget_after_s`` is evicted; a restarted agent is a
   new instance (a new micro service id) and one that only reconnected is found again on its
   next heartbeat.
+- **Partitions**: their subjects are not mapped into partitions, so every broker hears every
+  instance's heartbeats and discovery answers. A broker holds — registers, heartbeats,
+  locates, judges and so probes — only the instances of the partitions it hears (``owns``,
+  the ingest's :meth:`~reach_broker.service.ingest.Ingest.hears`, handed in when the broker
+  is built: from the partition's restore until it is handed over), so each instance has one
+  broker's events, probes and snapshot writes. The others are kept in a cache only (what
+  their ``$SRV.INFO`` said, which connection holds them), not judged: when a partition is
+  taken over, its takeover restores the instances the previous owner stored in the snapshot
+  (warm: in their stored state, with a whole silence window from when it is heard), and each
+  one's next heartbeat is then fed to the registry like any other, confirming it without an
+  event or a write; one the snapshot lacks is registered by that heartbeat, or by the next
+  sweep. (Registering them at the takeover instead would write each one's key again, and
+  a heartbeat is due within the window anyway.) When a partition is handed over, the
+  takeover drops its instances from the registry, and from then on this broker registers,
+  heartbeats and judges none of them. An instance of another broker's partition that no
+  longer answers a sweep leaves the cache (heard again, it is looked up again).
 """
 
 from __future__ import annotations
@@ -80,19 +96,24 @@ class SynadiaAgents:
     """Broker component following the Synadia Agent Protocol agents of the account."""
 
     def __init__(self, ctx: BrokerContext, registry: Registry, handlers: Handlers,
-                 prober: Prober, account: Account, cfg: SynadiaSection, *, instances: Any,
-                 heartbeats: dict[str, Any], dropped: Any) -> None:  # fmt: skip
-        """``instances``: ``reach_synadia_agents``; ``heartbeats``: ``reach_heartbeats_total``
-        by result; ``dropped``: ``reach_dropped_messages_total``."""
+                 prober: Prober, account: Account, cfg: SynadiaSection, *,
+                 owns: Callable[[str], bool], instances: Any, heartbeats: dict[str, Any],
+                 dropped: Any) -> None:  # fmt: skip
+        """``owns``: whether this broker holds an agent id's partition (the module docstring,
+        "Partitions"); ``instances``: ``reach_synadia_agents`` (the instances the registry
+        holds, counted at each scrape); ``heartbeats``: ``reach_heartbeats_total`` by result;
+        ``dropped``: ``reach_dropped_messages_total``."""
         self.ctx, self.cfg, self.registry = ctx, cfg, registry
+        self.owns = owns
         self.handlers = handlers
         self.prober = prober
         self.account = account
         """The account whose CONNZ tells which connection holds which instance (the
         advisories learn it)."""
-        self._instances, self._heartbeats, self._dropped = instances, heartbeats, dropped
+        self._heartbeats, self._dropped = heartbeats, dropped
         self.instances: dict[str, _Instance] = {}
-        """By reach agent id."""
+        """By reach agent id: every instance known, of any partition (those of the partitions
+        this broker does not own are cached, not held)."""
         self.by_instance: dict[str, str] = {}
         """Micro service (instance) id → reach agent id."""
         self.conns: dict[ConnKey, set[str]] = {}
@@ -103,6 +124,12 @@ class SynadiaAgents:
         self._sub: Any = None
         self._loop: asyncio.Task[None] | None = None
         self._timers: dict[str, asyncio.TimerHandle] = {}
+        instances.set_function(self.held)
+
+    def held(self) -> int:
+        """How many instances the registry holds (those of the partitions owned)."""
+        agents = self.registry.agents
+        return sum(1 for agent_id in self.instances if agent_id in agents)
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -148,13 +175,16 @@ class SynadiaAgents:
     # --- discovery ----------------------------------------------------------------------
 
     async def discover(self) -> int:
-        """``$SRV.INFO.agents``: register every instance that answers; how many answered."""
+        """``$SRV.INFO.agents``: register every instance that answers (cache those of other
+        brokers' partitions); how many answered. A cached instance of another broker's
+        partition that did not answer leaves the cache (its owner judges it)."""
         try:
             replies = await gather(self.ctx.nc, AGENTS.info, b"")
         except NoRespondersError:
-            return 0
-        for msg in replies:
-            self._take(msg.data, None)
+            replies = []
+        answered = {agent_id for msg in replies if (agent_id := self._take(msg.data, None))}
+        for agent_id in [a for a in self.instances if a not in answered and not self.owns(a)]:
+            self._forget(agent_id)
         return len(replies)
 
     async def _lookup(self, instance_id: str, interval_s: int) -> None:
@@ -194,19 +224,21 @@ class SynadiaAgents:
             return None
         for why in refused:
             log.warning("synadia.capability_refused instance=%s %s (ignored)", info.id, why)
+        owned = self.owns(ann.agent_id)
         rec = self.registry.agents.get(ann.agent_id)
-        if inst is not None and rec is not None and inst.announce == ann:
-            if rec.state == "offline":
+        if inst is not None and inst.announce == ann and (rec is not None or not owned):
+            if rec is not None and rec.state == "offline":
                 self.prober.request(ann.agent_id)  # it answers: settle it by a probe
             return ann.agent_id
         self.instances[ann.agent_id] = _Instance(info, ann, interval)
         self.by_instance[info.id] = ann.agent_id
-        self._register(ann)
+        if owned:
+            self._register(ann)
+        # else another broker's partition: cached, not registered (its owner holds it)
         return ann.agent_id
 
     def _register(self, ann: Announce) -> None:
         self.handlers.apply_announce(ann)
-        self._instances.set(len(self.instances))
         log.info("synadia.registered agent=%s capabilities=%s subject=%s", ann.agent_id,
                  ",".join(ann.capabilities), ann.metadata["prompt"])  # fmt: skip
         if not self._locate_due:
@@ -232,17 +264,21 @@ class SynadiaAgents:
         if inst is None or agent_id is None:
             self._unknown(beat)
             return
+        owned = self.owns(agent_id)
         if beat.interval_s != inst.interval_s and beat.interval_s > 0:
-            # Registered before its first heartbeat said how often it beats.
+            # Registered (or cached) before its first heartbeat said how often it beats.
             inst.interval_s = beat.interval_s
             ann = msgspec.structs.replace(
                 inst.announce, heartbeat_interval_ms=min(beat.interval_s, 3600) * 1000
             )
             inst.announce = ann  # fmt: skip
-            self._register(ann)
+            if owned:
+                self._register(ann)
             return
+        if not owned:
+            return  # another broker's partition: its owner feeds it to its registry
         rec = self.registry.agents.get(agent_id)
-        if rec is None:  # evicted meanwhile: register it again
+        if rec is None:  # evicted meanwhile, or of a partition taken whose snapshot lacked it
             self._register(inst.announce)
             return
         hb = Heartbeat(agent_id=agent_id, token=rec.token, seq=max(rec.seq, 0) + 1,
@@ -269,7 +305,9 @@ class SynadiaAgents:
         account = self.account.name
         if account is None or not self.instances:
             return
-        judged = set(self.instances)  # only those known before the question
+        # Only those held before the question (every instance known is located, so that a
+        # partition taken over has its instances' connections at once).
+        judged = {agent_id for agent_id in self.instances if self.owns(agent_id)}
         found: dict[str, ConnKey] = {}
         offset = 0
         while True:
@@ -316,6 +354,8 @@ class SynadiaAgents:
         now = self.ctx.clock()
         out: list[Transition] = []
         for agent_id in judged - found.keys():
+            if not self.owns(agent_id):
+                continue  # its partition handed over meanwhile: no longer judged here
             out += self.registry.disconnected(agent_id, now, "no connection holds it (CONNZ)")
         if out:
             self.ctx.emit(out)
@@ -326,13 +366,16 @@ class SynadiaAgents:
         return set(self.instances)
 
     def on_closed(self, server: str, cid: int) -> None:
-        """A DISCONNECT advisory: the instances that connection held are suspect at once."""
+        """A DISCONNECT advisory: the instances that connection held are suspect at once
+        (those of the partitions this broker owns: the others' owners judge theirs)."""
         agent_ids = self.conns.pop((server, cid), None)
         if not agent_ids:
             return
         now = self.ctx.clock()
         out: list[Transition] = []
         for agent_id in agent_ids:
+            if not self.owns(agent_id):
+                continue
             out += self.registry.disconnected(
                 agent_id, now, f"connection closed (client {cid} on {server})"
             )
@@ -365,6 +408,9 @@ class SynadiaAgents:
             self.ctx.emit(self.registry.evict(agent_id, reason, self.ctx.clock()))
 
     def _forget(self, agent_id: str) -> None:
+        timer = self._timers.pop(agent_id, None)
+        if timer is not None:
+            timer.cancel()
         inst = self.instances.pop(agent_id, None)
         if inst is None:
             return
@@ -375,7 +421,6 @@ class SynadiaAgents:
                 held.discard(agent_id)
                 if not held:
                     del self.conns[inst.conn]
-        self._instances.set(len(self.instances))
 
 
 class StatusProbes:

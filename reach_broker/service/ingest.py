@@ -174,6 +174,13 @@ class Ingest:
             await flush_subscriptions(nc)
         self.live.add(p)
 
+    def hears(self, agent_id: str) -> bool:
+        """Whether ``agent_id``'s partition is heard here: from :meth:`own`'s return (the
+        partition taken: its agents restored, its subjects subscribed) until :meth:`lose`. What
+        the server does not map into partitions (the Synadia agents' subjects, heard by every
+        broker) is kept or left by it."""
+        return partition(agent_id, self.partitions) in self.live
+
     async def lose(self, p: int) -> None:
         """Stop hearing partition ``p``."""
         self.live.discard(p)

@@ -236,7 +236,8 @@ class Metrics:
         )
         self.synadia_agents = Gauge(
             "reach_synadia_agents",
-            "Synadia Agent Protocol instances the broker follows (discovered on $SRV.INFO.agents)",
+            "Synadia Agent Protocol instances this broker holds: those of the partitions it "
+            "owns (every broker discovers all of them on $SRV.INFO.agents)",
             registry=r,
         )
         # JetStream (issue 4): compensation queue and durable acks.
