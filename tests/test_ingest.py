@@ -4,6 +4,7 @@ config), ``plain`` (a bare nats-server), ``mismatch`` (the shipped config, anoth
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -84,3 +85,65 @@ async def test_a_mismatch_is_refused_visibly_and_no_agent_is_mispartitioned(
     await wait_for(lambda: beats(broker) == 1, what="the heartbeat")
     # Counted in the agent's partition by the broker's own count, not the server's.
     assert broker.ingest.beats[partition("ing-mismatch", 8)] == 1
+
+
+async def test_a_lone_broker_hears_heartbeats_on_one_subscription_and_switches_without_loss(
+    broker: Broker, nc: NATS
+) -> None:
+    """Owning every partition, a broker hears the heartbeats on one subscription; a partition
+    handed over takes it back to one a partition, owned again to the one. Heartbeats flow
+    all along: every one of the partitions kept is heard exactly once (none lost between the
+    subscriptions, none handled twice, which the registry would refuse as stale)."""
+    ingest = broker.ingest
+    assert ingest.mode == "mapped" and len(ingest.live) == 32
+    assert ingest.heartbeat_subscriptions == 1
+    ids = [f"ing-sw-{i:03d}" for i in range(64)]
+    tokens = {}
+    for agent_id in ids:
+        body = {"agent_id": agent_id, "capabilities": ["ing"], "max_concurrency": 1,
+                "heartbeat_interval_ms": 60_000}  # fmt: skip
+        reply = await nc.request(f"reach.announce.{agent_id}", json.dumps(body).encode(),
+                                 timeout=5)  # fmt: skip
+        tokens[agent_id] = json.loads(reply.data)["token"]
+    handed = partition(ids[0], 32)
+    kept = [a for a in ids if partition(a, 32) != handed]
+    sent = {a: 0 for a in ids}
+    before = list(ingest.beats)
+    stale0 = broker.metrics.heartbeat_result["stale"]._value.get()
+    flowing = True
+
+    async def beat() -> None:
+        seq = 0
+        while flowing:
+            seq += 1
+            for agent_id in ids:
+                hb = {"agent_id": agent_id, "token": tokens[agent_id], "seq": seq}
+                await nc.publish(f"reach.hb.{agent_id}", json.dumps(hb).encode())
+                sent[agent_id] += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(beat())
+    try:
+        for _ in range(4):
+            await ingest.lose(handed)
+            assert ingest.heartbeat_subscriptions == 31
+            await asyncio.sleep(0.02)  # heartbeats flow on the partitions' subscriptions
+            await ingest.own(handed)
+            assert ingest.heartbeat_subscriptions == 1
+            await asyncio.sleep(0.02)
+    finally:
+        flowing = False
+        await task
+    await nc.flush()
+    counts = {p: 0 for p in range(32)}
+    for agent_id in kept:
+        counts[partition(agent_id, 32)] += sent[agent_id]
+    await wait_for(
+        lambda: all(ingest.beats[p] - before[p] == n for p, n in counts.items() if p != handed),
+        what="every heartbeat of the partitions kept heard",
+    )
+    assert [ingest.beats[p] - before[p] for p in range(32) if p != handed] == [
+        counts[p] for p in range(32) if p != handed
+    ]
+    assert broker.metrics.heartbeat_result["stale"]._value.get() == stale0
+    assert ingest.copies > 0, "no heartbeat came on both subscriptions: the switch went untested"

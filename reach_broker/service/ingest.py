@@ -22,12 +22,27 @@ partition count other than ``[fleet] partitions`` puts one of them elsewhere (se
 
 ``reach_partition_heartbeats_total{partition}`` counts the heartbeats each owned partition
 brings (``reach_heartbeats_total`` still counts them by result).
+
+**One heartbeat subscription while every partition is owned.** In the mapped mode a broker
+that owns every partition (a lone broker, as by default) hears the heartbeats on one
+subscription (``<p>.part.*.hb.*``) instead of one a partition: nats-py runs each
+subscription's callbacks on a task of its own, woken per message, and 32 of them cost a lone
+broker's route requests about a tenth of their throughput at 10,000 agents a second
+(``loadtest/README.md``, "One heartbeat subscription"). Announces and leaves keep one a
+partition. When it owns one partition less (another broker joined), it goes back to one
+heartbeat subscription a partition, and to the one again when it owns all. Each switch
+subscribes the new subscriptions before it drains the old ones (nats-py's ``drain``: the server
+stops sending, every message already sent is handled), so no heartbeat goes unheard; one the
+server sent to both meanwhile is handled once: while a switch is under way, a heartbeat whose
+subject and body were already handled is left out, until the subscriptions kept have handled
+everything delivered to them before the old ones were drained.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import secrets
@@ -55,6 +70,9 @@ YIELD_EVERY = 16
 """Heartbeats handled in a row before the heartbeat callback lets the loop run the rest: a
 socket read of heartbeats (hundreds at 10,000 agents a second) is otherwise handled whole
 before the route requests read with it are answered."""
+SWITCH_TIMEOUT_S = 5.0
+"""How long a switch of heartbeat subscriptions waits for the kept ones to catch up before it
+stops telling duplicates apart (logged: one handled twice is then refused as ``stale``)."""
 CACHE_MAX = 1_000_000
 """Agent ids whose partition the plain mode remembers (then the memory is renewed)."""
 
@@ -107,9 +125,31 @@ class Ingest:
         self.live: set[int] = set()
         """Partitions heard: subscribed (mapped) or kept (plain, mismatch)."""
         self._subs: dict[int, list[Any]] = {}
+        """Per partition owned (mapped mode): its announce and leave subscriptions."""
+        self._beats: dict[int, Any] = {}
+        """Per partition owned (mapped mode, not every one owned): its heartbeat subscription."""
+        self._all_beats: Any = None
+        """Every partition's heartbeats (mapped mode, every partition owned)."""
+        self._done = [0] * partitions
+        """Messages handled by each partition's heartbeat subscription since it was made (a
+        switch waits on them)."""
+        self._all_done = 0
+        """Messages handled by :attr:`_all_beats` since it was made."""
+        self._twice: set[tuple[str, bytes]] | None = None
+        """While a switch is under way: (subject, body) of each heartbeat handled once."""
+        self._held: tuple[str, asyncio.Event] | None = None
+        """While a switch is under way: which side is new (``one`` or ``partitions``), and set
+        once the old side is drained: the new side handles nothing before (an agent's
+        heartbeats are handled in the order it sent them)."""
+        self.copies = 0
+        """Heartbeats the server sent to both the old and the new subscriptions of a switch,
+        handled once (the other copy left out)."""
+        self._switch = asyncio.Lock()
+        """One change of the mapped subscriptions at a time."""
         self._wide: list[Any] = []
         """The subscriptions of the plain and mismatch modes (every partition's subjects)."""
         self._cache: dict[str, int] = {}
+        self._partition_of_mapped = ctx.subjects.partition_of_mapped
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -138,11 +178,15 @@ class Ingest:
         await flush_subscriptions(nc)
 
     async def stop(self) -> None:
-        for sub in [*self._wide, *(s for subs in self._subs.values() for s in subs)]:
+        subs = [*self._wide, *(s for subs in self._subs.values() for s in subs),
+                *self._beats.values(), *([self._all_beats] if self._all_beats else [])]  # fmt: skip
+        for sub in subs:
             with contextlib.suppress(NatsError, asyncio.CancelledError):
                 await sub.unsubscribe()
         self._wide = []
         self._subs = {}
+        self._beats = {}
+        self._all_beats = None
         self.live = set()
         self.mode = None
 
@@ -161,18 +205,31 @@ class Ingest:
         server)."""
         if p in self.live:
             return
-        if self.mode == "mapped":
-            nc, s = self.ctx.nc, self.ctx.subjects
-            msgs, size = HEARTBEAT_PENDING
+        if self.mode != "mapped":
+            self.live.add(p)
+            return
+        nc, s = self.ctx.nc, self.ctx.subjects
+        msgs, size = HEARTBEAT_PENDING
+        async with self._switch:
+            if p in self.live:
+                return
             self._subs[p] = [
-                await nc.subscribe(s.partition_heartbeats(p), cb=self._counted(p),
-                                   pending_msgs_limit=msgs, pending_bytes_limit=size),
                 await nc.subscribe(s.partition_announces(p), cb=self._announce,
                                    pending_msgs_limit=msgs, pending_bytes_limit=size),
                 await nc.subscribe(s.partition_leaves(p), cb=self._leave),
             ]  # fmt: skip
+            if self._all_beats is None:
+                self._beats[p] = await self._hear_beats_of(p)
             await flush_subscriptions(nc)
-        self.live.add(p)
+            self.live.add(p)
+            if len(self.live) == self.partitions:
+                await self._beats_on_one()
+
+    @property
+    def heartbeat_subscriptions(self) -> int:
+        """The heartbeat subscriptions of the mapped mode: 1 while every partition is owned,
+        else one a partition owned."""
+        return len(self._beats) + (self._all_beats is not None)
 
     def hears(self, agent_id: str) -> bool:
         """Whether ``agent_id``'s partition is heard here: from :meth:`own`'s return (the
@@ -184,17 +241,118 @@ class Ingest:
     async def lose(self, p: int) -> None:
         """Stop hearing partition ``p``."""
         self.live.discard(p)
-        for sub in self._subs.pop(p, ()):
+        async with self._switch:
+            subs = self._subs.pop(p, [])
+            beats = self._beats.pop(p, None)
+            for sub in [*subs, *([beats] if beats is not None else [])]:
+                with contextlib.suppress(NatsError):
+                    await sub.unsubscribe()
+            if self._all_beats is not None:
+                await self._beats_by_partition()
+
+    # --- the heartbeat subscriptions (mapped mode) --------------------------------------------
+
+    async def _hear_beats_of(self, p: int) -> Any:
+        msgs, size = HEARTBEAT_PENDING
+        self._done[p] = 0  # partition p has no other heartbeat subscription of its own
+        return await self.ctx.nc.subscribe(
+            self.ctx.subjects.partition_heartbeats(p), cb=self._counted(p),
+            pending_msgs_limit=msgs, pending_bytes_limit=size,
+        )  # fmt: skip
+
+    async def _beats_on_one(self) -> None:
+        """Every partition owned: one heartbeat subscription for all of them."""
+        nc = self.ctx.nc
+        msgs, size = HEARTBEAT_PENDING
+        self._twice = set()
+        self._all_done = 0
+        drained = asyncio.Event()
+        self._held = ("one", drained)
+        try:
+            self._all_beats = await nc.subscribe(
+                self.ctx.subjects.partition_heartbeats("*"), cb=self._any_heartbeat,
+                pending_msgs_limit=msgs, pending_bytes_limit=size,
+            )  # fmt: skip
+            await flush_subscriptions(nc)
+            old, self._beats = self._beats, {}
+            await self._drain(list(old.values()))
+            drained.set()
+            await self._caught_up([(self._all_beats, lambda: self._all_done)])
+        finally:
+            drained.set()
+            self._held = None
+            self._twice = None
+        log.info("ingest.heartbeats subscriptions=1 partitions=%d", len(self.live))
+
+    async def _beats_by_partition(self) -> None:
+        """A partition handed over: one heartbeat subscription a partition owned again."""
+        self._twice = set()
+        drained = asyncio.Event()
+        self._held = ("partitions", drained)
+        try:
+            done = self._done
+            for p in sorted(self.live):
+                self._beats[p] = await self._hear_beats_of(p)
+            await flush_subscriptions(self.ctx.nc)
+            old, self._all_beats = self._all_beats, None
+            await self._drain([old])
+            drained.set()
+            await self._caught_up([(sub, functools.partial(done.__getitem__, p))
+                                   for p, sub in self._beats.items()])  # fmt: skip
+        finally:
+            drained.set()
+            self._held = None
+            self._twice = None
+        log.info("ingest.heartbeats subscriptions=%d", len(self._beats))
+
+    @staticmethod
+    async def _drain(subs: list[Any]) -> None:
+        """Stop ``subs`` once every message the server sent them is handled."""
+        for sub in subs:
             with contextlib.suppress(NatsError):
-                await sub.unsubscribe()
+                await sub.drain()
+
+    async def _caught_up(self, kept: list[tuple[Any, Callable[[], int]]]) -> None:
+        """Wait until each of ``kept`` (a subscription, and how many of its messages were
+        handled) has handled what was delivered to it by now: then no copy of a heartbeat the
+        drained subscriptions had is still to come."""
+        loop = asyncio.get_running_loop()
+        due = [(sub.delivered, handled) for sub, handled in kept]
+        deadline = loop.time() + SWITCH_TIMEOUT_S
+        while any(handled() < n for n, handled in due):
+            if loop.time() > deadline:
+                log.warning("ingest.switch_slow: the heartbeats delivered during the switch "
+                            "were not all handled within %gs; one sent to both subscriptions "
+                            "may be refused as stale", SWITCH_TIMEOUT_S)  # fmt: skip
+                return
+            await asyncio.sleep(0.001)
+
+    def _again(self, msg: Msg) -> bool:
+        """During a switch: whether this heartbeat was already handled (its other copy)."""
+        twice = self._twice
+        assert twice is not None
+        key = (msg.subject, msg.data)
+        if key in twice:
+            twice.discard(key)
+            self.copies += 1
+            return True
+        twice.add(key)
+        return False
 
     # --- the callbacks -----------------------------------------------------------------------
 
     def _counted(self, p: int) -> Callback:
         """The heartbeat callback of partition ``p``'s mapped subscription."""
-        heartbeat, beats = self._heartbeat, self.beats
+        heartbeat, beats, done = self._heartbeat, self.beats, self._done
 
         async def on_heartbeat(msg: Msg) -> None:
+            if self._twice is not None:
+                if self._held is not None and self._held[0] == "partitions":
+                    await self._held[1].wait()
+                if self._again(msg):
+                    done[p] += 1
+                    return
+            done[p] += 1
             beats[p] += 1
             await heartbeat(msg)
             self._handled += 1
@@ -202,6 +360,27 @@ class Ingest:
                 await asyncio.sleep(0)
 
         return on_heartbeat
+
+    async def _any_heartbeat(self, msg: Msg) -> None:
+        """The callback of the one heartbeat subscription of every partition."""
+        if self._twice is not None:
+            if self._held is not None and self._held[0] == "one":
+                await self._held[1].wait()
+            if self._again(msg):
+                self._all_done += 1
+                return
+        self._all_done += 1
+        try:
+            p = self._partition_of_mapped(msg.subject)
+        except ValueError:
+            return  # not a partition's subject: one subscription a partition hears none such
+        if p not in self.live:
+            return  # handed over since the server sent it: its new owner hears it
+        self.beats[p] += 1
+        await self._heartbeat(msg)
+        self._handled += 1
+        if self._handled % YIELD_EVERY == 0:
+            await asyncio.sleep(0)
 
     def partition_of(self, subject: str) -> int:
         """The partition of the agent a plain subject names (remembered)."""
