@@ -210,8 +210,8 @@ class Ingest:
             return
         nc, s = self.ctx.nc, self.ctx.subjects
         msgs, size = HEARTBEAT_PENDING
-        async with self._switch:
-            if p in self.live:
+        async with self._switch:  # the subscriptions made here; their round trip is not
+            if p in self.live or p in self._subs:  # held (partitions are taken concurrently)
                 return
             self._subs[p] = [
                 await nc.subscribe(s.partition_announces(p), cb=self._announce,
@@ -220,10 +220,12 @@ class Ingest:
             ]  # fmt: skip
             if self._all_beats is None:
                 self._beats[p] = await self._hear_beats_of(p)
-            await flush_subscriptions(nc)
-            self.live.add(p)
-            if len(self.live) == self.partitions:
-                await self._beats_on_one()
+        await flush_subscriptions(nc)
+        self.live.add(p)
+        if len(self.live) == self.partitions:
+            async with self._switch:
+                if len(self.live) == self.partitions and self._all_beats is None:
+                    await self._beats_on_one()
 
     @property
     def heartbeat_subscriptions(self) -> int:
