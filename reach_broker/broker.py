@@ -247,6 +247,7 @@ class Broker:
             ctx, registry, self.snapshot, self.ingest,
             shares_own=self.tables.own if tables else lambda p, epoch: None,
             shares_lose=self.tables.lose if tables else lambda p: None, took=m.takeovers,
+            restores=m.partition_restores,
         )  # fmt: skip
         """What the broker holds per partition: restored, heard, published; or dropped."""
         self.partitions = Partitions(

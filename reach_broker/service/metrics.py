@@ -338,6 +338,13 @@ class Metrics:
             "Time to take a partition over: its agents restored from its snapshot keys and "
             "its subjects heard", buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=r,
         )  # fmt: skip
+        self.partition_restores = Counter(
+            "reach_partition_restores_total",
+            "Partitions taken whose agents were read from their snapshot keys, by result: ok "
+            "(at the first try), retried (at the second), failed (not read: taken without its "
+            "agents, who are asked to announce again as they are heard)",
+            ["result"], registry=r,
+        )  # fmt: skip
         self.rtt_sample_every = Gauge(
             "reach_rtt_sample_interval_seconds",
             "How often each healthy agent this broker holds gets an RTT sample: "

@@ -46,6 +46,15 @@ log = logging.getLogger(__name__)
 
 FLUSH_BEFORE_HANDOVER_S = 1.0
 """How long a partition handed over waits for the snapshot's pending writes."""
+RESTORE_TRIES = 2
+"""A partition's restore is tried this many times before it is taken without its agents."""
+RESTORE_RETRY_S = 0.5
+"""The pause before a failed restore is tried again (a JetStream leader election, a read
+that stalled: both pass)."""
+RESTORE_RESULTS = ("ok", "retried", "failed")
+"""``result`` of ``reach_partition_restores_total``: restored at the first try (``ok``), at a
+later one (``retried``), or not at all (``failed``: taken without its agents, who are asked to
+announce again as they are heard)."""
 
 
 class Takeover:
@@ -54,6 +63,7 @@ class Takeover:
     def __init__(
         self, ctx: BrokerContext, registry: Registry, snapshot: Snapshot, ingest: Ingest, *,
         shares_own: Callable[[int, int], None], shares_lose: Callable[[int], None], took: Any,
+        restores: Any, retry_after_s: float = RESTORE_RETRY_S,
     ) -> None:  # fmt: skip
         self.ctx = ctx
         self.registry = registry
@@ -64,6 +74,9 @@ class Takeover:
         self.shares_lose = shares_lose
         self.took = took
         """``reach_partition_takeover_seconds``."""
+        self.restores = {result: restores.labels(result) for result in RESTORE_RESULTS}
+        """``reach_partition_restores_total`` by result."""
+        self.retry_after_s = retry_after_s
         self._last: dict[int, Awaitable[None]] = {}
 
     async def own(self, p: int, epoch: int, warm: bool) -> None:
@@ -98,12 +111,7 @@ class Takeover:
     async def _own(self, p: int, epoch: int, warm: bool) -> None:
         clock = self.ctx.clock
         t0 = clock()
-        try:
-            restored = await self.snapshot.restore_partition(p, warm=warm)
-        except Exception as exc:  # noqa: BLE001 - its agents re-announce on demand instead
-            log.warning("takeover.restore_failed partition=%d error=%r: its agents are asked to "
-                        "announce again as they are heard", p, exc)  # fmt: skip
-            restored = []
+        restored = await self._restore(p, warm)
         await self.ingest.own(p)
         now = clock()
         regranted = self.registry.listening(now, restored)
@@ -112,6 +120,31 @@ class Takeover:
         log.debug("takeover.owned partition=%d epoch=%d warm=%s restored=%d regranted=%d "
                   "seconds=%.3f", p, epoch, warm, len(restored), regranted,
                   now - t0)  # fmt: skip
+
+    async def _restore(self, p: int, warm: bool) -> list[str]:
+        """Partition ``p``'s agents restored (their ids), tried ``RESTORE_TRIES`` times; none
+        when every try failed: the partition is then taken without them, and they are asked to
+        announce again as they are heard (their stored states and task times lost), counted
+        ``failed``. A read that fails restores nothing (it raises before any agent is
+        restored), so a second try starts clean."""
+        attempt = 1
+        while True:
+            try:
+                restored = await self.snapshot.restore_partition(p, warm=warm)
+            except Exception as exc:  # noqa: BLE001 - tried again, then announced again
+                if attempt == RESTORE_TRIES:
+                    log.error("takeover.restore_failed partition=%d try=%d error=%r: taken "
+                              "without its agents, who are asked to announce again as they "
+                              "are heard", p, attempt, exc)  # fmt: skip
+                    self.restores["failed"].inc()
+                    return []
+                log.warning("takeover.restore_failed partition=%d try=%d error=%r: tried again "
+                            "in %.1fs", p, attempt, exc, self.retry_after_s)  # fmt: skip
+                await asyncio.sleep(self.retry_after_s)
+                attempt += 1
+                continue
+            self.restores["ok" if attempt == 1 else "retried"].inc()
+            return restored
 
     async def _lose(self, p: int) -> None:
         self.shares_lose(p)
