@@ -788,6 +788,50 @@ async def test_a_claim_this_process_created_without_seeing_the_answer_is_taken_o
     assert await ended_by(nc, rid) == ("orphan", "running", "orphan")  # its record ends it
 
 
+async def test_a_caller_told_in_progress_asks_the_holder_which_answers_or_takes_over(
+    nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS
+) -> None:
+    """``IN_PROGRESS`` from another agent: the call asks the holder itself, once. A claim
+    left ``running`` by the holder's previous process (killed and restarted at once, so never
+    declared offline, and never released) is taken over by the new process and run — where
+    the caller used to wait for a release that never comes until its deadline (found by
+    loadtest.nemesis: a call and five recalls all ``TIMEOUT``, no run anywhere). A holder
+    that runs the request answers the copy with that run's result; it runs once."""
+    runs: list[tuple[str, str]] = []
+    await agents(slow_agent("keeper", "ledger4", runs, sleep=1.0))
+    await agents(slow_agent("other", "ledger4", runs))
+    await wait_for(lambda: healthy(broker, "keeper") and healthy(broker, "other"))
+    cfg = ClientConfig(claim_poll_s=30)  # nothing releases these claims: no poll helps either
+    metrics = reach_agent.ClientMetrics()
+    async with reach_agent.Client(nats_server.url, config=cfg, metrics=metrics) as client:
+        key = await sticky_key_for(client, "ledger4", "other")
+        # The claim of keeper's previous process, which died before running it.
+        orphan = str(uuid.uuid4())
+        dead = schema.Claim(request_id=orphan, agent_id="keeper", instance="dead-process",
+                            capability="ledger4", state="running", at_ms=1,
+                            ack_subject=SUBJECTS.ack("keeper", orphan))  # fmt: skip
+        assert (await ClaimStore(nc).create(claim_key(orphan), schema.encoder.encode(dead)))[0]
+        result = await client.call("ledger4", {"n": 6}, sticky_key=key, request_id=orphan,
+                                   timeout=10)  # fmt: skip
+        assert result == {"agent": "keeper", "n": 6}
+        assert runs == [("keeper", orphan)]
+        stored = await stored_claim(nc, orphan)
+        assert stored is not None and stored.instance != "dead-process"
+        # A request keeper runs now: the copy the call sends it waits for that run.
+        running = str(uuid.uuid4())
+        direct = nc.request(SUBJECTS.task("keeper", "ledger4"), b'{"n":7}',
+                            headers={H_REQUEST_ID: running}, timeout=10)  # fmt: skip
+        first = asyncio.create_task(direct)
+        await wait_for(lambda: ("keeper", running) in runs, 5, what="running on keeper")
+        result = await client.call("ledger4", {"n": 7}, sticky_key=key, request_id=running,
+                                   timeout=10)  # fmt: skip
+        assert result == {"agent": "keeper", "n": 7}
+        assert body_of(await first) == {"agent": "keeper", "n": 7}
+    assert runs == [("keeper", orphan), ("keeper", running)]
+    assert metrics.requests.labels("other", "IN_PROGRESS")._value.get() == 2
+    assert metrics.requests.labels("keeper", "ok")._value.get() == 2
+
+
 # --- idempotency keys are checked: one request id, one body ---------------------------------
 
 

@@ -119,6 +119,25 @@ class AttemptLoop:
                 call.taker = value.holder
                 if call.ack_mode == "received":
                     return schema.Receipt(request_id=call.request_id, agent_id=value.holder)
+                if value.holder not in call.tried:
+                    # Ask the holder itself, once per call: a holder running the request
+                    # answers this copy with its run's result (its duplicate window); a new
+                    # process of the holder takes over the claim its dead predecessor left
+                    # running (no broker releases it: the agent stays healthy) and runs it.
+                    # Behind an open breaker, or unanswered, the call waits for the holder.
+                    holder = self.holders.target(value.holder, capability)
+                    allowed, change = self.breakers.allow(holder.agent_id, capability,
+                                                          self.clock())  # fmt: skip
+                    self.attempts.breaker_changed(holder.agent_id, capability, change)
+                    if allowed:
+                        log.info("call.ask_holder request_id=%s holder=%s", call.request_id,
+                                 holder.agent_id)  # fmt: skip
+                        target = holder
+                        call.attempt += 1
+                        call.tried.append(holder.agent_id)
+                        outcome, value = await self.attempts.send(call, holder, inbox)
+            if outcome == "error" and isinstance(value, InProgress):
+                call.taker = value.holder
                 end, value = await self.holders.wait(call, value.holder, self.clock)
                 if end == "released":
                     call.tried.clear()  # the holder is gone: anyone may take it, at once

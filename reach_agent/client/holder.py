@@ -1,8 +1,16 @@
-"""The caller's side of ``IN_PROGRESS``: wait for the agent holding the claim, not retry.
+"""The caller's side of ``IN_PROGRESS``: ask the agent holding the claim, then wait for it;
+never run the task elsewhere.
 
 An agent answers ``IN_PROGRESS`` (naming the holder) when another agent holds the request
-id's claim. Running the task again would run it twice, so the call waits instead
-(:func:`held`), fed by a :class:`HolderWatch`:
+id's claim. Running the task on another agent would run it twice, so the call first sends
+it, once, to the holder itself (:meth:`Holders.target`): a holder that runs the request
+answers the copy from its duplicate window with that run's result, and a new process of
+the holder — its predecessor died holding the claim and, being replaced at once, was never
+declared offline — takes the claim over and runs it (the claim names the holder's agent id,
+which the new process shares). Without that ask such a claim stays ``running`` for nobody:
+no broker releases the claim of an agent that stays healthy. When the holder answered
+``IN_PROGRESS`` itself or cannot be reached, the call waits (:func:`held`), fed by a
+:class:`HolderWatch`:
 
 * the holder's final ack record, on the holder's own ack subject of the request (subscribed
   first, then read from ``REACH_ACKS``, so none is missed), attributed to the holder
@@ -159,6 +167,12 @@ class Holders:
         self.subjects = subjects
         self.store = ClaimStore(nc)
         self._waiting: dict[str, HolderWatch] = {}
+
+    def target(self, holder: str, capability: str) -> schema.Candidate:
+        """The holder of a claim as a call's next target: its own task subject (a claim is
+        only ever held by a reach agent; Synadia agents do not claim)."""
+        return schema.Candidate(agent_id=holder, subject=self.subjects.task(holder, capability),
+                                score=0.0, state="healthy", load=0.0)  # fmt: skip
 
     def released(self, request_id: str) -> None:
         """A broker's ``released`` event for ``request_id``."""
