@@ -662,6 +662,52 @@ async def test_a_broker_learns_running_claims_written_before_it_started_and_can_
     await wait_for(lambda: broker.releaser.held_by("ghost") == [], 5, what="claim forgotten")
 
 
+async def test_a_replaced_process_has_its_claims_released_also_those_learnt_after(
+    nc: NATS, broker_factory: Any
+) -> None:
+    """A new process of an agent id accepted over the first (which no longer answers its
+    probe) releases the first's running claims — and one of the first process's claims that
+    the broker learns of only after the replacement (its follow behind the announce: a
+    stalled broker, a lost consumer, the catch-up at start) is released on arrival, where it
+    used to stay ``running`` for good (the agent id stays healthy, so nothing else releases
+    it). The new process's claims are kept."""
+    broker = await broker_factory()
+    events = await EventLog().start(nc)
+    store = ClaimStore(nc)
+
+    async def announce(instance: str) -> Any:
+        body = schema.Announce(agent_id="phoenix", capabilities=["cap"], max_concurrency=1,
+                               heartbeat_interval_ms=60_000, instance_id=instance)  # fmt: skip
+        return await nc.request(SUBJECTS.announce("phoenix"), schema.encoder.encode(body),
+                                timeout=5)  # fmt: skip
+
+    async def claimed(instance: str) -> str:
+        rid = str(uuid.uuid4())
+        claim = schema.Claim(request_id=rid, agent_id="phoenix", instance=instance,
+                             capability="cap", state="running", at_ms=1,
+                             ack_subject=SUBJECTS.ack("phoenix", rid))  # fmt: skip
+        assert (await store.create(claim_key(rid), schema.encoder.encode(claim)))[0]
+        return rid
+
+    def released() -> list[str]:
+        return [e["request_id"] for e in events.events if e["kind"] == "released"]
+
+    assert (await announce("first")).headers is None
+    early = await claimed("first")
+    await wait_for(lambda: broker.releaser.held_by("phoenix") == [early], 5, what="claim learnt")
+    assert (await announce("second")).headers is None  # the first answers no probe: gone
+    await wait_for(lambda: released() == [early], 5, what="the first process's claim released")
+    kept = await claimed("second")
+    late = await claimed("first")
+    await wait_for(lambda: released() == [early, late], 5, what="the late claim released")
+    for rid, state in ((early, "released"), (late, "released"), (kept, "running")):
+        stored = await stored_claim(nc, rid)
+        assert stored is not None and stored.state == state
+    assert broker.releaser.held_by("phoenix") == [kept]
+    late_event = next(e for e in events.events if e.get("request_id") == late)
+    assert "process first had been replaced by a new one" in late_event["reason"]
+
+
 async def test_a_broker_started_later_does_not_keep_claims_their_completed_record_ended(
     nc: NATS, broker_factory: Any
 ) -> None:

@@ -80,13 +80,13 @@ class Identity:
 
     def __init__(
         self, ctx: BrokerContext, registry: Registry, handlers: Handlers, *, conflict: Any,
-        replaced: Callable[[str, str], None] = lambda agent_id, instance: None,
+        replaced: Callable[[str, str, str], None] = lambda agent_id, instance, old: None,
     ) -> None:  # fmt: skip
         self.ctx = ctx
         self.replaced = replaced
         """Told when an announce of a new instance is accepted over a known one of the same
         agent id (the first process is gone: it crashed and this is its restart): (agent id,
-        the new instance). The releaser frees what the old instance held."""
+        the new instance, the old one). The releaser frees what the old instance held."""
         self.registry = registry
         self.handlers = handlers
         self.endpoint = handlers.endpoints["announce"]
@@ -117,7 +117,7 @@ class Identity:
                 await self.ctx.nc.publish(msg.reply, reply[0], headers=reply[1])
             return
         if before is not None and ann.instance_id is not None and ann.instance_id != before:
-            self.replaced(ann.agent_id, ann.instance_id)
+            self.replaced(ann.agent_id, ann.instance_id, before)
         if msg.reply:
             await self.ctx.nc.publish(msg.reply, body)
 

@@ -17,7 +17,12 @@ started: memory holds only the claims running now. Every replica does the same; 
 compare-and-set lets exactly one of them release a claim, and only that one publishes the
 event. A claim arriving for an agent already ``offline`` is released on arrival: the broker
 catching up after its start, or after its follow lost its consumer (a node loss, a
-reconnect) and rebuilt it from the claim after the last one it had. While the follow is
+reconnect) and rebuilt it from the claim after the last one it had. The same holds for a
+process replaced by a new one of the same agent id (:meth:`Releaser.replaced`: the first
+process is gone, the agent id stays healthy): its running claims are released at once, and
+one learnt later — the follow behind the announce (a stalled broker, a lost consumer, the
+catch-up at start) — on arrival, since the replaced process is remembered
+(``RETIRED_MAX``). While the follow is
 lost, claims written meanwhile are unknown here, so an agent declared offline then keeps
 them until the follow is back and delivers them; none is forgotten
 (``reach_follow_down{follow="claims"}`` is 1 meanwhile).
@@ -62,6 +67,9 @@ COMPLETED_MAX = 100_000
 """Completed records remembered at most while their claim has not come (oldest first out;
 one forgotten too early leaves its finished claim remembered as running: memory, never a
 release, which reads the record first)."""
+RETIRED_MAX = 100_000
+"""Replaced processes (agent id, instance) remembered, so that a claim of one learnt after
+its replacement is released on arrival (the oldest forgotten first)."""
 RELEASE_RETRY_S = 0.5
 RELEASE_RETRY_MAX_S = 10.0
 """First and longest pause before a release the bucket did not take is tried again."""
@@ -89,6 +97,8 @@ class Releaser:
         """claim key → the holder under which it is remembered."""
         self._completed: dict[str, str] = {}
         """claim key → the author of a completed record heard of before its claim."""
+        self._retired: dict[tuple[str, str], None] = {}
+        """(agent id, instance) of each process replaced by a new one (oldest first)."""
         self.follower: Follower | None = None
         """The follow of ``reach_claims`` (None: not started)."""
         self._catch_up: ackreads.CatchUp | None = None
@@ -202,6 +212,11 @@ class Releaser:
         if self.state_of(claim.agent_id) == "offline":
             self.ctx.spawn(self.release(claim.agent_id, "it was offline when the broker "
                                         "learnt of the claim"), "claims-release")  # fmt: skip
+        elif (claim.agent_id, claim.instance) in self._retired:
+            why = (f"its process {claim.instance} had been replaced by a new one when the "
+                   "broker learnt of the claim")  # fmt: skip
+            self.ctx.spawn(self.release(claim.agent_id, why, only=claim.instance),
+                           "claims-release")  # fmt: skip
 
     def _forget_oldest(self) -> None:
         key = next(iter(self._holder_of))
@@ -223,10 +238,16 @@ class Releaser:
         if (t.to == "offline" or t.kind == "evicted") and t.agent_id in self._running:
             self.ctx.spawn(self.release(t.agent_id, t.reason), "claims-release")
 
-    def replaced(self, agent_id: str, instance: str) -> None:
-        """A new process of ``agent_id`` (``instance``) was accepted over an old one: the
-        old one is gone, as if declared offline, so the claims its instances hold are
-        released (not the new one's)."""
+    def replaced(self, agent_id: str, instance: str, old: str) -> None:
+        """A new process of ``agent_id`` (``instance``) was accepted over an old one
+        (``old``): the old one is gone, as if declared offline, so the claims its instances
+        hold are released (not the new one's), and a claim of ``old`` learnt later is
+        released on arrival (remembered even before the follow starts: its catch-up
+        delivers them)."""
+        retired = self._retired
+        if len(retired) >= RETIRED_MAX:
+            del retired[next(iter(retired))]
+        retired[(agent_id, old)] = None
         if self.follower is None:
             return
         if any(c.instance != instance for _, c in self._running.get(agent_id, {}).values()):
@@ -234,15 +255,18 @@ class Releaser:
             self.ctx.spawn(self.release(agent_id, why, keep=instance), "claims-release")
 
     async def release(self, agent_id: str, why: str, pause_s: float = RELEASE_RETRY_S, *,
-                      keep: str | None = None) -> int:  # fmt: skip
-        """Release every running claim ``agent_id`` holds (but those of instance ``keep``);
-        returns how many this replica released (another replica, or the holder finishing,
-        may have been first). A release the bucket did not take is tried again (after
-        ``pause_s``, doubling) while the agent stays gone: a claim left ``running`` would
-        keep its request from ever running."""
+                      keep: str | None = None, only: str | None = None) -> int:  # fmt: skip
+        """Release every running claim ``agent_id`` holds (but those of instance ``keep``;
+        with ``only``, those of that instance alone); returns how many this replica
+        released (another replica, or the holder finishing, may have been first). A
+        release the bucket did not take is tried again (after ``pause_s``, doubling) while
+        the agent stays gone: a claim left ``running`` would keep its request from ever
+        running."""
         done = failed = 0
         for key, (revision, claim) in list(self._running.get(agent_id, {}).items()):
-            if keep is not None and claim.instance == keep:
+            if (keep is not None and claim.instance == keep) or (
+                only is not None and claim.instance != only
+            ):
                 continue
             reason = (f"claim of request {claim.request_id} released: holder {agent_id!r} "
                       f"declared offline before finishing ({why})")  # fmt: skip
@@ -273,16 +297,18 @@ class Releaser:
             subject = self.ctx.subjects.event("released", agent_id)
             self.ctx.spawn(self.ctx.nc.publish(subject, schema.encoder.encode(event)), "event")
         if failed:
-            self.ctx.spawn(self._release_later(agent_id, why, pause_s, keep), "claims-release")
+            self.ctx.spawn(self._release_later(agent_id, why, pause_s, keep, only),
+                           "claims-release")  # fmt: skip
         return done
 
     async def _release_later(self, agent_id: str, why: str, pause_s: float,
-                             keep: str | None) -> None:  # fmt: skip
+                             keep: str | None, only: str | None) -> None:  # fmt: skip
         """Try a release the bucket did not take again: while the agent stays gone, or, for
-        an old process replaced by ``keep``, in any case (the new process being healthy does
-        not bring the old one's claims back)."""
+        an old process replaced (by ``keep``, or ``only`` itself), in any case (the new
+        process being healthy does not bring the old one's claims back)."""
         await asyncio.sleep(pause_s)
         if self.follower is None:
             return
-        if keep is not None or self.state_of(agent_id) in ("offline", None):
-            await self.release(agent_id, why, min(pause_s * 2, RELEASE_RETRY_MAX_S), keep=keep)
+        if keep is not None or only is not None or self.state_of(agent_id) in ("offline", None):
+            await self.release(agent_id, why, min(pause_s * 2, RELEASE_RETRY_MAX_S), keep=keep,
+                               only=only)  # fmt: skip
