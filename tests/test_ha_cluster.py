@@ -117,6 +117,16 @@ async def fleet(
         await asyncio.gather(*(a.stop(grace=1.0) for a in agents), return_exceptions=True)
 
 
+def owner_known(brokers: list[Broker], capability: str) -> bool:
+    """Whether every broker's route forwarder names the broker that holds ``capability``'s
+    partition as its owner."""
+    p = partition(capability, brokers[0].cfg.fleet.partitions)
+    owner = next((b for b in brokers if p in b.partitions.held), None)
+    return owner is not None and all(
+        b.forwarder.owner_of(capability)[1] == owner.forwarder.token for b in brokers
+    )
+
+
 def healthy_at_owners(brokers: list[Broker], agents: list[reach_agent.Agent]) -> bool:
     """Every partition held by exactly one broker, each broker holding its fair share (the
     fleet settled: the first broker took every partition before the second started, and
@@ -245,6 +255,11 @@ async def test_killing_a_node_with_a_third_of_the_agents(tmp_path: Path, lost: s
                 assert len(on_n3) == 3
                 await wait_for(lambda: healthy_at_owners(brokers, agents), 10,
                                what="every agent healthy at its partition's owner")  # fmt: skip
+                # And each broker's route forwarder knows the owner "job" has now: until its
+                # read of the leases catches up with the rebalance, a forward may be refused
+                # (OVERLOADED, retry soon: not_owner or no_owner), before any kill.
+                await wait_for(lambda: owner_known(brokers, "job"), 10,
+                               what="the owner of 'job' known to both forwarders")  # fmt: skip
                 seen.items.clear()  # from here on
                 replies: list[tuple[float, set[str]]] = []
                 down: dict[str, float] = {}
