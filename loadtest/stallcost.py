@@ -2,13 +2,16 @@
 registers, and what the garbage collector's full collections take of it.
 
     python -m loadtest.stallcost [--agents 25000] [--settle 10] [--no-freeze]
+                                 [--in-flight 256]
 
 One ``nats-server`` (JetStream, a temporary directory) and, in this process on one uvloop
 loop, a broker with all its loops running, its heap frozen after each full collection as
 the ``reach broker`` process has it (:mod:`reach_broker.heap`; ``--no-freeze``: not).
 ``--agents`` agents (``loadtest.sim``'s) announce over NATS from a connection of their own,
-256 in flight; a route request goes every 100 ms from another; a watcher on the same loop
-sleeps 5 ms at a time and counts each oversleep past 50 ms as a stall. The measure runs
+``--in-flight`` at once (256, about one simulator's; the whole fleet: a storm of
+re-announces, as after a broker restarted with an empty KV asks every agent); a route
+request goes every 100 ms from another; a watcher on the same loop sleeps 5 ms at a time
+and counts each oversleep past 50 ms as a stall. The measure runs
 from the first announce until ``--settle`` seconds after the last (the snapshot, the tables
 and the events written). Printed: the stalls (count, longest, the ten longest with when),
 the slowest route request, every full collection (when, how long) and the registration's
@@ -38,7 +41,8 @@ from .local import local_stack
 from .memory import fleet
 
 IN_FLIGHT = 256
-"""Announces awaiting their answer at once (as ``loadtest.sim`` sends them)."""
+"""Announces awaiting their answer at once, by default (about as ``loadtest.sim`` sends
+them)."""
 WATCH_S = 0.005
 STALL_S = 0.05
 """The watcher sleeps ``WATCH_S``; an oversleep longer than ``STALL_S`` is a stall."""
@@ -94,7 +98,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 slowest[0] = max(slowest[0], time.perf_counter() - t)
                 await asyncio.sleep(0.1)
 
-        sem = asyncio.Semaphore(IN_FLIGHT)
+        sem = asyncio.Semaphore(args.in_flight)
         subjects = broker.subjects
 
         async def announce(agent: Any) -> None:
@@ -132,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                                 description=__doc__.split("\n")[0])  # fmt: skip
     p.add_argument("--agents", type=int, default=25_000)
     p.add_argument("--settle", type=float, default=10.0, help="seconds measured after the last")
+    p.add_argument("--in-flight", type=int, default=IN_FLIGHT,
+                   help=f"announces awaiting their answer at once ({IN_FLIGHT})")  # fmt: skip
     p.add_argument(
         "--no-freeze",
         dest="freeze",
