@@ -124,7 +124,8 @@ class AttemptLoop:
                     # answers this copy with its run's result (its duplicate window); a new
                     # process of the holder takes over the claim its dead predecessor left
                     # running (no broker releases it: the agent stays healthy) and runs it.
-                    # Behind an open breaker, or unanswered, the call waits for the holder.
+                    # Behind an open breaker the call waits for the holder at once; not
+                    # delivered, it goes on as after any lost attempt.
                     holder = self.holders.target(value.holder, capability)
                     allowed, change = self.breakers.allow(holder.agent_id, capability,
                                                           self.clock())  # fmt: skip
