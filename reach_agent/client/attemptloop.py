@@ -49,6 +49,24 @@ class AttemptLoop:
         self.attempts = attempts
         self.holders = holders
 
+    def _holder_to_ask(self, call: Call, holder: str) -> schema.Candidate | None:
+        """The agent holding ``call``'s claim as its next attempt, once per call: a holder
+        running the request answers the copy with its run's result (its duplicate window); a
+        new process of the holder takes over the claim its dead predecessor left running (no
+        broker releases it: the agent id stays healthy) and runs it. None when it was tried
+        already or is behind an open breaker: the call then waits for the holder at once
+        (one not reached goes on as after any lost attempt)."""
+        if holder in call.tried:
+            return None
+        allowed, change = self.breakers.allow(holder, call.capability, self.clock())
+        self.attempts.breaker_changed(holder, call.capability, change)
+        if not allowed:
+            return None
+        log.info("call.ask_holder request_id=%s holder=%s", call.request_id, holder)
+        call.attempt += 1
+        call.tried.append(holder)
+        return self.holders.target(holder, call.capability)
+
     async def run(self, call: Call, inbox: ReplyInbox) -> Any:
         """Attempts until one succeeds or the retry rule says stop."""
         cfg = self.config
@@ -119,24 +137,10 @@ class AttemptLoop:
                 call.taker = value.holder
                 if call.ack_mode == "received":
                     return schema.Receipt(request_id=call.request_id, agent_id=value.holder)
-                if value.holder not in call.tried:
-                    # Ask the holder itself, once per call: a holder running the request
-                    # answers this copy with its run's result (its duplicate window); a new
-                    # process of the holder takes over the claim its dead predecessor left
-                    # running (no broker releases it: the agent stays healthy) and runs it.
-                    # Behind an open breaker the call waits for the holder at once; not
-                    # delivered, it goes on as after any lost attempt.
-                    holder = self.holders.target(value.holder, capability)
-                    allowed, change = self.breakers.allow(holder.agent_id, capability,
-                                                          self.clock())  # fmt: skip
-                    self.attempts.breaker_changed(holder.agent_id, capability, change)
-                    if allowed:
-                        log.info("call.ask_holder request_id=%s holder=%s", call.request_id,
-                                 holder.agent_id)  # fmt: skip
-                        target = holder
-                        call.attempt += 1
-                        call.tried.append(holder.agent_id)
-                        outcome, value = await self.attempts.send(call, holder, inbox)
+                holder = self._holder_to_ask(call, value.holder)
+                if holder is not None:
+                    target = holder
+                    outcome, value = await self.attempts.send(call, holder, inbox)
             if outcome == "error" and isinstance(value, InProgress):
                 call.taker = value.holder
                 end, value = await self.holders.wait(call, value.holder, self.clock)
