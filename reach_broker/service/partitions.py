@@ -150,8 +150,6 @@ class Partitions:
         self._task: asyncio.Task[None] | None = None
         self._balancing: asyncio.Task[None] | None = None
         """The hand-backs and takes of the last round, under way."""
-        self._again = False
-        """A round was woken while a balance ran (it did not balance): another at its end."""
         self._follow = follow
         """``reach_follow_*{follow="presence"}``: the presence keys' follow."""
         self._presence: Follower | None = None
@@ -420,7 +418,7 @@ class Partitions:
                     # may have been woken by what it could not see (partitions another
                     # broker freed after it tried them: left unheld for a third of the
                     # lease's time to live, found by a CI run of test_partition_leases).
-                    self._again = True
+                    self._balancing.add_done_callback(lambda _: self._wake.set())
             except Exception:  # noqa: BLE001 - the loop body never dies
                 log.exception("partitions.round failed")
 
@@ -429,9 +427,6 @@ class Partitions:
             await self.balance(mine, warm=warm)
         except Exception:  # noqa: BLE001 - the next round balances again
             log.exception("partitions.balance failed")
-        if self._again:  # a round came while this ran: it runs again, now
-            self._again = False
-            self._wake.set()
 
     # --- the other brokers' presence -----------------------------------------------------------
 
