@@ -118,12 +118,13 @@ async def fleet(
 
 
 def owner_known(brokers: list[Broker], capability: str) -> bool:
-    """Whether every broker's route forwarder names the broker that holds ``capability``'s
-    partition as its owner."""
+    """Whether every other broker's route forwarder names the broker that holds
+    ``capability``'s partition as its owner (read, not asked: asking may read the leases
+    again)."""
     p = partition(capability, brokers[0].cfg.fleet.partitions)
     owner = next((b for b in brokers if p in b.partitions.held), None)
     return owner is not None and all(
-        b.forwarder.owner_of(capability)[1] == owner.forwarder.token for b in brokers
+        b.forwarder.owners.of[p] == owner.forwarder.token for b in brokers if b is not owner
     )
 
 
