@@ -30,6 +30,9 @@ from jetstream.provision import load_definitions, provision
 from loadtest.tcpproxy import TcpProxy
 from reach_agent import ClientConfig
 from reach_agent.agent.claiming import Claimer, decide
+from reach_agent.agent.dedup import DedupCache
+from reach_agent.agent.handling import kind_of
+from reach_agent.agent.serving import TaskServer
 from reach_agent.results import ended_by_record
 from reach_agent.wire import schema
 from reach_agent.wire.errors import from_reply
@@ -458,6 +461,77 @@ class LostAnswers(ClaimStore):
             self.gets -= 1
             raise ClaimsUnavailable(f"JetStream did not return the claim {key!r} (test)")
         return await super().get(key)
+
+
+class HeldCreate(ClaimStore):
+    """The real bucket, but the create of ``key`` waits for ``gate``, then is refused (no
+    answer: nothing stored) or stored, as ``refuse`` says."""
+
+    def __init__(self, nc: NATS, key: str, *, refuse: bool) -> None:
+        super().__init__(nc)
+        self.key, self.refuse = key, refuse
+        self.waiting, self.gate = asyncio.Event(), asyncio.Event()
+
+    async def create(self, key: str, data: bytes) -> tuple[bool, Stored]:
+        if key != self.key:
+            return await super().create(key, data)
+        self.waiting.set()
+        await self.gate.wait()
+        if self.refuse:
+            raise ClaimsUnavailable(f"JetStream did not confirm the claim {key!r} (test)")
+        return await super().create(key, data)
+
+
+@pytest.mark.parametrize("refuse", [True, False])
+async def test_a_copy_gets_its_receipt_only_once_the_first_copys_claim_is_taken(
+    provisioned: NatsServer, nc: NATS, refuse: bool
+) -> None:
+    """A copy of a request whose first copy is still being claimed got its receipt at
+    once; when that claim was then refused (STORE_UNAVAILABLE), a replay holding the copy
+    as taken waited for a run that never came, then removed the entry unrun (found by
+    loadtest.nemesis: three submits lost in a JetStream outage). The copy now waits for
+    the claim: refused, it gets the refusal and no receipt; taken, the receipt and the
+    result."""
+    rid, later = str(uuid.uuid4()), str(uuid.uuid4())
+    runs: list[str] = []
+    server = TaskServer("dup", 4, SUBJECTS, dedup=DedupCache(100, 60.0), metrics=None)
+
+    async def handle(task: reach_agent.Task) -> dict[str, Any]:
+        runs.append(task.request_id)
+        return {"n": 1}
+
+    server.handlers["cap"] = (handle, kind_of(handle))
+    store = HeldCreate(nc, claim_key(rid), refuse=refuse)
+    await server.subscribe(nc, ["cap"], claimer=Claimer(nc, "dup", "i1", SUBJECTS, store=store),
+                           ack_sink=None)  # fmt: skip
+    caller = await nats.connect(provisioned.url)
+    try:
+        task = SUBJECTS.task("dup", "cap")
+        copy = {schema.H_RECEIPT: "1", H_REQUEST_ID: rid}
+        first = await caller.subscribe("_INBOX.first")
+        second = await caller.subscribe("_INBOX.second")
+        await caller.publish(task, b"{}", reply="_INBOX.first", headers=copy)
+        await asyncio.wait_for(store.waiting.wait(), 5)
+        await caller.publish(task, b"{}", reply="_INBOX.second", headers=copy)
+        # A later task on the same subscription: once it is answered, the copy was handled
+        # (one callback at a time, in order), and anything it sent came first.
+        reply = await caller.request(task, b"{}", headers={H_REQUEST_ID: later}, timeout=5)
+        assert msgspec.json.decode(reply.data) == {"n": 1}
+        assert (first.pending_msgs, second.pending_msgs) == (0, 0)  # the claim is undecided
+        store.gate.set()
+        for sub in (first, second):
+            got = [await sub.next_msg(timeout=5) for _ in range(1 if refuse else 2)]
+            statuses = [(m.headers or {}).get(schema.H_STATUS) for m in got]
+            if refuse:
+                err = from_reply(got[0].headers, got[0].data)
+                assert (statuses, err and err.code) == ([None], "STORE_UNAVAILABLE")
+            else:
+                assert statuses == ["received", "completed"]
+                assert msgspec.json.decode(got[1].data) == {"n": 1}
+        assert runs == ([later] if refuse else [later, rid])
+    finally:
+        await caller.close()
+        await server.drain(1.0)
 
 
 async def test_a_claim_stored_although_unconfirmed_is_run_or_released_never_left_running(

@@ -40,7 +40,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 import msgspec
@@ -118,6 +118,8 @@ class Run:
     claim: bool
     task: asyncio.Task[None] | None = None
     phase: str = "claiming"
+    claimed: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once the fleet-wide claim is this run's: a copy's receipt may leave from then."""
     cancelled: str | None = None
     """The cancel's reason, once cancelled."""
     grace: asyncio.TimerHandle | None = None
@@ -304,6 +306,13 @@ class TaskServer:
                 await self._publish(reply, body, headers)
             return
         assert entry is not None  # a duplicate
+        first = self._runs.get(request_id)
+        if reply and first is not None and first.claim and not first.claimed.is_set():
+            # Its run is still claiming: a receipt now would say this agent holds a request
+            # whose claim may yet be refused (a replay held such a copy as taken, and
+            # removed it unrun: found by loadtest.nemesis).
+            self._tasks.spawn(self._copy_once_claimed(first, reply, d), "reach-dup")
+            return
         if reply and d.receipt:
             await self._send_receipt(reply, request_id)
         if reply and d.ack_mode != "received":
@@ -331,6 +340,23 @@ class TaskServer:
         else:
             headers, body = await asyncio.shield(entry.future)
         await self._publish(reply, body, headers)
+
+    async def _copy_once_claimed(self, run: Run, reply: str, d: Admission) -> None:
+        """A copy of a request whose run is still claiming it: its receipt once the claim is
+        the run's, then (unless it asked for the receipt alone) the run's reply; or, when the
+        run does not claim it (refused, or another agent's), that answer alone."""
+        claimed: asyncio.Future[object] = asyncio.ensure_future(run.claimed.wait())
+        done: asyncio.Future[object] = asyncio.shield(run.entry.future)
+        try:
+            await asyncio.wait({claimed, done}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            claimed.cancel()
+        if run.claimed.is_set():
+            if d.receipt:
+                await self._send_receipt(reply, run.request_id)
+            if d.ack_mode == "received":
+                return
+        await self._reply_when_done(run.entry, reply)
 
     async def _reply_when_done(self, entry: Entry, reply: str) -> None:
         headers, body = await asyncio.shield(entry.future)
@@ -439,6 +465,7 @@ class TaskServer:
                 if answer is not None:
                     await self._answer(run, answer)
                     return
+                run.claimed.set()
                 if run.msg.reply and run.admission.receipt:
                     await self._send_receipt(run.msg.reply, request_id)  # the claim is ours
             error = await self._execute(run, held)
