@@ -207,6 +207,15 @@ async def test_a_completed_record_ends_its_claim_for_repeats_releases_and_cancel
     assert await ended_by(nc, rid) == ("end-a", "running", "end-a")
     view = await broker.releaser.claim_of(rid)
     assert view is not None and (view.holder, view.state) == ("end-a", "completed")
+    # Released after all (end-a declared offline while it still ran, then finished): the
+    # record ends that claim too, so a replay removes its entry instead of giving it back.
+    stored = await ClaimStore(nc).get(claim_key(rid))
+    assert stored is not None
+    released = msgspec.structs.replace(claim, state="released", reason="a test")
+    assert await ClaimStore(nc).swap(claim_key(rid), schema.encoder.encode(released),
+                                     stored.revision) is not None  # fmt: skip
+    view = await broker.releaser.claim_of(rid)
+    assert view is not None and (view.holder, view.state) == ("end-a", "completed")
 
 
 async def test_an_idempotent_capability_runs_without_a_claim(

@@ -146,8 +146,11 @@ class Releaser:
             except msgspec.MsgspecError as exc:
                 raise ClaimsUnavailable(f"claim of {request_id!r} is not a Claim ({exc})") from None
             state = claim.state
-            if state == "running" and await self._ended(claim):
-                state = "completed"  # its holder's completed record ended it
+            if state in ("running", "released") and await self._ended(claim):
+                # Its holder's completed record ended it: also a claim released while its
+                # holder, declared offline, still ran and then finished (else a replay
+                # gives the entry back at every check, for ever: found by loadtest.nemesis).
+                state = "completed"
         except ClaimsUnavailable:
             self._store_errors.labels("claims", "lookup").inc()
             raise
