@@ -25,6 +25,7 @@ from reach_broker.config import Config
 from reach_broker.core.registry import Registry
 from reach_broker.core.tables import TableBook
 from reach_broker.core.tokens import TokenSigner
+from reach_broker.service import tables as tables_service
 
 from .conftest import BrokerFactory, wait_for
 from .test_sdk_failover import healthy
@@ -128,6 +129,34 @@ def test_a_heartbeat_that_moves_only_the_load_goes_out_as_a_load_not_an_entry() 
     deltas = book.changes({"a"}, reg.agents.get, 2.0)
     assert [(d.loads, [(e.state, e.active) for e in d.upserts]) for d in deltas] == [
         ([], [("suspect", 2)])] * 2  # fmt: skip
+
+
+def test_agents_taken_in_bit_by_bit_are_cut_as_one_and_a_lost_partition_drops_its_part() -> None:
+    """Agents taken in over several touches make one delta per share at the cut, each agent
+    once, the version advanced by one; what was taken in for a partition lost before the cut
+    is not said."""
+    reg, book = book_world()
+    ids = [f"a{i}" for i in range(40)]
+    for a in ids:
+        announce(reg, a, ["x"], 0.0)
+    for p in range(4):
+        book.own(p, 1, reg.agents, 0.0)
+    reg.changed.clear()
+    versions = {p: book.shares[(p, "x")].version for p in range(4)}
+    for a in ids:
+        reg.agents[a].set_load(1, 0)
+    book.touch(ids[:15], reg.agents.get, 1.0)
+    book.touch(ids[15:], reg.agents.get, 1.0)
+    deltas = book.cut()
+    assert sorted((d.partition, d.prev, d.version) for d in deltas) == [
+        (p, versions[p], versions[p] + 1) for p in range(4)]  # fmt: skip
+    assert sorted(load.agent_id for d in deltas for load in d.loads) == sorted(ids)
+    assert book.cut() == []  # nothing taken in since
+    for a in ids:
+        reg.agents[a].set_load(2, 0)
+    book.touch(ids, reg.agents.get, 2.0)
+    book.disown(0)
+    assert sorted(d.partition for d in book.cut()) == [1, 2, 3]
 
 
 # --- a caller's copy ---------------------------------------------------------------------------
@@ -396,3 +425,60 @@ async def test_a_new_owners_delta_that_comes_during_a_fetch_has_the_table_asked_
         assert asked == 2
     finally:
         await follower.stop()
+
+
+async def test_a_flush_takes_the_changed_agents_in_a_chunk_at_a_time_and_a_request_finishes_it(
+    broker: Broker, nc: NATS
+) -> None:
+    """2,000 agents changed at once: the flush lets the event loop run after every
+    ``TOUCH_CHUNK`` of them (it took them all in one callback: every route request waited
+    behind it). A request for the table while the flush is under way answers with every
+    agent, and the deltas that follow each other in each share say each agent once."""
+    n = 2_000
+    deltas: list[TableDelta] = []
+
+    async def on_delta(msg: Any) -> None:
+        deltas.append(schema.table_delta_decoder.decode(msg.data))
+
+    await nc.subscribe("reach.table.*.chunked", cb=on_delta)
+    await nc.flush()
+    known, chunk = broker.tables.book.known, tables_service.TOUCH_CHUNK
+    before = len(known)
+    now = broker.clock()
+    for i in range(n):
+        announce(broker.registry, f"chunk-{i:04d}", ["chunked"], now)
+    steps: list[int] = []  # agents taken in between two turns of the loop
+    last = before
+    asked: asyncio.Task[Any] | None = None
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5.0
+    while len(known) < before + n:
+        assert loop.time() < deadline, f"{len(known) - before} of {n} agents taken in"
+        await asyncio.sleep(0)
+        if asked is None and len(known) > last:
+            steps.append(len(known) - last)
+            if len(known) - before >= 2 * chunk:  # under way: ask for the table now
+                asked = asyncio.create_task(nc.request("reach.tables.chunked", b"", timeout=5))
+        last = len(known)
+    assert steps and max(steps) <= chunk, steps
+    assert len(steps) >= 2
+    assert asked is not None
+    table = schema.table_decoder.decode((await asked).data)  # 200 kB: past a body's limit
+    assert sorted(e.agent_id for s in table.shares for e in s.entries) == sorted(
+        f"chunk-{i:04d}" for i in range(n))  # fmt: skip
+    versions = {s.partition: s.version for s in table.shares}
+
+    def upto() -> list[TableDelta]:  # later deltas: the agents' silence (they never beat)
+        return [d for d in deltas if d.version <= versions[d.partition]]
+
+    await wait_for(
+        lambda: {d.partition: d.version for d in upto()} == versions,
+        what="the deltas up to the table's versions",
+    )
+    by_share: dict[int, list[TableDelta]] = {}
+    for d in upto():
+        by_share.setdefault(d.partition, []).append(d)
+    for p, seq in by_share.items():
+        assert [d.prev for d in seq] == [0, *[d.version for d in seq[:-1]]], (p, seq)
+    said = sorted(e.agent_id for d in upto() for e in d.upserts)
+    assert said == sorted(f"chunk-{i:04d}" for i in range(n))

@@ -4,11 +4,13 @@ A capability's table is the union of its shares, one per partition of the fleet
 (:func:`reach_agent.routing.table.partition`). A broker publishes the shares of the
 partitions it owns (``service/partitions.py``: a lease each) and only those.
 :class:`TableBook` keeps, per share, the entries as last published and its version within the
-owner's epoch; :meth:`TableBook.changes` turns the agents that changed since the last call (the
-registry's ``changed``) into one :class:`~reach_agent.wire.schema.TableDelta` per share that
-moved: an agent whose load or score alone moved as a
-:class:`~reach_agent.wire.schema.TableLoad`, any other change as its whole entry. Pure: the
-service publishes what it returns.
+owner's epoch. :meth:`TableBook.touch` takes in agents that changed (the registry's
+``changed``), as many at a time as the caller likes, and :meth:`TableBook.cut` turns all it
+took in since the last cut into one :class:`~reach_agent.wire.schema.TableDelta` per share
+that moved: an agent whose load or score alone moved as a
+:class:`~reach_agent.wire.schema.TableLoad`, any other change as its whole entry
+(:meth:`TableBook.changes` is both at once). An agent is taken in at most once between two
+cuts. Pure: the service publishes what it returns.
 
 A share holds every member of the capability in its partition, whatever its state (the
 ranking's panic rule counts them), as :func:`entry_of` makes it; an agent leaves a share when
@@ -156,6 +158,8 @@ class TableBook:
         self.known: dict[str, Known] = {}
         """Each agent of an owned partition, as last published."""
         self._policies: dict[str, Policy] = {}
+        self._touched: dict[tuple[int, str], _Touched] = {}
+        """What the next cut says, per share: the agents taken in since the last one."""
 
     def partition_of(self, agent_id: str) -> int:
         known = self.known.get(agent_id)
@@ -184,6 +188,7 @@ class TableBook:
         self.epochs.pop(p, None)
         for key in [k for k in self.shares if k[0] == p]:
             del self.shares[key]
+            self._touched.pop(key, None)  # taken in for the old epoch: not said in the new
         for agent_id in [a for a, k in self.known.items() if k.partition == p]:
             del self.known[agent_id]
 
@@ -192,13 +197,29 @@ class TableBook:
     def changes(
         self, changed: Iterable[str], record: Callable[[str], AgentRecord | None], now: float
     ) -> list[TableDelta]:
-        """The deltas that take every share from what was last published to the agents
-        ``changed`` as ``record`` knows them now (None: evicted): one per share that moved,
-        its version advanced; agents of partitions not owned are skipped. An agent whose load
+        """:meth:`touch` then :meth:`cut`: the deltas that take every share from what was
+        last published to the agents ``changed`` (and any taken in before) as they are now."""
+        self.touch(changed, record, now)
+        return self.cut()
+
+    def cut(self) -> list[TableDelta]:
+        """The deltas of everything taken in since the last cut: one per share that moved,
+        its version advanced."""
+        touched, self._touched = self._touched, {}
+        return [self._delta(p, cap, t.upserts, t.removed, t.loads)
+                for (p, cap), t in touched.items()]  # fmt: skip
+
+    def touch(
+        self, changed: Iterable[str], record: Callable[[str], AgentRecord | None], now: float
+    ) -> None:
+        """Take in the agents ``changed`` as ``record`` knows them now (None: evicted), for
+        the next :meth:`cut`; agents of partitions not owned are skipped. An agent whose load
         or score alone moved (its announce, capabilities, state and slow start as published)
-        goes out as a :class:`~reach_agent.wire.schema.TableLoad`, not its whole entry."""
+        goes out as a :class:`~reach_agent.wire.schema.TableLoad`, not its whole entry. Each
+        share's entries move at once (a request for the share reads them); its version at
+        the cut."""
         slow_s = self.routing.slow_start_s
-        touched: dict[tuple[int, str], _Touched] = {}
+        touched = self._touched
         epochs, known, partitions, shares = self.epochs, self.known, self.partitions, self.shares
         for agent_id in changed:
             k = known.get(agent_id)
@@ -263,8 +284,6 @@ class TableBook:
                 del known[agent_id]
             else:
                 k.caps = caps
-        return [self._delta(p, cap, t.upserts, t.removed, t.loads)
-                for (p, cap), t in touched.items()]  # fmt: skip
 
     def policies_changed(self) -> list[TableDelta]:
         """A delta for every share of each capability whose policy (local, rule) moved since
