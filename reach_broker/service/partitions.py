@@ -423,6 +423,7 @@ class Partitions:
                     # may have been woken by what it could not see (partitions another
                     # broker freed after it tried them: left unheld for a third of the
                     # lease's time to live, found by a CI run of test_partition_leases).
+                    log.debug("partitions.balance_under_way: a round again once it ends")
                     self._balancing.add_done_callback(lambda _: self._wake.set())
             except Exception:  # noqa: BLE001 - the loop body never dies
                 log.exception("partitions.round failed")
