@@ -2,16 +2,22 @@
 confirmation timed out at the broker but which the server wrote after all is the broker's own,
 and the partition is kept; a lease another broker wrote is lost; a read of the leases from
 before a partition was handed back does not make its old owner answer for it; the brokers
-present are counted also when the server answers a consumer info before the keys it sent."""
+present are counted also when the server answers a consumer info before the keys it sent;
+partitions handed back while a balance that already tried them is under way are taken as soon
+as it ends."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 
 import msgspec
 import nats
+import pytest
 from nats.aio.client import Client as NATS
 
+from jetstream.claims import ClaimStore, Stored
 from jetstream.names import PARTITIONS_BUCKET, PARTITIONS_STREAM
 from jetstream.provision import load_definitions, provision
 from reach_agent.routing.table import partition
@@ -20,7 +26,7 @@ from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.config import Config
 from reach_broker.service.context import BrokerContext, Link, Tasks
 from reach_broker.service.metrics import Metrics
-from reach_broker.service.partitions import Lease, Partitions, presence_key
+from reach_broker.service.partitions import Lease, Partitions, Presence, presence_key
 
 from .conftest import BrokerFactory, wait_for
 from .infofirst import InfoFirstProxy
@@ -127,3 +133,97 @@ async def test_the_brokers_present_are_counted_when_the_info_overtakes_their_key
         finally:
             await parts.stop()
             await proxied.close()
+
+
+class HeldAnswers(ClaimStore):
+    """The leases' store on the real server, whose creates, once :meth:`hold` is called, are
+    written and read at once but answered only when :meth:`let_go` is: takes that looked
+    before another broker's hand-back and hear back after it (a busy JetStream)."""
+
+    def __init__(self, nc: NATS) -> None:
+        super().__init__(nc, bucket=PARTITIONS_BUCKET)
+        self.held: list[int] = []
+        """The partitions whose create answers are held, in the order they came."""
+        self._holding = False
+        self._go = asyncio.Event()
+
+    def hold(self) -> None:
+        self._holding = True
+
+    def let_go(self) -> None:
+        self._holding = False
+        self._go.set()
+
+    async def create(self, key: str, data: bytes) -> tuple[bool, Stored]:
+        answer = await super().create(key, data)
+        if self._holding:
+            self.held.append(int(key))
+            async with asyncio.timeout(30):
+                await self._go.wait()
+        return answer
+
+
+async def test_partitions_freed_while_a_balance_is_under_way_are_taken_when_it_ends(
+    nats_server: NatsServer, nc: NATS, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another broker hands back the partitions a joining broker's balance has just tried
+    (their answers, naming the other, still on their way): the round that hand-back wakes
+    finds the balance under way, and once it ends another round takes them, all 16, at once
+    (it used to skip its balance: they stayed unheld until the next round, a third of the
+    lease's time to live later, here 200 s)."""
+    caplog.set_level(logging.DEBUG, logger="reach_broker.service.partitions")
+    ttl_s = 600.0  # rounds every 200 s: only the wakes run rounds within the test
+    leases = {PARTITIONS_STREAM: {"max_age": int(ttl_s * 1e9)}}
+    await provision(nc, load_definitions(names=(PARTITIONS_STREAM,), overrides=leases))
+    kv = await nc.jetstream().key_value(PARTITIONS_BUCKET)
+    # The other broker, played here: present, holding all 32 partitions.
+    await kv.put(presence_key("other"), b"")
+    theirs = msgspec.json.encode(Lease(broker_id="other", at_ms=1))
+    revisions = {p: await kv.create(str(p), theirs) for p in range(32)}
+    taken: list[tuple[int, bool]] = []
+
+    async def own(p: int, epoch: int, warm: bool) -> None:
+        taken.append((p, warm))
+
+    async def lose(p: int) -> None:
+        pass
+
+    cfg = Config()
+    cfg.fleet.lease_ttl_s = ttl_s
+    joining = await nats.connect(nats_server.url, name="test-joining")
+    store = HeldAnswers(joining)
+    ctx = BrokerContext(nc=joining, subjects=Subjects(), broker_id="joining",
+                        clock=time.monotonic, wall=time.time, spawn=Tasks().spawn,
+                        emit=lambda _: None, link=Link())  # fmt: skip
+    parts = Partitions(ctx, cfg.fleet, own, lose, jetstream=lambda: True,
+                       owned=Metrics().partitions_owned, store=store)  # fmt: skip
+    try:
+        await parts.start()  # its first round: every partition the other's
+        assert (parts.live, parts.held, taken) == (2, {}, [])
+        # The round the other's presence wakes ("joined") tries 16 partitions, its share.
+        store.hold()
+        await wait_for(lambda: len(store.held) == 16, 5, what="the balance's first 16 takes")
+        looked = sorted(store.held)
+        # The other hands those 16 back, and says so. (Those, not its highest 16 as a broker
+        # would: the balance's next 16 are tried only once these answer, after the hand-back,
+        # and would see any of them free.)
+        free = msgspec.json.encode(Lease(at_ms=2))
+        for p in looked:
+            await kv.update(str(p), free, last=revisions[p])
+        await kv.put(presence_key("other"), msgspec.json.encode(Presence(freed=looked)))
+        await wait_for(lambda: any(r.getMessage().startswith("partitions.balance_under_way")
+                                   for r in caplog.records), 5,
+                       what="the round it woke finding the balance under way")  # fmt: skip
+        store.let_go()  # the takes hear back: the other's, as they were when they looked
+        await wait_for(lambda: sorted(parts.held) == looked, 5,
+                       what="the 16 handed back taken")  # fmt: skip
+        assert sorted(taken) == [(p, True) for p in looked]  # handed back: warm
+        assert sorted(store.held) == looked  # none held once let go
+        for p in looked:
+            stored = await kv.get(str(p))
+            assert stored.value is not None
+            assert msgspec.json.decode(stored.value, type=Lease).broker_id == "joining"
+    finally:
+        store.let_go()
+        await parts.stop()
+        await joining.close()
