@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
+import time
 from typing import Any
 
 import pytest
@@ -395,3 +397,44 @@ async def test_the_rtt_sample_interval_is_exported(nc: NATS, broker_factory: Bro
     assert every._value.get() == 0.0
     await announce(nc, "sampled-a", heartbeat_interval_ms=30_000)  # healthy throughout
     await wait_for(lambda: every._value.get() == 7.0, what="the interval of one healthy agent")
+
+
+async def test_a_burst_of_route_requests_is_answered_32_at_a_time_between_turns_of_the_loop(
+    nc: NATS, broker: Broker
+) -> None:
+    """100 route requests queued at once: the endpoint lets the event loop run (and the
+    connection's flusher write the replies so far) after every 32 it answers. It answered
+    the whole queue in one turn, the first reply written only after the last request."""
+    answered = broker.metrics.route_result["no_agent"]  # nobody has the capability
+    before = answered.value
+    replies: list[str] = []
+
+    async def on_reply(msg: Any) -> None:
+        replies.append(msg.subject)
+
+    await nc.subscribe("_INBOX.burst.*", cb=on_reply)
+    await nc.flush()
+    for i in range(100):
+        await nc.publish("reach.route.burst", b"", reply=f"_INBOX.burst.{i}")
+    await nc.flush()  # all 100 at the server
+    # Hold the loop (the broker runs in it) while the server delivers them, so that the
+    # broker's next read finds all 100 queued, as under load.
+    time.sleep(0.2)  # noqa: ASYNC251 - holding the loop is the point
+    held = answered.value - before  # answered while the flush above waited
+    assert held < 100 - 32
+    seen = [held]
+
+    async def ticker() -> None:
+        while True:
+            seen.append(answered.value - before)
+            await asyncio.sleep(0)
+
+    ticking = asyncio.create_task(ticker())
+    try:
+        await wait_for(lambda: len(replies) == 100, what="100 replies")
+    finally:
+        ticking.cancel()
+    steps = [b - a for a, b in itertools.pairwise(seen) if b > a]
+    assert answered.value - before == 100
+    assert max(steps) <= 32, steps
+    assert len(steps) >= -(-(100 - held) // 32), steps
