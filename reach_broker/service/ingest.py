@@ -115,9 +115,9 @@ class Ingest:
         self.partitions = partitions
         self._heartbeat, self._announce, self._leave = heartbeat, announce, leave
         self.beats = [0] * partitions
+        """Heartbeats heard per partition (``reach_partition_heartbeats_total``)."""
         self._handled = 0
         """Heartbeats handled (every :data:`YIELD_EVERY`th lets the loop run)."""
-        """Heartbeats heard per partition (``reach_partition_heartbeats_total``)."""
         self._mapping = mapping
         """``reach_partition_mapping`` (by mode)."""
         self.mode: str | None = None
