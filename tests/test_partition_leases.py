@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import msgspec
 import nats
@@ -30,6 +31,21 @@ from reach_broker.service.partitions import Lease, Partitions, Presence, presenc
 
 from .conftest import BrokerFactory, wait_for
 from .infofirst import InfoFirstProxy
+
+
+def takes_into(
+    taken: list[tuple[int, bool]],
+) -> tuple[Callable[[int, int, bool], Awaitable[None]], Callable[[int], Awaitable[None]]]:
+    """A bare Partitions' own and lose: each partition taken noted in ``taken`` as
+    (partition, warm); a loss ignored."""
+
+    async def own(p: int, epoch: int, warm: bool) -> None:
+        taken.append((p, warm))
+
+    async def lose(p: int) -> None:
+        pass
+
+    return own, lose
 
 
 async def test_a_renewal_the_server_wrote_after_its_timeout_keeps_the_partition(
@@ -110,12 +126,7 @@ async def test_the_brokers_present_are_counted_when_the_info_overtakes_their_key
     for other in ("other-1", "other-2"):
         await kv.put(presence_key(other), b"")
     taken: list[tuple[int, bool]] = []
-
-    async def own(p: int, epoch: int, warm: bool) -> None:
-        taken.append((p, warm))
-
-    async def lose(p: int) -> None:
-        pass
+    own, lose = takes_into(taken)
 
     cfg = Config()
     async with InfoFirstProxy(nats_server.port) as proxy:
@@ -181,12 +192,7 @@ async def test_partitions_freed_while_a_balance_is_under_way_are_taken_when_it_e
     theirs = msgspec.json.encode(Lease(broker_id="other", at_ms=1))
     revisions = {p: await kv.create(str(p), theirs) for p in range(32)}
     taken: list[tuple[int, bool]] = []
-
-    async def own(p: int, epoch: int, warm: bool) -> None:
-        taken.append((p, warm))
-
-    async def lose(p: int) -> None:
-        pass
+    own, lose = takes_into(taken)
 
     cfg = Config()
     cfg.fleet.lease_ttl_s = ttl_s
