@@ -81,6 +81,7 @@ from reach_broker.service.listing import AgentPages
 from reach_broker.service.metrics import HandlerMetrics, Metrics, ReplayMetrics
 from reach_broker.service.observer import Observer
 from reach_broker.service.outcomes import Outcomes
+from reach_broker.service.owners import Owners
 from reach_broker.service.partitions import Partitions
 from reach_broker.service.probes import Prober
 from reach_broker.service.releases import Releaser
@@ -269,6 +270,8 @@ class Broker:
             owned=epochs.__contains__, owns_all=self.shares.owns_all,
             follow=self.shares.waiting, jetstream=lambda: self.jetstream_ok,
             forwards=m.route_forwards,
+            owners=Owners(ctx, cfg.fleet, owns_all=self.shares.owns_all,
+                          store=self.partitions.store),
         )  # fmt: skip
         """Route requests for a capability another broker owns, forwarded to it (quotas and
         hand-outs counted once)."""

@@ -113,7 +113,7 @@ class Forwarder:
         self, ctx: BrokerContext, cfg: FleetSection, route: Endpoint, handle: Handle, *,
         owned: Callable[[int], bool], owns_all: Callable[[], bool],
         follow: Callable[[str], Awaitable[None] | None], jetstream: Callable[[], bool],
-        forwards: Any,
+        forwards: Any, owners: Owners,
     ) -> None:  # fmt: skip
         self.ctx = ctx
         self.cfg = cfg
@@ -130,7 +130,8 @@ class Forwarder:
         self.jetstream = jetstream
         self.results = {r: forwards.labels(r) for r in FORWARD_RESULTS}
         """``reach_route_forwards_total`` by result."""
-        self.owners = Owners(ctx, cfg, owns_all=owns_all)
+        self.owners = owners
+        """Each partition's owner as the leases say (started and stopped with this)."""
         self.token = broker_token(ctx.broker_id)
         self.active = False
         """Whether requests are forwarded at all (leases kept: JetStream and tables on)."""

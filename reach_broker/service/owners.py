@@ -17,7 +17,6 @@ from collections.abc import Callable
 import msgspec
 
 from jetstream.claims import ClaimStore, ClaimsUnavailable
-from jetstream.names import PARTITIONS_BUCKET
 from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
 from reach_agent.wire.subjects import broker_token
@@ -35,13 +34,13 @@ class Owners:
     """Each partition's owner (its broker's subject token), read from the leases."""
 
     def __init__(self, ctx: BrokerContext, cfg: FleetSection, *,
-                 owns_all: Callable[[], bool]) -> None:  # fmt: skip
+                 owns_all: Callable[[], bool], store: ClaimStore) -> None:  # fmt: skip
         self.ctx = ctx
         self.cfg = cfg
         self.owns_all = owns_all
         """Whether this broker holds every lease (then nobody else's is read)."""
-        self.store = ClaimStore(ctx.nc, bucket=PARTITIONS_BUCKET,
-                                timeout_s=min(2.0, cfg.lease_ttl_s / 3))  # fmt: skip
+        self.store = store
+        """The leases' bucket (the one :class:`~.partitions.Partitions` keeps them in)."""
         self.of: list[str | None] = [None] * cfg.partitions
         """Each partition's owner as last read (None: nobody, or not read yet)."""
         self.freed: set[int] = set()
