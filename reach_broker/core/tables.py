@@ -101,12 +101,14 @@ def load_of(rec: AgentRecord) -> TableLoad:
 class Share:
     """One share as last published: its entries by agent id and its version."""
 
-    __slots__ = ("capability", "entries", "moved", "partition", "stored", "version")
+    __slots__ = ("capability", "entries", "moved", "partition", "pending", "stored", "version")
 
     def __init__(self, capability: str, p: int) -> None:
         self.capability = capability
         self.partition = p
         self.entries: dict[str, TableEntry] = {}
+        self.pending: _Touched | None = None
+        """What its next delta says (None: nothing taken in since the last cut)."""
         self.version = 0
         self.stored = -1
         """The version last written to the store (KV ``reach_tables``)."""
@@ -123,6 +125,8 @@ class Known(msgspec.Struct, gc=False):
 
     partition: int
     caps: tuple[str, ...] = ()
+    shares: tuple[Share, ...] = ()
+    """The shares of ``caps`` (a heartbeat's load goes to each without looking them up)."""
     entry: TableEntry | None = None
     announce: object = None
 
@@ -158,8 +162,9 @@ class TableBook:
         self.known: dict[str, Known] = {}
         """Each agent of an owned partition, as last published."""
         self._policies: dict[str, Policy] = {}
-        self._touched: dict[tuple[int, str], _Touched] = {}
-        """What the next cut says, per share: the agents taken in since the last one."""
+        self._touched: list[Share] = []
+        """The shares that moved since the last cut, in the order they first did (each holds
+        what its delta says: ``Share.pending``)."""
 
     def partition_of(self, agent_id: str) -> int:
         known = self.known.get(agent_id)
@@ -188,7 +193,8 @@ class TableBook:
         self.epochs.pop(p, None)
         for key in [k for k in self.shares if k[0] == p]:
             del self.shares[key]
-            self._touched.pop(key, None)  # taken in for the old epoch: not said in the new
+        # Taken in for the old epoch: not said in the new.
+        self._touched = [share for share in self._touched if share.partition != p]
         for agent_id in [a for a, k in self.known.items() if k.partition == p]:
             del self.known[agent_id]
 
@@ -205,9 +211,15 @@ class TableBook:
     def cut(self) -> list[TableDelta]:
         """The deltas of everything taken in since the last cut: one per share that moved,
         its version advanced."""
-        touched, self._touched = self._touched, {}
-        return [self._delta(p, cap, t.upserts, t.removed, t.loads)
-                for (p, cap), t in touched.items()]  # fmt: skip
+        touched, self._touched = self._touched, []
+        deltas = []
+        for share in touched:
+            t = share.pending
+            assert t is not None
+            share.pending = None
+            deltas.append(self._delta(share.partition, share.capability, t.upserts, t.removed,
+                                      t.loads))  # fmt: skip
+        return deltas
 
     def touch(
         self, changed: Iterable[str], record: Callable[[str], AgentRecord | None], now: float
@@ -247,43 +259,38 @@ class TableBook:
                         if entry is last:
                             continue  # nothing the tables say moved
                         k.entry = entry
-                        for cap in caps:
-                            key = (p, cap)
-                            shares[key].entries[agent_id] = entry
-                            t = touched.get(key)
+                        for share in k.shares:
+                            share.entries[agent_id] = entry
+                            t = share.pending
                             if t is None:
-                                t = touched[key] = _Touched()
+                                t = share.pending = _Touched()
+                                touched.append(share)
                             t.loads.append(load)
                         continue
                     k.entry = entry  # its capabilities moved: whole entries below
                 else:
                     entry = k.entry = entry_of(rec, now, slow_s)
                     k.announce = rec.announce
-            for cap in caps:
-                share = self._share(p, cap)
+            held = tuple(self._share(p, cap) for cap in caps)
+            for share in held:
                 old = share.entries.get(agent_id)
                 if old is not entry:
                     assert entry is not None
                     share.entries[agent_id] = entry
                     if old is None or old.state != entry.state:
                         share.moved = True
-                    t = touched.get((p, cap))
-                    if t is None:
-                        t = touched[(p, cap)] = _Touched()
-                    t.upserts.append(entry)
+                    self._pending(share).upserts.append(entry)
             for cap in old_caps:
                 if cap not in caps:
-                    gone = self.shares.get((p, cap))
+                    gone = shares.get((p, cap))
                     if gone is not None and gone.entries.pop(agent_id, None) is not None:
                         gone.moved = True
-                        t = touched.get((p, cap))
-                        if t is None:
-                            t = touched[(p, cap)] = _Touched()
-                        t.removed.append(agent_id)
+                        self._pending(gone).removed.append(agent_id)
             if rec is None:
                 del known[agent_id]
             else:
                 k.caps = caps
+                k.shares = held
 
     def policies_changed(self) -> list[TableDelta]:
         """A delta for every share of each capability whose policy (local, rule) moved since
@@ -309,6 +316,14 @@ class TableBook:
         return TableDelta(capability=cap, partition=p, epoch=self.epochs[p], version=version,
                           prev=prev, upserts=upserts, removed=removed, local=local,
                           rule=rule, loads=loads or [])  # fmt: skip
+
+    def _pending(self, share: Share) -> _Touched:
+        """What ``share``'s next delta says (started, and the share listed, at its first)."""
+        t = share.pending
+        if t is None:
+            t = share.pending = _Touched()
+            self._touched.append(share)
+        return t
 
     def _share(self, p: int, cap: str) -> Share:
         share = self.shares.get((p, cap))
