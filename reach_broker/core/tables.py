@@ -259,6 +259,9 @@ class TableBook:
                         if entry is last:
                             continue  # nothing the tables say moved
                         k.entry = entry
+                        # _pending(), inline: through the method the touch of 10,000 agents
+                        # (3 capabilities each) took 2.98-4.36 µs an agent against 2.68-3.35
+                        # (medians, alternated 4x).
                         for share in k.shares:
                             share.entries[agent_id] = entry
                             t = share.pending
