@@ -172,7 +172,9 @@ class RoutingSection(Section):
     """Unused: sticky keys go by rendezvous hashing, which keeps no ring (accepted so older
     files load; the route tables still carry it for callers of older SDKs)."""
     rank_refresh_ms: Annotated[float, Meta(ge=0)] = 50.0
-    """A capability's ranking is rebuilt at most this often (state changes apply at once)."""
+    """A capability's ranking is rebuilt at most this often, and a capability of more than 500
+    agents at most this often per 500 of them (a ranking sorts them all); state changes apply
+    at once (the walk reads them)."""
     slow_start_share: Share = 0.2
     """Share of traffic a just-recovered agent gets at first."""
     slow_start_s: Annotated[float, Meta(ge=0)] = 30.0

@@ -7,10 +7,12 @@ import random
 
 import pytest
 
+from reach_agent.routing.index import RANK_MEMBERS, CapabilityIndex
+from reach_agent.routing.member import Member, TaskStats
 from reach_agent.wire import schema
 from reach_agent.wire.errors import NoReachableAgent, Overloaded
 from reach_agent.wire.schema import Announce, Heartbeat, RouteReply, RouteRequest
-from reach_broker.config import Config
+from reach_broker.config import Config, RoutingSection
 from reach_broker.core.registry import Registry
 from reach_broker.core.routing import Router
 from reach_broker.core.tokens import TokenSigner
@@ -266,3 +268,48 @@ def test_the_inflight_ceiling_reads_the_fleet_as_it_is_now() -> None:
     with pytest.raises(Overloaded) as exc:
         w.route(1.1)
     assert exc.value.message == "fleet in-flight tasks 16 exceed the ceiling 15"
+
+
+def ranked_index(n: int) -> CapabilityIndex[Member]:
+    idx: CapabilityIndex[Member] = CapabilityIndex(CAP)
+    for i in range(n):
+        m = Member(f"agent-{i:05d}", 10, TaskStats())
+        m.set_score(50.0)
+        idx.add(m)
+    return idx
+
+
+def ranked_at(idx: CapabilityIndex[Member], cfg: RoutingSection, times: list[float]) -> list[bool]:
+    """Whether each refresh at ``times`` ranked the capability again (a rebuild names the
+    time it ranked at)."""
+    out = []
+    for now in times:
+        before = idx._built_at
+        idx.refresh(cfg, now)
+        out.append(idx._built_at != before)
+    return out
+
+
+def test_a_big_capability_is_ranked_again_less_often() -> None:
+    # rank_refresh_ms per RANK_MEMBERS members: a ranking sorts them all, so a big capability
+    # that keeps changing is not sorted every 50 ms (it took a broker's loop over).
+    cfg = RoutingSection(rank_refresh_ms=50.0)
+    small, big = ranked_index(RANK_MEMBERS - 1), ranked_index(4 * RANK_MEMBERS - 1)
+    for idx in (small, big):
+        idx.refresh(cfg, 0.0)
+        newcomer = Member("newcomer", 10, TaskStats())
+        newcomer.set_score(90.0)
+        idx.add(newcomer)  # membership moved: ranked again once the wait is over
+    assert ranked_at(small, cfg, [0.05]) == [True]  # 500 members: 50 ms
+    assert small.ranked[0].agent_id == "newcomer"
+    assert ranked_at(big, cfg, [0.05, 0.15, 0.19]) == [False, False, False]  # 2,000: 200 ms
+    assert "newcomer" not in [m.agent_id for m in big.ranked]  # unranked until then
+    assert ranked_at(big, cfg, [0.21]) == [True]
+    assert big.ranked[0].agent_id == "newcomer"
+    # Scores alone: every REORDER_FACTOR x rank_refresh_ms, or the size's wait if longer.
+    huge = ranked_index(24 * RANK_MEMBERS)  # 1.2 s a ranking
+    huge.refresh(cfg, 0.0)
+    for idx in (big, huge):
+        idx.score_changed()
+    assert ranked_at(big, cfg, [1.2, 1.22]) == [False, True]  # 0.21 + REORDER_FACTOR x 50 ms
+    assert ranked_at(huge, cfg, [1.0, 1.19, 1.21]) == [False, False, True]
