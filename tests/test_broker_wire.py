@@ -438,3 +438,46 @@ async def test_a_burst_of_route_requests_is_answered_32_at_a_time_between_turns_
     assert answered.value - before == 100
     assert max(steps) <= 32, steps
     assert len(steps) >= -(-(100 - held) // 32), steps
+
+
+async def test_a_burst_of_announces_is_taken_32_at_a_time_between_turns_of_the_loop(
+    nc: NATS, broker: Broker
+) -> None:
+    """100 announces queued at once (a fleet registering), all of one partition (one
+    subscription: each partition's has a task of its own): the announce callback lets the
+    event loop run after every 32, so route requests are not held up behind the whole
+    queue. It took the whole queue in one turn."""
+    count = broker.cfg.fleet.partitions
+    ids = [a for a in (f"storm-{i:04d}" for i in range(100 * count)) if partition(a, count) == 0]
+    ok = broker.metrics.announce_result["ok"]
+    before = ok._value.get()
+    replies: list[str] = []
+
+    async def on_reply(msg: Any) -> None:
+        replies.append(msg.subject)
+
+    await nc.subscribe("_INBOX.storm.*", cb=on_reply)
+    await nc.flush()
+    for i, agent_id in enumerate(ids[:100]):
+        await nc.publish(f"reach.announce.{agent_id}", announce_body(agent_id),
+                         reply=f"_INBOX.storm.{i}")  # fmt: skip
+    await nc.flush()  # all 100 at the server
+    time.sleep(0.2)  # noqa: ASYNC251 - holding the loop: the broker's next read finds them all
+    held = ok._value.get() - before
+    assert held < 100 - 32
+    seen = [held]
+
+    async def ticker() -> None:
+        while True:
+            seen.append(ok._value.get() - before)
+            await asyncio.sleep(0)
+
+    ticking = asyncio.create_task(ticker())
+    try:
+        await wait_for(lambda: len(replies) == 100, what="100 announces answered")
+    finally:
+        ticking.cancel()
+    steps = [b - a for a, b in itertools.pairwise(seen) if b > a]
+    assert ok._value.get() - before == 100
+    assert max(steps) <= 32, steps
+    assert len(steps) >= -(-(100 - held) // 32), steps

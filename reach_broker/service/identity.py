@@ -20,6 +20,7 @@ on a task of its own: announces keep flowing meanwhile.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -34,7 +35,7 @@ from reach_broker.core.registry import Registry
 
 from .clusterinfo import gather
 from .context import BrokerContext
-from .handlers import Handlers
+from .handlers import ANSWER_IN_A_ROW, Handlers
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +94,15 @@ class Identity:
         self.conflicts = 0
         self._conflict = conflict
         """``reach_announces_total{result="conflict"}``."""
+        self._taken = 0
+        """Announces taken (every :data:`ANSWER_IN_A_ROW`th lets the loop run: a fleet
+        registering queues thousands, and route requests would wait behind all of them)."""
 
     async def on_message(self, msg: Msg) -> None:
         """Callback of the announce subscription."""
+        self._taken += 1
+        if self._taken % ANSWER_IN_A_ROW == 0:
+            await asyncio.sleep(0)
         try:
             ann = self.handlers.parse_announce(msg.subject, msg.data)
         except Exception:  # noqa: BLE001 - answered (and counted) by the endpoint
