@@ -21,8 +21,10 @@ set to ``--partitions``, so the server maps the agent subjects), N ``reach broke
 
 Route requests (``reach.route.<capability>``, one every 100 ms, 1 s timeout each) run from
 registration to the end: answered, unanswered, and the longest time from an unanswered
-request to the next answered one (and the same from the kill on: ``..._after_kill``). The
-report is one JSON object on stdout.
+request to the next answered one, with the phase it began in (``settle``: the records
+settling after registration, ``measure``, ``snapshot``: the wait for the snapshot, ``kill``)
+and how far into it (and the same from the kill on: ``..._after_kill``). The report is one
+JSON object on stdout.
 """
 
 from __future__ import annotations
@@ -125,6 +127,8 @@ class Routes:
         self.sent: list[tuple[float, bool]] = []
         self.killed_at: float | None = None
         """When the broker was killed (the figures from then on are reported apart)."""
+        self.phases: list[tuple[float, str]] = [(time.monotonic(), "settle")]
+        """When each phase began (:meth:`phase`)."""
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -149,6 +153,10 @@ class Routes:
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
 
+    def phase(self, name: str) -> None:
+        """The run enters phase ``name`` (the longest outage says which it began in)."""
+        self.phases.append((time.monotonic(), name))
+
     async def stop(self) -> dict[str, Any]:
         self._stop.set()
         if self._task is not None:
@@ -160,15 +168,21 @@ class Routes:
                                  "_after_kill")  # fmt: skip
         return out
 
-    @staticmethod
-    def _figures(sent: list[tuple[float, bool]], suffix: str) -> dict[str, Any]:
+    def _figures(self, sent: list[tuple[float, bool]], suffix: str) -> dict[str, Any]:
         lost = [t for t, ok in sent if not ok]
-        outage = 0.0
+        outage, began = 0.0, None
         for t in lost:
             nxt = next((u for u, ok in sent if ok and u > t), None)
-            outage = max(outage, (nxt - t) if nxt is not None else math.inf)
-        return {f"routes_sent{suffix}": len(sent), f"routes_unanswered{suffix}": len(lost),
-                f"route_outage_max_s{suffix}": round(outage, 3)}  # fmt: skip
+            took = (nxt - t) if nxt is not None else math.inf
+            if took > outage:
+                outage, began = took, t
+        out: dict[str, Any] = {f"routes_sent{suffix}": len(sent),
+                               f"routes_unanswered{suffix}": len(lost),
+                               f"route_outage_max_s{suffix}": round(outage, 3)}  # fmt: skip
+        if began is not None:
+            at, name = max((p for p in self.phases if p[0] <= began), default=self.phases[0])
+            out[f"route_outage_max_phase{suffix}"] = f"{name} +{began - at:.1f} s"
+        return out
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -222,6 +236,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
         # Measure: the sims paused (flushed) at both ends, so their count and the brokers'
         # cover the same heartbeats.
+        routes.phase("measure")
         sent0 = await fleet.heartbeats_sent()
         await asyncio.sleep(0.5)
         hb0 = [(await b.metrics()).get(ACCEPTED, 0.0) for b in brokers]
@@ -265,10 +280,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 info = await js.stream_info(REGISTRY_STREAM)
                 return info.state.messages >= a.agents
 
+            routes.phase("snapshot")
             report["snapshot_complete_s"] = round(
                 await wait(stored, 120 + a.agents / 500, "the snapshot holding the fleet"), 2
             )
             routes.killed_at = time.monotonic()
+            routes.phase("kill")
             report["kill"] = await kill(brokers, nc, a, p)
         report.update(await routes.stop())
         report["loadavg_end"] = loadavg()
