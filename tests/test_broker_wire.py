@@ -7,6 +7,7 @@ import itertools
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -399,14 +400,14 @@ async def test_the_rtt_sample_interval_is_exported(nc: NATS, broker_factory: Bro
     await wait_for(lambda: every._value.get() == 7.0, what="the interval of one healthy agent")
 
 
-async def test_a_burst_of_route_requests_is_answered_32_at_a_time_between_turns_of_the_loop(
-    nc: NATS, broker: Broker
-) -> None:
-    """100 route requests queued at once: the endpoint lets the event loop run (and the
-    connection's flusher write the replies so far) after every 32 it answers. It answered
-    the whole queue in one turn, the first reply written only after the last request."""
-    answered = broker.metrics.route_result["no_agent"]  # nobody has the capability
-    before = answered.value
+async def burst(
+    nc: NATS, requests: list[tuple[str, bytes]], counted: Callable[[], float]
+) -> tuple[float, list[float]]:
+    """Send ``requests`` (subject, body) at once, each with a reply inbox; the broker's loop
+    held meanwhile, so that its next read finds them all queued, as under load. Returns how
+    many ``counted`` (a counter of the broker's, its growth) went up before that read, and
+    by how much it went up between each two turns of the loop until every reply came."""
+    before = counted()
     replies: list[str] = []
 
     async def on_reply(msg: Any) -> None:
@@ -414,28 +415,37 @@ async def test_a_burst_of_route_requests_is_answered_32_at_a_time_between_turns_
 
     await nc.subscribe("_INBOX.burst.*", cb=on_reply)
     await nc.flush()
-    for i in range(100):
-        await nc.publish("reach.route.burst", b"", reply=f"_INBOX.burst.{i}")
-    await nc.flush()  # all 100 at the server
-    # Hold the loop (the broker runs in it) while the server delivers them, so that the
-    # broker's next read finds all 100 queued, as under load.
+    for i, (subject, body) in enumerate(requests):
+        await nc.publish(subject, body, reply=f"_INBOX.burst.{i}")
+    await nc.flush()  # all of them at the server
+    # Hold the loop (the broker runs in it) while the server delivers them.
     time.sleep(0.2)  # noqa: ASYNC251 - holding the loop is the point
-    held = answered.value - before  # answered while the flush above waited
-    assert held < 100 - 32
+    held = counted() - before  # taken while the flush above waited
     seen = [held]
 
     async def ticker() -> None:
         while True:
-            seen.append(answered.value - before)
+            seen.append(counted() - before)
             await asyncio.sleep(0)
 
     ticking = asyncio.create_task(ticker())
     try:
-        await wait_for(lambda: len(replies) == 100, what="100 replies")
+        await wait_for(lambda: len(replies) == len(requests), what="every reply")
     finally:
         ticking.cancel()
-    steps = [b - a for a, b in itertools.pairwise(seen) if b > a]
-    assert answered.value - before == 100
+    assert counted() - before == len(requests)
+    return held, [b - a for a, b in itertools.pairwise(seen) if b > a]
+
+
+async def test_a_burst_of_route_requests_is_answered_32_at_a_time_between_turns_of_the_loop(
+    nc: NATS, broker: Broker
+) -> None:
+    """100 route requests queued at once: the endpoint lets the event loop run (and the
+    connection's flusher write the replies so far) after every 32 it answers. It answered
+    the whole queue in one turn, the first reply written only after the last request."""
+    answered = broker.metrics.route_result["no_agent"]  # nobody has the capability
+    held, steps = await burst(nc, [("reach.route.burst", b"")] * 100, lambda: answered.value)
+    assert held < 100 - 32
     assert max(steps) <= 32, steps
     assert len(steps) >= -(-(100 - held) // 32), steps
 
@@ -450,34 +460,8 @@ async def test_a_burst_of_announces_is_taken_32_at_a_time_between_turns_of_the_l
     count = broker.cfg.fleet.partitions
     ids = [a for a in (f"storm-{i:04d}" for i in range(100 * count)) if partition(a, count) == 0]
     ok = broker.metrics.announce_result["ok"]
-    before = ok._value.get()
-    replies: list[str] = []
-
-    async def on_reply(msg: Any) -> None:
-        replies.append(msg.subject)
-
-    await nc.subscribe("_INBOX.storm.*", cb=on_reply)
-    await nc.flush()
-    for i, agent_id in enumerate(ids[:100]):
-        await nc.publish(f"reach.announce.{agent_id}", announce_body(agent_id),
-                         reply=f"_INBOX.storm.{i}")  # fmt: skip
-    await nc.flush()  # all 100 at the server
-    time.sleep(0.2)  # noqa: ASYNC251 - holding the loop: the broker's next read finds them all
-    held = ok._value.get() - before
+    requests = [(f"reach.announce.{a}", announce_body(a)) for a in ids[:100]]
+    held, steps = await burst(nc, requests, ok._value.get)
     assert held < 100 - 32
-    seen = [held]
-
-    async def ticker() -> None:
-        while True:
-            seen.append(ok._value.get() - before)
-            await asyncio.sleep(0)
-
-    ticking = asyncio.create_task(ticker())
-    try:
-        await wait_for(lambda: len(replies) == 100, what="100 announces answered")
-    finally:
-        ticking.cancel()
-    steps = [b - a for a, b in itertools.pairwise(seen) if b > a]
-    assert ok._value.get() - before == 100
     assert max(steps) <= 32, steps
     assert len(steps) >= -(-(100 - held) // 32), steps
