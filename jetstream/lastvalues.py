@@ -62,12 +62,18 @@ async def messages(
     timeout_s: float = TIMEOUT_S,
 ) -> list[Msg]:  # fmt: skip
     """The message last stored in ``stream`` on each subject of ``subjects``, in stream
-    order (as :func:`values`, markers included)."""
-    got: list[Msg] = []
+    order (as :func:`values`, markers included): one a subject. A subject written again
+    while the read runs comes twice (its last value when the consumer was made, then the new
+    one), and the later stands: counted as they came, the presence keys of 4 brokers read
+    while one of them wrote its own made 5 or 6 (``loadtest --brokers 4 --agents 100000``),
+    and the brokers handed partitions back to a share of 6 or 7 that the others took again,
+    over and over."""
+    got: dict[str, Msg] = {}
     end = asyncio.Event()
 
     async def take(msg: Msg) -> None:
-        got.append(msg)
+        got.pop(msg.subject, None)  # a later write of the subject: in stream order, it last
+        got[msg.subject] = msg
         if msg.metadata.num_pending == 0:
             end.set()
 
@@ -77,7 +83,7 @@ async def messages(
     try:
         delivered = made.delivered.consumer_seq if made.delivered is not None else 0
         if made.num_pending == 0 and delivered == 0:
-            return got  # nothing stored on the filter
+            return []  # nothing stored on the filter
         while not end.is_set():
             before = len(got)
             try:
@@ -88,4 +94,4 @@ async def messages(
                                       f"read, none for {timeout_s:g} s") from None  # fmt: skip
     finally:
         await follower.stop()
-    return got
+    return list(got.values())

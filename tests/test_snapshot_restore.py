@@ -7,6 +7,7 @@ given it by the provisioner."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -255,3 +256,24 @@ async def test_the_last_values_of_an_empty_filter_are_none(nc: NATS) -> None:
     assert await lastvalues.values(nc, REGISTRY_STREAM, subjects, timeout_s=2.0) == [
         value(agent_id)
     ]
+
+
+async def test_a_key_written_while_its_last_values_are_read_is_read_once(nc: NATS) -> None:
+    """One key written again and again while 5,000 keys' last values are read: the read
+    hands over one message a key (the later of two), as a count of presence keys needs (it
+    counted a broker twice when its key came twice)."""
+    await provision(nc, load_definitions(names=(REGISTRY_STREAM,)))
+    js = nc.jetstream()
+    for i in range(5000):
+        await nc.publish(f"$KV.{REGISTRY_BUCKET}.{P}.0.k{i:04d}", b"v0")
+    await js.publish(f"$KV.{REGISTRY_BUCKET}.{P}.0.k0000", b"v0")  # acked: all 5,000 stored
+    subjects = f"$KV.{REGISTRY_BUCKET}.{P}.0.*"
+    reading = asyncio.create_task(lastvalues.messages(nc, REGISTRY_STREAM, subjects))
+    writes = 0
+    while not reading.done():  # the key k0000 written throughout the read
+        writes += 1
+        await nc.publish(f"$KV.{REGISTRY_BUCKET}.{P}.0.k0000", f"v{writes}".encode())
+        await asyncio.sleep(0.0005)
+    read = [msg.subject for msg in reading.result()]
+    assert writes > 1
+    assert len(read) == len(set(read)) == 5000
