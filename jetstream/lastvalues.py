@@ -69,9 +69,12 @@ async def messages(
     and the brokers handed partitions back to a share of 6 or 7 that the others took again,
     over and over."""
     got: dict[str, Msg] = {}
+    came = 0  # messages, not subjects: a key written again and again is a read going on
     end = asyncio.Event()
 
     async def take(msg: Msg) -> None:
+        nonlocal came
+        came += 1
         got.pop(msg.subject, None)  # a later write of the subject: in stream order, it last
         got[msg.subject] = msg
         if msg.metadata.num_pending == 0:
@@ -85,11 +88,11 @@ async def messages(
         if made.num_pending == 0 and delivered == 0:
             return []  # nothing stored on the filter
         while not end.is_set():
-            before = len(got)
+            before = came
             try:
                 await asyncio.wait_for(end.wait(), timeout_s)
             except TimeoutError:
-                if len(got) == before:
+                if came == before:
                     raise ReadStalled(f"{len(got)} of {made.num_pending} messages of {subjects} "
                                       f"read, none for {timeout_s:g} s") from None  # fmt: skip
     finally:
