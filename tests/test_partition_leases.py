@@ -4,7 +4,8 @@ and the partition is kept; a lease another broker wrote is lost; a read of the l
 before a partition was handed back does not make its old owner answer for it; the brokers
 present are counted also when the server answers a consumer info before the keys it sent;
 partitions handed back while a balance that already tried them is under way are taken as soon
-as it ends."""
+as it ends; free partitions whose takes went unanswered are tried again within RETAKE_S; a
+stopping broker says it left even when its hand-backs go unanswered."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import nats
 import pytest
 from nats.aio.client import Client as NATS
 
-from jetstream.claims import ClaimStore, Stored
+from jetstream.claims import ClaimStore, ClaimsUnavailable, Stored
 from jetstream.names import PARTITIONS_BUCKET, PARTITIONS_STREAM
 from jetstream.provision import load_definitions, provision
 from reach_agent.routing.table import partition
@@ -27,7 +28,14 @@ from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.config import Config
 from reach_broker.service.context import BrokerContext, Link, Tasks
 from reach_broker.service.metrics import Metrics
-from reach_broker.service.partitions import Lease, Partitions, Presence, presence_key
+from reach_broker.service.partitions import (
+    HAND_BACK_S,
+    RETAKE_S,
+    Lease,
+    Partitions,
+    Presence,
+    presence_key,
+)
 
 from .conftest import BrokerFactory, wait_for
 from .infofirst import InfoFirstProxy
@@ -233,3 +241,113 @@ async def test_partitions_freed_while_a_balance_is_under_way_are_taken_when_it_e
         store.let_go()
         await parts.stop()
         await joining.close()
+
+
+class FirstCreatesUnanswered(ClaimStore):
+    """The leases' store on the real server, whose first create of each key is not answered
+    (:class:`ClaimsUnavailable`, as a busy JetStream's timeout), written nowhere."""
+
+    def __init__(self, nc: NATS) -> None:
+        super().__init__(nc, bucket=PARTITIONS_BUCKET)
+        self.unanswered: list[int] = []
+
+    async def create(self, key: str, data: bytes) -> tuple[bool, Stored]:
+        if int(key) not in self.unanswered:
+            self.unanswered.append(int(key))
+            raise ClaimsUnavailable(f"create of {key}: no answer (the test's)")
+        return await super().create(key, data)
+
+
+async def test_free_partitions_whose_takes_were_not_answered_are_taken_again_within_seconds(
+    nats_server: NatsServer, nc: NATS, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A broker alone whose every take went unanswered holds nothing after its first round;
+    it tries again RETAKE_S later and holds all 32 (it used to wait for the next round, a
+    third of the lease's time to live: here 200 s)."""
+    caplog.set_level(logging.INFO, logger="reach_broker.service.partitions")
+    ttl_s = 600.0  # rounds every 200 s: only a retake can run one within the test
+    leases = {PARTITIONS_STREAM: {"max_age": int(ttl_s * 1e9)}}
+    await provision(nc, load_definitions(names=(PARTITIONS_STREAM,), overrides=leases))
+    taken: list[tuple[int, bool]] = []
+    own, lose = takes_into(taken)
+    cfg = Config()
+    cfg.fleet.lease_ttl_s = ttl_s
+    store = FirstCreatesUnanswered(nc)
+    ctx = BrokerContext(nc=nc, subjects=Subjects(), broker_id="alone",
+                        clock=time.monotonic, wall=time.time, spawn=Tasks().spawn,
+                        emit=lambda _: None, link=Link())  # fmt: skip
+    parts = Partitions(ctx, cfg.fleet, own, lose, jetstream=lambda: True,
+                       owned=Metrics().partitions_owned, store=store)  # fmt: skip
+    try:
+        await parts.start()
+        assert (parts.live, parts.held, sorted(store.unanswered)) == (1, {}, list(range(32)))
+        assert [r.getMessage() for r in caplog.records
+                if r.getMessage().startswith("partitions.retake")] == [
+            f"partitions.retake unanswered=32 held=0 share=32 in={RETAKE_S:g}s"]  # fmt: skip
+        await wait_for(lambda: len(parts.held) == 32, RETAKE_S + 5, what="all 32 taken again")
+        assert sorted(taken) == [(p, False) for p in range(32)]  # alone, holding none: cold
+        kv = await nc.jetstream().key_value(PARTITIONS_BUCKET)
+        for p in range(32):
+            stored = await kv.get(str(p))
+            assert stored.value is not None
+            assert msgspec.json.decode(stored.value, type=Lease).broker_id == "alone"
+    finally:
+        await parts.stop()
+
+
+class SwapsUnanswered(ClaimStore):
+    """The leases' store on the real server, whose swaps, once :attr:`hang` is set, are
+    never answered (a JetStream too busy to answer within a stopping broker's time)."""
+
+    def __init__(self, nc: NATS) -> None:
+        super().__init__(nc, bucket=PARTITIONS_BUCKET)
+        self.hang = False
+        self.hung = 0
+
+    async def swap(self, key: str, data: bytes, revision: int) -> int | None:
+        if self.hang:
+            self.hung += 1
+            await asyncio.Event().wait()  # cancelled by the caller's time limit
+        return await super().swap(key, data, revision)
+
+
+async def test_a_stopping_broker_whose_hand_backs_go_unanswered_still_says_it_left(
+    nats_server: NatsServer, nc: NATS
+) -> None:
+    """The hand-backs take all of HAND_BACK_S but LEAVE_S, and the presence key is deleted
+    in what is left: the others round at once (it used to be skipped with the hand-backs'
+    time out, and the others learnt of the leave only a third of a lease later)."""
+    ttl_s = 600.0  # rounds every 200 s: none runs within the test
+    leases = {PARTITIONS_STREAM: {"max_age": int(ttl_s * 1e9)}}
+    await provision(nc, load_definitions(names=(PARTITIONS_STREAM,), overrides=leases))
+    taken: list[tuple[int, bool]] = []
+    own, lose = takes_into(taken)
+    cfg = Config()
+    cfg.fleet.lease_ttl_s = ttl_s
+    leaving = await nats.connect(nats_server.url, name="test-leaving")
+    store = SwapsUnanswered(leaving)
+    ctx = BrokerContext(nc=leaving, subjects=Subjects(), broker_id="leaving",
+                        clock=time.monotonic, wall=time.time, spawn=Tasks().spawn,
+                        emit=lambda _: None, link=Link())  # fmt: skip
+    parts = Partitions(ctx, cfg.fleet, own, lose, jetstream=lambda: True,
+                       owned=Metrics().partitions_owned, store=store)  # fmt: skip
+    try:
+        await parts.start()
+        assert len(parts.held) == 32
+        kv = await nc.jetstream().key_value(PARTITIONS_BUCKET)
+        present = await kv.get(presence_key("leaving"))  # raises once deleted
+        assert (present.key, present.operation) == (presence_key("leaving"), None)
+        store.hang = True
+        t0 = time.monotonic()
+        await parts.stop()
+        took = time.monotonic() - t0
+        assert store.hung == 32 and parts.held == {}
+        assert took < HAND_BACK_S + 1.0, took  # bounded: the hand-backs' time and the delete's
+        with pytest.raises(nats.js.errors.KeyNotFoundError):  # deleted
+            await kv.get(presence_key("leaving"))
+        for p in range(32):  # not handed back: they lapse by themselves
+            stored = await kv.get(str(p))
+            assert msgspec.json.decode(stored.value, type=Lease).broker_id == "leaving"
+    finally:
+        await parts.stop()
+        await leaving.close()

@@ -91,6 +91,12 @@ class Presence(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 HAND_BACK_S = 1.0
 """How long a stopping broker spends handing its leases back (they lapse anyway)."""
+LEAVE_S = 0.25
+"""Of :data:`HAND_BACK_S`, the part kept for the presence key's delete: said even when the
+hand-backs ran out of time, or the others would round only a third of a lease later."""
+RETAKE_S = 1.0
+"""How soon a round comes again when the leases' store did not answer a take (a busy
+JetStream), rather than a third of the lease's time to live later."""
 PRESENCE = "_b."
 """The presence keys' prefix (``_b.<broker_id>``): never a partition's key."""
 _KV_PRE = f"$KV.{PARTITIONS_BUCKET}."
@@ -206,13 +212,15 @@ class Partitions:
             free = _encode(Lease(at_ms=self.ctx.wall_ms()))
             backs = [self.store.swap(str(p), free, rev) for p, (_, rev, _at) in self.held.items()]
             if self.ctx.link.connected:
+                # The leases first: the others take them as they see the presence key go.
+                # The key goes also when the hand-backs ran out of time (a busy JetStream):
+                # the others take what was handed back at once, the rest once it lapses.
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(HAND_BACK_S):
-                        # The leases first: the others take them as they see the presence
-                        # key go.
+                    async with asyncio.timeout(HAND_BACK_S - LEAVE_S):
                         await asyncio.gather(*backs, return_exceptions=True)
-                        with contextlib.suppress(Exception):
-                            await self._kv.delete(presence_key(self.ctx.broker_id))
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(LEAVE_S):
+                        await self._kv.delete(presence_key(self.ctx.broker_id))
             for back in backs:
                 back.close()  # those never awaited (the link was down)
         for p in list(self.held):
@@ -268,10 +276,18 @@ class Partitions:
             return
         start = secrets.randbelow(len(unheld))  # brokers starting together try different ones
         candidates = unheld[start:] + unheld[:start]
+        unanswered = 0
         while candidates and len(self.held) < share:
             need = share - len(self.held)
             batch, candidates = candidates[:need], candidates[need:]
-            await asyncio.gather(*(self._take(p, mine, warm) for p in batch))
+            answered = await asyncio.gather(*(self._take(p, mine, warm) for p in batch))
+            unanswered += answered.count(False)
+        if unanswered and len(self.held) < share:
+            # Free partitions may be left untaken for want of an answer: tried again soon
+            # (with a lease of 600 s a third of it was 200 s without an owner).
+            log.info("partitions.retake unanswered=%d held=%d share=%d in=%gs", unanswered,
+                     len(self.held), share, RETAKE_S)  # fmt: skip
+            asyncio.get_running_loop().call_later(RETAKE_S, self._wake.set)
 
     def _alone(self, now: float) -> bool:
         """Whether this broker counted itself alone within the lease's time to live (a count
@@ -344,8 +360,9 @@ class Partitions:
                  "confirmation timed out was written after all", p, stored.revision)  # fmt: skip
         return await self.store.swap(str(p), mine, stored.revision)
 
-    async def _take(self, p: int, mine: bytes, warm: bool) -> None:
-        """Take partition ``p`` if free (never written, lapsed, or handed back: then warm)."""
+    async def _take(self, p: int, mine: bytes, warm: bool) -> bool:
+        """Take partition ``p`` if free (never written, lapsed, or handed back: then warm);
+        False when the store did not answer (whether it is free is not known)."""
         key = str(p)
         try:
             ours, stored = await self.store.create(key, mine)
@@ -355,8 +372,12 @@ class Partitions:
                 revision = await self.store.swap(key, mine, stored.revision)
                 if revision is not None:
                     self._own(p, revision, revision, warm=True)
-        except (ClaimsUnavailable, msgspec.MsgspecError) as exc:
+        except ClaimsUnavailable as exc:
             log.debug("partitions.take_failed partition=%d error=%s", p, exc)
+            return False
+        except msgspec.MsgspecError as exc:  # not a lease: not ours to take
+            log.debug("partitions.take_failed partition=%d error=%s", p, exc)
+        return True
 
     async def _hand_back(self, p: int, free: bytes) -> None:
         """Give partition ``p`` up (beyond the fair share): dropped here, then marked free."""
