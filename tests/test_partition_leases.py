@@ -56,6 +56,26 @@ def takes_into(
     return own, lose
 
 
+def bare_partitions(nc: NATS, broker_id: str, ttl_s: float, taken: list[tuple[int, bool]],
+                    store: ClaimStore | None = None) -> Partitions:  # fmt: skip
+    """A Partitions of its own over ``nc`` (``store``: the leases' store, or the default),
+    each partition it takes noted in ``taken``."""
+    own, lose = takes_into(taken)
+    cfg = Config()
+    cfg.fleet.lease_ttl_s = ttl_s
+    ctx = BrokerContext(nc=nc, subjects=Subjects(), broker_id=broker_id,
+                        clock=time.monotonic, wall=time.time, spawn=Tasks().spawn,
+                        emit=lambda _: None, link=Link())  # fmt: skip
+    return Partitions(ctx, cfg.fleet, own, lose, jetstream=lambda: True,
+                      owned=Metrics().partitions_owned, store=store)  # fmt: skip
+
+
+async def provision_leases(nc: NATS, ttl_s: float) -> None:
+    """The leases' bucket, its keys kept ``ttl_s``."""
+    leases = {PARTITIONS_STREAM: {"max_age": int(ttl_s * 1e9)}}
+    await provision(nc, load_definitions(names=(PARTITIONS_STREAM,), overrides=leases))
+
+
 async def test_a_renewal_the_server_wrote_after_its_timeout_keeps_the_partition(
     nc: NATS, broker_factory: BrokerFactory
 ) -> None:
@@ -192,25 +212,16 @@ async def test_partitions_freed_while_a_balance_is_under_way_are_taken_when_it_e
     lease's time to live later, here 200 s)."""
     caplog.set_level(logging.DEBUG, logger="reach_broker.service.partitions")
     ttl_s = 600.0  # rounds every 200 s: only the wakes run rounds within the test
-    leases = {PARTITIONS_STREAM: {"max_age": int(ttl_s * 1e9)}}
-    await provision(nc, load_definitions(names=(PARTITIONS_STREAM,), overrides=leases))
+    await provision_leases(nc, ttl_s)
     kv = await nc.jetstream().key_value(PARTITIONS_BUCKET)
     # The other broker, played here: present, holding all 32 partitions.
     await kv.put(presence_key("other"), b"")
     theirs = msgspec.json.encode(Lease(broker_id="other", at_ms=1))
     revisions = {p: await kv.create(str(p), theirs) for p in range(32)}
     taken: list[tuple[int, bool]] = []
-    own, lose = takes_into(taken)
-
-    cfg = Config()
-    cfg.fleet.lease_ttl_s = ttl_s
     joining = await nats.connect(nats_server.url, name="test-joining")
     store = HeldAnswers(joining)
-    ctx = BrokerContext(nc=joining, subjects=Subjects(), broker_id="joining",
-                        clock=time.monotonic, wall=time.time, spawn=Tasks().spawn,
-                        emit=lambda _: None, link=Link())  # fmt: skip
-    parts = Partitions(ctx, cfg.fleet, own, lose, jetstream=lambda: True,
-                       owned=Metrics().partitions_owned, store=store)  # fmt: skip
+    parts = bare_partitions(joining, "joining", ttl_s, taken, store)
     try:
         await parts.start()  # its first round: every partition the other's
         assert (parts.live, parts.held, taken) == (2, {}, [])
@@ -266,18 +277,10 @@ async def test_free_partitions_whose_takes_were_not_answered_are_taken_again_wit
     third of the lease's time to live: here 200 s)."""
     caplog.set_level(logging.INFO, logger="reach_broker.service.partitions")
     ttl_s = 600.0  # rounds every 200 s: only a retake can run one within the test
-    leases = {PARTITIONS_STREAM: {"max_age": int(ttl_s * 1e9)}}
-    await provision(nc, load_definitions(names=(PARTITIONS_STREAM,), overrides=leases))
+    await provision_leases(nc, ttl_s)
     taken: list[tuple[int, bool]] = []
-    own, lose = takes_into(taken)
-    cfg = Config()
-    cfg.fleet.lease_ttl_s = ttl_s
     store = FirstCreatesUnanswered(nc)
-    ctx = BrokerContext(nc=nc, subjects=Subjects(), broker_id="alone",
-                        clock=time.monotonic, wall=time.time, spawn=Tasks().spawn,
-                        emit=lambda _: None, link=Link())  # fmt: skip
-    parts = Partitions(ctx, cfg.fleet, own, lose, jetstream=lambda: True,
-                       owned=Metrics().partitions_owned, store=store)  # fmt: skip
+    parts = bare_partitions(nc, "alone", ttl_s, taken, store)
     try:
         await parts.start()
         assert (parts.live, parts.held, sorted(store.unanswered)) == (1, {}, list(range(32)))
@@ -318,19 +321,11 @@ async def test_a_stopping_broker_whose_hand_backs_go_unanswered_still_says_it_le
     in what is left: the others round at once (it used to be skipped with the hand-backs'
     time out, and the others learnt of the leave only a third of a lease later)."""
     ttl_s = 600.0  # rounds every 200 s: none runs within the test
-    leases = {PARTITIONS_STREAM: {"max_age": int(ttl_s * 1e9)}}
-    await provision(nc, load_definitions(names=(PARTITIONS_STREAM,), overrides=leases))
+    await provision_leases(nc, ttl_s)
     taken: list[tuple[int, bool]] = []
-    own, lose = takes_into(taken)
-    cfg = Config()
-    cfg.fleet.lease_ttl_s = ttl_s
     leaving = await nats.connect(nats_server.url, name="test-leaving")
     store = SwapsUnanswered(leaving)
-    ctx = BrokerContext(nc=leaving, subjects=Subjects(), broker_id="leaving",
-                        clock=time.monotonic, wall=time.time, spawn=Tasks().spawn,
-                        emit=lambda _: None, link=Link())  # fmt: skip
-    parts = Partitions(ctx, cfg.fleet, own, lose, jetstream=lambda: True,
-                       owned=Metrics().partitions_owned, store=store)  # fmt: skip
+    parts = bare_partitions(leaving, "leaving", ttl_s, taken, store)
     try:
         await parts.start()
         assert len(parts.held) == 32
