@@ -29,7 +29,6 @@ from reach_broker.config import Config
 from reach_broker.service.context import BrokerContext, Link, Tasks
 from reach_broker.service.metrics import Metrics
 from reach_broker.service.partitions import (
-    HAND_BACK_S,
     RETAKE_S,
     Lease,
     Partitions,
@@ -319,7 +318,8 @@ async def test_a_stopping_broker_whose_hand_backs_go_unanswered_still_says_it_le
 ) -> None:
     """The hand-backs take all of HAND_BACK_S but LEAVE_S, and the presence key is deleted
     in what is left: the others round at once (it used to be skipped with the hand-backs'
-    time out, and the others learnt of the leave only a third of a lease later)."""
+    time out, and the others learnt of the leave only a third of a lease later). (How long
+    the stop takes is not asserted: a test never times anything.)"""
     ttl_s = 600.0  # rounds every 200 s: none runs within the test
     await provision_leases(nc, ttl_s)
     taken: list[tuple[int, bool]] = []
@@ -333,11 +333,8 @@ async def test_a_stopping_broker_whose_hand_backs_go_unanswered_still_says_it_le
         present = await kv.get(presence_key("leaving"))  # raises once deleted
         assert (present.key, present.operation) == (presence_key("leaving"), None)
         store.hang = True
-        t0 = time.monotonic()
-        await parts.stop()
-        took = time.monotonic() - t0
+        await parts.stop()  # bounded by HAND_BACK_S: the hand-backs' time, then the delete's
         assert store.hung == 32 and parts.held == {}
-        assert took < HAND_BACK_S + 1.0, took  # bounded: the hand-backs' time and the delete's
         with pytest.raises(nats.js.errors.KeyNotFoundError):  # deleted
             await kv.get(presence_key("leaving"))
         for p in range(32):  # not handed back: they lapse by themselves
