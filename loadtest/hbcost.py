@@ -124,7 +124,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         kinds["mapped"] = (lambda i: counted[parts[i]], 1)
         kinds["plain"] = (lambda i: ingest._kept_heartbeat, 0)
     accepted = h.metrics.heartbeat_result["accepted"]
-    before = accepted._value.get()
+    before = accepted.value
     best: dict[str, float] = {}
     seq = 1
     sent = 0
@@ -143,7 +143,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 sent += len(msgs)
     out: dict[str, Any] = {k: round(v, 3) for k, v in best.items()}
     out["heartbeats"] = sent
-    out["accepted"] = int(accepted._value.get() - before)
+    out["accepted"] = int(accepted.value - before)
     if out["accepted"] != sent:  # the figures would time refusals, not heartbeats
         raise SystemExit(f"hbcost: {out['accepted']} of {sent} heartbeats accepted: {out}")
     if "mapped" in best:

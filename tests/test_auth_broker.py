@@ -145,7 +145,7 @@ async def test_alpha_cannot_act_for_beta_against_a_running_broker(
         assert (rec.state, rec.token, rec.seq < 10**6) == ("healthy", token, True)
         assert broker.metrics.announce_result["ok"]._value.get() == announces
         assert broker.metrics.leaves.labels("ok")._value.get() == leaves
-        assert broker.metrics.heartbeat_result["forged"]._value.get() == 0
+        assert broker.metrics.heartbeat_result["forged"].value == 0
         assert broker.metrics.auth_enabled._value.get() == 1
     finally:
         await asyncio.wait_for(beta.stop(grace=2), 20)

@@ -77,7 +77,7 @@ async def test_raw_client_announces_heartbeats_and_routes_itself(nc: NATS, broke
     assert ack["broker_id"] == broker.broker_id
     assert ack["token"].startswith("v1.")
     await heartbeat(nc, "alpha", ack["token"], 1)
-    await wait_for(lambda: broker.metrics.heartbeat_result["accepted"]._value.get() == 1)
+    await wait_for(lambda: broker.metrics.heartbeat_result["accepted"].value == 1)
 
     reply = await nc.request("reach.route.text_processing", b"", timeout=2)
     assert reply.headers is None
@@ -210,10 +210,10 @@ async def test_two_replicas_same_state_route_answered_once(
     ack = await announce(nc, "delta")
     for seq in range(1, 4):
         await heartbeat(nc, "delta", ack["token"], seq, active=1)
-    await wait_for(lambda: owner.metrics.heartbeat_result["accepted"]._value.get() == 3)
+    await wait_for(lambda: owner.metrics.heartbeat_result["accepted"].value == 3)
     rec = owner.registry.agents["delta"]
     assert (rec.state, rec.seq, rec.active) == ("healthy", 3, 1)
-    assert other.metrics.heartbeat_result["accepted"]._value.get() == 0
+    assert other.metrics.heartbeat_result["accepted"].value == 0
     assert other.registry.agents == {}
 
     # Route requests go to one replica each (the capability's owner answers, the other
@@ -300,8 +300,8 @@ async def test_bad_heartbeats_are_dropped_and_counted(nc: NATS, broker: Broker) 
     await heartbeat(nc, "epsilon", ack["token"], 5)
     await heartbeat(nc, "epsilon", ack["token"], 5)  # stale: same seq
     await heartbeat(nc, "epsilon", ack["token"], 4)  # stale: lower seq
-    await wait_for(lambda: sum(c._value.get() for c in hb.values()) == 8, 3, what="8 heartbeats")
-    counts = {k: c._value.get() for k, c in hb.items()}
+    await wait_for(lambda: sum(c.value for c in hb.values()) == 8, 3, what="8 heartbeats")
+    counts = {k: c.value for k, c in hb.items()}
     assert counts == {"accepted": 1, "stale": 2, "forged": 1, "invalid": 3, "unknown": 1}
     # The broker keeps serving.
     reply = await nc.request("reach.route.text_processing", b"", timeout=2)

@@ -67,7 +67,7 @@ async def announce(nc: NATS, agent_id: str, caps: list[str], **extra: Any) -> st
 async def two_agents(nc: NATS, broker: Broker) -> None:
     await announce(nc, "alpha", ["text_processing", "tool_use"], region="eu", version="1.2.0")
     await announce(nc, "beta", ["data_cleaning", "text_processing"])
-    await wait_for(lambda: broker.metrics.heartbeat_result["accepted"]._value.get() == 2,
+    await wait_for(lambda: broker.metrics.heartbeat_result["accepted"].value == 2,
                    what="two heartbeats")  # fmt: skip
 
 

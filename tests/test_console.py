@@ -414,7 +414,7 @@ async def test_the_page_is_told_of_the_fleet_and_of_each_transition(
     port = await serve_port(broker)
     try:
         await announce(nc, "alpha", ["summarize"], region="eu")
-        await wait_for(lambda: broker.metrics.heartbeat_result["accepted"]._value.get() == 1,
+        await wait_for(lambda: broker.metrics.heartbeat_result["accepted"].value == 1,
                        what="alpha's heartbeat")  # fmt: skip
         feed = port.feed
         assert feed is not None

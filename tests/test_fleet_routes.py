@@ -293,7 +293,7 @@ async def test_an_agents_slots_are_handed_out_once_by_two_brokers(
     # and (when another broker owns its partition) in the share the capability's owner
     # follows: no report resets a count meanwhile.
     await wait_for(lambda: held_healthy(pair, "four-slots") and all(
-        b.metrics.heartbeat_result["accepted"]._value.get() == 1
+        b.metrics.heartbeat_result["accepted"].value == 1
         for b in pair if "four-slots" in b.registry.agents))  # fmt: skip
     await wait_owners_read(pair, cap)
     owner, other = owner_and_other(pair, cap)

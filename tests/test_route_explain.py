@@ -19,7 +19,7 @@ async def test_explained_route_on_the_wire_and_as_a_table(
     broker = await broker_factory(**QUIET)
     await announce(nc, "alpha", ["summarize"], region="eu")
     await announce(nc, "beta", ["summarize"], region="us")
-    await wait_for(lambda: broker.metrics.heartbeat_result["accepted"]._value.get() == 2,
+    await wait_for(lambda: broker.metrics.heartbeat_result["accepted"].value == 2,
                    what="two heartbeats")  # fmt: skip
     body = json.dumps({"region": "eu", "explain": True}).encode()
     reply = json.loads((await nc.request("reach.route.summarize", body, timeout=2)).data)
@@ -66,7 +66,7 @@ async def test_nothing_reachable_is_the_error_with_its_explanation(
 ) -> None:
     broker = await broker_factory(**QUIET)
     await announce(nc, "alpha", ["summarize"], region="eu")
-    await wait_for(lambda: broker.metrics.heartbeat_result["accepted"]._value.get() == 1,
+    await wait_for(lambda: broker.metrics.heartbeat_result["accepted"].value == 1,
                    what="a heartbeat")  # fmt: skip
     code, out, err = await reach("route", "summarize", "--explain", "--exclude", "alpha",
                                  "-s", nats_server.url)  # fmt: skip
