@@ -25,6 +25,7 @@ from nats.js.errors import NotFoundError
 
 from .acks import FINAL_STATES, check_request_id, parse_msg_id
 from .names import ACK_STREAM, H_MSG_ID, H_STREAM, StreamSubjects
+from .roundtrip import round_trip
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +156,7 @@ async def wait_for(
     sub = await nc.subscribe(subjects.acks_of(request_id), cb=on_msg)
     try:
         async with asyncio.timeout(timeout_s):
-            await nc.flush(timeout=max(1, int(min(timeout_s, 2.0))))
+            await round_trip(nc, max(1, int(min(timeout_s, 2.0))))  # not nc.flush: see roundtrip
             for rec in await all_records(nc, request_id, subjects=subjects,
                                          timeout_s=min(timeout_s, 2.0)):  # fmt: skip
                 answer = tell(rec)

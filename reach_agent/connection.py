@@ -32,6 +32,8 @@ from typing import Any, TypedDict
 
 import msgspec
 
+from jetstream.roundtrip import round_trip
+
 from . import grants
 from .aio import stop_loops
 
@@ -351,6 +353,8 @@ class NotConnected(ConnectionError):
     """The first connect was stopped (a signal, a shutdown) before any server accepted it."""
 
 
+FLUSH_TIMEOUT_S = 10.0
+"""How long :func:`flush_subscriptions` waits for each PONG (nats-py's flush default)."""
 CONNECT_LOG_EVERY_S = 2.0
 """At most one ``<role>.connect_failed`` line per this many seconds (each says how many
 attempts failed so far): a first connect retries every ``reconnect_time_wait``."""
@@ -473,10 +477,12 @@ async def flush_subscriptions(nc: Any) -> None:
     nats-py 2.16 ``flush()`` writes its PING straight to the socket while SUB commands wait
     in the pending buffer for the flusher task, so the PONG can arrive before the server saw
     the SUBs (a request right after start then gets "no responders"). By the first PONG the
-    flusher has written the SUBs; a second PING queues behind them.
+    flusher has written the SUBs; a second PING queues behind them. Each round trip is
+    :func:`jetstream.roundtrip.round_trip`, so a cancel (a stop's grace running out) never
+    leaves the connection deaf.
     """
-    await nc.flush()
-    await nc.flush()
+    await round_trip(nc, FLUSH_TIMEOUT_S)
+    await round_trip(nc, FLUSH_TIMEOUT_S)
 
 
 async def drain_subscription(nc: Any, sub: Any, grace_s: float) -> None:

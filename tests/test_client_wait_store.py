@@ -1,16 +1,26 @@
 """``Client.wait`` when the ack store cannot answer: ``STORE_UNAVAILABLE`` (retryable, the
-store named), never a raw nats-py exception and never a ``TIMEOUT`` that blames the agent."""
+store named), never a raw nats-py exception and never a ``TIMEOUT`` that blames the agent;
+and the connection hears again as soon as the store answers."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from pathlib import Path
 
+import msgspec
 import pytest
+from nats.aio.client import Client as NATS
 
 import reach_agent
+from jetstream.acks import ack_msg_id, publish_record
+from reach_agent.wire import schema
 from reach_agent.wire.errors import StoreUnavailable
+from reach_agent.wire.subjects import Subjects
 from reach_broker.cluster.natsserver import NatsServer
+
+from .conftest import wait_for
 
 
 async def test_wait_on_a_server_without_jetstream_is_store_unavailable(tmp_path: Path) -> None:
@@ -39,3 +49,51 @@ async def test_wait_on_a_closed_connection_is_store_unavailable(nats_server: Nat
         "REACH_ACKS could not be read for request_id 'r-closed' (ConnectionClosedError: "
         "nats: connection closed): wait for it again"
     )
+
+
+def frozen(pid: int) -> bool:
+    """Whether every thread of ``pid`` is stopped: ``kill`` returns before a thread running
+    on another core has stopped, and such a thread still answers a PING."""
+    states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0]
+              for t in Path(f"/proc/{pid}/task").iterdir()]  # fmt: skip
+    return all(state == "T" for state in states)
+
+
+async def test_a_wait_cut_short_by_a_stopped_server_leaves_the_connection_hearing(
+    provisioned: NatsServer, nc: NATS
+) -> None:
+    """A wait whose round trip timed out while the server was stopped (SIGSTOP: a node
+    frozen, as loadtest.nemesis's ``node_stop``) is refused ``STORE_UNAVAILABLE``; once the
+    server runs again the next submit is stored and its PubAck read, and a wait sees a
+    record stored after. With nats-py 2.16's ``flush(timeout)`` the late PONG completed the
+    flush's cancelled future and killed the connection's reader (InvalidStateError): the
+    client heard nothing until its pings went stale, so this submit was refused
+    ``STORE_UNAVAILABLE`` (its entry stored, its PubAck never read) and waits missed
+    records already in the stream (loadtest.nemesis, caller c3, seed 8)."""
+    rid = "r-after-stop"
+    async with reach_agent.Client(provisioned.url) as client:
+        pid = provisioned.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            await wait_for(lambda: frozen(pid), what=f"nats-server {pid} stopped")
+            # agent_id given: no claim read, the round trip is the first thing to wait for
+            with pytest.raises(StoreUnavailable) as err:
+                await asyncio.wait_for(client.wait("r-stopped", timeout=1.5, agent_id="a1"), 5)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert err.value.message == (
+            "REACH_ACKS could not be read for request_id 'r-stopped' (FlushTimeoutError: "
+            "nats: flush timeout): wait for it again"
+        )
+        got = await asyncio.wait_for(client.submit("nemesis", {"n": 1}), 5)
+        assert (got.duplicate, got.seq) == (False, 1)
+        waiting = asyncio.create_task(client.wait(rid, timeout=5, agent_id="a1"))
+        record = schema.AckRecord(request_id=rid, agent_id="a1", capability="nemesis",
+                                  state="completed", at_ms=1,
+                                  result=msgspec.Raw(b'{"n":1}'))  # fmt: skip
+        await publish_record(nc.jetstream(), Subjects().ack("a1", rid),
+                             ack_msg_id("a1", rid, "completed"),
+                             schema.encoder.encode(record))  # fmt: skip
+        done = await asyncio.wait_for(waiting, 6)
+    assert (done.state, done.agent_id, done.result) == ("completed", "a1", {"n": 1})
