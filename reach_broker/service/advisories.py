@@ -43,6 +43,7 @@ import msgspec
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
+from reach_agent.connection import flush_subscriptions
 from reach_agent.grants import jwt_name
 from reach_broker.config import DetectionSection
 from reach_broker.core.registry import Registry
@@ -175,7 +176,7 @@ class Advisories:
             await nc.subscribe(disconnect_subject(acc), cb=self._on_disconnect),
             await nc.subscribe(connect_subject(acc), cb=self._on_connect),
         ]
-        await nc.flush()
+        await flush_subscriptions(nc)  # a single flush() may overtake the SUBs (nats-py)
         await self.reconcile()
 
     async def stop(self) -> None:
