@@ -205,6 +205,10 @@ class Routes:
         if began is not None:
             at, name = max((p for p in self.phases if p[0] <= began), default=self.phases[0])
             out[f"route_outage_max_phase{suffix}"] = f"{name} +{began - at:.1f} s"
+            # On the wall clock too, to be read beside the brokers' logs and profiles.
+            wall = time.time() - (time.monotonic() - began)
+            out[f"route_outage_max_at{suffix}"] = time.strftime(
+                "%H:%M:%S", time.gmtime(wall)) + f".{int(wall % 1 * 1000):03d}"  # fmt: skip
         return out
 
 
