@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
 from nats.aio.client import Client as NATS
+from nats.errors import Error as NatsError
 from nats.js import api
 from nats.js.errors import NotFoundError
 
@@ -96,15 +97,23 @@ async def all_records(
     check_request_id(request_id)
     js = nc.jetstream(timeout=timeout_s)
     subject = subjects.acks_of(request_id) if author is None else subjects.ack(author, request_id)
+    return (await _read(js, subjects, subject, after=0))[1]
+
+
+async def _read(
+    js: Any, subjects: StreamSubjects, subject: str, *, after: int
+) -> tuple[int, list[StoredAck]]:
+    """The attributed records stored on ``subject`` after sequence ``after``, oldest first,
+    and the last sequence read (``after`` when there was none): where to read on from."""
     out: list[StoredAck] = []
-    seq = 0
     for _ in range(MAX_RECORDS):
-        seq, rec = await _get(js, subjects, seq=seq + 1, subject=subject, next=True)
+        seq, rec = await _get(js, subjects, seq=after + 1, subject=subject, next=True)
         if not seq:
             break
+        after = seq
         if rec is not None:
             out.append(rec)
-    return out
+    return after, out
 
 
 async def last_record(
@@ -128,14 +137,26 @@ Accept = Callable[[StoredAck], StoredAck | None]
 the record to answer with (possibly one it was told of earlier), or None to go on."""
 
 
+REREAD_S = 2.0
+"""A wait reads ``REACH_ACKS`` again this often (from where it left off): its core
+subscription hears nothing published while its connection is down (a reconnect) or before
+a cluster's other nodes learnt its interest, and the record is in the stream all the same.
+Such a record answers at most this long (and a read) after the stream can be read again;
+each wait costs one message get this often, one more per record stored meanwhile."""
+
+
 async def wait_for(
     nc: NATS, request_id: str, timeout_s: float, *, subjects: StreamSubjects, accept: Accept
 ) -> StoredAck:
     """The record ``accept`` settles on among those of ``request_id``, stored or yet to come.
 
     Subscribes to every author's subject of the request before reading the stream, so a
-    record stored in between is not missed (a record seen both ways is told once). Raises
-    ``TimeoutError`` after ``timeout_s`` seconds.
+    record stored in between is not missed (a record seen both ways is told once); reads
+    the stream on every ``REREAD_S``, so a record the subscription missed (stored while the
+    connection was down) is told too. Raises ``TimeoutError`` after ``timeout_s`` seconds,
+    what the first read raises when the stream cannot be read (a later read that fails is
+    logged, and the wait goes on listening), ``ConnectionClosedError`` once the connection
+    is closed.
     """
     check_request_id(request_id)
     live: asyncio.Queue[StoredAck] = asyncio.Queue()
@@ -153,19 +174,48 @@ async def wait_for(
         seen.add(rec.msg_id)
         return accept(rec)
 
-    sub = await nc.subscribe(subjects.acks_of(request_id), cb=on_msg)
+    async def heard() -> StoredAck | None:
+        """The answer among the records heard live for ``REREAD_S``, or None."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(REREAD_S):
+                while True:
+                    answer = tell(await live.get())
+                    if answer is not None:
+                        return answer
+        return None
+
+    async def reread(after: int) -> tuple[int, list[StoredAck]]:
+        """:func:`_read` on from ``after``; nothing new when the stream cannot say now."""
+        try:
+            return await _read(js, subjects, subject, after=after)
+        except NatsError as exc:  # nats-py's TimeoutError is one
+            if nc.is_closed:
+                raise  # nothing more is heard either
+            log.debug("acks.reread_failed request_id=%s error=%r: listening on", request_id,
+                      exc)  # fmt: skip
+            return after, []
+
+    subject = subjects.acks_of(request_id)
+    js = nc.jetstream(timeout=min(timeout_s, 2.0))
+    sub = await nc.subscribe(subject, cb=on_msg)
     try:
         async with asyncio.timeout(timeout_s):
             await round_trip(nc, max(1, int(min(timeout_s, 2.0))))  # not nc.flush: see roundtrip
-            for rec in await all_records(nc, request_id, subjects=subjects,
-                                         timeout_s=min(timeout_s, 2.0)):  # fmt: skip
-                answer = tell(rec)
-                if answer is not None:
-                    return answer
+            read, found = await _read(js, subjects, subject, after=0)
+            rereads = 0
             while True:
-                answer = tell(await live.get())
+                for rec in found:
+                    answer = tell(rec)
+                    if answer is not None:
+                        if rereads:
+                            log.debug("acks.reread_found request_id=%s msg_id=%s rereads=%d",
+                                      request_id, answer.msg_id, rereads)  # fmt: skip
+                        return answer
+                answer = await heard()
                 if answer is not None:
                     return answer
+                rereads += 1
+                read, found = await reread(read)
     finally:
         with contextlib.suppress(Exception):
             await sub.unsubscribe()

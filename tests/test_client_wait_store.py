@@ -1,10 +1,12 @@
 """``Client.wait`` when the ack store cannot answer: ``STORE_UNAVAILABLE`` (retryable, the
 store named), never a raw nats-py exception and never a ``TIMEOUT`` that blames the agent;
-and the connection hears again as soon as the store answers."""
+the connection hears again as soon as the store answers; and a record stored while the
+waiter's connection was down answers the wait once it is back."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 from pathlib import Path
@@ -15,6 +17,7 @@ from nats.aio.client import Client as NATS
 
 import reach_agent
 from jetstream.acks import ack_msg_id, publish_record
+from loadtest.tcpproxy import TcpProxy
 from reach_agent.wire import schema
 from reach_agent.wire.errors import StoreUnavailable
 from reach_agent.wire.subjects import Subjects
@@ -97,3 +100,92 @@ async def test_a_wait_cut_short_by_a_stopped_server_leaves_the_connection_hearin
                              schema.encoder.encode(record))  # fmt: skip
         done = await asyncio.wait_for(waiting, 6)
     assert (done.state, done.agent_id, done.result) == ("completed", "a1", {"n": 1})
+
+
+async def test_a_record_stored_while_the_waiter_was_disconnected_answers_its_wait(
+    provisioned: NatsServer, nc: NATS, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The final record stored while the waiter's connection is down (its link cut) answers
+    the wait once the connection is back, not a ``TIMEOUT``: the wait's core subscription
+    hears nothing published meanwhile, the record is in REACH_ACKS all the same, and the
+    wait reads the stream again (``ackreads.REREAD_S``). A wait that read the stream once
+    and then only listened ran to its timeout."""
+    caplog.set_level(logging.DEBUG, logger="jetstream.ackreads")
+    rid = "r-while-away"
+    msg_id = ack_msg_id("a1", rid, "completed")
+    async with TcpProxy.to_url(provisioned.url) as proxy:
+        async with reach_agent.Client(proxy.url) as client:
+            heard = client.nc.stats["in_msgs"]
+            # agent_id given: no claim read. No broker runs, so the first message this
+            # connection receives is the answer to the wait's read of REACH_ACKS (nothing
+            # stored for rid): from then on the wait has only its subscription to hear by.
+            waiting = asyncio.create_task(client.wait(rid, timeout=10, agent_id="a1"))
+            try:
+                await wait_for(lambda: client.nc.stats["in_msgs"] > heard,
+                               what="the wait's read of REACH_ACKS answered")  # fmt: skip
+                await proxy.cut()
+                await wait_for(lambda: not client.nc.is_connected, what="the waiter cut off")
+                record = schema.AckRecord(request_id=rid, agent_id="a1", capability="away",
+                                          state="completed", at_ms=1,
+                                          result=msgspec.Raw(b'{"n":2}'))  # fmt: skip
+                duplicate = await publish_record(nc.jetstream(), Subjects().ack("a1", rid), msg_id,
+                                                 schema.encoder.encode(record))  # fmt: skip
+                assert duplicate is False
+                assert client.nc.is_connected is False  # stored while the waiter was away
+                await proxy.restore()
+                await wait_for(lambda: client.nc.stats["reconnects"] == 1,
+                               what="the waiter reconnected")  # fmt: skip
+                done = await asyncio.wait_for(waiting, 12)
+            finally:
+                waiting.cancel()
+            assert proxy.accepted == 2
+    got = (done.request_id, done.agent_id, done.capability, done.state, done.at_ms, done.result,
+           done.error)  # fmt: skip
+    assert got == (rid, "a1", "away", "completed", 1, {"n": 2}, None)
+    # counted: the record the subscription missed, found by a re-read
+    said = [m for r in caplog.records if (m := r.getMessage()).startswith("acks.reread_found")]
+    assert len(said) == 1
+    assert said[0].startswith(f"acks.reread_found request_id={rid} msg_id={msg_id} rereads=")
+
+
+async def test_a_wait_whose_reread_fails_goes_on_listening(
+    provisioned: NatsServer, nc: NATS, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A re-read that cannot reach the stream (the waiter's link cut for longer than the
+    read's timeout) is logged and the wait goes on: the record published once the link is
+    back answers it."""
+    caplog.set_level(logging.DEBUG, logger="jetstream.ackreads")
+    rid = "r-reread-failed"
+
+    def failed() -> list[str]:
+        return [m for r in caplog.records
+                if (m := r.getMessage()).startswith("acks.reread_failed")]  # fmt: skip
+
+    async with TcpProxy.to_url(provisioned.url) as proxy:
+        async with reach_agent.Client(proxy.url) as client:
+            heard = client.nc.stats["in_msgs"]
+            waiting = asyncio.create_task(client.wait(rid, timeout=20, agent_id="a1"))
+            try:
+                await wait_for(lambda: client.nc.stats["in_msgs"] > heard,
+                               what="the wait's read of REACH_ACKS answered")  # fmt: skip
+                await proxy.cut()
+                await wait_for(failed, 10, what="a re-read failed")
+                assert waiting.done() is False
+                await proxy.restore()
+                await wait_for(lambda: client.nc.stats["reconnects"] == 1,
+                               what="the waiter reconnected")  # fmt: skip
+                # a round trip on the waiter's connection: its subscription is back
+                await client.nc.flush(timeout=2)
+                error = {"code": "HANDLER_ERROR", "message": "no"}
+                record = schema.AckRecord(request_id=rid, agent_id="a1", capability="away",
+                                          state="failed", at_ms=2, error=error)  # fmt: skip
+                await publish_record(nc.jetstream(), Subjects().ack("a1", rid),
+                                     ack_msg_id("a1", rid, "failed"),
+                                     schema.encoder.encode(record))  # fmt: skip
+                done = await asyncio.wait_for(waiting, 12)
+            finally:
+                waiting.cancel()
+    assert (done.request_id, done.state, done.at_ms, done.error) == (
+        rid, "failed", 2, {"code": "HANDLER_ERROR", "message": "no"})  # fmt: skip
+    assert failed()[0] == (f"acks.reread_failed request_id={rid} error=TimeoutError(): "
+                           "listening on")  # fmt: skip
