@@ -102,6 +102,31 @@ async def test_a_wait_cut_short_by_a_stopped_server_leaves_the_connection_hearin
     assert (done.state, done.agent_id, done.result) == ("completed", "a1", {"n": 1})
 
 
+async def wait_then_cut(
+    proxy: TcpProxy, client: reach_agent.Client, rid: str, wait_s: float
+) -> asyncio.Task[schema.AckRecord]:
+    """``client`` waiting for ``rid`` (by a1), its link cut once the wait's read of
+    REACH_ACKS was answered. agent_id given: no claim read; no broker runs, so the first
+    message the connection receives is that answer (nothing stored for ``rid``): from then
+    on the wait has only its subscription to hear by."""
+    heard = client.nc.stats["in_msgs"]
+    waiting = asyncio.create_task(client.wait(rid, timeout=wait_s, agent_id="a1"))
+    try:
+        await wait_for(lambda: client.nc.stats["in_msgs"] > heard,
+                       what="the wait's read of REACH_ACKS answered")  # fmt: skip
+        await proxy.cut()
+    except BaseException:
+        waiting.cancel()
+        raise
+    return waiting
+
+
+async def rejoin(proxy: TcpProxy, client: reach_agent.Client) -> None:
+    """The link restored and ``client`` reconnected (once)."""
+    await proxy.restore()
+    await wait_for(lambda: client.nc.stats["reconnects"] == 1, what="the waiter reconnected")
+
+
 async def test_a_record_stored_while_the_waiter_was_disconnected_answers_its_wait(
     provisioned: NatsServer, nc: NATS, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -115,15 +140,8 @@ async def test_a_record_stored_while_the_waiter_was_disconnected_answers_its_wai
     msg_id = ack_msg_id("a1", rid, "completed")
     async with TcpProxy.to_url(provisioned.url) as proxy:
         async with reach_agent.Client(proxy.url) as client:
-            heard = client.nc.stats["in_msgs"]
-            # agent_id given: no claim read. No broker runs, so the first message this
-            # connection receives is the answer to the wait's read of REACH_ACKS (nothing
-            # stored for rid): from then on the wait has only its subscription to hear by.
-            waiting = asyncio.create_task(client.wait(rid, timeout=10, agent_id="a1"))
+            waiting = await wait_then_cut(proxy, client, rid, 10)
             try:
-                await wait_for(lambda: client.nc.stats["in_msgs"] > heard,
-                               what="the wait's read of REACH_ACKS answered")  # fmt: skip
-                await proxy.cut()
                 await wait_for(lambda: not client.nc.is_connected, what="the waiter cut off")
                 record = schema.AckRecord(request_id=rid, agent_id="a1", capability="away",
                                           state="completed", at_ms=1,
@@ -132,9 +150,7 @@ async def test_a_record_stored_while_the_waiter_was_disconnected_answers_its_wai
                                                  schema.encoder.encode(record))  # fmt: skip
                 assert duplicate is False
                 assert client.nc.is_connected is False  # stored while the waiter was away
-                await proxy.restore()
-                await wait_for(lambda: client.nc.stats["reconnects"] == 1,
-                               what="the waiter reconnected")  # fmt: skip
+                await rejoin(proxy, client)
                 done = await asyncio.wait_for(waiting, 12)
             finally:
                 waiting.cancel()
@@ -163,17 +179,11 @@ async def test_a_wait_whose_reread_fails_goes_on_listening(
 
     async with TcpProxy.to_url(provisioned.url) as proxy:
         async with reach_agent.Client(proxy.url) as client:
-            heard = client.nc.stats["in_msgs"]
-            waiting = asyncio.create_task(client.wait(rid, timeout=20, agent_id="a1"))
+            waiting = await wait_then_cut(proxy, client, rid, 20)
             try:
-                await wait_for(lambda: client.nc.stats["in_msgs"] > heard,
-                               what="the wait's read of REACH_ACKS answered")  # fmt: skip
-                await proxy.cut()
                 await wait_for(failed, 10, what="a re-read failed")
                 assert waiting.done() is False
-                await proxy.restore()
-                await wait_for(lambda: client.nc.stats["reconnects"] == 1,
-                               what="the waiter reconnected")  # fmt: skip
+                await rejoin(proxy, client)
                 # a round trip on the waiter's connection: its subscription is back
                 await client.nc.flush(timeout=2)
                 error = {"code": "HANDLER_ERROR", "message": "no"}
