@@ -105,11 +105,12 @@ class Follow:
                 return False
         return True
 
-    async def stop(self) -> None:
-        """Stop the deliveries (the server removes the consumer once unused)."""
+    async def stop(self, *, delete: bool = False) -> None:
+        """Stop the deliveries (the server removes the consumer once unused; ``delete``: at
+        once, see :meth:`Follower.stop`)."""
         if self.follower is not None:
             follower, self.follower = self.follower, None
-            await follower.stop()
+            await follower.stop(delete=delete)
         if self._sub is not None:
             sub, self._sub = self._sub, None
             with contextlib.suppress(Exception):  # a closed connection has nothing to undo

@@ -287,8 +287,10 @@ class Follower:
         ]
         return info
 
-    async def stop(self) -> None:
-        """Stop delivering (the server removes the consumer once nobody listens)."""
+    async def stop(self, *, delete: bool = False) -> None:
+        """Stop delivering. The server removes the consumer once it notices that nobody
+        listens (an ephemeral consumer's inactive threshold, 5 s by default); ``delete``
+        removes it now (one request; a consumer already gone or a lost connection ignored)."""
         self._stopped = True
         tasks, self._tasks = self._tasks, []
         current = asyncio.current_task()
@@ -305,6 +307,10 @@ class Follower:
         if sub is not None:
             with contextlib.suppress(Exception):  # a closed connection has nothing to undo
                 await sub.unsubscribe()
+        consumer = self.consumer
+        if delete and consumer is not None and self.nc.is_connected:
+            with contextlib.suppress(Exception):  # gone already, or the connection with it
+                await self._js.delete_consumer(self.stream, consumer)
 
     # --- the consumer ------------------------------------------------------------------
 

@@ -265,7 +265,11 @@ class ConsoleSection(Section):
     history_s: Positive = 300.0
     """How far back the samples go (bounded memory: history_s / sample_s per agent)."""
     events: Annotated[int, Meta(ge=1, le=100_000)] = 500
-    """Events kept for the timeline (read from REACH_AUDIT at start, then live)."""
+    """Events kept for the timeline (the last ones read from REACH_AUDIT when a page starts
+    watching, then live)."""
+    follow_idle_s: Positive = 60.0
+    """How long REACH_AUDIT is still followed after the last page left (nobody watching: no
+    consumer, no event decoded)."""
     push_s: Positive = 1.0
     """How often a watching page gets the fleet (and at once after a transition)."""
     max_agents: Annotated[int, Meta(ge=1)] = 500

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -270,6 +271,18 @@ def test_console_tokens_are_checked() -> None:
         console_token("has a space in it, long enough", "REACH_CONSOLE_TOKEN")
 
 
+def test_follow_idle_s_is_checked(tmp_path: Any) -> None:
+    from reach_broker import config
+
+    path = tmp_path / "broker.toml"
+    path.write_text("[console]\nfollow_idle_s = 5\n")
+    assert config.load(path).console.follow_idle_s == 5.0
+    path.write_text("[console]\nfollow_idle_s = 0\n")
+    with pytest.raises(ConfigError) as exc:
+        config.load(path)
+    assert str(exc.value) == f"{path}: Expected `float` > 0.0 - at `$.console.follow_idle_s`"
+
+
 @pytest.mark.parametrize(
     ("host", "loopback"),
     [("127.0.0.1", True), ("::1", True), ("localhost", True), ("0.0.0.0", False),
@@ -371,6 +384,28 @@ async def test_a_taken_port_is_an_oserror() -> None:
 # --- on a running broker -------------------------------------------------------------------------
 
 
+async def audit_state(nc: NATS) -> tuple[int, int]:
+    """REACH_AUDIT's stored events and its consumers (only the console's feed makes any
+    here)."""
+    js = nc.jetstream()
+    info = await js.stream_info("REACH_AUDIT")
+    return info.state.messages, len(await js.consumers_info("REACH_AUDIT"))
+
+
+async def until(
+    read: Callable[[], Awaitable[Any]],
+    expected: Any,
+    timeout: float = 5.0,  # noqa: ASYNC109 - a polling deadline, not a cancellation scope
+    what: str = "",
+) -> None:
+    """Poll ``await read()`` until it equals ``expected``; fail with the last value."""
+    deadline = time.monotonic() + timeout
+    while (value := await read()) != expected:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}: {value!r}")
+        await asyncio.sleep(0.02)
+
+
 class Sse:
     """A raw /events client: the (event, data) pairs as they come."""
 
@@ -419,10 +454,10 @@ async def test_the_page_is_told_of_the_fleet_and_of_each_transition(
         feed = port.feed
         assert feed is not None
         beaten = feed.history.ticks  # samples from here on see the heartbeat's load
-        # The page's first push lists the events the feed holds: the registration reaches it
-        # through REACH_AUDIT (stored, then followed), after the heartbeat was counted.
-        await wait_for(lambda: [e.event.kind for e in feed.history.events] == ["registered"],
-                       what="alpha's registration in the console's timeline")  # fmt: skip
+        # The page's first push lists the last events of REACH_AUDIT, read when it connects
+        # (nobody watched before: nothing was followed).
+        await until(lambda: audit_state(nc), (1, 0), what="alpha's registration stored")
+        assert list(feed.history.events) == []
         sse = await Sse.open(port.server.port)
         try:
             hello = await sse.next("hello")
@@ -527,6 +562,121 @@ async def test_the_timeline_starts_with_the_audit_history(
             sse.close()
     finally:
         await port.stop()
+
+
+def moves(entries: list[dict[str, Any]]) -> list[tuple[str, str, str | None]]:
+    """What a page's events say: kind, agent and the state it went to."""
+    return [(e["event"]["kind"], e["event"]["agent_id"], e["event"].get("to")) for e in entries]
+
+
+async def test_the_audit_trail_is_followed_only_while_a_page_watches(
+    nats_server: NatsServer, nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    """Nobody watching: no consumer on REACH_AUDIT, no event decoded. Two pages connecting
+    at once share one follow and get the events stored before they came, then live ones;
+    follow_idle_s after the last one left the consumer is gone, and a new page gets a new
+    follow that shows each event once."""
+    broker = await broker_factory(**QUIET, console=True, console__follow_idle_s=0.3)
+    port = await serve_port(broker)
+    feed = port.feed
+    assert feed is not None
+    try:
+        await announce(nc, "alpha", ["summarize"])
+        await announce(nc, "beta", ["summarize"])
+        await nc.request("reach.leave.alpha", b"{}", timeout=2)
+        await until(lambda: audit_state(nc), (3, 0), what="3 events stored, no consumer")
+        await asyncio.sleep(0.3)  # were anything following, it would have them by now
+        assert (await audit_state(nc), list(feed.history.events)) == ((3, 0), [])
+
+        one, two = await asyncio.gather(Sse.open(port.server.port), Sse.open(port.server.port))
+        try:
+            before = [("registered", "alpha", "healthy"), ("registered", "beta", "healthy"),
+                      ("left", "alpha", "draining")]  # fmt: skip
+            assert moves(await one.next("events")) == before
+            assert moves(await two.next("events")) == before
+            assert await audit_state(nc) == (3, 1)  # one follow for both pages
+            await announce(nc, "gamma", ["summarize"])
+            assert moves([await one.next("event")]) == [("registered", "gamma", "healthy")]
+            assert moves([await two.next("event")]) == [("registered", "gamma", "healthy")]
+            status, _, body = await get(port.server.port, "/api/events")
+            assert (status, moves(json.loads(body))) == (
+                200, [*before, ("registered", "gamma", "healthy")])  # fmt: skip
+        finally:
+            one.close()
+            two.close()
+        await wait_for(lambda: not feed.watchers, what="both pages gone")
+        await until(lambda: audit_state(nc), (4, 0), what="the follow stopped after 0.3 s")
+        assert feed._follow is None
+
+        await announce(nc, "delta", ["summarize"])  # stored while nobody watches: not decoded
+        await until(lambda: audit_state(nc), (5, 0), what="delta's registration stored")
+        assert len(feed.history.events) == 4
+        again = await Sse.open(port.server.port)
+        try:
+            # Each once: the events kept from the first follow are not read twice.
+            assert moves(await again.next("events")) == [
+                *before, ("registered", "gamma", "healthy"),
+                ("registered", "delta", "healthy")]  # fmt: skip
+            assert await audit_state(nc) == (5, 1)
+            await nc.request("reach.leave.beta", b"{}", timeout=2)
+            assert moves([await again.next("event")]) == [("left", "beta", "draining")]
+        finally:
+            again.close()
+        await until(lambda: audit_state(nc), (6, 0), what="the follow stopped again")
+    finally:
+        await port.stop()
+
+
+async def test_an_agents_transitions_start_the_follow_and_the_broker_stop_ends_it(
+    nats_server: NatsServer, nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    """``/api/agents/<id>`` reads the events too (the agent's last transitions); a broker
+    stopped while its console follows leaves neither a task nor a listener behind."""
+    broker = await broker_factory(**QUIET, console=True)  # follow_idle_s: 60 s
+    port = await serve_port(broker)
+    try:
+        await announce(nc, "alpha", ["summarize"])
+        await nc.request("reach.leave.alpha", b"{}", timeout=2)
+        await until(lambda: audit_state(nc), (2, 0), what="2 events stored, no consumer")
+        status, _, body = await get(port.server.port, "/api/agents/alpha")
+        assert status == 200
+        assert [(t["event"].get("from"), t["event"]["to"])
+                for t in json.loads(body)["transitions"]] == [
+            (None, "healthy"), ("healthy", "draining")]  # fmt: skip
+        assert await audit_state(nc) == (2, 1)  # followed for follow_idle_s after the request
+        await broker.stop()
+        assert [t.get_name() for t in asyncio.all_tasks()
+                if t.get_name().startswith(("reach-console", "reach-follow"))] == []  # fmt: skip
+        assert broker.feed is not None and broker.feed._follow is None
+    finally:
+        await port.stop()
+
+
+async def test_needs_that_come_while_the_follow_stops_get_a_follow(
+    nats_server: NatsServer, nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    """Needs that begin as the follow is being stopped (idle 20 ms, needs every 0-40 ms),
+    and several at once: each is answered with a follow running, never two follows."""
+    broker = await broker_factory(**QUIET, console=True, console__follow_idle_s=0.02)
+    feed = broker.feed
+    assert feed is not None
+    seen: list[bool] = []
+    follows: set[int] = set()
+
+    async def need(pause: float) -> None:
+        await asyncio.sleep(pause)
+        async with asyncio.timeout(10), feed.needing_events():
+            follow = feed._follow
+            seen.append(follow is not None and follow.follower is not None
+                        and follow.follower.following)  # fmt: skip
+            if follow is not None:
+                follows.add(id(follow))
+
+    for i in range(20):
+        await asyncio.gather(*(need(0.002 * ((i + k) % 20)) for k in range(3)))
+    assert seen == [True] * 60
+    assert len(follows) >= 2  # it did stop and start again in between
+    await until(lambda: audit_state(nc), (0, 0), what="the last follow stopped")
 
 
 def test_a_row_is_rebuilt_only_for_an_agent_heard_from() -> None:

@@ -137,10 +137,10 @@ class EventStream:
         self.feed = feed
 
     async def run(self, writer: asyncio.StreamWriter, closed: asyncio.Event) -> None:
-        watcher = self.feed.watch()
+        writer.write(b"retry: 1000\n\n")
+        watcher = await self.feed.watch()  # once the audit follow has the recent events
         ended = asyncio.ensure_future(self._end_on(closed, watcher))
         try:
-            writer.write(b"retry: 1000\n\n")
             while True:
                 raise_if_cancelled()
                 try:
@@ -203,7 +203,7 @@ class App:
             if req.path == "/api/owners":  # asked now: who owns each partition, its agents
                 ctx = feed.ctx
                 return self.json(_json.encode(await owners(ctx.nc, ctx.subjects, ctx.wall_ms())))
-            return self.api(feed, req)
+            return await self.api(feed, req)
         return text(404, f"no such page: {req.path}", SECURITY)
 
     def file(self, name: str) -> Response:
@@ -213,14 +213,17 @@ class App:
         body, kind = found
         return Response(200, body, kind, (*SECURITY, ("Cache-Control", "no-cache")))
 
-    def api(self, feed: Feed, req: Request) -> Response | Stream:
+    async def api(self, feed: Feed, req: Request) -> Response | Stream:
+        """The feed's data; the timeline and an agent's transitions are the audit trail's
+        events, read while a request needs them (:meth:`Feed.needing_events`)."""
         path = req.path
         if path == "/events":
             return EventStream(feed)
         if path == "/api/fleet":
             return self.json(feed.fleet_json())
         if path == "/api/events":
-            return self.json(feed.events_json(feed.cfg.events))
+            async with feed.needing_events():
+                return self.json(feed.events_json(feed.cfg.events))
         if path == "/api/charts":
             return self.json(_json.encode(feed.capabilities.index(feed.ctx.wall_ms())))
         if path.startswith("/api/charts/"):
@@ -230,7 +233,8 @@ class App:
                 return text(404, f"no chart of capability {cap!r}", SECURITY)
             return self.json(_json.encode(chart))
         if path.startswith("/api/agents/"):
-            body = feed.agent_json(path.removeprefix("/api/agents/"))
+            async with feed.needing_events():
+                body = feed.agent_json(path.removeprefix("/api/agents/"))
             if body is None:
                 return text(404, f"no agent {path.removeprefix('/api/agents/')!r}", SECURITY)
             return self.json(body)
