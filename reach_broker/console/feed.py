@@ -31,6 +31,7 @@ import msgspec
 
 from jetstream import audit, compensation
 from jetstream.follow import UNCOUNTED, FollowMetrics
+from jetstream.names import AUDIT_STREAM
 from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
 from reach_agent.wire import schema
@@ -241,6 +242,10 @@ class Feed:
     async def _follow_audit(self) -> None:
         """The last ``console.events`` events (those not kept yet), then every one live."""
         nc, subjects = self.ctx.nc, self.ctx.subjects
+        with contextlib.suppress(Exception):  # no JetStream, no trail: said just below
+            info = await nc.jetstream(timeout=2.0).stream_info(AUDIT_STREAM)
+            if info.state.last_seq < self._kept_seq:  # the trail was made again: numbered anew
+                self._kept_seq = 0
         try:
             self._follow = await audit.follow_events(
                 nc, self._on_stored, subjects=subjects, last=self.cfg.events,
