@@ -57,15 +57,21 @@ NODE_FAULTS = ("node_kill", "node_stop")
 BROKER_ACK_AUTHOR = "_broker"
 RETRYABLE_CODES = frozenset({"DRAINING", "TARGET_BUSY", "OVERLOADED", "TIMEOUT"})
 """A run that ends with one of these releases its claim itself: another may run it."""
-RUN_ERROR_CODES = frozenset({"BIZ_REJECT"})
-"""A call's error that only a run produces (the handler refused): it needs its record."""
+RUN_ERROR_CODES = frozenset({"BIZ_REJECT", "CANCELLED"})
+"""A call's error that only a run produces (the handler refused; a run stopped by a cancel,
+or the brokers settling a cancel no agent answered): it needs its record."""
 FINAL_CODES = frozenset({
     "BIZ_REJECT", "INVALID_REQUEST", "INVALID_CAPABILITY", "LOOP_DETECTED", "INTERNAL",
-    "STREAM_BROKEN", "FLOW_FAILED", "FORBIDDEN", "IDEMPOTENCY_MISMATCH",
+    "STREAM_BROKEN", "FLOW_FAILED", "FORBIDDEN", "IDEMPOTENCY_MISMATCH", "CANCELLED",
 })  # fmt: skip
 """A call's error that is the run's own answer (or the caller's own mistake): its final
-state. Any other (``TIMEOUT``, ``NO_REACHABLE_AGENT``, ``OVERLOADED``, ``IN_PROGRESS``, a
-connection error, ...) means the caller gave up without learning the request's fate."""
+state. ``CANCELLED`` is one: a call whose deadline passed while its agent held the request
+tells that agent to stop, and a cancelled request id never runs again (docs/protocol.md,
+Cancellation), so a recall gets ``CANCELLED`` for ever — and a ``failed`` record with it
+must be stored (:data:`RUN_ERROR_CODES`; a ``CANCELLED`` answer where a run completed is
+``failed_without_ack``). Any other (``TIMEOUT``, ``NO_REACHABLE_AGENT``, ``OVERLOADED``,
+``IN_PROGRESS``, a connection error, ...) means the caller gave up without learning the
+request's fate."""
 REFUSED_CODES = frozenset({"COMPENSATION_FULL", "INVALID_REQUEST", "INVALID_CAPABILITY"})
 """A submit's error that says the entry was not stored: final, nothing to wait for."""
 
@@ -520,7 +526,10 @@ def _resolution(ix: _Index, out: list[Violation]) -> tuple[list[str], int, int]:
         unresolved.append(rid)
         runs = ix.runs.get(rid, [])
         said = ", ".join(f"{o.op} {'ok' if o.ok else o.code}" for o in ops)
-        records = [(a.author, a.state) for a in ix.acks.get(rid, ())]
+        records = [
+            (a.author, a.state, a.code) if a.code else (a.author, a.state)
+            for a in ix.acks.get(rid, ())
+        ]
         queued = "; still queued" if rid in ix.queued else ""
         seen = (f"caller: {said}; runs: {[r.run for r in runs] or 'none'}; records: "
                 f"{records or 'none'}{queued}")  # fmt: skip

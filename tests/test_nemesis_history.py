@@ -210,6 +210,29 @@ def test_a_call_whose_caller_never_got_its_final_answer_is_unresolved() -> None:
         ("call_never_returned", "c1-2"), ("no_final_state", "c1-2")]  # fmt: skip
 
 
+def test_a_call_cancelled_at_its_deadline_is_resolved_by_its_cancelled_record() -> None:
+    """The caller's deadline passes while its agent holds the request: the agent is told to
+    stop, the run ends ``CANCELLED`` and its ``failed`` record says so; every recall gets
+    ``CANCELLED`` (a cancelled request id never runs again): resolved, not ``no_final_state``
+    (c3-000297 of a CI run, 93 recalls). A ``CANCELLED`` answer whose request completed
+    instead is ``failed_without_ack``."""
+    stopped = run("c1-1", 1.0, 12.0, outcome="cancelled", code="CANCELLED")
+    record = Ack(author=A1, rid="c1-1", agent=A1, state="failed", run=stopped.run,
+                 code="CANCELLED")  # fmt: skip
+    answers = [
+        called("c1-1", None, 0.9, "TIMEOUT"),
+        *(called("c1-1", None, 30.0 + i, "CANCELLED", op="recall") for i in range(3)),
+    ]
+    verdict = check(history(stopped, record, *answers))
+    assert (verdict.violations, verdict.unresolved) == ([], [])
+
+    done, _, stored = clean_call("c1-2")
+    wrong = [called("c1-2", None, 0.9, "TIMEOUT"), called("c1-2", None, 30.0, "CANCELLED",
+                                                          op="recall")]  # fmt: skip
+    verdict = check(history(done, stored, *wrong))
+    assert kinds(verdict.violations) == [("failed_without_ack", "c1-2")]
+
+
 def test_a_submitted_task_lost_or_left_queued_is_a_violation() -> None:
     queued = Op(caller="c1", op="submit", rid="c1-1", invoked=1.0, returned=1.1, ok=True)
     waited = Op(caller="c1", op="wait", rid="c1-1", invoked=9.0, returned=19.0, ok=False,

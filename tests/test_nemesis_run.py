@@ -34,8 +34,9 @@ def alive(pid: int) -> bool:
 
 def explain(report: dict[str, object], run: Path) -> str:
     """What a failed run's CI log needs to be read later (pytest's tmp dir does not last):
-    the violations' kinds and the first five, the faults, the callers' outcomes, and the
-    tail of each caller's own log (its connection's disconnects and reconnects)."""
+    the violations' kinds and the first five, the faults, the callers' outcomes, the tail of
+    each caller's own log (its connection's disconnects and reconnects), and the first three
+    violations' lines in the callers' and agents' logs."""
     violations = report["violations"]
     assert isinstance(violations, list)
     lines = [f"violation kinds: {report['violation_kinds']}",
@@ -45,6 +46,12 @@ def explain(report: dict[str, object], run: Path) -> str:
              f"callers: {json.dumps(report['callers'])}, load: {report['loadavg']}"]  # fmt: skip
     for log in sorted(run.glob("c*.log")):
         lines += [f"--- {log.name} (tail)", *log.read_text().splitlines()[-25:]]
+    for v in violations[:3]:  # what the callers and agents wrote of them
+        assert isinstance(v, dict)
+        token = f'"{v.get("request_id")}"'
+        said = [f"{log.name}: {line}" for log in sorted(run.glob("*.jsonl"))
+                for line in log.read_text().splitlines() if token in line]  # fmt: skip
+        lines += [f"--- {token} in the run's logs", *said[:12]]
     return "\n".join(lines)
 
 
