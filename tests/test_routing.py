@@ -140,6 +140,26 @@ def test_panic_with_no_healthy_agent_says_so(caplog: pytest.LogCaptureFixture) -
                     "no healthy agent left to route to"]  # fmt: skip
 
 
+def test_agents_healthy_since_the_last_ranking_are_named_as_such() -> None:
+    """Refused before the capability is ranked again, agents that are healthy by now are
+    not said to be "none healthy (2 healthy)" (a nemesis run's message): the refusal says
+    they were not healthy when it was last ranked, and when they will be routed."""
+    w = World("ab", rank_refresh_ms=1000)
+    for agent_id in "ab":
+        w.reg.disconnected(agent_id, 1.0)
+    with pytest.raises(NoReachableAgent) as exc:
+        w.route(2.0)  # ranked now: none healthy
+    assert exc.value.message == "none of the 2 agents with 'summarize' is healthy (2 suspect)"
+    w.beat("a", 2.1)
+    w.beat("b", 2.1)
+    with pytest.raises(NoReachableAgent) as exc:
+        w.route(2.2)  # 0.2 s after the ranking: not due again
+    assert exc.value.message == (
+        "none of the 2 agents with 'summarize' was healthy when it was last ranked (now 2 "
+        "healthy: routed once it is ranked again, [routing] rank_refresh_ms)")  # fmt: skip
+    assert sorted(w.route(3.1, limit=2)) == ["a", "b"]  # ranked again
+
+
 def test_draining_agents_do_not_count_towards_panic() -> None:
     w = World("abcd")
     for agent_id in "bcd":

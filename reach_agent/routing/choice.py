@@ -175,6 +175,10 @@ class Chooser(Generic[M]):
             for rec in idx.members.values():
                 states[rec.state] = states.get(rec.state, 0) + 1
             detail = ", ".join(f"{n} {s}" for s, n in sorted(states.items()))
+            if states.get("healthy"):  # healthy since the capability was last ranked
+                return (f"none of the {total} agents with {capability!r} was healthy when it "
+                        f"was last ranked (now {detail}: routed once it is ranked again, "
+                        "[routing] rank_refresh_ms)")  # fmt: skip
             return f"none of the {total} agents with {capability!r} is healthy ({detail})"
         if not idx.ranked:
             return (
