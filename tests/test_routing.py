@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from reach_agent.routing.index import RANK_MEMBERS, CapabilityIndex
+from reach_agent.routing.index import RANK_MEMBERS, CapabilityIndex, by_score, rank
 from reach_agent.routing.member import Member, TaskStats
 from reach_agent.wire import schema
 from reach_agent.wire.errors import NoReachableAgent, Overloaded
@@ -333,3 +333,24 @@ def test_a_big_capability_is_ranked_again_less_often() -> None:
         idx.score_changed()
     assert ranked_at(big, cfg, [1.2, 1.22]) == [False, True]  # 0.21 + REORDER_FACTOR x 50 ms
     assert ranked_at(huge, cfg, [1.0, 1.19, 1.21]) == [False, False, True]
+
+
+def test_rank_orders_as_by_score_does_ties_included() -> None:
+    """The ranking's three stable sorts give exactly ``sorted(key=by_score)``'s order: best
+    score first, then the larger context headroom, then the id — with many equal scores and
+    headrooms, in any starting order."""
+    rng = random.Random(5)
+    members = []
+    for i in range(2000):
+        m = Member(f"agent-{i:04d}", 4, TaskStats())
+        m.context_window = rng.choice([None, 1000, 8000])
+        m.set_context(rng.choice([None, 10.0, 50.0]))
+        m.set_score(rng.choice([40.0, 60.5, 60.5, 80.0, 99.9]))
+        members.append(m)
+    for _ in range(3):
+        rng.shuffle(members)
+        ranked = list(members)
+        rank(ranked)
+        assert [m.agent_id for m in ranked] == [m.agent_id for m in sorted(members, key=by_score)]
+    # 2,000 members over 28 (score, headroom) pairs: ties everywhere, decided by the next key
+    assert len({(m.score, m.headroom) for m in members}) == 28
