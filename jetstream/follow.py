@@ -78,12 +78,12 @@ API_TIMEOUT_S = 2.0
 """How long a consumer creation may take before it counts as failed."""
 
 LOSS_REASONS = ("stall", "gap", "reconnect", "deleted")
+"""Why a consumer was rebuilt (the ``reason`` of ``reach_follow_rebuilds_total``)."""
 YIELD_EVERY = 32
 """Messages handed to the callback in a row before the event loop runs the rest. A backlog
 delivered at once (the audit trail of 100,000 agents registering, to each broker's console)
 was otherwise handed over whole, and no route request read meanwhile was answered: 3.4 s
 without an answer from any of 4 brokers (``loadtest/README.md``)."""
-"""Why a consumer was rebuilt (the ``reason`` of ``reach_follow_rebuilds_total``)."""
 
 _ACK_PREFIX = "$JS.ACK."
 _STATUS = "Status"

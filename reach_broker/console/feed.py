@@ -230,6 +230,7 @@ class Feed:
             self._ready.clear()
             self._wanted.clear()
             await self._unfollow(delete=True)
+            log.info("console.unfollowed last_seq=%d: nobody watches", self._kept_seq)
 
     async def _unfollow(self, *, delete: bool) -> None:
         """Stop the follow; ``delete``: its consumer removed now, not when the server
@@ -237,7 +238,6 @@ class Feed:
         follow, self._follow = self._follow, None
         if follow is not None:
             await follow.stop(delete=delete)
-            log.info("console.unfollowed last_seq=%d: nobody watches", self._kept_seq)
 
     async def _follow_audit(self) -> None:
         """The last ``console.events`` events (those not kept yet), then every one live."""

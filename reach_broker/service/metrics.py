@@ -73,8 +73,8 @@ class Tally:
 
     The route and heartbeat paths count with it rather than prometheus_client's Counter and
     Histogram, which take a lock per ``inc``/``observe``: the two cost 1.8-1.9 µs of a route
-    request's 9.6 µs in process (``loadtest/README.md``, "The route path's metrics"), and the
-    heartbeat's ``inc`` was 5.5 % of a busy broker's samples at 10,000 agents a second."""
+    request's 9.6 µs in process (``loadtest/README.md``, "The route path's metrics"); a
+    heartbeat's ``inc`` 0.30 µs against 0.03 µs (timeit)."""
 
     __slots__ = ("value",)
 
