@@ -4,7 +4,8 @@
 ``reach_request_total{agent_id,result}``, ``reach_request_duration_seconds`` and
 ``reach_circuit_breaker_open{agent_id,capability}`` (0/1), plus
 ``reach_compensation_total{result=enqueued|duplicate|refused|unavailable|mismatch}`` for
-``submit()``.
+``submit()`` and ``reach_wait_total{result=completed|failed|timeout|unavailable|invalid}`` for
+``wait()``.
 ``AgentMetrics`` counts what an agent did with the tasks it was handed. Labels are bounded
 (agent ids of the fleet, results, capabilities); never a request id.
 """
@@ -45,6 +46,13 @@ class ClientMetrics:
             "Compensation queue entries by result, as the caller saw them "
             "(enqueued, duplicate, refused, unavailable, mismatch); the broker counts replayed "
             "and expired",
+            ["result"],
+            registry=r,
+        )
+        self.waits = Counter(
+            "reach_wait_total",
+            "Client.wait outcomes: the final record's state (completed, failed), or why none "
+            "was returned (timeout, unavailable: REACH_ACKS could not be read, invalid)",
             ["result"],
             registry=r,
         )

@@ -199,3 +199,36 @@ async def test_a_wait_whose_reread_fails_goes_on_listening(
         rid, "failed", 2, {"code": "HANDLER_ERROR", "message": "no"})  # fmt: skip
     assert failed()[0] == (f"acks.reread_failed request_id={rid} error=TimeoutError(): "
                            "listening on")  # fmt: skip
+
+
+async def test_every_wait_outcome_is_counted(provisioned: NatsServer, nc: NATS) -> None:
+    """``reach_wait_total{result}``: a record's state, a timeout, an invalid request id and
+    a refusal (``STORE_UNAVAILABLE``) each move the client's counter, once."""
+    metrics = reach_agent.ClientMetrics()
+
+    def counted() -> dict[str, float]:
+        return {r: v for r in ("completed", "failed", "timeout", "unavailable", "invalid")
+                if (v := metrics.registry.get_sample_value(
+                    "reach_wait_total", {"result": r})) is not None}  # fmt: skip
+
+    done = schema.AckRecord(request_id="r-ok", agent_id="a1", capability="c",
+                            state="completed", at_ms=1, result=msgspec.Raw(b"1"))  # fmt: skip
+    refused = schema.AckRecord(request_id="r-bad", agent_id="a1", capability="c", state="failed",
+                               at_ms=1, error={"code": "BIZ_REJECT", "message": "no"})  # fmt: skip
+    for record in (done, refused):
+        rid = record.request_id
+        await publish_record(nc.jetstream(), Subjects().ack("a1", rid),
+                             ack_msg_id("a1", rid, record.state),
+                             schema.encoder.encode(record))  # fmt: skip
+    async with reach_agent.Client(provisioned.url, metrics=metrics) as client:
+        assert (await client.wait("r-ok", timeout=5, agent_id="a1")).state == "completed"
+        assert (await client.wait("r-bad", timeout=5, agent_id="a1")).state == "failed"
+        with pytest.raises(reach_agent.Timeout):
+            await client.wait("r-none", timeout=0.2, agent_id="a1")
+        with pytest.raises(reach_agent.InvalidRequest):
+            await client.wait("not a request id", timeout=1, agent_id="a1")
+        await client.nc.close()
+        with pytest.raises(StoreUnavailable):
+            await asyncio.wait_for(client.wait("r-closed", timeout=5, agent_id="a1"), 4)
+    assert counted() == {"completed": 1.0, "failed": 1.0, "timeout": 1.0, "unavailable": 1.0,
+                         "invalid": 1.0}  # fmt: skip

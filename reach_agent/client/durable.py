@@ -250,18 +250,29 @@ async def wait(
         await ackreads.wait_for(connection_of(client), request_id, timeout,
                             subjects=Subjects(prefix), accept=taken.accept)  # fmt: skip
     except acks.InvalidRequestId as exc:
+        _count_wait(client, "invalid")
         raise InvalidRequest(str(exc)) from None
     except STORE_ERRORS as exc:  # before TimeoutError: nats-py's timeout is one
+        _count_wait(client, "unavailable")
         raise StoreUnavailable(f"REACH_ACKS could not be read for request_id {request_id!r} "
                                f"({type(exc).__name__}: {exc}): wait for it again",
                                retry_after_ms=1000) from None  # fmt: skip
     except TimeoutError:
+        _count_wait(client, "timeout")
         who = f" by {', '.join(sorted(takers))}" if takers else " (no taker known yet)"
         raise Timeout(
             f"no completed or failed record for request_id {request_id!r}{who} within {timeout}s"
         ) from None
     assert taken.answer is not None
+    _count_wait(client, taken.answer.state)
     return _decoded(taken.answer)
+
+
+def _count_wait(client: Any, result: str) -> None:
+    """``reach_wait_total{result}`` of the client's metrics, when it has them."""
+    metrics = getattr(client, "metrics", None)
+    if metrics is not None:
+        metrics.waits.labels(result).inc()
 
 
 def final_of(stored: Iterable[ackreads.StoredAck], takers: Iterable[str]) -> AckRecord | None:
