@@ -12,14 +12,17 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import msgspec
 import pytest
 from nats.aio.client import Client as NATS
 
 import reach_agent
 from jetstream.claims import ClaimStore, claim_key
+from jetstream.names import H_REQUEST_ID
+from reach_agent.client.calls import encode_payload
 from reach_agent.client.config import ClientConfig
 from reach_agent.wire import schema
-from reach_agent.wire.errors import Cancelled, Timeout
+from reach_agent.wire.errors import Cancelled, InProgress, Timeout, from_reply
 from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
 
@@ -86,6 +89,58 @@ async def claim_of(nc: NATS, rid: str) -> schema.Claim:
     stored = await ClaimStore(nc).get(claim_key(rid))
     assert stored is not None
     return schema.claim_decoder.decode(stored.data)
+
+
+async def claim_in(nc: NATS, rid: str, state: str, limit_s: float = 5.0) -> schema.Claim:
+    """The request id's claim once it is in ``state`` (read every 20 ms, at most ``limit_s``):
+    a run ends its claim just before it replies, on another connection than the test's."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        stored = await ClaimStore(nc).get(claim_key(rid))
+        claim = schema.claim_decoder.decode(stored.data) if stored is not None else None
+        if claim is not None and claim.state == state:
+            return claim
+        assert time.monotonic() < deadline, f"the claim of {rid} is {claim}, not {state}"
+        await asyncio.sleep(0.02)
+
+
+async def orphan_claim(nc: NATS, broker: Broker, rid: str, holder: str, instance: str,
+                       cap: str) -> None:  # fmt: skip
+    """A ``running`` claim of ``holder``'s process ``instance`` that runs nothing (killed as
+    its run began, or a create that landed although its task was refused)."""
+    claim = schema.Claim(request_id=rid, agent_id=holder, instance=instance, capability=cap,
+                         state="running", at_ms=int(time.time() * 1000),
+                         ack_subject=broker.subjects.ack(holder, rid))  # fmt: skip
+    created, _ = await ClaimStore(nc).create(claim_key(rid), schema.encoder.encode(claim))
+    assert created
+
+
+async def tell(nc: NATS, broker: Broker, agent_id: str, rid: str) -> schema.CancelState:
+    """Tell ``agent_id`` to cancel ``rid``, as a caller's deadline does (but asking, to know
+    it arrived): the state it answers."""
+    told = schema.Cancel(request_id=rid, reason="the caller's deadline passed")
+    answer = await nc.request(broker.subjects.cancel(agent_id), schema.encoder.encode(told),
+                              timeout=5)  # fmt: skip
+    return schema.decode(schema.cancel_reply_decoder, answer.data, "cancel reply").state
+
+
+async def copy_to(nc: NATS, broker: Broker, agent_id: str, cap: str, rid: str) -> Any:
+    """Send ``agent_id`` a copy of ``rid`` (``{"sleep": 0}``, as the client encodes it) and
+    return the error its reply carries (None: a result)."""
+    reply = await nc.request(broker.subjects.task(agent_id, cap), encode_payload({"sleep": 0}),
+                             headers={H_REQUEST_ID: rid}, timeout=5)  # fmt: skip
+    return from_reply(reply.headers, reply.data)
+
+
+async def restarted(broker: Broker, agents: Agents, old: Sleeper, cap: str) -> Sleeper:
+    """``old``'s agent stopped, and a new process of the same agent id serving ``cap``."""
+    agent_id = old.agent.agent_id
+    await old.agent.stop(grace=2)
+    new = Sleeper(agent_id, cap)
+    await agents(new.agent)
+    await wait_for(lambda: broker.registry.agents[agent_id].state == "healthy", 5,
+                   what=f"{agent_id} back")  # fmt: skip
+    return new
 
 
 async def test_client_cancel_interrupts_the_handler_frees_the_slot_and_sticks(
@@ -237,26 +292,110 @@ async def test_a_late_cancel_at_a_restarted_agent_leaves_the_finished_result_sta
     first = await serving(broker, agents, "phoenix", "cancel.late")
     assert await client.call("cancel.late", {"sleep": 0}, request_id="rid-late-done",
                              timeout=5) == {"done": "rid-late-done"}  # fmt: skip
-    await first.agent.stop(grace=2)
-    again = Sleeper("phoenix", "cancel.late")
-    await agents(again.agent)
-    await wait_for(lambda: broker.registry.agents["phoenix"].state == "healthy", 5,
-                   what="phoenix back")  # fmt: skip
-    told = schema.Cancel(request_id="rid-late-done", reason="the caller's deadline passed")
-    answer = await nc.request(broker.subjects.cancel("phoenix"),
-                              schema.encoder.encode(told), timeout=5)  # fmt: skip
-    assert schema.decode(schema.cancel_reply_decoder, answer.data, "cancel reply").state == (
-        "unknown"
-    )
+    again = await restarted(broker, agents, first, "cancel.late")
+    assert await tell(nc, broker, "phoenix", "rid-late-done") == "unknown"
     assert await client.call("cancel.late", {"sleep": 0}, request_id="rid-late-done",
                              timeout=5) == {"done": "rid-late-done"}  # fmt: skip
     assert again.runs == [] and first.runs == ["rid-late-done"]
-    # A request it never saw and nobody ran stays cancelled for it.
-    told = schema.Cancel(request_id="rid-never", reason="the caller's deadline passed")
-    await nc.request(broker.subjects.cancel("phoenix"), schema.encoder.encode(told), timeout=5)
+    # A request it never saw and nobody ran stays cancelled for it — durably: the copy ran
+    # already cancelled (no handler), so its claim and its record say so, and a process
+    # that does not remember the cancel answers it the same.
+    assert await tell(nc, broker, "phoenix", "rid-never") == "unknown"
     with pytest.raises(Cancelled):
         await client.call("cancel.late", {"sleep": 0}, request_id="rid-never", timeout=5)
-    assert again.runs == []
+    rec = await client.wait("rid-never", 5)
+    assert (rec.state, rec.agent_id, rec.error["code"]) == ("failed", "phoenix", "CANCELLED")
+    claim = await claim_in(nc, "rid-never", "failed")
+    assert (claim.agent_id, claim.reason) == ("phoenix", "cancelled")
+    third = await restarted(broker, agents, again, "cancel.late")
+    with pytest.raises(Cancelled):
+        await client.call("cancel.late", {"sleep": 0}, request_id="rid-never", timeout=5)
+    assert first.runs == ["rid-late-done"] and again.runs == [] and third.runs == []
+
+
+async def test_a_cancel_the_restarted_taker_remembered_is_never_run_after_its_next_restart(
+    broker: Broker, agents: Agents, client: reach_agent.Client, nc: NATS
+) -> None:
+    """loadtest.nemesis c3-000570: the taker was SIGKILLed as its run began; the call's
+    deadline told it to cancel, and its restarted process, running nothing, remembered the
+    cancel; a repeat got CANCELLED from that memory alone; the taker was killed again (the
+    memory gone) and a recall ran the request. Now the repeat runs already cancelled: it
+    takes the dead process's claim over and ends it cancelled, so the recall, whichever of
+    the two agents it reaches, gets CANCELLED and nothing runs. (Fails before the change:
+    the recall runs.)"""
+    taker = await serving(broker, agents, "taker", "cancel.c3")
+    spare = await serving(broker, agents, "spare", "cancel.c3")
+    await orphan_claim(nc, broker, "rid-c3", "taker", "killed-process", "cancel.c3")
+    assert await tell(nc, broker, "taker", "rid-c3") == "unknown"
+    assert isinstance(await copy_to(nc, broker, "taker", "cancel.c3", "rid-c3"), Cancelled)
+    again = await restarted(broker, agents, taker, "cancel.c3")
+    with pytest.raises(Cancelled):
+        await client.call("cancel.c3", {"sleep": 0}, request_id="rid-c3", timeout=5)
+    assert taker.runs == [] and again.runs == [] and spare.runs == []
+    claim = await claim_in(nc, "rid-c3", "failed")
+    assert (claim.agent_id, claim.instance, claim.reason) == (
+        "taker", taker.agent.instance, "cancelled",
+    )  # fmt: skip
+    rec = await client.wait("rid-c3", 5)
+    assert (rec.state, rec.agent_id, rec.error["code"]) == ("failed", "taker", "CANCELLED")
+
+
+async def test_a_remembered_cancel_asked_again_is_unknown_and_the_brokers_settle_it(
+    broker: Broker, agents: Agents, client: reach_agent.Client, nc: NATS
+) -> None:
+    """loadtest.nemesis c1-000842: the agent refused the task (its claim create was not
+    confirmed in time, but was stored) and was told to cancel at the deadline. Asked again,
+    it answered ``cancelled`` from its memory, so ``Client.cancel`` took that and made
+    nothing durable. Now it answers ``unknown`` again, and the brokers settle the cancel."""
+    keeper = await serving(broker, agents, "keeper", "cancel.c1")
+    await orphan_claim(nc, broker, "rid-c1", "keeper", keeper.agent.instance, "cancel.c1")
+    assert await tell(nc, broker, "keeper", "rid-c1") == "unknown"
+    assert await tell(nc, broker, "keeper", "rid-c1") == "unknown"
+    reply = await client.cancel("rid-c1")
+    assert (reply.state, reply.agent_id) == ("cancelled", "_broker")
+    claim = await claim_of(nc, "rid-c1")
+    assert (claim.agent_id, claim.state, claim.reason) == ("_broker", "failed", "cancelled")
+    rec = await client.wait("rid-c1", 5)
+    assert (rec.state, rec.agent_id, rec.error["code"], rec.error["reason"]) == (
+        "failed", broker.broker_id, "CANCELLED", "cancelled",
+    )  # fmt: skip
+    # A recall reaching the agent that remembers the cancel gets that record's CANCELLED.
+    err = await copy_to(nc, broker, "keeper", "cancel.c1", "rid-c1")
+    assert isinstance(err, Cancelled)
+    assert err.message == "request_id 'rid-c1' was cancelled: cancelled by its caller"
+    assert keeper.runs == []
+
+
+async def test_a_remembered_cancel_leaves_a_claim_another_agent_runs_alone(
+    broker: Broker, agents: Agents, client: reach_agent.Client, nc: NATS
+) -> None:
+    """A copy of a request another agent runs is answered IN_PROGRESS, as any copy, although
+    a cancel of it is remembered here, and the agent's one slot is taken; the cancel stays
+    remembered: once the claim is released (its holder declared offline), the next copy
+    takes it over already cancelled."""
+    s = await serving(broker, agents, "bystander", "cancel.held")
+    await orphan_claim(nc, broker, "rid-held", "runner", "r1", "cancel.held")
+    assert await tell(nc, broker, "bystander", "rid-held") == "unknown"
+    busy = await started_call(client, s, "cancel.held", "rid-busy", timeout=60)
+    err = await copy_to(nc, broker, "bystander", "cancel.held", "rid-held")
+    assert isinstance(err, InProgress) and err.holder == "runner"
+    assert await tell(nc, broker, "bystander", "rid-held") == "unknown"
+    stored = await ClaimStore(nc).get(claim_key("rid-held"))
+    assert stored is not None
+    held = schema.claim_decoder.decode(stored.data)
+    released = msgspec.structs.replace(held, state="released", reason="a test")
+    assert await ClaimStore(nc).swap(claim_key("rid-held"), schema.encoder.encode(released),
+                                     stored.revision) is not None  # fmt: skip
+    assert isinstance(await copy_to(nc, broker, "bystander", "cancel.held", "rid-held"),
+                      Cancelled)  # fmt: skip
+    claim = await claim_in(nc, "rid-held", "failed")
+    assert (claim.agent_id, claim.reason) == ("bystander", "cancelled")
+    rec = await client.wait("rid-held", 5)
+    assert (rec.state, rec.agent_id, rec.error["code"]) == ("failed", "bystander", "CANCELLED")
+    assert s.runs == ["rid-busy"]
+    await client.cancel("rid-busy")
+    with pytest.raises(Cancelled):
+        await asyncio.wait_for(busy, 5)
 
 
 async def test_reach_cancel_and_reach_ack(

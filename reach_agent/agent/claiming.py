@@ -280,28 +280,6 @@ class Claimer:
                 created, stored = False, again
         raise ClaimsUnavailable(f"claim {key!r} kept changing while being taken over")
 
-    async def final(self, request_id: str, digest: str | None = None) -> Claimed | None:
-        """``request_id``'s claim, looked at and never written, when it says the request is
-        over — ``completed`` or ``failed``, ended by its holder's ``completed`` record, or
-        claimed for another body — as :meth:`claim` would find it (for :meth:`answer`);
-        None when there is no claim, it still runs, or the store cannot say now."""
-        try:
-            stored = await self.store.get(claim_key(request_id))
-            if stored is None:
-                return None
-            existing = _decode(stored)
-            verdict = decide(existing, agent_id=self.agent_id, instance=self.instance,
-                             digest=digest)  # fmt: skip
-            if verdict in ("take_over", "in_progress"):
-                ended = await self._ended(existing)
-                if ended is None:
-                    return None
-                return Claimed(verdict="stored", existing=existing, record=ended)
-        except ClaimsUnavailable as exc:
-            log.info("claims.unreadable request_id=%s error=%s", request_id, exc)
-            return None
-        return Claimed(verdict=verdict, existing=existing)
-
     async def _ended(self, claim: schema.Claim) -> schema.AckRecord | None:
         """The holder's ``completed`` record of ``claim``, if stored; ``ClaimsUnavailable``
         when the ack store cannot say (never a guess: a take-over on a wrong "no" would run

@@ -3,7 +3,8 @@
 A repeated ``Reach-Request-Id`` answers with the first result, or joins the run still going,
 so a retry (the caller's, or the broker's replay) never runs a task twice. Bounded in size
 (``dedup_size``) and time (``dedup_ttl`` after the run ends: 2 min by default, as
-docs/protocol.md promises). Pure: the clock is an argument.
+docs/protocol.md promises). It also holds the cancels of requests this process does not
+run (:meth:`DedupCache.remember`): notes, never replies. Pure: the clock is an argument.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ class Entry:
         self.future = future
         self.digest = digest
         self.expires = float("inf")  # set when the task finishes
-        self.remembered = False
-        """A cancel of a request this process did not run, remembered (its reply
-        ``CANCELLED``): not the request's own answer when its claim says it finished."""
+        self.remembered: str | None = None
+        """The reason of a cancel of a request this process does not run: a note, not an
+        answer (it has no reply: a copy arriving later runs already cancelled)."""
 
 
 class DedupCache:
@@ -53,6 +54,22 @@ class DedupCache:
         """Remember a task that starts now (its body's ``digest``); ``running`` tasks (this
         one included) are never dropped to make room."""
         entry = Entry(asyncio.get_running_loop().create_future(), digest)
+        self._add(request_id, entry, now, running)
+        return entry
+
+    def remember(self, request_id: str, reason: str, now: float, running: int) -> Entry:
+        """Note the cancel (``reason``) of ``request_id``, which this process does not run,
+        until ``now + ttl``. Its future is cancelled: done (dropped to make room as a finished
+        entry is), and never read — a note is no reply."""
+        future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        future.cancel()
+        entry = Entry(future)
+        entry.remembered = reason
+        entry.expires = now + self.ttl
+        self._add(request_id, entry, now, running)
+        return entry
+
+    def _add(self, request_id: str, entry: Entry, now: float, running: int) -> None:
         seen = self._seen
         seen[request_id] = entry
         # Bounded: drop expired entries from the old end, then the oldest finished ones.
@@ -69,7 +86,6 @@ class DedupCache:
                 del seen[oldest_id]
             else:
                 break
-        return entry
 
     def forget(self, request_id: str, entry: Entry) -> None:
         """Drop ``entry`` (an answer that may change, e.g. ``IN_PROGRESS``): the next

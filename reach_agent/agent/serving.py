@@ -16,10 +16,15 @@ clean up; after ``cancel_grace`` seconds it is cancelled again. The run then end
 ``CANCELLED`` whatever the handler did after the cancel: the claim ended ``failed`` (reason
 ``cancelled``, so no retry or replay runs it again), the final ack record ``failed`` with
 ``CANCELLED``, the slot free. A cancel that comes before the handler started (the claim's
-round trip) ends the run before it; one for a request not running here is remembered in
-the duplicate window, so a copy of the task arriving later is answered ``CANCELLED`` —
-unless the request's claim says it finished (run by this agent's previous process, or by
-another): a finished request's result stands.
+round trip) ends the run before it. One for a request not running here is only remembered
+in the duplicate window, as a note — never an answer (answered ``unknown``, then and when
+asked again: the asker has the brokers settle it): a copy of the task arriving later starts
+a run that is already cancelled, which claims the request as any run does and, with the
+claim its own, ends it ``CANCELLED`` without its handler (claim ``failed``/``cancelled``,
+records ``received`` and ``failed``), so every ``CANCELLED`` has the claim and the record
+behind it; a claim another runs, or that finished, answers as for any copy (``IN_PROGRESS``;
+the stored result, which stands), and one the store cannot decide ``STORE_UNAVAILABLE`` —
+then the note stays for the next copy.
 A plain function handler runs in a worker thread, which cannot be interrupted: its run
 ends at once, the thread finishes on its own and its result is dropped.
 
@@ -285,7 +290,16 @@ class TaskServer:
         d = admit(hdrs, agent_id=self.agent_id, duplicate=entry is not None,
                   draining=self.draining or self.unready, active=self.active,
                   max_concurrency=self.max_concurrency, now=now, mismatch=mismatch)  # fmt: skip
-        if d.verdict == "run":
+        noted = entry.remembered if entry is not None and d.verdict == "duplicate" else None
+        if d.verdict == "run" or noted is not None:
+            # A copy of a request whose cancel was remembered (noted) runs already cancelled:
+            # no handler, but its claim and records make the CANCELLED durable. Counted in
+            # `active` (in flight: a drain waits for it), yet admitted however full the agent
+            # is, as a duplicate is: it takes no handler's slot, and a TARGET_BUSY would only
+            # send the copy on to run elsewhere.
+            if noted is not None:
+                log.info("task.cancelled_copy agent=%s request_id=%s: its cancel was remembered; "
+                         "run already cancelled", self.agent_id, request_id)  # fmt: skip
             self.active += 1
             self._idle.clear()
             self._running[request_id] = now
@@ -294,7 +308,7 @@ class TaskServer:
             if reply and d.receipt and not claim:
                 await self._send_receipt(reply, request_id)  # at once: nothing to claim
             run = self._runs[request_id] = Run(msg, capability, request_id, hdrs, digest, d,
-                                               entry, claim)  # fmt: skip
+                                               entry, claim, cancelled=noted)  # fmt: skip
             run.task = self._tasks.spawn(self._run(run), "reach-task")
             return
         self._count(capability, d.label)
@@ -316,30 +330,11 @@ class TaskServer:
         if reply and d.receipt:
             await self._send_receipt(reply, request_id)
         if reply and d.ack_mode != "received":
-            if entry.remembered and self.claimer is not None and capability not in self.idempotent:
-                self._tasks.spawn(self._answer_remembered(reply, request_id, entry, digest),
-                                  "reach-dup")  # fmt: skip
-                return
             if entry.future.done():
                 headers, body = entry.future.result()
                 await self._publish(reply, body, headers)
             else:
                 self._tasks.spawn(self._reply_when_done(entry, reply), "reach-dup")
-
-    async def _answer_remembered(
-        self, reply: str, request_id: str, entry: Entry, digest: str
-    ) -> None:
-        """A copy of a request this process was told to cancel while it did not run it: a
-        claim that says the request finished (run by this agent's previous process, say, or
-        by another) answers with its result, which stands; otherwise the cancel does
-        (``CANCELLED``)."""
-        assert self.claimer is not None
-        claimed = await self.claimer.final(request_id, digest)
-        if claimed is not None:
-            _, (headers, body) = await self.claimer.answer(claimed, request_id, digest)
-        else:
-            headers, body = await asyncio.shield(entry.future)
-        await self._publish(reply, body, headers)
 
     async def _copy_once_claimed(self, run: Run, reply: str, d: Admission) -> None:
         """A copy of a request whose run is still claiming it: its receipt once the claim is
@@ -403,9 +398,11 @@ class TaskServer:
 
     def cancel(self, request_id: str, reason: str) -> schema.CancelState:
         """Cancel ``request_id`` on this agent: ``cancelled`` (running here: its handler is
-        interrupted, or never starts), ``finished`` (it ended here already) or ``unknown``
-        (remembered: a copy arriving later is answered ``CANCELLED``, unless the request's
-        claim says it finished: then its result)."""
+        interrupted, or never starts; or it ended here ``CANCELLED``), ``finished`` (it ended
+        here already) or ``unknown``: it does not run here, and nothing durable says it is
+        cancelled — the cancel is remembered, a note that a copy arriving later runs already
+        cancelled (see the module); asked again, still ``unknown``, so the asker has the
+        brokers settle it."""
         run = self._runs.get(request_id)
         if run is not None and (run.phase != "ending" or run.cancelled is not None):
             if run.cancelled is None:
@@ -420,11 +417,11 @@ class TaskServer:
         now = time.monotonic()
         entry = self.dedup.lookup(request_id, now)
         if entry is not None:
+            if entry.remembered is not None:
+                return "unknown"  # a note of an earlier cancel: no run here ended it yet
             done = entry.future.done() and entry.future.result()[0].get(H_SERVICE_ERROR_CODE)
             return "cancelled" if done == str(Cancelled.status) else "finished"
-        entry = self.dedup.begin(request_id, now, self.active)
-        entry.remembered = True
-        self.dedup.finish(entry, _cancelled_reply(request_id, self.agent_id, reason), now)
+        self.dedup.remember(request_id, reason, now, self.active)
         return "unknown"
 
     def _interrupt(self, run: Run) -> None:
@@ -472,12 +469,23 @@ class TaskServer:
         finally:
             if self._runs.get(request_id) is run:
                 del self._runs[request_id]
+            if run.cancelled is not None:
+                self._keep_noted(run)
             if span is not None and self.spans is not None:
                 self.spans.end(span, error)
             self._running.pop(request_id, None)
             self.active -= 1
             if self.active == 0:
                 self._idle.set()
+
+    def _keep_noted(self, run: Run) -> None:
+        """A cancelled run that ended without a final answer here (another agent holds the
+        claim, the store could not decide: its answer was forgotten) leaves its cancel
+        remembered, so the next copy runs already cancelled too."""
+        assert run.cancelled is not None
+        now = time.monotonic()
+        if self.dedup.lookup(run.request_id, now) is None:
+            self.dedup.remember(run.request_id, run.cancelled, now, self.active)
 
     def _span_attributes(self, request_id: str, capability: str) -> dict[str, str]:
         return {"reach.request_id": request_id, "reach.capability": capability,
@@ -674,11 +682,3 @@ class TaskServer:
         if self.metrics is not None:
             op = "received" if rec.state == "received" else "final"
             self.metrics.store_errors.labels("acks", op).inc()
-
-
-def _cancelled_reply(request_id: str, agent_id: str, reason: str) -> Reply:
-    """The reply a copy of a request cancelled before it came gets."""
-    headers, body = to_reply(Cancelled(f"request_id {request_id!r} was cancelled before it "
-                                       f"reached agent {agent_id!r}: {reason}"))  # fmt: skip
-    headers[H_REQUEST_ID] = request_id
-    return headers, body

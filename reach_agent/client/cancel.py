@@ -7,10 +7,11 @@ with a :class:`~reach_agent.wire.schema.Cancel` on ``<p>.cancel.<agent_id>``:
   own calls of that request id end at once with ``CANCELLED``, and their agents are told
   (fire and forget: the fast path). Then the request's holder is found — the claim in KV
   ``reach_claims``, else the request's ack records (their author took it) — and asked, as a
-  request; when no agent answers that it stopped it (none runs it: queued, not yet sent,
-  or an agent that ignores cancels), the brokers are asked on ``<p>.cancel._broker``: they
-  make the request id's claim final as cancelled and write its ``failed`` record with
-  ``CANCELLED``, so no retry or replay ever runs it, and remove its queued entry;
+  request; when no agent answers that it stopped it (none runs it: queued, not yet sent; a
+  holder that answers ``unknown``, as one that only remembers the cancel does; an agent that
+  ignores cancels), the brokers are asked on ``<p>.cancel._broker``: they make the request
+  id's claim final as cancelled and write its ``failed`` record with ``CANCELLED``, so no
+  retry or replay ever runs it, and remove its queued entry;
 * a ``call()`` or ``stream()`` whose asyncio task is cancelled (to every agent it was sent
   to), or whose deadline passes with an agent still on it, or a stream whose reader stops
   early (to the agent that took it): :meth:`Cancels.tell`, fire and forget.
@@ -57,9 +58,13 @@ class Cancels:
         """Tell the agent that took ``call``'s request (its receipt, or the claim's holder)
         to stop — with ``everyone``, every agent the call was sent to (its task was
         cancelled: the request itself is given up, also by an agent whose receipt is still
-        on its way) —; no answer awaited. A deadline tells the taker only: an agent that
-        never took the request would remember it as cancelled, and a later call with the
-        same request id (after a timeout while every agent was busy, say) be refused."""
+        on its way) —; no answer awaited, so nothing here says the request ended: the agent
+        ends a run of it ``CANCELLED`` (its claim and record say so); one that does not run
+        it only remembers the cancel, and a copy of the request reaching it later runs
+        already cancelled — it ends ``CANCELLED`` through its claim, never answered from
+        memory. A deadline tells the taker only: an agent that never took the request would
+        remember it too, and a later call with the same request id reaching it (after a
+        timeout while every agent was busy, say) be ended ``CANCELLED`` instead of run."""
         if call.cancelled is not None:
             return  # Client.cancel told them already
         agents = call.runners() if everyone else {call.taker} if call.taker else set()
