@@ -543,6 +543,58 @@ async def test_a_copy_gets_its_receipt_only_once_the_first_copys_claim_is_taken(
         await server.drain(1.0)
 
 
+@pytest.mark.parametrize("refuse", [True, False])
+async def test_a_cancel_while_the_run_takes_its_claim_is_unknown_until_the_claim_is_its_own(
+    provisioned: NatsServer, nc: NATS, refuse: bool
+) -> None:
+    """A cancel that reaches a run still taking its claim answered ``cancelled``, though the
+    claim might turn out another's or undecided, and then nothing durable said so (the asker
+    settled nothing). It answers ``unknown`` (the asker has the brokers settle it); the run
+    does not start: with the claim its own it ends ``CANCELLED``, claim and record behind it;
+    refused, the cancel stays noted for the next copy."""
+    rid = str(uuid.uuid4())
+    runs: list[str] = []
+    server = TaskServer("cut", 4, SUBJECTS, dedup=DedupCache(100, 60.0), metrics=None)
+
+    async def handle(task: reach_agent.Task) -> dict[str, Any]:
+        runs.append(task.request_id)
+        return {"n": 1}
+
+    server.handlers["cap"] = (handle, kind_of(handle))
+    store = HeldCreate(nc, claim_key(rid), refuse=refuse)
+    await server.subscribe(nc, ["cap"], claimer=Claimer(nc, "cut", "i1", SUBJECTS, store=store),
+                           ack_sink=None)  # fmt: skip
+    caller = await nats.connect(provisioned.url)
+    try:
+        inbox = await caller.subscribe("_INBOX.cut")
+        await caller.publish(SUBJECTS.task("cut", "cap"), b"{}", reply="_INBOX.cut",
+                             headers={H_REQUEST_ID: rid})  # fmt: skip
+        await asyncio.wait_for(store.waiting.wait(), 5)
+        assert server.cancel(rid, "a test") == "unknown"
+        assert server.cancel(rid, "a test") == "unknown"  # asked again: still undecided
+        store.gate.set()
+        got = await inbox.next_msg(timeout=5)
+        err = from_reply(got.headers, got.data)
+        assert err is not None
+        if refuse:
+            assert err.code == "STORE_UNAVAILABLE"
+            assert await stored_claim(nc, rid) is None
+            entry = server.dedup.lookup(rid, time.monotonic())
+            assert entry is not None and entry.remembered == "a test"  # the note stays
+        else:
+            assert (err.code, err.message) == (
+                "CANCELLED",
+                f"request_id {rid!r} was cancelled on agent 'cut': a test",
+            )
+            claim = await claim_becomes(nc, rid, "failed")
+            assert (claim.agent_id, claim.reason) == ("cut", schema.CLAIM_CANCELLED)
+            assert server.cancel(rid, "a test") == "cancelled"  # now it is durable
+        assert runs == []
+    finally:
+        await caller.close()
+        await server.drain(1.0)
+
+
 async def test_a_claim_stored_although_unconfirmed_is_run_or_released_never_left_running(
     provisioned: NatsServer, nc: NATS
 ) -> None:

@@ -397,12 +397,13 @@ class TaskServer:
             await self._publish(reply, schema.encoder.encode(answer), {})
 
     def cancel(self, request_id: str, reason: str) -> schema.CancelState:
-        """Cancel ``request_id`` on this agent: ``cancelled`` (running here: its handler is
-        interrupted, or never starts; or it ended here ``CANCELLED``), ``finished`` (it ended
-        here already) or ``unknown``: it does not run here, and nothing durable says it is
-        cancelled — the cancel is remembered, a note that a copy arriving later runs already
-        cancelled (see the module); asked again, still ``unknown``, so the asker has the
-        brokers settle it."""
+        """Cancel ``request_id`` on this agent: ``cancelled`` (running here, its claim its own:
+        its handler is interrupted, or never starts; or it ended here ``CANCELLED``),
+        ``finished`` (it ended here already) or ``unknown``: nothing durable says it is
+        cancelled — a run still taking its claim (it will not start, but the claim may be
+        another's), or a request that does not run here: the cancel is remembered, a note that
+        a copy arriving later runs already cancelled (see the module); asked again, still
+        ``unknown``, so the asker has the brokers settle it."""
         run = self._runs.get(request_id)
         if run is not None and (run.phase != "ending" or run.cancelled is not None):
             if run.cancelled is None:
@@ -411,6 +412,10 @@ class TaskServer:
                          request_id, reason)  # fmt: skip
                 if run.phase == "handling":
                     self._interrupt(run)
+            if run.claim and not run.claimed.is_set():
+                # Still taking its claim, which may yet turn out another's (or undecided):
+                # the run will not start, but nothing durable says it is cancelled yet.
+                return "unknown"
             return "cancelled"
         if run is not None:
             return "finished"  # its handler is done: the result is on its way
