@@ -215,7 +215,8 @@ class App:
 
     async def api(self, feed: Feed, req: Request) -> Response | Stream:
         """The feed's data; the timeline and an agent's transitions are the audit trail's
-        events, read while a request needs them (:meth:`Feed.needing_events`)."""
+        events, read while a request needs them (:meth:`Feed.needing_events`), and the
+        charts' latencies the ack records, likewise (:meth:`Feed.needing_charts`)."""
         path = req.path
         if path == "/events":
             return EventStream(feed)
@@ -224,11 +225,13 @@ class App:
         if path == "/api/events":
             async with feed.needing_events():
                 return self.json(feed.events_json(feed.cfg.events))
-        if path == "/api/charts":
-            return self.json(_json.encode(feed.capabilities.index(feed.ctx.wall_ms())))
+        if path == "/api/charts":  # a capability may be known from its ack records alone
+            async with feed.needing_charts():
+                return self.json(_json.encode(feed.capabilities.index(feed.ctx.wall_ms())))
         if path.startswith("/api/charts/"):
             cap = path.removeprefix("/api/charts/")
-            chart = feed.capabilities.chart(cap, feed.ctx.wall_ms())
+            async with feed.needing_charts():
+                chart = feed.capabilities.chart(cap, feed.ctx.wall_ms())
             if chart is None:
                 return text(404, f"no chart of capability {cap!r}", SECURITY)
             return self.json(_json.encode(chart))

@@ -11,7 +11,11 @@ task). A capability is about ``BUCKETS * (BINS + 2) * 4`` bytes (about 10 KiB); 
 :data:`MAX_CAPABILITIES` are charted (later ones are counted, not kept), and at most
 :data:`PENDING_MAX` calls are timed at once: past that, a call whose ``received`` record finds
 no room is not timed (a sample of the others is), so a large fleet costs the same memory and
-O(1) work per ack record.
+O(1) work per ack record. The pending calls outlive the feed's follows of the records: a
+``received`` read by one follow (or by the stored records read when a follow starts) is paired
+with its final record read by the next. A record older than what its slot holds now (before
+the window: :func:`window_start_ms`) is not charted (counted in ``stale``), so a late record
+never wipes a newer bucket.
 """
 
 from __future__ import annotations
@@ -35,6 +39,12 @@ MAX_CAPABILITIES = 256
 PENDING_MAX = 20_000
 
 _LOG_RATIO = math.log(BIN_RATIO)
+
+
+def window_start_ms(wall_ms: int) -> int:
+    """Where the charts begin at ``wall_ms``: the start of the oldest of the :data:`BUCKETS`
+    buckets :meth:`CapabilitySeries.chart` shows (the stored records a follow reads from)."""
+    return (wall_ms // (BUCKET_S * 1000) - BUCKETS + 1) * BUCKET_S * 1000
 
 
 def bin_of(ms: float) -> int:
@@ -105,6 +115,8 @@ class CapabilitySeries:
         """Whether the counts were read once (that first read is the baseline)."""
         self._pending: dict[str, tuple[str, int]] = {}
         """request id → (capability, ``received`` at_ms), insertion-ordered."""
+        self.stale = 0
+        """Final records not charted: older than the bucket their slot holds now."""
 
     def _ring(self, capability: str) -> _Ring | None:
         ring = self.rings.get(capability)
@@ -152,7 +164,11 @@ class CapabilitySeries:
         ring = self._ring(capability)
         if ring is None:
             return
-        pos = ring.slot(at_ms // (BUCKET_S * 1000))
+        bucket = at_ms // (BUCKET_S * 1000)
+        if ring.epoch[bucket % BUCKETS] > bucket:  # 15 minutes old or more: not a slot's
+            self.stale += 1
+            return
+        pos = ring.slot(bucket)
         ring.hist[pos * BINS + bin_of(at_ms - started[1])] += 1
 
     def expire(self, wall_ms: int, older_than_s: float = BUCKET_S * BUCKETS) -> None:
