@@ -235,7 +235,7 @@ class Broker:
         self.outcomes = Outcomes(ctx, registry, cfg.outcomes, summaries=m.outcomes,
                                  ejected=m.delivery_ejected)  # fmt: skip
         self.feed = (Feed(ctx, registry, self.explainer, cfg.console, self.handlers.route_counts,
-                          follow=m.follow("audit"))
+                          follow=m.follow("audit"), ack_follow=m.follow("acks"))
                      if console else None)  # fmt: skip
         """The console's data (built when the HTTP port shows the console)."""
         self.tables = Tables(

@@ -268,8 +268,8 @@ class ConsoleSection(Section):
     """Events kept for the timeline (the last ones read from REACH_AUDIT when a page starts
     watching, then live)."""
     follow_idle_s: Positive = 60.0
-    """How long REACH_AUDIT is still followed after the last page left (nobody watching: no
-    consumer, no event decoded)."""
+    """How long REACH_AUDIT and the ack records are still followed after the last page left
+    (nobody watching: no consumer, no event or ack record decoded)."""
     push_s: Positive = 1.0
     """How often a watching page gets the fleet (and at once after a transition)."""
     max_agents: Annotated[int, Meta(ge=1)] = 500

@@ -361,3 +361,33 @@ async def test_a_broker_stopped_while_the_ack_follow_starts_leaves_nothing(
         await until(lambda: acks_state(nc), (200, 0), timeout=15, what="the consumer gone")
     finally:
         await port.stop()
+
+
+async def test_the_ack_follow_counts_a_lost_consumer_in_the_broker_metrics(
+    nats_server: NatsServer, nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    """The broker hands the ack records' follow its ``follow="acks"`` counters: a consumer
+    deleted under it is rebuilt and counted, as the other follows' are."""
+    broker = await broker_factory(**QUIET, console=True, console__follow_idle_s=30)
+    f = broker.feed
+    assert f is not None
+    port = await serve_port(broker)
+    try:
+        await store_call(nc, "a")
+        assert await timed(port) == 1  # the charts asked: the follow runs
+        follower = f._ack_follow.follower if f._ack_follow is not None else None
+        assert follower is not None and follower.consumer is not None
+        reply = await nc.request(f"$JS.API.CONSUMER.DELETE.REACH_ACKS.{follower.consumer}",
+                                 b"", timeout=2)  # fmt: skip
+        assert json.loads(reply.data).get("success") is True, reply.data
+        rebuilds = broker.metrics.follow_rebuilds
+
+        def counted() -> float:
+            return sum(rebuilds.labels("acks", r)._value.get()
+                       for r in ("stall", "deleted", "gap", "reconnect"))  # fmt: skip
+
+        await wait_for(lambda: counted() == 1, 15, what="the lost consumer counted once")
+        await store_call(nc, "b")
+        await wait_for(lambda: charted(f) == 2, 5, what="b charted after the rebuild")
+    finally:
+        await port.stop()

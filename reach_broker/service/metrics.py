@@ -403,8 +403,8 @@ class Metrics:
         self.registry.register(_PartitionBeats(counts))
 
     def follow(self, name: str) -> FollowCounters:
-        """What the follow ``name`` (``claims``, ``rules``, ``presence``, ``audit``) counts
-        into."""
+        """What the follow ``name`` (``claims``, ``rules``, ``presence``, ``audit``,
+        ``acks``) counts into."""
         return FollowCounters(self, name)
 
 
