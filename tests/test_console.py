@@ -683,33 +683,6 @@ async def test_an_agents_transitions_start_the_follow_and_the_broker_stop_ends_i
         await port.stop()
 
 
-async def test_needs_that_come_while_the_follow_stops_get_a_follow(
-    nats_server: NatsServer, nc: NATS, broker_factory: BrokerFactory
-) -> None:
-    """Needs that begin as the follow is being stopped (idle 20 ms, needs every 0-40 ms),
-    and several at once: each is answered with a follow running, never two follows."""
-    broker = await broker_factory(**QUIET, console=True, console__follow_idle_s=0.02)
-    feed = broker.feed
-    assert feed is not None
-    seen: list[bool] = []
-    follows: set[int] = set()
-
-    async def need(pause: float) -> None:
-        await asyncio.sleep(pause)
-        async with asyncio.timeout(10), feed.needing_events():
-            follow = feed._follow
-            seen.append(follow is not None and follow.follower is not None
-                        and follow.follower.following)  # fmt: skip
-            if follow is not None:
-                follows.add(id(follow))
-
-    for i in range(20):
-        await asyncio.gather(*(need(0.002 * ((i + k) % 20)) for k in range(3)))
-    assert seen == [True] * 60
-    assert len(follows) >= 2  # it did stop and start again in between
-    await until(lambda: audit_state(nc), (0, 0), what="the last follow stopped")
-
-
 def test_a_row_is_rebuilt_only_for_an_agent_heard_from() -> None:
     from reach_broker.console.views import Views
     from reach_broker.core.explain import Explainer

@@ -277,31 +277,35 @@ async def test_without_reach_acks_the_records_are_heard_live_while_needed(
         await port.stop()
 
 
-async def test_needs_that_come_while_the_ack_follow_stops_get_a_follow(
-    nats_server: NatsServer, nc: NATS, broker_factory: BrokerFactory
+@pytest.mark.parametrize("need", ["events", "charts"])
+async def test_needs_that_come_while_a_follow_stops_get_a_follow(
+    nats_server: NatsServer, nc: NATS, broker_factory: BrokerFactory, need: str
 ) -> None:
-    """Needs that begin as the follow is being stopped (idle 20 ms, needs every 0-40 ms),
-    and several at once: each is answered with a follow running, never two follows."""
+    """Needs that begin as the follow (of the audit trail for the events, of the ack
+    records for the charts) is being stopped (idle 20 ms, needs every 0-40 ms), and several
+    at once: each is answered with a follow running, never two follows."""
     broker = await broker_factory(**QUIET, console=True, console__follow_idle_s=0.02)
     f = broker.feed
     assert f is not None
+    needing, state = ((f.needing_events, audit_state) if need == "events"
+                      else (f.needing_charts, acks_state))  # fmt: skip
     seen: list[bool] = []
     follows: set[int] = set()
 
-    async def need(pause: float) -> None:
+    async def one(pause: float) -> None:
         await asyncio.sleep(pause)
-        async with asyncio.timeout(10), f.needing_charts():
-            follow = f._ack_follow
+        async with asyncio.timeout(10), needing():
+            follow = f._follow if need == "events" else f._ack_follow
             follower = follow.follower if follow is not None else None
             seen.append(follower is not None and follower.following)
             if follow is not None:
                 follows.add(id(follow))
 
     for i in range(20):
-        await asyncio.gather(*(need(0.002 * ((i + k) % 20)) for k in range(3)))
+        await asyncio.gather(*(one(0.002 * ((i + k) % 20)) for k in range(3)))
     assert seen == [True] * 60
     assert len(follows) >= 2  # it did stop and start again in between
-    await until(lambda: acks_state(nc), (0, 0), what="the last follow stopped")
+    await until(lambda: state(nc), (0, 0), what="the last follow stopped")
 
 
 @pytest.mark.parametrize("phase", ["stream_info", "consumer", "window"])
