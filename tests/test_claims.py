@@ -491,6 +491,25 @@ class HeldCreate(ClaimStore):
         return await super().create(key, data)
 
 
+async def held_agent(
+    nc: NATS, agent_id: str, rid: str, refuse: bool
+) -> tuple[TaskServer, HeldCreate, list[str]]:
+    """An agent serving ``cap`` on ``nc`` whose claim create of ``rid`` is held
+    (:class:`HeldCreate`), and the request ids its handler ran."""
+    runs: list[str] = []
+    server = TaskServer(agent_id, 4, SUBJECTS, dedup=DedupCache(100, 60.0), metrics=None)
+
+    async def handle(task: reach_agent.Task) -> dict[str, Any]:
+        runs.append(task.request_id)
+        return {"n": 1}
+
+    server.handlers["cap"] = (handle, kind_of(handle))
+    store = HeldCreate(nc, claim_key(rid), refuse=refuse)
+    claimer = Claimer(nc, agent_id, "i1", SUBJECTS, store=store)
+    await server.subscribe(nc, ["cap"], claimer=claimer, ack_sink=None)
+    return server, store, runs
+
+
 @pytest.mark.parametrize("refuse", [True, False])
 async def test_a_copy_gets_its_receipt_only_once_the_first_copys_claim_is_taken(
     provisioned: NatsServer, nc: NATS, refuse: bool
@@ -502,17 +521,7 @@ async def test_a_copy_gets_its_receipt_only_once_the_first_copys_claim_is_taken(
     the claim: refused, it gets the refusal and no receipt; taken, the receipt and the
     result."""
     rid, later = str(uuid.uuid4()), str(uuid.uuid4())
-    runs: list[str] = []
-    server = TaskServer("dup", 4, SUBJECTS, dedup=DedupCache(100, 60.0), metrics=None)
-
-    async def handle(task: reach_agent.Task) -> dict[str, Any]:
-        runs.append(task.request_id)
-        return {"n": 1}
-
-    server.handlers["cap"] = (handle, kind_of(handle))
-    store = HeldCreate(nc, claim_key(rid), refuse=refuse)
-    await server.subscribe(nc, ["cap"], claimer=Claimer(nc, "dup", "i1", SUBJECTS, store=store),
-                           ack_sink=None)  # fmt: skip
+    server, store, runs = await held_agent(nc, "dup", rid, refuse)
     caller = await nats.connect(provisioned.url)
     try:
         task = SUBJECTS.task("dup", "cap")
@@ -553,17 +562,7 @@ async def test_a_cancel_while_the_run_takes_its_claim_is_unknown_until_the_claim
     does not start: with the claim its own it ends ``CANCELLED``, claim and record behind it;
     refused, the cancel stays noted for the next copy."""
     rid = str(uuid.uuid4())
-    runs: list[str] = []
-    server = TaskServer("cut", 4, SUBJECTS, dedup=DedupCache(100, 60.0), metrics=None)
-
-    async def handle(task: reach_agent.Task) -> dict[str, Any]:
-        runs.append(task.request_id)
-        return {"n": 1}
-
-    server.handlers["cap"] = (handle, kind_of(handle))
-    store = HeldCreate(nc, claim_key(rid), refuse=refuse)
-    await server.subscribe(nc, ["cap"], claimer=Claimer(nc, "cut", "i1", SUBJECTS, store=store),
-                           ack_sink=None)  # fmt: skip
+    server, store, runs = await held_agent(nc, "cut", rid, refuse)
     caller = await nats.connect(provisioned.url)
     try:
         inbox = await caller.subscribe("_INBOX.cut")
