@@ -13,12 +13,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 import nats
 import pytest
 from nats.aio.client import Client as NATS
 
+from jetstream import lastvalues
 from jetstream.claims import ClaimStore, ClaimsUnavailable, Stored
 from jetstream.names import PARTITIONS_BUCKET, PARTITIONS_STREAM
 from jetstream.provision import load_definitions, provision
@@ -343,3 +345,93 @@ async def test_a_stopping_broker_whose_hand_backs_go_unanswered_still_says_it_le
     finally:
         await parts.stop()
         await leaving.close()
+
+
+async def test_the_leases_of_a_broker_that_stopped_without_handing_them_back_are_taken_at_once(
+    nats_server: NatsServer, nc: NATS, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A broker stops and its hand-backs go unanswered (a busy JetStream): its leases still
+    name it. The other broker, woken by its presence key's delete (only a stop deletes one),
+    takes them at once, warm; it used to wait for them to lapse and for its next round (here
+    200 s: a CI run of test_rules_live waited in vain)."""
+    caplog.set_level(logging.INFO, logger="reach_broker.service.partitions")
+    ttl_s = 600.0  # rounds every 200 s: only a wake runs one within the test
+    await provision_leases(nc, ttl_s)
+    staying_taken: list[tuple[int, bool]] = []
+    staying = bare_partitions(nc, "staying", ttl_s, staying_taken)
+    leaving_nc = await nats.connect(nats_server.url, name="test-leaving")
+    store = SwapsUnanswered(leaving_nc)
+    leaving = bare_partitions(leaving_nc, "leaving", ttl_s, [], store)
+    try:
+        await staying.start()
+        await leaving.start()
+        await wait_for(lambda: (len(staying.held), len(leaving.held)) == (16, 16),
+                       what="16 partitions each")  # fmt: skip
+        theirs = sorted(leaving.held)
+        staying_taken.clear()
+        store.hang = True
+        await leaving.stop()  # none handed back: they name "leaving" (take_left says so)
+        await wait_for(lambda: len(staying.held) == 32, 5, what="all 32 held by staying")
+        assert sorted(staying_taken) == [(p, True) for p in theirs]
+        kv = await nc.jetstream().key_value(PARTITIONS_BUCKET)
+        for p in theirs:
+            stored = await kv.get(str(p))
+            assert msgspec.json.decode(stored.value, type=Lease).broker_id == "staying"
+        assert sorted(r.getMessage() for r in caplog.records
+                      if r.getMessage().startswith("partitions.take_left")) == sorted(
+            f"partitions.take_left partition={p} broker=leaving: it stopped without handing "
+            "the lease back" for p in theirs)  # fmt: skip
+    finally:
+        await leaving.stop()
+        await staying.stop()
+        await leaving_nc.close()
+
+
+async def test_a_count_that_failed_is_made_again_soon(
+    nats_server: NatsServer, nc: NATS, caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """A broker leaves and the rounds it wakes at the other one cannot count the brokers (a
+    busy JetStream: the read of the presence keys times out; the first two counts that would
+    see the leave fail, whichever rounds make them). The last count stood (two brokers: a
+    share of 16), nothing was taken, and the next count came a third of a lease later (200 s
+    here); now it comes RETAKE_S later and the share of one is taken."""
+    caplog.set_level(logging.INFO, logger="reach_broker.service.partitions")
+    ttl_s = 600.0
+    await provision_leases(nc, ttl_s)
+    staying_taken: list[tuple[int, bool]] = []
+    staying = bare_partitions(nc, "staying", ttl_s, staying_taken)
+    leaving_nc = await nats.connect(nats_server.url, name="test-leaving")
+    leaving = bare_partitions(leaving_nc, "leaving", ttl_s, [])
+    real = lastvalues.messages
+    failing: list[bool] = []
+
+    async def messages(conn: NATS, *args: Any, **kwargs: Any) -> Any:
+        stored = await real(conn, *args, **kwargs)
+        left = any(m.subject.endswith(presence_key("leaving"))
+                   and (m.headers or {}).get("KV-Operation") == "DEL" for m in stored)  # fmt: skip
+        if conn is nc and left and failing:  # the first count at staying after the leave
+            failing.pop()
+            raise TimeoutError("presence keys not read in time (the test's)")
+        return stored
+
+    monkeypatch.setattr(lastvalues, "messages", messages)
+    try:
+        await staying.start()
+        await leaving.start()
+        await wait_for(lambda: (len(staying.held), len(leaving.held)) == (16, 16),
+                       what="16 partitions each")  # fmt: skip
+        theirs = sorted(leaving.held)
+        staying_taken.clear()
+        failing.extend((True, True))
+        await leaving.stop()
+        await wait_for(lambda: len(staying.held) == 32, 2 * RETAKE_S + 5, what="all 32 held")
+        assert (failing, sorted(staying_taken)) == ([], [(p, True) for p in theirs])
+        assert [r.getMessage() for r in caplog.records
+                if r.getMessage().startswith("partitions.count_failed")] == [
+            "partitions.count_failed error=TimeoutError(\"presence keys not read in time (the "
+            f"test's)\"): counted again in {RETAKE_S:g}s"] * 2  # fmt: skip
+    finally:
+        await leaving.stop()
+        await staying.stop()
+        await leaving_nc.close()
