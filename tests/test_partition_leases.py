@@ -435,3 +435,20 @@ async def test_a_count_that_failed_is_made_again_soon(
         await leaving.stop()
         await staying.stop()
         await leaving_nc.close()
+
+
+async def test_a_broker_that_changes_the_lease_time_says_so(
+    nc: NATS, broker_factory: BrokerFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The leases bucket's max age is every broker's lease time: a broker started with
+    another ``lease_ttl_s`` changes it for all, and one with a longer value then loses its
+    leases while it still serves them. The broker that changes it warns, naming both."""
+    caplog.set_level(logging.WARNING, logger="reach_broker.service.assets")
+    await broker_factory(fleet__lease_ttl_s=600)
+    assert not [r for r in caplog.records if "lease_ttl_changed" in r.getMessage()]
+    await broker_factory(fleet__lease_ttl_s=6)
+    assert [r.getMessage() for r in caplog.records if "lease_ttl_changed" in r.getMessage()] == [
+        "partitions.lease_ttl_changed max_age: 600s -> 6s: the leases bucket now ages every "
+        "lease out after this broker's [fleet] lease_ttl_s (6s); every broker of a fleet must "
+        "run the same lease_ttl_s, or one with a longer one loses its partitions to the others "
+        "while it still serves them"]  # fmt: skip

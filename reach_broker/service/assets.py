@@ -111,7 +111,17 @@ async def provision_assets(nc: NATS, plan: Provisioning, subjects: Subjects) -> 
         }
         defs = load_definitions(subjects, overrides)
         # Idempotent: a timeout (a cluster electing) is tried again by the broker's start.
-        await provision(nc, defs)  # it logs each stream created or updated, once
+        outcomes = await provision(nc, defs)  # it logs each stream created or updated, once
+        for outcome in outcomes:
+            changed = [c for c in outcome.changes if c.startswith("max_age")]
+            if outcome.name == PARTITIONS_STREAM and changed:
+                # The bucket's max age is every broker's lease time: another broker started
+                # with a longer lease_ttl_s renews a third of it apart and loses its leases.
+                log.warning("partitions.lease_ttl_changed %s: the leases bucket now ages every "
+                            "lease out after this broker's [fleet] lease_ttl_s (%gs); every "
+                            "broker of a fleet must run the same lease_ttl_s, or one with a "
+                            "longer one loses its partitions to the others while it still "
+                            "serves them", changed[0], plan.lease_ttl_s)  # fmt: skip
     except JetStreamUnavailable as exc:
         log.warning("broker.no_jetstream %s: running without registry snapshot, "
                     "compensation replay, durable acks and the claims bucket reach_claims; "
