@@ -46,6 +46,8 @@ async def test_a_rule_change_reaches_a_second_replica_within_a_second_and_is_aud
     nats_server: NatsServer, nc: NATS, broker_factory: BrokerFactory
 ) -> None:
     # `one` holds every partition until a replica joins: the routes below are its answers.
+    # Every broker of the test runs the same lease (the bucket's max age is every broker's
+    # lease time): 600 s, so only a join, a hand-back or a leave runs a round.
     one = await broker_factory(**QUIET, fleet__lease_ttl_s=600)
     tokens = {"prod-1": await announce(nc, "prod-1", [CAP], tags={"env": "prod"}),
               "untagged": await announce(nc, "untagged", [CAP])}  # fmt: skip
@@ -62,7 +64,7 @@ async def test_a_rule_change_reaches_a_second_replica_within_a_second_and_is_aud
     assert await route(nc, {"tags": {"env": "prod"}}) == ["prod-1"]
     # A second replica follows the bucket: the stored rule in force before it serves, and a
     # change written to the bucket directly in force on both within a second.
-    two = await broker_factory(**QUIET)
+    two = await broker_factory(**QUIET, fleet__lease_ttl_s=600)
     assert CAP in two.rules
     before = [b.rulebook.applied for b in (one, two)]
     rule = build(split="version=1:95,2:5", require=["env=prod"])
@@ -73,7 +75,7 @@ async def test_a_rule_change_reaches_a_second_replica_within_a_second_and_is_aud
     assert all(b.rules[CAP].arms == ("1", "2") for b in (one, two))
     # A replica started now has the stored rule in force before it serves; its audit of
     # the catch-up is the same message id, stored once.
-    three = await broker_factory(**QUIET)
+    three = await broker_factory(**QUIET, fleet__lease_ttl_s=600)
     assert three.rules[CAP].arms == ("1", "2")
     await three.stop()  # its agents came from the snapshot, suspect until they beat again
     # Audited: one event of kind `rule` in REACH_AUDIT, however many replicas published it.
