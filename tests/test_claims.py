@@ -560,13 +560,15 @@ async def test_a_cancel_while_the_run_takes_its_claim_is_unknown_until_the_claim
     claim might turn out another's or undecided, and then nothing durable said so (the asker
     settled nothing). It answers ``unknown`` (the asker has the brokers settle it); the run
     does not start: with the claim its own it ends ``CANCELLED``, claim and record behind it;
-    refused, the cancel stays noted for the next copy."""
+    refused, the cancel stays noted for the next copy. A run that never reaches its handler
+    does not read its body (a malformed one ends it CANCELLED, not INVALID_REQUEST) and
+    adds no task duration to the heartbeats' figures."""
     rid = str(uuid.uuid4())
     server, store, runs = await held_agent(nc, "cut", rid, refuse)
     caller = await nats.connect(provisioned.url)
     try:
         inbox = await caller.subscribe("_INBOX.cut")
-        await caller.publish(SUBJECTS.task("cut", "cap"), b"{}", reply="_INBOX.cut",
+        await caller.publish(SUBJECTS.task("cut", "cap"), b"{not json", reply="_INBOX.cut",
                              headers={H_REQUEST_ID: rid})  # fmt: skip
         await asyncio.wait_for(store.waiting.wait(), 5)
         assert server.cancel(rid, "a test") == "unknown"
@@ -588,7 +590,7 @@ async def test_a_cancel_while_the_run_takes_its_claim_is_unknown_until_the_claim
             claim = await claim_becomes(nc, rid, "failed")
             assert (claim.agent_id, claim.reason) == ("cut", schema.CLAIM_CANCELLED)
             assert server.cancel(rid, "a test") == "cancelled"  # now it is durable
-        assert runs == []
+        assert (runs, server.load_figures()) == ([], (None, None))
     finally:
         await caller.close()
         await server.drain(1.0)

@@ -535,6 +535,7 @@ class TaskServer:
         msg, capability, request_id, entry, d = (run.msg, run.capability, run.request_id,
                                                  run.entry, run.admission)  # fmt: skip
         started = time.monotonic()
+        handled = False  # whether the handler ran: only then is its time a task's duration
         error: ReachError | None = None
         headers: dict[str, str]
         body = b""
@@ -546,14 +547,19 @@ class TaskServer:
                     f"agent {self.agent_id!r} did not run request_id {request_id!r}: its ack "
                     "sink could not record 'received' (see the agent's log): ask again"
                 )
-            try:
-                payload = _payload_decoder.decode(msg.data) if msg.data else None
-            except msgspec.DecodeError as exc:
-                raise InvalidRequest(f"task payload: malformed JSON ({exc})") from None
-            task = Task(payload, request_id, capability, run.headers, d.deadline, self.agent_id)
-            stream_to = msg.reply if d.ack_mode != "received" else None
-            if run.cancelled is None:  # (cancelled while it was being claimed: not run)
+            # Not run when cancelled while it was being claimed, or before it came (a copy of
+            # a request whose cancel was noted): then its body is not even read, so it ends
+            # CANCELLED whatever it holds.
+            if run.cancelled is None:
+                try:
+                    payload = _payload_decoder.decode(msg.data) if msg.data else None
+                except msgspec.DecodeError as exc:
+                    raise InvalidRequest(f"task payload: malformed JSON ({exc})") from None
+                task = Task(payload, request_id, capability, run.headers, d.deadline,
+                            self.agent_id)  # fmt: skip
+                stream_to = msg.reply if d.ack_mode != "received" else None
                 run.phase = "handling"
+                handled = True
                 try:
                     body, wire = await self.runner.run(self.handlers[capability], task,
                                                        stream_to)  # fmt: skip
@@ -582,7 +588,8 @@ class TaskServer:
         finally:
             run.phase = "ending"
             now = time.monotonic()
-            self._durations.append((now - started) * 1000.0)
+            if handled:  # (a run that never reached its handler says nothing of task times)
+                self._durations.append((now - started) * 1000.0)
             if error is None:
                 headers = {H_REQUEST_ID: request_id, schema.H_STATUS: "completed"}
                 self.ok_total += 1
