@@ -10,9 +10,10 @@ stopping broker says it left even when its hand-backs go unanswered."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -347,6 +348,34 @@ async def test_a_stopping_broker_whose_hand_backs_go_unanswered_still_says_it_le
         await leaving.close()
 
 
+@contextlib.asynccontextmanager
+async def staying_and_leaving(
+    nats_server: NatsServer, nc: NATS, store: Callable[[NATS], ClaimStore] | None = None
+) -> AsyncIterator[tuple[Partitions, list[tuple[int, bool]], Partitions]]:
+    """Two bare Partitions with a 600 s lease (rounds 200 s apart: only a wake runs one),
+    ``staying`` on ``nc`` and ``leaving`` on a connection of its own (its leases' store made
+    by ``store``), holding 16 partitions each; the partitions ``staying`` takes from then on
+    noted in the list (warm or not)."""
+    ttl_s = 600.0
+    await provision_leases(nc, ttl_s)
+    staying_taken: list[tuple[int, bool]] = []
+    staying = bare_partitions(nc, "staying", ttl_s, staying_taken)
+    leaving_nc = await nats.connect(nats_server.url, name="test-leaving")
+    leaving = bare_partitions(leaving_nc, "leaving", ttl_s, [],
+                              store(leaving_nc) if store is not None else None)  # fmt: skip
+    try:
+        await staying.start()
+        await leaving.start()
+        await wait_for(lambda: (len(staying.held), len(leaving.held)) == (16, 16),
+                       what="16 partitions each")  # fmt: skip
+        staying_taken.clear()
+        yield staying, staying_taken, leaving
+    finally:
+        await leaving.stop()
+        await staying.stop()
+        await leaving_nc.close()
+
+
 async def test_the_leases_of_a_broker_that_stopped_without_handing_them_back_are_taken_at_once(
     nats_server: NatsServer, nc: NATS, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -355,21 +384,12 @@ async def test_the_leases_of_a_broker_that_stopped_without_handing_them_back_are
     takes them at once, warm; it used to wait for them to lapse and for its next round (here
     200 s: a CI run of test_rules_live waited in vain)."""
     caplog.set_level(logging.INFO, logger="reach_broker.service.partitions")
-    ttl_s = 600.0  # rounds every 200 s: only a wake runs one within the test
-    await provision_leases(nc, ttl_s)
-    staying_taken: list[tuple[int, bool]] = []
-    staying = bare_partitions(nc, "staying", ttl_s, staying_taken)
-    leaving_nc = await nats.connect(nats_server.url, name="test-leaving")
-    store = SwapsUnanswered(leaving_nc)
-    leaving = bare_partitions(leaving_nc, "leaving", ttl_s, [], store)
-    try:
-        await staying.start()
-        await leaving.start()
-        await wait_for(lambda: (len(staying.held), len(leaving.held)) == (16, 16),
-                       what="16 partitions each")  # fmt: skip
+    async with staying_and_leaving(nats_server, nc, SwapsUnanswered) as (
+        staying, staying_taken, leaving
+    ):  # fmt: skip
         theirs = sorted(leaving.held)
-        staying_taken.clear()
-        store.hang = True
+        assert isinstance(leaving.store, SwapsUnanswered)
+        leaving.store.hang = True
         await leaving.stop()  # none handed back: they name "leaving" (take_left says so)
         await wait_for(lambda: len(staying.held) == 32, 5, what="all 32 held by staying")
         assert sorted(staying_taken) == [(p, True) for p in theirs]
@@ -381,10 +401,6 @@ async def test_the_leases_of_a_broker_that_stopped_without_handing_them_back_are
                       if r.getMessage().startswith("partitions.take_left")) == sorted(
             f"partitions.take_left partition={p} broker=leaving: it stopped without handing "
             "the lease back" for p in theirs)  # fmt: skip
-    finally:
-        await leaving.stop()
-        await staying.stop()
-        await leaving_nc.close()
 
 
 async def test_a_count_that_failed_is_made_again_soon(
@@ -397,12 +413,6 @@ async def test_a_count_that_failed_is_made_again_soon(
     share of 16), nothing was taken, and the next count came a third of a lease later (200 s
     here); now it comes RETAKE_S later and the share of one is taken."""
     caplog.set_level(logging.INFO, logger="reach_broker.service.partitions")
-    ttl_s = 600.0
-    await provision_leases(nc, ttl_s)
-    staying_taken: list[tuple[int, bool]] = []
-    staying = bare_partitions(nc, "staying", ttl_s, staying_taken)
-    leaving_nc = await nats.connect(nats_server.url, name="test-leaving")
-    leaving = bare_partitions(leaving_nc, "leaving", ttl_s, [])
     real = lastvalues.messages
     failing: list[bool] = []
 
@@ -416,13 +426,8 @@ async def test_a_count_that_failed_is_made_again_soon(
         return stored
 
     monkeypatch.setattr(lastvalues, "messages", messages)
-    try:
-        await staying.start()
-        await leaving.start()
-        await wait_for(lambda: (len(staying.held), len(leaving.held)) == (16, 16),
-                       what="16 partitions each")  # fmt: skip
+    async with staying_and_leaving(nats_server, nc) as (staying, staying_taken, leaving):
         theirs = sorted(leaving.held)
-        staying_taken.clear()
         failing.extend((True, True))
         await leaving.stop()
         await wait_for(lambda: len(staying.held) == 32, 2 * RETAKE_S + 5, what="all 32 held")
@@ -431,10 +436,6 @@ async def test_a_count_that_failed_is_made_again_soon(
                 if r.getMessage().startswith("partitions.count_failed")] == [
             "partitions.count_failed error=TimeoutError(\"presence keys not read in time (the "
             f"test's)\"): counted again in {RETAKE_S:g}s"] * 2  # fmt: skip
-    finally:
-        await leaving.stop()
-        await staying.stop()
-        await leaving_nc.close()
 
 
 async def test_a_broker_that_changes_the_lease_time_says_so(
