@@ -46,6 +46,7 @@ from jetstream.follow import UNCOUNTED, Follower, FollowMetrics, Start
 from jetstream.names import ACK_STREAM, AUDIT_STREAM, JS_NOT_ENABLED
 from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
+from reach_agent.connection import flush_subscriptions
 from reach_agent.wire import schema
 from reach_broker import __version__
 from reach_broker.config import ConsoleSection
@@ -418,7 +419,7 @@ class Feed:
         try:
             follow.sub = await nc.subscribe(subjects.all_acks,
                                             cb=functools.partial(self._on_ack, follow))  # fmt: skip
-            await nc.flush(2)  # the server has the interest before the answer
+            await flush_subscriptions(nc)  # the server has the interest before the answer
             follow.caught_up.set()
         except Exception as exc:  # noqa: BLE001
             self._ack_follow = None
