@@ -41,10 +41,15 @@ PENDING_MAX = 20_000
 _LOG_RATIO = math.log(BIN_RATIO)
 
 
+def first_bucket(wall_ms: int) -> int:
+    """The oldest of the :data:`BUCKETS` buckets the charts show at ``wall_ms``."""
+    return wall_ms // (BUCKET_S * 1000) - BUCKETS + 1
+
+
 def window_start_ms(wall_ms: int) -> int:
-    """Where the charts begin at ``wall_ms``: the start of the oldest of the :data:`BUCKETS`
-    buckets :meth:`CapabilitySeries.chart` shows (the stored records a follow reads from)."""
-    return (wall_ms // (BUCKET_S * 1000) - BUCKETS + 1) * BUCKET_S * 1000
+    """Where the charts begin at ``wall_ms``: the start of :func:`first_bucket` (the stored
+    records a follow reads from)."""
+    return first_bucket(wall_ms) * BUCKET_S * 1000
 
 
 def bin_of(ms: float) -> int:
@@ -184,7 +189,7 @@ class CapabilitySeries:
     # --- views ---------------------------------------------------------------------------------
 
     def index(self, wall_ms: int) -> ChartIndex:
-        first = wall_ms // (BUCKET_S * 1000) - BUCKETS + 1
+        first = first_bucket(wall_ms)
         rows = []
         for capability, ring in self.rings.items():
             total = sum(ring.routes[p] for p in range(BUCKETS) if ring.epoch[p] >= first)
@@ -200,7 +205,7 @@ class CapabilitySeries:
         now_bucket = wall_ms // (BUCKET_S * 1000)
         out = CapabilityChart(capability=capability, bucket_s=BUCKET_S, at_ms=[],
                               routes_per_s=[], calls=[], p50_ms=[], p99_ms=[])  # fmt: skip
-        for bucket in range(now_bucket - BUCKETS + 1, now_bucket + 1):
+        for bucket in range(first_bucket(wall_ms), now_bucket + 1):
             pos = bucket % BUCKETS
             start_ms = bucket * BUCKET_S * 1000
             out.at_ms.append(start_ms)
