@@ -44,13 +44,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def varz(port: int, deadline_s: float = 15.0) -> dict[str, Any]:
+def varz(
+    port: int, proc: subprocess.Popen[bytes], deadline_s: float = 15.0
+) -> dict[str, Any] | None:
+    """The server's /varz; None when the server exited first (a port it was given was taken
+    meanwhile: :func:`free_port` only finds one free at the time it asks)."""
     deadline = time.monotonic() + deadline_s
     while True:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/varz", timeout=1) as r:
                 return json.loads(r.read())  # type: ignore[no-any-return]
         except OSError:
+            if proc.poll() is not None:
+                return None
             assert time.monotonic() < deadline, f"no /varz on port {port}"
             time.sleep(0.05)
 
@@ -61,6 +67,14 @@ def server_from(tmp_path: Path) -> Iterator[Any]:
     procs: list[subprocess.Popen[bytes]] = []
 
     def start(config: Path, *, cluster: bool = False) -> dict[str, Any]:
+        log = tmp_path / "server.log"
+        for _ in range(3):  # fresh ports when one was taken between finding and binding it
+            found = attempt(config, cluster=cluster)
+            if found is not None:
+                return found
+        raise AssertionError(f"nats-server exited 3 times: {log.read_text()[-2000:]}")
+
+    def attempt(config: Path, *, cluster: bool) -> dict[str, Any] | None:
         text = config.read_text()
         store = re.search(r'^\s*store_dir:\s*"([^"]*)"', text, re.M)
         monitor = free_port()
@@ -77,9 +91,10 @@ def server_from(tmp_path: Path) -> Iterator[Any]:
                      "--routes", f"nats://127.0.0.1:{free_port()}"]  # fmt: skip
         env = {**os.environ, SYSTEM_PASSWORD_ENV: "sys-test-password-1", "NATS_SERVER_NAME": "t1"}
         quiet = subprocess.DEVNULL
-        procs.append(subprocess.Popen(argv, cwd=tmp_path, env=env, stdin=quiet, stdout=quiet,
-                                      stderr=quiet))  # fmt: skip
-        return varz(monitor)
+        proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdin=quiet, stdout=quiet,
+                                stderr=quiet)  # fmt: skip
+        procs.append(proc)
+        return varz(monitor, proc)
 
     try:
         yield start
