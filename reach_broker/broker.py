@@ -196,13 +196,19 @@ class Broker:
                              probe_via=StatusProbes(self.nc, clock))  # fmt: skip
         self.account = Account()
         """The application account (the advisories learn it; the Synadia locate asks it)."""
+        self.outcomes = Outcomes(ctx, registry, cfg.outcomes, summaries=m.outcomes,
+                                 ejected=m.delivery_ejected)  # fmt: skip
+        """The callers' outcome summaries of the agents this broker owns (heard by the
+        ingest), judged into their delivery term."""
         ep = self.handlers.endpoints
         self.ingest = Ingest(
             ctx, cfg.fleet.partitions, heartbeat=ep["heartbeat"].on_message,
             announce=self.identity.on_message, leave=ep["leave"].on_message,
             mapping=m.partition_mapping,
+            outcome=self.outcomes.on_message if cfg.outcomes.enabled else None,
         )  # fmt: skip
-        """The announces, heartbeats and leaves of the partitions this broker owns."""
+        """The announces, heartbeats, leaves and outcome summaries of the partitions this
+        broker owns."""
         self.synadia = SynadiaAgents(
             ctx, registry, self.handlers, self.probes, self.account, cfg.synadia,
             owns=self.ingest.hears,  # their subjects are not partitioned: each broker holds
@@ -232,8 +238,6 @@ class Broker:
         """``<p>.cancel._broker``: a cancelled request's claim made final, its entry unqueued."""
         self.rulebook = Rulebook(ctx, self.rules, self.quotas, changes=m.rule_changes,
                                  follow=m.follow("rules"))  # fmt: skip
-        self.outcomes = Outcomes(ctx, registry, cfg.outcomes, summaries=m.outcomes,
-                                 ejected=m.delivery_ejected)  # fmt: skip
         self.feed = (Feed(ctx, registry, self.explainer, cfg.console, self.handlers.route_counts,
                           follow=m.follow("audit"), ack_follow=m.follow("acks"))
                      if console else None)  # fmt: skip

@@ -174,10 +174,12 @@ def unmapped(subject: str) -> str:
 
 
 def mapped(subject: str) -> str:
-    """``reach.<kind>.<agent_id>`` (announce, hb, leave) as the server maps it, and checks
-    the publisher's rights on: ``reach.part.<n>.<kind>.<agent_id>``; any other as it is."""
+    """``reach.<kind>.<agent_id>`` (announce, hb, leave, outcome) as the server maps it, and
+    checks the publisher's rights on: ``reach.part.<n>.<kind>.<agent_id>``; any other as it
+    is."""
     parts = subject.split(".")
-    if len(parts) == 3 and parts[0] == "reach" and parts[1] in ("announce", "hb", "leave"):
+    if len(parts) == 3 and parts[0] == "reach" and parts[1] in ("announce", "hb", "leave",
+                                                                "outcome"):  # fmt: skip
         return f"reach.part.{partition(parts[2], 32)}.{parts[1]}.{parts[2]}"
     return subject
 

@@ -121,6 +121,7 @@ def test_caller_permissions() -> None:
         "reach.comp.>",
         "reach.probe.*",
         "reach.outcome.*",
+        "reach.part.*.outcome.*",
         "reach.cancel.*",
         "$JS.API.STREAM.MSG.GET.REACH_ACKS",
         "$JS.API.STREAM.INFO.REACH_ACKS",
@@ -344,6 +345,7 @@ def test_init_maps_the_agent_subjects_into_partitions(tmp_path: Path) -> None:
         "acme.announce.*": [("acme.part.{{partition(8,1)}}.announce.{{wildcard(1)}}", 100)],
         "acme.hb.*": [("acme.part.{{partition(8,1)}}.hb.{{wildcard(1)}}", 100)],
         "acme.leave.*": [("acme.part.{{partition(8,1)}}.leave.{{wildcard(1)}}", 100)],
+        "acme.outcome.*": [("acme.part.{{partition(8,1)}}.outcome.{{wildcard(1)}}", 100)],
         "acme.partcheck.*": [("acme.part.{{partition(8,1)}}.check.{{wildcard(1)}}", 100)],
     }
     with pytest.raises(ValueError, match="partitions 0"):

@@ -18,6 +18,7 @@ from nats.errors import NoRespondersError
 from nats.js.api import StreamConfig
 
 from reach_agent.connection import flush_subscriptions
+from reach_agent.routing.table import partition
 from reach_broker.auth import AuthDir, claims, init, issue_agent, issue_caller, push_account, revoke
 from reach_broker.auth.claims import UserClaims
 
@@ -223,6 +224,9 @@ async def test_caller_permissions(auth: AuthDir, server: AuthServer) -> None:
         await ops.flush()
         await ops.flush()
         await store_ack(auth, server.url, "beta", "r2")
+        # An outcome summary: mapped into the agent's partition, and allowed there.
+        await ops.publish("reach.outcome.alpha", b"{}")
+        await seen.wait("reach.outcome.alpha")
         await broker.publish("reach.event.state.beta", b"{}")
         await acks.wait("reach.ack.beta.r2")
         await events.wait("reach.event.state.beta")
@@ -237,7 +241,9 @@ async def test_caller_permissions(auth: AuthDir, server: AuthServer) -> None:
         ):
             await ops.publish(subject, b"{}")
             await errors.wait(violation("publish", subject))
-        assert seen.subjects == ["reach.event.state.beta"]  # the broker's, not the caller's
+        # The broker's event, not the caller's; the summary as the server mapped it.
+        assert seen.subjects == ["reach.outcome.alpha", "reach.event.state.beta"]
+        assert seen.msgs[0].subject == f"reach.part.{partition('alpha', 32)}.outcome.alpha"
         assert tasks.msgs == []
 
 

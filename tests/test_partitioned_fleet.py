@@ -40,7 +40,7 @@ CAPABILITY = "pf_cap"
 def mapped_server(tmp_path: Path) -> Iterator[NatsServer]:
     """The shipped server config, mapping into P partitions."""
     text = (ROOT / "configs" / "nats-server.conf").read_text()
-    assert text.count("partition(32,1)") == 4
+    assert text.count("partition(32,1)") == 5
     conf = tmp_path / "nats-server.conf"
     conf.write_text(text.replace("partition(32,1)", f"partition({P},1)"))
     server = NatsServer(port=0, store_dir=tmp_path / "nats", config=conf)
@@ -68,7 +68,8 @@ class BrokerProc:
             f"[fleet]\npartitions = {P}\nlease_ttl_s = 2.0\n"
         )
         env = {k: v for k, v in os.environ.items() if k != "NATS_URL"}
-        self.log = open(tmp / f"{name}.log", "w")
+        self.log_path = tmp / f"{name}.log"
+        self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "reach_broker", "broker", "--server", url, "--config",
              str(conf), "--metrics-port", str(self.port), "--log-level", "info"],
@@ -114,6 +115,7 @@ def two_brokers(mapped_server: NatsServer, tmp_path: Path) -> Iterator[list[Brok
 
 OWNED = "reach_partitions_owned"
 BEATS = 'reach_heartbeats_total{result="accepted"}'
+OUTCOMES = "reach_outcomes_total"
 
 
 class Fleet:
@@ -224,6 +226,22 @@ async def test_two_brokers_share_the_heartbeats_by_partition(
     for agent_id in AGENTS:
         expected[owners[partition(agent_id, P)]] += 5
     assert got == expected
+    # A caller's outcome summaries go to each agent's owner alone (mapped as the heartbeats
+    # are): each broker judges exactly its agents' and hears none of the other's.
+    summary = schema.encoder.encode(schema.OutcomeSummary(caller="pf-test", attempts=1, ok=1,
+                                                          interval_ms=1000))  # fmt: skip
+    for agent_id in AGENTS:
+        await client.publish(f"reach.outcome.{agent_id}", summary)
+    await client.flush()
+
+    def judged() -> list[tuple[float, float]]:
+        return [(b.value(f'{OUTCOMES}{{result="accepted"}}'),
+                 b.value(f'{OUTCOMES}{{result="unknown"}}')) for b in two_brokers]  # fmt: skip
+
+    await wait_for(lambda: sum(a for a, _ in judged()) == len(AGENTS), 10, interval=0.1,
+                   what=f"every summary: {judged()}")  # fmt: skip
+    assert judged() == [(n / 5, 0.0) for n in expected]
+    assert not any("outcomes_unmapped" in b.log_path.read_text() for b in two_brokers)
 
 
 async def agents_by_broker(nc: Any) -> dict[int, int]:

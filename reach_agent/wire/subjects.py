@@ -26,12 +26,13 @@ sender names against the sender's permissions (see docs/protocol.md, "Reply subj
     <p>.comp.<capability>            caller → REACH_COMPENSATION → broker
     <p>.event.<kind>.<agent_id>      broker → anyone; kept by REACH_AUDIT
     <p>.event.rule._rules            broker → anyone: a route rule set or cleared (audited)
-    <p>.outcome.<agent_id>           caller → every broker: what it saw of the agent
+    <p>.outcome.<agent_id>           caller → the agent's owner: what it saw of the agent
     <p>.table.<partition>.<capability>  broker (the share's owner) → callers: a route-table delta
     <p>.tables.<capability>          caller → every broker: the route table now (request-reply)
     <p>.part.<n>.announce.<agent_id> the server's mapping of <p>.announce.<agent_id> (n: the
     <p>.part.<n>.hb.<agent_id>       agent id's partition, ``partition()``): what the
     <p>.part.<n>.leave.<agent_id>    partition's owner subscribes to (:meth:`Subjects.mappings`)
+    <p>.part.<n>.outcome.<agent_id>  (and <p>.outcome.<agent_id>, mapped the same way)
     <p>.partcheck.<token>            broker → itself: is the server mapping, with which count?
     <p>.part.<n>.check.<token>       (the same mapping, for that question alone)
     <p>.forward.<broker>.<capability>  broker → the capability's owner: a route request forwarded
@@ -336,6 +337,17 @@ class Subjects:
         """``<p>.part.*.leave.<agent_id>``: the mapped leave's publish right."""
         return f"{self._part}*.leave.{agent_id}"
 
+    def partition_outcomes(self, partition: int | str) -> str:
+        """The callers' outcome summaries of one partition's agents as the server maps them
+        (``<p>.part.<n>.outcome.*``; ``n`` may be ``*``)."""
+        return f"{self._part}{partition}.outcome.*"
+
+    @property
+    def mapped_outcomes(self) -> str:
+        """``<p>.part.*.outcome.*``: the mapped outcome summary's publish right (a caller
+        reports on any agent it called)."""
+        return f"{self._part}*.outcome.*"
+
     @property
     def all_partitioned(self) -> str:
         """Every mapped subject (``<p>.part.>``): the brokers' subscribe right."""
@@ -365,7 +377,7 @@ class Subjects:
         ``partitions``, as :func:`reach_agent.routing.table.partition` computes it)."""
         p = self.prefix
         out = {}
-        for kind in ("announce", "hb", "leave", "check"):
+        for kind in ("announce", "hb", "leave", "outcome", "check"):
             source = f"{p}.partcheck.*" if kind == "check" else f"{p}.{kind}.*"
             into = f"{{{{partition({partitions},1)}}}}"
             out[source] = f"{self._part}{into}.{kind}.{{{{wildcard(1)}}}}"
@@ -377,9 +389,9 @@ class Subjects:
 
     # --- parsers (received subject → its variable part; no validation) ---------------------
 
-    # Announce, heartbeat and leave arrive plain (``<p>.hb.<id>``) or as the server maps them
-    # (``<p>.part.<n>.hb.<id>``): the agent id is the last token of either (no agent id
-    # holds a dot).
+    # Announce, heartbeat, leave and outcome arrive plain (``<p>.hb.<id>``) or as the server
+    # maps them (``<p>.part.<n>.hb.<id>``): the agent id is the last token of either (no agent
+    # id holds a dot).
 
     def agent_of_announce(self, subject: str) -> str:
         return subject[subject.rfind(".") + 1 :]
@@ -416,7 +428,7 @@ class Subjects:
         return subject[self._cuts[7] :]
 
     def agent_of_outcome(self, subject: str) -> str:
-        return subject[len(self._outcome) :]
+        return subject[subject.rfind(".") + 1 :]  # plain or mapped: the last token
 
     def event_of(self, subject: str) -> tuple[str, str]:
         """``(kind, agent_id)`` of ``<p>.event.<kind>.<agent_id>``."""

@@ -158,6 +158,7 @@ ROLES: dict[RoleName, Role] = {
             Every("all_comp"),
             Every("all_probes"),  # the client's liveness watch probes agents running its calls
             Every("all_outcomes"),  # what it saw of each agent it called (delivery term)
+            Every("mapped_outcomes"),  # (checked where the server maps it: the agent's owner)
             Every("all_cancels"),  # stop a request: its agent's, and the brokers' (`_broker`)
             *_ACK_READS,
             *_CLAIM_READS,

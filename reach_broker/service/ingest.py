@@ -1,9 +1,15 @@
-"""What this broker hears: the announces, heartbeats and leaves of the partitions it owns.
+"""What this broker hears: the announces, heartbeats and leaves of the partitions it owns, and
+the callers' outcome summaries of their agents.
 
 The server maps the agent subjects into partitions (``<p>.hb.<id>`` is delivered as
 ``<p>.part.<n>.hb.<id>``, ``n`` the agent id's partition: docs/protocol.md, "Partitions"), so
-the owner of partition ``n`` subscribes to its three mapped subjects when it takes the
-partition and unsubscribes when it loses it: every other broker's work for it is zero.
+the owner of partition ``n`` subscribes to its mapped subjects when it takes the partition
+and unsubscribes when it loses it: every other broker's work for it is zero. The callers'
+outcome summaries (``<p>.outcome.<agent_id>``) are mapped the same way, since only an agent's
+owner judges it. A server whose mapping predates theirs (an older config or account JWT)
+delivers them unmapped: every broker in the mapped mode also listens there, keeps its own
+partitions' summaries and logs once (``ingest.outcomes_unmapped``) that every broker is
+hearing every summary.
 
 At start the broker asks the server how it maps (:meth:`Ingest.check`): it publishes a few
 tokens on ``<p>.partcheck.<token>`` (mapped like the agent subjects) and listens both where
@@ -15,6 +21,7 @@ partition count other than ``[fleet] partitions`` puts one of them elsewhere (se
 - ``plain``: the server does not map (a bare nats-server, an older config, another prefix):
   the broker subscribes to the plain subjects and keeps what its partitions hold (the agent
   id's partition computed here, cached; with every partition owned, nothing is dropped).
+  The outcome summaries likewise.
 - ``mismatch``: the server maps into another count of partitions. The broker refuses to
   partition by it (logged as an error, ``reach_partition_mapping{mode="mismatch"}``,
   ``/readyz`` not ready) and hears every mapped subject, keeping its own partitions by its
@@ -104,16 +111,22 @@ def check_tokens(partitions: int, salt: str) -> list[str]:
 
 
 class Ingest:
-    """Broker component: the subscriptions of announce, heartbeat and leave, per partition
-    owned (:meth:`own`, :meth:`lose`), and the check of the server's mapping at start."""
+    """Broker component: the subscriptions of announce, heartbeat, leave and outcome, per
+    partition owned (:meth:`own`, :meth:`lose`), and the check of the server's mapping at
+    start."""
 
     def __init__(
         self, ctx: BrokerContext, partitions: int, *, heartbeat: Callback, announce: Callback,
-        leave: Callback, mapping: Any,
+        leave: Callback, mapping: Any, outcome: Callback | None = None,
     ) -> None:  # fmt: skip
+        """``outcome``: the callers' outcome summaries (None: not heard, outcomes off)."""
         self.ctx = ctx
         self.partitions = partitions
         self._heartbeat, self._announce, self._leave = heartbeat, announce, leave
+        self._outcome = outcome
+        self.unmapped_outcomes = False
+        """Whether a summary arrived unmapped while the server maps the agent subjects (its
+        mapping predates the outcomes': logged once)."""
         self.beats = [0] * partitions
         """Heartbeats heard per partition (``reach_partition_heartbeats_total``)."""
         self._handled = 0
@@ -125,7 +138,7 @@ class Ingest:
         self.live: set[int] = set()
         """Partitions heard: subscribed (mapped) or kept (plain, mismatch)."""
         self._subs: dict[int, list[Any]] = {}
-        """Per partition owned (mapped mode): its announce and leave subscriptions."""
+        """Per partition owned (mapped mode): its announce, leave and outcome subscriptions."""
         self._beats: dict[int, Any] = {}
         """Per partition owned (mapped mode, not every one owned): its heartbeat subscription."""
         self._all_beats: Any = None
@@ -147,7 +160,8 @@ class Ingest:
         self._switch = asyncio.Lock()
         """One change of the mapped subscriptions at a time."""
         self._wide: list[Any] = []
-        """The subscriptions of the plain and mismatch modes (every partition's subjects)."""
+        """The subscriptions of the plain and mismatch modes (every partition's subjects), and
+        the unmapped outcome summaries' (every mode)."""
         self._cache: dict[str, int] = {}
         self._partition_of_mapped = ctx.subjects.partition_of_mapped
 
@@ -161,20 +175,29 @@ class Ingest:
         self.mode = mode = await self.check()
         for m in MODES:
             self._mapping.labels(m).set(int(m == mode))
-        if mode == "mapped":
-            return
         nc, s = self.ctx.nc, self.ctx.subjects
-        kinds = ((s.all_heartbeats, s.all_announces, s.all_leaves) if mode == "plain" else
-                 (s.partition_heartbeats("*"), s.partition_announces("*"),
-                  s.partition_leaves("*")))  # fmt: skip
         msgs, size = HEARTBEAT_PENDING
-        self._wide = [
-            await nc.subscribe(kinds[0], cb=self._kept_heartbeat,
-                               pending_msgs_limit=msgs, pending_bytes_limit=size),
-            await nc.subscribe(kinds[1], cb=self._kept(self._announce),
-                               pending_msgs_limit=msgs, pending_bytes_limit=size),
-            await nc.subscribe(kinds[2], cb=self._kept(self._leave)),
-        ]  # fmt: skip
+        if self._outcome is not None:  # unmapped summaries: those of a plain server, or of a
+            # mapping that predates the outcomes' (every broker hears them: kept by partition)
+            cb = self._kept(self._outcome) if mode != "mapped" else self._unmapped_outcome
+            self._wide.append(await nc.subscribe(s.all_outcomes, cb=cb, pending_msgs_limit=msgs,
+                                                 pending_bytes_limit=size))  # fmt: skip
+        if mode == "mismatch" and self._outcome is not None:
+            self._wide.append(await nc.subscribe(s.partition_outcomes("*"),
+                                                 cb=self._kept(self._outcome),
+                                                 pending_msgs_limit=msgs,
+                                                 pending_bytes_limit=size))  # fmt: skip
+        if mode != "mapped":
+            kinds = ((s.all_heartbeats, s.all_announces, s.all_leaves) if mode == "plain" else
+                     (s.partition_heartbeats("*"), s.partition_announces("*"),
+                      s.partition_leaves("*")))  # fmt: skip
+            self._wide += [
+                await nc.subscribe(kinds[0], cb=self._kept_heartbeat,
+                                   pending_msgs_limit=msgs, pending_bytes_limit=size),
+                await nc.subscribe(kinds[1], cb=self._kept(self._announce),
+                                   pending_msgs_limit=msgs, pending_bytes_limit=size),
+                await nc.subscribe(kinds[2], cb=self._kept(self._leave)),
+            ]  # fmt: skip
         await flush_subscriptions(nc)
 
     async def stop(self) -> None:
@@ -218,6 +241,10 @@ class Ingest:
                                    pending_msgs_limit=msgs, pending_bytes_limit=size),
                 await nc.subscribe(s.partition_leaves(p), cb=self._leave),
             ]  # fmt: skip
+            if self._outcome is not None:
+                self._subs[p].append(await nc.subscribe(
+                    s.partition_outcomes(p), cb=self._outcome, pending_msgs_limit=msgs,
+                    pending_bytes_limit=size))  # fmt: skip
             if self._all_beats is None:
                 self._beats[p] = await self._hear_beats_of(p)
         await flush_subscriptions(nc)
@@ -411,6 +438,20 @@ class Ingest:
                 await cb(msg)
 
         return kept
+
+    async def _unmapped_outcome(self, msg: Msg) -> None:
+        """An outcome summary the server did not map although it maps the agent subjects:
+        kept if its agent's partition is heard here (logged once: every broker hears them)."""
+        if not self.unmapped_outcomes:
+            self.unmapped_outcomes = True
+            log.warning("ingest.outcomes_unmapped subject=%s: the server maps the agent "
+                        "subjects but not %s, so every broker hears every outcome summary "
+                        "(each keeps its own partitions'); add its mapping (docs/protocol.md, "
+                        "Partitioned ingest)", msg.subject,
+                        self.ctx.subjects.all_outcomes)  # fmt: skip
+        assert self._outcome is not None
+        if self.partition_of(msg.subject) in self.live:
+            await self._outcome(msg)
 
     # --- the check ---------------------------------------------------------------------------
 

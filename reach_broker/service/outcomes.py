@@ -1,17 +1,19 @@
 """Broker component: callers' outcome summaries in, each agent's delivery term out.
 
-Subscribes ``<prefix>.outcome.*`` on every replica (a plain subscription: each replica keeps
-the same book, as with heartbeats), decodes and checks each summary, hands it to the
-:class:`~reach_broker.core.delivery.DeliveryBook` and sets the agent's ``delivery`` — rescoring
-it, and re-ranking its capabilities at once when the verdict crosses 0 either way. Once a
-second the agents whose reports left the window since (and those with unanswered calls) are
-judged again, so reports older than the window stop counting.
+Hears the summaries of the agents this broker owns (``<prefix>.outcome.<agent_id>``, mapped
+into the agent's partition by the server as its heartbeats are: :mod:`.ingest` subscribes for
+the partitions owned and hands each to :meth:`Outcomes.on_message`), decodes and checks each
+summary, hands it to the :class:`~reach_broker.core.delivery.DeliveryBook` and sets the
+agent's ``delivery`` — rescoring it, and re-ranking its capabilities at once when the verdict
+crosses 0 either way. Once a second the agents whose reports left the window since (and those
+with unanswered calls) are judged again, so reports older than the window stop counting. A
+partition taken over starts with an empty book for its agents (its previous owner's reports
+are not handed over): what the callers report from then on counts.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Any
 
@@ -42,24 +44,18 @@ class Outcomes:
         self.book = DeliveryBook(cfg)
         self._result = {k: summaries.labels(k) for k in ("accepted", "invalid", "unknown")}
         self._ejected = {rule: ejected.labels(rule) for rule in (OUTLIER, UNANSWERED)}
-        self._sub: Any = None
         self._loop: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        if self._sub is not None or not self.cfg.enabled:
+        """The judging once a second (the summaries come through the ingest)."""
+        if self._loop is not None or not self.cfg.enabled:
             return
-        self._sub = await self.ctx.nc.subscribe(self.ctx.subjects.all_outcomes,
-                                                cb=self.on_message)  # fmt: skip
         self._loop = asyncio.create_task(self._judge_loop(), name="reach-outcomes-judge")
 
     async def stop(self) -> None:
         if self._loop is not None:
             await stop_loops(self._loop)
             self._loop = None
-        if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
-            self._sub = None
 
     async def on_message(self, msg: Msg) -> None:
         agent_id = self.ctx.subjects.agent_of_outcome(msg.subject)
