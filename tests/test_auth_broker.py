@@ -229,7 +229,7 @@ async def test_a_stored_copy_is_not_a_control_message(
             seen = Inbox()
             await nc.subscribe("reach.leave.*", cb=seen.record)
             await nc.subscribe("reach.part.*.leave.*", cb=seen.record)
-            await nc.flush()
+            await flush_subscriptions(nc)
             await nc.publish(f"$JS.API.DIRECT.GET.{AUDIT_STREAM}", b'{"seq":1}',
                              reply="reach.leave.beta")  # fmt: skip
             await nc.flush()

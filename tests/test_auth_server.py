@@ -144,7 +144,7 @@ async def test_agent_uses_its_own_subjects(auth: AuthDir, server: AuthServer) ->
         inbox = ops.new_inbox()
         assert inbox.startswith("_INBOX.caller.ops.")
         await ops.subscribe(inbox, cb=replies.record)
-        await ops.flush()
+        await flush_subscriptions(ops)
         await ops.publish("reach.task.alpha.echo", b"hi", reply=inbox)
         await errors.wait(violation("publish", inbox + "x"))
         await wait_for(lambda: len(replies.msgs) == 3, 5, what="receipt, chunk and result")

@@ -14,6 +14,7 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from jetstream.names import STREAM_NAMES
+from reach_agent.connection import flush_subscriptions
 from reach_agent.routing.table import partition
 from reach_broker.broker import Broker
 
@@ -62,7 +63,7 @@ class EventLog:
             self.events.append(event)
 
         await nc.subscribe("reach.event.>", cb=cb)
-        await nc.flush()
+        await flush_subscriptions(nc)
         return self
 
     def transitions(self, agent_id: str) -> list[tuple[str, str | None, str | None]]:
@@ -368,7 +369,7 @@ async def test_a_burst_of_transitions_is_one_task_publishing_them_in_order(nc: N
         got.append(json.loads(msg.data)["agent_id"])
 
     sub = await nc.subscribe("reach.event.>", cb=on_event)
-    await nc.flush()
+    await flush_subscriptions(nc)
     tasks, spawned = Tasks(), []
 
     def spawn(coro: Any, name: str) -> None:
@@ -425,7 +426,7 @@ async def burst(
         replies.append(msg.subject)
 
     await nc.subscribe("_INBOX.burst.*", cb=on_reply)
-    await nc.flush()
+    await flush_subscriptions(nc)
     for i, (subject, body) in enumerate(requests):
         await nc.publish(subject, body, reply=f"_INBOX.burst.{i}")
     await nc.flush()  # all of them at the server

@@ -11,6 +11,7 @@ import nats
 import pytest
 from nats.aio.client import Client as NATS
 
+from reach_agent.connection import flush_subscriptions
 from reach_agent.wire.errors import NoReachableAgent
 from reach_agent.wire.schema import RouteRequest
 from reach_broker.broker import Broker
@@ -100,7 +101,7 @@ async def test_connect_advisory_probes_an_offline_agent_at_once(
             await msg.respond(b'{"agent_id": "gamma"}')
 
         await raw.subscribe("reach.probe.gamma", cb=answer)
-        await raw.flush()
+        await flush_subscriptions(raw)
         await wait_for(lambda: seen.reached("gamma", "recovering"), 4.0, what="probe answered")
         assert seen.of("gamma")[2] == ("offline", "recovering", "probe answered")
     finally:

@@ -20,6 +20,7 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from reach_agent.connection import flush_subscriptions
 from reach_agent.wire.schema import AgentState, Announce, Event, Heartbeat
 from reach_agent.wire.subjects import AGENTS as SYNADIA_AGENTS
 from reach_broker.broker import Broker
@@ -195,14 +196,14 @@ async def test_a_restarted_broker_declares_no_heartbeating_restored_agent_offlin
             await leases_aged_out(nc)
 
         await nc.subscribe(SYNADIA_AGENTS.info, cb=never_answer)
-        await nc.flush()
+        await flush_subscriptions(nc)
         events: list[Event] = []
 
         async def on_event(msg: Msg) -> None:
             events.append(msgspec.json.decode(msg.data, type=Event))
 
         await nc.subscribe("reach.event.state.*", cb=on_event)
-        await nc.flush()
+        await flush_subscriptions(nc)
         seen = Transitions()
         second = Broker(fast_config(nats_server.url, **overrides), metrics=Metrics(),
                         watchers=[seen])  # fmt: skip

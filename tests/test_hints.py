@@ -10,6 +10,7 @@ from nats.aio.client import Client as NATS
 
 import reach_agent
 from reach_agent import ClientConfig, ClientMetrics
+from reach_agent.connection import flush_subscriptions
 from reach_agent.wire import schema
 from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
@@ -78,7 +79,7 @@ async def test_a_long_hint_never_delays_not_delivered(
         swallowed.append(msg.subject)
 
     await nc.subscribe("reach.task.silent.render", cb=swallow)
-    await nc.flush()
+    await flush_subscriptions(nc)
     metrics = ClientMetrics()
     cfg = ClientConfig(ack_timeout_s=0.5)
     async with reach_agent.Client(nats_server.url, config=cfg, metrics=metrics) as client:

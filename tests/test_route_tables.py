@@ -15,6 +15,7 @@ import reach_agent
 from jetstream.names import TABLES_BUCKET
 from reach_agent.client.config import ClientConfig
 from reach_agent.client.tables import TableFollower
+from reach_agent.connection import flush_subscriptions
 from reach_agent.routing.table import RouteTable, TableMember, partition
 from reach_agent.wire import schema
 from reach_agent.wire.schema import Table, TableDelta, TableEntry, TableRouting, TableShare
@@ -325,7 +326,7 @@ async def test_a_leaving_agent_reaches_a_subscribed_caller_as_the_next_delta(
         deltas.put_nowait(schema.table_delta_decoder.decode(msg.data))
 
     await nc.subscribe("reach.table.*.tab", cb=on_delta)
-    await nc.flush()
+    await flush_subscriptions(nc)
     table = await table_of(nc, "tab")
     held = {s.partition: (s.epoch, s.version) for s in table.shares}
     p = partition("going", 32)
@@ -414,7 +415,7 @@ async def test_a_new_owners_delta_that_comes_during_a_fetch_has_the_table_asked_
             await nc.publish(msg.reply, table(2, 2))
 
     await nc.subscribe("reach.tables.handover", cb=answer)
-    await nc.flush()
+    await flush_subscriptions(nc)
     follower = TableFollower(nc, Subjects(), ClientConfig(table_wait_s=1.0))
     await follower.start()
     try:
@@ -441,7 +442,7 @@ async def test_a_flush_takes_the_changed_agents_in_a_chunk_at_a_time_and_a_reque
         deltas.append(schema.table_delta_decoder.decode(msg.data))
 
     await nc.subscribe("reach.table.*.chunked", cb=on_delta)
-    await nc.flush()
+    await flush_subscriptions(nc)
     known, chunk = broker.tables.book.known, tables_service.TOUCH_CHUNK
     before = len(known)
     now = broker.clock()

@@ -21,6 +21,7 @@ from nats.aio.msg import Msg
 from jetstream import directget, lastvalues
 from jetstream.names import REGISTRY_BUCKET, REGISTRY_STREAM
 from jetstream.provision import load_definitions, provision
+from reach_agent.connection import flush_subscriptions
 from reach_agent.routing.table import partition
 from reach_agent.wire import schema
 from reach_agent.wire.schema import AgentState, Announce
@@ -117,7 +118,7 @@ async def test_a_partition_restores_exactly_its_own_stored_agents(
     # The direct gets the restore sends (the server's responder is a queue group beside this
     # one; without a responder this one would be the request's only, and no 503 would come).
     tap = await nc.subscribe(f"$JS.API.DIRECT.GET.{REGISTRY_STREAM}", cb=seen) if direct else None
-    await nc.flush()
+    await flush_subscriptions(nc)
     snap = snapshot_of(nc)
     await snap.start()
     try:

@@ -26,6 +26,7 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from reach_agent.connection import flush_subscriptions
 from reach_agent.routing.table import partition
 from reach_agent.wire import schema
 from reach_broker.broker import Broker
@@ -119,7 +120,7 @@ async def test_each_synadia_instance_is_held_by_its_partitions_owner_and_taken_o
             events.append(event)
 
     await nc.subscribe("reach.event.>", cb=on_event)
-    await nc.flush()
+    await flush_subscriptions(nc)
 
     # Instances until both brokers own the partition of one at least (the ids are random).
     agents = sorted(await asyncio.gather(*(spawn(f"s{i}") for i in range(FIRST))))

@@ -26,6 +26,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from jetstream.names import AUDIT_STREAM, PARTITIONS_STREAM, REGISTRY_BUCKET, REGISTRY_STREAM
+from reach_agent.connection import flush_subscriptions
 from reach_agent.routing.table import partition
 from reach_agent.wire import schema
 from reach_broker.broker import Broker
@@ -146,7 +147,7 @@ async def test_a_takeover_writes_and_announces_only_what_changed(
             written.append((entry.announce.agent_id, entry.state))
 
         await nc.subscribe(f"$KV.{REGISTRY_BUCKET}.>", cb=on_write)
-        await nc.flush()
+        await flush_subscriptions(nc)
         before = {s: await last_seq(nc, s) for s in (REGISTRY_STREAM, AUDIT_STREAM)}
         assert before[REGISTRY_STREAM] == stored  # nothing written while the fleet beat on
         writes = survivor.snapshot.writes
@@ -235,7 +236,7 @@ async def test_a_lone_broker_restarted_keeps_stored_states_only_when_warm(
                 events.append(msgspec.json.decode(msg.data, type=schema.Event))
 
             await nc.subscribe("reach.event.>", cb=on_event)
-            await nc.flush()
+            await flush_subscriptions(nc)
             before = await last_seq(nc, AUDIT_STREAM)
             second = await broker_factory(fleet__partitions=P, fleet__lease_ttl_s=ttl)
             assert second.partitions.cold == (0 if warm else P)
@@ -288,7 +289,7 @@ async def test_a_lone_broker_that_lost_every_lease_takes_them_back_cold(
             events.append(msgspec.json.decode(msg.data, type=schema.Event))
 
         await nc.subscribe("reach.event.>", cb=on_event)
-        await nc.flush()
+        await flush_subscriptions(nc)
         await nc.jetstream().purge_stream(PARTITIONS_STREAM)  # every lease at once
         await wait_for(lambda: broker.partitions.cold == 2 * P and len(broker.partitions.held)
                        == P, 10, what="every partition taken back, cold")  # fmt: skip
