@@ -27,7 +27,9 @@ What is a violation (``Violation.kind``), exactly as the guarantee states it:
   Those second runs are counted in ``Verdict.excused``;
 - ``completed_without_ack`` — the caller got a run's result and ``REACH_ACKS`` holds no
   ``completed`` record of that run by its agent (or the run it names never completed);
-  ``failed_without_ack`` — the same for a run's own error (``BIZ_REJECT``);
+  ``failed_without_ack`` — the same for a run's own error (``BIZ_REJECT``), and a
+  ``CANCELLED`` answer with no ``failed`` record saying ``CANCELLED`` (by any author: a copy
+  of a request its agent had been told to cancel ends so without running its handler);
 - ``no_final_state`` — a call whose caller, sending it again with the same request id once
   every fault was healed, never got its final answer (a result, or the run's own error), or
   a submitted task whose final record the caller's ``Client.wait`` never got;
@@ -490,11 +492,15 @@ def _answers(ix: _Index) -> Iterable[Violation]:
                                 seen=f"{got}; REACH_ACKS has no completed record of it by "
                                      f"{o.agent}")  # fmt: skip
         elif o.code in RUN_ERROR_CODES:
-            stored = [a for a in ix.final_records(o.rid) if a.state == "failed"
-                      and a.code == o.code]  # fmt: skip
+            # A cancel an agent remembered ends a later copy of the request without a handler
+            # run (docs/protocol.md, Cancellation): its agent's CANCELLED record stands alone.
+            records = (ix.final_records(o.rid) if o.code != "CANCELLED"
+                       else ix.acks.get(o.rid, ()))  # fmt: skip
+            stored = [a for a in records if a.state == "failed" and a.code == o.code]
             if not stored:
+                by = "by an agent that ran it" if o.code != "CANCELLED" else "by anyone"
                 seen = (f"{o.caller}'s {o.op} got {o.code}; REACH_ACKS has no failed record "
-                        f"with {o.code} by an agent that ran it")  # fmt: skip
+                        f"with {o.code} {by}")  # fmt: skip
                 yield Violation(kind="failed_without_ack", request_id=o.rid, seen=seen)
 
 

@@ -233,6 +233,20 @@ def test_a_call_cancelled_at_its_deadline_is_resolved_by_its_cancelled_record() 
     assert kinds(verdict.violations) == [("failed_without_ack", "c1-2")]
 
 
+def test_a_cancelled_copy_that_never_ran_is_backed_by_its_agents_record() -> None:
+    """Seed 20's c2-000051: a4's claim was stored unconfirmed, so it refused the task; the
+    caller's deadline told a4 to cancel (a note: it ran nothing); the recall reached a4, which
+    took its own claim over and ended it ``CANCELLED`` without a handler run. Its record, by
+    an agent with no run of the request, backs the recall's ``CANCELLED``."""
+    noted = Ack(author="a4", rid="c2-51", agent="a4", state="failed", run=None,
+                code="CANCELLED")  # fmt: skip
+    answers = [called("c2-51", None, 0.9, "TIMEOUT"),
+               called("c2-51", None, 30.0, "CANCELLED", op="recall")]  # fmt: skip
+    verdict = check(history(noted, *answers))
+    assert (verdict.violations, verdict.unresolved) == ([], [])
+    assert kinds(check(history(*answers)).violations) == [("failed_without_ack", "c2-51")]
+
+
 def test_a_submitted_task_lost_or_left_queued_is_a_violation() -> None:
     queued = Op(caller="c1", op="submit", rid="c1-1", invoked=1.0, returned=1.1, ok=True)
     waited = Op(caller="c1", op="wait", rid="c1-1", invoked=9.0, returned=19.0, ok=False,
