@@ -472,6 +472,35 @@ class LostAnswers(ClaimStore):
         return await super().get(key)
 
 
+class LateCreate(ClaimStore):
+    """The real bucket, with the create of ``key`` reported unanswered at once and stored
+    only once the agent has looked for it (a publish a cluster took before a leader election,
+    committed after its answer was given up: nemesis seed 20)."""
+
+    def __init__(self, nc: NATS, key: str) -> None:
+        super().__init__(nc)
+        self.key = key
+        self.looked, self.landed = asyncio.Event(), asyncio.Event()
+        self._landing: asyncio.Task[None] | None = None
+
+    async def create(self, key: str, data: bytes) -> tuple[bool, Stored]:
+        if key != self.key or self._landing is not None:
+            return await super().create(key, data)
+        self._landing = asyncio.create_task(self._land(key, data))
+        raise ClaimsUnavailable(f"JetStream did not confirm the claim {key!r} (test)")
+
+    async def _land(self, key: str, data: bytes) -> None:
+        await self.looked.wait()
+        await super().create(key, data)
+        self.landed.set()
+
+    async def get(self, key: str) -> Stored | None:
+        got = await super().get(key)
+        if key == self.key:
+            self.looked.set()
+        return got
+
+
 class HeldCreate(ClaimStore):
     """The real bucket, but the create of ``key`` waits for ``gate``, then is refused (no
     answer: nothing stored) or stored, as ``refuse`` says."""
@@ -617,6 +646,24 @@ async def test_a_claim_stored_although_unconfirmed_is_run_or_released_never_left
     # Another agent takes a released claim over.
     other = Claimer(nc, "other", "i3", SUBJECTS)
     assert (await other.claim("lost-2", "cap")).held is not None
+
+
+async def test_a_claim_that_lands_after_its_agent_looked_for_it_is_released_when_it_does(
+    provisioned: NatsServer, nc: NATS
+) -> None:
+    """The create is not confirmed, the read-back finds nothing, the task is refused; then
+    the create lands. The agent, still looking, releases it: never ``running`` for nobody."""
+    metrics = reach_agent.AgentMetrics()
+    store = LateCreate(nc, claim_key("late-1"))
+    claimer = Claimer(nc, "late", "i1", SUBJECTS, metrics=metrics, store=store)
+    with pytest.raises(ClaimsUnavailable):
+        await claimer.claim("late-1", "cap")
+    await asyncio.wait_for(store.landed.wait(), 5)
+    claim = await claim_becomes(nc, "late-1", "released")
+    assert (claim.agent_id, claim.instance, claim.reason) == (
+        "late", "i1", "late refused the task: its claim was not confirmed")  # fmt: skip
+    await wait_for(lambda: metrics.store_errors.labels("claims", "orphan")._value.get() == 1)
+    await claimer.stop()
 
 
 # --- agent processes: stalls, restarts, deaths ------------------------------------------

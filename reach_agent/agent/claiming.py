@@ -79,6 +79,10 @@ WARN_EVERY_S = 30.0
 """At most one ``claims.unavailable`` warning per this many seconds (with the count since)."""
 END_RETRY_MAX_S = 5.0
 """The longest pause between two tries of a claim's end the store did not confirm."""
+LANDING_WATCH_S = 30.0
+"""How long after a create nobody confirmed the agent looks for it to land: a publish a
+JetStream cluster took before a leader election can be stored seconds after its answer was
+given up (nemesis seed 20: a claim left ``running`` for a task its agent had refused)."""
 
 
 def decide(
@@ -165,6 +169,9 @@ class Claimer:
         """Whether the store answered the last look (the start's, or the last claim's):
         informative only, every task asks the store again."""
         self._settling = TaskSet()
+        self._watching = TaskSet()
+        """Creates nobody confirmed, looked for until they land (then released) or
+        :data:`LANDING_WATCH_S` passed."""
 
     async def start(self) -> None:
         """Look for the bucket once, to say at start what happens without it (nothing is
@@ -183,7 +190,13 @@ class Claimer:
 
     async def stop(self, timeout_s: float = 5.0) -> None:
         """Give the claim ends still being retried ``timeout_s`` to be stored; any left is
-        logged (a broker releases it once this agent is declared gone)."""
+        logged (a broker releases it once this agent is declared gone). The looks for creates
+        nobody confirmed stop (a broker releases one that lands, as any claim of this agent's,
+        once it is declared gone)."""
+        if len(self._watching):
+            log.info("claims.landing_watch_stopped agent=%s count=%d", self.agent_id,
+                     len(self._watching))  # fmt: skip
+            self._watching.cancel()
         if len(self._settling):
             await self._settling.wait(timeout_s)
         if len(self._settling):
@@ -296,26 +309,34 @@ class Claimer:
     async def _landed(self, key: str, data: bytes, request_id: str) -> Stored | None:
         """After a create nobody confirmed: our claim, if the store has it (then it is ours
         to run); None when it does not, or cannot say now — then, the task being refused, a
-        claim of ours stored after all would be left ``running`` for nobody, so it is looked
-        for again in the background and released (:meth:`_release_orphan`)."""
+        claim of ours stored after all (now, or later: the create may still be on its way)
+        would be left ``running`` for nobody, so it is looked for in the background for
+        :data:`LANDING_WATCH_S` and released if it lands (:meth:`_release_orphan`)."""
         try:
             stored = await self.store.get(key)
         except ClaimsUnavailable:
-            self._settling.spawn(self._release_orphan(key, data, request_id), "reach-orphan")
-            return None
-        return stored if stored is not None and stored.data == data else None
+            stored = None
+        if stored is not None and stored.data == data:
+            return stored
+        if stored is None:
+            self._watching.spawn(self._release_orphan(key, data, request_id), "reach-orphan")
+        return None  # another claim (not ours to release), or ours not there (yet)
 
     async def _release_orphan(self, key: str, data: bytes, request_id: str) -> None:
-        """Release our create of ``key`` (exactly ``data``) if it was stored although its
-        task was refused; anything else under the key is left alone."""
+        """Release our create of ``key`` (exactly ``data``) if it is stored, now or within
+        :data:`LANDING_WATCH_S`, although its task was refused; anything else under the key
+        is left alone."""
         pause = 0.1
+        until = self.clock() + LANDING_WATCH_S
         while True:
             await asyncio.sleep(pause)
             pause = min(pause * 2, END_RETRY_MAX_S)
             try:
                 stored = await self.store.get(key)
+                if stored is None and self.clock() < until:
+                    continue  # not (yet) stored: the create may still land
                 if stored is None or stored.data != data:
-                    return  # it was not stored, or moved on (taken over, ended)
+                    return  # it was never stored, or moved on (taken over, ended)
                 claim = _decode(stored)
                 released = msgspec.structs.replace(
                     claim, state="released", at_ms=int(time.time() * 1000),
