@@ -40,6 +40,10 @@ def weight(score: float, busy: float) -> float:
     return (score if score > 1.0 else 1.0) * (1.0 - busy if busy < 0.95 else 0.05)
 
 
+NO_PERMISSIONS: frozenset[str] = frozenset()
+"""The permissions of every member that announces none: one empty set, not one each
+(``frozenset([])`` makes a new 216-byte object at every call)."""
+
 M = TypeVar("M", bound="Member")
 """A kind of member (the broker's records, a caller's table entries)."""
 
@@ -122,7 +126,7 @@ class Member:
         self.region: str | None = None
         self.version: str | None = None
         self.tags: dict[str, str] = {}
-        self.permissions: frozenset[str] = frozenset()
+        self.permissions: frozenset[str] = NO_PERMISSIONS
         self.context_window: int | None = None
         self.context_usage_pct: float | None = None
         self.headroom = 0

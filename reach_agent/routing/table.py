@@ -26,7 +26,7 @@ from reach_agent.wire.errors import InvalidRequest
 from reach_agent.wire.schema import PROTOCOL_REACH, TableDelta, TableEntry, TableShare, with_load
 
 from .index import CapabilityIndex
-from .member import Member, TaskStats, faded, weight
+from .member import NO_PERMISSIONS, Member, TaskStats, faded, weight
 from .rules import Rule, decode_rule
 from .settings import Settings
 
@@ -79,7 +79,8 @@ class TableMember(Member):
         self.region = entry.region
         self.version = entry.version
         self.tags = entry.tags
-        self.permissions = frozenset(entry.permissions)
+        perms = entry.permissions
+        self.permissions = frozenset(perms) if perms else NO_PERMISSIONS
         self.context_window = entry.context_window
         self.set_context(entry.context_usage_pct)
         self.timeout_hint_ms = entry.timeout_hint_ms

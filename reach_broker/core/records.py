@@ -12,7 +12,7 @@ from typing import Literal, NamedTuple
 
 import msgspec
 
-from reach_agent.routing.member import Member
+from reach_agent.routing.member import NO_PERMISSIONS, Member
 from reach_agent.wire.schema import (
     PROTOCOL_REACH,
     PROTOCOL_SYNADIA,
@@ -26,7 +26,6 @@ from .scoring import Stats
 
 HeartbeatResult = Literal["accepted", "stale", "forged", "unknown"]
 
-NO_PERMISSIONS: frozenset[str] = frozenset()
 TransitionKind = Literal["registered", "state", "left", "evicted"]
 
 
