@@ -59,6 +59,11 @@ class Load(Figures, frozen=True, kw_only=True):
     heartbeats_per_s_under_load: float | UnsetType = UNSET
 
 
+def _share(c0: float | None, c1: float | None, wall: float) -> float | None:
+    """CPU seconds per second of one process over one slice (None: not readable)."""
+    return round((c1 - c0) / wall, 3) if c0 is not None and c1 is not None and wall else None
+
+
 class Slices:
     """The driver results of one mode's slices, combined."""
 
@@ -110,17 +115,26 @@ async def load(
     for i in range(a.rounds):
         log.info("round %d/%d: echo %g s", i + 1, a.rounds, slice_s)
         e0, et0 = cpu_seconds(echo.pid), time.perf_counter()
-        echoes.results.append(await drive("echo", slice_s, a.concurrency))
-        echo_cpu.add(e0, cpu_seconds(echo.pid), time.perf_counter() - et0)
+        echoed = await drive("echo", slice_s, a.concurrency)
+        e1, edt = cpu_seconds(echo.pid), time.perf_counter() - et0
+        echo_cpu.add(e0, e1, edt)
+        echoed["responder_cpu_share"] = _share(e0, e1, edt)
+        echoes.results.append(echoed)
         log.info("round %d/%d: route %g s", i + 1, a.rounds, slice_s)
         c0, s0, m0 = cpu_seconds(system.broker_pid), cpu_seconds(system.server_pid), machine_busy()
         t0 = time.perf_counter()
-        routes.results.append(await drive("route", slice_s, a.concurrency))
+        routed = await drive("route", slice_s, a.concurrency)
         dt = time.perf_counter() - t0
         c1, s1, m1 = cpu_seconds(system.broker_pid), cpu_seconds(system.server_pid), machine_busy()
         route_cpu.add(c0, c1, dt)
         server_cpu.add(s0, s1, dt)
         busy.append((m1[0] - m0[0], m1[1] - m0[1]))
+        # Each slice's own shares: a slice slower than its round's other tells which process
+        # (and whether the whole machine) was busier then.
+        routed["broker_cpu_share"] = _share(c0, c1, dt)
+        routed["machine_busy"] = round((m1[0] - m0[0]) / (m1[1] - m0[1]), 3) if m1[1] > m0[1] \
+            else None  # fmt: skip
+        routes.results.append(routed)
     h1 = await observer.hb_total()
     c1_figures: dict[str, Any] = {}
     if a.latency_seconds > 0:

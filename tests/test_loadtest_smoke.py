@@ -69,6 +69,10 @@ def test_loadtest_tiny_run_reports_every_key(tmp_path: Path) -> None:
     assert report["kill_silent_routable_before"] >= 1
     assert report["kill_adv_routable_before"] >= 1
     assert report["routes_per_s"] > 0 and report["echo_per_s"] > 0
+    # Each slice says what the processes spent in it (one round: one slice of each).
+    (routed,), (echoed,) = report["route_slices"], report["echo_slices"]
+    assert routed["broker_cpu_share"] > 0 and 0 < routed["machine_busy"] <= 1
+    assert echoed["responder_cpu_share"] > 0
     assert 0 < report["route_p50_ms"] <= report["route_p99_ms"]
     assert 0 < report["route_c1_p50_ms"] <= report["route_c1_p99_ms"]
     assert report["broker_rss_bytes"] > 0
