@@ -7,6 +7,13 @@ exists and a field of the definition differs, update it if the change cannot los
 otherwise refuse with :class:`UnsafeChange`, naming the field, the old and new value and
 why, and leave the stream untouched. Only fields the definition names are compared: the
 server fills in the rest (and its own ``metadata``).
+
+Replicas: with ``least_replicas`` (a count the caller worked out from the nodes it sees, not
+one it was told) a stream that has more keeps them — a node down at a start must not take an
+R3 stream to R1. A raise the cluster cannot place now ("no suitable peers": a node down) is
+left for later: the stream keeps what it has, the rest of the definition is applied, and the
+outcome says how short it is (logged at warning), instead of failing the start of a broker
+whose streams work as they are.
 """
 
 from __future__ import annotations
@@ -78,6 +85,8 @@ class Outcome(NamedTuple):
     name: str
     action: Action
     changes: tuple[str, ...]
+    short: tuple[int, int] | None = None
+    """(replicas the stream has, replicas wanted) when the cluster could not place them now."""
 
 
 def load_definitions(
@@ -200,8 +209,12 @@ def _age_ns(ts: str) -> int | None:
     return time.time_ns() - ns
 
 
-async def ensure_stream(nc: NATS, cfg: Mapping[str, Any], timeout_s: float = 5.0) -> Outcome:
-    """Create, update or leave alone one stream; raise UnsafeChange instead of losing data."""
+async def ensure_stream(
+    nc: NATS, cfg: Mapping[str, Any], timeout_s: float = 5.0, *, least_replicas: bool = False
+) -> Outcome:
+    """Create, update or leave alone one stream; raise UnsafeChange instead of losing data.
+    ``least_replicas``: the definition's ``num_replicas`` is a least, never lowered (see the
+    module docstring)."""
     name = cfg["name"]
     info = await _api(nc, f"STREAM.INFO.{name}", None, timeout_s)
     err = info.get("error")
@@ -216,7 +229,7 @@ async def ensure_stream(nc: NATS, cfg: Mapping[str, Any], timeout_s: float = 5.0
         if "error" in resp:
             # Another replica may have created it in between: then it is an update check.
             if resp["error"].get("err_code") == STREAM_EXISTS:
-                return await ensure_stream(nc, cfg, timeout_s)
+                return await ensure_stream(nc, cfg, timeout_s, least_replicas=least_replicas)
             if resp["error"].get("err_code") == JS_NOT_READY:
                 raise NotReady(f"stream {name}: create failed: {resp['error'].get('description')}")
             if resp["error"].get("err_code") == NO_SUITABLE_PEERS:
@@ -234,6 +247,10 @@ async def ensure_stream(nc: NATS, cfg: Mapping[str, Any], timeout_s: float = 5.0
         old = current.get(key)
         if _same(key, old, new):
             continue
+        if key == "num_replicas" and least_replicas and int(old or 1) > int(new):
+            log.info("jetstream.replicas_kept name=%s replicas=%s (more than the %s counted "
+                     "from the nodes answering now)", name, old, new)  # fmt: skip
+            continue
         desc = f"{key}: {_fmt(key, old)} -> {_fmt(key, new)}"
         why = unsafe_reason(key, old, new, state)
         if why is not None:
@@ -250,21 +267,39 @@ async def ensure_stream(nc: NATS, cfg: Mapping[str, Any], timeout_s: float = 5.0
     if not changes:
         return Outcome(name, "unchanged", ())
     merged = {**current, **cfg}
+    if least_replicas and "num_replicas" not in [c.split(":")[0] for c in changes]:
+        merged["num_replicas"] = current.get("num_replicas", 1)  # kept: more than counted
     resp = await _api(nc, f"STREAM.UPDATE.{name}", merged, timeout_s)
+    short = None
+    have, want = int(current.get("num_replicas") or 1), int(merged.get("num_replicas") or 1)
+    if "error" in resp and resp["error"].get("err_code") == NO_SUITABLE_PEERS and want > have:
+        # The cluster cannot place the replicas now (a node down): the rest without them.
+        short = (have, want)
+        log.warning("jetstream.replicas_short name=%s replicas=%d wanted=%d: %s; the stream "
+                    "keeps %d until a broker starts with enough nodes up", name, have, want,
+                    resp["error"].get("description"), have)  # fmt: skip
+        changes = [c for c in changes if not c.startswith("num_replicas:")]
+        if not changes:
+            return Outcome(name, "unchanged", (), short)
+        merged["num_replicas"] = have
+        resp = await _api(nc, f"STREAM.UPDATE.{name}", merged, timeout_s)
     if "error" in resp:
         raise UnsafeChange(
             f"stream {name}: the server refused the update ({'; '.join(changes)}): "
             f"{resp['error'].get('description')}. The stream was left as it is."
         )
     log.info("jetstream.stream_updated name=%s changes=%s", name, "; ".join(changes))
-    return Outcome(name, "updated", tuple(changes))
+    return Outcome(name, "updated", tuple(changes), short)
 
 
 async def provision(
     nc: NATS,
     definitions: Iterable[Mapping[str, Any]] | None = None,
     timeout_s: float = 5.0,
+    *,
+    least_replicas: bool = False,
 ) -> list[Outcome]:
     """Ensure every definition (default: all of ``jetstream/definitions``); idempotent."""
     defs = list(definitions) if definitions is not None else load_definitions()
-    return [await ensure_stream(nc, cfg, timeout_s) for cfg in defs]
+    return [await ensure_stream(nc, cfg, timeout_s, least_replicas=least_replicas)
+            for cfg in defs]  # fmt: skip

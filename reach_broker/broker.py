@@ -409,7 +409,8 @@ class Broker:
                         raise
 
     async def _start_components_once(self) -> None:
-        self.replicas = await provision_assets(self.nc, self.provisioning, self.subjects)
+        self.replicas = await provision_assets(self.nc, self.provisioning, self.subjects,
+                                               short=self.metrics.replicas_short)  # fmt: skip
         self.jetstream_ok = self.replicas is not None
         secret = await token_secret(self.nc, self.provisioning, jetstream=self.jetstream_ok)
         self.registry.signer.set_secret(secret)

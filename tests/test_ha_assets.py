@@ -192,3 +192,64 @@ def test_jetstream_not_ready_is_a_503_or_no_answer_never_no_jetstream_or_a_refus
     assert jetstream_not_ready(JetStreamUnavailable("not enabled")) is False
     assert jetstream_not_ready(UnsafeChange("stream REACH_ACKS: refusing ...")) is False
     assert jetstream_not_ready(ValueError("bad config")) is False
+
+
+async def test_a_broker_started_with_a_node_down_keeps_every_asset_at_three_replicas(
+    tmp_path: Path,
+) -> None:
+    """Nemesis seed 24: a broker started while one node of three was down counted two nodes
+    and took every asset from R3 to R1 (logged at info only). A count worked out from the
+    nodes answering never lowers a stream's now: the assets keep their three replicas."""
+    async with nats_cluster(tmp_path / "cluster", nodes=3) as cluster:
+        await cluster.wait_meta_leader()
+        nc = await nats.connect(cluster.urls, name="test-client")
+        try:
+            js = nc.jetstream(timeout=5.0)
+            async with Broker(_config(cluster.servers), metrics=Metrics()) as first:
+                assert first.replicas == 3
+            for name in STREAM_NAMES:
+                await cluster.wait_stream_leader(nc, name, current=True)
+            await cluster.kill("n3")
+            await cluster.wait_meta_leader()
+            two = f"{cluster.url('n1')},{cluster.url('n2')}"
+            async with Broker(_config(two), metrics=Metrics()) as second:
+                assert (second.replicas, second.serving) == (1, True)  # two nodes answer
+            for name in STREAM_NAMES:
+                assert (await js.stream_info(name)).config.num_replicas == 3, name
+        finally:
+            await nc.close()
+
+
+async def test_a_raise_of_replicas_the_cluster_cannot_place_is_left_for_later(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Asked for three replicas where the cluster cannot place them now (nemesis seed 24: a
+    node down; here a cluster of two, deterministically), the broker no longer fails its
+    start: the streams keep what they have, it serves, and
+    ``reach_jetstream_replicas_short{stream}`` says by how much (each logged at warning)."""
+    async with nats_cluster(tmp_path / "cluster", nodes=2) as cluster:
+        await cluster.wait_meta_leader()
+        nc = await nats.connect(cluster.urls, name="test-client")
+        try:
+            js = nc.jetstream(timeout=5.0)
+            async with Broker(_config(cluster.servers, jetstream__replicas=1),
+                              metrics=Metrics()):  # fmt: skip
+                pass
+            caplog.set_level(logging.WARNING, logger="jetstream.provision")
+            metrics = Metrics()
+            async with Broker(_config(cluster.servers, jetstream__replicas=3),
+                              metrics=metrics) as second:  # fmt: skip
+                assert (second.replicas, second.serving) == (3, True)
+            for name in STREAM_NAMES:
+                assert metrics.replicas_short.labels(name)._value.get() == 2, name
+                assert (await js.stream_info(name)).config.num_replicas == 1, name
+            short = [r.getMessage() for r in caplog.records
+                     if r.getMessage().startswith("jetstream.replicas_short")]  # fmt: skip
+            assert len(short) == len(STREAM_NAMES)
+            assert short[0] == (
+                f"jetstream.replicas_short name={STREAM_NAMES[0]} replicas=1 wanted=3: no "
+                "suitable peers for placement; the stream keeps 1 until a broker starts with "
+                "enough nodes up"
+            )
+        finally:
+            await nc.close()

@@ -24,6 +24,7 @@ import asyncio
 import logging
 import secrets
 from dataclasses import dataclass
+from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.js.errors import ServiceUnavailableError
@@ -92,10 +93,16 @@ async def replicas(nc: NATS, plan: Provisioning) -> int:
     return n
 
 
-async def provision_assets(nc: NATS, plan: Provisioning, subjects: Subjects) -> int | None:
+async def provision_assets(
+    nc: NATS, plan: Provisioning, subjects: Subjects, *, short: Any = None
+) -> int | None:
     """Create or update the JetStream assets (jetstream/definitions) before any use; the
     replica count, or None when the server has no JetStream (the broker then runs without
-    snapshot and replay). A definition that would lose data if applied raises."""
+    snapshot and replay). A definition that would lose data if applied raises. The count
+    worked out from the nodes answering (``[jetstream] replicas`` unset) never lowers a
+    stream's: a node down at a start must not take R3 assets to R1. A raise the cluster
+    cannot place now is left for a later start, and ``short``
+    (``reach_jetstream_replicas_short{stream}``) says by how much."""
     try:
         n = await replicas(nc, plan)
         overrides: dict[str, dict[str, object]] = {
@@ -111,8 +118,12 @@ async def provision_assets(nc: NATS, plan: Provisioning, subjects: Subjects) -> 
         }
         defs = load_definitions(subjects, overrides)
         # Idempotent: a timeout (a cluster electing) is tried again by the broker's start.
-        outcomes = await provision(nc, defs)  # it logs each stream created or updated, once
+        # It logs each stream created or updated, once.
+        outcomes = await provision(nc, defs, least_replicas=plan.replicas is None)
         for outcome in outcomes:
+            if short is not None:
+                lacks = outcome.short[1] - outcome.short[0] if outcome.short else 0
+                short.labels(outcome.name).set(lacks)
             changed = [c for c in outcome.changes if c.startswith("max_age")]
             if outcome.name == PARTITIONS_STREAM and changed:
                 # The bucket's max age is every broker's lease time: another broker started

@@ -260,6 +260,13 @@ class Metrics:
             "owns (every broker discovers all of them on $SRV.INFO.agents)",
             registry=r,
         )
+        self.replicas_short = Gauge(
+            "reach_jetstream_replicas_short",
+            "Replicas a stream lacks of those this broker's start wanted: the cluster could "
+            "not place them (a node down); 0 once a start placed them",
+            ["stream"],
+            registry=r,
+        )
         # JetStream (issue 4): compensation queue and durable acks.
         self.compensation_depth = Gauge(
             "reach_compensation_depth", "Entries in REACH_COMPENSATION (read periodically)",
