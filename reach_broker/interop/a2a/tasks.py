@@ -274,14 +274,15 @@ class Tasks:
 
     async def open(self, replicas: int | None) -> None:
         """Provision the bucket (``replicas``: the broker's count; None: the server has no
-        JetStream, and the gateway keeps no tasks)."""
+        JetStream, and the gateway keeps no tasks). The count is a least, never lowering the
+        bucket's: it may be the broker's count of the nodes up (one down at a start)."""
         if replicas is None:
             log.warning("a2a.no_tasks the server has no JetStream: SendMessage answers only "
                         "when it has the result, and no task can be read or cancelled")  # fmt: skip
             return
         [definition] = load_definitions(self.subjects, {A2A_TASKS_STREAM: {
             "num_replicas": replicas}}, names=(A2A_TASKS_STREAM,))  # fmt: skip
-        await ensure_stream(self.nc, definition)
+        await ensure_stream(self.nc, definition, least_replicas=True)
         self.kv = await self.nc.jetstream(timeout=2.0).key_value(A2A_TASKS_BUCKET)
 
     def _kv(self) -> KeyValue:
