@@ -845,6 +845,41 @@ async def test_a_broker_learns_running_claims_written_before_it_started_and_can_
     await wait_for(lambda: broker.releaser.held_by("ghost") == [], 5, what="claim forgotten")
 
 
+async def test_claims_learnt_for_an_offline_agent_are_each_read_once_not_once_per_claim(
+    nc: NATS, broker_factory: Any
+) -> None:
+    """Nemesis seed 24: a broker's catch-up delivered ~110 claims of an agent already offline,
+    each arrival started a release of all of the agent's claims, and with the ack store slow
+    one claim was read and retried 110 times in one second. Each arrival now releases its
+    own claim: n claims, n reads of the ack store."""
+    from jetstream.provision import provision
+
+    await provision(nc)
+    broker = await broker_factory()
+    releaser = broker.releaser
+    releaser.state_of = lambda agent: "offline" if agent == "gone" else None
+    reads: list[str] = []
+    ended = releaser._ended
+
+    async def counted(claim: schema.Claim) -> bool:
+        reads.append(claim.request_id)
+        return await ended(claim)
+
+    releaser._ended = counted  # type: ignore[method-assign]
+    rids = [str(uuid.uuid4()) for _ in range(12)]
+    store = ClaimStore(nc)
+    for rid in rids:
+        claim = schema.Claim(request_id=rid, agent_id="gone", instance="i1", capability="cap",
+                             state="running", at_ms=1,
+                             ack_subject=SUBJECTS.ack("gone", rid))  # fmt: skip
+        assert (await store.create(claim_key(rid), schema.encoder.encode(claim)))[0]
+    await wait_for(lambda: releaser.released == len(rids), 10, what="every claim released")
+    for rid in rids:
+        stored = await stored_claim(nc, rid)
+        assert stored is not None and stored.state == "released"
+    assert sorted(reads) == sorted(rids)
+
+
 async def test_a_replaced_process_has_its_claims_released_also_those_learnt_after(
     nc: NATS, broker_factory: Any
 ) -> None:

@@ -212,13 +212,16 @@ class Releaser:
             self._forget_oldest()
         self._running.setdefault(claim.agent_id, {})[key] = (revision, claim)
         self._holder_of[key] = claim.agent_id
+        # This claim alone: a catch-up delivering an offline agent's n claims must not start
+        # n releases of all of them (n² reads of the ack store, retried while it is slow).
         if self.state_of(claim.agent_id) == "offline":
             self.ctx.spawn(self.release(claim.agent_id, "it was offline when the broker "
-                                        "learnt of the claim"), "claims-release")  # fmt: skip
+                                        "learnt of the claim", key=key),
+                           "claims-release")  # fmt: skip
         elif (claim.agent_id, claim.instance) in self._retired:
             why = (f"its process {claim.instance} had been replaced by a new one when the "
                    "broker learnt of the claim")  # fmt: skip
-            self.ctx.spawn(self.release(claim.agent_id, why, only=claim.instance),
+            self.ctx.spawn(self.release(claim.agent_id, why, only=claim.instance, key=key),
                            "claims-release")  # fmt: skip
 
     def _forget_oldest(self) -> None:
@@ -258,15 +261,18 @@ class Releaser:
             self.ctx.spawn(self.release(agent_id, why, keep=instance), "claims-release")
 
     async def release(self, agent_id: str, why: str, pause_s: float = RELEASE_RETRY_S, *,
-                      keep: str | None = None, only: str | None = None) -> int:  # fmt: skip
+                      keep: str | None = None, only: str | None = None,
+                      key: str | None = None) -> int:  # fmt: skip
         """Release every running claim ``agent_id`` holds (but those of instance ``keep``;
-        with ``only``, those of that instance alone); returns how many this replica
-        released (another replica, or the holder finishing, may have been first). A
-        release the bucket did not take is tried again (after ``pause_s``, doubling) while
-        the agent stays gone: a claim left ``running`` would keep its request from ever
-        running."""
+        with ``only``, those of that instance alone; with ``key``, that claim alone); returns
+        how many this replica released (another replica, or the holder finishing, may have
+        been first). A release the bucket did not take is tried again (after ``pause_s``,
+        doubling) while the agent stays gone: a claim left ``running`` would keep its
+        request from ever running."""
         done = failed = 0
-        for key, (revision, claim) in list(self._running.get(agent_id, {}).items()):
+        held = self._running.get(agent_id, {})
+        targets = list(held.items()) if key is None else [(key, held[key])] if key in held else []
+        for held_key, (revision, claim) in targets:
             if (keep is not None and claim.instance == keep) or (
                 only is not None and claim.instance != only
             ):
@@ -279,7 +285,8 @@ class Releaser:
                 if await self._ended(claim):
                     self.finished(claim.request_id, agent_id)  # it finished: not released
                     continue
-                won = await self.store.swap(key, schema.encoder.encode(released), revision)
+                won = await self.store.swap(held_key, schema.encoder.encode(released),
+                                            revision)  # fmt: skip
             except ClaimsUnavailable as exc:
                 failed += 1
                 self._store_errors.labels("claims", "release").inc()
@@ -300,12 +307,13 @@ class Releaser:
             subject = self.ctx.subjects.event("released", agent_id)
             self.ctx.spawn(self.ctx.nc.publish(subject, schema.encoder.encode(event)), "event")
         if failed:
-            self.ctx.spawn(self._release_later(agent_id, why, pause_s, keep, only),
+            self.ctx.spawn(self._release_later(agent_id, why, pause_s, keep, only, key),
                            "claims-release")  # fmt: skip
         return done
 
     async def _release_later(self, agent_id: str, why: str, pause_s: float,
-                             keep: str | None, only: str | None) -> None:  # fmt: skip
+                             keep: str | None, only: str | None,
+                             key: str | None) -> None:  # fmt: skip
         """Try a release the bucket did not take again: while the agent stays gone, or, for
         an old process replaced (by ``keep``, or ``only`` itself), in any case (the new
         process being healthy does not bring the old one's claims back)."""
@@ -314,4 +322,4 @@ class Releaser:
             return
         if keep is not None or only is not None or self.state_of(agent_id) in ("offline", None):
             await self.release(agent_id, why, min(pause_s * 2, RELEASE_RETRY_MAX_S), keep=keep,
-                               only=only)  # fmt: skip
+                               only=only, key=key)  # fmt: skip
