@@ -36,6 +36,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 
 from jetstream import compensation
 from jetstream.claims import ClaimsUnavailable
@@ -208,6 +209,9 @@ class Replayer:
                     return
         except asyncio.CancelledError:
             raise
+        except (NatsError, TimeoutError) as exc:  # JetStream slow or away: a fault, not a bug
+            log.warning("replay.round_failed capability=%s error=%r: tried again by the next "
+                        "sweep", capability, exc)  # fmt: skip
         except Exception:  # noqa: BLE001 - a failed round is retried by the next sweep
             log.exception("replay.failed capability=%s", capability)
         finally:
