@@ -243,6 +243,7 @@ async def ensure_stream(
     state: dict[str, Any] = info.get("state", {})
     changes: list[str] = []
     refused: list[str] = []
+    kept: dict[str, Any] = {}  # the stream's own values kept over the definition's
     for key, new in cfg.items():
         old = current.get(key)
         if _same(key, old, new):
@@ -250,6 +251,7 @@ async def ensure_stream(
         if key == "num_replicas" and least_replicas and int(old or 1) > int(new):
             log.info("jetstream.replicas_kept name=%s replicas=%s (more than the %s counted "
                      "from the nodes answering now)", name, old, new)  # fmt: skip
+            kept[key] = old
             continue
         desc = f"{key}: {_fmt(key, old)} -> {_fmt(key, new)}"
         why = unsafe_reason(key, old, new, state)
@@ -266,9 +268,7 @@ async def ensure_stream(
         )
     if not changes:
         return Outcome(name, "unchanged", ())
-    merged = {**current, **cfg}
-    if least_replicas and "num_replicas" not in [c.split(":")[0] for c in changes]:
-        merged["num_replicas"] = current.get("num_replicas", 1)  # kept: more than counted
+    merged = {**current, **cfg, **kept}
     resp = await _api(nc, f"STREAM.UPDATE.{name}", merged, timeout_s)
     short = None
     have, want = int(current.get("num_replicas") or 1), int(merged.get("num_replicas") or 1)

@@ -177,16 +177,18 @@ class Ingest:
             self._mapping.labels(m).set(int(m == mode))
         nc, s = self.ctx.nc, self.ctx.subjects
         msgs, size = HEARTBEAT_PENDING
-        if self._outcome is not None:  # unmapped summaries: those of a plain server, or of a
-            # mapping that predates the outcomes' (every broker hears them: kept by partition)
-            cb = self._kept(self._outcome) if mode != "mapped" else self._unmapped_outcome
-            self._wide.append(await nc.subscribe(s.all_outcomes, cb=cb, pending_msgs_limit=msgs,
-                                                 pending_bytes_limit=size))  # fmt: skip
-        if mode == "mismatch" and self._outcome is not None:
-            self._wide.append(await nc.subscribe(s.partition_outcomes("*"),
-                                                 cb=self._kept(self._outcome),
+        if self._outcome is not None:
+            # Unmapped summaries: those of a plain server, or of a mapping that predates the
+            # outcomes' (every broker hears them: each keeps its partitions').
+            kept = self._kept(self._outcome)
+            unmapped = kept if mode != "mapped" else self._said_once(kept)
+            self._wide.append(await nc.subscribe(s.all_outcomes, cb=unmapped,
                                                  pending_msgs_limit=msgs,
                                                  pending_bytes_limit=size))  # fmt: skip
+            if mode == "mismatch":
+                self._wide.append(await nc.subscribe(s.partition_outcomes("*"), cb=kept,
+                                                     pending_msgs_limit=msgs,
+                                                     pending_bytes_limit=size))  # fmt: skip
         if mode != "mapped":
             kinds = ((s.all_heartbeats, s.all_announces, s.all_leaves) if mode == "plain" else
                      (s.partition_heartbeats("*"), s.partition_announces("*"),
@@ -439,19 +441,21 @@ class Ingest:
 
         return kept
 
-    async def _unmapped_outcome(self, msg: Msg) -> None:
-        """An outcome summary the server did not map although it maps the agent subjects:
-        kept if its agent's partition is heard here (logged once: every broker hears them)."""
-        if not self.unmapped_outcomes:
-            self.unmapped_outcomes = True
-            log.warning("ingest.outcomes_unmapped subject=%s: the server maps the agent "
-                        "subjects but not %s, so every broker hears every outcome summary "
-                        "(each keeps its own partitions'); add its mapping (docs/protocol.md, "
-                        "Partitioned ingest)", msg.subject,
-                        self.ctx.subjects.all_outcomes)  # fmt: skip
-        assert self._outcome is not None
-        if self.partition_of(msg.subject) in self.live:
-            await self._outcome(msg)
+    def _said_once(self, kept: Callback) -> Callback:
+        """``kept`` for the outcome summaries a mapping server did not map (its mapping
+        predates theirs), saying so once: every broker hears every one of them."""
+
+        async def unmapped(msg: Msg) -> None:
+            if not self.unmapped_outcomes:
+                self.unmapped_outcomes = True
+                log.warning("ingest.outcomes_unmapped subject=%s: the server maps the agent "
+                            "subjects but not %s, so every broker hears every outcome "
+                            "summary (each keeps its own partitions'); add its mapping "
+                            "(docs/protocol.md, Partitioned ingest)", msg.subject,
+                            self.ctx.subjects.all_outcomes)  # fmt: skip
+            await kept(msg)
+
+        return unmapped
 
     # --- the check ---------------------------------------------------------------------------
 
