@@ -12,8 +12,8 @@ Replicas: with ``least_replicas`` (a count the caller worked out from the nodes 
 one it was told) a stream that has more keeps them — a node down at a start must not take an
 R3 stream to R1. A raise the cluster cannot place now ("no suitable peers": a node down) is
 left for later: the stream keeps what it has, the rest of the definition is applied, and the
-outcome says how short it is (logged at warning), instead of failing the start of a broker
-whose streams work as they are.
+outcome says how short it is (the caller says so at warning, :func:`say_short`, with when it
+tries again), instead of failing the start of a broker whose streams work as they are.
 """
 
 from __future__ import annotations
@@ -87,6 +87,8 @@ class Outcome(NamedTuple):
     changes: tuple[str, ...]
     short: tuple[int, int] | None = None
     """(replicas the stream has, replicas wanted) when the cluster could not place them now."""
+    refusal: str = ""
+    """The server's words when it could not (``short``)."""
 
 
 def load_definitions(
@@ -210,11 +212,13 @@ def _age_ns(ts: str) -> int | None:
 
 
 async def ensure_stream(
-    nc: NATS, cfg: Mapping[str, Any], timeout_s: float = 5.0, *, least_replicas: bool = False
-) -> Outcome:
+    nc: NATS, cfg: Mapping[str, Any], timeout_s: float = 5.0, *, least_replicas: bool = False,
+    create: bool = True,
+) -> Outcome:  # fmt: skip
     """Create, update or leave alone one stream; raise UnsafeChange instead of losing data.
     ``least_replicas``: the definition's ``num_replicas`` is a least, never lowered (see the
-    module docstring)."""
+    module docstring). ``create=False``: a stream that does not exist raises ProvisionError
+    (``cfg`` may then name only the fields to change)."""
     name = cfg["name"]
     info = await _api(nc, f"STREAM.INFO.{name}", None, timeout_s)
     err = info.get("error")
@@ -225,6 +229,8 @@ async def ensure_stream(
             raise NotReady(f"stream {name}: info failed: {err.get('description')}")
         if err.get("err_code") != STREAM_NOT_FOUND:
             raise ProvisionError(f"stream {name}: info failed: {err.get('description')}")
+        if not create:
+            raise ProvisionError(f"stream {name} does not exist (not created here)")
         resp = await _api(nc, f"STREAM.CREATE.{name}", dict(cfg), timeout_s)
         if "error" in resp:
             # Another replica may have created it in between: then it is an update check.
@@ -270,17 +276,15 @@ async def ensure_stream(
         return Outcome(name, "unchanged", ())
     merged = {**current, **cfg, **kept}
     resp = await _api(nc, f"STREAM.UPDATE.{name}", merged, timeout_s)
-    short = None
+    short, refusal = None, ""
     have, want = int(current.get("num_replicas") or 1), int(merged.get("num_replicas") or 1)
     if "error" in resp and resp["error"].get("err_code") == NO_SUITABLE_PEERS and want > have:
         # The cluster cannot place the replicas now (a node down): the rest without them.
         short = (have, want)
-        log.warning("jetstream.replicas_short name=%s replicas=%d wanted=%d: %s; the stream "
-                    "keeps %d until a broker starts with enough nodes up", name, have, want,
-                    resp["error"].get("description"), have)  # fmt: skip
+        refusal = str(resp["error"].get("description"))
         changes = [c for c in changes if not c.startswith("num_replicas:")]
         if not changes:
-            return Outcome(name, "unchanged", (), short)
+            return Outcome(name, "unchanged", (), short, refusal)
         merged["num_replicas"] = have
         resp = await _api(nc, f"STREAM.UPDATE.{name}", merged, timeout_s)
     if "error" in resp:
@@ -289,7 +293,17 @@ async def ensure_stream(
             f"{resp['error'].get('description')}. The stream was left as it is."
         )
     log.info("jetstream.stream_updated name=%s changes=%s", name, "; ".join(changes))
-    return Outcome(name, "updated", tuple(changes), short)
+    return Outcome(name, "updated", tuple(changes), short, refusal)
+
+
+def say_short(outcome: Outcome, until: str) -> None:
+    """Say at warning that ``outcome``'s stream was left short of its replicas, and ``until``
+    when (who tries the raise again)."""
+    if outcome.short is None:
+        return
+    have, want = outcome.short
+    log.warning("jetstream.replicas_short name=%s replicas=%d wanted=%d: %s; the stream "
+                "keeps %d %s", outcome.name, have, want, outcome.refusal, have, until)  # fmt: skip
 
 
 async def provision(

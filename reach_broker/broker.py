@@ -64,6 +64,7 @@ from reach_broker.service.advisories import Advisories
 from reach_broker.service.assets import (
     START_RETRY_S,
     Provisioning,
+    ReplicaKeeper,
     jetstream_not_ready,
     provision_assets,
     token_secret,
@@ -145,6 +146,9 @@ class Broker:
             token_secret=cfg.broker.token_secret,
         )  # fmt: skip
         """What the start provisions the JetStream assets and keys the token signer with."""
+        self.keeper = ReplicaKeeper(self.nc, self.provisioning, m.replicas_short)
+        """Raises a stream left with fewer replicas than counted, once the cluster can place
+        them (started with the parts)."""
 
         # The pure core: the signer is keyed at start (the secret may live in KV).
         self.registry = registry = Registry(
@@ -300,9 +304,11 @@ class Broker:
             unsent=m.dropped.labels("event", "error"),
         )  # fmt: skip
 
-        # The start order (stopped in reverse), and which parts need JetStream. The snapshot
-        # restores the registry before probes and advisories start (advisories reconcile
-        # with the server's connection list); the Synadia agents come after the advisories
+        # The start order (stopped in reverse), and which parts need JetStream. The replica
+        # keeper only raises the assets' replicas on a timer, after the start provisioned
+        # them. The snapshot restores the registry before probes and advisories start
+        # (advisories reconcile with the server's connection list); the Synadia agents come
+        # after the advisories
         # (their locate asks the CONNZ of the account the advisories learnt); claim
         # releases, replay and cancels come last. The route tables start after the snapshot and
         # the rules (their first shares are made from both), then the partitions' leases (each
@@ -311,6 +317,7 @@ class Broker:
         # console's feed starts once the handlers are subscribed (it only shows; its audit
         # catch-up must not hold up serving), and stops first.
         self.parts: tuple[tuple[Component, bool], ...] = (
+            (self.keeper, True),
             (self.snapshot, True),
             (self.rulebook, True),
             *(((self.tables, False),) if cfg.fleet.tables else ()),
@@ -410,7 +417,7 @@ class Broker:
 
     async def _start_components_once(self) -> None:
         self.replicas = await provision_assets(self.nc, self.provisioning, self.subjects,
-                                               short=self.metrics.replicas_short)  # fmt: skip
+                                               keeper=self.keeper)  # fmt: skip
         self.jetstream_ok = self.replicas is not None
         secret = await token_secret(self.nc, self.provisioning, jetstream=self.jetstream_ok)
         self.registry.signer.set_secret(secret)

@@ -4,6 +4,7 @@ moves assets it finds at R1 to R3 in place, keeping every message."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ from jetstream.provision import (
 from reach_agent.wire.subjects import Subjects
 from reach_broker.broker import Broker
 from reach_broker.config import Config
-from reach_broker.service.assets import jetstream_not_ready
+from reach_broker.service.assets import ReplicaKeeper, jetstream_not_ready
 from reach_broker.service.metrics import Metrics
 
 from .cluster import nats_cluster
@@ -240,6 +241,10 @@ async def test_a_raise_of_replicas_the_cluster_cannot_place_is_left_for_later(
             async with Broker(_config(cluster.servers, jetstream__replicas=3),
                               metrics=metrics) as second:  # fmt: skip
                 assert (second.replicas, second.serving) == (3, True)
+                # The keeper's round tries the raise again: still short, said once only.
+                outcomes = await second.keeper.keep()
+                assert [o.short for o in outcomes] == [(1, 3)] * len(STREAM_NAMES)
+                assert second.keeper.raised == 0
             for name in STREAM_NAMES:
                 assert metrics.replicas_short.labels(name)._value.get() == 2, name
                 assert (await js.stream_info(name)).config.num_replicas == 1, name
@@ -248,8 +253,57 @@ async def test_a_raise_of_replicas_the_cluster_cannot_place_is_left_for_later(
             assert len(short) == len(STREAM_NAMES)
             assert short[0] == (
                 f"jetstream.replicas_short name={STREAM_NAMES[0]} replicas=1 wanted=3: no "
-                "suitable peers for placement; the stream keeps 1 until a broker starts with "
-                "enough nodes up"
+                "suitable peers for placement; the stream keeps 1 until the cluster can place "
+                "them (tried again every 30s)"
             )
+        finally:
+            await nc.close()
+
+
+async def test_a_running_broker_raises_streams_with_fewer_replicas_than_counted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The replica keeper of a running broker raises every stream that has fewer replicas
+    than it counts, in place and once: what brings a cluster first provisioned while a node
+    was down (counted as two: R1 assets) to R3 once the node is back, and a stream left short
+    once the cluster can place it, without a restart of the broker. Here the streams are R1
+    (a broker told so) and a keeper counts three (configured, as a count of the nodes would
+    once the third is back; a node killed just before the assets are first made can be given
+    one of them by the server, which then waits for that node)."""
+    async with nats_cluster(tmp_path / "cluster", nodes=3) as cluster:
+        await cluster.wait_meta_leader()
+        nc = await nats.connect(cluster.urls, name="test-client")
+        try:
+            js = nc.jetstream(timeout=5.0)
+            metrics = Metrics()
+            async with Broker(_config(cluster.servers, jetstream__replicas=1),
+                              metrics=metrics) as broker:  # fmt: skip
+                assert (broker.replicas, broker.serving) == (1, True)
+                outcomes = await broker.keeper.keep()  # counts 1, as configured: nothing
+                assert [o.action for o in outcomes] == ["unchanged"] * len(STREAM_NAMES)
+                caplog.set_level(logging.INFO, logger="reach_broker.service.assets")
+                # A keeper that counts three, on a short timer (the broker's rounds are 30 s
+                # apart).
+                keeper = ReplicaKeeper(
+                    broker.nc, dataclasses.replace(broker.provisioning, replicas=3),
+                    metrics.replicas_short, every_s=0.2,
+                )  # fmt: skip
+                await keeper.start()
+                try:
+                    await wait_for(lambda: keeper.raised == len(STREAM_NAMES), timeout=30.0,
+                                   what="every stream raised")  # fmt: skip
+                finally:
+                    await keeper.stop()
+                for name in STREAM_NAMES:
+                    assert (await js.stream_info(name)).config.num_replicas == 3, name
+                    assert metrics.replicas_short.labels(name)._value.get() == 0, name
+                outcomes = await keeper.keep()  # raised once: nothing more to do
+                assert [o.action for o in outcomes] == ["unchanged"] * len(STREAM_NAMES)
+                outcomes = await broker.keeper.keep()  # counting 1 lowers nothing
+                assert [o.action for o in outcomes] == ["unchanged"] * len(STREAM_NAMES)
+            said = [r.getMessage() for r in caplog.records
+                    if r.getMessage().startswith("jetstream.replicas_raised")]  # fmt: skip
+            assert said == [f"jetstream.replicas_raised name={name} replicas=3"
+                            for name in STREAM_NAMES]  # fmt: skip
         finally:
             await nc.close()

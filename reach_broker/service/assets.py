@@ -1,11 +1,20 @@
-"""The broker's JetStream assets at start: provisioned with their replica count, and the
-token secret all replicas share.
+"""The broker's JetStream assets: provisioned with their replica count at start, their
+replicas kept while it runs, and the token secret all replicas share.
 
 ``[jetstream] replicas`` sets ``num_replicas`` of every stream and of the KV bucket; unset,
 it is 3 when the server reports a cluster of three or more nodes
 (:func:`reach_broker.service.clusterinfo.cluster_size`), else 1. Provisioning
 (:mod:`jetstream.provision`) moves an existing asset to that count in place: the server
 copies its data to the new peers, nothing is re-created.
+
+**Replicas kept** (:class:`ReplicaKeeper`). A count worked out from the nodes answering never
+lowers a stream's, and a raise the cluster cannot place is left short
+(``reach_jetstream_replicas_short{stream}``): both keep the broker serving while a node is
+down. So every :data:`KEEP_EVERY_S` the broker works the count out again and raises each
+stream that has fewer, as soon as the cluster can place them: a cluster first provisioned
+while one of its three nodes was down (counted as two: R1 assets) gets R3 assets once the
+node is back, and a stream left short is raised without waiting for a broker's next start.
+It never lowers one while it runs.
 
 Right after an R3 asset is created its Raft group elects a leader; until then a request on
 it may meet "no responders" or a timeout. The token secret is therefore read or created
@@ -38,10 +47,14 @@ from jetstream.names import (
 )
 from jetstream.provision import (
     JetStreamUnavailable,
+    Outcome,
     ProvisionTimeout,
+    ensure_stream,
     load_definitions,
     provision,
+    say_short,
 )
+from reach_agent.aio import stop_loops
 from reach_agent.wire.subjects import Subjects
 
 from .clusterinfo import account_of, cluster_size
@@ -54,6 +67,10 @@ START_RETRY_S = (0.5, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0)
 """The waits between start attempts while JetStream is not ready: 31.5 s in all (a
 restarted node rejoins and a meta leader is elected well within it, even on a busy
 machine), then the start fails."""
+KEEP_EVERY_S = 30.0
+"""How often a running broker works the replica count out again and raises a stream that has
+fewer (:class:`ReplicaKeeper`)."""
+UNTIL = f"until the cluster can place them (tried again every {KEEP_EVERY_S:g}s)"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,28 +98,36 @@ def jetstream_not_ready(exc: BaseException) -> bool:
     return isinstance(exc, (ServiceUnavailableError, TimeoutError, ProvisionTimeout))
 
 
-async def replicas(nc: NATS, plan: Provisioning) -> int:
-    """``[jetstream] replicas``, else 3 on a cluster of three or more nodes, else 1."""
+async def counted_replicas(nc: NATS, plan: Provisioning) -> tuple[int, int]:
+    """``[jetstream] replicas``, else 3 on a cluster of three or more nodes, else 1; and the
+    nodes counted (0: configured, none counted)."""
     if plan.replicas is not None:
-        return plan.replicas
+        return plan.replicas, 0
     account = plan.advisory_account or await account_of(nc)
     size = await cluster_size(nc, account)
-    n = 3 if size >= 3 else 1
-    log.info("jetstream.replicas %d (cluster of %d node(s); set [jetstream] replicas to "
-             "choose)", n, size)  # fmt: skip
+    return (3 if size >= 3 else 1), size
+
+
+async def replicas(nc: NATS, plan: Provisioning) -> int:
+    """:func:`counted_replicas`, logged."""
+    n, size = await counted_replicas(nc, plan)
+    if size:
+        log.info("jetstream.replicas %d (cluster of %d node(s); set [jetstream] replicas to "
+                 "choose)", n, size)  # fmt: skip
     return n
 
 
 async def provision_assets(
-    nc: NATS, plan: Provisioning, subjects: Subjects, *, short: Any = None
+    nc: NATS, plan: Provisioning, subjects: Subjects, *, keeper: ReplicaKeeper | None = None
 ) -> int | None:
     """Create or update the JetStream assets (jetstream/definitions) before any use; the
     replica count, or None when the server has no JetStream (the broker then runs without
     snapshot and replay). A definition that would lose data if applied raises. The count
     worked out from the nodes answering (``[jetstream] replicas`` unset) never lowers a
     stream's: a node down at a start must not take R3 assets to R1. A raise the cluster
-    cannot place now is left for a later start, and ``short``
-    (``reach_jetstream_replicas_short{stream}``) says by how much."""
+    cannot place now is left to ``keeper``, told of the count and of each stream's outcome
+    (:meth:`ReplicaKeeper.provisioned`: ``reach_jetstream_replicas_short{stream}`` set to
+    what a stream lacks); without one, a stream left short is only logged."""
     try:
         n = await replicas(nc, plan)
         overrides: dict[str, dict[str, object]] = {
@@ -120,10 +145,11 @@ async def provision_assets(
         # Idempotent: a timeout (a cluster electing) is tried again by the broker's start.
         # It logs each stream created or updated, once.
         outcomes = await provision(nc, defs, least_replicas=plan.replicas is None)
-        for outcome in outcomes:
-            if short is not None:
-                lacks = outcome.short[1] - outcome.short[0] if outcome.short else 0
-                short.labels(outcome.name).set(lacks)
+        if keeper is not None:
+            keeper.provisioned(n, outcomes)
+        else:
+            for outcome in outcomes:
+                say_short(outcome, UNTIL)
             changed = [c for c in outcome.changes if c.startswith("max_age")]
             if outcome.name == PARTITIONS_STREAM and changed:
                 # The bucket's max age is every broker's lease time: another broker started
@@ -177,3 +203,76 @@ async def _shared_secret(nc: NATS) -> bytes:
         if not entry.value:
             raise RuntimeError(f"{REGISTRY_BUCKET}/{TOKEN_SECRET_KEY} is empty") from None
         return entry.value
+
+
+class ReplicaKeeper:
+    """Broker component (JetStream only): every :data:`KEEP_EVERY_S`, the replica count worked
+    out again (:func:`counted_replicas`) and each stream with fewer raised to it
+    (``reach_jetstream_replicas_short{stream}`` set to what it still lacks). It never lowers
+    one: an explicit lower ``[jetstream] replicas`` is applied at start only."""
+
+    def __init__(self, nc: NATS, plan: Provisioning, short: Any, *,
+                 every_s: float = KEEP_EVERY_S) -> None:  # fmt: skip
+        self.nc, self.plan, self.short = nc, plan, short
+        self.every_s = every_s
+        self.raised = 0
+        """Streams raised since start."""
+        self._lacks: dict[str, int] = {}
+        """What each stream lacked at the last round (a warning when it changes, not at every
+        round)."""
+        self._counted = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="reach-replicas")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            await stop_loops(self._task)
+            self._task = None
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.every_s)
+            try:
+                await self.keep()
+            except Exception as exc:  # noqa: BLE001 - JetStream slow or electing: next round
+                log.warning("jetstream.replicas_check_failed error=%r: tried again in %gs",
+                            exc, self.every_s)  # fmt: skip
+
+    async def keep(self) -> list[Outcome]:
+        """One round: the count worked out, each stream with fewer raised (or left short)."""
+        n, size = await counted_replicas(self.nc, self.plan)
+        if size and n != self._counted:  # (size 0: the configured count, never changing)
+            log.info("jetstream.replicas %d (cluster of %d node(s) now; %d counted before)",
+                     n, size, self._counted)  # fmt: skip
+        self._counted = n
+        outcomes = []
+        for name in STREAM_NAMES:
+            # Only the replicas named: nothing else of the definition is applied while
+            # running (another broker's config must not be flipped back every round).
+            outcome = await ensure_stream(self.nc, {"name": name, "num_replicas": n},
+                                          least_replicas=True, create=False)  # fmt: skip
+            outcomes.append(outcome)
+            if outcome.action == "updated":
+                self.raised += 1
+                log.info("jetstream.replicas_raised name=%s replicas=%d", name, n)
+            self.note(outcome)
+        return outcomes
+
+    def provisioned(self, counted: int, outcomes: list[Outcome]) -> None:
+        """Told of the start's count and of each stream's outcome."""
+        self._counted = counted
+        for outcome in outcomes:
+            self.note(outcome)
+
+    def note(self, outcome: Outcome) -> None:
+        """Told of a stream's outcome (at start, and at each round): the gauge set to what it
+        lacks, a warning when that changes (not at every round)."""
+        name = outcome.name
+        lacks = outcome.short[1] - outcome.short[0] if outcome.short else 0
+        if lacks != self._lacks.get(name, 0):
+            say_short(outcome, UNTIL)
+        self._lacks[name] = lacks
+        self.short.labels(name).set(lacks)
