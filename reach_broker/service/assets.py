@@ -147,8 +147,8 @@ async def provision_assets(
         outcomes = await provision(nc, defs, least_replicas=plan.replicas is None)
         if keeper is not None:
             keeper.provisioned(n, outcomes)
-        else:
-            for outcome in outcomes:
+        for outcome in outcomes:
+            if keeper is None:
                 say_short(outcome, UNTIL)
             changed = [c for c in outcome.changes if c.startswith("max_age")]
             if outcome.name == PARTITIONS_STREAM and changed:
