@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -436,6 +437,50 @@ async def test_a_count_that_failed_is_made_again_soon(
                 if r.getMessage().startswith("partitions.count_failed")] == [
             "partitions.count_failed error=TimeoutError(\"presence keys not read in time (the "
             f"test's)\"): counted again in {RETAKE_S:g}s"] * 2  # fmt: skip
+
+
+class CreatesUnanswered(ClaimStore):
+    """The leases' store on the real server, whose creates are never answered
+    (:class:`ClaimsUnavailable`, as a busy JetStream's timeout), written nowhere."""
+
+    def __init__(self, nc: NATS) -> None:
+        super().__init__(nc, bucket=PARTITIONS_BUCKET)
+
+    async def create(self, key: str, data: bytes) -> tuple[bool, Stored]:
+        raise ClaimsUnavailable(f"create of {key}: no answer (the test's)")
+
+
+async def test_rounds_that_keep_failing_are_tried_again_once_a_retake_not_more(
+    nats_server: NatsServer, nc: NATS, caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Nemesis seed 29: while JetStream failed every count and take, a broker ran rounds at a
+    growing rate (3, 6, 10 a second): each failed count and each unanswered take added a
+    timer of its own, and each timer's round added two more. A round is now asked for once
+    at a time: at most one a RETAKE_S, however many parts of a round failed."""
+    caplog.set_level(logging.INFO, logger="reach_broker.service.partitions")
+
+    async def messages(conn: NATS, *args: Any, **kwargs: Any) -> Any:
+        raise TimeoutError("presence keys not read in time (the test's)")
+
+    monkeypatch.setattr(lastvalues, "messages", messages)
+    ttl_s = 600.0  # rounds every 200 s: only the retries run one within the test
+    await provision_leases(nc, ttl_s)
+    parts = bare_partitions(nc, "failing", ttl_s, [], CreatesUnanswered(nc))
+    window_s = 4 * RETAKE_S + 0.5
+    try:
+        await parts.start()
+        await asyncio.sleep(window_s)  # a window to watch rounds in, not a wait for a state
+        at = [r.created for r in caplog.records
+              if r.getMessage().startswith("partitions.count_failed")]  # fmt: skip
+        # The start's round, then one a RETAKE_S (4 in the window; a slow machine fewer),
+        # never two together (the parent's came in pairs from the second second on).
+        assert len(at) >= 2, at
+        gaps = [b - a for a, b in itertools.pairwise(at)]
+        assert min(gaps) >= 0.9 * RETAKE_S, gaps
+        assert parts.held == {}
+    finally:
+        await parts.stop()
 
 
 async def test_a_broker_that_changes_the_lease_time_says_so(

@@ -174,6 +174,8 @@ class Partitions:
         when written again."""
         self._wake = asyncio.Event()
         """Set when another broker joined, left or handed partitions back: a round now."""
+        self._soon: asyncio.TimerHandle | None = None
+        """The round :meth:`_again_soon` asked for, pending (one at most)."""
 
     @property
     def share(self) -> int:
@@ -208,6 +210,9 @@ class Partitions:
         if self._presence is not None:
             await self._presence.stop()
             self._presence = None
+        if self._soon is not None:
+            self._soon.cancel()
+            self._soon = None
         if self._task is not None:
             await stop_loops(self._task)
             self._task = None
@@ -293,7 +298,19 @@ class Partitions:
             # (with a lease of 600 s a third of it was 200 s without an owner).
             log.info("partitions.retake unanswered=%d held=%d share=%d in=%gs", unanswered,
                      len(self.held), share, RETAKE_S)  # fmt: skip
-            asyncio.get_running_loop().call_later(RETAKE_S, self._wake.set)
+            self._again_soon()
+
+    def _again_soon(self) -> None:
+        """A round RETAKE_S from now, unless one is pending already: each failed round used to
+        add a timer of its own (a failed count and unanswered takes two a round), and each
+        timer's round more, so a struggling JetStream got rounds at a growing rate (3, 6, 10
+        a second in nemesis seed 29)."""
+        if self._soon is None:
+            self._soon = asyncio.get_running_loop().call_later(RETAKE_S, self._soon_due)
+
+    def _soon_due(self) -> None:
+        self._soon = None
+        self._wake.set()
 
     def _alone(self, now: float) -> bool:
         """Whether this broker counted itself alone within the lease's time to live (a count
@@ -317,7 +334,7 @@ class Partitions:
             # busy JetStream) kept the share of two and took nothing, until the next round
             # (a third of the lease later: 200 s with a lease of 600 s).
             log.info("partitions.count_failed error=%r: counted again in %gs", exc, RETAKE_S)
-            asyncio.get_running_loop().call_later(RETAKE_S, self._wake.set)
+            self._again_soon()
 
     async def _renew(self, p: int, mine: bytes) -> None:
         """Renew partition ``p``'s lease (unless handed back meanwhile: the hand-backs run
