@@ -60,6 +60,7 @@ from nats.js.api import DeliverPolicy
 from jetstream import ackreads, audit, compensation
 from jetstream.claims import ClaimStore, ClaimsUnavailable, claim_key
 from jetstream.names import ACK_STREAM
+from reach_agent.client.listing import agent_pages
 from reach_agent.wire import schema
 from reach_agent.wire.subjects import Subjects
 from reach_broker.cluster.clusterconfig import plan
@@ -258,15 +259,17 @@ class Stack:
     # --- after the faults ------------------------------------------------------------------
 
     async def wait_settled(self, nc: NATS, within: float) -> None:
-        """The cluster agrees on a meta leader, and every agent is healthy to a broker."""
+        """The cluster agrees on a meta leader, and every agent is healthy to a broker. The
+        fleet is read whole, paged partition by partition as ``reach agents`` does: one
+        ``reach.agents`` reply lists only the answering broker's partitions."""
         await asyncio.to_thread(self.cluster.wait_ready, within)
         deadline = time.monotonic() + within
         states: dict[str, str] = {}
         while time.monotonic() < deadline:
             with contextlib.suppress(Exception):
-                reply = await nc.request(self.subjects.agents, b"{}", timeout=2.0)
-                views = msgspec.json.decode(reply.data, type=list[schema.AgentView])
-                states = {v.agent_id: v.state for v in views}
+                async with asyncio.timeout(deadline - time.monotonic()):
+                    pages = [page async for page in agent_pages(nc, self.subjects)]
+                states = {v.agent_id: v.state for page in pages for v in page.agents}
                 if all(states.get(a) == "healthy" for a in AGENTS):
                     return
             await asyncio.sleep(0.5)
