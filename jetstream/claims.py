@@ -37,6 +37,7 @@ from .names import (
     CLAIMS_STREAM,
     H_EXPECTED_LAST_SUBJECT_SEQ,
     JS_NOT_ENABLED,
+    JS_NOT_READY,
     NO_MESSAGE_FOUND,
     STREAM_NOT_FOUND,
     WRONG_LAST_SEQUENCE,
@@ -46,6 +47,13 @@ API = "$JS.API"
 _KEY_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 _KV_OP = "KV-Operation"
 _DELETED = ("DEL", "PURGE")
+LOOK_TIMEOUT_S = 0.25
+"""The longest wait for the STREAM.INFO that tells why nobody took a write: well under a
+caller's receipt timeout (1 s), so the task it refuses is still answered in time."""
+LOOK_REUSE_S = 1.0
+"""How long that look's answer explains every write nobody took: a burst of refusals (an
+election) costs JetStream one STREAM.INFO a second, not one each."""
+_ELECTING = "JetStream electing a leader (a node died or restarted)"
 
 
 class ClaimsUnavailable(RuntimeError):
@@ -53,7 +61,14 @@ class ClaimsUnavailable(RuntimeError):
 
 
 class NoClaimsBucket(ClaimsUnavailable):
-    """The server has no JetStream, or no ``reach_claims`` bucket: claims are off."""
+    """The server has no JetStream, or no ``reach_claims`` bucket: claims are off until the
+    bucket is created."""
+
+
+class NoClaimsLeader(ClaimsUnavailable):
+    """Nothing took the write or the read, though JetStream is there: the bucket's stream has
+    no leader now (an election after a node died), or JetStream did not say. Nothing was
+    stored; it passes by itself."""
 
 
 class Stored(NamedTuple):
@@ -74,8 +89,13 @@ class _PubAck(msgspec.Struct):
     error: _ApiError | None = None
 
 
+class _Cluster(msgspec.Struct):
+    leader: str = ""
+
+
 class _Info(msgspec.Struct):
     error: _ApiError | None = None
+    cluster: _Cluster | None = None
 
 
 class _StoredMsg(msgspec.Struct):
@@ -123,25 +143,57 @@ class ClaimStore:
         self._inbox = ""
         self._tokens = itertools.count(1)
         self._waiting: dict[str, asyncio.Future[Any]] = {}
+        self._looking: asyncio.Task[tuple[bool | None, str]] | None = None
+        self._looked_at = float("-inf")
 
     async def exists(self) -> bool:
         """Whether the server has JetStream and the bucket (False: claims are off)."""
+        found, why = await self._look(self.timeout_s)
+        if found is None:
+            raise ClaimsUnavailable(why)
+        return found
+
+    async def _look(self, timeout_s: float) -> tuple[bool | None, str]:
+        """Whether the bucket's stream exists, by one STREAM.INFO, and what it showed: True,
+        False (no JetStream, no stream), None (JetStream did not say)."""
         try:
-            reply = await self.nc.request(
-                f"{API}.STREAM.INFO.{self.stream}", b"", timeout=self.timeout_s
-            )
+            reply = await self.nc.request(f"{API}.STREAM.INFO.{self.stream}", b"",
+                                          timeout=timeout_s)  # fmt: skip
+            info = _info.decode(reply.data)
         except NoRespondersError:
-            return False
+            return False, f"no JetStream on this server (nothing answers STREAM.INFO {self.stream})"
         except (NatsTimeoutError, NatsError) as exc:
-            raise ClaimsUnavailable(
-                f"JetStream did not answer STREAM.INFO {self.stream} ({type(exc).__name__})"
-            ) from None
-        err = _info.decode(reply.data).error
-        if err is None:
-            return True
-        if err.err_code in (STREAM_NOT_FOUND, JS_NOT_ENABLED):
-            return False
-        raise ClaimsUnavailable(f"STREAM.INFO {self.stream}: {err.description}")
+            why = f"did not answer STREAM.INFO {self.stream} within {timeout_s}s"
+            return None, f"JetStream {why} ({type(exc).__name__})"
+        except msgspec.MsgspecError:
+            return None, f"STREAM.INFO {self.stream}: not an answer: {reply.data[:80]!r}"
+        err = info.error
+        if err is not None:
+            if err.err_code in (STREAM_NOT_FOUND, JS_NOT_ENABLED):
+                return False, f"no {self.bucket} bucket on this server ({err.description})"
+            return None, f"STREAM.INFO {self.stream}: {err.description}"
+        if info.cluster is not None and not info.cluster.leader:
+            return True, f"{self.stream} exists but has no leader now"
+        if info.cluster is not None:
+            return True, (f"{self.stream} exists, its leader {info.cluster.leader} not yet "
+                          "taking writes")  # fmt: skip
+        return True, f"{self.stream} exists"
+
+    async def _not_taken(self, key: str) -> ClaimsUnavailable:
+        """Why nobody took a write of ``key`` ("no responders", or a 503 answer): no bucket,
+        or one whose stream has no leader now. On this error path only, one STREAM.INFO
+        (:data:`LOOK_TIMEOUT_S`) says which; concurrent and following writes nobody took
+        share it for :data:`LOOK_REUSE_S`."""
+        loop = asyncio.get_running_loop()
+        look = self._looking
+        if look is None or loop.time() - self._looked_at >= LOOK_REUSE_S:
+            look = loop.create_task(self._look(min(self.timeout_s, LOOK_TIMEOUT_S)))
+            self._looking, self._looked_at = look, loop.time()
+        found, why = await asyncio.shield(look)
+        if found is False:
+            return NoClaimsBucket(f"no stream stores {self._pre}{key}: {why}")
+        return NoClaimsLeader(f"no stream took {self._pre}{key}: {why}; most likely "
+                              f"{_ELECTING}; nothing was stored")  # fmt: skip
 
     async def create(self, key: str, data: bytes) -> tuple[bool, Stored]:
         """Store ``data`` under ``key`` if nobody has: (True, ours) or (False, the stored one)."""
@@ -204,8 +256,7 @@ class ClaimStore:
             finally:
                 self._waiting.pop(token, None)
             if not msg.data and (msg.headers or {}).get("Status") == "503":
-                raise NoClaimsBucket(f"no stream stores {self._pre}{key} (no {self.bucket} "
-                                     "bucket)")  # fmt: skip
+                raise await self._not_taken(key)  # no responders
             return self._revision_of(key, msg.data)
 
         return confirmed
@@ -223,9 +274,7 @@ class ClaimStore:
                 self._pre + key, data, timeout=self.timeout_s, headers=headers
             )
         except NoRespondersError:
-            raise NoClaimsBucket(
-                f"no stream stores {self._pre}{key} (no {self.bucket} bucket)"
-            ) from None
+            raise await self._not_taken(key) from None
         except NatsTimeoutError:
             raise ClaimsUnavailable(
                 f"JetStream did not confirm the claim {key!r} within {self.timeout_s}s"
@@ -253,7 +302,9 @@ class ClaimStore:
         try:
             msg = await self.nc.request(self._get, body, timeout=self.timeout_s)
         except NoRespondersError:
-            raise NoClaimsBucket(f"no message get answers for {self.stream}") from None
+            raise NoClaimsBucket(
+                f"no JetStream on this server (nothing answers the message get of {self.stream})"
+            ) from None
         except NatsTimeoutError:
             raise ClaimsUnavailable(
                 f"JetStream did not return the claim {key!r} within {self.timeout_s}s"
@@ -269,6 +320,9 @@ class ClaimStore:
                 return None
             if answer.error.err_code in (STREAM_NOT_FOUND, JS_NOT_ENABLED):
                 raise NoClaimsBucket(f"no {self.bucket} bucket: {answer.error.description}")
+            if answer.error.err_code == JS_NOT_READY:
+                raise NoClaimsLeader(f"claim {key!r} not read: {answer.error.description}; "
+                                     f"most likely {_ELECTING}")  # fmt: skip
             raise ClaimsUnavailable(f"claim {key!r}: {answer.error.description}")
         stored = answer.message
         if stored is None:

@@ -24,8 +24,15 @@ from nats.aio.client import Client as NATS
 import reach_agent
 from jetstream import ackreads, acks, compensation
 from jetstream.acks import ack_msg_id, publish_record
-from jetstream.claims import ClaimStore, ClaimsUnavailable, Stored, claim_key
-from jetstream.names import H_REQUEST_ID
+from jetstream.claims import (
+    ClaimStore,
+    ClaimsUnavailable,
+    NoClaimsBucket,
+    NoClaimsLeader,
+    Stored,
+    claim_key,
+)
+from jetstream.names import CLAIMS_STREAM, H_REQUEST_ID
 from jetstream.provision import load_definitions, provision
 from loadtest.tcpproxy import TcpProxy
 from reach_agent import ClientConfig
@@ -42,6 +49,7 @@ from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
 from reach_broker.service.metrics import Metrics
 
+from .cluster import nats_cluster
 from .conftest import fast_config, wait_for
 from .test_sdk_failover import EventLog, healthy, lines, worker
 
@@ -92,6 +100,142 @@ async def test_the_claim_store_creates_once_and_changes_only_by_revision(
     stored = await store.get("k1")
     assert stored is not None and (stored.revision, stored.data) == (revision, b'{"v":3}')
     assert await store.get("k2") is None
+
+
+def unclaimed(answer: tuple[str, Any] | None) -> reach_agent.ReachError:
+    """The refusal a :meth:`Claimer.take` answered (labelled ``unclaimed``)."""
+    assert answer is not None and answer[0] == "unclaimed", answer
+    headers, body = answer[1]
+    assert headers[H_REQUEST_ID] == "r-unclaimed"
+    err = from_reply(headers, body)
+    assert isinstance(err, reach_agent.StoreUnavailable)
+    assert (err.code, err.retryable, err.retry_after_ms) == ("STORE_UNAVAILABLE", True, 500)
+    return err
+
+
+async def test_a_claim_nobody_took_for_want_of_a_bucket_says_the_bucket_is_missing(
+    nc: NATS, plain_server: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = ClaimStore(nc)  # a server with JetStream, no broker: no reach_claims bucket
+    with pytest.raises(NoClaimsBucket) as caught:
+        await store.create("k1", b"{}")
+    missing = "no reach_claims bucket on this server (stream not found)"
+    assert str(caught.value) == f"no stream stores $KV.reach_claims.k1: {missing}"
+    confirm = await store.swap_soon("k1", b"{}", 1)  # answered by a 503
+    with pytest.raises(NoClaimsBucket) as caught:
+        await confirm()
+    assert str(caught.value) == f"no stream stores $KV.reach_claims.k1: {missing}"
+    with pytest.raises(NoClaimsBucket) as caught:
+        await store.get("k1")
+    assert str(caught.value) == "no reach_claims bucket: stream not found"
+
+    caplog.set_level(logging.WARNING, logger="reach_agent.agent.claiming")
+    metrics = reach_agent.AgentMetrics()
+    claimer = Claimer(nc, "nobucket", "i1", SUBJECTS, metrics=metrics, store=store)
+    held, answer = await claimer.take("r-unclaimed", "cap")
+    assert held is None
+    err = unclaimed(answer)
+    assert err.message == (
+        "agent 'nobucket' did not run request_id 'r-unclaimed': the claims bucket "
+        "'reach_claims' does not exist on this server (no JetStream, or no reach broker has "
+        "provisioned it yet); a claimed capability never runs unclaimed: ask again"
+    )
+    assert len(claimer._watching) == 0  # nobody took the create: nothing to look for
+    assert metrics.store_errors.labels("claims", "claim")._value.get() == 1
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("claims.")]
+    assert len(said) == 1, said
+    assert said[0].startswith("claims.unavailable agent=nobucket bucket=reach_claims error=no "
+                              f"stream stores $KV.reach_claims.{claim_key('r-unclaimed')}: "
+                              f"{missing} refused=1: ")  # fmt: skip
+    assert said[0].endswith(
+        "never run unclaimed; run nats-server with JetStream (-js) and start `reach broker` "
+        "against it (the broker creates 'reach_claims'), or mark capabilities whose duplicates "
+        "are harmless idempotent"
+    )
+
+    plain = None  # and a server without JetStream at all
+    for _ in range(200):
+        with contextlib.suppress(Exception):
+            plain = await nats.connect(plain_server, connect_timeout=1, allow_reconnect=False)
+            break
+        await asyncio.sleep(0.05)
+    assert plain is not None
+    try:
+        with pytest.raises(NoClaimsBucket) as caught:
+            await ClaimStore(plain).create("k1", b"{}")
+        assert str(caught.value) == (
+            "no stream stores $KV.reach_claims.k1: no JetStream on this server (nothing answers "
+            "STREAM.INFO KV_reach_claims)"
+        )
+    finally:
+        await plain.close()
+
+
+@pytest.mark.slow
+async def test_a_claims_stream_without_a_leader_is_not_taken_for_a_missing_bucket(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two of its three replicas gone, the bucket's stream cannot elect a leader: a write meets
+    "no responders" as on a server without the bucket, but the store, the refusal and the log
+    say that JetStream is electing a leader, never that the bucket is missing."""
+    defs = load_definitions(overrides={CLAIMS_STREAM: {"num_replicas": 3}})
+    async with nats_cluster(tmp_path / "cluster", nodes=3) as cluster:
+        await cluster.wait_meta_leader()
+        nc = await nats.connect(cluster.urls, name="claims-leader")
+        try:
+            await provision(nc, [d for d in defs if d["name"] == CLAIMS_STREAM])
+            leader = await cluster.wait_stream_leader(nc, CLAIMS_STREAM, current=True)
+        finally:
+            await nc.close()
+        survivor, follower = [name for name in cluster.names if name != leader]
+        await cluster.kill(follower)  # the leader keeps its majority: no election before
+        await cluster.kill(leader)  # and the survivor alone cannot elect itself
+        nc = await nats.connect(cluster.url(survivor), name="claims-leaderless",
+                                allow_reconnect=False)  # fmt: skip
+        try:
+            store = ClaimStore(nc)
+            electing = "; most likely JetStream electing a leader (a node died or restarted)"
+            with pytest.raises(NoClaimsLeader) as caught:
+                await store.create("k1", b"{}")
+            said = str(caught.value)
+            assert said.startswith("no stream took $KV.reach_claims.k1: "), said
+            assert said.endswith(f"{electing}; nothing was stored"), said
+            confirm = await store.swap_soon("k1", b"{}", 1)  # answered by a 503
+            with pytest.raises(NoClaimsLeader) as caught:
+                await confirm()
+            assert str(caught.value).endswith(f"{electing}; nothing was stored")
+
+            caplog.set_level(logging.WARNING, logger="reach_agent.agent.claiming")
+            metrics = reach_agent.AgentMetrics()
+            claimer = Claimer(nc, "electing", "i1", SUBJECTS, metrics=metrics, store=store)
+            held, answer = await claimer.take("r-unclaimed", "cap")
+            assert held is None
+            err = unclaimed(answer)
+            key = claim_key("r-unclaimed")
+            assert err.message.startswith(
+                "agent 'electing' did not run request_id 'r-unclaimed': the claims bucket "
+                f"'reach_claims' is not taking claims right now (no stream took "
+                f"$KV.reach_claims.{key}: "
+            ), err.message
+            assert err.message.endswith(f"{electing}; nothing was stored); a claimed capability "
+                                        "never runs unclaimed: ask again")  # fmt: skip
+            assert len(claimer._watching) == 0  # nobody took the create: nothing to look for
+            assert metrics.store_errors.labels("claims", "claim")._value.get() == 1
+            logged = [r.getMessage() for r in caplog.records
+                      if r.getMessage().startswith("claims.")]  # fmt: skip
+            assert len(logged) == 1, logged
+            assert logged[0].startswith(
+                "claims.unavailable agent=electing bucket=reach_claims error=no stream took "
+                f"$KV.reach_claims.{key}: "
+            ), logged[0]
+            assert logged[0].endswith(
+                "never run unclaimed; the bucket needs no creating: most likely JetStream is "
+                "electing a leader for KV_reach_claims (a node died or restarted) and callers "
+                "ask again; if this lasts, bring the cluster's nodes back (the stream needs a "
+                "majority of its replicas up)"
+            ), logged[0]
+        finally:
+            await nc.close()
 
 
 # --- in-process agents ----------------------------------------------------------------------

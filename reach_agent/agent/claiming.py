@@ -18,11 +18,13 @@ another agent may run it; an end the store did not confirm is retried until it i
 (or the claim moved on), so a finished run never leaves its claim ``running``.
 
 A claimed capability never runs unclaimed. While the bucket cannot be used — no JetStream,
-no ``reach_claims`` bucket yet (agents started before the broker that provisions it), a
-store that does not answer in time — every task is refused with ``STORE_UNAVAILABLE``
-(retryable: callers ask again within their deadline), counted, and logged with what to
-do (at most every ``WARN_EVERY_S``). Nothing is cached: the next task asks the store again,
-so claims work from the first task after the bucket appears.
+no ``reach_claims`` bucket yet (agents started before the broker that provisions it), its
+stream without a leader (an election after a node died), a store that does not answer in
+time — every task is refused with ``STORE_UNAVAILABLE`` (retryable: callers ask again within
+their deadline), counted, and logged with what to do (at most every ``WARN_EVERY_S``); the
+refusal and the log say which it is (a missing bucket wants creating, an election wants
+nothing but time). Nothing is cached: the next task asks the store again, so claims work
+from the first task after the bucket appears.
 
 Claims go over the agent's own connection, not the ack writer's: the claim must be stored
 before the receipt leaves (the receipt means "this agent holds it"), and the ack writer's
@@ -45,7 +47,14 @@ import msgspec
 from nats.aio.client import Client as NATS
 
 from jetstream import ackreads
-from jetstream.claims import ClaimStore, ClaimsUnavailable, NoClaimsBucket, Stored, claim_key
+from jetstream.claims import (
+    ClaimStore,
+    ClaimsUnavailable,
+    NoClaimsBucket,
+    NoClaimsLeader,
+    Stored,
+    claim_key,
+)
 from jetstream.names import H_REQUEST_ID
 from reach_agent import trace
 from reach_agent.aio import TaskSet
@@ -218,6 +227,11 @@ class Claimer:
             todo = (f"run nats-server with JetStream (-js) and start `reach broker` against "
                     f"it (the broker creates {self.store.bucket!r}), or mark capabilities "
                     "whose duplicates are harmless idempotent")  # fmt: skip
+        elif isinstance(exc, NoClaimsLeader):
+            todo = (f"the bucket needs no creating: most likely JetStream is electing a leader "
+                    f"for {self.store.stream} (a node died or restarted) and callers ask "
+                    "again; if this lasts, bring the cluster's nodes back (the stream needs a "
+                    "majority of its replicas up)")  # fmt: skip
         else:
             todo = "check the server's JetStream (a cluster may be electing a leader)"
         log.warning(
@@ -236,6 +250,9 @@ class Claimer:
         if isinstance(exc, NoClaimsBucket):
             why = (f"the claims bucket {self.store.bucket!r} does not exist on this server "
                    "(no JetStream, or no reach broker has provisioned it yet)")  # fmt: skip
+        elif isinstance(exc, NoClaimsLeader):
+            why = (f"the claims bucket {self.store.bucket!r} is not taking claims right now "
+                   f"({exc})")  # fmt: skip
         else:
             why = f"the claims bucket {self.store.bucket!r} did not answer ({exc})"
         return StoreUnavailable(
@@ -245,8 +262,8 @@ class Claimer:
 
     async def claim(self, request_id: str, capability: str, digest: str | None = None) -> Claimed:
         """Claim ``request_id`` for a body of ``digest``. Raises ``ClaimsUnavailable``
-        (``NoClaimsBucket``: there is no bucket) when the store cannot decide: the task is
-        then refused, never run."""
+        (``NoClaimsBucket``: there is no bucket; ``NoClaimsLeader``: its stream has no leader
+        now) when the store cannot decide: the task is then refused, never run."""
         key = claim_key(request_id)
         mine = schema.Claim(
             request_id=request_id, agent_id=self.agent_id, instance=self.instance,
@@ -256,8 +273,8 @@ class Claimer:
         data = schema.encoder.encode(mine)
         try:
             created, stored = await self.store.create(key, data)
-        except NoClaimsBucket:
-            raise
+        except (NoClaimsBucket, NoClaimsLeader):
+            raise  # nobody took the create: nothing can land
         except ClaimsUnavailable:  # no answer: the create may have been stored all the same
             landed = await self._landed(key, data, request_id)
             if landed is None:
