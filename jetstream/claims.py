@@ -257,6 +257,7 @@ class ClaimStore:
                 self._waiting.pop(token, None)
             if not msg.data and (msg.headers or {}).get("Status") == "503":
                 raise await self._not_taken(key)  # no responders
+            self._looked_at = float("-inf")  # taken: why the last was not is no answer now
             return self._revision_of(key, msg.data)
 
         return confirmed
@@ -281,6 +282,7 @@ class ClaimStore:
             ) from None
         except NatsError as exc:  # the connection is closed or reconnecting
             raise ClaimsUnavailable(f"claim {key!r}: {type(exc).__name__}: {exc}") from None
+        self._looked_at = float("-inf")  # taken: why the last was not is no answer now
         return self._revision_of(key, reply.data)
 
     @staticmethod

@@ -12,8 +12,9 @@ Replicas: with ``least_replicas`` (a count the caller worked out from the nodes 
 one it was told) a stream that has more keeps them — a node down at a start must not take an
 R3 stream to R1. A raise the cluster cannot place now ("no suitable peers": a node down) is
 left for later: the stream keeps what it has, the rest of the definition is applied, and the
-outcome says how short it is (the caller says so at warning, :func:`say_short`, with when it
-tries again), instead of failing the start of a broker whose streams work as they are.
+outcome says how short it is, as it says a count kept (the caller says either,
+:func:`say_replicas`, with when it tries again), instead of failing the start of a broker
+whose streams work as they are.
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ class Outcome(NamedTuple):
     """(replicas the stream has, replicas wanted) when the cluster could not place them now."""
     refusal: str = ""
     """The server's words when it could not (``short``)."""
+    kept: tuple[int, int] | None = None
+    """(replicas the stream has, the fewer counted) when ``least_replicas`` kept them."""
 
 
 def load_definitions(
@@ -255,8 +258,6 @@ async def ensure_stream(
         if _same(key, old, new):
             continue
         if key == "num_replicas" and least_replicas and int(old or 1) > int(new):
-            log.info("jetstream.replicas_kept name=%s replicas=%s (more than the %s counted "
-                     "from the nodes answering now)", name, old, new)  # fmt: skip
             kept[key] = old
             continue
         desc = f"{key}: {_fmt(key, old)} -> {_fmt(key, new)}"
@@ -272,8 +273,9 @@ async def ensure_stream(
             + ". The stream was left as it is; migrate it by hand (e.g. `nats stream backup`, "
             "then remove and re-provision) or change the definition back."
         )
+    kept_replicas = (int(kept["num_replicas"]), int(cfg["num_replicas"])) if kept else None
     if not changes:
-        return Outcome(name, "unchanged", ())
+        return Outcome(name, "unchanged", (), kept=kept_replicas)
     merged = {**current, **cfg, **kept}
     resp = await _api(nc, f"STREAM.UPDATE.{name}", merged, timeout_s)
     short, refusal = None, ""
@@ -284,7 +286,7 @@ async def ensure_stream(
         refusal = str(resp["error"].get("description"))
         changes = [c for c in changes if not c.startswith("num_replicas:")]
         if not changes:
-            return Outcome(name, "unchanged", (), short, refusal)
+            return Outcome(name, "unchanged", (), short, refusal, kept_replicas)
         merged["num_replicas"] = have
         resp = await _api(nc, f"STREAM.UPDATE.{name}", merged, timeout_s)
     if "error" in resp:
@@ -293,17 +295,21 @@ async def ensure_stream(
             f"{resp['error'].get('description')}. The stream was left as it is."
         )
     log.info("jetstream.stream_updated name=%s changes=%s", name, "; ".join(changes))
-    return Outcome(name, "updated", tuple(changes), short, refusal)
+    return Outcome(name, "updated", tuple(changes), short, refusal, kept_replicas)
 
 
-def say_short(outcome: Outcome, until: str) -> None:
-    """Say at warning that ``outcome``'s stream was left short of its replicas, and ``until``
-    when (who tries the raise again)."""
-    if outcome.short is None:
-        return
-    have, want = outcome.short
-    log.warning("jetstream.replicas_short name=%s replicas=%d wanted=%d: %s; the stream "
-                "keeps %d %s", outcome.name, have, want, outcome.refusal, have, until)  # fmt: skip
+def say_replicas(outcome: Outcome, until: str) -> None:
+    """Say what became of ``outcome``'s replicas when it is not the count asked for: kept
+    over a lower count (info), or left short (warning, and ``until`` when: who tries the
+    raise again)."""
+    if outcome.kept is not None:
+        log.info("jetstream.replicas_kept name=%s replicas=%d (more than the %d counted from "
+                 "the nodes answering now)", outcome.name, *outcome.kept)  # fmt: skip
+    if outcome.short is not None:
+        have, want = outcome.short
+        log.warning("jetstream.replicas_short name=%s replicas=%d wanted=%d: %s; the stream "
+                    "keeps %d %s", outcome.name, have, want, outcome.refusal, have,
+                    until)  # fmt: skip
 
 
 async def provision(

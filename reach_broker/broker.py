@@ -146,7 +146,8 @@ class Broker:
             token_secret=cfg.broker.token_secret,
         )  # fmt: skip
         """What the start provisions the JetStream assets and keys the token signer with."""
-        self.keeper = ReplicaKeeper(self.nc, self.provisioning, m.replicas_short)
+        self.keeper = ReplicaKeeper(self.nc, self.provisioning, m.replicas_short,
+                                    m.replica_checks)  # fmt: skip
         """Raises a stream left with fewer replicas than counted, once the cluster can place
         them (started with the parts)."""
 
@@ -417,7 +418,7 @@ class Broker:
 
     async def _start_components_once(self) -> None:
         self.replicas = await provision_assets(self.nc, self.provisioning, self.subjects,
-                                               keeper=self.keeper)  # fmt: skip
+                                               self.keeper)  # fmt: skip
         self.jetstream_ok = self.replicas is not None
         secret = await token_secret(self.nc, self.provisioning, jetstream=self.jetstream_ok)
         self.registry.signer.set_secret(secret)

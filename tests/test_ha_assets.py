@@ -286,7 +286,7 @@ async def test_a_running_broker_raises_streams_with_fewer_replicas_than_counted(
                 # apart).
                 keeper = ReplicaKeeper(
                     broker.nc, dataclasses.replace(broker.provisioning, replicas=3),
-                    metrics.replicas_short, every_s=0.2,
+                    metrics.replicas_short, metrics.replica_checks, every_s=0.2,
                 )  # fmt: skip
                 await keeper.start()
                 try:

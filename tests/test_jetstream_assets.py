@@ -15,7 +15,7 @@ from nats.js.errors import APIError
 
 from jetstream import ackreads, acks, audit, compensation
 from jetstream import wal as jwal
-from jetstream.names import H_REQUEST_ID
+from jetstream.names import H_REQUEST_ID, STREAM_NAMES
 from jetstream.provision import UnsafeChange, load_definitions, provision
 from reach_agent import Client
 from reach_agent.client import durable
@@ -72,6 +72,28 @@ async def test_provisioning_is_idempotent_and_matches_the_definitions(nc: NATS) 
     assert (claims_cfg["allow_direct"], claims_cfg["deny_delete"]) == (True, True)
     claims_kv = await nc.jetstream().key_value("reach_claims")
     assert await claims_kv.create("r-1", b"{}") == 1
+
+
+async def test_the_replica_keeper_checks_each_stream_on_its_own(
+    nc: NATS, broker_factory: BrokerFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A running broker's replica keeper checks every stream in its round: one whose check
+    fails (here deleted under the broker: never created again by the keeper) is counted
+    ``failed`` and logged by name, and the streams after it are checked all the same."""
+    broker = await broker_factory()
+    await nc.jetstream().delete_stream(STREAM_NAMES[0])
+    outcomes = await broker.keeper.keep()
+    assert [o.name for o in outcomes] == list(STREAM_NAMES[1:])
+    assert [o.action for o in outcomes] == ["unchanged"] * (len(STREAM_NAMES) - 1)
+    checks = broker.metrics.replica_checks
+    assert (checks.labels("failed")._value.get(), checks.labels("ok")._value.get()) == (
+        1, len(STREAM_NAMES) - 1)  # fmt: skip
+    [failed] = [r.getMessage() for r in caplog.records
+                if r.getMessage().startswith("jetstream.replicas_check_failed")]  # fmt: skip
+    assert failed.startswith(f"jetstream.replicas_check_failed name={STREAM_NAMES[0]} ")
+    assert f"stream {STREAM_NAMES[0]} does not exist (not created here)" in failed
+    with pytest.raises(APIError):
+        await nc.jetstream().stream_info(STREAM_NAMES[0])  # not made again by the check
 
 
 async def test_default_bound_is_2000() -> None:

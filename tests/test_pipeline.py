@@ -49,6 +49,7 @@ def test_the_consumers_of_transitions_in_their_order() -> None:
 def test_the_parts_start_in_order_and_those_on_jetstream_are_marked() -> None:
     broker, _ = build(console=True)
     assert [(type(part).__name__, js) for part, js in broker.parts] == [
+        ("ReplicaKeeper", True),
         ("Snapshot", True),
         ("Rulebook", True),
         ("Tables", False),

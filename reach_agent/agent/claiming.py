@@ -23,8 +23,9 @@ stream without a leader (an election after a node died), a store that does not a
 time — every task is refused with ``STORE_UNAVAILABLE`` (retryable: callers ask again within
 their deadline), counted, and logged with what to do (at most every ``WARN_EVERY_S``); the
 refusal and the log say which it is (a missing bucket wants creating, an election wants
-nothing but time). Nothing is cached: the next task asks the store again, so claims work
-from the first task after the bucket appears.
+nothing but time). Nothing is cached but that diagnosis, for a second at most and never past
+a write taken: the next task asks the store again, so claims work from the first task after
+the bucket appears.
 
 Claims go over the agent's own connection, not the ack writer's: the claim must be stored
 before the receipt leaves (the receipt means "this agent holds it"), and the ack writer's

@@ -52,7 +52,7 @@ from jetstream.provision import (
     ensure_stream,
     load_definitions,
     provision,
-    say_short,
+    say_replicas,
 )
 from reach_agent.aio import stop_loops
 from reach_agent.wire.subjects import Subjects
@@ -70,7 +70,8 @@ machine), then the start fails."""
 KEEP_EVERY_S = 30.0
 """How often a running broker works the replica count out again and raises a stream that has
 fewer (:class:`ReplicaKeeper`)."""
-UNTIL = f"until the cluster can place them (tried again every {KEEP_EVERY_S:g}s)"
+SHORT_UNTIL = f"until the cluster can place them (tried again every {KEEP_EVERY_S:g}s)"
+"""Until when a stream left short keeps what it has (:func:`jetstream.provision.say_replicas`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,7 +119,7 @@ async def replicas(nc: NATS, plan: Provisioning) -> int:
 
 
 async def provision_assets(
-    nc: NATS, plan: Provisioning, subjects: Subjects, *, keeper: ReplicaKeeper | None = None
+    nc: NATS, plan: Provisioning, subjects: Subjects, keeper: ReplicaKeeper
 ) -> int | None:
     """Create or update the JetStream assets (jetstream/definitions) before any use; the
     replica count, or None when the server has no JetStream (the broker then runs without
@@ -126,8 +127,8 @@ async def provision_assets(
     worked out from the nodes answering (``[jetstream] replicas`` unset) never lowers a
     stream's: a node down at a start must not take R3 assets to R1. A raise the cluster
     cannot place now is left to ``keeper``, told of the count and of each stream's outcome
-    (:meth:`ReplicaKeeper.provisioned`: ``reach_jetstream_replicas_short{stream}`` set to
-    what a stream lacks); without one, a stream left short is only logged."""
+    (:meth:`ReplicaKeeper.provisioned`: said, and ``reach_jetstream_replicas_short{stream}``
+    set to what a stream lacks)."""
     try:
         n = await replicas(nc, plan)
         overrides: dict[str, dict[str, object]] = {
@@ -145,11 +146,8 @@ async def provision_assets(
         # Idempotent: a timeout (a cluster electing) is tried again by the broker's start.
         # It logs each stream created or updated, once.
         outcomes = await provision(nc, defs, least_replicas=plan.replicas is None)
-        if keeper is not None:
-            keeper.provisioned(n, outcomes)
+        keeper.provisioned(n, outcomes)
         for outcome in outcomes:
-            if keeper is None:
-                say_short(outcome, UNTIL)
             changed = [c for c in outcome.changes if c.startswith("max_age")]
             if outcome.name == PARTITIONS_STREAM and changed:
                 # The bucket's max age is every broker's lease time: another broker started
@@ -208,18 +206,21 @@ async def _shared_secret(nc: NATS) -> bytes:
 class ReplicaKeeper:
     """Broker component (JetStream only): every :data:`KEEP_EVERY_S`, the replica count worked
     out again (:func:`counted_replicas`) and each stream with fewer raised to it
-    (``reach_jetstream_replicas_short{stream}`` set to what it still lacks). It never lowers
-    one: an explicit lower ``[jetstream] replicas`` is applied at start only."""
+    (``reach_jetstream_replicas_short{stream}`` set to what it still lacks,
+    ``reach_jetstream_replica_checks_total{result}`` counting each stream's check). It never
+    lowers one: an explicit lower ``[jetstream] replicas`` is applied at start only. A
+    stream's replicas kept over a lower count, or left short, are said at start and then only
+    when that changes, not at every round."""
 
-    def __init__(self, nc: NATS, plan: Provisioning, short: Any, *,
+    def __init__(self, nc: NATS, plan: Provisioning, short: Any, checks: Any, *,
                  every_s: float = KEEP_EVERY_S) -> None:  # fmt: skip
         self.nc, self.plan, self.short = nc, plan, short
+        self._checks = {r: checks.labels(r) for r in ("ok", "raised", "short", "failed")}
         self.every_s = every_s
         self.raised = 0
         """Streams raised since start."""
-        self._lacks: dict[str, int] = {}
-        """What each stream lacked at the last round (a warning when it changes, not at every
-        round)."""
+        self._said: dict[str, tuple[tuple[int, int] | None, tuple[int, int] | None]] = {}
+        """Each stream's replicas kept and short, as last said."""
         self._counted = 0
         self._task: asyncio.Task[None] | None = None
 
@@ -242,7 +243,8 @@ class ReplicaKeeper:
                             exc, self.every_s)  # fmt: skip
 
     async def keep(self) -> list[Outcome]:
-        """One round: the count worked out, each stream with fewer raised (or left short)."""
+        """One round: the count worked out, each stream with fewer raised (or left short); a
+        stream whose check failed is left as it was (logged, counted ``failed``)."""
         n, size = await counted_replicas(self.nc, self.plan)
         if size and n != self._counted:  # (size 0: the configured count, never changing)
             log.info("jetstream.replicas %d (cluster of %d node(s) now; %d counted before)",
@@ -250,29 +252,38 @@ class ReplicaKeeper:
         self._counted = n
         outcomes = []
         for name in STREAM_NAMES:
-            # Only the replicas named: nothing else of the definition is applied while
-            # running (another broker's config must not be flipped back every round).
-            outcome = await ensure_stream(self.nc, {"name": name, "num_replicas": n},
-                                          least_replicas=True, create=False)  # fmt: skip
+            try:
+                # Only the replicas named: nothing else of the definition is applied while
+                # running (another broker's config must not be flipped back every round).
+                outcome = await ensure_stream(self.nc, {"name": name, "num_replicas": n},
+                                              least_replicas=True, create=False)  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - this stream next round; the others now
+                self._checks["failed"].inc()
+                log.warning("jetstream.replicas_check_failed name=%s error=%r: tried again in "
+                            "%gs", name, exc, self.every_s)  # fmt: skip
+                continue
             outcomes.append(outcome)
             if outcome.action == "updated":
                 self.raised += 1
                 log.info("jetstream.replicas_raised name=%s replicas=%d", name, n)
+            self._checks["short" if outcome.short else
+                         "raised" if outcome.action == "updated" else "ok"].inc()  # fmt: skip
             self.note(outcome)
         return outcomes
 
     def provisioned(self, counted: int, outcomes: list[Outcome]) -> None:
-        """Told of the start's count and of each stream's outcome."""
+        """Told of the start's count and of each stream's outcome (each said)."""
         self._counted = counted
+        self._said = {}
         for outcome in outcomes:
             self.note(outcome)
 
     def note(self, outcome: Outcome) -> None:
-        """Told of a stream's outcome (at start, and at each round): the gauge set to what it
-        lacks, a warning when that changes (not at every round)."""
+        """A stream's outcome: said when its replicas kept or short changed since last said,
+        and the gauge set to what it lacks."""
         name = outcome.name
-        lacks = outcome.short[1] - outcome.short[0] if outcome.short else 0
-        if lacks != self._lacks.get(name, 0):
-            say_short(outcome, UNTIL)
-        self._lacks[name] = lacks
-        self.short.labels(name).set(lacks)
+        said = (outcome.kept, outcome.short)
+        if self._said.get(name, (None, None)) != said:
+            say_replicas(outcome, SHORT_UNTIL)
+        self._said[name] = said
+        self.short.labels(name).set(outcome.short[1] - outcome.short[0] if outcome.short else 0)

@@ -262,9 +262,16 @@ class Metrics:
         )
         self.replicas_short = Gauge(
             "reach_jetstream_replicas_short",
-            "Replicas a stream lacks of those this broker's start wanted: the cluster could "
-            "not place them (a node down); 0 once a start placed them",
+            "Replicas a stream lacks of those this broker wants: the cluster could not place "
+            "them (a node down); tried again every 30 s, 0 once placed",
             ["stream"],
+            registry=r,
+        )
+        self.replica_checks = Counter(
+            "reach_jetstream_replica_checks_total",
+            "A running broker's checks of a stream's replicas (every 30 s) by result: ok, "
+            "raised, short (the cluster could not place them), failed (JetStream did not say)",
+            ["result"],
             registry=r,
         )
         # JetStream (issue 4): compensation queue and durable acks.

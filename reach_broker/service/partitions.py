@@ -210,9 +210,6 @@ class Partitions:
         if self._presence is not None:
             await self._presence.stop()
             self._presence = None
-        if self._soon is not None:
-            self._soon.cancel()
-            self._soon = None
         if self._task is not None:
             await stop_loops(self._task)
             self._task = None
@@ -236,6 +233,9 @@ class Partitions:
                 back.close()  # those never awaited (the link was down)
         for p in list(self.held):
             await self._lose(p)
+        if self._soon is not None:  # (last: a balance stopped above may have asked for one)
+            self._soon.cancel()
+            self._soon = None
 
     async def round(self) -> None:
         """Say this broker is present and count the brokers while every lease held is

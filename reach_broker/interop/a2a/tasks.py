@@ -56,7 +56,7 @@ from nats.js.kv import KeyValue
 
 from jetstream import ackreads, lastvalues
 from jetstream.names import A2A_TASKS_BUCKET, A2A_TASKS_STREAM, H_KV_OPERATION
-from jetstream.provision import ensure_stream, load_definitions, say_short
+from jetstream.provision import ensure_stream, load_definitions, say_replicas
 from reach_agent.client import durable
 from reach_agent.wire.schema import AckRecord, Claim
 from reach_agent.wire.subjects import Subjects
@@ -282,8 +282,8 @@ class Tasks:
             return
         [definition] = load_definitions(self.subjects, {A2A_TASKS_STREAM: {
             "num_replicas": replicas}}, names=(A2A_TASKS_STREAM,))  # fmt: skip
-        say_short(await ensure_stream(self.nc, definition, least_replicas=True),
-                  "until the gateway starts with enough nodes up")  # fmt: skip
+        say_replicas(await ensure_stream(self.nc, definition, least_replicas=True),
+                     "until the gateway starts with enough nodes up")  # fmt: skip
         self.kv = await self.nc.jetstream(timeout=2.0).key_value(A2A_TASKS_BUCKET)
 
     def _kv(self) -> KeyValue:
