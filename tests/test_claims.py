@@ -351,6 +351,13 @@ async def test_a_completed_record_ends_its_claim_for_repeats_releases_and_cancel
     assert await ended_by(nc, rid) == ("end-a", "running", "end-a")
     view = await broker.releaser.claim_of(rid)
     assert view is not None and (view.holder, view.state) == ("end-a", "completed")
+    # A lookup that finds the record also ends the claim remembered as running (nemesis seed
+    # 31: a record the ack watch missed had each later release read it again).
+    broker.releaser._running["end-a"] = {claim_key(rid): (1, claim)}
+    broker.releaser._holder_of[claim_key(rid)] = "end-a"
+    view = await broker.releaser.claim_of(rid)
+    assert view is not None and (view.holder, view.state) == ("end-a", "completed")
+    assert broker.releaser.held_by("end-a") == []
     # Released after all (end-a declared offline while it still ran, then finished): the
     # record ends that claim too, so a replay removes its entry instead of giving it back.
     stored = await ClaimStore(nc).get(claim_key(rid))

@@ -150,6 +150,8 @@ class Releaser:
                 # Its holder's completed record ended it: also a claim released while its
                 # holder, declared offline, still ran and then finished (else a replay
                 # gives the entry back at every check, for ever: found by loadtest.nemesis).
+                if state == "running":  # learnt here, if the ack watch missed the record:
+                    self.finished(request_id, claim.agent_id)  # not read again to release
                 state = "completed"
         except ClaimsUnavailable:
             self._store_errors.labels("claims", "lookup").inc()
