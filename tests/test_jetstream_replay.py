@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -24,6 +26,7 @@ from nats.aio.client import Client as NATS
 from nats.js.errors import KeyNotFoundError
 
 from jetstream import ackreads, acks, compensation
+from jetstream.names import CLAIMS_STREAM
 from reach_agent.agent.agent import Agent
 from reach_agent.client import durable
 from reach_agent.connection import connect_options
@@ -31,6 +34,7 @@ from reach_agent.wire.schema import Announce
 from reach_agent.wire.subjects import Subjects
 from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
+from reach_broker.replay.replaysend import STALL_WAIT_S
 from reach_broker.service import snapshot
 
 from .conftest import BrokerFactory, connections_named, leases_aged_out, wait_for
@@ -199,6 +203,34 @@ async def test_tasks_queued_without_agent_run_exactly_once_when_one_starts(
     assert broker.metrics.compensation_result["replayed"]._value.get() == 10
     await wait_for(lambda: broker.metrics.ack_record_state["completed"]._value.get() >= 10)
     assert broker.metrics.ack_latency._sum.get() > 0
+
+
+async def test_an_entry_whose_delivery_stalled_comes_back_after_a_pause(
+    nc: NATS, broker_factory: BrokerFactory, nats_server: NatsServer,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """Nemesis seed 31: an entry whose delivery stalled (JetStream could not say whose claim
+    it was: an election) was given back at once and came back about three times a second
+    for as long as the election lasted. It now comes back STALL_WAIT_S later. Here the claims
+    bucket is gone, so every delivery stalls."""
+    caplog.set_level(logging.INFO, logger="reach_broker.replay.replaysend")
+    await broker_factory(compensation__sweep_interval_s=0.2)
+    await nc.jetstream().delete_stream(CLAIMS_STREAM)
+    rid = await durable.submit(nc, "stall.cap", {"n": 1})
+    agent = Agent("stall1", ["stall.cap"], heartbeat_interval=0.1)
+
+    @agent.handler("stall.cap")
+    async def handle(task: Any) -> dict[str, int]:
+        return {}
+
+    def stalls() -> list[float]:
+        return [r.created for r in caplog.records
+                if r.getMessage().startswith(f"replay.stalled request_id={rid} ")]  # fmt: skip
+
+    async with agent.serve(nats_server.url):
+        await wait_for(lambda: len(stalls()) >= 3, 15, what="three stalled deliveries")
+    gaps = [b - a for a, b in itertools.pairwise(stalls())]
+    assert min(gaps) >= 0.9 * STALL_WAIT_S, gaps
 
 
 # --- 3: broker SIGKILLed mid-replay --------------------------------------------------------

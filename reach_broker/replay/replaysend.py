@@ -43,6 +43,10 @@ Outcome = Literal[
 ]
 RELEASE_WAIT_S = 0.5
 """Redelivery delay of an entry whose claim's holder is offline but not yet released."""
+STALL_WAIT_S = 1.0
+"""Redelivery delay of an entry whose delivery stalled (a JetStream asset electing a leader):
+given back at once, each one came back about three times a second while the election lasted
+(nemesis seed 31), on a JetStream already struggling."""
 
 
 class Target(NamedTuple):
@@ -85,8 +89,9 @@ class EntrySender:
 
     async def deliver(self, e: Entry) -> Outcome:
         """Deliver one entry; a JetStream asset electing a leader (a marker or ack that
-        times out, no responders) stalls the round: the entry comes back, and its marker
-        and ack records decide what its redelivery does."""
+        times out, no responders) stalls the round: the entry comes back after
+        :data:`STALL_WAIT_S`, and its marker and ack records decide what its redelivery
+        does."""
         try:
             return await self._send(e)
         except asyncio.CancelledError:
@@ -95,7 +100,7 @@ class EntrySender:
             log.info("replay.stalled request_id=%s error=%r", e.request_id, exc)
             with contextlib.suppress(Exception):
                 assert e.msg is not None
-                await e.msg.nak()
+                await e.msg.nak(delay=STALL_WAIT_S)
             return "stalled"
 
     async def _send(self, e: Entry) -> Outcome:
