@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
@@ -146,14 +146,17 @@ each wait costs one message get this often, one more per record stored meanwhile
 
 
 async def wait_for(
-    nc: NATS, request_id: str, timeout_s: float, *, subjects: StreamSubjects, accept: Accept
-) -> StoredAck:
+    nc: NATS, request_id: str, timeout_s: float, *, subjects: StreamSubjects, accept: Accept,
+    again: Callable[[], Awaitable[StoredAck | None]] | None = None,
+) -> StoredAck:  # fmt: skip
     """The record ``accept`` settles on among those of ``request_id``, stored or yet to come.
 
     Subscribes to every author's subject of the request before reading the stream, so a
     record stored in between is not missed (a record seen both ways is told once); reads
     the stream on every ``REREAD_S``, so a record the subscription missed (stored while the
-    connection was down) is told too. Raises ``TimeoutError`` after ``timeout_s`` seconds,
+    connection was down) is told too. ``again``, asked before each of those reads, may
+    settle on a record told earlier (what it learnt meanwhile makes one the answer). Raises
+    ``TimeoutError`` after ``timeout_s`` seconds,
     what the first read raises when the stream cannot be read (a later read that fails is
     logged, and the wait goes on listening), ``ConnectionClosedError`` once the connection
     is closed.
@@ -212,6 +215,8 @@ async def wait_for(
                                       request_id, answer.msg_id, rereads)  # fmt: skip
                         return answer
                 answer = await heard()
+                if answer is None and again is not None:
+                    answer = await again()
                 if answer is not None:
                     return answer
                 rereads += 1

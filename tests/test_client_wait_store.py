@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -17,7 +18,10 @@ from nats.aio.client import Client as NATS
 
 import reach_agent
 from jetstream.acks import ack_msg_id, publish_record
+from jetstream.claims import ClaimStore, claim_key
+from jetstream.names import CLAIMS_STREAM
 from loadtest.tcpproxy import TcpProxy
+from reach_agent.connection import flush_subscriptions
 from reach_agent.wire import schema
 from reach_agent.wire.errors import StoreUnavailable
 from reach_agent.wire.subjects import Subjects
@@ -199,6 +203,48 @@ async def test_a_wait_whose_reread_fails_goes_on_listening(
         rid, "failed", 2, {"code": "HANDLER_ERROR", "message": "no"})  # fmt: skip
     assert failed()[0] == (f"acks.reread_failed request_id={rid} error=TimeoutError(): "
                            "listening on")  # fmt: skip
+
+
+async def test_a_wait_that_knew_no_taker_believes_the_holder_of_a_claim_written_later(
+    provisioned: NatsServer, nc: NATS
+) -> None:
+    """Nemesis seed 32: a submitted task was handed to a1 by a broker that died before its
+    ``received`` record, and the replica that found the request claimed sent it no more, so
+    no broker ever named a1. The wait had read the claim once, at its start, before a1's was
+    written, and timed out although a1's final record was stored. It now reads the claim
+    again while no taker is known, and believes its holder's record."""
+    rid = "r-claimed-later"
+    claim_reads: list[bytes] = []
+
+    async def on_get(msg: Any) -> None:  # the wait's reads of the claim, seen on the wire
+        claim_reads.append(msg.data)
+
+    sub = await nc.subscribe(f"$JS.API.STREAM.MSG.GET.{CLAIMS_STREAM}", cb=on_get)
+    await flush_subscriptions(nc)
+    try:
+        async with reach_agent.Client(provisioned.url) as client:
+            waiting = asyncio.create_task(client.wait(rid, timeout=10))
+            try:
+                await wait_for(lambda: claim_reads, what="the wait read the claim (none yet)")
+                record = schema.AckRecord(request_id=rid, agent_id="a1", capability="later",
+                                          state="completed", at_ms=1,
+                                          result=msgspec.Raw(b'{"n":3}'))  # fmt: skip
+                await publish_record(nc.jetstream(), Subjects().ack("a1", rid),
+                                     ack_msg_id("a1", rid, "completed"),
+                                     schema.encoder.encode(record))  # fmt: skip
+                claim = schema.Claim(request_id=rid, agent_id="a1", instance="i1",
+                                     capability="later", state="running", at_ms=1,
+                                     ack_subject=Subjects().ack("a1", rid))  # fmt: skip
+                created, _ = await ClaimStore(nc).create(claim_key(rid),
+                                                         schema.encoder.encode(claim))  # fmt: skip
+                assert created
+                done = await asyncio.wait_for(waiting, 12)
+            finally:
+                waiting.cancel()
+    finally:
+        await sub.unsubscribe()
+    assert (done.agent_id, done.state, done.result) == ("a1", "completed", {"n": 3})
+    assert len(claim_reads) >= 2  # read at the start, and again once nobody was known
 
 
 async def test_every_wait_outcome_is_counted(provisioned: NatsServer, nc: NATS) -> None:

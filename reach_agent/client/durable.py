@@ -206,6 +206,11 @@ class _Taken:
             self.finals.setdefault(stored.author, (stored, rec))
         return self._final_of(stored.author) if stored.author in self.takers else None
 
+    def taken_by(self, agent_id: str) -> ackreads.StoredAck | None:
+        """``agent_id`` took it too (learnt since): its final record told earlier, if any."""
+        self.takers.add(agent_id)
+        return self._final_of(agent_id)
+
     def _final_of(self, agent_id: str) -> ackreads.StoredAck | None:
         found = self.finals.get(agent_id)
         if found is None:
@@ -228,8 +233,10 @@ async def wait(
 
     Who took it: ``agent_id`` when given; else the agent whose receipt or result ``client``
     received for it (``Client.call``); else the holder of the request id's claim (KV
-    ``reach_claims``, when there is one); and an agent a broker names in its own ``received``
-    record (``reach.ack._broker.<request_id>``, written when it hands a submitted task over).
+    ``reach_claims``, when there is one; read again every ``ackreads.REREAD_S`` while no
+    taker is known: the claim of a task not yet handed over is written after the wait
+    began); and an agent a broker names in its own ``received`` record
+    (``reach.ack._broker.<request_id>``, written when it hands a submitted task over).
     A final record of the broker (``failed``: expired, or finally refused; ``completed`` or
     ``failed``: the answer of a Synadia agent, which writes none) is final too. Records of
     any other author, copies of stored messages and records whose body disagrees with their
@@ -246,9 +253,20 @@ async def wait(
         if holder:
             takers.add(holder)
     taken = _Taken(takers)
+
+    async def claimed() -> ackreads.StoredAck | None:
+        """While nobody is known to have taken it, the claim read again: a broker that handed
+        the task over and died before its ``received`` record, or a replica that found the
+        request claimed and sent it no more, names no taker (nemesis seed 32)."""
+        if taken.takers:
+            return None
+        holder = await _claim_holder(connection_of(client), request_id)
+        return taken.taken_by(holder) if holder else None
+
     try:
         await ackreads.wait_for(connection_of(client), request_id, timeout,
-                            subjects=Subjects(prefix), accept=taken.accept)  # fmt: skip
+                            subjects=Subjects(prefix), accept=taken.accept,
+                            again=claimed)  # fmt: skip
     except acks.InvalidRequestId as exc:
         _count_wait(client, "invalid")
         raise InvalidRequest(str(exc)) from None
