@@ -171,6 +171,30 @@ async def test_a_claim_nobody_took_for_want_of_a_bucket_says_the_bucket_is_missi
         await plain.close()
 
 
+async def test_a_store_that_flaps_is_said_back_once_for_each_outage_said(
+    nc: NATS, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nemesis seed 33: an agent whose claims store flapped logged ``claims.available`` 30
+    times in 5 s, though its ``claims.unavailable`` warnings are said at most every 30 s. The
+    recovery is now said once for each outage said: a refusal within the 30 s says nothing,
+    and neither does the answer after it."""
+    caplog.set_level(logging.INFO, logger="reach_agent.agent.claiming")
+    claims_def = load_definitions(names=(CLAIMS_STREAM,))
+    claimer = Claimer(nc, "flappy", "i1", SUBJECTS, store=ClaimStore(nc))
+    js = nc.jetstream()
+    for n in range(3):  # gone, back; gone, back; gone, back
+        held, answer = await claimer.take(f"r-down-{n}", "cap")
+        assert held is None and answer is not None and answer[0] == "unclaimed"
+        await provision(nc, claims_def)
+        held, _ = await claimer.take(f"r-up-{n}", "cap")
+        assert held is not None
+        await js.delete_stream(CLAIMS_STREAM)
+    said = [r.getMessage().split(" agent=")[0] for r in caplog.records
+            if r.getMessage().startswith("claims.")]  # fmt: skip
+    assert said == ["claims.unavailable", "claims.available"]
+    assert claimer.refused == 3
+
+
 @pytest.mark.slow
 async def test_a_claims_stream_without_a_leader_is_not_taken_for_a_missing_bucket(
     tmp_path: Path, caplog: pytest.LogCaptureFixture

@@ -175,6 +175,9 @@ class Claimer:
         """Tries of a claim's end after the store did not confirm the first."""
         self._refused_since_warning = 0
         self._warned_at = float("-inf")
+        self._said_unavailable = False
+        """A ``claims.unavailable`` warning said since the store last answered: the next answer
+        says ``claims.available`` (once, however often the store flaps in between)."""
         self.available = False
         """Whether the store answered the last look (the start's, or the last claim's):
         informative only, every task asks the store again."""
@@ -223,6 +226,7 @@ class Claimer:
         if now - self._warned_at < WARN_EVERY_S:
             return
         self._warned_at = now
+        self._said_unavailable = True
         refused, self._refused_since_warning = self._refused_since_warning, 0
         if isinstance(exc, NoClaimsBucket):
             todo = (f"run nats-server with JetStream (-js) and start `reach broker` against "
@@ -283,8 +287,10 @@ class Claimer:
             created, stored = True, landed
         if not self.available:
             self.available = True
-            log.info("claims.available agent=%s bucket=%s refused=%d", self.agent_id,
-                     self.store.bucket, self.refused)  # fmt: skip
+            if self._said_unavailable:  # (nemesis seed 33: said 30 times in 5 s of flapping)
+                self._said_unavailable = False
+                log.info("claims.available agent=%s bucket=%s refused_in_all=%d",
+                         self.agent_id, self.store.bucket, self.refused)  # fmt: skip
         for _ in range(4):
             if created:
                 return Claimed(Held(key, stored.revision, mine))
