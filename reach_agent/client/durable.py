@@ -11,6 +11,7 @@ record of the agent that took the task (see :func:`wait`).
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -260,7 +261,7 @@ async def wait(
         request claimed and sent it no more, names no taker (nemesis seed 32)."""
         if taken.takers:
             return None
-        holder = await _claim_holder(connection_of(client), request_id)
+        holder = await _claim_holder(connection_of(client), request_id, again=True)
         return taken.taken_by(holder) if holder else None
 
     try:
@@ -305,21 +306,23 @@ def final_of(stored: Iterable[ackreads.StoredAck], takers: Iterable[str]) -> Ack
     return None
 
 
-async def read_claim(nc: NATS, request_id: str) -> schema.Claim | None:
+async def read_claim(nc: NATS, request_id: str, *, again: bool = False) -> schema.Claim | None:
     """``request_id``'s claim, if the claims bucket has one and says so now (a bucket that
-    cannot say is logged: the agents check the claim again anyway)."""
+    cannot say is logged, at debug when read ``again``: the agents check the claim again
+    anyway)."""
     try:
         stored = await ClaimStore(nc).get(claim_key(request_id))
         return schema.claim_decoder.decode(stored.data) if stored is not None else None
     except (ClaimsUnavailable, msgspec.MsgspecError) as exc:
-        log.info("claims.unreadable request_id=%s error=%s", request_id, exc)
+        log.log(logging.DEBUG if again else logging.INFO,
+                "claims.unreadable request_id=%s error=%s", request_id, exc)  # fmt: skip
         return None
 
 
-async def _claim_holder(nc: NATS, request_id: str) -> str | None:
+async def _claim_holder(nc: NATS, request_id: str, *, again: bool = False) -> str | None:
     """The agent holding ``request_id``'s claim, if the claims bucket has one (its holder's
     records are the result; a released claim names nobody)."""
-    claim = await read_claim(nc, request_id)
+    claim = await read_claim(nc, request_id, again=again)
     return claim.agent_id if claim is not None and claim.state != "released" else None
 
 
