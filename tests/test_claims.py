@@ -146,7 +146,7 @@ async def test_a_claim_nobody_took_for_want_of_a_bucket_says_the_bucket_is_missi
     assert len(said) == 1, said
     assert said[0].startswith("claims.unavailable agent=nobucket bucket=reach_claims error=no "
                               f"stream stores $KV.reach_claims.{claim_key('r-unclaimed')}: "
-                              f"{missing} refused=1: ")  # fmt: skip
+                              f"{missing} refused_since_last_warning=1: ")  # fmt: skip
     assert said[0].endswith(
         "never run unclaimed; run nats-server with JetStream (-js) and start `reach broker` "
         "against it (the broker creates 'reach_claims'), or mark capabilities whose duplicates "

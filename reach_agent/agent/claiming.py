@@ -240,9 +240,9 @@ class Claimer:
         else:
             todo = "check the server's JetStream (a cluster may be electing a leader)"
         log.warning(
-            "claims.unavailable agent=%s bucket=%s error=%s refused=%d: tasks of claimed "
-            "capabilities are refused with STORE_UNAVAILABLE (retryable), never run "
-            "unclaimed; %s", self.agent_id, self.store.bucket, exc, refused, todo,
+            "claims.unavailable agent=%s bucket=%s error=%s refused_since_last_warning=%d: "
+            "tasks of claimed capabilities are refused with STORE_UNAVAILABLE (retryable), "
+            "never run unclaimed; %s", self.agent_id, self.store.bucket, exc, refused, todo,
         )  # fmt: skip
 
     def refusal(self, exc: ClaimsUnavailable, request_id: str) -> StoreUnavailable:
