@@ -340,6 +340,8 @@ class Broker:
         self._loop_task: asyncio.Task[None] | None = None
         self._started = False
         self._connected = False
+        self._failed_tries = 0
+        """Reconnect tries that failed since the link was lost (said once reconnected)."""
         self._watching = False
         self._with_creds = bool(cfg.nats.creds)
         self.serving = False
@@ -558,8 +560,13 @@ class Broker:
     async def _on_nats_error(self, exc: Exception) -> None:
         kind = "slow_consumer" if isinstance(exc, SlowConsumerError) else type(exc).__name__
         self.metrics.nats_errors.labels(kind).inc()
-        if self._connected:  # before, the first connect's failures are said (rate-limited)
-            log.warning("broker.nats_error kind=%s error=%s", kind, exc)
+        if not self._connected:
+            return  # before, the first connect's failures are said (rate-limited)
+        if self.nc.is_reconnecting:  # each failed try, every 0.5 s a server: counted, said
+            self._failed_tries += 1  # once reconnected (nemesis seed 34: 6 lines a second)
+            log.debug("broker.nats_error kind=%s error=%s (reconnecting)", kind, exc)
+            return
+        log.warning("broker.nats_error kind=%s error=%s", kind, exc)
 
     async def _on_disconnected(self) -> None:
         if self._started and self._connected:  # not at our own shutdown (the drain closes
@@ -568,7 +575,10 @@ class Broker:
             self.observer.lost(self.clock())
 
     async def _on_reconnected(self) -> None:
-        log.info("broker.nats_reconnected url=%s", self.nc.connected_url)
+        url = self.nc.connected_url
+        log.info("broker.nats_reconnected url=%s failed_tries=%d",
+                 url.netloc if url is not None else None, self._failed_tries)  # fmt: skip
+        self._failed_tries = 0
         # Clocks rebased over the outage; disconnects missed meanwhile reconciled.
         self.observer.regained(self.clock())
 
