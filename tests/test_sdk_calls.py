@@ -195,9 +195,12 @@ async def test_no_receipt_no_responders_lost_and_closed() -> None:
     assert kind == "not_delivered"
     assert err.message == "not delivered: no receipt from agent 'a1' within 0.05s"
     c = call()
+    c.subject = "reach.task.a1.cap"  # where Attempts.send sent it
     c.deliver("2", reply(b"", Status="503"))
     kind, err = await outcome(c)
     assert (kind, err.code) == ("no_responders", "NO_REACHABLE_AGENT")
+    # The agent's subject, not the reply's (nemesis seed 34: it named the caller's own inbox).
+    assert err.message == "no responders: agent 'a1' is not subscribed to 'reach.task.a1.cap'"
     c = call()
     c.deliver("2", receipt())
     c.lose()

@@ -84,6 +84,7 @@ class Attempts:
         call.agent_id = agent
         call.agents[call.attempt] = agent
         call.protocol = target.protocol
+        call.subject = target.subject
         # A Synadia agent gets their prompt envelope; it answers no reach probe, so the
         # broker's events alone tell that it died.
         synadia = target.protocol == schema.PROTOCOL_SYNADIA

@@ -111,6 +111,7 @@ class Call:
         "span_headers",
         "started",
         "stream",
+        "subject",
         "taker",
         "timeout",
         "tried",
@@ -164,6 +165,8 @@ class Call:
         """The agent of the current attempt."""
         self.protocol: str | None = None
         """How the current attempt's agent is spoken to (a candidate's ``protocol``)."""
+        self.subject: str | None = None
+        """Where the current attempt was sent (the agent's task or prompt subject)."""
         self.attempt = 0
         """Attempts begun (one refused by a breaker included); replies carry this number."""
         self.tried: list[str] = []
@@ -282,7 +285,7 @@ class Call:
             if is_no_responders(msg):
                 if current:
                     return "no_responders", NoReachableAgent(
-                        f"no responders: agent {agent!r} is not subscribed to {msg.subject!r}"
+                        f"no responders: agent {agent!r} is not subscribed to {self.subject!r}"
                     )
                 continue
             err = from_reply(hdrs, msg.data)
@@ -365,7 +368,7 @@ class Call:
                 continue
             if is_no_responders(msg):
                 return "no_responders", NoReachableAgent(
-                    f"no responders: agent {agent!r} is not subscribed to {msg.subject!r}"
+                    f"no responders: agent {agent!r} is not subscribed to {self.subject!r}"
                 )
             kind, value = prompting.read(msg, agent)
             if kind == "ack" and not acked:
