@@ -136,7 +136,11 @@ class EntrySender:
                     if only is None
                     else [self._target(only, e.capability)]
                 )
-            except ReachError:
+            except ReachError as exc:
+                # The round ends here; the next starts at a submit, an agent turning healthy
+                # or the sweep (said, so a backlog waiting on the sweep shows why: seed 34).
+                log.info("replay.unroutable request_id=%s capability=%s error=%s: the round "
+                         "ends", e.request_id, e.capability, exc.code)  # fmt: skip
                 await e.msg.nak()
                 return "stalled"
             for c in candidates:
