@@ -249,21 +249,19 @@ async def wait(
     known = remembered.get(request_id) if isinstance(remembered, Takers) else None
     if known:
         takers.add(known)
-    if not takers:
-        holder = await _claim_holder(connection_of(client), request_id)
-        if holder:
-            takers.add(holder)
     taken = _Taken(takers)
 
-    async def claimed() -> ackreads.StoredAck | None:
-        """While nobody is known to have taken it, the claim read again: a broker that handed
-        the task over and died before its ``received`` record, or a replica that found the
-        request claimed and sent it no more, names no taker (nemesis seed 32)."""
+    async def claimed(again: bool = True) -> ackreads.StoredAck | None:
+        """While nobody is known to have taken it, the claim's holder: read at the start, and
+        again before each re-read of the stream (a broker that handed the task over and died
+        before its ``received`` record, or a replica that found the request claimed and sent
+        it no more, names no taker: nemesis seed 32)."""
         if taken.takers:
             return None
-        holder = await _claim_holder(connection_of(client), request_id, again=True)
+        holder = await _claim_holder(connection_of(client), request_id, again=again)
         return taken.taken_by(holder) if holder else None
 
+    await claimed(again=False)  # nothing told yet: it only names the taker
     try:
         await ackreads.wait_for(connection_of(client), request_id, timeout,
                             subjects=Subjects(prefix), accept=taken.accept,
