@@ -309,14 +309,13 @@ class Broker:
         # keeper only raises the assets' replicas on a timer, after the start provisioned
         # them. The snapshot restores the registry before probes and advisories start
         # (advisories reconcile with the server's connection list); the Synadia agents come
-        # after the advisories
-        # (their locate asks the CONNZ of the account the advisories learnt); claim
-        # releases, replay and cancels come last. The route tables start after the snapshot and
-        # the rules (their first shares are made from both), then the partitions' leases (each
-        # partition taken: its shares published), then the forwarder (route requests for a
-        # capability another broker owns go there) and the other owners' shares followed. The
-        # console's feed starts once the handlers are subscribed (it only shows; its audit
-        # catch-up must not hold up serving), and stops first.
+        # after the advisories (their locate asks the CONNZ of the account the advisories
+        # learnt); claim releases, replay and cancels come last. The route tables start after
+        # the snapshot and the rules (their first shares are made from both), then the
+        # partitions' leases (each partition taken: its shares published), then the forwarder
+        # (route requests for a capability another broker owns go there) and the other owners'
+        # shares followed. The console's feed starts once the handlers are subscribed (it only
+        # shows; its audit catch-up must not hold up serving), and stops first.
         self.parts: tuple[tuple[Component, bool], ...] = (
             (self.keeper, True),
             (self.snapshot, True),

@@ -244,7 +244,9 @@ async def test_a_raise_of_replicas_the_cluster_cannot_place_is_left_for_later(
                 # The keeper's round tries the raise again: still short, said once only.
                 outcomes = await second.keeper.keep()
                 assert [o.short for o in outcomes] == [(1, 3)] * len(STREAM_NAMES)
-                assert second.keeper.raised == 0
+                checks = metrics.replica_checks
+                assert (checks.labels("short")._value.get(),
+                        checks.labels("raised")._value.get()) == (len(STREAM_NAMES), 0)  # fmt: skip
             for name in STREAM_NAMES:
                 assert metrics.replicas_short.labels(name)._value.get() == 2, name
                 assert (await js.stream_info(name)).config.num_replicas == 1, name
@@ -290,8 +292,9 @@ async def test_a_running_broker_raises_streams_with_fewer_replicas_than_counted(
                 )  # fmt: skip
                 await keeper.start()
                 try:
-                    await wait_for(lambda: keeper.raised == len(STREAM_NAMES), timeout=30.0,
-                                   what="every stream raised")  # fmt: skip
+                    raised = metrics.replica_checks.labels("raised")
+                    await wait_for(lambda: raised._value.get() == len(STREAM_NAMES),
+                                   timeout=30.0, what="every stream raised")  # fmt: skip
                 finally:
                     await keeper.stop()
                 for name in STREAM_NAMES:

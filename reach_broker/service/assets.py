@@ -217,8 +217,6 @@ class ReplicaKeeper:
         self.nc, self.plan, self.short = nc, plan, short
         self._checks = {r: checks.labels(r) for r in ("ok", "raised", "short", "failed")}
         self.every_s = every_s
-        self.raised = 0
-        """Streams raised since start."""
         self._said: dict[str, tuple[tuple[int, int] | None, tuple[int, int] | None]] = {}
         """Each stream's replicas kept and short, as last said."""
         self._counted = 0
@@ -263,11 +261,11 @@ class ReplicaKeeper:
                             "%gs", name, exc, self.every_s)  # fmt: skip
                 continue
             outcomes.append(outcome)
-            if outcome.action == "updated":
-                self.raised += 1
+            result = ("short" if outcome.short else
+                      "raised" if outcome.action == "updated" else "ok")  # fmt: skip
+            if result == "raised":
                 log.info("jetstream.replicas_raised name=%s replicas=%d", name, n)
-            self._checks["short" if outcome.short else
-                         "raised" if outcome.action == "updated" else "ok"].inc()  # fmt: skip
+            self._checks[result].inc()
             self.note(outcome)
         return outcomes
 
