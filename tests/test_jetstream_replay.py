@@ -30,7 +30,8 @@ from jetstream.names import CLAIMS_STREAM
 from reach_agent.agent.agent import Agent
 from reach_agent.client import durable
 from reach_agent.connection import connect_options
-from reach_agent.wire.schema import Announce
+from reach_agent.wire.errors import Overloaded, ReachError
+from reach_agent.wire.schema import Announce, RouteRequest
 from reach_agent.wire.subjects import Subjects
 from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
@@ -231,6 +232,87 @@ async def test_an_entry_whose_delivery_stalled_comes_back_after_a_pause(
         await wait_for(lambda: len(stalls()) >= 3, 15, what="three stalled deliveries")
     gaps = [b - a for a, b in itertools.pairwise(stalls())]
     assert min(gaps) >= 0.9 * STALL_WAIT_S, gaps
+
+
+def full_agent(agent_id: str, cap: str, tmp: Path, url: str) -> Agent:
+    """An agent of one slot (max_concurrency 1) writing its ack records."""
+    connect = connect_options(f"{agent_id}-acks", url)
+    writer = acks.AckWriter(tmp / f"wal-{agent_id}", author=agent_id, connect=connect,
+                            subjects=SUBJECTS)  # fmt: skip
+    return Agent(agent_id, [cap], max_concurrency=1, heartbeat_interval=0.1, ack_sink=writer)
+
+
+async def test_a_backlog_for_a_full_agent_drains_without_waiting_for_the_sweep(
+    nc: NATS, broker_factory: BrokerFactory, nats_server: NatsServer, tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """Nemesis seed 34: a round ended when the router answered OVERLOADED (every agent at its
+    load watermark), and nothing but the 5 s sweep started the next: a backlog drained one
+    sweep at a time while the agents sat idle. Here the sweep never comes: one agent of one
+    slot takes the eight entries one by one, each waiting in the round for the slot."""
+    caplog.set_level(logging.INFO, logger="reach_broker.replay")
+    broker = await broker_factory(compensation__sweep_interval_s=3600.0)
+    ids = [await durable.submit(nc, "full.cap", {"n": i}) for i in range(8)]
+    agent = full_agent("full1", "full.cap", tmp_path, nats_server.url)
+    ran: list[int] = []
+
+    @agent.handler("full.cap")
+    async def handle(task: Any) -> dict[str, int]:
+        ran.append(task.payload["n"])
+        await asyncio.sleep(0.05)
+        return {"n": task.payload["n"]}
+
+    async with agent.serve(nats_server.url):
+        records = await asyncio.gather(*(durable.wait(nc, rid, timeout=20) for rid in ids))
+    assert [r.state for r in records] == ["completed"] * 8
+    assert sorted(ran) == list(range(8))
+    await queue_drained(nc)
+    assert broker.metrics.compensation_result["replayed"]._value.get() == 8
+    ended = [r.getMessage() for r in caplog.records if "the round ends" in r.getMessage()]
+    assert ended == []
+
+
+async def test_a_task_queued_while_its_agent_is_full_runs_when_the_slot_frees(
+    nc: NATS, broker_factory: BrokerFactory, nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """Queued while the router answers OVERLOADED for its capability, an entry was left to the
+    sweep (nemesis seed 34); it is now looked at again after the refusal's retry_after_ms,
+    and runs once the agent's slot is free. Here the sweep never comes."""
+    broker = await broker_factory(compensation__sweep_interval_s=3600.0)
+    agent = full_agent("full2", "full2.cap", tmp_path, nats_server.url)
+    running, release = asyncio.Event(), asyncio.Event()
+
+    @agent.handler("full2.cap")
+    async def handle(task: Any) -> dict[str, int]:
+        if task.payload["n"] == 0:
+            running.set()
+            await release.wait()
+        return {"n": task.payload["n"]}
+
+    def overloaded() -> bool:
+        try:
+            broker.router.choose("full2.cap", RouteRequest(), broker.replayer.ctx.clock())
+        except Overloaded:
+            return True
+        except ReachError:
+            return False
+        return False
+
+    async with agent.serve(nats_server.url):
+        first = await durable.submit(nc, "full2.cap", {"n": 0})
+        await asyncio.wait_for(running.wait(), 15)
+        await wait_for(overloaded, 5, what="the router to see the agent full")
+        replayer = broker.replayer
+        await wait_for(lambda: "full2.cap" not in replayer._running, 5, what="the round's end")
+        second = await durable.submit(nc, "full2.cap", {"n": 1})
+        # The enqueue's kick: a round waiting in it for the slot, or a kick set for later.
+        await wait_for(lambda: "full2.cap" in replayer._running or replayer._later, 5,
+                       what="the second entry's kick")  # fmt: skip
+        release.set()
+        records = [await durable.wait(nc, rid, timeout=15) for rid in (first, second)]
+    assert [(r.state, r.result) for r in records] == [("completed", {"n": 0}),
+                                                      ("completed", {"n": 1})]  # fmt: skip
+    assert broker.metrics.compensation_result["replayed"]._value.get() == 2
 
 
 # --- 3: broker SIGKILLed mid-replay --------------------------------------------------------

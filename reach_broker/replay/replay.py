@@ -1,9 +1,12 @@
 """Compensation replay: queued tasks go to an agent as soon as one is reachable.
 
 A capability is replayed when an agent with it becomes ``healthy`` (a registry transition),
-when an entry is enqueued while one already is, and on every sweep while entries wait. A
-replay round takes every available entry of the capability through its shared durable
-consumer (so two replicas never hold the same entry), orders them by priority then age, and
+when an entry is enqueued while one already is, and on every sweep while entries wait; when
+every agent of it is full (the router answers ``OVERLOADED``), again after the refusal's
+``retry_after_ms``, and a round's entry waits that long for a slot (for at most half of
+``ack_wait_s``) rather than ending the round. A replay round takes every available entry of
+the capability through its shared durable consumer (so two replicas never hold the same
+entry), orders them by priority then age, and
 sends each as a task with its original ``Reach-Request-Id`` and ``Reach-Receipt: 1`` to an
 agent the broker's Router picks, at most ``replay_concurrency`` at once (scaled down by the
 slow-start share of a just-recovered agent; one entry's delivery is
@@ -44,7 +47,7 @@ from jetstream.compensation import Entry
 from jetstream.names import H_EXPIRES_MS
 from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
-from reach_agent.wire.errors import ReachError
+from reach_agent.wire.errors import Overloaded, ReachError
 from reach_agent.wire.schema import RouteRequest
 from reach_broker.config import CompensationSection
 from reach_broker.core.records import AgentRecord, Transition
@@ -55,7 +58,7 @@ from reach_broker.service.metrics import ReplayMetrics
 from reach_broker.service.releases import ClaimView
 
 from .ackwatch import AckWatch
-from .replaysend import EntrySender, Outcome
+from .replaysend import EntrySender, Outcome, retry_after_s
 from .taken import Taken
 
 log = logging.getLogger(__name__)
@@ -97,6 +100,8 @@ class Replayer:
         entry was sent, exactly once across a leader change."""
         self._subs: list[Any] = []
         self._sweeper: asyncio.Task[None] | None = None
+        self._later: dict[str, asyncio.TimerHandle] = {}
+        """Kicks set for when a full capability should have a slot again."""
         self._route_req = RouteRequest(limit=3)
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -121,6 +126,9 @@ class Replayer:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         await stop_loops(self._sweeper, *self._running.values())
+        for later in self._later.values():  # after the rounds, which may set one
+            later.cancel()
+        self._later.clear()
         await self.taken.stop()
         self._sweeper = None
         for psub in self._consumers.values():
@@ -180,11 +188,28 @@ class Replayer:
         self._running[capability] = task
 
     def _routable(self, capability: str) -> bool:
+        """Whether the router routes ``capability`` now. When only load stops it, the
+        capability is kicked again when a slot should be free (the refusal's hint): no sign
+        comes of a slot freed, and the sweep is seconds away (nemesis seed 34)."""
         try:
             self.router.choose(capability, self._route_req, self.ctx.clock())
+        except Overloaded as exc:
+            self._kick_later(capability, retry_after_s(exc))
+            return False
         except ReachError:
             return False
         return True
+
+    def _kick_later(self, capability: str, delay_s: float) -> None:
+        """One pending kick per capability (a sooner one is not moved)."""
+        if capability not in self._later:
+            self._later[capability] = asyncio.get_running_loop().call_later(
+                delay_s, self._kick_now, capability
+            )
+
+    def _kick_now(self, capability: str) -> None:
+        del self._later[capability]
+        self.kick(capability)
 
     def _limit(self, capability: str) -> int:
         """Replay concurrency, scaled by the best slow-start share among healthy agents."""
@@ -201,11 +226,9 @@ class Replayer:
                 if not self._routable(capability):
                     return
                 entries = await self._fetch(capability)
-                if not entries:
-                    if capability in self._again:
-                        continue
+                if entries and await self._dispatch(capability, entries) == "stalled":
                     return
-                if await self._dispatch(capability, entries) == "stalled":
+                if capability not in self._again:  # else enqueued during the round
                     return
         except asyncio.CancelledError:
             raise

@@ -19,8 +19,9 @@ from nats.errors import NoRespondersError
 
 from jetstream.compensation import Entry
 from jetstream.names import H_REQUEST_ID
+from reach_agent.routing.index import RETRY_AFTER_DEFAULT_MS
 from reach_agent.wire import schema
-from reach_agent.wire.errors import ReachError
+from reach_agent.wire.errors import Overloaded, ReachError
 from reach_agent.wire.retry import retryable
 from reach_agent.wire.schema import RouteRequest
 from reach_agent.wire.subjects import BROKER_ACK_AUTHOR
@@ -47,6 +48,11 @@ STALL_WAIT_S = 1.0
 """Redelivery delay of an entry whose delivery stalled (a JetStream asset electing a leader):
 given back at once, each one came back about three times a second while the election lasted
 (nemesis seed 31), on a JetStream already struggling."""
+
+
+def retry_after_s(refusal: Overloaded) -> float:
+    """When asking a router that answered ``OVERLOADED`` again may get a route."""
+    return (refusal.retry_after_ms or RETRY_AFTER_DEFAULT_MS) / 1000.0
 
 
 class Target(NamedTuple):
@@ -136,6 +142,18 @@ class EntrySender:
                     if only is None
                     else [self._target(only, e.capability)]
                 )
+            except Overloaded as exc:
+                if ctx.clock() > give_up:
+                    log.info("replay.overloaded request_id=%s capability=%s: the round ends",
+                             e.request_id, e.capability)  # fmt: skip
+                    await e.msg.nak()
+                    return "stalled"
+                # Every agent is at its load watermark: one should have a slot about a task
+                # time later (the refusal's hint). Waiting keeps the round's entries and
+                # order; a round ended here waited for the 5 s sweep while the agents sat
+                # idle (nemesis seed 34).
+                await asyncio.sleep(retry_after_s(exc) * (0.5 + random.random()))
+                continue
             except ReachError as exc:
                 # The round ends here; the next starts at a submit, an agent turning healthy
                 # or the sweep (said, so a backlog waiting on the sweep shows why: seed 34).
