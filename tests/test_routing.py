@@ -103,6 +103,25 @@ def test_all_below_min_score_is_explained() -> None:
     assert "score below the minimum 60.0" in exc.value.message
 
 
+def test_the_refusal_names_every_agent_of_the_capability() -> None:
+    """The parts of a refusal add up to its total: the agents the walk never looked at (below
+    the minimum score, not healthy) are named too, not only the ones a filter kept out."""
+    w = World("abcd")
+    w.set_score("b", 10.0)  # ejected
+    for agent_id in "cd":
+        w.reg.disconnected(agent_id, 1.0)
+    with pytest.raises(NoReachableAgent) as exc:
+        w.route(1.0, exclude=["a"])
+    assert exc.value.message == (
+        "no reachable agent for 'summarize' among 4: 1 filtered by exclude; 1 healthy below "
+        "the minimum score 60.0; 2 not healthy")  # fmt: skip
+    with pytest.raises(NoReachableAgent) as exc:  # the suspects walked too
+        w.route(1.0, exclude=["a", "c", "d"], allow_suspect=True)
+    assert exc.value.message == (
+        "no reachable agent for 'summarize' among 4: 3 filtered by exclude; 1 healthy below "
+        "the minimum score 60.0")  # fmt: skip
+
+
 # --- panic ---------------------------------------------------------------------------------
 
 

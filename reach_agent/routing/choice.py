@@ -139,9 +139,11 @@ class Chooser(Generic[M]):
                 walk.counting(idx.ranked, HEALTHY, want, why, now, watermark)
             if req.allow_suspect:
                 walk.counting(idx.suspects, SUSPECT, want, why, now, watermark)
+            walked_n = len(idx.ranked) + (len(idx.suspects) if req.allow_suspect else 0)
             if why.get(LOAD):  # some pass every filter but are full: wait, not elsewhere
-                raise Overloaded(self._nothing(idx, why), retry_after_ms=idx.retry_after_ms())
-            raise NoReachableAgent(self._nothing(idx, why))
+                raise Overloaded(self._nothing(idx, why, walked_n),
+                                 retry_after_ms=idx.retry_after_ms())  # fmt: skip
+            raise NoReachableAgent(self._nothing(idx, why, walked_n))
         return pool, walk
 
     def passing(
@@ -167,8 +169,11 @@ class Chooser(Generic[M]):
         """``slow_start_share`` for ``slow_start_s`` after recovery, then a linear ramp."""
         return draws.slow_start_factor(rec, now, self.cfg)
 
-    def _nothing(self, idx: CapabilityIndex[M], why: dict[str, int]) -> str:
-        """Why nothing passed: the message of the refusal."""
+    def _nothing(self, idx: CapabilityIndex[M], why: dict[str, int], walked: int = 0) -> str:
+        """Why nothing passed: the message of the refusal. ``walked``: the agents the walks
+        looked at (the ranked healthy ones, and the suspects when allowed); the others of
+        the capability are named by the last ranking's counts (below the minimum score, not
+        healthy), so the parts add up to the total without a pass over the members."""
         capability, total = idx.name, len(idx.members)
         if idx.healthy == 0:
             states: dict[str, int] = {}
@@ -192,6 +197,13 @@ class Chooser(Generic[M]):
         for code in [f.code for f in FILTERS[1:] if f.code != LOAD] + [FILTERS[0].code]:
             if why.get(code):
                 parts.append(f"{why[code]} filtered by {code}")
+        if idx.ejected:
+            parts.append(
+                f"{idx.ejected} healthy below the minimum score {self.cfg.min_reach_score}"
+            )
+        unwalked = total - walked - idx.ejected
+        if unwalked > 0:
+            parts.append(f"{unwalked} not healthy")
         detail = "; ".join(parts) or "none passed the filter"
         return f"no reachable agent for {capability!r} among {total}: {detail}"
 
