@@ -79,9 +79,14 @@ async def provision_leases(nc: NATS, ttl_s: float) -> None:
     await provision(nc, load_definitions(names=(PARTITIONS_STREAM,), overrides=leases))
 
 
+def said(caplog: pytest.LogCaptureFixture, prefix: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith(prefix)]
+
+
 async def test_a_renewal_the_server_wrote_after_its_timeout_keeps_the_partition(
-    nc: NATS, broker_factory: BrokerFactory
+    nc: NATS, broker_factory: BrokerFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="reach_broker.service.partitions")
     # Rounds every 200 s: the test drives the one that matters.
     b = await broker_factory(fleet__lease_ttl_s=600)
     assert len(b.partitions.held) == 32
@@ -90,9 +95,15 @@ async def test_a_renewal_the_server_wrote_after_its_timeout_keeps_the_partition(
     # What the server holds after one of b's renewals timed out at b and was written anyway.
     late = await kv.update("5", msgspec.json.encode(Lease(broker_id=b.broker_id, at_ms=1)),
                            last=revision)  # fmt: skip
+    _, revision_9, _ = b.partitions.held[9]
+    await kv.update("9", msgspec.json.encode(Lease(broker_id=b.broker_id, at_ms=1)),
+                    last=revision_9)  # fmt: skip
     await b.partitions.round()
-    assert 5 in b.partitions.held
+    assert 5 in b.partitions.held and 9 in b.partitions.held
     assert len(b.partitions.held) == 32
+    assert said(caplog, "partitions.renewal_landed") == [
+        "partitions.renewal_landed partitions=[5, 9]: renewals whose confirmation timed out "
+        "were written after all"]  # fmt: skip
     stored = await kv.get("5")
     assert stored.revision is not None and stored.value is not None
     assert stored.revision > late
@@ -101,16 +112,21 @@ async def test_a_renewal_the_server_wrote_after_its_timeout_keeps_the_partition(
 
 
 async def test_a_lease_another_broker_wrote_is_lost(
-    nc: NATS, broker_factory: BrokerFactory
+    nc: NATS, broker_factory: BrokerFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="reach_broker.service.partitions")
     b = await broker_factory(fleet__lease_ttl_s=600)
     assert len(b.partitions.held) == 32
     kv = await nc.jetstream().key_value(PARTITIONS_BUCKET)
-    _, revision, _ = b.partitions.held[5]
-    theirs = await kv.update("5", msgspec.json.encode(Lease(broker_id="another", at_ms=1)),
-                             last=revision)  # fmt: skip
+    for p in (12, 5):
+        _, revision, _ = b.partitions.held[p]
+        theirs = await kv.update(str(p), msgspec.json.encode(Lease(broker_id="another", at_ms=1)),
+                                 last=revision)  # fmt: skip
     await b.partitions.round()
-    assert sorted(b.partitions.held) == [p for p in range(32) if p != 5]
+    assert sorted(b.partitions.held) == [p for p in range(32) if p not in (5, 12)]
+    # One line for the round, naming both (one line each came 16 at once).
+    assert said(caplog, "partitions.lost") == [
+        "partitions.lost partitions=[5, 12]: another broker holds them now"]  # fmt: skip
     stored = await kv.get("5")
     assert stored.revision == theirs and stored.value is not None
     assert msgspec.json.decode(stored.value, type=Lease).broker_id == "another"

@@ -261,7 +261,20 @@ class Partitions:
         # Together: on a busy JetStream the count (a put and a watch) took up to 5.7 s, and
         # renewals waiting behind it came up to 9.3 s apart, leases of 10 s aging out under
         # their living owner (loadtest --brokers 4 --agents 100000 --kill).
-        await asyncio.gather(self._count(), *(self._renew(p, mine) for p in list(self.held)))
+        notes: dict[str, list[int]] = {}
+        await asyncio.gather(self._count(),
+                             *(self._renew(p, mine, notes) for p in list(self.held)))  # fmt: skip
+        # Said once a round, naming the partitions: the renewals run together, and one line
+        # each came 16 at once when a JetStream stalled (a nemesis run).
+        if landed := notes.get("landed"):
+            log.info("partitions.renewal_landed partitions=%s: renewals whose confirmation "
+                     "timed out were written after all", sorted(landed))  # fmt: skip
+        if lapsed := notes.get("lapsed"):
+            log.warning("partitions.lapsed partitions=%s: not renewed within the lease's time "
+                        "to live (another broker's by now, maybe)", sorted(lapsed))  # fmt: skip
+        if lost := notes.get("lost"):
+            log.warning("partitions.lost partitions=%s: another broker holds them now",
+                        sorted(lost))  # fmt: skip
         return mine
 
     async def balance(self, mine: bytes, *, warm: bool) -> None:
@@ -336,9 +349,10 @@ class Partitions:
             log.info("partitions.count_failed error=%r: counted again in %gs", exc, RETAKE_S)
             self._again_soon()
 
-    async def _renew(self, p: int, mine: bytes) -> None:
+    async def _renew(self, p: int, mine: bytes, notes: dict[str, list[int]]) -> None:
         """Renew partition ``p``'s lease (unless handed back meanwhile: the hand-backs run
-        beside the renewals)."""
+        beside the renewals); ``notes`` gathers what the round says (``lapsed``, ``lost``,
+        ``landed``: partitions by what befell their lease)."""
         held = self.held.get(p)
         if held is None:
             return
@@ -351,26 +365,27 @@ class Partitions:
                 # Not renewed within its time: it may be another broker's by now. (A broker
                 # alone keeps hearing it: nobody else would; its next renewal that gets
                 # through tells whether someone took it meanwhile.)
-                log.warning("partitions.lapsed partition=%d", p)
+                notes.setdefault("lapsed", []).append(p)
                 await self._lose(p)
             return
         if p not in self.held:
             return  # handed back meanwhile (stop)
         if revision is None:
             try:
-                revision = await self._landed_after_all(p, mine)
+                revision = await self._landed_after_all(p, mine, notes)
             except ClaimsUnavailable as exc:  # the next round tries again
                 log.debug("partitions.renew_failed partition=%d error=%s", p, exc)
                 return
             if p not in self.held:
                 return
         if revision is None:  # it lapsed and someone took it
-            log.warning("partitions.lost partition=%d", p)
+            notes.setdefault("lost", []).append(p)
             await self._lose(p)
         else:
             self.held[p] = (held[0], revision, now)
 
-    async def _landed_after_all(self, p: int, mine: bytes) -> int | None:
+    async def _landed_after_all(self, p: int, mine: bytes,
+                                notes: dict[str, list[int]]) -> int | None:  # fmt: skip
         """A renewal of ``p`` found another revision than the one it last confirmed: when
         the lease stored still names this broker, it is one of this broker's own renewals,
         whose confirmation timed out here while the server wrote it (a busy JetStream), and
@@ -383,8 +398,7 @@ class Partitions:
                 return None
         except msgspec.MsgspecError:
             return None
-        log.info("partitions.renewal_landed partition=%d revision=%d: a renewal whose "
-                 "confirmation timed out was written after all", p, stored.revision)  # fmt: skip
+        notes.setdefault("landed", []).append(p)
         return await self.store.swap(str(p), mine, stored.revision)
 
     async def _take(self, p: int, mine: bytes, warm: bool) -> bool:
