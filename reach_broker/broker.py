@@ -235,9 +235,6 @@ class Broker:
         )  # fmt: skip
         self.records = BrokerAcks(ctx, store_errors=m.store_errors)
         """The ack records the broker writes as itself (replay, Synadia answers, cancels)."""
-        self.replayer = Replayer(ctx, self.router, self.releaser.claim_of, agents.get,
-                                 self.records, cfg.compensation, ReplayMetrics.of(m),
-                                 finished=self.releaser.finished)  # fmt: skip
         self.canceller = Canceller(ctx, self.records, queue=QUEUE_GROUP,
                                    cancelled=m.compensation_result["cancelled"])  # fmt: skip
         """``<p>.cancel._broker``: a cancelled request's claim made final, its entry unqueued."""
@@ -274,6 +271,10 @@ class Broker:
         epochs = self.tables.book.epochs
         self.shares = Shares(ctx, cfg.fleet, epochs, counts=m.tables)
         """The other owners' shares of the route tables, followed (routes merge them)."""
+        self.replayer = Replayer(ctx, self.router, self.releaser.claim_of, agents.get,
+                                 self.records, cfg.compensation, ReplayMetrics.of(m),
+                                 whole_fleet=self.shares.owns_all,
+                                 finished=self.releaser.finished)  # fmt: skip
         self.forwarder = Forwarder(
             ctx, cfg.fleet, self.handlers.endpoints["route"], self.handlers.route,
             owned=epochs.__contains__, owns_all=self.shares.owns_all,

@@ -25,6 +25,7 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.js.errors import KeyNotFoundError
 
+import reach_agent
 from jetstream import ackreads, acks, compensation
 from jetstream.names import CLAIMS_STREAM
 from reach_agent.agent.agent import Agent
@@ -40,6 +41,8 @@ from reach_broker.service import snapshot
 
 from .conftest import BrokerFactory, connections_named, leases_aged_out, wait_for
 from .test_broker_wire import announce, heartbeat
+from .test_fleet_routes import holder, two_brokers
+from .test_sdk_failover import healthy
 
 SUBJECTS = Subjects()
 
@@ -312,7 +315,84 @@ async def test_a_task_queued_while_its_agent_is_full_runs_when_the_slot_frees(
         records = [await durable.wait(nc, rid, timeout=15) for rid in (first, second)]
     assert [(r.state, r.result) for r in records] == [("completed", {"n": 0}),
                                                       ("completed", {"n": 1})]  # fmt: skip
-    assert broker.metrics.compensation_result["replayed"]._value.get() == 2
+    # Counted once the receipt's record is written, which the result may overtake.
+    replayed = broker.metrics.compensation_result["replayed"]._value
+    await wait_for(lambda: replayed.get() >= 2, 5, what="two entries counted replayed")
+    assert replayed.get() == 2
+
+
+async def test_entries_another_broker_can_run_are_not_kept_by_a_full_one(
+    nc: NATS, broker_factory: BrokerFactory, nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """A broker routes replays to the agents of its own partitions: its agents full, it gives
+    the entries back at once, for a broker whose agents have room to take at its next sweep
+    (nemesis seed 35: waiting in the round for its own agent's slot, one broker kept a
+    backlog while the other's agents sat idle; given up after half of ack_wait_s, 30 s)."""
+    pair = await two_brokers(broker_factory, compensation__ack_wait_s=60.0,
+                             compensation__sweep_interval_s=0.5)  # fmt: skip
+    mine = next(f"rx-{i}" for i in range(100) if holder(pair, f"rx-{i}") is pair[0])
+    theirs = next(f"ry-{i}" for i in range(100) if holder(pair, f"ry-{i}") is pair[1])
+    one = full_agent(mine, "split.cap", tmp_path, nats_server.url)
+    room = reach_agent.Agent(theirs, ["split.cap"], max_concurrency=8, heartbeat_interval=0.1)
+    running, release = asyncio.Event(), asyncio.Event()
+    ran: dict[str, str] = {}
+
+    @one.handler("split.cap")
+    async def stuck(task: Any) -> dict[str, int]:
+        ran[task.request_id] = mine
+        running.set()
+        await release.wait()
+        return {}
+
+    @room.handler("split.cap")
+    async def quick(task: Any) -> dict[str, int]:
+        ran[task.request_id] = theirs
+        return {}
+
+    async with one.serve(nats_server.url):
+        await wait_for(lambda: healthy(pair[0], mine), 10, what=f"{mine} healthy")
+        # Only `mine` can take them: its broker fetches all eight and gives it one.
+        ids = [await durable.submit(nc, "split.cap", {"n": i}) for i in range(8)]
+        await asyncio.wait_for(running.wait(), 15)
+        async with room.serve(nats_server.url):
+            rest = [rid for rid in ids if rid not in ran]
+            records = await asyncio.gather(*(durable.wait(nc, rid, timeout=15) for rid in rest))
+            release.set()
+            first = await durable.wait(nc, next(iter(ran)), timeout=15)
+    assert len(rest) == 7
+    assert [r.state for r in records] == ["completed"] * 7
+    assert {ran[rid] for rid in rest} == {theirs}
+    assert first.state == "completed" and first.agent_id == mine
+
+
+async def test_entries_waiting_for_a_slot_are_given_back_when_the_broker_stops(
+    nc: NATS, broker_factory: BrokerFactory, nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """A stopping broker gives back the entries waiting in its round for a slot: held, they
+    came back only after ack_wait_s (nemesis seed 35: a task ran 30 s after its submit)."""
+    first = await broker_factory(compensation__ack_wait_s=60.0,
+                                 compensation__sweep_interval_s=3600.0)  # fmt: skip
+    agent = full_agent("wait1", "wait.cap", tmp_path, nats_server.url)
+    running, release = asyncio.Event(), asyncio.Event()
+    ran: list[str] = []
+
+    @agent.handler("wait.cap")
+    async def handle(task: Any) -> dict[str, int]:
+        ran.append(task.request_id)
+        running.set()
+        await release.wait()
+        return {}
+
+    async with agent.serve(nats_server.url):
+        ids = [await durable.submit(nc, "wait.cap", {"n": i}) for i in range(3)]
+        await asyncio.wait_for(running.wait(), 15)
+        await wait_for(lambda: "wait.cap" in first.replayer._running, 5, what="the round")
+        await first.stop()
+        await broker_factory(compensation__ack_wait_s=60.0, compensation__sweep_interval_s=3600.0)
+        release.set()
+        records = await asyncio.gather(*(durable.wait(nc, rid, timeout=15) for rid in ids))
+    assert [r.state for r in records] == ["completed"] * 3
+    assert sorted(ran) == sorted(ids)
 
 
 # --- 3: broker SIGKILLed mid-replay --------------------------------------------------------

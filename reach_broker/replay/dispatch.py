@@ -128,7 +128,12 @@ class Dispatches:
         if agent_id is None:
             return False, None
         rec = self.record_of(agent_id)
-        if rec is None or rec.state == "offline":
+        if rec is None:  # another broker's partition (a partitioned fleet), or gone
+            log.info("replay.marked_agent_unknown request_id=%s agent=%s: not held by this "
+                     "broker, routed again (its claim keeps it from running twice)",
+                     request_id, agent_id)  # fmt: skip
+            return False, None
+        if rec.state == "offline":
             log.warning("replay.marked_agent_gone request_id=%s agent=%s: routed again "
                         "(at least once)", request_id, agent_id)  # fmt: skip
             return False, None

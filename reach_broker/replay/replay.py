@@ -3,23 +3,24 @@
 A capability is replayed when an agent with it becomes ``healthy`` (a registry transition),
 when an entry is enqueued while one already is, and on every sweep while entries wait; when
 every agent of it is full (the router answers ``OVERLOADED``), again after the refusal's
-``retry_after_ms``, and a round's entry waits that long for a slot (for at most half of
-``ack_wait_s``) rather than ending the round. A replay round takes every available entry of
-the capability through its shared durable consumer (so two replicas never hold the same
-entry), orders them by priority then age, and
-sends each as a task with its original ``Reach-Request-Id`` and ``Reach-Receipt: 1`` to an
-agent the broker's Router picks, at most ``replay_concurrency`` at once (scaled down by the
-slow-start share of a just-recovered agent; one entry's delivery is
-:mod:`reach_broker.replay.replaysend`'s). After the agent's receipt the entry is held
-(:mod:`reach_broker.replay.taken`) until the agent's final ack record, and given back to run
-elsewhere should the agent go offline first; if the broker dies, JetStream redelivers it
-after ``ack_wait_s``. An entry whose request id an agent has claimed (KV ``reach_claims``)
-as completed or failed is removed without being sent (``claimed``); one a live agent is
-running (its claim, or an ``IN_PROGRESS`` answer) is held as that agent's; one whose holder
-is offline waits a moment for the claim's release. The agents' own claims keep the handler
-from running twice regardless. A redelivered entry is also looked up in the dispatch
-markers (:mod:`reach_broker.replay.dispatch`): acked at once when its ack record is stored, else
-sent to the agent it went to.
+``retry_after_ms``. A broker that owns every partition (its router sees the whole fleet)
+waits in the round for a slot, one entry at a time in the round's order, for at most half of
+``ack_wait_s``; one that owns some routes only to its own agents, so it gives the entries
+back for any replica at once and is kicked again later. A replay round takes every available
+entry of the capability through its shared durable consumer (so two replicas never hold the
+same entry), orders them by priority then age, and sends each as a task with its original
+``Reach-Request-Id`` and ``Reach-Receipt: 1`` to an agent the broker's Router picks, at most
+``replay_concurrency`` at once (scaled down by the slow-start share of a just-recovered
+agent; one entry's delivery is :mod:`reach_broker.replay.replaysend`'s). After the agent's
+receipt the entry is held (:mod:`reach_broker.replay.taken`) until the agent's final ack
+record, and given back to run elsewhere should the agent go offline first; if the broker
+dies, JetStream redelivers it after ``ack_wait_s``. An entry whose request id an agent has
+claimed (KV ``reach_claims``) as completed or failed is removed without being sent
+(``claimed``); one a live agent is running (its claim, or an ``IN_PROGRESS`` answer) is held
+as that agent's; one whose holder is offline waits a moment for the claim's release. The
+agents' own claims keep the handler from running twice regardless. A redelivered entry is
+also looked up in the dispatch markers (:mod:`reach_broker.replay.dispatch`): acked at once
+when its ack record is stored, else sent to the agent it went to.
 
 Expired entries (``Reach-Expires-Ms`` passed) are recorded on ``REACH_ACKS`` as ``failed``
 with ``error.reason = "expired"`` and removed: at replay, and by the periodic sweep for
@@ -63,6 +64,10 @@ from .taken import Taken
 
 log = logging.getLogger(__name__)
 
+AGAIN_MIN_S = 0.25
+"""The soonest a full capability is kicked again (a refusal's hint may be 10 ms): a round
+that finds its agents full at once fetches every waiting entry and gives them back."""
+
 
 class Replayer:
     """Broker component replaying ``REACH_COMPENSATION`` entries to reachable agents.
@@ -72,8 +77,12 @@ class Replayer:
                  claim_of: Callable[[str], Awaitable[ClaimView | None]],
                  record_of: Callable[[str], AgentRecord | None], records: BrokerAcks,
                  cfg: CompensationSection, metrics: ReplayMetrics,
+                 whole_fleet: Callable[[], bool],
                  finished: Callable[[str, str], None] | None = None) -> None:  # fmt: skip
-        """``finished``: told of each completed record (the claims' releaser)."""
+        """``whole_fleet``: whether this broker owns every partition (its router then sees
+        every agent: an entry refused for load waits in the round for a slot, else it is
+        given back for any replica); ``finished``: told of each completed record (the claims'
+        releaser)."""
         self.ctx, self.cfg, self.metrics = ctx, cfg, metrics
         self.router = router
         self.claim_of = claim_of
@@ -94,7 +103,7 @@ class Replayer:
         """The ack metrics, fed by this component's ``<p>.ack.>`` subscription; it tells
         ``finished`` (the claims' releaser) of each completed record."""
         self.sender = EntrySender(ctx, router, claim_of, record_of, self.taken, self.acks,
-                                  records, cfg, metrics.results)  # fmt: skip
+                                  records, cfg, metrics.results, whole_fleet)  # fmt: skip
         """Sends one entry (replaysend.py) and counts how each ended (``replayed``,
         ``expired``, ``failed``, ``claimed``); its ``dispatches`` (dispatch.py) say where each
         entry was sent, exactly once across a leader change."""
@@ -201,10 +210,11 @@ class Replayer:
         return True
 
     def _kick_later(self, capability: str, delay_s: float) -> None:
-        """One pending kick per capability (a sooner one is not moved)."""
+        """One pending kick per capability (a sooner one is not moved), at least
+        :data:`AGAIN_MIN_S` away."""
         if capability not in self._later:
             self._later[capability] = asyncio.get_running_loop().call_later(
-                delay_s, self._kick_now, capability
+                max(delay_s, AGAIN_MIN_S), self._kick_now, capability
             )
 
     def _kick_now(self, capability: str) -> None:
@@ -227,6 +237,7 @@ class Replayer:
                     return
                 entries = await self._fetch(capability)
                 if entries and await self._dispatch(capability, entries) == "stalled":
+                    self._routable(capability)  # still full: kicked again after the hint
                     return
                 if capability not in self._again:  # else enqueued during the round
                     return

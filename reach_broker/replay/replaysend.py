@@ -71,9 +71,11 @@ class EntrySender:
                  claim_of: Callable[[str], Awaitable[ClaimView | None]],
                  record_of: Callable[[str], AgentRecord | None], taken: Taken, acks: AckWatch,
                  records: BrokerAcks, cfg: CompensationSection,
-                 results: dict[str, Any]) -> None:  # fmt: skip
+                 results: dict[str, Any], whole_fleet: Callable[[], bool]) -> None:  # fmt: skip
         """``records``: the broker's own ack records; ``results``: ``reach_compensation_total``
-        by result."""
+        by result; ``whole_fleet``: whether this broker's agents are all of the fleet (it owns
+        every partition), so a full router means every agent is full."""
+        self.whole_fleet = whole_fleet
         self.ctx, self.cfg, self._results, self.records = ctx, cfg, results, records
         self.router = router
         self.claim_of = claim_of
@@ -92,6 +94,8 @@ class EntrySender:
         self.failed = 0
         self.claimed = 0  # entries an agent had claimed: removed, not sent
         self._route_req = RouteRequest(limit=3)
+        self._turns: dict[str, asyncio.Lock] = {}
+        """Per capability: the entry waiting for a slot, the others behind it."""
 
     async def deliver(self, e: Entry) -> Outcome:
         """Deliver one entry; a JetStream asset electing a leader (a marker or ack that
@@ -143,16 +147,20 @@ class EntrySender:
                     else [self._target(only, e.capability)]
                 )
             except Overloaded as exc:
-                if ctx.clock() > give_up:
+                if not self.whole_fleet() or ctx.clock() > give_up:
+                    # This broker routes to the agents of its own partitions only: another
+                    # broker's may have a slot, so the entry is given back for any replica's
+                    # round (held here, it waited while another broker's agents sat idle:
+                    # nemesis seed 35); this one's is kicked again later (replay.py).
                     log.info("replay.overloaded request_id=%s capability=%s: the round ends",
                              e.request_id, e.capability)  # fmt: skip
                     await e.msg.nak()
                     return "stalled"
-                # Every agent is at its load watermark: one should have a slot about a task
-                # time later (the refusal's hint). Waiting keeps the round's entries and
-                # order; a round ended here waited for the 5 s sweep while the agents sat
-                # idle (nemesis seed 34).
-                await asyncio.sleep(retry_after_s(exc) * (0.5 + random.random()))
+                # This broker's agents are the whole fleet, all full: one should have a slot
+                # about a task time later (the refusal's hint). Waited for here, in the
+                # round's order; a round ended here waited for the 5 s sweep while the
+                # agents sat idle (nemesis seed 34).
+                await self._slot(e, exc, give_up)
                 continue
             except ReachError as exc:
                 # The round ends here; the next starts at a submit, an agent turning healthy
@@ -162,6 +170,11 @@ class EntrySender:
                 await e.msg.nak()
                 return "stalled"
             for c in candidates:
+                rec = self.record_of(c.agent_id)
+                if rec is not None:  # counted as a route's pick is, until its next report:
+                    # uncounted, a round's concurrent entries all went to an agent that looked
+                    # idle, and it refused all but its free slots' worth (TARGET_BUSY)
+                    rec.handed_out(ctx.clock())
                 sent_ms = ctx.wall_ms()
                 await self.dispatches.mark(e.request_id, c.agent_id, sent_ms, ttl_s)
                 # Before the send: a claimed run's final record reaches the ack watch ahead
@@ -199,8 +212,48 @@ class EntrySender:
             if ctx.clock() > give_up:
                 await e.msg.nak()
                 return "stalled"
-            await asyncio.sleep(backoff * (0.5 + random.random()))
+            await self._pause(e, backoff * (0.5 + random.random()))
             backoff = min(backoff * 2, self.cfg.busy_retry_max_s)
+
+    async def _slot(self, e: Entry, refusal: Overloaded, give_up: float) -> None:
+        """Wait until the router has a slot for ``e``'s capability (or ``give_up``), asking
+        again after each refusal's ``retry_after_ms``. One entry of a capability waits at a
+        time, the others queued behind it in the order they were refused (each on a timer of
+        its own, they took the slot in any order)."""
+        turn = self._turns.get(e.capability)
+        if turn is None:
+            turn = self._turns[e.capability] = asyncio.Lock()
+        try:
+            async with turn:
+                while self.ctx.clock() <= give_up:
+                    await asyncio.sleep(retry_after_s(refusal) * (0.5 + random.random()))
+                    try:
+                        self.router.choose(e.capability, self._route_req, self.ctx.clock())
+                    except Overloaded as exc:
+                        refusal = exc
+                        continue
+                    except ReachError:
+                        pass  # not full but unroutable now: the route says why
+                    return
+        except asyncio.CancelledError:
+            await self._give_back(e)
+            raise
+
+    async def _pause(self, e: Entry, seconds: float) -> None:
+        """Sleep ``seconds`` before asking again (given back if cancelled meanwhile)."""
+        try:
+            await asyncio.sleep(seconds)
+        except asyncio.CancelledError:
+            await self._give_back(e)
+            raise
+
+    async def _give_back(self, e: Entry) -> None:
+        """An entry waiting to be sent, its round cancelled (a broker stopping): given back
+        for the next round or replica. Held, it came back only after ``ack_wait_s`` (nemesis
+        seed 35: a task ran 30 s after its submit)."""
+        with contextlib.suppress(Exception):
+            assert e.msg is not None
+            await e.msg.nak()
 
     def _target(self, agent_id: str, capability: str) -> Target:
         """Where a redelivered entry goes: the agent it went to before."""
