@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import Any
 
+import pytest
 from nats.aio.client import Client as NATS
 
 from reach_agent.wire.schema import Announce, Heartbeat
@@ -169,7 +170,9 @@ def observer(n: int, share: float = 0.3) -> tuple[Observer, Registry, dict[str, 
     return obs, reg, tokens, c
 
 
-def test_a_third_of_the_fleet_silent_at_once_makes_the_broker_doubt_itself() -> None:
+def test_a_third_of_the_fleet_silent_at_once_makes_the_broker_doubt_itself(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     obs, reg, tokens, c = observer(10)
     for i in range(7):  # 7 of 10 keep beating; 3 (30 %) go silent: allowed
         beat(reg, tokens, f"a{i}", 1, 2.0)
@@ -182,6 +185,9 @@ def test_a_third_of_the_fleet_silent_at_once_makes_the_broker_doubt_itself() -> 
     assert obs.tick(3.0) == []
     assert (obs.suspect, reg.held) == (True, {"a6", "a7", "a8", "a9"})
     assert c.metrics.observer_suspect._value.get() == 1
+    said = [r.getMessage() for r in caplog.records if "observer.suspect_self" in r.getMessage()]
+    assert [m.partition(":")[0] for m in said] == [
+        "observer.suspect_self held=4 silenced_lately=0 not_offline=10 share=0.30"]  # fmt: skip
     assert c.spawned == ["observer-confirm"]
     assert obs.tick(5.0) == []  # a0..a5 go silent too: every silence waits
     assert reg.held == {f"a{i}" for i in range(10)}

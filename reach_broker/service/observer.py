@@ -141,11 +141,13 @@ class Observer:
         self._next_confirm = now
         self._suspect.set(1)
         counts = self.registry.counts
+        # Named apart: the lately silenced may be offline by now, and the fleet counts no
+        # offline agent ("silent=2 fleet=1" read as twice the fleet: nemesis seed 35).
         log.warning(
-            "observer.suspect_self silent=%d fleet=%d share=%.2f: too much of the fleet went "
-            "silent at once; holding every state until heartbeats flow again or the server "
-            "confirms who is gone",
-            held + len(self._recent), sum(counts.values()) - counts["offline"], self.share,
+            "observer.suspect_self held=%d silenced_lately=%d not_offline=%d share=%.2f: too "
+            "much of the fleet went silent at once; holding every state until heartbeats "
+            "flow again or the server confirms who is gone",
+            held, len(self._recent), sum(counts.values()) - counts["offline"], self.share,
         )  # fmt: skip
 
     def release(self, now: float, why: str) -> None:
