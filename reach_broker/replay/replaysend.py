@@ -197,8 +197,9 @@ class EntrySender:
                         ctx.spawn(collect(), f"synadia-replay-{e.request_id}")
                     self.replayed += 1
                     self._results["replayed"].inc()
-                    log.info("replay.delivered request_id=%s capability=%s agent=%s priority=%d",
-                             e.request_id, e.capability, c.agent_id, e.priority)  # fmt: skip
+                    log.info("replay.delivered request_id=%s capability=%s agent=%s priority=%d "
+                             "queued_ms=%d", e.request_id, e.capability, c.agent_id, e.priority,
+                             sent_ms - e.enqueued_ms)  # fmt: skip
                     return "replayed"
                 if retryable("error", err):  # not taken here, now: another agent, or later
                     only = None  # a refusal (busy, draining) means it did not take it
