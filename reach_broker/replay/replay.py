@@ -219,7 +219,8 @@ class Replayer:
 
     def _kick_now(self, capability: str) -> None:
         del self._later[capability]
-        self.kick(capability)
+        if self._known.get(capability):  # else drained meanwhile (the sweep counts them)
+            self.kick(capability)
 
     def _limit(self, capability: str) -> int:
         """Replay concurrency, scaled by the best slow-start share among healthy agents."""
