@@ -365,11 +365,40 @@ async def test_entries_another_broker_can_run_are_not_kept_by_a_full_one(
     assert first.state == "completed" and first.agent_id == mine
 
 
+async def test_a_backlog_on_a_broker_owning_some_partitions_drains_without_the_sweep(
+    nc: NATS, broker_factory: BrokerFactory, nats_server: NatsServer
+) -> None:
+    """A broker that gives entries back for load looks again once its agent has a slot,
+    also when the slot freed before the round ended (nemesis seed 36: the eighth entry of a
+    round was refused, the round ended with the agent no longer full, and nothing but a
+    submit or the sweep looked again). Here the sweep never comes."""
+    pair = await two_brokers(broker_factory, compensation__sweep_interval_s=3600.0)
+    aid = next(f"rk-{i}" for i in range(100) if holder(pair, f"rk-{i}") is pair[1])
+    agent = reach_agent.Agent(aid, ["rk.cap"], max_concurrency=8, heartbeat_interval=0.1)
+    ran: list[str] = []
+
+    @agent.handler("rk.cap")
+    async def quick(task: Any) -> dict[str, int]:
+        await asyncio.sleep(0.05)
+        ran.append(task.request_id)
+        return {}
+
+    async with agent.serve(nats_server.url):
+        await wait_for(lambda: healthy(pair[1], aid), 10, what=f"{aid} healthy")
+        ids = [await durable.submit(nc, "rk.cap", {"n": i}) for i in range(24)]
+        records = await asyncio.gather(*(durable.wait(nc, rid, timeout=15) for rid in ids))
+    assert [r.state for r in records] == ["completed"] * 24
+    assert sorted(ran) == sorted(ids)
+
+
 async def test_entries_waiting_for_a_slot_are_given_back_when_the_broker_stops(
     nc: NATS, broker_factory: BrokerFactory, nats_server: NatsServer, tmp_path: Path
 ) -> None:
-    """A stopping broker gives back the entries waiting in its round for a slot: held, they
-    came back only after ack_wait_s (nemesis seed 35: a task ran 30 s after its submit)."""
+    """A stopping broker gives back the entries its round holds, those waiting for a slot and
+    those not yet started: held, they came back only after ack_wait_s (nemesis seed 35: a
+    task ran 30 s after its submit). Twelve entries: more than replay_concurrency (8), so the
+    round also waits for a delivery to end (nemesis seed 36: those deliveries outlived the
+    broker)."""
     first = await broker_factory(compensation__ack_wait_s=60.0,
                                  compensation__sweep_interval_s=3600.0)  # fmt: skip
     agent = full_agent("wait1", "wait.cap", tmp_path, nats_server.url)
@@ -384,14 +413,14 @@ async def test_entries_waiting_for_a_slot_are_given_back_when_the_broker_stops(
         return {}
 
     async with agent.serve(nats_server.url):
-        ids = [await durable.submit(nc, "wait.cap", {"n": i}) for i in range(3)]
+        ids = [await durable.submit(nc, "wait.cap", {"n": i}) for i in range(12)]
         await asyncio.wait_for(running.wait(), 15)
         await wait_for(lambda: "wait.cap" in first.replayer._running, 5, what="the round")
         await first.stop()
         await broker_factory(compensation__ack_wait_s=60.0, compensation__sweep_interval_s=3600.0)
         release.set()
         records = await asyncio.gather(*(durable.wait(nc, rid, timeout=15) for rid in ids))
-    assert [r.state for r in records] == ["completed"] * 3
+    assert [r.state for r in records] == ["completed"] * 12
     assert sorted(ran) == sorted(ids)
 
 

@@ -64,6 +64,12 @@ from .taken import Taken
 
 log = logging.getLogger(__name__)
 
+_ENDS = ("full", "stalled")
+"""The outcomes of an entry that end its round."""
+
+FAILED_SAY_S = 30.0
+"""How often a failed round is warned of (the others at debug, counted in the next)."""
+
 AGAIN_MIN_S = 0.25
 """The soonest a full capability is kicked again (a refusal's hint may be 10 ms): a round
 that finds its agents full at once fetches every waiting entry and gives them back."""
@@ -109,6 +115,8 @@ class Replayer:
         entry was sent, exactly once across a leader change."""
         self._subs: list[Any] = []
         self._sweeper: asyncio.Task[None] | None = None
+        self._failed_rounds = 0
+        self._failed_said_at = -FAILED_SAY_S
         self._later: dict[str, asyncio.TimerHandle] = {}
         """Kicks set for when a full capability should have a slot again."""
         self._route_req = RouteRequest(limit=3)
@@ -237,20 +245,38 @@ class Replayer:
                 if not self._routable(capability):
                     return
                 entries = await self._fetch(capability)
-                if entries and await self._dispatch(capability, entries) == "stalled":
-                    self._routable(capability)  # still full: kicked again after the hint
+                ended = await self._dispatch(capability, entries) if entries else None
+                if ended == "full":  # given back for load: looked at again after the
+                    # refusal's hint, or soon when a slot freed meanwhile (else nothing but
+                    # a submit or the sweep did: nemesis seed 36)
+                    if self._routable(capability):
+                        self._kick_later(capability, AGAIN_MIN_S)
                     return
-                if capability not in self._again:  # else enqueued during the round
-                    return
+                if ended == "stalled" or capability not in self._again:  # (else enqueued
+                    return  # during the round: taken at once)
         except asyncio.CancelledError:
             raise
         except (NatsError, TimeoutError) as exc:  # JetStream slow or away: a fault, not a bug
-            log.warning("replay.round_failed capability=%s error=%r: tried again by the next "
-                        "sweep", capability, exc)  # fmt: skip
+            self._round_failed(capability, exc)
         except Exception:  # noqa: BLE001 - a failed round is retried by the next sweep
             log.exception("replay.failed capability=%s", capability)
         finally:
             self._running.pop(capability, None)
+
+    def _round_failed(self, capability: str, exc: Exception) -> None:
+        """Warned at most every :data:`FAILED_SAY_S`, naming the rounds failed since: each
+        submit starts a round, and while JetStream could not answer that was a warning a
+        submit (12 a second in nemesis seed 36)."""
+        self._failed_rounds += 1
+        now = self.ctx.clock()
+        if now - self._failed_said_at < FAILED_SAY_S:
+            log.debug("replay.round_failed capability=%s error=%s", capability, exc)
+            return
+        self._failed_said_at = now
+        log.warning("replay.round_failed capability=%s error=%s rounds_failed=%d: tried "
+                    "again at the next submit or sweep", capability, exc,
+                    self._failed_rounds)  # fmt: skip
+        self._failed_rounds = 0
 
     async def _consumer(self, capability: str) -> Any:
         psub = self._consumers.get(capability)
@@ -271,32 +297,46 @@ class Replayer:
         return entries
 
     async def _dispatch(self, capability: str, entries: list[Entry]) -> Outcome | None:
-        """Deliver ``entries`` in order, bounded; give back (nak) what was not started."""
+        """Deliver ``entries`` in order, bounded; give back (nak) what was not started. How
+        the round ended: ``full`` (entries given back for load), ``stalled`` (JetStream), or
+        None (every entry went its way)."""
         held = {e.seq: e for e in entries}
         keepalive = asyncio.create_task(self._keepalive(held))
         inflight: set[asyncio.Task[Outcome]] = set()
-        stalled = False
+        ended: list[Outcome] = []
         try:
             for e in entries:
                 while len(inflight) >= self._limit(capability):
                     done, inflight = await asyncio.wait(
                         inflight, return_when=asyncio.FIRST_COMPLETED
                     )
-                    stalled = stalled or any(t.result() == "stalled" for t in done)
-                if stalled:
+                    ended += [r for t in done if (r := t.result()) in _ENDS]
+                if ended:
                     break
                 held.pop(e.seq, None)
                 inflight.add(asyncio.create_task(self.sender.deliver(e)))
             if inflight:
-                results = await asyncio.gather(*inflight)
-                stalled = stalled or "stalled" in results
+                ended += [r for r in await asyncio.gather(*inflight) if r in _ENDS]
+        except asyncio.CancelledError:
+            # asyncio.wait leaves what it waits on running: cancelled here, so that each
+            # gives its entry back before the broker's connection closes (a stopped
+            # broker's deliveries outlived it, their entries back after ack_wait_s).
+            for task in inflight:
+                task.cancel()
+            await asyncio.gather(*inflight, return_exceptions=True)
+            raise
         finally:
             keepalive.cancel()
             for e in held.values():  # not started: free for the next round or replica
                 with contextlib.suppress(Exception):
                     assert e.msg is not None
                     await e.msg.nak()
-        return "stalled" if stalled else None
+        if "full" in ended:  # said once a round (a line an entry came 40 a second)
+            log.info("replay.full capability=%s given_back=%d: this broker's agents of it are "
+                     "full; looked at again soon, another broker's may take them",
+                     capability, ended.count("full") + len(held))  # fmt: skip
+            return "full"
+        return "stalled" if ended else None
 
     async def _keepalive(self, held: dict[int, Entry]) -> None:
         """Tell JetStream the entries still waiting for a slot are being worked on."""
