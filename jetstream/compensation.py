@@ -19,6 +19,7 @@ acking, the entry is redelivered after ``ack_wait``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Mapping
@@ -221,6 +222,32 @@ async def take(psub: Any, subjects: StreamSubjects) -> list[Entry] | None:
     entries = [entry_of(m, subjects) for m in msgs]
     entries.sort(key=lambda e: (-e.priority, e.enqueued_ms, e.seq))
     return entries
+
+
+GIVE_BACK_TRY_S = 0.5
+"""How long one try of :func:`give_back` waits for the server's answer."""
+
+
+async def give_back(msg: Msg, *, delay_s: float | None = None, within_s: float = 5.0) -> bool:
+    """Nak a fetched entry (redelivered at once, or after ``delay_s``) and wait for the
+    server to say it took the nak, asking again while nobody answers (the consumer electing
+    a leader: no responders, or no answer) for up to ``within_s``. True once answered.
+
+    Not ``Msg.nak``: a nak published while the consumer has no leader reaches nobody, and the
+    entry came back only after the consumer's ``ack_wait`` (nemesis seed 37: nine entries
+    given back during an election ran 30 s after their submit, with agents idle)."""
+    payload = Msg.Ack.Nak
+    if delay_s:
+        payload += b" " + json.dumps({"delay": int(delay_s * 1e9)}).encode()
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            await msg._client.request(msg.reply, payload, timeout=GIVE_BACK_TRY_S)
+            return True
+        except (NoRespondersError, TimeoutError):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.1)  # no responders answers at once: not a busy loop
 
 
 async def depths(

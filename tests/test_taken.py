@@ -13,14 +13,18 @@ from reach_broker.replay.taken import Taken
 class Told:
     """The entry's JetStream message: what the holder told it."""
 
+    reply = "$JS.ACK.REACH_COMPENSATION.job.1.1.1.0.0"
+
     def __init__(self) -> None:
         self.said: list[str] = []
+        self._client = self  # a nak given back is a request on the message's client
 
     async def ack_sync(self) -> None:
         self.said.append("ack")
 
-    async def nak(self, delay: float | None = None) -> None:
-        self.said.append("nak")
+    async def request(self, subject: str, payload: bytes, **_: float) -> None:
+        assert subject == self.reply
+        self.said.append({b"-NAK": "nak"}[payload[:4]])
 
     async def in_progress(self) -> None:
         self.said.append("wip")

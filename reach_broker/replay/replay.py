@@ -44,7 +44,7 @@ from nats.errors import Error as NatsError
 
 from jetstream import compensation
 from jetstream.claims import ClaimsUnavailable
-from jetstream.compensation import Entry
+from jetstream.compensation import Entry, give_back
 from jetstream.names import H_EXPIRES_MS
 from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
@@ -327,10 +327,9 @@ class Replayer:
             raise
         finally:
             keepalive.cancel()
-            for e in held.values():  # not started: free for the next round or replica
-                with contextlib.suppress(Exception):
-                    assert e.msg is not None
-                    await e.msg.nak()
+            # Not started: free for the next round or replica.
+            await asyncio.gather(*(give_back(e.msg) for e in held.values() if e.msg),
+                                 return_exceptions=True)  # fmt: skip
         if "full" in ended:  # said once a round (a line an entry came 40 a second)
             log.info("replay.full capability=%s given_back=%d: this broker's agents of it are "
                      "full; looked at again soon, another broker's may take them",

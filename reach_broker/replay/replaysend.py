@@ -17,7 +17,7 @@ from typing import Any, Literal, NamedTuple
 
 from nats.errors import NoRespondersError
 
-from jetstream.compensation import Entry
+from jetstream.compensation import Entry, give_back
 from jetstream.names import H_REQUEST_ID
 from reach_agent.routing.index import RETRY_AFTER_DEFAULT_MS
 from reach_agent.wire import schema
@@ -112,13 +112,13 @@ class EntrySender:
             if not self.taken.holds(e.request_id):
                 with contextlib.suppress(Exception):
                     assert e.msg is not None
-                    await e.msg.nak()
+                    await give_back(e.msg, within_s=1.0)  # (the broker is stopping)
             raise
         except Exception as exc:  # noqa: BLE001 - retried by the next round or the sweep
             log.info("replay.stalled request_id=%s error=%r", e.request_id, exc)
             with contextlib.suppress(Exception):
                 assert e.msg is not None
-                await e.msg.nak(delay=STALL_WAIT_S)
+                await give_back(e.msg, delay_s=STALL_WAIT_S)
             return "stalled"
 
     async def _send(self, e: Entry) -> Outcome:
@@ -162,7 +162,7 @@ class EntrySender:
                     # nemesis seed 35); this one's is kicked again later (replay.py).
                     log.debug("replay.overloaded request_id=%s capability=%s: given back",
                               e.request_id, e.capability)  # fmt: skip
-                    await e.msg.nak()
+                    await give_back(e.msg)
                     return "full"
                 # This broker's agents are the whole fleet, all full: one should have a slot
                 # about a task time later (the refusal's hint). Waited for here, in the
@@ -175,7 +175,7 @@ class EntrySender:
                 # or the sweep (said, so a backlog waiting on the sweep shows why: seed 34).
                 log.info("replay.unroutable request_id=%s capability=%s error=%s: the round "
                          "ends", e.request_id, e.capability, exc.code)  # fmt: skip
-                await e.msg.nak()
+                await give_back(e.msg)
                 return "stalled"
             for c in candidates:
                 rec = self.record_of(c.agent_id)
@@ -219,7 +219,7 @@ class EntrySender:
                 self.failed += 1
                 return "failed"
             if ctx.clock() > give_up:
-                await e.msg.nak()
+                await give_back(e.msg)
                 return "stalled"
             await asyncio.sleep(backoff * (0.5 + random.random()))
             backoff = min(backoff * 2, self.cfg.busy_retry_max_s)
@@ -262,7 +262,7 @@ class EntrySender:
                 log.info("replay.held request_id=%s holder=%s: running there",
                          e.request_id, holder)  # fmt: skip
                 return "held"
-            await e.msg.nak(delay=RELEASE_WAIT_S)
+            await give_back(e.msg, delay_s=RELEASE_WAIT_S)
             return "deferred"
         await e.msg.ack_sync()
         self.claimed += 1

@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
 from jetstream.claims import ClaimsUnavailable
-from jetstream.compensation import Entry
+from jetstream.compensation import Entry, give_back
 from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
 from reach_broker.service.releases import ClaimView
@@ -142,7 +142,7 @@ class Taken:
                 continue
             assert held.entry.msg is not None
             with contextlib.suppress(Exception):  # else redelivered after ack_wait anyway
-                await held.entry.msg.nak()
+                await give_back(held.entry.msg)
             self.returned += 1
             self.on_returned()
             caps.append(held.entry.capability)
@@ -202,5 +202,5 @@ class Taken:
             self.on_returned()
             log.warning("replay.taken_returned request_id=%s claim=%s: queued again", rid,
                         claim[1])  # fmt: skip
-            await held.entry.msg.nak()
+            await give_back(held.entry.msg)
         return False
