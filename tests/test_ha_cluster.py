@@ -19,7 +19,9 @@ import collections
 import contextlib
 import itertools
 import json
+import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -589,3 +591,51 @@ async def test_an_entry_given_back_during_a_consumer_election_comes_back_at_once
         finally:
             await reader.close()
             await nc.close()
+
+
+# --- a reconcile that a node did not answer -------------------------------------------------
+
+
+async def test_a_reconcile_a_node_did_not_answer_suspects_none_of_its_agents(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The broker on n1 reconciles with a CONNZ that n3 (stopped: its connections stay
+    open) does not answer: asked again, still partial, nothing is reconciled; n3's agent
+    would otherwise look disconnected (a raw agent, answering no probe, offline at once)."""
+    async with nats_cluster(tmp_path / "cluster", nodes=3) as cluster:
+        await cluster.wait_meta_leader()
+        seen = Transitions()
+        cfg = fast_config(",".join(cluster.urls))
+        cfg.broker.token_secret = "ha-test-secret"
+        broker = Broker(cfg, metrics=Metrics(), watchers=[seen])
+        await broker.start()
+        ran: collections.Counter[str] = collections.Counter()
+        agent = make_agent("agent-on-n3", ran, 0.0, interval=30.0)
+        try:
+            await agent.start(rotated(cluster, 2))
+            assert (node_of(broker.nc), node_of(agent.nc)) == ("n1", "n3")
+            await wait_for(lambda: "agent-on-n3" in broker.registry.agents, 5,
+                           what="the agent registered")  # fmt: skip
+            assert await broker.advisories.reconcile() == 0
+            assert broker.advisories.servers == 3
+            answers = broker.advisories.answers
+            pid = cluster.pid("n3")
+            assert pid is not None
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                with caplog.at_level(logging.WARNING, logger="reach_broker.service.advisories"):
+                    assert await broker.advisories.reconcile() == 0
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            said = [r.getMessage() for r in caplog.records if "connz_partial" in r.getMessage()]
+            assert said == ["advisories.connz_partial $SYS.REQ.ACCOUNT.APP.CONNZ answered by 2 "
+                            "of 3 servers (n1,n2) in 3 tries: not reconciled"]  # fmt: skip
+            assert broker.advisories.answers == answers + 1  # the link works: it answered
+            assert broker.registry.agents["agent-on-n3"].state == "healthy"
+            assert seen.of("agent-on-n3") == []
+            # Two servers answered last: the next CONNZ, which all three answer, reconciles.
+            assert await broker.advisories.reconcile() == 0
+            assert broker.advisories.servers == 3
+        finally:
+            await agent.stop(grace=1.0)
+            await broker.stop()

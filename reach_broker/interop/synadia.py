@@ -60,7 +60,13 @@ from reach_agent.wire.subjects import AGENTS
 from reach_broker.config import SynadiaSection
 from reach_broker.core.records import AgentRecord, Transition
 from reach_broker.core.registry import Registry
-from reach_broker.service.clusterinfo import Account, connz_subject, gather, server_of
+from reach_broker.service.clusterinfo import (
+    Account,
+    connz_subject,
+    gather,
+    server_of,
+    unanswered,
+)
 from reach_broker.service.context import BrokerContext
 from reach_broker.service.handlers import Handlers
 from reach_broker.service.probes import Prober, ProbeSend
@@ -119,6 +125,8 @@ class SynadiaAgents:
         self.conns: dict[ConnKey, set[str]] = {}
         self.located = 0
         """CONNZ answers taken (tests wait on it)."""
+        self.servers = 0
+        """Servers that answered the last CONNZ: the next one answered by fewer is partial."""
         self._lookups: dict[str, float] = {}
         self._locate_due = False
         self._sub: Any = None
@@ -301,7 +309,8 @@ class SynadiaAgents:
 
     async def locate(self) -> None:
         """Which connection holds each instance (CONNZ with subscription details); a known
-        instance held by none is suspected as a closed connection would be."""
+        instance held by none is suspected as a closed connection would be. A CONNZ that
+        fewer servers answered than the cluster has (:func:`unanswered`) judges nobody."""
         account = self.account.name
         if account is None or not self.instances:
             return
@@ -309,6 +318,7 @@ class SynadiaAgents:
         # partition taken over has its instances' connections at once).
         judged = {agent_id for agent_id in self.instances if self.owns(agent_id)}
         found: dict[str, ConnKey] = {}
+        servers: set[str] | None = None
         offset = 0
         while True:
             body = _encoder.encode(
@@ -341,9 +351,20 @@ class SynadiaAgents:
                         if agent_id is not None:
                             found[agent_id] = (server, conn.cid)
                 more = more or len(data.connections) >= CONNZ_PAGE
+            if servers is None:
+                servers = {server_of(msg) for msg in replies}
             if not more:
                 break
             offset += CONNZ_PAGE
+        answered = len(servers or ())
+        missing = unanswered(self.ctx.nc, answered, self.servers)
+        self.servers = answered
+        if missing:
+            # The instances of a server that did not answer would look held by none: left
+            # as they were until the next sweep asks again.
+            log.warning("synadia.locate_partial answered by %d of %d servers: not judged",
+                        answered, answered + missing)  # fmt: skip
+            return
         self.located += 1
         self.conns = {}
         for agent_id, key in found.items():

@@ -15,8 +15,11 @@ user may ask), or taken from ``detection.advisory_account``.
 - At start and after the broker reconnects: reconcile with ``CONNZ``: known agents with no
   connection become ``suspect`` (and are probed), e.g. agents restored from a snapshot. On a
   cluster every node answers about its own connections and every answer is gathered
-  (:func:`reach_broker.service.clusterinfo.gather`); a partial list (a node that did not answer in
-  time) only costs probes, never a wrong ``offline``.
+  (:func:`reach_broker.service.clusterinfo.gather`). A partial list would make the agents of
+  a node that did not answer look disconnected (a raw agent, which answers no probe, would go
+  offline at once): a CONNZ answered by fewer servers than the last one, or than the
+  connection's server advertises, is asked again, and if it stays partial nothing is
+  reconciled (``advisories.connz_partial``); heartbeats decide.
 
 Connections that are not named after an agent (Synadia Agent Protocol agents, whose
 connections are usually unnamed) are matched by the component that knows them, handed in at
@@ -36,6 +39,7 @@ claims a known agent's name with another's JWT is ignored and counted
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, Protocol
 
@@ -48,7 +52,7 @@ from reach_agent.grants import jwt_name
 from reach_broker.config import DetectionSection
 from reach_broker.core.registry import Registry
 
-from .clusterinfo import Account, connz_subject, gather, server_of
+from .clusterinfo import Account, connz_subject, gather, server_of, unanswered
 from .context import BrokerContext
 from .probes import Prober
 
@@ -70,6 +74,12 @@ CONNZ_MAX_PAGES = 1000
 """Bound of the reconcile loop (a million connections)."""
 
 REQUEST_TIMEOUT_S = 2.0
+
+PARTIAL_TRIES = 3
+"""A CONNZ that a server of the cluster did not answer is asked this many times in all
+(a server just started or reconnected may not route every account's replies yet)."""
+PARTIAL_PAUSE_S = 1.0
+"""Between those tries."""
 
 CONNECT_PROBE_DELAY_S = 0.25
 """A known offline agent that connects is probed this long after its CONNECT advisory."""
@@ -154,7 +164,8 @@ class Advisories:
         """True once the server answered CONNZ for our account (or an advisory arrived)."""
         self.disconnects = 0
         self.servers = 0
-        """Servers that answered the last CONNZ (every node of a cluster)."""
+        """Servers that answered the last CONNZ (every node of a cluster): the next one
+        answered by fewer is partial."""
         self.answers = 0
         """CONNZ lists obtained (the observer's proof that the broker's link works)."""
         self._subs: list[Any] = []
@@ -206,14 +217,42 @@ class Advisories:
         return len(transitions)
 
     async def _connection_names(self) -> set[str] | None:
-        """Names of the account's live connections on every server that answers, or None
-        when no server will say."""
+        """Names of the account's live connections on every server of the cluster, or None
+        when no server will say or some server did not answer (asked again
+        ``PARTIAL_TRIES`` times first)."""
         account = self.account.name
         if account is None:
             self._unavailable("account unknown ($SYS.REQ.USER.INFO did not answer)")
             return None
         subject = connz_subject(account)
+        for attempt in range(1, PARTIAL_TRIES + 1):
+            listed = await self._listed(subject)
+            if listed is None:
+                return None
+            names, servers = listed
+            missing = unanswered(self.ctx.nc, len(servers), self.servers)
+            if not missing:
+                break
+            if attempt < PARTIAL_TRIES:
+                await asyncio.sleep(PARTIAL_PAUSE_S)
+        self.answers += 1
+        self._available()
+        expected, self.servers = len(servers) + missing, len(servers)
+        if missing:
+            # The agents of a server that did not answer would look disconnected: a raw agent
+            # (no probe responder) would go offline at once. Not reconciled; their heartbeats
+            # decide. As many servers as answered are what the next reconcile expects.
+            log.warning("advisories.connz_partial %s answered by %d of %d servers (%s) in %d "
+                        "tries: not reconciled", subject, len(servers), expected,
+                        ",".join(sorted(servers)), PARTIAL_TRIES)  # fmt: skip
+            return None
+        return names
+
+    async def _listed(self, subject: str) -> tuple[set[str], set[str]] | None:
+        """One CONNZ, every page: (connection names, servers that answered its first page),
+        or None when no server will say."""
         names: set[str] = set()
+        first: set[str] | None = None
         offset = 0
         for _ in range(CONNZ_MAX_PAGES):
             body = _encoder.encode({"offset": offset, "limit": CONNZ_PAGE, "auth": True})
@@ -251,13 +290,12 @@ class Advisories:
             if not servers:
                 self._unavailable(f"{subject} answered without data")
                 return None
-            self.servers = len(servers)
+            if first is None:
+                first = servers
             if not more:
                 break
             offset += CONNZ_PAGE
-        self.answers += 1
-        self._available()
-        return names
+        return names, first or set()
 
     def _available(self) -> None:
         if not self.available:

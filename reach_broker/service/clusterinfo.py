@@ -4,9 +4,11 @@ account, the cluster's size.
 On a cluster, a system-account request such as ``CONNZ`` (exported with ``response_type:
 stream``) is answered by **every** node, each about its own connections; nats-py's
 ``request()`` keeps only the first answer. :func:`gather` publishes once and collects them
-all. :func:`cluster_size` is what ``[jetstream] replicas`` defaults from: 1 on a server that
-reports no cluster, else the most nodes any source names (the ``connect_urls`` of the
-server's INFO, the servers answering a ``CONNZ``).
+all; :func:`unanswered` says whether all did (a node just started or reconnected may not route
+every account's replies yet: its connections would look closed). :func:`cluster_size` is
+what ``[jetstream] replicas`` defaults from: 1 on a server that reports no cluster, else the
+most nodes any source names (the ``connect_urls`` of the server's INFO, the servers answering
+a ``CONNZ``).
 """
 
 from __future__ import annotations
@@ -101,6 +103,18 @@ async def gather(
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
     return got
+
+
+def unanswered(nc: NATS, answered: int, last: int) -> int:
+    """How many servers of the cluster did not answer a request every server answers
+    (``CONNZ``), ``answered`` having: the cluster has as many as answered the last one
+    (``last``), or as the connection's server advertises (its INFO's ``connect_urls``, as of
+    this connection), whichever is more. Counted, not named: a node restarted without a
+    ``server_name`` answers under a new id. A lone server: 0."""
+    info = nc._server_info or {}
+    if not info.get("cluster"):
+        return 0
+    return max(max(last, len(info.get("connect_urls") or [])) - answered, 0)
 
 
 def server_of(msg: Msg) -> str:
