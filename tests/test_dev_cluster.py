@@ -305,17 +305,24 @@ async def test_connz_is_answered_by_every_node(tmp_path: Path) -> None:
     async with nats_cluster(tmp_path / "cluster") as cluster:
         conns = [await nats.connect(url, name=f"connz-{i}") for i, url in enumerate(cluster.urls)]
         try:
-            replies: list[dict[str, Any]] = []
-
-            async def collect(msg: Any) -> None:
-                replies.append(json.loads(msg.data))
-
             nc = conns[0]
-            inbox = nc.new_inbox()
-            await nc.subscribe(inbox, cb=collect)
-            await flush_subscriptions(nc)
-            await nc.publish("$SYS.REQ.ACCOUNT.APP.CONNZ", b"{}", reply=inbox)
-            await wait_for(lambda: len(replies) == 3, what="a CONNZ reply from every node")
+            # The inbox's interest reaches n2 and n3 over routes some time after the SUB:
+            # until it has, their replies go nowhere. Ask again, on a fresh inbox, until one
+            # request is answered by every node.
+            deadline = asyncio.get_running_loop().time() + 10
+            replies: list[dict[str, Any]] = []
+            while len(replies) < 3:
+                assert asyncio.get_running_loop().time() < deadline, f"answered by {replies}"
+                sub = await nc.subscribe(nc.new_inbox())
+                await flush_subscriptions(nc)
+                await nc.publish("$SYS.REQ.ACCOUNT.APP.CONNZ", b"{}", reply=sub.subject)
+                replies = []
+                while len(replies) < 3:
+                    try:
+                        replies.append(json.loads((await sub.next_msg(timeout=0.5)).data))
+                    except TimeoutError:
+                        break
+                await sub.unsubscribe()
             by_server = {r["server"]["name"]: r["data"]["num_connections"] for r in replies}
             assert by_server == {"n1": 1, "n2": 1, "n3": 1}
         finally:
