@@ -20,6 +20,7 @@ import msgspec
 import nats
 import pytest
 from nats.aio.client import Client as NATS
+from nats.js.errors import ServiceUnavailableError
 
 import reach_agent
 from jetstream import ackreads, acks, compensation
@@ -1165,6 +1166,48 @@ async def test_a_finished_claim_whose_result_is_not_stored_yet_is_read_again_on_
     labels = {"capability": "ledger"}
     assert sample("reach_agent_tasks_total", {**labels, "result": "unstored"}) == 1.0
     assert sample("reach_agent_tasks_total", {**labels, "result": "duplicate"}) == 1.0
+
+
+async def test_a_finished_claim_whose_result_cannot_be_read_is_answered_store_unavailable(
+    nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """``REACH_ACKS`` answers the read of a finished claim's result with JetStream's 503 (an
+    election): the copy is answered ``STORE_UNAVAILABLE`` (retryable) and not run (nemesis
+    seed 38: the error ended the agent's task unanswered, 'Task exception was never
+    retrieved'). Only the read is made to fail; the rest is the real server."""
+    runs: list[tuple[str, str]] = []
+    metrics = reach_agent.AgentMetrics()
+    await agents(slow_agent("reader", "ledger", runs, metrics=metrics))
+    await wait_for(lambda: healthy(broker, "reader"))
+    rid = str(uuid.uuid4())
+    done = schema.Claim(request_id=rid, agent_id="ghost", instance="g1", capability="ledger",
+                        state="completed", at_ms=1,
+                        ack_subject=SUBJECTS.ack("ghost", rid))  # fmt: skip
+    created, _ = await ClaimStore(nc).create(claim_key(rid), schema.encoder.encode(done))
+    assert created
+
+    async def electing(*args: Any, **kwargs: Any) -> Any:
+        raise ServiceUnavailableError(
+            code=503, err_code=10008, description="JetStream system temporarily unavailable"
+        )
+
+    monkeypatch.setattr(ackreads, "wait_final_at", electing)
+    task = SUBJECTS.task("reader", "ledger")
+    reply = await nc.request(task, b'{"n": 3}', headers={H_REQUEST_ID: rid}, timeout=5)
+    assert (reply.headers or {}).get("Nats-Service-Error-Code") == "503"
+    err = from_reply(reply.headers, reply.data)
+    assert err is not None
+    assert (err.code, err.retryable, err.retry_after_ms) == ("STORE_UNAVAILABLE", True, 500)
+    assert err.message == (
+        f"request_id {rid!r} already completed on agent 'ghost', but REACH_ACKS could not be "
+        f"read (reach.ack.ghost.{rid}: ServiceUnavailableError: nats: ServiceUnavailableError: "
+        "code=503 err_code=10008 description='JetStream system temporarily unavailable'): not "
+        "run again; ask again"
+    )
+    assert runs == []
+    labels = {"capability": "ledger", "result": "unstored"}
+    assert metrics.registry.get_sample_value("reach_agent_tasks_total", labels) == 1.0
 
 
 async def test_a_caller_answered_from_another_agents_claim_waits_for_the_holders_record(

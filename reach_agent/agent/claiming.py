@@ -46,6 +46,7 @@ from typing import Literal
 
 import msgspec
 from nats.aio.client import Client as NATS
+from nats.errors import Error as NatsError
 
 from jetstream import ackreads
 from jetstream.claims import (
@@ -486,8 +487,9 @@ class Claimer:
         another body), labelled: ``in_progress`` (``IN_PROGRESS``: it runs elsewhere),
         ``mismatch`` (``IDEMPOTENCY_MISMATCH``: the request id was claimed for another body),
         ``duplicate`` (the stored result: the request's answer for good) or ``unstored``
-        (finished, but its result could not be read in time: ``TIMEOUT``, retryable, and not
-        the request's answer — the next copy reads the store again)."""
+        (finished, but its result could not be read in time: ``TIMEOUT``, or at all now:
+        ``STORE_UNAVAILABLE``; retryable, and not the request's answer — the next copy reads
+        the store again)."""
         existing = claimed.existing
         assert existing is not None
         if claimed.verdict == "mismatch":
@@ -512,6 +514,14 @@ class Claimer:
                 rec = attributed(stored)
             except TimeoutError:
                 pass
+            except NatsError as exc:  # JetStream's 503 while it elects, no responders
+                err = StoreUnavailable(
+                    f"request_id {request_id!r} already {existing.state} on agent "
+                    f"{existing.agent_id!r}, but REACH_ACKS could not be read ({location}: "
+                    f"{type(exc).__name__}: {exc}): not run again; ask again",
+                    retry_after_ms=RETRY_AFTER_MS,
+                )
+                return "unstored", _error_reply(err, request_id)
         if rec is None:
             err = Timeout(
                 f"request_id {request_id!r} already {existing.state} on agent "
