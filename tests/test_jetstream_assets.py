@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 from pathlib import Path
 
@@ -194,6 +195,30 @@ async def test_full_queue_refuses_with_compensation_full_and_holds_exactly_the_b
     assert [e.request_id for e in entries] == list(ids)
     assert entries[4].priority == 1
     assert entries[4].headers[H_REQUEST_ID] == ids[4]
+
+
+async def test_a_give_back_nobody_confirms_says_so_and_the_entry_stays_taken(
+    nc: NATS, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``give_back`` asks until ``within_s`` is over; a nak nobody confirmed (here: the
+    consumer deleted under the fetched entry, so its ack subject has no responders) returns
+    False and says so, naming the entry (nemesis seed 38: ten entries whose give-back met a
+    stopped node waited for ack_wait without a line)."""
+    js = nc.jetstream()
+    await js.add_stream(name="GIVEBACK", subjects=["giveback.>"])
+    await js.publish("giveback.x", b"x")
+    psub = await js.pull_subscribe("giveback.x", durable="d", stream="GIVEBACK")
+    [msg] = await psub.fetch(1, timeout=2.0)
+    await js.delete_consumer("GIVEBACK", "d")
+    with caplog.at_level(logging.WARNING, logger="jetstream.compensation"):
+        started = asyncio.get_running_loop().time()
+        assert await compensation.give_back(msg, within_s=0.6) is False
+        took = asyncio.get_running_loop().time() - started
+    assert took >= 0.6  # asked until within_s was over
+    said = [r.getMessage() for r in caplog.records if r.name == "jetstream.compensation"]
+    assert said == ["compensation.give_back_unconfirmed subject=giveback.x seq=1 "
+                    "error=NoRespondersError: no answer within 0.6 s; the entry comes back "
+                    "after the consumer's ack_wait"]  # fmt: skip
 
 
 async def test_client_counts_what_its_submits_became(
