@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -171,11 +172,12 @@ async def test_a_bad_capability_is_one_line_before_anything_is_sent(
     command: list[str], flag: str, value: str
 ) -> None:
     # No server at all: the name is refused before connecting (a broker would say the same).
-    url = f"nats://127.0.0.1:{free_port()}"
-    code, out, err = await reach(*command, value, "-s", url)
-    assert (code, out) == (2, "")
-    assert err == f"reach: {flag} {value!r} {CAPABILITY_RULE}\n"
-    code, out, err = await reach(*command, value, "--json", "-s", url)
+    with refused_port() as port:
+        url = f"nats://127.0.0.1:{port}"
+        code, out, err = await reach(*command, value, "-s", url)
+        assert (code, out) == (2, "")
+        assert err == f"reach: {flag} {value!r} {CAPABILITY_RULE}\n"
+        code, out, err = await reach(*command, value, "--json", "-s", url)
     assert code == 2
     message = f"{flag} {value!r} {CAPABILITY_RULE}"
     assert json.loads(out) == {"error": {"code": "INVALID_CAPABILITY", "exit": 2,
@@ -238,10 +240,14 @@ async def test_route_errors_are_one_line(
 # --- unreachable server / no broker -------------------------------------------------------
 
 
-def free_port() -> int:
+@contextlib.contextmanager
+def refused_port() -> Iterator[int]:
+    """A loopback port nobody listens on for as long as it is held: bound here and never
+    listened on, so a connect is refused and no other process (a parallel test's server) can
+    take it meanwhile (a port merely found free was, once, under xdist)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        yield int(s.getsockname()[1])
 
 
 NO_SERVER_COMMANDS = [["agents"], ["route", "tool_use"], ["top", "--once"],
@@ -250,12 +256,13 @@ NO_SERVER_COMMANDS = [["agents"], ["route", "tool_use"], ["top", "--once"],
 
 @pytest.mark.parametrize("command", NO_SERVER_COMMANDS)
 async def test_no_server_is_one_clear_line(command: list[str]) -> None:
-    url = f"nats://127.0.0.1:{free_port()}"
-    line = (f"cannot connect to NATS at {url}: connection refused "
-            "(is `reach broker` running? set --server or NATS_URL)")  # fmt: skip
-    code, out, err = await reach(*command, "-s", url, "--timeout", "1")
-    assert (code, out, err) == (3, "", f"reach: {line}\n")
-    code, out, err = await reach(*command, "--json", "-s", url, "--timeout", "1")
+    with refused_port() as port:
+        url = f"nats://127.0.0.1:{port}"
+        line = (f"cannot connect to NATS at {url}: connection refused "
+                "(is `reach broker` running? set --server or NATS_URL)")  # fmt: skip
+        code, out, err = await reach(*command, "-s", url, "--timeout", "1")
+        assert (code, out, err) == (3, "", f"reach: {line}\n")
+        code, out, err = await reach(*command, "--json", "-s", url, "--timeout", "1")
     assert (code, err) == (3, f"reach: {line}\n")
     assert json.loads(out) == {"error": {"code": "UNAVAILABLE", "message": line, "exit": 3}}
 
