@@ -202,8 +202,11 @@ class CompensationSection(Section):
     """Replayed tasks in flight at once, per capability."""
     receipt_timeout_s: Positive = 2.0
     """How long a replay waits for the agent's receipt before trying another agent."""
-    ack_wait_s: Positive = 30.0
-    """A fetched entry not acked within this is redelivered (e.g. its broker died mid-replay)."""
+    ack_wait_s: Positive = 15.0
+    """A fetched entry not acked (nor kept alive) within this is redelivered: its broker died
+    mid-replay, or a nak was lost in a leader change. The longest such an entry waits; kept
+    alive every third of it while an agent runs it. Was 30 s, as long as a caller's usual
+    wait: nemesis seeds 38 and 39 saw 19 waits time out just before such an entry ran."""
     sweep_interval_s: Positive = 5.0
     """How often expired entries are recorded `failed`/`expired` and removed, the depth gauge
     refreshed, and capabilities with waiting entries and a reachable agent replayed again."""
