@@ -1130,6 +1130,21 @@ async def test_a_broker_started_later_does_not_keep_claims_their_completed_recor
     assert released is not None and released.state == "released"
 
 
+async def finished_by_ghost(nc: NATS, broker: Broker, agents: Any, runs: list[tuple[str, str]],
+                            metrics: reach_agent.AgentMetrics) -> str:  # fmt: skip
+    """Agent "reader" (``ledger``) healthy, and a new request id whose claim "ghost" holds
+    ``completed`` (its result record not stored): the request id."""
+    await agents(slow_agent("reader", "ledger", runs, metrics=metrics))
+    await wait_for(lambda: healthy(broker, "reader"))
+    rid = str(uuid.uuid4())
+    done = schema.Claim(request_id=rid, agent_id="ghost", instance="g1", capability="ledger",
+                        state="completed", at_ms=1,
+                        ack_subject=SUBJECTS.ack("ghost", rid))  # fmt: skip
+    created, _ = await ClaimStore(nc).create(claim_key(rid), schema.encoder.encode(done))
+    assert created
+    return rid
+
+
 async def test_a_finished_claim_whose_result_is_not_stored_yet_is_read_again_on_the_next_copy(
     nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS
 ) -> None:
@@ -1140,14 +1155,7 @@ async def test_a_finished_claim_whose_result_is_not_stored_yet_is_read_again_on_
     window for two minutes after the record was stored)."""
     runs: list[tuple[str, str]] = []
     metrics = reach_agent.AgentMetrics()
-    await agents(slow_agent("reader", "ledger", runs, metrics=metrics))
-    await wait_for(lambda: healthy(broker, "reader"))
-    rid = str(uuid.uuid4())
-    done = schema.Claim(request_id=rid, agent_id="ghost", instance="g1", capability="ledger",
-                        state="completed", at_ms=1,
-                        ack_subject=SUBJECTS.ack("ghost", rid))  # fmt: skip
-    created, _ = await ClaimStore(nc).create(claim_key(rid), schema.encoder.encode(done))
-    assert created
+    rid = await finished_by_ghost(nc, broker, agents, runs, metrics)
     task = SUBJECTS.task("reader", "ledger")
     first = await nc.request(task, b'{"n": 3}', headers={H_REQUEST_ID: rid}, timeout=10)
     assert (first.headers or {}).get("Nats-Service-Error-Code") == "503"
@@ -1178,14 +1186,7 @@ async def test_a_finished_claim_whose_result_cannot_be_read_is_answered_store_un
     retrieved'). Only the read is made to fail; the rest is the real server."""
     runs: list[tuple[str, str]] = []
     metrics = reach_agent.AgentMetrics()
-    await agents(slow_agent("reader", "ledger", runs, metrics=metrics))
-    await wait_for(lambda: healthy(broker, "reader"))
-    rid = str(uuid.uuid4())
-    done = schema.Claim(request_id=rid, agent_id="ghost", instance="g1", capability="ledger",
-                        state="completed", at_ms=1,
-                        ack_subject=SUBJECTS.ack("ghost", rid))  # fmt: skip
-    created, _ = await ClaimStore(nc).create(claim_key(rid), schema.encoder.encode(done))
-    assert created
+    rid = await finished_by_ghost(nc, broker, agents, runs, metrics)
 
     async def electing(*args: Any, **kwargs: Any) -> Any:
         raise ServiceUnavailableError(
