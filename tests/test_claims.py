@@ -1102,6 +1102,35 @@ async def test_a_replaced_process_has_its_claims_released_also_those_learnt_afte
     assert "process first had been replaced by a new one" in late_event["reason"]
 
 
+async def test_a_release_pass_the_bucket_cannot_take_says_one_line(
+    nc: NATS, broker_factory: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Claims of an agent declared offline while the bucket cannot take a release: one
+    warning for the pass, naming how many failed and the first request ids, not one a claim
+    (nemesis seed 39: 50 lines in one second)."""
+    from jetstream.provision import provision
+
+    await provision(nc)
+    for _ in range(7):
+        rid = str(uuid.uuid4())
+        claim = schema.Claim(request_id=rid, agent_id="ghost", instance="i1", capability="cap",
+                             state="running", at_ms=1,
+                             ack_subject=f"reach.ack.ghost.{rid}")  # fmt: skip
+        created, _ = await ClaimStore(nc).create(claim_key(rid), schema.encoder.encode(claim))
+        assert created is True
+    broker = await broker_factory()
+    await wait_for(lambda: len(broker.releaser.held_by("ghost")) == 7, 10, what="claims learnt")
+    held = broker.releaser.held_by("ghost")
+    await nc.jetstream().delete_stream(CLAIMS_STREAM)
+    with caplog.at_level(logging.WARNING, logger="reach_broker.service.releases"):
+        assert await broker.releaser.release("ghost", "test") == 0
+        said = [r.getMessage() for r in caplog.records if "release_failed" in r.getMessage()]
+    assert len(said) == 1, said
+    assert said[0].startswith(f"claims.release_failed agent=ghost failed=7 of 7 request_ids="
+                              f"{','.join(held[:5])},... error=")  # fmt: skip
+    assert said[0].endswith(": tried again in 0.5s")
+
+
 async def test_a_broker_started_later_does_not_keep_claims_their_completed_record_ended(
     nc: NATS, broker_factory: Any
 ) -> None:
