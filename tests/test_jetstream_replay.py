@@ -235,6 +235,10 @@ async def test_an_entry_whose_delivery_stalled_comes_back_after_a_pause(
         await wait_for(lambda: len(stalls()) >= 3, 15, what="three stalled deliveries")
     gaps = [b - a for a, b in itertools.pairwise(stalls())]
     assert min(gaps) >= 0.9 * STALL_WAIT_S, gaps
+    # Each line names the step whose store did not answer: the claim's read.
+    said = {r.getMessage().split(" error=")[0] for r in caplog.records
+            if r.getMessage().startswith(f"replay.stalled request_id={rid} ")}  # fmt: skip
+    assert said == {f"replay.stalled request_id={rid} step=Releaser.claim_of"}
 
 
 def full_agent(agent_id: str, cap: str, tmp: Path, url: str) -> Agent:

@@ -50,6 +50,17 @@ given back at once, each one came back about three times a second while the elec
 (nemesis seed 31), on a JetStream already struggling."""
 
 
+def _step(exc: BaseException) -> str:
+    """The call of :meth:`EntrySender._send` an error came out of (its qualified name, e.g.
+    ``Dispatches.mark``), so a stalled delivery's line says which store did not answer."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_name != "_send":
+        tb = tb.tb_next
+    if tb is None:
+        return "?"
+    return "_send" if tb.tb_next is None else tb.tb_next.tb_frame.f_code.co_qualname
+
+
 def retry_after_s(refusal: Overloaded) -> float:
     """When asking a router that answered ``OVERLOADED`` again may get a route."""
     return (refusal.retry_after_ms or RETRY_AFTER_DEFAULT_MS) / 1000.0
@@ -115,7 +126,8 @@ class EntrySender:
                     await give_back(e.msg, within_s=1.0)  # (the broker is stopping)
             raise
         except Exception as exc:  # noqa: BLE001 - retried by the next round or the sweep
-            log.info("replay.stalled request_id=%s error=%r", e.request_id, exc)
+            log.info("replay.stalled request_id=%s step=%s error=%r", e.request_id,
+                     _step(exc), exc)  # fmt: skip
             with contextlib.suppress(Exception):
                 assert e.msg is not None
                 await give_back(e.msg, delay_s=STALL_WAIT_S)
