@@ -1,4 +1,5 @@
-"""stop_loops ends a loop that swallowed its cancel (the Python 3.11 ``wait_for`` race)."""
+"""stop_loops ends a loop that swallowed its cancel (the Python 3.11 ``wait_for`` race); a
+TaskSet says which of its tasks ended with an error nobody handled."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import logging
 import pytest
 
 from jetstream.tasks import raise_if_cancelled
-from reach_agent.aio import stop_loops
+from reach_agent.aio import TaskSet, stop_loops
 
 
 async def _swallows_one_cancel(swallowed: list[int]) -> None:
@@ -74,3 +75,26 @@ async def test_a_loop_that_checks_each_turn_ends_on_one_cancel_even_when_it_was_
     await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 5.0)
     assert task.cancelled()
     assert turns == [1]
+
+
+async def test_a_task_set_says_a_task_that_failed_and_nothing_of_the_others(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def fails() -> None:
+        raise ValueError("no store")
+
+    async def ends() -> int:
+        return 1
+
+    tasks = TaskSet()
+    with caplog.at_level(logging.DEBUG, logger="reach_agent.aio"):
+        spawned = [tasks.spawn(fails(), "reach-task"), tasks.spawn(ends(), "reach-dup"),
+                   tasks.spawn(asyncio.sleep(30), "reach-claim-end")]  # fmt: skip
+        await asyncio.sleep(0)
+        spawned[2].cancel()
+        await tasks.wait(5.0)
+    assert len(tasks) == 0
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "reach_agent.aio"]
+    assert said == [("ERROR", "task.failed name=reach-task error=ValueError('no store')")]
+    [record] = [r for r in caplog.records if r.name == "reach_agent.aio"]
+    assert record.exc_info is not None  # with its traceback
