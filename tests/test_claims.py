@@ -996,6 +996,16 @@ async def test_a_holder_killed_mid_task_is_released_once_offline_and_runs_once_e
         heir.stop()
 
 
+async def ghost_claim(nc: NATS, rid: str, *, state: schema.ClaimState = "running",
+                      instance: str = "i1", capability: str = "cap") -> None:  # fmt: skip
+    """Store "ghost"'s claim of ``rid`` (an agent no test runs), with its result location."""
+    claim = schema.Claim(request_id=rid, agent_id="ghost", instance=instance,
+                         capability=capability, state=state, at_ms=1,
+                         ack_subject=SUBJECTS.ack("ghost", rid))  # fmt: skip
+    created, _ = await ClaimStore(nc).create(claim_key(rid), schema.encoder.encode(claim))
+    assert created is True
+
+
 async def test_a_broker_learns_running_claims_written_before_it_started_and_can_release_them(
     nc: NATS, broker_factory: Any
 ) -> None:
@@ -1003,11 +1013,7 @@ async def test_a_broker_learns_running_claims_written_before_it_started_and_can_
 
     await provision(nc)
     rid = str(uuid.uuid4())
-    running = schema.Claim(request_id=rid, agent_id="ghost", instance="i1", capability="cap",
-                           state="running", at_ms=1,
-                           ack_subject=f"reach.ack.ghost.{rid}")  # fmt: skip
-    created, _ = await ClaimStore(nc).create(claim_key(rid), schema.encoder.encode(running))
-    assert created is True
+    await ghost_claim(nc, rid)
     events = await EventLog().start(nc)
     broker = await broker_factory()
     await wait_for(lambda: broker.releaser.held_by("ghost") == [rid], 5, what="claim learnt")
@@ -1112,12 +1118,7 @@ async def test_a_release_pass_the_bucket_cannot_take_says_one_line(
 
     await provision(nc)
     for _ in range(7):
-        rid = str(uuid.uuid4())
-        claim = schema.Claim(request_id=rid, agent_id="ghost", instance="i1", capability="cap",
-                             state="running", at_ms=1,
-                             ack_subject=f"reach.ack.ghost.{rid}")  # fmt: skip
-        created, _ = await ClaimStore(nc).create(claim_key(rid), schema.encoder.encode(claim))
-        assert created is True
+        await ghost_claim(nc, str(uuid.uuid4()))
     broker = await broker_factory()
     await wait_for(lambda: len(broker.releaser.held_by("ghost")) == 7, 10, what="claims learnt")
     held = broker.releaser.held_by("ghost")
@@ -1139,11 +1140,7 @@ async def test_a_broker_started_later_does_not_keep_claims_their_completed_recor
     await provision(nc)
     done, running = str(uuid.uuid4()), str(uuid.uuid4())
     for rid in (done, running):
-        claim = schema.Claim(request_id=rid, agent_id="ghost", instance="i1", capability="cap",
-                             state="running", at_ms=1,
-                             ack_subject=f"reach.ack.ghost.{rid}")  # fmt: skip
-        created, _ = await ClaimStore(nc).create(claim_key(rid), schema.encoder.encode(claim))
-        assert created is True
+        await ghost_claim(nc, rid)
     # ghost's completed record of one of them: that claim's end
     record = schema.AckRecord(request_id=done, agent_id="ghost", capability="cap",
                               state="completed", at_ms=2)  # fmt: skip
@@ -1166,11 +1163,7 @@ async def finished_by_ghost(nc: NATS, broker: Broker, agents: Any, runs: list[tu
     await agents(slow_agent("reader", "ledger", runs, metrics=metrics))
     await wait_for(lambda: healthy(broker, "reader"))
     rid = str(uuid.uuid4())
-    done = schema.Claim(request_id=rid, agent_id="ghost", instance="g1", capability="ledger",
-                        state="completed", at_ms=1,
-                        ack_subject=SUBJECTS.ack("ghost", rid))  # fmt: skip
-    created, _ = await ClaimStore(nc).create(claim_key(rid), schema.encoder.encode(done))
-    assert created
+    await ghost_claim(nc, rid, state="completed", instance="g1", capability="ledger")
     return rid
 
 
