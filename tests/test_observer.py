@@ -32,8 +32,10 @@ def fixed() -> Config:
     return cfg
 
 
-def make(n: int) -> tuple[Registry, dict[str, str]]:
+def make(n: int, offline_after: float | None = None) -> tuple[Registry, dict[str, str]]:
     cfg = fixed()
+    if offline_after is not None:
+        cfg.detection.offline_after = offline_after
     reg = Registry(
         cfg.detection,
         cfg.scoring,
@@ -161,8 +163,10 @@ class _Advisories:
         self.reconnected = True
 
 
-def observer(n: int, share: float = 0.3) -> tuple[Observer, Registry, dict[str, str], _Ctx]:
-    reg, tokens = make(n)
+def observer(
+    n: int, share: float = 0.3, offline_after: float | None = None
+) -> tuple[Observer, Registry, dict[str, str], _Ctx]:
+    reg, tokens = make(n, offline_after)
     c = _Ctx(share)
     m = c.metrics
     obs = Observer(c.ctx, reg, _Advisories(), c.cfg.detection,  # type: ignore[arg-type]
@@ -238,6 +242,18 @@ def test_one_agent_never_makes_the_broker_doubt_itself() -> None:
     obs, _reg, _, _ = observer(1)
     assert [t.to for t in obs.tick(3.0)] == ["suspect"]
     assert obs.suspect is False
+
+
+def test_one_agent_suspect_then_offline_within_an_interval_is_one_silence() -> None:
+    """Its two moves count as one agent gone silent: the second is not held (nemesis seed
+    42: in a fleet of four, each silent agent's offline move was held for a second, the
+    broker doubting itself over one agent)."""
+    obs, reg, tokens, _ = observer(4, offline_after=3.5)  # offline 0.5 s after suspect
+    for i in range(3):
+        beat(reg, tokens, f"a{i}", 1, 2.0)
+    assert [(t.agent_id, t.to) for t in obs.tick(3.0)] == [("a3", "suspect")]
+    assert [(t.agent_id, t.to) for t in obs.tick(3.5)] == [("a3", "offline")]
+    assert (obs.suspect, obs.suspected, reg.held) == (False, 0, set())
 
 
 def test_while_disconnected_nobody_is_judged_and_the_gap_is_rebased() -> None:

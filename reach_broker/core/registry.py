@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Container
 
 from reach_agent.routing.index import CapabilityIndexes
 from reach_agent.wire.schema import AgentState, AgentView, Announce, Heartbeat
@@ -246,14 +247,17 @@ class Registry:
         self.rescore(rec, now)
         return [] if t is None else [t]
 
-    def expire(self, now: float, max_silent: int | None = None) -> list[Transition]:
+    def expire(
+        self, now: float, max_silent: int | None = None, counted: Container[str] = ()
+    ) -> list[Transition]:
         """Apply every deadline that has passed: suspect, offline, eviction.
 
         ``max_silent``: when more agents than this would move for silence now, none of them
         moves; they are :attr:`held` until :meth:`release_held` (the observer doubts its own
-        view, see :mod:`reach_broker.service.observer`). Disconnect-confirmed moves and evictions
-        are
-        never held.
+        view, see :mod:`reach_broker.service.observer`). Agents in ``counted`` (moved for
+        silence lately: the observer's allowance has them already) are not counted again
+        (an agent going suspect, then offline, is one agent gone silent, not two).
+        Disconnect-confirmed moves and evictions are never held.
         """
         out: list[Transition] = []
         heap = self._deadlines
@@ -270,7 +274,7 @@ class Registry:
                 self._push(rec, self._next_deadline(rec))
             else:
                 due.append((rec, event))
-        silent = [r for r, e in due if e in SILENCE_EVENTS]
+        silent = [r for r, e in due if e in SILENCE_EVENTS and r.agent_id not in counted]
         hold = max_silent is not None and len(silent) > max_silent
         self.silenced = []
         for rec, event in due:

@@ -9,8 +9,9 @@ A fleet does not go silent all at once; a broker's link does. Three rules follow
   (:meth:`Registry.observer_gap`: shifted by the outage, plus one interval of grace) and the
   server's connection list is reconciled (the advisories component).
 - **Too many at once, hold.** When more than ``detection.observer_suspect_share`` of the
-  fleet (not offline) would move for silence within one heartbeat interval — the ones due
-  this tick plus those moved for silence in the last interval — the broker suspects itself:
+  fleet (not offline) would move for silence within one heartbeat interval — the agents due
+  this tick plus those moved for silence in the last interval, each agent once (suspect,
+  then offline, is one agent gone silent) — the broker suspects itself:
   it logs it, sets ``reach_observer_suspect 1`` and holds those agents' states
   (:meth:`Registry.expire` with ``max_silent``), and every later silence with them, until
   its link is shown to work: a heartbeat arrives, the server answers ``CONNZ`` (the
@@ -84,8 +85,11 @@ class Observer:
         self._beats_at = 0
         self._trusted_until = 0.0
         self._next_confirm = 0.0
-        self._recent: collections.deque[float] = collections.deque()
-        """When each recent silence move stops counting (its time + the agent's interval)."""
+        self._recent: dict[str, float] = {}
+        """The agents moved for silence lately, each until it stops counting (the move's
+        time + the agent's interval; its second move within that time counts once)."""
+        self._lapses: collections.deque[tuple[float, str]] = collections.deque()
+        """The same moves in the order they were made, for :attr:`_recent`'s pruning."""
         self._confirming = False
         self._stalled = False
         self.stalls = 0
@@ -108,12 +112,14 @@ class Observer:
         registry = self.registry
         if self.suspect and registry.beats != self._beats_at:
             self.release(now, "heartbeats flow again")
-        out = registry.expire(now, self._max_silent(now))
+        out = registry.expire(now, self._max_silent(now), self._recent)
         if registry.held and not self.suspect:
             self._suspect_self(now, len(registry.held))
         for agent_id in registry.silenced:
             rec = registry.agents.get(agent_id)
-            self._recent.append(now + (rec.interval_s if rec is not None else 0.0))
+            until = now + (rec.interval_s if rec is not None else 0.0)
+            self._recent[agent_id] = until  # moved again: counted once, from now
+            self._lapses.append((until, agent_id))
         if self.suspect and now >= self._next_confirm and not self._confirming:
             self._next_confirm = now + CONFIRM_EVERY_S
             self._confirming = True
@@ -125,9 +131,11 @@ class Observer:
             return 0  # every silence waits for the confirmation
         if now < self._trusted_until or self.share >= 1.0:
             return None
-        recent = self._recent
-        while recent and recent[0] <= now:
-            recent.popleft()
+        recent, lapses = self._recent, self._lapses
+        while lapses and lapses[0][0] <= now:
+            until, agent_id = lapses.popleft()
+            if recent.get(agent_id) == until:  # not moved again since
+                del recent[agent_id]
         counts = self.registry.counts
         fleet = sum(counts.values()) - counts["offline"]
         allowed = max(math.floor(self.share * fleet), MIN_SILENT - 1)
@@ -221,6 +229,7 @@ class Observer:
         self._gaps.inc()
         self.suspect = False
         self._recent.clear()
+        self._lapses.clear()
         self._suspect.set(0)
         log.warning("observer.link_regained after %.2fs: every agent's clock rebased",
                     now - start)  # fmt: skip
