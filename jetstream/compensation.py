@@ -214,14 +214,20 @@ async def take(psub: Any, subjects: StreamSubjects) -> list[Entry] | None:
     if waiting == 0:
         return None
     msgs: list[Msg] = []
-    while len(msgs) < waiting:
-        try:
-            got = await psub.fetch(batch=min(waiting - len(msgs), FETCH_BATCH), timeout=0.3)
-        except TimeoutError:
-            break
-        msgs += got
-        if len(got) < FETCH_BATCH:
-            break
+    try:
+        while len(msgs) < waiting:
+            try:
+                got = await psub.fetch(batch=min(waiting - len(msgs), FETCH_BATCH), timeout=0.3)
+            except TimeoutError:
+                break
+            msgs += got
+            if len(got) < FETCH_BATCH:
+                break
+    except asyncio.CancelledError:
+        # Cancelled between two fetches (its broker stopping): what came is given back now,
+        # not held until the consumer's ack_wait.
+        await asyncio.gather(*(give_back(m) for m in msgs), return_exceptions=True)
+        raise
     entries = [entry_of(m, subjects) for m in msgs]
     entries.sort(key=lambda e: (-e.priority, e.enqueued_ms, e.seq))
     return entries

@@ -7,6 +7,7 @@ import json
 import logging
 import uuid
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import nats
@@ -219,6 +220,45 @@ async def test_a_give_back_nobody_confirms_says_so_and_the_entry_stays_taken(
     assert said == ["compensation.give_back_unconfirmed subject=giveback.x seq=1 "
                     "error=NoRespondersError: no answer within 0.6 s; the entry comes back "
                     "after the consumer's ack_wait"]  # fmt: skip
+
+
+class SecondFetchWaits:
+    """A real pull subscription whose second fetch waits for ever (a fetch in flight when
+    its round is cancelled)."""
+
+    def __init__(self, psub: Any) -> None:
+        self.psub, self.fetches, self.waiting = psub, 0, asyncio.Event()
+
+    async def consumer_info(self) -> Any:
+        return await self.psub.consumer_info()
+
+    async def fetch(self, batch: int, timeout: float) -> list[Any]:
+        self.fetches += 1
+        if self.fetches == 2:
+            self.waiting.set()
+            await asyncio.Event().wait()
+        return await self.psub.fetch(batch=batch, timeout=timeout)
+
+
+async def test_a_take_cancelled_between_fetches_gives_back_what_it_fetched(
+    nc: NATS, broker_factory: BrokerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A round cancelled (its broker stopping) while ``take`` fetches a second batch gives
+    the first back at once; before, it was held until the consumer's ack_wait (60 s here)."""
+    await broker_factory(compensation__sweep_interval_s=3600.0)
+    monkeypatch.setattr(compensation, "FETCH_BATCH", 2)
+    for i in range(3):
+        await durable.submit(nc, "take.cancel", {"n": i})
+    psub = await compensation.ensure_consumer(nc, "take.cancel", ack_wait_s=60.0,
+                                              max_ack_pending=100, subjects=SUBJECTS)  # fmt: skip
+    reader = SecondFetchWaits(psub)
+    taking = asyncio.create_task(compensation.take(reader, SUBJECTS))
+    await asyncio.wait_for(reader.waiting.wait(), 5)
+    taking.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await taking
+    again = await psub.fetch(3, timeout=2.0)  # given back: all three now, not one
+    assert sorted(m.metadata.num_delivered for m in again) == [1, 2, 2]
 
 
 async def test_client_counts_what_its_submits_became(
