@@ -428,6 +428,29 @@ async def test_entries_waiting_for_a_slot_are_given_back_when_the_broker_stops(
     assert sorted(ran) == sorted(ids)
 
 
+async def test_no_replay_round_starts_once_the_broker_stops(
+    nc: NATS, broker_factory: BrokerFactory
+) -> None:
+    """A kick that comes while the broker stops (a submit's kick 50 ms after it, an agent
+    turned healthy) starts no round. stop() waits for the loops running when it began, so a
+    round started later outlived it and held what it fetched until ack_wait_s (nemesis seed
+    42: an entry submitted as its broker was restarted ran 15 s later). Here a routable
+    capability is kicked once stop() has cancelled the sweep."""
+    first = await broker_factory(compensation__sweep_interval_s=3600.0)
+    await announce(nc, "idle1", capabilities=["idle.cap"], heartbeat_interval_ms=60_000)
+    sweep = first.replayer._sweeper
+    assert sweep is not None
+    stopping = asyncio.create_task(first.stop())
+    deadline = asyncio.get_running_loop().time() + 15
+    while not sweep.cancelling():  # stop() took the loops to wait for, and cancels them
+        assert not stopping.done() and asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0)
+    first.replayer.kick("idle.cap")
+    started = "idle.cap" in first.replayer._running
+    await stopping
+    assert started is False
+
+
 # --- 3: broker SIGKILLed mid-replay --------------------------------------------------------
 
 

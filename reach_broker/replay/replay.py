@@ -115,6 +115,10 @@ class Replayer:
         entry was sent, exactly once across a leader change."""
         self._subs: list[Any] = []
         self._sweeper: asyncio.Task[None] | None = None
+        self._stopping = False
+        """Set as :meth:`stop` begins: no round starts after it (one started while stop()
+        waited for the running ones outlived it and held what it fetched until
+        ``ack_wait_s``: nemesis seed 42)."""
         self._failed_rounds = 0
         self._failed_said_at = -FAILED_SAY_S
         self._later: dict[str, asyncio.TimerHandle] = {}
@@ -126,6 +130,7 @@ class Replayer:
     async def start(self) -> None:
         if self._sweeper is not None:
             return
+        self._stopping = False
         limits = 1_000_000, 256 * 1024 * 1024
         self._subs = [
             await self.ctx.nc.subscribe(subject, cb=cb, pending_msgs_limit=limits[0],
@@ -139,6 +144,7 @@ class Replayer:
     async def stop(self) -> None:
         if self._sweeper is None:
             return
+        self._stopping = True
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -194,7 +200,7 @@ class Replayer:
 
     def kick(self, capability: str) -> None:
         """Replay ``capability`` now (or once more after the running round)."""
-        if self._sweeper is None:
+        if self._sweeper is None or self._stopping:
             return
         if capability in self._running:
             self._again.add(capability)
