@@ -7,10 +7,14 @@ import socket
 from typing import Any
 
 import pytest
+from nats.aio.client import Client as NATS
 
 import reach_agent
+from jetstream import ackreads
+from loadtest.tcpproxy import TcpProxy
 from reach_agent import BreakerConfig, ClientConfig, ClientMetrics
 from reach_agent.wire import schema
+from reach_agent.wire.subjects import Subjects
 from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
 
@@ -81,6 +85,44 @@ async def test_wait_returns_the_final_ack_record_with_its_result_decoded(
                              "traceparent": parent, "trace_id": trace_id}  # fmt: skip
     assert parent.split("-")[1] == trace_id and len(trace_id) == 32
     assert record.error is None
+
+
+async def test_a_result_lost_while_the_caller_reconnected_is_read_from_the_store(
+    nats_server: NatsServer, nc: NATS, broker: Broker, agents: Any
+) -> None:
+    """The agent answered while the caller's link was down (its node killed: the reply is
+    lost). Once the call's deadline passes, the call returns the result the agent stored in
+    REACH_ACKS, not TIMEOUT "sent no result" (nemesis seed 42: two calls)."""
+    release = asyncio.Event()
+    agent = reach_agent.Agent("lost1", ["lost.cap"], heartbeat_interval=0.1)
+
+    @agent.handler("lost.cap")
+    async def handle(task: reach_agent.Task) -> dict[str, int]:
+        await release.wait()
+        return {"n": 7}
+
+    await agents(agent)
+    await wait_for(lambda: registered(broker, "lost1"), what="lost1 healthy")
+    rid = "r-lost-reply"
+    async with TcpProxy.to_url(nats_server.url) as proxy:
+        async with reach_agent.Client(proxy.url) as client:
+            call = asyncio.create_task(client.call("lost.cap", {}, request_id=rid, timeout=5))
+            await wait_for(lambda: any(c.taker == "lost1" for c in client._calls.values()),
+                           what="the receipt")  # fmt: skip
+            await proxy.cut()
+            await wait_for(lambda: not client.nc.is_connected, what="the caller cut off")
+            release.set()
+            subject, stored = Subjects().ack("lost1", rid), None
+            for _ in range(100):  # the agent's completed record, stored meanwhile
+                stored = await ackreads.final_at(nc, subject, subjects=Subjects())
+                if stored is not None:
+                    break
+                await asyncio.sleep(0.05)
+            assert stored is not None and stored.state == "completed"
+            assert client.nc.is_connected is False  # its reply went nowhere
+            await proxy.restore()
+            assert await asyncio.wait_for(call, 10) == {"n": 7}
+            assert client.nc.stats["reconnects"] == 1
 
 
 async def test_busy_agent_sends_the_call_elsewhere_at_once(

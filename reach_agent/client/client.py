@@ -130,7 +130,7 @@ class Client:
         self.holders = Holders(self.nc, poll_s=self.config.claim_poll_s, subjects=self.subjects)
         """Calls waiting for the agent that holds their request id's claim."""
         self.attempts = Attempts(self.nc, self.config, self.breakers, self.liveness, metrics,
-                                 clock, self.routes)  # fmt: skip
+                                 clock, self.routes, self.subjects)  # fmt: skip
         self.loop = AttemptLoop(self.config, clock, self.breakers, self.routes, self.attempts,
                                 self.holders)  # fmt: skip
         self.outcomes = OutcomeBook(self._name, clock())
