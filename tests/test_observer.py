@@ -256,6 +256,19 @@ def test_one_agent_suspect_then_offline_within_an_interval_is_one_silence() -> N
     assert (obs.suspect, obs.suspected, reg.held) == (False, 0, set())
 
 
+def test_while_the_broker_doubts_itself_an_agent_silent_before_is_held_too() -> None:
+    """An agent already counted (suspect within the interval) does not move offline while
+    the broker doubts itself: every silence waits for the confirmation."""
+    obs, reg, tokens, _ = observer(10, offline_after=3.5)
+    for i in range(9):
+        beat(reg, tokens, f"a{i}", 1, 2.0 if i < 5 else 0.3)  # a5..a8 due at 3.3
+    assert [(t.agent_id, t.to) for t in obs.tick(3.0)] == [("a9", "suspect")]
+    assert obs.tick(3.3) == [] and obs.suspect is True  # 4 more: held
+    assert obs.tick(3.5) == []  # a9's offline is due
+    assert reg.held == {"a5", "a6", "a7", "a8", "a9"}
+    assert reg.agents["a9"].state == "suspect"
+
+
 def test_while_disconnected_nobody_is_judged_and_the_gap_is_rebased() -> None:
     obs, reg, _tokens, c = observer(3)
     obs.lost(1.0)

@@ -112,7 +112,9 @@ class Observer:
         registry = self.registry
         if self.suspect and registry.beats != self._beats_at:
             self.release(now, "heartbeats flow again")
-        out = registry.expire(now, self._max_silent(now), self._recent)
+        # While it doubts itself every silence waits, an agent counted before included.
+        counted = () if self.suspect else self._recent
+        out = registry.expire(now, self._max_silent(now), counted)
         if registry.held and not self.suspect:
             self._suspect_self(now, len(registry.held))
         for agent_id in registry.silenced:
