@@ -227,6 +227,7 @@ class Broker:
             seen=m.advisories, dropped=m.dropped, refused=m.refused,
         )  # fmt: skip
         self.observer = Observer(ctx, registry, self.advisories, cfg.detection,
+                                 inbound=lambda: ctx.nc.stats["in_msgs"],
                                  suspect=m.observer_suspect, gaps=m.observer_gaps)  # fmt: skip
         self.releaser = Releaser(
             ctx, lambda a: rec.state if (rec := agents.get(a)) is not None else None,

@@ -105,3 +105,48 @@ async def test_a_cut_between_broker_and_server_condemns_nobody(
                 await a.stop(grace=1.0)
             await watcher.close()
             await broker.stop()
+
+
+async def test_a_blackholed_broker_condemns_not_even_its_one_agent(
+    nats_server: NatsServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The broker's link carries nothing for 4 s, its connection open (a stalled link),
+    while its only agent (1 s heartbeats) beats on: no silence of it is believed, though one
+    agent never makes the broker doubt itself by the share (nemesis seed 43: such a broker
+    declared its live agent offline and released its claims). The PONG after the restore
+    shows the link works again."""
+    caplog.set_level(logging.INFO, logger="reach_broker.service.observer")
+    async with TcpProxy.to_url(nats_server.url) as proxy:
+        seen = Transitions()
+        broker = Broker(fast_config(proxy.url), metrics=Metrics(), watchers=[seen])
+        await broker.start()
+        agent = reach_agent.Agent("solo", ["slow"], heartbeat_interval=1.0, durable_acks=False)
+
+        @agent.handler("slow")
+        async def slow(task: reach_agent.Task) -> None:
+            return None
+
+        try:
+            await agent.start(nats_server.url)
+            await wait_for(lambda: broker.registry.counts["healthy"] == 1, 5, what="solo healthy")
+            await asyncio.sleep(3.0)  # beats at its interval: the phi window fills
+            await proxy.blackhole()
+            states = set()
+            until = time.monotonic() + 4.0  # the stall's length: states sampled throughout
+            while time.monotonic() < until:
+                states.add(broker.registry.agents["solo"].state)
+                await asyncio.sleep(0.02)
+            assert broker.link.connected is True  # nats-py has not given the link up
+            assert broker.observer.deaf_since is not None
+            await proxy.restore()
+            await wait_for(lambda: broker.observer.deaf_since is None, 5, what="heard again")
+            await wait_for(lambda: broker.registry.agents["solo"].state == "healthy", 5,
+                           what="solo healthy")  # fmt: skip
+        finally:
+            await agent.stop(grace=1.0)
+            await broker.stop()
+    assert "offline" not in states
+    assert [t.to for t in seen.items if t.kind == "state" and t.to == "offline"] == []
+    said = [m.partition(" ")[0] for r in caplog.records
+            if (m := r.getMessage()).startswith("observer.")]  # fmt: skip
+    assert said[:2] == ["observer.deaf", "observer.hearing"]

@@ -4,7 +4,9 @@ rules over them (tick gate, share, release)."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+import itertools
+import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -164,12 +166,16 @@ class _Advisories:
 
 
 def observer(
-    n: int, share: float = 0.3, offline_after: float | None = None
-) -> tuple[Observer, Registry, dict[str, str], _Ctx]:
+    n: int, share: float = 0.3, offline_after: float | None = None,
+    inbound: Callable[[], int] | None = None,
+) -> tuple[Observer, Registry, dict[str, str], _Ctx]:  # fmt: skip
+    """``inbound``: the connection's message count (default: a new message at every tick,
+    so the broker always hears)."""
     reg, tokens = make(n, offline_after)
     c = _Ctx(share)
     m = c.metrics
     obs = Observer(c.ctx, reg, _Advisories(), c.cfg.detection,  # type: ignore[arg-type]
+                   inbound=inbound or itertools.count().__next__,
                    suspect=m.observer_suspect, gaps=m.observer_gaps)  # fmt: skip
     return obs, reg, tokens, c
 
@@ -267,6 +273,37 @@ def test_while_the_broker_doubts_itself_an_agent_silent_before_is_held_too() -> 
     assert obs.tick(3.5) == []  # a9's offline is due
     assert reg.held == {"a5", "a6", "a7", "a8", "a9"}
     assert reg.agents["a9"].state == "suspect"
+
+
+def test_a_silence_due_while_nothing_is_heard_waits_for_the_server(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One agent, held all the same: its broker heard nothing for over DEAF_S when its
+    silence came due (its own link stalled, connection open: nemesis seed 43 declared a live
+    agent offline that way and released its claims). The PONG of the round trip, or any
+    message, shows the link works: the held move is judged then."""
+    caplog.set_level(logging.INFO, logger="reach_broker.service.observer")
+    heard = [0]
+    obs, reg, _tokens, c = observer(1, inbound=lambda: heard[0])
+    assert obs.tick(0.5) == []  # the first reading: heard
+    assert obs.tick(3.0) == []  # a0 due suspect; nothing came for 2.5 s
+    assert (reg.held, obs.deaf_since, c.spawned) == ({"a0"}, 3.0, ["observer-ping"])
+    assert c.metrics.observer_suspect._value.get() == 1
+    assert obs.tick(3.5) == [] and c.spawned == ["observer-ping"]  # one ping a second
+    obs.answered(3.6)  # its PONG
+    assert [(t.agent_id, t.to) for t in obs.tick(3.65)] == [("a0", "suspect")]
+    assert (obs.deaf_since, obs.suspect, c.metrics.observer_suspect._value.get()) == (None,
+                                                                                     False, 0)
+    assert obs.tick(6.0) == [] and reg.held == {"a0"}  # due offline, 2.4 s after the PONG
+    heard[0] += 1  # a message came in
+    assert [(t.agent_id, t.to) for t in obs.tick(6.05)] == [("a0", "offline")]
+    assert obs.deaf_holds == 2 and obs.suspected == 0
+    said = [r.getMessage().partition(":")[0] for r in caplog.records
+            if r.getMessage().startswith("observer.")]  # fmt: skip
+    assert said == ["observer.deaf held=1 heard_s_ago=2.50",
+                    "observer.hearing again after 0.65s (1 held agents judged now)",
+                    "observer.deaf held=1 heard_s_ago=2.40",
+                    "observer.hearing again after 0.05s (1 held agents judged now)"]
 
 
 def test_while_disconnected_nobody_is_judged_and_the_gap_is_rebased() -> None:

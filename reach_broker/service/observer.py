@@ -23,6 +23,16 @@ A fleet does not go silent all at once; a broker's link does. Three rules follow
   coming back, does not mean the others are heard yet). The held deadlines then run again,
   rebased, and are believed when they come (not held a second time). A single agent never
   makes the broker doubt itself.
+- **Hearing nothing, no judgement.** A silence is believed only while the broker hears the
+  server: some message came in within :data:`DEAF_S`, 2 s (a healthy broker hears every
+  second: heartbeats, its JetStream follows' idle heartbeats). When one comes due after that, its
+  move is held and a round trip (a PING) asked; the PONG, or any message, shows the link
+  carries messages again, and the held moves are judged at once (what the server sent
+  before the PONG was read first). A link stalled with its connection open (a frozen
+  proxy, a partition TCP has not noticed) answers nothing: the moves wait until it is back
+  or the client gives the connection up (then the outage's rebase, above). Unlike the
+  share rule this holds for one agent too: a broker holding a single live agent declared
+  it ``offline`` while its own link was stalled, and released its claims (nemesis seed 43).
 - **Behind its own input, no judgement.** A tick that runs more than :data:`STALL_S` later
   than it was due means the broker's loop was held up (busy, or the process starved of
   CPU): heartbeats that arrived meanwhile may still be unread in its socket. That tick
@@ -39,11 +49,13 @@ from __future__ import annotations
 import collections
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
+from jetstream.roundtrip import round_trip
 from reach_broker.config import DetectionSection
 from reach_broker.core.records import Transition
 from reach_broker.core.registry import Registry
@@ -61,6 +73,12 @@ CONFIRM_PROBES = 8
 """Held agents probed per confirmation round."""
 MIN_SILENT = 2
 """Fewer agents than this going silent together never make the broker doubt itself."""
+DEAF_S = 2.0
+"""Nothing heard from the server for this long: a silence that comes due waits for a round
+trip. Twice the idle heartbeat of the broker's JetStream follows (1 s), so a quiet broker
+(a dying agent its only traffic, JetStream) is not asking for nothing; a link stalled as an
+agent (1 s heartbeats) went quiet is at least as long silent as the agent when its
+``suspect`` deadline (2.4 s and on) comes."""
 STALL_S = 0.25
 """A tick this much later than it was due judges nobody (the input that came meanwhile is
 read first)."""
@@ -70,9 +88,22 @@ class Observer:
     """The broker's self-doubt: the tick's gate, the hold, its release, the outage rebase."""
 
     def __init__(self, ctx: BrokerContext, registry: Registry, advisories: Advisories,
-                 cfg: DetectionSection, *, suspect: Any, gaps: Any) -> None:  # fmt: skip
-        """``suspect``, ``gaps``: ``reach_observer_suspect``, ``reach_observer_gaps_total``."""
+                 cfg: DetectionSection, *, inbound: Callable[[], int], suspect: Any,
+                 gaps: Any) -> None:  # fmt: skip
+        """``inbound``: how many messages the connection has received (nats-py's
+        ``stats["in_msgs"]``); ``suspect``, ``gaps``: ``reach_observer_suspect``,
+        ``reach_observer_gaps_total``."""
         self.ctx, self.link, self.cfg = ctx, ctx.link, cfg
+        self._inbound = inbound
+        self._in_msgs = -1
+        self._heard_at = -math.inf
+        """When the connection last received a message (or the server answered a PING)."""
+        self.deaf_since: float | None = None
+        """Since when silences are held for want of anything heard (None: hearing)."""
+        self.deaf_holds = 0
+        """Times silences were held that way (for tests and the log)."""
+        self._pinging = False
+        self._next_ping = 0.0
         self.registry = registry
         self.advisories = advisories
         self.share = cfg.observer_suspect_share
@@ -112,11 +143,17 @@ class Observer:
         registry = self.registry
         if self.suspect and registry.beats != self._beats_at:
             self.release(now, "heartbeats flow again")
+        hearing = self._hearing(now)
+        if hearing and self.deaf_since is not None:
+            self._heard_again(now)
         # While it doubts itself every silence waits, an agent counted before included.
-        counted = () if self.suspect else self._recent
-        out = registry.expire(now, self._max_silent(now), counted)
+        counted = () if self.suspect or not hearing else self._recent
+        out = registry.expire(now, self._max_silent(now) if hearing else 0, counted)
         if registry.held and not self.suspect:
-            self._suspect_self(now, len(registry.held))
+            if hearing:
+                self._suspect_self(now, len(registry.held))
+            else:
+                self._deaf(now)
         for agent_id in registry.silenced:
             rec = registry.agents.get(agent_id)
             until = now + (rec.interval_s if rec is not None else 0.0)
@@ -127,6 +164,55 @@ class Observer:
             self._confirming = True
             self.ctx.spawn(self._confirm(), "observer-confirm")
         return out
+
+    # --- hearing --------------------------------------------------------------------------
+
+    def _hearing(self, now: float) -> bool:
+        """Whether a message came in within :data:`DEAF_S` (read off the connection's
+        counter: one read a tick)."""
+        n = self._inbound()
+        if n != self._in_msgs:
+            self._in_msgs, self._heard_at = n, now
+        return now - self._heard_at <= DEAF_S
+
+    def _deaf(self, now: float) -> None:
+        """Silences came due while nothing was heard: they are held, and the server asked."""
+        if self.deaf_since is None:
+            self.deaf_since = now
+            self.deaf_holds += 1
+            self._suspect.set(1)
+            log.info("observer.deaf held=%d heard_s_ago=%.2f: nothing came from the server "
+                     "lately; these silences wait for a round trip", len(self.registry.held),
+                     now - self._heard_at)  # fmt: skip
+        if not self._pinging and now >= self._next_ping:
+            self._pinging = True
+            self._next_ping = now + CONFIRM_EVERY_S
+            self.ctx.spawn(self._ping(), "observer-ping")
+
+    async def _ping(self) -> None:
+        """A round trip: its PONG shows the link carries messages (the next tick judges)."""
+        try:
+            await round_trip(self.ctx.nc, CONFIRM_EVERY_S)
+            self.answered(self.ctx.clock())
+        except Exception as exc:  # noqa: BLE001 - no answer: asked again while held
+            log.debug("observer.ping_unanswered error=%r", exc)
+        finally:
+            self._pinging = False
+
+    def answered(self, now: float) -> None:
+        """The server answered a PING: heard now."""
+        self._heard_at = max(self._heard_at, now)
+
+    def _heard_again(self, now: float) -> None:
+        held = self.registry.release_held() if not self.suspect else len(self.registry.held)
+        took = now - (self.deaf_since or now)
+        # A round trip's moment is routine (a quiet broker); a link that carried nothing for
+        # longer is worth a warning.
+        log.log(logging.WARNING if took > CONFIRM_EVERY_S else logging.INFO,
+                "observer.hearing again after %.2fs (%d held agents judged now)", took, held)
+        self.deaf_since = None
+        if not self.suspect:
+            self._suspect.set(0)
 
     def _max_silent(self, now: float) -> int | None:
         if self.suspect:
@@ -230,6 +316,7 @@ class Observer:
         self.registry.observer_gap(start, now)
         self._gaps.inc()
         self.suspect = False
+        self.deaf_since = None  # the rebase covers it (and clears what was held)
         self._recent.clear()
         self._lapses.clear()
         self._suspect.set(0)
