@@ -10,8 +10,12 @@ and a record counts only when its body agrees with its subject.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Sequence
+
 import msgspec
 from nats.aio.client import Client as NATS
+from nats.errors import Error as NatsError
 
 from jetstream import ackreads
 from reach_agent import trace
@@ -61,3 +65,24 @@ async def ended_by_record(
         return None
     rec = attributed(stored)
     return (stored, rec) if rec is not None else None
+
+
+async def stored_final(
+    nc: NATS, request_id: str, authors: Sequence[str], subjects: Subjects, timeout_s: float
+) -> AckRecord | None:
+    """The final record (``completed``/``failed``) of ``request_id`` stored by the first of
+    ``authors`` (in their order) that stored one, their subjects read together within
+    ``timeout_s``; None when none did or the store did not answer (said at debug)."""
+
+    async def one(author: str) -> AckRecord | None:
+        try:
+            stored = await ackreads.final_at(nc, subjects.ack(author, request_id),
+                                             subjects=subjects, timeout_s=timeout_s)  # fmt: skip
+        except (NatsError, TimeoutError) as exc:
+            log.debug("acks.final_unread request_id=%s author=%s error=%r", request_id, author,
+                      exc)  # fmt: skip
+            return None
+        return attributed(stored) if stored is not None else None
+
+    found = await asyncio.gather(*(one(a) for a in authors))
+    return next((rec for rec in found if rec is not None), None)

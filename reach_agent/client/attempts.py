@@ -14,18 +14,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import msgspec
 from nats.aio.client import Client as NATS
-from nats.errors import Error as NatsError
 
-from jetstream import ackreads
 from reach_agent import trace
 from reach_agent.metrics import ClientMetrics
-from reach_agent.results import attributed
 from reach_agent.wire import schema
-from reach_agent.wire.errors import InternalError, Timeout, error_for
+from reach_agent.wire.errors import InternalError
 from reach_agent.wire.retry import Outcome
-from reach_agent.wire.subjects import ReplyInbox, Subjects
+from reach_agent.wire.subjects import ReplyInbox
 
 from . import prompting
 from .breaker import Breakers, BreakerState, verdict
@@ -36,10 +32,6 @@ from .outcomes import OutcomeBook
 from .routes import RouteSource
 
 log = trace.logger(__name__)
-
-STORED_READ_S = 1.0
-"""How long the read of a taker's stored result may take, after an attempt whose result did
-not come while this client's connection was re-established."""
 
 
 class Attempts:
@@ -54,10 +46,8 @@ class Attempts:
         metrics: ClientMetrics | None,
         clock: Callable[[], float],
         routes: RouteSource,
-        subjects: Subjects,
     ) -> None:
         self.nc = nc
-        self.subjects = subjects
         self.routes = routes
         """Told of each attempt sent and ended (a caller routing itself counts its load)."""
         self.config = config
@@ -104,49 +94,15 @@ class Attempts:
         value: Any = InternalError("client closed")
         key = (call.call_id, call.attempt)
         self.routes.sent(agent, key)
-        reconnects = self.nc.stats["reconnects"]
         try:
             await self.nc.publish(target.subject, body, headers=hdrs,
                                   reply=inbox.reply(call.call_id, call.attempt))  # fmt: skip
             outcome, value = await call.outcome(now, self.config.ack_timeout_s, self.clock)
-            if outcome == "timeout" and self.nc.stats["reconnects"] != reconnects:
-                outcome, value = await self._stored(call, value)
             return outcome, value
         finally:
             self.routes.ended(key, outcome == "error" and value.code == "TARGET_BUSY")
             self.liveness.untrack(agent, call)
             self.account(agent, call.capability, outcome, value)
-
-    async def _stored(self, call: Call, timed_out: Timeout) -> tuple[Outcome, Any]:
-        """The taker's final record of the request, when its result did not come by the
-        deadline and this client's connection was re-established meanwhile: a reply sent
-        while it was down is lost, the record is in ``REACH_ACKS`` (nemesis seed 42: two
-        calls whose node was killed as their agent answered were told TIMEOUT, "sent no
-        result", their results stored). Else the timeout, saying so. Not for a streamed
-        answer (its chunks are not stored)."""
-        taker = call.taker or call.agent_id
-        subject = self.subjects.ack(taker or "", call.request_id)
-        stored = None
-        if taker is not None and not call.stream:
-            try:
-                stored = await ackreads.final_at(self.nc, subject, subjects=self.subjects,
-                                                 timeout_s=STORED_READ_S)  # fmt: skip
-            except (NatsError, TimeoutError) as exc:
-                log.debug("call.stored_unread request_id=%s error=%r", call.request_id, exc)
-        rec = attributed(stored) if stored is not None else None
-        if rec is None:
-            return "timeout", Timeout(
-                f"{timed_out.message} (this client's connection was re-established "
-                f"meanwhile: a result sent then is lost; wait(request_id) reads it once "
-                f"{subject} holds it)"
-            )
-        log.info("call.result_from_store request_id=%s agent=%s state=%s: its reply was "
-                 "lost while this client reconnected", call.request_id, taker, rec.state)  # fmt: skip
-        if rec.state == "completed":
-            raw = rec.result
-            return "ok", None if raw is None else msgspec.json.decode(raw)
-        failure = rec.error or {}
-        return "error", error_for(failure.get("code", "INTERNAL"), failure.get("message", ""))
 
     def account(self, agent: str, capability: str, outcome: Outcome, value: Any) -> None:
         """Breaker, metrics and outcome bookkeeping of one attempt."""

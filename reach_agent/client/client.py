@@ -53,7 +53,7 @@ from nats.aio.subscription import Subscription
 
 from jetstream import audit
 from jetstream.names import H_REQUEST_ID
-from reach_agent import otel, trace
+from reach_agent import otel, results, trace
 from reach_agent.aio import TaskSet
 from reach_agent.connection import (
     CredentialOptions,
@@ -66,7 +66,14 @@ from reach_agent.connection import (
 )
 from reach_agent.metrics import ClientMetrics
 from reach_agent.wire import schema, streams
-from reach_agent.wire.errors import Forbidden, InternalError, InvalidRequest, ReachError
+from reach_agent.wire.errors import (
+    Forbidden,
+    InternalError,
+    InvalidRequest,
+    ReachError,
+    Timeout,
+    error_for,
+)
 from reach_agent.wire.subjects import ReplyInbox, Subjects
 
 from . import durable, streaming
@@ -83,6 +90,11 @@ from .routes import Routes, RouteSource
 from .tables import TableRoutes
 
 log = trace.logger(__name__)
+
+STORED_READ_S = 1.0
+"""How long a timed-out call reads the final records its agents stored (together)."""
+STORED_AUTHORS = 8
+"""At most this many agents' records read (the taker first): one subject each."""
 
 
 class Client:
@@ -130,7 +142,7 @@ class Client:
         self.holders = Holders(self.nc, poll_s=self.config.claim_poll_s, subjects=self.subjects)
         """Calls waiting for the agent that holds their request id's claim."""
         self.attempts = Attempts(self.nc, self.config, self.breakers, self.liveness, metrics,
-                                 clock, self.routes, self.subjects)  # fmt: skip
+                                 clock, self.routes)  # fmt: skip
         self.loop = AttemptLoop(self.config, clock, self.breakers, self.routes, self.attempts,
                                 self.holders)  # fmt: skip
         self.outcomes = OutcomeBook(self._name, clock())
@@ -328,11 +340,42 @@ class Client:
             raise
         except ReachError as exc:
             error = exc
+            # Timed out (at the deadline, or too close to it for another attempt): the
+            # answer may be stored all the same.
+            stored = await self._stored(call) if isinstance(exc, Timeout) else None
+            if stored is not None:
+                if stored.state == "completed":
+                    ok = True
+                    return None if stored.result is None else msgspec.json.decode(stored.result)
+                failure = stored.error or {}
+                error = error_for(failure.get("code", "INTERNAL"), failure.get("message", ""))
+                raise error from None
             if self.clock() >= call.deadline:
                 self.cancels.tell(call, "the caller's deadline passed")
             raise
         finally:
             self.close_call(call, ok, error)
+
+    async def _stored(self, call: Call) -> schema.AckRecord | None:
+        """A call that timed out: the final record an agent it reached stored meanwhile (the
+        one that took it first, then the others its attempts went to), read once, at most
+        :data:`STORED_READ_S`. Its reply was lost (nemesis seed 42: the caller's node killed
+        as the agent answered; seed 43: an attempt given up for an agent whose node was
+        stopped, which then finished) while ``REACH_ACKS`` holds the answer. Not for
+        ``ack_mode="received"`` (its answer is the receipt)."""
+        if call.ack_mode != "completed":
+            return None
+        others = sorted(call.runners() - {call.taker}) if call.taker else sorted(call.runners())
+        authors = ([call.taker] if call.taker else []) + others
+        if not authors:
+            return None
+        rec = await results.stored_final(self.nc, call.request_id, authors[:STORED_AUTHORS],
+                                         self.subjects, STORED_READ_S)  # fmt: skip
+        if rec is not None:
+            log.info("call.result_from_store request_id=%s agent=%s state=%s: its reply did "
+                     "not reach this caller by the deadline", call.request_id, rec.agent_id,
+                     rec.state)  # fmt: skip
+        return rec
 
     def stream(
         self,
