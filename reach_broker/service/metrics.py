@@ -240,8 +240,9 @@ class Metrics:
         # High availability (issue 13): the broker's doubt about its own link.
         self.observer_suspect = Gauge(
             "reach_observer_suspect",
-            "1 while the broker doubts its own view (too much of the fleet silent at once, or "
-            "its NATS link down) and holds every state",
+            "1 while the broker doubts its own view (too much of the fleet silent at once, "
+            "nothing heard from the server for 2 s as a silence came due, or its NATS link "
+            "down) and holds every state",
             registry=r,
         )
         self.observer_gaps = Counter(
