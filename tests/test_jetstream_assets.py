@@ -232,7 +232,7 @@ class SecondFetchWaits:
     async def consumer_info(self) -> Any:
         return await self.psub.consumer_info()
 
-    async def fetch(self, batch: int, timeout: float) -> list[Any]:
+    async def fetch(self, batch: int, timeout: float) -> list[Any]:  # noqa: ASYNC109 - nats-py's
         self.fetches += 1
         if self.fetches == 2:
             self.waiting.set()

@@ -292,18 +292,23 @@ def test_a_silence_due_while_nothing_is_heard_waits_for_the_server(
     assert obs.tick(3.5) == [] and c.spawned == ["observer-ping"]  # one ping a second
     obs.answered(3.6)  # its PONG
     assert [(t.agent_id, t.to) for t in obs.tick(3.65)] == [("a0", "suspect")]
-    assert (obs.deaf_since, obs.suspect, c.metrics.observer_suspect._value.get()) == (None,
-                                                                                     False, 0)
+    assert (obs.deaf_since, obs.suspect, c.metrics.observer_suspect._value.get()) == (
+        None,
+        False,
+        0,
+    )
     assert obs.tick(6.0) == [] and reg.held == {"a0"}  # due offline, 2.4 s after the PONG
     heard[0] += 1  # a message came in
     assert [(t.agent_id, t.to) for t in obs.tick(6.05)] == [("a0", "offline")]
     assert obs.deaf_holds == 2 and obs.suspected == 0
     said = [r.getMessage().partition(":")[0] for r in caplog.records
             if r.getMessage().startswith("observer.")]  # fmt: skip
-    assert said == ["observer.deaf held=1 heard_s_ago=2.50",
-                    "observer.hearing again after 0.65s (1 held agents judged now)",
-                    "observer.deaf held=1 heard_s_ago=2.40",
-                    "observer.hearing again after 0.05s (1 held agents judged now)"]
+    assert said == [
+        "observer.deaf held=1 heard_s_ago=2.50",
+        "observer.hearing again after 0.65s (1 held agents judged now)",
+        "observer.deaf held=1 heard_s_ago=2.40",
+        "observer.hearing again after 0.05s (1 held agents judged now)",
+    ]
 
 
 def test_while_disconnected_nobody_is_judged_and_the_gap_is_rebased() -> None:

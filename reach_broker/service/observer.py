@@ -208,8 +208,12 @@ class Observer:
         took = now - (self.deaf_since or now)
         # A round trip's moment is routine (a quiet broker); a link that carried nothing for
         # longer is worth a warning.
-        log.log(logging.WARNING if took > CONFIRM_EVERY_S else logging.INFO,
-                "observer.hearing again after %.2fs (%d held agents judged now)", took, held)
+        log.log(
+            logging.WARNING if took > CONFIRM_EVERY_S else logging.INFO,
+            "observer.hearing again after %.2fs (%d held agents judged now)",
+            took,
+            held,
+        )
         self.deaf_since = None
         if not self.suspect:
             self._suspect.set(0)
