@@ -140,6 +140,9 @@ class Event(msgspec.Struct, frozen=True, kw_only=True):
     broker: str = ""
     to: str | None = None
     rid: str | None = None
+    silence_s: float | None = None
+    """The silence the broker gave as its reason ("no heartbeat for 3.09s"), when it gave
+    one: the span its own evidence covers."""
 
 
 class Fault(msgspec.Struct, frozen=True, kw_only=True):
@@ -376,10 +379,14 @@ class _Index:
                 merged.append((lo, hi))
         return merged
 
-    def faulted_near(self, agent: str, t: float, instance: str | None = None) -> bool:
+    def faulted_near(
+        self, agent: str, t: float, instance: str | None = None, window: float | None = None
+    ) -> bool:
         """Was ``agent`` (``instance``) cut off at some time within the detection window
-        before ``t``: a declaration of it ``offline`` at ``t`` that a fault explains?"""
-        lo, hi = t - self.rules.offline_window_s, t + self.rules.slack_s
+        (``window``, else the rules') before ``t``: a declaration of it ``offline`` at ``t``
+        that a fault explains?"""
+        span = self.rules.offline_window_s if window is None else window
+        lo, hi = t - span, t + self.rules.slack_s
         return any(_overlaps(a, b, lo, hi) for a, b in self.cut_off(agent, instance))
 
     def released(self, run: Run, t0: float, t1: float) -> float | None:
@@ -548,12 +555,17 @@ def _resolution(ix: _Index, out: list[Violation]) -> tuple[list[str], int, int]:
 
 def _declarations(ix: _Index) -> Iterable[Violation]:
     """Each ``offline`` declaration of an agent that was healthy and reachable."""
-    window, gap = ix.rules.offline_window_s, ix.rules.beat_gap_s
+    gap = ix.rules.beat_gap_s
     for e in ix.h.events:
         if e.kind != "state" or e.to != "offline":
             continue
+        # The silence the broker named (phi: about 3 s at 1 s heartbeats) is what it judged
+        # on: a fault before that explains nothing.
+        window = ix.rules.offline_window_s
+        if e.silence_s is not None:
+            window = min(window, e.silence_s + ix.rules.slack_s)
         t0, t1 = e.at - window, e.at
-        if ix.faulted_near(e.agent, e.at):
+        if ix.faulted_near(e.agent, e.at, window=window):
             continue  # its process, its link or its node was under a fault
         beats = ix.beats.get(e.agent, [])
         lo = bisect.bisect_left(beats, t0)

@@ -41,6 +41,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import secrets
 import shlex
 import shutil
@@ -77,6 +78,8 @@ CALLERS = ("c1", "c2", "c3")
 NODES = ("n1", "n2", "n3")
 READY_S = 30.0
 HISTORY_FILE = "history.json"
+SILENCE = re.compile(r"no heartbeat for ([0-9.]+)s")
+"""The silence a broker names as its reason for a move (docs/protocol.md, Events)."""
 """The run's history, as the checker read it (kept with ``--dir``; ``--check`` reads it)."""
 OFFLINE_AFTER = 6.0
 """The brokers' ``detection.offline_after`` (default): the checker's window."""
@@ -346,9 +349,10 @@ class Monitor:
         if ev.kind not in ("state", "released"):
             return
         key = (ev.kind, ev.agent_id, ev.at_ms, ev.to, ev.request_id, ev.broker_id)
+        said = SILENCE.match(ev.reason or "")
         self.events[key] = history.Event(kind=ev.kind, agent=ev.agent_id, at=ev.at_ms / 1000,
-                                         broker=ev.broker_id, to=ev.to,
-                                         rid=ev.request_id)  # fmt: skip
+                                         broker=ev.broker_id, to=ev.to, rid=ev.request_id,
+                                         silence_s=float(said[1]) if said else None)  # fmt: skip
 
     async def stop(self) -> None:
         for nc in self.conns:
