@@ -311,6 +311,54 @@ def test_a_silence_due_while_nothing_is_heard_waits_for_the_server(
     ]
 
 
+def judged_while_beating(
+    obs: Observer, reg: Registry, tokens: dict[str, str], heard: list[int], start: float
+) -> list[tuple[str, str | None]]:
+    """Ticking every 0.1 s from ``start`` until 9 s, a0 beating every second again from
+    half a second after it (each beat a message heard): the moves made meanwhile."""
+    moved: list[tuple[str, str | None]] = []
+    now, seq, first = start, 10, round(start + 0.5, 1)
+    while now < 9.0:
+        if now >= first and round((now - first) % 1.0, 1) in (0.0, 1.0):
+            beat(reg, tokens, "a0", seq, now)
+            heard[0] += 1
+            seq += 1
+        moved += [(t.agent_id, t.to) for t in obs.tick(now)]
+        now = round(now + 0.1, 1)
+    return moved
+
+
+def test_a_stall_given_up_by_the_client_is_rebased_from_where_hearing_stopped() -> None:
+    """Nothing heard from 0.5 s (its node stopped), the connection given up at 5.0 and
+    made again at once: the rebase covers the 4.5 s of deafness, not the 0.05 s of the
+    outage (nemesis seed 44: its agents were judged on 5 s of silence just after)."""
+    heard = [0]
+    obs, reg, tokens, c = observer(1, inbound=lambda: heard[0])
+    beat(reg, tokens, "a0", 1, 0.5)
+    assert obs.tick(0.5) == [] and obs.tick(3.5) == []  # a0 due suspect at 3.5: held
+    assert obs.deaf_since == 3.5
+    obs.lost(5.0)
+    obs.regained(5.05)
+    assert obs.deaf_since is None and c.metrics.observer_gaps._value.get() == 1
+    heard[0] += 1  # the new connection hears
+    assert judged_while_beating(obs, reg, tokens, heard, 5.2) == []
+    assert reg.agents["a0"].state == "healthy"
+
+
+def test_a_stall_that_ends_without_a_reconnect_is_rebased_too() -> None:
+    """The link carried nothing from 0.5 s, its PINGs unanswered, then carried again (a
+    frozen proxy or node resumed; the connection never given up): what was sent meanwhile
+    may be lost, so the time nothing was heard is held against nobody."""
+    heard = [0]
+    obs, reg, tokens, c = observer(1, inbound=lambda: heard[0])
+    beat(reg, tokens, "a0", 1, 0.5)
+    assert obs.tick(0.5) == [] and obs.tick(3.5) == []
+    obs.unanswered()  # the PING's round trip timed out
+    heard[0] += 1  # the link carries again (a0's own heartbeat is still on its way)
+    assert judged_while_beating(obs, reg, tokens, heard, 5.3) == []
+    assert c.metrics.observer_gaps._value.get() == 1 and obs.deaf_since is None
+
+
 def test_while_disconnected_nobody_is_judged_and_the_gap_is_rebased() -> None:
     obs, reg, _tokens, c = observer(3)
     obs.lost(1.0)

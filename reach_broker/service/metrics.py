@@ -241,7 +241,7 @@ class Metrics:
         self.observer_suspect = Gauge(
             "reach_observer_suspect",
             "1 while the broker doubts its own view (too much of the fleet silent at once, "
-            "nothing heard from the server for 2 s as a silence came due, or its NATS link "
+            "nothing heard from the server for 1.5 s as a silence came due, or its NATS link "
             "down) and holds every state",
             registry=r,
         )

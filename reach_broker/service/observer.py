@@ -24,15 +24,19 @@ A fleet does not go silent all at once; a broker's link does. Three rules follow
   rebased, and are believed when they come (not held a second time). A single agent never
   makes the broker doubt itself.
 - **Hearing nothing, no judgement.** A silence is believed only while the broker hears the
-  server: some message came in within :data:`DEAF_S`, 2 s (a healthy broker hears every
+  server: some message came in within :data:`DEAF_S`, 1.5 s (a healthy broker hears every
   second: heartbeats, its JetStream follows' idle heartbeats). When one comes due after that, its
-  move is held and a round trip (a PING) asked; the PONG, or any message, shows the link
-  carries messages again, and the held moves are judged at once (what the server sent
-  before the PONG was read first). A link stalled with its connection open (a frozen
-  proxy, a partition TCP has not noticed) answers nothing: the moves wait until it is back
-  or the client gives the connection up (then the outage's rebase, above). Unlike the
-  share rule this holds for one agent too: a broker holding a single live agent declared
-  it ``offline`` while its own link was stalled, and released its claims (nemesis seed 43).
+  move is held and a round trip (a PING) asked. A PONG at the first asking shows the link
+  was merely quiet: the held moves are judged at once (what the server sent before the PONG
+  was read first). A link stalled with its connection open (a frozen proxy or node, a
+  partition TCP has not noticed) answers nothing: the moves wait until it carries messages
+  again, and since what was sent meanwhile may be lost, every clock is then rebased over
+  the time nothing was heard, as after an outage; when the client gives the connection up
+  first, the outage's rebase starts where the hearing stopped, not at the disconnect
+  (nemesis seed 44: a node stopped for 5 s, the connection given up at its end, its
+  agents judged on 5 s of silence). Unlike the share rule this holds for one agent too: a
+  broker holding a single live agent declared it ``offline`` while its own link was stalled,
+  and released its claims (nemesis seed 43).
 - **Behind its own input, no judgement.** A tick that runs more than :data:`STALL_S` later
   than it was due means the broker's loop was held up (busy, or the process starved of
   CPU): heartbeats that arrived meanwhile may still be unread in its socket. That tick
@@ -73,12 +77,14 @@ CONFIRM_PROBES = 8
 """Held agents probed per confirmation round."""
 MIN_SILENT = 2
 """Fewer agents than this going silent together never make the broker doubt itself."""
-DEAF_S = 2.0
+DEAF_S = 1.5
 """Nothing heard from the server for this long: a silence that comes due waits for a round
-trip. Twice the idle heartbeat of the broker's JetStream follows (1 s), so a quiet broker
-(a dying agent its only traffic, JetStream) is not asking for nothing; a link stalled as an
-agent (1 s heartbeats) went quiet is at least as long silent as the agent when its
-``suspect`` deadline (2.4 s and on) comes."""
+trip. Above the idle heartbeat of the broker's JetStream follows (1 s), so a broker with
+JetStream is not asking for nothing. A link stalled within one interval after an agent's
+(1 s) last heartbeat has been quiet at least 1.4 s when that agent's ``suspect`` deadline
+(2.4 s of silence and on) comes: most such moves are held, the rest (``suspect`` only: it
+stops routes, releases nothing) are undone by the next heartbeat; ``offline`` comes later
+and is held."""
 STALL_S = 0.25
 """A tick this much later than it was due judges nobody (the input that came meanwhile is
 read first)."""
@@ -102,6 +108,10 @@ class Observer:
         """Since when silences are held for want of anything heard (None: hearing)."""
         self.deaf_holds = 0
         """Times silences were held that way (for tests and the log)."""
+        self._deaf_from = 0.0
+        """When the broker last heard anything before the current deaf episode."""
+        self._unanswered = 0
+        """PINGs of the current deaf episode the server did not answer (the link stalled)."""
         self._pinging = False
         self._next_ping = 0.0
         self.registry = registry
@@ -178,7 +188,7 @@ class Observer:
     def _deaf(self, now: float) -> None:
         """Silences came due while nothing was heard: they are held, and the server asked."""
         if self.deaf_since is None:
-            self.deaf_since = now
+            self.deaf_since, self._deaf_from, self._unanswered = now, self._heard_at, 0
             self.deaf_holds += 1
             self._suspect.set(1)
             log.info("observer.deaf held=%d heard_s_ago=%.2f: nothing came from the server "
@@ -196,6 +206,7 @@ class Observer:
             self.answered(self.ctx.clock())
         except Exception as exc:  # noqa: BLE001 - no answer: asked again while held
             log.debug("observer.ping_unanswered error=%r", exc)
+            self.unanswered()
         finally:
             self._pinging = False
 
@@ -203,17 +214,30 @@ class Observer:
         """The server answered a PING: heard now."""
         self._heard_at = max(self._heard_at, now)
 
+    def unanswered(self) -> None:
+        """A PING of this deaf episode went unanswered: the link was stalled, not quiet."""
+        if self.deaf_since is not None:
+            self._unanswered += 1
+
     def _heard_again(self, now: float) -> None:
-        held = self.registry.release_held() if not self.suspect else len(self.registry.held)
+        registry = self.registry
         took = now - (self.deaf_since or now)
-        # A round trip's moment is routine (a quiet broker); a link that carried nothing for
-        # longer is worth a warning.
-        log.log(
-            logging.WARNING if took > CONFIRM_EVERY_S else logging.INFO,
-            "observer.hearing again after %.2fs (%d held agents judged now)",
-            took,
-            held,
-        )
+        if self._unanswered and not self.suspect:
+            # Stalled: what was sent meanwhile may be lost (a frozen node's routes went
+            # stale), so nobody is judged on the time nothing was heard.
+            held = len(registry.held)
+            registry.observer_gap(self._deaf_from, now)
+            self._gaps.inc()
+            log.warning("observer.hearing again after %.2fs, %d pings unanswered: the link "
+                        "stalled; every agent's clock rebased over the %.2fs nothing was "
+                        "heard (%d held)", took, self._unanswered, now - self._deaf_from,
+                        held)  # fmt: skip
+        else:
+            # Quiet, not stalled: the PING was answered at once (the doubt's own release,
+            # when it doubts itself, judges what it holds).
+            held = registry.release_held() if not self.suspect else len(registry.held)
+            log.info("observer.hearing again after %.2fs (%d held agents judged now)", took,
+                     held)  # fmt: skip
         self.deaf_since = None
         if not self.suspect:
             self._suspect.set(0)
@@ -316,11 +340,13 @@ class Observer:
         if self.link.connected:
             return
         start = min(self.link.since, self._since) if self.suspect else self.link.since
+        if self.deaf_since is not None:
+            start = min(start, self._deaf_from)  # deaf before the client gave the link up
         self.link.regained(now)
         self.registry.observer_gap(start, now)
         self._gaps.inc()
         self.suspect = False
-        self.deaf_since = None  # the rebase covers it (and clears what was held)
+        self.deaf_since = None  # the rebase, from where hearing stopped, covers it
         self._recent.clear()
         self._lapses.clear()
         self._suspect.set(0)
