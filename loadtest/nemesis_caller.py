@@ -39,6 +39,7 @@ import time
 from typing import Any
 
 from reach_agent import Client, ReachError
+from reach_agent.agent.runner import default_logging
 
 from .history import FINAL_CODES, REFUSED_CODES
 from .nemesis_agent import CAPABILITY, RunLog
@@ -227,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds a worker waits for its submitted task's record (30)",
     )
     args = ap.parse_args(argv)
+    default_logging()  # the client's lines (a result read from the store, ...) to its log
     asyncio.run(run(args))
     return 0
 
