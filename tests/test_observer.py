@@ -280,8 +280,8 @@ def test_a_silence_due_while_nothing_is_heard_waits_for_the_server(
 ) -> None:
     """One agent, held all the same: its broker heard nothing for over DEAF_S when its
     silence came due (its own link stalled, connection open: nemesis seed 43 declared a live
-    agent offline that way and released its claims). The PONG of the round trip, or any
-    message, shows the link works: the held move is judged then."""
+    agent offline that way and released its claims). A PONG at once shows the link was
+    merely quiet: the held move is judged then."""
     caplog.set_level(logging.INFO, logger="reach_broker.service.observer")
     heard = [0]
     obs, reg, _tokens, c = observer(1, inbound=lambda: heard[0])
@@ -289,24 +289,23 @@ def test_a_silence_due_while_nothing_is_heard_waits_for_the_server(
     assert obs.tick(3.0) == []  # a0 due suspect; nothing came for 2.5 s
     assert (reg.held, obs.deaf_since, c.spawned) == ({"a0"}, 3.0, ["observer-ping"])
     assert c.metrics.observer_suspect._value.get() == 1
-    assert obs.tick(3.5) == [] and c.spawned == ["observer-ping"]  # one ping a second
-    obs.answered(3.6)  # its PONG
-    assert [(t.agent_id, t.to) for t in obs.tick(3.65)] == [("a0", "suspect")]
-    assert (obs.deaf_since, obs.suspect, c.metrics.observer_suspect._value.get()) == (
-        None,
-        False,
-        0,
-    )
-    assert obs.tick(6.0) == [] and reg.held == {"a0"}  # due offline, 2.4 s after the PONG
-    heard[0] += 1  # a message came in
+    assert obs.tick(3.05) == [] and c.spawned == ["observer-ping"]  # one PING at a time
+    obs.answered(3.1)  # its PONG, at once: the link is merely quiet
+    assert [(t.agent_id, t.to) for t in obs.tick(3.15)] == [("a0", "suspect")]
+    gauge = c.metrics.observer_suspect._value.get()
+    assert (obs.deaf_since, obs.suspect, gauge) == (None, False, 0)
+    assert obs.tick(6.0) == [] and reg.held == {"a0"}  # due offline, 2.9 s after the PONG
+    assert c.spawned == ["observer-ping", "observer-ping"]
+    obs.answered(6.02)
     assert [(t.agent_id, t.to) for t in obs.tick(6.05)] == [("a0", "offline")]
     assert obs.deaf_holds == 2 and obs.suspected == 0
+    assert c.metrics.observer_gaps._value.get() == 0  # nothing rebased
     said = [r.getMessage().partition(":")[0] for r in caplog.records
             if r.getMessage().startswith("observer.")]  # fmt: skip
     assert said == [
         "observer.deaf held=1 heard_s_ago=2.50",
-        "observer.hearing again after 0.65s (1 held agents judged now)",
-        "observer.deaf held=1 heard_s_ago=2.40",
+        "observer.hearing again after 0.15s (1 held agents judged now)",
+        "observer.deaf held=1 heard_s_ago=2.90",
         "observer.hearing again after 0.05s (1 held agents judged now)",
     ]
 
@@ -357,6 +356,19 @@ def test_a_stall_that_ends_without_a_reconnect_is_rebased_too() -> None:
     heard[0] += 1  # the link carries again (a0's own heartbeat is still on its way)
     assert judged_while_beating(obs, reg, tokens, heard, 5.3) == []
     assert c.metrics.observer_gaps._value.get() == 1 and obs.deaf_since is None
+
+
+def test_a_pong_that_comes_late_ends_a_stall() -> None:
+    """The first PING answered 0.7 s after it was sent (the stall ended meanwhile, within
+    the PING's second): a stall, rebased, not a quiet link judged at once (nemesis seed 46:
+    a live agent's silence then included 2.8 s of its broker's own deafness)."""
+    heard = [0]
+    obs, reg, tokens, c = observer(1, inbound=lambda: heard[0])
+    beat(reg, tokens, "a0", 1, 0.5)
+    assert obs.tick(0.5) == [] and obs.tick(3.5) == []
+    obs.answered(4.2)
+    assert judged_while_beating(obs, reg, tokens, heard, 4.3) == []
+    assert c.metrics.observer_gaps._value.get() == 1
 
 
 def test_while_disconnected_nobody_is_judged_and_the_gap_is_rebased() -> None:

@@ -25,18 +25,19 @@ A fleet does not go silent all at once; a broker's link does. Three rules follow
   makes the broker doubt itself.
 - **Hearing nothing, no judgement.** A silence is believed only while the broker hears the
   server: some message came in within :data:`DEAF_S`, 1.5 s (a healthy broker hears every
-  second: heartbeats, its JetStream follows' idle heartbeats). When one comes due after that, its
-  move is held and a round trip (a PING) asked. A PONG at the first asking shows the link
-  was merely quiet: the held moves are judged at once (what the server sent before the PONG
-  was read first). A link stalled with its connection open (a frozen proxy or node, a
-  partition TCP has not noticed) answers nothing: the moves wait until it carries messages
-  again, and since what was sent meanwhile may be lost, every clock is then rebased over
-  the time nothing was heard, as after an outage; when the client gives the connection up
-  first, the outage's rebase starts where the hearing stopped, not at the disconnect
-  (nemesis seed 44: a node stopped for 5 s, the connection given up at its end, its
-  agents judged on 5 s of silence). Unlike the share rule this holds for one agent too: a
-  broker holding a single live agent declared it ``offline`` while its own link was stalled,
-  and released its claims (nemesis seed 43).
+  second: heartbeats, its JetStream follows' idle heartbeats). When one comes due after
+  that, its move is held and a round trip (a PING) asked. A PONG within
+  :data:`QUICK_PONG_S` shows the link was merely quiet: the held moves are judged at once
+  (what the server sent before the PONG was read first). A link stalled with its
+  connection open (a frozen proxy or node, a partition TCP has not noticed) answers late or
+  not at all: the moves wait until it carries messages again, and since what was sent
+  meanwhile may be lost, every clock is then rebased over the time nothing was heard, as
+  after an outage; when the client gives the connection up first, the outage's rebase
+  starts where the hearing stopped, not at the disconnect (nemesis seed 44: a node stopped
+  for 5 s, the connection given up at its end, its agents judged on 5 s of silence).
+  Unlike the share rule this holds for one agent too: a broker holding a single live agent
+  declared it ``offline`` while its own link was stalled, and released its claims (nemesis
+  seed 43).
 - **Behind its own input, no judgement.** A tick that runs more than :data:`STALL_S` later
   than it was due means the broker's loop was held up (busy, or the process starved of
   CPU): heartbeats that arrived meanwhile may still be unread in its socket. That tick
@@ -85,6 +86,9 @@ JetStream is not asking for nothing. A link stalled within one interval after an
 (2.4 s of silence and on) comes: most such moves are held, the rest (``suspect`` only: it
 stops routes, releases nothing) are undone by the next heartbeat; ``offline`` comes later
 and is held."""
+QUICK_PONG_S = 0.25
+"""A deaf episode's PING answered within this long: the link was merely quiet (a round trip
+on a working link takes milliseconds). A later PONG, or messages first, end a stall."""
 STALL_S = 0.25
 """A tick this much later than it was due judges nobody (the input that came meanwhile is
 read first)."""
@@ -112,7 +116,10 @@ class Observer:
         """When the broker last heard anything before the current deaf episode."""
         self._unanswered = 0
         """PINGs of the current deaf episode the server did not answer (the link stalled)."""
+        self._quick = False
+        """The current deaf episode's PING was answered within :data:`QUICK_PONG_S`."""
         self._pinging = False
+        self._pinged_at = 0.0
         self._next_ping = 0.0
         self.registry = registry
         self.advisories = advisories
@@ -189,13 +196,14 @@ class Observer:
         """Silences came due while nothing was heard: they are held, and the server asked."""
         if self.deaf_since is None:
             self.deaf_since, self._deaf_from, self._unanswered = now, self._heard_at, 0
+            self._quick = False
             self.deaf_holds += 1
             self._suspect.set(1)
             log.info("observer.deaf held=%d heard_s_ago=%.2f: nothing came from the server "
                      "lately; these silences wait for a round trip", len(self.registry.held),
                      now - self._heard_at)  # fmt: skip
         if not self._pinging and now >= self._next_ping:
-            self._pinging = True
+            self._pinging, self._pinged_at = True, now
             self._next_ping = now + CONFIRM_EVERY_S
             self.ctx.spawn(self._ping(), "observer-ping")
 
@@ -211,20 +219,26 @@ class Observer:
             self._pinging = False
 
     def answered(self, now: float) -> None:
-        """The server answered a PING: heard now."""
+        """The server answered the PING: heard now; merely quiet if it answered at once."""
+        self._pinging = False
         self._heard_at = max(self._heard_at, now)
+        if self.deaf_since is not None and now - self._pinged_at <= QUICK_PONG_S:
+            self._quick = True
 
     def unanswered(self) -> None:
-        """A PING of this deaf episode went unanswered: the link was stalled, not quiet."""
+        """The PING went unanswered: the link stalled, not merely quiet."""
+        self._pinging = False
         if self.deaf_since is not None:
             self._unanswered += 1
 
     def _heard_again(self, now: float) -> None:
         registry = self.registry
         took = now - (self.deaf_since or now)
-        if self._unanswered and not self.suspect:
-            # Stalled: what was sent meanwhile may be lost (a frozen node's routes went
-            # stale), so nobody is judged on the time nothing was heard.
+        if not self._quick and not self.suspect:
+            # Stalled (its PING unanswered, answered late, or overtaken by messages): what
+            # was sent meanwhile may be lost (a frozen node's routes went stale), so nobody
+            # is judged on the time nothing was heard (nemesis seed 46: a stall that ended
+            # within the first PING's second was judged as quiet).
             held = len(registry.held)
             registry.observer_gap(self._deaf_from, now)
             self._gaps.inc()
