@@ -371,6 +371,21 @@ def test_a_pong_that_comes_late_ends_a_stall() -> None:
     assert c.metrics.observer_gaps._value.get() == 1
 
 
+def test_a_quick_pong_after_an_unanswered_ping_still_ends_a_stall() -> None:
+    """The first PING timed out, the second was answered at once as the stall ended (a
+    node resumed): a stall all the same, rebased (nemesis seed 46 at 0b92b3b: three held
+    agents judged as on a quiet link after 1.2 s of a stopped node)."""
+    heard = [0]
+    obs, reg, tokens, c = observer(1, inbound=lambda: heard[0])
+    beat(reg, tokens, "a0", 1, 0.5)
+    assert obs.tick(0.5) == [] and obs.tick(3.5) == []  # deaf: the first PING
+    obs.unanswered()  # timed out
+    assert obs.tick(4.5) == [] and c.spawned == ["observer-ping", "observer-ping"]
+    obs.answered(4.6)  # the second, at once
+    assert judged_while_beating(obs, reg, tokens, heard, 4.7) == []
+    assert c.metrics.observer_gaps._value.get() == 1
+
+
 def test_while_disconnected_nobody_is_judged_and_the_gap_is_rebased() -> None:
     obs, reg, _tokens, c = observer(3)
     obs.lost(1.0)

@@ -222,7 +222,11 @@ class Observer:
         """The server answered the PING: heard now; merely quiet if it answered at once."""
         self._pinging = False
         self._heard_at = max(self._heard_at, now)
-        if self.deaf_since is not None and now - self._pinged_at <= QUICK_PONG_S:
+        if (
+            self.deaf_since is not None
+            and not self._unanswered  # a PING of this episode went unanswered: a stall
+            and now - self._pinged_at <= QUICK_PONG_S
+        ):
             self._quick = True
 
     def unanswered(self) -> None:
