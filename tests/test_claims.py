@@ -1108,6 +1108,36 @@ async def test_a_replaced_process_has_its_claims_released_also_those_learnt_afte
     assert "process first had been replaced by a new one" in late_event["reason"]
 
 
+async def test_an_sdk_agent_s_claims_name_the_process_its_announces_name(
+    nats_server: NatsServer, nc: NATS, broker_factory: Any
+) -> None:
+    """The SDK's claims carry the ``instance_id`` of its announces, so a broker accepting a
+    restart of the agent id matches the dead process's claims (above); they were two
+    randoms, and a claim of a replaced process learnt after its restart stayed running
+    (nemesis seed 46: an entry held 60 s behind it)."""
+    broker = await broker_factory()
+    release = asyncio.Event()
+    agent = reach_agent.Agent("same1", ["same"], heartbeat_interval=0.1, durable_acks=False)
+
+    @agent.handler("same")
+    async def handle(task: reach_agent.Task) -> str:
+        await release.wait()
+        return "done"
+
+    await agent.start(nats_server.url)
+    try:
+        await wait_for(lambda: healthy(broker, "same1"), 10, what="same1 healthy")
+        rid = str(uuid.uuid4())
+        await nc.publish("reach.task.same1.same", b"{}", headers={H_REQUEST_ID: rid})
+        await wait_for(lambda: agent.active == 1, what="the run")
+        claim = await stored_claim(nc, rid)
+        assert claim is not None and claim.state == "running"
+        assert claim.instance == broker.registry.agents["same1"].announce.instance_id
+        release.set()
+    finally:
+        await agent.stop(grace=1)
+
+
 async def test_a_release_pass_the_bucket_cannot_take_says_one_line(
     nc: NATS, broker_factory: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
