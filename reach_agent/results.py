@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from typing import Any, Literal
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -20,10 +21,13 @@ from nats.errors import Error as NatsError
 from jetstream import ackreads
 from reach_agent import trace
 from reach_agent.wire import schema
+from reach_agent.wire.errors import error_for
 from reach_agent.wire.schema import AckRecord, decode_ack_record
 from reach_agent.wire.subjects import BROKER_ACK_AUTHOR, Subjects
 
 log = trace.logger(__name__)
+
+_result_decoder = msgspec.json.Decoder()
 
 
 def result_location(claim: schema.Claim, subjects: Subjects) -> str:
@@ -65,6 +69,16 @@ async def ended_by_record(
         return None
     rec = attributed(stored)
     return (stored, rec) if rec is not None else None
+
+
+def answer_of(rec: AckRecord) -> tuple[Literal["ok", "error"], Any]:
+    """What a call answered by the final record ``rec`` returns: ``("ok", result)``, its
+    result decoded, for ``completed``; ``("error", ReachError)`` for ``failed``."""
+    if rec.state == "completed":
+        raw = bytes(rec.result) if rec.result is not None else b""
+        return "ok", _result_decoder.decode(raw) if raw else None
+    failure = rec.error or {}
+    return "error", error_for(failure.get("code", "INTERNAL"), failure.get("message", ""))
 
 
 async def stored_final(

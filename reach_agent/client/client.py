@@ -72,7 +72,6 @@ from reach_agent.wire.errors import (
     InvalidRequest,
     ReachError,
     Timeout,
-    error_for,
 )
 from reach_agent.wire.subjects import ReplyInbox, Subjects
 
@@ -344,11 +343,11 @@ class Client:
             # answer may be stored all the same.
             stored = await self._stored(call) if isinstance(exc, Timeout) else None
             if stored is not None:
-                if stored.state == "completed":
+                outcome, value = results.answer_of(stored)
+                if outcome == "ok":
                     ok = True
-                    return None if stored.result is None else msgspec.json.decode(stored.result)
-                failure = stored.error or {}
-                error = error_for(failure.get("code", "INTERNAL"), failure.get("message", ""))
+                    return value
+                error = value
                 raise error from None
             if self.clock() >= call.deadline:
                 self.cancels.tell(call, "the caller's deadline passed")
@@ -365,8 +364,7 @@ class Client:
         ``ack_mode="received"`` (its answer is the receipt)."""
         if call.ack_mode != "completed":
             return None
-        others = sorted(call.runners() - {call.taker}) if call.taker else sorted(call.runners())
-        authors = ([call.taker] if call.taker else []) + others
+        authors = ([call.taker] if call.taker else []) + sorted(call.runners() - {call.taker})
         if not authors:
             return None
         rec = await results.stored_final(self.nc, call.request_id, authors[:STORED_AUTHORS],

@@ -38,9 +38,9 @@ from jetstream import ackreads, acks
 from jetstream.claims import ClaimStore, ClaimsUnavailable, claim_key
 from jetstream.tasks import raise_if_cancelled
 from reach_agent import trace
-from reach_agent.results import attributed, result_location
+from reach_agent.results import answer_of, attributed, result_location
 from reach_agent.wire import schema
-from reach_agent.wire.errors import InternalError, Timeout, error_for, from_reply
+from reach_agent.wire.errors import InternalError, Timeout, from_reply
 from reach_agent.wire.subjects import Subjects
 
 from .calls import CANCELLED, CLOSED, LOST, Call, StreamStart, is_no_responders
@@ -52,7 +52,6 @@ HeldEnd = Literal["ok", "error", "released", "timeout", "closed"]
 again), the deadline, or the client closing."""
 
 _RELEASED = object()
-_result_decoder = msgspec.json.Decoder()
 
 
 class _Final:
@@ -220,13 +219,7 @@ async def held(call: Call, holder: str, clock: Callable[[], float]) -> tuple[Hel
             continue  # the holder's liveness: its claim's release is what counts
         if isinstance(msg, _Final):
             call.taker = holder
-            rec = schema.decode_ack_record(msg.data)
-            if rec.state == "completed":
-                raw = bytes(rec.result) if rec.result is not None else b""
-                return "ok", _result_decoder.decode(raw) if raw else None
-            failure = rec.error or {}
-            return "error", error_for(failure.get("code", "INTERNAL"),
-                                      failure.get("message", ""))  # fmt: skip
+            return answer_of(schema.decode_ack_record(msg.data))
         hdrs = msg.headers
         if is_no_responders(msg) or from_reply(hdrs, msg.data):
             continue  # errors (another IN_PROGRESS, no responders) change nothing
