@@ -78,9 +78,9 @@ CALLERS = ("c1", "c2", "c3")
 NODES = ("n1", "n2", "n3")
 READY_S = 30.0
 HISTORY_FILE = "history.json"
+"""The run's history, as the checker read it (kept with ``--dir``; ``--check`` reads it)."""
 SILENCE = re.compile(r"no heartbeat for ([0-9.]+)s")
 """The silence a broker names as its reason for a move (docs/protocol.md, Events)."""
-"""The run's history, as the checker read it (kept with ``--dir``; ``--check`` reads it)."""
 OFFLINE_AFTER = 6.0
 """The brokers' ``detection.offline_after`` (default): the checker's window."""
 
