@@ -225,8 +225,9 @@ async def take(psub: Any, subjects: StreamSubjects) -> list[Entry] | None:
                 break
     except asyncio.CancelledError:
         # Cancelled between two fetches (its broker stopping): what came is given back now,
-        # not held until the consumer's ack_wait.
-        await asyncio.gather(*(give_back(m) for m in msgs), return_exceptions=True)
+        # not held until the consumer's ack_wait; asked for 1 s, as a stopping delivery's.
+        await asyncio.gather(*(give_back(m, within_s=1.0) for m in msgs),
+                             return_exceptions=True)  # fmt: skip
         raise
     entries = [entry_of(m, subjects) for m in msgs]
     entries.sort(key=lambda e: (-e.priority, e.enqueued_ms, e.seq))
