@@ -451,6 +451,45 @@ async def test_compensation_replay_of_a_completed_request_does_not_run_it_again(
     assert broker.metrics.compensation_result["claimed"]._value.get() == 1
 
 
+async def test_a_replayed_entry_whose_claim_a_dead_process_left_is_taken_over_by_the_holder(
+    nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS
+) -> None:
+    """A submitted request whose claim the holder's previous process left ``running`` (killed
+    and restarted, the replacement unknown to this broker: it was restarted in between and
+    remembers replacements in memory only) is sent to the holder itself, whose new process
+    takes the claim over and runs it. It used to be held "running there" until the holder
+    went offline for some other reason (nemesis seed 46: 60 s). A holder that runs the
+    request answers the copy from its duplicate window, and it runs once."""
+    runs: list[tuple[str, str]] = []
+    await agents(slow_agent("heir", "ledger6", runs, sleep=1.0))
+    await wait_for(lambda: healthy(broker, "heir"))
+    orphan = str(uuid.uuid4())
+    dead = schema.Claim(request_id=orphan, agent_id="heir", instance="dead-process",
+                        capability="ledger6", state="running", at_ms=1,
+                        ack_subject=SUBJECTS.ack("heir", orphan))  # fmt: skip
+    assert (await ClaimStore(nc).create(claim_key(orphan), schema.encoder.encode(dead)))[0]
+    async with reach_agent.Client(nats_server.url) as client:
+        assert await client.submit("ledger6", {"n": 8}, request_id=orphan) == orphan
+        record = await client.wait(orphan, timeout=10)
+        assert (record.state, record.agent_id) == ("completed", "heir")
+        assert record.result == {"agent": "heir", "n": 8}
+        stored = await stored_claim(nc, orphan)
+        assert stored is not None and stored.instance != "dead-process"
+        # Running on heir now (its own claim): the replay's copy is a duplicate.
+        running = str(uuid.uuid4())
+        direct = nc.request(SUBJECTS.task("heir", "ledger6"), b'{"n":9}',
+                            headers={H_REQUEST_ID: running}, timeout=10)  # fmt: skip
+        first = asyncio.create_task(direct)
+        await wait_for(lambda: ("heir", running) in runs, 5, what="running on heir")
+        assert await client.submit("ledger6", {"n": 9}, request_id=running) == running
+        record = await client.wait(running, timeout=10)
+        assert body_of(await first) == {"agent": "heir", "n": 9}
+    assert (record.state, record.agent_id) == ("completed", "heir")
+    assert runs == [("heir", orphan), ("heir", running)]
+    await wait_for(lambda: len(broker.replayer.taken) == 0, 5, what="both entries removed")
+    assert broker.replayer.sender.replayed == 2
+
+
 def refusal_of(reply: Any) -> reach_agent.ReachError | None:
     return from_reply(reply.headers, reply.data)
 

@@ -51,14 +51,20 @@ given back at once, each one came back about three times a second while the elec
 
 
 def _step(exc: BaseException) -> str:
-    """The call of :meth:`EntrySender._send` an error came out of (its qualified name, e.g.
-    ``Dispatches.mark``), so a stalled delivery's line says which store did not answer."""
+    """The call an error came out of into :class:`EntrySender`'s own methods (its qualified
+    name, e.g. ``Dispatches.mark``), so a stalled delivery's line says which store did not
+    answer."""
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_name != "_send":
         tb = tb.tb_next
     if tb is None:
         return "?"
-    return "_send" if tb.tb_next is None else tb.tb_next.tb_frame.f_code.co_qualname
+    while tb.tb_next is not None:
+        name = tb.tb_next.tb_frame.f_code.co_qualname
+        if not name.startswith("EntrySender."):
+            return name
+        tb = tb.tb_next
+    return tb.tb_frame.f_code.co_name
 
 
 def retry_after_s(refusal: Overloaded) -> float:
@@ -145,9 +151,7 @@ class EntrySender:
             await self.record_expired(e)
             await e.msg.ack_sync()
             return "expired"
-        headers = e.task_headers()
-        headers[H_REQUEST_ID] = e.request_id
-        headers[schema.H_RECEIPT] = "1"
+        headers = _headers(e)
         only: str | None = None
         if e.msg.metadata.num_delivered > 1 and claim is None:  # sent before? (a leader
             # change, a dead replica; a released claim means its run did not finish)
@@ -158,7 +162,7 @@ class EntrySender:
                 return "replayed"
         give_up = ctx.clock() + self.cfg.ack_wait_s / 2
         backoff = 0.05
-        ttl_s = (e.expires_at_ms - ctx.wall_ms()) / 1000.0 if e.expires_at_ms else MARKER_TTL_S
+        ttl_s = self._marker_ttl_s(e)
         while True:
             try:
                 candidates = (
@@ -190,51 +194,74 @@ class EntrySender:
                 await give_back(e.msg)
                 return "stalled"
             for c in candidates:
-                rec = self.record_of(c.agent_id)
-                if rec is not None:  # counted as a route's pick is, until its next report:
-                    # uncounted, a round's concurrent entries all went to an agent that looked
-                    # idle, and it refused all but its free slots' worth (TARGET_BUSY)
-                    rec.handed_out(ctx.clock())
-                sent_ms = ctx.wall_ms()
-                await self.dispatches.mark(e.request_id, c.agent_id, sent_ms, ttl_s)
-                # Before the send: a claimed run's final record reaches the ack watch ahead
-                # of its receipt's processing here (it is the claim's end, sent before the
-                # reply). A send that is not taken is overwritten by the next one.
-                self.acks.sent(e.request_id, sent_ms)
-                try:  # a reach agent's receipt, or a Synadia agent's ack (its answer later)
-                    err, collect = await self.prompts.deliver(c, e, headers)
-                except (TimeoutError, NoRespondersError):
-                    log.info("replay.no_receipt request_id=%s agent=%s", e.request_id, c.agent_id)
+                handed = await self._hand(e, c, headers, ttl_s)
+                if handed is None:  # no receipt: another agent
                     continue
-                if err is not None and err.code == "IDEMPOTENCY_MISMATCH":
+                if not isinstance(handed, ReachError):
+                    return handed
+                err = handed
+                if err.code == "IDEMPOTENCY_MISMATCH":
                     return await self._mismatch(e, c.agent_id)
-                if err is not None and err.code == "IN_PROGRESS":
+                if err.code == "IN_PROGRESS":
                     return await self._claimed(e, getattr(err, "holder", ""), "running")
-                if err is None:
-                    await self.records.record_taker(e, c.agent_id)
-                    await self.taken.hold(e, c.agent_id)  # removed at its final record
-                    if collect is not None:  # a Synadia agent: the broker records its answer
-                        ctx.spawn(collect(), f"synadia-replay-{e.request_id}")
-                    self.replayed += 1
-                    self._results["replayed"].inc()
-                    log.info("replay.delivered request_id=%s capability=%s agent=%s priority=%d "
-                             "queued_ms=%d", e.request_id, e.capability, c.agent_id, e.priority,
-                             sent_ms - e.enqueued_ms)  # fmt: skip
-                    return "replayed"
                 if retryable("error", err):  # not taken here, now: another agent, or later
                     only = None  # a refusal (busy, draining) means it did not take it
                     continue
                 # The agent refused the task itself (BIZ_REJECT, LOOP_DETECTED, ...): final.
-                await self.records.record_failed(e, c.agent_id, err.code, err.code.lower(),
-                                                 err.message)  # fmt: skip
-                await e.msg.ack_sync()
-                self.failed += 1
-                return "failed"
+                return await self._refused(e, c.agent_id, err)
             if ctx.clock() > give_up:
                 await give_back(e.msg)
                 return "stalled"
             await asyncio.sleep(backoff * (0.5 + random.random()))
             backoff = min(backoff * 2, self.cfg.busy_retry_max_s)
+
+    async def _hand(
+        self, e: Entry, c: Any, headers: dict[str, str], ttl_s: float
+    ) -> Outcome | ReachError | None:
+        """Send ``e`` to ``c`` (a candidate or :class:`Target`): ``replayed`` when it took the
+        task (held until its final record), its refusal, or None when no receipt came."""
+        ctx = self.ctx
+        rec = self.record_of(c.agent_id)
+        if rec is not None:  # counted as a route's pick is, until its next report:
+            # uncounted, a round's concurrent entries all went to an agent that looked
+            # idle, and it refused all but its free slots' worth (TARGET_BUSY)
+            rec.handed_out(ctx.clock())
+        sent_ms = ctx.wall_ms()
+        await self.dispatches.mark(e.request_id, c.agent_id, sent_ms, ttl_s)
+        # Before the send: a claimed run's final record reaches the ack watch ahead
+        # of its receipt's processing here (it is the claim's end, sent before the
+        # reply). A send that is not taken is overwritten by the next one.
+        self.acks.sent(e.request_id, sent_ms)
+        try:  # a reach agent's receipt, or a Synadia agent's ack (its answer later)
+            err, collect = await self.prompts.deliver(c, e, headers)
+        except (TimeoutError, NoRespondersError):
+            log.info("replay.no_receipt request_id=%s agent=%s", e.request_id, c.agent_id)
+            return None
+        if err is not None:
+            return err
+        await self.records.record_taker(e, c.agent_id)
+        await self.taken.hold(e, c.agent_id)  # removed at its final record
+        if collect is not None:  # a Synadia agent: the broker records its answer
+            ctx.spawn(collect(), f"synadia-replay-{e.request_id}")
+        self.replayed += 1
+        self._results["replayed"].inc()
+        log.info("replay.delivered request_id=%s capability=%s agent=%s priority=%d "
+                 "queued_ms=%d", e.request_id, e.capability, c.agent_id, e.priority,
+                 sent_ms - e.enqueued_ms)  # fmt: skip
+        return "replayed"
+
+    async def _refused(self, e: Entry, agent_id: str, err: ReachError) -> Outcome:
+        """``agent_id`` refused the task itself (``BIZ_REJECT``, ``LOOP_DETECTED``, ...): its
+        final answer, recorded; the entry is removed."""
+        assert e.msg is not None
+        await self.records.record_failed(e, agent_id, err.code, err.code.lower(), err.message)
+        await e.msg.ack_sync()
+        self.failed += 1
+        return "failed"
+
+    def _marker_ttl_s(self, e: Entry) -> float:
+        """How long a dispatch marker of ``e`` is kept: until the entry expires."""
+        return (e.expires_at_ms - self.ctx.wall_ms()) / 1000.0 if e.expires_at_ms else MARKER_TTL_S
 
     async def _slot(self, e: Entry, refusal: Overloaded, give_up: float) -> None:
         """Wait until the router has a slot for ``e``'s capability (or ``give_up``), asking
@@ -270,10 +297,7 @@ class EntrySender:
         assert e.msg is not None
         if state == "running":
             if self.taken.alive(holder):
-                await self.taken.hold(e, holder)
-                log.info("replay.held request_id=%s holder=%s: running there",
-                         e.request_id, holder)  # fmt: skip
-                return "held"
+                return await self._ask_holder(e, holder)
             await give_back(e.msg, delay_s=RELEASE_WAIT_S)
             return "deferred"
         await e.msg.ack_sync()
@@ -284,6 +308,35 @@ class EntrySender:
         log.info("replay.%s request_id=%s capability=%s holder=%s (%s): not sent again",
                  result, e.request_id, e.capability, holder, state)  # fmt: skip
         return "claimed"
+
+    async def _ask_holder(self, e: Entry, holder: str) -> Outcome:
+        """``e``'s claim is ``running`` on the live agent ``holder``: the entry is sent to the
+        holder itself, as a caller told ``IN_PROGRESS`` does. A holder running the request
+        answers the copy from its duplicate window; a new process of the holder takes over
+        the claim its predecessor left running and runs it — the only way that claim ends
+        when no broker released it (a broker restarted between the new process's announce
+        and its learning of the claim remembers no replacement: nemesis seed 46, an entry
+        held 60 s). Taken: held until the holder's final record. No receipt: held all the
+        same (the holder's going ``offline`` gives it back). Refused for now (busy,
+        draining, claimed elsewhere meanwhile): given back a moment, its claim read again."""
+        assert e.msg is not None
+        handed = await self._hand(e, self._target(holder, e.capability), _headers(e),
+                                  self._marker_ttl_s(e))  # fmt: skip
+        if handed is None:
+            await self.taken.hold(e, holder)
+            log.info("replay.held request_id=%s holder=%s: running there",
+                     e.request_id, holder)  # fmt: skip
+            return "held"
+        if not isinstance(handed, ReachError):
+            return handed
+        if handed.code == "IDEMPOTENCY_MISMATCH":
+            return await self._mismatch(e, holder)
+        if handed.code == "IN_PROGRESS" or retryable("error", handed):
+            log.info("replay.holder_refused request_id=%s holder=%s error=%s: given back",
+                     e.request_id, holder, handed.code)  # fmt: skip
+            await give_back(e.msg, delay_s=STALL_WAIT_S)
+            return "deferred"
+        return await self._refused(e, holder, handed)
 
     async def _mismatch(self, e: Entry, holder: str) -> Outcome:
         """The request id was claimed for another body: the entry is another request under a
@@ -309,6 +362,14 @@ class EntrySender:
         self.expired += 1
         self._results["expired"].inc()
         log.info("replay.expired request_id=%s capability=%s", e.request_id, e.capability)
+
+
+def _headers(e: Entry) -> dict[str, str]:
+    """The headers ``e`` is sent with: its own, its request id, and a receipt asked for."""
+    headers = e.task_headers()
+    headers[H_REQUEST_ID] = e.request_id
+    headers[schema.H_RECEIPT] = "1"
+    return headers
 
 
 def _reused(e: Entry, claimed_for: str | None) -> bool:
