@@ -61,6 +61,12 @@ class ClientMetrics:
             "Route requests answered from the local cache because no broker answered",
             registry=r,
         )
+        self.route_broker_waits = Counter(
+            "reach_route_broker_waits_total",
+            "Waits of a call for a broker: no broker answered its route request and no "
+            "cached route was left (asked again within the call's deadline)",
+            registry=r,
+        )
 
 
 class AgentMetrics:

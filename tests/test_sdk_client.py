@@ -251,6 +251,46 @@ async def test_route_falls_back_to_cache_without_broker_and_events_prune_it(
         assert "no cached route" in info.value.message
 
 
+async def test_a_call_that_no_broker_answers_waits_for_one_within_its_deadline(
+    nats_server: NatsServer, broker_factory: BrokerFactory, agents: Any
+) -> None:
+    """No broker answers a call's route request and nothing is cached (its brokers
+    restarting, their links cut): the call asks again, backing off, within its deadline,
+    where it used to be refused ``NO_REACHABLE_AGENT`` at once (nemesis seed 44: 706 calls
+    in 2 s). A call whose deadline passes first is refused, saying how long it waited; a
+    look (``Client.route``) is answered at once."""
+    first = await broker_factory()
+    calls: list[str] = []
+    await agents(counting_agent("w1", "waits_for_broker", calls))
+    await wait_for(lambda: registered(first, "w1"))
+    await first.stop()
+    metrics = ClientMetrics()
+    cfg = ClientConfig(local_routing=False)  # every route a route request
+    async with reach_agent.Client(nats_server.url, config=cfg, metrics=metrics) as client:
+        with pytest.raises(reach_agent.NoReachableAgent) as looked:
+            await client.route("waits_for_broker")
+        assert looked.value.message == ("route request for capability 'waits_for_broker' no "
+                                        "broker responded and no cached route is left")
+        assert metrics.route_broker_waits._value.get() == 0
+        with pytest.raises(reach_agent.NoReachableAgent) as late:
+            await client.call("waits_for_broker", {"n": 1}, timeout=1.5)
+        assert late.value.message.startswith(
+            "route request for capability 'waits_for_broker' no broker responded and no "
+            "cached route is left; no broker answered in "
+        )
+        waited = metrics.route_broker_waits._value.get()
+        assert waited >= 1
+        calling = asyncio.create_task(client.call("waits_for_broker", {"n": 2}, timeout=15))
+        await wait_for(lambda: metrics.route_broker_waits._value.get() >= waited + 2,
+                       what="the call waiting for a broker")  # fmt: skip
+        assert not calling.done()
+        second = await broker_factory()
+        await wait_for(lambda: registered(second, "w1"))
+        result = await asyncio.wait_for(calling, 15)
+    assert (result["agent"], result["payload"]) == ("w1", {"n": 2})
+    assert calls == ["w1"]
+
+
 async def test_call_without_any_agent_raises_no_reachable_agent(
     nats_server: NatsServer, broker: Broker
 ) -> None:
