@@ -285,6 +285,30 @@ async def stored_claim(nc: NATS, request_id: str) -> schema.Claim | None:
     return None if stored is None else schema.claim_decoder.decode(stored.data)
 
 
+async def dead_process_claim(nc: NATS, agent_id: str, capability: str) -> str:
+    """A request id whose claim ``agent_id``'s previous process left ``running`` (it died
+    before running it, and no broker released the claim)."""
+    orphan = str(uuid.uuid4())
+    dead = schema.Claim(request_id=orphan, agent_id=agent_id, instance="dead-process",
+                        capability=capability, state="running", at_ms=1,
+                        ack_subject=SUBJECTS.ack(agent_id, orphan))  # fmt: skip
+    assert (await ClaimStore(nc).create(claim_key(orphan), schema.encoder.encode(dead)))[0]
+    return orphan
+
+
+async def running_on(
+    nc: NATS, agent_id: str, capability: str, body: bytes, runs: list[tuple[str, str]]
+) -> tuple[str, asyncio.Task[Any]]:
+    """A new request sent straight to ``agent_id`` and running there (its id, and the task
+    awaiting its reply)."""
+    rid = str(uuid.uuid4())
+    direct = nc.request(SUBJECTS.task(agent_id, capability), body,
+                        headers={H_REQUEST_ID: rid}, timeout=10)  # fmt: skip
+    first = asyncio.create_task(direct)
+    await wait_for(lambda: (agent_id, rid) in runs, 5, what=f"running on {agent_id}")
+    return rid, first
+
+
 async def ended_by(nc: NATS, request_id: str) -> tuple[str, str, str]:
     """(holder, claim state, the author of the completed record that ends the claim) once
     that record is stored (at most 10 s): an SDK agent's completed record of a claimed run is
@@ -463,11 +487,7 @@ async def test_a_replayed_entry_whose_claim_a_dead_process_left_is_taken_over_by
     runs: list[tuple[str, str]] = []
     await agents(slow_agent("heir", "ledger6", runs, sleep=1.0))
     await wait_for(lambda: healthy(broker, "heir"))
-    orphan = str(uuid.uuid4())
-    dead = schema.Claim(request_id=orphan, agent_id="heir", instance="dead-process",
-                        capability="ledger6", state="running", at_ms=1,
-                        ack_subject=SUBJECTS.ack("heir", orphan))  # fmt: skip
-    assert (await ClaimStore(nc).create(claim_key(orphan), schema.encoder.encode(dead)))[0]
+    orphan = await dead_process_claim(nc, "heir", "ledger6")
     async with reach_agent.Client(nats_server.url) as client:
         assert await client.submit("ledger6", {"n": 8}, request_id=orphan) == orphan
         record = await client.wait(orphan, timeout=10)
@@ -476,11 +496,7 @@ async def test_a_replayed_entry_whose_claim_a_dead_process_left_is_taken_over_by
         stored = await stored_claim(nc, orphan)
         assert stored is not None and stored.instance != "dead-process"
         # Running on heir now (its own claim): the replay's copy is a duplicate.
-        running = str(uuid.uuid4())
-        direct = nc.request(SUBJECTS.task("heir", "ledger6"), b'{"n":9}',
-                            headers={H_REQUEST_ID: running}, timeout=10)  # fmt: skip
-        first = asyncio.create_task(direct)
-        await wait_for(lambda: ("heir", running) in runs, 5, what="running on heir")
+        running, first = await running_on(nc, "heir", "ledger6", b'{"n":9}', runs)
         assert await client.submit("ledger6", {"n": 9}, request_id=running) == running
         record = await client.wait(running, timeout=10)
         assert body_of(await first) == {"agent": "heir", "n": 9}
@@ -1380,11 +1396,7 @@ async def test_a_caller_told_in_progress_asks_the_holder_which_answers_or_takes_
     async with reach_agent.Client(nats_server.url, config=cfg, metrics=metrics) as client:
         key = await sticky_key_for(client, "ledger4", "other")
         # The claim of keeper's previous process, which died before running it.
-        orphan = str(uuid.uuid4())
-        dead = schema.Claim(request_id=orphan, agent_id="keeper", instance="dead-process",
-                            capability="ledger4", state="running", at_ms=1,
-                            ack_subject=SUBJECTS.ack("keeper", orphan))  # fmt: skip
-        assert (await ClaimStore(nc).create(claim_key(orphan), schema.encoder.encode(dead)))[0]
+        orphan = await dead_process_claim(nc, "keeper", "ledger4")
         result = await client.call("ledger4", {"n": 6}, sticky_key=key, request_id=orphan,
                                    timeout=10)  # fmt: skip
         assert result == {"agent": "keeper", "n": 6}
@@ -1392,11 +1404,7 @@ async def test_a_caller_told_in_progress_asks_the_holder_which_answers_or_takes_
         stored = await stored_claim(nc, orphan)
         assert stored is not None and stored.instance != "dead-process"
         # A request keeper runs now: the copy the call sends it waits for that run.
-        running = str(uuid.uuid4())
-        direct = nc.request(SUBJECTS.task("keeper", "ledger4"), b'{"n":7}',
-                            headers={H_REQUEST_ID: running}, timeout=10)  # fmt: skip
-        first = asyncio.create_task(direct)
-        await wait_for(lambda: ("keeper", running) in runs, 5, what="running on keeper")
+        running, first = await running_on(nc, "keeper", "ledger4", b'{"n":7}', runs)
         result = await client.call("ledger4", {"n": 7}, sticky_key=key, request_id=running,
                                    timeout=10)  # fmt: skip
         assert result == {"agent": "keeper", "n": 7}
