@@ -155,11 +155,11 @@ async def wait_for(
     record stored in between is not missed (a record seen both ways is told once); reads
     the stream on every ``REREAD_S``, so a record the subscription missed (stored while the
     connection was down) is told too. ``again``, asked before each of those reads, may
-    settle on a record told earlier (what it learnt meanwhile makes one the answer). Raises
-    ``TimeoutError`` after ``timeout_s`` seconds,
-    what the first read raises when the stream cannot be read (a later read that fails is
-    logged, and the wait goes on listening), ``ConnectionClosedError`` once the connection
-    is closed.
+    settle on a record told earlier (what it learnt meanwhile makes one the answer). A read
+    that fails (JetStream electing a leader, no answer in time) is logged and the wait goes
+    on listening and reading. Raises ``TimeoutError`` after ``timeout_s`` seconds — or, when
+    no read of the stream succeeded in that time, what the last read raised: the wait could
+    not tell —, ``ConnectionClosedError`` once the connection is closed.
     """
     check_request_id(request_id)
     live: asyncio.Queue[StoredAck] = asyncio.Queue()
@@ -187,24 +187,34 @@ async def wait_for(
                         return answer
         return None
 
-    async def reread(after: int) -> tuple[int, list[StoredAck]]:
+    unread: NatsError | None = None
+    """The last read's error while no read has succeeded: the wait cannot tell yet."""
+    have_read = False
+
+    async def reread(after: int, *, first: bool = False) -> tuple[int, list[StoredAck]]:
         """:func:`_read` on from ``after``; nothing new when the stream cannot say now."""
+        nonlocal unread, have_read
         try:
-            return await _read(js, subjects, subject, after=after)
+            if first:  # not nc.flush: see roundtrip
+                await round_trip(nc, max(1, int(min(timeout_s, 2.0))))
+            read = await _read(js, subjects, subject, after=after)
         except NatsError as exc:  # nats-py's TimeoutError is one
             if nc.is_closed:
                 raise  # nothing more is heard either
+            if not have_read:
+                unread = exc
             log.debug("acks.reread_failed request_id=%s error=%r: listening on", request_id,
                       exc)  # fmt: skip
             return after, []
+        have_read, unread = True, None
+        return read
 
     subject = subjects.acks_of(request_id)
     js = nc.jetstream(timeout=min(timeout_s, 2.0))
     sub = await nc.subscribe(subject, cb=on_msg)
     try:
         async with asyncio.timeout(timeout_s):
-            await round_trip(nc, max(1, int(min(timeout_s, 2.0))))  # not nc.flush: see roundtrip
-            read, found = await _read(js, subjects, subject, after=0)
+            read, found = await reread(0, first=True)
             rereads = 0
             while True:
                 for rec in found:
@@ -221,6 +231,10 @@ async def wait_for(
                     return answer
                 rereads += 1
                 read, found = await reread(read)
+    except TimeoutError:
+        if unread is not None:
+            raise unread from None
+        raise
     finally:
         with contextlib.suppress(Exception):
             await sub.unsubscribe()

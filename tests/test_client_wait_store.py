@@ -31,11 +31,12 @@ from .conftest import wait_for
 
 
 async def test_wait_on_a_server_without_jetstream_is_store_unavailable(tmp_path: Path) -> None:
-    # No -js: every JetStream API request meets "no responders".
+    """No -js: every JetStream API request meets "no responders". The wait reads again until
+    its timeout, then says it could not tell (not ``TIMEOUT``, which would blame the agent)."""
     with NatsServer(store_dir=tmp_path / "nats", config=None, config_store=True) as server:
         async with reach_agent.Client(server.url) as client:
             with pytest.raises(StoreUnavailable) as err:
-                await asyncio.wait_for(client.wait("r-nojs", timeout=5), 4)
+                await asyncio.wait_for(client.wait("r-nojs", timeout=1.5), 5)
     assert err.value.code == "STORE_UNAVAILABLE"
     assert err.value.retryable is True
     assert err.value.retry_after_ms == 1000
@@ -104,6 +105,48 @@ async def test_a_wait_cut_short_by_a_stopped_server_leaves_the_connection_hearin
                              schema.encoder.encode(record))  # fmt: skip
         done = await asyncio.wait_for(waiting, 6)
     assert (done.state, done.agent_id, done.result) == ("completed", "a1", {"n": 1})
+
+
+async def test_a_wait_begun_while_the_store_cannot_answer_waits_it_out(
+    provisioned: NatsServer, nc: NATS, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A wait whose first read of REACH_ACKS fails (the server stopped: a node frozen, a
+    leader being elected) goes on listening and reading within its timeout, and the record
+    stored once the server runs again answers it. It used to be refused
+    ``STORE_UNAVAILABLE`` at the first failure (nemesis seed 44: 34 waits)."""
+    caplog.set_level(logging.DEBUG, logger="jetstream.ackreads")
+    rid = "r-rides-out"
+
+    said = f"acks.reread_failed request_id={rid} "
+
+    def failed() -> list[str]:
+        return [m for r in caplog.records if (m := r.getMessage()).startswith(said)]
+
+    async with reach_agent.Client(provisioned.url) as client:
+        pid = provisioned.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            await wait_for(lambda: frozen(pid), what=f"nats-server {pid} stopped")
+            waiting = asyncio.create_task(client.wait(rid, timeout=15, agent_id="a1"))
+            await wait_for(lambda: failed() or waiting.done(), 5,
+                           what="the wait's first read failed")  # fmt: skip
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        try:
+            assert waiting.done() is False  # (on the first failure it was refused)
+            record = schema.AckRecord(request_id=rid, agent_id="a1", capability="later",
+                                      state="completed", at_ms=1,
+                                      result=msgspec.Raw(b'{"n":4}'))  # fmt: skip
+            await publish_record(nc.jetstream(), Subjects().ack("a1", rid),
+                                 ack_msg_id("a1", rid, "completed"),
+                                 schema.encoder.encode(record))  # fmt: skip
+            done = await asyncio.wait_for(waiting, 15)
+        finally:
+            waiting.cancel()
+    assert (done.agent_id, done.state, done.result) == ("a1", "completed", {"n": 4})
+    assert failed()[0] == (f"acks.reread_failed request_id={rid} error=FlushTimeoutError(): "
+                           "listening on")  # fmt: skip
 
 
 async def wait_then_cut(

@@ -242,7 +242,9 @@ async def wait(
     ``failed``: the answer of a Synadia agent, which writes none) is final too. Records of
     any other author, copies of stored messages and records whose body disagrees with their
     subject are ignored. Raises ``Timeout`` when none is stored within ``timeout`` seconds,
-    ``StoreUnavailable`` (retryable) when ``REACH_ACKS`` cannot be read (:data:`STORE_ERRORS`).
+    ``StoreUnavailable`` (retryable) when no read of ``REACH_ACKS`` succeeded within them (a
+    read that fails is tried again: :func:`jetstream.ackreads.wait_for`) or the connection
+    is closed (:data:`STORE_ERRORS`).
     """
     takers = {agent_id} if agent_id else set()
     remembered = getattr(client, "takers", None)
