@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 from typing import Any
 
@@ -123,6 +124,43 @@ async def test_a_result_lost_while_the_caller_reconnected_is_read_from_the_store
             await proxy.restore()
             assert await asyncio.wait_for(call, 10) == {"n": 7}
             assert client.nc.stats["reconnects"] == 1
+
+
+async def test_a_timed_out_repeat_returns_the_result_its_claim_holder_stored(
+    nats_server: NatsServer, nc: NATS, broker: Broker, agents: Any
+) -> None:
+    """A request one agent completed, called again under its request id when the only agent
+    the route gives never answers (stalled, SIGSTOPped): the call times out with no receipt,
+    and returns the result the claim's holder stored, not TIMEOUT. Nemesis seed 48: two
+    repeats (c2-000035, c2-000594) were told TIMEOUT "no receipt from agent 'a3'" 44 s and
+    2 min after a4 and a2 stored their results; the timed-out call read only the records of
+    the agents its attempts went to."""
+    await agents(counting_agent("done1", "rep.cap", []))
+    await wait_for(lambda: registered(broker, "done1"), what="done1 healthy")
+    rid = "r-repeat-stored"
+    async with reach_agent.Client(nats_server.url) as first:
+        answer = await first.call("rep.cap", {"x": 1}, request_id=rid, timeout=5)
+    assert answer["agent"] == "done1"
+    got: list[str] = []
+
+    async def swallow(msg: Any) -> None:  # takes the task, never answers (a stalled agent)
+        got.append(msg.headers.get("Reach-Request-Id", "") if msg.headers else "")
+
+    await nc.subscribe(Subjects().task("mute1", "rep.cap"), cb=swallow)
+    body = {"agent_id": "mute1", "capabilities": ["rep.cap"], "max_concurrency": 4,
+            "heartbeat_interval_ms": 60_000, "region": "eu"}  # fmt: skip
+    reply = await nc.request("reach.announce.mute1", json.dumps(body).encode(), 2)
+    hb = {"agent_id": "mute1", "token": json.loads(reply.data)["token"], "seq": 1,
+          "status": "idle", "active": 0, "queue_depth": 0, "ok_total": 0,
+          "fail_total": 0}  # fmt: skip
+    await nc.publish("reach.hb.mute1", json.dumps(hb).encode())
+    await wait_for(lambda: registered(broker, "mute1"), what="mute1 healthy")
+    config = ClientConfig(min_timeout_s=2.0)
+    async with reach_agent.Client(nats_server.url, config) as client:
+        again = await client.call("rep.cap", {"x": 1}, request_id=rid, timeout=2,
+                                  region="eu")  # fmt: skip
+    assert got and set(got) == {rid}  # only mute1 was asked, and never answered
+    assert again == answer
 
 
 async def test_busy_agent_sends_the_call_elsewhere_at_once(

@@ -357,23 +357,61 @@ class Client:
 
     async def _stored(self, call: Call) -> schema.AckRecord | None:
         """A call that timed out: the final record an agent it reached stored meanwhile (the
-        one that took it first, then the others its attempts went to), read once, at most
-        :data:`STORED_READ_S`. Its reply was lost (nemesis seed 42: the caller's node killed
-        as the agent answered; seed 43: an attempt given up for an agent whose node was
-        stopped, which then finished) while ``REACH_ACKS`` holds the answer. Not for
+        one that took it first, then the others its attempts went to), or else the one its
+        request id's claim names (:meth:`_claim_answer`), read once, at most
+        :data:`STORED_READ_S` each. Its reply was lost (nemesis seed 42: the caller's node
+        killed as the agent answered; seed 43: an attempt given up for an agent whose node
+        was stopped, which then finished) while ``REACH_ACKS`` holds the answer. Not for
         ``ack_mode="received"`` (its answer is the receipt)."""
         if call.ack_mode != "completed":
             return None
         authors = ([call.taker] if call.taker else []) + sorted(call.runners() - {call.taker})
-        if not authors:
-            return None
-        rec = await results.stored_final(self.nc, call.request_id, authors[:STORED_AUTHORS],
-                                         self.subjects, STORED_READ_S)  # fmt: skip
+        # The claim names the agent whose final record is the request's answer, reached by
+        # this call or not: a repeat of a request another agent finished, whose attempts
+        # went only to an agent that never answered (nemesis seed 48: two repeats told
+        # TIMEOUT 44 s and 2 min after their result was stored). Read with the records.
+        by_claim = asyncio.ensure_future(self._claim_answer(call.request_id, call.body))
+        try:
+            rec = None
+            if authors:
+                rec = await results.stored_final(self.nc, call.request_id,
+                                                 authors[:STORED_AUTHORS], self.subjects,
+                                                 STORED_READ_S)  # fmt: skip
+            if rec is None:
+                rec = await by_claim
+        finally:
+            by_claim.cancel()
         if rec is not None:
             log.info("call.result_from_store request_id=%s agent=%s state=%s: its reply did "
                      "not reach this caller by the deadline", call.request_id, rec.agent_id,
                      rec.state)  # fmt: skip
         return rec
+
+    async def _claim_answer(self, request_id: str, body: bytes) -> schema.AckRecord | None:
+        """The final record the claim of ``request_id`` says is its answer, read once within
+        :data:`STORED_READ_S`: its holder's ``completed`` record (which ends the claim
+        whatever its state says: an SDK agent's claim stays ``running``), or the holder's
+        ``failed`` record of a ``failed`` claim. None when unclaimed or released, claimed
+        for another body (an agent answers that ``IDEMPOTENCY_MISMATCH``), not finished, or
+        unreadable."""
+
+        async def read() -> schema.AckRecord | None:
+            claim = await durable.read_claim(self.nc, request_id, again=True)
+            if claim is None or claim.state == "released":
+                return None
+            if claim.body_digest is not None and claim.body_digest != schema.body_digest(body):
+                return None
+            if claim.state == "failed":
+                return await results.stored_final(self.nc, request_id, [claim.agent_id],
+                                                  self.subjects, STORED_READ_S)  # fmt: skip
+            ended = await results.ended_by_record(self.nc, claim, self.subjects)
+            return ended[1] if ended is not None else None
+
+        try:
+            return await asyncio.wait_for(read(), STORED_READ_S)
+        except Exception as exc:  # noqa: BLE001 - a timeout, no stream: the Timeout stands
+            log.debug("call.claim_unread request_id=%s error=%r", request_id, exc)
+            return None
 
     def stream(
         self,
