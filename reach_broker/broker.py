@@ -233,6 +233,8 @@ class Broker:
             ctx, lambda a: rec.state if (rec := agents.get(a)) is not None else None,
             cfg.claims, released=m.claims_released, store_errors=m.store_errors,
             follow=m.follow("claims"),
+            # an entry held for a released claim given back at once (built below)
+            on_released=lambda rid, agent: self.replayer.claim_released(rid, agent),
         )  # fmt: skip
         self.records = BrokerAcks(ctx, store_errors=m.store_errors)
         """The ack records the broker writes as itself (replay, Synadia answers, cancels)."""

@@ -21,16 +21,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from nats.aio.client import Client as NATS
 from nats.js.errors import KeyNotFoundError
 
 import reach_agent
 from jetstream import ackreads, acks, compensation
+from jetstream.claims import ClaimStore, claim_key
 from jetstream.names import CLAIMS_STREAM
 from reach_agent.agent.agent import Agent
 from reach_agent.client import durable
 from reach_agent.connection import connect_options
+from reach_agent.wire import schema
 from reach_agent.wire.errors import Overloaded, ReachError
 from reach_agent.wire.schema import Announce, RouteRequest
 from reach_agent.wire.subjects import Subjects
@@ -503,6 +506,49 @@ async def test_a_submitted_task_whose_agent_dies_mid_task_completes_once_elsewhe
     await wait_for(lambda: broker.replayer.taken.finished == 1, what="the entry removed")
     assert (await compensation.depths(nc, SUBJECTS))[0] == 0  # acked (ack_sync) before
     assert len(broker.replayer.taken) == 0
+
+
+async def test_an_entry_whose_claim_another_broker_released_is_given_back_at_once(
+    nc: NATS, broker_factory: BrokerFactory, agents: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The claim of an entry's taker released by another broker (the owner of the taker's
+    partition, which declared it offline; this broker handed that partition over and heard
+    no transition): the entry is given back at once, not at its claim check one
+    ``ack_wait`` later (nemesis seed 48: 19.4 and 24.0 s after the submit). The request
+    still runs once."""
+    caplog.set_level(logging.INFO, logger="reach_broker.replay.taken")
+    broker = await broker_factory(compensation__sweep_interval_s=0.2)
+    go, runs = asyncio.Event(), []
+    agent = reach_agent.Agent("rel1", ["rel.cap"], heartbeat_interval=0.1, max_concurrency=1)
+
+    @agent.handler("rel.cap")
+    async def handle(task: reach_agent.Task) -> dict[str, Any]:
+        runs.append(task.request_id)
+        await go.wait()
+        return {"n": task.payload["n"]}
+
+    await agents(agent)
+    await wait_for(lambda: healthy(broker, "rel1"))
+    rid = await durable.submit(nc, "rel.cap", {"n": 6})
+    await wait_for(lambda: broker.replayer.taken.holds(rid), what="the entry held")
+    claims = ClaimStore(nc)
+    stored = await claims.get(claim_key(rid))
+    assert stored is not None
+    claim = schema.claim_decoder.decode(stored.data)
+    assert (claim.agent_id, claim.state) == ("rel1", "running")
+    released = msgspec.structs.replace(claim, state="released", reason="offline elsewhere")
+    assert await claims.swap(claim_key(rid), schema.encoder.encode(released), stored.revision)
+    await wait_for(lambda: broker.replayer.taken.returned == 1, 5,
+                   what="the entry given back")  # fmt: skip
+    assert broker.metrics.compensation_result["requeued"]._value.get() == 1
+    assert [r.getMessage() for r in caplog.records if "taken_released" in r.getMessage()] == [
+        f"replay.taken_released request_id={rid} capability=rel.cap agent=rel1: its claim "
+        "was released; queued again, to run elsewhere"
+    ]
+    go.set()
+    record = await durable.wait(nc, rid, timeout=15)
+    assert (record.state, record.agent_id, record.result) == ("completed", "rel1", {"n": 6})
+    assert runs == [rid]
 
 
 # --- 4: agent SIGKILLed between "handler done" and "ack stored" -----------------------------

@@ -175,6 +175,19 @@ class Replayer:
             # together are 1,000 look-ups, not 1,000 tasks.
             self.ctx.spawn(self._taker_gone(t.agent_id), "replay-taker-gone")
 
+    def claim_released(self, request_id: str, agent_id: str) -> None:
+        """The claims bucket says ``agent_id``'s claim of ``request_id`` was released: an
+        entry held for it is given back at once (:meth:`Taken.released`)."""
+        if self._sweeper is None or not self.taken.holds(request_id):
+            return
+        self.ctx.spawn(self._released(request_id, agent_id), "replay-claim-released")
+
+    async def _released(self, request_id: str, agent_id: str) -> None:
+        cap = await self.taken.released(request_id, agent_id)
+        if cap is not None:
+            self._known[cap] = self._known.get(cap, 0) + 1
+            self.kick(cap)
+
     async def _taker_gone(self, agent_id: str) -> None:
         for cap in await self.taken.taker_gone(agent_id):
             self._known[cap] = self._known.get(cap, 0) + 1

@@ -3,8 +3,9 @@
 A replayed task's entry is not removed at the agent's receipt: the replica that delivered it
 holds it (un-acked, kept alive with ``in_progress`` every third of the consumer's
 ``ack_wait``) until the taker's own final ack record (``completed`` or ``failed``) arrives on
-``<p>.ack.>``. Should the taker be declared ``offline`` (or evicted) first, the entry is
-given back (``nak``): its claim is released by then or shortly after
+``<p>.ack.>``. Should the taker be declared ``offline`` (or evicted) first, or its claim be
+released (by any broker), the entry is given back (``nak``): its claim is released by then
+or shortly after
 (:mod:`reach_broker.service.releases`), and the redelivery runs the task once elsewhere. A submitted
 task thus completes at least once even when its agent dies mid-task. Should the replica
 itself die, JetStream redelivers its held entries after ``ack_wait`` to another replica,
@@ -149,6 +150,27 @@ class Taken:
             log.warning("replay.taker_gone request_id=%s capability=%s agent=%s: queued "
                         "again, to run elsewhere", rid, caps[-1], agent_id)  # fmt: skip
         return caps
+
+    async def released(self, request_id: str, agent_id: str) -> str | None:
+        """``request_id``'s claim by ``agent_id`` was released (by any broker: the one that
+        owns the agent's partition declared it offline, or the holder gave it up): give
+        the entry back when ``agent_id`` took it here; its capability (to replay again).
+        Without this, a broker that handed the agent's partition over heard no offline
+        transition and held the entry until its claim check, one ``ack_wait`` later
+        (nemesis seed 48: two entries ran 19.4 and 24.0 s after their submit)."""
+        held = self._held.get(request_id)
+        if held is None or held.agent_id != agent_id:
+            return None
+        self._forget(request_id)
+        assert held.entry.msg is not None
+        with contextlib.suppress(Exception):  # else redelivered after ack_wait anyway
+            await give_back(held.entry.msg)
+        self.returned += 1
+        self.on_returned()
+        log.warning("replay.taken_released request_id=%s capability=%s agent=%s: its claim was "
+                    "released; queued again, to run elsewhere", request_id,
+                    held.entry.capability, agent_id)  # fmt: skip
+        return held.entry.capability
 
     def _forget(self, request_id: str) -> None:
         held = self._held.pop(request_id, None)

@@ -83,10 +83,16 @@ class Releaser:
 
     def __init__(self, ctx: BrokerContext, state_of: Callable[[str], str | None],
                  cfg: ClaimsSection, *, released: Any, store_errors: Any,
-                 follow: FollowMetrics = UNCOUNTED) -> None:  # fmt: skip
+                 follow: FollowMetrics = UNCOUNTED,
+                 on_released: Callable[[str, str], object] = lambda rid, agent: None,
+                 ) -> None:  # fmt: skip
         """``released``, ``store_errors``: ``reach_claims_released_total``,
-        ``reach_store_errors_total``; ``follow``: what the claims follow counts into."""
+        ``reach_store_errors_total``; ``follow``: what the claims follow counts into;
+        ``on_released``: told (request id, holder) of each claim the bucket says is
+        released, by this broker or another (the replay gives back an entry it holds for
+        it)."""
         self.ctx, self.cfg, self._released = ctx, cfg, released
+        self.on_released = on_released
         self._follow = follow
         self._store_errors = store_errors
         self.state_of = state_of
@@ -207,6 +213,8 @@ class Releaser:
                 held.pop(key, None)
                 if not held:
                     del self._running[old]
+        if claim.state == "released":
+            self.on_released(claim.request_id, claim.agent_id)
         if claim.state != "running":
             return
         if self._completed.get(key) == claim.agent_id:
