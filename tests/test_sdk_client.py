@@ -126,6 +126,59 @@ async def test_a_result_lost_while_the_caller_reconnected_is_read_from_the_store
             assert client.nc.stats["reconnects"] == 1
 
 
+async def test_a_caller_whose_own_link_stalls_blames_no_agent(
+    nats_server: NatsServer, nc: NATS, broker: Broker, agents: Any
+) -> None:
+    """The caller's own link stalls (its node stopped: the connection left open, nothing
+    carried) while its agent runs the task and stores the result. Its liveness probes go
+    unanswered as everything does, which says nothing of the agent: the attempt is not
+    abandoned as lost (nor the call given up on the other candidates, unreachable too), and
+    once the link is back the call returns the stored result within its deadline. Nemesis
+    seed 50: c3-000060 and c3-000081 were told TIMEOUT ("agent ... was lost") 3.2 and 2.7 s
+    after a4 stored their results and 3.5 and 6.3 s before their deadlines, their caller's
+    node SIGSTOPped; it was back 1 s later."""
+    release = asyncio.Event()
+    ran: list[str] = []
+
+    def agent(agent_id: str) -> reach_agent.Agent:
+        a = reach_agent.Agent(agent_id, ["deaf.cap"], heartbeat_interval=0.1)
+
+        @a.handler("deaf.cap")
+        async def handle(task: reach_agent.Task) -> dict[str, str]:
+            ran.append(agent_id)
+            await release.wait()
+            return {"by": agent_id}
+
+        return a
+
+    await agents(agent("deaf1"))
+    await agents(agent("deaf2"))
+    await wait_for(lambda: registered(broker, "deaf1") and registered(broker, "deaf2"))
+    rid = "r-deaf-caller"
+    cfg = ClientConfig(liveness_probe_s=0.3, ack_timeout_s=0.3, route_timeout_s=0.3,
+                       backoff_s=0.2)  # fmt: skip
+    async with TcpProxy.to_url(nats_server.url) as proxy:
+        async with reach_agent.Client(proxy.url, config=cfg) as client:
+            call = asyncio.create_task(client.call("deaf.cap", {}, request_id=rid, timeout=12))
+            await wait_for(lambda: any(c.taker for c in client._calls.values()),
+                           what="the receipt")  # fmt: skip
+            taker = ran[0]
+            await proxy.blackhole()  # the caller's link stalls, its connection left open
+            release.set()
+            subject, stored = Subjects().ack(taker, rid), None
+            for _ in range(100):  # the taker's completed record, stored meanwhile
+                stored = await ackreads.final_at(nc, subject, subjects=Subjects())
+                if stored is not None:
+                    break
+                await asyncio.sleep(0.05)
+            assert stored is not None and stored.state == "completed"
+            await asyncio.sleep(6.0)  # probes unanswered, the other agent unreachable too
+            assert not call.done(), call.result() if not call.exception() else call.exception()
+            await proxy.restore()
+            assert await asyncio.wait_for(call, 15) == {"by": taker}
+    assert ran == [taker]
+
+
 async def test_a_timed_out_repeat_returns_the_result_its_claim_holder_stored(
     nats_server: NatsServer, nc: NATS, broker: Broker, agents: Any
 ) -> None:

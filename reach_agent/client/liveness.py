@@ -18,6 +18,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
+from jetstream.roundtrip import round_trip
 from reach_agent.wire import schema
 from reach_agent.wire.subjects import Subjects
 
@@ -115,10 +116,34 @@ class Liveness:
             self._watching.discard(agent_id)
 
     async def _probe(self, agent_id: str, timeout_s: float, what: str) -> None:
-        """One probe; no answer (or no responders) abandons the attempts on ``agent_id``."""
+        """One probe; no answer (or no responders) abandons the attempts on ``agent_id`` —
+        unless this client's own server does not answer a round trip either (its link
+        stalled, its node stopped, reconnecting): then the silence says nothing of the
+        agent, and its attempts wait (the next probe, the agent's reply, their deadline),
+        as a broker believes no silence while it is deaf itself. Nemesis seed 50: a caller
+        whose node was stopped abandoned every attempt as lost, gave up its calls seconds
+        before their deadlines and was told TIMEOUT with their results stored."""
         try:
             await self.nc.request(self.subjects.probe(agent_id), b"{}", timeout=timeout_s)
-        except (NatsTimeoutError, NoRespondersError) as exc:
+        except NoRespondersError as exc:  # the server answered: nobody listens there
+            self.abort(agent_id, f"{what} unanswered ({type(exc).__name__})")
+        except NatsTimeoutError as exc:
+            if not await self._hearing():
+                log.info("call.probe_unjudged agent=%s probe=%s: this client's own server "
+                         "did not answer a round trip either; its attempts wait", agent_id,
+                         what)  # fmt: skip
+                return
             self.abort(agent_id, f"{what} unanswered ({type(exc).__name__})")
         except Exception:
             log.debug("client.probe_failed agent=%s probe=%s", agent_id, what, exc_info=True)
+
+    async def _hearing(self) -> bool:
+        """Whether this client's own server answers a round trip (a PING's PONG) within
+        ``ack_timeout_s``; False while the connection is down or reconnecting."""
+        if not self.nc.is_connected:
+            return False
+        try:
+            await round_trip(self.nc, max(self.config.ack_timeout_s, 0.1))
+        except Exception:  # noqa: BLE001 - a timeout, a connection closed meanwhile
+            return False
+        return True
