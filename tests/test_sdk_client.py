@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 from typing import Any
 
@@ -127,8 +128,9 @@ async def test_a_result_lost_while_the_caller_reconnected_is_read_from_the_store
 
 
 async def test_a_caller_whose_own_link_stalls_blames_no_agent(
-    nats_server: NatsServer, nc: NATS, broker: Broker, agents: Any
-) -> None:
+    nats_server: NatsServer, nc: NATS, broker: Broker, agents: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
     """The caller's own link stalls (its node stopped: the connection left open, nothing
     carried) while its agent runs the task and stores the result. Its liveness probes go
     unanswered as everything does, which says nothing of the agent: the attempt is not
@@ -137,6 +139,7 @@ async def test_a_caller_whose_own_link_stalls_blames_no_agent(
     seed 50: c3-000060 and c3-000081 were told TIMEOUT ("agent ... was lost") 3.2 and 2.7 s
     after a4 stored their results and 3.5 and 6.3 s before their deadlines, their caller's
     node SIGSTOPped; it was back 1 s later."""
+    caplog.set_level(logging.INFO, logger="reach_agent.client.liveness")
     release = asyncio.Event()
     ran: list[str] = []
 
@@ -165,14 +168,19 @@ async def test_a_caller_whose_own_link_stalls_blames_no_agent(
             taker = ran[0]
             await proxy.blackhole()  # the caller's link stalls, its connection left open
             release.set()
-            subject, stored = Subjects().ack(taker, rid), None
-            for _ in range(100):  # the taker's completed record, stored meanwhile
-                stored = await ackreads.final_at(nc, subject, subjects=Subjects())
-                if stored is not None:
-                    break
-                await asyncio.sleep(0.05)
-            assert stored is not None and stored.state == "completed"
-            await asyncio.sleep(6.0)  # probes unanswered, the other agent unreachable too
+            # the taker's completed record, stored meanwhile
+            stored = await ackreads.wait_final_at(nc, Subjects().ack(taker, rid), 5,
+                                                  subjects=Subjects())  # fmt: skip
+            assert stored.state == "completed"
+
+            def unjudged() -> int:
+                return sum(r.getMessage().startswith(f"call.probe_unjudged agent={taker} ")
+                           for r in caplog.records)  # fmt: skip
+
+            # Three probes of the taker unanswered while the caller heard nothing either
+            # (on the parent the first abandoned the attempt, and the call was given up).
+            await wait_for(lambda: unjudged() >= 3 or call.done(), 10,
+                           what="three probes unjudged")  # fmt: skip
             assert not call.done(), call.result() if not call.exception() else call.exception()
             await proxy.restore()
             assert await asyncio.wait_for(call, 15) == {"by": taker}
@@ -360,8 +368,10 @@ async def test_a_call_that_no_broker_answers_waits_for_one_within_its_deadline(
     async with reach_agent.Client(nats_server.url, config=cfg, metrics=metrics) as client:
         with pytest.raises(reach_agent.NoReachableAgent) as looked:
             await client.route("waits_for_broker")
-        assert looked.value.message == ("route request for capability 'waits_for_broker' no "
-                                        "broker responded and no cached route is left")
+        assert looked.value.message == (
+            "route request for capability 'waits_for_broker' no "
+            "broker responded and no cached route is left"
+        )
         assert metrics.route_broker_waits._value.get() == 0
         with pytest.raises(reach_agent.NoReachableAgent) as late:
             await client.call("waits_for_broker", {"n": 1}, timeout=1.5)
