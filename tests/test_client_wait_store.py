@@ -6,11 +6,13 @@ waiter's connection was down answers the wait once it is back."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import pytest
@@ -67,6 +69,37 @@ def frozen(pid: int) -> bool:
     return all(state == "T" for state in states)
 
 
+@contextlib.asynccontextmanager
+async def stopped(server: NatsServer) -> AsyncIterator[None]:
+    """``server`` frozen (SIGSTOP: a node stopped, as loadtest.nemesis's ``node_stop``)
+    inside the block, running again after it."""
+    pid = server.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        await wait_for(lambda: frozen(pid), what=f"nats-server {pid} stopped")
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+async def store_by_a1(
+    nc: NATS, rid: str, capability: str, *, result: bytes | None = None,
+    error: dict[str, str] | None = None, at_ms: int = 1,
+) -> str:  # fmt: skip
+    """Agent a1's final record of ``rid`` stored in REACH_ACKS: ``completed`` with
+    ``result``, or ``failed`` with ``error``; its message id (a new one, never a
+    duplicate)."""
+    state: Literal["completed", "failed"] = "failed" if error is not None else "completed"
+    raw = msgspec.Raw(result) if result is not None else None
+    record = schema.AckRecord(request_id=rid, agent_id="a1", capability=capability, state=state,
+                              at_ms=at_ms, error=error, result=raw)  # fmt: skip
+    msg_id = ack_msg_id("a1", rid, state)
+    data = schema.encoder.encode(record)
+    assert await publish_record(nc.jetstream(), Subjects().ack("a1", rid), msg_id, data) is False
+    return msg_id
+
+
 async def test_a_wait_cut_short_by_a_stopped_server_leaves_the_connection_hearing(
     provisioned: NatsServer, nc: NATS
 ) -> None:
@@ -80,16 +113,10 @@ async def test_a_wait_cut_short_by_a_stopped_server_leaves_the_connection_hearin
     records already in the stream (loadtest.nemesis, caller c3, seed 8)."""
     rid = "r-after-stop"
     async with reach_agent.Client(provisioned.url) as client:
-        pid = provisioned.pid
-        assert pid is not None
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            await wait_for(lambda: frozen(pid), what=f"nats-server {pid} stopped")
+        async with stopped(provisioned):
             # agent_id given: no claim read, the round trip is the first thing to wait for
             with pytest.raises(StoreUnavailable) as err:
                 await asyncio.wait_for(client.wait("r-stopped", timeout=1.5, agent_id="a1"), 5)
-        finally:
-            os.kill(pid, signal.SIGCONT)
         assert err.value.message == (
             "REACH_ACKS could not be read for request_id 'r-stopped' (FlushTimeoutError: "
             "nats: flush timeout): wait for it again"
@@ -97,12 +124,7 @@ async def test_a_wait_cut_short_by_a_stopped_server_leaves_the_connection_hearin
         got = await asyncio.wait_for(client.submit("nemesis", {"n": 1}), 5)
         assert (got.duplicate, got.seq) == (False, 1)
         waiting = asyncio.create_task(client.wait(rid, timeout=5, agent_id="a1"))
-        record = schema.AckRecord(request_id=rid, agent_id="a1", capability="nemesis",
-                                  state="completed", at_ms=1,
-                                  result=msgspec.Raw(b'{"n":1}'))  # fmt: skip
-        await publish_record(nc.jetstream(), Subjects().ack("a1", rid),
-                             ack_msg_id("a1", rid, "completed"),
-                             schema.encoder.encode(record))  # fmt: skip
+        await store_by_a1(nc, rid, "nemesis", result=b'{"n":1}')
         done = await asyncio.wait_for(waiting, 6)
     assert (done.state, done.agent_id, done.result) == ("completed", "a1", {"n": 1})
 
@@ -123,24 +145,13 @@ async def test_a_wait_begun_while_the_store_cannot_answer_waits_it_out(
         return [m for r in caplog.records if (m := r.getMessage()).startswith(said)]
 
     async with reach_agent.Client(provisioned.url) as client:
-        pid = provisioned.pid
-        assert pid is not None
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            await wait_for(lambda: frozen(pid), what=f"nats-server {pid} stopped")
+        async with stopped(provisioned):
             waiting = asyncio.create_task(client.wait(rid, timeout=15, agent_id="a1"))
             await wait_for(lambda: failed() or waiting.done(), 5,
                            what="the wait's first read failed")  # fmt: skip
-        finally:
-            os.kill(pid, signal.SIGCONT)
         try:
             assert waiting.done() is False  # (on the first failure it was refused)
-            record = schema.AckRecord(request_id=rid, agent_id="a1", capability="later",
-                                      state="completed", at_ms=1,
-                                      result=msgspec.Raw(b'{"n":4}'))  # fmt: skip
-            await publish_record(nc.jetstream(), Subjects().ack("a1", rid),
-                                 ack_msg_id("a1", rid, "completed"),
-                                 schema.encoder.encode(record))  # fmt: skip
+            await store_by_a1(nc, rid, "later", result=b'{"n":4}')
             done = await asyncio.wait_for(waiting, 15)
         finally:
             waiting.cancel()
@@ -184,18 +195,12 @@ async def test_a_record_stored_while_the_waiter_was_disconnected_answers_its_wai
     and then only listened ran to its timeout."""
     caplog.set_level(logging.DEBUG, logger="jetstream.ackreads")
     rid = "r-while-away"
-    msg_id = ack_msg_id("a1", rid, "completed")
     async with TcpProxy.to_url(provisioned.url) as proxy:
         async with reach_agent.Client(proxy.url) as client:
             waiting = await wait_then_cut(proxy, client, rid, 10)
             try:
                 await wait_for(lambda: not client.nc.is_connected, what="the waiter cut off")
-                record = schema.AckRecord(request_id=rid, agent_id="a1", capability="away",
-                                          state="completed", at_ms=1,
-                                          result=msgspec.Raw(b'{"n":2}'))  # fmt: skip
-                duplicate = await publish_record(nc.jetstream(), Subjects().ack("a1", rid), msg_id,
-                                                 schema.encoder.encode(record))  # fmt: skip
-                assert duplicate is False
+                msg_id = await store_by_a1(nc, rid, "away", result=b'{"n":2}')
                 assert client.nc.is_connected is False  # stored while the waiter was away
                 await rejoin(proxy, client)
                 done = await asyncio.wait_for(waiting, 12)
@@ -234,11 +239,7 @@ async def test_a_wait_whose_reread_fails_goes_on_listening(
                 # a round trip on the waiter's connection: its subscription is back
                 await client.nc.flush(timeout=2)
                 error = {"code": "HANDLER_ERROR", "message": "no"}
-                record = schema.AckRecord(request_id=rid, agent_id="a1", capability="away",
-                                          state="failed", at_ms=2, error=error)  # fmt: skip
-                await publish_record(nc.jetstream(), Subjects().ack("a1", rid),
-                                     ack_msg_id("a1", rid, "failed"),
-                                     schema.encoder.encode(record))  # fmt: skip
+                await store_by_a1(nc, rid, "away", error=error, at_ms=2)
                 done = await asyncio.wait_for(waiting, 12)
             finally:
                 waiting.cancel()
@@ -269,12 +270,7 @@ async def test_a_wait_that_knew_no_taker_believes_the_holder_of_a_claim_written_
             waiting = asyncio.create_task(client.wait(rid, timeout=10))
             try:
                 await wait_for(lambda: claim_reads, what="the wait read the claim (none yet)")
-                record = schema.AckRecord(request_id=rid, agent_id="a1", capability="later",
-                                          state="completed", at_ms=1,
-                                          result=msgspec.Raw(b'{"n":3}'))  # fmt: skip
-                await publish_record(nc.jetstream(), Subjects().ack("a1", rid),
-                                     ack_msg_id("a1", rid, "completed"),
-                                     schema.encoder.encode(record))  # fmt: skip
+                await store_by_a1(nc, rid, "later", result=b'{"n":3}')
                 claim = schema.Claim(request_id=rid, agent_id="a1", instance="i1",
                                      capability="later", state="running", at_ms=1,
                                      ack_subject=Subjects().ack("a1", rid))  # fmt: skip
@@ -300,15 +296,8 @@ async def test_every_wait_outcome_is_counted(provisioned: NatsServer, nc: NATS) 
                 if (v := metrics.registry.get_sample_value(
                     "reach_wait_total", {"result": r})) is not None}  # fmt: skip
 
-    done = schema.AckRecord(request_id="r-ok", agent_id="a1", capability="c",
-                            state="completed", at_ms=1, result=msgspec.Raw(b"1"))  # fmt: skip
-    refused = schema.AckRecord(request_id="r-bad", agent_id="a1", capability="c", state="failed",
-                               at_ms=1, error={"code": "BIZ_REJECT", "message": "no"})  # fmt: skip
-    for record in (done, refused):
-        rid = record.request_id
-        await publish_record(nc.jetstream(), Subjects().ack("a1", rid),
-                             ack_msg_id("a1", rid, record.state),
-                             schema.encoder.encode(record))  # fmt: skip
+    await store_by_a1(nc, "r-ok", "c", result=b"1")
+    await store_by_a1(nc, "r-bad", "c", error={"code": "BIZ_REJECT", "message": "no"})
     async with reach_agent.Client(provisioned.url, metrics=metrics) as client:
         assert (await client.wait("r-ok", timeout=5, agent_id="a1")).state == "completed"
         assert (await client.wait("r-bad", timeout=5, agent_id="a1")).state == "failed"
