@@ -476,14 +476,16 @@ async def test_compensation_replay_of_a_completed_request_does_not_run_it_again(
 
 
 async def test_a_replayed_entry_whose_claim_a_dead_process_left_is_taken_over_by_the_holder(
-    nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS
-) -> None:
+    nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
     """A submitted request whose claim the holder's previous process left ``running`` (killed
     and restarted, the replacement unknown to this broker: it was restarted in between and
     remembers replacements in memory only) is sent to the holder itself, whose new process
     takes the claim over and runs it. It used to be held "running there" until the holder
     went offline for some other reason (nemesis seed 46: 60 s). A holder that runs the
     request answers the copy from its duplicate window, and it runs once."""
+    caplog.set_level(logging.INFO, logger="reach_broker.replay.replaysend")
     runs: list[tuple[str, str]] = []
     await agents(slow_agent("heir", "ledger6", runs, sleep=1.0))
     await wait_for(lambda: healthy(broker, "heir"))
@@ -504,6 +506,9 @@ async def test_a_replayed_entry_whose_claim_a_dead_process_left_is_taken_over_by
     assert runs == [("heir", orphan), ("heir", running)]
     await wait_for(lambda: len(broker.replayer.taken) == 0, 5, what="both entries removed")
     assert broker.replayer.sender.replayed == 2
+    asked = [m for r in caplog.records if (m := r.getMessage()).startswith("replay.ask_holder")]
+    assert asked == [f"replay.ask_holder request_id={rid} holder=heir: its claim is running "
+                     "there" for rid in (orphan, running)]  # fmt: skip
 
 
 def refusal_of(reply: Any) -> reach_agent.ReachError | None:

@@ -320,6 +320,8 @@ class EntrySender:
         same (the holder's going ``offline`` gives it back). Refused for now (busy,
         draining, claimed elsewhere meanwhile): given back a moment, its claim read again."""
         assert e.msg is not None
+        log.info("replay.ask_holder request_id=%s holder=%s: its claim is running there",
+                 e.request_id, holder)  # fmt: skip
         handed = await self._hand(e, self._target(holder, e.capability), _headers(e),
                                   self._marker_ttl_s(e))  # fmt: skip
         if handed is None:
