@@ -29,7 +29,7 @@ from nats.js.errors import KeyNotFoundError
 import reach_agent
 from jetstream import ackreads, acks, compensation
 from jetstream.claims import ClaimStore, claim_key
-from jetstream.names import CLAIMS_STREAM
+from jetstream.names import CLAIMS_STREAM, H_REQUEST_ID
 from reach_agent.agent.agent import Agent
 from reach_agent.client import durable
 from reach_agent.connection import connect_options
@@ -44,6 +44,7 @@ from reach_broker.service import snapshot
 
 from .conftest import BrokerFactory, connections_named, leases_aged_out, wait_for
 from .test_broker_wire import announce, heartbeat
+from .test_client_wait_store import frozen
 from .test_fleet_routes import holder, two_brokers
 from .test_sdk_failover import healthy
 
@@ -70,7 +71,8 @@ def crash(request_id, state):
 writer = AckWriter(wal_dir, author=agent_id, connect=connect_options(f"{agent_id}-acks", url),
                    subjects=Subjects(), after_wal=crash if crash_after else None)
 agent = Agent(agent_id, [cap], max_concurrency=int(os.environ.get("TEST_MAXC", "4")),
-              heartbeat_interval=0.1, ack_sink=writer)
+              heartbeat_interval=float(os.environ.get("TEST_HEARTBEAT", "0.1")),
+              ack_sink=writer)
 
 @agent.handler(cap)
 async def handle(task):
@@ -549,6 +551,57 @@ async def test_an_entry_whose_claim_another_broker_released_is_given_back_at_onc
     record = await durable.wait(nc, rid, timeout=15)
     assert (record.state, record.agent_id, record.result) == ("completed", "rel1", {"n": 6})
     assert runs == [rid]
+
+
+async def test_an_entry_an_agent_finds_finished_elsewhere_is_removed_naming_no_taker(
+    nc: NATS, broker_factory: BrokerFactory, nats_server: NatsServer, procs: Procs,
+    agents: Any, tmp_path: Path,
+) -> None:  # fmt: skip
+    """The broker reads an entry's claim (none yet) and sends the entry to an agent; before
+    that agent reads the task, another agent claims and completes the request (a caller's
+    call with the same request id). The agent answers the holder's stored result, naming it
+    (``Reach-Holder``): no receipt. The entry is removed as claimed and no ``received``
+    record names the agent, so a wait reads the holder's record. Nemesis seed 52
+    (c3-000092): the replay took that answer for a2's receipt and recorded a2 as the taker,
+    and the caller's wait waited 30 s for a record a2 never writes (a1 had completed it)."""
+    broker = await broker_factory(compensation__sweep_interval_s=0.2,
+                                  compensation__receipt_timeout_s=10.0)  # fmt: skip
+    url, cap = nats_server.url, "fin.cap"
+    # A long heartbeat: stopped for a moment, it stays healthy at the broker (no suspicion
+    # within 2.4 intervals), so the entry is routed to it.
+    late = spawn_agent(procs, url, "fin-late", cap, tmp_path, TEST_HEARTBEAT="5")
+    await wait_for(lambda: healthy(broker, "fin-late"), 20, what="fin-late healthy")
+    watch = await nc.subscribe(SUBJECTS.task("fin-late", cap))
+    await nc.flush()
+    os.kill(late.pid, signal.SIGSTOP)  # the task waits in its socket
+    try:
+        await wait_for(lambda: frozen(late.pid), what="fin-late stopped")
+        rid = await durable.submit(nc, cap, {"n": 7})
+        sent = await watch.next_msg(timeout=5)  # sent to fin-late: its claim was read before
+        first = reach_agent.Agent("fin-first", [cap], heartbeat_interval=0.1)
+
+        @first.handler(cap)
+        async def handle(task: reach_agent.Task) -> dict[str, Any]:
+            return {"n": task.payload["n"], "by": "fin-first"}
+
+        await agents(first)
+        reply = await nc.request(SUBJECTS.task("fin-first", cap), sent.data,
+                                 headers={H_REQUEST_ID: rid}, timeout=5)  # fmt: skip
+        assert json.loads(reply.data) == {"n": 7, "by": "fin-first"}
+        await ackreads.wait_final_at(nc, SUBJECTS.ack("fin-first", rid), 5, subjects=SUBJECTS)
+    finally:
+        os.kill(late.pid, signal.SIGCONT)  # it reads the task: the request is fin-first's
+    await wait_for(lambda: broker.replayer.sender.claimed == 1, 10,
+                   what="the entry removed as fin-first's")  # fmt: skip
+    await queue_drained(nc)
+    assert not broker.replayer.taken.holds(rid)
+    assert broker.replayer.sender.replayed == 0
+    stored = await ackreads.all_records(nc, rid, subjects=SUBJECTS)
+    assert [(r.author, r.state) for r in stored if r.author == "_broker"] == []
+    record = await durable.wait(nc, rid, timeout=5)
+    assert (record.state, record.agent_id, record.result) == (
+        "completed", "fin-first", {"n": 7, "by": "fin-first"})  # fmt: skip
+    assert runs(tmp_path) == []  # fin-late never ran it
 
 
 # --- 4: agent SIGKILLed between "handler done" and "ack stored" -----------------------------

@@ -219,7 +219,9 @@ class EntrySender:
         self, e: Entry, c: Any, headers: dict[str, str], ttl_s: float
     ) -> Outcome | ReachError | None:
         """Send ``e`` to ``c`` (a candidate or :class:`Target`): ``replayed`` when it took the
-        task (held until its final record), its refusal, or None when no receipt came."""
+        task (held until its final record), ``claimed`` when it answered the stored result or
+        error of the request's holder instead (the entry removed), its refusal, or None when
+        no receipt came."""
         ctx = self.ctx
         rec = self.record_of(c.agent_id)
         if rec is not None:  # counted as a route's pick is, until its next report:
@@ -233,10 +235,17 @@ class EntrySender:
         # reply). A send that is not taken is overwritten by the next one.
         self.acks.sent(e.request_id, sent_ms)
         try:  # a reach agent's receipt, or a Synadia agent's ack (its answer later)
-            err, collect = await self.prompts.deliver(c, e, headers)
+            err, collect, holder = await self.prompts.deliver(c, e, headers)
         except (TimeoutError, NoRespondersError):
             log.info("replay.no_receipt request_id=%s agent=%s", e.request_id, c.agent_id)
             return None
+        if holder is not None:
+            # No receipt: the agent found the request claimed and finished (a claim stored
+            # after this entry's was read) and answered its holder's stored result or error,
+            # naming the holder. Taken as a receipt, the broker named this agent the taker
+            # in its `received` record, and a caller's wait waited for this agent's record,
+            # which it never writes (nemesis seed 52: c3-000092, TIMEOUT after 30 s).
+            return await self._claimed(e, holder, "completed" if err is None else "failed")
         if err is not None:
             return err
         await self.records.record_taker(e, c.agent_id)

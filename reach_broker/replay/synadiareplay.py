@@ -53,17 +53,21 @@ class Prompts:
 
     async def deliver(
         self, target: Any, e: Entry, headers: dict[str, str]
-    ) -> tuple[ReachError | None, Collector | None]:
+    ) -> tuple[ReachError | None, Collector | None, str | None]:
         """Send entry ``e`` to ``target`` (its ``agent_id``, ``subject``, ``protocol``): a
         reach agent gets the task and answers a receipt, a Synadia agent the prompt (see
-        :meth:`send`). (The refusal or None, the collector of a Synadia agent's answer.)"""
+        :meth:`send`). (The refusal or None, the collector of a Synadia agent's answer, and
+        the holder a reach agent's reply names with ``Reach-Holder``: then the reply is no
+        receipt but that holder's stored result or error — the agent found the request
+        claimed and finished — and the refusal, if any, is that stored error.)"""
         if target.protocol != PROTOCOL_SYNADIA:
             reply = await self.ctx.nc.request(target.subject, e.data, headers=headers,
                                               timeout=self.cfg.receipt_timeout_s)  # fmt: skip
-            return from_reply(reply.headers, reply.data), None
+            holder = reply.headers.get(schema.H_HOLDER) if reply.headers else None
+            return from_reply(reply.headers, reply.data), None, holder or None
         sent = await self.send(target.subject, target.agent_id, e.request_id, e.capability,
                                e.data, e.expires_at_ms)  # fmt: skip
-        return (sent, None) if isinstance(sent, ReachError) else (None, sent)
+        return (sent, None, None) if isinstance(sent, ReachError) else (None, sent, None)
 
     async def send(
         self, subject: str, agent_id: str, request_id: str, capability: str, data: bytes,
