@@ -41,6 +41,7 @@ from reach_agent.agent.claiming import Claimer, decide
 from reach_agent.agent.dedup import DedupCache
 from reach_agent.agent.handling import kind_of
 from reach_agent.agent.serving import TaskServer
+from reach_agent.connection import flush_subscriptions
 from reach_agent.results import ended_by_record
 from reach_agent.wire import schema
 from reach_agent.wire.errors import from_reply
@@ -1355,6 +1356,26 @@ async def test_a_caller_answered_from_another_agents_claim_waits_for_the_holders
     raw = await nc.request(SUBJECTS.task("relay", "ledger2"), b'{"n":4}',
                            headers={H_REQUEST_ID: rid}, timeout=10)  # fmt: skip
     assert (raw.headers or {}).get(schema.H_HOLDER) == "keeper"
+    # A copy asking for a receipt (a replay's): the receipt names the holder too, or the
+    # replay took relay for the taker and a wait waited for relay's record (nemesis seed 52).
+    inbox = nc.new_inbox()
+    replies = await nc.subscribe(inbox)
+    await flush_subscriptions(nc)
+    await nc.publish(SUBJECTS.task("relay", "ledger2"), b'{"n":4}', reply=inbox,
+                     headers={H_REQUEST_ID: rid, schema.H_RECEIPT: "1"})  # fmt: skip
+    receipt, result = await replies.next_msg(5), await replies.next_msg(5)
+    assert [(m.headers or {}).get(schema.H_STATUS) for m in (receipt, result)] == [
+        "received", "completed"]  # fmt: skip
+    assert [(m.headers or {}).get(schema.H_HOLDER) for m in (receipt, result)] == [
+        "keeper", "keeper"]  # fmt: skip
+    # Only the receipt asked for (Reach-Ack-Mode: received): it names the holder, and a
+    # caller's receipt says whose the request is.
+    async with reach_agent.Client(nats_server.url) as client:
+        got = await client.call("ledger2", {"n": 4}, request_id=rid, timeout=10,
+                                ack_mode="received")  # fmt: skip
+        assert (got.request_id, got.agent_id) == (rid, "keeper")
+        assert client.takers.get(rid) == "keeper"
+    assert runs == []
 
 
 async def test_a_claim_this_process_created_without_seeing_the_answer_is_taken_over(

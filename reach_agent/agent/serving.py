@@ -105,6 +105,15 @@ CANCEL_GRACE_S = 5.0
 """How long a cancelled handler may clean up before it is cancelled again."""
 
 
+def _holder_named(entry: Entry) -> str | None:
+    """The holder a finished duplicate-window entry's reply names (``Reach-Holder``: it was
+    answered from another agent's claim), if any."""
+    if not entry.future.done() or entry.future.cancelled():
+        return None
+    headers, _ = entry.future.result()
+    return headers.get(schema.H_HOLDER)
+
+
 @dataclass(slots=True, eq=False)
 class Run:
     """A request running on this agent: what it came with (its message, capability, request
@@ -328,7 +337,9 @@ class TaskServer:
             self._tasks.spawn(self._copy_once_claimed(first, reply, d), "reach-dup")
             return
         if reply and d.receipt:
-            await self._send_receipt(reply, request_id)
+            # A copy of a request answered from another agent's claim: its receipt names
+            # that holder too, or a replay (or caller) takes this agent for the taker
+            await self._send_receipt(reply, request_id, holder=_holder_named(entry))
         if reply and d.ack_mode != "received":
             if entry.future.done():
                 headers, body = entry.future.result()
@@ -364,10 +375,14 @@ class TaskServer:
             log.warning("agent.reply_failed agent=%s subject=%s error=%r", self.agent_id,
                         subject, exc)  # fmt: skip
 
-    async def _send_receipt(self, reply: str, request_id: str) -> None:
+    async def _send_receipt(self, reply: str, request_id: str, holder: str | None = None) -> None:
+        """A receipt; ``holder``: the agent whose finished run answers the request (this
+        agent answered from that agent's claim), named with ``Reach-Holder``."""
         body = schema.encoder.encode(schema.Receipt(request_id=request_id))
-        await self._publish(reply, body, {H_REQUEST_ID: request_id,
-                                          schema.H_STATUS: "received"})  # fmt: skip
+        headers = {H_REQUEST_ID: request_id, schema.H_STATUS: "received"}
+        if holder:
+            headers[schema.H_HOLDER] = holder
+        await self._publish(reply, body, headers)
 
     def _count(self, capability: str, result: str) -> None:
         if self.metrics is not None:
@@ -526,7 +541,7 @@ class TaskServer:
         if not reply:
             return
         if run.admission.ack_mode == "received" and label == "duplicate":
-            await self._send_receipt(reply, run.request_id)
+            await self._send_receipt(reply, run.request_id, holder=headers.get(schema.H_HOLDER))
         else:
             await self._publish(reply, body, headers)
 

@@ -299,10 +299,12 @@ class Call:
             ):
                 if current:
                     acked = True
-                    self.taker = agent
+                    # a receipt naming a holder: the agent answered from that one's claim
+                    taker = (hdrs.get(schema.H_HOLDER) if hdrs else None) or agent
+                    self.taker = taker
                     if self.ack_mode == "received":
                         receipt = _receipt_decoder.decode(msg.data)
-                        return "ok", msgspec.structs.replace(receipt, agent_id=agent)
+                        return "ok", msgspec.structs.replace(receipt, agent_id=taker)
                 continue
             # Only the agent an attempt was sent to can publish to that attempt's reply
             # subject: it took the task — or answered its holder's stored result, naming it.
