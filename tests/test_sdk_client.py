@@ -224,6 +224,29 @@ async def test_a_timed_out_repeat_returns_the_result_its_claim_holder_stored(
     assert again == answer
 
 
+async def test_a_repeat_refused_no_reachable_agent_returns_the_stored_result(
+    nats_server: NatsServer, broker: Broker, agents: Any
+) -> None:
+    """A request completed, then called again under its request id when no agent of the
+    capability is left: the stored result, not ``NO_REACHABLE_AGENT`` (nemesis seed 53: 86
+    repeats of requests finished 8-109 s before were refused while no agent was
+    reachable). A new request id still gets the refusal."""
+    calls: list[str] = []
+    leaver = await agents(counting_agent("once1", "once.cap", calls))
+    await wait_for(lambda: registered(broker, "once1"), what="once1 healthy")
+    rid = "r-repeat-nobody"
+    async with reach_agent.Client(nats_server.url) as client:
+        first = await client.call("once.cap", {"x": 2}, request_id=rid, timeout=5)
+        await leaver.stop(grace=1)
+        await wait_for(lambda: "once1" not in broker.registry.agents or not registered(
+            broker, "once1"), what="once1 gone")  # fmt: skip
+        again = await client.call("once.cap", {"x": 2}, request_id=rid, timeout=5)
+        with pytest.raises(reach_agent.NoReachableAgent):
+            await client.call("once.cap", {"x": 2}, request_id="r-never-run", timeout=5)
+    assert again == first
+    assert calls == ["once1"]
+
+
 async def test_busy_agent_sends_the_call_elsewhere_at_once(
     nats_server: NatsServer, broker: Broker, agents: Any
 ) -> None:

@@ -70,6 +70,7 @@ from reach_agent.wire.errors import (
     Forbidden,
     InternalError,
     InvalidRequest,
+    NoReachableAgent,
     ReachError,
     Timeout,
 )
@@ -339,9 +340,15 @@ class Client:
             raise
         except ReachError as exc:
             error = exc
-            # Timed out (at the deadline, or too close to it for another attempt): the
-            # answer may be stored all the same.
-            stored = await self._stored(call) if isinstance(exc, Timeout) else None
+            # Timed out (at the deadline, or too close to it for another attempt), or
+            # refused NO_REACHABLE_AGENT for a request id the caller chose or an agent was
+            # sent: the answer may be stored all the same (nemesis seed 53: 86 repeats of
+            # requests finished 8-109 s before refused while no agent was reachable).
+            stored = None
+            if isinstance(exc, Timeout) or (
+                isinstance(exc, NoReachableAgent) and (request_id is not None or call.runners())
+            ):
+                stored = await self._stored(call)
             if stored is not None:
                 outcome, value = results.answer_of(stored)
                 if outcome == "ok":
@@ -356,7 +363,8 @@ class Client:
             self.close_call(call, ok, error)
 
     async def _stored(self, call: Call) -> schema.AckRecord | None:
-        """A call that timed out: the final record an agent it reached stored meanwhile (the
+        """A call that timed out (or found no agent reachable): the final record an agent it
+        reached stored meanwhile (the
         one that took it first, then the others its attempts went to), or else the one its
         request id's claim names (:meth:`_claim_answer`), read once, at most
         :data:`STORED_READ_S` each. Its reply was lost (nemesis seed 42: the caller's node
