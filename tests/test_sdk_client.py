@@ -187,6 +187,53 @@ async def test_a_caller_whose_own_link_stalls_blames_no_agent(
     assert ran == [taker]
 
 
+async def test_no_receipt_while_the_callers_own_link_stalls_spends_no_retry(
+    nats_server: NatsServer, nc: NATS, broker: Broker, agents: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """The caller's own link stalls as it sends a call: no receipt comes, from any agent,
+    because nothing reaches the caller (nor leaves it). An attempt without a receipt while
+    the client's own server does not answer a round trip either says nothing of the agent:
+    it spends no retry, and once the link is back the call is sent again and returns its
+    result within its deadline. Nemesis seed 55: c3-000172's receipt from a4 was lost as its
+    caller's node n1 was stopped (17:59:14.32-19.31); its three attempts ran out during the
+    stall and it was told TIMEOUT ("not delivered") at 18.32, 6 s before its deadline and
+    2.2 s after a4 had stored the result."""
+    caplog.set_level(logging.INFO, logger="reach_agent.client.attemptloop")
+    ran: list[str] = []
+    a = reach_agent.Agent("mute1", ["mute.cap"], heartbeat_interval=0.1)
+
+    @a.handler("mute.cap")
+    async def handle(task: reach_agent.Task) -> dict[str, str]:
+        ran.append(task.request_id)
+        return {"by": "mute1"}
+
+    await agents(a)
+    await wait_for(lambda: registered(broker, "mute1"))
+    cfg = ClientConfig(liveness_probe_s=0.3, ack_timeout_s=0.3, route_timeout_s=0.3,
+                       backoff_s=0.2, retries=2)  # fmt: skip
+    async with TcpProxy.to_url(nats_server.url) as proxy:
+        async with reach_agent.Client(proxy.url, config=cfg) as client:
+            # Routed once with the link up: the route is known when the link stalls.
+            assert await client.call("mute.cap", {}, request_id="r-mute-warm") == {"by": "mute1"}
+            await proxy.blackhole()
+            call = asyncio.create_task(client.call("mute.cap", {}, request_id="r-mute", timeout=12))
+            await wait_for(lambda: proxy.held > 0, what="the call held by the stalled link")
+
+            def unjudged() -> bool:
+                return any(r.getMessage().startswith("call.attempt_unjudged request_id=r-mute ")
+                           for r in caplog.records)  # fmt: skip
+
+            # On the parent its three attempts (0.3 s each, backoff 0.2 s) each spent a
+            # retry, and the call was refused TIMEOUT in the stall.
+            await wait_for(lambda: unjudged() or call.done(), 10,
+                           what="the first attempt unjudged")  # fmt: skip
+            assert not call.done(), call.result() if not call.exception() else call.exception()
+            await proxy.restore()
+            assert await asyncio.wait_for(call, 10) == {"by": "mute1"}
+    assert ran == ["r-mute-warm", "r-mute"]
+
+
 async def test_a_timed_out_repeat_returns_the_result_its_claim_holder_stored(
     nats_server: NatsServer, nc: NATS, broker: Broker, agents: Any
 ) -> None:

@@ -67,6 +67,15 @@ class AttemptLoop:
         call.tried.append(holder)
         return self.holders.target(holder, call.capability)
 
+    async def _hear_again(self, call: Call) -> bool:
+        """Wait until this client's own server answers a round trip again: True then, False
+        when too little of ``call``'s deadline is left for another attempt."""
+        while self.clock() + self.config.ack_timeout_s < call.deadline:
+            if await self.attempts.liveness.hearing():
+                return True
+            await asyncio.sleep(0.1)  # not connected: answered at once, not a busy loop
+        return False
+
     async def run(self, call: Call, inbox: ReplyInbox) -> Any:
         """Attempts until one succeeds or the retry rule says stop."""
         cfg = self.config
@@ -150,6 +159,24 @@ class AttemptLoop:
                 outcome = end  # the holder's own result or error: the retry rule judges it
             if outcome == "ok":
                 return value
+            if outcome == "not_delivered" and not await self.attempts.liveness.hearing():
+                # No receipt while this client's own server does not answer a round trip
+                # either (its link stalled, its node stopped): the silence says nothing of
+                # the agent, which may have taken the task. Not a retry spent: once the
+                # server answers again the same agent is asked first (a taker answers the
+                # copy from its duplicate window). Nemesis seed 55: c3-000172's receipt
+                # from a4 was lost as the caller's node was stopped; its three attempts ran
+                # out in the stall and it was told TIMEOUT 6 s before its deadline, 2.2 s
+                # after a4 had stored the result.
+                call.last_err = value
+                log.info("call.attempt_unjudged request_id=%s agent=%s: no receipt while "
+                         "this client's own server did not answer either; asked again once "
+                         "it does", call.request_id, target.agent_id)  # fmt: skip
+                if not await self._hear_again(call):
+                    raise value
+                call.tried.remove(target.agent_id)
+                candidates = [target, *(c for c in candidates if c is not target)]
+                continue
             if outcome == "lost" or outcome == "no_responders":
                 call.gone.append(target.agent_id)  # dead to this call: elsewhere from now on
             call.last_err = value

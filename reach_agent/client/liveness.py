@@ -128,7 +128,7 @@ class Liveness:
         except NoRespondersError as exc:  # the server answered: nobody listens there
             self.abort(agent_id, f"{what} unanswered ({type(exc).__name__})")
         except NatsTimeoutError as exc:
-            if not await self._hearing():
+            if not await self.hearing():
                 log.info("call.probe_unjudged agent=%s probe=%s: this client's own server "
                          "did not answer a round trip either; its attempts wait", agent_id,
                          what)  # fmt: skip
@@ -137,7 +137,7 @@ class Liveness:
         except Exception:
             log.debug("client.probe_failed agent=%s probe=%s", agent_id, what, exc_info=True)
 
-    async def _hearing(self) -> bool:
+    async def hearing(self) -> bool:
         """Whether this client's own server answers a round trip (a PING's PONG) within
         ``ack_timeout_s``; False while the connection is down or reconnecting."""
         if not self.nc.is_connected:
