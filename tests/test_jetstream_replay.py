@@ -555,7 +555,7 @@ async def test_an_entry_whose_claim_another_broker_released_is_given_back_at_onc
 
 async def test_an_entry_an_agent_finds_finished_elsewhere_is_removed_naming_no_taker(
     nc: NATS, broker_factory: BrokerFactory, nats_server: NatsServer, procs: Procs,
-    agents: Any, tmp_path: Path,
+    agents: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:  # fmt: skip
     """The broker reads an entry's claim (none yet) and sends the entry to an agent; before
     that agent reads the task, another agent claims and completes the request (a caller's
@@ -564,6 +564,7 @@ async def test_an_entry_an_agent_finds_finished_elsewhere_is_removed_naming_no_t
     record names the agent, so a wait reads the holder's record. Nemesis seed 52
     (c3-000092): the replay took that answer for a2's receipt and recorded a2 as the taker,
     and the caller's wait waited 30 s for a record a2 never writes (a1 had completed it)."""
+    caplog.set_level(logging.INFO, logger="reach_broker.replay.replaysend")
     broker = await broker_factory(compensation__sweep_interval_s=0.2,
                                   compensation__receipt_timeout_s=10.0)  # fmt: skip
     url, cap = nats_server.url, "fin.cap"
@@ -602,6 +603,9 @@ async def test_an_entry_an_agent_finds_finished_elsewhere_is_removed_naming_no_t
     assert (record.state, record.agent_id, record.result) == (
         "completed", "fin-first", {"n": 7, "by": "fin-first"})  # fmt: skip
     assert runs(tmp_path) == []  # fin-late never ran it
+    said = [m for r in caplog.records if (m := r.getMessage()).startswith("replay.claimed")]
+    assert said == [f"replay.claimed request_id={rid} capability=fin.cap holder=fin-first "
+                    "(completed): fin-late answered the holder's result"]  # fmt: skip
 
 
 # --- 4: agent SIGKILLed between "handler done" and "ack stored" -----------------------------

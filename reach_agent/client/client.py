@@ -348,7 +348,7 @@ class Client:
             if isinstance(exc, Timeout) or (
                 isinstance(exc, NoReachableAgent) and (request_id is not None or call.runners())
             ):
-                stored = await self._stored(call)
+                stored = await self._stored(call, exc.code)
             if stored is not None:
                 outcome, value = results.answer_of(stored)
                 if outcome == "ok":
@@ -362,7 +362,7 @@ class Client:
         finally:
             self.close_call(call, ok, error)
 
-    async def _stored(self, call: Call) -> schema.AckRecord | None:
+    async def _stored(self, call: Call, ended: str) -> schema.AckRecord | None:
         """A call that timed out (or found no agent reachable): the final record an agent it
         reached stored meanwhile (the
         one that took it first, then the others its attempts went to), or else the one its
@@ -390,9 +390,9 @@ class Client:
         finally:
             by_claim.cancel()
         if rec is not None:
-            log.info("call.result_from_store request_id=%s agent=%s state=%s: its reply did "
-                     "not reach this caller by the deadline", call.request_id, rec.agent_id,
-                     rec.state)  # fmt: skip
+            log.info("call.result_from_store request_id=%s agent=%s state=%s: the call "
+                     "ended %s, its answer stored", call.request_id, rec.agent_id, rec.state,
+                     ended)  # fmt: skip
         return rec
 
     async def _claim_answer(self, request_id: str, body: bytes) -> schema.AckRecord | None:

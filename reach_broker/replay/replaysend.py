@@ -245,7 +245,8 @@ class EntrySender:
             # naming the holder. Taken as a receipt, the broker named this agent the taker
             # in its `received` record, and a caller's wait waited for this agent's record,
             # which it never writes (nemesis seed 52: c3-000092, TIMEOUT after 30 s).
-            return await self._claimed(e, holder, "completed" if err is None else "failed")
+            return await self._claimed(e, holder, "completed" if err is None else "failed",
+                                       via=c.agent_id)  # fmt: skip
         if err is not None:
             return err
         await self.records.record_taker(e, c.agent_id)
@@ -299,10 +300,11 @@ class EntrySender:
             return Target(agent_id, rec.subject, rec.protocol)
         return Target(agent_id, self.subjects.task(agent_id, capability))
 
-    async def _claimed(self, e: Entry, holder: str, state: str) -> Outcome:
-        """The request id is ``holder``'s already: not sent. A finished run's entry is
-        removed; a live holder's held until it finishes; an offline holder's given back a
-        moment, for its claim to be released."""
+    async def _claimed(self, e: Entry, holder: str, state: str, *, via: str = "") -> Outcome:
+        """The request id is ``holder``'s already: not sent (``via``: the agent whose reply
+        named the holder, when it was sent). A finished run's entry is removed; a live
+        holder's held until it finishes; an offline holder's given back a moment, for its
+        claim to be released."""
         assert e.msg is not None
         if state == "running":
             if self.taken.alive(holder):
@@ -314,8 +316,9 @@ class EntrySender:
         # A claim the broker holds is a cancel's (reach_broker.service.canceller).
         result = "cancelled" if holder == BROKER_ACK_AUTHOR else "claimed"
         self._results[result].inc()
-        log.info("replay.%s request_id=%s capability=%s holder=%s (%s): not sent again",
-                 result, e.request_id, e.capability, holder, state)  # fmt: skip
+        said = f"{via} answered the holder's result" if via else "not sent again"
+        log.info("replay.%s request_id=%s capability=%s holder=%s (%s): %s", result,
+                 e.request_id, e.capability, holder, state, said)  # fmt: skip
         return "claimed"
 
     async def _ask_holder(self, e: Entry, holder: str) -> Outcome:
