@@ -46,6 +46,9 @@ class Child:
         self.name = name
         self.proc = proc
         self.pid = proc.pid
+        self._commands = asyncio.Lock()
+        """One command at a time: two reading stdout together fail (asyncio allows one
+        reader), and one would drop the other's reply as an event of another name."""
 
     @classmethod
     async def start(cls, name: str, *argv: str, stdin: bool = False, quiet: bool = True,
@@ -95,10 +98,15 @@ class Child:
     async def command(
         self, cmd: str, reply: str | None = None, within: float = 10.0
     ) -> dict[str, Any]:
+        """Send ``cmd`` and wait for its reply event (``reply``, else the command's first
+        word). Concurrent commands take turns (nemesis seed 57: two faults healed at once on
+        the proxies' controller, and the run failed with asyncio's "readuntil() called while
+        another coroutine is already waiting")."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write((cmd + "\n").encode())
-        await self.proc.stdin.drain()
-        return await self.wait_event(reply or cmd.split()[0], within)
+        async with self._commands:
+            self.proc.stdin.write((cmd + "\n").encode())
+            await self.proc.stdin.drain()
+            return await self.wait_event(reply or cmd.split()[0], within)
 
     def alive(self) -> bool:
         return self.proc.returncode is None

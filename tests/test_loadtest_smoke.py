@@ -6,6 +6,7 @@ has the right type, and that the accounting and the kill phases did what they sa
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -152,6 +153,27 @@ def test_cpu_spans_leave_out_spans_that_could_not_be_read() -> None:
     assert spans.share() == 0.25
     assert spans.us_per(1000) == 1000.0
     assert spans.us_per(0) is None
+
+
+async def test_a_childs_concurrent_commands_take_turns_and_each_gets_its_own_reply() -> None:
+    """Two commands sent together to one child (the nemesis healing two faults at once on
+    the proxies' controller): each gets its own reply. Together they read the child's
+    stdout at once and failed ("readuntil() called while another coroutine is already
+    waiting", nemesis seed 57), or one dropped the other's reply."""
+    from loadtest.children import Child
+
+    echo = ("import json, sys\n"
+            "for line in sys.stdin:\n"
+            "    verb, _, target = line.strip().partition(' ')\n"
+            "    print(json.dumps({'event': verb, 'target': target}), flush=True)\n")  # fmt: skip
+    child = await Child.start("echo", sys.executable, "-c", echo, stdin=True)
+    try:
+        got = await asyncio.gather(*(child.command(f"{verb} t{i}", verb, within=10)
+                                     for i, verb in enumerate(["cut", "restore"] * 4)))  # fmt: skip
+    finally:
+        await child.kill()
+    assert [(e["event"], e["target"]) for e in got] == [
+        (verb, f"t{i}") for i, verb in enumerate(["cut", "restore"] * 4)]  # fmt: skip
 
 
 # --- what cut a run short ----------------------------------------------------------------
