@@ -363,14 +363,14 @@ class Client:
             self.close_call(call, ok, error)
 
     async def _stored(self, call: Call, ended: str) -> schema.AckRecord | None:
-        """A call that timed out (or found no agent reachable): the final record an agent it
-        reached stored meanwhile (the
-        one that took it first, then the others its attempts went to), or else the one its
-        request id's claim names (:meth:`_claim_answer`), read once, at most
-        :data:`STORED_READ_S` each. Its reply was lost (nemesis seed 42: the caller's node
-        killed as the agent answered; seed 43: an attempt given up for an agent whose node
-        was stopped, which then finished) while ``REACH_ACKS`` holds the answer. Not for
-        ``ack_mode="received"`` (its answer is the receipt)."""
+        """A call that ended ``ended`` (``TIMEOUT``, or ``NO_REACHABLE_AGENT``): the final
+        record an agent it reached stored meanwhile (the one that took it first, then the
+        others its attempts went to), or else the one its request id's claim names
+        (:meth:`_claim_answer`), read once, at most :data:`STORED_READ_S` each. Its reply
+        was lost (nemesis seed 42: the caller's node killed as the agent answered; seed 43:
+        an attempt given up for an agent whose node was stopped, which then finished) while
+        ``REACH_ACKS`` holds the answer. Not for ``ack_mode="received"`` (its answer is the
+        receipt)."""
         if call.ack_mode != "completed":
             return None
         authors = ([call.taker] if call.taker else []) + sorted(call.runners() - {call.taker})
@@ -416,7 +416,8 @@ class Client:
             return ended[1] if ended is not None else None
 
         try:
-            return await asyncio.wait_for(read(), STORED_READ_S)
+            async with asyncio.timeout(STORED_READ_S):  # not wait_for: a cancel is never lost
+                return await read()
         except Exception as exc:  # noqa: BLE001 - a timeout, no stream: the Timeout stands
             log.debug("call.claim_unread request_id=%s error=%r", request_id, exc)
             return None
