@@ -23,8 +23,10 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.js.api import PubAck, StreamInfo
-from nats.js.errors import ServiceUnavailableError
+from nats.js.client import JetStreamContext
+from nats.js.errors import BadRequestError, ServiceUnavailableError
 
+from jetstream.names import NO_SUITABLE_PEERS
 from reach_broker.cluster.natscluster import Cluster, launch
 
 READY_TIMEOUT_S = 30.0
@@ -35,6 +37,34 @@ REQUEST_TIMEOUT_S = 5.0
 cores (a publish's ack, :meth:`NatsCluster.stream_leader`'s STREAM.INFO)."""
 ELECTING = (TimeoutError, NoRespondersError, ServiceUnavailableError)
 """What a JetStream API request meets while the asset it names has no leader."""
+
+
+async def add_stream(
+    js: JetStreamContext, within: float = READY_TIMEOUT_S, **config: Any
+) -> StreamInfo:
+    """``js.add_stream(**config)`` asked again until the cluster places it, within ``within``.
+
+    A cluster whose nodes agree on a meta leader and answer ``/healthz`` may still refuse a
+    replicated stream: the meta leader places replicas only on peers whose statsz it has
+    had, and a node it learned of through another's route is "offline" to placement until
+    its own statsz arrives (nats-server's ``nodeInfo.selectable``; 10005, "no suitable
+    peers for placement, peer offline", CI at c29ae0c). So that, and an election's errors,
+    are asked again; any other refusal is raised."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            return await js.add_stream(**config)
+        except BadRequestError as exc:
+            if exc.err_code != NO_SUITABLE_PEERS or "peer offline" not in (exc.description or ""):
+                raise
+            refused: Exception = exc
+        except ELECTING as exc:
+            refused = exc
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"stream {config.get('name')} not created within {within} s: {refused!r}"
+            ) from refused
+        await asyncio.sleep(0.1)
 
 
 class NatsCluster:

@@ -39,7 +39,7 @@ from reach_broker.cluster.clusterconfig import (
 from reach_broker.cluster.natscluster import _start_error, meta_leader
 from reach_broker.cluster.natsserver import find_binary
 
-from .cluster import nats_cluster
+from .cluster import add_stream, nats_cluster
 from .conftest import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -446,7 +446,7 @@ async def test_the_launcher_prints_one_line_and_sigterm_stops_every_node(
         assert {k: v["jetstream"]["config"]["sync_always"] for k, v in varz.items()} == {
             "n1": True, "n2": True, "n3": True}  # fmt: skip
         js = conns[0].jetstream(timeout=5)
-        info = await js.add_stream(name="DEV_R3", subjects=["dev.r3.>"], num_replicas=3)
+        info = await add_stream(js, name="DEV_R3", subjects=["dev.r3.>"], num_replicas=3)
         assert info.config.num_replicas == 3
         assert info.cluster is not None and info.cluster.leader in {"n1", "n2", "n3"}
         # From another node the stream's subjects answer once its interest is routed there

@@ -18,7 +18,7 @@ from loadtest.tcpproxy import TcpProxy
 from reach_agent.connection import flush_subscriptions
 from reach_broker.cluster.natsserver import NatsServer
 
-from .cluster import nats_cluster
+from .cluster import add_stream, nats_cluster
 from .conftest import wait_for
 
 # --- the cluster ----------------------------------------------------------------------------
@@ -59,8 +59,8 @@ async def test_r3_stream_survives_the_sigkill_of_its_leader(tmp_path: Path) -> N
                                 max_reconnect_attempts=-1)  # fmt: skip
         try:
             js = nc.jetstream(timeout=5)
-            await js.add_stream(name="HELPERS_FAILOVER", subjects=["helpers.failover.>"],
-                                num_replicas=3)  # fmt: skip
+            await add_stream(js, name="HELPERS_FAILOVER", subjects=["helpers.failover.>"],
+                             num_replicas=3)  # fmt: skip
             for i in range(50):
                 ack = await js.publish(f"helpers.failover.{i}", b"%d" % i)
                 assert ack.seq == i + 1

@@ -49,7 +49,7 @@ from reach_broker.service.fanout import Consumer
 from reach_broker.service.metrics import Metrics
 from reach_broker.service.partitions import fair_share
 
-from .cluster import ELECTING, NatsCluster, nats_cluster
+from .cluster import ELECTING, NatsCluster, add_stream, nats_cluster
 from .conftest import fast_config, wait_for
 from .detection_agents import Transitions
 from .test_fleet_routes import forwards
@@ -546,8 +546,7 @@ async def test_an_entry_given_back_during_a_consumer_election_comes_back_at_once
         await cluster.wait_meta_leader()
         nc = await nats.connect(cluster.urls)
         js = nc.jetstream(timeout=5.0)
-        await electing_retried(lambda: js.add_stream(name="GB", subjects=["gb.>"],
-                                                     num_replicas=3))  # fmt: skip
+        await add_stream(js, name="GB", subjects=["gb.>"], num_replicas=3)
         consumer = nats.js.api.ConsumerConfig(
             durable_name="d", ack_policy=nats.js.api.AckPolicy.EXPLICIT,
             ack_wait=GIVE_BACK_ACK_WAIT_S, max_deliver=-1,
