@@ -251,18 +251,6 @@ async def final_at(
     return next((r for r in found if r.state in FINAL_STATES), None)
 
 
-async def completed_at(
-    nc: NATS, subject: str, *, subjects: StreamSubjects, timeout_s: float = 2.0
-) -> StoredAck | None:
-    """The first attributed ``completed`` record stored on exactly ``subject`` (a claim
-    holder's result location), or None: a ``running`` claim whose holder stored one is
-    finished (the record is the claim's end; docs/protocol.md, Claims)."""
-    author, request_id = subjects.ack_of(subject)
-    found = await all_records(nc, request_id, subjects=subjects, author=author,
-                              timeout_s=timeout_s)  # fmt: skip
-    return next((r for r in found if r.state == "completed"), None)
-
-
 async def wait_final_at(
     nc: NATS, subject: str, timeout_s: float, *, subjects: StreamSubjects
 ) -> StoredAck:

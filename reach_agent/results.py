@@ -19,6 +19,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
 
 from jetstream import ackreads
+from jetstream.acks import FINAL_STATES
 from reach_agent import trace
 from reach_agent.wire import schema
 from reach_agent.wire.errors import error_for
@@ -57,18 +58,33 @@ def attributed(stored: ackreads.StoredAck) -> AckRecord | None:
     return rec
 
 
+def ends_claim(rec: AckRecord) -> bool:
+    """Whether the holder's final record ``rec`` ends its claim whatever the claim says: its
+    ``completed`` record (an SDK agent's claim of a run with a result stays ``running``), or
+    a ``failed`` one whose error is not retryable, which its holder ends ``failed`` too, by
+    a compare-and-set of its own: should that set be lost (the holder gone before the store
+    took it), the record still says the request is answered for good, and a release would
+    run it again. A retryable error's record does not: its holder released the claim, for
+    another agent to run it."""
+    if rec.state == "completed":
+        return True
+    failure = rec.error or {}
+    return rec.state == "failed" and not error_for(failure.get("code", "INTERNAL"), "").retryable
+
+
 async def ended_by_record(
     nc: NATS, claim: schema.Claim, subjects: Subjects
 ) -> tuple[ackreads.StoredAck, AckRecord] | None:
-    """The holder's ``completed`` record of ``claim``'s request, when stored: it ends the
-    claim whatever the claim's state says (an SDK agent's completed record of a claimed run
-    is the claim's end: the claim stays ``running``; docs/protocol.md, Claims). None when
-    there is none (the claim says how far the request got). Raises what the store raises."""
-    stored = await ackreads.completed_at(nc, result_location(claim, subjects), subjects=subjects)
-    if stored is None:
-        return None
-    rec = attributed(stored)
-    return (stored, rec) if rec is not None else None
+    """The holder's record of ``claim``'s request that ends the claim whatever the claim's
+    state says (:func:`ends_claim`; docs/protocol.md, Claims), when stored; None when there
+    is none (the claim says how far the request got). Raises what the store raises."""
+    author, request_id = subjects.ack_of(result_location(claim, subjects))
+    for stored in await ackreads.all_records(nc, request_id, subjects=subjects, author=author):
+        if stored.state in FINAL_STATES:
+            rec = attributed(stored)
+            if rec is not None and ends_claim(rec):
+                return stored, rec
+    return None
 
 
 def answer_of(rec: AckRecord) -> tuple[Literal["ok", "error"], Any]:

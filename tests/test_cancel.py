@@ -17,6 +17,7 @@ import pytest
 from nats.aio.client import Client as NATS
 
 import reach_agent
+from jetstream.acks import ack_msg_id, publish_record
 from jetstream.claims import ClaimStore, claim_key
 from jetstream.names import H_REQUEST_ID
 from reach_agent.client.calls import encode_payload
@@ -269,6 +270,36 @@ async def test_a_holder_that_ignores_the_cancel_still_ends_cancelled(
     with pytest.raises(Cancelled):
         await client.call("cancel.ghost", {"sleep": 0}, request_id="rid-ghost", timeout=5)
     assert s.runs == []
+
+
+@pytest.mark.parametrize(("code", "state"), [("BIZ_REJECT", "finished"),
+                                              ("CANCELLED", "cancelled")])  # fmt: skip
+async def test_a_cancel_finds_a_request_its_holders_stored_failure_ended(
+    broker: Broker, client: reach_agent.Client, nc: NATS, code: str, state: str
+) -> None:
+    """The claim names a holder gone before its ``failed`` end of the claim was stored, but
+    its ``failed`` record is: an error that is not retryable ends the claim (docs/protocol.md,
+    Claims). The cancel reports the request as that record left it, and the broker takes
+    nothing over (it took the claim and wrote its own CANCELLED over the holder's answer)."""
+    rid = f"rid-ended-{code.lower()}"
+    ghost = schema.Claim(request_id=rid, agent_id="ghost", instance="x",
+                         capability="cancel.ghost", state="running",
+                         at_ms=int(time.time() * 1000))  # fmt: skip
+    created, _ = await ClaimStore(nc).create(claim_key(rid), schema.encoder.encode(ghost))
+    assert created
+    error = {"code": code, "message": "the holder's own answer"}
+    record = schema.AckRecord(request_id=rid, agent_id="ghost", capability="cancel.ghost",
+                              state="failed", at_ms=2, error=error)  # fmt: skip
+    await publish_record(nc.jetstream(), f"reach.ack.ghost.{rid}",
+                         ack_msg_id("ghost", rid, "failed"),
+                         schema.encoder.encode(record))  # fmt: skip
+    reply = await client.cancel(rid)
+    expected = (state, "ghost", "its holder's failed record is stored")
+    assert (reply.state, reply.agent_id, reply.detail) == expected
+    claim = await claim_of(nc, rid)
+    assert (claim.agent_id, claim.state) == ("ghost", "running")
+    rec = await client.wait(rid, 5)
+    assert (rec.state, rec.agent_id, rec.error) == ("failed", "ghost", error)
 
 
 async def test_a_finished_request_stays_finished(

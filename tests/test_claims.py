@@ -1247,6 +1247,66 @@ async def test_a_broker_started_later_does_not_keep_claims_their_completed_recor
     assert released is not None and released.state == "released"
 
 
+async def failed_record(nc: NATS, agent_id: str, rid: str, code: str) -> None:
+    """Store ``agent_id``'s ``failed`` record of ``rid`` with error ``code``."""
+    error = {"code": code, "message": f"{agent_id} said {code}"}
+    record = schema.AckRecord(request_id=rid, agent_id=agent_id, capability="cap",
+                              state="failed", at_ms=2, error=error)  # fmt: skip
+    await publish_record(nc.jetstream(), SUBJECTS.ack(agent_id, rid),
+                         ack_msg_id(agent_id, rid, "failed"),
+                         schema.encoder.encode(record))  # fmt: skip
+
+
+async def test_a_claim_its_holders_failure_ended_is_not_released_and_runs_nowhere_again(
+    nc: NATS, broker_factory: Any
+) -> None:
+    """The holder of a claim stored its ``failed`` record with an error that is not
+    retryable, and its own ``failed`` end of the claim was lost (it died before the store
+    took it): the record is the claim's end. The holder declared offline, the claim is not
+    released (it was, and the request ran again elsewhere); a replay takes it as finished. A
+    retryable error's record ends nothing: that claim is released as one without a record."""
+    from jetstream.provision import provision
+
+    await provision(nc)
+    rejected, timed_out, bare = (str(uuid.uuid4()) for _ in range(3))
+    for rid in (rejected, timed_out, bare):
+        await ghost_claim(nc, rid)
+    await failed_record(nc, "ghost", rejected, "BIZ_REJECT")
+    await failed_record(nc, "ghost", timed_out, "TIMEOUT")
+    broker = await broker_factory()
+    await wait_for(lambda: len(broker.releaser.held_by("ghost")) == 3, 10, what="claims learnt")
+    assert await broker.releaser.claim_of(rejected) == ("ghost", "failed", None)
+    assert await broker.releaser.release("ghost", "test") == 2
+    assert broker.releaser.held_by("ghost") == []
+    states = {rid: (c.state if (c := await stored_claim(nc, rid)) else None)
+              for rid in (rejected, timed_out, bare)}  # fmt: skip
+    assert states == {rejected: "running", timed_out: "released", bare: "released"}
+    holder, state, author = await ended_by(nc, rejected)
+    assert (holder, state, author) == ("ghost", "running", "ghost")
+
+
+async def test_a_new_process_answers_its_predecessors_stored_failure_and_runs_nothing(
+    nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS
+) -> None:
+    """The previous process of an agent stored its ``failed`` ``BIZ_REJECT`` record of a
+    request and died before its ``failed`` end of the claim was stored: a copy reaching the
+    new process is answered that stored error, and the handler does not run (it took the
+    claim over and ran the request again)."""
+    runs: list[tuple[str, str]] = []
+    await agents(slow_agent("heir2", "ledger7", runs))
+    await wait_for(lambda: healthy(broker, "heir2"))
+    orphan = await dead_process_claim(nc, "heir2", "ledger7")
+    await failed_record(nc, "heir2", orphan, "BIZ_REJECT")
+    reply = await nc.request(SUBJECTS.task("heir2", "ledger7"), b'{"n": 1}',
+                             headers={H_REQUEST_ID: orphan}, timeout=10)  # fmt: skip
+    err = from_reply(reply.headers, reply.data)
+    assert err is not None and (err.code, err.message) == ("BIZ_REJECT", "heir2 said BIZ_REJECT")
+    assert (reply.headers or {}).get(schema.H_HOLDER) == "heir2"
+    assert runs == []
+    stored = await stored_claim(nc, orphan)
+    assert stored is not None and (stored.state, stored.instance) == ("running", "dead-process")
+
+
 async def finished_by_ghost(nc: NATS, broker: Broker, agents: Any, runs: list[tuple[str, str]],
                             metrics: reach_agent.AgentMetrics) -> str:  # fmt: skip
     """Agent "reader" (``ledger``) healthy, and a new request id whose claim "ghost" holds

@@ -300,7 +300,8 @@ class Claimer:
                              digest=digest)  # fmt: skip
             if verdict in ("take_over", "in_progress"):
                 # A claim left running (or released by a broker) whose holder stored its
-                # completed record is finished: the record is the claim's end.
+                # completed record (or a non-retryable failure's) is finished: the record
+                # is the claim's end.
                 ended = await self._ended(existing)
                 if ended is not None:
                     return Claimed(verdict="stored", existing=existing, record=ended)
@@ -319,9 +320,10 @@ class Claimer:
         raise ClaimsUnavailable(f"claim {key!r} kept changing while being taken over")
 
     async def _ended(self, claim: schema.Claim) -> schema.AckRecord | None:
-        """The holder's ``completed`` record of ``claim``, if stored; ``ClaimsUnavailable``
-        when the ack store cannot say (never a guess: a take-over on a wrong "no" would run
-        a finished request again)."""
+        """The holder's record that ends ``claim`` (``completed``, or ``failed`` with an
+        error that is not retryable: :func:`~reach_agent.results.ends_claim`), if stored;
+        ``ClaimsUnavailable`` when the ack store cannot say (never a guess: a take-over on a
+        wrong "no" would run a finished request again)."""
         try:
             found = await ended_by_record(self.nc, claim, self.subjects)
         except Exception as exc:  # noqa: BLE001 - a timeout, no stream: cannot decide now

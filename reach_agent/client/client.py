@@ -397,9 +397,10 @@ class Client:
 
     async def _claim_answer(self, request_id: str, body: bytes) -> schema.AckRecord | None:
         """The final record the claim of ``request_id`` says is its answer, read once within
-        :data:`STORED_READ_S`: its holder's ``completed`` record (which ends the claim
-        whatever its state says: an SDK agent's claim stays ``running``), or the holder's
-        ``failed`` record of a ``failed`` claim. None when unclaimed or released, claimed
+        :data:`STORED_READ_S`: its holder's record that ends the claim whatever its state
+        says (``completed``: an SDK agent's claim stays ``running``; or ``failed`` with an
+        error that is not retryable: :func:`~reach_agent.results.ends_claim`), or the
+        holder's ``failed`` record of a ``failed`` claim. None when unclaimed or released, claimed
         for another body (an agent answers that ``IDEMPOTENCY_MISMATCH``), not finished, or
         unreadable."""
 

@@ -132,10 +132,10 @@ class Canceller:
                     return schema.CancelReply(request_id=rid, state=state,
                                               agent_id=claim.agent_id,
                                               detail=f"its claim is {claim.state}")  # fmt: skip
-                if claim.state == "running" and await self._ended(claim):
-                    return schema.CancelReply(request_id=rid, state="finished",
+                if claim.state == "running" and (ended := await self._ended(claim)):
+                    return schema.CancelReply(request_id=rid, state=_cancel_state(ended),
                                               agent_id=claim.agent_id,
-                                              detail="its holder's completed record is "
+                                              detail=f"its holder's {ended.state} record is "
                                               "stored")  # fmt: skip
                 if claim.state == "running" and claim.agent_id != req.holder:
                     answer = await self._forward(claim.agent_id, req)
@@ -167,14 +167,16 @@ class Canceller:
         return schema.CancelReply(request_id=rid, state="cancelled", agent_id=BROKER_ACK_AUTHOR,
                                   detail=detail or None)  # fmt: skip
 
-    async def _ended(self, claim: Claim) -> bool:
-        """Whether the holder of a ``running`` claim stored its ``completed`` record: the
-        record is the claim's end (docs/protocol.md, Claims), so the cancel is too late."""
+    async def _ended(self, claim: Claim) -> schema.AckRecord | None:
+        """The record of a ``running`` claim's holder that ends the claim (its
+        ``completed`` record, or a ``failed`` one with an error that is not retryable:
+        docs/protocol.md, Claims), so the cancel is too late; None when none is stored."""
         try:
-            return await ended_by_record(self.ctx.nc, claim, self.ctx.subjects) is not None
+            found = await ended_by_record(self.ctx.nc, claim, self.ctx.subjects)
         except Exception as exc:  # noqa: BLE001 - cannot say now: the caller asks again
             raise ClaimsUnavailable(f"the ack record of {claim.request_id!r} could not be read "
                                     f"({type(exc).__name__}: {exc})") from None  # fmt: skip
+        return found[1] if found is not None else None
 
     async def _forward(self, holder: str, req: schema.Cancel) -> schema.CancelReply | None:
         """Ask the holder to stop; its answer, or None when it gives none in time."""
@@ -209,3 +211,10 @@ def _decode(data: bytes) -> Claim:
         return schema.claim_decoder.decode(data)
     except msgspec.MsgspecError as exc:
         raise ClaimsUnavailable(f"stored claim is not a Claim ({exc})") from None
+
+
+def _cancel_state(ended: schema.AckRecord) -> schema.CancelState:
+    """What a cancel reports of a request its holder's final record ended: ``cancelled``
+    when that record is its ``CANCELLED`` failure (a cancel ran first), else ``finished``."""
+    failure = ended.error or {}
+    return "cancelled" if failure.get("code") == "CANCELLED" else "finished"
