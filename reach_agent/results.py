@@ -87,6 +87,31 @@ async def ended_by_record(
     return None
 
 
+async def wait_final(
+    nc: NATS, request_id: str, authors: Sequence[str], subjects: Subjects, timeout_s: float
+) -> AckRecord | None:
+    """The first final record (``completed``/``failed``) of ``request_id`` that one of
+    ``authors`` stores within ``timeout_s``, stored already or yet to come
+    (:func:`jetstream.ackreads.wait_for`: it listens, and reads again while the store does
+    not answer); None when none does by then or the store could not be read at all (said at
+    debug)."""
+    wanted = frozenset(authors)
+
+    def accept(rec: ackreads.StoredAck) -> ackreads.StoredAck | None:
+        if rec.author in wanted and rec.state in FINAL_STATES and attributed(rec) is not None:
+            return rec
+        return None
+
+    try:
+        stored = await ackreads.wait_for(nc, request_id, timeout_s, subjects=subjects,
+                                         accept=accept)  # fmt: skip
+    except (NatsError, TimeoutError) as exc:
+        log.debug("acks.final_unheard request_id=%s authors=%s error=%r", request_id,
+                  ",".join(authors), exc)  # fmt: skip
+        return None
+    return attributed(stored)
+
+
 def answer_of(rec: AckRecord) -> tuple[Literal["ok", "error"], Any]:
     """What a call answered by the final record ``rec`` returns: ``("ok", result)``, its
     result decoded, for ``completed``; ``("error", ReachError)`` for ``failed``."""

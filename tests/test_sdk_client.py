@@ -234,6 +234,59 @@ async def test_no_receipt_while_the_callers_own_link_stalls_spends_no_retry(
     assert ran == ["r-mute-warm", "r-mute"]
 
 
+async def test_a_call_out_of_retries_waits_for_its_agents_record_until_its_deadline(
+    nats_server: NatsServer, broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The agent's link stalls as a call is sent: no receipt comes, each attempt is judged
+    not delivered (the caller hears its own server), and the retries run out seconds before
+    the deadline. The agent, its copies held in the link, runs the request once the link is
+    back: the call returns that result, within its deadline. Nemesis seed 58: c2-001098 and
+    c2-001099 were told TIMEOUT "not delivered: no receipt from agent 'a2'" 7 s before their
+    deadlines; a2, SIGSTOPped with the copies in its buffer, ran both after its SIGCONT and
+    stored their results a second before the deadlines."""
+    caplog.set_level(logging.INFO, logger="reach_agent.client.client")
+    ran: list[str] = []
+    a = reach_agent.Agent("held1", ["held.cap"], heartbeat_interval=1.0)
+
+    @a.handler("held.cap")
+    async def handle(task: reach_agent.Task) -> dict[str, str]:
+        ran.append(task.request_id)
+        return {"by": "held1"}
+
+    cfg = ClientConfig(ack_timeout_s=0.3, backoff_s=0.2, retries=2)
+    async with TcpProxy.to_url(nats_server.url) as proxy:
+        await a.start(proxy.url)
+        try:
+            await wait_for(lambda: registered(broker, "held1"))
+            async with reach_agent.Client(nats_server.url, config=cfg) as client:
+                warm = await client.call("held.cap", {}, request_id="r-held-warm")
+                assert warm == {"by": "held1"}
+                await proxy.blackhole()
+                call = asyncio.create_task(
+                    client.call("held.cap", {}, request_id="r-held", timeout=12)
+                )
+
+                def waiting() -> bool:
+                    return any(
+                        r.getMessage().startswith("call.waiting_for_record request_id=r-held "
+                                                  "agents=held1 ")
+                        for r in caplog.records
+                    )  # fmt: skip
+
+                # On the parent the call was refused TIMEOUT here, its retries spent.
+                await wait_for(lambda: waiting() or call.done(), 10,
+                               what="the retries spent")  # fmt: skip
+                assert not call.done(), call.exception()
+                await proxy.restore()
+                assert await asyncio.wait_for(call, 12) == {"by": "held1"}
+        finally:
+            await a.stop(grace=1)
+    assert ran == ["r-held-warm", "r-held"]
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("call.result_from_store request_id=r-held agent=held1 "
+                            "state=completed: the call ended ") for m in said)  # fmt: skip
+
+
 async def test_a_timed_out_repeat_returns_the_result_its_claim_holder_stored(
     nats_server: NatsServer, nc: NATS, broker: Broker, agents: Any
 ) -> None:

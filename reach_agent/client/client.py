@@ -366,11 +366,12 @@ class Client:
         """A call that ended ``ended`` (``TIMEOUT``, or ``NO_REACHABLE_AGENT``): the final
         record an agent it reached stored meanwhile (the one that took it first, then the
         others its attempts went to), or else the one its request id's claim names
-        (:meth:`_claim_answer`), read once, at most :data:`STORED_READ_S` each. Its reply
-        was lost (nemesis seed 42: the caller's node killed as the agent answered; seed 43:
-        an attempt given up for an agent whose node was stopped, which then finished) while
-        ``REACH_ACKS`` holds the answer. Not for ``ack_mode="received"`` (its answer is the
-        receipt)."""
+        (:meth:`_claim_answer`), read once, at most :data:`STORED_READ_S` each; none yet and
+        time left before the deadline (its retries ran out first), the first final record
+        an agent it reached stores by the deadline. Its reply was lost (nemesis seed 42: the
+        caller's node killed as the agent answered; seed 43: an attempt given up for an
+        agent whose node was stopped, which then finished) while ``REACH_ACKS`` holds the
+        answer, or will. Not for ``ack_mode="received"`` (its answer is the receipt)."""
         if call.ack_mode != "completed":
             return None
         authors = ([call.taker] if call.taker else []) + sorted(call.runners() - {call.taker})
@@ -389,6 +390,18 @@ class Client:
                 rec = await by_claim
         finally:
             by_claim.cancel()
+        left = call.deadline - self.clock()
+        if rec is None and authors and left > 0:
+            # Its retries ran out before its deadline (attempts not delivered, or a taker
+            # lost): an agent it reached may still answer, and the deadline is the caller's
+            # (nemesis seed 58: two calls told TIMEOUT "not delivered" 7 s before their
+            # deadlines; their agent, SIGSTOPped with the copies in its buffer, stored both
+            # results a second before them). Waited for until the deadline.
+            log.info("call.waiting_for_record request_id=%s agents=%s left_s=%.1f: the call "
+                     "ended %s", call.request_id, ",".join(authors[:STORED_AUTHORS]), left,
+                     ended)  # fmt: skip
+            rec = await results.wait_final(self.nc, call.request_id, authors[:STORED_AUTHORS],
+                                           self.subjects, left)  # fmt: skip
         if rec is not None:
             log.info("call.result_from_store request_id=%s agent=%s state=%s: the call "
                      "ended %s, its answer stored", call.request_id, rec.agent_id, rec.state,
