@@ -59,13 +59,13 @@ def attributed(stored: ackreads.StoredAck) -> AckRecord | None:
 
 
 def ends_claim(rec: AckRecord) -> bool:
-    """Whether the holder's final record ``rec`` ends its claim whatever the claim says: its
-    ``completed`` record (an SDK agent's claim of a run with a result stays ``running``), or
-    a ``failed`` one whose error is not retryable, which its holder ends ``failed`` too, by
-    a compare-and-set of its own: should that set be lost (the holder gone before the store
-    took it), the record still says the request is answered for good, and a release would
-    run it again. A retryable error's record does not: its holder released the claim, for
-    another agent to run it."""
+    """Whether an agent's final record ``rec`` ends the request's claim whatever the claim
+    says: a ``completed`` record (an SDK agent's claim of a run with a result stays
+    ``running``), or a ``failed`` one whose error is not retryable, which its holder ends
+    ``failed`` too, by a compare-and-set of its own: should that set be lost (the holder
+    gone before the store took it), the record still says the request is answered for good,
+    and a release would run it again. A retryable error's record does not: its holder
+    released the claim, for another agent to run it."""
     if rec.state == "completed":
         return True
     failure = rec.error or {}
@@ -75,12 +75,16 @@ def ends_claim(rec: AckRecord) -> bool:
 async def ended_by_record(
     nc: NATS, claim: schema.Claim, subjects: Subjects
 ) -> tuple[ackreads.StoredAck, AckRecord] | None:
-    """The holder's record of ``claim``'s request that ends the claim whatever the claim's
-    state says (:func:`ends_claim`; docs/protocol.md, Claims), when stored; None when there
-    is none (the claim says how far the request got). Raises what the store raises."""
-    author, request_id = subjects.ack_of(result_location(claim, subjects))
-    for stored in await ackreads.all_records(nc, request_id, subjects=subjects, author=author):
-        if stored.state in FINAL_STATES:
+    """The first stored agent's record of ``claim``'s request that ends the claim whatever
+    the claim's state says (:func:`ends_claim`; docs/protocol.md, Claims), when there is
+    one: its holder's, or that of an agent that held it before — declared offline while it
+    still ran, its claim released and taken over by another, and finished after all (nemesis
+    seed 59: a request released twice ran a third time 170 s after its first run's result
+    was stored, since only the holder's records were read). The broker's own records are
+    not runs. None when there is none (the claim says how far the request got). Raises what
+    the store raises."""
+    for stored in await ackreads.all_records(nc, claim.request_id, subjects=subjects):
+        if stored.state in FINAL_STATES and stored.author != BROKER_ACK_AUTHOR:
             rec = attributed(stored)
             if rec is not None and ends_claim(rec):
                 return stored, rec

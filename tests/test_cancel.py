@@ -294,7 +294,7 @@ async def test_a_cancel_finds_a_request_its_holders_stored_failure_ended(
                          ack_msg_id("ghost", rid, "failed"),
                          schema.encoder.encode(record))  # fmt: skip
     reply = await client.cancel(rid)
-    expected = (state, "ghost", "its holder's failed record is stored")
+    expected = (state, "ghost", "ghost's failed record is stored")
     assert (reply.state, reply.agent_id, reply.detail) == expected
     claim = await claim_of(nc, rid)
     assert (claim.agent_id, claim.state) == ("ghost", "running")

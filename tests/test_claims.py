@@ -1307,6 +1307,50 @@ async def test_a_new_process_answers_its_predecessors_stored_failure_and_runs_no
     assert stored is not None and (stored.state, stored.instance) == ("running", "dead-process")
 
 
+async def completed_record(nc: NATS, agent_id: str, rid: str, result: bytes) -> None:
+    """Store ``agent_id``'s ``completed`` record of ``rid`` with ``result``."""
+    record = schema.AckRecord(request_id=rid, agent_id=agent_id, capability="cap",
+                              state="completed", at_ms=2, result=msgspec.Raw(result))  # fmt: skip
+    await publish_record(nc.jetstream(), SUBJECTS.ack(agent_id, rid),
+                         ack_msg_id(agent_id, rid, "completed"),
+                         schema.encoder.encode(record))  # fmt: skip
+
+
+async def test_an_earlier_holders_stored_result_ends_a_claim_taken_over_since(
+    nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS
+) -> None:
+    """Agent "first" ran a request and stored its result after a broker had released its
+    claim (declared offline while it ran); another ("ghost") took the claim over and was
+    lost in turn, its claim released again. A copy reaching a third agent is answered first's stored result,
+    naming it the holder, and nothing runs (nemesis seed 59: c2-000028 ran a third time 170 s
+    after its first run's result was stored: only the claim's holder's records were read).
+    Likewise a broker does not release the claim of an agent that took it over when an
+    earlier holder's result is stored."""
+    runs: list[tuple[str, str]] = []
+    await agents(slow_agent("third", "ledger8", runs))
+    await wait_for(lambda: healthy(broker, "third"))
+    rid = str(uuid.uuid4())
+    await ghost_claim(nc, rid, state="released", capability="ledger8")
+    await completed_record(nc, "first", rid, b'{"agent":"first","n":1}')
+    reply = await nc.request(SUBJECTS.task("third", "ledger8"), b'{"n": 1}',
+                             headers={H_REQUEST_ID: rid}, timeout=10)  # fmt: skip
+    assert (reply.headers or {}).get(schema.H_STATUS) == "completed"
+    assert (reply.headers or {}).get(schema.H_HOLDER) == "first"
+    assert msgspec.json.decode(reply.data) == {"agent": "first", "n": 1}
+    assert runs == []
+    stored = await stored_claim(nc, rid)
+    assert stored is not None and (stored.agent_id, stored.state) == ("ghost", "released")
+
+    running = str(uuid.uuid4())
+    await ghost_claim(nc, running)  # taken over by ghost, running
+    await completed_record(nc, "first", running, b'{"agent":"first","n":2}')
+    await wait_for(lambda: running in broker.releaser.held_by("ghost"), 10, what="claim learnt")
+    assert await broker.releaser.claim_of(running) == ("ghost", "completed", None)
+    assert await broker.releaser.release("ghost", "test") == 0
+    kept = await stored_claim(nc, running)
+    assert kept is not None and kept.state == "running"
+
+
 async def finished_by_ghost(nc: NATS, broker: Broker, agents: Any, runs: list[tuple[str, str]],
                             metrics: reach_agent.AgentMetrics) -> str:  # fmt: skip
     """Agent "reader" (``ledger``) healthy, and a new request id whose claim "ghost" holds

@@ -299,9 +299,9 @@ class Claimer:
             verdict = decide(existing, agent_id=self.agent_id, instance=self.instance,
                              digest=digest)  # fmt: skip
             if verdict in ("take_over", "in_progress"):
-                # A claim left running (or released by a broker) whose holder stored its
-                # completed record (or a non-retryable failure's) is finished: the record
-                # is the claim's end.
+                # A claim left running (or released by a broker) whose holder (or an
+                # earlier holder) stored its completed record (or a non-retryable
+                # failure's) is finished: the record is the claim's end.
                 ended = await self._ended(existing)
                 if ended is not None:
                     return Claimed(verdict="stored", existing=existing, record=ended)
@@ -320,10 +320,11 @@ class Claimer:
         raise ClaimsUnavailable(f"claim {key!r} kept changing while being taken over")
 
     async def _ended(self, claim: schema.Claim) -> schema.AckRecord | None:
-        """The holder's record that ends ``claim`` (``completed``, or ``failed`` with an
-        error that is not retryable: :func:`~reach_agent.results.ends_claim`), if stored;
-        ``ClaimsUnavailable`` when the ack store cannot say (never a guess: a take-over on a
-        wrong "no" would run a finished request again)."""
+        """The record that ends ``claim`` (the holder's or an earlier holder's ``completed``,
+        or ``failed`` with an error that is not retryable:
+        :func:`~reach_agent.results.ended_by_record`), if stored; ``ClaimsUnavailable``
+        when the ack store cannot say (never a guess: a take-over on a wrong "no" would run
+        a finished request again)."""
         try:
             found = await ended_by_record(self.nc, claim, self.subjects)
         except Exception as exc:  # noqa: BLE001 - a timeout, no stream: cannot decide now
@@ -535,16 +536,17 @@ class Claimer:
             # a claim written without a digest, its record with one: another body after all
             err = self._mismatch(request_id, rec.body_digest, digest, existing.agent_id)
             return "mismatch", _error_reply(err, request_id)
-        # Named, so the caller's wait believes the holder's record, not ours (we write none).
+        # Named, so the caller's wait believes the record's author (the holder, or an agent
+        # that held the claim before and finished), not us (we write none).
         if rec.state == "completed":
             body = bytes(rec.result) if rec.result is not None else b"null"
             return "duplicate", ({H_REQUEST_ID: request_id, schema.H_STATUS: "completed",
-                                  schema.H_HOLDER: existing.agent_id}, body)  # fmt: skip
+                                  schema.H_HOLDER: rec.agent_id}, body)  # fmt: skip
         failure = rec.error or {}
         headers, body = _error_reply(
             error_for(failure.get("code", "INTERNAL"), failure.get("message", "")), request_id
         )
-        headers[schema.H_HOLDER] = existing.agent_id
+        headers[schema.H_HOLDER] = rec.agent_id
         return "duplicate", (headers, body)
 
     def _mismatch(self, request_id: str, first: str, this: str, holder: str) -> ReachError:

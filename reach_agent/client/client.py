@@ -411,15 +411,16 @@ class Client:
     async def _claim_answer(self, request_id: str, body: bytes) -> schema.AckRecord | None:
         """The final record the claim of ``request_id`` says is its answer, read once within
         :data:`STORED_READ_S`: its holder's record that ends the claim whatever its state
-        says (``completed``: an SDK agent's claim stays ``running``; or ``failed`` with an
-        error that is not retryable: :func:`~reach_agent.results.ends_claim`), or the
-        holder's ``failed`` record of a ``failed`` claim. None when unclaimed or released, claimed
-        for another body (an agent answers that ``IDEMPOTENCY_MISMATCH``), not finished, or
+        says, or an earlier holder's (``completed``: an SDK agent's claim stays ``running``;
+        or ``failed`` with an error that is not retryable:
+        :func:`~reach_agent.results.ended_by_record`), or the holder's ``failed`` record of
+        a ``failed`` claim. None when unclaimed, claimed for another body (an agent answers
+        that ``IDEMPOTENCY_MISMATCH``), not finished (a released claim nobody finished), or
         unreadable."""
 
         async def read() -> schema.AckRecord | None:
             claim = await durable.read_claim(self.nc, request_id, again=True)
-            if claim is None or claim.state == "released":
+            if claim is None:
                 return None
             if claim.body_digest is not None and claim.body_digest != schema.body_digest(body):
                 return None

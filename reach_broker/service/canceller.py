@@ -132,11 +132,14 @@ class Canceller:
                     return schema.CancelReply(request_id=rid, state=state,
                                               agent_id=claim.agent_id,
                                               detail=f"its claim is {claim.state}")  # fmt: skip
-                if claim.state == "running" and (ended := await self._ended(claim)):
+                ended = None
+                if claim.state in ("running", "released"):
+                    ended = await self._ended(claim)
+                if ended is not None:
                     return schema.CancelReply(request_id=rid, state=_cancel_state(ended),
-                                              agent_id=claim.agent_id,
-                                              detail=f"its holder's {ended.state} record is "
-                                              "stored")  # fmt: skip
+                                              agent_id=ended.agent_id,
+                                              detail=f"{ended.agent_id}'s {ended.state} "
+                                              "record is stored")  # fmt: skip
                 if claim.state == "running" and claim.agent_id != req.holder:
                     answer = await self._forward(claim.agent_id, req)
                     if answer is not None and answer.state in ("cancelled", "finished"):
@@ -168,9 +171,10 @@ class Canceller:
                                   detail=detail or None)  # fmt: skip
 
     async def _ended(self, claim: Claim) -> schema.AckRecord | None:
-        """The record of a ``running`` claim's holder that ends the claim (its
-        ``completed`` record, or a ``failed`` one with an error that is not retryable:
-        docs/protocol.md, Claims), so the cancel is too late; None when none is stored."""
+        """The record that ends a ``running`` or ``released`` claim (its holder's, or an
+        earlier holder's, ``completed`` record, or ``failed`` one with an error that is not
+        retryable: docs/protocol.md, Claims), so the cancel is too late; None when none is
+        stored."""
         try:
             found = await ended_by_record(self.ctx.nc, claim, self.ctx.subjects)
         except Exception as exc:  # noqa: BLE001 - cannot say now: the caller asks again
