@@ -92,19 +92,25 @@ async def ended_by_record(
 
 
 async def wait_final(
-    nc: NATS, request_id: str, authors: Sequence[str], subjects: Subjects, timeout_s: float
-) -> AckRecord | None:
+    nc: NATS, request_id: str, authors: Sequence[str], subjects: Subjects, timeout_s: float,
+    digest: str | None = None,
+) -> AckRecord | None:  # fmt: skip
     """The first final record (``completed``/``failed``) of ``request_id`` that one of
-    ``authors`` stores within ``timeout_s``, stored already or yet to come
-    (:func:`jetstream.ackreads.wait_for`: it listens, and reads again while the store does
-    not answer); None when none does by then or the store could not be read at all (said at
-    debug)."""
+    ``authors`` stores within ``timeout_s`` — or any agent's record that ends the request's
+    claim (:func:`ends_claim`: a repeat of a request another agent finished, read once the
+    store answers again), for a body of ``digest`` (when given) —, stored already or yet to
+    come (:func:`jetstream.ackreads.wait_for`: it listens, and reads again while the store
+    does not answer); None when none does by then or the store could not be read at all
+    (said at debug)."""
     wanted = frozenset(authors)
 
-    def accept(rec: ackreads.StoredAck) -> ackreads.StoredAck | None:
-        if rec.author in wanted and rec.state in FINAL_STATES and attributed(rec) is not None:
-            return rec
-        return None
+    def accept(stored: ackreads.StoredAck) -> ackreads.StoredAck | None:
+        if stored.state not in FINAL_STATES or stored.author == BROKER_ACK_AUTHOR:
+            return None
+        rec = attributed(stored)
+        if rec is None or (digest and rec.body_digest and rec.body_digest != digest):
+            return None
+        return stored if stored.author in wanted or ends_claim(rec) else None
 
     try:
         stored = await ackreads.wait_for(nc, request_id, timeout_s, subjects=subjects,

@@ -8,11 +8,12 @@ import logging
 import socket
 from typing import Any
 
+import msgspec
 import pytest
 from nats.aio.client import Client as NATS
 
 import reach_agent
-from jetstream import ackreads
+from jetstream import ackreads, acks
 from loadtest.tcpproxy import TcpProxy
 from reach_agent import BreakerConfig, ClientConfig, ClientMetrics
 from reach_agent.wire import schema
@@ -285,6 +286,48 @@ async def test_a_call_out_of_retries_waits_for_its_agents_record_until_its_deadl
     said = [r.getMessage() for r in caplog.records]
     assert any(m.startswith("call.result_from_store request_id=r-held agent=held1 "
                             "state=completed: the call ended ") for m in said)  # fmt: skip
+
+
+async def test_a_call_out_of_retries_takes_another_agents_result_stored_meanwhile(
+    nats_server: NatsServer, nc: NATS, broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A call (a repeat, say) whose attempts reached only a stalled agent waits until its
+    deadline for a final record: another agent's record that ends the request's claim counts
+    too, once stored (nemesis seed 59: three repeats of requests finished 23-39 s before
+    were told TIMEOUT while the store could not be read; it answered again before their
+    deadlines)."""
+    caplog.set_level(logging.INFO, logger="reach_agent.client.client")
+    a = reach_agent.Agent("held2", ["held2.cap"], heartbeat_interval=1.0)
+
+    @a.handler("held2.cap")
+    async def handle(task: reach_agent.Task) -> dict[str, str]:
+        return {"by": "held2"}
+
+    cfg = ClientConfig(ack_timeout_s=0.3, backoff_s=0.2, retries=2)
+    rid = "r-held2"
+    async with TcpProxy.to_url(nats_server.url) as proxy:
+        await a.start(proxy.url)
+        try:
+            await wait_for(lambda: registered(broker, "held2"))
+            async with reach_agent.Client(nats_server.url, config=cfg) as client:
+                assert await client.call("held2.cap", {}) == {"by": "held2"}
+                await proxy.blackhole()
+                call = asyncio.create_task(client.call("held2.cap", {}, request_id=rid,
+                                                       timeout=12))  # fmt: skip
+                await wait_for(lambda: call.done() or any(
+                    r.getMessage().startswith(f"call.waiting_for_record request_id={rid} ")
+                    for r in caplog.records), 10, what="the retries spent")  # fmt: skip
+                assert not call.done(), call.exception()
+                record = schema.AckRecord(request_id=rid, agent_id="other2",
+                                          capability="held2.cap", state="completed", at_ms=1,
+                                          result=msgspec.Raw(b'{"by":"other2"}'))  # fmt: skip
+                await acks.publish_record(nc.jetstream(), Subjects().ack("other2", rid),
+                                          acks.ack_msg_id("other2", rid, "completed"),
+                                          schema.encoder.encode(record))  # fmt: skip
+                assert await asyncio.wait_for(call, 12) == {"by": "other2"}
+        finally:
+            await proxy.restore()
+            await a.stop(grace=1)
 
 
 async def test_a_timed_out_repeat_returns_the_result_its_claim_holder_stored(

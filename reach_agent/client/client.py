@@ -401,7 +401,8 @@ class Client:
                      "ended %s", call.request_id, ",".join(authors[:STORED_AUTHORS]), left,
                      ended)  # fmt: skip
             rec = await results.wait_final(self.nc, call.request_id, authors[:STORED_AUTHORS],
-                                           self.subjects, left)  # fmt: skip
+                                           self.subjects, left,
+                                           schema.body_digest(call.body))  # fmt: skip
         if rec is not None:
             log.info("call.result_from_store request_id=%s agent=%s state=%s: the call "
                      "ended %s, its answer stored", call.request_id, rec.agent_id, rec.state,
