@@ -558,9 +558,9 @@ class Claimer:
 
 
 def _lost(held: Held, agent_id: str) -> None:
-    log.warning("claims.lost request_id=%s agent=%s: the claim was released while the task "
-                "ran (the agent was declared offline)", held.claim.request_id,
-                agent_id)  # fmt: skip
+    log.warning("claims.lost request_id=%s agent=%s: the claim was released before the "
+                "agent's end of it was stored (declared offline while the task ran, or before "
+                "its end reached the store)", held.claim.request_id, agent_id)  # fmt: skip
 
 
 def _decode(stored: Stored) -> schema.Claim:
