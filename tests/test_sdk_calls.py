@@ -207,6 +207,10 @@ async def test_no_receipt_no_responders_lost_and_closed() -> None:
     kind, err = await outcome(c)
     assert (kind, err.message) == ("lost", "agent 'a1' was lost while running the task")
     c = call()
+    c.lose()  # before any receipt (nemesis seed 58: c1-001197, which a1 never received)
+    kind, err = await outcome(c)
+    assert (kind, err.message) == ("lost", "agent 'a1' was lost before its receipt")
+    c = call()
     c.close()
     assert (await outcome(c))[0] == "closed"
 

@@ -279,7 +279,8 @@ class Call:
             current = a == n
             if msg is _LOST:
                 if current:
-                    return "lost", Timeout(f"agent {agent!r} was lost while running the task")
+                    doing = "while running the task" if acked else "before its receipt"
+                    return "lost", Timeout(f"agent {agent!r} was lost {doing}")
                 continue
             hdrs = msg.headers
             if is_no_responders(msg):
