@@ -1321,9 +1321,10 @@ async def test_an_earlier_holders_stored_result_ends_a_claim_taken_over_since(
 ) -> None:
     """Agent "first" ran a request and stored its result after a broker had released its
     claim (declared offline while it ran); another ("ghost") took the claim over and was
-    lost in turn, its claim released again. A copy reaching a third agent is answered first's stored result,
-    naming it the holder, and nothing runs (nemesis seed 59: c2-000028 ran a third time 170 s
-    after its first run's result was stored: only the claim's holder's records were read).
+    lost in turn, its claim released again. A copy reaching a third agent is answered
+    first's stored result, naming it the holder, and nothing runs (nemesis seed 59:
+    c2-000028 ran a third time 170 s after its first run's result was stored: only the
+    claim's holder's records were read).
     Likewise a broker does not release the claim of an agent that took it over when an
     earlier holder's result is stored."""
     runs: list[tuple[str, str]] = []
