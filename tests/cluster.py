@@ -251,9 +251,13 @@ class NatsCluster:
 
 
 @contextlib.asynccontextmanager
-async def nats_cluster(dir: Path, nodes: int = 3) -> AsyncIterator[NatsCluster]:
-    """Start an ``nodes``-node cluster under ``dir``; stop every node at the end."""
-    cluster, _ = await asyncio.to_thread(launch, nodes, dir, timeout=READY_TIMEOUT_S)
+async def nats_cluster(
+    dir: Path, nodes: int = 3, *, no_advertise: bool = False
+) -> AsyncIterator[NatsCluster]:
+    """Start an ``nodes``-node cluster under ``dir``; stop every node at the end.
+    ``no_advertise``: as the nemesis runs it (clients know only the addresses given)."""
+    cluster, _ = await asyncio.to_thread(launch, nodes, dir, timeout=READY_TIMEOUT_S,
+                                         no_advertise=no_advertise)  # fmt: skip
     try:
         yield NatsCluster(cluster)
     finally:

@@ -69,7 +69,7 @@ async def test_a_broker_upgrades_r1_assets_to_r3_in_place(tmp_path: Path) -> Non
             # A broker with the default: the server reports three nodes, so R3, in place.
             async with Broker(_config(cluster.servers), metrics=Metrics()) as second:
                 assert second.replicas == 3
-                assert second.advisories.servers == 3  # every node answered CONNZ
+                assert second.advisories.count.servers == 3  # every node answered CONNZ
             for name in STREAM_NAMES:
                 await cluster.wait_stream_leader(nc, name, current=True)
                 info = await js.stream_info(name)

@@ -616,7 +616,7 @@ async def test_a_reconcile_a_node_did_not_answer_suspects_none_of_its_agents(
             await wait_for(lambda: "agent-on-n3" in broker.registry.agents, 5,
                            what="the agent registered")  # fmt: skip
             assert await broker.advisories.reconcile() == 0
-            assert broker.advisories.servers == 3
+            assert broker.advisories.count.servers == 3
             answers = broker.advisories.answers
             pid = cluster.pid("n3")
             assert pid is not None
@@ -634,7 +634,54 @@ async def test_a_reconcile_a_node_did_not_answer_suspects_none_of_its_agents(
             assert seen.of("agent-on-n3") == []
             # Two servers answered last: the next CONNZ, which all three answer, reconciles.
             assert await broker.advisories.reconcile() == 0
-            assert broker.advisories.servers == 3
+            assert broker.advisories.count.servers == 3
+        finally:
+            await agent.stop(grace=1.0)
+            await broker.stop()
+
+
+async def test_a_node_stopped_after_another_leaves_the_reconcile_partial(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """n2 is stopped at a reconcile (partial: nothing reconciled), resumed; then n3, the
+    agent's node, is stopped at the next. The first short answer used to lower the count to
+    expect to two, so the second, answered by two, was taken whole and n3's connected agent
+    judged "no connection" (nemesis seed 62: a3 made suspect). The count is lowered only
+    once the answers have been short for a minute. The nodes advertise no peers,
+    as the nemesis runs them (else the server's connect_urls say how many there are)."""
+    async with nats_cluster(tmp_path / "cluster", nodes=3, no_advertise=True) as cluster:
+        await cluster.wait_meta_leader()
+        seen = Transitions()
+        cfg = fast_config(",".join(cluster.urls))
+        cfg.broker.token_secret = "ha-test-secret"
+        broker = Broker(cfg, metrics=Metrics(), watchers=[seen])
+        await broker.start()
+        ran: collections.Counter[str] = collections.Counter()
+        agent = make_agent("agent-on-n3b", ran, 0.0, interval=30.0)
+        try:
+            await agent.start(rotated(cluster, 2))
+            assert (node_of(broker.nc), node_of(agent.nc)) == ("n1", "n3")
+            await wait_for(lambda: "agent-on-n3b" in broker.registry.agents, 5,
+                           what="the agent registered")  # fmt: skip
+            assert await broker.advisories.reconcile() == 0
+            assert broker.advisories.count.servers == 3
+            with caplog.at_level(logging.WARNING, logger="reach_broker.service.advisories"):
+                for node in ("n2", "n3"):
+                    pid = cluster.pid(node)
+                    assert pid is not None
+                    os.kill(pid, signal.SIGSTOP)
+                    try:
+                        assert await broker.advisories.reconcile() == 0
+                    finally:
+                        os.kill(pid, signal.SIGCONT)
+            said = [r.getMessage() for r in caplog.records if "connz_partial" in r.getMessage()]
+            assert said == [f"advisories.connz_partial $SYS.REQ.ACCOUNT.APP.CONNZ answered by 2 "
+                            f"of 3 servers ({up}) in 3 tries: not reconciled"
+                            for up in ("n1,n3", "n1,n2")]  # fmt: skip
+            assert broker.registry.agents["agent-on-n3b"].state == "healthy"
+            assert seen.of("agent-on-n3b") == []
+            assert await broker.advisories.reconcile() == 0  # all three answer: whole again
+            assert broker.advisories.count.servers == 3
         finally:
             await agent.stop(grace=1.0)
             await broker.stop()

@@ -11,6 +11,7 @@ can be created at once after that. See :func:`meta_leader`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -315,15 +316,20 @@ def launch(
     timeout: float = 30.0,
     die_with_parent_: bool = False,
     new_session: bool = False,
+    no_advertise: bool = False,
 ) -> tuple[Cluster, str]:
     """Plan and start a ``count``-node cluster under ``dir``: (cluster, meta leader).
 
     On free ports (no ``base_port``) a port taken between choosing and binding it is retried
-    with new ports; a fixed port in use is :class:`PortInUse` at once.
+    with new ports; a fixed port in use is :class:`PortInUse` at once. ``no_advertise``: the
+    nodes do not tell clients of each other (a client knows only the addresses it is given).
     """
     attempts = 1 if base_port is not None else FREE_PORT_ATTEMPTS
     for attempt in range(1, attempts + 1):
-        cluster = Cluster(plan(count, base_port, dir, sys_password=sys_password), dir)
+        configs = plan(count, base_port, dir, sys_password=sys_password)
+        if no_advertise:
+            configs = [dataclasses.replace(c, no_advertise=True) for c in configs]
+        cluster = Cluster(configs, dir)
         try:
             leader = cluster.start(timeout, die_with_parent_=die_with_parent_,
                                    new_session=new_session)  # fmt: skip

@@ -62,10 +62,10 @@ from reach_broker.core.records import AgentRecord, Transition
 from reach_broker.core.registry import Registry
 from reach_broker.service.clusterinfo import (
     Account,
+    ServerCount,
     connz_subject,
     gather,
     server_of,
-    unanswered,
 )
 from reach_broker.service.context import BrokerContext
 from reach_broker.service.handlers import Handlers
@@ -125,8 +125,9 @@ class SynadiaAgents:
         self.conns: dict[ConnKey, set[str]] = {}
         self.located = 0
         """CONNZ answers taken (tests wait on it)."""
-        self.servers = 0
-        """Servers that answered the last CONNZ: the next one answered by fewer is partial."""
+        self.count = ServerCount()
+        """Servers that answered the last whole CONNZ: the next one answered by fewer is
+        partial, until answers have been short for a minute."""
         self._lookups: dict[str, float] = {}
         self._locate_due = False
         self._sub: Any = None
@@ -357,9 +358,8 @@ class SynadiaAgents:
                 break
             offset += CONNZ_PAGE
         answered = len(servers or ())
-        missing = unanswered(self.ctx.nc, answered, self.servers)
-        self.servers = answered
-        if missing:
+        missing = self.count.missing(self.ctx.nc, answered)
+        if not self.count.settle(answered, missing, self.ctx.clock()):
             # The instances of a server that did not answer would look held by none: left
             # as they were until the next sweep asks again.
             log.warning("synadia.locate_partial answered by %d of %d servers: not judged",

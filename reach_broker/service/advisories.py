@@ -19,7 +19,10 @@ user may ask), or taken from ``detection.advisory_account``.
   a node that did not answer look disconnected (a raw agent, which answers no probe, would go
   offline at once): a CONNZ answered by fewer servers than the last one, or than the
   connection's server advertises, is asked again, and if it stays partial nothing is
-  reconciled (``advisories.connz_partial``); heartbeats decide.
+  reconciled (``advisories.connz_partial``); heartbeats decide. The count to expect is
+  lowered only once every CONNZ has been short for a minute (a node removed for good,
+  ``clusterinfo.servers_lowered``: :class:`~.clusterinfo.ServerCount`), never by one stopped
+  for a while.
 
 Connections that are not named after an agent (Synadia Agent Protocol agents, whose
 connections are usually unnamed) are matched by the component that knows them, handed in at
@@ -52,7 +55,7 @@ from reach_agent.grants import jwt_name
 from reach_broker.config import DetectionSection
 from reach_broker.core.registry import Registry
 
-from .clusterinfo import Account, connz_subject, gather, server_of, unanswered
+from .clusterinfo import Account, ServerCount, connz_subject, gather, server_of
 from .context import BrokerContext
 from .probes import Prober
 
@@ -163,9 +166,9 @@ class Advisories:
         self.available = False
         """True once the server answered CONNZ for our account (or an advisory arrived)."""
         self.disconnects = 0
-        self.servers = 0
-        """Servers that answered the last CONNZ (every node of a cluster): the next one
-        answered by fewer is partial."""
+        self.count = ServerCount()
+        """Servers that answered the last whole CONNZ (every node of a cluster): the next
+        one answered by fewer is partial, until answers have been short for a minute."""
         self.answers = 0
         """CONNZ lists obtained (the observer's proof that the broker's link works)."""
         self._subs: list[Any] = []
@@ -230,20 +233,19 @@ class Advisories:
             if listed is None:
                 return None
             names, servers = listed
-            missing = unanswered(self.ctx.nc, len(servers), self.servers)
+            missing = self.count.missing(self.ctx.nc, len(servers))
             if not missing:
                 break
             if attempt < PARTIAL_TRIES:
                 await asyncio.sleep(PARTIAL_PAUSE_S)
         self.answers += 1
         self._available()
-        expected, self.servers = len(servers) + missing, len(servers)
-        if missing:
+        if not self.count.settle(len(servers), missing, self.ctx.clock()):
             # The agents of a server that did not answer would look disconnected: a raw agent
             # (no probe responder) would go offline at once. Not reconciled; their heartbeats
-            # decide. As many servers as answered are what the next reconcile expects.
+            # decide.
             log.warning("advisories.connz_partial %s answered by %d of %d servers (%s) in %d "
-                        "tries: not reconciled", subject, len(servers), expected,
+                        "tries: not reconciled", subject, len(servers), len(servers) + missing,
                         ",".join(sorted(servers)), PARTIAL_TRIES)  # fmt: skip
             return None
         return names

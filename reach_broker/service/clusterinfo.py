@@ -117,6 +117,45 @@ def unanswered(nc: NATS, answered: int, last: int) -> int:
     return max(max(last, len(info.get("connect_urls") or [])) - answered, 0)
 
 
+SHORT_FOR_GOOD_S = 60.0
+"""How long every answer must have come from fewer servers than before until that fewer is
+what is expected (a node removed for good)."""
+
+
+class ServerCount:
+    """How many servers a request every server answers (``CONNZ``) is expected to be answered
+    by: as many as answered the last whole one. A short answer is not whole until answers
+    have been short for :data:`SHORT_FOR_GOOD_S`: lowered at the first, a node that was
+    stopped then (its connections open, answering nothing) and came back left the count one
+    short, and the next stop of another node went unseen, its agents looking disconnected
+    (nemesis seed 62: a3, connected, judged "no connection at reconcile")."""
+
+    __slots__ = ("servers", "short_since")
+
+    def __init__(self) -> None:
+        self.servers = 0
+        self.short_since: float | None = None
+        """When answers first came from fewer than :attr:`servers` (None: they do not)."""
+
+    def missing(self, nc: NATS, answered: int) -> int:
+        """Servers an answer by ``answered`` lacks (:func:`unanswered`); changes nothing."""
+        return unanswered(nc, answered, self.servers)
+
+    def settle(self, answered: int, missing: int, now: float) -> bool:
+        """After the last try: whether an answer by ``answered`` servers, ``missing`` short,
+        is taken whole; a whole one is what the next is expected to match."""
+        if missing:
+            if self.short_since is None:
+                self.short_since = now
+            if now - self.short_since < SHORT_FOR_GOOD_S:
+                return False
+            log.warning("clusterinfo.servers_lowered answered by %d of %d servers for %.0fs: "
+                        "%d expected from now on", answered, answered + missing,
+                        now - self.short_since, answered)  # fmt: skip
+        self.servers, self.short_since = answered, None
+        return True
+
+
 def server_of(msg: Msg) -> str:
     """The name (else id) of the server a system-account reply came from."""
     try:
