@@ -174,6 +174,26 @@ async def wait_log(procs: Procs, proc: subprocess.Popen[bytes], needle: str,
     assert proc.poll() is None, path.read_text(errors="replace")[-3000:]
 
 
+async def test_a_sweep_the_queue_refuses_is_said_in_one_line_and_the_sweeps_go_on(
+    nc: NATS, broker_factory: BrokerFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """JetStream answers the sweep's STREAM.INFO with an error (here: the queue's stream
+    deleted; nemesis seed 65: 503 "temporarily unavailable" during an election): a warning
+    naming it, no traceback (one was logged as a bug), and the next sweep tries again."""
+    caplog.set_level(logging.WARNING, logger="reach_broker.replay.replay")
+    await broker_factory(compensation__sweep_interval_s=0.2)
+    await nc.jetstream().delete_stream(compensation.COMP_STREAM)
+
+    def failed() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.getMessage().startswith("replay.sweep_failed")]
+
+    await wait_for(lambda: len(failed()) >= 2, 10, what="two sweeps refused")
+    said = failed()[0]
+    assert said.getMessage() == ("replay.sweep_failed stream info REACH_COMPENSATION: stream "
+                                 "not found: swept again in 0.2 s")  # fmt: skip
+    assert (said.levelno, said.exc_info) == (logging.WARNING, None)
+
+
 # --- 2: queued while nobody serves, run exactly once when an agent comes ---------------------
 
 

@@ -378,6 +378,11 @@ class Replayer:
             except TimeoutError:  # nats' too: a busy server or broker, not a bug
                 log.warning("replay.sweep_failed JetStream did not answer in time: swept "
                             "again in %g s", self.cfg.sweep_interval_s)  # fmt: skip
+            except compensation.QueueError as exc:  # the store's own refusal, not a bug
+                # (nemesis seed 65: "JetStream system temporarily unavailable" during an
+                # election was logged with a traceback)
+                log.warning("replay.sweep_failed %s: swept again in %g s", exc,
+                            self.cfg.sweep_interval_s)  # fmt: skip
             except Exception:  # noqa: BLE001 - the loop never dies
                 log.exception("replay.sweep_failed")
             await asyncio.sleep(self.cfg.sweep_interval_s)
