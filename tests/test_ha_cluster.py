@@ -595,13 +595,14 @@ async def test_an_entry_given_back_during_a_consumer_election_comes_back_at_once
 # --- a reconcile that a node did not answer -------------------------------------------------
 
 
-async def test_a_reconcile_a_node_did_not_answer_suspects_none_of_its_agents(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """The broker on n1 reconciles with a CONNZ that n3 (stopped: its connections stay
-    open) does not answer: asked again, still partial, nothing is reconciled; n3's agent
-    would otherwise look disconnected (a raw agent, answering no probe, offline at once)."""
-    async with nats_cluster(tmp_path / "cluster", nodes=3) as cluster:
+@contextlib.asynccontextmanager
+async def agent_on_n3(
+    tmp_path: Path, agent_id: str, *, no_advertise: bool = False
+) -> AsyncIterator[tuple[NatsCluster, Broker, Transitions]]:
+    """A 3-node cluster, a broker on n1 and an agent on n3 (a heartbeat every 30 s: only a
+    reconcile could judge it meanwhile), registered, and a first reconcile that every node
+    answered: (cluster, broker, its transitions)."""
+    async with nats_cluster(tmp_path / "cluster", nodes=3, no_advertise=no_advertise) as cluster:
         await cluster.wait_meta_leader()
         seen = Transitions()
         cfg = fast_config(",".join(cluster.urls))
@@ -609,35 +610,56 @@ async def test_a_reconcile_a_node_did_not_answer_suspects_none_of_its_agents(
         broker = Broker(cfg, metrics=Metrics(), watchers=[seen])
         await broker.start()
         ran: collections.Counter[str] = collections.Counter()
-        agent = make_agent("agent-on-n3", ran, 0.0, interval=30.0)
+        agent = make_agent(agent_id, ran, 0.0, interval=30.0)
         try:
             await agent.start(rotated(cluster, 2))
             assert (node_of(broker.nc), node_of(agent.nc)) == ("n1", "n3")
-            await wait_for(lambda: "agent-on-n3" in broker.registry.agents, 5,
+            await wait_for(lambda: agent_id in broker.registry.agents, 5,
                            what="the agent registered")  # fmt: skip
             assert await broker.advisories.reconcile() == 0
             assert broker.advisories.count.servers == 3
-            answers = broker.advisories.answers
-            pid = cluster.pid("n3")
-            assert pid is not None
-            os.kill(pid, signal.SIGSTOP)
-            try:
-                with caplog.at_level(logging.WARNING, logger="reach_broker.service.advisories"):
-                    assert await broker.advisories.reconcile() == 0
-            finally:
-                os.kill(pid, signal.SIGCONT)
-            said = [r.getMessage() for r in caplog.records if "connz_partial" in r.getMessage()]
-            assert said == ["advisories.connz_partial $SYS.REQ.ACCOUNT.APP.CONNZ answered by 2 "
-                            "of 3 servers (n1,n2) in 3 tries: not reconciled"]  # fmt: skip
-            assert broker.advisories.answers == answers + 1  # the link works: it answered
-            assert broker.registry.agents["agent-on-n3"].state == "healthy"
-            assert seen.of("agent-on-n3") == []
-            # Two servers answered last: the next CONNZ, which all three answer, reconciles.
-            assert await broker.advisories.reconcile() == 0
-            assert broker.advisories.count.servers == 3
+            yield cluster, broker, seen
         finally:
             await agent.stop(grace=1.0)
             await broker.stop()
+
+
+async def reconcile_without(cluster: NatsCluster, broker: Broker, node: str) -> int:
+    """The broker's reconcile while ``node`` is stopped (SIGSTOP: its connections stay open,
+    it answers nothing), resumed after: the transitions it made."""
+    pid = cluster.pid(node)
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        return await broker.advisories.reconcile()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def partial_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "connz_partial" in r.getMessage()]
+
+
+async def test_a_reconcile_a_node_did_not_answer_suspects_none_of_its_agents(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The broker on n1 reconciles with a CONNZ that n3 (stopped: its connections stay
+    open) does not answer: asked again, still partial, nothing is reconciled; n3's agent
+    would otherwise look disconnected (a raw agent, answering no probe, offline at once)."""
+    async with agent_on_n3(tmp_path, "agent-on-n3") as (cluster, broker, seen):
+        answers = broker.advisories.answers
+        with caplog.at_level(logging.WARNING, logger="reach_broker.service.advisories"):
+            assert await reconcile_without(cluster, broker, "n3") == 0
+        assert partial_lines(caplog) == [
+            "advisories.connz_partial $SYS.REQ.ACCOUNT.APP.CONNZ answered by 2 of 3 servers "
+            "(n1,n2) in 3 tries: not reconciled"
+        ]
+        assert broker.advisories.answers == answers + 1  # the link works: it answered
+        assert broker.registry.agents["agent-on-n3"].state == "healthy"
+        assert seen.of("agent-on-n3") == []
+        # Two servers answered last: the next CONNZ, which all three answer, reconciles.
+        assert await broker.advisories.reconcile() == 0
+        assert broker.advisories.count.servers == 3
 
 
 async def test_a_node_stopped_after_another_leaves_the_reconcile_partial(
@@ -649,39 +671,17 @@ async def test_a_node_stopped_after_another_leaves_the_reconcile_partial(
     judged "no connection" (nemesis seed 62: a3 made suspect). The count is lowered only
     once the answers have been short for a minute. The nodes advertise no peers,
     as the nemesis runs them (else the server's connect_urls say how many there are)."""
-    async with nats_cluster(tmp_path / "cluster", nodes=3, no_advertise=True) as cluster:
-        await cluster.wait_meta_leader()
-        seen = Transitions()
-        cfg = fast_config(",".join(cluster.urls))
-        cfg.broker.token_secret = "ha-test-secret"
-        broker = Broker(cfg, metrics=Metrics(), watchers=[seen])
-        await broker.start()
-        ran: collections.Counter[str] = collections.Counter()
-        agent = make_agent("agent-on-n3b", ran, 0.0, interval=30.0)
-        try:
-            await agent.start(rotated(cluster, 2))
-            assert (node_of(broker.nc), node_of(agent.nc)) == ("n1", "n3")
-            await wait_for(lambda: "agent-on-n3b" in broker.registry.agents, 5,
-                           what="the agent registered")  # fmt: skip
-            assert await broker.advisories.reconcile() == 0
-            assert broker.advisories.count.servers == 3
-            with caplog.at_level(logging.WARNING, logger="reach_broker.service.advisories"):
-                for node in ("n2", "n3"):
-                    pid = cluster.pid(node)
-                    assert pid is not None
-                    os.kill(pid, signal.SIGSTOP)
-                    try:
-                        assert await broker.advisories.reconcile() == 0
-                    finally:
-                        os.kill(pid, signal.SIGCONT)
-            said = [r.getMessage() for r in caplog.records if "connz_partial" in r.getMessage()]
-            assert said == [f"advisories.connz_partial $SYS.REQ.ACCOUNT.APP.CONNZ answered by 2 "
-                            f"of 3 servers ({up}) in 3 tries: not reconciled"
-                            for up in ("n1,n3", "n1,n2")]  # fmt: skip
-            assert broker.registry.agents["agent-on-n3b"].state == "healthy"
-            assert seen.of("agent-on-n3b") == []
-            assert await broker.advisories.reconcile() == 0  # all three answer: whole again
-            assert broker.advisories.count.servers == 3
-        finally:
-            await agent.stop(grace=1.0)
-            await broker.stop()
+    async with agent_on_n3(tmp_path, "agent-on-n3b", no_advertise=True) as (
+        cluster, broker, seen
+    ):  # fmt: skip
+        with caplog.at_level(logging.WARNING, logger="reach_broker.service.advisories"):
+            for node in ("n2", "n3"):
+                assert await reconcile_without(cluster, broker, node) == 0
+        assert partial_lines(caplog) == [
+            f"advisories.connz_partial $SYS.REQ.ACCOUNT.APP.CONNZ answered by 2 of 3 servers "
+            f"({up}) in 3 tries: not reconciled" for up in ("n1,n3", "n1,n2")
+        ]  # fmt: skip
+        assert broker.registry.agents["agent-on-n3b"].state == "healthy"
+        assert seen.of("agent-on-n3b") == []
+        assert await broker.advisories.reconcile() == 0  # all three answer: whole again
+        assert broker.advisories.count.servers == 3
