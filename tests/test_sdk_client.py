@@ -45,6 +45,22 @@ def counting_agent(agent_id: str, capability: str, calls: list[str], **kw: Any) 
     return agent
 
 
+def by_agent(
+    agent_id: str, capability: str, ran: list[str] | None = None, *, interval: float = 0.1
+) -> reach_agent.Agent:
+    """An agent that answers ``{"by": agent_id}``, the request ids it ran appended to
+    ``ran``."""
+    a = reach_agent.Agent(agent_id, [capability], heartbeat_interval=interval)
+
+    @a.handler(capability)
+    async def handle(task: reach_agent.Task) -> dict[str, str]:
+        if ran is not None:
+            ran.append(task.request_id)
+        return {"by": agent_id}
+
+    return a
+
+
 async def test_call_returns_result_and_passes_headers_through(
     nats_server: NatsServer, broker: Broker, agents: Any
 ) -> None:
@@ -202,14 +218,7 @@ async def test_no_receipt_while_the_callers_own_link_stalls_spends_no_retry(
     2.2 s after a4 had stored the result."""
     caplog.set_level(logging.INFO, logger="reach_agent.client.attemptloop")
     ran: list[str] = []
-    a = reach_agent.Agent("mute1", ["mute.cap"], heartbeat_interval=0.1)
-
-    @a.handler("mute.cap")
-    async def handle(task: reach_agent.Task) -> dict[str, str]:
-        ran.append(task.request_id)
-        return {"by": "mute1"}
-
-    await agents(a)
+    await agents(by_agent("mute1", "mute.cap", ran))
     await wait_for(lambda: registered(broker, "mute1"))
     cfg = ClientConfig(liveness_probe_s=0.3, ack_timeout_s=0.3, route_timeout_s=0.3,
                        backoff_s=0.2, retries=2)  # fmt: skip
@@ -247,12 +256,7 @@ async def test_a_call_out_of_retries_waits_for_its_agents_record_until_its_deadl
     stored their results a second before the deadlines."""
     caplog.set_level(logging.INFO, logger="reach_agent.client.client")
     ran: list[str] = []
-    a = reach_agent.Agent("held1", ["held.cap"], heartbeat_interval=1.0)
-
-    @a.handler("held.cap")
-    async def handle(task: reach_agent.Task) -> dict[str, str]:
-        ran.append(task.request_id)
-        return {"by": "held1"}
+    a = by_agent("held1", "held.cap", ran, interval=1.0)
 
     cfg = ClientConfig(ack_timeout_s=0.3, backoff_s=0.2, retries=2)
     async with TcpProxy.to_url(nats_server.url) as proxy:
@@ -297,11 +301,7 @@ async def test_a_call_out_of_retries_takes_another_agents_result_stored_meanwhil
     were told TIMEOUT while the store could not be read; it answered again before their
     deadlines)."""
     caplog.set_level(logging.INFO, logger="reach_agent.client.client")
-    a = reach_agent.Agent("held2", ["held2.cap"], heartbeat_interval=1.0)
-
-    @a.handler("held2.cap")
-    async def handle(task: reach_agent.Task) -> dict[str, str]:
-        return {"by": "held2"}
+    a = by_agent("held2", "held2.cap", interval=1.0)
 
     cfg = ClientConfig(ack_timeout_s=0.3, backoff_s=0.2, retries=2)
     rid = "r-held2"
