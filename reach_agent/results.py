@@ -20,6 +20,7 @@ from nats.errors import Error as NatsError
 
 from jetstream import ackreads
 from jetstream.acks import FINAL_STATES
+from jetstream.claims import ClaimsUnavailable
 from reach_agent import trace
 from reach_agent.wire import schema
 from reach_agent.wire.errors import error_for
@@ -72,22 +73,28 @@ def ends_claim(rec: AckRecord) -> bool:
     return rec.state == "failed" and not error_for(failure.get("code", "INTERNAL"), "").retryable
 
 
-async def ended_by_record(
-    nc: NATS, claim: schema.Claim, subjects: Subjects
-) -> tuple[ackreads.StoredAck, AckRecord] | None:
+async def ended_by_record(nc: NATS, claim: schema.Claim, subjects: Subjects) -> AckRecord | None:
     """The first stored agent's record of ``claim``'s request that ends the claim whatever
     the claim's state says (:func:`ends_claim`; docs/protocol.md, Claims), when there is
     one: its holder's, or that of an agent that held it before — declared offline while it
     still ran, its claim released and taken over by another, and finished after all (nemesis
     seed 59: a request released twice ran a third time 170 s after its first run's result
     was stored, since only the holder's records were read). The broker's own records are
-    not runs. None when there is none (the claim says how far the request got). Raises what
-    the store raises."""
-    for stored in await ackreads.all_records(nc, claim.request_id, subjects=subjects):
+    not runs. None when there is none (the claim says how far the request got).
+    ``ClaimsUnavailable`` when the ack store cannot say: never a guess, since a take-over,
+    a release or a cancel on a wrong "no" lets a finished request run again."""
+    try:
+        found = await ackreads.all_records(nc, claim.request_id, subjects=subjects)
+    except Exception as exc:  # noqa: BLE001 - a timeout, no stream: cannot decide now
+        raise ClaimsUnavailable(
+            f"the ack record of request {claim.request_id!r} could not be read: "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
+    for stored in found:
         if stored.state in FINAL_STATES and stored.author != BROKER_ACK_AUTHOR:
             rec = attributed(stored)
             if rec is not None and ends_claim(rec):
-                return stored, rec
+                return rec
     return None
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import signal
 import time
@@ -33,7 +34,7 @@ from jetstream.claims import (
     Stored,
     claim_key,
 )
-from jetstream.names import CLAIMS_STREAM, H_REQUEST_ID
+from jetstream.names import ACK_STREAM, CLAIMS_STREAM, H_REQUEST_ID
 from jetstream.provision import load_definitions, provision
 from loadtest.tcpproxy import TcpProxy
 from reach_agent import ClientConfig
@@ -320,7 +321,7 @@ async def ended_by(nc: NATS, request_id: str) -> tuple[str, str, str]:
     await ackreads.wait_final_at(nc, subject, 10, subjects=Subjects("reach"))
     found = await ended_by_record(nc, claim, Subjects("reach"))
     assert found is not None, f"no completed record of {claim.agent_id} ends {request_id}"
-    return claim.agent_id, claim.state, found[1].agent_id
+    return claim.agent_id, claim.state, found.agent_id
 
 
 async def claim_becomes(nc: NATS, request_id: str, state: str, limit_s: float = 15.0
@@ -1101,14 +1102,9 @@ async def test_claims_learnt_for_an_offline_agent_are_each_read_once_not_once_pe
     broker = await broker_factory()
     releaser = broker.releaser
     releaser.state_of = lambda agent: "offline" if agent == "gone" else None
-    reads: list[str] = []
-    ended = releaser._ended
-
-    async def counted(claim: schema.Claim) -> bool:
-        reads.append(claim.request_id)
-        return await ended(claim)
-
-    releaser._ended = counted  # type: ignore[method-assign]
+    # Every message get on the ack stream, as the server saw it.
+    gets = await nc.subscribe(f"$JS.API.STREAM.MSG.GET.{ACK_STREAM}")
+    await flush_subscriptions(nc)
     rids = [str(uuid.uuid4()) for _ in range(12)]
     store = ClaimStore(nc)
     for rid in rids:
@@ -1120,6 +1116,10 @@ async def test_claims_learnt_for_an_offline_agent_are_each_read_once_not_once_pe
     for rid in rids:
         stored = await stored_claim(nc, rid)
         assert stored is not None and stored.state == "released"
+    await flush_subscriptions(nc)  # every get made so far is in the subscription's queue
+    queries = [json.loads((await gets.next_msg(timeout=1)).data) for _ in range(gets.pending_msgs)]
+    # A read of a request's records starts at seq 1: one read a claim.
+    reads = [q["next_by_subj"].rsplit(".", 1)[1] for q in queries if q.get("seq") == 1]
     assert sorted(reads) == sorted(rids)
 
 

@@ -302,7 +302,7 @@ class Claimer:
                 # A claim left running (or released by a broker) whose holder (or an
                 # earlier holder) stored its completed record (or a non-retryable
                 # failure's) is finished: the record is the claim's end.
-                ended = await self._ended(existing)
+                ended = await ended_by_record(self.nc, existing, self.subjects)
                 if ended is not None:
                     return Claimed(verdict="stored", existing=existing, record=ended)
             if verdict != "take_over":
@@ -318,21 +318,6 @@ class Claimer:
             else:
                 created, stored = False, again
         raise ClaimsUnavailable(f"claim {key!r} kept changing while being taken over")
-
-    async def _ended(self, claim: schema.Claim) -> schema.AckRecord | None:
-        """The record that ends ``claim`` (the holder's or an earlier holder's ``completed``,
-        or ``failed`` with an error that is not retryable:
-        :func:`~reach_agent.results.ended_by_record`), if stored; ``ClaimsUnavailable``
-        when the ack store cannot say (never a guess: a take-over on a wrong "no" would run
-        a finished request again)."""
-        try:
-            found = await ended_by_record(self.nc, claim, self.subjects)
-        except Exception as exc:  # noqa: BLE001 - a timeout, no stream: cannot decide now
-            why = f"{type(exc).__name__}: {exc}"
-            raise ClaimsUnavailable(
-                f"the ack record of request {claim.request_id!r} could not be read: {why}"
-            ) from None
-        return found[1] if found is not None else None
 
     async def _landed(self, key: str, data: bytes, request_id: str) -> Stored | None:
         """After a create nobody confirmed: our claim, if the store has it (then it is ours

@@ -428,8 +428,7 @@ class Client:
             if claim.state == "failed":
                 return await results.stored_final(self.nc, request_id, [claim.agent_id],
                                                   self.subjects, STORED_READ_S)  # fmt: skip
-            ended = await results.ended_by_record(self.nc, claim, self.subjects)
-            return ended[1] if ended is not None else None
+            return await results.ended_by_record(self.nc, claim, self.subjects)
 
         try:
             async with asyncio.timeout(STORED_READ_S):  # not wait_for: a cancel is never lost

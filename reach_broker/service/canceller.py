@@ -134,7 +134,7 @@ class Canceller:
                                               detail=f"its claim is {claim.state}")  # fmt: skip
                 ended = None
                 if claim.state in ("running", "released"):
-                    ended = await self._ended(claim)
+                    ended = await ended_by_record(self.ctx.nc, claim, self.ctx.subjects)
                 if ended is not None:
                     return schema.CancelReply(request_id=rid, state=_cancel_state(ended),
                                               agent_id=ended.agent_id,
@@ -169,18 +169,6 @@ class Canceller:
         log.info("cancel.recorded request_id=%s queued=%d guarded=%s", rid, removed, guarded)
         return schema.CancelReply(request_id=rid, state="cancelled", agent_id=BROKER_ACK_AUTHOR,
                                   detail=detail or None)  # fmt: skip
-
-    async def _ended(self, claim: Claim) -> schema.AckRecord | None:
-        """The record that ends a ``running`` or ``released`` claim (its holder's, or an
-        earlier holder's, ``completed`` record, or ``failed`` one with an error that is not
-        retryable: docs/protocol.md, Claims), so the cancel is too late; None when none is
-        stored."""
-        try:
-            found = await ended_by_record(self.ctx.nc, claim, self.ctx.subjects)
-        except Exception as exc:  # noqa: BLE001 - cannot say now: the caller asks again
-            raise ClaimsUnavailable(f"the ack record of {claim.request_id!r} could not be read "
-                                    f"({type(exc).__name__}: {exc})") from None  # fmt: skip
-        return found[1] if found is not None else None
 
     async def _forward(self, holder: str, req: schema.Cancel) -> schema.CancelReply | None:
         """Ask the holder to stop; its answer, or None when it gives none in time."""

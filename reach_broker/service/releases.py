@@ -154,32 +154,19 @@ class Releaser:
             except msgspec.MsgspecError as exc:
                 raise ClaimsUnavailable(f"claim of {request_id!r} is not a Claim ({exc})") from None
             state = claim.state
-            if state in ("running", "released") and (ended := await self._ended(claim)):
+            if state in ("running", "released") and (
+                ended := await ended_by_record(self.ctx.nc, claim, self.ctx.subjects)
+            ):
                 # Its holder's final record ended it: also a claim released while its
                 # holder, declared offline, still ran and then finished (else a replay
                 # gives the entry back at every check, for ever: found by loadtest.nemesis).
                 if state == "running":  # learnt here, if the ack watch missed the record:
                     self.finished(request_id, claim.agent_id)  # not read again to release
-                state = "completed" if ended == "completed" else "failed"
+                state = "completed" if ended.state == "completed" else "failed"
         except ClaimsUnavailable:
             self._store_errors.labels("claims", "lookup").inc()
             raise
         return ClaimView(claim.agent_id, state, claim.body_digest)
-
-    async def _ended(self, claim: Claim) -> str | None:
-        """The state of the holder's record that ended ``claim`` whatever it says
-        (``completed``, or ``failed`` with an error that is not retryable:
-        :func:`~reach_agent.results.ends_claim`; docs/protocol.md, Claims), None when there
-        is none. ``ClaimsUnavailable`` when the ack store cannot say (never a guess: a
-        release on a wrong "no" lets a finished request run again)."""
-        try:
-            found = await ended_by_record(self.ctx.nc, claim, self.ctx.subjects)
-        except Exception as exc:  # noqa: BLE001 - a timeout, no stream: cannot decide now
-            raise ClaimsUnavailable(
-                f"the ack record of request {claim.request_id!r} could "
-                f"not be read: {type(exc).__name__}: {exc}"
-            ) from None
-        return found[1].state if found is not None else None
 
     def finished(self, request_id: str, author: str) -> None:
         """``author`` stored its ``completed`` record of ``request_id``: a running claim it
@@ -298,7 +285,7 @@ class Releaser:
             released = msgspec.structs.replace(claim, state="released", at_ms=self.ctx.wall_ms(),
                                                reason=reason[:512])  # fmt: skip
             try:
-                if await self._ended(claim):
+                if await ended_by_record(self.ctx.nc, claim, self.ctx.subjects):
                     self.finished(claim.request_id, agent_id)  # it finished: not released
                     continue
                 won = await self.store.swap(held_key, schema.encoder.encode(released),
