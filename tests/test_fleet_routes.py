@@ -761,6 +761,21 @@ async def test_a_refusal_asks_to_retry_soon_while_a_partition_changes_hands(
         await ghost.stop()
 
 
+async def wait_gone(nc: NATS, broker: Broker) -> None:
+    """Wait until the server has let go of a closed broker's subscriptions (a request sent
+    before that would be lost with the connection, as any in flight to a process that
+    dies)."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            await nc.request(f"reach.forward.{broker.forwarder.token}.x", b"", timeout=1)
+        except NoRespondersError:
+            return
+        except NatsTimeoutError:
+            pass
+        assert time.monotonic() < deadline, "the server kept the closed broker's subscriptions"
+
+
 async def test_a_gone_owners_successor_stands_in_until_its_lease_lapses(
     broker_factory: BrokerFactory, agents: Any, nc: NATS
 ) -> None:
@@ -778,21 +793,7 @@ async def test_a_gone_owners_successor_stands_in_until_its_lease_lapses(
     await wait_for(lambda: held_healthy(pair, agent_id))
     await wait_owners_read(pair, cap)
     await owner.nc.close()  # its subscriptions gone with it, its leases left to lapse
-
-    async def owner_gone() -> bool:
-        """The server has let go of the owner's subscriptions (a request sent before that
-        would be lost with the connection, as any in flight to a process that dies)."""
-        try:
-            await nc.request(f"reach.forward.{owner.forwarder.token}.x", b"", timeout=1)
-        except NoRespondersError:
-            return True
-        except NatsTimeoutError:
-            pass
-        return False
-
-    deadline = time.monotonic() + 10
-    while not await owner_gone():
-        assert time.monotonic() < deadline, "the server kept the closed owner's subscriptions"
+    await wait_gone(nc, owner)
     answered = 0
     deadline = time.monotonic() + 20  # the lease lapses in 3 s, taken within a round more
     while not other.shares.owns_all():
@@ -805,3 +806,41 @@ async def test_a_gone_owners_successor_stands_in_until_its_lease_lapses(
     # by standing in (the last few may fall between its taking that partition and the rest).
     assert answered > 0 and forwards(other, "stand_in") >= 1
     assert forwards(other, "no_owner") == 0
+
+
+async def test_a_gone_owners_lapsed_lease_is_stood_in_for_until_a_broker_takes_it(
+    broker_factory: BrokerFactory, agents: Any, nc: NATS
+) -> None:
+    """A gone owner's leases lapse one by one (as they were renewed): the other broker reads
+    the capability's lapsed while the owner still holds others. Nobody holds the partition,
+    and the other broker is not alone: it asks the lease's last holder, finds it gone and
+    stands in, rather than refusing for a third of the lease (a CI run of the test above)."""
+    cap = "lapsed.cap"
+    # A lease of 60 s: the gone owner's presence counts for as long, so the other broker
+    # keeps its fair half and takes nothing while the test runs.
+    pair = await two_brokers(broker_factory, fleet__lease_ttl_s=60.0)
+    owner, other = owner_and_other(pair, cap)
+    agent_id = next(
+        (f"kept-{i}" for i in range(1000) if partition(f"kept-{i}", P) in other.tables.book.epochs),
+        "kept",
+    )
+    await agents(worker(agent_id, cap))
+    await wait_for(lambda: held_healthy(pair, agent_id))
+    owners = other.forwarder.owners
+    await owners.read()
+    p = partition(cap, P)
+    assert owners.of[p] == owner.forwarder.token
+    await owner.nc.close()
+    await wait_gone(nc, owner)
+    await nc.jetstream().publish(f"$KV.{PARTITIONS_BUCKET}.{p}", b"",
+                                 headers={"KV-Operation": "PURGE"})  # fmt: skip
+    await owners.read()
+    assert (owners.of[p], owners.lapsed[p], owners.freed) == (None, owner.forwarder.token, set())
+    assert not owners.alone(other.forwarder.token)  # the owner's other leases still read
+
+    msg = await nc.request(f"reach.route.{cap}", b"", timeout=2)
+    assert from_reply(msg.headers, msg.data) is None
+    reply = schema.route_reply_decoder.decode(msg.data)
+    assert [c.agent_id for c in reply.candidates] == [agent_id]
+    assert (forwards(other, "stand_in"), forwards(other, "no_owner")) == (1, 0)
+    assert p not in other.tables.book.epochs  # stood in for, not taken

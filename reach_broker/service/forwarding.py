@@ -12,15 +12,17 @@ refuses it when the partition is no longer its own. A forward that finds no owne
 owner or no answer within ``[fleet] forward_timeout_s`` is refused ``OVERLOADED`` with
 ``retry_after_ms`` (a retryable refusal: never answered by a second broker's own count while
 the owner may still be counting), the leases read again, and
-``reach_route_forwards_total{result}`` counts it. An owner the server has no responder for is
-gone (its connection closed: a crash, SIGKILL), its counts with it, while its lease has not
-lapsed yet: its successor stands in (the highest random weight of (capability, broker) among
-the other lease holders last read and the forwarder itself; the same at every broker that
-read the same leases), answering here or forwarded there with ``Reach-Stand-In: <gone>``,
-until a new owner holds the partition; counted ``stand_in``. A broker that stops
-(:meth:`Forwarder.drain`, before its parts stop) answers the forwards the server already sent
-it while it still owns their partitions, and waits for the answers to its own forwards; one
-still unanswered at its stop is refused ``OVERLOADED`` too, counted ``stopped``.
+``reach_route_forwards_total{result}`` counts it. A partition whose lease lapsed and that
+nobody holds yet is forwarded to the lease's last holder, as its owner. An owner the server
+has no responder for is gone (its connection closed: a crash, SIGKILL), its counts with it,
+whether its lease has lapsed yet or not: its successor stands in (the highest random
+weight of (capability, broker) among the other lease holders last read and the forwarder
+itself; the same at every broker that read the same leases), answering here or forwarded
+there with ``Reach-Stand-In: <gone>``, until a new owner holds the partition; counted
+``stand_in``. A broker that stops (:meth:`Forwarder.drain`, before its parts stop) answers
+the forwards the server already sent it while it still owns their partitions, and waits for
+the answers to its own forwards; one still unanswered at its stop is refused ``OVERLOADED``
+too, counted ``stopped``.
 
 A broker that owns every partition (the single-broker default, a server without JetStream)
 answers every request itself, as before; so does one without route tables (``[fleet] tables =
@@ -240,12 +242,20 @@ class Forwarder:
             await self.route.on_request(req)  # refused there, counted as dropped
             return
         if owner is None:
+            lapsed = self.owners.lapsed[p]
             if self.owners.alone(self.token):
                 # No other broker held a lease at the last read (a lone broker whose lease
                 # lapsed while JetStream was slow): nobody else counts, so this broker
                 # answers; the leases are read again now, in case one just joined.
                 self.owners.stale()
                 await self.route.on_request(req)
+            elif lapsed is not None and lapsed != self.token:
+                # Its lease lapsed and nobody holds it yet: its last holder is asked, as its
+                # owner. Gone (no responders: a crash), it is stood in for, as before its
+                # lease lapsed; there still, it answers while it counts, or refuses. (Refused
+                # here, a route waited up to a third of the lease until another broker took
+                # the partition, while a gone owner's other leases had not lapsed yet.)
+                await self._send(Waiting(req, capability, p, lapsed, 0.0))
             else:
                 await self._refuse(Waiting(req, capability, p, owner, 0.0), "no_owner")
             return

@@ -5,7 +5,8 @@ A broker that owns every partition (one broker alone, or no JetStream) reads not
 every key is read every third of the lease's time to live (the rate at which owners renew
 them), and again at once when a forward finds the owner gone (:meth:`Owners.stale`): P small
 reads a round, whatever the size of the fleet. A key that is missing (lapsed) or handed back
-names no owner.
+names no owner; a lapsed one's last holder is remembered (:attr:`Owners.lapsed`) until a
+lease names an owner again.
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ class Owners:
         """The leases' bucket (the one :class:`~.partitions.Partitions` keeps them in)."""
         self.of: list[str | None] = [None] * cfg.partitions
         """Each partition's owner as last read (None: nobody, or not read yet)."""
+        self.lapsed: list[str | None] = [None] * cfg.partitions
+        """Each partition's last holder as read before its lease lapsed (its key missing),
+        until a lease names an owner again or is handed back (None: not lapsed, or nobody
+        was read holding it). A gone owner's leases lapse one by one, as they were renewed:
+        its partitions read since still name it here."""
         self.freed: set[int] = set()
         """The partitions whose lease was handed back at the last read (a value naming no
         owner: the brokers take it within moments, rebalancing at once), not lapsed."""
@@ -78,7 +84,12 @@ class Owners:
         except (ClaimsUnavailable, msgspec.MsgspecError) as exc:
             log.debug("owners.read_failed partition=%d error=%s", p, exc)
             return  # the last read stands
+        last = self.of[p]
         self.of[p] = None if owner is None else broker_token(owner)
+        if stored is not None:
+            self.lapsed[p] = None
+        elif last is not None:
+            self.lapsed[p] = last
         if stored is not None and owner is None:
             self.freed.add(p)
         else:
