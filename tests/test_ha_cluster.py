@@ -685,3 +685,60 @@ async def test_a_node_stopped_after_another_leaves_the_reconcile_partial(
         assert seen.of("agent-on-n3b") == []
         assert await broker.advisories.reconcile() == 0  # all three answer: whole again
         assert broker.advisories.count.servers == 3
+
+
+async def test_a_broker_started_while_a_node_is_stopped_leaves_its_reconcile_partial(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A raw agent connected to n3 drains (it takes no new work, finishing what it holds);
+    the broker restarts while n3 is stopped (its connections open, answering nothing), on
+    nodes that advertise no peers. Its first CONNZ, answered by n1 and n2, had nothing to be
+    measured against and was taken whole: the agent it restored, still connected, was judged
+    "no connection at reconcile" and evicted, "left and disconnected" (its claims released:
+    its tasks run again elsewhere). It now expects at least the servers that hold its acks
+    stream's replicas: partial, nothing reconciled."""
+    agent_id = "raw-on-n3"
+    async with nats_cluster(tmp_path / "cluster", nodes=3, no_advertise=True) as cluster:
+        await cluster.wait_meta_leader()
+        cfg = fast_config(",".join(cluster.urls))
+        cfg.broker.token_secret = "ha-test-secret"
+        first = Broker(cfg, metrics=Metrics())
+        await first.start()
+        # A heartbeat every 30 s, and pings a minute apart: it stays on n3, silent meanwhile.
+        raw = await nats.connect(rotated(cluster, 2), name=agent_id, ping_interval=60,
+                                 allow_reconnect=False)  # fmt: skip
+        seen = Transitions()
+        again = Broker(cfg, metrics=Metrics(), watchers=[seen])
+        pid = cluster.pid("n3")
+        assert pid is not None
+        try:
+            assert (node_of(first.nc), node_of(raw)) == ("n1", "n3")
+            body = json.dumps({"agent_id": agent_id, "capabilities": ["job"],
+                               "max_concurrency": 1, "heartbeat_interval_ms": 30_000})  # fmt: skip
+            reply = await raw.request(f"reach.announce.{agent_id}", body.encode(), timeout=5)
+            token = json.loads(reply.data)["token"]
+            beat = {"agent_id": agent_id, "token": token, "seq": 1, "status": "draining"}
+            await raw.publish(f"reach.hb.{agent_id}", json.dumps(beat).encode())
+            await wait_for(lambda: first.registry.agents[agent_id].state == "draining", 5,
+                           what="the agent draining")  # fmt: skip
+            await first.stop()  # its snapshot flushed: the next broker restores the agent
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                with caplog.at_level(logging.WARNING, logger="reach_broker.service.advisories"):
+                    await again.start()
+                assert node_of(again.nc) == "n1"
+                assert partial_lines(caplog) == [
+                    "advisories.connz_partial $SYS.REQ.ACCOUNT.APP.CONNZ answered by 2 of 3 "
+                    "servers (n1,n2) in 3 tries: not reconciled"
+                ]
+                assert again.registry.agents[agent_id].state == "draining"
+                assert seen.of(agent_id) == []
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert await again.advisories.reconcile() == 0  # n3 answers: whole, it is there
+            assert again.advisories.count.servers == 3
+            assert seen.of(agent_id) == []
+        finally:
+            await again.stop()
+            await first.stop()
+            await raw.close()

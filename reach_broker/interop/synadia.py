@@ -53,6 +53,7 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
+from jetstream.names import ACK_STREAM
 from reach_agent.connection import flush_subscriptions
 from reach_agent.wire.errors import InvalidRequest
 from reach_agent.wire.schema import PROTOCOL_SYNADIA, Announce, Heartbeat
@@ -125,7 +126,7 @@ class SynadiaAgents:
         self.conns: dict[ConnKey, set[str]] = {}
         self.located = 0
         """CONNZ answers taken (tests wait on it)."""
-        self.count = ServerCount()
+        self.count = ServerCount(ACK_STREAM)
         """Servers that answered the last whole CONNZ: the next one answered by fewer is
         partial, until answers have been short for a minute."""
         self._lookups: dict[str, float] = {}
@@ -358,7 +359,7 @@ class SynadiaAgents:
                 break
             offset += CONNZ_PAGE
         answered = len(servers or ())
-        missing = self.count.missing(self.ctx.nc, answered)
+        missing = await self.count.missing(self.ctx.nc, answered)
         if not self.count.settle(answered, missing, self.ctx.clock()):
             # The instances of a server that did not answer would look held by none: left
             # as they were until the next sweep asks again.

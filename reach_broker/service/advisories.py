@@ -17,8 +17,9 @@ user may ask), or taken from ``detection.advisory_account``.
   cluster every node answers about its own connections and every answer is gathered
   (:func:`reach_broker.service.clusterinfo.gather`). A partial list would make the agents of
   a node that did not answer look disconnected (a raw agent, which answers no probe, would go
-  offline at once): a CONNZ answered by fewer servers than the last one, or than the
-  connection's server advertises, is asked again, and if it stays partial nothing is
+  offline at once): a CONNZ answered by fewer servers than the last one, than the
+  connection's server advertises, or (before any whole answer) than hold the replicas of the
+  acks stream, is asked again, and if it stays partial nothing is
   reconciled (``advisories.connz_partial``); heartbeats decide. The count to expect is
   lowered only once every CONNZ has been short for a minute (a node removed for good,
   ``clusterinfo.servers_lowered``: :class:`~.clusterinfo.ServerCount`), never by one stopped
@@ -50,6 +51,7 @@ import msgspec
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
+from jetstream.names import ACK_STREAM
 from reach_agent.connection import flush_subscriptions
 from reach_agent.grants import jwt_name
 from reach_broker.config import DetectionSection
@@ -166,7 +168,7 @@ class Advisories:
         self.available = False
         """True once the server answered CONNZ for our account (or an advisory arrived)."""
         self.disconnects = 0
-        self.count = ServerCount()
+        self.count = ServerCount(ACK_STREAM)
         """Servers that answered the last whole CONNZ (every node of a cluster): the next
         one answered by fewer is partial, until answers have been short for a minute."""
         self.answers = 0
@@ -233,7 +235,7 @@ class Advisories:
             if listed is None:
                 return None
             names, servers = listed
-            missing = self.count.missing(self.ctx.nc, len(servers))
+            missing = await self.count.missing(self.ctx.nc, len(servers))
             if not missing:
                 break
             if attempt < PARTIAL_TRIES:

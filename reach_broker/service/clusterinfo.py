@@ -122,23 +122,52 @@ SHORT_FOR_GOOD_S = 60.0
 what is expected (a node removed for good)."""
 
 
+async def stream_peers(nc: NATS, stream: str) -> set[str]:
+    """The servers that hold ``stream``'s replicas (its leader and the others, offline ones
+    too), as JetStream's cluster info lists them; empty when it does not say (no JetStream,
+    no such stream, no answer in time)."""
+    try:
+        info = await nc.jetstream(timeout=REQUEST_TIMEOUT_S).stream_info(stream)
+    except Exception as exc:  # noqa: BLE001 - not said: nothing more is known
+        log.debug("clusterinfo.stream_peers %s unavailable: %r", stream, exc)
+        return set()
+    cluster = info.cluster
+    if cluster is None:
+        return set()
+    peers = {r.name for r in cluster.replicas or () if r.name}
+    if cluster.leader:
+        peers.add(cluster.leader)
+    return peers
+
+
 class ServerCount:
     """How many servers a request every server answers (``CONNZ``) is expected to be answered
     by: as many as answered the last whole one. A short answer is not whole until answers
     have been short for :data:`SHORT_FOR_GOOD_S`: lowered at the first, a node that was
     stopped then (its connections open, answering nothing) and came back left the count one
     short, and the next stop of another node went unseen, its agents looking disconnected
-    (nemesis seed 62: a3, connected, judged "no connection at reconcile")."""
+    (nemesis seed 62: a3, connected, judged "no connection at reconcile").
 
-    __slots__ = ("servers", "short_since")
+    Before any whole answer (a broker just started), at least the servers that hold
+    ``stream``'s replicas are expected (:func:`stream_peers`): on a cluster whose servers
+    advertise no peers (``no_advertise``), a first answer without a stopped node was taken
+    whole, and every agent connected there looked disconnected (a draining one, finishing
+    its tasks, was evicted)."""
 
-    def __init__(self) -> None:
+    __slots__ = ("servers", "short_since", "stream")
+
+    def __init__(self, stream: str | None = None) -> None:
         self.servers = 0
         self.short_since: float | None = None
         """When answers first came from fewer than :attr:`servers` (None: they do not)."""
+        self.stream = stream
+        """A replicated stream whose peers are servers of the cluster (None: none known)."""
 
-    def missing(self, nc: NATS, answered: int) -> int:
-        """Servers an answer by ``answered`` lacks (:func:`unanswered`); changes nothing."""
+    async def missing(self, nc: NATS, answered: int) -> int:
+        """Servers an answer by ``answered`` lacks (:func:`unanswered`); before any whole
+        answer, the stream's peers are read first (one STREAM.INFO, until one says)."""
+        if not self.servers and self.stream is not None and (nc._server_info or {}).get("cluster"):
+            self.servers = len(await stream_peers(nc, self.stream))
         return unanswered(nc, answered, self.servers)
 
     def settle(self, answered: int, missing: int, now: float) -> bool:
