@@ -224,6 +224,8 @@ class Broker:
         this broker owns held)."""
         self.advisories = Advisories(
             ctx, registry, self.probes, self.account, cfg.detection, unnamed=self.synadia,
+            # as long as a partition may go unowned: a gone owner's lease, and a round more
+            closed_kept_s=max(60.0, 2 * cfg.fleet.lease_ttl_s),
             seen=m.advisories, dropped=m.dropped, refused=m.refused,
         )  # fmt: skip
         self.observer = Observer(ctx, registry, self.advisories, cfg.detection,
@@ -256,7 +258,8 @@ class Broker:
         self.takeover = Takeover(
             ctx, registry, self.snapshot, self.ingest,
             shares_own=self.tables.own if tables else lambda p, epoch: None,
-            shares_lose=self.tables.lose if tables else lambda p: None, took=m.takeovers,
+            shares_lose=self.tables.lose if tables else lambda p: None,
+            restored=self.advisories.restored, took=m.takeovers,
             restores=m.partition_restores,
         )  # fmt: skip
         """What the broker holds per partition: restored, heard, published; or dropped."""

@@ -20,6 +20,7 @@ import asyncio
 import json
 
 import msgspec
+import nats
 import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -202,6 +203,58 @@ async def test_a_takeover_writes_and_announces_only_what_changed(
     assert set(written) <= set(expected)
     assert survivor.snapshot.writes - writes == len(written)
     assert [state_of(survivor, a) for a in heartbeating] == ["healthy"] * len(heartbeating)
+
+
+async def test_an_agent_killed_while_its_partition_had_no_owner_is_judged_at_the_takeover(
+    broker_factory: BrokerFactory, nc: NATS, nats_server: NatsServer
+) -> None:
+    """The victim's connection is lost (its leases left to lapse), and meanwhile a raw agent
+    of one of its partitions is killed: its connection closes, nothing is said. The server's
+    DISCONNECT reaches the survivor, which does not hold the agent (nobody does). The
+    survivor then takes the partition warm and restores the agent ``healthy``, as stored: it
+    was judged by nobody until its silence ran out (30 s here). The survivor remembers the
+    close and, once it holds the agent, suspects it; the probe settles it (offline: nobody
+    answers)."""
+    survivor = await broker_factory(fleet__partitions=P, fleet__lease_ttl_s=3.0)
+    victim = await broker_factory(fleet__partitions=P, fleet__lease_ttl_s=3.0)
+    pair = (survivor, victim)
+    await wait_for(lambda: [len(b.tables.book.epochs) for b in pair] == [P // 2] * 2, 20,
+                   what="each owning half the partitions")  # fmt: skip
+    agent_id = next(a for a in AGENTS if partition(a, P) in victim.tables.book.epochs)
+    raw = await nats.connect(nats_server.url, name=agent_id)
+    body = {"agent_id": agent_id, "capabilities": [CAPABILITY], "max_concurrency": 4,
+            "heartbeat_interval_ms": 30_000}  # fmt: skip
+    await raw.request(f"reach.announce.{agent_id}", json.dumps(body).encode(), timeout=5)
+    await wait_for(
+        lambda: (
+            state_of(victim, agent_id) == "healthy"
+            and victim.snapshot.writes
+            and not victim.snapshot._dirty
+        ),
+        10,
+        what="the agent healthy and written",
+    )
+    events: list[schema.Event] = []
+
+    async def on_event(msg: Msg) -> None:
+        events.append(msgspec.json.decode(msg.data, type=schema.Event))
+
+    await nc.subscribe("reach.event.>", cb=on_event)
+    await flush_subscriptions(nc)
+    await victim.nc.close()  # its leases left to lapse, nothing handed back
+    await raw.close()
+    await wait_for(lambda: agent_id in survivor.advisories.closed, 5,
+                   what="the survivor told of the close")  # fmt: skip
+    assert state_of(survivor, agent_id) is None  # not held: nobody judged it
+    await wait_for(lambda: state_of(survivor, agent_id) == "offline", 15,
+                   what="the agent taken over and judged")  # fmt: skip
+    await wait_for(lambda: len(events) == 2, 5, what="its two events")
+    assert [(e.agent_id, e.from_, e.to, e.reason, e.broker_id) for e in events] == [
+        (agent_id, "healthy", "suspect", "connection closed while its partition changed owner",
+         survivor.broker_id),
+        (agent_id, "suspect", "offline", "disconnected and probe unanswered", survivor.broker_id),
+    ]  # fmt: skip
+    assert agent_id not in survivor.advisories.closed
 
 
 @pytest.mark.parametrize("warm", [True, False], ids=["handed-back", "cold"])

@@ -82,6 +82,7 @@ def taking(failures: int, agents: list[str]) -> tuple[Takeover, Reads, Hears, Re
     takeover = Takeover(
         ctx, registry, cast(Any, reads), cast(Any, hears),
         shares_own=lambda p, epoch: shared.append((p, epoch)), shares_lose=lambda p: None,
+        restored=lambda agents: None,
         took=metrics.takeovers, restores=metrics.partition_restores, retry_after_s=0.0,
     )  # fmt: skip
     return takeover, reads, hears, registry, metrics

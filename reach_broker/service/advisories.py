@@ -89,6 +89,10 @@ PARTIAL_PAUSE_S = 1.0
 CONNECT_PROBE_DELAY_S = 0.25
 """A known offline agent that connects is probed this long after its CONNECT advisory."""
 
+CLOSED_MAX = 10_000
+"""Closed connections of agents this broker does not hold, remembered (the oldest forgotten
+beyond): about 1 MB."""
+
 
 class _Client(msgspec.Struct):
     name: str = ""
@@ -153,10 +157,12 @@ class Advisories:
     """Subscribes to the advisories and reconciles the registry with the server's view."""
 
     def __init__(self, ctx: BrokerContext, registry: Registry, prober: Prober, account: Account,
-                 cfg: DetectionSection, *, unnamed: Unnamed | None = None, seen: Any,
-                 dropped: Any, refused: Any) -> None:  # fmt: skip
-        """``seen``: ``reach_disconnect_advisories``; ``dropped``, ``refused``:
-        ``reach_dropped_messages_total``, ``reach_dropped_total``."""
+                 cfg: DetectionSection, *, unnamed: Unnamed | None = None, closed_kept_s: float,
+                 seen: Any, dropped: Any, refused: Any) -> None:  # fmt: skip
+        """``closed_kept_s``: how long a closed connection of an agent this broker does not
+        hold is remembered (:meth:`restored`); ``seen``: ``reach_disconnect_advisories``;
+        ``dropped``, ``refused``: ``reach_dropped_messages_total``,
+        ``reach_dropped_total``."""
         self.ctx, self.cfg = ctx, cfg
         self.registry = registry
         self.prober = prober
@@ -168,6 +174,12 @@ class Advisories:
         self.available = False
         """True once the server answered CONNZ for our account (or an advisory arrived)."""
         self.disconnects = 0
+        self.closed: dict[str, float] = {}
+        """Agents this broker did not hold whose connection closed (a DISCONNECT), when, and
+        not connected since (no CONNECT): oldest first, at most :data:`CLOSED_MAX`. Their
+        owner judged them; but one whose partition had no owner then (its broker gone, its
+        lease not yet lapsed; a hand-over under way) is judged by whoever takes it here."""
+        self.closed_kept_s = closed_kept_s
         self.count = ServerCount(ACK_STREAM)
         """Servers that answered the last whole CONNZ (every node of a cluster): the next
         one answered by fewer is partial, until answers have been short for a minute."""
@@ -365,15 +377,46 @@ class Advisories:
         name = self._named(adv)
         if name is None:
             return
-        transitions = self.registry.disconnected(name, self.ctx.clock())
+        now = self.ctx.clock()
+        transitions = self.registry.disconnected(name, now)
         if transitions:
             self.disconnects += 1
+            self.ctx.emit(transitions)
+        elif name not in self.registry.agents:
+            closed = self.closed
+            closed.pop(name, None)  # (to the end: oldest first)
+            closed[name] = now
+            if len(closed) > CLOSED_MAX:
+                del closed[next(iter(closed))]
+
+    def restored(self, agent_ids: list[str]) -> None:
+        """Agents a takeover restored, now heard: one whose connection closed while this
+        broker did not hold it, within ``closed_kept_s`` and with no CONNECT since, is
+        disconnected now, as if told then (suspect, and the prober settles it). Its stored
+        state said nothing of it: an agent killed while its partition changed hands was
+        restored ``healthy`` and judged by no broker until its silence ran out. O(restored)."""
+        closed = self.closed
+        if not closed:
+            return
+        now = self.ctx.clock()
+        transitions = []
+        for agent_id in agent_ids:
+            at = closed.pop(agent_id, None)
+            if at is not None and now - at <= self.closed_kept_s:
+                transitions += self.registry.disconnected(
+                    agent_id, now, "connection closed while its partition changed owner"
+                )
+        if transitions:
+            self.disconnects += len(transitions)
+            log.info("advisories.closed_at_takeover agents=%d: their connections closed "
+                     "while no broker here held them", len(transitions))  # fmt: skip
             self.ctx.emit(transitions)
 
     async def _on_connect(self, msg: Msg) -> None:
         name = self._client_name(msg)
         if name is None:
             return
+        self.closed.pop(name, None)
         rec = self.registry.agents.get(name)
         if rec is not None and rec.state in ("offline", "suspect"):
             # A moment's grace: the agent subscribes to its probe subject after connecting.

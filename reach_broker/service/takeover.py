@@ -17,6 +17,8 @@ lease is taken (:mod:`.partitions` says ``own``), the partition is taken in this
    (:meth:`~reach_broker.core.registry.Registry.listening`): a silence that began before this
    broker could hear the agent is not the agent's, so no agent goes offline (nor, warm,
    suspect) because its owner changed (the observer's self-doubt, extended to a takeover);
+   but one whose connection the server closed meanwhile, while no broker here held it, is
+   disconnected now (:meth:`~reach_broker.service.advisories.Advisories.restored`);
 4. its route-table shares are published (:mod:`.tables`).
 
 When a lease is lost (``lose``), in reverse: shares forgotten, subjects no longer heard, the
@@ -62,8 +64,9 @@ class Takeover:
 
     def __init__(
         self, ctx: BrokerContext, registry: Registry, snapshot: Snapshot, ingest: Ingest, *,
-        shares_own: Callable[[int, int], None], shares_lose: Callable[[int], None], took: Any,
-        restores: Any, retry_after_s: float = RESTORE_RETRY_S,
+        shares_own: Callable[[int, int], None], shares_lose: Callable[[int], None],
+        restored: Callable[[list[str]], None], took: Any, restores: Any,
+        retry_after_s: float = RESTORE_RETRY_S,
     ) -> None:  # fmt: skip
         self.ctx = ctx
         self.registry = registry
@@ -72,6 +75,9 @@ class Takeover:
         self.shares_own = shares_own
         """Told once partition ``p`` is held and heard: its route-table shares are published."""
         self.shares_lose = shares_lose
+        self.restored = restored
+        """Told the agents restored, once heard: those whose connections the server closed
+        while no broker here held them are judged (the advisories)."""
         self.took = took
         """``reach_partition_takeover_seconds``."""
         self.restores = {result: restores.labels(result) for result in RESTORE_RESULTS}
@@ -115,6 +121,7 @@ class Takeover:
         await self.ingest.own(p)
         now = clock()
         regranted = self.registry.listening(now, restored)
+        self.restored(restored)
         self.shares_own(p, epoch)
         self.took.observe(now - t0)
         log.debug("takeover.owned partition=%d epoch=%d warm=%s restored=%d regranted=%d "
