@@ -277,10 +277,13 @@ class Broker:
         epochs = self.tables.book.epochs
         self.shares = Shares(ctx, cfg.fleet, epochs, counts=m.tables)
         """The other owners' shares of the route tables, followed (routes merge them)."""
-        self.replayer = Replayer(ctx, self.router, self.releaser.claim_of, agents.get,
-                                 self.records, cfg.compensation, ReplayMetrics.of(m),
-                                 whole_fleet=self.shares.owns_all,
-                                 finished=self.releaser.finished)  # fmt: skip
+        self.replayer = Replayer(
+            ctx, self.router, self.releaser.claim_of, agents.get, self.records,
+            cfg.compensation, ReplayMetrics.of(m), whole_fleet=self.shares.owns_all,
+            owns_agent=lambda a: (self.shares.owns_all()
+                                  or registry.listing.partition_of(a) in epochs),
+            finished=self.releaser.finished,
+        )  # fmt: skip
         self.forwarder = Forwarder(
             ctx, cfg.fleet, self.handlers.endpoints["route"], self.handlers.route,
             owned=epochs.__contains__, owns_all=self.shares.owns_all,

@@ -33,6 +33,7 @@ from jetstream.names import CLAIMS_STREAM, H_REQUEST_ID
 from reach_agent.agent.agent import Agent
 from reach_agent.client import durable
 from reach_agent.connection import connect_options
+from reach_agent.routing.table import partition
 from reach_agent.wire import schema
 from reach_agent.wire.errors import Overloaded, ReachError
 from reach_agent.wire.schema import Announce, RouteRequest
@@ -45,7 +46,7 @@ from reach_broker.service import snapshot
 from .conftest import BrokerFactory, connections_named, leases_aged_out, wait_for
 from .test_broker_wire import announce, heartbeat
 from .test_client_wait_store import frozen
-from .test_fleet_routes import holder, two_brokers
+from .test_fleet_routes import Ghost, holder, two_brokers
 from .test_sdk_failover import healthy
 
 SUBJECTS = Subjects()
@@ -571,6 +572,53 @@ async def test_an_entry_whose_claim_another_broker_released_is_given_back_at_onc
     record = await durable.wait(nc, rid, timeout=15)
     assert (record.state, record.agent_id, record.result) == ("completed", "rel1", {"n": 6})
     assert runs == [rid]
+
+
+async def test_an_entry_running_on_another_brokers_agent_is_held_for_it(
+    provisioned: Any, nc: NATS, broker_factory: BrokerFactory, agents: Any
+) -> None:
+    """An entry whose claim is running on an agent of a partition another broker owns (the
+    ghost's: this broker knows nothing of the agent) is sent to its holder and held, as for
+    a live agent of its own, until the claim is released (by the holder's broker); then it
+    runs here. The holder was judged gone here: the entry came back every half second for
+    as long as the claim ran."""
+    ghost = Ghost(nc, present=True)
+    await ghost.start()
+    try:
+        broker = await broker_factory(fleet__partitions=8)
+        assert sorted(broker.tables.book.epochs) == [0, 1, 2, 3]
+        gx = next(f"gx-{i}" for i in range(100) if partition(f"gx-{i}", 8) in Ghost.OWNED)
+        local = next(f"gl-{i}" for i in range(100) if partition(f"gl-{i}", 8) < 4)
+        ran: list[str] = []
+        agent = reach_agent.Agent(local, ["gx.cap"], heartbeat_interval=0.1)
+
+        @agent.handler("gx.cap")
+        async def handle(task: reach_agent.Task) -> dict[str, Any]:
+            ran.append(task.request_id)
+            return {"by": local}
+
+        await agents(agent)
+        await wait_for(lambda: healthy(broker, local), what=f"{local} healthy")
+        rid = str(uuid.uuid4())
+        claims = ClaimStore(nc)
+        claim = schema.Claim(request_id=rid, agent_id=gx, instance="i1", capability="gx.cap",
+                             state="running", at_ms=0)  # fmt: skip
+        ours, stored = await claims.create(claim_key(rid), schema.encoder.encode(claim))
+        assert ours
+        assert await durable.submit(nc, "gx.cap", {"n": 1}, request_id=rid) == rid
+        await wait_for(lambda: broker.replayer.taken.holds(rid), 10, what="the entry held")
+        assert broker.replayer.taken._held[rid].agent_id == gx
+        assert (ran, broker.metrics.compensation_result["deferred"]._value.get()) == ([], 0)
+        released = msgspec.structs.replace(claim, state="released", reason="offline elsewhere")
+        assert await claims.swap(claim_key(rid), schema.encoder.encode(released),
+                                 stored.revision)  # fmt: skip
+        record = await durable.wait(nc, rid, timeout=15)
+        assert (record.state, record.agent_id, record.result) == ("completed", local,
+                                                                 {"by": local})  # fmt: skip
+        assert ran == [rid]
+        assert broker.replayer.taken.returned == 1
+    finally:
+        await ghost.stop()
 
 
 async def test_an_entry_an_agent_finds_finished_elsewhere_is_removed_naming_no_taker(

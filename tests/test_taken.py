@@ -38,9 +38,15 @@ def entry(rid: str) -> tuple[Entry, Told]:
 
 
 async def test_a_long_held_entry_follows_its_claim() -> None:
+    """``elsewhere``: running on an agent of a partition another broker holds (this broker
+    knows nothing of it; that broker releases the claim if it goes offline): held on.
+    ``vanished``: running on an agent of a partition this broker holds that it does not
+    know (gone): given back."""
     claims = {"done": ("a", "completed"), "runs": ("a", "running"), "freed": ("a", "released"),
-              "gone": ("b", "running")}  # fmt: skip
+              "gone": ("b", "running"), "elsewhere": ("c", "running"),
+              "vanished": ("d", "running")}  # fmt: skip
     states = {"a": "healthy", "b": "offline"}
+    holder = {"gone": "b", "elsewhere": "c", "vanished": "d"}
 
     async def claim_of(rid: str) -> tuple[str, str] | None:
         if rid == "silent":
@@ -52,15 +58,17 @@ async def test_a_long_held_entry_follows_its_claim() -> None:
 
     given_back: list[int] = []
     taken = Taken(30.0, claim_of, record_of, clock=lambda: 100.0,
-                  on_returned=lambda: given_back.append(1))  # fmt: skip
+                  on_returned=lambda: given_back.append(1),
+                  owns_agent=lambda agent_id: agent_id != "c")  # fmt: skip
     told = {}
-    for rid in ("done", "runs", "freed", "gone", "unclaimed", "silent"):
+    for rid in ("done", "runs", "freed", "gone", "unclaimed", "silent", "elsewhere", "vanished"):
         e, told[rid] = entry(rid)
-        await taken.hold(e, "b" if rid == "gone" else "a")
+        await taken.hold(e, holder.get(rid, "a"))
     running = {rid: await taken._still_running(taken._held[rid]) for rid in list(taken._held)}
     # "silent": the bucket cannot say; held on, never removed or given back on a guess.
     assert running == {"done": False, "runs": True, "freed": False, "gone": False,
-                       "unclaimed": False, "silent": True}  # fmt: skip
+                       "unclaimed": False, "silent": True, "elsewhere": True,
+                       "vanished": False}  # fmt: skip
     assert {rid: m.said for rid, m in told.items()} == {
         "done": ["ack"],
         "runs": [],
@@ -68,6 +76,8 @@ async def test_a_long_held_entry_follows_its_claim() -> None:
         "gone": ["nak"],
         "unclaimed": ["ack"],
         "silent": [],
+        "elsewhere": [],
+        "vanished": ["nak"],
     }
-    assert (len(taken), taken.finished, taken.returned, len(given_back)) == (2, 2, 2, 2)
-    assert taken.holds("runs") and taken.holds("silent")
+    assert (len(taken), taken.finished, taken.returned, len(given_back)) == (3, 2, 3, 3)
+    assert taken.holds("runs") and taken.holds("silent") and taken.holds("elsewhere")

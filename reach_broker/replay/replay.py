@@ -83,12 +83,13 @@ class Replayer:
                  claim_of: Callable[[str], Awaitable[ClaimView | None]],
                  record_of: Callable[[str], AgentRecord | None], records: BrokerAcks,
                  cfg: CompensationSection, metrics: ReplayMetrics,
-                 whole_fleet: Callable[[], bool],
+                 whole_fleet: Callable[[], bool], owns_agent: Callable[[str], bool],
                  finished: Callable[[str, str], None] | None = None) -> None:  # fmt: skip
         """``whole_fleet``: whether this broker owns every partition (its router then sees
         every agent: an entry refused for load waits in the round for a slot, else it is
-        given back for any replica); ``finished``: told of each completed record (the claims'
-        releaser)."""
+        given back for any replica); ``owns_agent``: whether it owns an agent's partition (an
+        agent it does not know there is gone; elsewhere, another broker's); ``finished``:
+        told of each completed record (the claims' releaser)."""
         self.ctx, self.cfg, self.metrics = ctx, cfg, metrics
         self.router = router
         self.claim_of = claim_of
@@ -102,7 +103,7 @@ class Replayer:
         self._next_expiry_ms = 0
         self.taken = Taken(
             cfg.ack_wait_s, claim_of, record_of, ctx.clock,
-            on_returned=metrics.results["requeued"].inc,
+            on_returned=metrics.results["requeued"].inc, owns_agent=owns_agent,
         )  # fmt: skip
         """Entries delivered and held until their taker's final record."""
         self.acks = AckWatch(ctx, metrics, on_final=self.taken.done, on_completed=finished)

@@ -310,6 +310,7 @@ class EntrySender:
             if self.taken.alive(holder):
                 return await self._ask_holder(e, holder)
             await give_back(e.msg, delay_s=RELEASE_WAIT_S)
+            self._results["deferred"].inc()
             return "deferred"
         await e.msg.ack_sync()
         self.claimed += 1
@@ -349,6 +350,7 @@ class EntrySender:
             log.info("replay.holder_refused request_id=%s holder=%s error=%s: given back",
                      e.request_id, holder, handed.code)  # fmt: skip
             await give_back(e.msg, delay_s=STALL_WAIT_S)
+            self._results["deferred"].inc()
             return "deferred"
         return await self._refused(e, holder, handed)
 

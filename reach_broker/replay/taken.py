@@ -58,12 +58,16 @@ class Taken:
         record_of: Callable[[str], Any] = lambda _: None,
         clock: Callable[[], float] = time.monotonic,
         on_returned: Callable[[], object] = lambda: None,
+        owns_agent: Callable[[str], bool] = lambda _: True,
     ) -> None:
         self.ack_wait_s = ack_wait_s
         self.claim_of = claim_of
         """A request id's claim (holder, state), None when unclaimed (the replay's); raises
         ``ClaimsUnavailable`` when the bucket cannot say."""
         self.record_of = record_of
+        self.owns_agent = owns_agent
+        """Whether this broker holds an agent's partition (its registry knows the agent if
+        anyone here does); always, for a broker that owns the whole fleet."""
         self.clock = clock
         self.on_returned = on_returned
         """Told of each entry given back (``reach_compensation_total{result="requeued"}``)."""
@@ -197,9 +201,16 @@ class Taken:
                               held.entry.request_id, exc)  # fmt: skip
 
     def alive(self, agent_id: str) -> bool:
-        """Whether the broker knows ``agent_id`` and does not hold it offline."""
+        """Whether ``agent_id`` may still run what its claim says: known here and not
+        ``offline``, or of a partition another broker holds. That broker releases its claims
+        once it goes offline, and the releases reach this one (:meth:`released`). Judged dead
+        here, a claim running on another broker's agent bounced its entry every half second
+        for as long as the task ran, and a held one was given back at its first claim
+        check."""
         rec = self.record_of(agent_id)
-        return rec is not None and rec.state != "offline"
+        if rec is not None:
+            return bool(rec.state != "offline")
+        return not self.owns_agent(agent_id)
 
     async def _still_running(self, held: _Held) -> bool:
         """Whether a long-held entry's claim still says its taker runs it; if not, the entry

@@ -38,7 +38,7 @@ DROP_REASONS = ("invalid", "forbidden", "forged", "stale", "unknown", "no_token"
 """``reason`` of ``reach_dropped_total`` (see docs/operations.md, Securing reach)."""
 
 COMPENSATION_RESULTS = ("enqueued", "replayed", "expired", "refused", "claimed", "requeued",
-                        "cancelled", "mismatch")  # fmt: skip
+                        "cancelled", "mismatch", "deferred")  # fmt: skip
 """``result`` of ``reach_compensation_total`` on the broker."""
 
 ROUTE_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
