@@ -776,6 +776,15 @@ async def wait_gone(nc: NATS, broker: Broker) -> None:
         assert time.monotonic() < deadline, "the server kept the closed broker's subscriptions"
 
 
+async def kept_agent(pair: tuple[Broker, Broker], broker: Broker, agents: Any, cap: str) -> str:
+    """A worker of ``cap`` in one of ``broker``'s partitions, healthy there: its id."""
+    agent_id = next(f"kept-{i}" for i in range(1000)
+                    if partition(f"kept-{i}", P) in broker.tables.book.epochs)  # fmt: skip
+    await agents(worker(agent_id, cap))
+    await wait_for(lambda: held_healthy(pair, agent_id))
+    return agent_id
+
+
 async def test_a_gone_owners_successor_stands_in_until_its_lease_lapses(
     broker_factory: BrokerFactory, agents: Any, nc: NATS
 ) -> None:
@@ -785,12 +794,7 @@ async def test_a_gone_owners_successor_stands_in_until_its_lease_lapses(
     cap = "standin.cap"
     pair = await two_brokers(broker_factory, fleet__lease_ttl_s=3.0)
     owner, other = owner_and_other(pair, cap)
-    agent_id = next(
-        (f"kept-{i}" for i in range(1000) if partition(f"kept-{i}", P) in other.tables.book.epochs),
-        "kept",
-    )
-    await agents(worker(agent_id, cap))
-    await wait_for(lambda: held_healthy(pair, agent_id))
+    await kept_agent(pair, other, agents, cap)
     await wait_owners_read(pair, cap)
     await owner.nc.close()  # its subscriptions gone with it, its leases left to lapse
     await wait_gone(nc, owner)
@@ -820,12 +824,7 @@ async def test_a_gone_owners_lapsed_lease_is_stood_in_for_until_a_broker_takes_i
     # keeps its fair half and takes nothing while the test runs.
     pair = await two_brokers(broker_factory, fleet__lease_ttl_s=60.0)
     owner, other = owner_and_other(pair, cap)
-    agent_id = next(
-        (f"kept-{i}" for i in range(1000) if partition(f"kept-{i}", P) in other.tables.book.epochs),
-        "kept",
-    )
-    await agents(worker(agent_id, cap))
-    await wait_for(lambda: held_healthy(pair, agent_id))
+    agent_id = await kept_agent(pair, other, agents, cap)
     owners = other.forwarder.owners
     await owners.read()
     p = partition(cap, P)
