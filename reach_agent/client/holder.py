@@ -204,9 +204,12 @@ async def held(call: Call, holder: str, clock: Callable[[], float]) -> tuple[Hel
     while True:
         got = await call.next_reply(call.deadline, clock)
         if got is None:
+            # Said as known: the claim still said running, and no result came; the run may
+            # have ended with its record held up (nemesis: a stalled link).
             return "timeout", Timeout(
-                f"request_id {call.request_id!r} was still running on agent {holder!r} "
-                "(it holds the claim) at the call's deadline"
+                f"request_id {call.request_id!r}: agent {holder!r} holds its claim, and no "
+                "result of it had come by the call's deadline (still running, or its result "
+                "held up)"
             )
         a, msg = got
         if msg is CLOSED:
