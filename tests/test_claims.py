@@ -887,15 +887,23 @@ async def test_a_claim_stored_although_unconfirmed_is_run_or_released_never_left
 
 
 async def test_a_claim_that_lands_after_its_agent_looked_for_it_is_released_when_it_does(
-    provisioned: NatsServer, nc: NATS
+    provisioned: NatsServer, nc: NATS, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The create is not confirmed, the read-back finds nothing, the task is refused; then
-    the create lands. The agent, still looking, releases it: never ``running`` for nobody."""
+    """The create is not confirmed, the read-back finds nothing, the task is refused (said);
+    then the create lands. The agent, still looking, releases it: never ``running`` for
+    nobody."""
     metrics = reach_agent.AgentMetrics()
     store = LateCreate(nc, claim_key("late-1"))
     claimer = Claimer(nc, "late", "i1", SUBJECTS, metrics=metrics, store=store)
-    with pytest.raises(ClaimsUnavailable):
+    with (
+        caplog.at_level(logging.INFO, logger="reach_agent.agent.claiming"),
+        pytest.raises(ClaimsUnavailable),
+    ):
         await claimer.claim("late-1", "cap")
+    assert [r.getMessage() for r in caplog.records if "claims.unconfirmed" in r.getMessage()] == [
+        "claims.unconfirmed request_id=late-1 agent=late: the store did not confirm the claim, "
+        "the task is refused; released if it lands within 30s"
+    ]
     await asyncio.wait_for(store.landed.wait(), 5)
     claim = await claim_becomes(nc, "late-1", "released")
     assert (claim.agent_id, claim.instance, claim.reason) == (

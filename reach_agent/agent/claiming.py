@@ -332,6 +332,12 @@ class Claimer:
         if stored is not None and stored.data == data:
             return stored
         if stored is None:
+            # Said: a claim that lands later keeps its request from running anywhere until
+            # it is released, and the logs must tell whether it was watched (nemesis seed
+            # 63: c2-001410 held until its agent went offline; its refusal said nowhere).
+            log.info("claims.unconfirmed request_id=%s agent=%s: the store did not confirm "
+                     "the claim, the task is refused; released if it lands within %gs",
+                     request_id, self.agent_id, LANDING_WATCH_S)  # fmt: skip
             self._watching.spawn(self._release_orphan(key, data, request_id), "reach-orphan")
         return None  # another claim (not ours to release), or ours not there (yet)
 
