@@ -14,8 +14,11 @@ from nats.aio.client import Client as NATS
 
 import reach_agent
 from jetstream import ackreads, acks
+from jetstream.names import H_REQUEST_ID
 from loadtest.tcpproxy import TcpProxy
 from reach_agent import BreakerConfig, ClientConfig, ClientMetrics
+from reach_agent.aio import stop_loops
+from reach_agent.connection import flush_subscriptions
 from reach_agent.wire import schema
 from reach_agent.wire.subjects import Subjects
 from reach_broker.broker import Broker
@@ -290,6 +293,81 @@ async def test_a_call_out_of_retries_waits_for_its_agents_record_until_its_deadl
     said = [r.getMessage() for r in caplog.records]
     assert any(m.startswith("call.result_from_store request_id=r-held agent=held1 "
                             "state=completed: the call ended ") for m in said)  # fmt: skip
+
+
+class MuteTaker:
+    """A raw agent of ``capability`` on the test's connection, heartbeating every second: it
+    takes each task (a receipt), stores its ``completed`` record ``{"by": <its id>}`` in
+    ``REACH_ACKS`` and never sends the result (the reply lost); it answers probes running
+    nothing."""
+
+    def __init__(self, nc: NATS, agent_id: str, capability: str) -> None:
+        self.nc, self.agent_id, self.capability = nc, agent_id, capability
+        self.taken: list[str] = []
+        self._beats: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        nc, aid = self.nc, self.agent_id
+        await nc.subscribe(Subjects().task(aid, self.capability), cb=self._on_task)
+        await nc.subscribe(Subjects().probe(aid), cb=self._on_probe)
+        await flush_subscriptions(nc)
+        body = {"agent_id": aid, "capabilities": [self.capability], "max_concurrency": 4,
+                "heartbeat_interval_ms": 1000}  # fmt: skip
+        reply = await nc.request(f"reach.announce.{aid}", json.dumps(body).encode(), timeout=5)
+        self._beats = asyncio.create_task(self._beat(json.loads(reply.data)["token"]))
+
+    async def stop(self) -> None:
+        if self._beats is not None:
+            await stop_loops(self._beats)
+
+    async def _beat(self, token: str) -> None:
+        seq = 0
+        while True:
+            seq += 1
+            hb = {"agent_id": self.agent_id, "token": token, "seq": seq}
+            await self.nc.publish(f"reach.hb.{self.agent_id}", json.dumps(hb).encode())
+            await asyncio.sleep(1.0)
+
+    async def _on_task(self, msg: Any) -> None:
+        rid, aid = msg.headers[H_REQUEST_ID], self.agent_id
+        self.taken.append(rid)
+        await self.nc.publish(msg.reply, b"", headers={schema.H_STATUS: "received"})
+        record = schema.AckRecord(request_id=rid, agent_id=aid, capability=self.capability,
+                                  state="completed", at_ms=1,
+                                  result=msgspec.Raw(json.dumps({"by": aid}).encode()))  # fmt: skip
+        await acks.publish_record(self.nc.jetstream(), Subjects().ack(aid, rid),
+                                  acks.ack_msg_id(aid, rid, "completed"),
+                                  schema.encoder.encode(record))  # fmt: skip
+
+    async def _on_probe(self, msg: Any) -> None:
+        reply = schema.ProbeReply(agent_id=self.agent_id, active=0)
+        await self.nc.publish(msg.reply, schema.encoder.encode(reply))
+
+
+async def test_a_call_whose_reply_is_lost_reads_the_result_once_its_agent_runs_nothing(
+    nats_server: NatsServer, nc: NATS, broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The agent takes the call, stores its result and stays up, but its reply never comes
+    (lost). Its next liveness probe says it runs nothing: the call reads the agent's final
+    record and returns it, well before its deadline (60 s here). Before, it waited out its
+    deadline and read the record then (nemesis seed 62: five calls learnt results stored
+    1.8-7.2 s before only at their deadlines)."""
+    caplog.set_level(logging.INFO, logger="reach_agent.client.liveness")
+    taker = MuteTaker(nc, "mute2", "mute2.cap")
+    await taker.start()
+    try:
+        await wait_for(lambda: registered(broker, "mute2"))
+        cfg = ClientConfig(liveness_probe_s=0.3)
+        async with reach_agent.Client(nats_server.url, config=cfg) as client:
+            call = client.call("mute2.cap", {}, request_id="r-mute2", timeout=60)
+            assert await asyncio.wait_for(call, 15) == {"by": "mute2"}
+    finally:
+        await taker.stop()
+    assert taker.taken == ["r-mute2"]
+    assert [r.getMessage() for r in caplog.records if "result_from_store" in r.getMessage()] == [
+        "call.result_from_store request_id=r-mute2 agent=mute2 state=completed: the agent ran "
+        "nothing, its reply had not come"
+    ]
 
 
 async def test_a_call_out_of_retries_takes_another_agents_result_stored_meanwhile(

@@ -16,7 +16,9 @@ attempt they answer; :meth:`Call.outcome` turns them into one
   streamed call, so is its first chunk (a :class:`StreamStart`, read on by
   :mod:`~reach_agent.client.streaming`);
 * :meth:`lose` (the agent died) → ``lost``; :meth:`close` (the client stops) → ``closed``;
-  :meth:`cancel` (``Client.cancel`` of its request id) → ``closed`` with ``CANCELLED``.
+  :meth:`cancel` (``Client.cancel`` of its request id) → ``closed`` with ``CANCELLED``;
+* :meth:`stored` (the taker's final record, read from the store: its reply was lost) → its
+  answer, as a result reply's.
 
 An attempt to a Synadia Agent Protocol agent (``protocol: "synadia-agents"``) reads their
 prompt stream instead (:mod:`~reach_agent.client.prompting`): the leading ack is the receipt, waited
@@ -41,6 +43,7 @@ import msgspec
 
 from jetstream.names import H_REQUEST_ID
 from reach_agent import trace
+from reach_agent.results import answer_of
 from reach_agent.wire import schema, streams
 from reach_agent.wire.errors import (
     InternalError,
@@ -74,6 +77,16 @@ def is_no_responders(msg: Any) -> bool:
     """Whether ``msg`` is nats-server's no-responders reply (``Status: 503``, no body)."""
     hdrs = msg.headers
     return bool(hdrs) and hdrs.get(_STATUS) == "503" and not msg.data
+
+
+class Stored:
+    """A final ack record of the call's request id, read from ``REACH_ACKS`` (its reply
+    lost): the call's answer, as a result reply would be."""
+
+    __slots__ = ("record",)
+
+    def __init__(self, record: schema.AckRecord) -> None:
+        self.record = record
 
 
 class StreamStart:
@@ -230,6 +243,11 @@ class Call:
         """The agent of the current attempt is gone: end it as ``lost``."""
         self.queue.put_nowait((self.attempt, _LOST))
 
+    def stored(self, record: schema.AckRecord) -> None:
+        """``record``, the final one of the agent that took the request, was read from the
+        store: the call's answer (its reply lost)."""
+        self.queue.put_nowait((self.attempt, Stored(record)))
+
     def close(self) -> None:
         """The client is stopping: end the current attempt as ``closed``."""
         self.queue.put_nowait((self.attempt, _CLOSED))
@@ -277,6 +295,9 @@ class Call:
             if closed is not None:
                 return closed
             current = a == n
+            if isinstance(msg, Stored):
+                self.taker = msg.record.agent_id
+                return answer_of(msg.record)
             if msg is _LOST:
                 if current:
                     doing = "while running the task" if acked else "before its receipt"

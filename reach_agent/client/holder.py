@@ -43,7 +43,7 @@ from reach_agent.wire import schema
 from reach_agent.wire.errors import InternalError, Timeout, from_reply
 from reach_agent.wire.subjects import Subjects
 
-from .calls import CANCELLED, CLOSED, LOST, Call, StreamStart, is_no_responders
+from .calls import CANCELLED, CLOSED, LOST, Call, Stored, StreamStart, is_no_responders
 
 log = trace.logger(__name__)
 
@@ -52,15 +52,6 @@ HeldEnd = Literal["ok", "error", "released", "timeout", "closed"]
 again), the deadline, or the client closing."""
 
 _RELEASED = object()
-
-
-class _Final:
-    """A holder's final ack record, delivered to a call waiting for it."""
-
-    __slots__ = ("data",)
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
 
 
 _UNKNOWN = schema.Claim(request_id="", agent_id="", instance="", capability="", state="running",
@@ -121,13 +112,12 @@ class HolderWatch:
             self.call.queue.put_nowait((self.call.attempt, _RELEASED))
 
     def _final(self, stored: ackreads.StoredAck) -> None:
-        if stored.state in acks.FINAL_STATES and attributed(stored) is not None:
-            self._deliver(stored.data)
-
-    def _deliver(self, data: bytes) -> None:
-        if not self._done:
+        if stored.state not in acks.FINAL_STATES or self._done:
+            return
+        record = attributed(stored)
+        if record is not None:
             self._done = True
-            self.call.queue.put_nowait((self.call.attempt, _Final(data)))
+            self.call.stored(record)
 
     async def _read(self) -> schema.Claim | None:
         try:
@@ -220,9 +210,9 @@ async def held(call: Call, holder: str, clock: Callable[[], float]) -> tuple[Hel
             return "released", None
         if msg is LOST:
             continue  # the holder's liveness: its claim's release is what counts
-        if isinstance(msg, _Final):
+        if isinstance(msg, Stored):
             call.taker = holder
-            return answer_of(schema.decode_ack_record(msg.data))
+            return answer_of(msg.record)
         hdrs = msg.headers
         if is_no_responders(msg) or from_reply(hdrs, msg.data):
             continue  # errors (another IN_PROGRESS, no responders) change nothing
