@@ -195,6 +195,7 @@ class Broker:
             ctx, registry, self.handlers, conflict=m.announce_result["conflict"],
             # a restarted agent's old instance is gone: its claims released (built below)
             replaced=lambda agent, new, old: self.releaser.replaced(agent, new, old),
+            claiming=lambda agent: self.releaser.claiming(agent),
         )  # fmt: skip
         self.probes = Prober(ctx, registry, cfg.detection, results=m.probes, rtt=m.probe_rtt,
                              sampled_every=m.rtt_sample_every,

@@ -477,6 +477,35 @@ async def test_compensation_replay_of_a_completed_request_does_not_run_it_again(
     assert broker.metrics.compensation_result["claimed"]._value.get() == 1
 
 
+async def test_a_restart_its_broker_never_knew_frees_its_dead_predecessors_claims(
+    nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """An agent's previous process died holding a claim, and the broker that owns the agent
+    now never knew that process (it took the agent's partition, or restarted, after the
+    death): the new process announces to a registry that does not know the agent. Claims of
+    the agent id run under another instance, which answers no probe: taken as replaced, its
+    claims are released. They stayed ``running`` for nobody until some later fault (nemesis
+    seed 66: six claims of a2 for 11 s, six calls told TIMEOUT)."""
+    caplog.set_level(logging.INFO, logger="reach_broker.service.identity")
+    orphan = await dead_process_claim(nc, "phoenix", "ph.cap")
+    await wait_for(lambda: broker.releaser.claiming("phoenix") == {"dead-process"},
+                   what="the broker told of the running claim")  # fmt: skip
+    assert "phoenix" not in broker.registry.agents
+    agent = slow_agent("phoenix", "ph.cap", [])
+    await agents(agent)
+    claim = await claim_becomes(nc, orphan, "released")
+    assert (claim.agent_id, claim.instance) == ("phoenix", "dead-process")
+    assert claim.reason == (
+        f"claim of request {orphan} released: holder 'phoenix' declared offline before "
+        f"finishing (a new process of it announced (instance {agent.instance}))"
+    )
+    assert [r.getMessage() for r in caplog.records if "replaced_unseen" in r.getMessage()] == [
+        f"announce.replaced_unseen agent=phoenix instance={agent.instance} old=dead-process: "
+        "its running claims are released"
+    ]
+
+
 async def test_a_replayed_entry_whose_claim_a_dead_process_left_is_taken_over_by_the_holder(
     nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS,
     caplog: pytest.LogCaptureFixture,

@@ -16,6 +16,11 @@ disconnect seen), the broker asks: a probe of the agent id, every answer gathere
 crashed and this is its restart) it is accepted. A re-announce of the same instance, or an
 announce without an instance id (older SDKs, raw agents), is never checked. The check runs
 on a task of its own: announces keep flowing meanwhile.
+
+An announce of an agent the registry does not know (this broker just took its partition, or
+restarted) may still come from the restart of a process that died holding claims, which no
+broker saw replaced: when claims of the agent id run under other instances, those are asked
+the same way and, when none answers, taken as replaced (their claims released).
 """
 
 from __future__ import annotations
@@ -82,12 +87,15 @@ class Identity:
     def __init__(
         self, ctx: BrokerContext, registry: Registry, handlers: Handlers, *, conflict: Any,
         replaced: Callable[[str, str, str], None] = lambda agent_id, instance, old: None,
+        claiming: Callable[[str], set[str]] = lambda agent_id: set(),
     ) -> None:  # fmt: skip
         self.ctx = ctx
         self.replaced = replaced
         """Told when an announce of a new instance is accepted over a known one of the same
         agent id (the first process is gone: it crashed and this is its restart): (agent id,
         the new instance, the old one). The releaser frees what the old instance held."""
+        self.claiming = claiming
+        """The instances of an agent id that hold running claims (the releaser's)."""
         self.registry = registry
         self.handlers = handlers
         self.endpoint = handlers.endpoints["announce"]
@@ -125,8 +133,29 @@ class Identity:
             return
         if before is not None and ann.instance_id is not None and ann.instance_id != before:
             self.replaced(ann.agent_id, ann.instance_id, before)
+        elif before is None and ann.instance_id is not None:
+            others = self.claiming(ann.agent_id) - {ann.instance_id}
+            if others:
+                self.ctx.spawn(self._unseen(ann.agent_id, ann.instance_id, others), "announce")
         if msg.reply:
             await self.ctx.nc.publish(msg.reply, body)
+
+    async def _unseen(self, agent_id: str, instance: str, others: set[str]) -> None:
+        """``instance`` of ``agent_id`` announced, unknown here, while ``others`` of it hold
+        running claims: each of those that does not answer a probe was replaced by it (nemesis
+        seed 66: a2 killed holding six claims while its partition changed owner; its restart
+        announced to a broker that did not know it, and the claims stayed running for nobody
+        until a later fault, six calls told TIMEOUT)."""
+        answering = {r.instance_id or "" for r in await self._answers(agent_id)} & others
+        if answering:  # two live processes of one agent id: not this check's to settle
+            log.warning("announce.replaced_unseen_skipped agent=%s instance=%s answering=%s: "
+                        "another process of the agent id answers; no claim released",
+                        agent_id, instance, ",".join(sorted(answering)))  # fmt: skip
+            return
+        for old in sorted(others):
+            log.info("announce.replaced_unseen agent=%s instance=%s old=%s: its running "
+                     "claims are released", agent_id, instance, old)  # fmt: skip
+            self.replaced(agent_id, instance, old)
 
     async def _settle(self, msg: Msg, ann: schema.Announce, first: str) -> None:
         """Accept ``ann`` unless instance ``first`` of the agent still answers."""
@@ -151,21 +180,26 @@ class Identity:
 
     async def _live(self, agent_id: str, instance_id: str) -> schema.ProbeReply | None:
         """The probe answer of ``instance_id`` of ``agent_id``, if it answers."""
+        return next((r for r in await self._answers(agent_id) if r.instance_id == instance_id),
+                    None)  # fmt: skip
+
+    async def _answers(self, agent_id: str) -> list[schema.ProbeReply]:
+        """Every process's answer to a probe of ``agent_id``, gathered for
+        :data:`CONFLICT_PROBE_S`."""
         ctx = self.ctx
         try:
             wait = CONFLICT_PROBE_S
             replies = await gather(ctx.nc, ctx.subjects.probe(agent_id), b"{}",
                                    timeout_s=wait, quiet_s=wait)  # fmt: skip
         except Exception:  # noqa: BLE001 - nobody answers: nobody holds it
-            return None
+            return []
+        out = []
         for msg in replies:
             try:
-                reply = schema.probe_reply_decoder.decode(msg.data)
+                out.append(schema.probe_reply_decoder.decode(msg.data))
             except msgspec.DecodeError:
                 continue
-            if reply.instance_id == instance_id:
-                return reply
-        return None
+        return out
 
 
 def contested(rec: AgentRecord, ann: schema.Announce) -> bool:

@@ -244,6 +244,10 @@ class Releaser:
         if (t.to == "offline" or t.kind == "evicted") and t.agent_id in self._running:
             self.ctx.spawn(self.release(t.agent_id, t.reason), "claims-release")
 
+    def claiming(self, agent_id: str) -> set[str]:
+        """The instances of ``agent_id`` that hold running claims, as the bucket said."""
+        return {claim.instance for _, claim in self._running.get(agent_id, {}).values()}
+
     def replaced(self, agent_id: str, instance: str, old: str) -> None:
         """A new process of ``agent_id`` (``instance``) was accepted over an old one
         (``old``): the old one is gone, as if declared offline, so the claims its instances
