@@ -299,10 +299,12 @@ class MuteTaker:
     """A raw agent of ``capability`` on the test's connection, heartbeating every second: it
     takes each task (a receipt), stores its ``completed`` record ``{"by": <its id>}`` in
     ``REACH_ACKS`` and never sends the result (the reply lost); it answers probes running
-    nothing."""
+    nothing. ``busy``: it stores nothing, and answers probes running one task (it never
+    ends)."""
 
-    def __init__(self, nc: NATS, agent_id: str, capability: str) -> None:
+    def __init__(self, nc: NATS, agent_id: str, capability: str, *, busy: bool = False) -> None:
         self.nc, self.agent_id, self.capability = nc, agent_id, capability
+        self.busy = busy
         self.taken: list[str] = []
         self._beats: asyncio.Task[None] | None = None
 
@@ -331,7 +333,10 @@ class MuteTaker:
     async def _on_task(self, msg: Any) -> None:
         rid, aid = msg.headers[H_REQUEST_ID], self.agent_id
         self.taken.append(rid)
-        await self.nc.publish(msg.reply, b"", headers={schema.H_STATUS: "received"})
+        receipt = schema.encoder.encode(schema.Receipt(request_id=rid, agent_id=aid))
+        await self.nc.publish(msg.reply, receipt, headers={schema.H_STATUS: "received"})
+        if self.busy:
+            return
         record = schema.AckRecord(request_id=rid, agent_id=aid, capability=self.capability,
                                   state="completed", at_ms=1,
                                   result=msgspec.Raw(json.dumps({"by": aid}).encode()))  # fmt: skip
@@ -340,7 +345,7 @@ class MuteTaker:
                                   schema.encoder.encode(record))  # fmt: skip
 
     async def _on_probe(self, msg: Any) -> None:
-        reply = schema.ProbeReply(agent_id=self.agent_id, active=0)
+        reply = schema.ProbeReply(agent_id=self.agent_id, active=1 if self.busy else 0)
         await self.nc.publish(msg.reply, schema.encoder.encode(reply))
 
 
@@ -368,6 +373,39 @@ async def test_a_call_whose_reply_is_lost_reads_the_result_once_its_agent_runs_n
         "call.result_from_store request_id=r-mute2 agent=mute2 state=completed: the agent ran "
         "nothing, its reply had not come"
     ]
+
+
+async def test_a_timed_out_calls_read_of_the_store_ends_soon_after_its_deadline(
+    nats_server: NatsServer, nc: NATS, broker: Broker
+) -> None:
+    """A call times out (its agent took it and never answers) while its own link stalls:
+    its read of the stored records at the deadline cannot be answered, and gives up 0.1 s
+    past the deadline, not after the read's whole second (nemesis seed 66: two calls told
+    TIMEOUT at 11.0 s of a 10 s deadline). The bound checked is the deadline's contract
+    (1 s past it on the parent), with half a second to spare for a loaded machine."""
+    taker = MuteTaker(nc, "busy3", "busy3.cap", busy=True)
+    await taker.start()
+    try:
+        await wait_for(lambda: registered(broker, "busy3"))
+        async with TcpProxy.to_url(nats_server.url) as proxy:
+            cfg = ClientConfig(liveness_probe_s=0.3, min_timeout_s=0.5)
+            async with reach_agent.Client(proxy.url, config=cfg) as client:
+                assert await client.call("busy3.cap", {}, request_id="r-warm3", timeout=0.5,
+                                         ack_mode="received") is not None  # fmt: skip
+                loop = asyncio.get_running_loop()
+                started = loop.time()
+                call = asyncio.create_task(
+                    client.call("busy3.cap", {}, request_id="r-busy3", timeout=2.0)
+                )
+                await wait_for(lambda: "r-busy3" in taker.taken, what="the call taken")
+                await asyncio.sleep(max(started + 1.7 - loop.time(), 0.0))
+                await proxy.blackhole()
+                with pytest.raises(reach_agent.Timeout):
+                    await asyncio.wait_for(call, 10)
+                assert loop.time() - started < 2.0 + 0.6
+                await proxy.restore()
+    finally:
+        await taker.stop()
 
 
 async def test_a_call_out_of_retries_takes_another_agents_result_stored_meanwhile(

@@ -92,7 +92,12 @@ from .tables import TableRoutes
 log = trace.logger(__name__)
 
 STORED_READ_S = 1.0
-"""How long a timed-out call reads the final records its agents stored (together)."""
+"""How long a timed-out call reads the final records its agents stored (together), at most:
+never past its deadline by more than :data:`PAST_DEADLINE_S`."""
+PAST_DEADLINE_S = 0.1
+"""How far past its deadline a call's read of the stored records may run: a read at the
+deadline that took its whole second (a slow store) ended calls 1 s late (nemesis seed 66:
+two at 11.0 s of a 10 s deadline)."""
 STORED_AUTHORS = 8
 """At most this many agents' records read (the taker first): one subject each."""
 
@@ -366,7 +371,8 @@ class Client:
         """A call that ended ``ended`` (``TIMEOUT``, or ``NO_REACHABLE_AGENT``): the final
         record an agent it reached stored meanwhile (the one that took it first, then the
         others its attempts went to), or else the one its request id's claim names
-        (:meth:`_claim_answer`), read once, at most :data:`STORED_READ_S` each; none yet and
+        (:meth:`_claim_answer`), read once, at most :data:`STORED_READ_S` each (and
+        :data:`PAST_DEADLINE_S` past the deadline); none yet and
         time left before the deadline (its retries ran out first), the first final record
         an agent it reached stores by the deadline. Its reply was lost (nemesis seed 42: the
         caller's node killed as the agent answered; seed 43: an attempt given up for an
@@ -379,13 +385,14 @@ class Client:
         # this call or not: a repeat of a request another agent finished, whose attempts
         # went only to an agent that never answered (nemesis seed 48: two repeats told
         # TIMEOUT 44 s and 2 min after their result was stored). Read with the records.
-        by_claim = asyncio.ensure_future(self._claim_answer(call.request_id, call.body))
+        read_s = min(STORED_READ_S, max(call.deadline - self.clock(), 0.0) + PAST_DEADLINE_S)
+        by_claim = asyncio.ensure_future(self._claim_answer(call.request_id, call.body, read_s))
         try:
             rec = None
             if authors:
                 rec = await results.stored_final(self.nc, call.request_id,
                                                  authors[:STORED_AUTHORS], self.subjects,
-                                                 STORED_READ_S)  # fmt: skip
+                                                 read_s)  # fmt: skip
             if rec is None:
                 rec = await by_claim
         finally:
@@ -409,9 +416,11 @@ class Client:
                      ended)  # fmt: skip
         return rec
 
-    async def _claim_answer(self, request_id: str, body: bytes) -> schema.AckRecord | None:
+    async def _claim_answer(
+        self, request_id: str, body: bytes, read_s: float
+    ) -> schema.AckRecord | None:
         """The final record the claim of ``request_id`` says is its answer, read once within
-        :data:`STORED_READ_S`: its holder's record that ends the claim whatever its state
+        ``read_s``: its holder's record that ends the claim whatever its state
         says, or an earlier holder's (``completed``: an SDK agent's claim stays ``running``;
         or ``failed`` with an error that is not retryable:
         :func:`~reach_agent.results.ended_by_record`), or the holder's ``failed`` record of
@@ -427,11 +436,11 @@ class Client:
                 return None
             if claim.state == "failed":
                 return await results.stored_final(self.nc, request_id, [claim.agent_id],
-                                                  self.subjects, STORED_READ_S)  # fmt: skip
+                                                  self.subjects, read_s)  # fmt: skip
             return await results.ended_by_record(self.nc, claim, self.subjects)
 
         try:
-            async with asyncio.timeout(STORED_READ_S):  # not wait_for: a cancel is never lost
+            async with asyncio.timeout(read_s):  # not wait_for: a cancel is never lost
                 return await read()
         except Exception as exc:  # noqa: BLE001 - a timeout, no stream: the Timeout stands
             log.debug("call.claim_unread request_id=%s error=%r", request_id, exc)
