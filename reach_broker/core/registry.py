@@ -30,13 +30,15 @@ from .states import EVICTED, MOVES, SILENCE_EVENTS, Event, Move
 from .tokens import TokenSigner
 
 RECOVER_HEARTBEATS = 2
-"""On-time heartbeats that also complete a recovery (agents that do not answer probes), each
-at least :data:`RECOVER_SPACING` of an interval after the one before."""
-RECOVER_SPACING = 0.5
-"""A recovering agent's beat counts only this far (in intervals) after its last: beats
-queued while the broker or its link stalled arrive together, each "on time", and made an
+"""On-time heartbeats that also complete a recovery (agents that do not answer probes), once
+it has lasted :data:`RECOVER_SPAN` of an interval (at most :data:`RECOVER_SPAN_MAX_S`)."""
+RECOVER_SPAN = 0.5
+"""How long (in intervals) a recovery by heartbeats lasts at least: beats queued while the
+broker or its link stalled arrive together, within milliseconds, each "on time", and made an
 agent killed meanwhile healthy within a millisecond of its first (nemesis seed 62: a2,
 offline -> recovering -> healthy in 1 ms, routed to for 2.4 s)."""
+RECOVER_SPAN_MAX_S = 1.0
+"""The span's bound: an agent that beats faster than it announced is not held back longer."""
 
 
 class Registry:
@@ -193,8 +195,9 @@ class Registry:
         if hb.status == "draining":
             event = "heartbeat_draining"
         elif rec.state == "recovering":
-            rec.recover_hbs += 1 if on_time and gap >= RECOVER_SPACING * rec.interval_s else 0
-            if rec.recover_hbs >= RECOVER_HEARTBEATS:
+            rec.recover_hbs += 1 if on_time else 0
+            span = min(RECOVER_SPAN * rec.interval_s, RECOVER_SPAN_MAX_S)
+            if rec.recover_hbs >= RECOVER_HEARTBEATS and now - rec.state_since >= span:
                 event = "heartbeats_on_time"
         t = self._fire(rec, event, now)
         self._seen(rec, now, wall_ms)
