@@ -281,8 +281,7 @@ class Broker:
         self.replayer = Replayer(
             ctx, self.router, self.releaser.claim_of, agents.get, self.records,
             cfg.compensation, ReplayMetrics.of(m), whole_fleet=self.shares.owns_all,
-            owns_agent=lambda a: (self.shares.owns_all()
-                                  or registry.listing.partition_of(a) in epochs),
+            owns_agent=lambda a: registry.listing.partition_of(a) in self.partitions.held,
             finished=self.releaser.finished,
         )  # fmt: skip
         self.forwarder = Forwarder(
