@@ -621,6 +621,33 @@ async def test_an_entry_running_on_another_brokers_agent_is_held_for_it(
         await ghost.stop()
 
 
+async def test_an_entry_running_on_an_unknown_agent_of_its_own_partitions_waits_for_release(
+    nc: NATS, broker_factory: BrokerFactory, agents: Any
+) -> None:
+    """A broker that owns every partition (here without route tables: its leases, not its
+    tables, say so) knows every live agent: a claim running on one it does not know is a dead
+    process's. The entry is given back, a moment at a time, for the claim's release (counted
+    ``deferred``), never held for it."""
+    broker = await broker_factory(fleet__tables=False)
+    assert len(broker.partitions.held) == broker.cfg.fleet.partitions
+    local = reach_agent.Agent("un-local", ["un.cap"], heartbeat_interval=0.1)
+
+    @local.handler("un.cap")
+    async def handle(task: reach_agent.Task) -> dict[str, Any]:
+        return {}
+
+    await agents(local)
+    await wait_for(lambda: healthy(broker, "un-local"), what="un-local healthy")
+    rid = str(uuid.uuid4())
+    claim = schema.Claim(request_id=rid, agent_id="un-gone", instance="i1", capability="un.cap",
+                         state="running", at_ms=0)  # fmt: skip
+    assert (await ClaimStore(nc).create(claim_key(rid), schema.encoder.encode(claim)))[0]
+    assert await durable.submit(nc, "un.cap", {"n": 1}, request_id=rid) == rid
+    deferred = broker.metrics.compensation_result["deferred"]._value.get
+    await wait_for(lambda: deferred() >= 2, 10, what="the entry given back twice")
+    assert not broker.replayer.taken.holds(rid)
+
+
 async def test_an_entry_an_agent_finds_finished_elsewhere_is_removed_naming_no_taker(
     nc: NATS, broker_factory: BrokerFactory, nats_server: NatsServer, procs: Procs,
     agents: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture,
