@@ -238,6 +238,8 @@ class Broker:
             follow=m.follow("claims"),
             # an entry held for a released claim given back at once (built below)
             on_released=lambda rid, agent: self.replayer.claim_released(rid, agent),
+            instance_of=lambda a: rec.announce.instance_id if (rec := agents.get(a)) else None,
+            unseen=self.identity.unseen,
         )  # fmt: skip
         self.records = BrokerAcks(ctx, store_errors=m.store_errors)
         """The ack records the broker writes as itself (replay, Synadia answers, cancels)."""

@@ -506,20 +506,52 @@ async def test_a_restart_its_broker_never_knew_frees_its_dead_predecessors_claim
     ]
 
 
+async def test_a_dead_predecessors_claim_learnt_after_the_restart_is_released(
+    nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """The same, the other way round: the broker learns of the dead process's claim only
+    after the new process announced (its read of the claims bucket behind: a restart, a
+    takeover). A running claim of another process than the registry's, which answers no
+    probe, is released the same way."""
+    caplog.set_level(logging.INFO, logger="reach_broker.service.identity")
+    agent = slow_agent("phoenix2", "ph2.cap", [])
+    await agents(agent)
+    await wait_for(lambda: healthy(broker, "phoenix2"))
+    orphan = await dead_process_claim(nc, "phoenix2", "ph2.cap")
+    claim = await claim_becomes(nc, orphan, "released")
+    assert claim.reason == (
+        f"claim of request {orphan} released: holder 'phoenix2' declared offline before "
+        f"finishing (a new process of it announced (instance {agent.instance}))"
+    )
+    assert [r.getMessage() for r in caplog.records if "replaced_unseen" in r.getMessage()] == [
+        f"announce.replaced_unseen agent=phoenix2 instance={agent.instance} old=dead-process: "
+        "its running claims are released"
+    ]
+
+
 async def test_a_replayed_entry_whose_claim_a_dead_process_left_is_taken_over_by_the_holder(
     nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS,
     caplog: pytest.LogCaptureFixture,
 ) -> None:  # fmt: skip
-    """A submitted request whose claim the holder's previous process left ``running`` (killed
-    and restarted, the replacement unknown to this broker: it was restarted in between and
-    remembers replacements in memory only) is sent to the holder itself, whose new process
-    takes the claim over and runs it. It used to be held "running there" until the holder
-    went offline for some other reason (nemesis seed 46: 60 s). A holder that runs the
-    request answers the copy from its duplicate window, and it runs once."""
+    """A submitted request whose claim the holder's previous process left ``running``, while
+    the broker cannot tell that process is gone (something still answers probes as it: the
+    broker releases the claims of a process that answers none, see the test above) is sent
+    to the holder itself, whose new process takes the claim over and runs it. It used to be
+    held "running there" until the holder went offline for some other reason (nemesis seed
+    46: 60 s). A holder that runs the request answers the copy from its duplicate window,
+    and it runs once."""
     caplog.set_level(logging.INFO, logger="reach_broker.replay.replaysend")
     runs: list[tuple[str, str]] = []
     await agents(slow_agent("heir", "ledger6", runs, sleep=1.0))
     await wait_for(lambda: healthy(broker, "heir"))
+
+    async def as_dead_process(msg: Any) -> None:
+        reply = schema.ProbeReply(agent_id="heir", instance_id="dead-process")
+        await nc.publish(msg.reply, schema.encoder.encode(reply))
+
+    await nc.subscribe("reach.probe.heir", cb=as_dead_process)
+    await flush_subscriptions(nc)
     orphan = await dead_process_claim(nc, "heir", "ledger6")
     async with reach_agent.Client(nats_server.url) as client:
         assert await client.submit("ledger6", {"n": 8}, request_id=orphan) == orphan

@@ -20,7 +20,9 @@ on a task of its own: announces keep flowing meanwhile.
 An announce of an agent the registry does not know (this broker just took its partition, or
 restarted) may still come from the restart of a process that died holding claims, which no
 broker saw replaced: when claims of the agent id run under other instances, those are asked
-the same way and, when none answers, taken as replaced (their claims released).
+the same way and, when none answers, taken as replaced (their claims released). So is a
+running claim of another instance than the registry's, learnt after the announce (the
+broker's read of the claims bucket behind it: a restart, a takeover).
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ REMEMBER_MAX = 100_000
 """Agents remembered for the re-announce rate limit (then the memory is renewed)."""
 CONFLICT_PROBE_S = 0.5
 """How long the answers to a contested agent id's probe are gathered."""
+UNSEEN_AGAIN_S = 10.0
+"""A process found answering is not asked about again for this long (its claims keep
+arriving while it runs)."""
 
 
 class Reannouncer:
@@ -96,6 +101,8 @@ class Identity:
         the new instance, the old one). The releaser frees what the old instance held."""
         self.claiming = claiming
         """The instances of an agent id that hold running claims (the releaser's)."""
+        self._asked: dict[tuple[str, str], float] = {}
+        """(agent id, instance) asked about by :meth:`unseen`, and when (oldest first)."""
         self.registry = registry
         self.handlers = handlers
         self.endpoint = handlers.endpoints["announce"]
@@ -140,6 +147,19 @@ class Identity:
         if msg.reply:
             await self.ctx.nc.publish(msg.reply, body)
 
+    def unseen(self, agent_id: str, instance: str, old: str) -> None:
+        """A running claim of process ``old`` of ``agent_id`` was learnt while the registry
+        knows process ``instance``: ``old`` is asked as at an announce (at most once per
+        :data:`UNSEEN_AGAIN_S`)."""
+        now = self.ctx.clock()
+        asked = self._asked
+        if now - asked.get((agent_id, old), -UNSEEN_AGAIN_S) < UNSEEN_AGAIN_S:
+            return
+        if len(asked) >= REMEMBER_MAX:
+            asked.clear()
+        asked[(agent_id, old)] = now
+        self.ctx.spawn(self._unseen(agent_id, instance, {old}), "announce")
+
     async def _unseen(self, agent_id: str, instance: str, others: set[str]) -> None:
         """``instance`` of ``agent_id`` announced, unknown here, while ``others`` of it hold
         running claims: each of those that does not answer a probe was replaced by it (nemesis
@@ -147,10 +167,10 @@ class Identity:
         announced to a broker that did not know it, and the claims stayed running for nobody
         until a later fault, six calls told TIMEOUT)."""
         answering = {r.instance_id or "" for r in await self._answers(agent_id)} & others
-        if answering:  # two live processes of one agent id: not this check's to settle
-            log.warning("announce.replaced_unseen_skipped agent=%s instance=%s answering=%s: "
-                        "another process of the agent id answers; no claim released",
-                        agent_id, instance, ",".join(sorted(answering)))  # fmt: skip
+        if answering:  # alive (another process of the agent id, or one not yet announced)
+            log.info("announce.replaced_unseen_skipped agent=%s instance=%s answering=%s: "
+                     "it answers; no claim released", agent_id, instance,
+                     ",".join(sorted(answering)))  # fmt: skip
             return
         for old in sorted(others):
             log.info("announce.replaced_unseen agent=%s instance=%s old=%s: its running "

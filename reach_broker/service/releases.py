@@ -85,14 +85,21 @@ class Releaser:
                  cfg: ClaimsSection, *, released: Any, store_errors: Any,
                  follow: FollowMetrics = UNCOUNTED,
                  on_released: Callable[[str, str], object] = lambda rid, agent: None,
+                 instance_of: Callable[[str], str | None] = lambda agent: None,
+                 unseen: Callable[[str, str, str], object] = lambda agent, now, old: None,
                  ) -> None:  # fmt: skip
         """``released``, ``store_errors``: ``reach_claims_released_total``,
         ``reach_store_errors_total``; ``follow``: what the claims follow counts into;
         ``on_released``: told (request id, holder) of each claim the bucket says is
         released, by this broker or another (the replay gives back an entry it holds for
-        it)."""
+        it); ``instance_of``: the process of an agent the registry holds (its announce's
+        ``instance_id``); ``unseen``: told (agent id, that process, another) of a running
+        claim of another process than that one (the announces' check asks whether it still
+        answers)."""
         self.ctx, self.cfg, self._released = ctx, cfg, released
         self.on_released = on_released
+        self.instance_of = instance_of
+        self.unseen = unseen
         self._follow = follow
         self._store_errors = store_errors
         self.state_of = state_of
@@ -223,6 +230,11 @@ class Releaser:
                    "broker learnt of the claim")  # fmt: skip
             self.ctx.spawn(self.release(claim.agent_id, why, only=claim.instance, key=key),
                            "claims-release")  # fmt: skip
+        elif (now := self.instance_of(claim.agent_id)) is not None and now != claim.instance:
+            # Another process's claim than the one the registry knows: a process replaced
+            # before this broker learnt of its claims (its read of the bucket behind the
+            # new process's announce: a restart, a takeover) unless it still answers.
+            self.unseen(claim.agent_id, now, claim.instance)
 
     def _forget_oldest(self) -> None:
         key = next(iter(self._holder_of))
