@@ -300,17 +300,19 @@ class MuteTaker:
     takes each task (a receipt), stores its ``completed`` record ``{"by": <its id>}`` in
     ``REACH_ACKS`` and never sends the result (the reply lost); it answers probes running
     nothing. ``busy``: it stores nothing, and answers probes running one task (it never
-    ends)."""
+    ends). ``deaf``: it does not listen for tasks at all (the server has no responder)."""
 
-    def __init__(self, nc: NATS, agent_id: str, capability: str, *, busy: bool = False) -> None:
+    def __init__(self, nc: NATS, agent_id: str, capability: str, *, busy: bool = False,
+                 deaf: bool = False) -> None:  # fmt: skip
         self.nc, self.agent_id, self.capability = nc, agent_id, capability
-        self.busy = busy
+        self.busy, self.deaf = busy, deaf
         self.taken: list[str] = []
         self._beats: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         nc, aid = self.nc, self.agent_id
-        await nc.subscribe(Subjects().task(aid, self.capability), cb=self._on_task)
+        if not self.deaf:
+            await nc.subscribe(Subjects().task(aid, self.capability), cb=self._on_task)
         await nc.subscribe(Subjects().probe(aid), cb=self._on_probe)
         await flush_subscriptions(nc)
         body = {"agent_id": aid, "capabilities": [self.capability], "max_concurrency": 4,
@@ -406,6 +408,27 @@ async def test_a_timed_out_calls_read_of_the_store_ends_soon_after_its_deadline(
                 await proxy.restore()
     finally:
         await taker.stop()
+
+
+async def test_a_call_whose_attempts_found_no_responders_waits_for_no_record(
+    nats_server: NatsServer, nc: NATS, broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every attempt of the call met no responders (the agent's subscription gone: its node
+    killed as the call was sent): no agent got it, so none can store its answer, and the
+    call, refused NO_REACHABLE_AGENT, does not wait until its deadline for their records
+    (nemesis seed 69: c2-000291 waited 8.8 s for three agents that never got it)."""
+    caplog.set_level(logging.INFO, logger="reach_agent.client.client")
+    deaf = MuteTaker(nc, "deaf4", "deaf4.cap", deaf=True)
+    await deaf.start()
+    try:
+        await wait_for(lambda: registered(broker, "deaf4"))
+        async with reach_agent.Client(nats_server.url) as client:
+            call = client.call("deaf4.cap", {}, request_id="r-deaf4", timeout=60)
+            with pytest.raises(reach_agent.NoReachableAgent):
+                await asyncio.wait_for(call, 15)
+    finally:
+        await deaf.stop()
+    assert [r.getMessage() for r in caplog.records if "waiting_for_record" in r.getMessage()] == []
 
 
 async def test_a_call_out_of_retries_takes_another_agents_result_stored_meanwhile(
