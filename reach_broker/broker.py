@@ -240,6 +240,7 @@ class Broker:
             on_released=lambda rid, agent: self.replayer.claim_released(rid, agent),
             instance_of=lambda a: rec.announce.instance_id if (rec := agents.get(a)) else None,
             unseen=self.identity.unseen,
+            offline_at_ms=lambda a: registry.offline_at_ms(a, ctx.clock(), ctx.wall_ms()),
         )  # fmt: skip
         self.records = BrokerAcks(ctx, store_errors=m.store_errors)
         """The ack records the broker writes as itself (replay, Synadia answers, cancels)."""

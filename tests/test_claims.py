@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import signal
@@ -42,6 +43,7 @@ from reach_agent.agent.claiming import Claimer, decide
 from reach_agent.agent.dedup import DedupCache
 from reach_agent.agent.handling import kind_of
 from reach_agent.agent.serving import TaskServer
+from reach_agent.aio import stop_loops
 from reach_agent.connection import flush_subscriptions
 from reach_agent.results import ended_by_record
 from reach_agent.wire import schema
@@ -1290,6 +1292,81 @@ async def test_a_release_pass_the_bucket_cannot_take_says_one_line(
     assert said[0].startswith(f"claims.release_failed agent=ghost failed=7 of 7 request_ids="
                               f"{','.join(held[:5])},... error=")  # fmt: skip
     assert said[0].endswith(": tried again in 0.5s")
+
+
+class Beats:
+    """A raw agent announced on the test's connection (200 ms heartbeats, no probe
+    responder), beating while :attr:`on`."""
+
+    def __init__(self, nc: NATS, agent_id: str) -> None:
+        self.nc, self.agent_id, self.on = nc, agent_id, True
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        body = {"agent_id": self.agent_id, "capabilities": ["lz.cap"], "max_concurrency": 1,
+                "heartbeat_interval_ms": 200}  # fmt: skip
+        reply = await self.nc.request(f"reach.announce.{self.agent_id}",
+                                      json.dumps(body).encode(), timeout=5)  # fmt: skip
+        self._task = asyncio.create_task(self._beat(json.loads(reply.data)["token"]))
+
+    async def _beat(self, token: str) -> None:
+        for seq in itertools.count(1):
+            if self.on:
+                hb = {"agent_id": self.agent_id, "token": token, "seq": seq}
+                await self.nc.publish(f"reach.hb.{self.agent_id}", json.dumps(hb).encode())
+            await asyncio.sleep(0.2)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            await stop_loops(self._task)
+
+
+async def claim_now(nc: NATS, agent_id: str) -> str:
+    """A running claim of ``agent_id`` made now (its ``at_ms``: this moment)."""
+    rid = str(uuid.uuid4())
+    claim = schema.Claim(request_id=rid, agent_id=agent_id, instance="i1", capability="lz.cap",
+                         state="running", at_ms=int(time.time() * 1000))  # fmt: skip
+    assert (await ClaimStore(nc).create(claim_key(rid), schema.encoder.encode(claim)))[0]
+    return rid
+
+
+@pytest.mark.parametrize("heard", [True, False], ids=["heard-again", "offline-still"])
+async def test_a_claim_made_after_its_agent_was_declared_offline_waits_to_be_released(
+    broker: Broker, nc: NATS, caplog: pytest.LogCaptureFixture, heard: bool
+) -> None:
+    """A claim an agent made after this broker declared it offline (its heartbeats behind
+    the claim in the broker's backlog: a stall) is not released on arrival, as one from
+    before the verdict is: heard again, the agent keeps it; offline still 5 s later, it is
+    released then (nemesis seed 68: b2, out of a stall, released five claims a2 had taken
+    1-4 ms before; c1-000925 ran on a2 and a4 at once)."""
+    caplog.set_level(logging.INFO, logger="reach_broker.service.releases")
+    agent = Beats(nc, "lazarus")
+    await agent.start()
+    try:
+        await wait_for(lambda: healthy(broker, "lazarus"))
+        agent.on = False
+        await wait_for(lambda: broker.registry.agents["lazarus"].state == "offline", 10,
+                       what="lazarus offline")  # fmt: skip
+        rid = await claim_now(nc, "lazarus")
+        said = f"claims.offline_claimed request_id={rid} agent=lazarus: "
+
+        def lines_of(key: str) -> list[str]:
+            return [r.getMessage() for r in caplog.records if key in r.getMessage()]
+
+        await wait_for(lambda: lines_of(said), 5, what="the claim deferred")
+        assert (await stored_claim(nc, rid)).state == "running"  # type: ignore[union-attr]
+        if heard:
+            agent.on = True
+            await wait_for(lambda: lines_of("offline_claim_kept"), 10, what="kept")
+            assert (await stored_claim(nc, rid)).state == "running"  # type: ignore[union-attr]
+        else:
+            claim = await claim_becomes(nc, rid, "released", limit_s=10)
+            assert claim.reason == (
+                f"claim of request {rid} released: holder 'lazarus' declared offline before "
+                "finishing (offline still, after a claim it made once declared so)"
+            )
+    finally:
+        await agent.stop()
 
 
 async def test_a_broker_started_later_does_not_keep_claims_their_completed_record_ended(

@@ -204,6 +204,14 @@ class Registry:
         self.rescore(rec, now)
         return "accepted", [] if t is None else [t]
 
+    def offline_at_ms(self, agent_id: str, now: float, wall_ms: int) -> int | None:
+        """When ``agent_id`` was declared offline, on the wall clock (``now`` and
+        ``wall_ms``: the same moment on both clocks); None when it is not offline."""
+        rec = self.agents.get(agent_id)
+        if rec is None or rec.state != "offline":
+            return None
+        return wall_ms - int((now - rec.state_since) * 1000)
+
     def leave(self, agent_id: str, now: float, reason: str = "leave") -> list[Transition]:
         rec = self.agents.get(agent_id)
         t = None if rec is None else self._fire(rec, "leave", now, reason=reason)

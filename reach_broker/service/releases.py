@@ -72,6 +72,10 @@ RETIRED_MAX = 100_000
 its replacement is released on arrival (the oldest forgotten first)."""
 RELEASE_FAILED_SHOWN = 5
 """Request ids a ``claims.release_failed`` line names at most."""
+RECHECK_S = 5.0
+"""A claim an agent made after this broker declared it offline is released this much later,
+if the agent is offline still (it lived when it claimed; its heartbeats may be behind the
+claim in this broker's backlog)."""
 RELEASE_RETRY_S = 0.5
 RELEASE_RETRY_MAX_S = 10.0
 """First and longest pause before a release the bucket did not take is tried again."""
@@ -87,6 +91,8 @@ class Releaser:
                  on_released: Callable[[str, str], object] = lambda rid, agent: None,
                  instance_of: Callable[[str], str | None] = lambda agent: None,
                  unseen: Callable[[str, str, str], object] = lambda agent, now, old: None,
+                 offline_at_ms: Callable[[str], int | None] = lambda agent: None,
+                 recheck_s: float = RECHECK_S,
                  ) -> None:  # fmt: skip
         """``released``, ``store_errors``: ``reach_claims_released_total``,
         ``reach_store_errors_total``; ``follow``: what the claims follow counts into;
@@ -95,11 +101,14 @@ class Releaser:
         it); ``instance_of``: the process of an agent the registry holds (its announce's
         ``instance_id``); ``unseen``: told (agent id, that process, another) of a running
         claim of another process than that one (the announces' check asks whether it still
-        answers)."""
+        answers); ``offline_at_ms``: when (wall ms) the registry declared an agent offline
+        (None: it is not offline)."""
         self.ctx, self.cfg, self._released = ctx, cfg, released
         self.on_released = on_released
         self.instance_of = instance_of
         self.unseen = unseen
+        self.offline_at_ms = offline_at_ms
+        self.recheck_s = recheck_s
         self._follow = follow
         self._store_errors = store_errors
         self.state_of = state_of
@@ -222,9 +231,18 @@ class Releaser:
         # This claim alone: a catch-up delivering an offline agent's n claims must not start
         # n releases of all of them (n² reads of the ack store, retried while it is slow).
         if self.state_of(claim.agent_id) == "offline":
-            self.ctx.spawn(self.release(claim.agent_id, "it was offline when the broker "
-                                        "learnt of the claim", key=key),
-                           "claims-release")  # fmt: skip
+            offline_at = self.offline_at_ms(claim.agent_id)
+            if offline_at is not None and claim.at_ms > offline_at:
+                # Claimed after this broker declared it offline: it lived then. Released on
+                # arrival, a live agent's fresh claims were run a second time elsewhere
+                # (nemesis seed 68: b2, out of a stall, released five claims a2 had taken
+                # 1-4 ms before, its heartbeats still behind them in b2's backlog).
+                self.ctx.spawn(self._release_if_offline(claim.agent_id, key, claim.request_id),
+                               "claims-release")  # fmt: skip
+            else:
+                self.ctx.spawn(self.release(claim.agent_id, "it was offline when the broker "
+                                            "learnt of the claim", key=key),
+                               "claims-release")  # fmt: skip
         elif (claim.agent_id, claim.instance) in self._retired:
             why = (f"its process {claim.instance} had been replaced by a new one when the "
                    "broker learnt of the claim")  # fmt: skip
@@ -235,6 +253,22 @@ class Releaser:
             # before this broker learnt of its claims (its read of the bucket behind the
             # new process's announce: a restart, a takeover) unless it still answers.
             self.unseen(claim.agent_id, now, claim.instance)
+
+    async def _release_if_offline(self, agent_id: str, key: str, request_id: str) -> None:
+        """A claim ``agent_id`` made after it was declared offline here: released
+        :attr:`recheck_s` later if the agent is offline still (heard again, it is not)."""
+        log.info("claims.offline_claimed request_id=%s agent=%s: claimed after the agent was "
+                 "declared offline; released in %gs if it is offline still", request_id,
+                 agent_id, self.recheck_s)  # fmt: skip
+        await asyncio.sleep(self.recheck_s)
+        if self.follower is None or key not in self._running.get(agent_id, {}):
+            return  # stopped; or it ended, or moved on
+        if self.state_of(agent_id) not in ("offline", None):
+            log.info("claims.offline_claim_kept request_id=%s agent=%s: the agent was heard "
+                     "again", request_id, agent_id)  # fmt: skip
+            return
+        await self.release(agent_id, "offline still, after a claim it made once declared so",
+                           key=key)  # fmt: skip
 
     def _forget_oldest(self) -> None:
         key = next(iter(self._holder_of))
