@@ -479,6 +479,22 @@ async def test_compensation_replay_of_a_completed_request_does_not_run_it_again(
     assert broker.metrics.compensation_result["claimed"]._value.get() == 1
 
 
+async def released_as_replaced(nc: NATS, caplog: pytest.LogCaptureFixture, orphan: str,
+                               agent: reach_agent.Agent) -> None:  # fmt: skip
+    """``orphan``'s claim, the dead process's, released for ``agent``'s new process."""
+    aid = agent.agent_id
+    claim = await claim_becomes(nc, orphan, "released")
+    assert (claim.agent_id, claim.instance) == (aid, "dead-process")
+    assert claim.reason == (
+        f"claim of request {orphan} released: holder {aid!r} declared offline before "
+        f"finishing (a new process of it announced (instance {agent.instance}))"
+    )
+    assert [r.getMessage() for r in caplog.records if "replaced_unseen" in r.getMessage()] == [
+        f"announce.replaced_unseen agent={aid} instance={agent.instance} old=dead-process: "
+        "its running claims are released"
+    ]
+
+
 async def test_a_restart_its_broker_never_knew_frees_its_dead_predecessors_claims(
     nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS,
     caplog: pytest.LogCaptureFixture,
@@ -496,16 +512,7 @@ async def test_a_restart_its_broker_never_knew_frees_its_dead_predecessors_claim
     assert "phoenix" not in broker.registry.agents
     agent = slow_agent("phoenix", "ph.cap", [])
     await agents(agent)
-    claim = await claim_becomes(nc, orphan, "released")
-    assert (claim.agent_id, claim.instance) == ("phoenix", "dead-process")
-    assert claim.reason == (
-        f"claim of request {orphan} released: holder 'phoenix' declared offline before "
-        f"finishing (a new process of it announced (instance {agent.instance}))"
-    )
-    assert [r.getMessage() for r in caplog.records if "replaced_unseen" in r.getMessage()] == [
-        f"announce.replaced_unseen agent=phoenix instance={agent.instance} old=dead-process: "
-        "its running claims are released"
-    ]
+    await released_as_replaced(nc, caplog, orphan, agent)
 
 
 async def test_a_dead_predecessors_claim_learnt_after_the_restart_is_released(
@@ -521,15 +528,7 @@ async def test_a_dead_predecessors_claim_learnt_after_the_restart_is_released(
     await agents(agent)
     await wait_for(lambda: healthy(broker, "phoenix2"))
     orphan = await dead_process_claim(nc, "phoenix2", "ph2.cap")
-    claim = await claim_becomes(nc, orphan, "released")
-    assert claim.reason == (
-        f"claim of request {orphan} released: holder 'phoenix2' declared offline before "
-        f"finishing (a new process of it announced (instance {agent.instance}))"
-    )
-    assert [r.getMessage() for r in caplog.records if "replaced_unseen" in r.getMessage()] == [
-        f"announce.replaced_unseen agent=phoenix2 instance={agent.instance} old=dead-process: "
-        "its running claims are released"
-    ]
+    await released_as_replaced(nc, caplog, orphan, agent)
 
 
 async def test_a_replayed_entry_whose_claim_a_dead_process_left_is_taken_over_by_the_holder(
