@@ -1320,11 +1320,11 @@ class Beats:
             await stop_loops(self._task)
 
 
-async def claim_now(nc: NATS, agent_id: str) -> str:
-    """A running claim of ``agent_id`` made now (its ``at_ms``: this moment)."""
+async def claim_at(nc: NATS, agent_id: str, at_ms: int) -> str:
+    """A running claim of ``agent_id`` made at ``at_ms``."""
     rid = str(uuid.uuid4())
     claim = schema.Claim(request_id=rid, agent_id=agent_id, instance="i1", capability="lz.cap",
-                         state="running", at_ms=int(time.time() * 1000))  # fmt: skip
+                         state="running", at_ms=at_ms)  # fmt: skip
     assert (await ClaimStore(nc).create(claim_key(rid), schema.encoder.encode(claim)))[0]
     return rid
 
@@ -1346,7 +1346,11 @@ async def test_a_claim_made_after_its_agent_was_declared_offline_waits_to_be_rel
         agent.on = False
         await wait_for(lambda: broker.registry.agents["lazarus"].state == "offline", 10,
                        what="lazarus offline")  # fmt: skip
-        rid = await claim_now(nc, "lazarus")
+        # Made 100 ms after the verdict (a claim of the same millisecond counts as before it).
+        verdict = broker.registry.offline_at_ms("lazarus", time.monotonic(),
+                                                int(time.time() * 1000))  # fmt: skip
+        assert verdict is not None
+        rid = await claim_at(nc, "lazarus", verdict + 100)
         said = f"claims.offline_claimed request_id={rid} agent=lazarus: "
 
         def lines_of(key: str) -> list[str]:
