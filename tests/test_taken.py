@@ -81,3 +81,28 @@ async def test_a_long_held_entry_follows_its_claim() -> None:
     }
     assert (len(taken), taken.finished, taken.returned, len(given_back)) == (3, 2, 3, 3)
     assert taken.holds("runs") and taken.holds("silent") and taken.holds("elsewhere")
+
+
+async def test_an_entry_whose_claim_was_released_before_its_hold_is_given_back_at_once() -> None:
+    """The claim's release can arrive before the hold that follows its delivery (nemesis seed
+    71: c1-000540 held 20 s, until its claim check, for a claim released in the second it
+    was held). Remembered a moment, the release gives the entry back at its hold, and its
+    capability is replayed again; a release of another holder's claim, or one heard more
+    than 5 s before, does not."""
+    now = [100.0]
+    again: list[str] = []
+    taken = Taken(30.0, clock=lambda: now[0], again=again.append)
+    taken.released_before("fresh", "a")
+    taken.released_before("other", "b")
+    taken.released_before("stale", "a")
+    now[0] += 5.1
+    taken.released_before("fresh", "a")
+    told = {}
+    for rid in ("fresh", "other", "stale"):
+        e, told[rid] = entry(rid)
+        await taken.hold(e, "a")
+    assert {rid: m.said for rid, m in told.items()} == {"fresh": ["nak"], "other": [],
+                                                        "stale": []}  # fmt: skip
+    assert (taken.holds("fresh"), taken.holds("other"), taken.holds("stale")) == (
+        False, True, True)  # fmt: skip
+    assert (again, taken.returned) == (["job"], 1)

@@ -104,6 +104,7 @@ class Replayer:
         self.taken = Taken(
             cfg.ack_wait_s, claim_of, record_of, ctx.clock,
             on_returned=metrics.results["requeued"].inc, owns_agent=owns_agent,
+            again=self._again_for,
         )  # fmt: skip
         """Entries delivered and held until their taker's final record."""
         self.acks = AckWatch(ctx, metrics, on_final=self.taken.done, on_completed=finished)
@@ -179,20 +180,26 @@ class Replayer:
     def claim_released(self, request_id: str, agent_id: str) -> None:
         """The claims bucket says ``agent_id``'s claim of ``request_id`` was released: an
         entry held for it is given back at once (:meth:`Taken.released`)."""
-        if self._sweeper is None or not self.taken.holds(request_id):
+        if self._sweeper is None:
+            return
+        if not self.taken.holds(request_id):
+            self.taken.released_before(request_id, agent_id)
             return
         self.ctx.spawn(self._released(request_id, agent_id), "replay-claim-released")
 
     async def _released(self, request_id: str, agent_id: str) -> None:
         cap = await self.taken.released(request_id, agent_id)
         if cap is not None:
-            self._known[cap] = self._known.get(cap, 0) + 1
-            self.kick(cap)
+            self._again_for(cap)
 
     async def _taker_gone(self, agent_id: str) -> None:
         for cap in await self.taken.taker_gone(agent_id):
-            self._known[cap] = self._known.get(cap, 0) + 1
-            self.kick(cap)
+            self._again_for(cap)
+
+    def _again_for(self, capability: str) -> None:
+        """An entry of ``capability`` was given back to run elsewhere: replayed again."""
+        self._known[capability] = self._known.get(capability, 0) + 1
+        self.kick(capability)
 
     async def _claimed_now(self, request_id: str) -> bool | None:
         """Whether an agent holds ``request_id``'s claim; None when the bucket cannot say

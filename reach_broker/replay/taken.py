@@ -35,7 +35,10 @@ log = logging.getLogger(__name__)
 
 EARLY_MAX = 4096
 """Final records remembered for entries not held yet (the record can arrive on ``<p>.ack.>``
-before the receipt that makes the entry held is read)."""
+before the receipt that makes the entry held is read); releases likewise."""
+EARLY_RELEASE_S = 5.0
+"""How long a claim's release heard before its entry was held here still gives the entry
+back when it is held for that holder."""
 
 
 class _Held(NamedTuple):
@@ -59,6 +62,7 @@ class Taken:
         clock: Callable[[], float] = time.monotonic,
         on_returned: Callable[[], object] = lambda: None,
         owns_agent: Callable[[str], bool] = lambda _: True,
+        again: Callable[[str], object] = lambda capability: None,
     ) -> None:
         self.ack_wait_s = ack_wait_s
         self.claim_of = claim_of
@@ -73,7 +77,12 @@ class Taken:
         """Told of each entry given back (``reach_compensation_total{result="requeued"}``)."""
         self._held: dict[str, _Held] = {}
         self._by_agent: dict[str, set[str]] = {}
+        self.again = again
+        """Told the capability of an entry given back at its hold (replayed again)."""
         self._early: dict[str, str] = {}
+        self._early_released: dict[str, tuple[str, float]] = {}
+        """Claims released while no entry of theirs was held here: request id → (holder,
+        when), oldest first, at most :data:`EARLY_MAX`."""
         self._task: asyncio.Task[None] | None = None
         self.finished = 0
         """Entries removed at their taker's final record."""
@@ -95,12 +104,20 @@ class Taken:
 
     async def hold(self, entry: Entry, agent_id: str) -> None:
         """``agent_id`` runs ``entry``'s request: keep the entry until it finishes (removed
-        now when its final record came first)."""
+        now when its final record came first; given back now when its claim's release came
+        first, within :data:`EARLY_RELEASE_S`)."""
         rid = entry.request_id
         if self._early.get(rid) == agent_id:
             del self._early[rid]
             await self._remove(entry)
             return
+        early = self._early_released.get(rid)
+        if early is not None:
+            del self._early_released[rid]
+            if early[0] == agent_id and self.clock() - early[1] <= EARLY_RELEASE_S:
+                await self._give_back(entry, agent_id)
+                self.again(entry.capability)
+                return
         old = self._held.get(rid)
         if old is not None:
             self._by_agent.get(old.agent_id, set()).discard(rid)
@@ -166,15 +183,29 @@ class Taken:
         if held is None or held.agent_id != agent_id:
             return None
         self._forget(request_id)
-        assert held.entry.msg is not None
+        await self._give_back(held.entry, agent_id)
+        return held.entry.capability
+
+    def released_before(self, request_id: str, agent_id: str) -> None:
+        """``request_id``'s claim by ``agent_id`` was released while no entry of it is held
+        here: remembered a moment, for the entry held just after (its hold registered after
+        the release arrived: nemesis seed 71, c1-000540 held 20 s, until its claim check,
+        for a claim released in the second it was held)."""
+        early = self._early_released
+        if len(early) >= EARLY_MAX:
+            del early[next(iter(early))]
+        early[request_id] = (agent_id, self.clock())
+
+    async def _give_back(self, entry: Entry, agent_id: str) -> None:
+        """``entry``, held for ``agent_id`` whose claim was released, given back."""
+        assert entry.msg is not None
         with contextlib.suppress(Exception):  # else redelivered after ack_wait anyway
-            await give_back(held.entry.msg)
+            await give_back(entry.msg)
         self.returned += 1
         self.on_returned()
         log.warning("replay.taken_released request_id=%s capability=%s agent=%s: its claim was "
-                    "released; queued again, to run elsewhere", request_id,
-                    held.entry.capability, agent_id)  # fmt: skip
-        return held.entry.capability
+                    "released; queued again, to run elsewhere", entry.request_id,
+                    entry.capability, agent_id)  # fmt: skip
 
     def _forget(self, request_id: str) -> None:
         held = self._held.pop(request_id, None)
