@@ -25,6 +25,7 @@ from reach_agent.wire.errors import (
     NoReachableAgent,
     Overloaded,
     ReachError,
+    StoreUnavailable,
     TargetBusy,
     Timeout,
     from_reply,
@@ -213,6 +214,30 @@ async def test_no_receipt_no_responders_lost_and_closed() -> None:
     c = call()
     c.close()
     assert (await outcome(c))[0] == "closed"
+
+
+async def test_only_agents_that_may_have_taken_the_request_are_its_runners() -> None:
+    """An agent whose attempt met no responders, or that refused before any receipt, never
+    took the request: a timed-out call waits for no record of it (nemesis seeds 69-71: 12
+    calls waited until their deadlines for such agents). One that sent its receipt, then an
+    error, did take it."""
+    c = call()
+    c.agents = {1: "deaf", 2: "a1"}
+    c.attempt, c.agent_id = 1, "deaf"
+    c.deliver("1", reply(b"", Status="503"))
+    assert (await outcome(c))[0] == "no_responders"
+    c.attempt, c.agent_id = 2, "a1"
+    headers, body = to_reply(StoreUnavailable("its claim was not confirmed"))
+    c.deliver("2", reply(body, **headers))
+    assert (await outcome(c))[0] == "error"
+    assert (c.untaken, c.runners()) == ((1, 2), set())
+    c.agents[3] = "a2"
+    c.attempt, c.agent_id = 3, "a2"
+    c.deliver("3", receipt())
+    headers, body = to_reply(TargetBusy("full"))
+    c.deliver("3", reply(body, **headers))
+    assert (await outcome(c))[0] == "error"
+    assert (c.untaken, c.runners()) == ((1, 2), {"a2"})
 
 
 async def test_accepted_but_no_result_by_the_deadline_is_a_timeout() -> None:

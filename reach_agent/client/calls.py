@@ -128,7 +128,7 @@ class Call:
         "taker",
         "timeout",
         "tried",
-        "unsent",
+        "untaken",
     )
 
     def __init__(
@@ -189,9 +189,10 @@ class Call:
         this call, and excluded from its route requests."""
         self.agents: dict[int, str] = {}
         """The agent each attempt went to."""
-        self.unsent: tuple[int, ...] = ()
-        """Attempts the server found nobody to deliver to (no responders; a tuple: most
-        calls have none, and allocate nothing for it)."""
+        self.untaken: tuple[int, ...] = ()
+        """Attempts whose agent never took the request: the server had no responder, or the
+        agent refused it before any receipt (a tuple: most calls have none, and allocate
+        nothing for it)."""
         self.taker: str | None = None
         """The agent whose receipt or result ended an attempt: who took the task."""
         self.retries = 0
@@ -265,11 +266,12 @@ class Call:
 
     def runners(self) -> set[str]:
         """The agents that may be running the request for this call: every agent an
-        attempt went to (but those the server had no responder for: they never got it), and
-        the one that took it (a claim's holder). Counted, one that never got it had a timed
-        out call wait for its record until the deadline (nemesis seed 69: c2-000291, 8.8 s
-        for three agents whose node was killed as it was sent)."""
-        out = {a for n, a in self.agents.items() if n not in self.unsent}
+        attempt went to (but those that never took it: no responders, or a refusal before
+        any receipt), and the one that took it (a claim's holder). Counted, one that never
+        took it had a timed out call wait for its record until the deadline (nemesis seed
+        69: c2-000291, 8.8 s for three agents whose node was killed as it was sent; seeds 70
+        and 71: eleven calls for agents that had refused them, their claims unconfirmed)."""
+        out = {a for n, a in self.agents.items() if n not in self.untaken}
         if self.taker is not None:
             out.add(self.taker)
         return out
@@ -313,7 +315,7 @@ class Call:
             hdrs = msg.headers
             if is_no_responders(msg):
                 if current:
-                    self.unsent += (n,)
+                    self.untaken += (n,)
                     return "no_responders", NoReachableAgent(
                         f"no responders: agent {agent!r} is not subscribed to {self.subject!r}"
                     )
@@ -321,6 +323,8 @@ class Call:
             err = from_reply(hdrs, msg.data)
             if err is not None:
                 if current:
+                    if not acked:  # refused before its receipt: it did not take it
+                        self.untaken += (n,)
                     return "error", err
                 continue  # an earlier attempt's error: the current attempt decides
             status = hdrs.get(schema.H_STATUS) if hdrs else None
