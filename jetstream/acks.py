@@ -221,6 +221,19 @@ class AckWriter:
     def pending(self) -> int:
         return len(self._pending)
 
+    def final_unsent(self, request_id: str) -> bytes | None:
+        """The final record (``completed``/``failed``) of ``request_id`` this writer holds
+        and JetStream has not confirmed yet (its own, or one adopted from a dead process's
+        log), or None. O(pending): asked when a process takes over its predecessor's
+        claim."""
+        for msg_id, entry in self._pending.items():
+            parsed = parse_msg_id(msg_id)
+            if parsed is None or parsed.request_id != request_id:
+                continue
+            if parsed.state in FINAL_STATES:
+                return entry.data
+        return None
+
     async def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every record written so far is stored; False on timeout."""
         try:

@@ -948,6 +948,32 @@ async def test_a_claim_stored_although_unconfirmed_is_run_or_released_never_left
     assert (await other.claim("lost-2", "cap")).held is not None
 
 
+async def test_a_predecessors_result_still_in_the_outbox_ends_its_claim(
+    provisioned: NatsServer, nc: NATS
+) -> None:
+    """A process finished a run and died before its result was stored (the record waits in
+    the durable acks' outbox, which its restart adopts); the restart is asked the same
+    request: the record in its outbox ends the claim, and the request is not run again
+    (nemesis seed 73: c3-001146 run again by a1's restart, the first result stored 1.2 s
+    after the second run began). A record of another agent id, or one that does not end a
+    claim, is not taken."""
+    orphan = await dead_process_claim(nc, "heir2", "cap")
+    done = schema.AckRecord(request_id=orphan, agent_id="heir2", capability="cap",
+                            state="completed", at_ms=2, result=msgspec.Raw(b'{"n":1}'))  # fmt: skip
+    outbox = {orphan: schema.encoder.encode(done)}
+    claimer = Claimer(nc, "heir2", "i2", SUBJECTS, unsent=outbox.get)
+    claimed = await claimer.claim(orphan, "cap")
+    assert (claimed.held, claimed.verdict) == (None, "stored")
+    assert claimed.record is not None and claimed.record.result == msgspec.Raw(b'{"n":1}')
+    assert (await stored_claim(nc, orphan)).instance == "dead-process"  # type: ignore[union-attr]
+    busy = {"code": "TARGET_BUSY", "message": "busy"}
+    retryable = msgspec.structs.replace(done, state="failed", result=None, error=busy)
+    outbox[orphan] = schema.encoder.encode(retryable)
+    taken = await claimer.claim(orphan, "cap")
+    assert taken.held is not None and taken.held.claim.instance == "i2"
+    await claimer.stop()
+
+
 async def test_a_claim_that_lands_after_its_agent_looked_for_it_is_released_when_it_does(
     provisioned: NatsServer, nc: NATS, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -370,7 +370,8 @@ class Agent:
         claimer = None
         if self.claims:
             claimer = Claimer(nc, self.agent_id, self.instance, self.subjects,
-                              timeout_s=self.claim_timeout, metrics=self.metrics)  # fmt: skip
+                              timeout_s=self.claim_timeout, metrics=self.metrics,
+                              unsent=getattr(sink, "final_unsent", lambda rid: None))  # fmt: skip
             await claimer.start()
         await self.presence.subscribe(nc)
         await self.tasks.subscribe(nc, self.capabilities, claimer=claimer, ack_sink=sink,

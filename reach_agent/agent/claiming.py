@@ -61,7 +61,7 @@ from jetstream.names import H_REQUEST_ID
 from reach_agent import trace
 from reach_agent.aio import TaskSet
 from reach_agent.metrics import AgentMetrics
-from reach_agent.results import attributed, ended_by_record, result_location
+from reach_agent.results import attributed, ended_by_record, ends_claim, result_location
 from reach_agent.wire import schema
 from reach_agent.wire.errors import (
     Cancelled,
@@ -162,8 +162,12 @@ class Claimer:
         metrics: AgentMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         store: ClaimStore | None = None,
+        unsent: Callable[[str], bytes | None] = lambda request_id: None,
     ) -> None:
         self.nc = nc
+        self.unsent = unsent
+        """This process's final record of a request id not stored yet (its durable acks'
+        outbox, which holds a dead predecessor's records too), or None."""
         self.store = store if store is not None else ClaimStore(nc, timeout_s=timeout_s)
         self.agent_id = agent_id
         self.instance = instance
@@ -303,6 +307,12 @@ class Claimer:
                 # earlier holder) stored its completed record (or a non-retryable
                 # failure's) is finished: the record is the claim's end.
                 ended = await ended_by_record(self.nc, existing, self.subjects)
+                if ended is None and existing.agent_id == self.agent_id:
+                    # Or one this process's outbox holds, not stored yet: its predecessor
+                    # finished the run and died before the record was (nemesis seed 73:
+                    # c3-001146 run again by a1's restart, its first result stored 1.2 s
+                    # after the second run began).
+                    ended = self._unsent_end(request_id)
                 if ended is not None:
                     return Claimed(verdict="stored", existing=existing, record=ended)
             if verdict != "take_over":
@@ -318,6 +328,23 @@ class Claimer:
             else:
                 created, stored = False, again
         raise ClaimsUnavailable(f"claim {key!r} kept changing while being taken over")
+
+    def _unsent_end(self, request_id: str) -> schema.AckRecord | None:
+        """The final record of ``request_id`` in this process's outbox, when it ends the
+        claim (:func:`~reach_agent.results.ends_claim`)."""
+        data = self.unsent(request_id)
+        if data is None:
+            return None
+        try:
+            rec = schema.decode_ack_record(data)
+        except msgspec.MsgspecError:
+            return None
+        if rec.request_id != request_id or rec.agent_id != self.agent_id or not ends_claim(rec):
+            return None
+        log.info("claims.ended_unsent request_id=%s agent=%s state=%s: the record of an "
+                 "earlier run, not stored yet, ends the claim", request_id, self.agent_id,
+                 rec.state)  # fmt: skip
+        return rec
 
     async def _landed(self, key: str, data: bytes, request_id: str) -> Stored | None:
         """After a create nobody confirmed: our claim, if the store has it (then it is ours
