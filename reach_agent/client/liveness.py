@@ -34,8 +34,6 @@ from .config import ClientConfig
 
 log = logging.getLogger(__name__)
 
-_probe_reply = msgspec.json.Decoder(schema.ProbeReply)
-
 
 class Spawner(Protocol):
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> Any: ...
@@ -157,7 +155,7 @@ class Liveness:
         (nemesis seed 62: five calls learnt results stored 1.8-7.2 s before only at their
         deadlines). Calls that stream, or wait for a receipt only, are left to their replies."""
         try:
-            if _probe_reply.decode(data).active:
+            if schema.probe_reply_decoder.decode(data).active:
                 return
         except msgspec.MsgspecError:
             return
