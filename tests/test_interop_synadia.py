@@ -20,6 +20,7 @@ import pytest
 from nats.aio.client import Client as NATS
 
 import reach_agent
+from reach_agent.client.config import ClientConfig
 from reach_agent.wire import schema
 from reach_agent.wire.errors import InternalError, TargetBusy, from_reply
 from reach_agent.wire.subjects import Subjects
@@ -152,6 +153,23 @@ async def test_a_busy_synadia_agent_fails_over_and_a_crash_is_an_error(
         # A handler error (their 500 frame) is the agent's error, not a result.
         with pytest.raises(InternalError, match="500"):
             await client.call("echo-bot", "fail", sticky_key="k", timeout=5)
+
+
+async def test_a_synadia_stream_slower_than_the_liveness_probe_is_not_lost(
+    broker: Broker, nats_server: NatsServer, spawn: Spawn
+) -> None:
+    """A Synadia agent answers no reach probe, so the client's liveness watch leaves it to the
+    broker's events while it streams, as while it is called. Probed, its "no responders" was
+    read as a death: the stream broke after its first chunk, and a call running on the agent
+    when a stream's watch woke was lost (CI, 1 run in 7: the 429 call above got "lost")."""
+    _, instance = await spawn("--capabilities", "text.slow", "--pause-s", "0.8")
+    agent_id = agent_id_of("echo-bot", "tests", "main", instance)
+    await wait_for(lambda: agent_id in broker.registry.agents, 10, what="registered")
+    cfg = ClientConfig(liveness_probe_s=0.2)
+    async with reach_agent.Client(nats_server.url, config=cfg) as client:
+        got = [c async for c in client.stream("text.slow", "streamed", timeout=10)]
+        assert got == ["echo:", "streamed"]
+    assert broker.registry.agents[agent_id].state == "healthy"
 
 
 async def test_the_compensation_queue_delivers_to_a_synadia_agent_and_records_its_answer(

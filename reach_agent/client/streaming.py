@@ -187,10 +187,12 @@ async def stream(
             yield value
         else:
             agent = call.agents.get(value.attempt)
+            synadia = call.protocol == schema.PROTOCOL_SYNADIA
             if agent is not None:
-                client.liveness.track(agent, call)  # a death mid-stream breaks the stream
-            chunks = (read_prompted(call, value, client.clock)
-                      if call.protocol == schema.PROTOCOL_SYNADIA
+                # A death mid-stream breaks the stream. A Synadia agent answers no reach
+                # probe: the broker's events alone tell (probed, its silence read as a death).
+                client.liveness.track(agent, call, probe=not synadia)
+            chunks = (read_prompted(call, value, client.clock) if synadia
                       else read(client.nc, call, value, client.clock))  # fmt: skip
             try:
                 async for chunk in chunks:

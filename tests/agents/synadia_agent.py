@@ -1,9 +1,10 @@
 """A Synadia Agent Protocol agent hosted by their PyPI host SDK, with no reach code in it.
 
     python -m tests.agents.synadia_agent --server URL [--agent echo-bot] [--owner tests]
-        [--session main] [--capabilities text.echo,text.upper] [--delay-s 0]
+        [--session main] [--capabilities text.echo,text.upper] [--delay-s 0] [--pause-s 0]
 
-Its prompt handler answers in two response chunks: ``"echo:"`` and the prompt text (upper-
+Its prompt handler answers in two response chunks (``--pause-s`` apart): ``"echo:"`` and
+the prompt text (upper-
 cased when the prompt starts with ``upper ``); a prompt ``fail`` raises (their error frame,
 500), a prompt ``refuse`` is refused with 429 (every prompt with ``--busy``). It prints
 ``ready <instance_id>`` once registered (the micro service id their heartbeats carry) and
@@ -29,6 +30,7 @@ async def main() -> None:
     ap.add_argument("--session", default="main")
     ap.add_argument("--capabilities", default="")
     ap.add_argument("--delay-s", type=float, default=0.0)
+    ap.add_argument("--pause-s", type=float, default=0.0, help="between the two chunks")
     ap.add_argument("--heartbeat-s", type=int, default=30)
     ap.add_argument("--busy", action="store_true", help="refuse every prompt with 429")
     args = ap.parse_args()
@@ -48,6 +50,8 @@ async def main() -> None:
         if args.delay_s:
             await asyncio.sleep(args.delay_s)
         await stream.send("echo:")
+        if args.pause_s:
+            await asyncio.sleep(args.pause_s)
         await stream.send(text[6:].upper() if text.startswith("upper ") else text)
 
     service.on_prompt(on_prompt)
