@@ -97,12 +97,13 @@ async def test_an_entry_whose_claim_was_released_before_its_hold_is_given_back_a
     taken.released_before("stale", "a")
     now[0] += 5.1
     taken.released_before("fresh", "a")
-    told = {}
+    told, held = {}, {}
     for rid in ("fresh", "other", "stale"):
         e, told[rid] = entry(rid)
-        await taken.hold(e, "a")
+        held[rid] = await taken.hold(e, "a")  # whether it holds (the replay says "held")
     assert {rid: m.said for rid, m in told.items()} == {"fresh": ["nak"], "other": [],
                                                         "stale": []}  # fmt: skip
+    assert held == {"fresh": False, "other": True, "stale": True}
     assert (taken.holds("fresh"), taken.holds("other"), taken.holds("stale")) == (
         False, True, True)  # fmt: skip
     assert (again, taken.returned) == (["job"], 1)

@@ -338,9 +338,9 @@ class EntrySender:
         handed = await self._hand(e, self._target(holder, e.capability), _headers(e),
                                   self._marker_ttl_s(e))  # fmt: skip
         if handed is None:
-            await self.taken.hold(e, holder)
-            log.info("replay.held request_id=%s holder=%s: running there",
-                     e.request_id, holder)  # fmt: skip
+            if await self.taken.hold(e, holder):  # (not when its release or result came first)
+                log.info("replay.held request_id=%s holder=%s: running there",
+                         e.request_id, holder)  # fmt: skip
             return "held"
         if not isinstance(handed, ReachError):
             return handed

@@ -102,27 +102,28 @@ class Taken:
             await stop_loops(self._task)
             self._task = None
 
-    async def hold(self, entry: Entry, agent_id: str) -> None:
+    async def hold(self, entry: Entry, agent_id: str) -> bool:
         """``agent_id`` runs ``entry``'s request: keep the entry until it finishes (removed
         now when its final record came first; given back now when its claim's release came
-        first, within :data:`EARLY_RELEASE_S`)."""
+        first, within :data:`EARLY_RELEASE_S`). Whether it is held."""
         rid = entry.request_id
         if self._early.get(rid) == agent_id:
             del self._early[rid]
             await self._remove(entry)
-            return
+            return False
         early = self._early_released.get(rid)
         if early is not None:
             del self._early_released[rid]
             if early[0] == agent_id and self.clock() - early[1] <= EARLY_RELEASE_S:
                 await self._give_back(entry, agent_id)
                 self.again(entry.capability)
-                return
+                return False
         old = self._held.get(rid)
         if old is not None:
             self._by_agent.get(old.agent_id, set()).discard(rid)
         self._held[rid] = _Held(entry, agent_id, self.clock())
         self._by_agent.setdefault(agent_id, set()).add(rid)
+        return True
 
     def holds(self, request_id: str) -> bool:
         return request_id in self._held
