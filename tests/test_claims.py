@@ -1154,6 +1154,42 @@ async def test_a_holder_killed_mid_task_is_released_once_offline_and_runs_once_e
         heir.stop()
 
 
+async def test_a_call_whose_retries_ran_out_runs_again_once_its_claim_is_released(
+    nats_server: NatsServer, broker: Broker, nc: NATS, tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """A call with no retry left loses its taker mid-task: it waits for a record until its
+    deadline, and its claim's release says nobody will store one, so it tries again at
+    once, elsewhere (nemesis seeds 74 and 75: three calls told TIMEOUT after waiting 4.8-5 s
+    on agents whose claims had been released). Waited out on the parent: ``Timeout``."""
+    caplog.set_level(logging.INFO, logger="reach_agent.client.client")
+    doomed = worker(nats_server.url, tmp_path, "last-a", "ship", "--delay", "30")
+    heir = worker(nats_server.url, tmp_path, "last-b", "ship", "--delay", "0.3")
+    try:
+        await wait_for(lambda: healthy(broker, "last-a") and healthy(broker, "last-b"), 30,
+                       what="both agents healthy")  # fmt: skip
+        rid = str(uuid.uuid4())
+        cfg = ClientConfig(retries=0, claim_poll_s=30)  # the release event ends the wait
+        async with reach_agent.Client(nats_server.url, config=cfg) as client:
+            key = await sticky_key_for(client, "ship", "last-a")
+            call = asyncio.create_task(
+                client.call("ship", {"n": 4}, sticky_key=key, request_id=rid, timeout=20)
+            )
+            log_a = tmp_path / "last-a.log"
+            await wait_for(lambda: lines(log_a, "start") == [rid], 10, what="running on last-a")
+            doomed.signal(signal.SIGKILL)
+            result = await asyncio.wait_for(call, 15)
+        assert result == {"agent": "last-b", "n": 4}
+        said = [r.getMessage().split(" ")[0] for r in caplog.records
+                if r.getMessage().startswith("call.")]  # fmt: skip
+        assert said == ["call.waiting_for_record", "call.claim_released"]
+        assert await ended_by(nc, rid) == ("last-b", "running", "last-b")
+        assert lines(log_a, "done") == [] and lines(tmp_path / "last-b.log", "done") == [rid]
+    finally:
+        doomed.stop()
+        heir.stop()
+
+
 async def ghost_claim(nc: NATS, rid: str, *, state: schema.ClaimState = "running",
                       instance: str = "i1", capability: str = "cap") -> None:  # fmt: skip
     """Store "ghost"'s claim of ``rid`` (an agent no test runs), with its result location."""

@@ -102,6 +102,14 @@ STORED_AUTHORS = 8
 """At most this many agents' records read (the taker first): one subject each."""
 
 
+class RunAgain:
+    """What a call waiting for its record learns when its request id's claim is released
+    unfinished: try again (:meth:`Client._wait_record`)."""
+
+
+RUN_AGAIN = RunAgain()
+
+
 class Client:
     """``async with Client() as c: await c.call("cap", payload)``.
 
@@ -336,38 +344,50 @@ class Client:
         call = self.open_call(capability, payload, timeout, ack_mode, request_id, headers,
                               traceparent, chosen)  # fmt: skip
         ok, error = False, None
+        again = True  # one more round once, if its claim is released unfinished meanwhile
         try:
-            value = await self._run(call)
-            ok = True
-            return value
-        except asyncio.CancelledError:
-            self.cancels.tell(call, "the call was cancelled", everyone=True)
-            raise
-        except ReachError as exc:
-            error = exc
-            # Timed out (at the deadline, or too close to it for another attempt), or
-            # refused NO_REACHABLE_AGENT for a request id the caller chose or an agent was
-            # sent: the answer may be stored all the same (nemesis seed 53: 86 repeats of
-            # requests finished 8-109 s before refused while no agent was reachable).
-            stored = None
-            if isinstance(exc, Timeout) or (
-                isinstance(exc, NoReachableAgent) and (request_id is not None or call.runners())
-            ):
-                stored = await self._stored(call, exc.code)
-            if stored is not None:
-                outcome, value = results.answer_of(stored)
-                if outcome == "ok":
+            while True:
+                try:
+                    value = await self._run(call)
                     ok = True
                     return value
-                error = value
-                raise error from None
-            if self.clock() >= call.deadline:
-                self.cancels.tell(call, "the caller's deadline passed")
+                except ReachError as exc:
+                    error = exc
+                    # Timed out (at the deadline, or too close to it for another attempt),
+                    # or refused NO_REACHABLE_AGENT for a request id the caller chose or an
+                    # agent was sent: the answer may be stored all the same (nemesis seed
+                    # 53: 86 repeats of requests finished 8-109 s before refused while no
+                    # agent was reachable).
+                    stored: schema.AckRecord | RunAgain | None = None
+                    if isinstance(exc, Timeout) or (
+                        isinstance(exc, NoReachableAgent)
+                        and (request_id is not None or call.runners())
+                    ):
+                        stored = await self._stored(call, exc.code, again)
+                    if isinstance(stored, RunAgain):
+                        again = False
+                        call.tried.clear()
+                        call.retries = 0
+                        continue
+                    if stored is not None:
+                        outcome, value = results.answer_of(stored)
+                        if outcome == "ok":
+                            ok = True
+                            return value
+                        error = value
+                        raise error from None
+                    if self.clock() >= call.deadline:
+                        self.cancels.tell(call, "the caller's deadline passed")
+                    raise
+        except asyncio.CancelledError:
+            self.cancels.tell(call, "the call was cancelled", everyone=True)
             raise
         finally:
             self.close_call(call, ok, error)
 
-    async def _stored(self, call: Call, ended: str) -> schema.AckRecord | None:
+    async def _stored(
+        self, call: Call, ended: str, again: bool = False
+    ) -> schema.AckRecord | RunAgain | None:
         """A call that ended ``ended`` (``TIMEOUT``, or ``NO_REACHABLE_AGENT``): the final
         record an agent it reached stored meanwhile (the one that took it first, then the
         others its attempts went to), or else the one its request id's claim names
@@ -377,7 +397,10 @@ class Client:
         an agent it reached stores by the deadline. Its reply was lost (nemesis seed 42: the
         caller's node killed as the agent answered; seed 43: an attempt given up for an
         agent whose node was stopped, which then finished) while ``REACH_ACKS`` holds the
-        answer, or will. Not for ``ack_mode="received"`` (its answer is the receipt)."""
+        answer, or will. Not for ``ack_mode="received"`` (its answer is the receipt).
+
+        With ``again``, a wait that sees the request id's claim released with time left
+        for an attempt ends at once with :data:`RUN_AGAIN` (:meth:`_wait_record`)."""
         if call.ack_mode != "completed":
             return None
         authors = ([call.taker] if call.taker else []) + sorted(call.runners() - {call.taker})
@@ -407,14 +430,48 @@ class Client:
             log.info("call.waiting_for_record request_id=%s agents=%s left_s=%.1f: the call "
                      "ended %s", call.request_id, ",".join(authors[:STORED_AUTHORS]), left,
                      ended)  # fmt: skip
-            rec = await results.wait_final(self.nc, call.request_id, authors[:STORED_AUTHORS],
-                                           self.subjects, left,
-                                           schema.body_digest(call.body))  # fmt: skip
+            waited = await self._wait_record(call, authors[:STORED_AUTHORS], left, again)
+            if isinstance(waited, RunAgain):
+                return waited
+            rec = waited
         if rec is not None:
             log.info("call.result_from_store request_id=%s agent=%s state=%s: the call "
                      "ended %s, its answer stored", call.request_id, rec.agent_id, rec.state,
                      ended)  # fmt: skip
         return rec
+
+    async def _wait_record(
+        self, call: Call, authors: list[str], left: float, again: bool
+    ) -> schema.AckRecord | RunAgain | None:
+        """The first final record of ``call``'s request by one of ``authors``, or that ends
+        its claim, within ``left`` seconds (:func:`~reach_agent.results.wait_final`). With
+        ``again``, the request id's claim is watched meanwhile: released with time left for
+        an attempt (its holder declared offline before finishing, or giving up a claim the
+        store did not confirm), nobody runs the request and nobody will store its answer,
+        so the call tries again (:data:`RUN_AGAIN`) instead of waiting out its deadline
+        (nemesis seed 74: two calls whose retries ran out in a store outage waited 4.8 s for
+        a dead holder, their claims released 0.04 s before; seed 75: one waited 5 s, its
+        claim given up 0.1 s after)."""
+        waiting = asyncio.ensure_future(results.wait_final(
+            self.nc, call.request_id, authors, self.subjects, left,
+            schema.body_digest(call.body)))  # fmt: skip
+        room = left - self.config.ack_timeout_s
+        if not again or room <= 0:
+            return await waiting
+        released = asyncio.ensure_future(self.holders.until_released(call.request_id, room))
+        try:
+            await asyncio.wait({waiting, released}, return_when=asyncio.FIRST_COMPLETED)
+            if waiting.done():
+                return waiting.result()
+            if released.exception() is None and released.result():  # (done: the first)
+                log.info("call.claim_released request_id=%s left_s=%.1f: released unfinished "
+                         "while the call waited for its record; tried again", call.request_id,
+                         call.deadline - self.clock())  # fmt: skip
+                return RUN_AGAIN
+            return await waiting
+        finally:
+            waiting.cancel()
+            released.cancel()
 
     async def _claim_answer(
         self, request_id: str, body: bytes, read_s: float

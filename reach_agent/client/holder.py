@@ -156,6 +156,8 @@ class Holders:
         self.subjects = subjects
         self.store = ClaimStore(nc)
         self._waiting: dict[str, HolderWatch] = {}
+        self._releases: dict[str, asyncio.Event] = {}
+        """Calls waiting for a record, told of their claim's release (:meth:`until_released`)."""
 
     def target(self, holder: str, capability: str) -> schema.Candidate:
         """The holder of a claim as a call's next target: its own task subject (a claim is
@@ -168,6 +170,44 @@ class Holders:
         watch = self._waiting.get(request_id)
         if watch is not None:
             watch.released()
+        told = self._releases.get(request_id)
+        if told is not None:
+            told.set()
+
+    async def until_released(self, request_id: str, within_s: float) -> bool:
+        """Whether the claim of ``request_id`` is (or becomes) ``released`` within
+        ``within_s``: the broker's ``released`` event, or the claim read now and every
+        ``poll_s``. Unclaimed, unreadable or running: waited on."""
+        told = self._releases[request_id] = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        end = loop.time() + within_s
+        key = claim_key(request_id)
+        try:
+            while not told.is_set():
+                if await self._released(key):
+                    return True
+                left = end - loop.time()
+                if left <= 0:
+                    return False
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(self.poll_s, left)):  # a cancel is never lost
+                        await told.wait()
+            return True
+        finally:
+            if self._releases.get(request_id) is told:
+                del self._releases[request_id]
+
+    async def _released(self, key: str) -> bool:
+        try:
+            stored = await self.store.get(key)
+        except ClaimsUnavailable:
+            return False
+        try:
+            return stored is not None and schema.claim_decoder.decode(stored.data).state == (
+                "released"
+            )
+        except msgspec.MsgspecError:
+            return False
 
     async def wait(
         self, call: Call, holder: str, clock: Callable[[], float]
