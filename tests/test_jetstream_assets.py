@@ -13,6 +13,7 @@ import msgspec
 import nats
 import pytest
 from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
 from nats.js.errors import APIError
 
 from jetstream import ackreads, acks, audit, compensation
@@ -257,6 +258,41 @@ async def test_a_take_cancelled_between_fetches_gives_back_what_it_fetched(
     taking.cancel()
     with pytest.raises(asyncio.CancelledError):
         await taking
+    again = await psub.fetch(3, timeout=2.0)  # given back: all three now, not one
+    assert sorted(m.metadata.num_delivered for m in again) == [1, 2, 2]
+
+
+class SecondFetchFails:
+    """A real pull subscription whose second fetch fails as one to a JetStream away does (no
+    responders)."""
+
+    def __init__(self, psub: Any) -> None:
+        self.psub, self.fetches = psub, 0
+
+    async def consumer_info(self) -> Any:
+        return await self.psub.consumer_info()
+
+    async def fetch(self, batch: int, timeout: float) -> list[Any]:  # noqa: ASYNC109 - nats-py's
+        self.fetches += 1
+        if self.fetches == 2:
+            raise NoRespondersError
+        return await self.psub.fetch(batch=batch, timeout=timeout)
+
+
+async def test_a_take_whose_second_fetch_fails_gives_back_what_it_fetched(
+    nc: NATS, broker_factory: BrokerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A round whose fetch fails (JetStream away) after a first batch came gives that batch
+    back at once; before, it was held until the consumer's ack_wait (60 s here; nemesis
+    seed 74: 36 submits ran 15 s late, rounds failing "503")."""
+    await broker_factory(compensation__sweep_interval_s=3600.0)
+    monkeypatch.setattr(compensation, "FETCH_BATCH", 2)
+    for i in range(3):
+        await durable.submit(nc, "take.fails", {"n": i})
+    psub = await compensation.ensure_consumer(nc, "take.fails", ack_wait_s=60.0,
+                                              max_ack_pending=100, subjects=SUBJECTS)  # fmt: skip
+    with pytest.raises(NoRespondersError):
+        await compensation.take(SecondFetchFails(psub), SUBJECTS)
     again = await psub.fetch(3, timeout=2.0)  # given back: all three now, not one
     assert sorted(m.metadata.num_delivered for m in again) == [1, 2, 2]
 
