@@ -199,7 +199,8 @@ class Broker:
         )  # fmt: skip
         self.probes = Prober(ctx, registry, cfg.detection, results=m.probes, rtt=m.probe_rtt,
                              sampled_every=m.rtt_sample_every,
-                             probe_via=StatusProbes(self.nc, clock))  # fmt: skip
+                             probe_via=StatusProbes(self.nc, clock),
+                             other_instance=self.identity.unseen)  # fmt: skip
         self.account = Account()
         """The application account (the advisories learn it; the Synadia locate asks it)."""
         self.outcomes = Outcomes(ctx, registry, cfg.outcomes, summaries=m.outcomes,

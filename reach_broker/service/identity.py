@@ -22,7 +22,9 @@ restarted) may still come from the restart of a process that died holding claims
 broker saw replaced: when claims of the agent id run under other instances, those are asked
 the same way and, when none answers, taken as replaced (their claims released). So is a
 running claim of another instance than the registry's, learnt after the announce (the
-broker's read of the claims bucket behind it: a restart, a takeover).
+broker's read of the claims bucket behind it: a restart, a takeover), and so is the
+registry's process when a probe of the agent in trouble is answered by another one (a
+restart whose announce has not come here: the prober tells :meth:`Identity.unseen`).
 """
 
 from __future__ import annotations
@@ -148,9 +150,11 @@ class Identity:
             await self.ctx.nc.publish(msg.reply, body)
 
     def unseen(self, agent_id: str, instance: str, old: str) -> None:
-        """A running claim of process ``old`` of ``agent_id`` was learnt while the registry
-        knows process ``instance``: ``old`` is asked as at an announce (at most once per
-        :data:`UNSEEN_AGAIN_S`)."""
+        """Process ``old`` of ``agent_id`` may have been replaced by process ``instance``
+        unseen: ``old`` is asked as at an announce, and taken as replaced by ``instance`` if
+        it does not answer (at most once per :data:`UNSEEN_AGAIN_S`). Told by the releaser
+        (a running claim of ``old`` learnt while the registry knows ``instance``) and by the
+        prober (a probe answered by ``instance`` while the registry knows ``old``)."""
         now = self.ctx.clock()
         asked = self._asked
         if now - asked.get((agent_id, old), -UNSEEN_AGAIN_S) < UNSEEN_AGAIN_S:

@@ -41,12 +41,14 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
+import msgspec
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from jetstream.tasks import raise_if_cancelled
 from reach_agent.aio import stop_loops
+from reach_agent.wire import schema
 from reach_broker.config import DetectionSection
 from reach_broker.core.records import AgentRecord, Transition
 from reach_broker.core.registry import Registry
@@ -100,11 +102,17 @@ class Prober:
     def __init__(self, ctx: BrokerContext, registry: Registry, cfg: DetectionSection, *,
                  results: Any, rtt: Any, sampled_every: Any = None,
                  probe_via: ProbeVia | None = None,
+                 other_instance: Callable[[str, str, str], None] = lambda a, new, old: None,
                  rng: random.Random | None = None) -> None:  # fmt: skip
         """``results``, ``rtt``, ``sampled_every``: ``reach_probes_total``,
         ``reach_probe_rtt_seconds``, ``reach_rtt_sample_interval_seconds`` (None: not
         exported)."""
         self.ctx, self.registry, self.cfg = ctx, registry, cfg
+        self.other_instance = other_instance
+        """Told (agent id, the process that answered, the registry's) when a probe of an
+        agent in trouble is answered by another process of its agent id than the one the
+        registry knows (a restart whose announce has not come): the identity check asks
+        whether the registry's still lives (its claims released if not)."""
         self._rtt = rtt
         self._sampled_every = sampled_every
         self._healthy = -1
@@ -306,8 +314,26 @@ class Prober:
             return  # timed out already (a late answer is no sample)
         if msg.headers and msg.headers.get("Status") == NO_RESPONDERS:
             self._end(w, False, "no_responders", self.ctx.clock())
-        else:
-            self._end(w, True, "ok", self.ctx.clock())
+            return
+        if not w.sample:  # (an agent in trouble: not the RTT samples' path)
+            self._answered_by(w.agent_id, msg.data)
+        self._end(w, True, "ok", self.ctx.clock())
+
+    def _answered_by(self, agent_id: str, data: bytes) -> None:
+        """The answer to a probe of ``agent_id`` in trouble: from another process than the
+        registry's, the registry's may be dead with claims running (nemesis seed 73: a2
+        killed kept its two claims 10.8 s; b2 took its new process's answer for the dead
+        one's, and released them only at the new process's announce)."""
+        rec = self.registry.agents.get(agent_id)
+        known = rec.announce.instance_id if rec is not None else None
+        if known is None:
+            return
+        try:
+            answered = schema.probe_reply_decoder.decode(data).instance_id
+        except msgspec.MsgspecError:
+            return
+        if answered is not None and answered != known:
+            self.other_instance(agent_id, answered, known)
 
     def _expire(self, now: float) -> None:
         """Every probe sent ``probe_timeout_s`` ago or more and still unanswered: timed out."""
