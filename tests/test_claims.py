@@ -1182,7 +1182,7 @@ async def test_a_call_whose_retries_ran_out_runs_again_once_its_claim_is_release
         assert result == {"agent": "last-b", "n": 4}
         said = [r.getMessage().split(" ")[0] for r in caplog.records
                 if r.getMessage().startswith("call.")]  # fmt: skip
-        assert said == ["call.waiting_for_record", "call.claim_released"]
+        assert said == ["call.waiting_for_record", "call.run_again"]
         assert await ended_by(nc, rid) == ("last-b", "running", "last-b")
         assert lines(log_a, "done") == [] and lines(tmp_path / "last-b.log", "done") == [rid]
     finally:

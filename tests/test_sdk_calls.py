@@ -238,6 +238,22 @@ async def test_only_agents_that_may_have_taken_the_request_are_its_runners() -> 
     c.deliver("3", reply(body, **headers))
     assert (await outcome(c))[0] == "error"
     assert (c.untaken, c.runners()) == ((1, 2), {"a2"})
+    # Refusals that come late, during a later attempt: a3's attempt had ended with no
+    # receipt (it never took the request: an agent that could not confirm its claim refuses
+    # after its claim timeout), a4's after its receipt (it did take it).
+    c.agents.update({4: "a3", 5: "a4", 6: "a5"})
+    c.attempt, c.agent_id = 4, "a3"
+    assert (await outcome(c, ack_timeout_s=0.05))[0] == "not_delivered"
+    c.attempt, c.agent_id = 5, "a4"
+    c.deliver("5", receipt())
+    c.lose()
+    assert (await outcome(c))[0] == "lost"
+    c.attempt, c.agent_id = 6, "a5"
+    c.deliver("4", reply(body, **headers))
+    c.deliver("5", reply(body, **headers))
+    c.deliver("6", reply(b'{"ok": 1}'))
+    assert await outcome(c) == ("ok", {"ok": 1})
+    assert (c.untaken, c.runners()) == ((1, 2, 4), {"a2", "a4", "a5"})
 
 
 async def test_accepted_but_no_result_by_the_deadline_is_a_timeout() -> None:

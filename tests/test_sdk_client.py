@@ -20,6 +20,7 @@ from reach_agent import BreakerConfig, ClientConfig, ClientMetrics
 from reach_agent.aio import stop_loops
 from reach_agent.connection import flush_subscriptions
 from reach_agent.wire import schema
+from reach_agent.wire.errors import Cancelled, StoreUnavailable, to_reply
 from reach_agent.wire.subjects import Subjects
 from reach_broker.broker import Broker
 from reach_broker.cluster.natsserver import NatsServer
@@ -300,13 +301,20 @@ class MuteTaker:
     takes each task (a receipt), stores its ``completed`` record ``{"by": <its id>}`` in
     ``REACH_ACKS`` and never sends the result (the reply lost); it answers probes running
     nothing. ``busy``: it stores nothing, and answers probes running one task (it never
-    ends). ``deaf``: it does not listen for tasks at all (the server has no responder)."""
+    ends). ``deaf``: it does not listen for tasks at all (the server has no responder).
+    ``refuse_late_s``: the first task is refused that long after it came, with no receipt
+    (as an agent that could not confirm its claim does). ``answer_late_s``: each task is
+    answered that long after it came, with no receipt and no record (an agent that stores
+    none)."""
 
     def __init__(self, nc: NATS, agent_id: str, capability: str, *, busy: bool = False,
-                 deaf: bool = False) -> None:  # fmt: skip
+                 deaf: bool = False, refuse_late_s: float | None = None,
+                 answer_late_s: float | None = None) -> None:  # fmt: skip
         self.nc, self.agent_id, self.capability = nc, agent_id, capability
-        self.busy, self.deaf = busy, deaf
+        self.busy, self.deaf, self.refuse_late_s = busy, deaf, refuse_late_s
+        self.answer_late_s = answer_late_s
         self.taken: list[str] = []
+        self.refused: list[str] = []
         self._beats: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -334,7 +342,17 @@ class MuteTaker:
 
     async def _on_task(self, msg: Any) -> None:
         rid, aid = msg.headers[H_REQUEST_ID], self.agent_id
+        if self.refuse_late_s is not None and not self.refused:
+            self.refused.append(rid)
+            await asyncio.sleep(self.refuse_late_s)
+            headers, body = to_reply(StoreUnavailable("the claim was not confirmed in time"))
+            await self.nc.publish(msg.reply, body, headers=headers)
+            return
         self.taken.append(rid)
+        if self.answer_late_s is not None:
+            await asyncio.sleep(self.answer_late_s)
+            await self.nc.publish(msg.reply, json.dumps({"by": aid}).encode())
+            return
         receipt = schema.encoder.encode(schema.Receipt(request_id=rid, agent_id=aid))
         await self.nc.publish(msg.reply, receipt, headers={schema.H_STATUS: "received"})
         if self.busy:
@@ -375,6 +393,77 @@ async def test_a_call_whose_reply_is_lost_reads_the_result_once_its_agent_runs_n
         "call.result_from_store request_id=r-mute2 agent=mute2 state=completed: the agent ran "
         "nothing, its reply had not come"
     ]
+
+
+async def test_a_call_whose_only_agent_refused_it_late_runs_again_at_once(
+    nats_server: NatsServer, nc: NATS, broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A call's one attempt gets no receipt in time, its retries are spent, and it waits for
+    the agent's record; the agent's refusal comes late (after its claim timeout, longer than
+    the call's receipt timeout): nobody runs the request, so the call tries again at once
+    and gets its answer (nemesis seed 76: three calls waited 4.7-6.9 s for agents that had
+    refused them, then ended TIMEOUT). Waited out on the parent: ``Timeout``."""
+    caplog.set_level(logging.INFO, logger="reach_agent.client.client")
+    taker = MuteTaker(nc, "late1", "late1.cap", refuse_late_s=0.6)
+    await taker.start()
+    try:
+        await wait_for(lambda: registered(broker, "late1"))
+        cfg = ClientConfig(retries=0, ack_timeout_s=0.3, liveness_probe_s=0.3)
+        async with reach_agent.Client(nats_server.url, config=cfg) as client:
+            call = client.call("late1.cap", {}, request_id="r-late1", timeout=8)
+            assert await asyncio.wait_for(call, 6) == {"by": "late1"}
+    finally:
+        await taker.stop()
+    assert (taker.refused, taker.taken) == (["r-late1"], ["r-late1"])
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("call.run_")]
+    assert len(said) == 1 and "every agent it went to refused it before any receipt" in said[0]
+
+
+async def test_a_late_answer_of_an_agent_that_stores_no_record_ends_the_wait(
+    nats_server: NatsServer, nc: NATS, broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A call whose retries ran out (no receipt in time) waits for its agent's record, and
+    the agent, which stores none, answers late: that answer is the call's result (on the
+    parent it was dropped, and the call waited out its deadline: ``Timeout``)."""
+    caplog.set_level(logging.INFO, logger="reach_agent.client.client")
+    taker = MuteTaker(nc, "late3", "late3.cap", answer_late_s=0.6)
+    await taker.start()
+    try:
+        await wait_for(lambda: registered(broker, "late3"))
+        cfg = ClientConfig(retries=0, ack_timeout_s=0.3)
+        async with reach_agent.Client(nats_server.url, config=cfg) as client:
+            call = client.call("late3.cap", {}, request_id="r-late3", timeout=20)
+            assert await asyncio.wait_for(call, 10) == {"by": "late3"}
+    finally:
+        await taker.stop()
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("call.late_")]
+    assert said == ["call.late_reply request_id=r-late3 agent=late3: answered while the call "
+                    "waited for its record"]  # fmt: skip
+
+
+async def test_a_call_waiting_for_its_record_is_cancelled_at_once(
+    nats_server: NatsServer, nc: NATS, broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A call whose retries ran out waits for its agent's record; ``Client.cancel`` of it
+    meanwhile ends it ``CANCELLED`` at once (on the parent it waited out its deadline, and
+    ended ``Timeout``)."""
+    caplog.set_level(logging.INFO, logger="reach_agent.client.client")
+    taker = MuteTaker(nc, "late2", "late2.cap", refuse_late_s=30)  # says nothing meanwhile
+    await taker.start()
+    try:
+        await wait_for(lambda: registered(broker, "late2"))
+        cfg = ClientConfig(retries=0, ack_timeout_s=0.3)
+        async with reach_agent.Client(nats_server.url, config=cfg) as client:
+            call = asyncio.ensure_future(
+                client.call("late2.cap", {}, request_id="r-late2", timeout=20)
+            )
+            await wait_for(lambda: any("waiting_for_record" in r.getMessage()
+                                       for r in caplog.records), 5, what="waiting")  # fmt: skip
+            await client.cancel("r-late2", reason="stop it")
+            with pytest.raises(Cancelled, match="stop it"):
+                await asyncio.wait_for(call, 5)
+    finally:
+        await taker.stop()
 
 
 async def test_a_timed_out_calls_read_of_the_store_ends_soon_after_its_deadline(

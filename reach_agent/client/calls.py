@@ -119,6 +119,7 @@ class Call:
         "last_err",
         "protocol",
         "queue",
+        "received",
         "retries",
         "span",
         "span_headers",
@@ -193,6 +194,10 @@ class Call:
         """Attempts whose agent never took the request: the server had no responder, or the
         agent refused it before any receipt (a tuple: most calls have none, and allocate
         nothing for it)."""
+        self.received = 0
+        """Attempts whose agent sent a receipt or an answer, as bits (1 << attempt): it took
+        the request, and a refusal of it later does not make it untaken (an int: no
+        allocation on a call's path)."""
         self.taker: str | None = None
         """The agent whose receipt or result ended an attempt: who took the task."""
         self.retries = 0
@@ -326,7 +331,9 @@ class Call:
                     if not acked:  # refused before its receipt: it did not take it
                         self.untaken += (n,)
                     return "error", err
+                self._refused_late(a)
                 continue  # an earlier attempt's error: the current attempt decides
+            self.received |= 1 << a
             status = hdrs.get(schema.H_STATUS) if hdrs else None
             if status == "received" or (
                 status is None and schema.is_body_receipt(msg.data, self.request_id)
@@ -350,6 +357,42 @@ class Call:
                 continue
             # A result, from this attempt or a late one: the first result wins.
             return self.result(msg, agent)
+
+    def _refused_late(self, attempt: int) -> None:
+        """An error reply to an earlier ``attempt`` (ended "not delivered": no receipt in
+        time): with no receipt or answer from it before, its agent did not take the request
+        (an agent that could not confirm its claim refuses it after its claim timeout, later
+        than the caller's receipt timeout)."""
+        if not self.received >> attempt & 1 and attempt not in self.untaken:
+            self.untaken += (attempt,)
+
+    async def late_reply(self) -> tuple[Literal["untaken", "closed", "ok", "error"], Any]:
+        """Read the late replies while the call waits for a record, its attempts over, until
+        one ends the wait: a result (``ok``, or ``error`` when it is not JSON; an agent that
+        stores no record answers only so), ``untaken`` once no agent may be running the
+        request (each refused it before any receipt, or had no responder: :meth:`runners`
+        is empty), ``closed`` at this client's own close or cancel mark."""
+        while True:
+            a, msg = await self.queue.get()
+            if msg is _CLOSED or msg is _CANCELLED:
+                return "closed", None
+            if msg is _LOST or isinstance(msg, Stored):
+                continue
+            hdrs = msg.headers
+            if is_no_responders(msg) or from_reply(hdrs, msg.data) is not None:
+                self._refused_late(a)
+                if not self.runners():
+                    return "untaken", None
+                continue
+            self.received |= 1 << a
+            status = hdrs.get(schema.H_STATUS) if hdrs else None
+            if status in ("received", "chunk") or (
+                status is None and schema.is_body_receipt(msg.data, self.request_id)
+            ) or (status == "completed" and schema.H_CHUNKS in hdrs):  # fmt: skip
+                continue
+            self.taker = (hdrs.get(schema.H_HOLDER) if hdrs else None) or self.agents.get(a)
+            outcome, value = self.result(msg, self.taker)
+            return ("ok" if outcome == "ok" else "error"), value
 
     async def next_reply(self, until: float, clock: Callable[[], float]) -> tuple[int, Any] | None:
         """The next reply to any attempt (or a lost, closed or cancelled mark), with its

@@ -44,7 +44,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from types import TracebackType
-from typing import Any, Unpack
+from typing import Any, NamedTuple, Unpack
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -108,6 +108,14 @@ class RunAgain:
 
 
 RUN_AGAIN = RunAgain()
+
+
+class Answered(NamedTuple):
+    """A late reply to one of a call's attempts, read while it waited for its record: its
+    answer (``outcome`` ``ok`` with the result, or ``error`` with the error)."""
+
+    outcome: str
+    value: Any
 
 
 class Client:
@@ -358,7 +366,7 @@ class Client:
                     # agent was sent: the answer may be stored all the same (nemesis seed
                     # 53: 86 repeats of requests finished 8-109 s before refused while no
                     # agent was reachable).
-                    stored: schema.AckRecord | RunAgain | None = None
+                    stored: schema.AckRecord | RunAgain | Answered | None = None
                     if isinstance(exc, Timeout) or (
                         isinstance(exc, NoReachableAgent)
                         and (request_id is not None or call.runners())
@@ -369,6 +377,15 @@ class Client:
                         call.tried.clear()
                         call.retries = 0
                         continue
+                    if isinstance(stored, Answered):
+                        if stored.outcome == "ok":
+                            ok = True
+                            return stored.value
+                        error = stored.value
+                        raise error from None
+                    if call.cancelled is not None:  # (Client.cancel while it waited)
+                        error = call.cancelled
+                        raise error from None
                     if stored is not None:
                         outcome, value = results.answer_of(stored)
                         if outcome == "ok":
@@ -387,7 +404,7 @@ class Client:
 
     async def _stored(
         self, call: Call, ended: str, again: bool = False
-    ) -> schema.AckRecord | RunAgain | None:
+    ) -> schema.AckRecord | RunAgain | Answered | None:
         """A call that ended ``ended`` (``TIMEOUT``, or ``NO_REACHABLE_AGENT``): the final
         record an agent it reached stored meanwhile (the one that took it first, then the
         others its attempts went to), or else the one its request id's claim names
@@ -431,7 +448,7 @@ class Client:
                      "ended %s", call.request_id, ",".join(authors[:STORED_AUTHORS]), left,
                      ended)  # fmt: skip
             waited = await self._wait_record(call, authors[:STORED_AUTHORS], left, again)
-            if isinstance(waited, RunAgain):
+            if isinstance(waited, (RunAgain, Answered)):
                 return waited
             rec = waited
         if rec is not None:
@@ -442,36 +459,68 @@ class Client:
 
     async def _wait_record(
         self, call: Call, authors: list[str], left: float, again: bool
-    ) -> schema.AckRecord | RunAgain | None:
+    ) -> schema.AckRecord | RunAgain | Answered | None:
         """The first final record of ``call``'s request by one of ``authors``, or that ends
-        its claim, within ``left`` seconds (:func:`~reach_agent.results.wait_final`). With
-        ``again``, the request id's claim is watched meanwhile: released with time left for
-        an attempt (its holder declared offline before finishing, or giving up a claim the
-        store did not confirm), nobody runs the request and nobody will store its answer,
-        so the call tries again (:data:`RUN_AGAIN`) instead of waiting out its deadline
-        (nemesis seed 74: two calls whose retries ran out in a store outage waited 4.8 s for
-        a dead holder, their claims released 0.04 s before; seed 75: one waited 5 s, its
-        claim given up 0.1 s after)."""
+        its claim, within ``left`` seconds (:func:`~reach_agent.results.wait_final`), or a
+        late result reply to one of its attempts (:class:`Answered`: an agent that stores
+        no record answers only so); None at once when this client closes or cancels the
+        call meanwhile. With ``again``, the
+        call tries again (:data:`RUN_AGAIN`) instead of waiting out its deadline when, with
+        time left for an attempt, it learns that nobody runs the request and nobody will
+        store its answer:
+
+        * the request id's claim is released unfinished (its holder declared offline before
+          finishing, or giving up a claim the store did not confirm: nemesis seed 74, two
+          calls whose retries ran out in a store outage waited 4.8 s for a dead holder,
+          their claims released 0.04 s before; seed 75: one waited 5 s, its claim given up
+          0.1 s after);
+        * every agent its attempts went to refuses it late, before any receipt (one that
+          could not confirm its claim refuses after its claim timeout, later than the
+          call's receipt timeout: seed 76, three calls waited 4.7-6.9 s for agents that had
+          refused them, no claim stored)."""
         waiting = asyncio.ensure_future(results.wait_final(
             self.nc, call.request_id, authors, self.subjects, left,
             schema.body_digest(call.body)))  # fmt: skip
+        replies = asyncio.ensure_future(call.late_reply())
+        watched: set[asyncio.Future[Any]] = {waiting, replies}
         room = left - self.config.ack_timeout_s
-        if not again or room <= 0:
-            return await waiting
-        released = asyncio.ensure_future(self.holders.until_released(call.request_id, room))
+        if again and room > 0:
+            watched.add(asyncio.ensure_future(self.holders.until_released(call.request_id, room)))
+        why = None
         try:
-            await asyncio.wait({waiting, released}, return_when=asyncio.FIRST_COMPLETED)
-            if waiting.done():
-                return waiting.result()
-            if released.exception() is None and released.result():  # (done: the first)
-                log.info("call.claim_released request_id=%s left_s=%.1f: released unfinished "
-                         "while the call waited for its record; tried again", call.request_id,
-                         call.deadline - self.clock())  # fmt: skip
-                return RUN_AGAIN
-            return await waiting
+            while why is None:
+                done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+                if waiting in done:
+                    return waiting.result()
+                for task in done:
+                    watched.discard(task)
+                    if task.exception() is not None:
+                        continue  # (a read failed: the others watch on)
+                    if task is replies:
+                        end, value = replies.result()
+                        if end == "ok" or end == "error":
+                            log.info("call.late_reply request_id=%s agent=%s: answered while "
+                                     "the call waited for its record", call.request_id,
+                                     call.taker)  # fmt: skip
+                            return Answered(end, value)
+                        if end == "closed":
+                            return None  # this client closes, or cancelled the call
+                        if not (again and self._room(call)):
+                            return None  # nobody took it: no record will come
+                        why = "every agent it went to refused it before any receipt"
+                    elif task.result() and self._room(call):
+                        why = "its claim was released unfinished"
+            log.info("call.run_again request_id=%s left_s=%.1f: %s while the call waited for "
+                     "its record; tried again", call.request_id, call.deadline - self.clock(),
+                     why)  # fmt: skip
+            return RUN_AGAIN
         finally:
-            waiting.cancel()
-            released.cancel()
+            for task in watched:
+                task.cancel()
+
+    def _room(self, call: Call) -> bool:
+        """Whether ``call``'s deadline leaves time for an attempt (its receipt timeout)."""
+        return call.deadline - self.clock() > self.config.ack_timeout_s
 
     async def _claim_answer(
         self, request_id: str, body: bytes, read_s: float
