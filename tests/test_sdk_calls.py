@@ -256,6 +256,18 @@ async def test_only_agents_that_may_have_taken_the_request_are_its_runners() -> 
     assert (c.untaken, c.runners()) == ((1, 2, 4), {"a2", "a4", "a5"})
 
 
+def test_a_reply_naming_no_attempt_made_is_dropped() -> None:
+    """Attempt numbers are bits of ``Call.received``: a reply naming one not made yet (a
+    forged or garbled reply subject) never reaches the call, so no huge number is a shift."""
+    c = call()
+    for attempt in ("3", "0", "-1", "99999999999", "x"):
+        c.deliver(attempt, receipt())
+    assert c.queue.qsize() == 0
+    c.deliver("2", receipt())
+    c.deliver("1", receipt())
+    assert c.queue.qsize() == 2
+
+
 async def test_accepted_but_no_result_by_the_deadline_is_a_timeout() -> None:
     c = call(deadline_s=0.1)
     c.deliver("2", receipt())

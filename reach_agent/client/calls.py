@@ -243,11 +243,14 @@ class Call:
     # --- what arrives on the queue ------------------------------------------------------
 
     def deliver(self, attempt: str, msg: Any) -> None:
-        """A reply to attempt ``attempt`` (as read from its reply subject)."""
+        """A reply to attempt ``attempt`` (as read from its reply subject); one naming no
+        attempt made yet is dropped (its number is a bit of :attr:`received`)."""
         try:
-            self.queue.put_nowait((int(attempt), msg))
+            n = int(attempt)
         except ValueError:
-            pass
+            return
+        if 0 < n <= self.attempt:
+            self.queue.put_nowait((n, msg))
 
     def lose(self) -> None:
         """The agent of the current attempt is gone: end it as ``lost``."""
