@@ -1115,43 +1115,55 @@ async def test_a_completed_request_is_not_run_again_by_its_restarted_agent(
 
 
 @slow
+async def call_killing_its_taker(
+    url: str, broker: Broker, tmp_path: Path, cfg: ClientConfig, doomed: str, heir: str,
+    n: int, *, doomed_delay: str,
+) -> tuple[str, Any]:  # fmt: skip
+    """A call sticky to worker ``doomed``, SIGKILLed once it runs it (a running claim, no
+    record), while worker ``heir`` of the same capability stands by: (request id, result)."""
+    workers = (worker(url, tmp_path, doomed, "ship", "--delay", doomed_delay),
+               worker(url, tmp_path, heir, "ship", "--delay", "0.3"))  # fmt: skip
+    try:
+        await wait_for(lambda: healthy(broker, doomed) and healthy(broker, heir), 30,
+                       what="both agents healthy")  # fmt: skip
+        rid = str(uuid.uuid4())
+        async with reach_agent.Client(url, config=cfg) as client:
+            key = await sticky_key_for(client, "ship", doomed)
+            call = asyncio.create_task(
+                client.call("ship", {"n": n}, sticky_key=key, request_id=rid, timeout=20)
+            )
+            log = tmp_path / f"{doomed}.log"
+            await wait_for(lambda: lines(log, "start") == [rid], 10, what=f"running on {doomed}")
+            held = await stored_claim(client.nc, rid)
+            assert held is not None and (held.agent_id, held.state) == (doomed, "running")
+            workers[0].signal(signal.SIGKILL)
+            return rid, await asyncio.wait_for(call, 15)
+    finally:
+        for w in workers:
+            w.stop()
+
+
 async def test_a_holder_killed_mid_task_is_released_once_offline_and_runs_once_elsewhere(
     nats_server: NatsServer, broker: Broker, nc: NATS, tmp_path: Path
 ) -> None:
     events = await EventLog().start(nc)
-    doomed = worker(nats_server.url, tmp_path, "hold-a", "ship", "--delay", "2")
-    heir = worker(nats_server.url, tmp_path, "hold-b", "ship", "--delay", "0.3")
-    try:
-        await wait_for(lambda: healthy(broker, "hold-a") and healthy(broker, "hold-b"), 30,
-                       what="both agents healthy")  # fmt: skip
-        rid = str(uuid.uuid4())
-        cfg = ClientConfig(claim_poll_s=30)  # the release event, not the poll, ends the wait
-        async with reach_agent.Client(nats_server.url, config=cfg) as client:
-            key = await sticky_key_for(client, "ship", "hold-a")
-            call = asyncio.create_task(
-                client.call("ship", {"n": 9}, sticky_key=key, request_id=rid, timeout=30)
-            )
-            log_a = tmp_path / "hold-a.log"
-            await wait_for(lambda: lines(log_a, "start") == [rid], 10, what="running on hold-a")
-            held = await stored_claim(nc, rid)
-            assert held is not None and (held.agent_id, held.state) == ("hold-a", "running")
-            doomed.signal(signal.SIGKILL)
-            result = await asyncio.wait_for(call, 30)
-        assert result == {"agent": "hold-b", "n": 9}
-        released = [e for e in events.events if e["kind"] == "released"]
-        assert [(e["agent_id"], e["request_id"]) for e in released] == [("hold-a", rid)]
-        assert "declared offline before finishing" in released[0]["reason"]
-        kinds = events.of("hold-a")
-        assert kinds.index(("state", "suspect", "offline")) < kinds.index(("released", None, None))
-        assert await ended_by(nc, rid) == ("hold-b", "running", "hold-b")
-        assert lines(log_a, "start") == [rid] and lines(log_a, "done") == []
-        assert lines(tmp_path / "hold-b.log", "start") == [rid]
-        assert lines(tmp_path / "hold-b.log", "done") == [rid]
-        assert broker.releaser.released == 1
-        assert broker.metrics.claims_released._value.get() == 1
-    finally:
-        doomed.stop()
-        heir.stop()
+    cfg = ClientConfig(claim_poll_s=30)  # the release event, not the poll, ends the wait
+    rid, result = await call_killing_its_taker(
+        nats_server.url, broker, tmp_path, cfg, "hold-a", "hold-b", 9, doomed_delay="2"
+    )
+    assert result == {"agent": "hold-b", "n": 9}
+    released = [e for e in events.events if e["kind"] == "released"]
+    assert [(e["agent_id"], e["request_id"]) for e in released] == [("hold-a", rid)]
+    assert "declared offline before finishing" in released[0]["reason"]
+    kinds = events.of("hold-a")
+    assert kinds.index(("state", "suspect", "offline")) < kinds.index(("released", None, None))
+    assert await ended_by(nc, rid) == ("hold-b", "running", "hold-b")
+    assert lines(tmp_path / "hold-a.log", "start") == [rid]
+    assert lines(tmp_path / "hold-a.log", "done") == []
+    assert lines(tmp_path / "hold-b.log", "start") == [rid]
+    assert lines(tmp_path / "hold-b.log", "done") == [rid]
+    assert broker.releaser.released == 1
+    assert broker.metrics.claims_released._value.get() == 1
 
 
 async def test_a_call_whose_retries_ran_out_runs_again_once_its_claim_is_released(
@@ -1163,31 +1175,17 @@ async def test_a_call_whose_retries_ran_out_runs_again_once_its_claim_is_release
     once, elsewhere (nemesis seeds 74 and 75: three calls told TIMEOUT after waiting 4.8-5 s
     on agents whose claims had been released). Waited out on the parent: ``Timeout``."""
     caplog.set_level(logging.INFO, logger="reach_agent.client.client")
-    doomed = worker(nats_server.url, tmp_path, "last-a", "ship", "--delay", "30")
-    heir = worker(nats_server.url, tmp_path, "last-b", "ship", "--delay", "0.3")
-    try:
-        await wait_for(lambda: healthy(broker, "last-a") and healthy(broker, "last-b"), 30,
-                       what="both agents healthy")  # fmt: skip
-        rid = str(uuid.uuid4())
-        cfg = ClientConfig(retries=0, claim_poll_s=30)  # the release event ends the wait
-        async with reach_agent.Client(nats_server.url, config=cfg) as client:
-            key = await sticky_key_for(client, "ship", "last-a")
-            call = asyncio.create_task(
-                client.call("ship", {"n": 4}, sticky_key=key, request_id=rid, timeout=20)
-            )
-            log_a = tmp_path / "last-a.log"
-            await wait_for(lambda: lines(log_a, "start") == [rid], 10, what="running on last-a")
-            doomed.signal(signal.SIGKILL)
-            result = await asyncio.wait_for(call, 15)
-        assert result == {"agent": "last-b", "n": 4}
-        said = [r.getMessage().split(" ")[0] for r in caplog.records
-                if r.getMessage().startswith("call.")]  # fmt: skip
-        assert said == ["call.waiting_for_record", "call.run_again"]
-        assert await ended_by(nc, rid) == ("last-b", "running", "last-b")
-        assert lines(log_a, "done") == [] and lines(tmp_path / "last-b.log", "done") == [rid]
-    finally:
-        doomed.stop()
-        heir.stop()
+    cfg = ClientConfig(retries=0, claim_poll_s=30)  # the release event ends the wait
+    rid, result = await call_killing_its_taker(
+        nats_server.url, broker, tmp_path, cfg, "last-a", "last-b", 4, doomed_delay="30"
+    )
+    assert result == {"agent": "last-b", "n": 4}
+    said = [r.getMessage().split(" ")[0] for r in caplog.records
+            if r.getMessage().startswith("call.")]  # fmt: skip
+    assert said == ["call.waiting_for_record", "call.run_again"]
+    assert await ended_by(nc, rid) == ("last-b", "running", "last-b")
+    assert lines(tmp_path / "last-a.log", "done") == []
+    assert lines(tmp_path / "last-b.log", "done") == [rid]
 
 
 async def ghost_claim(nc: NATS, rid: str, *, state: schema.ClaimState = "running",
@@ -1221,6 +1219,18 @@ async def test_a_broker_learns_running_claims_written_before_it_started_and_can_
     await wait_for(lambda: broker.releaser.held_by("ghost") == [], 5, what="claim forgotten")
 
 
+async def claims_of_gone(nc: NATS, n: int) -> list[str]:
+    """``n`` running claims of agent "gone" stored (their request ids)."""
+    rids = [str(uuid.uuid4()) for _ in range(n)]
+    store = ClaimStore(nc)
+    for rid in rids:
+        claim = schema.Claim(request_id=rid, agent_id="gone", instance="i1", capability="cap",
+                             state="running", at_ms=1,
+                             ack_subject=SUBJECTS.ack("gone", rid))  # fmt: skip
+        assert (await store.create(claim_key(rid), schema.encoder.encode(claim)))[0]
+    return rids
+
+
 async def test_claims_learnt_for_an_offline_agent_are_each_read_once_not_once_per_claim(
     nc: NATS, broker_factory: Any
 ) -> None:
@@ -1237,13 +1247,7 @@ async def test_claims_learnt_for_an_offline_agent_are_each_read_once_not_once_pe
     # Every message get on the ack stream, as the server saw it.
     gets = await nc.subscribe(f"$JS.API.STREAM.MSG.GET.{ACK_STREAM}")
     await flush_subscriptions(nc)
-    rids = [str(uuid.uuid4()) for _ in range(12)]
-    store = ClaimStore(nc)
-    for rid in rids:
-        claim = schema.Claim(request_id=rid, agent_id="gone", instance="i1", capability="cap",
-                             state="running", at_ms=1,
-                             ack_subject=SUBJECTS.ack("gone", rid))  # fmt: skip
-        assert (await store.create(claim_key(rid), schema.encoder.encode(claim)))[0]
+    rids = await claims_of_gone(nc, 12)
     await wait_for(lambda: releaser.released == len(rids), 10, what="every claim released")
     for rid in rids:
         stored = await stored_claim(nc, rid)
@@ -1441,13 +1445,7 @@ async def test_claims_arriving_for_an_offline_agent_are_released_in_one_pass_at_
         return 0
 
     releaser.release = release  # type: ignore[method-assign]
-    rids = [str(uuid.uuid4()) for _ in range(12)]
-    store = ClaimStore(nc)
-    for rid in rids:
-        claim = schema.Claim(request_id=rid, agent_id="gone", instance="i1", capability="cap",
-                             state="running", at_ms=1,
-                             ack_subject=SUBJECTS.ack("gone", rid))  # fmt: skip
-        assert (await store.create(claim_key(rid), schema.encoder.encode(claim)))[0]
+    rids = await claims_of_gone(nc, 12)
     await wait_for(lambda: len(releaser.held_by("gone")) == 12, 10, what="every claim arrived")
     let_go.set()
     first = len(passes[0])

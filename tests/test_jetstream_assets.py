@@ -223,12 +223,13 @@ async def test_a_give_back_nobody_confirms_says_so_and_the_entry_stays_taken(
                     "after the consumer's ack_wait"]  # fmt: skip
 
 
-class SecondFetchWaits:
+class SecondFetch:
     """A real pull subscription whose second fetch waits for ever (a fetch in flight when
-    its round is cancelled)."""
+    its round is cancelled), or with ``fails`` fails as one to a JetStream away does (no
+    responders)."""
 
-    def __init__(self, psub: Any) -> None:
-        self.psub, self.fetches, self.waiting = psub, 0, asyncio.Event()
+    def __init__(self, psub: Any, *, fails: bool = False) -> None:
+        self.psub, self.fetches, self.waiting, self.fails = psub, 0, asyncio.Event(), fails
 
     async def consumer_info(self) -> Any:
         return await self.psub.consumer_info()
@@ -236,9 +237,23 @@ class SecondFetchWaits:
     async def fetch(self, batch: int, timeout: float) -> list[Any]:  # noqa: ASYNC109 - nats-py's
         self.fetches += 1
         if self.fetches == 2:
+            if self.fails:
+                raise NoRespondersError
             self.waiting.set()
             await asyncio.Event().wait()
         return await self.psub.fetch(batch=batch, timeout=timeout)
+
+
+async def three_queued(nc: NATS, broker_factory: BrokerFactory,
+                       monkeypatch: pytest.MonkeyPatch, capability: str) -> Any:  # fmt: skip
+    """Three entries of ``capability`` queued, fetched two a batch: its consumer (60 s
+    ack_wait)."""
+    await broker_factory(compensation__sweep_interval_s=3600.0)
+    monkeypatch.setattr(compensation, "FETCH_BATCH", 2)
+    for i in range(3):
+        await durable.submit(nc, capability, {"n": i})
+    return await compensation.ensure_consumer(nc, capability, ack_wait_s=60.0,
+                                              max_ack_pending=100, subjects=SUBJECTS)  # fmt: skip
 
 
 async def test_a_take_cancelled_between_fetches_gives_back_what_it_fetched(
@@ -246,13 +261,8 @@ async def test_a_take_cancelled_between_fetches_gives_back_what_it_fetched(
 ) -> None:
     """A round cancelled (its broker stopping) while ``take`` fetches a second batch gives
     the first back at once; before, it was held until the consumer's ack_wait (60 s here)."""
-    await broker_factory(compensation__sweep_interval_s=3600.0)
-    monkeypatch.setattr(compensation, "FETCH_BATCH", 2)
-    for i in range(3):
-        await durable.submit(nc, "take.cancel", {"n": i})
-    psub = await compensation.ensure_consumer(nc, "take.cancel", ack_wait_s=60.0,
-                                              max_ack_pending=100, subjects=SUBJECTS)  # fmt: skip
-    reader = SecondFetchWaits(psub)
+    psub = await three_queued(nc, broker_factory, monkeypatch, "take.cancel")
+    reader = SecondFetch(psub)
     taking = asyncio.create_task(compensation.take(reader, SUBJECTS))
     await asyncio.wait_for(reader.waiting.wait(), 5)
     taking.cancel()
@@ -262,37 +272,15 @@ async def test_a_take_cancelled_between_fetches_gives_back_what_it_fetched(
     assert sorted(m.metadata.num_delivered for m in again) == [1, 2, 2]
 
 
-class SecondFetchFails:
-    """A real pull subscription whose second fetch fails as one to a JetStream away does (no
-    responders)."""
-
-    def __init__(self, psub: Any) -> None:
-        self.psub, self.fetches = psub, 0
-
-    async def consumer_info(self) -> Any:
-        return await self.psub.consumer_info()
-
-    async def fetch(self, batch: int, timeout: float) -> list[Any]:  # noqa: ASYNC109 - nats-py's
-        self.fetches += 1
-        if self.fetches == 2:
-            raise NoRespondersError
-        return await self.psub.fetch(batch=batch, timeout=timeout)
-
-
 async def test_a_take_whose_second_fetch_fails_gives_back_what_it_fetched(
     nc: NATS, broker_factory: BrokerFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A round whose fetch fails (JetStream away) after a first batch came gives that batch
     back at once; before, it was held until the consumer's ack_wait (60 s here; nemesis
     seed 74: 36 submits ran 15 s late, rounds failing "503")."""
-    await broker_factory(compensation__sweep_interval_s=3600.0)
-    monkeypatch.setattr(compensation, "FETCH_BATCH", 2)
-    for i in range(3):
-        await durable.submit(nc, "take.fails", {"n": i})
-    psub = await compensation.ensure_consumer(nc, "take.fails", ack_wait_s=60.0,
-                                              max_ack_pending=100, subjects=SUBJECTS)  # fmt: skip
+    psub = await three_queued(nc, broker_factory, monkeypatch, "take.fails")
     with pytest.raises(NoRespondersError):
-        await compensation.take(SecondFetchFails(psub), SUBJECTS)
+        await compensation.take(SecondFetch(psub, fails=True), SUBJECTS)
     again = await psub.fetch(3, timeout=2.0)  # given back: all three now, not one
     assert sorted(m.metadata.num_delivered for m in again) == [1, 2, 2]
 
