@@ -103,8 +103,9 @@ STORED_AUTHORS = 8
 
 
 class RunAgain:
-    """What a call waiting for its record learns when its request id's claim is released
-    unfinished: try again (:meth:`Client._wait_record`)."""
+    """What a call waiting for its record learns when nobody runs its request (its claim
+    released unfinished, or every agent refusing it late): try again
+    (:meth:`Client._wait_record`)."""
 
 
 RUN_AGAIN = RunAgain()
@@ -352,7 +353,7 @@ class Client:
         call = self.open_call(capability, payload, timeout, ack_mode, request_id, headers,
                               traceparent, chosen)  # fmt: skip
         ok, error = False, None
-        again = True  # one more round once, if its claim is released unfinished meanwhile
+        again = True  # one more round, once, if nobody runs it while it waits for a record
         try:
             while True:
                 try:
@@ -416,8 +417,9 @@ class Client:
         agent whose node was stopped, which then finished) while ``REACH_ACKS`` holds the
         answer, or will. Not for ``ack_mode="received"`` (its answer is the receipt).
 
-        With ``again``, a wait that sees the request id's claim released with time left
-        for an attempt ends at once with :data:`RUN_AGAIN` (:meth:`_wait_record`)."""
+        That wait may end sooner (:meth:`_wait_record`): with a late result reply
+        (:class:`Answered`), or, with ``again``, with :data:`RUN_AGAIN` when it learns that
+        nobody runs the request and time is left for an attempt."""
         if call.ack_mode != "completed":
             return None
         authors = ([call.taker] if call.taker else []) + sorted(call.runners() - {call.taker})
@@ -464,10 +466,9 @@ class Client:
         its claim, within ``left`` seconds (:func:`~reach_agent.results.wait_final`), or a
         late result reply to one of its attempts (:class:`Answered`: an agent that stores
         no record answers only so); None at once when this client closes or cancels the
-        call meanwhile. With ``again``, the
-        call tries again (:data:`RUN_AGAIN`) instead of waiting out its deadline when, with
-        time left for an attempt, it learns that nobody runs the request and nobody will
-        store its answer:
+        call meanwhile. With ``again``, the call tries again (:data:`RUN_AGAIN`) instead of
+        waiting out its deadline when, with time left for an attempt, it learns that nobody
+        runs the request and nobody will store its answer:
 
         * the request id's claim is released unfinished (its holder declared offline before
           finishing, or giving up a claim the store did not confirm: nemesis seed 74, two
