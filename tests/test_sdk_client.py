@@ -14,7 +14,7 @@ from nats.aio.client import Client as NATS
 
 import reach_agent
 from jetstream import ackreads, acks
-from jetstream.names import H_REQUEST_ID
+from jetstream.names import CLAIMS_STREAM, H_REQUEST_ID
 from loadtest.tcpproxy import TcpProxy
 from reach_agent import BreakerConfig, ClientConfig, ClientMetrics
 from reach_agent.aio import stop_loops
@@ -257,7 +257,9 @@ async def test_a_call_out_of_retries_waits_for_its_agents_record_until_its_deadl
     back: the call returns that result, within its deadline. Nemesis seed 58: c2-001098 and
     c2-001099 were told TIMEOUT "not delivered: no receipt from agent 'a2'" 7 s before their
     deadlines; a2, SIGSTOPped with the copies in its buffer, ran both after its SIGCONT and
-    stored their results a second before the deadlines."""
+    stored their results a second before the deadlines. (No claim is stored meanwhile, so
+    the call first runs again once, its copies held too; the answer then comes from the
+    store or as the late reply to one of its attempts, whichever the client hears first.)"""
     caplog.set_level(logging.INFO, logger="reach_agent.client.client")
     ran: list[str] = []
     a = by_agent("held1", "held.cap", ran, interval=1.0)
@@ -275,14 +277,14 @@ async def test_a_call_out_of_retries_waits_for_its_agents_record_until_its_deadl
                     client.call("held.cap", {}, request_id="r-held", timeout=12)
                 )
 
-                def waiting() -> bool:
-                    return any(
+                def waiting() -> bool:  # the second time: its one more round spent too
+                    return sum(
                         r.getMessage().startswith("call.waiting_for_record request_id=r-held "
                                                   "agents=held1 ")
                         for r in caplog.records
-                    )  # fmt: skip
+                    ) == 2  # fmt: skip
 
-                # On the parent the call was refused TIMEOUT here, its retries spent.
+                # Without the wait for a record the call was refused TIMEOUT here.
                 await wait_for(lambda: waiting() or call.done(), 10,
                                what="the retries spent")  # fmt: skip
                 assert not call.done(), call.exception()
@@ -292,8 +294,12 @@ async def test_a_call_out_of_retries_waits_for_its_agents_record_until_its_deadl
             await a.stop(grace=1)
     assert ran == ["r-held-warm", "r-held"]
     said = [r.getMessage() for r in caplog.records]
-    assert any(m.startswith("call.result_from_store request_id=r-held agent=held1 "
-                            "state=completed: the call ended ") for m in said)  # fmt: skip
+    assert [m.split(" ")[0] for m in said if " request_id=r-held " in m][:3] == [
+        "call.waiting_for_record", "call.run_again", "call.waiting_for_record"]  # fmt: skip
+    assert any(m.startswith(("call.result_from_store request_id=r-held agent=held1 "
+                             "state=completed: the call ended ",
+                             "call.late_reply request_id=r-held agent=held1: "))
+               for m in said)  # fmt: skip
 
 
 class MuteTaker:
@@ -316,6 +322,7 @@ class MuteTaker:
         self.taken: list[str] = []
         self.refused: list[str] = []
         self._beats: asyncio.Task[None] | None = None
+        self._refusing: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         nc, aid = self.nc, self.agent_id
@@ -329,8 +336,9 @@ class MuteTaker:
         self._beats = asyncio.create_task(self._beat(json.loads(reply.data)["token"]))
 
     async def stop(self) -> None:
-        if self._beats is not None:
-            await stop_loops(self._beats)
+        for task in (self._beats, self._refusing):
+            if task is not None:
+                await stop_loops(task)
 
     async def _beat(self, token: str) -> None:
         seq = 0
@@ -344,9 +352,7 @@ class MuteTaker:
         rid, aid = msg.headers[H_REQUEST_ID], self.agent_id
         if self.refuse_late_s is not None and not self.refused:
             self.refused.append(rid)
-            await asyncio.sleep(self.refuse_late_s)
-            headers, body = to_reply(StoreUnavailable("the claim was not confirmed in time"))
-            await self.nc.publish(msg.reply, body, headers=headers)
+            self._refusing = asyncio.create_task(self._refuse(msg.reply, self.refuse_late_s))
             return
         self.taken.append(rid)
         if self.answer_late_s is not None:
@@ -363,6 +369,11 @@ class MuteTaker:
         await acks.publish_record(self.nc.jetstream(), Subjects().ack(aid, rid),
                                   acks.ack_msg_id(aid, rid, "completed"),
                                   schema.encoder.encode(record))  # fmt: skip
+
+    async def _refuse(self, reply: str, after_s: float) -> None:
+        await asyncio.sleep(after_s)
+        headers, body = to_reply(StoreUnavailable("the claim was not confirmed in time"))
+        await self.nc.publish(reply, body, headers=headers)
 
     async def _on_probe(self, msg: Any) -> None:
         reply = schema.ProbeReply(agent_id=self.agent_id, active=1 if self.busy else 0)
@@ -399,11 +410,13 @@ async def test_a_call_whose_only_agent_refused_it_late_runs_again_at_once(
     nats_server: NatsServer, nc: NATS, broker: Broker, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A call's one attempt gets no receipt in time, its retries are spent, and it waits for
-    the agent's record; the agent's refusal comes late (after its claim timeout, longer than
-    the call's receipt timeout): nobody runs the request, so the call tries again at once
-    and gets its answer (nemesis seed 76: three calls waited 4.7-6.9 s for agents that had
-    refused them, then ended TIMEOUT). Waited out on the parent: ``Timeout``."""
+    the agent's record, the claims unreadable; the agent's refusal comes late (after its
+    claim timeout, longer than the call's receipt timeout): nobody runs the request, so the
+    call tries again at once and gets its answer (nemesis seed 76: three calls waited
+    4.7-6.9 s for agents that had refused them, then ended TIMEOUT). Waited out on the
+    parent: ``Timeout``."""
     caplog.set_level(logging.INFO, logger="reach_agent.client.client")
+    await nc.jetstream().delete_stream(CLAIMS_STREAM)  # (the agent does not claim)
     taker = MuteTaker(nc, "late1", "late1.cap", refuse_late_s=0.6)
     await taker.start()
     try:
@@ -419,13 +432,40 @@ async def test_a_call_whose_only_agent_refused_it_late_runs_again_at_once(
     assert len(said) == 1 and "every agent it went to refused it before any receipt" in said[0]
 
 
+async def test_a_call_waiting_for_a_record_of_a_request_nobody_claimed_runs_again_at_once(
+    nats_server: NatsServer, nc: NATS, broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A call whose one attempt got no receipt in time (its agent silent: its node stopped)
+    waits for the agent's record; no claim of the request is stored, so nobody runs it (an
+    agent running a claimed request holds its claim, and one taking it later finds the
+    claim of whoever runs it again): the call tries again at once (nemesis seeds 77 and 78:
+    four calls waited 5.6-6 s for an agent on a stopped node, the others having refused,
+    and ended TIMEOUT). Waited out on the parent: ``Timeout``."""
+    caplog.set_level(logging.INFO, logger="reach_agent.client.client")
+    taker = MuteTaker(nc, "late4", "late4.cap", refuse_late_s=30)  # the first: silent
+    await taker.start()
+    try:
+        await wait_for(lambda: registered(broker, "late4"))
+        cfg = ClientConfig(retries=0, ack_timeout_s=0.3, liveness_probe_s=0.3)
+        async with reach_agent.Client(nats_server.url, config=cfg) as client:
+            call = client.call("late4.cap", {}, request_id="r-late4", timeout=20)
+            assert await asyncio.wait_for(call, 10) == {"by": "late4"}
+    finally:
+        await taker.stop()
+    assert (taker.refused, taker.taken) == (["r-late4"], ["r-late4"])
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("call.run_")]
+    assert len(said) == 1 and "no claim of it is stored" in said[0]
+
+
 async def test_a_late_answer_of_an_agent_that_stores_no_record_ends_the_wait(
     nats_server: NatsServer, nc: NATS, broker: Broker, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A call whose retries ran out (no receipt in time) waits for its agent's record, and
     the agent, which stores none, answers late: that answer is the call's result (on the
-    parent it was dropped, and the call waited out its deadline: ``Timeout``)."""
+    parent it was dropped, and the call waited out its deadline: ``Timeout``). The claims
+    cannot be read (none stored would make it run again at once, below)."""
     caplog.set_level(logging.INFO, logger="reach_agent.client.client")
+    await nc.jetstream().delete_stream(CLAIMS_STREAM)
     taker = MuteTaker(nc, "late3", "late3.cap", answer_late_s=0.6)
     await taker.start()
     try:
@@ -446,8 +486,10 @@ async def test_a_call_waiting_for_its_record_is_cancelled_at_once(
 ) -> None:
     """A call whose retries ran out waits for its agent's record; ``Client.cancel`` of it
     meanwhile ends it ``CANCELLED`` at once (on the parent it waited out its deadline, and
-    ended ``Timeout``)."""
+    ended ``Timeout``). The claims cannot be read (none stored would make it run again at
+    once, below)."""
     caplog.set_level(logging.INFO, logger="reach_agent.client.client")
+    await nc.jetstream().delete_stream(CLAIMS_STREAM)
     taker = MuteTaker(nc, "late2", "late2.cap", refuse_late_s=30)  # says nothing meanwhile
     await taker.start()
     try:

@@ -104,7 +104,7 @@ STORED_AUTHORS = 8
 
 class RunAgain:
     """What a call waiting for its record learns when nobody runs its request (its claim
-    released unfinished, or every agent refusing it late): try again
+    released unfinished or not stored, or every agent refusing it late): try again
     (:meth:`Client._wait_record`)."""
 
 
@@ -474,11 +474,13 @@ class Client:
           finishing, or giving up a claim the store did not confirm: nemesis seed 74, two
           calls whose retries ran out in a store outage waited 4.8 s for a dead holder,
           their claims released 0.04 s before; seed 75: one waited 5 s, its claim given up
-          0.1 s after);
+          0.1 s after), or there is none (an agent running a claimed request holds its
+          claim; one that takes it later finds the claim of whoever ran it again: seeds 76
+          to 78, seven calls waited 4.7-6.9 s for agents that had refused them late, or
+          had not heard of them, their nodes stopped, and ended TIMEOUT; Holders.until_free);
         * every agent its attempts went to refuses it late, before any receipt (one that
           could not confirm its claim refuses after its claim timeout, later than the
-          call's receipt timeout: seed 76, three calls waited 4.7-6.9 s for agents that had
-          refused them, no claim stored)."""
+          call's receipt timeout), while the claim cannot be read."""
         waiting = asyncio.ensure_future(results.wait_final(
             self.nc, call.request_id, authors, self.subjects, left,
             schema.body_digest(call.body)))  # fmt: skip
@@ -486,7 +488,7 @@ class Client:
         watched: set[asyncio.Future[Any]] = {waiting, replies}
         room = left - self.config.ack_timeout_s
         if again and room > 0:
-            watched.add(asyncio.ensure_future(self.holders.until_released(call.request_id, room)))
+            watched.add(asyncio.ensure_future(self.holders.until_free(call.request_id, room)))
         why = None
         try:
             while why is None:
@@ -509,8 +511,9 @@ class Client:
                         if not (again and self._room(call)):
                             return None  # nobody took it: no record will come
                         why = "every agent it went to refused it before any receipt"
-                    elif task.result() and self._room(call):
-                        why = "its claim was released unfinished"
+                    elif (free := task.result()) is not None and self._room(call):
+                        why = ("its claim was released unfinished" if free == "released"
+                               else "no claim of it is stored")  # fmt: skip
             log.info("call.run_again request_id=%s left_s=%.1f: %s while the call waited for "
                      "its record; tried again", call.request_id, call.deadline - self.clock(),
                      why)  # fmt: skip

@@ -147,6 +147,17 @@ class HolderWatch:
                         self._final(found)
 
 
+class _FreeWatch:
+    """What :meth:`Holders.until_free` is told meanwhile."""
+
+    __slots__ = ("released", "wake")
+
+    def __init__(self) -> None:
+        self.released = False
+        """The broker's ``released`` event for the request came."""
+        self.wake = asyncio.Event()
+
+
 class Holders:
     """One client's calls waiting for the holder of their request id's claim."""
 
@@ -156,8 +167,9 @@ class Holders:
         self.subjects = subjects
         self.store = ClaimStore(nc)
         self._waiting: dict[str, HolderWatch] = {}
-        self._releases: dict[str, asyncio.Event] = {}
-        """Calls waiting for a record, told of their claim's release (:meth:`until_released`)."""
+        self._free: dict[str, _FreeWatch] = {}
+        """Calls waiting for a record, watching whether anybody runs their request
+        (:meth:`until_free`)."""
 
     def target(self, holder: str, capability: str) -> schema.Candidate:
         """The holder of a claim as a call's next target: its own task subject (a claim is
@@ -170,44 +182,10 @@ class Holders:
         watch = self._waiting.get(request_id)
         if watch is not None:
             watch.released()
-        told = self._releases.get(request_id)
-        if told is not None:
-            told.set()
-
-    async def until_released(self, request_id: str, within_s: float) -> bool:
-        """Whether the claim of ``request_id`` is (or becomes) ``released`` within
-        ``within_s``: the broker's ``released`` event, or the claim read now and every
-        ``poll_s``. Unclaimed, unreadable or running: waited on."""
-        told = self._releases[request_id] = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        end = loop.time() + within_s
-        key = claim_key(request_id)
-        try:
-            while not told.is_set():
-                if await self._released(key):
-                    return True
-                left = end - loop.time()
-                if left <= 0:
-                    return False
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(min(self.poll_s, left)):  # a cancel is never lost
-                        await told.wait()
-            return True
-        finally:
-            if self._releases.get(request_id) is told:
-                del self._releases[request_id]
-
-    async def _released(self, key: str) -> bool:
-        try:
-            stored = await self.store.get(key)
-        except ClaimsUnavailable:
-            return False
-        try:
-            return stored is not None and schema.claim_decoder.decode(stored.data).state == (
-                "released"
-            )
-        except msgspec.MsgspecError:
-            return False
+        free = self._free.get(request_id)
+        if free is not None:
+            free.released = True
+            free.wake.set()
 
     async def wait(
         self, call: Call, holder: str, clock: Callable[[], float]
@@ -225,6 +203,48 @@ class Holders:
             if self._waiting.get(call.request_id) is watch:
                 del self._waiting[call.request_id]
             await watch.stop()
+
+    async def until_free(self, request_id: str, within_s: float) -> str | None:
+        """Why nobody runs ``request_id`` once that is so, within ``within_s``: its claim is
+        ``released`` (the broker's event, or the claim read so), or there is none
+        (``unclaimed``: an agent running a claimed request holds its claim, and one taking
+        it later finds the claim of whoever ran it again first); None once ``within_s``
+        passed. The claim is read now and every ``poll_s``; unreadable, running or
+        finished, waited on."""
+        free = self._free[request_id] = _FreeWatch()
+        loop = asyncio.get_running_loop()
+        end = loop.time() + within_s
+        key = claim_key(request_id)
+        try:
+            while not free.released:
+                free.wake.clear()
+                state = await self._state(key)
+                if state == "released" or state is None:
+                    return state or "unclaimed"
+                left = end - loop.time()
+                if left <= 0:
+                    return None
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(self.poll_s, left)):  # a cancel is never lost
+                        await free.wake.wait()
+            return "released"
+        finally:
+            if self._free.get(request_id) is free:
+                del self._free[request_id]
+
+    async def _state(self, key: str) -> str | None:
+        """The state of the claim at ``key``; None when there is none, "?" when it cannot be
+        read (the store not answering, or not a claim)."""
+        try:
+            stored = await self.store.get(key)
+        except ClaimsUnavailable:
+            return "?"
+        if stored is None:
+            return None
+        try:
+            return schema.claim_decoder.decode(stored.data).state
+        except msgspec.MsgspecError:
+            return "?"
 
 
 async def held(call: Call, holder: str, clock: Callable[[], float]) -> tuple[HeldEnd, Any]:
