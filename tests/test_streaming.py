@@ -65,7 +65,7 @@ def end(count: int) -> FakeMsg:
 async def consume(msgs: list[FakeMsg], window: int = 4) -> tuple[list[Any], Any, FakeNats]:
     call = Call("1", "cap", b"", None, request_id="r", traceparent=None, ack_mode="completed",
                 deadline=asyncio.get_running_loop().time() + 5, stream=window)  # fmt: skip
-    call.agents[1] = "a"
+    call.attempt, call.agents[1] = 1, "a"  # its first attempt, to agent a
     for m in msgs[1:]:
         call.deliver("1", m)
     nc = FakeNats()
