@@ -177,6 +177,23 @@ async def wait_for(
         seen.add(rec.msg_id)
         return accept(rec)
 
+    async def heard_while(reading: asyncio.Future[tuple[int, list[StoredAck]]]) -> StoredAck | None:
+        """The answer among the records heard live while ``reading`` runs, or None once it
+        is done: a read the store is slow to answer (up to 2 s) does not hold up a record
+        heard meanwhile (nemesis seed 77: c1-000380's one wait, 1.4 s, spent in a read while
+        a4's completed record was heard 0.39 s before the deadline)."""
+        while not reading.done():
+            getting = asyncio.ensure_future(live.get())
+            try:
+                await asyncio.wait((reading, getting), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                getting.cancel()  # (not done: no record taken from the queue)
+            if getting.done() and not getting.cancelled():
+                answer = tell(getting.result())
+                if answer is not None:
+                    return answer
+        return None
+
     async def heard() -> StoredAck | None:
         """The answer among the records heard live for ``REREAD_S``, or None."""
         with contextlib.suppress(TimeoutError):
@@ -212,11 +229,16 @@ async def wait_for(
     subject = subjects.acks_of(request_id)
     js = nc.jetstream(timeout=min(timeout_s, 2.0))
     sub = await nc.subscribe(subject, cb=on_msg)
+    reading: asyncio.Future[tuple[int, list[StoredAck]]] | None = None
     try:
         async with asyncio.timeout(timeout_s):
-            read, found = await reread(0, first=True)
+            reading = asyncio.ensure_future(reread(0, first=True))
             rereads = 0
             while True:
+                answer = await heard_while(reading)
+                if answer is not None:
+                    return answer
+                read, found = reading.result()
                 for rec in found:
                     answer = tell(rec)
                     if answer is not None:
@@ -230,12 +252,17 @@ async def wait_for(
                 if answer is not None:
                     return answer
                 rereads += 1
-                read, found = await reread(read)
+                reading = asyncio.ensure_future(reread(read))
     except TimeoutError:
         if unread is not None:
             raise unread from None
         raise
     finally:
+        if reading is not None:
+            if not reading.done():
+                reading.cancel()
+            elif not reading.cancelled():
+                reading.exception()  # (retrieved: an answer heard as it failed)
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
 

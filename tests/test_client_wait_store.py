@@ -129,6 +129,31 @@ async def test_a_wait_cut_short_by_a_stopped_server_leaves_the_connection_hearin
     assert (done.state, done.agent_id, done.result) == ("completed", "a1", {"n": 1})
 
 
+async def test_a_record_heard_while_a_read_of_the_store_hangs_answers_the_wait(
+    tmp_path: Path,
+) -> None:
+    """The store takes the wait's read and does not answer (a JetStream that cannot reply:
+    here a subscriber to its API that never does); a record heard live meanwhile answers the
+    wait at once. The read held it up: the whole wait, 1.5 s, went by in the read, and the
+    wait said the store could not tell (nemesis seed 77: c1-000380's 1.4 s wait, a4's
+    completed record heard 0.39 s before its end)."""
+    rid = "r-heard"
+    with NatsServer(store_dir=tmp_path / "nats", config=None, config_store=True) as server:
+        async with reach_agent.Client(server.url) as client:
+            mute = await client.nc.subscribe("$JS.API.>")  # takes the reads, answers none
+            await flush_subscriptions(client.nc)
+            waiting = asyncio.create_task(client.wait(rid, timeout=1.5, agent_id="a1"))
+            await mute.next_msg(timeout=5)  # the wait's read is in flight
+            record = schema.AckRecord(request_id=rid, agent_id="a1", capability="heard",
+                                      state="completed", at_ms=1,
+                                      result=msgspec.Raw(b'{"n":5}'))  # fmt: skip
+            msg_id = ack_msg_id("a1", rid, "completed")
+            await client.nc.publish(Subjects().ack("a1", rid), schema.encoder.encode(record),
+                                    headers={"Nats-Msg-Id": msg_id})  # fmt: skip
+            done = await asyncio.wait_for(waiting, 5)
+    assert (done.agent_id, done.state, done.result) == ("a1", "completed", {"n": 5})
+
+
 async def test_a_wait_begun_while_the_store_cannot_answer_waits_it_out(
     provisioned: NatsServer, nc: NATS, caplog: pytest.LogCaptureFixture
 ) -> None:
