@@ -311,14 +311,16 @@ class MuteTaker:
     ``refuse_late_s``: the first task is refused that long after it came, with no receipt
     (as an agent that could not confirm its claim does). ``answer_late_s``: each task is
     answered that long after it came, with no receipt and no record (an agent that stores
-    none)."""
+    none). ``others``: it runs other tasks all along (its probe answers say one more than
+    its own, and how many it ended: ``finished``), and stores each record 0.5 s after the
+    task came."""
 
     def __init__(self, nc: NATS, agent_id: str, capability: str, *, busy: bool = False,
                  deaf: bool = False, refuse_late_s: float | None = None,
-                 answer_late_s: float | None = None) -> None:  # fmt: skip
+                 answer_late_s: float | None = None, others: bool = False) -> None:  # fmt: skip
         self.nc, self.agent_id, self.capability = nc, agent_id, capability
         self.busy, self.deaf, self.refuse_late_s = busy, deaf, refuse_late_s
-        self.answer_late_s = answer_late_s
+        self.answer_late_s, self.others, self.finished = answer_late_s, others, 0
         self.taken: list[str] = []
         self.refused: list[str] = []
         self._beats: asyncio.Task[None] | None = None
@@ -363,6 +365,9 @@ class MuteTaker:
         await self.nc.publish(msg.reply, receipt, headers={schema.H_STATUS: "received"})
         if self.busy:
             return
+        if self.others:
+            await asyncio.sleep(0.5)
+            self.finished += 1
         record = schema.AckRecord(request_id=rid, agent_id=aid, capability=self.capability,
                                   state="completed", at_ms=1,
                                   result=msgspec.Raw(json.dumps({"by": aid}).encode()))  # fmt: skip
@@ -376,7 +381,9 @@ class MuteTaker:
         await self.nc.publish(reply, body, headers=headers)
 
     async def _on_probe(self, msg: Any) -> None:
-        reply = schema.ProbeReply(agent_id=self.agent_id, active=1 if self.busy else 0)
+        active = 1 if self.busy or self.others else 0
+        finished = self.finished if self.others else None
+        reply = schema.ProbeReply(agent_id=self.agent_id, active=active, finished=finished)
         await self.nc.publish(msg.reply, schema.encoder.encode(reply))
 
 
@@ -401,8 +408,34 @@ async def test_a_call_whose_reply_is_lost_reads_the_result_once_its_agent_runs_n
         await taker.stop()
     assert taker.taken == ["r-mute2"]
     assert [r.getMessage() for r in caplog.records if "result_from_store" in r.getMessage()] == [
-        "call.result_from_store request_id=r-mute2 agent=mute2 state=completed: the agent ran "
-        "nothing, its reply had not come"
+        "call.result_from_store request_id=r-mute2 agent=mute2 state=completed: the agent "
+        "ended its run, its reply had not come"
+    ]
+
+
+async def test_a_call_whose_reply_is_lost_reads_the_result_once_its_busy_agent_ends_a_task(
+    nats_server: NatsServer, nc: NATS, broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The agent takes the call, ends it and stores its result, but the reply never comes;
+    it runs other tasks all along (its probe answers never say ``active`` 0). The count of
+    tasks it ended moved between two probes: the call reads the record and is answered
+    (nemesis seed 78: two calls answered by a busy a3 7.0 and 9.7 s before their deadlines
+    ended TIMEOUT; on the parent the call waits out its deadline)."""
+    caplog.set_level(logging.INFO, logger="reach_agent.client.liveness")
+    taker = MuteTaker(nc, "mute5", "mute5.cap", others=True)
+    await taker.start()
+    try:
+        await wait_for(lambda: registered(broker, "mute5"))
+        cfg = ClientConfig(liveness_probe_s=0.2)
+        async with reach_agent.Client(nats_server.url, config=cfg) as client:
+            call = client.call("mute5.cap", {}, request_id="r-mute5", timeout=60)
+            assert await asyncio.wait_for(call, 15) == {"by": "mute5"}
+    finally:
+        await taker.stop()
+    assert (taker.taken, taker.finished) == (["r-mute5"], 1)
+    assert [r.getMessage() for r in caplog.records if "result_from_store" in r.getMessage()] == [
+        "call.result_from_store request_id=r-mute5 agent=mute5 state=completed: the agent "
+        "ended its run, its reply had not come"
     ]
 
 

@@ -289,7 +289,7 @@ class Presence:
             agent_id=self.agent_id, status=tasks.status(), active=tasks.active,
             queue_depth=tasks.queue_depth(), seq=self.seq,
             instance_id=self.announcement.instance_id, server=info.get("server_name"),
-            cid=self.nc.client_id,
+            cid=self.nc.client_id, finished=tasks.ok_total + tasks.fail_total,
         )  # fmt: skip
         try:
             await self.nc.publish(msg.reply, schema.encoder.encode(reply))

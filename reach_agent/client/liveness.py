@@ -9,7 +9,9 @@ answer the probe the client sends it every ``liveness_probe_s`` while calls wait
 An agent that answers that probe running nothing (``active`` 0) while calls it took still
 wait for its result has ended their runs: their replies were lost (or are on their way).
 Each such call reads the agent's final record of its request id from ``REACH_ACKS`` and is
-answered by it if stored, instead of at its deadline (:meth:`Call.stored`).
+answered by it if stored, instead of at its deadline (:meth:`Call.stored`). So does each
+when the agent, still running other tasks, has ended some since the probe before last
+(the probe answer's ``finished`` count: one of them may be its).
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ class Liveness:
         """Agents not probed (events alone end their attempts)."""
         self._reading: set[Call] = set()
         """Calls reading their taker's final record now."""
+        self._finished: dict[str, tuple[int, int]] = {}
+        """An agent's ``finished`` count in its last two probe answers (older, last)."""
         self._running = False
 
     def track(self, agent_id: str, call: Call, probe: bool = True) -> None:
@@ -74,6 +78,7 @@ class Liveness:
             if not calls:
                 del self._calls[agent_id]
                 self._unprobed.discard(agent_id)
+                self._finished.pop(agent_id, None)
 
     def start(self) -> None:
         self._running = True
@@ -153,11 +158,21 @@ class Liveness:
         """A probe's answer: running nothing, ``agent_id`` has ended the runs of the calls
         that wait on it for a result (it took them): each reads the agent's final record
         (nemesis seed 62: five calls learnt results stored 1.8-7.2 s before only at their
-        deadlines). Calls that stream, or wait for a receipt only, are left to their replies."""
+        deadlines). Running others, it may have ended some of them if its ``finished`` count
+        grew since the probe before last (two probes: a record is stored a moment after the
+        count moves; nemesis seed 78: c1-000800 and c1-000813, answered by a3 running other
+        tasks 7.0 and 9.7 s before their deadlines, their replies lost, ended TIMEOUT).
+        Calls that stream, or wait for a receipt only, are left to their replies."""
         try:
-            if schema.probe_reply_decoder.decode(data).active:
-                return
+            reply = schema.probe_reply_decoder.decode(data)
         except msgspec.MsgspecError:
+            return
+        ended = reply.active == 0
+        if reply.finished is not None:
+            older, last = self._finished.get(agent_id, (reply.finished, reply.finished))
+            self._finished[agent_id] = (last, reply.finished)
+            ended = ended or reply.finished > older
+        if not ended:
             return
         for call in self._calls.get(agent_id, ()):
             if (call.taker == agent_id and call.ack_mode == "completed" and not call.stream
@@ -173,8 +188,8 @@ class Liveness:
         finally:
             self._reading.discard(call)
         if record is not None and call in self._calls.get(agent_id, ()):
-            log.info("call.result_from_store request_id=%s agent=%s state=%s: the agent ran "
-                     "nothing, its reply had not come", call.request_id, agent_id,
+            log.info("call.result_from_store request_id=%s agent=%s state=%s: the agent ended "
+                     "its run, its reply had not come", call.request_id, agent_id,
                      record.state)  # fmt: skip
             call.stored(record)
 

@@ -422,6 +422,9 @@ class ProbeReply(Base, frozen=True):
     """Name of the NATS server the agent is connected to."""
     cid: int | None = None
     """The agent's client id on that server."""
+    finished: int | None = None
+    """Tasks this process has ended (a result or an error of its own) since it started: a
+    caller waiting on it whose count moved reads its record (its reply may be lost)."""
 
 
 class Reannounce(Base, frozen=True):
