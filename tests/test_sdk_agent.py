@@ -156,10 +156,13 @@ async def test_full_agent_answers_target_busy_at_once_and_probe_never_waits(
     )
     probe = await nc.request("reach.probe.busy1", b"{}", timeout=2)
     body = msgspec.json.decode(probe.data, type=schema.ProbeReply)
-    assert (body.agent_id, body.status, body.active) == ("busy1", "busy", 2)
+    assert (body.agent_id, body.status, body.active, body.finished) == ("busy1", "busy", 2, 0)
     release.set()
     await wait_for(lambda: len(replies.msgs) == 2, what="both results")
     assert replies.bodies() == ["done", "done"]
+    probe = await nc.request("reach.probe.busy1", b"{}", timeout=2)
+    body = msgspec.json.decode(probe.data, type=schema.ProbeReply)
+    assert (body.active, body.finished) == (0, 2)  # ended: what a waiting caller reads on
 
 
 async def test_duplicate_request_id_joins_running_then_returns_first_result(
