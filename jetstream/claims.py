@@ -212,9 +212,10 @@ class ClaimStore:
             expected = str(stored.revision)  # a deleted key: create over its tombstone
         raise ClaimsUnavailable(f"claim {key!r} changed under every create attempt")
 
-    async def get(self, key: str) -> Stored | None:
-        """The stored claim of ``key`` (None: no claim, or a deleted one)."""
-        last = await self._last(key)
+    async def get(self, key: str, timeout_s: float | None = None) -> Stored | None:
+        """The stored claim of ``key`` (None: no claim, or a deleted one), within
+        ``timeout_s`` (default: the store's)."""
+        last = await self._last(key, timeout_s)
         if last is None or last[1]:
             return None
         return last[0]
@@ -298,18 +299,19 @@ class ClaimStore:
             return None
         raise ClaimsUnavailable(f"claim {key!r}: {ack.error.description}")
 
-    async def _last(self, key: str) -> tuple[Stored, bool] | None:
+    async def _last(self, key: str, timeout_s: float | None = None) -> tuple[Stored, bool] | None:
         """(the last message of ``key``, is it a delete marker), or None."""
         body = _encoder.encode({"last_by_subj": self._pre + key})
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         try:
-            msg = await self.nc.request(self._get, body, timeout=self.timeout_s)
+            msg = await self.nc.request(self._get, body, timeout=timeout_s)
         except NoRespondersError:
             raise NoClaimsBucket(
                 f"no JetStream on this server (nothing answers the message get of {self.stream})"
             ) from None
         except NatsTimeoutError:
             raise ClaimsUnavailable(
-                f"JetStream did not return the claim {key!r} within {self.timeout_s}s"
+                f"JetStream did not return the claim {key!r} within {timeout_s}s"
             ) from None
         except NatsError as exc:
             raise ClaimsUnavailable(f"claim {key!r}: {type(exc).__name__}: {exc}") from None

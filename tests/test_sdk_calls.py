@@ -11,8 +11,10 @@ from typing import Any
 import pytest
 from nats.aio.msg import Msg
 
+from jetstream.claims import ClaimsUnavailable
 from jetstream.names import H_REQUEST_ID
 from reach_agent.client.calls import Call, encode_payload
+from reach_agent.client.holder import Holders
 from reach_agent.client.routes import RouteCache
 from reach_agent.wire import schema
 from reach_agent.wire.errors import (
@@ -32,6 +34,7 @@ from reach_agent.wire.errors import (
     to_reply,
 )
 from reach_agent.wire.retry import full_wait, merely_full, retryable, should_retry
+from reach_agent.wire.subjects import Subjects
 
 # --- the retry rule ---------------------------------------------------------------------
 
@@ -288,3 +291,31 @@ def test_payload_encoding_and_a_clear_error_for_what_is_not_json() -> None:
     with pytest.raises(InvalidRequest) as info:
         encode_payload(object())
     assert info.value.message.startswith("payload is not JSON-serializable")
+
+
+class SlowThenEmpty:
+    """A claims store whose first read is not answered within the time it is given (the
+    claims stream electing a leader), and which holds no claim after."""
+
+    def __init__(self) -> None:
+        self.reads: list[float | None] = []
+
+    async def get(self, key: str, timeout_s: float | None = None) -> None:
+        self.reads.append(timeout_s)
+        if len(self.reads) == 1:
+            assert timeout_s is not None
+            await asyncio.sleep(timeout_s)
+            raise ClaimsUnavailable(f"JetStream did not return the claim {key!r}")
+
+
+async def test_a_watch_for_nobody_running_a_request_reads_again_soon_after_a_failed_read() -> None:
+    """``Holders.until_free`` gives a read 0.5 s and reads again 0.1 s after one that
+    failed, not after ``claim_poll_s``: the one read of nemesis seed 79's c3-000709 took
+    its whole 2 s as the claims stream elected a leader, the next came 2 s later, with no
+    room left for an attempt (on the parent: None at the end of the 1.5 s window here)."""
+    store = SlowThenEmpty()
+    holders = Holders(None, poll_s=2.0, subjects=Subjects(), store=store)  # type: ignore[arg-type]
+    # Within the window: read, failed after 0.5 s, read again 0.1 s later (the parent's
+    # next read, 2 s on, fell after the window's end).
+    assert await asyncio.wait_for(holders.until_free("r-free", 1.5), 5) == "unclaimed"
+    assert store.reads == [0.5, 0.5]

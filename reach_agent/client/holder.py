@@ -53,6 +53,11 @@ again), the deadline, or the client closing."""
 
 _RELEASED = object()
 
+FREE_READ_S = 0.5
+"""How long :meth:`Holders.until_free` gives one read of a claim."""
+FREE_REREAD_S = 0.1
+"""How soon :meth:`Holders.until_free` reads a claim again after a read that failed."""
+
 
 _UNKNOWN = schema.Claim(request_id="", agent_id="", instance="", capability="", state="running",
                         at_ms=0)  # fmt: skip
@@ -161,11 +166,12 @@ class _FreeWatch:
 class Holders:
     """One client's calls waiting for the holder of their request id's claim."""
 
-    def __init__(self, nc: NATS, *, poll_s: float, subjects: Subjects) -> None:
+    def __init__(self, nc: NATS, *, poll_s: float, subjects: Subjects,
+                 store: ClaimStore | None = None) -> None:  # fmt: skip
         self.nc = nc
         self.poll_s = poll_s
         self.subjects = subjects
-        self.store = ClaimStore(nc)
+        self.store = store or ClaimStore(nc)
         self._waiting: dict[str, HolderWatch] = {}
         self._free: dict[str, _FreeWatch] = {}
         """Calls waiting for a record, watching whether anybody runs their request
@@ -209,34 +215,42 @@ class Holders:
         ``released`` (the broker's event, or the claim read so), or there is none
         (``unclaimed``: an agent running a claimed request holds its claim, and one taking
         it later finds the claim of whoever ran it again first); None once ``within_s``
-        passed. The claim is read now and every ``poll_s``; unreadable, running or
-        finished, waited on."""
+        passed. The claim is read now and every ``poll_s``; running or finished, waited on;
+        unreadable, read again :data:`FREE_REREAD_S` (doubling up to ``poll_s`` while it
+        stays so) after a read given at most
+        :data:`FREE_READ_S` (nemesis seed 79: c3-000709's one read, made as the claims
+        stream elected a leader, took its whole 2 s, and the next came too late to leave
+        room for an attempt: TIMEOUT)."""
         free = self._free[request_id] = _FreeWatch()
         loop = asyncio.get_running_loop()
         end = loop.time() + within_s
         key = claim_key(request_id)
+        reread = FREE_REREAD_S
         try:
             while not free.released:
                 free.wake.clear()
-                state = await self._state(key)
+                state = await self._state(key, FREE_READ_S)
                 if state == "released" or state is None:
                     return state or "unclaimed"
                 left = end - loop.time()
                 if left <= 0:
                     return None
+                pause = self.poll_s
+                if state == "?":
+                    pause, reread = min(reread, self.poll_s), reread * 2
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(min(self.poll_s, left)):  # a cancel is never lost
+                    async with asyncio.timeout(min(pause, left)):  # a cancel is never lost
                         await free.wake.wait()
             return "released"
         finally:
             if self._free.get(request_id) is free:
                 del self._free[request_id]
 
-    async def _state(self, key: str) -> str | None:
+    async def _state(self, key: str, timeout_s: float) -> str | None:
         """The state of the claim at ``key``; None when there is none, "?" when it cannot be
-        read (the store not answering, or not a claim)."""
+        read within ``timeout_s`` (the store not answering, or not a claim)."""
         try:
-            stored = await self.store.get(key)
+            stored = await self.store.get(key, timeout_s)
         except ClaimsUnavailable:
             return "?"
         if stored is None:
