@@ -387,6 +387,20 @@ class MuteTaker:
         await self.nc.publish(msg.reply, schema.encoder.encode(reply))
 
 
+async def one_call(url: str, broker: Broker, taker: MuteTaker, cfg: ClientConfig, rid: str,
+                   deadline_s: float, within: float) -> Any:  # fmt: skip
+    """``taker`` started and registered, one call of its capability: its answer (within
+    ``within`` seconds, the call's own deadline, ``deadline_s``, longer)."""
+    await taker.start()
+    try:
+        await wait_for(lambda: registered(broker, taker.agent_id))
+        async with reach_agent.Client(url, config=cfg) as client:
+            call = client.call(taker.capability, {}, request_id=rid, timeout=deadline_s)
+            return await asyncio.wait_for(call, within)
+    finally:
+        await taker.stop()
+
+
 async def test_a_call_whose_reply_is_lost_reads_the_result_once_its_agent_runs_nothing(
     nats_server: NatsServer, nc: NATS, broker: Broker, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -397,15 +411,9 @@ async def test_a_call_whose_reply_is_lost_reads_the_result_once_its_agent_runs_n
     1.8-7.2 s before only at their deadlines)."""
     caplog.set_level(logging.INFO, logger="reach_agent.client.liveness")
     taker = MuteTaker(nc, "mute2", "mute2.cap")
-    await taker.start()
-    try:
-        await wait_for(lambda: registered(broker, "mute2"))
-        cfg = ClientConfig(liveness_probe_s=0.3)
-        async with reach_agent.Client(nats_server.url, config=cfg) as client:
-            call = client.call("mute2.cap", {}, request_id="r-mute2", timeout=60)
-            assert await asyncio.wait_for(call, 15) == {"by": "mute2"}
-    finally:
-        await taker.stop()
+    cfg = ClientConfig(liveness_probe_s=0.3)
+    answer = await one_call(nats_server.url, broker, taker, cfg, "r-mute2", 60, 15)
+    assert answer == {"by": "mute2"}
     assert taker.taken == ["r-mute2"]
     assert [r.getMessage() for r in caplog.records if "result_from_store" in r.getMessage()] == [
         "call.result_from_store request_id=r-mute2 agent=mute2 state=completed: the agent "
@@ -423,15 +431,9 @@ async def test_a_call_whose_reply_is_lost_reads_the_result_once_its_busy_agent_e
     ended TIMEOUT; on the parent the call waits out its deadline)."""
     caplog.set_level(logging.INFO, logger="reach_agent.client.liveness")
     taker = MuteTaker(nc, "mute5", "mute5.cap", others=True)
-    await taker.start()
-    try:
-        await wait_for(lambda: registered(broker, "mute5"))
-        cfg = ClientConfig(liveness_probe_s=0.2)
-        async with reach_agent.Client(nats_server.url, config=cfg) as client:
-            call = client.call("mute5.cap", {}, request_id="r-mute5", timeout=60)
-            assert await asyncio.wait_for(call, 15) == {"by": "mute5"}
-    finally:
-        await taker.stop()
+    cfg = ClientConfig(liveness_probe_s=0.2)
+    answer = await one_call(nats_server.url, broker, taker, cfg, "r-mute5", 60, 15)
+    assert answer == {"by": "mute5"}
     assert (taker.taken, taker.finished) == (["r-mute5"], 1)
     assert [r.getMessage() for r in caplog.records if "result_from_store" in r.getMessage()] == [
         "call.result_from_store request_id=r-mute5 agent=mute5 state=completed: the agent "
@@ -439,55 +441,37 @@ async def test_a_call_whose_reply_is_lost_reads_the_result_once_its_busy_agent_e
     ]
 
 
-async def test_a_call_whose_only_agent_refused_it_late_runs_again_at_once(
-    nats_server: NatsServer, nc: NATS, broker: Broker, caplog: pytest.LogCaptureFixture
-) -> None:
+@pytest.mark.parametrize(
+    ("claims", "refuse_late_s", "why"),
+    [("unreadable", 0.6, "every agent it went to refused it before any receipt"),
+     ("none stored", 30.0, "no claim of it is stored")],
+    ids=["refused-late", "unclaimed"],
+)  # fmt: skip
+async def test_a_call_nobody_runs_while_it_waits_for_its_record_runs_again_at_once(
+    nats_server: NatsServer, nc: NATS, broker: Broker, caplog: pytest.LogCaptureFixture,
+    claims: str, refuse_late_s: float, why: str,
+) -> None:  # fmt: skip
     """A call's one attempt gets no receipt in time, its retries are spent, and it waits for
-    the agent's record, the claims unreadable; the agent's refusal comes late (after its
-    claim timeout, longer than the call's receipt timeout): nobody runs the request, so the
-    call tries again at once and gets its answer (nemesis seed 76: three calls waited
-    4.7-6.9 s for agents that had refused them, then ended TIMEOUT). Waited out on the
-    parent: ``Timeout``."""
+    the agent's record. Nobody runs the request, so the call tries again at once and gets
+    its answer (waited out on the parent: ``Timeout``):
+
+    * ``refused-late``: the claims unreadable, the agent's refusal comes late (after its
+      claim timeout, longer than the call's receipt timeout; nemesis seed 76: three calls
+      waited 4.7-6.9 s for agents that had refused them, then ended TIMEOUT);
+    * ``unclaimed``: the agent silent (its node stopped), no claim of the request stored (an
+      agent running a claimed request holds its claim, and one taking it later finds the
+      claim of whoever runs it again; seeds 77 and 78: four calls waited 5.6-6 s for an
+      agent on a stopped node, the others having refused, and ended TIMEOUT)."""
     caplog.set_level(logging.INFO, logger="reach_agent.client.client")
-    await nc.jetstream().delete_stream(CLAIMS_STREAM)  # (the agent does not claim)
-    taker = MuteTaker(nc, "late1", "late1.cap", refuse_late_s=0.6)
-    await taker.start()
-    try:
-        await wait_for(lambda: registered(broker, "late1"))
-        cfg = ClientConfig(retries=0, ack_timeout_s=0.3, liveness_probe_s=0.3)
-        async with reach_agent.Client(nats_server.url, config=cfg) as client:
-            call = client.call("late1.cap", {}, request_id="r-late1", timeout=8)
-            assert await asyncio.wait_for(call, 6) == {"by": "late1"}
-    finally:
-        await taker.stop()
+    if claims == "unreadable":
+        await nc.jetstream().delete_stream(CLAIMS_STREAM)  # (the agent does not claim)
+    taker = MuteTaker(nc, "late1", "late1.cap", refuse_late_s=refuse_late_s)
+    cfg = ClientConfig(retries=0, ack_timeout_s=0.3, liveness_probe_s=0.3)
+    answer = await one_call(nats_server.url, broker, taker, cfg, "r-late1", 20, 10)
+    assert answer == {"by": "late1"}
     assert (taker.refused, taker.taken) == (["r-late1"], ["r-late1"])
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("call.run_")]
-    assert len(said) == 1 and "every agent it went to refused it before any receipt" in said[0]
-
-
-async def test_a_call_waiting_for_a_record_of_a_request_nobody_claimed_runs_again_at_once(
-    nats_server: NatsServer, nc: NATS, broker: Broker, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A call whose one attempt got no receipt in time (its agent silent: its node stopped)
-    waits for the agent's record; no claim of the request is stored, so nobody runs it (an
-    agent running a claimed request holds its claim, and one taking it later finds the
-    claim of whoever runs it again): the call tries again at once (nemesis seeds 77 and 78:
-    four calls waited 5.6-6 s for an agent on a stopped node, the others having refused,
-    and ended TIMEOUT). Waited out on the parent: ``Timeout``."""
-    caplog.set_level(logging.INFO, logger="reach_agent.client.client")
-    taker = MuteTaker(nc, "late4", "late4.cap", refuse_late_s=30)  # the first: silent
-    await taker.start()
-    try:
-        await wait_for(lambda: registered(broker, "late4"))
-        cfg = ClientConfig(retries=0, ack_timeout_s=0.3, liveness_probe_s=0.3)
-        async with reach_agent.Client(nats_server.url, config=cfg) as client:
-            call = client.call("late4.cap", {}, request_id="r-late4", timeout=20)
-            assert await asyncio.wait_for(call, 10) == {"by": "late4"}
-    finally:
-        await taker.stop()
-    assert (taker.refused, taker.taken) == (["r-late4"], ["r-late4"])
-    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("call.run_")]
-    assert len(said) == 1 and "no claim of it is stored" in said[0]
+    assert len(said) == 1 and why in said[0]
 
 
 async def test_a_late_answer_of_an_agent_that_stores_no_record_ends_the_wait(
@@ -500,15 +484,9 @@ async def test_a_late_answer_of_an_agent_that_stores_no_record_ends_the_wait(
     caplog.set_level(logging.INFO, logger="reach_agent.client.client")
     await nc.jetstream().delete_stream(CLAIMS_STREAM)
     taker = MuteTaker(nc, "late3", "late3.cap", answer_late_s=0.6)
-    await taker.start()
-    try:
-        await wait_for(lambda: registered(broker, "late3"))
-        cfg = ClientConfig(retries=0, ack_timeout_s=0.3)
-        async with reach_agent.Client(nats_server.url, config=cfg) as client:
-            call = client.call("late3.cap", {}, request_id="r-late3", timeout=20)
-            assert await asyncio.wait_for(call, 10) == {"by": "late3"}
-    finally:
-        await taker.stop()
+    cfg = ClientConfig(retries=0, ack_timeout_s=0.3)
+    answer = await one_call(nats_server.url, broker, taker, cfg, "r-late3", 20, 10)
+    assert answer == {"by": "late3"}
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("call.late_")]
     assert said == ["call.late_reply request_id=r-late3 agent=late3: answered while the call "
                     "waited for its record"]  # fmt: skip
