@@ -1795,6 +1795,40 @@ async def test_a_caller_answered_from_another_agents_claim_waits_for_the_holders
     assert runs == []
 
 
+async def test_a_caller_waiting_for_a_holder_takes_an_earlier_holders_record_that_ends_it(
+    nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """A caller told ``IN_PROGRESS`` waits for the claim's holder; an earlier holder, whose
+    claim was released and taken over, stores its completed record after all: that record
+    ends the claim and answers the call (nemesis seed 82: c3-000638 waited for a4 while a2's
+    completed record was stored 1.07 s before its deadline, and ended TIMEOUT; on the
+    parent only the holder's records were read)."""
+    caplog.set_level(logging.INFO, logger="reach_agent.client.holder")
+    runs: list[tuple[str, str]] = []
+    await agents(slow_agent("relay3", "ledger3", runs))
+    await wait_for(lambda: healthy(broker, "relay3"))
+    rid = str(uuid.uuid4())
+    held = schema.Claim(request_id=rid, agent_id="keeper3", instance="k1", capability="ledger3",
+                        state="running", at_ms=1,
+                        ack_subject=SUBJECTS.ack("keeper3", rid))  # fmt: skip
+    assert (await ClaimStore(nc).create(claim_key(rid), schema.encoder.encode(held)))[0]
+    waiting = f"call.in_progress request_id={rid} holder=keeper3"
+    async with reach_agent.Client(nats_server.url) as client:
+        call = asyncio.ensure_future(client.call("ledger3", {"n": 7}, request_id=rid, timeout=30))
+        await wait_for(lambda: any(r.getMessage().startswith(waiting) for r in caplog.records),
+                       10, what="waiting for keeper3")  # fmt: skip
+        record = schema.AckRecord(request_id=rid, agent_id="early3", capability="ledger3",
+                                  state="completed", at_ms=2,
+                                  result=msgspec.Raw(b'{"agent":"early3","n":7}'))  # fmt: skip
+        await publish_record(nc.jetstream(), SUBJECTS.ack("early3", rid),
+                             ack_msg_id("early3", rid, "completed"),
+                             schema.encoder.encode(record))  # fmt: skip
+        assert await asyncio.wait_for(call, 10) == {"agent": "early3", "n": 7}
+        assert client.takers.get(rid) == "early3"
+    assert runs == []
+
+
 async def test_a_claim_this_process_created_without_seeing_the_answer_is_taken_over(
     nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS
 ) -> None:

@@ -14,7 +14,9 @@ no broker releases the claim of an agent that stays healthy. When the holder ans
 
 * the holder's final ack record, on the holder's own ack subject of the request (subscribed
   first, then read from ``REACH_ACKS``, so none is missed), attributed to the holder
-  (:func:`reach_agent.results.attributed`);
+  (:func:`reach_agent.results.attributed`) — or another agent's record of the request that
+  ends the claim (:func:`reach_agent.results.ends_claim`: an earlier holder, its claim
+  released and taken over, that finished after all);
 * the claim itself, read every ``poll_s``: ``released`` (the broker declared the holder
   offline before it finished) or gone means "try again" — as does the broker's
   ``released`` event for the request id, which :class:`reach_agent.Client` hands to
@@ -38,10 +40,10 @@ from jetstream import ackreads, acks
 from jetstream.claims import ClaimStore, ClaimsUnavailable, claim_key
 from jetstream.tasks import raise_if_cancelled
 from reach_agent import trace
-from reach_agent.results import answer_of, attributed, result_location
+from reach_agent.results import answer_of, attributed, ended_by_record, ends_claim, result_location
 from reach_agent.wire import schema
 from reach_agent.wire.errors import InternalError, Timeout, from_reply
-from reach_agent.wire.subjects import Subjects
+from reach_agent.wire.subjects import BROKER_ACK_AUTHOR, Subjects
 
 from .calls import CANCELLED, CLOSED, LOST, Call, Stored, StreamStart, is_no_responders
 
@@ -78,14 +80,18 @@ class HolderWatch:
         self._sub: Any = None
         self._poller: asyncio.Task[None] | None = None
         self._done = False
+        self._holder: str | None = None
+        """The agent the claim names (its records are the answer, whatever they say)."""
 
     async def start(self) -> None:
-        """Look at the claim; subscribe to its result location; start polling."""
+        """Look at the claim; subscribe to the request's records (every author's: an earlier
+        holder's record that ends the claim answers too); read them; start polling."""
         claim = await self._read()
         if claim is None or claim.state == "released":
             self.released()
             return
         if claim.agent_id:
+            self._holder = claim.agent_id
             subject = result_location(claim, self.subjects)
 
             async def on_record(msg: Any) -> None:
@@ -94,11 +100,14 @@ class HolderWatch:
                 if isinstance(stored, ackreads.StoredAck):
                     self._final(stored)
 
-            self._sub = await self.nc.subscribe(subject, cb=on_record)
+            self._sub = await self.nc.subscribe(self.subjects.acks_of(self.call.request_id),
+                                                cb=on_record)  # fmt: skip
             with contextlib.suppress(Exception):  # the subscription still catches it
                 found = await ackreads.final_at(self.nc, subject, subjects=self.subjects)
                 if found is not None:
                     self._final(found)
+                elif (ended := await ended_by_record(self.nc, claim, self.subjects)) is not None:
+                    self._ended(ended)
         self._poller = asyncio.create_task(self._poll(), name="reach-holder-poll")
 
     async def stop(self) -> None:
@@ -117,10 +126,23 @@ class HolderWatch:
             self.call.queue.put_nowait((self.call.attempt, _RELEASED))
 
     def _final(self, stored: ackreads.StoredAck) -> None:
+        """A final record of the request: the holder's is the answer; another agent's only
+        when it ends the claim (an earlier holder that finished after all: nemesis seed 82,
+        c3-000638 waited for a4, which had taken over a2's released claim, while a2's
+        completed record was stored 1.07 s before its deadline, and ended TIMEOUT)."""
         if stored.state not in acks.FINAL_STATES or self._done:
             return
         record = attributed(stored)
-        if record is not None:
+        if record is None:
+            return
+        if stored.author != self._holder and (
+            stored.author == BROKER_ACK_AUTHOR or not ends_claim(record)
+        ):
+            return
+        self._ended(record)
+
+    def _ended(self, record: schema.AckRecord) -> None:
+        if not self._done:
             self._done = True
             self.call.stored(record)
 
@@ -285,7 +307,7 @@ async def held(call: Call, holder: str, clock: Callable[[], float]) -> tuple[Hel
         if msg is LOST:
             continue  # the holder's liveness: its claim's release is what counts
         if isinstance(msg, Stored):
-            call.taker = holder
+            call.taker = msg.record.agent_id or holder  # (an earlier holder's that ends it)
             return answer_of(msg.record)
         hdrs = msg.headers
         if is_no_responders(msg) or from_reply(hdrs, msg.data):
