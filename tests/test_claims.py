@@ -1741,6 +1741,16 @@ async def test_a_finished_claim_whose_result_cannot_be_read_is_answered_store_un
     assert metrics.registry.get_sample_value("reach_agent_tasks_total", labels) == 1.0
 
 
+async def holders_claim(nc: NATS, holder: str, capability: str,
+                        state: schema.ClaimState) -> str:  # fmt: skip
+    """A new request id claimed by ``holder`` (an agent no test runs), in ``state``."""
+    rid = str(uuid.uuid4())
+    claim = schema.Claim(request_id=rid, agent_id=holder, instance="k1", capability=capability,
+                         state=state, at_ms=1, ack_subject=SUBJECTS.ack(holder, rid))  # fmt: skip
+    assert (await ClaimStore(nc).create(claim_key(rid), schema.encoder.encode(claim)))[0]
+    return rid
+
+
 async def test_a_caller_answered_from_another_agents_claim_waits_for_the_holders_record(
     nats_server: NatsServer, broker: Broker, agents: Any, nc: NATS
 ) -> None:
@@ -1751,11 +1761,7 @@ async def test_a_caller_answered_from_another_agents_claim_waits_for_the_holders
     runs: list[tuple[str, str]] = []
     await agents(slow_agent("relay", "ledger2", runs))
     await wait_for(lambda: healthy(broker, "relay"))
-    rid = str(uuid.uuid4())
-    done = schema.Claim(request_id=rid, agent_id="keeper", instance="k1", capability="ledger2",
-                        state="completed", at_ms=1,
-                        ack_subject=SUBJECTS.ack("keeper", rid))  # fmt: skip
-    assert (await ClaimStore(nc).create(claim_key(rid), schema.encoder.encode(done)))[0]
+    rid = await holders_claim(nc, "keeper", "ledger2", "completed")
     record = schema.AckRecord(request_id=rid, agent_id="keeper", capability="ledger2",
                               state="completed", at_ms=2,
                               result=msgspec.Raw(b'{"agent":"keeper","n":4}'))  # fmt: skip
@@ -1808,22 +1814,13 @@ async def test_a_caller_waiting_for_a_holder_takes_an_earlier_holders_record_tha
     runs: list[tuple[str, str]] = []
     await agents(slow_agent("relay3", "ledger3", runs))
     await wait_for(lambda: healthy(broker, "relay3"))
-    rid = str(uuid.uuid4())
-    held = schema.Claim(request_id=rid, agent_id="keeper3", instance="k1", capability="ledger3",
-                        state="running", at_ms=1,
-                        ack_subject=SUBJECTS.ack("keeper3", rid))  # fmt: skip
-    assert (await ClaimStore(nc).create(claim_key(rid), schema.encoder.encode(held)))[0]
+    rid = await holders_claim(nc, "keeper3", "ledger3", "running")
     waiting = f"call.in_progress request_id={rid} holder=keeper3"
     async with reach_agent.Client(nats_server.url) as client:
         call = asyncio.ensure_future(client.call("ledger3", {"n": 7}, request_id=rid, timeout=30))
         await wait_for(lambda: any(r.getMessage().startswith(waiting) for r in caplog.records),
                        10, what="waiting for keeper3")  # fmt: skip
-        record = schema.AckRecord(request_id=rid, agent_id="early3", capability="ledger3",
-                                  state="completed", at_ms=2,
-                                  result=msgspec.Raw(b'{"agent":"early3","n":7}'))  # fmt: skip
-        await publish_record(nc.jetstream(), SUBJECTS.ack("early3", rid),
-                             ack_msg_id("early3", rid, "completed"),
-                             schema.encoder.encode(record))  # fmt: skip
+        await completed_record(nc, "early3", rid, b'{"agent":"early3","n":7}')
         assert await asyncio.wait_for(call, 10) == {"agent": "early3", "n": 7}
         assert client.takers.get(rid) == "early3"
     assert runs == []
