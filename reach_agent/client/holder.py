@@ -63,6 +63,25 @@ FREE_REREAD_S = 0.1
 
 _UNKNOWN = schema.Claim(request_id="", agent_id="", instance="", capability="", state="running",
                         at_ms=0)  # fmt: skip
+"""What :func:`claim_at` says of a claim it cannot read now (running: keep waiting)."""
+
+
+async def claim_at(
+    store: ClaimStore, key: str, timeout_s: float | None = None
+) -> schema.Claim | None:
+    """The claim at ``key`` (None: none, or not a claim); :data:`_UNKNOWN` when the store
+    does not say within ``timeout_s`` (default: the store's)."""
+    try:
+        stored = await store.get(key, timeout_s)
+    except ClaimsUnavailable as exc:
+        log.debug("holder.claim_unreadable key=%s error=%s", key, exc)
+        return _UNKNOWN
+    if stored is None:
+        return None
+    try:
+        return schema.claim_decoder.decode(stored.data)
+    except msgspec.MsgspecError:
+        return None
 
 
 class HolderWatch:
@@ -147,17 +166,7 @@ class HolderWatch:
             self.call.stored(record)
 
     async def _read(self) -> schema.Claim | None:
-        try:
-            stored = await self.store.get(self._key)
-        except ClaimsUnavailable as exc:
-            log.debug("holder.claim_unreadable request_id=%s error=%s", self.call.request_id, exc)
-            return _UNKNOWN  # not readable now: keep waiting
-        if stored is None:
-            return None
-        try:
-            return schema.claim_decoder.decode(stored.data)
-        except msgspec.MsgspecError:
-            return None
+        return await claim_at(self.store, self._key)
 
     async def _poll(self) -> None:
         while not self._done:
@@ -239,8 +248,7 @@ class Holders:
         it later finds the claim of whoever ran it again first); None once ``within_s``
         passed. The claim is read now and every ``poll_s``; running or finished, waited on;
         unreadable, read again :data:`FREE_REREAD_S` (doubling up to ``poll_s`` while it
-        stays so) after a read given at most
-        :data:`FREE_READ_S` (nemesis seed 79: c3-000709's one read, made as the claims
+        stays so) after a read given at most :data:`FREE_READ_S` (nemesis seed 79: c3-000709's one read, made as the claims
         stream elected a leader, took its whole 2 s, and the next came too late to leave
         room for an attempt: TIMEOUT)."""
         free = self._free[request_id] = _FreeWatch()
@@ -251,14 +259,14 @@ class Holders:
         try:
             while not free.released:
                 free.wake.clear()
-                state = await self._state(key, FREE_READ_S)
-                if state == "released" or state is None:
-                    return state or "unclaimed"
+                claim = await claim_at(self.store, key, FREE_READ_S)
+                if claim is None or claim.state == "released":
+                    return "unclaimed" if claim is None else "released"
                 left = end - loop.time()
                 if left <= 0:
                     return None
                 pause = self.poll_s
-                if state == "?":
+                if claim is _UNKNOWN:
                     pause, reread = min(reread, self.poll_s), reread * 2
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(min(pause, left)):  # a cancel is never lost
@@ -267,20 +275,6 @@ class Holders:
         finally:
             if self._free.get(request_id) is free:
                 del self._free[request_id]
-
-    async def _state(self, key: str, timeout_s: float) -> str | None:
-        """The state of the claim at ``key``; None when there is none, "?" when it cannot be
-        read within ``timeout_s`` (the store not answering, or not a claim)."""
-        try:
-            stored = await self.store.get(key, timeout_s)
-        except ClaimsUnavailable:
-            return "?"
-        if stored is None:
-            return None
-        try:
-            return schema.claim_decoder.decode(stored.data).state
-        except msgspec.MsgspecError:
-            return "?"
 
 
 async def held(call: Call, holder: str, clock: Callable[[], float]) -> tuple[HeldEnd, Any]:
